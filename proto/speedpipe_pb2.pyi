@@ -1,0 +1,232 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LoadStageRequest(_message.Message):
+    __slots__ = ("model_dir", "stage_index", "num_stages", "layer_start", "layer_stop", "dtype", "device", "max_num_seqs", "max_model_len", "num_threads", "dist_rank", "dist_world_size", "dist_master_addr", "dist_master_port", "dist_backend", "stage_timeout_s", "exit_layer", "predictor")
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    DIST_RANK_FIELD_NUMBER: _ClassVar[int]
+    DIST_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIST_MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    DIST_MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    DIST_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    EXIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTOR_FIELD_NUMBER: _ClassVar[int]
+    model_dir: str
+    stage_index: int
+    num_stages: int
+    layer_start: int
+    layer_stop: int
+    dtype: str
+    device: str
+    max_num_seqs: int
+    max_model_len: int
+    num_threads: int
+    dist_rank: int
+    dist_world_size: int
+    dist_master_addr: str
+    dist_master_port: int
+    dist_backend: str
+    stage_timeout_s: float
+    exit_layer: int
+    predictor: str
+    def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., dist_backend: _Optional[str] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., predictor: _Optional[str] = ...) -> None: ...
+
+class LoadStageResponse(_message.Message):
+    __slots__ = ("weights_bytes", "num_parameters", "load_s", "tensor_names")
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NAMES_FIELD_NUMBER: _ClassVar[int]
+    weights_bytes: int
+    num_parameters: int
+    load_s: float
+    tensor_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, weights_bytes: _Optional[int] = ..., num_parameters: _Optional[int] = ..., load_s: _Optional[float] = ..., tensor_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_stop", "pid", "hostname", "device", "dtype", "loaded")
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    stage_index: int
+    num_stages: int
+    layer_start: int
+    layer_stop: int
+    pid: int
+    hostname: str
+    device: str
+    dtype: str
+    loaded: bool
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., loaded: _Optional[bool] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "message")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[HealthResponse.Status]
+        SERVING: _ClassVar[HealthResponse.Status]
+        NOT_LOADED: _ClassVar[HealthResponse.Status]
+        UNHEALTHY: _ClassVar[HealthResponse.Status]
+    STATUS_UNSPECIFIED: HealthResponse.Status
+    SERVING: HealthResponse.Status
+    NOT_LOADED: HealthResponse.Status
+    UNHEALTHY: HealthResponse.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    status: HealthResponse.Status
+    message: str
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("wall_ns", "busy_ns", "useful_ns", "wasted_ns", "items_processed", "tokens_processed", "messages_received", "rss_bytes", "weights_bytes", "kv_cache_bytes", "kv_slots_in_use")
+    WALL_NS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    USEFUL_NS_FIELD_NUMBER: _ClassVar[int]
+    WASTED_NS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    wall_ns: int
+    busy_ns: int
+    useful_ns: int
+    wasted_ns: int
+    items_processed: int
+    tokens_processed: int
+    messages_received: int
+    rss_bytes: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    kv_slots_in_use: int
+    def __init__(self, wall_ns: _Optional[int] = ..., busy_ns: _Optional[int] = ..., useful_ns: _Optional[int] = ..., wasted_ns: _Optional[int] = ..., items_processed: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., messages_received: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("reset_stats", "clear_kv_cache")
+    RESET_STATS_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    reset_stats: bool
+    clear_kv_cache: bool
+    def __init__(self, reset_stats: _Optional[bool] = ..., clear_kv_cache: _Optional[bool] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_token_ids: TokenIds
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("ttft_s", "e2e_s")
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    ttft_s: float
+    e2e_s: float
+    def __init__(self, ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing")
+    class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FINISH_REASON_UNSPECIFIED: _ClassVar[GenerateResponse.FinishReason]
+        LENGTH: _ClassVar[GenerateResponse.FinishReason]
+        STOP: _ClassVar[GenerateResponse.FinishReason]
+        EOS: _ClassVar[GenerateResponse.FinishReason]
+        ABORTED: _ClassVar[GenerateResponse.FinishReason]
+    FINISH_REASON_UNSPECIFIED: GenerateResponse.FinishReason
+    LENGTH: GenerateResponse.FinishReason
+    STOP: GenerateResponse.FinishReason
+    EOS: GenerateResponse.FinishReason
+    ABORTED: GenerateResponse.FinishReason
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: GenerateResponse.FinishReason
+    usage: Usage
+    timing: Timing
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
