@@ -1,0 +1,179 @@
+"""Command line: `speedpipe <command>` and its short form `launch`.
+
+Owns argument parsing, mapping errors to exit codes (2 for bad input, 1 for a pipeline failure,
+130 for Ctrl-C), logging set-up, and printing results. Must not hold pipeline logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from launcher.coordinator import PipelineError
+from launcher.local_backend import StageStartupError
+from launcher.session import PipelineOptions, PipelineSession, resolve
+from pipeline.models import DEFAULT_MODEL
+from pipeline.sampling import SamplingParams
+
+PROG = "speedpipe"
+
+
+class UsageError(ValueError):
+    """Bad user input detected by the CLI itself."""
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that starts a pipeline."""
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--stages", type=int, default=2, help="number of pipeline stages (worker processes); default 2")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
+    g.add_argument("--layer-split", help="layers per stage, e.g. 8,8,7,7 (default: balanced)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per stage; default cpu)")
+    g.add_argument("--max-model-len", type=int, default=2048, help="max prompt + generated tokens per sequence")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots: sequences decoded at once")
+    g.add_argument("--threads-per-stage", type=int, default=1, help="torch threads in each stage process")
+    g.add_argument("--stage-timeout-s", type=float, default=120.0,
+                   help="deadline for any data-plane wait; a stage silent this long is a failure")
+    g.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
+    g.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--seed", type=int, help="sampling seed (per prompt: seed + prompt index)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Pipeline-parallel LLM inference with speculative "
+                                     "pipelined execution (SPEED) and FIRP.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    launch = sub.add_parser("launch", help="run prompts through an N-stage pipeline and print the outputs",
+                            description="Spawn N stage workers on this machine, generate, print, stop everything.")
+    add_pipeline_args(launch)
+    add_sampling_args(launch)
+    g = launch.add_argument_group("prompts and output")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; run concurrently)")
+    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field per line")
+    g.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) as the last line")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
+    launch.set_defaults(func=cmd_launch)
+    return parser
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt and --prompts-file, in order. Raises UsageError."""
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise UsageError(f"--prompts-file {path} does not exist")
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl" or line.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UsageError(f"--prompts-file {path}:{n}: invalid JSON ({exc.msg})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise UsageError(f"--prompts-file {path}:{n}: expected an object with a string 'prompt'")
+                prompts.append(obj["prompt"])
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise UsageError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise UsageError(f"prompt {i} is empty")
+    return prompts
+
+
+def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
+    return PipelineOptions(
+        num_stages=args.stages, model=args.model, layer_split=args.layer_split, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
+        stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
+        progress=progress)
+
+
+def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=None if args.seed is None else args.seed + index, stop=tuple(args.stop),
+                          ignore_eos=args.ignore_eos)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from launcher.launch import run_launch  # keeps `speedpipe --help` fast
+
+    prompts = read_prompts(args)
+    params = [sampling_params(args, i) for i in range(len(prompts))]
+    options = pipeline_options(args, progress=not args.no_progress and not args.json)
+    model = resolve(options)
+    for i, p in enumerate(prompts):  # length limits before anything is spawned
+        n = len(model.tokenizer.encode(p))
+        if n + params[i].max_new_tokens > options.max_model_len:
+            raise UsageError(f"prompt {i} ({n} tokens) + --max-new-tokens ({params[i].max_new_tokens}) = "
+                             f"{n + params[i].max_new_tokens} exceeds --max-model-len {options.max_model_len}")
+    with PipelineSession(options, model) as session:
+        report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report, streamed=len(prompts) == 1)
+    return 0
+
+
+def print_report(report: dict, *, streamed: bool) -> None:
+    if not streamed:
+        for i, out in enumerate(report["outputs"]):
+            print(f"=== [{i}] {out['prompt']}")
+            print(out["text"])
+    stats = report["stats"]
+    busy = ", ".join(f"{s['stage']}: {s['busy_fraction']:.0%}" for s in stats["stages"])
+    print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
+          f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}", file=sys.stderr)
+
+
+def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctrl-C
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`speedpipe` entry point. Returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", "WARNING").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (PipelineError, StageStartupError) as exc:
+        print(f"{PROG} {args.command}: pipeline failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted; all stages stopped", file=sys.stderr)
+        return 130
+
+
+def launch_main() -> int:
+    """`launch` entry point: the short form of `speedpipe launch`."""
+    return main(["launch", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Pipeline session: validate a launch request, place the stages, start the coordinator, tear down.
+
+Owns the order of start-up (validate everything that can be validated *before* any process is
+spawned, so bad input leaves nothing behind), the local placement backend, and teardown on every
+exit path. Serving and benchmarking front ends reuse it.
+Must not: parse command lines (launcher/cli.py) or format output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
+from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses, StageProcessMonitor, free_port
+from pipeline.config import ModelConfig
+from pipeline.models import DEFAULT_MODEL, resolve_model
+from pipeline.partition import LayerRange, balanced_split, parse_layer_split, split_from_sizes
+from pipeline.tokenizer import Tokenizer
+from pipeline.weights import CheckpointReader, stage_tensor_names
+from workers.convert import DTYPE_CHOICES, StageLoadSpec
+
+log = logging.getLogger("speedpipe.launch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """Where and how to run the pipeline (everything except the requests)."""
+
+    num_stages: int = 2
+    model: str = DEFAULT_MODEL
+    layer_split: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    threads_per_stage: int = 1
+    stage_timeout_s: float = 120.0
+    log_level: str = "WARNING"
+    cache_dir: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but torch sees no CUDA device on this machine")
+        if self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.threads_per_stage < 1:
+            raise ValueError(f"--threads-per-stage must be >= 1, got {self.threads_per_stage}")
+        if self.stage_timeout_s <= 0:
+            raise ValueError(f"--stage-timeout-s must be > 0, got {self.stage_timeout_s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedModel:
+    """A validated model: folder, architecture, tokenizer and the per-stage layer ranges."""
+
+    model_dir: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    ranges: list[LayerRange]
+
+
+def resolve(options: PipelineOptions) -> ResolvedModel:
+    """Resolve and validate the model and split. Raises ValueError / FileNotFoundError (user errors)."""
+    model_dir = resolve_model(options.model, cache_dir=options.cache_dir, progress=options.progress)
+    config = ModelConfig.from_model_dir(model_dir)
+    if options.layer_split:
+        ranges = split_from_sizes(parse_layer_split(options.layer_split), config.num_hidden_layers)
+        if len(ranges) != options.num_stages:
+            raise ValueError(f"--layer-split {options.layer_split} has {len(ranges)} stages, but --stages is "
+                             f"{options.num_stages}")
+    else:
+        ranges = balanced_split(config.num_hidden_layers, options.num_stages)
+    reader = CheckpointReader(model_dir)
+    for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
+        reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
+    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges)
+
+
+class PipelineSession:
+    """Context manager: spawn the stage workers, load them, start the coordinator; stop all on exit.
+
+    Raises PipelineError if a stage fails to start or load (naming the stage).
+    """
+
+    def __init__(self, options: PipelineOptions, model: ResolvedModel) -> None:
+        self.options = options
+        self.model = model
+        self.processes: LocalStageProcesses | None = None
+        self.coordinator: Coordinator | None = None
+        self.monitor: StageProcessMonitor | None = None
+        self.load_responses = []
+
+    def __enter__(self) -> PipelineSession:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        opt, m = self.options, self.model
+        for i, r in enumerate(m.ranges):
+            log.info("[Stage %d] layers %s (%d layers)%s%s", i, r, len(r), " + embedding" if i == 0 else "",
+                     " + final norm and LM head" if i == len(m.ranges) - 1 else "")
+        self.processes = LocalStageProcesses(LocalLaunchConfig(
+            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage))
+        addresses = self.processes.start()
+        port = free_port("127.0.0.1")
+        self.coordinator = Coordinator(CoordinatorConfig(
+            num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
+            stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
+            device=opt.device), m.tokenizer, addresses)
+        self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
+        self.monitor.start()
+        specs = [StageLoadSpec(
+            model_dir=str(m.model_dir), stage_index=i, num_stages=opt.num_stages, layer_range=r, dtype=opt.dtype,
+            device=opt.device, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
+            num_threads=opt.threads_per_stage, dist_master_addr="127.0.0.1", dist_master_port=port,
+            stage_timeout_s=opt.stage_timeout_s) for i, r in enumerate(m.ranges)]
+        self.load_responses = self.coordinator.start(specs)
+
+    def _on_stage_death(self, stage_index: int, returncode: int) -> None:
+        pid = self.processes.pids[stage_index] if self.processes else "?"
+        error = PipelineError(f"stage {stage_index} (pid {pid}) exited unexpectedly with code {returncode}")
+        if self.coordinator is not None:
+            self.coordinator.fail(error)
+
+    def close(self) -> None:
+        """Stop the coordinator and every stage process; idempotent."""
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.coordinator is not None:
+            try:
+                self.coordinator.shutdown()
+            except Exception as exc:  # noqa: BLE001 - teardown must go on
+                log.warning("coordinator shutdown: %s", exc)
+            self.coordinator = None
+        if self.processes is not None:
+            self.processes.stop()
+            self.processes = None

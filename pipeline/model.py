@@ -1,0 +1,276 @@
+"""The Llama-family decoder, cut into stages.
+
+Owns the torch modules (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, decoder layer) and
+`StageModel`, the part of the model one pipeline stage runs: the layers of one `LayerRange`, plus
+the token embedding on the first stage and the final norm + LM head on the last.
+Must not: read files (pipeline/weights.py does), talk to other processes, or pick KV slots.
+
+Tokens of several items (sequences) are packed along one axis ("varlen" layout, as in vLLM):
+    x: [num_tokens] token ids (first stage) or [num_tokens, hidden_size] hidden states (others)
+    spans: one `Span(slot, start, num_tokens)` per item, in the same order as the packed rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.config import ModelConfig, RopeScaling
+from pipeline.kv_cache import KVCache
+from pipeline.partition import LayerRange
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Where one item's rows sit: KV `slot`, first position `start`, `num_tokens` rows."""
+
+    slot: int
+    start: int
+    num_tokens: int
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 (as Hugging Face Llama does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, dim]
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim // 2] (float32), with linear or Llama-3 scaling.
+
+    Source: RoFormer (arXiv 2104.09864) §3.4; Llama 3.1 scaling as in Meta's reference code.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None or scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [num_tokens, head_dim] for integer `positions` [num_tokens] (computed in float32)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: [num_tokens, num_heads, head_dim] by cos/sin: [num_tokens, head_dim] (half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the packed rows plus each item's cached keys/values."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.num_attention_heads, config.head_dim
+        kv = config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
+                kv: KVCache, layer: int) -> torch.Tensor:
+        # x: [num_tokens, hidden]; cos/sin: [num_tokens, head_dim]
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        row = 0
+        for span in spans:
+            rows = slice(row, row + span.num_tokens)
+            end = span.start + span.num_tokens
+            kv.write(layer, span.slot, span.start, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
+            keys, values = kv.view(layer, span.slot, end)  # [kv_heads, end, head_dim]
+            out[rows] = _attend(q[rows], keys, values, span.start)
+            row += span.num_tokens
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of q: [n, heads, d] at positions start.. over keys/values: [kv_heads, start+n, d].
+
+    Query i may attend to keys 0 .. start+i. Returns [n, heads, d].
+    """
+    n = q.shape[0]
+    mask = None
+    if n > 1:
+        key_pos = torch.arange(keys.shape[1], device=q.device)
+        query_pos = torch.arange(start, start + n, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [n, start+n]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
+    )  # [1, heads, n, d]
+    return out[0].transpose(0, 1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, spans, kv, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, kv, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StageModel(nn.Module):
+    """The modules of one pipeline stage: layers `layer_range`, embedding if first, norm + head if last.
+
+    Parameter names equal the Hugging Face checkpoint names without the leading "model."
+    (`layers.12.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`),
+    with absolute layer indices, so a stage's state dict is loaded straight from the checkpoint.
+    Build it on the meta device and `load_state_dict(..., assign=True)` to avoid a second copy.
+    """
+
+    def __init__(self, config: ModelConfig, layer_range: LayerRange, *, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        if layer_range.stop > config.num_hidden_layers:
+            raise ValueError(f"layer range {layer_range} exceeds the model's {config.num_hidden_layers} layers")
+        self.config = config
+        self.layer_range = layer_range
+        self.is_first, self.is_last = is_first, is_last
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if is_first else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in layer_range})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
+        )
+
+    def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int) -> KVCache:
+        """A KV cache sized for this stage's layers, in the model's dtype and device."""
+        weight = next(iter(self.parameters()))
+        return KVCache(num_layers=len(self.layer_range), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
+                       dtype=weight.dtype, device=weight.device)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage on packed rows.
+
+        x: [num_tokens] int64 token ids if first stage, else [num_tokens, hidden_size].
+        spans: per item, in row order; sum of num_tokens == num_tokens.
+        logit_rows: [num_rows] row indices whose logits the last stage returns (default: each
+            item's last row).
+        Returns hidden [num_tokens, hidden_size] (not last), or logits [num_rows, vocab_size]
+        float32 (last). Writes K/V of every row into `kv` and sets each slot's length to the end of
+        its span. Raises ValueError if a span does not fit its KV slot.
+        """
+        for span in spans:
+            kv.check_write(span.slot, span.start, span.num_tokens)
+        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans]).to(x.device)
+        h = self.embed_tokens(x) if self.is_first else x
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        for local, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, spans, kv, local)
+        for span in spans:
+            kv.set_length(span.slot, span.start + span.num_tokens)
+        if not self.is_last:
+            return h
+        if logit_rows is None:
+            logit_rows = torch.tensor(list(_last_rows(spans)), device=h.device)
+        return self.lm_head(self.norm(h[logit_rows])).float()
+
+
+def _last_rows(spans: Sequence[Span]):
+    row = 0
+    for span in spans:
+        row += span.num_tokens
+        yield row - 1
+
+
+def checkpoint_name(param_name: str, config: ModelConfig) -> str:
+    """Checkpoint tensor name for a StageModel parameter (tied heads read the embedding)."""
+    if param_name == "lm_head.weight":
+        return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return "model." + param_name
+
+
+def random_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
+    """A full random checkpoint with Hugging Face names (for tests and tiny models)."""
+    full = StageModel(config, LayerRange(0, config.num_hidden_layers), is_first=True, is_last=True)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, param in full.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            t = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
+        else:
+            t = std * torch.randn(param.shape, generator=gen)
+        out[checkpoint_name(name, config)] = t
+    return out
+
+
+def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first: bool, is_last: bool,
+                      tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> StageModel:
+    """Build a StageModel on the meta device and assign its weights from `tensors` (checkpoint names).
+
+    Raises ValueError naming the first missing or mis-shaped checkpoint tensor.
+    """
+    with torch.device("meta"):
+        model = StageModel(config, layer_range, is_first=is_first, is_last=is_last)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        ckpt = checkpoint_name(name, config)
+        if ckpt not in tensors:
+            raise ValueError(f"checkpoint has no tensor {ckpt!r} (needed by stage layers {layer_range})")
+        t = tensors[ckpt]
+        if tuple(t.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint tensor {ckpt!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
+        state[name] = t.to(device=device, dtype=dtype)
+    model.load_state_dict(state, assign=True, strict=True)
+    model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    return model.eval()

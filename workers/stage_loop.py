@@ -1,0 +1,68 @@
+"""The data-plane loop of one stage worker: receive, run, forward, in order.
+
+Owns the order in which a stage handles messages from its upstream neighbour: every FORWARD
+message yields exactly one message downstream (possibly with no items, if all were stale), so the
+coordinator's in-flight accounting is a plain count; control messages are applied and passed on
+in order with the work (see [Note: in-band squash] in pipeline/stage_executor.py).
+Must not: decide what runs (the coordinator does) or talk gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from pipeline.stage_executor import StageExecutor
+from pipeline.wire import Message, MessageKind
+from workers.channel import Channel
+
+log = logging.getLogger(__name__)
+
+
+class StageLoop:
+    """Runs until a SHUTDOWN message passes through, or a channel error (re-raised)."""
+
+    def __init__(self, *, executor: StageExecutor, channel: Channel, stage_index: int, num_stages: int) -> None:
+        self.executor = executor
+        self.channel = channel
+        self.stage_index = stage_index
+        self.is_last = stage_index == num_stages - 1
+        self.prev_rank = stage_index  # stage i is rank i + 1; stage 0's upstream is the coordinator (0)
+        self.next_rank = 0 if self.is_last else stage_index + 2
+        self.messages_received = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        """Handle messages until SHUTDOWN. Raises ChannelError / ValueError on failure."""
+        try:
+            while True:
+                msg = self.channel.recv(self.prev_rank)
+                self.messages_received += 1
+                if msg.kind == MessageKind.FORWARD:
+                    self.channel.send(self._forward(msg), self.next_rank)
+                    continue
+                if msg.kind == MessageKind.RELEASE:
+                    self.executor.release(list(msg.meta.get("seq_ids", [])), list(msg.meta.get("slots", [])))
+                elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
+                    raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
+                self.channel.send(msg, self.next_rank)
+                if msg.kind == MessageKind.SHUTDOWN:
+                    log.info("[Stage %d] data plane shut down", self.stage_index)
+                    return
+        finally:
+            self.stopped.set()
+
+    def _forward(self, msg: Message) -> Message:
+        x = msg.tensors.get("x")
+        if x is None:
+            raise ValueError(f"[Stage {self.stage_index}] FORWARD message without tensor 'x'")
+        out = self.executor.run(msg.items, x)
+        if not self.is_last:
+            hidden = out.hidden if out.hidden is not None else torch.empty(0)
+            return Message(MessageKind.FORWARD, out.items, {"x": hidden}, msg.meta)
+        tensors = {"token_ids": out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)}
+        if out.logits is not None:
+            tensors["logits"] = out.logits
+        return Message(MessageKind.RESULT, out.items, tensors, msg.meta)
