@@ -1,0 +1,101 @@
+"""Shared pytest fixtures. Owns test hygiene that applies to every test, nothing model-specific.
+
+`no_leftover_child_processes` (autouse): a test that leaves a child process behind (running or an
+unreaped zombie) is a leak of the kind ARCHITECTURE.md §9 forbids; the fixture kills it and fails the
+test, naming pids and command lines. Long-lived helpers that the standard library or torch start on
+purpose (multiprocessing's resource tracker and forkserver, inductor compile workers) are allowed; a
+test that knowingly keeps a process for later tests can use `@pytest.mark.allow_leftover_children`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import psutil
+import pytest
+
+# Substrings of command lines of session-long helper processes that are not leaks.
+ALLOWED_CHILD_CMDLINE_MARKERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "multiprocessing.semaphore_tracker",
+    "torch._inductor.compile_worker",
+)
+LEFTOVER_KILL_TIMEOUT_S = 3.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "allow_leftover_children: do not fail the test for child processes it leaves running"
+    )
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()) or f"[{proc.name()}]"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "[zombie or gone]"
+
+
+def _status(proc: psutil.Process) -> str:
+    try:
+        return proc.status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+
+
+def snapshot_children() -> set[tuple[int, float]]:
+    """(pid, create_time) of every descendant of this process; create_time guards against pid reuse."""
+    snapshot = set()
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            snapshot.add((proc.pid, proc.create_time()))
+    return snapshot
+
+
+def find_leftover_children(before: set[tuple[int, float]]) -> list[psutil.Process]:
+    """Descendants of this process that are not in `before` and not allowed helpers."""
+    leftovers = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            key = (proc.pid, proc.create_time())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if key in before:
+            continue
+        if any(marker in _cmdline(proc) for marker in ALLOWED_CHILD_CMDLINE_MARKERS):
+            continue
+        leftovers.append(proc)
+    return leftovers
+
+
+def kill_and_reap(procs: list[psutil.Process]) -> list[str]:
+    """SIGKILL `procs`, reap those that are our children; returns one description line per process."""
+    descriptions = [f"pid {proc.pid} ({_status(proc)}): {_cmdline(proc)}" for proc in procs]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            proc.kill()
+    my_pid = os.getpid()
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.TimeoutExpired):
+            if proc.ppid() == my_pid:
+                proc.wait(timeout=LEFTOVER_KILL_TIMEOUT_S)  # reaps our own child, zombie included
+    return descriptions
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_child_processes(request: pytest.FixtureRequest):
+    """Fail (after killing them) if the test leaves new child processes behind."""
+    before = snapshot_children()
+    yield
+    if request.node.get_closest_marker("allow_leftover_children") is not None:
+        return
+    leftovers = find_leftover_children(before)
+    if leftovers:
+        descriptions = kill_and_reap(leftovers)
+        pytest.fail(
+            f"test left {len(leftovers)} child process(es) behind (now killed):\n  "
+            + "\n  ".join(descriptions),
+            pytrace=False,
+        )

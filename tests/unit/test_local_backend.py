@@ -1,0 +1,322 @@
+"""Tests for launcher.local_backend against tests/fake_stage_worker.py (real processes, no model, < 5 s each)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launcher.local_backend import (
+    LocalLaunchConfig,
+    LocalStageProcesses,
+    StageProcessMonitor,
+    StageStartupError,
+    free_port,
+)
+from tests.conftest import find_leftover_children, kill_and_reap, snapshot_children
+
+pytestmark = pytest.mark.timeout(30)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FAKE_ENV = {"PYTHONPATH": str(REPO_ROOT), "FAKE_WORKER_TAG": "tag-42"}
+
+
+def fake_config(num_stages: int, *fake_flags: str, **overrides) -> LocalLaunchConfig:
+    kwargs = {
+        "num_stages": num_stages,
+        "worker_module": "tests.fake_stage_worker",
+        "env": FAKE_ENV,
+        "extra_args": tuple(fake_flags),
+        "startup_timeout_s": 10.0,
+    }
+    kwargs.update(overrides)
+    return LocalLaunchConfig(**kwargs)
+
+
+def process_gone(pid: int, *, zombie_counts_as_gone: bool = False) -> bool:
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return True
+    return zombie_counts_as_gone and status == psutil.STATUS_ZOMBIE
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()
+
+
+# -- config ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"num_stages": 0}, "num_stages must be an integer >= 1, got 0"),
+        ({"num_stages": True}, "num_stages"),
+        ({"startup_timeout_s": 0.0}, "startup_timeout_s must be > 0, got 0.0"),
+        ({"threads_per_stage": 0}, "threads_per_stage must be None or an integer >= 1, got 0"),
+        ({"log_level": "LOUD"}, "got 'LOUD'"),
+        ({"host": ""}, "host"),
+        ({"env": {"A=B": "1"}}, "env"),
+        ({"extra_args": "--flag"}, "extra_args"),
+    ],
+)
+def test_config_rejects_bad_values_naming_value_and_limit(overrides, fragment):
+    kwargs = {"num_stages": 2, **overrides}
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        LocalLaunchConfig(**kwargs)
+
+
+def test_config_command_and_env_follow_worker_contract():
+    config = LocalLaunchConfig(num_stages=2, log_level="INFO", threads_per_stage=3, env={"X_TAG": "v"})
+    assert config.command(1)[1:] == [
+        "-m", "workers.stage_worker", "--stage-index", "1", "--host", "127.0.0.1", "--port", "0",
+        "--log-level", "INFO",
+    ]
+    env = config.child_env()
+    assert (env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"], env["X_TAG"]) == ("3", "3", "v")
+
+
+def test_free_port_returns_a_bindable_port():
+    port = free_port("127.0.0.1")
+    assert 0 < port < 65536
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+# -- start / stop ---------------------------------------------------------------------------------
+def test_three_workers_give_addresses_in_stage_order_and_stop_leaves_no_process():
+    log = io.StringIO()
+    procs = LocalStageProcesses(fake_config(3, threads_per_stage=2), log_stream=log)
+    with procs:
+        addresses = procs.start()
+        pids = procs.pids
+        assert len(addresses) == 3 and len(set(addresses)) == 3
+        assert all(re.fullmatch(r"127\.0\.0\.1:\d+", address) for address in addresses)
+        assert all(psutil.Process(pid).is_running() for pid in pids)
+        assert procs.dead_stages() == []
+    assert all(process_gone(pid) for pid in pids)
+    assert procs.dead_stages() == [(0, 0), (1, 0), (2, 0)]  # each exited by itself on stdin EOF
+    output = log.getvalue()
+    for stage_index, address in enumerate(addresses):
+        port = address.rsplit(":", 1)[1]
+        assert (f"[Stage {stage_index}] fake worker stage {stage_index}: listening on port {port} "
+                "log_level=WARNING OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 FAKE_WORKER_TAG=tag-42") in output
+        assert f"[Stage {stage_index}] fake worker stage {stage_index}: stdin closed, exiting" in output
+    assert "SPEEDPIPE_STAGE_READY" not in output
+
+
+def test_stop_is_idempotent_and_start_after_stop_is_refused():
+    procs = LocalStageProcesses(fake_config(1))
+    procs.start()
+    procs.stop()
+    procs.stop()
+    with pytest.raises(RuntimeError, match="only once"):
+        procs.start()
+
+
+def test_context_manager_stops_workers_when_body_raises():
+    with pytest.raises(KeyError), LocalStageProcesses(fake_config(2)) as procs:
+        procs.start()
+        pids = procs.pids
+        raise KeyError("boom")
+    assert all(process_gone(pid) for pid in pids)
+
+
+def test_startup_failure_names_stage_exit_code_and_stderr_and_stops_the_others():
+    procs = LocalStageProcesses(fake_config(3, "--die-before-ready", "1", "--exit-code", "3"),
+                                log_stream=io.StringIO())
+    started = time.monotonic()
+    with pytest.raises(StageStartupError) as info:
+        procs.start()
+    assert time.monotonic() - started < 4.0
+    message = str(info.value)
+    assert "stage 1 exited during startup with exit code 3" in message
+    assert "fake worker stage 1: simulated startup failure" in message
+    assert (info.value.stage_index, info.value.returncode) == (1, 3)
+    assert len(procs.pids) == 3
+    assert all(process_gone(pid) for pid in procs.pids)
+
+
+def test_stage_dying_after_its_ready_line_while_others_start_fails_startup():
+    config = fake_config(2, "--die-after", "0", "--die-after-s", "0.05", "--exit-code", "5",
+                         "--delay-ready", "1", "--delay-ready-s", "0.8")
+    procs = LocalStageProcesses(config, log_stream=io.StringIO())
+    with pytest.raises(StageStartupError, match="stage 0 exited during startup with exit code 5"):
+        procs.start()
+    assert all(process_gone(pid) for pid in procs.pids)
+
+
+def test_startup_timeout_raises_within_the_deadline_and_stops_all():
+    procs = LocalStageProcesses(fake_config(3, "--never-ready", "2", startup_timeout_s=1.0),
+                                log_stream=io.StringIO())
+    started = time.monotonic()
+    with pytest.raises(StageStartupError, match=r"stage 2 did not report ready within 1 s") as info:
+        procs.start()
+    elapsed_s = time.monotonic() - started
+    assert 1.0 <= elapsed_s < 3.0
+    assert info.value.stage_index == 2 and info.value.returncode is None
+    assert "fake worker stage 2: listening on port" in str(info.value)
+    assert all(process_gone(pid) for pid in procs.pids)
+
+
+def test_stop_escalates_to_sigterm_then_sigkill():
+    # stage 0 ignores stdin EOF (needs SIGTERM); stage 1 also ignores SIGTERM (needs SIGKILL).
+    procs = LocalStageProcesses(
+        fake_config(2, "--ignore-stdin-eof", "all", "--ignore-sigterm", "1"), log_stream=io.StringIO()
+    )
+    procs.start()
+    started = time.monotonic()
+    procs.stop(grace_s=0.3, term_grace_s=0.3)
+    assert time.monotonic() - started < 3.0
+    assert procs.dead_stages() == [(0, -signal.SIGTERM), (1, -signal.SIGKILL)]
+    assert all(process_gone(pid) for pid in procs.pids)
+
+
+def test_stop_reentered_from_signal_handler_kills_immediately():
+    procs = LocalStageProcesses(
+        fake_config(1, "--ignore-stdin-eof", "all", "--ignore-sigterm", "all"), log_stream=io.StringIO()
+    )
+    procs.start()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: procs.stop())
+    timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        started = time.monotonic()
+        procs.stop(grace_s=10.0, term_grace_s=10.0)  # the "second Ctrl-C" cuts this short
+        assert time.monotonic() - started < 3.0
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert procs.dead_stages() == [(0, -signal.SIGKILL)]
+
+
+# -- monitor --------------------------------------------------------------------------------------
+def test_monitor_reports_the_stage_that_died_with_its_exit_code():
+    deaths: list[tuple[int, int]] = []
+    fired = threading.Event()
+
+    def on_death(stage_index: int, returncode: int) -> None:
+        deaths.append((stage_index, returncode))
+        fired.set()
+
+    config = fake_config(3, "--die-after", "2", "--die-after-s", "0.3", "--exit-code", "7")
+    with LocalStageProcesses(config, log_stream=io.StringIO()) as procs:
+        procs.start()
+        with StageProcessMonitor(procs, on_death):
+            assert fired.wait(4.0), "monitor did not report the dead stage"
+        assert procs.dead_stages() == [(2, 7)]
+    assert deaths == [(2, 7)]
+
+
+def test_monitor_is_silent_on_intentional_stop_and_ends_by_itself():
+    deaths: list[tuple[int, int]] = []
+    procs = LocalStageProcesses(fake_config(2), log_stream=io.StringIO())
+    procs.start()
+    monitor = StageProcessMonitor(procs, lambda i, rc: deaths.append((i, rc))).start()
+    procs.stop()
+    assert wait_until(lambda: not monitor.running, 2.0), "monitor thread kept running after stop()"
+    monitor.stop()
+    assert deaths == [] and not monitor.fired.is_set()
+
+
+def test_monitor_stop_returns_promptly_while_all_stages_live():
+    with LocalStageProcesses(fake_config(2), log_stream=io.StringIO()) as procs:
+        procs.start()
+        monitor = StageProcessMonitor(procs, lambda i, rc: None).start()
+        started = time.monotonic()
+        monitor.stop()
+        assert time.monotonic() - started < 1.0
+        assert not monitor.running and not monitor.fired.is_set()
+
+
+def test_monitor_callback_may_stop_all_stages():
+    config = fake_config(3, "--die-after", "0", "--die-after-s", "0.2", "--exit-code", "9")
+    procs = LocalStageProcesses(config, log_stream=io.StringIO())
+    procs.start()
+    deaths: list[tuple[int, int]] = []
+
+    def on_death(stage_index: int, returncode: int) -> None:
+        deaths.append((stage_index, returncode))
+        procs.stop(grace_s=1.0)
+
+    monitor = StageProcessMonitor(procs, on_death).start()
+    assert wait_until(lambda: not monitor.running, 4.0)
+    monitor.stop()
+    assert deaths == [(0, 9)]
+    assert all(process_gone(pid) for pid in procs.pids)
+
+
+# -- parent death ---------------------------------------------------------------------------------
+LAUNCHER_THAT_DIES = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses
+    config = LocalLaunchConfig(num_stages=2, worker_module="tests.fake_stage_worker",
+                               extra_args=tuple(sys.argv[1:]), startup_timeout_s=10.0)
+    procs = LocalStageProcesses(config)
+    procs.start()
+    print(json.dumps(procs.pids), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "fake_flags",
+    [pytest.param((), id="stdin-eof-or-pdeathsig"),
+     pytest.param(("--ignore-stdin-eof", "all"), id="pdeathsig-only")],
+)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_workers_die_within_5s_when_launcher_is_sigkilled(fake_flags):
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_THAT_DIES, *fake_flags],
+        cwd=REPO_ROOT, env={**os.environ, **FAKE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    try:
+        worker_pids = json.loads(launcher.stdout.readline())
+        assert launcher.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+    assert len(worker_pids) == 2
+    # The orphans are reparented away from us (so the conftest leak check cannot see them); whoever
+    # adopts them may reap them late, hence a zombie counts as gone.
+    all_gone = wait_until(lambda: all(process_gone(p, zombie_counts_as_gone=True) for p in worker_pids), 5.0)
+    if not all_gone:
+        for pid in worker_pids:  # do not leave the orphans running after a failure
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker = psutil.Process(pid)
+                if "tests.fake_stage_worker" in " ".join(worker.cmdline()):
+                    worker.kill()
+    assert all_gone, f"stage workers {worker_pids} outlived their SIGKILLed launcher"
+
+
+# -- conftest leak check ----------------------------------------------------------------------------
+def test_leftover_child_check_finds_kills_and_reaps_a_leaked_process():
+    before = snapshot_children()
+    leaked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    leftovers = find_leftover_children(before)
+    assert [proc.pid for proc in leftovers] == [leaked.pid]
+    descriptions = kill_and_reap(leftovers)
+    assert f"pid {leaked.pid}" in descriptions[0] and "time.sleep(30)" in descriptions[0]
+    assert process_gone(leaked.pid)
+    assert find_leftover_children(before) == []
+    leaked.wait(timeout=1.0)  # already reaped by kill_and_reap: returns at once
