@@ -1,0 +1,159 @@
+"""Tokenizer: text <-> token ids for a Hugging Face-format model folder, and streaming detokenization.
+
+Owns `Tokenizer` (a thin wrapper over `tokenizers.Tokenizer` loaded from `tokenizer.json`, with
+the special-token facts from `tokenizer_config.json`, `config.json` and `generation_config.json`)
+and `IncrementalDetokenizer`, which turns committed token ids into text deltas for streaming.
+Must not: import transformers, render chat templates (it only exposes the template string), or
+check stop strings (the coordinator does that on the streamed text).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, or {} when the file does not exist."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _as_ids(value: Any) -> list[int]:
+    """An `eos_token_id` value (int, list of ints or None) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja, else tokenizer_config's (str or named list)."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default")
+    return template
+
+
+class Tokenizer:
+    """Text <-> token ids of one model folder.
+
+    Attributes: `vocab_size` (ids the tokenizer knows, added tokens included; the model's
+    embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json,
+    then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`,
+    `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in model folder {self.model_dir}")
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        tok_config = _read_json(self.model_dir / "tokenizer_config.json")
+        model_config = _read_json(self.model_dir / "config.json")
+        gen_config = _read_json(self.model_dir / "generation_config.json")
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        self.add_bos_token: bool = bool(tok_config.get("add_bos_token", False))
+        self.chat_template: str | None = _chat_template(self.model_dir, tok_config)
+        self.bos_token_id: int | None = self._first_id(
+            gen_config.get("bos_token_id"), model_config.get("bos_token_id"), tok_config.get("bos_token"))
+        eos = _as_ids(gen_config.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))
+        if not eos and self.token_id(_token_text(tok_config.get("eos_token")) or "") is not None:
+            eos = [self.token_id(_token_text(tok_config["eos_token"]))]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        if self.add_bos_token and self.bos_token_id is None:
+            raise ValueError(f"{self.model_dir}: add_bos_token is set but no BOS token is defined")
+
+    def _first_id(self, *candidates: Any) -> int | None:
+        """The first candidate that is an id, or a token string this vocabulary knows."""
+        for c in candidates:
+            if isinstance(c, int):
+                return c
+            text = _token_text(c)
+            if text and self.token_id(text) is not None:
+                return self.token_id(text)
+        return None
+
+    def token_id(self, token: str) -> int | None:
+        """Id of a vocabulary entry spelled exactly `token` (e.g. "<|im_end|>"), or None."""
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`: [num_tokens]. Special-token text such as "<|im_start|>" maps to its id;
+        BOS is prepended only when the model's tokenizer_config says add_bos_token."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if self.add_bos_token else ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids` ([num_tokens]); special tokens dropped unless `skip_special_tokens=False`."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, *, prompt_ids: Sequence[int] = (),
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh `IncrementalDetokenizer` for one sequence's generated tokens."""
+        return IncrementalDetokenizer(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+
+
+# Prompt tokens kept as left context for the first generated tokens (vLLM uses 5 as well): enough
+# for a tokenizer whose decoding of a token depends on its neighbour (e.g. SentencePiece spaces).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of token ids into text deltas whose concatenation is the full decode.
+
+    Decodes a short window ending at the new id and emits what it adds beyond the window's
+    previous text; while the new text ends in U+FFFD (an incomplete multi-byte UTF-8 sequence
+    split across tokens) it emits nothing and waits for more ids. The offsets scheme is the one
+    of text-generation-inference / vLLM (`prefix_offset`, `read_offset`). Call `flush` at the end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT_TOKENS, 0)
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, start: int, stop: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        """Append one generated id; return the new text it completes ("" while a character is partial)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta
+
+    def add_many(self, token_ids: Iterable[int]) -> str:
+        """`add` each id in turn; return the concatenated deltas."""
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """At the end of the sequence: return pending text, including U+FFFD for bytes that never
+        completed a character, so that all deltas joined equal the full decode."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset)
+        delta = new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,188 @@
+"""Checkpoint tensors: which Hugging Face tensor names a stage needs, and reading exactly those.
+
+Owns the Llama-family tensor naming (`model.layers.{i}.self_attn.q_proj.weight`, ...), the choice of
+names per stage (`stage_tensor_names`), and `CheckpointReader`, a lazy reader of a Hugging Face
+model folder: one `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+Must not: build modules, materialise the whole model, or know about GGUF (see `gguf_import`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import safetensors
+import torch
+from safetensors import safe_open
+
+from pipeline.config import ModelConfig
+from pipeline.partition import LayerRange
+
+EMBED_TOKENS = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+_BYTES_PER_ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                      "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
+    """Checkpoint names of decoder layer `layer` (norms, q/k/v/o, q/k/v biases when
+    `config.attention_bias`, gate/up/down). Raises ValueError when the layer does not exist."""
+    if not 0 <= layer < config.num_hidden_layers:
+        raise ValueError(f"layer {layer} is outside the model's {config.num_hidden_layers} layers")
+    p = f"model.layers.{layer}"
+    names = [f"{p}.input_layernorm.weight"]
+    names += [f"{p}.self_attn.{proj}.weight" for proj in _ATTN_PROJ]
+    if config.attention_bias:
+        names += [f"{p}.self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+    names.append(f"{p}.post_attention_layernorm.weight")
+    names += [f"{p}.mlp.{proj}.weight" for proj in _MLP_PROJ]
+    return names
+
+
+def head_tensor_name(config: ModelConfig) -> str:
+    """The LM head's checkpoint name: the embedding itself when `tie_word_embeddings`."""
+    return EMBED_TOKENS if config.tie_word_embeddings else LM_HEAD
+
+
+def stage_tensor_names(config: ModelConfig, layer_range: LayerRange, *, is_first: bool,
+                       is_last: bool) -> list[str]:
+    """Exactly the checkpoint tensors one stage needs, each once, in checkpoint order.
+
+    First stage: the token embedding; every stage: its layers; last stage: the final norm and the
+    head (`model.embed_tokens.weight` when tied, else `lm_head.weight`).
+    Raises ValueError when `layer_range` reaches past the model's layers.
+    """
+    if layer_range.stop > config.num_hidden_layers:
+        raise ValueError(f"layer range {layer_range} is outside the model's {config.num_hidden_layers} layers")
+    names = [EMBED_TOKENS] if is_first else []
+    for layer in layer_range:
+        names += layer_tensor_names(config, layer)
+    if is_last:
+        names.append(FINAL_NORM)
+        if head_tensor_name(config) not in names:
+            names.append(head_tensor_name(config))
+    return names
+
+
+def all_tensor_names(config: ModelConfig) -> list[str]:
+    """Every tensor of a complete checkpoint of this config (a single stage holding all layers)."""
+    return stage_tensor_names(config, LayerRange(0, config.num_hidden_layers), is_first=True, is_last=True)
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path) -> Iterator[safetensors.safe_open]:
+    """`safe_open(path)` with a clear ValueError for a truncated or corrupt file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"safetensors file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except safetensors.SafetensorError as err:
+        raise ValueError(f"corrupt or truncated safetensors file {path}: {err}") from None
+
+
+def _index_weight_map(model_dir: Path) -> dict[str, Path]:
+    """name -> shard path from `model.safetensors.index.json`; checks every shard exists."""
+    index_path = model_dir / INDEX_FILE
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"malformed safetensors index {index_path}: {err!r}") from None
+    resolved = {name: model_dir / file for name, file in weight_map.items()}
+    for shard in sorted(set(resolved.values())):
+        if not shard.is_file():
+            raise FileNotFoundError(f"shard {shard} listed in {index_path} does not exist")
+    return resolved
+
+
+def _header_weight_map(files: list[Path]) -> dict[str, Path]:
+    """name -> file from the headers of unindexed safetensors files (headers only, no data)."""
+    weight_map: dict[str, Path] = {}
+    for path in files:
+        with _open_safetensors(path) as f:
+            for name in f.keys():
+                if name in weight_map:
+                    raise ValueError(f"tensor {name!r} is in both {weight_map[name]} and {path}")
+                weight_map[name] = path
+    return weight_map
+
+
+class CheckpointReader:
+    """Lazy reader of a Hugging Face model folder's safetensors weights.
+
+    Construction reads `config.json` and the index (or the single file's header), never tensor
+    data. `read` opens only the files that hold the requested names and copies only those tensors,
+    so a stage never materialises the whole model. `read_names` records every name read so far.
+    Raises FileNotFoundError (folder without config.json or without safetensors files, missing
+    shard) and ValueError (corrupt/truncated file, malformed index) naming the path.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = ModelConfig.from_model_dir(self.model_dir)
+        self.read_names: set[str] = set()
+        if (self.model_dir / INDEX_FILE).is_file():
+            self._weight_map = _index_weight_map(self.model_dir)
+        else:
+            files = sorted(self.model_dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"no {SINGLE_FILE} or {INDEX_FILE} in model folder {self.model_dir}")
+            self._weight_map = _header_weight_map(files)
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        """Every tensor name in the checkpoint."""
+        return frozenset(self._weight_map)
+
+    def _files_for(self, names: Iterable[str]) -> dict[Path, list[str]]:
+        """Group names by the file holding them. Raises ValueError naming missing tensors."""
+        missing = [n for n in names if n not in self._weight_map]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:3]) + (" ..." if len(missing) > 3 else "")
+            raise ValueError(f"{len(missing)} tensor(s) not in checkpoint {self.model_dir}: {shown}")
+        groups: dict[Path, list[str]] = {}
+        for name in names:
+            groups.setdefault(self._weight_map[name], []).append(name)
+        return groups
+
+    def read(self, names: Iterable[str], *, dtype: torch.dtype,
+             device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Read `names` as `dtype` on `device`; returns {name: tensor} in the order asked.
+
+        Shapes are the checkpoint's (HF layout, e.g. q_proj: [num_heads * head_dim, hidden_size]).
+        Raises ValueError for a name missing from the checkpoint or a corrupt/truncated file.
+        """
+        names = list(dict.fromkeys(names))
+        tensors: dict[str, torch.Tensor] = {}
+        for path, group in self._files_for(names).items():
+            with _open_safetensors(path) as f:
+                for name in group:
+                    tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        self.read_names.update(names)
+        return {name: tensors[name] for name in names}
+
+    def nbytes(self, names: Iterable[str], *, dtype: torch.dtype | None = None) -> int:
+        """Bytes the tensors `names` take: as stored on disk, or once read as `dtype` when given.
+
+        Reads headers only. Raises ValueError for a missing name or a corrupt file.
+        """
+        total = 0
+        for path, group in self._files_for(list(dict.fromkeys(names))).items():
+            with _open_safetensors(path) as f:
+                for name in group:
+                    info = f.get_slice(name)
+                    numel = 1
+                    for dim in info.get_shape():
+                        numel *= dim
+                    itemsize = dtype.itemsize if dtype is not None else _BYTES_PER_ELEMENT[info.get_dtype()]
+                    total += numel * itemsize
+        return total

