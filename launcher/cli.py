@@ -44,6 +44,17 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
 
 
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation (SPEED)")
+    g.add_argument("--speculate", default="none", help="none | speed: inject drafts from the exit layer into "
+                   "stage 0 while the real token is still in later stages (default none)")
+    g.add_argument("--predictor", default="hybrid", help="logit-lens | ngram | hybrid (default hybrid)")
+    g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
+                   "(default: the last layer of stage 0)")
+    g.add_argument("--max-inflight", type=int, default=0,
+                   help="items of one sequence in flight at once (default: number of stages)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
@@ -61,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run prompts through an N-stage pipeline and print the outputs",
                             description="Spawn N stage workers on this machine, generate, print, stop everything.")
     add_pipeline_args(launch)
+    add_speculation_args(launch)
     add_sampling_args(launch)
     g = launch.add_argument_group("prompts and output")
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; run concurrently)")
@@ -104,7 +116,8 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         num_stages=args.stages, model=args.model, layer_split=args.layer_split, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
-        progress=progress)
+        progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
+        max_inflight=args.max_inflight)
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -141,8 +154,12 @@ def print_report(report: dict, *, streamed: bool) -> None:
             print(out["text"])
     stats = report["stats"]
     busy = ", ".join(f"{s['stage']}: {s['busy_fraction']:.0%}" for s in stats["stages"])
+    spec = ""
+    if stats["drafted_tokens"]:
+        spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
+                f"{stats['verified_drafts']} drafts), {stats['squashed_items']} items squashed")
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
-          f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}", file=sys.stderr)
+          f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
 
 
 def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctrl-C

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.items import Item
+from pipeline.predictors import ExitGuess, make_predictor
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Commit, Scheduler, SchedulerConfig
 from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -145,11 +146,35 @@ class CoordinatorConfig:
     dist_master_addr: str = "127.0.0.1"
     dist_master_port: int = 29500
     device: str = "cpu"
+    speculate: bool = False
+    predictor: str = "ngram"
+    exit_stage: int = 0  # stage whose exit layer feeds the predictor
+    max_inflight: int = 0  # per sequence; 0 = num_stages
 
     @property
     def keepalive_s(self) -> float:
         """Idle interval after which a KEEPALIVE goes round the ring ([Note: deadlines])."""
         return self.stage_timeout_s / 4
+
+
+class StageTime:
+    """Per-stage compute time split into useful (work whose result was committed) and wasted
+    (squashed or otherwise discarded work), from the [stage, start_ns, end_ns] timings that
+    every stage appends to a micro-batch's metadata."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.useful_ns = [0] * num_stages
+        self.wasted_ns = [0] * num_stages
+
+    def add(self, timing: list, useful_share: float) -> None:
+        for stage, start_ns, end_ns in timing:
+            spent = end_ns - start_ns
+            self.useful_ns[stage] += round(spent * useful_share)
+            self.wasted_ns[stage] += spent - round(spent * useful_share)
+
+    def reset(self) -> None:
+        self.useful_ns = [0] * len(self.useful_ns)
+        self.wasted_ns = [0] * len(self.wasted_ns)
 
 
 class Coordinator:
@@ -164,7 +189,9 @@ class Coordinator:
         self.stubs = [pb_grpc.StageServiceStub(c) for c in self.channels]
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            eos_token_ids=tuple(tokenizer.eos_token_ids)))
+            eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,
+            max_inflight=config.max_inflight), make_predictor(config.predictor) if config.speculate else None)
+        self.stage_time = StageTime(config.num_stages)
         self.data: Channel | None = None
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}
@@ -172,7 +199,7 @@ class Coordinator:
         self.failure: PipelineError | None = None
         self._ids = itertools.count()
         self._engine: threading.Thread | None = None
-        self._receiver: threading.Thread | None = None
+        self._receivers: list[threading.Thread] = []
         self._stopping = False
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -199,9 +226,14 @@ class Coordinator:
         joined.result(timeout=timeout_s)
         pool.shutdown(wait=False)
         self._warm_up()
-        self._receiver = threading.Thread(target=self._receive_loop, name="receiver", daemon=True)
+        sources = {self.config.num_stages}
+        if self.config.speculate:
+            sources.add(self.config.exit_stage + 1)
+        self._receivers = [threading.Thread(target=self._receive_loop, args=(rank,), name=f"receiver-{rank}",
+                                            daemon=True) for rank in sorted(sources)]
         self._engine = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
-        self._receiver.start()
+        for t in self._receivers:
+            t.start()
         self._engine.start()
         return responses
 
@@ -270,6 +302,8 @@ class Coordinator:
     def _handle_event(self, kind: str, payload) -> None:
         if kind == "result":
             self._on_result(payload)
+        elif kind == "exit":
+            self._on_exit(payload)
         elif kind == "submit":
             seq_id, handle = payload
             self.handles[seq_id] = handle
@@ -297,9 +331,18 @@ class Coordinator:
             self.data.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens}), 1)
             self.sent.append(batch)
 
+    def _on_exit(self, msg: Message) -> None:
+        tokens, probs = msg.tensors.get("exit_tokens"), msg.tensors.get("exit_probs")
+        guesses = [None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
+                   for i in range(len(msg.items))]
+        self.scheduler.on_exit(msg.items, guesses)
+
     def _on_result(self, msg: Message) -> None:
         sent = self.sent.pop(0)
         commits = self.scheduler.on_result(sent, msg.items, msg.tensors["token_ids"], msg.tensors.get("logits"))
+        committed = {c.seq_id for c in commits}
+        useful = sum(1 for it in msg.items if it.seq_id in committed)
+        self.stage_time.add(msg.meta.get("timing", []), useful / len(sent) if sent else 0.0)
         for commit in commits:
             handle = self.handles.get(commit.seq_id)
             if handle is None:
@@ -307,21 +350,24 @@ class Coordinator:
             if handle._emit(commit, handle.params.stop):
                 self.scheduler.finish_on_stop_string(commit.seq_id)
 
-    def _receive_loop(self) -> None:
-        last = self.config.num_stages
+    def _receive_loop(self, rank: int) -> None:
+        """Blocking receives from `rank` (the last stage, or the exit stage's DRAFT events)."""
+        is_last = rank == self.config.num_stages
         while True:
             try:
-                msg = self.data.recv(last)
+                msg = self.data.recv(rank)
             except ChannelError as exc:
                 if not self._stopping:
                     self.events.put(("error", PipelineError(str(exc))))
                 return
-            if msg.kind == MessageKind.RESULT:
+            if msg.kind == MessageKind.RESULT and is_last:
                 self.events.put(("result", msg))
-            elif msg.kind == MessageKind.SHUTDOWN:
+            elif msg.kind == MessageKind.DRAFT:
+                self.events.put(("exit", msg))
+            elif msg.kind == MessageKind.SHUTDOWN and is_last:
                 return
-            elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE):
-                self.events.put(("error", PipelineError(f"unexpected {msg.kind.name} from {rank_name(last)}")))
+            elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE) or not is_last:
+                self.events.put(("error", PipelineError(f"unexpected {msg.kind.name} from {rank_name(rank)}")))
                 return
 
     # -- failure and shutdown ---------------------------------------------------------------------
@@ -348,6 +394,10 @@ class Coordinator:
         return [stub.GetStats(pb.GetStatsRequest(), timeout=10) for stub in self.stubs]
 
     def reset_stats(self) -> None:
+        """Zero every stage's counters and the coordinator's speculation / useful-time totals.
+        Call while idle (the engine thread owns these counters while requests run)."""
+        self.stage_time.reset()
+        self.scheduler.spec = type(self.scheduler.spec)()
         for stub in self.stubs:
             stub.Reset(pb.ResetRequest(reset_stats=True), timeout=10)
 
@@ -362,8 +412,9 @@ class Coordinator:
         if self.failure is None and self.data is not None:
             try:
                 self.data.send(Message(MessageKind.SHUTDOWN), 1)
-                if self._receiver is not None:
-                    self._receiver.join(timeout=self.config.stage_timeout_s)
+                last = self._receivers[-1] if self._receivers else None
+                if last is not None:
+                    last.join(timeout=self.config.stage_timeout_s)
             except ChannelError as exc:
                 log.warning("data plane shutdown failed: %s", exc)
         for stub in self.stubs:

@@ -32,15 +32,22 @@ def run_launch(session: PipelineSession, prompts: Sequence[str], params: Sequenc
     stage_stats = coord.stage_stats()
     generated = sum(len(r.token_ids) for r in results)
     stages = []
+    times, spec = coord.stage_time, coord.scheduler.spec
     for i, (st, r) in enumerate(zip(stage_stats, session.model.ranges, strict=True)):
+        wall = st.wall_ns or 1
         stages.append({
             "stage": i, "layers": [r.start, r.stop],
-            "busy_fraction": round(st.busy_ns / st.wall_ns, 4) if st.wall_ns else 0.0,
+            "busy_fraction": round(st.busy_ns / wall, 4),
+            "useful_fraction": round(times.useful_ns[i] / wall, 4),
+            "wasted_fraction": round(times.wasted_ns[i] / wall, 4),
             "rss_mb": round(st.rss_bytes / 2**20, 1), "weights_mb": round(st.weights_bytes / 2**20, 2),
         })
     return {
         "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                      "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4)} for r in results],
         "stats": {"wall_s": round(wall_s, 4), "generated_tokens": generated,
-                  "tokens_per_s": round(generated / wall_s, 3) if wall_s > 0 else 0.0, "stages": stages},
+                  "tokens_per_s": round(generated / wall_s, 3) if wall_s > 0 else 0.0,
+                  "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
+                  "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
+                  "squashed_items": spec.squashed_items, "stages": stages},
     }

@@ -19,11 +19,14 @@ from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses, Stage
 from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model
 from pipeline.partition import LayerRange, balanced_split, parse_layer_split, split_from_sizes
+from pipeline.predictors import PREDICTORS
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from workers.convert import DTYPE_CHOICES, StageLoadSpec
 
 log = logging.getLogger("speedpipe.launch")
+
+SPECULATE_MODES = ("none", "speed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,8 +45,18 @@ class PipelineOptions:
     log_level: str = "WARNING"
     cache_dir: str | None = None
     progress: bool = True
+    speculate: str = "none"
+    predictor: str = "hybrid"
+    exit_layer: int | None = None  # None = last layer of stage 0
+    max_inflight: int = 0  # per sequence; 0 = num_stages
 
     def __post_init__(self) -> None:
+        if self.speculate not in SPECULATE_MODES:
+            raise ValueError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        if self.predictor not in PREDICTORS:
+            raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
+        if self.max_inflight < 0:
+            raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
         if self.num_stages < 1:
             raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
         if self.dtype not in DTYPE_CHOICES:
@@ -70,6 +83,12 @@ class ResolvedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     ranges: list[LayerRange]
+    exit_layer: int
+
+    @property
+    def exit_stage(self) -> int:
+        """Index of the stage holding the exit layer."""
+        return next(i for i, r in enumerate(self.ranges) if self.exit_layer in r)
 
 
 def resolve(options: PipelineOptions) -> ResolvedModel:
@@ -86,7 +105,11 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
     reader = CheckpointReader(model_dir)
     for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
         reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
-    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges)
+    exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
+    if not 0 <= exit_layer < config.num_hidden_layers - 1:
+        raise ValueError(f"--exit-layer {exit_layer} must be in [0, {config.num_hidden_layers - 1}) "
+                         f"(a layer before the model's last)")
+    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer)
 
 
 class PipelineSession:
@@ -126,14 +149,17 @@ class PipelineSession:
         self.coordinator = Coordinator(CoordinatorConfig(
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
-            device=opt.device), m.tokenizer, addresses)
+            device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
+            exit_stage=m.exit_stage, max_inflight=opt.max_inflight), m.tokenizer, addresses)
         self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
         self.monitor.start()
         specs = [StageLoadSpec(
             model_dir=str(m.model_dir), stage_index=i, num_stages=opt.num_stages, layer_range=r, dtype=opt.dtype,
             device=opt.device, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             num_threads=opt.threads_per_stage, dist_master_addr="127.0.0.1", dist_master_port=port,
-            stage_timeout_s=opt.stage_timeout_s) for i, r in enumerate(m.ranges)]
+            stage_timeout_s=opt.stage_timeout_s,
+            exit_layer=m.exit_layer if opt.speculate == "speed" else -1,
+            predictor=opt.predictor if opt.speculate == "speed" else "") for i, r in enumerate(m.ranges)]
         self.load_responses = self.coordinator.start(specs)
 
     def _on_stage_death(self, stage_index: int, returncode: int) -> None:

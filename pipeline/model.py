@@ -194,7 +194,6 @@ class StageModel(nn.Module):
                        num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
                        dtype=weight.dtype, device=weight.device)
 
-    @torch.inference_mode()
     def forward(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage on packed rows.
@@ -207,20 +206,31 @@ class StageModel(nn.Module):
         float32 (last). Writes K/V of every row into `kv` and sets each slot's length to the end of
         its span. Raises ValueError if a span does not fit its KV slot.
         """
+        return self.forward_with_exit(x, spans, kv, logit_rows=logit_rows)[0]
+
+    @torch.inference_mode()
+    def forward_with_exit(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
+                          logit_rows: torch.Tensor | None = None,
+                          exit_layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the hidden state after absolute layer `exit_layer` (which must be in this
+        stage) at each item's last row: [num_items, hidden_size], or None without an exit layer."""
         for span in spans:
             kv.check_write(span.slot, span.start, span.num_tokens)
         positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans]).to(x.device)
+        last_rows = torch.tensor(list(_last_rows(spans)), device=x.device)
         h = self.embed_tokens(x) if self.is_first else x
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
-        for local, layer in enumerate(self.layers.values()):
+        exit_hidden = None
+        for local, (name, layer) in enumerate(self.layers.items()):
             h = layer(h, cos, sin, spans, kv, local)
+            if exit_layer is not None and int(name) == exit_layer:
+                exit_hidden = h[last_rows]
         for span in spans:
             kv.set_length(span.slot, span.start + span.num_tokens)
         if not self.is_last:
-            return h
-        if logit_rows is None:
-            logit_rows = torch.tensor(list(_last_rows(spans)), device=h.device)
-        return self.lm_head(self.norm(h[logit_rows])).float()
+            return h, exit_hidden
+        rows = last_rows if logit_rows is None else logit_rows
+        return self.lm_head(self.norm(h[rows])).float(), exit_hidden
 
 
 def _last_rows(spans: Sequence[Span]):

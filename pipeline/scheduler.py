@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.items import Item, ItemKind
+from pipeline.ledger import SequenceLedger
+from pipeline.predictors import ExitGuess, Predictor
 from pipeline.sampling import Sampler, SamplingParams
 
 
@@ -45,6 +47,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_inflight_batches: int = 0  # 0 = num_stages
     eos_token_ids: tuple[int, ...] = ()
+    speculate: bool = False
+    max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -55,6 +59,10 @@ class SchedulerConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_inflight_batches == 0:
             object.__setattr__(self, "max_inflight_batches", self.num_stages)
+        if self.max_inflight == 0:
+            object.__setattr__(self, "max_inflight", self.num_stages)
+        if self.max_inflight < 1:
+            raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
 
 
 @dataclasses.dataclass
@@ -65,20 +73,29 @@ class SequenceState:
     prompt_ids: list[int]
     params: SamplingParams
     sampler: Sampler
+    ledger: SequenceLedger
     slot: int = -1
-    epoch: int = 0
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
-    in_flight: int = 0  # items of this sequence sent and not yet returned
+    pending: Item | None = None  # the next item to send (real or draft)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
+    def epoch(self) -> int:
+        return self.ledger.epoch
+
+    @property
     def num_tokens(self) -> int:
         """Prompt plus committed tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def context(self) -> list[int]:
+        """Prompt, committed and in-flight draft tokens, up to the chain's end (predictor input)."""
+        drafts = [f.token for f in self.ledger.inflight if f.is_draft]
+        return self.prompt_ids + self.output_ids + drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +107,38 @@ class Commit:
     finish_reason: FinishReason | None
 
 
-class Scheduler:
-    """Admission, micro-batching and commit for plain pipelined decoding. See [Note: micro-batching]."""
+@dataclasses.dataclass
+class SpecCounters:
+    """Speculation totals: drafts sent, drafts verified and accepted, items squashed."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    drafted_tokens: int = 0
+    verified_drafts: int = 0
+    accepted_tokens: int = 0
+    squashed_items: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified drafts (0 when none were verified)."""
+        return self.accepted_tokens / self.verified_drafts if self.verified_drafts else 0.0
+
+
+class Scheduler:
+    """Admission, micro-batching, speculation and commit. See [Note: micro-batching] and
+    [Note: speculation policy]."""
+
+    def __init__(self, config: SchedulerConfig, predictor: Predictor | None = None) -> None:
+        if config.speculate and predictor is None:
+            raise ValueError("speculation needs a predictor")
         self.config = config
+        self.predictor = predictor
         self.seqs: dict[int, SequenceState] = {}
         self.waiting: collections.deque[int] = collections.deque()
-        self.ready: collections.deque[int] = collections.deque()
+        self.ready: collections.deque[int] = collections.deque()  # sequences with a pending real item
+        self.drafting: collections.deque[int] = collections.deque()  # sequences with a pending draft
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.inflight_batches = 0
         self.to_release: list[tuple[int, int]] = []  # (seq_id, slot) to free on every stage
+        self.spec = SpecCounters()
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
@@ -115,7 +153,8 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max new tokens ({params.max_new_tokens}) = {need} "
                 f"exceeds --max-model-len {self.config.max_model_len}"
             )
-        seq = SequenceState(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, sampler=Sampler(params))
+        seq = SequenceState(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, sampler=Sampler(params),
+                            ledger=SequenceLedger(prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens))
         self.seqs[seq_id] = seq
         self.waiting.append(seq_id)
         return seq
@@ -140,31 +179,32 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return any(not s.finished for s in self.seqs.values())
 
-    def pop(self, seq_id: int) -> SequenceState:
-        """Forget a finished sequence (after its output was delivered)."""
-        seq = self.seqs[seq_id]
-        assert seq.finished, f"sequence {seq_id} is not finished"
-        return self.seqs.pop(seq_id)
-
     # -- micro-batches ----------------------------------------------------------------------------
     def next_batch(self) -> list[Item] | None:
         """The next micro-batch to send to stage 0, or None if the pipeline is full or idle."""
         if self.inflight_batches >= self.config.max_inflight_batches:
             return None
         self._admit_waiting()
-        if not self.ready:
-            return None
         size = max(1, math.ceil(self.num_running / self.config.num_stages))
-        batch = []
-        while self.ready and len(batch) < size:
-            seq = self.seqs[self.ready.popleft()]
-            if seq.finished:
-                continue
-            batch.append(self._next_item(seq))
-            seq.in_flight += 1
+        batch = self._take(self.ready, size) or self._take(self.drafting, self.config.max_num_seqs)
         if not batch:
             return None
         self.inflight_batches += 1
+        return batch
+
+    def _take(self, queue: collections.deque[int], size: int) -> list[Item]:
+        batch: list[Item] = []
+        while queue and len(batch) < size:
+            seq = self.seqs[queue.popleft()]
+            if seq.finished or seq.pending is None:
+                continue
+            item, seq.pending = seq.pending, None
+            if item.kind == ItemKind.DRAFT:
+                seq.ledger.add_draft(item.token_ids[0])
+                self.spec.drafted_tokens += 1
+            else:
+                seq.ledger.add_real(item.token_ids[-1])
+            batch.append(item)
         return batch
 
     def _admit_waiting(self) -> None:
@@ -173,21 +213,44 @@ class Scheduler:
             if seq.finished:
                 continue
             seq.slot = self.free_slots.pop()
-            self.ready.append(seq.seq_id)
+            self._queue_real(seq)
 
-    def _next_item(self, seq: SequenceState) -> Item:
+    def _queue_real(self, seq: SequenceState) -> None:
         want_logits = not seq.params.is_greedy
         if not seq.output_ids:
-            return Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=len(seq.prompt_ids),
-                        epoch=seq.epoch, kind=ItemKind.PREFILL, token_ids=tuple(seq.prompt_ids),
-                        want_logits=want_logits)
-        return Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.num_tokens - 1, num_tokens=1, epoch=seq.epoch,
-                    kind=ItemKind.DECODE, token_ids=(seq.output_ids[-1],), want_logits=want_logits)
+            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=len(seq.prompt_ids),
+                               epoch=seq.epoch, kind=ItemKind.PREFILL, token_ids=tuple(seq.prompt_ids),
+                               want_logits=want_logits)
+        else:
+            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.num_tokens - 1, num_tokens=1,
+                               epoch=seq.epoch, kind=ItemKind.DECODE, token_ids=(seq.output_ids[-1],),
+                               want_logits=want_logits)
+        self.ready.append(seq.seq_id)
+
+    # -- exit-layer events (speculation) ------------------------------------------------------------
+    def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None]) -> None:
+        """Items passed the exit layer: propose a draft after each chain end (see
+        [Note: speculation policy]). guesses: the exit head's output per item (None if no head)."""
+        if not self.config.speculate:
+            return
+        for item, guess in zip(items, guesses, strict=True):
+            seq = self.seqs.get(item.seq_id)
+            if seq is None or seq.finished or seq.pending is not None or item.kind == ItemKind.PREFILL:
+                continue
+            position = item.end - 1
+            if not seq.ledger.can_draft_after(position, item.epoch, max_inflight=self.config.max_inflight):
+                continue
+            draft = self.predictor.propose(seq.context(), guess)
+            if draft is None:
+                continue
+            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=position + 1, num_tokens=1, epoch=seq.epoch,
+                               kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=not seq.params.is_greedy)
+            self.drafting.append(seq.seq_id)
 
     # -- results ----------------------------------------------------------------------------------
     def on_result(self, sent: Sequence[Item], returned: Sequence[Item], token_ids: torch.Tensor,
                   logits: torch.Tensor | None) -> list[Commit]:
-        """Commit the last stage's output for one micro-batch.
+        """Verify and commit the last stage's output for one micro-batch (see [Note: verify]).
 
         sent: the micro-batch as sent; returned: the items that ran on every stage (a subset, in
         order); token_ids: [len(returned)] argmax of each returned item's last row; logits:
@@ -196,10 +259,6 @@ class Scheduler:
         """
         self.inflight_batches -= 1
         assert self.inflight_batches >= 0, "more results than micro-batches sent"
-        for item in sent:
-            seq = self.seqs.get(item.seq_id)
-            if seq is not None:
-                seq.in_flight -= 1
         commits, logit_row = [], 0
         for i, item in enumerate(returned):
             row = None
@@ -208,22 +267,37 @@ class Scheduler:
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
-            token = int(token_ids[i]) if row is None else seq.sampler.sample(row)
-            commits.append(self._commit(seq, token))
+            commits.append(self._verify_and_commit(seq, item, int(token_ids[i]), row))
         return commits
 
-    def _commit(self, seq: SequenceState, token: int) -> Commit:
+    def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: int, row: torch.Tensor | None) -> Commit:
+        draft = seq.ledger.next_draft_token()
+        if row is None:
+            token = argmax
+        elif draft is None:
+            token = seq.sampler.sample(row)
+        else:
+            token = seq.sampler.verify(row, draft)[1]
+        verdict = seq.ledger.on_result(item.end - 1, item.epoch, token)
+        if verdict.drafted:
+            self.spec.verified_drafts += 1
+            self.spec.accepted_tokens += int(verdict.accepted)
+            self.spec.squashed_items += verdict.squashed
+        if not verdict.accepted:
+            seq.pending = None  # any pending draft followed a squashed chain
         seq.output_ids.append(token)
         if token in self.config.eos_token_ids and not seq.params.ignore_eos:
             self._finish(seq, FinishReason.EOS)
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
-        else:
-            self.ready.append(seq.seq_id)
+        elif not seq.ledger.inflight:
+            self._queue_real(seq)
         return Commit(seq.seq_id, (token,), seq.finish_reason)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         seq.finish_reason = reason
+        seq.pending = None
+        self.spec.squashed_items += seq.ledger.finish()
         if seq.slot >= 0:
             self.to_release.append((seq.seq_id, seq.slot))
             self.free_slots.append(seq.slot)
@@ -233,3 +307,9 @@ class Scheduler:
         """(seq_id, slot) pairs to free on every stage; the caller sends them in-band, in order."""
         out, self.to_release = self.to_release, []
         return out
+
+    def pop(self, seq_id: int) -> SequenceState:
+        """Forget a finished sequence (after its output was delivered)."""
+        seq = self.seqs[seq_id]
+        assert seq.finished, f"sequence {seq_id} is not finished"
+        return self.seqs.pop(seq_id)

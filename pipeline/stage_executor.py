@@ -22,9 +22,10 @@ import time
 
 import torch
 
-from pipeline.items import Item
+from pipeline.items import Item, ItemKind
 from pipeline.kv_cache import KVCache
 from pipeline.model import Span, StageModel
+from pipeline.predictors import ExitHead
 
 
 @dataclasses.dataclass
@@ -50,12 +51,16 @@ class StageOutput:
     hidden: [num_tokens, hidden_size] for a non-last stage.
     token_ids: [num_items] int64 argmax of each item's last row (last stage).
     logits: [num_items_wanting_logits, vocab_size] float32 (last stage, only items with want_logits).
+    exit_tokens, exit_probs: [num_items] the exit head's top token and its probability at each
+        item's last row (exit stage with an exit head; prefill items get -1 / 0).
     """
 
     items: list[Item]
     hidden: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    exit_tokens: torch.Tensor | None = None
+    exit_probs: torch.Tensor | None = None
 
 
 class StageExecutor:
@@ -64,9 +69,14 @@ class StageExecutor:
     See [Note: in-band squash]. Raises ValueError for items that do not fit the KV cache.
     """
 
-    def __init__(self, model: StageModel, kv: KVCache) -> None:
+    def __init__(self, model: StageModel, kv: KVCache, *, exit_layer: int | None = None,
+                 exit_head: ExitHead | None = None) -> None:
+        if exit_layer is not None and exit_layer not in model.layer_range:
+            raise ValueError(f"exit layer {exit_layer} is not in this stage's layers {model.layer_range}")
         self.model = model
         self.kv = kv
+        self.exit_layer = exit_layer
+        self.exit_head = exit_head
         self.epochs: dict[int, int] = {}
         self.counters = StageCounters()
 
@@ -94,8 +104,12 @@ class StageExecutor:
         if not items:
             return StageOutput(items=[])
         spans = [Span(it.slot, it.start, it.num_tokens) for it in items]
-        out = self.model(x.to(self._device), spans, self.kv)
+        use_head = self.exit_head is not None and any(it.kind != ItemKind.PREFILL for it in items)
+        out, exit_hidden = self.model.forward_with_exit(x.to(self._device), spans, self.kv,
+                                                        exit_layer=self.exit_layer if use_head else None)
         result = StageOutput(items=[it.without_tokens() for it in items])
+        if use_head:
+            result.exit_tokens, result.exit_probs = self._exit_guesses(items, exit_hidden)
         if self.model.is_last:
             result.token_ids = out.argmax(dim=-1).cpu()
             want = [i for i, it in enumerate(items) if it.want_logits]
@@ -107,6 +121,15 @@ class StageExecutor:
         self.counters.items_processed += len(items)
         self.counters.tokens_processed += sum(it.num_tokens for it in items)
         return result
+
+    def _exit_guesses(self, items: list[Item], exit_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exit head on the last row of each non-prefill item (drafts never follow a prefill)."""
+        tokens = torch.full((len(items),), -1, dtype=torch.int64)
+        probs = torch.zeros(len(items), dtype=torch.float32)
+        rows = [i for i, it in enumerate(items) if it.kind != ItemKind.PREFILL]
+        t, p = self.exit_head(exit_hidden[rows])
+        tokens[rows], probs[rows] = t.cpu(), p.cpu()
+        return tokens, probs
 
     def release(self, seq_ids: list[int], slots: list[int]) -> None:
         """Forget finished sequences and free their KV slots."""

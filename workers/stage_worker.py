@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pipeline.config import ModelConfig
 from pipeline.model import build_stage_model
+from pipeline.predictors import ExitHead, make_predictor
 from pipeline.stage_executor import StageExecutor
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
@@ -92,8 +93,23 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                   tensors=tensors, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
-        self.executor = StageExecutor(model, kv)
+        exit_layer = spec.exit_layer if spec.exit_layer in spec.layer_range else None
+        exit_head = None
+        if exit_layer is not None and make_predictor(spec.predictor).needs_exit_head:
+            exit_head = self._load_exit_head(config, reader, spec)
+        self.executor = StageExecutor(model, kv, exit_layer=exit_layer, exit_head=exit_head)
         return sorted(reader.read_names)
+
+    def _load_exit_head(self, config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec) -> ExitHead:
+        """Copies of the final norm and LM head for the logit-lens exit head on this stage."""
+        norm_name = "model.norm.weight"
+        head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        t = reader.read([norm_name, head_name], dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
+        with torch.device("meta"):
+            head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
+        head.load_state_dict({"norm.weight": t[norm_name], "lm_head.weight": t[head_name]}, assign=True)
+        self.weights_bytes += sum(p.numel() * p.element_size() for p in head.parameters())
+        return head.eval()
 
     def _join_data_plane(self, spec: StageLoadSpec) -> None:
         """Join the process group (blocks until every rank joined) and start the data-plane loop."""

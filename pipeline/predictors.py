@@ -1,0 +1,134 @@
+"""Draft predictors: guess the next token of a sequence before the last stage has computed it.
+
+Owns the exit head (the stage-side part: final norm + LM head on an exit-layer hidden state, the
+"logit lens") and the coordinator-side predictors that turn a sequence's context plus the exit
+head's guess into a draft: `logit-lens`, `ngram` (prompt lookup) and `hybrid`.
+Sources: SPEED (arXiv 2310.12072) §3 for early-exit drafting; prompt-lookup decoding
+(Saxena 2023) / LLMA (arXiv 2304.04487) for n-gram matching. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pipeline.model import RMSNorm
+
+PREDICTORS = ("logit-lens", "ngram", "hybrid")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitGuess:
+    """The exit head's top token for one position and its probability (confidence in [0, 1])."""
+
+    token: int
+    prob: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """A proposed next token, its confidence in [0, 1], and which predictor made it."""
+
+    token: int
+    confidence: float
+    source: str
+
+
+class ExitHead(nn.Module):
+    """Logit lens at the exit layer: final norm + LM head applied to an intermediate hidden state.
+
+    forward(hidden: [num_rows, hidden_size]) -> (tokens [num_rows] int64, probs [num_rows] float32).
+    The weights are copies of the model's final norm and LM head (held by the exit stage).
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.lm_head(self.norm(hidden)).float()
+        probs, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+        return tokens, probs
+
+
+class Predictor(Protocol):
+    """Coordinator-side draft proposal for one sequence."""
+
+    name: str
+    needs_exit_head: bool
+
+    def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
+        """context: prompt + committed + in-flight draft tokens, up to the chain's end; guess: the
+        exit head's output for the chain's end (None without an exit head). None = no draft."""
+        ...
+
+
+class LogitLensPredictor:
+    """Draft = the exit head's argmax (no training; weak at early layers of small models)."""
+
+    name = "logit-lens"
+    needs_exit_head = True
+
+    def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
+        return None if guess is None else Draft(guess.token, guess.prob, self.name)
+
+
+class NGramPredictor:
+    """Prompt lookup: find the longest suffix of the context (max_ngram .. min_ngram tokens) that
+    occurred earlier in the context and propose the token that followed its latest occurrence.
+
+    Confidence = matched length / max_ngram. No training; strong on repetitive text.
+    """
+
+    name = "ngram"
+    needs_exit_head = False
+
+    def __init__(self, *, max_ngram: int = 4, min_ngram: int = 1, window: int = 1024) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+        self.max_ngram, self.min_ngram, self.window = max_ngram, min_ngram, window
+
+    def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
+        ctx = list(context[-self.window:])
+        n = len(ctx)
+        for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            suffix = ctx[n - size:]
+            for start in range(n - size - 1, -1, -1):  # latest earlier occurrence first
+                if ctx[start:start + size] == suffix:
+                    return Draft(ctx[start + size], size / self.max_ngram, self.name)
+        return None
+
+
+class HybridPredictor:
+    """Per position, whichever of n-gram lookup and the exit head is more confident."""
+
+    name = "hybrid"
+    needs_exit_head = True
+
+    def __init__(self, ngram: NGramPredictor | None = None) -> None:
+        self.ngram = ngram or NGramPredictor()
+        self.lens = LogitLensPredictor()
+
+    def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
+        a = self.ngram.propose(context, guess)
+        b = self.lens.propose(context, guess)
+        if a is None or b is None:
+            return a or b
+        return a if a.confidence >= b.confidence else b
+
+
+def make_predictor(name: str) -> Predictor:
+    """Predictor by CLI name. Raises ValueError for an unknown name."""
+    if name == "logit-lens":
+        return LogitLensPredictor()
+    if name == "ngram":
+        return NGramPredictor()
+    if name == "hybrid":
+        return HybridPredictor()
+    raise ValueError(f"--predictor {name!r} is not one of {', '.join(PREDICTORS)}")
