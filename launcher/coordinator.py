@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.items import Item
-from pipeline.predictors import ExitGuess, make_predictor
+from pipeline.predictors import ExitGuess, Predictor, make_predictor
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Commit, Scheduler, SchedulerConfig
 from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -180,7 +180,9 @@ class StageTime:
 class Coordinator:
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
-    def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str]) -> None:
+    def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
+                 predictor: Predictor | None = None) -> None:
+        """predictor: overrides the one named by config.predictor (tests use adversarial ones)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config = config
@@ -190,7 +192,8 @@ class Coordinator:
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,
-            max_inflight=config.max_inflight), make_predictor(config.predictor) if config.speculate else None)
+            max_inflight=config.max_inflight),
+            (predictor or make_predictor(config.predictor)) if config.speculate else None)
         self.stage_time = StageTime(config.num_stages)
         self.data: Channel | None = None
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()

@@ -19,7 +19,7 @@ from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses, Stage
 from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model
 from pipeline.partition import LayerRange, balanced_split, parse_layer_split, split_from_sizes
-from pipeline.predictors import PREDICTORS
+from pipeline.predictors import PREDICTORS, Predictor
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from workers.convert import DTYPE_CHOICES, StageLoadSpec
@@ -118,7 +118,9 @@ class PipelineSession:
     Raises PipelineError if a stage fails to start or load (naming the stage).
     """
 
-    def __init__(self, options: PipelineOptions, model: ResolvedModel) -> None:
+    def __init__(self, options: PipelineOptions, model: ResolvedModel, *, predictor: Predictor | None = None) -> None:
+        """predictor: a Predictor object overriding options.predictor on the coordinator side."""
+        self.predictor = predictor
         self.options = options
         self.model = model
         self.processes: LocalStageProcesses | None = None
@@ -150,7 +152,8 @@ class PipelineSession:
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
             device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
-            exit_stage=m.exit_stage, max_inflight=opt.max_inflight), m.tokenizer, addresses)
+            exit_stage=m.exit_stage, max_inflight=opt.max_inflight), m.tokenizer, addresses,
+            predictor=self.predictor)
         self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
         self.monitor.start()
         specs = [StageLoadSpec(
