@@ -1,0 +1,134 @@
+"""Unit tests for pipeline.kv_cache: write/view/truncate/free semantics and write validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.kv_cache import KVCache
+
+NUM_KV_HEADS, HEAD_DIM = 2, 4
+
+
+def _cache(*, num_layers: int = 2, max_num_seqs: int = 3, max_model_len: int = 8) -> KVCache:
+    return KVCache(num_layers=num_layers, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                   num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32)
+
+
+def _kv(num_tokens: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct k, v: [num_kv_heads, num_tokens, head_dim] filled from `base`."""
+    k = base + torch.arange(NUM_KV_HEADS * num_tokens * HEAD_DIM, dtype=torch.float32)
+    k = k.view(NUM_KV_HEADS, num_tokens, HEAD_DIM)
+    return k, -k
+
+
+def test_buffers_have_the_documented_shape_and_size():
+    kv = _cache(num_layers=2, max_num_seqs=3, max_model_len=8)
+    assert kv.k.shape == (2, 3, NUM_KV_HEADS, 8, HEAD_DIM) == kv.v.shape
+    assert kv.nbytes == 2 * 2 * 3 * NUM_KV_HEADS * 8 * HEAD_DIM * 4
+    assert kv.lengths == [0, 0, 0]
+
+
+def test_write_then_view_returns_what_was_written_per_layer_and_slot():
+    kv = _cache()
+    k0, v0 = _kv(3, 0.0)
+    k1, v1 = _kv(3, 1000.0)
+    kv.write(0, 1, 0, k0, v0)
+    kv.write(1, 1, 0, k1, v1)
+    kv.set_length(1, 3)
+    keys, values = kv.view(0, 1, 3)
+    assert keys.shape == (NUM_KV_HEADS, 3, HEAD_DIM)
+    torch.testing.assert_close(keys, k0, rtol=0, atol=0)
+    torch.testing.assert_close(values, v0, rtol=0, atol=0)
+    torch.testing.assert_close(kv.view(1, 1, 3)[0], k1, rtol=0, atol=0)
+    # Other slots are untouched.
+    assert kv.view(0, 0, 8)[0].abs().sum() == 0 and kv.view(0, 2, 8)[0].abs().sum() == 0
+    assert kv.lengths == [0, 3, 0]
+
+
+def test_write_appends_after_existing_positions():
+    kv = _cache()
+    k_a, v_a = _kv(2, 0.0)
+    k_b, v_b = _kv(1, 500.0)
+    kv.write(0, 0, 0, k_a, v_a)
+    kv.set_length(0, 2)
+    kv.check_write(0, 2, 1)
+    kv.write(0, 0, 2, k_b, v_b)
+    kv.set_length(0, 3)
+    keys, values = kv.view(0, 0, 3)
+    torch.testing.assert_close(keys, torch.cat([k_a, k_b], dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat([v_a, v_b], dim=1), rtol=0, atol=0)
+
+
+def test_truncate_rolls_back_and_a_rewrite_replaces_the_dead_positions():
+    kv = _cache()
+    k, v = _kv(5, 0.0)
+    kv.write(0, 0, 0, k, v)
+    kv.set_length(0, 5)
+    kv.truncate(0, 3)
+    assert kv.lengths[0] == 3
+    with pytest.raises(ValueError, match="gap"):
+        kv.check_write(0, 4, 1)  # position 3 is dead now: writing at 4 would leave a gap
+    k_new, v_new = _kv(2, 900.0)
+    kv.check_write(0, 3, 2)
+    kv.write(0, 0, 3, k_new, v_new)
+    kv.set_length(0, 5)
+    keys, _ = kv.view(0, 0, 5)
+    torch.testing.assert_close(keys[:, :3], k[:, :3], rtol=0, atol=0)
+    torch.testing.assert_close(keys[:, 3:], k_new, rtol=0, atol=0)
+
+
+def test_truncate_to_a_longer_length_is_a_no_op():
+    kv = _cache()
+    kv.set_length(1, 2)
+    kv.truncate(1, 6)
+    assert kv.lengths[1] == 2
+
+
+def test_free_resets_the_slot_length_and_slots_in_use():
+    kv = _cache()
+    kv.set_length(0, 4)
+    kv.set_length(2, 1)
+    assert kv.slots_in_use() == 2
+    kv.free(0)
+    assert kv.lengths == [0, 0, 1]
+    assert kv.slots_in_use() == 1
+    kv.check_write(0, 0, 8)  # a freed slot takes a fresh sequence from position 0 ...
+    with pytest.raises(ValueError, match="gap"):
+        kv.check_write(0, 1, 1)  # ... and nothing after it
+
+
+def test_check_write_accepts_a_rewrite_inside_the_valid_prefix():
+    kv = _cache()
+    kv.set_length(0, 5)
+    kv.check_write(0, 2, 3)  # squash + re-run from position 2
+    kv.check_write(0, 5, 3)  # append exactly up to max_model_len
+
+
+def test_check_write_rejects_a_gap_naming_position_and_length():
+    kv = _cache()
+    kv.set_length(1, 2)
+    with pytest.raises(ValueError, match=r"KV slot 1: write at position 3 leaves a gap after length 2"):
+        kv.check_write(1, 3, 1)
+
+
+@pytest.mark.parametrize(("start", "num_tokens"), [(0, 9), (7, 2), (8, 1)])
+def test_check_write_rejects_positions_past_max_model_len(start, num_tokens):
+    kv = _cache(max_model_len=8)
+    kv.set_length(0, start)
+    with pytest.raises(ValueError, match=rf"up to {start + num_tokens} exceed --max-model-len 8"):
+        kv.check_write(0, start, num_tokens)
+
+
+@pytest.mark.parametrize("slot", [-1, 3, 100])
+def test_check_write_rejects_a_slot_out_of_range(slot):
+    kv = _cache(max_num_seqs=3)
+    with pytest.raises(ValueError, match=rf"KV slot {slot} out of range \[0, 3\)"):
+        kv.check_write(slot, 0, 1)
+
+
+def test_constructor_rejects_no_slots_or_tiny_max_model_len():
+    with pytest.raises(ValueError, match="--max-num-seqs must be >= 1, got 0"):
+        _cache(max_num_seqs=0)
+    with pytest.raises(ValueError, match="--max-model-len must be >= 2, got 1"):
+        _cache(max_model_len=1)

@@ -1,0 +1,209 @@
+"""Unit tests for pipeline.stage_executor: epochs, in-band squash, releases and last-stage outputs.
+
+What breaks when these fail: stale (squashed) work reaching the KV cache or the coordinator, a squash
+that leaves wrong keys/values behind (so output after a rejected draft differs from a clean run), or
+slots that are never freed. See [Note: in-band squash] in pipeline/stage_executor.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import tiny_config
+from pipeline.items import Item, ItemKind
+from pipeline.model import build_stage_model, random_state_dict
+from pipeline.partition import balanced_split
+from pipeline.stage_executor import StageExecutor
+
+MAX_MODEL_LEN = 32
+GOOD = [11, 22, 33, 44, 55, 66]
+WRONG = [11, 22, 33, 200, 201, 202]  # positions 3..5 are bad drafts
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The tiny model is faster on one thread (and two cores shared with other tests oversubscribe)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    cfg = tiny_config()
+    return cfg, random_state_dict(cfg, seed=2, std=0.2)
+
+
+def _pipeline(weights, *, num_stages: int = 2, max_num_seqs: int = 3) -> list[StageExecutor]:
+    cfg, state = weights
+    ranges = balanced_split(cfg.num_hidden_layers, num_stages)
+    executors = []
+    for i, r in enumerate(ranges):
+        model = build_stage_model(cfg, r, is_first=i == 0, is_last=i == len(ranges) - 1, tensors=state)
+        executors.append(StageExecutor(model, model.new_kv_cache(max_num_seqs=max_num_seqs,
+                                                                 max_model_len=MAX_MODEL_LEN)))
+    return executors
+
+
+def _item(tokens: list[int], *, seq_id: int = 1, slot: int = 0, start: int = 0, epoch: int = 0,
+          want_logits: bool = False) -> Item:
+    return Item(seq_id=seq_id, slot=slot, start=start, num_tokens=len(tokens), epoch=epoch,
+                kind=ItemKind.PREFILL if start == 0 else ItemKind.DECODE, token_ids=tuple(tokens),
+                want_logits=want_logits)
+
+
+def _ids(items: list[Item]) -> torch.Tensor:
+    return torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64)
+
+
+def _run(executors: list[StageExecutor], items: list[Item]):
+    """Run a micro-batch through every stage; returns the list of StageOutputs, first to last."""
+    outs, x = [], _ids(items)
+    for ex in executors:
+        out = ex.run(items, x)
+        outs.append(out)
+        items, x = out.items, out.hidden
+    return outs
+
+
+# -- epochs -------------------------------------------------------------------------------------------
+
+def test_items_of_an_older_epoch_are_dropped_and_produce_no_rows(weights):
+    first, _ = _pipeline(weights)
+    first.run([_item([1, 2, 3], seq_id=1, slot=0, epoch=2)], _ids([_item([1, 2, 3])]))
+    stale = _item([4], seq_id=1, slot=0, start=3, epoch=1)
+    fresh = _item([7, 8], seq_id=5, slot=1)
+    out = first.run([stale, fresh], _ids([stale, fresh]))
+    assert first.counters.items_dropped == 1
+    assert [it.seq_id for it in out.items] == [5]
+    assert out.hidden.shape == (2, weights[0].hidden_size), "the stale item's row must not be in the output"
+    assert first.kv.lengths[0] == 3, "a stale item must not touch its slot's KV cache"
+    assert first.counters.items_processed == 2 and first.counters.tokens_processed == 5
+
+
+def test_a_micro_batch_of_only_stale_items_returns_nothing(weights):
+    first, last = _pipeline(weights)
+    _run([first, last], [_item([1, 2], epoch=1)])
+    out = last.run([_item([3], start=2, epoch=0)], torch.zeros(1, weights[0].hidden_size))
+    assert out.items == [] and out.token_ids is None and out.hidden is None and out.logits is None
+    assert last.counters.items_dropped == 1 and last.kv.lengths[0] == 2
+
+
+def test_dropped_item_rows_are_removed_from_the_middle_of_a_packed_batch(weights):
+    first, last = _pipeline(weights)
+    _run([first, last], [_item([9], seq_id=2, slot=1, epoch=3)])
+    items = [_item([1, 2], seq_id=1, slot=0), _item([5], seq_id=2, slot=1, start=1, epoch=2),
+             _item([6, 7, 8], seq_id=3, slot=2)]
+    outs = _run([first, last], items)
+    # The same two live items alone give the same hidden rows.
+    alone_first, _ = _pipeline(weights)
+    want = alone_first.run([items[0], items[2]], _ids([items[0], items[2]])).hidden
+    torch.testing.assert_close(outs[0].hidden, want, rtol=1e-5, atol=1e-5)
+    assert [it.seq_id for it in outs[1].items] == [1, 3]
+    assert outs[1].token_ids.shape == (2,)
+
+
+def test_newer_epoch_truncates_the_slot_to_the_item_start_before_running(weights):
+    first, last = _pipeline(weights)
+    _run([first, last], [_item(WRONG, epoch=0)])
+    assert first.kv.lengths[0] == last.kv.lengths[0] == 6
+    keep = first.admit([_item(GOOD[3:], start=3, epoch=1)])
+    assert keep == [True]
+    assert first.kv.lengths[0] == 3 and first.epochs[1] == 1
+
+
+def test_squash_and_rerun_at_the_same_positions_equals_a_clean_run(weights):
+    """Run positions 0..5 with wrong tokens at 3..5 under epoch 0, then an epoch-1 item at start=3 with
+    the right tokens: every stage must end with exactly the clean run's hidden states, KV and logits."""
+    squashed = _pipeline(weights)
+    _run(squashed, [_item(WRONG, epoch=0, want_logits=True)])
+    redo = _run(squashed, [_item(GOOD[3:], start=3, epoch=1, want_logits=True)])
+
+    clean = _pipeline(weights)
+    _run(clean, [_item(GOOD[:3])])
+    want = _run(clean, [_item(GOOD[3:], start=3, want_logits=True)])
+
+    torch.testing.assert_close(redo[0].hidden, want[0].hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(redo[1].logits, want[1].logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(redo[1].token_ids, want[1].token_ids)
+    for a, b in zip(squashed, clean, strict=True):
+        assert a.kv.lengths[0] == b.kv.lengths[0] == 6
+        torch.testing.assert_close(a.kv.k[:, 0, :, :6], b.kv.k[:, 0, :, :6], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.kv.v[:, 0, :, :6], b.kv.v[:, 0, :, :6], rtol=1e-5, atol=1e-5)
+    # Decoding on from there agrees too, and the wrong run really was different.
+    nxt = int(want[1].token_ids[0])
+    a = _run(squashed, [_item([nxt], start=6, epoch=1, want_logits=True)])[1].logits
+    b = _run(clean, [_item([nxt], start=6, want_logits=True)])[1].logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    wrong = _run(_pipeline(weights), [_item(WRONG, want_logits=True)])[1].logits
+    assert (wrong - _run(_pipeline(weights), [_item(GOOD, want_logits=True)])[1].logits).abs().max() > 1e-3
+
+
+def test_old_epoch_item_after_a_squash_is_dropped_on_a_later_stage(weights):
+    """A stale draft created by stage 0 before the squash reaches stage 1 after the corrected item."""
+    first, last = _pipeline(weights)
+    stale = _run([first], [_item(WRONG, epoch=0)])[0]
+    fixed = _run([first], [_item(GOOD[:3], epoch=1)])[0]
+    out = last.run(fixed.items, fixed.hidden)
+    assert out.token_ids.shape == (1,)
+    dropped = last.run(stale.items, stale.hidden)
+    assert dropped.items == [] and last.counters.items_dropped == 1
+    assert last.kv.lengths[0] == 3
+
+
+# -- releases -----------------------------------------------------------------------------------------
+
+def test_release_frees_slots_and_forgets_epochs(weights):
+    first, last = _pipeline(weights)
+    _run([first, last], [_item([1, 2, 3], seq_id=4, slot=2, epoch=5), _item([1], seq_id=6, slot=0)])
+    for ex in (first, last):
+        ex.release([4], [2])
+        assert ex.kv.lengths == [1, 0, 0]
+        assert 4 not in ex.epochs and ex.epochs[6] == 0
+    # The slot takes a new sequence from position 0, and seq id 4 may come back at epoch 0.
+    outs = _run([first, last], [_item([7, 8], seq_id=4, slot=2, epoch=0)])
+    assert [it.seq_id for it in outs[1].items] == [4]
+    assert first.kv.lengths[2] == 2
+
+
+def test_clear_frees_every_slot(weights):
+    first, _ = _pipeline(weights)
+    first.run([_item([1], seq_id=1, slot=0), _item([2, 3], seq_id=2, slot=1)], torch.tensor([1, 2, 3]))
+    first.clear()
+    assert first.kv.slots_in_use() == 0 and first.epochs == {}
+
+
+# -- outputs ----------------------------------------------------------------------------------------
+
+def test_last_stage_returns_argmax_token_ids_and_logits_only_for_want_logits_items(weights):
+    executors = _pipeline(weights)
+    items = [_item([1, 2, 3], seq_id=1, slot=0, want_logits=False),
+             _item([4, 5], seq_id=2, slot=1, want_logits=True),
+             _item([6], seq_id=3, slot=2, want_logits=False)]
+    outs = _run(executors, items)
+    first, last = outs
+    assert first.hidden.shape == (6, weights[0].hidden_size) and first.token_ids is None and first.logits is None
+    assert all(it.token_ids == () for it in first.items), "stages after the first get no token ids"
+    assert last.hidden is None
+    assert last.token_ids.dtype == torch.int64 and last.token_ids.shape == (3,)
+    assert last.logits.shape == (1, weights[0].vocab_size) and last.logits.dtype == torch.float32
+    # token_ids are each item's last-row argmax: compare against each item run alone with logits.
+    for i, it in enumerate(items):
+        alone = _run(_pipeline(weights), [_item(list(it.token_ids), seq_id=it.seq_id, slot=it.slot,
+                                                 want_logits=True)])[1]
+        assert int(last.token_ids[i]) == int(alone.logits[0].argmax())
+        if it.want_logits:
+            torch.testing.assert_close(last.logits[0], alone.logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_last_stage_without_want_logits_items_returns_no_logits(weights):
+    outs = _run(_pipeline(weights), [_item([1, 2]), _item([3], seq_id=2, slot=1)])
+    assert outs[1].logits is None and outs[1].token_ids.shape == (2,)
+
+
+def test_an_item_past_its_kv_slot_is_a_value_error(weights):
+    first, _ = _pipeline(weights)
+    with pytest.raises(ValueError, match="gap"):
+        first.run([_item([1], start=4)], torch.tensor([1]))

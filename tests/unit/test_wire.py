@@ -1,0 +1,370 @@
+"""Unit tests for pipeline.wire: message round trips and the validation of every header off the wire.
+
+What breaks when these fail: tensors arriving changed (dtype, shape, bytes), or a malformed or hostile
+frame getting past `decode_header` (or crashing it with something other than WireError), which on the
+real data plane means a hang or a crash instead of a clear error.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.items import Item, ItemKind
+from pipeline.wire import (
+    DEFAULT_FRAME_BYTES,
+    MAGIC,
+    PREFIX,
+    Header,
+    Message,
+    MessageKind,
+    WireError,
+    decode_header,
+    encode_header,
+    header_end,
+    inline_tensors,
+    payload_bytes_of,
+    split_payload,
+)
+
+FRAME = 4096
+LIMIT = 1 << 20
+
+
+def _round_trip(msg: Message, *, frame_bytes: int = FRAME) -> tuple[Message, bool]:
+    """Encode `msg` and decode it the way workers/channel.py does; returns (decoded, inline)."""
+    frame, inline = encode_header(msg, frame_bytes=frame_bytes)
+    assert len(frame) == frame_bytes
+    header = decode_header(memoryview(bytes(frame)), max_payload_bytes=LIMIT)
+    assert header.inline == inline
+    if inline:
+        tensors = inline_tensors(bytes(frame), header_end(frame), header)
+    else:
+        tensors = split_payload(payload_bytes_of(msg.tensors), header.specs)
+    return Message(header.kind, header.items, tensors, header.meta), inline
+
+
+def _assert_same(got: Message, want: Message) -> None:
+    assert got.kind == want.kind
+    assert got.items == want.items
+    assert got.meta == want.meta
+    assert list(got.tensors) == list(want.tensors), "tensor names or order changed"
+    for name, t in want.tensors.items():
+        g = got.tensors[name]
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        assert torch.equal(g, t), name
+
+
+def _items() -> list[Item]:
+    return [
+        Item(seq_id=7, slot=1, start=0, num_tokens=3, epoch=0, kind=ItemKind.PREFILL, token_ids=(5, 6, 7),
+             want_logits=True),
+        Item(seq_id=9, slot=0, start=12, num_tokens=1, epoch=4, kind=ItemKind.DRAFT, draft_token=33),
+    ]
+
+
+def _tensors(num_rows: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(num_rows)
+    hidden = torch.randn(num_rows, 8, generator=gen)
+    return {
+        "hidden_f32": hidden,
+        "hidden_bf16": hidden.to(torch.bfloat16),
+        "hidden_f16": hidden.to(torch.float16),
+        "ids_i64": torch.randint(-(2**40), 2**40, (num_rows,), generator=gen),
+        "ids_i32": torch.randint(-(2**30), 2**30, (num_rows, 2), generator=gen, dtype=torch.int32),
+        "mask_u8": torch.randint(0, 256, (num_rows,), generator=gen, dtype=torch.uint8),
+    }
+
+
+# -- round trips ------------------------------------------------------------------------------------
+
+def test_small_message_round_trips_inline_in_one_frame():
+    msg = Message(MessageKind.FORWARD, _items(), _tensors(4), {"step": 3, "note": "x", "ratio": 0.5})
+    got, inline = _round_trip(msg)
+    assert inline, "a small message must travel in the first frame"
+    _assert_same(got, msg)
+
+
+def test_large_message_round_trips_with_a_separate_payload():
+    msg = Message(MessageKind.RESULT, _items(), _tensors(200), {"k": [1, 2, 3]})
+    got, inline = _round_trip(msg)
+    assert not inline, "a payload larger than the frame must not be inlined"
+    _assert_same(got, msg)
+
+
+def test_non_contiguous_tensor_round_trips_as_its_values():
+    t = torch.arange(24, dtype=torch.float32).view(4, 6).t()  # [6, 4], not contiguous
+    msg = Message(MessageKind.FORWARD, tensors={"t": t})
+    got, _ = _round_trip(msg)
+    assert torch.equal(got.tensors["t"], t)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 576), (3, 0, 2)])
+@pytest.mark.parametrize("inline_payload", [True, False])
+def test_zero_size_tensors_round_trip(shape, inline_payload):
+    msg = Message(MessageKind.FORWARD, tensors={"empty": torch.empty(shape, dtype=torch.bfloat16),
+                                                 "ids": torch.tensor([1, 2], dtype=torch.int64)})
+    # A frame that holds the header but not the 16 payload bytes forces a separate payload.
+    frame_bytes = FRAME if inline_payload else header_end(encode_header(msg, frame_bytes=FRAME)[0]) + 8
+    got, inline = _round_trip(msg, frame_bytes=frame_bytes)
+    assert inline == inline_payload
+    _assert_same(got, msg)
+
+
+def test_message_without_tensors_or_items_round_trips():
+    msg = Message(MessageKind.KEEPALIVE)
+    got, inline = _round_trip(msg)
+    assert inline
+    _assert_same(got, msg)
+
+
+def test_bfloat16_bytes_are_preserved_exactly():
+    t = torch.tensor([1.0, -2.5, 3.0e38, float("inf"), float("-inf"), 1e-40], dtype=torch.bfloat16)
+    got, _ = _round_trip(Message(MessageKind.FORWARD, tensors={"b": t}))
+    assert torch.equal(got.tensors["b"].view(torch.int16), t.view(torch.int16))
+
+
+@pytest.mark.xfail(reason="wire._tensor_bytes calls t.view(torch.uint8) on a 0-dim tensor, which torch "
+                          "refuses for dtypes wider than one byte (RuntimeError)", strict=True)
+def test_zero_dim_scalar_tensor_round_trips():
+    msg = Message(MessageKind.FORWARD, tensors={"scalar": torch.tensor(3.5), "n": torch.tensor(7)})
+    got, _ = _round_trip(msg)
+    _assert_same(got, msg)
+
+
+def test_header_too_big_for_the_frame_is_a_wire_error():
+    items = [Item(seq_id=i, slot=0, start=0, num_tokens=1) for i in range(200)]
+    with pytest.raises(WireError, match="does not fit the 256-byte frame"):
+        encode_header(Message(MessageKind.FORWARD, items), frame_bytes=256)
+
+
+def test_default_frame_holds_a_decode_micro_batch_of_one_hidden_row_inline():
+    msg = Message(MessageKind.FORWARD, _items()[:1], {"hidden": torch.zeros(1, 576, dtype=torch.bfloat16)})
+    _, inline = encode_header(msg, frame_bytes=DEFAULT_FRAME_BYTES)
+    assert inline
+
+
+# -- decode_header rejects ----------------------------------------------------------------------------
+
+def _valid_fields(**overrides: Any) -> dict[str, Any]:
+    fields = {"kind": int(MessageKind.FORWARD), "items": [it.to_wire() for it in _items()],
+              "tensors": [["hidden", "float32", [2, 4]], ["ids", "int64", [2]]],
+              "payload_bytes": 2 * 4 * 4 + 2 * 8, "inline": False, "on_device": False, "meta": {}}
+    fields.update(overrides)
+    return fields
+
+
+def _frame(fields: Any, *, frame_bytes: int = FRAME, raw_header: bytes | None = None) -> bytes:
+    header = msgpack.packb(fields) if raw_header is None else raw_header
+    frame = bytearray(frame_bytes)
+    PREFIX.pack_into(frame, 0, MAGIC, len(header))
+    frame[PREFIX.size:PREFIX.size + len(header)] = header
+    return bytes(frame)
+
+
+def _rejects(frame: bytes, match: str, *, limit: int = LIMIT) -> None:
+    with pytest.raises(WireError, match=match):
+        decode_header(frame, max_payload_bytes=limit)
+
+
+def test_hand_built_valid_header_is_accepted():
+    header = decode_header(_frame(_valid_fields()), max_payload_bytes=LIMIT)
+    assert isinstance(header, Header)
+    assert header.items == _items() and header.payload_bytes == 48
+    assert [(s.name, s.dtype, s.shape) for s in header.specs] == [("hidden", torch.float32, (2, 4)),
+                                                                    ("ids", torch.int64, (2,))]
+
+
+def test_rejects_bad_magic_naming_it():
+    frame = bytearray(_frame(_valid_fields()))
+    frame[:4] = b"SPD0"
+    _rejects(bytes(frame), r"bad magic b'SPD0'")
+
+
+def test_rejects_a_frame_shorter_than_its_prefix():
+    _rejects(MAGIC + b"\x01", "shorter than its prefix")
+
+
+def test_rejects_a_header_length_past_the_frame():
+    frame = bytearray(_frame(_valid_fields(), frame_bytes=256))
+    struct.pack_into("<I", frame, 4, 253)
+    _rejects(bytes(frame), r"header length 253 exceeds the 256-byte frame")
+
+
+def test_rejects_a_truncated_header():
+    header = msgpack.packb(_valid_fields())
+    _rejects(_frame(None, raw_header=header[:-5]), "undecodable header")
+
+
+@pytest.mark.parametrize("garbage", [b"\xc1", b"\xc1\xc1\xc1\xc1", b"\x92\x01"])
+def test_rejects_garbage_msgpack(garbage):
+    _rejects(_frame(None, raw_header=garbage), "undecodable header")
+
+
+@pytest.mark.parametrize("value", [[1, 2], "header", 5, None])
+def test_rejects_a_header_that_is_not_a_map(value):
+    _rejects(_frame(value), "missing or unknown keys")
+
+
+def test_rejects_non_string_map_keys():
+    _rejects(_frame(None, raw_header=msgpack.packb({1: 2})), "undecodable header")
+
+
+def test_rejects_an_unknown_header_key():
+    _rejects(_frame(_valid_fields(extra=1)), "missing or unknown keys")
+
+
+def test_rejects_a_missing_header_key():
+    fields = _valid_fields()
+    del fields["meta"]
+    _rejects(_frame(fields), "missing or unknown keys")
+
+
+@pytest.mark.parametrize("kind", [99, -1, "FORWARD", None, [0]])
+def test_rejects_an_unknown_message_kind_naming_it(kind):
+    _rejects(_frame(_valid_fields(kind=kind)), re.escape(f"unknown message kind {kind!r}"))
+
+
+@pytest.mark.parametrize(("field", "value"), [("items", {"a": 1}), ("items", 3), ("meta", [1]), ("meta", None)])
+def test_rejects_items_or_meta_of_the_wrong_type(field, value):
+    _rejects(_frame(_valid_fields(**{field: value})), "items/meta have the wrong type")
+
+
+def _item_wire(**overrides: Any) -> list[Any]:
+    base = dict(seq_id=1, slot=0, start=4, num_tokens=2, epoch=0, kind=1, token_ids=[3, 4], want_logits=False,
+                draft_token=-1)
+    base.update(overrides)
+    return list(base.values())
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    (_item_wire(seq_id="1"), "seq_id is not an int"),
+    (_item_wire(slot=1.0), "slot is not an int"),
+    (_item_wire(start=True), "start is not an int"),
+    (_item_wire(want_logits=1), "want_logits is not a bool"),
+    (_item_wire(token_ids=[1, "2"]), "token_ids is not a list of ints"),
+    (_item_wire(token_ids=3), "token_ids is not a list of ints"),
+    (_item_wire(kind=7), "unknown kind 7"),
+    (_item_wire(start=-1), "negative start"),
+    (_item_wire(slot=-2), "negative start/slot/epoch"),
+    (_item_wire(epoch=-1), "negative start/slot/epoch"),
+    (_item_wire(num_tokens=0), "num_tokens 0 < 1"),
+    (_item_wire(token_ids=[3, 4, 5]), "carries 3 token ids for 2 positions"),
+    (_item_wire()[:-1], "expected a list of 9 fields"),
+    ({"seq_id": 1}, "expected a list of 9 fields"),
+])
+def test_rejects_a_malformed_item_naming_the_problem(raw, match):
+    _rejects(_frame(_valid_fields(items=[raw])), match)
+
+
+@pytest.mark.parametrize("spec", [
+    ["x", "float64", [2]],          # dtype not on the wire
+    ["x", "complex64", [2]],
+    ["x", 5, [2]],
+    [5, "float32", [2]],            # name not a string
+    ["x", "float32", [-1]],         # negative dim
+    ["x", "float32", [2.0]],        # float dim
+    ["x", "float32", 2],            # shape not a list
+    ["x", "float32"],               # too short
+])
+def test_rejects_a_malformed_tensor_spec_naming_it(spec):
+    _rejects(_frame(_valid_fields(tensors=[spec], payload_bytes=8)), "malformed tensor spec")
+
+
+@pytest.mark.xfail(reason="wire._spec evaluates `raw[1] in DTYPES` on an unhashable dtype field, "
+                          "so decode_header raises TypeError instead of WireError", strict=True)
+@pytest.mark.parametrize("dtype", [["float32"], {"a": 1}])
+def test_rejects_an_unhashable_dtype_in_a_tensor_spec(dtype):
+    _rejects(_frame(_valid_fields(tensors=[["x", dtype, [2]]], payload_bytes=8)), "malformed tensor spec")
+
+
+def test_rejects_a_tensor_list_that_is_not_a_list():
+    _rejects(_frame(_valid_fields(tensors={"x": 1}, payload_bytes=0)), "tensors is not a list")
+
+
+@pytest.mark.parametrize("payload", [47, 49, 0, "48", 48.0, None])
+def test_rejects_payload_bytes_disagreeing_with_the_specs(payload):
+    _rejects(_frame(_valid_fields(payload_bytes=payload)), rf"payload_bytes {payload!r} disagrees")
+
+
+def test_rejects_a_payload_over_the_stage_limit_naming_both_sizes():
+    _rejects(_frame(_valid_fields()), r"payload of 48 bytes exceeds this stage's limit of 47", limit=47)
+    decode_header(_frame(_valid_fields()), max_payload_bytes=48)  # exactly at the limit is fine
+
+
+def test_rejects_a_huge_declared_shape_before_any_receive():
+    huge = 2**40
+    fields = _valid_fields(tensors=[["x", "uint8", [huge]]], payload_bytes=huge)
+    _rejects(_frame(fields), rf"payload of {huge} bytes exceeds")
+
+
+def test_rejects_an_inline_payload_that_does_not_fit_the_frame():
+    fields = _valid_fields(tensors=[["x", "uint8", [200]]], payload_bytes=200, inline=True)
+    _rejects(_frame(fields, frame_bytes=256), "inline payload does not fit")
+
+
+@pytest.mark.parametrize("inline", [1, "yes", None])
+def test_rejects_a_non_bool_inline_flag(inline):
+    _rejects(_frame(_valid_fields(inline=inline)), "inline payload does not fit")
+
+
+@pytest.mark.parametrize(("inline", "on_device"), [(False, 1), (False, None), (True, True)])
+def test_rejects_a_malformed_or_contradictory_on_device_flag(inline, on_device):
+    _rejects(_frame(_valid_fields(inline=inline, on_device=on_device)), "on_device flag is malformed")
+
+
+# -- fuzzing ----------------------------------------------------------------------------------------
+
+def _decode_or_wire_error(frame: bytes) -> None:
+    try:
+        header = decode_header(frame, max_payload_bytes=LIMIT)
+    except WireError:
+        return
+    assert isinstance(header, Header)
+    assert header.payload_bytes == sum(s.nbytes for s in header.specs) <= LIMIT
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=256))
+def test_fuzz_random_bytes_decode_or_raise_wire_error(frame):
+    _decode_or_wire_error(frame)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(header=st.binary(max_size=200), extra=st.integers(0, 64))
+def test_fuzz_random_header_bytes_after_a_valid_prefix_decode_or_raise_wire_error(header, extra):
+    _decode_or_wire_error(_frame(None, raw_header=header, frame_bytes=PREFIX.size + len(header) + extra))
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+                     st.text(max_size=8), st.binary(max_size=8))
+# Lists and string-keyed maps only: lists are what msgpack decodes arrays to, so a value here can be
+# unhashable exactly where a hostile peer can make it so.
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(sorted(_valid_fields())), value=_values)
+def test_fuzz_one_header_field_replaced_by_any_value_decodes_or_raises_wire_error(field, value):
+    if field == "tensors" and isinstance(value, list):
+        # A list-valued dtype hits the known TypeError in wire._spec (see the xfail above); keep that
+        # one case out so this test still checks every other shape of a hostile tensor list.
+        value = [v for v in value if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+                                          and isinstance(v[1], list | dict))]
+    _decode_or_wire_error(_frame(_valid_fields(**{field: value})))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(index=st.integers(0, 8), value=_values)
+def test_fuzz_one_item_field_replaced_by_any_value_decodes_or_raises_wire_error(index, value):
+    raw = _item_wire()
+    raw[index] = value
+    _decode_or_wire_error(_frame(_valid_fields(items=[raw])))
