@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import datetime
 import itertools
 import logging
 import queue
@@ -24,7 +23,6 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 import torch
-import torch.distributed as dist
 
 from pipeline.items import Item
 from pipeline.predictors import ExitGuess, Predictor, make_predictor
@@ -34,7 +32,7 @@ from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.wire import Message, MessageKind
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
-from workers.channel import Channel, ChannelError, rank_name
+from workers.channel import Channel, ChannelError, DataPlaneGroup, rank_name
 from workers.convert import StageLoadSpec, spec_to_proto
 
 log = logging.getLogger("speedpipe.coordinator")
@@ -242,11 +240,9 @@ class Coordinator:
 
     def _join_process_group(self) -> None:
         cfg = self.config
-        backend = "cpu:gloo,cuda:nccl" if cfg.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend=backend, init_method=f"tcp://{cfg.dist_master_addr}:{cfg.dist_master_port}",
-                                rank=0, world_size=cfg.num_stages + 1,
-                                timeout=datetime.timedelta(seconds=cfg.stage_timeout_s))
-        self.data = Channel(timeout_s=cfg.stage_timeout_s, label="[coordinator] ",
+        group = DataPlaneGroup(master_addr=cfg.dist_master_addr, master_port=cfg.dist_master_port, rank=0,
+                               world_size=cfg.num_stages + 1, timeout_s=cfg.stage_timeout_s, device="cpu")
+        self.data = Channel(group, timeout_s=cfg.stage_timeout_s, label="[coordinator] ",
                             max_payload_bytes=(1 << 20) * max(64, cfg.max_num_seqs))
 
     def _warm_up(self) -> None:
@@ -427,5 +423,3 @@ class Coordinator:
                 pass
         for ch in self.channels:
             ch.close()
-        if dist.is_initialized() and self.failure is None:
-            dist.destroy_process_group()

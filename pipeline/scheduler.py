@@ -7,8 +7,8 @@ same object with the same calls. Must not: do I/O, know about ranks, tokenizers 
 
 [Note: micro-batching]
 With S stages, at most `max_inflight_batches` (default S) micro-batches are in the pipeline at
-once. Sequences whose last item came back are "ready"; each new micro-batch takes up to
-ceil(running / S) ready sequences, so M sequences settle into S interleaved groups and every stage
+once. Sequences whose last item came back are "ready"; each new micro-batch takes
+ceil(ready / free micro-batch slots) of them, so M sequences settle into S interleaved groups and every stage
 has work whenever M >= S (utilisation min(M, S) / S, ARCHITECTURE.md §5). Prefills join the same
 micro-batches as decodes (packed rows, no padding).
 """
@@ -185,7 +185,10 @@ class Scheduler:
         if self.inflight_batches >= self.config.max_inflight_batches:
             return None
         self._admit_waiting()
-        size = max(1, math.ceil(self.num_running / self.config.num_stages))
+        # Spread the ready sequences over the free micro-batch slots (5 sequences on 4 stages ->
+        # 2,1,1,1), so every stage has work whenever sequences >= stages.
+        free = self.config.max_inflight_batches - self.inflight_batches
+        size = max(1, math.ceil(len(self.ready) / free))
         batch = self._take(self.ready, size) or self._take(self.drafting, self.config.max_num_seqs)
         if not batch:
             return None

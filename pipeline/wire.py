@@ -190,7 +190,7 @@ def payload_bytes_of(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
+    t = t.detach().contiguous().cpu().reshape(-1)
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
@@ -208,7 +208,7 @@ def _item(raw: Any) -> Item:
 
 
 def _spec(raw: Any) -> TensorSpec:
-    if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str) and raw[1] in DTYPES
+    if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str) and isinstance(raw[1], str) and raw[1] in DTYPES
             and isinstance(raw[2], list) and all(type(d) is int and d >= 0 for d in raw[2])):
         raise WireError(f"malformed tensor spec {raw!r}")
     return TensorSpec(raw[0], DTYPES[raw[1]], tuple(raw[2]))

@@ -1,10 +1,12 @@
 """Data-plane channel: ordered point-to-point messages between neighbour ranks.
 
-Owns moving `pipeline.wire.Message`s over torch.distributed (gloo for CPU tensors, NCCL for CUDA
-tensors when the process group was created with backend "cpu:gloo,cuda:nccl"), the per-wait
-deadline, and turning transport failures into `ChannelError`s that name the peer.
+Owns the data-plane process group of one pipeline (a TCPStore rendezvous plus a gloo group for
+CPU tensors and, on CUDA, an NCCL group for hidden states), moving `pipeline.wire.Message`s over
+it, the per-wait deadline, and turning transport failures into `ChannelError`s naming the peer.
 Must not: interpret items or decide what runs (the stage loop and coordinator do).
 
+The groups are explicit objects, never torch.distributed's process-global default group, so one
+process can drive several pipelines (benchmarks, tests, a server restarting its pipeline).
 Ranks: 0 is the coordinator, stage i is rank i + 1 (see launcher/coordinator.py).
 """
 
@@ -29,6 +31,29 @@ from pipeline.wire import (
 )
 
 
+class DataPlaneGroup:
+    """Rendezvous and process groups of one pipeline: gloo always, NCCL too when `device` is CUDA.
+
+    Blocks until all `world_size` ranks joined (or `timeout_s` passed: RuntimeError from torch).
+    Rank 0 hosts the TCPStore at master_addr:master_port.
+    """
+
+    def __init__(self, *, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float,
+                 device: str = "cpu") -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size = rank, world_size
+        self.store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout,
+                                   wait_for_workers=True)
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, timeout)
+        self.nccl = None
+        if device.startswith("cuda"):
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), rank, world_size)
+
+    def group_for(self, t: torch.Tensor):
+        """The process group that moves tensors on `t`'s device."""
+        return self.gloo if t.device.type == "cpu" else self.nccl
+
+
 class ChannelError(RuntimeError):
     """A data-plane transfer failed: the peer timed out, died, or sent a malformed message."""
 
@@ -47,9 +72,10 @@ class Channel:
     healthy but idle stage always hears something well within its deadline.
     """
 
-    def __init__(self, *, timeout_s: float, device: torch.device | str = "cpu",
+    def __init__(self, group: DataPlaneGroup, *, timeout_s: float, device: torch.device | str = "cpu",
                  frame_bytes: int = DEFAULT_FRAME_BYTES, max_payload_bytes: int = 1 << 31,
                  label: str = "") -> None:
+        self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.device = torch.device(device)
@@ -62,16 +88,16 @@ class Channel:
     def send(self, msg: Message, dst: int) -> None:
         """Send `msg` to rank `dst`. Raises ChannelError if the peer does not take it in time."""
         frame, inline = encode_header(msg, frame_bytes=self.frame_bytes)
-        self._wait(dist.isend(torch.frombuffer(frame, dtype=torch.uint8), dst), "send to", dst)
+        self._wait(self._send(torch.frombuffer(frame, dtype=torch.uint8), dst), "send to", dst)
         self.bytes_sent += self.frame_bytes
         if inline or not msg.tensors:
             return
         if any(t.device.type != "cpu" for t in msg.tensors.values()):
             for t in msg.tensors.values():
-                self._wait(dist.isend(t.contiguous(), dst), "send to", dst)
+                self._wait(self._send(t.contiguous(), dst), "send to", dst)
         else:
             payload = payload_bytes_of(msg.tensors)
-            self._wait(dist.isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst), "send to", dst)
+            self._wait(self._send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst), "send to", dst)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in msg.tensors.values())
 
     def recv(self, src: int) -> Message:
@@ -81,7 +107,7 @@ class Channel:
         """
         frame = torch.empty(self.frame_bytes, dtype=torch.uint8)
         start = time.perf_counter_ns()
-        self._wait(dist.irecv(frame, src), "receive from", src)
+        self._wait(self._recv(frame, src), "receive from", src)
         raw = frame.numpy()
         try:
             header = decode_header(memoryview(raw), max_payload_bytes=self.max_payload_bytes)
@@ -93,15 +119,21 @@ class Channel:
             tensors = {}
             for spec in header.specs:
                 t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-                self._wait(dist.irecv(t, src), "receive from", src)
+                self._wait(self._recv(t, src), "receive from", src)
                 tensors[spec.name] = t
         else:
             payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
             if header.payload_bytes:
-                self._wait(dist.irecv(payload, src), "receive from", src)
+                self._wait(self._recv(payload, src), "receive from", src)
             tensors = split_payload(memoryview(payload.numpy()), header.specs)
         self.wait_ns += time.perf_counter_ns() - start
         return Message(header.kind, header.items, tensors, header.meta)
+
+    def _send(self, t: torch.Tensor, dst: int):
+        return self.group.group_for(t).send([t], dst, 0)
+
+    def _recv(self, t: torch.Tensor, src: int):
+        return self.group.group_for(t).recv([t], src, 0)
 
     def _wait(self, work, verb: str, peer: int) -> None:
         try:

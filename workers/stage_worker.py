@@ -13,7 +13,6 @@ stdin reaches EOF (its launcher died) or on Shutdown.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import socket
@@ -25,7 +24,6 @@ from concurrent import futures
 import grpc
 import psutil
 import torch
-import torch.distributed as dist
 
 from pipeline.config import ModelConfig
 from pipeline.model import build_stage_model
@@ -34,7 +32,7 @@ from pipeline.stage_executor import StageExecutor
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
-from workers.channel import Channel
+from workers.channel import Channel, DataPlaneGroup
 from workers.convert import StageLoadSpec, spec_from_proto
 from workers.stage_loop import StageLoop
 
@@ -113,14 +111,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     def _join_data_plane(self, spec: StageLoadSpec) -> None:
         """Join the process group (blocks until every rank joined) and start the data-plane loop."""
-        backend = "cpu:gloo,cuda:nccl" if spec.device.startswith("cuda") else "gloo"
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{spec.dist_master_addr}:{spec.dist_master_port}",
-            rank=spec.dist_rank, world_size=spec.dist_world_size,
-            timeout=datetime.timedelta(seconds=spec.stage_timeout_s),
-        )
+        group = DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
+                               rank=spec.dist_rank, world_size=spec.dist_world_size,
+                               timeout_s=spec.stage_timeout_s, device=spec.device)
         hidden_bytes = self.executor.model.config.hidden_size * 4
-        channel = Channel(timeout_s=spec.stage_timeout_s, device=spec.device, label=f"[Stage {spec.stage_index}] ",
+        channel = Channel(group, timeout_s=spec.stage_timeout_s, device=spec.device, label=f"[Stage {spec.stage_index}] ",
                           max_payload_bytes=max(hidden_bytes, self.executor.model.config.vocab_size * 4)
                           * spec.max_model_len * spec.max_num_seqs)
         self.loop = StageLoop(executor=self.executor, channel=channel, stage_index=spec.stage_index,
@@ -222,8 +217,6 @@ def serve(argv: list[str] | None = None) -> int:
     if servicer.loop is not None:
         servicer.loop.stopped.wait(timeout=5.0)
     server.stop(grace=1.0).wait(2.0)
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 
