@@ -28,6 +28,7 @@ from pipeline.items import Item
 from pipeline.predictors import ExitGuess, Predictor, make_predictor
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Commit, Scheduler, SchedulerConfig
+from pipeline.timeline import Timeline
 from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.wire import Message, MessageKind
 from proto import speedpipe_pb2 as pb
@@ -155,26 +156,6 @@ class CoordinatorConfig:
         return self.stage_timeout_s / 4
 
 
-class StageTime:
-    """Per-stage compute time split into useful (work whose result was committed) and wasted
-    (squashed or otherwise discarded work), from the [stage, start_ns, end_ns] timings that
-    every stage appends to a micro-batch's metadata."""
-
-    def __init__(self, num_stages: int) -> None:
-        self.useful_ns = [0] * num_stages
-        self.wasted_ns = [0] * num_stages
-
-    def add(self, timing: list, useful_share: float) -> None:
-        for stage, start_ns, end_ns in timing:
-            spent = end_ns - start_ns
-            self.useful_ns[stage] += round(spent * useful_share)
-            self.wasted_ns[stage] += spent - round(spent * useful_share)
-
-    def reset(self) -> None:
-        self.useful_ns = [0] * len(self.useful_ns)
-        self.wasted_ns = [0] * len(self.wasted_ns)
-
-
 class Coordinator:
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
@@ -192,7 +173,7 @@ class Coordinator:
             eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,
             max_inflight=config.max_inflight),
             (predictor or make_predictor(config.predictor)) if config.speculate else None)
-        self.stage_time = StageTime(config.num_stages)
+        self.timeline = Timeline(config.num_stages)
         self.data: Channel | None = None
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}
@@ -341,7 +322,7 @@ class Coordinator:
         commits = self.scheduler.on_result(sent, msg.items, msg.tensors["token_ids"], msg.tensors.get("logits"))
         committed = {c.seq_id for c in commits}
         useful = sum(1 for it in msg.items if it.seq_id in committed)
-        self.stage_time.add(msg.meta.get("timing", []), useful / len(sent) if sent else 0.0)
+        self.timeline.record(msg.meta.get("timing", []), sent, useful / len(sent) if sent else 0.0)
         for commit in commits:
             handle = self.handles.get(commit.seq_id)
             if handle is None:
@@ -395,7 +376,7 @@ class Coordinator:
     def reset_stats(self) -> None:
         """Zero every stage's counters and the coordinator's speculation / useful-time totals.
         Call while idle (the engine thread owns these counters while requests run)."""
-        self.stage_time.reset()
+        self.timeline.reset()
         self.scheduler.spec = type(self.scheduler.spec)()
         for stub in self.stubs:
             stub.Reset(pb.ResetRequest(reset_stats=True), timeout=10)

@@ -32,7 +32,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str], params: Sequenc
     stage_stats = coord.stage_stats()
     generated = sum(len(r.token_ids) for r in results)
     stages = []
-    times, spec = coord.stage_time, coord.scheduler.spec
+    times, spec = coord.timeline, coord.scheduler.spec
     for i, (st, r) in enumerate(zip(stage_stats, session.model.ranges, strict=True)):
         wall = st.wall_ns or 1
         stages.append({
@@ -49,5 +49,5 @@ def run_launch(session: PipelineSession, prompts: Sequence[str], params: Sequenc
                   "tokens_per_s": round(generated / wall_s, 3) if wall_s > 0 else 0.0,
                   "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
                   "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
-                  "squashed_items": spec.squashed_items, "stages": stages},
+                  "squashed_items": spec.squashed_items, **times.draft_gap(0), "stages": stages},
     }
