@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 import torch
 
-from pipeline.items import Item
+from pipeline.items import Item, ItemKind
 from pipeline.predictors import ExitGuess, Predictor, make_predictor
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Commit, Scheduler, SchedulerConfig
@@ -306,7 +306,7 @@ class Coordinator:
             self.data.send(Message(MessageKind.RELEASE, meta={"seq_ids": list(seq_ids), "slots": list(slots)}), 1)
             for seq_id in seq_ids:
                 self.handles.pop(seq_id, None)
-        while (batch := self.scheduler.next_batch()) is not None:
+        while (batch := self.scheduler.next_batch(time.perf_counter_ns())) is not None:
             tokens = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
             self.data.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens}), 1)
             self.sent.append(batch)
@@ -315,14 +315,20 @@ class Coordinator:
         tokens, probs = msg.tensors.get("exit_tokens"), msg.tensors.get("exit_probs")
         guesses = [None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
                    for i in range(len(msg.items))]
-        self.scheduler.on_exit(msg.items, guesses)
+        timing = msg.meta.get("timing")
+        self.scheduler.on_exit(msg.items, guesses, timing[-1][2] if timing else time.perf_counter_ns())
 
     def _on_result(self, msg: Message) -> None:
         sent = self.sent.pop(0)
-        commits = self.scheduler.on_result(sent, msg.items, msg.tensors["token_ids"], msg.tensors.get("logits"))
+        commits = self.scheduler.on_result(sent, msg.items, msg.tensors["token_ids"], msg.tensors.get("logits"),
+                                           time.perf_counter_ns())
         committed = {c.seq_id for c in commits}
         useful = sum(1 for it in msg.items if it.seq_id in committed)
-        self.timeline.record(msg.meta.get("timing", []), sent, useful / len(sent) if sent else 0.0)
+        ready = [self.scheduler.draft_ready_ns.pop((it.seq_id, it.start, it.epoch), 0) for it in sent
+                 if it.kind == ItemKind.DRAFT]
+        drafts_only = bool(ready) and len(ready) == len(sent)
+        self.timeline.record(msg.meta.get("timing", []), sent, useful / len(sent) if sent else 0.0,
+                             max(ready) if drafts_only else None)
         for commit in commits:
             handle = self.handles.get(commit.seq_id)
             if handle is None:

@@ -78,6 +78,8 @@ class SequenceState:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     pending: Item | None = None  # the next item to send (real or draft)
+    exit_seen: tuple[int, int, ExitGuess | None] | None = None  # (position, epoch, guess) of the last exit event
+    pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
 
     @property
     def finished(self) -> bool:
@@ -139,6 +141,9 @@ class Scheduler:
         self.inflight_batches = 0
         self.to_release: list[tuple[int, int]] = []  # (seq_id, slot) to free on every stage
         self.spec = SpecCounters()
+        # (seq_id, start, epoch) of each sent draft -> when it became available (caller's clock),
+        # for measuring the control overhead; the caller pops entries when results come back.
+        self.draft_ready_ns: dict[tuple[int, int, int], int] = {}
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
@@ -180,8 +185,9 @@ class Scheduler:
         return any(not s.finished for s in self.seqs.values())
 
     # -- micro-batches ----------------------------------------------------------------------------
-    def next_batch(self) -> list[Item] | None:
-        """The next micro-batch to send to stage 0, or None if the pipeline is full or idle."""
+    def next_batch(self, now_ns: int = 0) -> list[Item] | None:
+        """The next micro-batch to send to stage 0, or None if the pipeline is full or idle.
+        now_ns: the caller's clock (real or simulated), used only for the overhead measurements."""
         if self.inflight_batches >= self.config.max_inflight_batches:
             return None
         self._admit_waiting()
@@ -189,13 +195,13 @@ class Scheduler:
         # 2,1,1,1), so every stage has work whenever sequences >= stages.
         free = self.config.max_inflight_batches - self.inflight_batches
         size = max(1, math.ceil(len(self.ready) / free))
-        batch = self._take(self.ready, size) or self._take(self.drafting, self.config.max_num_seqs)
+        batch = self._take(self.ready, size, now_ns) or self._take(self.drafting, self.config.max_num_seqs, now_ns)
         if not batch:
             return None
         self.inflight_batches += 1
         return batch
 
-    def _take(self, queue: collections.deque[int], size: int) -> list[Item]:
+    def _take(self, queue: collections.deque[int], size: int, now_ns: int) -> list[Item]:
         batch: list[Item] = []
         while queue and len(batch) < size:
             seq = self.seqs[queue.popleft()]
@@ -205,9 +211,11 @@ class Scheduler:
             if item.kind == ItemKind.DRAFT:
                 seq.ledger.add_draft(item.token_ids[0])
                 self.spec.drafted_tokens += 1
+                self.draft_ready_ns[(item.seq_id, item.start, item.epoch)] = seq.pending_ready_ns
             else:
                 seq.ledger.add_real(item.token_ids[-1])
             batch.append(item)
+            self._try_draft(seq, now_ns)  # predictors without an exit head draft as soon as the item is sent
         return batch
 
     def _admit_waiting(self) -> None:
@@ -231,28 +239,46 @@ class Scheduler:
         self.ready.append(seq.seq_id)
 
     # -- exit-layer events (speculation) ------------------------------------------------------------
-    def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None]) -> None:
+    def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None], now_ns: int = 0) -> None:
         """Items passed the exit layer: propose a draft after each chain end (see
-        [Note: speculation policy]). guesses: the exit head's output per item (None if no head)."""
+        [Note: speculation policy]). guesses: the exit head's output per item (None if no head);
+        now_ns: when they passed it (caller's clock)."""
         if not self.config.speculate:
             return
         for item, guess in zip(items, guesses, strict=True):
             seq = self.seqs.get(item.seq_id)
-            if seq is None or seq.finished or seq.pending is not None or item.kind == ItemKind.PREFILL:
+            if seq is None or seq.finished:
                 continue
-            position = item.end - 1
-            if not seq.ledger.can_draft_after(position, item.epoch, max_inflight=self.config.max_inflight):
-                continue
-            draft = self.predictor.propose(seq.context(), guess)
-            if draft is None:
-                continue
-            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=position + 1, num_tokens=1, epoch=seq.epoch,
-                               kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=not seq.params.is_greedy)
-            self.drafting.append(seq.seq_id)
+            seq.exit_seen = (item.end - 1, item.epoch, guess)
+            self._try_draft(seq, now_ns)
+
+    def _try_draft(self, seq: SequenceState, now_ns: int) -> None:
+        """Queue a draft after the sequence's chain end if the ledger allows one and the chain end
+        has passed the exit layer (or the predictor needs no exit head). Called on exit events,
+        after sends, and when a result frees room in the chain, so a refused draft is retried."""
+        if not self.config.speculate or seq.finished or seq.pending is not None or not seq.ledger.inflight:
+            return
+        end = seq.ledger.inflight[-1]
+        if end.position < seq.ledger.prompt_len:  # the first token after prefill is never drafted
+            return
+        guess = None
+        if self.predictor.needs_exit_head:
+            if seq.exit_seen is None or seq.exit_seen[:2] != (end.position, end.epoch):
+                return
+            guess = seq.exit_seen[2]
+        if not seq.ledger.can_draft_after(end.position, end.epoch, max_inflight=self.config.max_inflight):
+            return
+        draft = self.predictor.propose(seq.context(), guess)
+        if draft is None:
+            return
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=end.position + 1, num_tokens=1, epoch=end.epoch,
+                           kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=not seq.params.is_greedy)
+        seq.pending_ready_ns = now_ns
+        self.drafting.append(seq.seq_id)
 
     # -- results ----------------------------------------------------------------------------------
     def on_result(self, sent: Sequence[Item], returned: Sequence[Item], token_ids: torch.Tensor,
-                  logits: torch.Tensor | None) -> list[Commit]:
+                  logits: torch.Tensor | None, now_ns: int = 0) -> list[Commit]:
         """Verify and commit the last stage's output for one micro-batch (see [Note: verify]).
 
         sent: the micro-batch as sent; returned: the items that ran on every stage (a subset, in
@@ -270,10 +296,11 @@ class Scheduler:
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
-            commits.append(self._verify_and_commit(seq, item, int(token_ids[i]), row))
+            commits.append(self._verify_and_commit(seq, item, int(token_ids[i]), row, now_ns))
         return commits
 
-    def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: int, row: torch.Tensor | None) -> Commit:
+    def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: int, row: torch.Tensor | None,
+                           now_ns: int) -> Commit:
         draft = seq.ledger.next_draft_token()
         if row is None:
             token = argmax
@@ -295,6 +322,8 @@ class Scheduler:
             self._finish(seq, FinishReason.LENGTH)
         elif not seq.ledger.inflight:
             self._queue_real(seq)
+        else:
+            self._try_draft(seq, now_ns)  # the accepted chain has room again
         return Commit(seq.seq_id, (token,), seq.finish_reason)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:

@@ -39,13 +39,21 @@ class Timeline:
         self.slices: collections.deque[Slice] = collections.deque(maxlen=max_slices)
         self.useful_ns = [0] * num_stages
         self.wasted_ns = [0] * num_stages
+        self.draft_gaps_ns: list[int] = []
+        self._last_end_ns = [0] * num_stages
 
-    def record(self, timing: list, items: list[Item], useful_share: float) -> None:
+    def record(self, timing: list, items: list[Item], useful_share: float, draft_ready_ns: int | None = None) -> None:
         """Add one micro-batch: timing = [[stage, start_ns, end_ns], ...]; useful_share in [0, 1] is
-        the fraction of its items whose results were committed (the rest was squashed work)."""
+        the fraction of its items whose results were committed (the rest was squashed work).
+        draft_ready_ns: for a drafts-only micro-batch, when its drafts became available; the first
+        stage's wait start - max(ready, its previous slice's end) is the control overhead."""
         kinds = tuple(it.kind for it in items)
         seq_ids = tuple(it.seq_id for it in items)
+        if timing and draft_ready_ns and self._last_end_ns[timing[0][0]]:
+            stage, start_ns, _ = timing[0]
+            self.draft_gaps_ns.append(max(0, start_ns - max(draft_ready_ns, self._last_end_ns[stage])))
         for stage, start_ns, end_ns in timing:
+            self._last_end_ns[stage] = max(self._last_end_ns[stage], end_ns)
             s = Slice(stage, start_ns, end_ns, kinds, seq_ids, useful_share)
             self.slices.append(s)
             useful = round(s.duration_ns * useful_share)
@@ -56,16 +64,16 @@ class Timeline:
         self.slices.clear()
         self.useful_ns = [0] * self.num_stages
         self.wasted_ns = [0] * self.num_stages
+        self.draft_gaps_ns = []
+        self._last_end_ns = [0] * self.num_stages
 
     def draft_gap(self, stage: int = 0) -> dict[str, float]:
-        """Control overhead of speculation on `stage`: the idle gap before each slice that runs only
-        drafts (time from the previous slice's end to its start: the exit event's round trip through
-        the coordinator), as mean ms and as a share of the stage's mean compute time per slice."""
-        mine = sorted((s for s in self.slices if s.stage == stage), key=lambda s: s.start_ns)
-        gaps = [b.start_ns - a.end_ns for a, b in zip(mine, mine[1:], strict=False)
-                if b.kinds and all(k == ItemKind.DRAFT for k in b.kinds)]
-        if not gaps:
+        """Control overhead of speculation: the mean time the first stage waited to start a draft
+        after it was available and the stage was free (exit event -> coordinator -> stage 0), in
+        ms and as a share of `stage`'s mean compute time per slice."""
+        mine = [s.duration_ns for s in self.slices if s.stage == stage]
+        if not self.draft_gaps_ns or not mine:
             return {"draft_gap_ms": 0.0, "draft_gap_share": 0.0, "num_gaps": 0}
-        compute = statistics.mean(s.duration_ns for s in mine)
-        return {"draft_gap_ms": statistics.mean(gaps) / 1e6, "draft_gap_share": statistics.mean(gaps) / compute,
-                "num_gaps": len(gaps)}
+        gap = statistics.mean(self.draft_gaps_ns)
+        return {"draft_gap_ms": gap / 1e6, "draft_gap_share": gap / statistics.mean(mine),
+                "num_gaps": len(self.draft_gaps_ns)}

@@ -71,7 +71,7 @@ class StageLoop:
             guesses = {}
             if out.exit_tokens is not None:
                 guesses = {"exit_tokens": out.exit_tokens, "exit_probs": out.exit_probs}
-            self.channel.send(Message(MessageKind.DRAFT, out.items, guesses), 0)
+            self.channel.send(Message(MessageKind.DRAFT, out.items, guesses, {"timing": meta["timing"][-1:]}), 0)
         msg = Message(msg.kind, msg.items, msg.tensors, meta)
         if not self.is_last:
             hidden = out.hidden if out.hidden is not None else torch.empty(0)

