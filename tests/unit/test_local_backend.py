@@ -216,11 +216,11 @@ def test_monitor_reports_the_stage_that_died_with_its_exit_code():
         deaths.append((stage_index, returncode))
         fired.set()
 
-    config = fake_config(3, "--die-after", "2", "--die-after-s", "0.3", "--exit-code", "7")
+    config = fake_config(3, "--die-after", "2", "--die-after-s", "1.5", "--exit-code", "7")
     with LocalStageProcesses(config, log_stream=io.StringIO()) as procs:
         procs.start()
         with StageProcessMonitor(procs, on_death):
-            assert fired.wait(4.0), "monitor did not report the dead stage"
+            assert fired.wait(8.0), "monitor did not report the dead stage"
         assert procs.dead_stages() == [(2, 7)]
     assert deaths == [(2, 7)]
 
@@ -247,7 +247,7 @@ def test_monitor_stop_returns_promptly_while_all_stages_live():
 
 
 def test_monitor_callback_may_stop_all_stages():
-    config = fake_config(3, "--die-after", "0", "--die-after-s", "0.2", "--exit-code", "9")
+    config = fake_config(3, "--die-after", "0", "--die-after-s", "1.5", "--exit-code", "9")
     procs = LocalStageProcesses(config, log_stream=io.StringIO())
     procs.start()
     deaths: list[tuple[int, int]] = []
@@ -257,7 +257,7 @@ def test_monitor_callback_may_stop_all_stages():
         procs.stop(grace_s=1.0)
 
     monitor = StageProcessMonitor(procs, on_death).start()
-    assert wait_until(lambda: not monitor.running, 4.0)
+    assert wait_until(lambda: not monitor.running, 8.0)
     monitor.stop()
     assert deaths == [(0, 9)]
     assert all(process_gone(pid) for pid in procs.pids)
