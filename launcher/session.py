@@ -18,8 +18,14 @@ from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
 from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses, StageProcessMonitor, free_port
 from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model
-from pipeline.partition import LayerRange, balanced_split, parse_layer_split, split_from_sizes
-from pipeline.predictors import PREDICTORS, Predictor
+from pipeline.partition import (
+    LayerRange,
+    balanced_split,
+    head_cost_layers,
+    parse_layer_split,
+    split_from_sizes,
+)
+from pipeline.predictors import PREDICTORS, Predictor, make_predictor
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from workers.convert import DTYPE_CHOICES, StageLoadSpec
@@ -91,6 +97,20 @@ class ResolvedModel:
         return next(i for i, r in enumerate(self.ranges) if self.exit_layer in r)
 
 
+def stage_extra_cost(options: PipelineOptions, config: ModelConfig) -> list[float]:
+    """Per-stage cost beyond its decoder layers, in layer units: the LM head on the last stage, and a
+    logit-lens exit head on stage 0 when speculation uses one there ([Note: partition cost])."""
+    h, d = config.hidden_size, config.head_dim
+    layer_params = (h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+                    + 3 * h * config.intermediate_size)
+    head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=h, layer_params=layer_params)
+    extra = [0.0] * options.num_stages
+    extra[-1] += head
+    if options.speculate == "speed" and options.exit_layer is None and make_predictor(options.predictor).needs_exit_head:
+        extra[0] += head
+    return extra
+
+
 def resolve(options: PipelineOptions) -> ResolvedModel:
     """Resolve and validate the model and split. Raises ValueError / FileNotFoundError (user errors)."""
     model_dir = resolve_model(options.model, cache_dir=options.cache_dir, progress=options.progress)
@@ -101,7 +121,7 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
             raise ValueError(f"--layer-split {options.layer_split} has {len(ranges)} stages, but --stages is "
                              f"{options.num_stages}")
     else:
-        ranges = balanced_split(config.num_hidden_layers, options.num_stages)
+        ranges = balanced_split(config.num_hidden_layers, options.num_stages, extra_cost=stage_extra_cost(options, config))
     reader = CheckpointReader(model_dir)
     for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
         reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
