@@ -96,7 +96,10 @@ class SequenceState:
 
     def context(self) -> list[int]:
         """Prompt, committed and in-flight draft tokens, up to the chain's end (predictor input)."""
-        drafts = [f.token for f in self.ledger.inflight if f.is_draft]
+        # In-flight items at positions < known_len carry committed tokens (an accepted draft stays in
+        # flight until its own result comes back); only later positions are still guesses.
+        known = self.ledger.known_len
+        drafts = [f.token for f in self.ledger.inflight if f.position >= known]
         return self.prompt_ids + self.output_ids + drafts
 
 
@@ -215,7 +218,8 @@ class Scheduler:
             else:
                 seq.ledger.add_real(item.token_ids[-1])
             batch.append(item)
-            self._try_draft(seq, now_ns)  # predictors without an exit head draft as soon as the item is sent
+        for item in batch:  # after the batch is formed: one item per sequence per micro-batch
+            self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
         return batch
 
     def _admit_waiting(self) -> None:
