@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from launcher.coordinator import PipelineError
@@ -138,7 +139,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if n + params[i].max_new_tokens > options.max_model_len:
             raise UsageError(f"prompt {i} ({n} tokens) + --max-new-tokens ({params[i].max_new_tokens}) = "
                              f"{n + params[i].max_new_tokens} exceeds --max-model-len {options.max_model_len}")
-    with PipelineSession(options, model) as session:
+    session = PipelineSession(options, model)
+    if not args.json:
+        say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
+    start = time.perf_counter()
+    with session:
+        if not args.json:
+            say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
     if args.json:
         print(json.dumps(report))
@@ -160,6 +167,11 @@ def print_report(report: dict, *, streamed: bool) -> None:
                 f"{stats['verified_drafts']} drafts), {stats['squashed_items']} items squashed")
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
+
+
+def say(text: str) -> None:
+    """A progress line for people, on stderr (stdout carries only results)."""
+    print(f"[speedpipe] {text}", file=sys.stderr, flush=True)
 
 
 def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctrl-C

@@ -159,11 +159,20 @@ class PipelineSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def placement(self) -> list[str]:
+        """One line per stage: which layers (and which extra modules) it holds."""
+        m, lines = self.model, []
+        for i, r in enumerate(m.ranges):
+            extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
+                     (f"exit head after layer {m.exit_layer}", self.options.speculate == "speed" and i == m.exit_stage))
+                     if holds]
+            lines.append(f"stage {i}: layers {r} ({len(r)})" + "".join(f" + {e}" for e in extra))
+        return lines
+
     def _start(self) -> None:
         opt, m = self.options, self.model
-        for i, r in enumerate(m.ranges):
-            log.info("[Stage %d] layers %s (%d layers)%s%s", i, r, len(r), " + embedding" if i == 0 else "",
-                     " + final norm and LM head" if i == len(m.ranges) - 1 else "")
+        for line in self.placement():
+            log.info("%s", line)
         self.processes = LocalStageProcesses(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage))
         addresses = self.processes.start()
