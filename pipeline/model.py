@@ -98,14 +98,33 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one [q; k; v] matmul (same numbers, fewer kernel calls)."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        fused = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features, bias=q.bias is not None,
+                          device=q.weight.device, dtype=q.weight.dtype)
+        fused.weight = nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=False)
+        if q.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
                 kv: KVCache, layer: int) -> torch.Tensor:
         # x: [num_tokens, hidden]; cos/sin: [num_tokens, head_dim]
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         row = 0
         for span in spans:
@@ -143,9 +162,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replace gate and up projections by one [gate; up] matmul."""
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device, dtype=g.weight.dtype)
+        fused.weight = nn.Parameter(torch.cat([g.weight, u.weight]), requires_grad=False)
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -265,8 +296,11 @@ def random_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.05) 
 
 def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first: bool, is_last: bool,
                       tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu") -> StageModel:
+                      device: torch.device | str = "cpu", fuse: bool = True) -> StageModel:
     """Build a StageModel on the meta device and assign its weights from `tensors` (checkpoint names).
+
+    fuse: concatenate q/k/v and gate/up projections into single matmuls after loading (as vLLM's
+    QKVParallelLinear / MergedColumnParallelLinear do): identical maths, fewer, larger kernels.
 
     Raises ValueError naming the first missing or mis-shaped checkpoint tensor.
     """
@@ -283,4 +317,8 @@ def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first:
         state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
     model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    if fuse:
+        for layer in model.layers.values():
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
     return model.eval()
