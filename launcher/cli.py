@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; run concurrently)")
     g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field per line")
     g.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) as the last line")
+    g.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace (JSON trace events) of the "
+                   "stage timelines: open it in ui.perfetto.dev or chrome://tracing")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     launch.set_defaults(func=cmd_launch)
     return parser
@@ -147,11 +149,25 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
+        if args.trace:
+            write_trace(session, args.trace)
+            if not args.json:
+                say(f"trace written to {args.trace}")
     if args.json:
         print(json.dumps(report))
     else:
         print_report(report, streamed=len(prompts) == 1)
     return 0
+
+
+def write_trace(session: PipelineSession, path: str) -> None:
+    """Write the session's stage timeline as Chrome trace-event JSON."""
+    from pipeline.trace import chrome_trace
+
+    coord = session.coordinator
+    trace = chrome_trace(coord.timeline, commits=list(coord.commit_events))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(trace))
 
 
 def print_report(report: dict, *, streamed: bool) -> None:

@@ -12,6 +12,7 @@ stage). They meet in one event queue, so nothing polls.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -174,6 +175,7 @@ class Coordinator:
             max_inflight=config.max_inflight),
             (predictor or make_predictor(config.predictor)) if config.speculate else None)
         self.timeline = Timeline(config.num_stages)
+        self.commit_events: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1_000_000)
         self.data: Channel | None = None
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}
@@ -322,6 +324,8 @@ class Coordinator:
         sent = self.sent.pop(0)
         commits = self.scheduler.on_result(sent, msg.items, msg.tensors["token_ids"], msg.tensors.get("logits"),
                                            time.perf_counter_ns())
+        now_ns = time.perf_counter_ns()
+        self.commit_events.extend((now_ns, c.seq_id, t) for c in commits for t in c.token_ids)
         committed = {c.seq_id for c in commits}
         useful = sum(1 for it in msg.items if it.seq_id in committed)
         ready = [self.scheduler.draft_ready_ns.pop((it.seq_id, it.start, it.epoch), 0) for it in sent
@@ -383,6 +387,7 @@ class Coordinator:
         """Zero every stage's counters and the coordinator's speculation / useful-time totals.
         Call while idle (the engine thread owns these counters while requests run)."""
         self.timeline.reset()
+        self.commit_events.clear()
         self.scheduler.spec = type(self.scheduler.spec)()
         for stub in self.stubs:
             stub.Reset(pb.ResetRequest(reset_stats=True), timeout=10)
