@@ -148,7 +148,7 @@ class CoordinatorConfig:
     device: str = "cpu"
     speculate: bool = False
     predictor: str = "ngram"
-    exit_stage: int = 0  # stage whose exit layer feeds the predictor
+    exit_stage: int = 0  # stage whose exit layer feeds the predictor; -1 = none (context-only predictors)
     max_inflight: int = 0  # per sequence; 0 = num_stages
 
     @property
@@ -211,7 +211,7 @@ class Coordinator:
         pool.shutdown(wait=False)
         self._warm_up()
         sources = {self.config.num_stages}
-        if self.config.speculate:
+        if self.config.speculate and self.config.exit_stage >= 0:
             sources.add(self.config.exit_stage + 1)
         self._receivers = [threading.Thread(target=self._receive_loop, args=(rank,), name=f"receiver-{rank}",
                                             daemon=True) for rank in sorted(sources)]

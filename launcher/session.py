@@ -159,12 +159,21 @@ class PipelineSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def _needs_exit_head(self) -> bool:
+        """Whether the exit stage must run an exit head and report exit events (predictors that
+        draft from the context alone, like ngram, draft at send time instead)."""
+        if self.options.speculate != "speed":
+            return False
+        predictor = self.predictor or make_predictor(self.options.predictor)
+        return predictor.needs_exit_head
+
     def placement(self) -> list[str]:
         """One line per stage: which layers (and which extra modules) it holds."""
         m, lines = self.model, []
         for i, r in enumerate(m.ranges):
             extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
-                     (f"exit head after layer {m.exit_layer}", self.options.speculate == "speed" and i == m.exit_stage))
+                     (f"exit head after layer {m.exit_layer}", self._needs_exit_head and i == m.exit_stage))
                      if holds]
             lines.append(f"stage {i}: layers {r} ({len(r)})" + "".join(f" + {e}" for e in extra))
         return lines
@@ -181,7 +190,7 @@ class PipelineSession:
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
             device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
-            exit_stage=m.exit_stage, max_inflight=opt.max_inflight), m.tokenizer, addresses,
+            exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight), m.tokenizer, addresses,
             predictor=self.predictor)
         self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
         self.monitor.start()
@@ -190,7 +199,7 @@ class PipelineSession:
             device=opt.device, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             num_threads=opt.threads_per_stage, dist_master_addr="127.0.0.1", dist_master_port=port,
             stage_timeout_s=opt.stage_timeout_s,
-            exit_layer=m.exit_layer if opt.speculate == "speed" else -1,
+            exit_layer=m.exit_layer if self._needs_exit_head else -1,
             predictor=opt.predictor if opt.speculate == "speed" else "") for i, r in enumerate(m.ranges)]
         self.load_responses = self.coordinator.start(specs)
 
