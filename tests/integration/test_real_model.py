@@ -72,14 +72,19 @@ def prompt_ids(smollm2_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def transformers_greedy(transformers_model, prompt_ids) -> list[list[int]]:
-    """transformers' greedy `generate`, one prompt at a time (no padding): [prompt][NUM_NEW_TOKENS]."""
-    outputs = []
+    """transformers' greedy `generate` of all prompts in one left-padded batch: [prompt][NUM_NEW_TOKENS].
+
+    One batch is ~4x faster than one prompt at a time on CPU and gave identical tokens for these
+    prompts; should a near-tie ever make them differ, the mismatch report shows the unpadded logits.
+    """
+    width = max(len(ids) for ids in prompt_ids)
+    pad = 0
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
     with torch.inference_mode():
-        for ids in prompt_ids:
-            out = transformers_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-                max_new_tokens=NUM_NEW_TOKENS, pad_token_id=0)
-            outputs.append(out[0, len(ids):].tolist())
+        out = transformers_model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
+                                          max_new_tokens=NUM_NEW_TOKENS, pad_token_id=pad)
+    outputs = out[:, width:].tolist()
     assert all(len(o) == NUM_NEW_TOKENS for o in outputs), "transformers stopped early"
     return outputs
 
