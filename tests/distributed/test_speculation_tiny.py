@@ -186,12 +186,9 @@ def test_launch_report_counts_speculation_and_splits_busy_time_into_useful_and_w
         assert wasted > 0.0, f"squashed drafts ran on stage {st['stage']} but no time was counted as wasted: {st}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the coordinator never calls Scheduler.pop: every finished SequenceState (prompt and output ids, "
-    "its torch.Generator, ledger) stays in scheduler.seqs for the life of the server; fix: in "
-    "Coordinator._pump, for each released seq_id also `self.scheduler.pop(seq_id)` (which first needs "
-    "Scheduler._take/_admit_waiting to skip ids no longer in self.seqs, see test_speculation_scheduler)"))
 def test_coordinator_forgets_finished_sequences(pipeline: SpecPipeline, refs: References):
+    """A server must not keep every finished sequence (prompt, output, sampler, ledger) forever,
+    also not those whose drafts were still queued when they ended."""
     if pipeline.name != "2-stage-1-slot":
         pytest.skip("one shape is enough")
     pipeline.launch(make_predictor("always-wrong", refs), PROMPTS, [greedy(6)] * len(PROMPTS))

@@ -62,16 +62,19 @@ def prompt_ids(smollm2_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def transformers_greedy(smollm2_dir: Path, prompt_ids) -> list[list[int]]:
-    """transformers' greedy `generate` (float32, never stopping at EOS), one prompt at a time."""
+    """transformers' greedy `generate` (float32, never stopping at EOS) of all prompts in one
+    left-padded batch, as test_real_model.py does (~4x faster on CPU than one at a time, identical
+    tokens for these prompts): [prompt][NUM_NEW_TOKENS]."""
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    outputs = []
+    width, pad = max(len(ids) for ids in prompt_ids), 0
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
     with torch.inference_mode():
-        for ids in prompt_ids:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NUM_NEW_TOKENS, pad_token_id=0)
-            outputs.append(out[0, len(ids):].tolist())
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
+                             max_new_tokens=NUM_NEW_TOKENS, pad_token_id=pad)
+    outputs = out[:, width:].tolist()
     assert all(len(o) == NUM_NEW_TOKENS for o in outputs), "transformers stopped early"
     return outputs
 

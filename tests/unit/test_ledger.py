@@ -76,8 +76,6 @@ def _admit_only_model() -> AdmitOnlyModel:
     return AdmitOnlyModel()
 
 
-
-
 class PipelineSim:
     """Ledgers of `num_seqs` sequences plus a FIFO pipeline of real StageExecutors (admit only)."""
 
