@@ -198,17 +198,24 @@ class Coordinator:
             except grpc.FutureTimeoutError:
                 raise PipelineError(f"stage {i} control plane is not reachable") from None
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(specs) + 1)
-        loads = [pool.submit(stub.Load, spec_to_proto(spec), timeout=timeout_s) for stub, spec in zip(self.stubs, specs, strict=True)]
+        loads = {pool.submit(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
+                 for i, (stub, spec) in enumerate(zip(self.stubs, specs, strict=True))}
         joined = pool.submit(self._join_process_group)
-        responses = []
-        for i, fut in enumerate(loads):
-            try:
-                responses.append(fut.result(timeout=timeout_s))
-            except grpc.RpcError as exc:
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise PipelineError(f"stage {i} failed to load: {exc.details()}") from None
-        joined.result(timeout=timeout_s)
-        pool.shutdown(wait=False)
+        # The first failure wins: a stage whose weights are bad fails its Load at once, while the
+        # others would only time out later waiting for it to join the data plane.
+        done, pending = concurrent.futures.wait([*loads, joined], timeout=timeout_s,
+                                                return_when=concurrent.futures.FIRST_EXCEPTION)
+        pool.shutdown(wait=False, cancel_futures=True)
+        if pending and not any(f.exception() for f in done):
+            raise PipelineError(f"stages did not load and join the data plane within {timeout_s:g} s")
+        failed = sorted((loads.get(f, len(specs)), f) for f in done if f.exception() is not None)
+        if failed:
+            index, fut = failed[0]
+            exc = fut.exception()
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            who = f"stage {index}" if index < len(specs) else "coordinator"
+            raise PipelineError(f"{who} failed to load: {detail}")
+        responses = [f.result() for f in sorted(loads, key=loads.get)]
         self._warm_up()
         sources = {self.config.num_stages}
         if self.config.speculate and self.config.exit_stage >= 0:
@@ -291,10 +298,16 @@ class Coordinator:
             self.handles[seq_id] = handle
             self.scheduler.add(seq_id, handle.prompt_ids, handle.params)
         elif kind == "abort":
-            for seq_id, h in self.handles.items():
-                if h is payload:
-                    self.scheduler.abort(seq_id)
-                    h._finish("aborted")
+            seq_id = next((i for i, h in self.handles.items() if h is payload), None)
+            if seq_id is not None:
+                seq = self.scheduler.seqs.get(seq_id)
+                admitted = seq is not None and seq.slot >= 0
+                self.scheduler.abort(seq_id)
+                payload._finish("aborted")
+                if not admitted:  # never held a slot: nothing to release, forget it now
+                    self.handles.pop(seq_id)
+                    if seq is not None:
+                        self.scheduler.pop(seq_id)
         elif kind == "error":
             raise payload
         elif kind == "stop":
@@ -308,6 +321,7 @@ class Coordinator:
             self.data.send(Message(MessageKind.RELEASE, meta={"seq_ids": list(seq_ids), "slots": list(slots)}), 1)
             for seq_id in seq_ids:
                 self.handles.pop(seq_id, None)
+                self.scheduler.pop(seq_id)
         while (batch := self.scheduler.next_batch(time.perf_counter_ns())) is not None:
             tokens = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
             self.data.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens}), 1)

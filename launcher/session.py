@@ -126,9 +126,12 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
     for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
         reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
     exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
-    if not 0 <= exit_layer < config.num_hidden_layers - 1:
-        raise ValueError(f"--exit-layer {exit_layer} must be in [0, {config.num_hidden_layers - 1}) "
-                         f"(a layer before the model's last)")
+    if options.speculate == "speed":
+        if options.num_stages < 2:
+            raise ValueError("--speculate speed needs --stages >= 2 (one stage has no idle stage for drafts to fill)")
+        if not 0 <= exit_layer < config.num_hidden_layers - 1:
+            raise ValueError(f"--exit-layer {exit_layer} must be in [0, {config.num_hidden_layers - 1}) "
+                             f"(a layer before the model's last)")
     return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer)
 
 

@@ -316,6 +316,8 @@ def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first:
             raise ValueError(f"checkpoint tensor {ckpt!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
         state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
+    if is_first and is_last and config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # one tensor, as in the checkpoint
     model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     if fuse:
         for layer in model.layers.values():

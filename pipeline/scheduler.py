@@ -3,14 +3,25 @@
 Owns every sequence's state (prompt, committed tokens, KV slot, epoch, finish reason), admission
 into KV slots, micro-batch formation, and turning results into committed tokens.
 Pure: the real coordinator (launcher/coordinator.py) and the discrete-event simulator drive the
-same object with the same calls. Must not: do I/O, know about ranks, tokenizers or clocks.
+same object with the same calls. Must not: do I/O, know about ranks or tokenizers, or read a
+clock (callers pass `now_ns`, real or simulated, used only for overhead measurements).
 
 [Note: micro-batching]
 With S stages, at most `max_inflight_batches` (default S) micro-batches are in the pipeline at
 once. Sequences whose last item came back are "ready"; each new micro-batch takes
 ceil(ready / free micro-batch slots) of them, so M sequences settle into S interleaved groups and every stage
 has work whenever M >= S (utilisation min(M, S) / S, ARCHITECTURE.md §5). Prefills join the same
-micro-batches as decodes (packed rows, no padding).
+micro-batches as decodes (packed rows, no padding). A micro-batch holds at most one item per sequence.
+
+[Note: speculation policy]
+With `speculate=True` (SPEED, ARCHITECTURE.md §5) a sequence may get a pending *draft* item right
+after the end of its in-flight chain (pipeline/ledger.py decides whether one is allowed: chain end,
+epoch, per-sequence cap `max_inflight`, token budget; never after a prefill). Predictors that need
+an exit head propose when the chain end passes the exit layer (an exit event); the others (ngram)
+propose as soon as the chain end is sent, so stage 0 finds the draft queued behind it. A proposal
+refused for lack of room is retried when a result frees room. Real items always go first: drafts
+are sent only when no real item waits and fewer than `max_inflight_batches` micro-batches are in
+flight, so drafts fill only the stage slots that real work leaves idle.
 """
 
 from __future__ import annotations
@@ -207,8 +218,8 @@ class Scheduler:
     def _take(self, queue: collections.deque[int], size: int, now_ns: int) -> list[Item]:
         batch: list[Item] = []
         while queue and len(batch) < size:
-            seq = self.seqs[queue.popleft()]
-            if seq.finished or seq.pending is None:
+            seq = self.seqs.get(queue.popleft())
+            if seq is None or seq.finished or seq.pending is None:
                 continue
             item, seq.pending = seq.pending, None
             if item.kind == ItemKind.DRAFT:
@@ -224,8 +235,8 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         while self.waiting and self.free_slots:
-            seq = self.seqs[self.waiting.popleft()]
-            if seq.finished:
+            seq = self.seqs.get(self.waiting.popleft())
+            if seq is None or seq.finished:
                 continue
             seq.slot = self.free_slots.pop()
             self._queue_real(seq)
@@ -340,12 +351,14 @@ class Scheduler:
             seq.slot = -1
 
     def take_releases(self) -> list[tuple[int, int]]:
-        """(seq_id, slot) pairs to free on every stage; the caller sends them in-band, in order."""
+        """(seq_id, slot) of finished sequences that held a slot: the caller frees the slots on every
+        stage in-band, in order, then `pop`s the sequences."""
         out, self.to_release = self.to_release, []
         return out
 
     def pop(self, seq_id: int) -> SequenceState:
-        """Forget a finished sequence (after its output was delivered)."""
+        """Forget a finished sequence. Results of its items still in flight are then ignored, and
+        queues skip its id. Raises KeyError for an unknown id."""
         seq = self.seqs[seq_id]
         assert seq.finished, f"sequence {seq_id} is not finished"
         return self.seqs.pop(seq_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -201,6 +202,9 @@ def serve(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    # Ctrl-C in a terminal reaches the whole process group; the launcher owns shutdown (it closes our
+    # stdin, and PR_SET_PDEATHSIG covers a killed launcher), so a stage never dies of SIGINT itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop_event = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"))
     servicer = StageServicer(args.stage_index, stop_event)

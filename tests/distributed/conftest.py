@@ -75,15 +75,9 @@ def tiny_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def session_options(model_dir: Path, num_stages: int, **overrides) -> PipelineOptions:
-    """Options for a test session on loopback: quiet, no progress bar, small KV cache.
-
-    A single stage pins `exit_layer=0`: see `test_single_stage_resolves_without_speculation`
-    (resolve() rejects the default exit layer of a one-stage pipeline even without speculation).
-    """
+    """Options for a test session on loopback: quiet, no progress bar, small KV cache."""
     kwargs = dict(num_stages=num_stages, model=str(model_dir), progress=False, max_model_len=512,
                   max_num_seqs=4, stage_timeout_s=60.0)
-    if num_stages == 1:
-        kwargs["exit_layer"] = 0
     kwargs.update(overrides)
     return PipelineOptions(**kwargs)
 

@@ -168,15 +168,10 @@ def test_a_shard_deleted_after_validation_fails_load_naming_the_stage(tiny_shard
     assert "model-00002-of-00002.safetensors" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: Coordinator.start waits for the Load responses in stage order; stage 0's Load blocks in the "
-    "data-plane rendezvous until --stage-timeout-s, so stage 1's prompt INVALID_ARGUMENT is never seen: "
-    "the error names stage 0 ('Failed to recv, got 0 bytes') after the timeout. Fix: wait on all Load "
-    "futures and the rank-0 join with concurrent.futures.wait(FIRST_EXCEPTION) and report the first failure"))
 def test_a_corrupt_shard_of_the_last_stage_fails_load_naming_that_stage_promptly(tiny_sharded_dir: Path,
                                                                                   tmp_path: Path):
     model_dir = shutil.copytree(tiny_sharded_dir, tmp_path / "model")
-    options = session_options(model_dir, 2, stage_timeout_s=5.0)
+    options = session_options(model_dir, 2, stage_timeout_s=60.0)  # failing within half of it = not waiting for it
     model = resolve(options)
     shard = model_dir / "model-00002-of-00002.safetensors"  # layers 2-3 + norm: only stage 1 reads it
     os.truncate(shard, shard.stat().st_size // 2)  # header intact, data cut: found only when loading
@@ -186,7 +181,7 @@ def test_a_corrupt_shard_of_the_last_stage_fails_load_naming_that_stage_promptly
             pass
     elapsed = time.monotonic() - start
     assert "stage 1 failed to load" in str(err.value) and "truncated" in str(err.value)
-    assert elapsed < 4.0
+    assert elapsed < 30.0, f"load failure took {elapsed:.1f} s: it waited for the data-plane timeout"
 
 
 # -- the CLI interrupted or killed --------------------------------------------------------------------
@@ -273,11 +268,6 @@ def test_ctrl_c_of_launch_exits_130_and_leaves_no_stage_process(ctrl_c_cli: Inte
     assert ctrl_c_cli.workers_left == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the stage workers share the launcher's process group and do not ignore SIGINT, so a terminal Ctrl-C "
-    "prints a KeyboardInterrupt traceback per stage ('[Stage 0] [rank1]: Traceback ...', 'terminate called "
-    "without an active exception') before the launcher's clean one-line message; the workers should "
-    "ignore SIGINT (signal.signal(SIGINT, SIG_IGN) in serve()) and let the launcher stop them"))
 def test_ctrl_c_of_launch_prints_no_traceback(ctrl_c_cli: InterruptedCli):
     assert "Traceback" not in ctrl_c_cli.stderr, ctrl_c_cli.stderr[-3000:]
 

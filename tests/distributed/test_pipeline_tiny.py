@@ -233,11 +233,6 @@ def test_each_stage_reads_only_its_own_tensors(pipeline: Pipeline):
 
 
 def test_weights_bytes_equal_checkpoint_bytes_of_the_stage_tensors(pipeline: Pipeline, request):
-    if pipeline.shape.num_stages == 1:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "bug: a stage holding both the embedding and the tied LM head counts their shared storage "
-            "twice in weights_bytes / num_parameters (StageServicer._load_model sums model.parameters(), "
-            "which are two Parameters over one tensor)")))
     config = ModelConfig.from_model_dir(pipeline.model_dir)
     reader = CheckpointReader(pipeline.model_dir)
     stats = pipeline.session.coordinator.stage_stats()
@@ -258,10 +253,6 @@ def test_busy_fraction_is_in_the_unit_interval_and_nonzero_after_work(pipeline: 
 
 # -- pure (no processes) ------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: resolve() defaults exit_layer to the last layer of stage 0 and rejects it when stage 0 holds "
-    "the last layer, so `--stages 1` fails with '--exit-layer 3 must be in [0, 3)' although "
-    "speculation is off (validate exit_layer only when --speculate speed)"))
 def test_single_stage_resolves_without_speculation(tiny_model_dir: Path):
     model = resolve(PipelineOptions(num_stages=1, model=str(tiny_model_dir), progress=False))
     assert [(r.start, r.stop) for r in model.ranges] == [(0, 4)]

