@@ -34,15 +34,18 @@ from pipeline.wire import (
 class DataPlaneGroup:
     """Rendezvous and process groups of one pipeline: gloo always, NCCL too when `device` is CUDA.
 
-    Blocks until all `world_size` ranks joined (or `timeout_s` passed: RuntimeError from torch).
-    Rank 0 hosts the TCPStore at master_addr:master_port.
+    Blocks until all `world_size` ranks joined, at most `connect_timeout_s` (stages join after
+    loading their weights, which can take far longer than one data-plane step); then every
+    operation has the `timeout_s` deadline. Rank 0 hosts the TCPStore at master_addr:master_port.
+    Raises RuntimeError (from torch) if the rendezvous times out.
     """
 
     def __init__(self, *, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", connect_timeout_s: float = 600.0) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
-        self.store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout,
+        self.store = dist.TCPStore(master_addr, master_port, world_size, rank == 0,
+                                   timeout=datetime.timedelta(seconds=max(timeout_s, connect_timeout_s)),
                                    wait_for_workers=True)
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, timeout)
         self.nccl = None
