@@ -10,7 +10,7 @@ read directly). Also reports the control overhead: the mean gap stage 0 waits be
 consecutive items while drafts are in flight, as a share of its compute time per item.
 
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--prompts 6] [--max-new-tokens 64]
-       [--predictors ngram,hybrid,logit-lens] [--out bench-out/speculation.json]
+       [--predictors ngram,hybrid,logit-lens] [--out tests/benchmarks/results/speculation.json]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--predictors", default="ngram,hybrid,logit-lens")
-    ap.add_argument("--out", default="bench-out/speculation.json")
+    ap.add_argument("--out", default="tests/benchmarks/results/speculation.json")
     args = ap.parse_args(argv)
     prompts = sotu_prompts(args.prompts)
     configs = [("none", "none")] + [("speed", p) for p in args.predictors.split(",")]

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/core_speed.py: `--quick` runs end to end and writes a sound JSON report.
+"""Smoke test of tests/benchmarks/core_speed.py: `--quick` runs end to end and writes a sound JSON report.
 
 Checks the report's shape and that every measured number is positive; it asserts no speed ratio
 (ratios on a shared CI machine are for the benchmark's reader, not for a pass/fail test).
@@ -30,7 +30,7 @@ def test_core_speed_quick_writes_report_with_positive_numbers(tmp_path: Path, sm
             pytest.skip(f"the benchmark needs the package {package}: run `pip install {package}`")
     out = tmp_path / "core_speed.json"
     env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))  # the session's converted model, not ~/.cache
-    proc = subprocess.run([sys.executable, "benchmarks/core_speed.py", "--quick", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "tests/benchmarks/core_speed.py", "--quick", "--out", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"core_speed --quick failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
