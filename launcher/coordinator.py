@@ -40,6 +40,20 @@ from workers.convert import StageLoadSpec, spec_to_proto
 log = logging.getLogger("speedpipe.coordinator")
 
 
+def _in_daemon_thread(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """Run fn(*args, **kwargs) in a daemon thread; its outcome lands in the returned Future."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=getattr(fn, "__name__", "start-up"), daemon=True).start()
+    return fut
+
+
 class PipelineError(RuntimeError):
     """The pipeline failed (a stage died, timed out or refused to load); every request fails."""
 
@@ -197,15 +211,15 @@ class Coordinator:
                 grpc.channel_ready_future(channel).result(timeout=30)
             except grpc.FutureTimeoutError:
                 raise PipelineError(f"stage {i} control plane is not reachable") from None
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(specs) + 1)
-        loads = {pool.submit(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
+        # Daemon threads, not a ThreadPoolExecutor: after a failed start a join may stay blocked in
+        # the rendezvous, and the interpreter must still be able to exit.
+        loads = {_in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
                  for i, (stub, spec) in enumerate(zip(self.stubs, specs, strict=True))}
-        joined = pool.submit(self._join_process_group)
+        joined = _in_daemon_thread(self._join_process_group)
         # The first failure wins: a stage whose weights are bad fails its Load at once, while the
         # others would only time out later waiting for it to join the data plane.
         done, pending = concurrent.futures.wait([*loads, joined], timeout=timeout_s,
                                                 return_when=concurrent.futures.FIRST_EXCEPTION)
-        pool.shutdown(wait=False, cancel_futures=True)
         if pending and not any(f.exception() for f in done):
             raise PipelineError(f"stages did not load and join the data plane within {timeout_s:g} s")
         failed = sorted((loads.get(f, len(specs)), f) for f in done if f.exception() is not None)
