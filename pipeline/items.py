@@ -27,7 +27,8 @@ NO_TOKEN = -1
 class Item:
     """Positions [start, start + num_tokens) of sequence `seq_id`, in KV slot `slot`, at `epoch`.
 
-    token_ids: the input token ids (travel only to the first stage; empty afterwards).
+    token_ids: the input token ids, kept by the coordinator (on the wire they travel as the first
+        stage's input tensor "x", and items carry none).
     want_logits: the last stage returns float32 logits for this item's last row (sampling needs
         them); otherwise only the argmax id.
     draft_token: the draft injected right after this item (SPEED; NO_TOKEN if none).

@@ -13,7 +13,6 @@ Ranks: 0 is the coordinator, stage i is rank i + 1 (see launcher/coordinator.py)
 from __future__ import annotations
 
 import datetime
-import time
 
 import torch
 import torch.distributed as dist
@@ -85,14 +84,11 @@ class Channel:
         self.frame_bytes = frame_bytes
         self.max_payload_bytes = max_payload_bytes
         self.label = label
-        self.bytes_sent = 0
-        self.wait_ns = 0  # time spent blocked in recv (idle + transfer)
 
     def send(self, msg: Message, dst: int) -> None:
         """Send `msg` to rank `dst`. Raises ChannelError if the peer does not take it in time."""
         frame, inline = encode_header(msg, frame_bytes=self.frame_bytes)
         self._wait(self._send(torch.frombuffer(frame, dtype=torch.uint8), dst), "send to", dst)
-        self.bytes_sent += self.frame_bytes
         if inline or not msg.tensors:
             return
         if any(t.device.type != "cpu" for t in msg.tensors.values()):
@@ -101,7 +97,6 @@ class Channel:
         else:
             payload = payload_bytes_of(msg.tensors)
             self._wait(self._send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst), "send to", dst)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in msg.tensors.values())
 
     def recv(self, src: int) -> Message:
         """Receive the next message from rank `src`; the header is validated before the payload.
@@ -109,7 +104,6 @@ class Channel:
         Raises ChannelError on timeout, peer failure or a malformed message.
         """
         frame = torch.empty(self.frame_bytes, dtype=torch.uint8)
-        start = time.perf_counter_ns()
         self._wait(self._recv(frame, src), "receive from", src)
         raw = frame.numpy()
         try:
@@ -129,7 +123,6 @@ class Channel:
             if header.payload_bytes:
                 self._wait(self._recv(payload, src), "receive from", src)
             tensors = split_payload(memoryview(payload.numpy()), header.specs)
-        self.wait_ns += time.perf_counter_ns() - start
         return Message(header.kind, header.items, tensors, header.meta)
 
     def _send(self, t: torch.Tensor, dst: int):
