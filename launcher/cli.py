@@ -45,6 +45,19 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
 
 
+def _acceptance(text: str) -> float | None:
+    """--min-acceptance: 'auto' (None) or a probability."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(f"--min-acceptance must be 'auto' or a number in [0, 1], got {text!r}")
+    return value
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (SPEED)")
     g.add_argument("--speculate", default="none", help="none | speed: inject drafts from the exit layer into "
@@ -54,6 +67,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    "(default: the last layer of stage 0)")
     g.add_argument("--max-inflight", type=int, default=0,
                    help="items of one sequence in flight at once (default: number of stages)")
+    g.add_argument("--min-acceptance", default="auto",
+                   help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
+                   "often; 'auto' = break-even 1/stages, 0 = always draft (default auto)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -120,7 +136,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        max_inflight=args.max_inflight)
+        max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance))
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:

@@ -34,7 +34,7 @@ from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.wire import Message, MessageKind
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
-from workers.channel import Channel, ChannelError, DataPlaneGroup, rank_name
+from workers.channel import Channel, ChannelError, DataPlaneGroup, SendQueue, rank_name
 from workers.convert import StageLoadSpec, spec_to_proto
 
 log = logging.getLogger("speedpipe.coordinator")
@@ -164,6 +164,7 @@ class CoordinatorConfig:
     predictor: str = "ngram"
     exit_stage: int = 0  # stage whose exit layer feeds the predictor; -1 = none (context-only predictors)
     max_inflight: int = 0  # per sequence; 0 = num_stages
+    min_acceptance: float = 0.0  # adaptive drafting threshold (pipeline/draft_gate.py); 0 = every draft
 
     @property
     def keepalive_s(self) -> float:
@@ -186,11 +187,12 @@ class Coordinator:
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,
-            max_inflight=config.max_inflight),
+            max_inflight=config.max_inflight, min_acceptance=config.min_acceptance),
             (predictor or make_predictor(config.predictor)) if config.speculate else None)
         self.timeline = Timeline(config.num_stages)
         self.commit_events: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1_000_000)
         self.data: Channel | None = None
+        self.sends: SendQueue | None = None
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}
         self.sent: list[list[Item]] = []  # micro-batches in flight, oldest first (the ring is FIFO)
@@ -248,6 +250,7 @@ class Coordinator:
                                world_size=cfg.num_stages + 1, timeout_s=cfg.stage_timeout_s, device="cpu")
         self.data = Channel(group, timeout_s=cfg.stage_timeout_s, label="[coordinator] ",
                             max_payload_bytes=(1 << 20) * max(64, cfg.max_num_seqs))
+        self.sends = SendQueue(self.data)  # the engine never blocks on stage 0 (see [Note: background sends])
 
     def _warm_up(self) -> None:
         """Create every neighbour link in one fixed order: one KEEPALIVE round the ring."""
@@ -296,7 +299,7 @@ class Coordinator:
                     kind, payload = self.events.get(timeout=self.config.keepalive_s)
                 except queue.Empty:
                     if not self.sent:
-                        self.data.send(Message(MessageKind.KEEPALIVE), 1)
+                        self.sends.send(Message(MessageKind.KEEPALIVE), 1)
                     continue
                 self._handle_event(kind, payload)
         except Exception as exc:  # noqa: BLE001 - every failure fails every request, named
@@ -332,13 +335,13 @@ class Coordinator:
         releases = self.scheduler.take_releases()
         if releases:
             seq_ids, slots = zip(*releases, strict=True)
-            self.data.send(Message(MessageKind.RELEASE, meta={"seq_ids": list(seq_ids), "slots": list(slots)}), 1)
+            self.sends.send(Message(MessageKind.RELEASE, meta={"seq_ids": list(seq_ids), "slots": list(slots)}), 1)
             for seq_id in seq_ids:
                 self.handles.pop(seq_id, None)
                 self.scheduler.pop(seq_id)
         while (batch := self.scheduler.next_batch(time.perf_counter_ns())) is not None:
             tokens = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
-            self.data.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens}), 1)
+            self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens}), 1)
             self.sent.append(batch)
 
     def _on_exit(self, msg: Message) -> None:
@@ -430,7 +433,8 @@ class Coordinator:
             self._engine.join(timeout=10)
         if self.failure is None and self.data is not None:
             try:
-                self.data.send(Message(MessageKind.SHUTDOWN), 1)
+                self.sends.send(Message(MessageKind.SHUTDOWN), 1)
+                self.sends.flush()
                 last = self._receivers[-1] if self._receivers else None
                 if last is not None:
                     last.join(timeout=self.config.stage_timeout_s)

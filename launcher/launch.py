@@ -49,5 +49,6 @@ def run_launch(session: PipelineSession, prompts: Sequence[str], params: Sequenc
                   "tokens_per_s": round(generated / wall_s, 3) if wall_s > 0 else 0.0,
                   "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
                   "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
-                  "squashed_items": spec.squashed_items, **times.draft_gap(0), "stages": stages},
+                  "squashed_items": spec.squashed_items, "gated_drafts": spec.gated_drafts,
+                  **times.draft_gap(0), "stages": stages},
     }

@@ -17,6 +17,7 @@ import torch
 from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
 from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses, StageProcessMonitor, free_port
 from pipeline.config import ModelConfig
+from pipeline.draft_gate import DraftGate
 from pipeline.models import DEFAULT_MODEL, resolve_model
 from pipeline.partition import (
     LayerRange,
@@ -55,6 +56,7 @@ class PipelineOptions:
     predictor: str = "hybrid"
     exit_layer: int | None = None  # None = last layer of stage 0
     max_inflight: int = 0  # per sequence; 0 = num_stages
+    min_acceptance: float | None = None  # adaptive drafting threshold; None = break-even for num_stages
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE_MODES:
@@ -63,6 +65,8 @@ class PipelineOptions:
             raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
         if self.max_inflight < 0:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
+        if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"--min-acceptance must be 'auto' or in [0, 1], got {self.min_acceptance}")
         if self.num_stages < 1:
             raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
         if self.dtype not in DTYPE_CHOICES:
@@ -193,7 +197,9 @@ class PipelineSession:
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
             device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
-            exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight), m.tokenizer, addresses,
+            exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight,
+            min_acceptance=(DraftGate.break_even(opt.num_stages) if opt.min_acceptance is None
+                            else opt.min_acceptance)), m.tokenizer, addresses,
             predictor=self.predictor)
         self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
         self.monitor.start()

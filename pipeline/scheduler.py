@@ -21,7 +21,8 @@ an exit head propose when the chain end passes the exit layer (an exit event); t
 propose as soon as the chain end is sent, so stage 0 finds the draft queued behind it. A proposal
 refused for lack of room is retried when a result frees room. Real items always go first: drafts
 are sent only when no real item waits and fewer than `max_inflight_batches` micro-batches are in
-flight, so drafts fill only the stage slots that real work leaves idle.
+flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
+acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/draft_gate.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pipeline.draft_gate import DraftGate
 from pipeline.items import Item, ItemKind
 from pipeline.ledger import SequenceLedger
 from pipeline.predictors import ExitGuess, Predictor
@@ -60,6 +62,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     speculate: bool = False
     max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
+    min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -74,6 +77,8 @@ class SchedulerConfig:
             object.__setattr__(self, "max_inflight", self.num_stages)
         if self.max_inflight < 1:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"--min-acceptance must be in [0, 1], got {self.min_acceptance}")
 
 
 @dataclasses.dataclass
@@ -91,6 +96,8 @@ class SequenceState:
     pending: Item | None = None  # the next item to send (real or draft)
     exit_seen: tuple[int, int, ExitGuess | None] | None = None  # (position, epoch, guess) of the last exit event
     pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
+    pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket
+    draft_keys: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)  # position -> bucket
 
     @property
     def finished(self) -> bool:
@@ -131,6 +138,7 @@ class SpecCounters:
     verified_drafts: int = 0
     accepted_tokens: int = 0
     squashed_items: int = 0
+    gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
 
     @property
     def acceptance_rate(self) -> float:
@@ -155,6 +163,7 @@ class Scheduler:
         self.inflight_batches = 0
         self.to_release: list[tuple[int, int]] = []  # (seq_id, slot) to free on every stage
         self.spec = SpecCounters()
+        self.gate = DraftGate(min_acceptance=config.min_acceptance)
         # (seq_id, start, epoch) of each sent draft -> when it became available (caller's clock),
         # for measuring the control overhead; the caller pops entries when results come back.
         self.draft_ready_ns: dict[tuple[int, int, int], int] = {}
@@ -224,6 +233,8 @@ class Scheduler:
             item, seq.pending = seq.pending, None
             if item.kind == ItemKind.DRAFT:
                 seq.ledger.add_draft(item.token_ids[0])
+                if seq.pending_key is not None:
+                    seq.draft_keys[item.start] = seq.pending_key
                 self.spec.drafted_tokens += 1
                 self.draft_ready_ns[(item.seq_id, item.start, item.epoch)] = seq.pending_ready_ns
             else:
@@ -286,6 +297,10 @@ class Scheduler:
         draft = self.predictor.propose(seq.context(), guess)
         if draft is None:
             return
+        if not self.gate.allow(draft):  # see [Note: adaptive drafting] in pipeline/draft_gate.py
+            self.spec.gated_drafts += 1
+            return
+        seq.pending_key = self.gate.key(draft)
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=end.position + 1, num_tokens=1, epoch=end.epoch,
                            kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=not seq.params.is_greedy)
         seq.pending_ready_ns = now_ns
@@ -325,6 +340,9 @@ class Scheduler:
             token = seq.sampler.verify(row, draft)[1]
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, token)
         if verdict.drafted:
+            key = seq.draft_keys.pop(item.end, None)
+            if key is not None:
+                self.gate.record(key, accepted=verdict.accepted)
             self.spec.verified_drafts += 1
             self.spec.accepted_tokens += int(verdict.accepted)
             self.spec.squashed_items += verdict.squashed

