@@ -146,6 +146,8 @@ class RequestHandle:
         self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         if error is not None:
             self._chunks.put(error)
+        elif reason == "aborted":  # wake a streaming reader: nothing more will come
+            self._chunks.put(StreamChunk((), "", reason))
         self._done.set()
 
 
