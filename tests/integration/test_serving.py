@@ -38,6 +38,7 @@ WORDS = ("river", "castle", "robot", "garden", "winter", "music", "ocean", "mark
 PROMPTS = tuple(f"A short story about a {w}{' and a ' + WORDS[(i + 3) % 8] if i >= 8 else ''}:"
                 for i, w in enumerate(WORDS * 2))
 CHAT = [{"role": "user", "content": "Name three colors."}]
+SEEDED = SamplingParams(max_new_tokens=NUM_TOKENS, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 
@@ -49,6 +50,8 @@ def server(smollm2_conversion, smollm2_cache):
     with PipelineSession(options, resolve(options)) as session:
         params = [SamplingParams(max_new_tokens=NUM_TOKENS, ignore_eos=True)] * len(PROMPTS)
         offline = {o["prompt"]: o["token_ids"] for o in run_launch(session, PROMPTS, params)["outputs"]}
+        sampled = run_launch(session, [PROMPTS[5]], [SEEDED])["outputs"][0]["token_ids"]
+        offline[("seeded", PROMPTS[5])] = sampled
         serve = ServeOptions(host="127.0.0.1", port=0, grpc_port=0, max_queue=MAX_QUEUE, stats_interval_s=0)
         with ServingStack(session, serve) as stack:
             yield stack, offline
@@ -104,6 +107,23 @@ def test_16_concurrent_streams_match_offline_launch(server, client):
     for prompt, (ids, _, usage) in zip(PROMPTS, results, strict=True):
         assert ids == offline[prompt], prompt
         assert usage.completion_tokens == NUM_TOKENS
+
+
+def test_seeded_sampling_and_stop_strings(server, client):
+    stack, offline = server
+    for _ in range(2):  # the same seed gives the same tokens as launch, every time
+        r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[5], max_tokens=NUM_TOKENS,
+                                      temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.choices[0].token_ids == offline[("seeded", PROMPTS[5])]
+    tok = stack.engine.tokenizer
+    full = tok.decode(offline[PROMPTS[4]])
+    stop = tok.decode(offline[PROMPTS[4]][3:5])
+    assert stop.strip(), "pick tokens with visible text"
+    r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[4], max_tokens=NUM_TOKENS, stop=[stop],
+                                  **GREEDY)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[:full.find(stop)]
 
 
 def test_chat_template_matches_transformers(server):

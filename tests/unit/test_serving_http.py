@@ -202,3 +202,22 @@ def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
     assert main(["bench", "--url", "http://127.0.0.1:9", "--num-requests", "1"]) == 2
     assert "--url" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
+
+
+@pytest.mark.parametrize(("text", "stop", "want"), [
+    ("abcXYZdef", ("XYZ",), "abc"), ("abXYqXYZ", ("XYZ",), "abXYq"), ("abXYq", ("XYZ",), "abXYq"),
+    ("hello world", ("o w", "ld"), "hell"), ("aXb", ("X",), "a"), ("Xab", ("X",), ""),
+])
+def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want):
+    """The coordinator's RequestHandle holds back text that may start a stop string (tiny byte
+    tokenizer: one token per character)."""
+    ids = tokenizer.encode(text)
+    params = SamplingParams(max_new_tokens=len(ids), stop=stop)
+    h = RequestHandle("r", "p", [1], params, tokenizer.detokenizer(prompt_ids=[1]))
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        if h._emit(Commit(0, (t,), FinishReason.LENGTH if last else None), stop):
+            break
+    chunks = list(h)
+    assert "".join(c.text for c in chunks) == want == h.result(1).text
+    assert h.finish_reason == ("stop" if want != text else "length")

@@ -1,0 +1,105 @@
+"""Serving on the tiny model over loopback: a stage killed under a live server, and the `serve` CLI.
+
+- A stage SIGKILLed while a stream is open: the stream ends with an error event, /health turns 503
+  naming the stage, new requests get 503, the server keeps answering, and closing leaves no stage
+  process behind.
+- `speedpipe serve` as a child process: serves greedy tokens equal to the single-process reference,
+  SIGTERM stops it and every stage worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launcher.local_backend import free_port
+from launcher.serve import ServeOptions, ServingStack
+from launcher.session import PipelineSession, resolve
+from pipeline.sampling import SamplingParams
+from tests.distributed.conftest import (
+    env_with_tag,
+    full_model,
+    pid_alive,
+    reference_generate,
+    session_options,
+    stage_worker_processes,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_stage_killed_under_a_live_server(tiny_model_dir: Path):
+    options = session_options(tiny_model_dir, 2)
+    session = PipelineSession(options, resolve(options)).__enter__()
+    pids = list(session.processes.pids)
+    try:
+        with ServingStack(session, ServeOptions(port=0, grpc_port=-1, stats_interval_s=0)) as stack:
+            url = f"http://127.0.0.1:{stack.http_port}"
+            assert httpx.get(url + "/health").status_code == 200
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                os.kill(pids[1], signal.SIGKILL)
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest and "error" in json.loads(rest[-1][6:]), rest[-3:]
+            assert "stage 1" in json.loads(rest[-1][6:])["error"]["message"]
+            health = httpx.get(url + "/health")
+            assert health.status_code == 503 and "stage 1" in health.json()["error"]["message"]
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503
+            assert httpx.get(url + "/v1/models").status_code == 200  # still answering
+    finally:
+        session.close()
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)]
+
+
+def test_serve_cli_serves_reference_tokens_and_stops_on_sigterm(tiny_model_dir: Path):
+    port = free_port()
+    tag = ("SPEEDPIPE_TEST_TAG", f"serve-{os.getpid()}-{port}")
+    env = env_with_tag(*tag)
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", str(tiny_model_dir),
+                             "--stages", "2", "--port", str(port), "--grpc-port", "-1", "--max-model-len", "512",
+                             "--served-model-name", "tiny"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                       timeout=60).json()
+        model, tokenizer = full_model(tiny_model_dir)
+        want = reference_generate(model, tokenizer.encode("Hello"), SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert r["choices"][0]["token_ids"] == want
+        assert len(stage_worker_processes(env_tag=tag)) == 2
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert "serving tiny (2 stage(s))" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 5
+    while stage_worker_processes(env_tag=tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stage_worker_processes(env_tag=tag) == []
