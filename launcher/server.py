@@ -40,6 +40,21 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that cancels its request however the response ends: finished,
+    client gone, or cancelled before the body iterator even started."""
+
+    def __init__(self, content, *, stream: RequestStream, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._request_stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._request_stream.cancel()
+
+
 def build_app(engine: ServingEngine) -> FastAPI:
     """The FastAPI application serving `engine`."""
     app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
@@ -87,7 +102,8 @@ def build_app(engine: ServingEngine) -> FastAPI:
         except PipelineError as exc:
             return _error(503, f"pipeline failed: {exc}", None, type_="service_unavailable")
         if parsed.stream:
-            return StreamingResponse(_stream(stream, parsed, chat=chat), media_type="text/event-stream")
+            return _AbortingStreamingResponse(_stream(stream, parsed, chat=chat), stream=stream,
+                                              media_type="text/event-stream")
         return await _collect(request, stream, parsed, chat=chat)
 
     async def _collect(request: Request, stream: RequestStream, parsed: proto.ParsedRequest, *, chat: bool) -> Response:

@@ -18,6 +18,7 @@ decodes already running (pipeline/scheduler.py [Note: micro-batching]), so nobod
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -54,29 +55,32 @@ class FinalInfo:
     e2e_s: float
 
 
-class RequestStream:
-    """One admitted request: chunks flow from a pump thread to one consumer; `cancel()` aborts.
+_EMPTY = object()
 
-    Iterate it (blocking, for gRPC) or `async for` it (asyncio, for HTTP); not both. After the last
-    chunk (finish_reason set) `final` holds the usage and latencies. Raises PipelineError from the
-    iterator if the pipeline fails.
+
+class RequestStream:
+    """One admitted request: a pump thread moves its chunks from the coordinator into a buffer that
+    one consumer reads; `cancel()` aborts.
+
+    The pump starts at once (so the admission slot is returned when the request ends even if no
+    consumer ever reads it). Iterate the stream (blocking, for gRPC) or `async for` it (asyncio,
+    for HTTP); one consumer only. After the last chunk (finish_reason set) `final` holds usage and
+    latencies. The iterators raise PipelineError if the pipeline fails.
     """
 
     def __init__(self, engine: ServingEngine, handle: RequestHandle) -> None:
         self.engine, self.handle = engine, handle
         self.final: FinalInfo | None = None
-        self._sink: Callable[[StreamChunk | BaseException | None], None] | None = None
-        self._ready = threading.Event()
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._wakeup: Callable[[], None] | None = None
         self._cancelled = False
         self._thread = threading.Thread(target=self._pump, name=f"stream-{handle.request_id}", daemon=True)
+        self._thread.start()
 
     @property
     def request_id(self) -> str:
         return self.handle.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.handle.prompt_ids)
 
     def cancel(self) -> None:
         """Abort the request if it is still running: its KV slot is freed on every stage."""
@@ -86,35 +90,49 @@ class RequestStream:
 
     # consumer side
     def __iter__(self) -> Iterator[StreamChunk]:
-        import queue
-
-        q: queue.Queue = queue.Queue()
-        self._attach(q.put)
-        while (item := q.get()) is not None:
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+            if item is None:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item
 
     async def __aiter__(self) -> AsyncIterator[StreamChunk]:
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._attach(lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
-        while (item := await q.get()) is not None:
+        ready = asyncio.Event()
+        self._wakeup = lambda: loop.call_soon_threadsafe(ready.set)
+        while True:
+            with self._cond:
+                item = self._items.popleft() if self._items else _EMPTY
+            if item is _EMPTY:
+                await ready.wait()
+                ready.clear()
+                continue
+            if item is None:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item
 
-    def _attach(self, sink: Callable) -> None:
-        if self._sink is not None:
-            raise RuntimeError("a RequestStream has one consumer")
-        self._sink = sink
-        self._thread.start()
-
     # pump thread
+    def _deliver(self, item: StreamChunk | BaseException | None) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+            wakeup = self._wakeup
+        if wakeup is not None:
+            try:
+                wakeup()
+            except RuntimeError:  # the consumer's event loop is closed (server stopping)
+                pass
+
     def _pump(self) -> None:
         h, m = self.handle, self.engine.metrics
         last_t = None
-        num_tokens = 0
         try:
             for chunk in h:
                 now = time.perf_counter()
@@ -125,18 +143,17 @@ class RequestStream:
                         for _ in chunk.token_ids:
                             m.observe_itl((now - last_t) / len(chunk.token_ids))
                     last_t = now
-                    num_tokens += len(chunk.token_ids)
                     m.add_generation_tokens(len(chunk.token_ids))
                 if chunk.finish_reason is not None:
                     e2e = (h.finished_at or now) - h.submitted_at
                     ttft = (h.first_token_at or h.finished_at or now) - h.submitted_at
                     self.final = FinalInfo(chunk.finish_reason, len(h.prompt_ids), len(h.token_ids), ttft, e2e)
                     m.observe_finish(chunk.finish_reason, e2e)
-                self._sink(chunk)
-            self._sink(None)
+                self._deliver(chunk)
+            self._deliver(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             m.observe_finish("error", time.perf_counter() - h.submitted_at)
-            self._sink(exc)
+            self._deliver(exc)
         finally:
             self.engine._release()
 

@@ -199,6 +199,8 @@ def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
     assert main(["serve", "--backend", "ray"]) == 2
+    assert main(["launch", "--serve", "--grpc-port", "-5"]) == 2  # launch --serve is serve
+    assert "--grpc-port" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--num-requests", "1"]) == 2
     assert "--url" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
