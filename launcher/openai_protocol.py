@@ -24,10 +24,11 @@ from pipeline.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
-# Fields accepted but ignored because they do not change the output here; anything else unknown is
-# also ignored (clients send many), but these with a non-default value are refused.
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-               "tools": None, "functions": None}
+# Fields this server does not implement: refused (400 naming the field) unless absent or set to a
+# value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
+# Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
+UNSUPPORTED = ("n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", "tools", "functions",
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort"}
 
 
@@ -84,9 +85,13 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
     model = body.get("model")
     if model is not None and model != model_name:
         raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
-    for name, default in UNSUPPORTED.items():
-        if body.get(name) not in (None, default):
-            raise InvalidRequestError(f"'{name}' = {body[name]!r} is not supported by this server", name)
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if (value not in (None, 1)) if name in ("n", "best_of") else bool(value):
+            raise InvalidRequestError(f"'{name}' = {value!r} is not supported by this server", name)
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise InvalidRequestError(f"'response_format' = {fmt!r} is not supported (only text)", "response_format")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _int({field: max_tokens}, field, max_tokens_default, lo=1)

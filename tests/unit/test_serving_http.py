@@ -148,6 +148,8 @@ def test_queue_bound_is_429_and_abort_on_disconnect(served):
     ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 2}, "top_p"),
     ({"seed": -3}, "seed"), ({"stop": 5}, "stop"), ({"model": "other"}, "model"), ({"prompt": ""}, "prompt"),
     ({"prompt": None}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"n": 2}, "n"), ({"stream": "yes"}, "stream"),
+    ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_parse_completion_names_the_bad_field(tokenizer, body, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -162,6 +164,8 @@ def test_parse_completion_and_chat(tokenizer):
     assert p.prompt_ids == tokenizer.encode("Hi")
     assert p.params == SamplingParams(max_new_tokens=3, temperature=0.5, top_p=0.9, seed=7, stop=("x",))
     assert parse_completion({"prompt": [5, 6]}, tokenizer=tokenizer, model_name="tiny").params.max_new_tokens == 16
+    harmless = {"n": 1, "logprobs": False, "echo": False, "presence_penalty": 0, "logit_bias": {}, "user": "u"}
+    assert parse_completion({"prompt": "Hi", **harmless}, tokenizer=tokenizer, model_name="tiny").prompt_ids
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     assert render_chat(messages, tokenizer=tokenizer) == "<user>Hi\n<assistant>"
     chat = parse_chat({"messages": messages}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
@@ -223,3 +227,22 @@ def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want):
     chunks = list(h)
     assert "".join(c.text for c in chunks) == want == h.result(1).text
     assert h.finish_reason == ("stop" if want != text else "length")
+
+
+def test_stats_log_line(tokenizer):
+    from launcher.metrics import StatsLogger
+
+    coord = FakeCoordinator(tokenizer)
+    engine = ServingEngine(coord, model_name="tiny", max_num_seqs=2, max_queue=4, max_model_len=64)
+    logger = StatsLogger(coord, engine.metrics, engine, interval_s=1.0)
+    _, snap = logger.line({})
+    engine.metrics.add_generation_tokens(50)
+    coord.scheduler.spec.verified_drafts, coord.scheduler.spec.accepted_tokens = 10, 4
+    engine._outstanding = 3  # 2 running + 1 waiting
+    walls = iter([(3 * 10**9, 10**9), (3 * 10**9, 2 * 10**9)])  # idle 1/2 and 0 of the 2 s interval
+    coord.stage_stats = lambda: [pb.StageStats(wall_ns=w, busy_ns=b) for w, b in walls]
+    snap["stages"] = [(10**9, 0), (10**9, 0)]
+    snap["t"] -= 2.0
+    text, _ = logger.line(snap)
+    assert "generation 25" in text and "running 2, waiting 1" in text
+    assert "draft acceptance 40%" in text and "bubble fraction 25%" in text
