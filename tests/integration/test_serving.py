@@ -271,6 +271,19 @@ def test_grpc_generate_streams_the_same_tokens(server):
             assert field in info.value.details()
 
 
+def test_grpc_cancel_frees_the_slot(server):
+    stack, _ = server
+    assert wait_slots_free(stack) == [0, 0]
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        call = pb_grpc.GenerateServiceStub(channel).Generate(
+            pb.GenerateRequest(prompt=PROMPTS[6], max_new_tokens=MAX_MODEL_LEN - 32, ignore_eos=True))
+        assert next(call).token_ids and next(call).token_ids
+        assert kv_slots(stack) == [1, 1]
+        call.cancel()
+        assert wait_slots_free(stack, timeout_s=5) == [0, 0]
+    assert stack.engine.num_outstanding == 0
+
+
 def test_models_health_and_metrics(server):
     stack, _ = server
     url = base_url(stack)
