@@ -79,6 +79,13 @@ def wait_slots_free(stack, timeout_s: float = 10.0) -> list[int]:
     return slots
 
 
+def wait_outstanding_zero(stack, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while stack.engine.num_outstanding and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stack.engine.num_outstanding
+
+
 def test_completion_not_streamed(server, client):
     stack, offline = server
     r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[0], max_tokens=NUM_TOKENS, **GREEDY)
@@ -179,7 +186,7 @@ def test_cancel_mid_stream_frees_slot_and_later_request_is_unaffected(server, cl
     assert wait_slots_free(stack) == [0, 0]
     freed_after_s = time.monotonic() - start
     assert freed_after_s < 5.0
-    assert stack.engine.num_outstanding == 0
+    assert wait_outstanding_zero(stack) == 0
     metrics = httpx.get(base_url(stack) + "/metrics").text
     assert 'speedpipe:request_success_total{finished_reason="aborted",model_name="smollm2-135m"} 1.0' in metrics
     r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=NUM_TOKENS, **GREEDY)
@@ -245,10 +252,7 @@ def test_full_queue_is_429(server, client):
             for r in held:
                 r.close()
     assert wait_slots_free(stack) == [0, 0]
-    deadline = time.monotonic() + 10
-    while stack.engine.num_outstanding and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stack.engine.num_outstanding == 0
+    assert wait_outstanding_zero(stack) == 0
     r = client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1, temperature=0)
     assert r.usage.completion_tokens == 1
 
@@ -281,7 +285,7 @@ def test_grpc_cancel_frees_the_slot(server):
         assert kv_slots(stack) == [1, 1]
         call.cancel()
         assert wait_slots_free(stack, timeout_s=5) == [0, 0]
-    assert stack.engine.num_outstanding == 0
+    assert wait_outstanding_zero(stack) == 0
 
 
 def test_models_health_and_metrics(server):
