@@ -3,12 +3,14 @@
 - A stage SIGKILLed while a stream is open: the stream ends with an error event, /health turns 503
   naming the stage, new requests get 503, the server keeps answering, and closing leaves no stage
   process behind.
-- `speedpipe serve` as a child process: serves greedy tokens equal to the single-process reference,
-  SIGTERM stops it and every stage worker.
+- `speedpipe serve --speculate speed` as a child process: concurrent streaming greedy requests,
+  admitted while others decode and with drafts filling idle stage slots, each give the tokens of
+  the single-process reference; SIGTERM stops it and every stage worker.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -73,7 +75,8 @@ def test_serve_cli_serves_reference_tokens_and_stops_on_sigterm(tiny_model_dir: 
     env["PYTHONPATH"] = str(REPO)
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", str(tiny_model_dir),
                              "--stages", "2", "--port", str(port), "--grpc-port", "-1", "--max-model-len", "512",
-                             "--served-model-name", "tiny"],
+                             "--served-model-name", "tiny", "--speculate", "speed", "--predictor", "ngram",
+                             "--max-num-seqs", "4"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -85,12 +88,32 @@ def test_serve_cli_serves_reference_tokens_and_stops_on_sigterm(tiny_model_dir: 
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
-                                                      "temperature": 0, "ignore_eos": True, "return_token_ids": True},
-                       timeout=60).json()
         model, tokenizer = full_model(tiny_model_dir)
-        want = reference_generate(model, tokenizer.encode("Hello"), SamplingParams(max_new_tokens=8, ignore_eos=True))
-        assert r["choices"][0]["token_ids"] == want
+
+        def stream(prompt: str) -> list[int]:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "stream": True}
+            ids = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        ids += json.loads(line[6:])["choices"][0]["token_ids"]
+            return ids
+
+        prompts = [f"Hello {i}" * (1 + i % 3) for i in range(6)]  # 6 requests on 4 slots: 2 wait, then join
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(stream, prompts))
+        for prompt, ids in zip(prompts, got, strict=True):
+            want = reference_generate(model, tokenizer.encode(prompt), SamplingParams(max_new_tokens=12, ignore_eos=True))
+            assert ids == want, prompt
+        # alone on 2 stages, a request leaves a stage idle: drafts fill it, tokens unchanged
+        alone = "Hello Hello Hello"
+        assert stream(alone) == reference_generate(model, tokenizer.encode(alone),
+                                                   SamplingParams(max_new_tokens=12, ignore_eos=True))
+        metrics = httpx.get(url + "/metrics").text
+        drafted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("speedpipe:spec_decode_num_draft_tokens_total"))
+        assert drafted > 0
         assert len(stage_worker_processes(env_tag=tag)) == 2
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
