@@ -246,3 +246,14 @@ def test_stats_log_line(tokenizer):
     text, _ = logger.line(snap)
     assert "generation 25" in text and "running 2, waiting 1" in text
     assert "draft acceptance 40%" in text and "bubble fraction 25%" in text
+
+
+def test_client_gone_before_a_non_streamed_answer_aborts_it(served):
+    coord, engine, url = served
+    coord.step_s = 0.05
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 60}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while (not coord.aborted or engine.num_outstanding) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(coord.aborted) == 1 and engine.num_outstanding == 0
