@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
-from launcher.coordinator import Coordinator, PipelineError, RequestHandle, StreamChunk
+from launcher.coordinator import Coordinator, RequestHandle, StreamChunk
 from launcher.metrics import ServingMetrics
 from pipeline.sampling import SamplingParams
 
@@ -132,7 +132,7 @@ class RequestStream:
 
     def _pump(self) -> None:
         h, m = self.handle, self.engine.metrics
-        last_t = None
+        last_t, released = None, False
         try:
             for chunk in h:
                 now = time.perf_counter()
@@ -149,13 +149,17 @@ class RequestStream:
                     ttft = (h.first_token_at or h.finished_at or now) - h.submitted_at
                     self.final = FinalInfo(chunk.finish_reason, len(h.prompt_ids), len(h.token_ids), ttft, e2e)
                     m.observe_finish(chunk.finish_reason, e2e)
+                    # free the admission slot before the client can see the end (and send again)
+                    released = self.engine._release()
                 self._deliver(chunk)
             self._deliver(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             m.observe_finish("error", time.perf_counter() - h.submitted_at)
+            released = released or self.engine._release()
             self._deliver(exc)
         finally:
-            self.engine._release()
+            if not released:
+                self.engine._release()
 
 
 class ServingEngine:
@@ -238,9 +242,10 @@ class ServingEngine:
         self.metrics.add_prompt_tokens(len(handle.prompt_ids))
         return RequestStream(self, handle)
 
-    def _release(self) -> None:
+    def _release(self) -> bool:
+        """One outstanding request ended; returns True (for the caller's bookkeeping)."""
         with self._lock:
             self._outstanding -= 1
+        return True
 
 
-__all__ = ["FinalInfo", "InvalidRequestError", "PipelineError", "QueueFullError", "RequestStream", "ServingEngine"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -205,6 +206,11 @@ def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
     assert main(["serve", "--backend", "ray"]) == 2
     assert main(["launch", "--serve", "--grpc-port", "-5"]) == 2  # launch --serve is serve
     assert "--grpc-port" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", "--port", str(busy.getsockname()[1]), "--grpc-port", "-1"]) == 2
+        assert "cannot listen" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--num-requests", "1"]) == 2
     assert "--url" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
