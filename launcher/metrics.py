@@ -148,7 +148,8 @@ class ServingMetrics:
 
 
 class StatsLogger:
-    """Logs one line every `interval_s`: tokens/s, running/waiting requests, acceptance, bubble fraction.
+    """Logs one line every `interval_s`: tokens/s, running/waiting requests, acceptance, bubble fraction
+    (while idle: only the first interval's line).
 
     Bubble fraction = the stages' mean idle share of the interval's wall time (ARCHITECTURE.md §1).
     """
@@ -191,6 +192,11 @@ class StatsLogger:
 
     def _run(self) -> None:
         _, snap = self.line({})
+        was_idle = True
         while not self._stop.wait(self.interval_s):
+            tokens_before = snap["tokens"]
             text, snap = self.line(snap)
-            log.info("%s", text)
+            idle = snap["tokens"] == tokens_before and not self.engine.num_running and not self.engine.num_waiting
+            if not (idle and was_idle):  # an idle server logs one line, not one every interval
+                log.info("%s", text)
+            was_idle = idle
