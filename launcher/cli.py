@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 from launcher.coordinator import PipelineError
+from launcher.http_bench import add_http_bench_args, cmd_http_bench
 from launcher.local_backend import StageStartupError
+from launcher.serve import add_serve_args, cmd_serve
 from launcher.session import PipelineOptions, PipelineSession, resolve
 from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams
@@ -99,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "stage timelines: open it in ui.perfetto.dev or chrome://tracing")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     launch.set_defaults(func=cmd_launch)
+    add_serve_args(launch, switch=True)
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API and gRPC",
+                           description="Start an N-stage pipeline and serve it until Ctrl-C.")
+    add_pipeline_args(serve)
+    add_speculation_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (--url)",
+                           description="Concurrency sweep against a running server: throughput and latency.")
+    add_http_bench_args(bench)
+    bench.set_defaults(func=cmd_http_bench)
     return parser
 
 
@@ -148,6 +161,8 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
 def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.launch import run_launch  # keeps `speedpipe --help` fast
 
+    if args.serve:
+        return cmd_serve(args)
     prompts = read_prompts(args)
     params = [sampling_params(args, i) for i in range(len(prompts))]
     options = pipeline_options(args, progress=not args.no_progress and not args.json)

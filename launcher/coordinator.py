@@ -90,6 +90,7 @@ class RequestHandle:
         self.detok = detok
         self.token_ids: list[int] = []
         self.text = ""
+        self._held = ""  # decoded text not streamed yet: it may be the start of a stop string
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
@@ -126,13 +127,18 @@ class RequestHandle:
         delta = self.detok.add_many(commit.token_ids)
         if commit.finish_reason is not None:
             delta += self.detok.flush()
-        hit = False
+        # Text that could be the start of a stop string is held back until it is known not to be
+        # one (as vLLM does), so no chunk ever streams part of a stop string.
+        pending, hit = self._held + delta, False
         if stop:
-            text = self.text + delta
-            cut = min((i for i in (text.find(s, max(0, len(self.text) - len(s))) for s in stop) if i >= 0),
-                      default=-1)
+            cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
             if cut >= 0:
-                delta, hit = text[:cut][len(self.text):], True
+                pending, hit = pending[:cut], True
+        keep = max((len(s) for s in stop), default=1) - 1
+        if hit or commit.finish_reason is not None or keep == 0:
+            delta, self._held = pending, ""
+        else:
+            delta, self._held = pending[:max(0, len(pending) - keep)], pending[max(0, len(pending) - keep):]
         self.text += delta
         reason = "stop" if hit else (commit.finish_reason.value if commit.finish_reason else None)
         self._chunks.put(StreamChunk(commit.token_ids, delta, reason))
@@ -146,6 +152,8 @@ class RequestHandle:
         self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         if error is not None:
             self._chunks.put(error)
+        elif reason == "aborted":  # wake a streaming reader: nothing more will come
+            self._chunks.put(StreamChunk((), "", reason))
         self._done.set()
 
 

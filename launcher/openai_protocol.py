@@ -1,0 +1,235 @@
+"""OpenAI API request validation, chat-template rendering and response bodies.
+
+Owns turning a decoded JSON body of `POST /v1/completions` or `/v1/chat/completions` into prompt
+token ids and `SamplingParams` (every bad field → `InvalidRequestError` naming it, which the HTTP
+layer answers with 400 and an OpenAI-style error body), rendering chat messages with the model's
+own Jinja chat template (sandboxed, as Hugging Face does), and building the JSON objects of
+responses and stream chunks. Field semantics follow the OpenAI API reference; extensions as vLLM's:
+`ignore_eos`, `return_token_ids` (adds `token_ids` to each choice / chunk).
+Must not: do I/O or know about the coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+import uuid
+from typing import Any
+
+from launcher.serving_engine import FinalInfo, InvalidRequestError
+from pipeline.sampling import SamplingParams
+from pipeline.tokenizer import Tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 4
+# Fields this server does not implement: refused (400 naming the field) unless absent or set to a
+# value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
+# Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
+UNSUPPORTED = ("n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", "tools", "functions",
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: prompt ids, sampling parameters and response options."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    prompt_field: str
+
+
+def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"'{name}' must be a number, got {value!r}", name)
+    if value < lo or (lo_open and value == lo) or value > hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise InvalidRequestError(f"'{name}' must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _int(body: dict, name: str, default: int | None, *, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"'{name}' must be an integer, got {value!r}", name)
+    if value < lo or (hi is not None and value >= hi):
+        limit = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+        raise InvalidRequestError(f"'{name}' must be {limit}, got {value}", name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequestError("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    return tuple(stops)
+
+
+def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str, Any]:
+    """Validate the fields both endpoints share; returns keyword arguments of SamplingParams + options."""
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if (value not in (None, 1)) if name in ("n", "best_of") else bool(value):
+            raise InvalidRequestError(f"'{name}' = {value!r} is not supported by this server", name)
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise InvalidRequestError(f"'response_format' = {fmt!r} is not supported (only text)", "response_format")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _int({field: max_tokens}, field, max_tokens_default, lo=1)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise InvalidRequestError("'stream_options' must be an object", "stream_options")
+    for flag in ("stream", "ignore_eos", "return_token_ids"):
+        if not isinstance(body.get(flag, False), bool):
+            raise InvalidRequestError(f"'{flag}' must be true or false, got {body[flag]!r}", flag)
+    return {
+        "max_new_tokens": max_tokens,
+        "temperature": _number(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        "top_p": _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        "seed": _int(body, "seed", None, lo=0, hi=2**63),
+        "stop": _stop(body),
+        "ignore_eos": bool(body.get("ignore_eos", False)),
+        "stream": bool(body.get("stream", False)),
+        "include_usage": bool(stream_options.get("include_usage", False)),
+        "return_token_ids": bool(body.get("return_token_ids", False)),
+    }
+
+
+def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> ParsedRequest:
+    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids")}
+    return ParsedRequest(prompt_ids, SamplingParams(**kw), prompt_field=prompt_field, **options)
+
+
+def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str) -> ParsedRequest:
+    """A /v1/completions body. prompt: a string, a list of one string, or a list of token ids.
+    Raises InvalidRequestError naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", None)
+    kw = _common(body, model_name=model_name, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("'prompt' is empty", "prompt")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    elif prompt is None:
+        raise InvalidRequestError("'prompt' is required", "prompt")
+    else:
+        raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt per request)",
+                                  "prompt")
+    return _finish(kw, ids, "prompt")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str):
+        raise InvalidRequestError(f"chat template refused the messages: {message}", "messages")
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def render_chat(messages: Any, *, tokenizer: Tokenizer) -> str:
+    """The prompt text of `messages` under the model's chat template, ending with the assistant's
+    generation prompt. Raises InvalidRequestError ('messages') for malformed messages or a model
+    without a chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequestError(f"'messages[{i}].content' parts must all be of type 'text'",
+                                          f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
+        clean.append({"role": m["role"], "content": content})
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+    bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
+    eos = tokenizer.decode([tokenizer.eos_token_ids[0]], skip_special_tokens=False) if tokenizer.eos_token_ids else ""
+    return _compiled_template(tokenizer.chat_template).render(messages=clean, add_generation_prompt=True,
+                                                              bos_token=bos, eos_token=eos)
+
+
+def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> ParsedRequest:
+    """A /v1/chat/completions body; max_tokens defaults to what fits in max_model_len.
+    Raises InvalidRequestError naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", None)
+    text = render_chat(body.get("messages"), tokenizer=tokenizer)
+    ids = tokenizer.encode(text)
+    kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
+    return _finish(kw, ids, "messages")
+
+
+# -- responses ---------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(final: FinalInfo) -> dict[str, int]:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def error_body(message: str, param: str | None, *, type_: str = "invalid_request_error",
+               code: int | str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def completion_body(*, request_id: str, model: str, text: str, token_ids: list[int] | None, finish_reason: str | None,
+                    final: FinalInfo | None, chunk: bool, chat: bool, role: bool = False) -> dict[str, Any]:
+    """A response (chunk=False) or stream chunk (chunk=True) of either endpoint, one choice."""
+    reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
+    if chat:
+        content = {"role": "assistant", "content": text} if (role or not chunk) else {"content": text}
+        choice = {"index": 0, ("delta" if chunk else "message"): content, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body = {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    if final is not None and not chunk:
+        body["usage"] = usage(final)
+    return body
+
+
+def usage_chunk(*, request_id: str, model: str, final: FinalInfo, chat: bool) -> dict[str, Any]:
+    """The last stream chunk when stream_options.include_usage: no choices, only usage."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [], "usage": usage(final)}

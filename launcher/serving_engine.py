@@ -1,0 +1,251 @@
+"""Serving engine: the front ends' (HTTP, gRPC) one door into a running Coordinator.
+
+Owns admission control (a bounded number of outstanding requests: `max_num_seqs` decoding plus
+`max_queue` waiting; beyond that `QueueFullError`, which the front ends answer with HTTP 429 /
+gRPC RESOURCE_EXHAUSTED), the request streams that carry committed chunks from the coordinator's
+threads to a consumer (asyncio or blocking), cancellation (a client that goes away frees its KV
+slot on every stage at once, through `Coordinator.abort`), and the per-request serving metrics.
+Must not: parse HTTP or protobuf, render chat templates, or start processes.
+
+[Note: continuous admission]
+Requests are handed to the coordinator as they arrive; its scheduler admits a waiting request into
+a KV slot as soon as one is free and packs its prefill into the next micro-batch next to the
+decodes already running (pipeline/scheduler.py [Note: micro-batching]), so nobody waits for a
+"batch" to finish. With speculation on, drafts only take stage slots that real items leave idle
+([Note: speculation policy]). The engine bounds only how many requests may wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+from launcher.coordinator import Coordinator, RequestHandle, StreamChunk
+from launcher.metrics import ServingMetrics
+from pipeline.sampling import SamplingParams
+
+log = logging.getLogger("speedpipe.serve")
+
+
+class QueueFullError(RuntimeError):
+    """Too many outstanding requests: `max_num_seqs` running plus `max_queue` waiting."""
+
+
+class InvalidRequestError(ValueError):
+    """A request field is invalid; `param` names the field (OpenAI `error.param`)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalInfo:
+    """What the last chunk of a stream carries: finish reason, token counts and latencies (s)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+_EMPTY = object()
+
+
+class RequestStream:
+    """One admitted request: a pump thread moves its chunks from the coordinator into a buffer that
+    one consumer reads; `cancel()` aborts.
+
+    The pump starts at once (so the admission slot is returned when the request ends even if no
+    consumer ever reads it). Iterate the stream (blocking, for gRPC) or `async for` it (asyncio,
+    for HTTP); one consumer only. After the last chunk (finish_reason set) `final` holds usage and
+    latencies. The iterators raise PipelineError if the pipeline fails.
+    """
+
+    def __init__(self, engine: ServingEngine, handle: RequestHandle) -> None:
+        self.engine, self.handle = engine, handle
+        self.final: FinalInfo | None = None
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._wakeup: Callable[[], None] | None = None
+        self._cancelled = False
+        self._thread = threading.Thread(target=self._pump, name=f"stream-{handle.request_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+    def cancel(self) -> None:
+        """Abort the request if it is still running: its KV slot is freed on every stage."""
+        if not self._cancelled and self.handle.finish_reason is None:
+            self._cancelled = True
+            self.engine.coordinator.abort(self.handle)
+
+    # consumer side
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        self._wakeup = lambda: loop.call_soon_threadsafe(ready.set)
+        while True:
+            with self._cond:
+                item = self._items.popleft() if self._items else _EMPTY
+            if item is _EMPTY:
+                await ready.wait()
+                ready.clear()
+                continue
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    # pump thread
+    def _deliver(self, item: StreamChunk | BaseException | None) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+            wakeup = self._wakeup
+        if wakeup is not None:
+            try:
+                wakeup()
+            except RuntimeError:  # the consumer's event loop is closed (server stopping)
+                pass
+
+    def _pump(self) -> None:
+        h, m = self.handle, self.engine.metrics
+        last_t, released = None, False
+        try:
+            for chunk in h:
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if last_t is None:
+                        m.observe_ttft(now - h.submitted_at)
+                    else:
+                        for _ in chunk.token_ids:
+                            m.observe_itl((now - last_t) / len(chunk.token_ids))
+                    last_t = now
+                    m.add_generation_tokens(len(chunk.token_ids))
+                if chunk.finish_reason is not None:
+                    e2e = (h.finished_at or now) - h.submitted_at
+                    ttft = (h.first_token_at or h.finished_at or now) - h.submitted_at
+                    self.final = FinalInfo(chunk.finish_reason, len(h.prompt_ids), len(h.token_ids), ttft, e2e)
+                    m.observe_finish(chunk.finish_reason, e2e)
+                    # free the admission slot before the client can see the end (and send again)
+                    released = self.engine._release()
+                self._deliver(chunk)
+            self._deliver(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            m.observe_finish("error", time.perf_counter() - h.submitted_at)
+            released = released or self.engine._release()
+            self._deliver(exc)
+        finally:
+            if not released:
+                self.engine._release()
+
+
+class ServingEngine:
+    """Admission-bounded, thread-safe access to a started Coordinator.
+
+    max_num_seqs: KV slots (requests decoding at once); max_queue: requests allowed to wait for a
+    slot beyond those. Counts for `num_running` / `num_waiting` are derived from the outstanding
+    requests (the scheduler admits whenever a slot is free).
+    """
+
+    def __init__(self, coordinator: Coordinator, *, model_name: str, max_num_seqs: int, max_queue: int,
+                 max_model_len: int) -> None:
+        if max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
+        self.coordinator = coordinator
+        self.tokenizer = coordinator.tokenizer
+        self.model_name, self.max_num_seqs, self.max_queue = model_name, max_num_seqs, max_queue
+        self.max_model_len = max_model_len
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self.metrics = ServingMetrics(coordinator, model_name=model_name, engine=self)
+
+    @property
+    def num_outstanding(self) -> int:
+        return self._outstanding
+
+    @property
+    def num_running(self) -> int:
+        return min(self._outstanding, self.max_num_seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, self._outstanding - self.max_num_seqs)
+
+    def healthy(self) -> tuple[bool, str]:
+        """(True, "") when the coordinator and every stage serve; else (False, why)."""
+        if self.coordinator.failure is not None:
+            return False, str(self.coordinator.failure)
+        try:
+            responses = self.coordinator.health()
+        except Exception as exc:  # noqa: BLE001 - any control-plane failure is "unhealthy"
+            return False, f"stage health check failed: {exc}"
+        for i, r in enumerate(responses):
+            if r.status != r.SERVING:
+                return False, f"stage {i} is {r.Status.Name(r.status)}" + (f": {r.message}" if r.message else "")
+        return True, ""
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int, *, prompt_field: str) -> None:
+        """Raise InvalidRequestError if the prompt is empty or prompt + max_tokens > max_model_len."""
+        if not prompt_ids:
+            raise InvalidRequestError(f"'{prompt_field}' is empty (0 tokens)", prompt_field)
+        for t in prompt_ids:
+            if not 0 <= t < self.tokenizer.vocab_size:
+                raise InvalidRequestError(f"'{prompt_field}' token id {t} is outside the vocabulary "
+                                          f"[0, {self.tokenizer.vocab_size})", prompt_field)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(f"'{prompt_field}' has {n} tokens; the maximum context length is "
+                                      f"{self.max_model_len} tokens (--max-model-len)", prompt_field)
+        if n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"'max_tokens' {max_tokens} + {n} prompt tokens = {n + max_tokens} exceeds "
+                                      f"the maximum context length {self.max_model_len} (--max-model-len)",
+                                      "max_tokens")
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:
+        """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
+        outstanding, PipelineError if the pipeline failed, ValueError for input the coordinator rejects."""
+        with self._lock:
+            limit = self.max_num_seqs + self.max_queue
+            if self._outstanding >= limit:
+                self.metrics.observe_rejected("queue_full")
+                raise QueueFullError(f"server is at capacity: {self._outstanding} requests outstanding "
+                                     f"(--max-num-seqs {self.max_num_seqs} + --max-queue {self.max_queue}); retry later")
+            self._outstanding += 1
+        try:
+            handle = self.coordinator.submit(list(prompt_ids), params, request_id=request_id)
+        except BaseException:
+            self._release()
+            raise
+        self.metrics.add_prompt_tokens(len(handle.prompt_ids))
+        return RequestStream(self, handle)
+
+    def _release(self) -> bool:
+        """One outstanding request ended; returns True (for the caller's bookkeeping)."""
+        with self._lock:
+            self._outstanding -= 1
+        return True
+
+
