@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launcher.coordinator import PipelineError
 from launcher.local_backend import StageStartupError
+from launcher.placement_args import add_placement_args, placement_from_args
 from launcher.session import PipelineOptions, PipelineSession, resolve
 from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run prompts through an N-stage pipeline and print the outputs",
                             description="Spawn N stage workers on this machine, generate, print, stop everything.")
     add_pipeline_args(launch)
+    add_placement_args(launch)
     add_speculation_args(launch)
     add_sampling_args(launch)
     g = launch.add_argument_group("prompts and output")
@@ -120,7 +122,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        max_inflight=args.max_inflight)
+        max_inflight=args.max_inflight, placement=placement_from_args(args))
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -132,9 +134,11 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
 def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.launch import run_launch  # keeps `speedpipe --help` fast
 
+    options = pipeline_options(args, progress=not args.no_progress and not args.json)
+    if options.placement.multi_node and options.placement.node_rank > 0:
+        return run_member(options)
     prompts = read_prompts(args)
     params = [sampling_params(args, i) for i in range(len(prompts))]
-    options = pipeline_options(args, progress=not args.no_progress and not args.json)
     model = resolve(options)
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         n = len(model.tokenizer.encode(p))
@@ -158,6 +162,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     else:
         print_report(report, streamed=len(prompts) == 1)
     return 0
+
+
+def run_member(options: PipelineOptions) -> int:
+    """`launch --nnodes N --node-rank R` with R > 0: run this node's stages for node 0 (no prompts)."""
+    from launcher.multinode import run_member_node
+
+    resolve(options)  # the model and split are valid here too, before anything starts
+    return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
+                           threads_per_stage=options.threads_per_stage, say=say)
 
 
 def write_trace(session: PipelineSession, path: str) -> None:
