@@ -398,6 +398,10 @@ class LocalStageProcesses:
         logger.info("started %d stage processes: %s", config.num_stages, ", ".join(self._addresses))
         return self.addresses
 
+    def wait_exited(self, timeout_s: float) -> bool:
+        """Wait (reaping) up to `timeout_s` for every stage to exit by itself; True if all did."""
+        return self._wait_all(timeout_s)
+
     def dead_stages(self) -> list[tuple[int, int]]:
         """(stage_index, returncode) of every stage process that has exited, in stage order."""
         dead = []

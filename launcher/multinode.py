@@ -34,6 +34,7 @@ from launcher.placement import PlacementError, PlacementOptions, detect_host_ip,
 log = logging.getLogger("speedpipe.multinode")
 
 LEFT_WAIT_S = 10.0
+STAGE_EXIT_WAIT_S = 30.0
 FOREVER = datetime.timedelta(days=365)
 
 
@@ -176,6 +177,8 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         monitor.stop()
         if "error" not in outcome:
             store.set(f"left/{placement.node_rank}", "1")
+            # node 0's coordinator is sending Shutdown to our stages: let them drain and exit on their own
+            backend.processes.wait_exited(STAGE_EXIT_WAIT_S)
     finally:
         backend.stop()
     if "error" in outcome:

@@ -201,7 +201,7 @@ class RayStageActors:
         common = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
         if self.options.ray_address is None:
             num_cpus = max(1, math.ceil(self.bundle.get("CPU", 0) * self.num_stages))
-            ray.init(num_cpus=num_cpus, **common)
+            ray.init(address="local", num_cpus=num_cpus, **common)  # "local": never join a running one
         else:
             try:
                 ray.init(address=self.options.ray_address, **common)
