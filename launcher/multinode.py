@@ -59,8 +59,7 @@ def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str
     stages = node_stages(num_stages=num_stages, nnodes=options.nnodes, node_rank=options.node_rank)
     host = options.host_ip or detect_host_ip(options.master_addr, options.master_port)
     config = LocalLaunchConfig(num_stages=len(stages), host=host, log_level=log_level,
-                               threads_per_stage=threads_per_stage, first_stage_index=stages.start,
-                               startup_timeout_s=options.placement_timeout_s)
+                               threads_per_stage=threads_per_stage, first_stage_index=stages.start)
     return LocalStageBackend(config), stages
 
 
@@ -123,13 +122,13 @@ class MultiNodeStages:
         if self.store is not None:
             self.store.set("done", "1")
         self.local.stop()
-        if self.store is not None:
+        if self.store is not None and self.addresses:  # every node joined: let them read `done` first
             try:
                 self.store.wait([f"left/{r}" for r in range(1, self.options.nnodes)],
                                 datetime.timedelta(seconds=LEFT_WAIT_S))
             except RuntimeError:
                 log.warning("not every node acknowledged the shutdown within %.0f s", LEFT_WAIT_S)
-            self.store = None
+        self.store = None
 
 
 def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,

@@ -81,35 +81,38 @@ def cluster():
     assert not _gone(left), "Ray processes left after the cluster shut down"
 
 
-@pytest.fixture(scope="module")
-def local_tokens(smollm2_dir: Path) -> list[list[int]]:
-    """Greedy token ids of PROMPTS from the local backend (2 stages), the reference."""
-    return _generate(_options(smollm2_dir, 2, PlacementOptions()))[0]
-
-
 def _options(model_dir: Path, num_stages: int, placement: PlacementOptions) -> PipelineOptions:
     return PipelineOptions(num_stages=num_stages, model=str(model_dir), progress=False, max_model_len=256,
                            max_num_seqs=2, stage_timeout_s=60.0, placement=placement)
 
 
-def _generate(options: PipelineOptions) -> tuple[list[list[int]], list, list[int]]:
-    """(token ids per prompt, Ray placements or [], stage pids) of one session."""
+def _generate(session: PipelineSession) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    handles = [session.coordinator.submit(p, params) for p in PROMPTS]
+    return [h.result(timeout_s=RESULT_TIMEOUT_S).token_ids for h in handles]
+
+
+@pytest.fixture(scope="module")
+def local_tokens(smollm2_dir: Path) -> list[list[int]]:
+    """Greedy token ids of PROMPTS from the local backend (2 stages), the reference."""
+    options = _options(smollm2_dir, 2, PlacementOptions())
     with PipelineSession(options, resolve(options)) as session:
-        params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-        handles = [session.coordinator.submit(p, params) for p in PROMPTS]
-        tokens = [h.result(timeout_s=RESULT_TIMEOUT_S).token_ids for h in handles]
-        backend = session.backend
-        placements = list(getattr(backend, "placements", []))
-        pids = [p.pid for p in placements] if placements else list(session.processes.pids)
-    return tokens, placements, pids
+        return _generate(session)
 
 
-@pytest.mark.parametrize(("num_stages", "strategy"), [(2, "SPREAD"), (3, "STRICT_SPREAD")])
-def test_ray_stages_on_several_nodes_give_the_local_backends_tokens_in_deterministic_rank_order(
-        cluster, smollm2_dir, local_tokens, num_stages, strategy):
-    placement = PlacementOptions(backend="ray", placement_strategy=strategy, placement_timeout_s=30)
-    tokens, placements, pids = _generate(_options(smollm2_dir, num_stages, placement))
-    assert tokens == local_tokens
+@pytest.fixture(scope="module")
+def three_stage_session(cluster, smollm2_dir):
+    """A 3-stage Ray session, one stage per node (STRICT_SPREAD); the last test using it kills a stage."""
+    placement = PlacementOptions(backend="ray", placement_strategy="STRICT_SPREAD", placement_timeout_s=30)
+    options = _options(smollm2_dir, 3, placement)
+    session = PipelineSession(options, resolve(options)).__enter__()
+    pids = [p.pid for p in session.backend.placements]
+    yield session
+    session.close()
+    assert not _gone(pids), "stage actors still alive after the session closed"
+
+
+def _check_rank_order(placements, num_stages: int) -> None:
     head_ip = ray.util.get_node_ip_address()
     driver_node = ray.get_runtime_context().get_node_id()
     ips = [p.node_ip for p in placements]
@@ -120,7 +123,33 @@ def test_ray_stages_on_several_nodes_give_the_local_backends_tokens_in_determini
     if num_stages == 3:  # STRICT_SPREAD used every node
         assert ips == [head_ip, "127.0.0.2", "127.0.0.3"]
     assert [p.address.rsplit(":", 1)[0] for p in placements] == ips  # gRPC bound on the node's IP
-    assert not _gone(pids), "stage actors still alive after the session closed"
+
+
+def test_ray_2_stages_spread_over_nodes_give_the_local_backends_tokens_in_rank_order(
+        cluster, smollm2_dir, local_tokens):
+    placement = PlacementOptions(backend="ray", placement_strategy="SPREAD", placement_timeout_s=30)
+    options = _options(smollm2_dir, 2, placement)
+    with PipelineSession(options, resolve(options)) as session:
+        tokens = _generate(session)
+        placements = list(session.backend.placements)
+    assert tokens == local_tokens
+    _check_rank_order(placements, 2)
+    assert not _gone([p.pid for p in placements]), "stage actors still alive after the session closed"
+
+
+def test_ray_3_stages_one_per_node_give_the_local_backends_tokens_in_rank_order(three_stage_session, local_tokens):
+    assert _generate(three_stage_session) == local_tokens
+    _check_rank_order(three_stage_session.backend.placements, 3)
+
+
+def test_a_killed_stage_actor_is_reported_by_stage_index_and_node(three_stage_session):
+    victim = three_stage_session.backend.placements[1]
+    handle = three_stage_session.coordinator.submit("abc", SamplingParams(max_new_tokens=200, ignore_eos=True))
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(PipelineError) as err:
+        handle.result(timeout_s=60)
+    message = str(err.value)
+    assert "stage 1" in message and victim.node_ip in message and str(victim.pid) in message, message
 
 
 def test_unsatisfiable_placement_fails_within_the_timeout_with_what_was_asked_and_what_the_cluster_has(cluster):
@@ -136,22 +165,6 @@ def test_unsatisfiable_placement_fails_within_the_timeout_with_what_was_asked_an
         assert expected in message, message
     states = {pg["state"] for pg in ray.util.placement_group_table().values()}
     assert states <= {"REMOVED"}, f"placement group left behind: {states}"
-
-
-def test_a_killed_stage_actor_is_reported_by_stage_index_and_node(cluster, tmp_path):
-    model_dir = write_tiny_model(tmp_path / "tiny")
-    placement = PlacementOptions(backend="ray", placement_strategy="STRICT_SPREAD", placement_timeout_s=30)
-    options = _options(model_dir, 3, placement)
-    with PipelineSession(options, resolve(options)) as session:
-        victim = session.backend.placements[1]
-        handle = session.coordinator.submit("abc", SamplingParams(max_new_tokens=200, ignore_eos=True))
-        os.kill(victim.pid, signal.SIGKILL)
-        with pytest.raises(PipelineError) as err:
-            handle.result(timeout_s=60)
-        pids = [p.pid for p in session.backend.placements]
-    message = str(err.value)
-    assert "stage 1" in message and victim.node_ip in message, message
-    assert not _gone(pids)
 
 
 def test_cli_with_its_own_ray_instance_exits_2_when_gpus_are_missing_and_leaves_no_process(tmp_path):
