@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -87,9 +88,12 @@ class StagePlacement:
     address: str = ""
 
 
+_HIDDEN_RESOURCE = re.compile(r"^(node:|object_store_memory$|memory$|accelerator_type:|bundle_group_)|_group_")
+
+
 def _format_resources(resources: Mapping[str, float]) -> str:
-    shown = {k: v for k, v in sorted(resources.items()) if not k.startswith(("node:", "object_store_memory",
-                                                                             "memory", "accelerator_type"))}
+    """`{CPU: 2, GPU: 1}`: the resources a user asks for, without Ray's bookkeeping (node:, *_group_*)."""
+    shown = {k: v for k, v in sorted(resources.items()) if not _HIDDEN_RESOURCE.search(k)}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in shown.items()) + "}"
 
 

@@ -11,19 +11,15 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
-from pipeline.sampling import SamplingParams
+from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS
 from tests.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-PROMPTS = ("Once upon a time", "def fib(n):")
-NUM_NEW_TOKENS = 6
 NUM_STAGES = 3  # node 0 runs stages 0-1 and the coordinator, node 1 runs stage 2
 TAG_ENV = "SPEEDPIPE_TEST_MULTINODE_TAG"
 RUN_TIMEOUT_S = 240
@@ -67,23 +63,13 @@ def _tagged_workers(tag: str) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def local_tokens(smollm2_dir: Path) -> list[list[int]]:
-    options = PipelineOptions(num_stages=NUM_STAGES, model=str(smollm2_dir), progress=False, max_model_len=256,
-                              max_num_seqs=2)
-    with PipelineSession(options, resolve(options)) as session:
-        params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-        handles = [session.coordinator.submit(p, params) for p in PROMPTS]
-        return [h.result(timeout_s=120).token_ids for h in handles]
-
-
-def test_two_launch_processes_on_loopback_give_the_local_backends_tokens(smollm2_dir, local_tokens):
+def test_two_launch_processes_on_loopback_give_the_local_backends_tokens(smollm2_dir, local_backend_tokens):
     port, tag = _free_port_pair(), uuid.uuid4().hex
     common = ["--stages", str(NUM_STAGES), "--model", str(smollm2_dir), "--nnodes", "2", "--master-addr",
               "127.0.0.1", "--master-port", str(port), "--max-model-len", "256", "--max-num-seqs", "2"]
     node1 = _launch(*common, "--node-rank", "1", tag=tag)  # before node 0: it waits for node 0's store
-    node0 = _launch(*common, "--node-rank", "0", "--max-new-tokens", str(NUM_NEW_TOKENS), "--ignore-eos",
-                    "--json", *(a for p in PROMPTS for a in ("--prompt", p)), tag=tag)
+    node0 = _launch(*common, "--node-rank", "0", "--max-new-tokens", str(PLACEMENT_NEW_TOKENS), "--ignore-eos",
+                    "--json", *(a for p in PLACEMENT_PROMPTS for a in ("--prompt", p)), tag=tag)
     try:
         out0, err0 = node0.communicate(timeout=RUN_TIMEOUT_S)
         out1, err1 = node1.communicate(timeout=60)
@@ -95,7 +81,7 @@ def test_two_launch_processes_on_loopback_give_the_local_backends_tokens(smollm2
     assert node0.returncode == 0, err0[-3000:]
     assert node1.returncode == 0, err1[-3000:]
     report = json.loads(out0.strip().splitlines()[-1])
-    assert [o["token_ids"] for o in report["outputs"]] == local_tokens
+    assert [o["token_ids"] for o in report["outputs"]] == local_backend_tokens
     assert "node 1: stages 2-2 at 127.0.0.1:" in err1 and "node 0 finished" in err1, err1[-2000:]
     assert not _tagged_workers(tag), "stage workers left running"
 

@@ -38,12 +38,11 @@ from launcher.placement import PlacementError, PlacementOptions  # noqa: E402
 from launcher.ray_backend import RayStageActors  # noqa: E402
 from launcher.session import PipelineOptions, PipelineSession, resolve  # noqa: E402
 from pipeline.sampling import SamplingParams  # noqa: E402
+from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS  # noqa: E402
 from tests.tiny_model import write_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300), pytest.mark.allow_leftover_children]
 
-PROMPTS = ("Once upon a time", "def fib(n):")
-NUM_NEW_TOKENS = 6
 NODE_IPS = ("127.0.0.3", "127.0.0.2")  # added in this order; stage order must sort them
 RESULT_TIMEOUT_S = 120.0
 PROCESS_GONE_TIMEOUT_S = 20.0
@@ -87,17 +86,9 @@ def _options(model_dir: Path, num_stages: int, placement: PlacementOptions) -> P
 
 
 def _generate(session: PipelineSession) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    handles = [session.coordinator.submit(p, params) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=PLACEMENT_NEW_TOKENS, ignore_eos=True)
+    handles = [session.coordinator.submit(p, params) for p in PLACEMENT_PROMPTS]
     return [h.result(timeout_s=RESULT_TIMEOUT_S).token_ids for h in handles]
-
-
-@pytest.fixture(scope="module")
-def local_tokens(smollm2_dir: Path) -> list[list[int]]:
-    """Greedy token ids of PROMPTS from the local backend (2 stages), the reference."""
-    options = _options(smollm2_dir, 2, PlacementOptions())
-    with PipelineSession(options, resolve(options)) as session:
-        return _generate(session)
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +117,19 @@ def _check_rank_order(placements, num_stages: int) -> None:
 
 
 def test_ray_2_stages_spread_over_nodes_give_the_local_backends_tokens_in_rank_order(
-        cluster, smollm2_dir, local_tokens):
+        cluster, smollm2_dir, local_backend_tokens):
     placement = PlacementOptions(backend="ray", placement_strategy="SPREAD", placement_timeout_s=30)
     options = _options(smollm2_dir, 2, placement)
     with PipelineSession(options, resolve(options)) as session:
         tokens = _generate(session)
         placements = list(session.backend.placements)
-    assert tokens == local_tokens
+    assert tokens == local_backend_tokens
     _check_rank_order(placements, 2)
     assert not _gone([p.pid for p in placements]), "stage actors still alive after the session closed"
 
 
-def test_ray_3_stages_one_per_node_give_the_local_backends_tokens_in_rank_order(three_stage_session, local_tokens):
-    assert _generate(three_stage_session) == local_tokens
+def test_ray_3_stages_one_per_node_give_the_local_backends_tokens_in_rank_order(three_stage_session, local_backend_tokens):
+    assert _generate(three_stage_session) == local_backend_tokens
     _check_rank_order(three_stage_session.backend.placements, 3)
 
 
