@@ -168,7 +168,8 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         addresses = backend.start()
         for i, address in zip(stages, addresses, strict=True):
             store.set(f"stage/{i}", address)
-        say(f"node {placement.node_rank}: stages {stages.start}-{stages.stop - 1} at {', '.join(addresses)}; "
+        span = f"stage {stages.start}" if len(stages) == 1 else f"stages {stages.start}-{stages.stop - 1}"
+        say(f"node {placement.node_rank}: {span} at {', '.join(addresses)}; "
             f"waiting for node 0 at {placement.master_addr}:{placement.master_port}")
         monitor = StageProcessMonitor(backend.processes, died).start()
         threading.Thread(target=wait_done, name="speedpipe-wait-done", daemon=True).start()

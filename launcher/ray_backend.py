@@ -13,7 +13,15 @@ stage's gRPC `StageService` (`workers.stage_worker.start_server`) on its node's 
 address; the coordinator then drives it exactly like a local stage. Each actor also answers one
 long-running `wait_stopped()` call; its ObjectRef resolves when the stage shuts down, or fails with
 `RayActorError` when the actor or its node dies, so the watcher thread sleeps in `ray.wait` and
-never polls.
+never polls. Actors are owned by the driver, so Ray kills them when the driver exits (no orphans).
+
+[Note: rendezvous address]
+The data plane's TCPStore is hosted by rank 0, the coordinator, which runs in the driver; so the
+rendezvous address is the driver node's IP as Ray sees it (`ray.util.get_node_ip_address()`). Stage 0
+runs on the driver's node whenever that node holds a bundle ([Note: stage order] in
+launcher/placement.py), so this is then also the first stage's node IP; when the driver's node holds
+no bundle (a CPU-only head with GPU bundles), the stages still reach the coordinator there. Across
+nodes, gloo picks its interface from the host name, or from GLOO_SOCKET_IFNAME (forwarded).
 """
 
 from __future__ import annotations
