@@ -17,7 +17,7 @@ import torch
 
 from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
 from launcher.local_backend import LocalLaunchConfig, LocalStageBackend, LocalStageProcesses
-from launcher.placement import PlacementOptions, StageBackend
+from launcher.placement import PlacementOptions, StageBackend, node_stages
 from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model
 from pipeline.partition import (
@@ -83,6 +83,8 @@ class PipelineOptions:
             raise ValueError(f"--threads-per-stage must be >= 1, got {self.threads_per_stage}")
         if self.stage_timeout_s <= 0:
             raise ValueError(f"--stage-timeout-s must be > 0, got {self.stage_timeout_s}")
+        if self.placement.multi_node:  # every node runs at least one stage
+            node_stages(num_stages=self.num_stages, nnodes=self.placement.nnodes, node_rank=self.placement.node_rank)
 
 
 @dataclasses.dataclass(frozen=True)
