@@ -105,6 +105,14 @@ def _format_resources(resources: Mapping[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in shown.items()) + "}"
 
 
+def _death_cause(exc: BaseException) -> str:
+    """One line from Ray's multi-line actor-death message: its headline plus why (node died, exit code)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = [line for line in lines[1:] if line.startswith(("The actor is dead because", "The actor died because"))]
+    text = " ".join(lines[:1] + why) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _actor_options(bundle: Mapping[str, float]) -> dict:
     """Actor resource options that use exactly one bundle (CPU/GPU/memory are Ray's keywords)."""
     options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
@@ -294,7 +302,7 @@ class RayStageActors:
                 ray.get(ready[0])
                 cause = "stopped on its own"
             except ray.exceptions.RayError as exc:
-                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                cause = _death_cause(exc)
             if self._stopping.is_set():
                 return
             log.error("%s died: %s", self.describe(stage_index), cause)
