@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -34,14 +36,41 @@ from launcher.placement import PlacementError, PlacementOptions, detect_host_ip,
 log = logging.getLogger("speedpipe.multinode")
 
 LEFT_WAIT_S = 10.0
+CONNECT_RETRY_S = 0.5
 STAGE_EXIT_WAIT_S = 30.0
 FOREVER = datetime.timedelta(days=365)
 
 
+def _wait_listening(host: str, port: int, *, timeout_s: float) -> bool:
+    """True once something accepts TCP connections at host:port, False after `timeout_s`.
+
+    torch's TCPStore client retries a refused connection with a random back-off that can overrun its
+    own timeout by as much again, so nodes R > 0 wait here first, against the placement deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(CONNECT_RETRY_S)
+
+
 def _store(options: PlacementOptions) -> dist.TCPStore:
     """Node 0 hosts the launch store; other nodes connect to it (retrying until the placement timeout)."""
-    timeout = datetime.timedelta(seconds=options.placement_timeout_s)
+    start = time.monotonic()
     is_master = options.node_rank == 0
+    if not is_master and not _wait_listening(options.master_addr, options.master_port,
+                                             timeout_s=options.placement_timeout_s):
+        raise PlacementError(
+            f"node {options.node_rank}: cannot reach node 0 at {options.master_addr}:{options.master_port} within "
+            f"{options.placement_timeout_s:g} s (--placement-timeout-s); check that node 0 runs `launch --nnodes "
+            f"{options.nnodes} --node-rank 0 ...` with the same --master-addr/--master-port, and that the port is "
+            f"open")
+    remaining_s = max(1.0, options.placement_timeout_s - (time.monotonic() - start))
+    timeout = datetime.timedelta(seconds=remaining_s)
     try:
         return dist.TCPStore(options.master_addr, options.master_port, None, is_master, timeout=timeout,
                              wait_for_workers=False)

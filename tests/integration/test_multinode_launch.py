@@ -1,6 +1,7 @@
 """The torchrun-style multi-node mode: two `launch` processes on one machine (node 0 and node 1 over
 loopback) give the local backend's greedy token ids on the real default model and both exit 0,
-leaving no stage process; node 0 without its peer fails within --placement-timeout-s (exit 2)."""
+leaving no stage process; node 0 without its peer, and node 1 without node 0, fail within
+--placement-timeout-s (exit 2)."""
 
 from __future__ import annotations
 
@@ -101,4 +102,21 @@ def test_node_0_without_its_peer_fails_within_the_placement_timeout(tmp_path):
                            "2 s (--placement-timeout-s)"), err[-3000:]
     assert f"--master-addr 127.0.0.1 --master-port {port}" in last and "Traceback" not in err
     assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert not _tagged_workers(tag), "stage workers left running"
+
+
+def test_node_1_without_node_0_fails_within_the_placement_timeout(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    start = time.monotonic()
+    node1 = _launch("--stages", "2", "--model", str(model_dir), "--nnodes", "2", "--node-rank", "1",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--placement-timeout-s", "3", tag=tag)
+    _, err = node1.communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    assert node1.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"speedpipe launch: error: node 1: cannot reach node 0 at 127.0.0.1:{port} within 3 s "
+                           "(--placement-timeout-s)"), err[-3000:]
+    assert "Traceback" not in err
+    assert elapsed < 40, f"took {elapsed:.0f} s with --placement-timeout-s 3"
     assert not _tagged_workers(tag), "stage workers left running"
