@@ -17,6 +17,7 @@ from pathlib import Path
 from launcher.coordinator import PipelineError
 from launcher.http_bench import add_http_bench_args, cmd_http_bench
 from launcher.local_backend import StageStartupError
+from launcher.placement_args import add_placement_args, placement_from_args
 from launcher.serve import add_serve_args, cmd_serve
 from launcher.session import PipelineOptions, PipelineSession, resolve
 from pipeline.models import DEFAULT_MODEL
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run prompts through an N-stage pipeline and print the outputs",
                             description="Spawn N stage workers on this machine, generate, print, stop everything.")
     add_pipeline_args(launch)
+    add_placement_args(launch)
     add_speculation_args(launch)
     add_sampling_args(launch)
     g = launch.add_argument_group("prompts and output")
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API and gRPC",
                            description="Start an N-stage pipeline and serve it until Ctrl-C.")
     add_pipeline_args(serve)
+    add_placement_args(serve)
     add_speculation_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -149,7 +152,8 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance))
+        max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance),
+        placement=placement_from_args(args))
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -163,9 +167,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     if args.serve:
         return cmd_serve(args)
+    options = pipeline_options(args, progress=not args.no_progress and not args.json)
+    if options.placement.multi_node and options.placement.node_rank > 0:
+        return run_member(options)
     prompts = read_prompts(args)
     params = [sampling_params(args, i) for i in range(len(prompts))]
-    options = pipeline_options(args, progress=not args.no_progress and not args.json)
     model = resolve(options)
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         n = len(model.tokenizer.encode(p))
@@ -189,6 +195,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     else:
         print_report(report, streamed=len(prompts) == 1)
     return 0
+
+
+def run_member(options: PipelineOptions) -> int:
+    """`launch --nnodes N --node-rank R` with R > 0: run this node's stages for node 0 (no prompts)."""
+    from launcher.multinode import run_member_node
+
+    resolve(options)  # the model and split are valid here too, before anything starts
+    return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
+                           threads_per_stage=options.threads_per_stage, say=say)
 
 
 def write_trace(session: PipelineSession, path: str) -> None:

@@ -77,6 +77,9 @@ class LocalLaunchConfig:
     """How to spawn the local stage processes.
 
     `threads_per_stage` sets OMP_NUM_THREADS and MKL_NUM_THREADS in each child (None: inherit).
+    `first_stage_index` is the pipeline stage index of the first local process (multi-node mode: a
+    node runs stages first_stage_index .. first_stage_index + num_stages - 1); messages and log
+    prefixes use pipeline stage indices, the methods of LocalStageProcesses local ones (0-based).
     `env` adds or overrides environment variables of every child. `extra_args` is appended to every
     worker command line.
     """
@@ -90,6 +93,7 @@ class LocalLaunchConfig:
     env: Mapping[str, str] | None = None
     threads_per_stage: int | None = None
     extra_args: tuple[str, ...] = field(default=())
+    first_stage_index: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -115,12 +119,14 @@ class LocalLaunchConfig:
                 raise ValueError(f"env entries must be str -> str with a non-empty key without '=', got {key!r}")
         if isinstance(self.extra_args, str) or not all(isinstance(a, str) for a in self.extra_args):
             raise ValueError(f"extra_args must be a tuple of str, got {self.extra_args!r}")
+        if self.first_stage_index < 0:
+            raise ValueError(f"first_stage_index must be >= 0, got {self.first_stage_index!r}")
 
     def command(self, stage_index: int) -> list[str]:
-        """The worker command line for one stage (port 0: the worker picks a free port)."""
+        """The worker command line for local stage `stage_index` (port 0: the worker picks a free port)."""
         return [
             self.python, "-m", self.worker_module,
-            "--stage-index", str(stage_index),
+            "--stage-index", str(self.first_stage_index + stage_index),
             "--host", self.host,
             "--port", "0",
             "--log-level", self.log_level,
@@ -215,8 +221,9 @@ def _decode(raw: bytes) -> str:
 class _Stage:
     """One spawned stage: its Popen, pidfd, reader threads and stderr tail."""
 
-    def __init__(self, stage_index: int, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, stage_index: int, proc: subprocess.Popen[bytes], *, label_index: int) -> None:
         self.stage_index = stage_index
+        self.label_index = label_index  # pipeline stage index, for log prefixes
         self.proc = proc
         self.pidfd: int | None = None
         if hasattr(os, "pidfd_open"):
@@ -249,7 +256,7 @@ class _Stage:
                     ready_seen = True
                     events.put((self.stage_index, "ready", int(match.group(1))))
                 else:
-                    out.write(self.stage_index, line, source="stdout")
+                    out.write(self.label_index, line, source="stdout")
         except (OSError, ValueError):
             pass
         finally:
@@ -262,7 +269,7 @@ class _Stage:
             for raw in iter(pipe.readline, b""):
                 line = _decode(raw)
                 self.stderr_tail.append(line)
-                out.write(self.stage_index, line)
+                out.write(self.label_index, line)
         except (OSError, ValueError):
             pass
         finally:
@@ -350,7 +357,8 @@ class LocalStageProcesses:
                 if self._stopping.is_set():  # stop() ran from a signal handler meanwhile
                     raise StageStartupError("startup interrupted by stop()", stage_index=stage_index,
                                             returncode=None)
-                self._stages.append(_Stage(stage_index, self._spawn(stage_index, env)))
+                self._stages.append(_Stage(stage_index, self._spawn(stage_index, env),
+                                          label_index=config.first_stage_index + stage_index))
         except OSError as exc:
             self.stop(grace_s=1.0)
             raise StageStartupError(
@@ -389,6 +397,10 @@ class LocalStageProcesses:
         self._addresses = [format_address(config.host, ports[i]) for i in range(config.num_stages)]
         logger.info("started %d stage processes: %s", config.num_stages, ", ".join(self._addresses))
         return self.addresses
+
+    def wait_exited(self, timeout_s: float) -> bool:
+        """Wait (reaping) up to `timeout_s` for every stage to exit by itself; True if all did."""
+        return self._wait_all(timeout_s)
 
     def dead_stages(self) -> list[tuple[int, int]]:
         """(stage_index, returncode) of every stage process that has exited, in stage order."""
@@ -446,8 +458,9 @@ class LocalStageProcesses:
             preexec_fn=_make_preexec_fn(),  # only a resolved prctl call, see _make_preexec_fn
         )
 
-    def _fail_startup(self, stage_index: int, *, timed_out: bool, bad_port: int | None = None) -> None:
-        stage = self._stages[stage_index]
+    def _fail_startup(self, local_index: int, *, timed_out: bool, bad_port: int | None = None) -> None:
+        stage = self._stages[local_index]
+        stage_index = stage.label_index
         if not timed_out:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 stage.proc.wait(timeout=1.0)  # it closed stdout; give it a moment to exit
@@ -622,3 +635,44 @@ class StageProcessMonitor:
                     with contextlib.suppress(OSError):
                         os.close(fd)
             self._wake_r = self._wake_w = None  # type: ignore[assignment]
+
+
+class LocalStageBackend:
+    """The StageBackend role (launcher/placement.py) over LocalStageProcesses and StageProcessMonitor.
+
+    `processes` is the LocalStageProcesses (pids, addresses). Stage indices in `watch` callbacks and
+    `describe` are pipeline stage indices (`config.first_stage_index` + local index).
+    """
+
+    def __init__(self, config: LocalLaunchConfig, *, log_stream: TextIO | None = None) -> None:
+        self.config = config
+        self.processes = LocalStageProcesses(config, log_stream=log_stream)
+        self.master_addr = config.host
+        self.monitor: StageProcessMonitor | None = None
+
+    def start(self) -> list[str]:
+        return self.processes.start()
+
+    def data_port(self) -> int:
+        return free_port(self.master_addr)
+
+    def describe(self, stage_index: int) -> str:
+        local = stage_index - self.config.first_stage_index
+        pids = self.processes.pids
+        return f"stage {stage_index} (pid {pids[local]})" if 0 <= local < len(pids) else f"stage {stage_index}"
+
+    def watch(self, on_death: Callable[[int, str], None]) -> None:
+        """Call `on_death(stage_index, description)` once when a stage process dies before stop()."""
+        def died(local: int, returncode: int) -> None:
+            index = self.config.first_stage_index + local
+            on_death(index, f"{self.describe(index)} exited unexpectedly with {describe_returncode(returncode)}")
+
+        self.monitor = StageProcessMonitor(self.processes, died).start()
+
+    def unwatch(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+
+    def stop(self) -> None:
+        self.unwatch()
+        self.processes.stop()

@@ -22,15 +22,12 @@ from launcher.session import PipelineSession
 
 log = logging.getLogger("speedpipe.serve")
 
-BACKENDS = ("local", "ray")
-
 
 def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
     """Server flags; switch=True also adds `--serve` (for `launch`)."""
     g = p.add_argument_group("serving (OpenAI-compatible HTTP and gRPC)")
     if switch:
         g.add_argument("--serve", action="store_true", help="serve over HTTP/gRPC instead of running prompts")
-    g.add_argument("--backend", default="local", help="where stages run: local (default) | ray")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     g.add_argument("--grpc-port", type=int, default=50051, help="gRPC GenerateService port (default 50051; -1 = off)")
@@ -141,21 +138,19 @@ def default_model_name(session: PipelineSession) -> str:
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
-    if args.backend not in BACKENDS:
-        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    if args.backend == "ray":
-        raise ValueError("--backend ray is not available in this build; use --backend local")
     return ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, model_name=args.served_model_name,
                         max_queue=args.max_queue, stats_interval_s=args.stats_interval_s)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run until Ctrl-C / SIGTERM. Exit 2 for bad flags (nothing spawned), 1 if start-up fails."""
-    from launcher.cli import pipeline_options, say
+    from launcher.cli import pipeline_options, run_member, say
     from launcher.session import resolve
 
     serve = serve_options(args)
     options = pipeline_options(args, progress=not getattr(args, "no_progress", False))
+    if options.placement.multi_node and options.placement.node_rank > 0:
+        return run_member(options)  # node R > 0 only runs its stages; node 0 serves
     serve.check_ports()
     model = resolve(options)
     if logging.getLogger().level > logging.INFO:  # the stats line is the server's heartbeat: show it

@@ -1,8 +1,9 @@
 """Pipeline session: validate a launch request, place the stages, start the coordinator, tear down.
 
 Owns the order of start-up (validate everything that can be validated *before* any process is
-spawned, so bad input leaves nothing behind), the local placement backend, and teardown on every
-exit path. Serving and benchmarking front ends reuse it.
+spawned, so bad input leaves nothing behind), the choice of placement backend (local processes, Ray
+actors, or the torchrun-style multi-node mode; see launcher/placement.py), the health check before
+any work is admitted, and teardown on every exit path. Serving and benchmarking front ends reuse it.
 Must not: parse command lines (launcher/cli.py) or format output.
 """
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import torch
 
 from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
-from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses, StageProcessMonitor, free_port
+from launcher.local_backend import LocalLaunchConfig, LocalStageBackend, LocalStageProcesses
+from launcher.placement import PlacementOptions, StageBackend, node_stages
 from pipeline.config import ModelConfig
 from pipeline.draft_gate import DraftGate
 from pipeline.models import DEFAULT_MODEL, resolve_model
@@ -29,6 +31,7 @@ from pipeline.partition import (
 from pipeline.predictors import PREDICTORS, Predictor, make_predictor
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
+from proto import speedpipe_pb2 as pb
 from workers.convert import DTYPE_CHOICES, StageLoadSpec
 
 log = logging.getLogger("speedpipe.launch")
@@ -57,6 +60,7 @@ class PipelineOptions:
     exit_layer: int | None = None  # None = last layer of stage 0
     max_inflight: int = 0  # per sequence; 0 = num_stages
     min_acceptance: float | None = None  # adaptive drafting threshold; None = break-even for num_stages
+    placement: PlacementOptions = dataclasses.field(default_factory=PlacementOptions)
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE_MODES:
@@ -83,6 +87,8 @@ class PipelineOptions:
             raise ValueError(f"--threads-per-stage must be >= 1, got {self.threads_per_stage}")
         if self.stage_timeout_s <= 0:
             raise ValueError(f"--stage-timeout-s must be > 0, got {self.stage_timeout_s}")
+        if self.placement.multi_node:  # every node runs at least one stage
+            node_stages(num_stages=self.num_stages, nnodes=self.placement.nnodes, node_rank=self.placement.node_rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +156,8 @@ class PipelineSession:
         self.predictor = predictor
         self.options = options
         self.model = model
-        self.processes: LocalStageProcesses | None = None
+        self.backend: StageBackend | None = None
         self.coordinator: Coordinator | None = None
-        self.monitor: StageProcessMonitor | None = None
         self.load_responses = []
 
     def __enter__(self) -> PipelineSession:
@@ -185,49 +190,73 @@ class PipelineSession:
             lines.append(f"stage {i}: layers {r} ({len(r)})" + "".join(f" + {e}" for e in extra))
         return lines
 
+    @property
+    def processes(self) -> LocalStageProcesses | None:
+        """The local stage processes (local backend only; None otherwise)."""
+        return self.backend.processes if isinstance(self.backend, LocalStageBackend) else None
+
+    def _make_backend(self) -> StageBackend:
+        opt = self.options
+        if opt.placement.backend == "ray":
+            from launcher.ray_backend import RayStageActors  # ray is imported only there
+
+            return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
+                                  log_level=opt.log_level, threads_per_stage=opt.threads_per_stage)
+        if opt.placement.multi_node:
+            from launcher.multinode import MultiNodeStages
+
+            return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
+                                   threads_per_stage=opt.threads_per_stage)
+        return LocalStageBackend(LocalLaunchConfig(
+            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage))
+
     def _start(self) -> None:
         opt, m = self.options, self.model
         for line in self.placement():
             log.info("%s", line)
-        self.processes = LocalStageProcesses(LocalLaunchConfig(
-            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage))
-        addresses = self.processes.start()
-        port = free_port("127.0.0.1")
+        self.backend = self._make_backend()
+        addresses = self.backend.start()
+        master_addr, port = self.backend.master_addr, self.backend.data_port()
         self.coordinator = Coordinator(CoordinatorConfig(
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
-            stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
+            stage_timeout_s=opt.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=port,
             device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
             exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight,
             min_acceptance=(DraftGate.break_even(opt.num_stages) if opt.min_acceptance is None
                             else opt.min_acceptance)), m.tokenizer, addresses,
             predictor=self.predictor)
-        self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
-        self.monitor.start()
+        self.backend.watch(self._on_stage_death)
         specs = [StageLoadSpec(
             model_dir=str(m.model_dir), stage_index=i, num_stages=opt.num_stages, layer_range=r, dtype=opt.dtype,
             device=opt.device, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
-            num_threads=opt.threads_per_stage, dist_master_addr="127.0.0.1", dist_master_port=port,
+            num_threads=opt.threads_per_stage, dist_master_addr=master_addr, dist_master_port=port,
             stage_timeout_s=opt.stage_timeout_s,
             exit_layer=m.exit_layer if self._needs_exit_head else -1,
             predictor=opt.predictor if opt.speculate == "speed" else "") for i, r in enumerate(m.ranges)]
         self.load_responses = self.coordinator.start(specs)
+        self._check_health()
 
-    def _on_stage_death(self, stage_index: int, returncode: int) -> None:
-        pid = self.processes.pids[stage_index] if self.processes else "?"
-        error = PipelineError(f"stage {stage_index} (pid {pid}) exited unexpectedly with code {returncode}")
+    def _check_health(self) -> None:
+        """Every stage must report SERVING before any work is admitted. Raises PipelineError."""
+        for i, health in enumerate(self.coordinator.health()):
+            if health.status != pb.HealthResponse.SERVING:
+                raise PipelineError(f"{self.backend.describe(i)} is not healthy after start-up: "
+                                    f"{pb.HealthResponse.Status.Name(health.status)} {health.message}".rstrip())
+
+    def _on_stage_death(self, stage_index: int, description: str) -> None:
         if self.coordinator is not None:
-            self.coordinator.fail(error)
+            self.coordinator.fail(PipelineError(description))
 
     def close(self) -> None:
-        """Stop the coordinator and every stage process; idempotent."""
-        if self.monitor is not None:
-            self.monitor.stop()
+        """Stop the coordinator and every stage worker; idempotent."""
+        if self.backend is not None:
+            self.backend.unwatch()
         if self.coordinator is not None:
             try:
                 self.coordinator.shutdown()
             except Exception as exc:  # noqa: BLE001 - teardown must go on
                 log.warning("coordinator shutdown: %s", exc)
             self.coordinator = None
-        if self.processes is not None:
-            self.processes.stop()
-            self.processes = None
+        if self.backend is not None:
+            self.backend.stop()
+            self.backend = None

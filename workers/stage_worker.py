@@ -190,6 +190,34 @@ def _exit_on_stdin_eof(stop_event: threading.Event) -> None:
     os._exit(0 if stop_event.is_set() else 1)
 
 
+def start_server(*, stage_index: int, host: str, port: int = 0,
+                 stop_event: threading.Event) -> tuple[grpc.Server, StageServicer, int]:
+    """Start one stage's StageService on host:port (0 = a free port) in this process.
+
+    Returns (server, servicer, bound port). The Shutdown RPC sets `stop_event`; the caller then
+    calls `stop_server`. Used by `serve` (a process per stage) and by the Ray stage actor (the same
+    worker code inside an actor). Raises OSError if the address cannot be bound.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"))
+    servicer = StageServicer(stage_index, stop_event)
+    pb_grpc.add_StageServiceServicer_to_server(servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpc raises RuntimeError on a bind failure
+        raise OSError(f"cannot bind control plane to {host}:{port}: {exc}") from None
+    if bound == 0:
+        raise OSError(f"cannot bind control plane to {host}:{port}")
+    server.start()
+    return server, servicer, bound
+
+
+def stop_server(server: grpc.Server, servicer: StageServicer) -> None:
+    """After Shutdown: let the data-plane loop finish its in-band SHUTDOWN, then stop the server."""
+    if servicer.loop is not None:
+        servicer.loop.stopped.wait(timeout=5.0)
+    server.stop(grace=1.0).wait(2.0)
+
+
 def serve(argv: list[str] | None = None) -> int:
     """Entry point of a stage worker process. Returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m workers.stage_worker", description=__doc__.splitlines()[0])
@@ -197,7 +225,7 @@ def serve(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="control-plane bind address (default loopback)")
     parser.add_argument("--port", type=int, default=0, help="control-plane port (0 = pick a free one)")
     parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--no-stdin-watch", action="store_true", help="do not exit on stdin EOF (Ray actors)")
+    parser.add_argument("--no-stdin-watch", action="store_true", help="do not exit on stdin EOF")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -206,21 +234,17 @@ def serve(argv: list[str] | None = None) -> int:
     # stdin, and PR_SET_PDEATHSIG covers a killed launcher), so a stage never dies of SIGINT itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop_event = threading.Event()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"))
-    servicer = StageServicer(args.stage_index, stop_event)
-    pb_grpc.add_StageServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        print(f"cannot bind control plane to {args.host}:{args.port}", file=sys.stderr)
+    try:
+        server, servicer, port = start_server(stage_index=args.stage_index, host=args.host, port=args.port,
+                                              stop_event=stop_event)
+    except OSError as exc:
+        print(str(exc), file=sys.stderr)
         return 2
-    server.start()
     if not args.no_stdin_watch:
         threading.Thread(target=_exit_on_stdin_eof, args=(stop_event,), daemon=True).start()
     print(READY_LINE.format(port=port), flush=True)
     stop_event.wait()
-    if servicer.loop is not None:
-        servicer.loop.stopped.wait(timeout=5.0)
-    server.stop(grace=1.0).wait(2.0)
+    stop_server(server, servicer)
     return 0
 
 

@@ -14,6 +14,10 @@ import pytest
 
 from pipeline.models import DEFAULT_MODEL, registered_gguf_path, resolve_model
 
+# Prompts of the placement tests (Ray backend, multi-node mode) and how many greedy tokens they take.
+PLACEMENT_PROMPTS = ("Once upon a time", "def fib(n):")
+PLACEMENT_NEW_TOKENS = 6
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
@@ -42,3 +46,18 @@ def smollm2_conversion(smollm2_gguf: Path, smollm2_cache: Path) -> tuple[Path, f
 def smollm2_dir(smollm2_conversion: tuple[Path, float]) -> Path:
     """The converted HF-format folder of the default model (config.json, model.safetensors, ...)."""
     return smollm2_conversion[0]
+
+
+@pytest.fixture(scope="session")
+def local_backend_tokens(smollm2_dir: Path) -> list[list[int]]:
+    """Greedy token ids of PLACEMENT_PROMPTS (submitted together) from the local backend on 2 stages:
+    the reference the other placement backends must reproduce."""
+    from launcher.session import PipelineOptions, PipelineSession, resolve
+    from pipeline.sampling import SamplingParams
+
+    options = PipelineOptions(num_stages=2, model=str(smollm2_dir), progress=False, max_model_len=256,
+                              max_num_seqs=2)
+    with PipelineSession(options, resolve(options)) as session:
+        params = SamplingParams(max_new_tokens=PLACEMENT_NEW_TOKENS, ignore_eos=True)
+        handles = [session.coordinator.submit(p, params) for p in PLACEMENT_PROMPTS]
+        return [h.result(timeout_s=120).token_ids for h in handles]

@@ -202,6 +202,10 @@ def bad_inputs(tiny_dir: Path, tmp: Path) -> dict[str, BadInput]:
         "prompts-file-jsonl-without-prompt": BadInput(("--prompts-file", str(no_field)), (f"{no_field}:1", "'prompt'")),
         "min-acceptance-1.5": BadInput(("--speculate", "speed", "--min-acceptance", "1.5"),
                                        ("--min-acceptance", "'1.5'", "[0, 1]")),
+        "stage-resources-not-json": BadInput(("--backend", "ray", "--stage-resources", "{GPU: 1}"),
+                                             ("--stage-resources", "not valid JSON", "{GPU: 1}")),
+        "nnodes-with-ray": BadInput(("--backend", "ray", "--nnodes", "2"), ("--nnodes > 1", "drop --backend ray")),
+        "nnodes-over-stages": BadInput(("--nnodes", "3"), ("--nnodes 3", "--stages 2")),
     }
 
 
@@ -209,7 +213,8 @@ BAD_INPUT_NAMES = [  # test ids, in the order of bad_inputs()
     "unknown-model-name", "model-path-missing", "truncated-safetensors", "stages-0", "stages-5-on-4-layers",
     "layer-split-sum", "layer-split-stage-count", "empty-prompt", "prompt-plus-new-tokens-over-max-model-len",
     "max-new-tokens-0", "temperature-negative", "top-p-0", "top-p-1.5", "prompts-file-missing",
-    "prompts-file-bad-jsonl-line", "prompts-file-jsonl-without-prompt", "min-acceptance-1.5",
+    "prompts-file-bad-jsonl-line", "prompts-file-jsonl-without-prompt", "min-acceptance-1.5", "stage-resources-not-json",
+    "nnodes-with-ray", "nnodes-over-stages",
 ]
 
 

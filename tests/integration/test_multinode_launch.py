@@ -1,0 +1,122 @@
+"""The torchrun-style multi-node mode: two `launch` processes on one machine (node 0 and node 1 over
+loopback) give the local backend's greedy token ids on the real default model and both exit 0,
+leaving no stage process; node 0 without its peer, and node 1 without node 0, fail within
+--placement-timeout-s (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS
+from tests.tiny_model import write_tiny_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+NUM_STAGES = 2  # node 0 runs stage 0 and the coordinator, node 1 runs stage 1
+TAG_ENV = "SPEEDPIPE_TEST_MULTINODE_TAG"
+RUN_TIMEOUT_S = 240
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 free a moment ago (launch rendezvous and data plane)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def _launch(*args: str, tag: str) -> subprocess.Popen:
+    env = {**os.environ, TAG_ENV: tag}
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "launch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _tagged_workers(tag: str) -> list[str]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if (proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(TAG_ENV) == tag
+                    and "workers.stage_worker" in " ".join(proc.info["cmdline"] or [])):
+                found.append(" ".join(proc.info["cmdline"]))
+                proc.kill()  # never leak it into later tests
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_two_launch_processes_on_loopback_give_the_local_backends_tokens(smollm2_dir, local_backend_tokens):
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    common = ["--stages", str(NUM_STAGES), "--model", str(smollm2_dir), "--nnodes", "2", "--master-addr",
+              "127.0.0.1", "--master-port", str(port), "--max-model-len", "256", "--max-num-seqs", "2"]
+    node1 = _launch(*common, "--node-rank", "1", tag=tag)  # before node 0: it waits for node 0's store
+    node0 = _launch(*common, "--node-rank", "0", "--max-new-tokens", str(PLACEMENT_NEW_TOKENS), "--ignore-eos",
+                    "--json", *(a for p in PLACEMENT_PROMPTS for a in ("--prompt", p)), tag=tag)
+    try:
+        out0, err0 = node0.communicate(timeout=RUN_TIMEOUT_S)
+        out1, err1 = node1.communicate(timeout=60)
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert node0.returncode == 0, err0[-3000:]
+    assert node1.returncode == 0, err1[-3000:]
+    report = json.loads(out0.strip().splitlines()[-1])
+    assert [o["token_ids"] for o in report["outputs"]] == local_backend_tokens
+    assert "node 1: stage 1 at 127.0.0.1:" in err1 and "node 0 finished" in err1, err1[-2000:]
+    assert not _tagged_workers(tag), "stage workers left running"
+
+
+def test_node_0_without_its_peer_fails_within_the_placement_timeout(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    start = time.monotonic()
+    node0 = _launch("--stages", "2", "--model", str(model_dir), "--nnodes", "2", "--node-rank", "0",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--placement-timeout-s", "2",
+                    "--prompt", "Hi", tag=tag)
+    _, err = node0.communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    assert node0.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("speedpipe launch: error: node(s) 1 of --nnodes 2 did not report their stages within "
+                           "2 s (--placement-timeout-s)"), err[-3000:]
+    assert f"--master-addr 127.0.0.1 --master-port {port}" in last and "Traceback" not in err
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert not _tagged_workers(tag), "stage workers left running"
+
+
+def test_node_1_without_node_0_fails_within_the_placement_timeout(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    start = time.monotonic()
+    node1 = _launch("--stages", "2", "--model", str(model_dir), "--nnodes", "2", "--node-rank", "1",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--placement-timeout-s", "3", tag=tag)
+    _, err = node1.communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    assert node1.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"speedpipe launch: error: node 1: cannot reach node 0 at 127.0.0.1:{port} within 3 s "
+                           "(--placement-timeout-s)"), err[-3000:]
+    assert "Traceback" not in err
+    assert elapsed < 40, f"took {elapsed:.0f} s with --placement-timeout-s 3"
+    assert not _tagged_workers(tag), "stage workers left running"

@@ -1,0 +1,141 @@
+"""deploy/: every manifest parses and they tie together (one image, ports, commands that `launch` accepts),
+and the Dockerfile runs the README's quick-start commands."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import build_parser
+from launcher.placement import PlacementOptions
+from launcher.placement_args import placement_from_args
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d is not None]
+
+
+def _all_docs() -> dict[str, list[dict]]:
+    return {p.name: _docs(p.name) for p in sorted(DEPLOY.glob("*.yaml"))}
+
+
+def _dockerfile() -> str:
+    return (DEPLOY / "Dockerfile").read_text()
+
+
+def _image_in_docs() -> str:
+    return re.search(r"ghcr\.io/[\w./:-]+[\w]", (DEPLOY / "README.md").read_text()).group(0)
+
+
+def _containers(obj) -> list[dict]:
+    """Every container spec anywhere in a parsed manifest."""
+    found = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "containers":
+                found += value
+            else:
+                found += _containers(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            found += _containers(value)
+    return found
+
+
+def _launch_args(argv: list[str], env: dict[str, str] | None = None) -> tuple[argparse.Namespace, PlacementOptions]:
+    """Parse a `speedpipe` command line with the real CLI parser; returns (args, its placement)."""
+    args = build_parser().parse_args(argv)
+    return args, placement_from_args(args, env or {})
+
+
+def test_every_manifest_parses_and_uses_the_one_image():
+    docs = _all_docs()
+    assert set(docs) == {"ray-cluster.yaml", "kuberay-raycluster.yaml", "statefulset.yaml"}
+    image = _image_in_docs()
+    assert docs["ray-cluster.yaml"][0]["docker"]["image"] == image
+    for name in ("kuberay-raycluster.yaml", "statefulset.yaml"):
+        containers = _containers(docs[name])
+        assert containers and {c["image"] for c in containers} == {image}, name
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"docker build -f deploy/Dockerfile -t {image} ." in readme
+
+
+def test_dockerfile_runs_the_readme_quick_start_as_a_non_root_user_with_the_speedpipe_entry_point():
+    dockerfile = _dockerfile()
+    runs = [" ".join(m.split()) for m in re.findall(r"^RUN (.+?)$", dockerfile.replace("\\\n", " "), re.M)]
+    quick_start = re.search(r"```bash\n(python3 -m venv .venv && .+?)\n```", (ROOT / "README.md").read_text()).group(1)
+    *setup, run = [c.strip() for c in quick_start.split(" && ")]
+    for command in setup:
+        matching = [r for r in runs if r == command or r.startswith(command + " --index-url ")]
+        assert matching, f"README command {command!r} is not a RUN line of deploy/Dockerfile"
+    # the README's run command, with one token on one stage, converts the model at build time
+    assert any(r.startswith(run.split(" --stages")[0] + " --stages 1") for r in runs), run
+    assert re.search(r"^USER speedpipe$", dockerfile, re.M) and "--uid 10001" in dockerfile
+    assert 'ENTRYPOINT ["speedpipe"]' in dockerfile
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.\d+-slim", dockerfile, re.M)  # CPU by default
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    cmd = re.search(r"^CMD (\[.+\])$", dockerfile, re.M).group(1)
+    _launch_args(yaml.safe_load(cmd))  # the default command is one `speedpipe` accepts
+
+
+def test_statefulset_services_and_pod_env_tie_together():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _docs("statefulset.yaml")}
+    sts = docs[("StatefulSet", "speedpipe")]
+    headless = docs[("Service", sts["spec"]["serviceName"])]
+    coordinator = docs[("Service", "speedpipe-coordinator")]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"] == labels
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"] == labels
+    assert coordinator["spec"]["selector"] == {**labels, "statefulset.kubernetes.io/pod-name": "speedpipe-0"}
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env["RANK"] == "metadata.labels['apps.kubernetes.io/pod-index']"  # pod ordinal = node rank
+    assert int(env["WORLD_SIZE"]) == sts["spec"]["replicas"]
+    assert env["MASTER_ADDR"] == f"speedpipe-0.{headless['metadata']['name']}"
+    assert container["command"] == ["speedpipe"]
+    argv = [a.replace("$(POD_IP)", "10.1.2.3") for a in container["args"]]
+    args, placement = _launch_args(argv, {k: v for k, v in env.items() if k != "RANK"} | {"RANK": "1"})
+    assert (placement.nnodes, placement.node_rank, placement.host_ip) == (sts["spec"]["replicas"], 1, "10.1.2.3")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"rendezvous": placement.master_port, "data-plane": placement.master_port + 1}
+    for service in (headless, coordinator):
+        for port in service["spec"]["ports"]:
+            assert ports[port["name"]] == port["port"], (service["metadata"]["name"], port)
+            assert port.get("targetPort", port["name"]) == port["name"]
+    assert args.stages >= placement.nnodes
+
+
+def test_ray_manifests_start_ray_on_the_ports_the_docs_name_and_run_a_valid_launch():
+    cluster = _docs("ray-cluster.yaml")[0]
+    head_start = " ".join(cluster["head_start_ray_commands"])
+    assert "ray start --head --port=6379" in head_start and "--ray-client-server-port=10001" in head_start
+    assert all("$RAY_HEAD_IP:6379" in c for c in cluster["worker_start_ray_commands"] if c.startswith("ray start"))
+    kuberay = _docs("kuberay-raycluster.yaml")[0]
+    assert kuberay["kind"] == "RayCluster" and kuberay["apiVersion"] == "ray.io/v1"
+    import ray
+
+    assert kuberay["spec"]["rayVersion"] == ray.__version__  # the image's ray (pyproject's ray extra)
+    head_ports = {p["name"]: p["containerPort"] for p in _containers(kuberay["spec"]["headGroupSpec"])[0]["ports"]}
+    assert head_ports == {"gcs": 6379, "dashboard": 8265, "client": 10001}
+    exposed = set(map(int, re.search(r"^EXPOSE (.+)$", _dockerfile(), re.M).group(1).split()))
+    assert set(head_ports.values()) | {29500, 29501} <= exposed
+    readme = (DEPLOY / "README.md").read_text()
+    launches = re.findall(r"speedpipe (launch --backend ray [^'\n]+?)'?$", readme + cluster_comment(), re.M)
+    assert len(launches) >= 2
+    for command in launches:
+        _, placement = _launch_args(shlex.split(command))
+        assert placement.backend == "ray" and placement.ray_address == "auto"
+
+
+def cluster_comment() -> str:
+    return "\n".join(line for line in (DEPLOY / "ray-cluster.yaml").read_text().splitlines() if line.startswith("#"))
