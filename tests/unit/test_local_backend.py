@@ -164,13 +164,14 @@ def test_stage_dying_after_its_ready_line_while_others_start_fails_startup():
 
 
 def test_startup_timeout_raises_within_the_deadline_and_stops_all():
-    procs = LocalStageProcesses(fake_config(3, "--never-ready", "2", startup_timeout_s=1.0),
+    # 3 s: long enough for a fake worker to start and log even on a loaded machine
+    procs = LocalStageProcesses(fake_config(3, "--never-ready", "2", startup_timeout_s=3.0),
                                 log_stream=io.StringIO())
     started = time.monotonic()
-    with pytest.raises(StageStartupError, match=r"stage 2 did not report ready within 1 s") as info:
+    with pytest.raises(StageStartupError, match=r"stage 2 did not report ready within 3 s") as info:
         procs.start()
     elapsed_s = time.monotonic() - started
-    assert 1.0 <= elapsed_s < 3.0
+    assert 3.0 <= elapsed_s < 6.0
     assert info.value.stage_index == 2 and info.value.returncode is None
     assert "fake worker stage 2: listening on port" in str(info.value)
     assert all(process_gone(pid) for pid in procs.pids)

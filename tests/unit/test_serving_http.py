@@ -203,7 +203,9 @@ def test_bench_against_a_server(served, tmp_path, capsys):
 def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
-    assert main(["serve", "--backend", "ray"]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # argparse choices
+        main(["serve", "--backend", "nope"])
+    assert exit_info.value.code == 2
     assert main(["launch", "--serve", "--grpc-port", "-5"]) == 2  # launch --serve is serve
     assert "--grpc-port" in capsys.readouterr().err
     with socket.socket() as busy:
