@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) as the last line")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace (JSON trace events) of the "
                    "stage timelines: open it in ui.perfetto.dev or chrome://tracing")
+    g.add_argument("--no-timeline", action="store_true", help="do not record per-item stage timings (no "
+                   "useful/wasted split, no trace); for measuring the recording overhead")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     launch.set_defaults(func=cmd_launch)
     return parser
@@ -120,7 +122,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        max_inflight=args.max_inflight)
+        max_inflight=args.max_inflight, record_timeline=not getattr(args, "no_timeline", False))
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -149,6 +151,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
+        if args.trace and args.no_timeline:
+            raise UsageError("--trace needs the timeline: drop --no-timeline")
         if args.trace:
             write_trace(session, args.trace)
             if not args.json:

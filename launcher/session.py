@@ -55,6 +55,7 @@ class PipelineOptions:
     predictor: str = "hybrid"
     exit_layer: int | None = None  # None = last layer of stage 0
     max_inflight: int = 0  # per sequence; 0 = num_stages
+    record_timeline: bool = True  # per-item stage timings (off: measure the recording overhead)
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE_MODES:
@@ -193,7 +194,8 @@ class PipelineSession:
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
             device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
-            exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight), m.tokenizer, addresses,
+            exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight,
+            record_timeline=opt.record_timeline), m.tokenizer, addresses,
             predictor=self.predictor)
         self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
         self.monitor.start()
