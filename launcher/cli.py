@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "useful/wasted split, no trace); for measuring the recording overhead")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     launch.set_defaults(func=cmd_launch)
+    from launcher.bench import add_bench_args, cmd_bench
+    bench = sub.add_parser("bench", help="sweep configurations side by side; write results.json/.csv, traces, plots")
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
