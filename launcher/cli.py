@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="sweep configurations side by side; write results.json/.csv, traces, plots")
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+    from launcher.simulate import add_simulate_args, cmd_simulate
+    simulate = sub.add_parser("simulate", help="discrete-event simulation of the pipeline (optionally calibrated)")
+    add_simulate_args(simulate)
+    simulate.set_defaults(func=cmd_simulate)
     return parser
 
 

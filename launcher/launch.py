@@ -62,7 +62,5 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
                   **times.draft_gap(0), "stages": stages},
     }
     if timeline:
-        report["timeline"] = {"start_ns": start_ns, "end_ns": end_ns, "num_stages": times.num_stages,
-                              "slices": [s.to_json() for s in sorted(times.slices, key=lambda s: s.start_ns)],
-                              "commits": [list(c) for c in coord.commit_events]}
+        report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report

@@ -141,3 +141,20 @@ def png_size(path: str | Path) -> tuple[int, int]:
     if head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
         raise ValueError(f"{path} is not a PNG file")
     return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def measured_vs_predicted(checks: Sequence[dict], path: str | Path) -> Path:
+    """Side-by-side bars of measured and simulated tokens/s per configuration, error in the label.
+    checks: [{"config", "measured_tokens_per_s", "predicted_tokens_per_s", "error"}]."""
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    x = list(range(len(checks)))
+    ax.bar([i - 0.2 for i in x], [c["measured_tokens_per_s"] for c in checks], 0.4, label="measured", color="#1565c0")
+    ax.bar([i + 0.2 for i in x], [c["predicted_tokens_per_s"] for c in checks], 0.4, label="simulated",
+           color="#ef6c00")
+    ax.set_xticks(x, [f"{c['config']}\n{c['error']:+.0%}" for c in checks], fontsize=7)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("calibrated simulator vs measured (median over repeats)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -51,9 +51,12 @@ class CostModel:
     hop_latency_s, hop_bandwidth_bytes_per_s, bytes_per_token: each hop (coordinator -> stage 0,
         stage i -> i + 1, last stage -> coordinator, exit stage -> coordinator) takes
         latency + n * bytes_per_token / bandwidth.
-    coordinator_s: the coordinator's turnaround per result (verify, commit, next send).
+    coordinator_s: the coordinator's turnaround per result (verify, commit, next send); the
+        coordinator is one thread, so results queue for it.
     predictor_s: extra compute on the exit stage for a micro-batch with non-prefill items when
         speculating (the exit head).
+    contention: slow-down of a stage's compute per other stage computing when it starts (shared
+        memory bandwidth or CPUs): time x (1 + contention * others busy).
     Raises ValueError on negative costs or mismatched lengths.
     """
 
@@ -64,13 +67,14 @@ class CostModel:
     bytes_per_token: int = 0
     coordinator_s: float = 0.0
     predictor_s: float = 0.0
+    contention: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.stage_base_s or len(self.stage_base_s) != len(self.stage_per_token_s):
             raise ValueError(f"cost model: {len(self.stage_base_s)} base costs for {len(self.stage_per_token_s)} "
                              "per-token costs (need one of each per stage, at least one stage)")
         values = (*self.stage_base_s, *self.stage_per_token_s, self.hop_latency_s, self.coordinator_s,
-                  self.predictor_s, self.bytes_per_token)
+                  self.predictor_s, self.bytes_per_token, self.contention)
         if any(v < 0 for v in values) or self.hop_bandwidth_bytes_per_s <= 0:
             raise ValueError("cost model: costs must be >= 0 and bandwidth > 0")
 
@@ -151,8 +155,15 @@ class SimConfig:
     speculate: bool = False
     exit_stage: int = 0
     max_inflight: int = 0
+    prompt_lens: tuple[int, ...] = ()  # per sequence (overrides prompt_len and concurrency)
 
     def __post_init__(self) -> None:
+        if self.prompt_lens:
+            if min(self.prompt_lens) < 1:
+                raise ValueError(f"prompt lengths must be >= 1, got {self.prompt_lens}")
+            object.__setattr__(self, "concurrency", len(self.prompt_lens))
+        else:
+            object.__setattr__(self, "prompt_lens", (self.prompt_len,) * max(1, self.concurrency))
         if self.num_stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.num_stages}")
         if self.concurrency < 1 or self.prompt_len < 1 or self.max_new_tokens < 1:
@@ -221,7 +232,7 @@ class Simulator:
         predictor = SimPredictor(acceptance) if config.speculate else None
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.concurrency,
-            max_model_len=config.prompt_len + config.max_new_tokens + 1, speculate=config.speculate,
+            max_model_len=max(config.prompt_lens) + config.max_new_tokens + 1, speculate=config.speculate,
             max_inflight=config.max_inflight), predictor)
         self.timeline = Timeline(config.num_stages, max_slices=10_000_000)
         self.record_timeline = record_timeline
@@ -230,6 +241,7 @@ class Simulator:
         self._order = itertools.count()
         self._queues: list[list] = [[] for _ in range(config.num_stages)]
         self._busy = [False] * config.num_stages
+        self._coord_free_ns = 0
         self._stage_epochs: list[dict[int, int]] = [{} for _ in range(config.num_stages)]
 
     def _at(self, delay_s: float, kind: str, payload) -> None:
@@ -238,8 +250,8 @@ class Simulator:
     def run(self) -> SimResult:
         """Simulate until every sequence finished. Raises RuntimeError if it does not converge."""
         cfg = self.config
-        for i in range(cfg.concurrency):  # the tag token lets the predictor find the sequence
-            prompt = [SIM_VOCAB + i] + [true_token(i, p) for p in range(1, cfg.prompt_len)]
+        for i, prompt_len in enumerate(cfg.prompt_lens):  # the tag token lets the predictor find the sequence
+            prompt = [SIM_VOCAB + i] + [true_token(i, p) for p in range(1, prompt_len)]
             self.scheduler.add(i, prompt, SamplingParams(max_new_tokens=cfg.max_new_tokens, ignore_eos=True))
         commits: list[tuple[int, int, int]] = []
         first: dict[int, int] = {}
@@ -259,7 +271,10 @@ class Simulator:
                     self._finish(*payload)
                 elif kind == "exit":
                     self.scheduler.on_exit(payload, [None] * len(payload), self.now_ns)
-                elif kind == "result":
+                elif kind == "result":  # queue for the coordinator's one thread
+                    self._coord_free_ns = max(self._coord_free_ns, self.now_ns) + round(self.cost.coordinator_s * 1e9)
+                    heapq.heappush(self._events, (self._coord_free_ns, next(self._order), "verify", payload))
+                elif kind == "verify":
                     batch, returned, timing = payload
                     for c in self._on_result(batch, returned, timing):
                         for t in c.token_ids:
@@ -317,6 +332,7 @@ class Simulator:
             cost = self.cost.stage_s(stage, n)
             if self._is_exit(stage, kept):
                 cost += self.cost.predictor_s
+            cost *= 1.0 + self.cost.contention * sum(self._busy)
         self._busy[stage] = True
         self._at(cost, "done", (stage, batch, kept, self.now_ns))
 
@@ -332,7 +348,7 @@ class Simulator:
         if items and self._is_exit(stage, items):
             self._at(self.cost.hop_s(0), "exit", items)
         if stage == self.config.num_stages - 1:
-            self._at(self.cost.hop_s(0) + self.cost.coordinator_s, "result", (batch, items, batch[1]))
+            self._at(self.cost.hop_s(0), "result", (batch, items, batch[1]))
         else:
             self._at(self.cost.hop_s(n), "arrive", (stage + 1, batch, items))
         self._start(stage)

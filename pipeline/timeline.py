@@ -44,6 +44,7 @@ class Slice:
     end_ns: int
     items: tuple[ItemRecord, ...]
     useful_share: float
+    batch: int = 0  # index of the micro-batch (its slices on every stage share it)
 
     @property
     def duration_ns(self) -> int:
@@ -63,7 +64,7 @@ class Slice:
         return sum(it.num_tokens for it in self.items)
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "start_ns": self.start_ns, "end_ns": self.end_ns,
+        return {"stage": self.stage, "batch": self.batch, "start_ns": self.start_ns, "end_ns": self.end_ns,
                 "useful_share": round(self.useful_share, 4), "items": [it.to_json() for it in self.items]}
 
 
@@ -92,6 +93,7 @@ class Timeline:
         self.wasted_ns = [0] * num_stages
         self.draft_gaps_ns: list[int] = []
         self._last_end_ns = [0] * num_stages
+        self.num_batches = 0
 
     def record(self, timing: list, items: Sequence[Item], useful_share: float, draft_ready_ns: int | None = None,
                *, committed: Sequence[bool] | None = None) -> None:
@@ -109,11 +111,12 @@ class Timeline:
             self.draft_gaps_ns.append(max(0, start_ns - max(draft_ready_ns, self._last_end_ns[stage])))
         for stage, start_ns, end_ns in timing:
             self._last_end_ns[stage] = max(self._last_end_ns[stage], end_ns)
-            s = Slice(stage, start_ns, end_ns, records, useful_share)
+            s = Slice(stage, start_ns, end_ns, records, useful_share, self.num_batches)
             self.slices.append(s)
             useful = round(s.duration_ns * useful_share)
             self.useful_ns[stage] += useful
             self.wasted_ns[stage] += s.duration_ns - useful
+        self.num_batches += 1
 
     def reset(self) -> None:
         self.slices.clear()
@@ -121,6 +124,14 @@ class Timeline:
         self.wasted_ns = [0] * self.num_stages
         self.draft_gaps_ns = []
         self._last_end_ns = [0] * self.num_stages
+        self.num_batches = 0
+
+    def to_json(self, start_ns: int, end_ns: int, *, commits=()) -> dict:
+        """The timeline JSON of `launch`/`bench` (read by pipeline/calibrate.py and the Gantt plot):
+        {"start_ns", "end_ns", "num_stages", "slices": [Slice.to_json()], "commits": [[ns, seq, token]]}."""
+        return {"start_ns": start_ns, "end_ns": end_ns, "num_stages": self.num_stages,
+                "slices": [s.to_json() for s in sorted(self.slices, key=lambda s: (s.start_ns, s.stage))],
+                "commits": [list(c) for c in commits]}
 
     def span_ns(self) -> tuple[int, int]:
         """(first slice start, last slice end) in ns; (0, 0) when empty."""
