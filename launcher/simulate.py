@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,7 +29,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--alpha", default="none,0.5,0.9,1", help="comma list of acceptance rates in [0, 1] for "
                    "speculating runs; 'none' = plain decode (default none,0.5,0.9,1)")
     g.add_argument("--concurrency", default="1", help="comma list of sequences run at once (default 1)")
-    g.add_argument("--link-latency-s", default="0", help="comma list of per-hop latencies in seconds (default 0)")
+    g.add_argument("--link-latency-s", default="0", help="comma list of per-hop latencies in seconds; with --calibrate, added to the measured "
+                   "hand-over time (default 0)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens per sequence (default 32)")
     g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default 16)")
     g.add_argument("--out", default="simulate-out", help="output folder (default ./simulate-out)")
@@ -152,8 +154,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             for c in concurrency:
                 for lat in latencies:
                     cost = cal.cost_model(s) if cal else synthetic_cost(args, s, lat)
-                    if cal and lat:
-                        cost = CostModel(**{**cost.__dict__, "hop_latency_s": lat})
+                    if cal and lat:  # extra link latency on top of the measured hand-over
+                        cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + lat)
                     cfg = SimConfig(num_stages=s, concurrency=c, prompt_len=args.prompt_len,
                                     max_new_tokens=args.max_new_tokens, speculate=alpha != "none")
                     res = Simulator(cfg, cost, acceptance=None if alpha == "none" else Bernoulli(alpha, seed=args.seed)).run()
