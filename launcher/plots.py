@@ -104,8 +104,8 @@ def acceptance_bars(by_predictor: dict[str, dict], path: str | Path) -> Path:
     fig, ax = plt.subplots()
     names = list(by_predictor) or ["(no speculation)"]
     med = [by_predictor[n]["median"] for n in by_predictor] or [0.0]
-    lo = [m - by_predictor[n]["min"] for m, n in zip(med, by_predictor)] or [0.0]
-    hi = [by_predictor[n]["max"] - m for m, n in zip(med, by_predictor)] or [0.0]
+    lo = [m - by_predictor[n]["min"] for m, n in zip(med, by_predictor, strict=False)] or [0.0]
+    hi = [by_predictor[n]["max"] - m for m, n in zip(med, by_predictor, strict=False)] or [0.0]
     ax.bar(range(len(names)), med, yerr=[lo, hi], color="#6a1b9a", capsize=3)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylim(0, 1)

@@ -90,7 +90,7 @@ def ring_turnaround_s(timelines: Iterable[dict]) -> float | None:
             continue
         last = tl["num_stages"] - 1
         order = sorted(batches)
-        for a, b in zip(order, order[1:]):
+        for a, b in zip(order, order[1:], strict=False):
             if last in batches[a] and 0 in batches[b]:
                 gaps.append((batches[b][0]["start_ns"] - batches[a][last]["end_ns"]) / 1e9)
     return statistics.median(gaps) if gaps else None

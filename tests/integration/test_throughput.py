@@ -76,7 +76,7 @@ def test_bench_writes_results_json_and_one_csv_row_per_configuration(bench_out: 
 def test_bench_ratios_are_paired_within_each_repeat(bench_out: Path):
     configs = {c["name"]: c for c in json.loads((bench_out / "results.json").read_text())["configs"]}
     spec, plain = configs["s2-speed-ngram-c1"], configs["s2-none-c1"]
-    want = [a["stats"]["tokens_per_s"] / b["stats"]["tokens_per_s"] for a, b in zip(spec["runs"], plain["runs"])]
+    want = [a["stats"]["tokens_per_s"] / b["stats"]["tokens_per_s"] for a, b in zip(spec["runs"], plain["runs"], strict=True)]
     assert spec["ratio_vs_plain"]["of"] == "s2-none-c1"
     assert spec["ratio_vs_plain"]["samples"] == pytest.approx(want)
     assert configs["s1-none-c1"]["ratio_vs_first"]["samples"] == pytest.approx([1.0] * REPEATS)
@@ -92,7 +92,7 @@ def test_bench_trace_of_every_run_has_stage_tracks_ordered_slices_and_commits(be
             for stage in range(c["stages"]):
                 xs = [e for e in events if e["ph"] == "X" and e["tid"] == stage]
                 assert xs, f"{run['trace']}: no slice on stage {stage}"
-                for a, b in zip(xs, xs[1:]):  # one stage computes one micro-batch at a time
+                for a, b in zip(xs, xs[1:], strict=False):  # one stage computes one micro-batch at a time
                     assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, f"{run['trace']}: overlapping slices"
                 assert all(item["outcome"] in ("committed", "squashed") for e in xs for item in e["args"]["items"])
             assert sum(1 for e in events if e["ph"] == "i") == MAX_NEW_TOKENS
