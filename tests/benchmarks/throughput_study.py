@@ -5,7 +5,8 @@ Runs a measured sweep and the simulator calibrated on it:
     speedpipe bench --stages 1,2 --speculate none,speed --predictor hybrid,ngram --concurrency 1,2 \
         --prompts sotu --max-new-tokens K --repeats R --out WORK/bench
     speedpipe simulate --calibrate WORK/bench/results.json --stages 1,2,4,8,16,32,64 \
-        --alpha none,0.25,0.5,0.75,0.9,1 --link-latency-s 0,0.001,0.005,0.02 --out WORK/simulate
+        --alpha none,0.25,0.5,0.75,0.9,1 --link-latency-s 0,0.001,0.005,0.02 --max-new-tokens 128 \
+        --out WORK/simulate
 
 then copies the plots, results.json/.csv and simulate.json/.csv (not the per-run traces) to --out
 (tests/benchmarks/results/throughput/, committed), and prints each measured configuration's
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/speedpipe-throughput", help="where bench/simulate write everything")
     p.add_argument("--out", default="tests/benchmarks/results/throughput", help="where the kept files go")
     p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--sim-tokens", type=int, default=128, help="tokens per sequence in the simulated sweep")
     args = p.parse_args(argv)
     work, out = Path(args.work), Path(args.out)
     cli = [sys.executable, "-m", "launcher.cli"]
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--out", str(work / "bench")], check=True)
     subprocess.run([*cli, "simulate", "--calibrate", str(work / "bench" / "results.json"), "--stages",
                     "1,2,4,8,16,32,64", "--alpha", "none,0.25,0.5,0.75,0.9,1", "--link-latency-s", "0,0.001,0.005,0.02",
-                    "--max-new-tokens", str(args.max_new_tokens), "--out", str(work / "simulate")], check=True)
+                    "--max-new-tokens", str(args.sim_tokens), "--out", str(work / "simulate")], check=True)
     for part, files in (("bench", ("results.json", "results.csv")), ("simulate", ("simulate.json", "simulate.csv"))):
         (out / part / "plots").mkdir(parents=True, exist_ok=True)
         for name in files:
