@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline.calibrate import Calibration, calibrate, draft_outcomes
+from pipeline.predictors import make_predictor
 from pipeline.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 
 
@@ -78,7 +79,9 @@ def load_bench_runs(path: str | Path) -> list[dict]:
         for cfg in results["configs"]:
             for run in cfg["runs"]:
                 tl = json.loads((path.parent / run["timeline"]).read_text())
+                exit_head = cfg["speculate"] != "none" and make_predictor(cfg["predictor"]).needs_exit_head
                 runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
+                             "exit_head": exit_head,
                              "concurrency": cfg["concurrency"], "stats": run["stats"],
                              "num_tokens": run["num_tokens"], "timeline": tl})
     except (json.JSONDecodeError, KeyError, TypeError, OSError) as exc:
@@ -103,8 +106,9 @@ def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int 
         outcomes = draft_outcomes(run["timeline"])
         acceptance = Replay(outcomes) if replay and outcomes else Bernoulli(run["stats"]["acceptance_rate"], seed=seed)
     cfg = SimConfig(num_stages=run["num_stages"], prompt_lens=lens, max_new_tokens=max(run["num_tokens"]),
-                    speculate=spec)
-    return Simulator(cfg, cal.cost_model(run["num_stages"]), acceptance=acceptance, record_timeline=False).run().tokens_per_s
+                    speculate=spec, exit_head=run.get("exit_head", True))
+    cost = cal.cost_model(run["num_stages"])
+    return Simulator(cfg, cost, acceptance=acceptance, record_timeline=False).run().tokens_per_s
 
 
 def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = False, seed: int = 0) -> list[dict]:

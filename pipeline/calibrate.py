@@ -158,8 +158,9 @@ def scaled_fits(stage_fits: dict[int, list[StageFit]], num_stages: int) -> list[
 
 
 def calibrate(runs: Sequence[dict]) -> Calibration:
-    """Fit from measured runs: [{"num_stages", "speculate", "timeline"}]. Raises ValueError if no run
-    has decode slices."""
+    """Fit from measured runs: [{"num_stages", "speculate", "timeline", optional "concurrency" and
+    "exit_head" (whether its predictor ran an exit head)}]. The exit head's cost comes from stage-0
+    slices that ran while no other stage computed. Raises ValueError if no run has decode slices."""
     if not runs:
         raise ValueError("calibration needs at least one measured run")
     plain = [r for r in runs if r["speculate"] == "none"] or list(runs)
@@ -174,12 +175,23 @@ def calibrate(runs: Sequence[dict]) -> Calibration:
     coordinator = max(0.0, ring - 2 * hop) if ring is not None else 0.0
     extra = []
     for r in runs:
-        if r["speculate"] != "none" and r["num_stages"] in fits:
-            ones = [(s["end_ns"] - s["start_ns"]) / 1e9 for s in r["timeline"]["slices"]
-                    if s["stage"] == 0 and _num_tokens(s) == 1]
+        if r["speculate"] != "none" and r.get("exit_head", True) and r["num_stages"] in fits:
+            ones = [d for d, n, alone in _stage_slices(r["timeline"], 0) if n == 1 and alone]
             if ones:
                 extra.append(statistics.median(ones) - fits[r["num_stages"]][0].base_s)
     return Calibration(fits, hop, coordinator, max(0.0, statistics.median(extra)) if extra else 0.0, contention)
+
+
+def _stage_slices(timeline: dict, stage: int) -> list[tuple[float, int, bool]]:
+    """(seconds, token rows, ran alone: no other stage computed during it) of each slice of `stage`."""
+    others = sorted((s["start_ns"], s["end_ns"]) for s in timeline["slices"] if s["stage"] != stage)
+    out = []
+    for s in timeline["slices"]:
+        if s["stage"] != stage:
+            continue
+        alone = not any(a < s["end_ns"] and b > s["start_ns"] for a, b in others)
+        out.append(((s["end_ns"] - s["start_ns"]) / 1e9, _num_tokens(s), alone))
+    return out
 
 
 def _contention(plain: Sequence[dict], fits: dict[int, list[StageFit]]) -> float:

@@ -130,8 +130,9 @@ class SimPredictor:
     name = "sim"
     needs_exit_head = True
 
-    def __init__(self, acceptance: Bernoulli | Replay) -> None:
+    def __init__(self, acceptance: Bernoulli | Replay, *, needs_exit_head: bool = True) -> None:
         self.acceptance = acceptance
+        self.needs_exit_head = needs_exit_head  # False: drafts at send time, like the ngram predictor
 
     def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
         seq_id = context[0] - SIM_VOCAB  # the simulator's prompts start with a per-sequence tag token
@@ -144,7 +145,8 @@ class SimPredictor:
 class SimConfig:
     """One simulated run: `concurrency` sequences of `prompt_len` + `max_new_tokens` submitted at t=0.
 
-    speculate: SPEED with the simulated predictor (exit at the end of stage `exit_stage`);
+    speculate: SPEED with the simulated predictor (exit at the end of stage `exit_stage`, or, with
+    exit_head=False, drafting at send time as the ngram predictor does);
     max_inflight: per-sequence cap (0 = num_stages). Raises ValueError on bad values.
     """
 
@@ -154,6 +156,7 @@ class SimConfig:
     max_new_tokens: int = 64
     speculate: bool = False
     exit_stage: int = 0
+    exit_head: bool = True  # False: a context-only predictor (ngram) that drafts at send time, no exit event
     max_inflight: int = 0
     prompt_lens: tuple[int, ...] = ()  # per sequence (overrides prompt_len and concurrency)
 
@@ -229,7 +232,7 @@ class Simulator:
         if config.speculate and acceptance is None:
             raise ValueError("a speculating simulation needs an acceptance process")
         self.config, self.cost, self.max_events = config, cost, max_events
-        predictor = SimPredictor(acceptance) if config.speculate else None
+        predictor = SimPredictor(acceptance, needs_exit_head=config.exit_head) if config.speculate else None
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.concurrency,
             max_model_len=max(config.prompt_lens) + config.max_new_tokens + 1, speculate=config.speculate,
@@ -337,7 +340,7 @@ class Simulator:
         self._at(cost, "done", (stage, batch, kept, self.now_ns))
 
     def _is_exit(self, stage: int, items: list[Item]) -> bool:
-        return (self.config.speculate and stage == self.config.exit_stage
+        return (self.config.speculate and self.config.exit_head and stage == self.config.exit_stage
                 and any(it.kind != ItemKind.PREFILL for it in items))
 
     def _finish(self, stage: int, batch: tuple[list[Item], list], items: list[Item], start_ns: int) -> None:

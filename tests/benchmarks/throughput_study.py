@@ -44,14 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/speedpipe-throughput", help="where bench/simulate write everything")
     p.add_argument("--out", default="tests/benchmarks/results/throughput", help="where the kept files go")
     p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--skip-bench", action="store_true", help="reuse WORK/bench (simulate and copy again)")
     p.add_argument("--sim-tokens", type=int, default=128, help="tokens per sequence in the simulated sweep")
     args = p.parse_args(argv)
     work, out = Path(args.work), Path(args.out)
     cli = [sys.executable, "-m", "launcher.cli"]
-    subprocess.run([*cli, "bench", "--model", args.model, "--stages", "1,2", "--speculate", "none,speed",
-                    "--predictor", args.predictor, "--concurrency", "1,2", "--prompts", args.prompts,
-                    "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
-                    "--out", str(work / "bench")], check=True)
+    if not args.skip_bench:
+        subprocess.run([*cli, "bench", "--model", args.model, "--stages", "1,2", "--speculate", "none,speed",
+                        "--predictor", args.predictor, "--concurrency", "1,2", "--prompts", args.prompts,
+                        "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
+                        "--out", str(work / "bench")], check=True)
     subprocess.run([*cli, "simulate", "--calibrate", str(work / "bench" / "results.json"), "--stages",
                     "1,2,4,8,16,32,64", "--alpha", "none,0.25,0.5,0.75,0.9,1", "--link-latency-s", "0,0.001,0.005,0.02",
                     "--max-new-tokens", str(args.sim_tokens), "--out", str(work / "simulate")], check=True)

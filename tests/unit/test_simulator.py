@@ -93,3 +93,12 @@ def test_bad_configurations_raise_value_error():
         Simulator(SimConfig(num_stages=3), CostModel.uniform(num_stages=2, stage_s=STAGE_S))
     with pytest.raises(ValueError, match=">= 0"):
         CostModel.uniform(num_stages=2, stage_s=-1.0)
+
+
+def test_context_only_predictor_drafts_at_send_time_with_the_same_lag():
+    cost = CostModel.uniform(num_stages=4, stage_s=STAGE_S, predictor_s=STAGE_S)  # no exit head: never charged
+    cfg = dict(num_stages=4, prompt_len=4, max_new_tokens=120)
+    plain = Simulator(SimConfig(**cfg), cost).run()
+    spec = Simulator(SimConfig(**cfg, speculate=True, exit_head=False), cost, acceptance=Bernoulli(0.9, seed=2)).run()
+    speedup = spec.steady_tokens_per_s() / plain.steady_tokens_per_s()
+    assert speedup == pytest.approx(closed_form_speedup(num_stages=4, alpha=spec.acceptance_rate), rel=0.02)
