@@ -130,12 +130,15 @@ class Calibration:
     contention: float = 0.0
 
     def cost_model(self, num_stages: int) -> CostModel:
-        """The measured stage costs for a measured stage count; otherwise scaled (see `scaled_fits`)."""
-        fits = self.stage_fits.get(num_stages) or scaled_fits(self.stage_fits, num_stages)
+        """The measured stage costs for a measured stage count; otherwise scaled (see `scaled_fits`)
+        with no contention: the measured contention is between stages sharing this host's CPUs and
+        memory, while an unmeasured stage count stands for one device per stage."""
+        measured = num_stages in self.stage_fits
+        fits = self.stage_fits[num_stages] if measured else scaled_fits(self.stage_fits, num_stages)
         return CostModel(stage_base_s=tuple(max(0.0, f.base_s - f.per_token_s) for f in fits),
                          stage_per_token_s=tuple(f.per_token_s for f in fits),
                          hop_latency_s=self.hop_latency_s, coordinator_s=self.coordinator_s,
-                         predictor_s=self.predictor_s, contention=self.contention)
+                         predictor_s=self.predictor_s, contention=self.contention if measured else 0.0)
 
     def to_json(self) -> dict:
         return {"stage_fits": {str(k): [dataclasses.asdict(f) for f in v] for k, v in self.stage_fits.items()},
