@@ -133,6 +133,25 @@ def synthetic_cost(args: argparse.Namespace, num_stages: int, latency_s: float) 
                              predictor_s=args.predictor_ms / 1e3)
 
 
+def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_stages: int, alpha: float | str,
+                   concurrency: int, latency_s: float) -> dict:
+    """One simulated configuration of the sweep (alpha "none" = plain decode): tokens/s, mean busy,
+    useful and bubble fractions over the stages, realised acceptance."""
+    cost = cal.cost_model(num_stages) if cal else synthetic_cost(args, num_stages, latency_s)
+    if cal and latency_s:  # extra link latency on top of the measured hand-over
+        cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + latency_s)
+    cfg = SimConfig(num_stages=num_stages, concurrency=concurrency, prompt_len=args.prompt_len,
+                    max_new_tokens=args.max_new_tokens, speculate=alpha != "none")
+    res = Simulator(cfg, cost, acceptance=None if alpha == "none" else Bernoulli(alpha, seed=args.seed)).run()
+    fr = res.timeline.fractions(0, round(res.wall_s * 1e9))
+    return {"stages": num_stages, "alpha": alpha, "concurrency": concurrency, "link_latency_s": latency_s,
+            "tokens_per_s": round(res.tokens_per_s, 3),
+            "busy_fraction": round(statistics.mean(f.busy for f in fr), 4),
+            "useful_fraction": round(statistics.mean(f.useful for f in fr), 4),
+            "bubble_fraction": round(statistics.mean(f.idle for f in fr), 4),
+            "acceptance_rate": round(res.acceptance_rate, 4)}
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the sweep (and the calibration check); returns 0. Raises ValueError (exit 2) for bad flags."""
     stages = _list("--stages", args.stages, int, lo=1, hi=256)
@@ -150,30 +169,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         checks = check_calibration(cal, runs, replay=args.replay, seed=args.seed)
     elif args.replay:
         raise ValueError("--replay needs --calibrate RESULTS_JSON (the recorded draft outcomes)")
-    rows = []
-    for s in stages:
-        for alpha in alphas:
-            if alpha != "none" and s < 2:
-                continue
-            for c in concurrency:
-                for lat in latencies:
-                    cost = cal.cost_model(s) if cal else synthetic_cost(args, s, lat)
-                    if cal and lat:  # extra link latency on top of the measured hand-over
-                        cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + lat)
-                    cfg = SimConfig(num_stages=s, concurrency=c, prompt_len=args.prompt_len,
-                                    max_new_tokens=args.max_new_tokens, speculate=alpha != "none")
-                    res = Simulator(cfg, cost, acceptance=None if alpha == "none" else Bernoulli(alpha, seed=args.seed)).run()
-                    fr = res.timeline.fractions(0, round(res.wall_s * 1e9))
-                    rows.append({"stages": s, "alpha": alpha, "concurrency": c, "link_latency_s": lat,
-                                 "tokens_per_s": round(res.tokens_per_s, 3),
-                                 "busy_fraction": round(statistics.mean(f.busy for f in fr), 4),
-                                 "useful_fraction": round(statistics.mean(f.useful for f in fr), 4),
-                                 "bubble_fraction": round(statistics.mean(f.idle for f in fr), 4),
-                                 "acceptance_rate": round(res.acceptance_rate, 4)})
+    rows = [simulate_point(args, cal, num_stages=st, alpha=a, concurrency=c, latency_s=lat)
+            for st in stages for a in alphas if a == "none" or st >= 2 for c in concurrency for lat in latencies]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = [] if args.no_plots else write_sim_plots(rows, checks, out)
-    (out / "simulate.json").write_text(json.dumps({"settings": vars(args), "calibration": cal.to_json() if cal else None,
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    (out / "simulate.json").write_text(json.dumps({"settings": settings, "calibration": cal.to_json() if cal else None,
                                                    "calibration_check": checks, "sweep": rows, "plots": plots},
                                                   indent=1, default=str))
     with (out / "simulate.csv").open("w", newline="") as f:
