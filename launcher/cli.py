@@ -142,6 +142,8 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
 def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.launch import run_launch  # keeps `speedpipe --help` fast
 
+    if args.trace and args.no_timeline:
+        raise UsageError("--trace needs the timeline: drop --no-timeline")
     prompts = read_prompts(args)
     params = [sampling_params(args, i) for i in range(len(prompts))]
     options = pipeline_options(args, progress=not args.no_progress and not args.json)
@@ -159,8 +161,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
-        if args.trace and args.no_timeline:
-            raise UsageError("--trace needs the timeline: drop --no-timeline")
         if args.trace:
             write_trace(session, args.trace)
             if not args.json:

@@ -45,6 +45,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--stage-overhead-ms", type=float, default=0.5, help="fixed cost per stage per micro-batch, ms")
     c.add_argument("--coordinator-ms", type=float, default=1.0, help="coordinator turnaround per result, ms")
     c.add_argument("--predictor-ms", type=float, default=0.0, help="exit head cost on stage 0, ms")
+    c.add_argument("--link-bandwidth-bytes-per-s", type=float, default=float("inf"),
+                   help="per-hop bandwidth for hidden states (default: unlimited)")
+    c.add_argument("--bytes-per-token", type=int, default=576 * 4,
+                   help="hidden-state bytes per token row on a hop (default 2304: SmolLM2-135M, float32)")
     c.add_argument("--seed", type=int, default=0, help="seed of the Bernoulli acceptance draws")
 
 
@@ -140,6 +144,8 @@ def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_sta
     cost = cal.cost_model(num_stages) if cal else synthetic_cost(args, num_stages, latency_s)
     if cal and latency_s:  # extra link latency on top of the measured hand-over
         cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + latency_s)
+    cost = dataclasses.replace(cost, hop_bandwidth_bytes_per_s=args.link_bandwidth_bytes_per_s,
+                               bytes_per_token=args.bytes_per_token)
     cfg = SimConfig(num_stages=num_stages, concurrency=concurrency, prompt_len=args.prompt_len,
                     max_new_tokens=args.max_new_tokens, speculate=alpha != "none")
     res = Simulator(cfg, cost, acceptance=None if alpha == "none" else Bernoulli(alpha, seed=args.seed)).run()
@@ -160,6 +166,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     latencies = _list("--link-latency-s", args.link_latency_s, float, lo=0.0, hi=60.0)
     if args.max_new_tokens < 1 or args.prompt_len < 1:
         raise ValueError("--max-new-tokens and --prompt-len must be >= 1")
+    if args.link_bandwidth_bytes_per_s <= 0 or args.bytes_per_token < 0:
+        raise ValueError("--link-bandwidth-bytes-per-s must be > 0 and --bytes-per-token >= 0")
     if min(args.model_ms, args.stage_overhead_ms, args.coordinator_ms, args.predictor_ms) < 0:
         raise ValueError("--model-ms, --stage-overhead-ms, --coordinator-ms and --predictor-ms must be >= 0")
     cal, checks = None, []

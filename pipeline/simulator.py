@@ -49,8 +49,8 @@ class CostModel:
     stage_base_s / stage_per_token_s: compute time of stage i on a micro-batch of n token rows is
         stage_base_s[i] + n * stage_per_token_s[i] (one entry per stage).
     hop_latency_s, hop_bandwidth_bytes_per_s, bytes_per_token: each hop (coordinator -> stage 0,
-        stage i -> i + 1, last stage -> coordinator, exit stage -> coordinator) takes
-        latency + n * bytes_per_token / bandwidth.
+        stage i -> i + 1, last stage -> coordinator, exit stage -> coordinator) takes the latency;
+        hops between stages, which carry n rows of hidden state, also n * bytes_per_token / bandwidth.
     coordinator_s: the coordinator's turnaround per result (verify, commit, next send); the
         coordinator is one thread, so results queue for it.
     predictor_s: extra compute on the exit stage for a micro-batch with non-prefill items when
@@ -304,8 +304,7 @@ class Simulator:
             for epochs in self._stage_epochs:
                 epochs.pop(seq_id, None)
         while (batch := self.scheduler.next_batch(self.now_ns)) is not None:
-            n = sum(it.num_tokens for it in batch)
-            self._at(self.cost.hop_s(n), "arrive", (0, (batch, []), batch))
+            self._at(self.cost.hop_s(0), "arrive", (0, (batch, []), batch))  # token ids: latency only
 
     def _on_result(self, batch: tuple[list[Item], list], returned: list[Item], timing: list):
         sent, _ = batch

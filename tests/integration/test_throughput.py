@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from launcher.cli import main as cli_main
@@ -138,14 +139,18 @@ def test_simulate_runs_calibrated_on_the_bench_output(bench_out: Path):
     (["simulate", "--stages", "0"], "--stages"),
     (["simulate", "--calibrate", "/nonexistent/results.json"], "--calibrate"),
     (["simulate", "--replay"], "--replay"),
+    (["simulate", "--link-bandwidth-bytes-per-s", "0"], "--link-bandwidth"),
+    (["launch", "--prompt", "Hi", "--trace", "t.json", "--no-timeline"], "--no-timeline"),
 ])
 def test_bad_input_exits_2_with_one_line_error(args: list[str], needle: str, tiny: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture):
     # in-process (nothing is spawned before the input is checked), so the 10 cases stay fast
-    extra = ["--model", str(tiny)] if args[0] == "bench" else []
-    assert cli_main([*args, *extra, "--out", str(tmp_path / "out")]) == 2
+    extra = ["--model", str(tiny)] if args[0] in ("bench", "launch") else []
+    out = ["--out", str(tmp_path / "out")] if args[0] != "launch" else []
+    assert cli_main([*args, *extra, *out]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith(f"speedpipe {args[0]}: error:"), lines
+    assert not any("stage_worker" in " ".join(p.cmdline()) for p in psutil.Process().children(recursive=True))
     assert not (tmp_path / "out").exists()
 
 
@@ -160,3 +165,14 @@ def test_plain_two_stage_decode_of_one_prompt_leaves_each_stage_idle_half_the_ti
     assert all(abs(x - 0.5) <= 0.1 for x in idle), f"idle fraction per stage {idle}, expected 0.5 +- 0.1"
     assert all(s["wasted_fraction"] == 0 for s in stats["stages"])
     assert stats["tpot_ms_p50"] > 0 and stats["ttft_ms_p50"] > 0
+
+
+def test_launch_without_timeline_reports_busy_and_idle_from_stage_counters(tiny: Path):
+    proc = speedpipe("launch", "--model", str(tiny), "--stages", "2", "--prompt", "Hello", "--max-new-tokens", "6",
+                     "--ignore-eos", "--json", "--no-timeline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]
+    assert stats["timeline_recorded"] is False and stats["generated_tokens"] == 6
+    for s in stats["stages"]:
+        assert 0 < s["busy_fraction"] <= 1 and s["idle_fraction"] == pytest.approx(1 - s["busy_fraction"], abs=1e-3)
+        assert "useful_fraction" not in s

@@ -102,3 +102,10 @@ def test_context_only_predictor_drafts_at_send_time_with_the_same_lag():
     spec = Simulator(SimConfig(**cfg, speculate=True, exit_head=False), cost, acceptance=Bernoulli(0.9, seed=2)).run()
     speedup = spec.steady_tokens_per_s() / plain.steady_tokens_per_s()
     assert speedup == pytest.approx(closed_form_speedup(num_stages=4, alpha=spec.acceptance_rate), rel=0.02)
+
+
+def test_hop_bandwidth_charges_hidden_state_bytes_per_token_row():
+    cost = CostModel.uniform(num_stages=2, stage_s=STAGE_S, hop_bandwidth_bytes_per_s=1e6, bytes_per_token=500)
+    res = Simulator(SimConfig(num_stages=2, prompt_len=1, max_new_tokens=40), cost).run()
+    per_token_s = 2 * STAGE_S + 500 / 1e6  # one hop carries a hidden-state row; the others carry token ids
+    assert res.steady_tokens_per_s() == pytest.approx(1 / per_token_s, rel=1e-3)
