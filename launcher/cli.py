@@ -85,6 +85,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
 
 
+def cmd_bench_any(args: argparse.Namespace) -> int:
+    """`bench`: with --url, a load test of a running server (launcher/http_bench.py); otherwise a
+    sweep of pipeline configurations (launcher/bench.py)."""
+    if args.url:
+        return cmd_http_bench(args)
+    from launcher.bench import cmd_bench
+    return cmd_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Pipeline-parallel LLM inference with speculative "
                                      "pipelined execution (SPEED) and FIRP.")
@@ -101,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) as the last line")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace (JSON trace events) of the "
                    "stage timelines: open it in ui.perfetto.dev or chrome://tracing")
+    g.add_argument("--no-timeline", action="store_true", help="do not record per-item stage timings (no "
+                   "useful/wasted split, no trace); for measuring the recording overhead")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     launch.set_defaults(func=cmd_launch)
     add_serve_args(launch, switch=True)
@@ -111,10 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculation_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
-    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (--url)",
-                           description="Concurrency sweep against a running server: throughput and latency.")
-    add_http_bench_args(bench)
-    bench.set_defaults(func=cmd_http_bench)
+    from launcher.bench import add_bench_args
+    bench = sub.add_parser("bench", help="sweep configurations side by side (or load-test a server with --url); "
+                           "write results.json/.csv, traces, plots")
+    add_bench_args(bench)
+    add_http_bench_args(bench)  # skips flags the sweep already defines
+    bench.set_defaults(func=cmd_bench_any)
+    from launcher.simulate import add_simulate_args, cmd_simulate
+    simulate = sub.add_parser("simulate", help="discrete-event simulation of the pipeline (optionally calibrated)")
+    add_simulate_args(simulate)
+    simulate.set_defaults(func=cmd_simulate)
     return parser
 
 
@@ -153,7 +170,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance),
-        placement=placement_from_args(args))
+        placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False))
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -167,6 +184,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     if args.serve:
         return cmd_serve(args)
+    if args.trace and args.no_timeline:
+        raise UsageError("--trace needs the timeline: drop --no-timeline")
     options = pipeline_options(args, progress=not args.no_progress and not args.json)
     if options.placement.multi_node and options.placement.node_rank > 0:
         return run_member(options)

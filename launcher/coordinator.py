@@ -173,6 +173,7 @@ class CoordinatorConfig:
     exit_stage: int = 0  # stage whose exit layer feeds the predictor; -1 = none (context-only predictors)
     max_inflight: int = 0  # per sequence; 0 = num_stages
     min_acceptance: float = 0.0  # adaptive drafting threshold (pipeline/draft_gate.py); 0 = every draft
+    record_timeline: bool = True  # per-item stage timings (pipeline/timeline.py)
 
     @property
     def keepalive_s(self) -> float:
@@ -198,6 +199,9 @@ class Coordinator:
             max_inflight=config.max_inflight, min_acceptance=config.min_acceptance),
             (predictor or make_predictor(config.predictor)) if config.speculate else None)
         self.timeline = Timeline(config.num_stages)
+        # Per-micro-batch stage timings: stages time a FORWARD only when its meta asks ("timing").
+        # Switch off to measure the recording overhead (tests/benchmarks/timeline_overhead.py).
+        self.record_timeline = config.record_timeline
         self.commit_events: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1_000_000)
         self.data: Channel | None = None
         self.sends: SendQueue | None = None
@@ -349,7 +353,8 @@ class Coordinator:
                 self.scheduler.pop(seq_id)
         while (batch := self.scheduler.next_batch(time.perf_counter_ns())) is not None:
             tokens = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
-            self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens}), 1)
+            meta = {"timing": []} if self.record_timeline else {}
+            self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens}, meta), 1)
             self.sent.append(batch)
 
     def _on_exit(self, msg: Message) -> None:
@@ -365,13 +370,15 @@ class Coordinator:
                                            time.perf_counter_ns())
         now_ns = time.perf_counter_ns()
         self.commit_events.extend((now_ns, c.seq_id, t) for c in commits for t in c.token_ids)
-        committed = {c.seq_id for c in commits}
-        useful = sum(1 for it in msg.items if it.seq_id in committed)
         ready = [self.scheduler.draft_ready_ns.pop((it.seq_id, it.start, it.epoch), 0) for it in sent
                  if it.kind == ItemKind.DRAFT]
-        drafts_only = bool(ready) and len(ready) == len(sent)
-        self.timeline.record(msg.meta.get("timing", []), sent, useful / len(sent) if sent else 0.0,
-                             max(ready) if drafts_only else None)
+        if self.record_timeline:
+            committed_seqs = {c.seq_id for c in commits}
+            returned = {(it.seq_id, it.start, it.epoch) for it in msg.items}
+            committed = [it.seq_id in committed_seqs and (it.seq_id, it.start, it.epoch) in returned for it in sent]
+            drafts_only = bool(ready) and len(ready) == len(sent)
+            self.timeline.record(msg.meta.get("timing", []), sent, sum(committed) / len(sent) if sent else 0.0,
+                                 max(ready) if drafts_only else None, committed=committed)
         for commit in commits:
             handle = self.handles.get(commit.seq_id)
             if handle is None:

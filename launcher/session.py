@@ -61,6 +61,7 @@ class PipelineOptions:
     max_inflight: int = 0  # per sequence; 0 = num_stages
     min_acceptance: float | None = None  # adaptive drafting threshold; None = break-even for num_stages
     placement: PlacementOptions = dataclasses.field(default_factory=PlacementOptions)
+    record_timeline: bool = True  # per-item stage timings (off: measure the recording overhead)
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE_MODES:
@@ -223,7 +224,7 @@ class PipelineSession:
             device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
             exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight,
             min_acceptance=(DraftGate.break_even(opt.num_stages) if opt.min_acceptance is None
-                            else opt.min_acceptance)), m.tokenizer, addresses,
+                            else opt.min_acceptance), record_timeline=opt.record_timeline), m.tokenizer, addresses,
             predictor=self.predictor)
         self.backend.watch(self._on_stage_death)
         specs = [StageLoadSpec(

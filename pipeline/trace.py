@@ -3,7 +3,8 @@
 Owns turning `pipeline.timeline.Timeline` slices and committed-token instants into the trace-event
 JSON that chrome://tracing and ui.perfetto.dev load: one process ("pipeline"), one thread track per
 stage plus one for the coordinator's commits, one complete ("X") event per micro-batch slice
-(category = committed / squashed / partly squashed, with its item kinds and sequence ids), and an
+(category = committed / squashed / partly squashed; args: each item's sequence, positions, epoch,
+kind and outcome), and an
 instant ("i") event per committed token. Times are microseconds from the first slice.
 Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 Pure: builds a dict; the caller writes it.
@@ -49,7 +50,8 @@ def chrome_trace(timeline: Timeline, *, commits: Iterable[tuple[int, int, int]] 
         events.append({
             "name": "+".join(kinds) or "empty", "cat": cat, "ph": "X", "pid": PID, "tid": s.stage,
             "ts": (s.start_ns - t0) / 1e3, "dur": s.duration_ns / 1e3, "cname": _COLOURS[cat],
-            "args": {"seq_ids": list(s.seq_ids), "kinds": kinds, "useful_share": round(s.useful_share, 3)},
+            "args": {"seq_ids": list(s.seq_ids), "kinds": kinds, "useful_share": round(s.useful_share, 3),
+                     "items": [it.to_json() for it in s.items]},
         })
     for time_ns, seq_id, token in commits:
         events.append({"name": f"commit seq {seq_id}", "cat": "commit", "ph": "i", "s": "t", "pid": PID,

@@ -60,20 +60,24 @@ class StageLoop:
 
     def _forward(self, msg: Message) -> Message:
         """Run one micro-batch. On the exit stage, first tell the coordinator which items passed the
-        exit layer (with the exit head's guesses) so it can inject drafts at once. Each stage appends
-        [stage_index, start_ns, end_ns] of its compute to meta["timing"] (CLOCK_MONOTONIC)."""
+        exit layer (with the exit head's guesses) so it can inject drafts at once. If the message's meta
+        has "timing" (the coordinator records a timeline), each stage appends [stage_index, start_ns,
+        end_ns] of its compute to it (CLOCK_MONOTONIC)."""
         x = msg.tensors.get("x")
         if x is None:
             raise ValueError(f"[Stage {self.stage_index}] FORWARD message without tensor 'x'")
         start_ns = time.perf_counter_ns()
         out = self.executor.run(msg.items, x)
-        meta = dict(msg.meta)
-        meta["timing"] = [*meta.get("timing", []), [self.stage_index, start_ns, time.perf_counter_ns()]]
+        meta = msg.meta
+        if "timing" in meta:  # the coordinator records a timeline
+            meta = dict(meta)
+            meta["timing"] = [*meta["timing"], [self.stage_index, start_ns, time.perf_counter_ns()]]
         if self.executor.exit_layer is not None and any(it.kind != ItemKind.PREFILL for it in out.items):
             guesses = {}
             if out.exit_tokens is not None:
                 guesses = {"exit_tokens": out.exit_tokens, "exit_probs": out.exit_probs}
-            self.sends.send(Message(MessageKind.DRAFT, out.items, guesses, {"timing": meta["timing"][-1:]}), 0)
+            exit_meta = {"timing": meta["timing"][-1:]} if "timing" in meta else {}
+            self.sends.send(Message(MessageKind.DRAFT, out.items, guesses, exit_meta), 0)
         msg = Message(msg.kind, msg.items, msg.tensors, meta)
         if not self.is_last:
             hidden = out.hidden if out.hidden is not None else torch.empty(0)
