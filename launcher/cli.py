@@ -47,8 +47,11 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (SPEED)")
-    g.add_argument("--speculate", default="none", help="none | speed: inject drafts from the exit layer into "
-                   "stage 0 while the real token is still in later stages (default none)")
+    g.add_argument("--speculate", default="none", help="none | speed | firp | speed+firp. speed: inject drafts "
+                   "from the exit layer into stage 0 while the real token is still in later stages; firp: "
+                   "predict future hidden states and verify them as a chain (default none)")
+    g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: every map of the FIRP file)")
+    g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | ngram | hybrid (default hybrid)")
     g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
                    "(default: the last layer of stage 0)")
@@ -120,7 +123,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        max_inflight=args.max_inflight)
+        max_inflight=args.max_inflight, firp_k=args.firp_k, firp_file=args.firp_file)
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -180,7 +183,8 @@ def print_report(report: dict, *, streamed: bool) -> None:
     spec = ""
     if stats["drafted_tokens"]:
         spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
-                f"{stats['verified_drafts']} drafts), {stats['squashed_items']} items squashed")
+                f"{stats['verified_drafts']} drafts), {stats['squashed_items']} items squashed, "
+                f"{stats['tokens_per_pass']:.2f} tokens per pass")
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
 

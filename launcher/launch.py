@@ -49,5 +49,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str], params: Sequenc
                   "tokens_per_s": round(generated / wall_s, 3) if wall_s > 0 else 0.0,
                   "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
                   "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
-                  "squashed_items": spec.squashed_items, **times.draft_gap(0), "stages": stages},
+                  "squashed_items": spec.squashed_items, "firp_drafted": spec.firp_drafted,
+                  "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
+                  "tokens_per_pass": round(spec.tokens_per_pass, 4), **times.draft_gap(0), "stages": stages},
     }

@@ -25,6 +25,7 @@ from pipeline.partition import (
     parse_layer_split,
     split_from_sizes,
 )
+from pipeline.predictor_file import load_predictor, model_identity
 from pipeline.predictors import PREDICTORS, Predictor, make_predictor
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
@@ -32,7 +33,10 @@ from workers.convert import DTYPE_CHOICES, StageLoadSpec
 
 log = logging.getLogger("speedpipe.launch")
 
-SPECULATE_MODES = ("none", "speed")
+SPECULATE_MODES = ("none", "speed", "firp", "speed+firp")
+# Trained FIRP maps shipped with the project, per registered model name (see README "FIRP").
+SHIPPED_FIRP_FILES = {DEFAULT_MODEL: Path(__file__).resolve().parent.parent / "pipeline" / "trained"
+                      / f"{DEFAULT_MODEL}-firp.safetensors"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,10 +59,24 @@ class PipelineOptions:
     predictor: str = "hybrid"
     exit_layer: int | None = None  # None = last layer of stage 0
     max_inflight: int = 0  # per sequence; 0 = num_stages
+    firp_k: int | None = None  # FIRP drafts per chain; None = all maps of the file
+    firp_file: str | None = None  # None = the shipped file for the model
+
+    @property
+    def uses_speed(self) -> bool:
+        """SPEED run-ahead drafts are on (`speed` or `speed+firp`)."""
+        return self.speculate in ("speed", "speed+firp")
+
+    @property
+    def uses_firp(self) -> bool:
+        """FIRP chains are on (`firp` or `speed+firp`)."""
+        return self.speculate in ("firp", "speed+firp")
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE_MODES:
             raise ValueError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        if self.firp_k is not None and self.firp_k < 1:
+            raise ValueError(f"--firp-k must be >= 1, got {self.firp_k}")
         if self.predictor not in PREDICTORS:
             raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
         if self.max_inflight < 0:
@@ -82,6 +100,31 @@ class PipelineOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class FirpSetup:
+    """FIRP maps for the run: the predictor file's bytes, its layer, and how many maps are used."""
+
+    file_bytes: bytes = dataclasses.field(repr=False)
+    layer: int = -1
+    k: int = 0
+
+
+def resolve_firp(options: PipelineOptions, model_dir: Path, config: ModelConfig) -> FirpSetup:
+    """Load and check the FIRP file (--firp-file, else the shipped one). Raises ValueError /
+    FileNotFoundError naming the problem (no file, wrong model, too few maps)."""
+    path = options.firp_file or SHIPPED_FIRP_FILES.get(options.model)
+    if path is None:
+        raise ValueError(f"--speculate {options.speculate} needs --firp-file PATH for model {options.model!r} "
+                         f"(train one with `speedpipe train-predictor --kind firp`)")
+    pred = load_predictor(path, expect=model_identity(model_dir, config), kind="firp")
+    k = int(pred.meta["k"]) if options.firp_k is None else options.firp_k
+    if k > int(pred.meta["k"]):
+        raise ValueError(f"--firp-k {k} is more than the {pred.meta['k']} maps in {path}")
+    if not 0 <= pred.exit_layer < config.num_hidden_layers:
+        raise ValueError(f"FIRP file {path} has layer {pred.exit_layer}, outside the model's {config.num_hidden_layers}")
+    return FirpSetup(Path(path).read_bytes(), pred.exit_layer, k)
+
+
+@dataclasses.dataclass(frozen=True)
 class ResolvedModel:
     """A validated model: folder, architecture, tokenizer and the per-stage layer ranges."""
 
@@ -90,6 +133,7 @@ class ResolvedModel:
     tokenizer: Tokenizer
     ranges: list[LayerRange]
     exit_layer: int
+    firp: FirpSetup | None = None
 
     @property
     def exit_stage(self) -> int:
@@ -106,7 +150,7 @@ def stage_extra_cost(options: PipelineOptions, config: ModelConfig) -> list[floa
     head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=h, layer_params=layer_params)
     extra = [0.0] * options.num_stages
     extra[-1] += head
-    if options.speculate == "speed" and options.exit_layer is None and make_predictor(options.predictor).needs_exit_head:
+    if options.uses_speed and options.exit_layer is None and make_predictor(options.predictor).needs_exit_head:
         extra[0] += head
     return extra
 
@@ -126,13 +170,15 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
     for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
         reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
     exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
-    if options.speculate == "speed":
+    if options.uses_speed:
         if options.num_stages < 2:
-            raise ValueError("--speculate speed needs --stages >= 2 (one stage has no idle stage for drafts to fill)")
+            raise ValueError(f"--speculate {options.speculate} needs --stages >= 2 (one stage has no idle stage "
+                             f"for drafts to fill)")
         if not 0 <= exit_layer < config.num_hidden_layers - 1:
             raise ValueError(f"--exit-layer {exit_layer} must be in [0, {config.num_hidden_layers - 1}) "
                              f"(a layer before the model's last)")
-    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer)
+    firp = resolve_firp(options, model_dir, config) if options.uses_firp else None
+    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer, firp)
 
 
 class PipelineSession:
@@ -166,7 +212,7 @@ class PipelineSession:
     def _needs_exit_head(self) -> bool:
         """Whether the exit stage must run an exit head and report exit events (predictors that
         draft from the context alone, like ngram, draft at send time instead)."""
-        if self.options.speculate != "speed":
+        if not self.options.uses_speed:
             return False
         predictor = self.predictor or make_predictor(self.options.predictor)
         return predictor.needs_exit_head
@@ -176,7 +222,9 @@ class PipelineSession:
         m, lines = self.model, []
         for i, r in enumerate(m.ranges):
             extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
-                     (f"exit head after layer {m.exit_layer}", self._needs_exit_head and i == m.exit_stage))
+                     (f"exit head after layer {m.exit_layer}", self._needs_exit_head and i == m.exit_stage),
+                     (f"FIRP maps (k={m.firp.k}) after layer {m.firp.layer}" if m.firp else "",
+                      m.firp is not None and m.firp.layer in r))
                      if holds]
             lines.append(f"stage {i}: layers {r} ({len(r)})" + "".join(f" + {e}" for e in extra))
         return lines
@@ -192,9 +240,9 @@ class PipelineSession:
         self.coordinator = Coordinator(CoordinatorConfig(
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
-            device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
-            exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight), m.tokenizer, addresses,
-            predictor=self.predictor)
+            device=opt.device, speculate=opt.uses_speed, predictor=opt.predictor,
+            exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight,
+            firp_k=m.firp.k if m.firp else 0), m.tokenizer, addresses, predictor=self.predictor)
         self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
         self.monitor.start()
         specs = [StageLoadSpec(
@@ -203,7 +251,9 @@ class PipelineSession:
             num_threads=opt.threads_per_stage, dist_master_addr="127.0.0.1", dist_master_port=port,
             stage_timeout_s=opt.stage_timeout_s,
             exit_layer=m.exit_layer if self._needs_exit_head else -1,
-            predictor=opt.predictor if opt.speculate == "speed" else "") for i, r in enumerate(m.ranges)]
+            predictor=opt.predictor if opt.uses_speed else "",
+            firp_layer=m.firp.layer if m.firp else -1, firp_k=m.firp.k if m.firp else 0,
+            firp_file=m.firp.file_bytes if m.firp and m.firp.layer in r else b"") for i, r in enumerate(m.ranges)]
         self.load_responses = self.coordinator.start(specs)
 
     def _on_stage_death(self, stage_index: int, returncode: int) -> None:

@@ -27,7 +27,9 @@ import psutil
 import torch
 
 from pipeline.config import ModelConfig
+from pipeline.firp import FirpMaps
 from pipeline.model import build_stage_model
+from pipeline.predictor_file import load_predictor_bytes
 from pipeline.predictors import ExitHead, make_predictor
 from pipeline.stage_executor import StageExecutor
 from pipeline.weights import CheckpointReader, stage_tensor_names
@@ -96,7 +98,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
         exit_head = None
         if exit_layer is not None and make_predictor(spec.predictor).needs_exit_head:
             exit_head = self._load_exit_head(config, reader, spec)
-        self.executor = StageExecutor(model, kv, exit_layer=exit_layer, exit_head=exit_head)
+        firp_layer = spec.firp_layer if spec.firp_k > 0 else None
+        firp_maps = None
+        if firp_layer is not None and firp_layer in spec.layer_range:
+            pred = load_predictor_bytes(spec.firp_file, kind="firp", exit_layer=firp_layer,
+                                        where=f"FIRP file for stage {spec.stage_index}")
+            firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
+            self.weights_bytes += sum(p.numel() * p.element_size() for p in firp_maps.parameters())
+        self.executor = StageExecutor(model, kv, exit_layer=exit_layer, exit_head=exit_head, firp_layer=firp_layer,
+                                      firp_maps=firp_maps)
         return sorted(reader.read_names)
 
     def _load_exit_head(self, config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec) -> ExitHead:
