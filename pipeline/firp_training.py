@@ -24,10 +24,14 @@ from pipeline.model import Span, StageModel
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1)  # ridge strength, relative to the mean diagonal of X^T X
 
 
+SKIP_FIRST = 4  # window positions never used as anchors: the first tokens are attention sinks whose huge
+#                hidden states would dominate the squared error (decoding never anchors there)
+
+
 def _pairs(hidden: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h_t, h_{t+offset}) rows of every window: hidden [W, T, H] -> two [W * (T - offset), H] float64."""
+    """(h_t, h_{t+offset}) rows of every window for t >= SKIP_FIRST: hidden [W, T, H] -> two [N, H] float64."""
     h = hidden.shape[-1]
-    return (hidden[:, :-offset].reshape(-1, h).double(), hidden[:, offset:].reshape(-1, h).double())
+    return (hidden[:, SKIP_FIRST:-offset].reshape(-1, h).double(), hidden[:, SKIP_FIRST + offset:].reshape(-1, h).double())
 
 
 def _ridge(x: torch.Tensor, y: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +55,8 @@ def fit_firp_maps(hidden: torch.Tensor, *, k: int, val_fraction: float = 0.1,
     "identity_val_mse": [...]}). Raises ValueError if windows are not longer than k.
     """
     num_windows, window, _ = hidden.shape
-    if window <= k:
-        raise ValueError(f"windows of {window} tokens are too short for --firp-k {k}")
+    if window <= k + SKIP_FIRST:
+        raise ValueError(f"windows of {window} tokens are too short for --firp-k {k} (need > {k + SKIP_FIRST})")
     num_val = max(1, int(num_windows * val_fraction)) if num_windows > 1 else 0
     train, val = hidden[:num_windows - num_val], hidden[num_windows - num_val:]
     maps = FirpMaps(hidden.shape[-1], k)

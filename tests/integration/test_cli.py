@@ -200,6 +200,10 @@ def bad_inputs(tiny_dir: Path, tmp: Path) -> dict[str, BadInput]:
         "prompts-file-missing": BadInput(("--prompts-file", str(missing_file)), (str(missing_file), "does not exist")),
         "prompts-file-bad-jsonl-line": BadInput(("--prompts-file", str(bad_jsonl)), (f"{bad_jsonl}:2", "JSON")),
         "prompts-file-jsonl-without-prompt": BadInput(("--prompts-file", str(no_field)), (f"{no_field}:1", "'prompt'")),
+        "firp-k-0": BadInput(("--speculate", "firp", "--firp-k", "0"), ("--firp-k", "got 0", ">= 1")),
+        "firp-without-a-file": BadInput(("--speculate", "firp"), ("--speculate firp", "--firp-file")),
+        "firp-file-missing": BadInput(("--speculate", "firp", "--firp-file", str(missing_file)),
+                                      (str(missing_file), "does not exist")),
     }
 
 
@@ -207,7 +211,8 @@ BAD_INPUT_NAMES = [  # test ids, in the order of bad_inputs()
     "unknown-model-name", "model-path-missing", "truncated-safetensors", "stages-0", "stages-5-on-4-layers",
     "layer-split-sum", "layer-split-stage-count", "empty-prompt", "prompt-plus-new-tokens-over-max-model-len",
     "max-new-tokens-0", "temperature-negative", "top-p-0", "top-p-1.5", "prompts-file-missing",
-    "prompts-file-bad-jsonl-line", "prompts-file-jsonl-without-prompt",
+    "prompts-file-bad-jsonl-line", "prompts-file-jsonl-without-prompt", "firp-k-0", "firp-without-a-file",
+    "firp-file-missing",
 ]
 
 
