@@ -232,7 +232,8 @@ class PipelineSession:
         m, lines = self.model, []
         for i, r in enumerate(m.ranges):
             extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
-                     (f"exit head after layer {m.exit_layer}", self._needs_exit_head and i == m.exit_stage),
+                     (f"{'trained ' if m.exit_predictor else ''}exit head after layer {m.exit_layer}",
+                      self._needs_exit_head and i == m.exit_stage),
                      (f"FIRP maps (k={m.firp.k}) after layer {m.firp.layer}" if m.firp else "",
                       m.firp is not None and m.firp.layer in r))
                      if holds]
