@@ -26,7 +26,7 @@ from pipeline.partition import (
     parse_layer_split,
     split_from_sizes,
 )
-from pipeline.predictor_file import load_predictor, model_identity
+from pipeline.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
 from pipeline.predictors import PREDICTORS, Predictor, is_predictor_file, make_predictor
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
@@ -35,9 +35,6 @@ from workers.convert import DTYPE_CHOICES, StageLoadSpec
 log = logging.getLogger("speedpipe.launch")
 
 SPECULATE_MODES = ("none", "speed", "firp", "speed+firp")
-# Trained FIRP maps shipped with the project, per registered model name (see README "FIRP").
-SHIPPED_FIRP_FILES = {DEFAULT_MODEL: Path(__file__).resolve().parent.parent / "pipeline" / "trained"
-                      / f"{DEFAULT_MODEL}-firp.safetensors"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,14 +108,23 @@ class FirpSetup:
     k: int = 0
 
 
-def resolve_firp(options: PipelineOptions, model_dir: Path, config: ModelConfig) -> FirpSetup:
-    """Load and check the FIRP file (--firp-file, else the shipped one). Raises ValueError /
-    FileNotFoundError naming the problem (no file, wrong model, too few maps)."""
-    path = options.firp_file or SHIPPED_FIRP_FILES.get(options.model)
+def shipped_firp_file(identity: ModelIdentity, exit_layer: int, folder: Path = SHIPPED_DIR) -> Path | None:
+    """The shipped FIRP file for this model (pipeline/assets/predictors/<model>-<hash12>-firp-L<layer>-k<k>):
+    the one at `exit_layer` if shipped, else the one at the nearest layer; None if none is shipped."""
+    files = sorted(folder.glob(f"{identity.name}-{identity.hash[:12]}-firp-L*.safetensors"))
+    layers = {int(f.name.split("-firp-L")[1].split("-")[0].split(".")[0]): f for f in files}
+    return layers[min(layers, key=lambda layer: (abs(layer - exit_layer), layer))] if layers else None
+
+
+def resolve_firp(options: PipelineOptions, model_dir: Path, config: ModelConfig, exit_layer: int) -> FirpSetup:
+    """Load and check the FIRP file (--firp-file, else the shipped one nearest to `exit_layer`).
+    Raises ValueError / FileNotFoundError naming the problem (no file, wrong model, too few maps)."""
+    identity = model_identity(model_dir, config)
+    path = options.firp_file or shipped_firp_file(identity, exit_layer)
     if path is None:
-        raise ValueError(f"--speculate {options.speculate} needs --firp-file PATH for model {options.model!r} "
-                         f"(train one with `speedpipe train-predictor --kind firp`)")
-    pred = load_predictor(path, expect=model_identity(model_dir, config), kind="firp")
+        raise ValueError(f"--speculate {options.speculate} needs --firp-file PATH: no FIRP maps are shipped for "
+                         f"model {identity.name!r} (train them with `speedpipe train-predictor --kind firp`)")
+    pred = load_predictor(path, expect=identity, kind="firp")
     k = int(pred.meta["k"]) if options.firp_k is None else options.firp_k
     if k > int(pred.meta["k"]):
         raise ValueError(f"--firp-k {k} is more than the {pred.meta['k']} maps in {path}")
@@ -186,7 +192,7 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
     if options.uses_speed and make_predictor(options.predictor).needs_exit_head:
         choice = choose_exit_predictor(predictor=options.predictor, exit_predictor=options.exit_predictor,
                                        model_dir=model_dir, config=config, exit_layer=exit_layer)
-    firp = resolve_firp(options, model_dir, config) if options.uses_firp else None
+    firp = resolve_firp(options, model_dir, config, exit_layer) if options.uses_firp else None
     return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer, firp,
                          exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "")
 

@@ -201,7 +201,7 @@ def bad_inputs(tiny_dir: Path, tmp: Path) -> dict[str, BadInput]:
         "prompts-file-bad-jsonl-line": BadInput(("--prompts-file", str(bad_jsonl)), (f"{bad_jsonl}:2", "JSON")),
         "prompts-file-jsonl-without-prompt": BadInput(("--prompts-file", str(no_field)), (f"{no_field}:1", "'prompt'")),
         "firp-k-0": BadInput(("--speculate", "firp", "--firp-k", "0"), ("--firp-k", "got 0", ">= 1")),
-        "firp-without-a-file": BadInput(("--speculate", "firp"), ("--speculate firp", "--firp-file")),
+        "firp-without-a-file": BadInput(("--speculate", "firp"), ("--speculate firp", "--firp-file", "no FIRP maps are shipped")),
         "firp-file-missing": BadInput(("--speculate", "firp", "--firp-file", str(missing_file)),
                                       (str(missing_file), "does not exist")),
     }
