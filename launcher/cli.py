@@ -50,7 +50,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculate", default="none", help="none | speed | firp | speed+firp. speed: inject drafts "
                    "from the exit layer into stage 0 while the real token is still in later stages; firp: "
                    "predict future hidden states and verify them as a chain (default none)")
-    g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: every map of the FIRP file)")
+    g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: the shortest chain within "
+                   "0.02 accepted drafts per pass of the best in the FIRP file's eval)")
     g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "

@@ -116,6 +116,17 @@ def shipped_firp_file(identity: ModelIdentity, exit_layer: int, folder: Path = S
     return layers[min(layers, key=lambda layer: (abs(layer - exit_layer), layer))] if layers else None
 
 
+def default_firp_k(meta: dict) -> int:
+    """--firp-k when not given: the shortest chain whose held-out accepted drafts per pass (the file's
+    eval) is within 0.02 of the best (longer chains cost pseudo rows for almost nothing), else all maps."""
+    per_pass = {int(k): float(v) for k, v in meta.get("eval", {}).get("accepted_per_pass", {}).items()
+                if int(k) <= int(meta["k"])}
+    if not per_pass:
+        return int(meta["k"])
+    best = max(per_pass.values())
+    return min(k for k, v in per_pass.items() if v >= best - 0.02)
+
+
 def resolve_firp(options: PipelineOptions, model_dir: Path, config: ModelConfig, exit_layer: int) -> FirpSetup:
     """Load and check the FIRP file (--firp-file, else the shipped one nearest to `exit_layer`).
     Raises ValueError / FileNotFoundError naming the problem (no file, wrong model, too few maps)."""
@@ -125,7 +136,7 @@ def resolve_firp(options: PipelineOptions, model_dir: Path, config: ModelConfig,
         raise ValueError(f"--speculate {options.speculate} needs --firp-file PATH: no FIRP maps are shipped for "
                          f"model {identity.name!r} (train them with `speedpipe train-predictor --kind firp`)")
     pred = load_predictor(path, expect=identity, kind="firp")
-    k = int(pred.meta["k"]) if options.firp_k is None else options.firp_k
+    k = default_firp_k(pred.meta) if options.firp_k is None else options.firp_k
     if k > int(pred.meta["k"]):
         raise ValueError(f"--firp-k {k} is more than the {pred.meta['k']} maps in {path}")
     if not 0 <= pred.exit_layer < config.num_hidden_layers:
