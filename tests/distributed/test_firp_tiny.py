@@ -14,13 +14,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from launcher.launch import run_launch
 from launcher.session import PipelineSession, resolve
 from pipeline.items import ItemKind
 from pipeline.sampling import SamplingParams
 from tests.distributed.conftest import full_model, reference_generate, session_options
-from tests.tiny_model import write_firp_file
+from tests.distributed.test_speculation_tiny import (
+    CHI2_CRITICAL,
+    NORM_SCALE,
+    NUM_SAMPLES,
+    SAMPLING_PROMPT,
+    _chi_square,
+    _top_k_counts,
+)
+from tests.tiny_model import write_firp_file, write_tiny_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -76,3 +85,42 @@ def test_greedy_with_firp_chains_equals_plain_decoding(firp_session, references,
         assert stats["tokens_per_pass"] >= 1.0
         kinds = {k for s in session.coordinator.timeline.slices for k in s.kinds}
         assert ItemKind.FIRP in kinds, f"{name}: no FIRP item in the timeline ({kinds})"
+
+
+@pytest.fixture(scope="module")
+def repetitive_model_dir(tmp_path_factory) -> Path:
+    """The unsharpened tiny model (it mostly repeats tokens, so identity FIRP maps at the last layer
+    often draft the sampled token) with its final norm scaled so temperature-1 sampling concentrates
+    on a few tokens (see [Note: sharp tiny model] in test_speculation_tiny.py)."""
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-repetitive") / "model")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * NORM_SCALE
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_sampling_with_firp_chains_keeps_the_token_distribution(repetitive_model_dir: Path, tmp_path_factory):
+    """Temperature 1, 4 tokens, FIRP chains of 2: every token is distributed as plain sampling
+    (chain verify applies the speculative accept rule row by row with a one-hot q), with chains
+    both accepted and rejected. Plain side: the single-process sampler (what `--speculate none`
+    produces)."""
+    sharp_model_dir = repetitive_model_dir
+    model, tokenizer = full_model(sharp_model_dir)
+    ids = tokenizer.encode(SAMPLING_PROMPT)
+    plain = [reference_generate(model, ids, SamplingParams(max_new_tokens=4, temperature=1.0, seed=i,
+                                                           ignore_eos=True)) for i in range(NUM_SAMPLES)]
+    path = write_firp_file(sharp_model_dir, tmp_path_factory.mktemp("firp-sharp") / "f.safetensors", layer=3, k=2,
+                           noise=0.0)
+    options = session_options(sharp_model_dir, num_stages=1, speculate="firp", firp_file=str(path))
+    params = [SamplingParams(max_new_tokens=4, temperature=1.0, seed=10**6 + i, ignore_eos=True)
+              for i in range(NUM_SAMPLES)]
+    with PipelineSession(options, resolve(options)) as session:
+        report = run_launch(session, [SAMPLING_PROMPT] * NUM_SAMPLES, params)
+    stats = report["stats"]
+    assert 0 < stats["firp_accepted"] < stats["firp_verified"], f"chains must be both accepted and rejected: {stats}"
+    spec = [o["token_ids"] for o in report["outputs"]]
+    for position in range(4):
+        table, top = _top_k_counts([o[position] for o in plain], [o[position] for o in spec])
+        stat = _chi_square(table)
+        assert stat < CHI2_CRITICAL[5], (f"token {position + 1} is distributed differently with FIRP: chi2 {stat:.1f} "
+                                         f">= {CHI2_CRITICAL[5]}; counts {table.tolist()} of tokens {top} + other")
