@@ -373,10 +373,10 @@ class StageModel(nn.Module):
         if not self.is_last:
             return StageForward(real, fake, exit_hidden)
         rows = last_rows if logit_rows is None else logit_rows
-        logits = self.lm_head(self.norm(real[rows])).float()
-        if fake is not None:
-            fake = self.lm_head(self.norm(fake)).float()
-        return StageForward(logits, fake, exit_hidden)
+        if fake is None:
+            return StageForward(self.lm_head(self.norm(real[rows])).float(), None, exit_hidden)
+        logits = self.lm_head(self.norm(torch.cat([real[rows], fake]))).float()  # one head matmul for both
+        return StageForward(logits[:len(rows)], logits[len(rows):], exit_hidden)
 
     @staticmethod
     def _add_pseudo(h: torch.Tensor, positions: torch.Tensor, pseudo: torch.Tensor,
