@@ -53,6 +53,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: the shortest chain within "
                    "0.02 accepted drafts per pass of the best in the FIRP file's eval)")
     g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
+    g.add_argument("--firp-min-prob", type=float, default=0.0, help="carry a FIRP draft only while its "
+                   "probability is at least this (a chain stops at the first less likely draft; default 0)")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")
@@ -135,7 +137,8 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor,
-        max_inflight=args.max_inflight, firp_k=args.firp_k, firp_file=args.firp_file)
+        max_inflight=args.max_inflight, firp_k=args.firp_k, firp_file=args.firp_file,
+        firp_min_prob=args.firp_min_prob)
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:

@@ -165,6 +165,7 @@ class CoordinatorConfig:
     exit_stage: int = 0  # stage whose exit layer feeds the predictor; -1 = none (context-only predictors)
     max_inflight: int = 0  # per sequence; 0 = num_stages
     firp_k: int = 0  # FIRP drafts per chain; 0 = FIRP off
+    firp_min_prob: float = 0.0  # FIRP drafts carried only while their probability is at least this
 
     @property
     def keepalive_s(self) -> float:
@@ -187,7 +188,7 @@ class Coordinator:
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,
-            max_inflight=config.max_inflight, firp_k=config.firp_k),
+            max_inflight=config.max_inflight, firp_k=config.firp_k, firp_min_prob=config.firp_min_prob),
             (predictor or make_predictor(config.predictor)) if config.speculate else None)
         self.timeline = Timeline(config.num_stages)
         self.commit_events: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1_000_000)
@@ -352,7 +353,8 @@ class Coordinator:
     def _on_result(self, msg: Message) -> None:
         sent = self.sent.pop(0)
         commits = self.scheduler.on_result(sent, msg.items, msg.tensors["token_ids"], msg.tensors.get("logits"),
-                                           time.perf_counter_ns(), firp_tokens=msg.tensors.get("firp_tokens"))
+                                           time.perf_counter_ns(), firp_tokens=msg.tensors.get("firp_tokens"),
+                                           firp_probs=msg.tensors.get("firp_probs"))
         now_ns = time.perf_counter_ns()
         self.commit_events.extend((now_ns, c.seq_id, t) for c in commits for t in c.token_ids)
         committed = {c.seq_id for c in commits}

@@ -60,6 +60,7 @@ class PipelineOptions:
     max_inflight: int = 0  # per sequence; 0 = num_stages
     firp_k: int | None = None  # FIRP drafts per chain; None = all maps of the file
     firp_file: str | None = None  # None = the shipped file for the model
+    firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
 
     @property
     def uses_speed(self) -> bool:
@@ -76,6 +77,8 @@ class PipelineOptions:
             raise ValueError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
         if self.firp_k is not None and self.firp_k < 1:
             raise ValueError(f"--firp-k must be >= 1, got {self.firp_k}")
+        if not 0.0 <= self.firp_min_prob <= 1.0:
+            raise ValueError(f"--firp-min-prob must be in [0, 1], got {self.firp_min_prob}")
         if self.predictor not in PREDICTORS and not is_predictor_file(self.predictor):
             raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)} or a trained predictor file "
                              f"(*.safetensors), got {self.predictor!r}")
@@ -270,7 +273,7 @@ class PipelineSession:
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr="127.0.0.1", dist_master_port=port,
             device=opt.device, speculate=opt.uses_speed, predictor=opt.predictor,
             exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight,
-            firp_k=m.firp.k if m.firp else 0), m.tokenizer, addresses, predictor=self.predictor)
+            firp_k=m.firp.k if m.firp else 0, firp_min_prob=opt.firp_min_prob), m.tokenizer, addresses, predictor=self.predictor)
         self.monitor = StageProcessMonitor(self.processes, self._on_stage_death)
         self.monitor.start()
         specs = [StageLoadSpec(

@@ -29,7 +29,9 @@ chains of up to k rows on each of its result rows (`Item.firp_k`, `Item.firp_anc
 stage returns one draft per pseudo row. When a result leaves the sequence with nothing in flight,
 the next real item is [last committed token, the k drafts of the chain anchored at the row that
 produced it] (kind FIRP), verified as a chain ([Note: chain verify] in pipeline/ledger.py). Chains
-are cut so that no draft lies past the token budget. With SPEED on as well, run-ahead drafts follow
+are cut so that no draft lies past the token budget, and before the first draft whose probability
+(softmax of its pseudo row) is below `firp_min_prob`: unlikely drafts cost rows and, with SPEED, a
+short confident chain leaves the run-ahead draft behind it a chance. With SPEED on as well, run-ahead drafts follow
 FIRP items as they follow any item; FIRP drafts of a result are used only if the chain ends there.
 """
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -70,10 +73,13 @@ class SchedulerConfig:
     speculate: bool = False
     max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
     firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
+    firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
 
     def __post_init__(self) -> None:
         if self.firp_k < 0:
             raise ValueError(f"--firp-k must be >= 1, got {self.firp_k}")
+        if not 0.0 <= self.firp_min_prob <= 1.0:
+            raise ValueError(f"--firp-min-prob must be in [0, 1], got {self.firp_min_prob}")
         if self.num_stages < 1:
             raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
         if self.max_num_seqs < 1:
@@ -335,14 +341,16 @@ class Scheduler:
     # -- results ----------------------------------------------------------------------------------
     def on_result(self, sent: Sequence[Item], returned: Sequence[Item], token_ids: torch.Tensor,
                   logits: torch.Tensor | None, now_ns: int = 0, *,
-                  firp_tokens: torch.Tensor | None = None) -> list[Commit]:
+                  firp_tokens: torch.Tensor | None = None,
+                  firp_probs: torch.Tensor | None = None) -> list[Commit]:
         """Verify and commit the last stage's output for one micro-batch (see [Note: verify] and
         [Note: chain verify]).
 
         sent: the micro-batch as sent; returned: the items that ran on every stage (a subset, in
         order); token_ids: [sum of returned items' num_result_rows] argmax of each result row;
         logits: [result rows of returned items with want_logits, vocab] float32 in item order;
-        firp_tokens: [sum of returned items' num_pseudo] FIRP drafts (pseudo-row argmax), or None.
+        firp_tokens: [sum of returned items' num_pseudo] FIRP drafts (pseudo-row argmax), or None;
+        firp_probs: the same shape, each draft's probability (None: no confidence cut).
         Results of finished sequences or older epochs are ignored.
         """
         self.inflight_batches -= 1
@@ -355,6 +363,9 @@ class Scheduler:
             if item.want_logits:
                 rows, logit_row = logits[logit_row:logit_row + n], logit_row + n
             firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + item.num_pseudo]]
+            if firp and firp_probs is not None and self.config.firp_min_prob > 0:
+                probs = firp_probs[pseudo_row:pseudo_row + item.num_pseudo].tolist()
+                firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
             row, pseudo_row = row + n, pseudo_row + item.num_pseudo
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished or item.epoch != seq.epoch:
@@ -402,7 +413,8 @@ class Scheduler:
         if not seq.ledger.inflight and item.firp_k:
             anchor = item.num_tokens - item.num_result_rows + len(tokens) - 1 - (item.num_tokens - item.firp_anchors)
             if 0 <= anchor < item.firp_anchors:
-                seq.firp_drafts = tuple(firp[anchor * item.firp_k:(anchor + 1) * item.firp_k])
+                chain = firp[anchor * item.firp_k:(anchor + 1) * item.firp_k]
+                seq.firp_drafts = tuple(itertools.takewhile(lambda t: t is not None, chain))
         if tokens[-1] in self.config.eos_token_ids and not seq.params.ignore_eos:
             self._finish(seq, FinishReason.EOS)
         elif len(seq.output_ids) >= seq.params.max_new_tokens:

@@ -56,6 +56,7 @@ class StageOutput:
         last row of a prefill, every row of any other item.
     logits: [result rows of items with want_logits, vocab_size] float32 (last stage).
     firp_tokens: [num_pseudo] int64 argmax of every pseudo row (last stage; the FIRP drafts).
+    firp_probs: [num_pseudo] float32 softmax probability of each FIRP draft (its confidence).
     exit_tokens, exit_probs: [num_items] the exit head's top token and its probability at each
         item's last row (exit stage with an exit head; prefill items get -1 / 0).
     """
@@ -65,6 +66,7 @@ class StageOutput:
     pseudo: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     firp_tokens: torch.Tensor | None = None
+    firp_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     exit_tokens: torch.Tensor | None = None
     exit_probs: torch.Tensor | None = None
@@ -156,7 +158,8 @@ class StageExecutor:
             if want:
                 result.logits = out[want].cpu()
             if fwd.pseudo is not None:
-                result.firp_tokens = fwd.pseudo.argmax(dim=-1).cpu()
+                probs, tokens = torch.softmax(fwd.pseudo, dim=-1).max(dim=-1)
+                result.firp_tokens, result.firp_probs = tokens.cpu(), probs.cpu()
         else:
             result.hidden = fwd.out
             result.pseudo = fwd.pseudo

@@ -83,5 +83,5 @@ class StageLoop:
         if out.logits is not None:
             tensors["logits"] = out.logits
         if out.firp_tokens is not None:
-            tensors["firp_tokens"] = out.firp_tokens
+            tensors["firp_tokens"], tensors["firp_probs"] = out.firp_tokens, out.firp_probs
         return Message(MessageKind.RESULT, out.items, tensors, msg.meta)

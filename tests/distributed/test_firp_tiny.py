@@ -42,7 +42,8 @@ SHAPES = {
     "2-stage-firp-mid-stage-0": (dict(num_stages=2, layer_split="2,2", speculate="firp"), 0),
     "2-stage-speed+firp": (dict(num_stages=2, layer_split="2,2", speculate="speed+firp", predictor="logit-lens"), 1),
     "3-stage-firp-in-stage-1": (dict(num_stages=3, layer_split="1,1,2", speculate="firp"), 1),
-    "3-stage-speed+firp": (dict(num_stages=3, layer_split="1,2,1", speculate="speed+firp", predictor="logit-lens"), 2),
+    "3-stage-speed+firp-min-prob": (dict(num_stages=3, layer_split="1,2,1", speculate="speed+firp", predictor="logit-lens",
+                                        firp_min_prob=0.01), 2),
 }
 
 
