@@ -63,9 +63,19 @@ def _acceptance(text: str) -> float | None:
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (SPEED)")
-    g.add_argument("--speculate", default="none", help="none | speed: inject drafts from the exit layer into "
-                   "stage 0 while the real token is still in later stages (default none)")
-    g.add_argument("--predictor", default="hybrid", help="logit-lens | ngram | hybrid (default hybrid)")
+    g.add_argument("--speculate", default="none", help="none | speed | firp | speed+firp. speed: inject drafts "
+                   "from the exit layer into stage 0 while the real token is still in later stages; firp: "
+                   "predict future hidden states and verify them as a chain (default none)")
+    g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: the shortest chain within "
+                   "0.02 accepted drafts per pass of the best in the FIRP file's eval)")
+    g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
+    g.add_argument("--firp-min-prob", type=float, default=0.0, help="carry a FIRP draft only while its "
+                   "probability is at least this (a chain stops at the first less likely draft; default 0)")
+    g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
+                   "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
+                   "and exit layer (default hybrid)")
+    g.add_argument("--exit-predictor", metavar="FILE", help="trained early-exit head (from `speedpipe "
+                   "train-predictor`) for --predictor early-exit or hybrid, instead of the shipped one; `none` = the untrained logit lens")
     g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
                    "(default: the last layer of stage 0)")
     g.add_argument("--max-inflight", type=int, default=0,
@@ -132,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="discrete-event simulation of the pipeline (optionally calibrated)")
     add_simulate_args(simulate)
     simulate.set_defaults(func=cmd_simulate)
+    from launcher.train_predictor import add_train_args, cmd_train
+
+    train = sub.add_parser("train-predictor", help="train an early-exit head or FIRP maps for a model (frozen)",
+                           description="Self-distil a predictor from the base model's own outputs on a corpus.")
+    add_train_args(train)
+    train.set_defaults(func=cmd_train)
     return parser
 
 
@@ -169,8 +185,10 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
+        exit_predictor=args.exit_predictor,
         max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance),
-        placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False))
+        placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
+        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob)
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -200,6 +218,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     session = PipelineSession(options, model)
     if not args.json:
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
+        if model.predictor_note:
+            say(model.predictor_note)
     start = time.perf_counter()
     with session:
         if not args.json:
@@ -245,7 +265,8 @@ def print_report(report: dict, *, streamed: bool) -> None:
     spec = ""
     if stats["drafted_tokens"]:
         spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
-                f"{stats['verified_drafts']} drafts), {stats['squashed_items']} items squashed")
+                f"{stats['verified_drafts']} drafts), {stats['squashed_items']} items squashed, "
+                f"{stats['tokens_per_pass']:.2f} tokens per pass")
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
 

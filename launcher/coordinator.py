@@ -174,6 +174,8 @@ class CoordinatorConfig:
     max_inflight: int = 0  # per sequence; 0 = num_stages
     min_acceptance: float = 0.0  # adaptive drafting threshold (pipeline/draft_gate.py); 0 = every draft
     record_timeline: bool = True  # per-item stage timings (pipeline/timeline.py)
+    firp_k: int = 0  # FIRP drafts per chain; 0 = FIRP off
+    firp_min_prob: float = 0.0  # FIRP drafts carried only while their probability is at least this
 
     @property
     def keepalive_s(self) -> float:
@@ -196,7 +198,8 @@ class Coordinator:
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,
-            max_inflight=config.max_inflight, min_acceptance=config.min_acceptance),
+            max_inflight=config.max_inflight, min_acceptance=config.min_acceptance, firp_k=config.firp_k,
+            firp_min_prob=config.firp_min_prob),
             (predictor or make_predictor(config.predictor)) if config.speculate else None)
         self.timeline = Timeline(config.num_stages)
         # Per-micro-batch stage timings: stages time a FORWARD only when its meta asks ("timing").
@@ -367,7 +370,8 @@ class Coordinator:
     def _on_result(self, msg: Message) -> None:
         sent = self.sent.pop(0)
         commits = self.scheduler.on_result(sent, msg.items, msg.tensors["token_ids"], msg.tensors.get("logits"),
-                                           time.perf_counter_ns())
+                                           time.perf_counter_ns(), firp_tokens=msg.tensors.get("firp_tokens"),
+                                           firp_probs=msg.tensors.get("firp_probs"))
         now_ns = time.perf_counter_ns()
         self.commit_events.extend((now_ns, c.seq_id, t) for c in commits for t in c.token_ids)
         ready = [self.scheduler.draft_ready_ns.pop((it.seq_id, it.start, it.epoch), 0) for it in sent

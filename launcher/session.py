@@ -18,6 +18,7 @@ import torch
 from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
 from launcher.local_backend import LocalLaunchConfig, LocalStageBackend, LocalStageProcesses
 from launcher.placement import PlacementOptions, StageBackend, node_stages
+from launcher.predictor_select import choose_exit_predictor
 from pipeline.config import ModelConfig
 from pipeline.draft_gate import DraftGate
 from pipeline.models import DEFAULT_MODEL, resolve_model
@@ -28,7 +29,8 @@ from pipeline.partition import (
     parse_layer_split,
     split_from_sizes,
 )
-from pipeline.predictors import PREDICTORS, Predictor, make_predictor
+from pipeline.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
+from pipeline.predictors import PREDICTORS, Predictor, is_predictor_file, make_predictor
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
@@ -36,7 +38,7 @@ from workers.convert import DTYPE_CHOICES, StageLoadSpec
 
 log = logging.getLogger("speedpipe.launch")
 
-SPECULATE_MODES = ("none", "speed")
+SPECULATE_MODES = ("none", "speed", "firp", "speed+firp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,18 +58,37 @@ class PipelineOptions:
     cache_dir: str | None = None
     progress: bool = True
     speculate: str = "none"
-    predictor: str = "hybrid"
+    predictor: str = "hybrid"  # a name in PREDICTORS or a trained predictor file (*.safetensors)
+    exit_predictor: str | None = None  # trained early-exit file for early-exit / hybrid (default: shipped)
     exit_layer: int | None = None  # None = last layer of stage 0
     max_inflight: int = 0  # per sequence; 0 = num_stages
     min_acceptance: float | None = None  # adaptive drafting threshold; None = break-even for num_stages
     placement: PlacementOptions = dataclasses.field(default_factory=PlacementOptions)
     record_timeline: bool = True  # per-item stage timings (off: measure the recording overhead)
+    firp_k: int | None = None  # FIRP drafts per chain; None = all maps of the file
+    firp_file: str | None = None  # None = the shipped file for the model
+    firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
+
+    @property
+    def uses_speed(self) -> bool:
+        """SPEED run-ahead drafts are on (`speed` or `speed+firp`)."""
+        return self.speculate in ("speed", "speed+firp")
+
+    @property
+    def uses_firp(self) -> bool:
+        """FIRP chains are on (`firp` or `speed+firp`)."""
+        return self.speculate in ("firp", "speed+firp")
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE_MODES:
             raise ValueError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
-        if self.predictor not in PREDICTORS:
-            raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
+        if self.firp_k is not None and self.firp_k < 1:
+            raise ValueError(f"--firp-k must be >= 1, got {self.firp_k}")
+        if not 0.0 <= self.firp_min_prob <= 1.0:
+            raise ValueError(f"--firp-min-prob must be in [0, 1], got {self.firp_min_prob}")
+        if self.predictor not in PREDICTORS and not is_predictor_file(self.predictor):
+            raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)} or a trained predictor file "
+                             f"(*.safetensors), got {self.predictor!r}")
         if self.max_inflight < 0:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
@@ -93,6 +114,51 @@ class PipelineOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class FirpSetup:
+    """FIRP maps for the run: the predictor file's bytes, its layer, and how many maps are used."""
+
+    file_bytes: bytes = dataclasses.field(repr=False)
+    layer: int = -1
+    k: int = 0
+
+
+def shipped_firp_file(identity: ModelIdentity, exit_layer: int, folder: Path = SHIPPED_DIR) -> Path | None:
+    """The shipped FIRP file for this model (pipeline/assets/predictors/<model>-<hash12>-firp-L<layer>-k<k>):
+    the one at `exit_layer` if shipped, else the one at the nearest layer; None if none is shipped."""
+    files = sorted(folder.glob(f"{identity.name}-{identity.hash[:12]}-firp-L*.safetensors"))
+    layers = {int(f.name.split("-firp-L")[1].split("-")[0].split(".")[0]): f for f in files}
+    return layers[min(layers, key=lambda layer: (abs(layer - exit_layer), layer))] if layers else None
+
+
+def default_firp_k(meta: dict) -> int:
+    """--firp-k when not given: the shortest chain whose held-out accepted drafts per pass (the file's
+    eval) is within 0.02 of the best (longer chains cost pseudo rows for almost nothing), else all maps."""
+    per_pass = {int(k): float(v) for k, v in meta.get("eval", {}).get("accepted_per_pass", {}).items()
+                if int(k) <= int(meta["k"])}
+    if not per_pass:
+        return int(meta["k"])
+    best = max(per_pass.values())
+    return min(k for k, v in per_pass.items() if v >= best - 0.02)
+
+
+def resolve_firp(options: PipelineOptions, model_dir: Path, config: ModelConfig, exit_layer: int) -> FirpSetup:
+    """Load and check the FIRP file (--firp-file, else the shipped one nearest to `exit_layer`).
+    Raises ValueError / FileNotFoundError naming the problem (no file, wrong model, too few maps)."""
+    identity = model_identity(model_dir, config)
+    path = options.firp_file or shipped_firp_file(identity, exit_layer)
+    if path is None:
+        raise ValueError(f"--speculate {options.speculate} needs --firp-file PATH: no FIRP maps are shipped for "
+                         f"model {identity.name!r} (train them with `speedpipe train-predictor --kind firp`)")
+    pred = load_predictor(path, expect=identity, kind="firp")
+    k = default_firp_k(pred.meta) if options.firp_k is None else options.firp_k
+    if k > int(pred.meta["k"]):
+        raise ValueError(f"--firp-k {k} is more than the {pred.meta['k']} maps in {path}")
+    if not 0 <= pred.exit_layer < config.num_hidden_layers:
+        raise ValueError(f"FIRP file {path} has layer {pred.exit_layer}, outside the model's {config.num_hidden_layers}")
+    return FirpSetup(Path(path).read_bytes(), pred.exit_layer, k)
+
+
+@dataclasses.dataclass(frozen=True)
 class ResolvedModel:
     """A validated model: folder, architecture, tokenizer and the per-stage layer ranges."""
 
@@ -101,6 +167,9 @@ class ResolvedModel:
     tokenizer: Tokenizer
     ranges: list[LayerRange]
     exit_layer: int
+    firp: FirpSetup | None = None
+    exit_predictor: bytes = b""  # trained early-exit predictor file for the exit stage; b"" = logit lens
+    predictor_note: str = ""  # what the exit head is, for the user
 
     @property
     def exit_stage(self) -> int:
@@ -117,7 +186,7 @@ def stage_extra_cost(options: PipelineOptions, config: ModelConfig) -> list[floa
     head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=h, layer_params=layer_params)
     extra = [0.0] * options.num_stages
     extra[-1] += head
-    if options.speculate == "speed" and options.exit_layer is None and make_predictor(options.predictor).needs_exit_head:
+    if options.uses_speed and options.exit_layer is None and make_predictor(options.predictor).needs_exit_head:
         extra[0] += head
     return extra
 
@@ -137,13 +206,20 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
     for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
         reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
     exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
-    if options.speculate == "speed":
+    if options.uses_speed:
         if options.num_stages < 2:
-            raise ValueError("--speculate speed needs --stages >= 2 (one stage has no idle stage for drafts to fill)")
+            raise ValueError(f"--speculate {options.speculate} needs --stages >= 2 (one stage has no idle stage "
+                             f"for drafts to fill)")
         if not 0 <= exit_layer < config.num_hidden_layers - 1:
             raise ValueError(f"--exit-layer {exit_layer} must be in [0, {config.num_hidden_layers - 1}) "
                              f"(a layer before the model's last)")
-    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer)
+    choice = None
+    if options.uses_speed and make_predictor(options.predictor).needs_exit_head:
+        choice = choose_exit_predictor(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                                       model_dir=model_dir, config=config, exit_layer=exit_layer)
+    firp = resolve_firp(options, model_dir, config, exit_layer) if options.uses_firp else None
+    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer, firp,
+                         exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "")
 
 
 class PipelineSession:
@@ -176,7 +252,7 @@ class PipelineSession:
     def _needs_exit_head(self) -> bool:
         """Whether the exit stage must run an exit head and report exit events (predictors that
         draft from the context alone, like ngram, draft at send time instead)."""
-        if self.options.speculate != "speed":
+        if not self.options.uses_speed:
             return False
         predictor = self.predictor or make_predictor(self.options.predictor)
         return predictor.needs_exit_head
@@ -186,7 +262,10 @@ class PipelineSession:
         m, lines = self.model, []
         for i, r in enumerate(m.ranges):
             extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
-                     (f"exit head after layer {m.exit_layer}", self._needs_exit_head and i == m.exit_stage))
+                     (f"{'trained ' if m.exit_predictor else ''}exit head after layer {m.exit_layer}",
+                      self._needs_exit_head and i == m.exit_stage),
+                     (f"FIRP maps (k={m.firp.k}) after layer {m.firp.layer}" if m.firp else "",
+                      m.firp is not None and m.firp.layer in r))
                      if holds]
             lines.append(f"stage {i}: layers {r} ({len(r)})" + "".join(f" + {e}" for e in extra))
         return lines
@@ -221,10 +300,11 @@ class PipelineSession:
         self.coordinator = Coordinator(CoordinatorConfig(
             num_stages=opt.num_stages, max_num_seqs=opt.max_num_seqs, max_model_len=opt.max_model_len,
             stage_timeout_s=opt.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=port,
-            device=opt.device, speculate=opt.speculate == "speed", predictor=opt.predictor,
+            device=opt.device, speculate=opt.uses_speed, predictor=opt.predictor,
             exit_stage=m.exit_stage if self._needs_exit_head else -1, max_inflight=opt.max_inflight,
             min_acceptance=(DraftGate.break_even(opt.num_stages) if opt.min_acceptance is None
-                            else opt.min_acceptance), record_timeline=opt.record_timeline), m.tokenizer, addresses,
+                            else opt.min_acceptance), record_timeline=opt.record_timeline,
+            firp_k=m.firp.k if m.firp else 0, firp_min_prob=opt.firp_min_prob), m.tokenizer, addresses,
             predictor=self.predictor)
         self.backend.watch(self._on_stage_death)
         specs = [StageLoadSpec(
@@ -233,7 +313,10 @@ class PipelineSession:
             num_threads=opt.threads_per_stage, dist_master_addr=master_addr, dist_master_port=port,
             stage_timeout_s=opt.stage_timeout_s,
             exit_layer=m.exit_layer if self._needs_exit_head else -1,
-            predictor=opt.predictor if opt.speculate == "speed" else "") for i, r in enumerate(m.ranges)]
+            predictor=opt.predictor if opt.uses_speed else "",
+            exit_predictor=m.exit_predictor if self._needs_exit_head and i == m.exit_stage else b"",
+            firp_layer=m.firp.layer if m.firp else -1, firp_k=m.firp.k if m.firp else 0,
+            firp_file=m.firp.file_bytes if m.firp and m.firp.layer in r else b"") for i, r in enumerate(m.ranges)]
         self.load_responses = self.coordinator.start(specs)
         self._check_health()
 

@@ -13,11 +13,13 @@ from typing import Any
 
 
 class ItemKind(enum.IntEnum):
-    """What an item is: the prompt pass, a committed-token decode pass, or a speculative draft."""
+    """What an item is: the prompt pass, a committed-token decode pass, a speculative draft (SPEED),
+    or a FIRP chain (a committed token followed by FIRP drafts, verified in one pass)."""
 
     PREFILL = 0
     DECODE = 1
     DRAFT = 2
+    FIRP = 3
 
 
 NO_TOKEN = -1
@@ -32,6 +34,8 @@ class Item:
     want_logits: the last stage returns float32 logits for this item's last row (sampling needs
         them); otherwise only the argmax id.
     draft_token: the draft injected right after this item (SPEED; NO_TOKEN if none).
+    firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
+        `firp_anchors` rows (see [Note: pseudo rows] in pipeline/model.py); 0 = none.
     """
 
     seq_id: int
@@ -43,8 +47,13 @@ class Item:
     token_ids: tuple[int, ...] = ()
     want_logits: bool = False
     draft_token: int = NO_TOKEN
+    firp_k: int = 0
+    firp_anchors: int = 0
 
     def __post_init__(self) -> None:
+        if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
+            raise ValueError(f"item of seq {self.seq_id} has firp_k {self.firp_k} / firp_anchors "
+                             f"{self.firp_anchors} outside [0, num_tokens {self.num_tokens}]")
         if self.num_tokens < 1:
             raise ValueError(f"item of seq {self.seq_id} has num_tokens {self.num_tokens} < 1")
         if self.start < 0 or self.slot < 0 or self.epoch < 0:
@@ -59,10 +68,21 @@ class Item:
         """One past the last position."""
         return self.start + self.num_tokens
 
+    @property
+    def num_result_rows(self) -> int:
+        """Rows whose next-token result the last stage returns: the last row of a prefill, every
+        row of any other item (a FIRP chain verifies each of its drafts)."""
+        return 1 if self.kind == ItemKind.PREFILL else self.num_tokens
+
+    @property
+    def num_pseudo(self) -> int:
+        """FIRP pseudo rows this item carries after the FIRP layer."""
+        return self.firp_k * self.firp_anchors
+
     def to_wire(self) -> list[Any]:
         """Compact msgpack-able form (a list, field order fixed by `_WIRE_FIELDS`)."""
         return [self.seq_id, self.slot, self.start, self.num_tokens, self.epoch, int(self.kind),
-                list(self.token_ids), self.want_logits, self.draft_token]
+                list(self.token_ids), self.want_logits, self.draft_token, self.firp_k, self.firp_anchors]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Item:
@@ -70,7 +90,7 @@ class Item:
         if not isinstance(raw, list) or len(raw) != len(_WIRE_FIELDS):
             raise ValueError(f"malformed item: expected a list of {len(_WIRE_FIELDS)} fields")
         fields = dict(zip(_WIRE_FIELDS, raw, strict=True))
-        for name in ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "draft_token"):
+        for name in ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "draft_token", "firp_k", "firp_anchors"):
             if type(fields[name]) is not int:
                 raise ValueError(f"malformed item: {name} is not an int")
         if type(fields["want_logits"]) is not bool:
@@ -84,11 +104,13 @@ class Item:
             raise ValueError(f"malformed item: unknown kind {fields['kind']}") from None
         return cls(seq_id=fields["seq_id"], slot=fields["slot"], start=fields["start"],
                    num_tokens=fields["num_tokens"], epoch=fields["epoch"], kind=kind,
-                   token_ids=tuple(tokens), want_logits=fields["want_logits"], draft_token=fields["draft_token"])
+                   token_ids=tuple(tokens), want_logits=fields["want_logits"], draft_token=fields["draft_token"],
+                   firp_k=fields["firp_k"], firp_anchors=fields["firp_anchors"])
 
     def without_tokens(self) -> Item:
         """The same item without its token ids (what stages after the first receive)."""
         return dataclasses.replace(self, token_ids=()) if self.token_ids else self
 
 
-_WIRE_FIELDS = ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "token_ids", "want_logits", "draft_token")
+_WIRE_FIELDS = ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "token_ids", "want_logits", "draft_token",
+                "firp_k", "firp_anchors")

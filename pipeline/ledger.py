@@ -16,33 +16,72 @@ When the result r (= the real x_{p+1}) of the item at p arrives:
   * with no item at p + 1, commit r and ask for a real item at p + 1.
 Only committed tokens ever leave the coordinator. Greedy output is therefore identical with and
 without speculation (ARCHITECTURE.md §5.3); sampling uses the accept rule of pipeline/sampling.py.
+
+[Note: chain verify]
+With FIRP (arXiv 2410.20488 §3.3) an item may carry several positions: its first token, then
+drafts d_1 .. d_m (FIRP drafts from the previous result's pseudo rows). Its result holds one real
+next token per row, r_0 .. r_m. Row i's result is checked against the draft that follows row i:
+d_{i+1} for i < m, the next in-flight item's token for i = m. The caller commits r_0, r_1, ... and
+stops after the first token that differs from its draft (that token is still committed: it is the
+real one), so one pass commits the longest correct prefix plus one real token. Any rejection (inside
+the item or of the next item) bumps the epoch and forgets every in-flight item; the next real item
+starts right after the committed tokens and every stage truncates its KV cache there
+([Note: in-band squash]), dropping the rejected drafts' keys and values. SPEED run-ahead items
+and FIRP chains go through this one rule, so they combine freely.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
 class InFlight:
-    """One item of this sequence in the pipeline: its position, input token, draft flag, epoch."""
+    """One item of this sequence in the pipeline: its first position and input token, whether that
+    token is a draft, its epoch, and the FIRP drafts it carries at the following positions."""
 
     position: int
     token: int
     is_draft: bool
     epoch: int
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def last_position(self) -> int:
+        """Position of the item's last row."""
+        return self.position + len(self.drafts)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return (self.token, *self.drafts)
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """Outcome of one result: the committed token, whether a draft was checked and accepted,
-    and how many in-flight items a rejection squashed."""
+    """Outcome of one result ([Note: chain verify]): the committed tokens, how many drafts were
+    checked and accepted, whether a draft was rejected, and how many in-flight items were squashed.
 
-    token: int
-    drafted: bool
-    accepted: bool
+    token: the last committed token. drafted: some draft was checked. accepted: some draft was
+    checked and none was rejected (the chain goes on)."""
+
+    tokens: tuple[int, ...]
+    num_verified: int
+    num_accepted: int
     squashed: int
+
+    @property
+    def token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def drafted(self) -> bool:
+        return self.num_verified > 0
+
+    @property
+    def accepted(self) -> bool:
+        return self.num_verified > 0 and self.num_accepted == self.num_verified
 
 
 class SequenceLedger:
@@ -69,10 +108,21 @@ class SequenceLedger:
         """Position of the next real (non-draft) item: the last committed token's position."""
         return self.known_len - 1
 
-    def add_real(self, token: int) -> InFlight:
-        """Record the real item sent at next_real_position (nothing of this sequence in flight)."""
+    @property
+    def last_item_position(self) -> int:
+        """The last position worth sending: its result is the last token of the budget."""
+        return self.prompt_len + self.max_new_tokens - 2
+
+    def max_firp_drafts(self) -> int:
+        """How many FIRP drafts the next real item may carry without passing the budget."""
+        return max(0, self.last_item_position - self.next_real_position)
+
+    def add_real(self, token: int, drafts: Sequence[int] = ()) -> InFlight:
+        """Record the real item sent at next_real_position (nothing of this sequence in flight),
+        carrying FIRP `drafts` at the following positions (at most `max_firp_drafts()`)."""
         assert not self.inflight, "a real item is only sent when nothing is in flight"
-        item = InFlight(self.next_real_position, token, False, self.epoch)
+        assert len(drafts) <= self.max_firp_drafts(), "FIRP drafts past the token budget"
+        item = InFlight(self.next_real_position, token, False, self.epoch, tuple(drafts))
         self.inflight.append(item)
         return item
 
@@ -83,7 +133,7 @@ class SequenceLedger:
         reached, or the draft's own result would lie past the token budget (the last budget token
         is committed from the result of the item before it, so it is never drafted as an item).
         """
-        if epoch != self.epoch or not self.inflight or self.inflight[-1].position != position:
+        if epoch != self.epoch or not self.inflight or self.inflight[-1].last_position != position:
             return False
         if len(self.inflight) >= max_inflight:
             return False
@@ -93,30 +143,46 @@ class SequenceLedger:
     def add_draft(self, token: int) -> InFlight:
         """Record a draft item injected right after the chain's end."""
         assert self.inflight, "a draft follows an in-flight item"
-        item = InFlight(self.inflight[-1].position + 1, token, True, self.epoch)
+        item = InFlight(self.inflight[-1].last_position + 1, token, True, self.epoch)
         self.inflight.append(item)
         return item
 
-    def on_result(self, position: int, epoch: int, real_token: int) -> Verdict | None:
-        """Apply the result of the item at `position` (see [Note: verify]). None if stale.
+    def on_result(self, position: int, epoch: int, real_token: int | Sequence[int]) -> Verdict | None:
+        """Apply the result of the chain head, whose last row is at `position` (see [Note: verify]
+        and [Note: chain verify]). None if stale.
 
-        `real_token` must already be the token to commit (greedy argmax, or the sampler's
-        verify/sample outcome against the draft that follows, if any).
+        `real_token`: the tokens to commit, in row order (an int for one): the caller has applied
+        the verify rule (greedy argmax or the sampler) to each row against `drafts_to_verify()`
+        and stopped after the first mismatch (or at EOS / the budget). Every token before the last
+        must equal its draft.
         """
         if epoch != self.epoch:
             return None
+        tokens = (real_token,) if isinstance(real_token, int) else tuple(real_token)
+        drafts = self.drafts_to_verify()
         head = self.inflight.popleft()
-        assert head.position == position, f"result for position {position}, expected {head.position}"
-        assert position == self.next_real_position, f"result at {position}, committed length {self.known_len}"
-        self.num_committed += 1
-        if not self.inflight:
-            return Verdict(real_token, drafted=False, accepted=False, squashed=0)
-        if self.inflight[0].token == real_token:
-            return Verdict(real_token, drafted=True, accepted=True, squashed=0)
+        assert head.last_position == position, f"result for position {position}, expected {head.last_position}"
+        assert head.position == self.next_real_position, f"result at {position}, committed length {self.known_len}"
+        assert 1 <= len(tokens) <= len(head.tokens), f"{len(tokens)} tokens from a {len(head.tokens)}-row item"
+        assert all(t == d for t, d in zip(tokens[:-1], drafts, strict=False)), "committed past a rejected draft"
+        self.num_committed += len(tokens)
+        num_verified = min(len(tokens), len(drafts))
+        num_accepted = sum(1 for t, d in zip(tokens, drafts, strict=False) if t == d)
+        chain_goes_on = len(tokens) == len(head.tokens) and num_accepted == num_verified
+        if chain_goes_on or (not self.inflight and num_accepted == num_verified):
+            return Verdict(tokens, num_verified, num_accepted, squashed=0)
         squashed = len(self.inflight)
         self.inflight.clear()
         self.epoch += 1
-        return Verdict(real_token, drafted=True, accepted=False, squashed=squashed)
+        return Verdict(tokens, num_verified, num_accepted, squashed=squashed)
+
+    def drafts_to_verify(self) -> list[int]:
+        """The drafts that follow each row of the chain's head: its own FIRP drafts, then the next
+        in-flight item's token (if any). Row i's result is verified against element i."""
+        if not self.inflight:
+            return []
+        head = self.inflight[0]
+        return list(head.drafts) + ([self.inflight[1].token] if len(self.inflight) > 1 else [])
 
     def next_draft_token(self) -> int | None:
         """The draft that follows the chain's head (what the head's result is verified against)."""

@@ -8,6 +8,16 @@ Must not: read files (pipeline/weights.py does), talk to other processes, or pic
 Tokens of several items (sequences) are packed along one axis ("varlen" layout, as in vLLM):
     x: [num_tokens] token ids (first stage) or [num_tokens, hidden_size] hidden states (others)
     spans: one `Span(slot, start, num_tokens)` per item, in the same order as the packed rows.
+
+[Note: pseudo rows]
+FIRP (arXiv 2410.20488 §3) adds *pseudo rows*: hidden states predicted at an intermediate layer
+for future positions. A span with `num_anchors` A and `chain_len` k owns A chains of k pseudo rows;
+chain a hangs off real row n - A + a (position p_a) and its rows sit at positions p_a + 1 .. p_a + k.
+Pseudo rows follow all real rows of the micro-batch, span by span, chain by chain. A pseudo row
+attends to the cached keys of positions <= p_a (including this pass's real rows up to its anchor)
+and causally to the earlier rows of its own chain; real rows never see pseudo rows. Pseudo rows
+are never written into the KV cache: running them is exactly running the chain as real tokens
+on a copy of the cache truncated after the anchor (tests/unit/test_pseudo_rows.py checks this).
 """
 
 from __future__ import annotations
@@ -27,11 +37,76 @@ from pipeline.partition import LayerRange
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """Where one item's rows sit: KV `slot`, first position `start`, `num_tokens` rows."""
+    """Where one item's rows sit: KV `slot`, first position `start`, `num_tokens` rows; plus its
+    FIRP pseudo chains: `chain_len` rows hanging off each of its last `num_anchors` rows
+    (see [Note: pseudo rows])."""
 
     slot: int
     start: int
     num_tokens: int
+    num_anchors: int = 0
+    chain_len: int = 0
+
+    @property
+    def num_pseudo(self) -> int:
+        """Pseudo rows of this span (0 without FIRP chains)."""
+        return self.num_anchors * self.chain_len if self.chain_len else 0
+
+    def pseudo_positions(self) -> list[int]:
+        """Positions of the pseudo rows, chain by chain: [num_pseudo]."""
+        first_anchor = self.start + self.num_tokens - self.num_anchors
+        return [first_anchor + a + 1 + j for a in range(self.num_anchors) for j in range(self.chain_len)]
+
+    def pseudo_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Attention mask of this span's real then pseudo queries over cached then pseudo keys:
+        [num_tokens + num_pseudo, start + num_tokens + num_pseudo] bool (True = may attend)."""
+        n, p, end = self.num_tokens, self.num_pseudo, self.start + self.num_tokens
+        mask = torch.zeros(n + p, end + p, dtype=torch.bool)
+        key_pos = torch.arange(end)
+        mask[:n, :end] = key_pos[None, :] <= torch.arange(self.start, end)[:, None]
+        k = self.chain_len
+        causal = torch.ones(k, k, dtype=torch.bool).tril()
+        for a in range(self.num_anchors):
+            anchor_pos = end - self.num_anchors + a
+            rows = slice(n + a * k, n + (a + 1) * k)
+            mask[rows, :anchor_pos + 1] = True
+            mask[rows, end + a * k:end + (a + 1) * k] = causal
+        return mask.to(device)
+
+
+@dataclasses.dataclass
+class PseudoLayout:
+    """Where the pseudo rows of a packed micro-batch sit: after the `num_real` real rows; span i's
+    rows start at `offsets[i]`; `masks[i]` from `Span.pseudo_mask` (None: span has none)."""
+
+    num_real: int
+    offsets: list[int]
+    masks: list[torch.Tensor | None]
+
+    @classmethod
+    def build(cls, spans: Sequence[Span], device: torch.device | str) -> PseudoLayout:
+        num_real = sum(s.num_tokens for s in spans)
+        offsets, masks, row = [], [], num_real
+        for s in spans:
+            offsets.append(row)
+            masks.append(s.pseudo_mask(device) if s.num_pseudo else None)
+            row += s.num_pseudo
+        return cls(num_real, offsets, masks)
+
+
+@dataclasses.dataclass
+class StageForward:
+    """What one stage forward produced.
+
+    out: hidden [num_tokens, hidden] (not last) or float32 logits [num_logit_rows, vocab] (last).
+    pseudo: pseudo hidden [num_pseudo, hidden] (not last) or float32 logits [num_pseudo, vocab]
+        (last); None when the micro-batch has no live pseudo rows.
+    exit_hidden: [num_items, hidden] hidden after the exit layer at each item's last row, or None.
+    """
+
+    out: torch.Tensor
+    pseudo: torch.Tensor | None = None
+    exit_hidden: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -118,8 +193,8 @@ class Attention(nn.Module):
         return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
-                kv: KVCache, layer: int) -> torch.Tensor:
-        # x: [num_tokens, hidden]; cos/sin: [num_tokens, head_dim]
+                kv: KVCache, layer: int, pseudo: PseudoLayout | None = None) -> torch.Tensor:
+        # x: [num_tokens (+ num_pseudo), hidden]; cos/sin: the same rows x [head_dim]
         t = x.shape[0]
         q, k, v = self._qkv(x)
         q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
@@ -127,12 +202,21 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         row = 0
-        for span in spans:
+        for i, span in enumerate(spans):
             rows = slice(row, row + span.num_tokens)
             end = span.start + span.num_tokens
             kv.write(layer, span.slot, span.start, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
             keys, values = kv.view(layer, span.slot, end)  # [kv_heads, end, head_dim]
-            out[rows] = _attend(q[rows], keys, values, span.start)
+            if pseudo is None or pseudo.masks[i] is None:
+                out[rows] = _attend(q[rows], keys, values, span.start)
+            else:  # [Note: pseudo rows]: real + pseudo queries over cached + pseudo keys, never cached
+                prows = slice(pseudo.offsets[i], pseudo.offsets[i] + span.num_pseudo)
+                keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
+                values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
+                both = torch.cat([q[rows], q[prows]]).transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(both, keys[None], values[None], attn_mask=pseudo.masks[i],
+                                                   enable_gqa=True)[0].transpose(0, 1)
+                out[rows], out[prows] = o[:span.num_tokens], o[span.num_tokens:]
             row += span.num_tokens
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -189,8 +273,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, spans, kv, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, kv, layer)
+    def forward(self, x, cos, sin, spans, kv, layer, pseudo=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, kv, layer, pseudo)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,29 +323,71 @@ class StageModel(nn.Module):
         """
         return self.forward_with_exit(x, spans, kv, logit_rows=logit_rows)[0]
 
-    @torch.inference_mode()
     def forward_with_exit(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                           logit_rows: torch.Tensor | None = None,
                           exit_layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the hidden state after absolute layer `exit_layer` (which must be in this
         stage) at each item's last row: [num_items, hidden_size], or None without an exit layer."""
+        result = self.forward_rows(x, spans, kv, logit_rows=logit_rows, exit_layer=exit_layer)
+        return result.out, result.exit_hidden
+
+    @torch.inference_mode()
+    def forward_rows(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
+                     logit_rows: torch.Tensor | None = None, exit_layer: int | None = None,
+                     pseudo: torch.Tensor | None = None, firp_layer: int | None = None,
+                     make_pseudo=None) -> StageForward:
+        """Run this stage on packed real rows and FIRP pseudo rows ([Note: pseudo rows]).
+
+        x, spans, logit_rows, exit_layer: as in `forward` / `forward_with_exit`.
+        pseudo: [sum num_pseudo, hidden] pseudo rows made by an earlier stage, or None.
+        firp_layer, make_pseudo: if `pseudo` is None and absolute layer `firp_layer` is in this
+            stage, after it `make_pseudo(anchor_hidden [num_anchor_rows, hidden])` returns the
+            pseudo rows [sum num_pseudo, hidden] (anchors in span order; chains in anchor order).
+        Without either, spans' pseudo chains are ignored (a stage before the FIRP layer).
+        Returns a StageForward; the last stage turns every pseudo row into logits.
+        """
         for span in spans:
             kv.check_write(span.slot, span.start, span.num_tokens)
-        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans]).to(x.device)
-        last_rows = torch.tensor(list(_last_rows(spans)), device=x.device)
+        device = x.device
+        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans]).to(device)
+        last_rows = torch.tensor(list(_last_rows(spans)), device=device)
         h = self.embed_tokens(x) if self.is_first else x
+        num_real = h.shape[0]
+        layout = None
+        if pseudo is not None:
+            h, positions, layout = self._add_pseudo(h, positions, pseudo, spans)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
         exit_hidden = None
         for local, (name, layer) in enumerate(self.layers.items()):
-            h = layer(h, cos, sin, spans, kv, local)
+            h = layer(h, cos, sin, spans, kv, local, layout)
             if exit_layer is not None and int(name) == exit_layer:
                 exit_hidden = h[last_rows]
+            if layout is None and make_pseudo is not None and int(name) == firp_layer:
+                anchors = torch.tensor(list(_anchor_rows(spans)), dtype=torch.int64, device=device)
+                if len(anchors):
+                    h, positions, layout = self._add_pseudo(h, positions, make_pseudo(h[anchors]), spans)
+                    cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
         for span in spans:
             kv.set_length(span.slot, span.start + span.num_tokens)
+        real, fake = h[:num_real], (h[num_real:] if layout is not None else None)
         if not self.is_last:
-            return h, exit_hidden
+            return StageForward(real, fake, exit_hidden)
         rows = last_rows if logit_rows is None else logit_rows
-        return self.lm_head(self.norm(h[rows])).float(), exit_hidden
+        if fake is None:
+            return StageForward(self.lm_head(self.norm(real[rows])).float(), None, exit_hidden)
+        logits = self.lm_head(self.norm(torch.cat([real[rows], fake]))).float()  # one head matmul for both
+        return StageForward(logits[:len(rows)], logits[len(rows):], exit_hidden)
+
+    @staticmethod
+    def _add_pseudo(h: torch.Tensor, positions: torch.Tensor, pseudo: torch.Tensor,
+                    spans: Sequence[Span]) -> tuple[torch.Tensor, torch.Tensor, PseudoLayout]:
+        """Append pseudo rows [num_pseudo, hidden] and their positions; build the layout."""
+        want = sum(s.num_pseudo for s in spans)
+        if pseudo.shape[0] != want:
+            raise ValueError(f"{pseudo.shape[0]} pseudo rows for spans that need {want}")
+        pos = torch.tensor([p for s in spans for p in s.pseudo_positions()], dtype=positions.dtype)
+        return (torch.cat([h, pseudo.to(h.dtype)]), torch.cat([positions, pos.to(positions.device)]),
+                PseudoLayout.build(spans, h.device))
 
 
 def _last_rows(spans: Sequence[Span]):
@@ -269,6 +395,15 @@ def _last_rows(spans: Sequence[Span]):
     for span in spans:
         row += span.num_tokens
         yield row - 1
+
+
+def _anchor_rows(spans: Sequence[Span]):
+    """Packed row indices of the anchors of every span's pseudo chains, in span order."""
+    row = 0
+    for span in spans:
+        if span.num_pseudo:
+            yield from range(row + span.num_tokens - span.num_anchors, row + span.num_tokens)
+        row += span.num_tokens
 
 
 def checkpoint_name(param_name: str, config: ModelConfig) -> str:

@@ -23,6 +23,17 @@ refused for lack of room is retried when a result frees room. Real items always 
 are sent only when no real item waits and fewer than `max_inflight_batches` micro-batches are in
 flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
 acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/draft_gate.py).
+
+[Note: FIRP policy]
+With `firp_k` = k > 0 (FIRP, arXiv 2410.20488; ARCHITECTURE.md §6) every item asks for pseudo
+chains of up to k rows on each of its result rows (`Item.firp_k`, `Item.firp_anchors`); the last
+stage returns one draft per pseudo row. When a result leaves the sequence with nothing in flight,
+the next real item is [last committed token, the k drafts of the chain anchored at the row that
+produced it] (kind FIRP), verified as a chain ([Note: chain verify] in pipeline/ledger.py). Chains
+are cut so that no draft lies past the token budget, and before the first draft whose probability
+(softmax of its pseudo row) is below `firp_min_prob`: unlikely drafts cost rows and, with SPEED, a
+short confident chain leaves the run-ahead draft behind it a chance. With SPEED on as well, run-ahead drafts follow
+FIRP items as they follow any item; FIRP drafts of a result are used only if the chain ends there.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -63,8 +75,14 @@ class SchedulerConfig:
     speculate: bool = False
     max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
     min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
+    firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
+    firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
 
     def __post_init__(self) -> None:
+        if self.firp_k < 0:
+            raise ValueError(f"--firp-k must be >= 1, got {self.firp_k}")
+        if not 0.0 <= self.firp_min_prob <= 1.0:
+            raise ValueError(f"--firp-min-prob must be in [0, 1], got {self.firp_min_prob}")
         if self.num_stages < 1:
             raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
         if self.max_num_seqs < 1:
@@ -97,7 +115,9 @@ class SequenceState:
     exit_seen: tuple[int, int, ExitGuess | None] | None = None  # (position, epoch, guess) of the last exit event
     pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
     pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket
-    draft_keys: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)  # position -> bucket
+    # position of each sent run-ahead draft -> (DraftGate bucket, draft token, epoch)
+    draft_keys: dict[int, tuple[tuple[str, int], int, int]] = dataclasses.field(default_factory=dict)
+    firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
 
     @property
     def finished(self) -> bool:
@@ -117,7 +137,7 @@ class SequenceState:
         # In-flight items at positions < known_len carry committed tokens (an accepted draft stays in
         # flight until its own result comes back); only later positions are still guesses.
         known = self.ledger.known_len
-        drafts = [f.token for f in self.ledger.inflight if f.position >= known]
+        drafts = [t for f in self.ledger.inflight for p, t in enumerate(f.tokens, f.position) if p >= known]
         return self.prompt_ids + self.output_ids + drafts
 
 
@@ -132,13 +152,24 @@ class Commit:
 
 @dataclasses.dataclass
 class SpecCounters:
-    """Speculation totals: drafts sent, drafts verified and accepted, items squashed."""
+    """Speculation totals: drafts sent, drafts verified and accepted (SPEED and FIRP together),
+    items squashed; FIRP's own share; and real passes (results that committed) with their tokens."""
 
     drafted_tokens: int = 0
     verified_drafts: int = 0
     accepted_tokens: int = 0
     squashed_items: int = 0
     gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
+    firp_drafted: int = 0
+    firp_verified: int = 0
+    firp_accepted: int = 0
+    passes: int = 0
+    committed_tokens: int = 0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Committed tokens per result (1 without speculation; 1 + accepted drafts per pass)."""
+        return self.committed_tokens / self.passes if self.passes else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -234,11 +265,15 @@ class Scheduler:
             if item.kind == ItemKind.DRAFT:
                 seq.ledger.add_draft(item.token_ids[0])
                 if seq.pending_key is not None:
-                    seq.draft_keys[item.start] = seq.pending_key
+                    seq.draft_keys[item.start] = (seq.pending_key, item.token_ids[0], item.epoch)
                 self.spec.drafted_tokens += 1
                 self.draft_ready_ns[(item.seq_id, item.start, item.epoch)] = seq.pending_ready_ns
-            else:
+            elif item.kind == ItemKind.PREFILL:
                 seq.ledger.add_real(item.token_ids[-1])
+            else:
+                seq.ledger.add_real(item.token_ids[0], item.token_ids[1:])
+                self.spec.drafted_tokens += item.num_tokens - 1
+                self.spec.firp_drafted += item.num_tokens - 1
             batch.append(item)
         for item in batch:  # after the batch is formed: one item per sequence per micro-batch
             self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
@@ -255,14 +290,25 @@ class Scheduler:
     def _queue_real(self, seq: SequenceState) -> None:
         want_logits = not seq.params.is_greedy
         if not seq.output_ids:
-            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=len(seq.prompt_ids),
+            n = len(seq.prompt_ids)
+            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n,
                                epoch=seq.epoch, kind=ItemKind.PREFILL, token_ids=tuple(seq.prompt_ids),
-                               want_logits=want_logits)
+                               want_logits=want_logits, **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
         else:
-            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.num_tokens - 1, num_tokens=1,
-                               epoch=seq.epoch, kind=ItemKind.DECODE, token_ids=(seq.output_ids[-1],),
-                               want_logits=want_logits)
+            drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
+            start = seq.num_tokens - 1
+            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
+                               epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
+                               token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
+                               **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
+        seq.firp_drafts = ()
         self.ready.append(seq.seq_id)
+
+    def _firp_fields(self, seq: SequenceState, *, first_anchor: int, num_anchors: int) -> dict[str, int]:
+        """Item.firp_k / firp_anchors for an item whose pseudo chains hang off `num_anchors` rows
+        from position `first_anchor` on: chains no longer than the budget can use."""
+        k = min(self.config.firp_k, seq.ledger.last_item_position - first_anchor - 1)
+        return {"firp_k": k, "firp_anchors": num_anchors} if k > 0 else {}
 
     # -- exit-layer events (speculation) ------------------------------------------------------------
     def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None], now_ns: int = 0) -> None:
@@ -289,10 +335,10 @@ class Scheduler:
             return
         guess = None
         if self.predictor.needs_exit_head:
-            if seq.exit_seen is None or seq.exit_seen[:2] != (end.position, end.epoch):
+            if seq.exit_seen is None or seq.exit_seen[:2] != (end.last_position, end.epoch):
                 return
             guess = seq.exit_seen[2]
-        if not seq.ledger.can_draft_after(end.position, end.epoch, max_inflight=self.config.max_inflight):
+        if not seq.ledger.can_draft_after(end.last_position, end.epoch, max_inflight=self.config.max_inflight):
             return
         draft = self.predictor.propose(seq.context(), guess)
         if draft is None:
@@ -301,55 +347,103 @@ class Scheduler:
             self.spec.gated_drafts += 1
             return
         seq.pending_key = self.gate.key(draft)
-        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=end.position + 1, num_tokens=1, epoch=end.epoch,
-                           kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=not seq.params.is_greedy)
+        start = end.last_position + 1
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
+                           kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=not seq.params.is_greedy,
+                           **self._firp_fields(seq, first_anchor=start, num_anchors=1))
         seq.pending_ready_ns = now_ns
         self.drafting.append(seq.seq_id)
 
     # -- results ----------------------------------------------------------------------------------
     def on_result(self, sent: Sequence[Item], returned: Sequence[Item], token_ids: torch.Tensor,
-                  logits: torch.Tensor | None, now_ns: int = 0) -> list[Commit]:
-        """Verify and commit the last stage's output for one micro-batch (see [Note: verify]).
+                  logits: torch.Tensor | None, now_ns: int = 0, *,
+                  firp_tokens: torch.Tensor | None = None,
+                  firp_probs: torch.Tensor | None = None) -> list[Commit]:
+        """Verify and commit the last stage's output for one micro-batch (see [Note: verify] and
+        [Note: chain verify]).
 
         sent: the micro-batch as sent; returned: the items that ran on every stage (a subset, in
-        order); token_ids: [len(returned)] argmax of each returned item's last row; logits:
-        [num returned items with want_logits, vocab] float32 in item order. Results of finished
-        sequences or older epochs are ignored.
+        order); token_ids: [sum of returned items' num_result_rows] argmax of each result row;
+        logits: [result rows of returned items with want_logits, vocab] float32 in item order;
+        firp_tokens: [sum of returned items' num_pseudo] FIRP drafts (pseudo-row argmax), or None;
+        firp_probs: the same shape, each draft's probability (None: no confidence cut).
+        Results of finished sequences or older epochs are ignored.
         """
         self.inflight_batches -= 1
         assert self.inflight_batches >= 0, "more results than micro-batches sent"
-        commits, logit_row = [], 0
-        for i, item in enumerate(returned):
-            row = None
+        commits, row, logit_row, pseudo_row = [], 0, 0, 0
+        for item in returned:
+            n = item.num_result_rows
+            argmax = [int(t) for t in token_ids[row:row + n]]
+            rows = None
             if item.want_logits:
-                row, logit_row = logits[logit_row], logit_row + 1
+                rows, logit_row = logits[logit_row:logit_row + n], logit_row + n
+            firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + item.num_pseudo]]
+            if firp and firp_probs is not None and self.config.firp_min_prob > 0:
+                probs = firp_probs[pseudo_row:pseudo_row + item.num_pseudo].tolist()
+                firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
+            row, pseudo_row = row + n, pseudo_row + item.num_pseudo
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
-            commits.append(self._verify_and_commit(seq, item, int(token_ids[i]), row, now_ns))
+            commits.append(self._verify_and_commit(seq, item, argmax, rows, firp, now_ns))
         return commits
 
-    def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: int, row: torch.Tensor | None,
-                           now_ns: int) -> Commit:
-        draft = seq.ledger.next_draft_token()
-        if row is None:
-            token = argmax
-        elif draft is None:
-            token = seq.sampler.sample(row)
-        else:
-            token = seq.sampler.verify(row, draft)[1]
-        verdict = seq.ledger.on_result(item.end - 1, item.epoch, token)
-        if verdict.drafted:
-            key = seq.draft_keys.pop(item.end, None)
-            if key is not None:
-                self.gate.record(key, accepted=verdict.accepted)
-            self.spec.verified_drafts += 1
-            self.spec.accepted_tokens += int(verdict.accepted)
-            self.spec.squashed_items += verdict.squashed
-        if not verdict.accepted:
-            seq.pending = None  # any pending draft followed a squashed chain
-        seq.output_ids.append(token)
-        if token in self.config.eos_token_ids and not seq.params.ignore_eos:
+    def _chain_tokens(self, seq: SequenceState, argmax: list[int], rows: torch.Tensor | None) -> list[int]:
+        """Tokens to commit from one result ([Note: chain verify]): row by row, each checked against
+        the draft that follows it, stopping after the first mismatch, at EOS or at the budget."""
+        drafts = seq.ledger.drafts_to_verify()
+        out: list[int] = []
+        for i, top in enumerate(argmax):
+            draft = drafts[i] if i < len(drafts) else None
+            if rows is None:
+                token = top
+            elif draft is None:
+                token = seq.sampler.sample(rows[i])
+            else:
+                token = seq.sampler.verify(rows[i], draft)[1]
+            out.append(token)
+            if token in self.config.eos_token_ids and not seq.params.ignore_eos:
+                break
+            if len(seq.output_ids) + len(out) >= seq.params.max_new_tokens or draft is None or token != draft:
+                break
+        return out
+
+    def _record_gate(self, seq: SequenceState, item: Item, tokens: list[int]) -> None:
+        """Tell the draft gate whether the run-ahead draft that followed `item` was right. The real
+        token at position item.end is tokens[num_result_rows - 1] when the chain got that far; a draft
+        behind a broken chain was never verified."""
+        entry = seq.draft_keys.pop(item.end, None)
+        if entry is None or entry[2] != item.epoch:
+            return
+        i = item.num_result_rows - 1
+        if i < len(tokens):
+            self.gate.record(entry[0], accepted=tokens[i] == entry[1])
+
+    def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: list[int], rows: torch.Tensor | None,
+                           firp: list[int], now_ns: int) -> Commit:
+        own_drafts = len(seq.ledger.inflight[0].drafts)
+        tokens = self._chain_tokens(seq, argmax, rows)
+        verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
+        self._record_gate(seq, item, tokens)
+        firp_verified = min(len(tokens), own_drafts)
+        firp_accepted = min(verdict.num_accepted, firp_verified)
+        self.spec.passes += 1
+        self.spec.committed_tokens += len(tokens)
+        self.spec.verified_drafts += verdict.num_verified
+        self.spec.accepted_tokens += verdict.num_accepted
+        self.spec.firp_verified += firp_verified
+        self.spec.firp_accepted += firp_accepted
+        self.spec.squashed_items += verdict.squashed
+        if not seq.ledger.inflight:
+            seq.pending = None  # a pending draft followed the finished (or squashed) chain
+        seq.output_ids.extend(tokens)
+        if not seq.ledger.inflight and item.firp_k:
+            anchor = item.num_tokens - item.num_result_rows + len(tokens) - 1 - (item.num_tokens - item.firp_anchors)
+            if 0 <= anchor < item.firp_anchors:
+                chain = firp[anchor * item.firp_k:(anchor + 1) * item.firp_k]
+                seq.firp_drafts = tuple(itertools.takewhile(lambda t: t is not None, chain))
+        if tokens[-1] in self.config.eos_token_ids and not seq.params.ignore_eos:
             self._finish(seq, FinishReason.EOS)
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
@@ -357,7 +451,7 @@ class Scheduler:
             self._queue_real(seq)
         else:
             self._try_draft(seq, now_ns)  # the accepted chain has room again
-        return Commit(seq.seq_id, (token,), seq.finish_reason)
+        return Commit(seq.seq_id, tuple(tokens), seq.finish_reason)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         seq.finish_reason = reason

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from pipeline.firp import FirpMaps
 from pipeline.items import Item, ItemKind
 from pipeline.kv_cache import KVCache
 from pipeline.model import Span, StageModel
@@ -49,15 +50,23 @@ class StageOutput:
 
     items: the items that ran (stale ones removed), token ids stripped.
     hidden: [num_tokens, hidden_size] for a non-last stage.
-    token_ids: [num_items] int64 argmax of each item's last row (last stage).
-    logits: [num_items_wanting_logits, vocab_size] float32 (last stage, only items with want_logits).
+    pseudo: [num_pseudo, hidden_size] FIRP pseudo rows for the next stage (non-last stage, once
+        they exist), in item order.
+    token_ids: [sum of items' num_result_rows] int64 argmax of each result row (last stage): the
+        last row of a prefill, every row of any other item.
+    logits: [result rows of items with want_logits, vocab_size] float32 (last stage).
+    firp_tokens: [num_pseudo] int64 argmax of every pseudo row (last stage; the FIRP drafts).
+    firp_probs: [num_pseudo] float32 softmax probability of each FIRP draft (its confidence).
     exit_tokens, exit_probs: [num_items] the exit head's top token and its probability at each
         item's last row (exit stage with an exit head; prefill items get -1 / 0).
     """
 
     items: list[Item]
     hidden: torch.Tensor | None = None
+    pseudo: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
+    firp_tokens: torch.Tensor | None = None
+    firp_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     exit_tokens: torch.Tensor | None = None
     exit_probs: torch.Tensor | None = None
@@ -67,13 +76,23 @@ class StageExecutor:
     """Runs `model` on micro-batches, keeping per-sequence epochs and the KV cache consistent.
 
     See [Note: in-band squash]. Raises ValueError for items that do not fit the KV cache.
+    FIRP: `firp_layer` is the layer whose output feeds the FIRP maps (known to every stage, so a
+    stage after it can check that pseudo rows arrived); `firp_maps` is held by the stage that has
+    that layer, which turns each item's anchors into pseudo rows ([Note: pseudo rows] in
+    pipeline/model.py).
     """
 
     def __init__(self, model: StageModel, kv: KVCache, *, exit_layer: int | None = None,
-                 exit_head: ExitHead | None = None) -> None:
+                 exit_head: ExitHead | None = None, firp_layer: int | None = None,
+                 firp_maps: FirpMaps | None = None) -> None:
         if exit_layer is not None and exit_layer not in model.layer_range:
             raise ValueError(f"exit layer {exit_layer} is not in this stage's layers {model.layer_range}")
+        if (firp_maps is not None) != (firp_layer is not None and firp_layer in model.layer_range):
+            raise ValueError(f"FIRP maps belong to the stage holding the FIRP layer {firp_layer} "
+                             f"(this stage holds {model.layer_range})")
         self.model = model
+        self.firp_layer = firp_layer
+        self.firp_maps = firp_maps
         self.kv = kv
         self.exit_layer = exit_layer
         self.exit_head = exit_head
@@ -93,30 +112,57 @@ class StageExecutor:
             keep.append(True)
         return keep
 
-    def run(self, items: list[Item], x: torch.Tensor) -> StageOutput:
-        """Run a micro-batch. x: [num_tokens] token ids (first stage) or [num_tokens, hidden]."""
+    def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None) -> StageOutput:
+        """Run a micro-batch. x: [num_tokens] token ids (first stage) or [num_tokens, hidden];
+        pseudo: [num_pseudo, hidden] FIRP pseudo rows from the previous stage, or None.
+        Raises ValueError if pseudo rows are missing on a stage after the FIRP layer."""
         start_ns = time.perf_counter_ns()
         keep = self.admit(items)
         if not all(keep):
             x = x[_rows(items, keep)]
+            if pseudo is not None:
+                pseudo = pseudo[_rows(items, keep, rows_of=lambda it: it.num_pseudo)]
             self.counters.items_dropped += keep.count(False)
             items = [it for it, k in zip(items, keep, strict=True) if k]
         if not items:
             return StageOutput(items=[])
-        spans = [Span(it.slot, it.start, it.num_tokens) for it in items]
+        spans = [Span(it.slot, it.start, it.num_tokens, it.firp_anchors, it.firp_k) for it in items]
+        num_pseudo = sum(it.num_pseudo for it in items)
+        if not num_pseudo:
+            pseudo = None
+        elif pseudo is None and self.firp_layer is not None and self.firp_layer < self.model.layer_range.start:
+            raise ValueError(f"items need {num_pseudo} FIRP pseudo rows, but none arrived from the stage before")
         use_head = self.exit_head is not None and any(it.kind != ItemKind.PREFILL for it in items)
-        out, exit_hidden = self.model.forward_with_exit(x.to(self._device), spans, self.kv,
-                                                        exit_layer=self.exit_layer if use_head else None)
+        make_pseudo = None
+        if self.firp_maps is not None and pseudo is None and num_pseudo:
+            lens = [it.firp_k for it in items for _ in range(it.firp_anchors if it.firp_k else 0)]
+            make_pseudo = lambda anchors: self.firp_maps.chains(anchors, lens)  # noqa: E731
+        logit_rows = None
+        if self.model.is_last:
+            logit_rows = torch.tensor(_result_rows(items), dtype=torch.int64, device=self._device)
+        fwd = self.model.forward_rows(x.to(self._device), spans, self.kv, logit_rows=logit_rows,
+                                      exit_layer=self.exit_layer if use_head else None,
+                                      pseudo=None if pseudo is None else pseudo.to(self._device),
+                                      firp_layer=self.firp_layer, make_pseudo=make_pseudo)
         result = StageOutput(items=[it.without_tokens() for it in items])
         if use_head:
-            result.exit_tokens, result.exit_probs = self._exit_guesses(items, exit_hidden)
+            result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden)
         if self.model.is_last:
+            out = fwd.out
             result.token_ids = out.argmax(dim=-1).cpu()
-            want = [i for i, it in enumerate(items) if it.want_logits]
+            want, row = [], 0
+            for it in items:
+                if it.want_logits:
+                    want.extend(range(row, row + it.num_result_rows))
+                row += it.num_result_rows
             if want:
                 result.logits = out[want].cpu()
+            if fwd.pseudo is not None:
+                probs, tokens = torch.softmax(fwd.pseudo, dim=-1).max(dim=-1)
+                result.firp_tokens, result.firp_probs = tokens.cpu(), probs.cpu()
         else:
-            result.hidden = out
+            result.hidden = fwd.out
+            result.pseudo = fwd.pseudo
         self.counters.busy_ns += time.perf_counter_ns() - start_ns
         self.counters.items_processed += len(items)
         self.counters.tokens_processed += sum(it.num_tokens for it in items)
@@ -149,11 +195,20 @@ class StageExecutor:
         return self.model.inv_freq.device
 
 
-def _rows(items: list[Item], keep: list[bool]) -> torch.Tensor:
-    """Packed row indices of the kept items."""
+def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_tokens) -> torch.Tensor:
+    """Packed row indices of the kept items (`rows_of(item)` rows each: real rows by default)."""
     rows, row = [], 0
     for it, k in zip(items, keep, strict=True):
         if k:
-            rows.extend(range(row, row + it.num_tokens))
-        row += it.num_tokens
+            rows.extend(range(row, row + rows_of(it)))
+        row += rows_of(it)
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def _result_rows(items: list[Item]) -> list[int]:
+    """Packed row indices of every item's result rows (`Item.num_result_rows`, its last rows)."""
+    rows, row = [], 0
+    for it in items:
+        row += it.num_tokens
+        rows.extend(range(row - it.num_result_rows, row))
+    return rows

@@ -101,3 +101,22 @@ def write_tiny_model(path: str | Path, *, seed: int = 0, num_shards: int = 1,
     }, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": TINY_EOS_ID}, indent=2))
     return path
+
+
+def write_firp_file(model_dir: str | Path, path: str | Path, *, layer: int, k: int, seed: int = 0,
+                    noise: float = 0.3) -> Path:
+    """Write untrained FIRP maps for the model in `model_dir`: identity plus `noise`-scaled random
+    matrices, so drafts are sometimes right and often wrong (tests need both)."""
+    import torch
+
+    from pipeline.firp import FirpMaps
+    from pipeline.predictor_file import model_identity, save_predictor
+
+    identity = model_identity(model_dir)
+    maps = FirpMaps(identity.hidden_size, k)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        maps.weight += noise * torch.randn(maps.weight.shape, generator=gen) / identity.hidden_size ** 0.5
+    meta = {"kind": "firp", "model": identity.to_dict(), "exit_layer": layer, "k": k, "corpus": "none",
+            "train_tokens": 0, "eval": {}}
+    return save_predictor(path, maps.to_tensors(), meta, dtype=torch.float32)

@@ -67,7 +67,7 @@ class StageLoop:
         if x is None:
             raise ValueError(f"[Stage {self.stage_index}] FORWARD message without tensor 'x'")
         start_ns = time.perf_counter_ns()
-        out = self.executor.run(msg.items, x)
+        out = self.executor.run(msg.items, x, msg.tensors.get("pseudo"))
         meta = msg.meta
         if "timing" in meta:  # the coordinator records a timeline
             meta = dict(meta)
@@ -81,8 +81,13 @@ class StageLoop:
         msg = Message(msg.kind, msg.items, msg.tensors, meta)
         if not self.is_last:
             hidden = out.hidden if out.hidden is not None else torch.empty(0)
-            return Message(MessageKind.FORWARD, out.items, {"x": hidden}, msg.meta)
+            tensors = {"x": hidden}
+            if out.pseudo is not None:
+                tensors["pseudo"] = out.pseudo
+            return Message(MessageKind.FORWARD, out.items, tensors, msg.meta)
         tensors = {"token_ids": out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)}
         if out.logits is not None:
             tensors["logits"] = out.logits
+        if out.firp_tokens is not None:
+            tensors["firp_tokens"], tensors["firp_probs"] = out.firp_tokens, out.firp_probs
         return Message(MessageKind.RESULT, out.items, tensors, msg.meta)

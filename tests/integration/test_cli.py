@@ -206,6 +206,10 @@ def bad_inputs(tiny_dir: Path, tmp: Path) -> dict[str, BadInput]:
                                              ("--stage-resources", "not valid JSON", "{GPU: 1}")),
         "nnodes-with-ray": BadInput(("--backend", "ray", "--nnodes", "2"), ("--nnodes > 1", "drop --backend ray")),
         "nnodes-over-stages": BadInput(("--nnodes", "3"), ("--nnodes 3", "--stages 2")),
+        "firp-k-0": BadInput(("--speculate", "firp", "--firp-k", "0"), ("--firp-k", "got 0", ">= 1")),
+        "firp-without-a-file": BadInput(("--speculate", "firp"), ("--speculate firp", "--firp-file", "no FIRP maps are shipped")),
+        "firp-file-missing": BadInput(("--speculate", "firp", "--firp-file", str(missing_file)),
+                                      (str(missing_file), "does not exist")),
     }
 
 
@@ -214,7 +218,7 @@ BAD_INPUT_NAMES = [  # test ids, in the order of bad_inputs()
     "layer-split-sum", "layer-split-stage-count", "empty-prompt", "prompt-plus-new-tokens-over-max-model-len",
     "max-new-tokens-0", "temperature-negative", "top-p-0", "top-p-1.5", "prompts-file-missing",
     "prompts-file-bad-jsonl-line", "prompts-file-jsonl-without-prompt", "min-acceptance-1.5", "stage-resources-not-json",
-    "nnodes-with-ray", "nnodes-over-stages",
+    "nnodes-with-ray", "nnodes-over-stages", "firp-k-0", "firp-without-a-file", "firp-file-missing",
 ]
 
 

@@ -10,7 +10,8 @@ pipeline/ledger.py and [Note: in-band squash] in pipeline/stage_executor.py.
 The simulator: `num_stages` stages joined by FIFO queues, each stage a real `StageExecutor` whose
 `admit` (epochs + KV truncation) is applied to every item, with the KV *contents* modelled as the
 list of tokens written at each position. A history is a random interleaving of: inject a real item
-when the sequence has nothing in flight, propose a draft after an item that passed the exit stage
+when the sequence has nothing in flight (with probability `firp_prob` carrying FIRP drafts, each
+right or wrong, verified as a chain: [Note: chain verify]), propose a draft after an item that passed the exit stage
 (right or wrong w.r.t. a fixed true sequence), and advance any one stage by one item (the last
 stage delivers the result to the ledger). The model's result for an item is the true next token
 only if every position it attended to (KV contents before it, and its own tokens) holds the true
@@ -85,6 +86,8 @@ class PipelineSim:
         self.num_stages, self.max_inflight, self.exit_stage = num_stages, max_inflight, exit_stage
         self.rng = random.Random(seed)
         self.draft_prob, self.p_right = self.rng.uniform(0.3, 1.0), self.rng.uniform(0.2, 0.9)
+        self.firp_prob = 0.0 if self.rng.random() < 0.3 else self.rng.uniform(0.3, 1.0)
+        self.firp_k = self.rng.randint(1, 4)
         self.ledgers = [SequenceLedger(prompt_len=n, max_new_tokens=max_new_tokens) for n in prompt_lens]
         self.done = [False] * len(truths)
         self.queues: list[collections.deque[Travelling]] = [collections.deque() for _ in range(num_stages)]
@@ -108,7 +111,15 @@ class PipelineSim:
         else:
             start, kind = ledger.next_real_position, ItemKind.DECODE
             tokens = (truth[start],)  # the last committed token (the log checks commits == truth)
-            ledger.add_real(tokens[0])
+            drafts: tuple[int, ...] = ()
+            if self.rng.random() < self.firp_prob:
+                num = self.rng.randint(0, min(self.firp_k, ledger.max_firp_drafts()))
+                drafts = tuple(truth[start + 1 + i] if self.rng.random() < self.p_right
+                               else (truth[start + 1 + i] + 1) % VOCAB for i in range(num))
+                self.log.drafts.extend((seq, start + 1 + i) for i in range(num))
+                kind = ItemKind.FIRP if drafts else kind
+            ledger.add_real(tokens[0], drafts)
+            tokens += drafts
         self._enqueue(seq, start, tokens, kind)
 
     def draft(self, seq: int, pick: int, right: bool) -> None:
@@ -120,12 +131,12 @@ class PipelineSim:
 
     def _try_draft(self, seq: int, position: int, epoch: int, right: bool) -> None:
         ledger = self.ledgers[seq]
-        expected = (epoch == ledger.epoch and bool(ledger.inflight) and ledger.inflight[-1].position == position
+        expected = (epoch == ledger.epoch and bool(ledger.inflight) and ledger.inflight[-1].last_position == position
                     and len(ledger.inflight) < self.max_inflight
                     and position + 2 <= self.prompt_lens[seq] + self.max_new - 1)
         allowed = ledger.can_draft_after(position, epoch, max_inflight=self.max_inflight)
         self.log.draft_queries.append({"seq": seq, "position": position, "epoch": epoch, "ledger_epoch": ledger.epoch,
-                                       "chain_end": ledger.inflight[-1].position if ledger.inflight else None,
+                                       "chain_end": ledger.inflight[-1].last_position if ledger.inflight else None,
                                        "allowed": allowed, "expected": expected})
         if not allowed:
             return
@@ -175,26 +186,36 @@ class PipelineSim:
     def _deliver(self, t: Travelling) -> None:
         it, seq = t.item, t.item.seq_id
         ledger, truth = self.ledgers[seq], self.truths[seq]
-        exact = all(t.saw_true_context) and list(t.tokens) == truth[it.start:it.end]
-        result = truth[it.end] if exact else (truth[it.end] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB
+        num_rows = 1 if it.kind == ItemKind.PREFILL else it.num_tokens
+        results, exact = [], []
+        for row in range(it.num_tokens - num_rows, it.num_tokens):  # one result per row: the model's next token
+            end = it.start + row + 1
+            exact.append(all(t.saw_true_context) and list(t.tokens[:row + 1]) == truth[it.start:end])
+            results.append(truth[end] if exact[-1] else (truth[end] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB)
         if self.done[seq]:
             return  # the sequence finished: the scheduler ignores its results
         epoch_before, committed_before = ledger.epoch, ledger.num_committed
         chain_before = [f.token for f in ledger.inflight]
-        verdict = ledger.on_result(it.end - 1, it.epoch, result)
+        drafts = ledger.drafts_to_verify() if ledger.inflight and it.epoch == ledger.epoch else []
+        commit = []  # the scheduler's chain rule: stop after the first mismatch or at the budget
+        for i, result in enumerate(results):
+            commit.append(result)
+            if committed_before + len(commit) >= self.max_new or i >= len(drafts) or result != drafts[i]:
+                break
+        verdict = ledger.on_result(it.end - 1, it.epoch, commit)
         if verdict is None:
             self.log.stale.append({"item_epoch": it.epoch, "ledger_epoch": epoch_before,
                                    "committed_before": committed_before, "committed_after": ledger.num_committed})
             return
-        if not exact:
+        if not all(exact[:len(commit)]):
             self.log.blind_commits.append({"seq": seq, "start": it.start, "saw": t.saw_true_context})
-        self.log.commits[seq].append(verdict.token)
+        self.log.commits[seq].extend(verdict.tokens)
         if verdict.accepted:
             self.log.accepts += 1
         if verdict.drafted and not verdict.accepted:
             self.log.squashes.append({"epoch_before": epoch_before, "epoch_after": ledger.epoch,
                                       "inflight_after": len(ledger.inflight), "squashed": verdict.squashed,
-                                      "chain_len_before": len(chain_before), "draft": chain_before[1],
+                                      "chain_len_before": len(chain_before), "draft": drafts[len(commit) - 1],
                                       "real": verdict.token})
         if ledger.num_committed == self.max_new:
             self.done[seq] = True
@@ -325,7 +346,7 @@ def test_squash_reinjection_rolls_every_stage_back_to_the_committed_length():
     truth = [1, 2, 3, 4, 5, 6, 0, 1, 2]
     sim = PipelineSim(truths=[truth], prompt_lens=[2], max_new_tokens=6, num_stages=3, max_inflight=3,
                       exit_stage=0, seed=0)
-    sim.draft_prob = 0.0  # only the scripted drafts below
+    sim.draft_prob = sim.firp_prob = 0.0  # only the scripted drafts below
     ledger = sim.ledgers[0]
     sim.inject_real(0)
     for stage in range(3):
@@ -431,3 +452,47 @@ def test_can_draft_after_stops_exactly_where_the_draft_result_would_pass_the_bud
     # Items at n .. n + max_new - 2 produce the budget tokens 2 .. max_new: one real plus the drafts.
     assert drafted == max_new_tokens - 2
     assert ledger.inflight[-1].position == n + max_new_tokens - 2
+
+
+# -- FIRP chains ([Note: chain verify]) ---------------------------------------------------------------
+def test_chain_commits_the_longest_correct_prefix_plus_one_real_token_and_squashes_the_rest():
+    ledger = SequenceLedger(prompt_len=3, max_new_tokens=10)
+    ledger.add_real(9)
+    ledger.on_result(2, 0, 5)  # prefill
+    ledger.add_real(5, (6, 7, 8))  # positions 3..6
+    ledger.add_draft(1)  # SPEED run-ahead at 7
+    assert ledger.drafts_to_verify() == [6, 7, 8, 1]
+    verdict = ledger.on_result(6, 0, (6, 7, 4))  # draft 8 rejected: commit 6, 7 and the real 4
+    assert verdict.tokens == (6, 7, 4) and verdict.num_verified == 3 and verdict.num_accepted == 2
+    assert verdict.drafted and not verdict.accepted and verdict.squashed == 1
+    assert ledger.epoch == 1 and not ledger.inflight and ledger.num_committed == 4
+    assert ledger.next_real_position == 6  # the next item starts right after the committed tokens
+
+
+def test_fully_accepted_chain_keeps_the_run_ahead_item_and_a_wrong_run_ahead_squashes_it():
+    ledger = SequenceLedger(prompt_len=2, max_new_tokens=12)
+    ledger.add_real(1)
+    ledger.on_result(1, 0, 2)
+    ledger.add_real(2, (3, 4))
+    ledger.add_draft(5)
+    verdict = ledger.on_result(4, 0, (3, 4, 5))
+    assert verdict.accepted and verdict.num_accepted == 3 and verdict.squashed == 0 and ledger.epoch == 0
+    assert [f.position for f in ledger.inflight] == [5]
+    ledger2 = SequenceLedger(prompt_len=2, max_new_tokens=12)
+    ledger2.add_real(1)
+    ledger2.on_result(1, 0, 2)
+    ledger2.add_real(2, (3,))
+    ledger2.add_draft(5)
+    verdict = ledger2.on_result(3, 0, (3, 9))  # the chain is right, the run-ahead draft is not
+    assert verdict.num_verified == 2 and verdict.num_accepted == 1 and verdict.squashed == 1 and ledger2.epoch == 1
+
+
+def test_firp_drafts_never_pass_the_budget():
+    ledger = SequenceLedger(prompt_len=4, max_new_tokens=5)
+    ledger.add_real(0)
+    ledger.on_result(3, 0, 1)
+    assert ledger.max_firp_drafts() == 3  # positions 5, 6, 7; the item at 7 yields the last budget token
+    with pytest.raises(AssertionError, match="budget"):
+        ledger.add_real(1, (2, 3, 4, 5))
+    ledger.add_real(1, (2, 3, 4))
+    assert ledger.inflight[-1].last_position == ledger.last_item_position

