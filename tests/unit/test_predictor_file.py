@@ -1,0 +1,102 @@
+"""Predictor files: round trip through safetensors + JSON metadata, and refusal of mismatches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import tiny_config
+from pipeline.predictor_file import (
+    FORMAT,
+    ModelIdentity,
+    PredictorFileError,
+    load_predictor,
+    load_predictor_bytes,
+    model_identity,
+    predictor_bytes,
+    read_predictor_meta,
+    save_predictor,
+)
+from tests.tiny_model import write_tiny_model
+
+H = 16
+
+
+def _identity(**overrides) -> ModelIdentity:
+    fields = dict(name="tiny", hash="ab" * 32, hidden_size=H, num_layers=4, vocab_size=256)
+    return ModelIdentity(**(fields | overrides))
+
+
+def _early_exit(exit_layer: int = 1, **meta_overrides):
+    tensors = {"proj.weight": torch.randn(H, H), "proj.bias": torch.randn(H)}
+    meta = {"kind": "early-exit", "model": _identity().to_dict(), "exit_layer": exit_layer, "arch": "affine",
+            "corpus": "synthetic", "train_tokens": 100, "eval": {"top1_agreement": 0.5, "eval_tokens": 10}}
+    return tensors, meta | meta_overrides
+
+
+def test_round_trip_keeps_tensors_and_metadata(tmp_path):
+    tensors, meta = _early_exit()
+    path = save_predictor(tmp_path / "sub" / "p.safetensors", tensors, meta, dtype=torch.float32)
+    pred = load_predictor(path, expect=_identity(), exit_layer=1, kind="early-exit")
+    assert pred.meta == {"format": FORMAT, **meta}
+    assert read_predictor_meta(path) == pred.meta
+    for name, t in tensors.items():
+        torch.testing.assert_close(pred.tensors[name], t)
+
+
+def test_fp16_storage_is_close_and_bytes_parse_the_same(tmp_path):
+    tensors, meta = _early_exit()
+    data = predictor_bytes(tensors, meta)
+    pred = load_predictor_bytes(data, expect=_identity())
+    assert pred.tensors["proj.weight"].dtype == torch.float32
+    torch.testing.assert_close(pred.tensors["proj.weight"], tensors["proj.weight"], atol=2e-3, rtol=2e-3)
+
+
+def test_firp_file_needs_every_map(tmp_path):
+    tensors = {f"maps.{i}.{p}": torch.zeros((H, H) if p == "weight" else (H,)) for i in (1, 2) for p in ("weight", "bias")}
+    meta = _early_exit()[1] | {"kind": "firp", "k": 3}
+    path = save_predictor(tmp_path / "f.safetensors", tensors, meta)
+    with pytest.raises(PredictorFileError, match="maps.3.weight"):
+        load_predictor(path)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"expect": _identity(hash="cd" * 32)}, "hash"),
+    ({"expect": _identity(hidden_size=32)}, "hidden size"),
+    ({"expect": _identity(num_layers=8)}, "num layers"),
+    ({"exit_layer": 2}, "exit layer 1, but --exit-layer is 2"),
+    ({"kind": "firp"}, "'firp' one is needed"),
+])
+def test_mismatch_is_refused_naming_the_field(tmp_path, kwargs, message):
+    path = save_predictor(tmp_path / "p.safetensors", *_early_exit())
+    with pytest.raises(PredictorFileError, match=message) as info:
+        load_predictor(path, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_plain_safetensors_and_garbage_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(PredictorFileError, match="not a speedpipe predictor"):
+        load_predictor(tmp_path / "plain.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file at all")
+    with pytest.raises(PredictorFileError, match="not a safetensors file"):
+        load_predictor(tmp_path / "junk.safetensors")
+    with pytest.raises(FileNotFoundError):
+        load_predictor(tmp_path / "missing.safetensors")
+
+
+def test_bad_metadata_is_refused_before_writing(tmp_path):
+    tensors, meta = _early_exit(kind="medusa")
+    with pytest.raises(PredictorFileError, match="kind"):
+        save_predictor(tmp_path / "p.safetensors", tensors, meta)
+    assert not (tmp_path / "p.safetensors").exists()
+
+
+def test_model_identity_changes_with_the_weights(tmp_path):
+    a = model_identity(write_tiny_model(tmp_path / "a", seed=0))
+    b = model_identity(write_tiny_model(tmp_path / "b", seed=0))
+    c = model_identity(write_tiny_model(tmp_path / "c", seed=1))
+    assert a.hash == b.hash and a.hidden_size == tiny_config().hidden_size
+    assert c.hash != a.hash
