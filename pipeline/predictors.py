@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model import RMSNorm
@@ -38,20 +39,74 @@ class Draft:
     source: str
 
 
-class ExitHead(nn.Module):
-    """Logit lens at the exit layer: final norm + LM head applied to an intermediate hidden state.
+class ExitMap(nn.Module):
+    """Trained map on the exit hidden state, applied before the frozen final norm + LM head.
 
-    forward(hidden: [num_rows, hidden_size]) -> (tokens [num_rows] int64, probs [num_rows] float32).
-    The weights are copies of the model's final norm and LM head (held by the exit stage).
+    arch "affine": y = W x + b, W: [H, H] (initialised at the identity, so an untrained map is the
+    logit lens). arch "mlp": the affine map plus a residual SwiGLU-free MLP on the RMS-normalised
+    input, y = W x + b + down(silu(up(x / rms(x)))), up: [M, H], down: [H, M] (down initialised at
+    zero). forward(x: [num_rows, H]) -> [num_rows, H] in x's dtype.
+    Parameter names are the predictor file's tensor names (pipeline/predictor_file.py).
+    Source: self-distilled early-exit heads, SPEED (arXiv 2310.12072) §3; LayerSkip (arXiv 2404.16710).
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, *, arch: str = "affine", mlp_size: int = 512, eps: float = 1e-5) -> None:
+        super().__init__()
+        if arch not in ("affine", "mlp"):
+            raise ValueError(f"exit map arch must be affine or mlp, got {arch!r}")
+        self.arch, self.eps = arch, eps
+        self.proj = nn.Linear(hidden_size, hidden_size)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(hidden_size))
+            self.proj.bias.zero_()
+        self.mlp: nn.ModuleDict | None = None
+        if arch == "mlp":
+            self.mlp = nn.ModuleDict({"up": nn.Linear(hidden_size, mlp_size), "down": nn.Linear(mlp_size, hidden_size)})
+            with torch.no_grad():
+                self.mlp["down"].weight.zero_()
+                self.mlp["down"].bias.zero_()
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> ExitMap:
+        """Build from predictor-file tensors ("proj.weight" [H, H], ...). Raises ValueError on a
+        missing or mis-shaped tensor."""
+        hidden_size = tensors["proj.weight"].shape[0]
+        mlp_size = tensors["mlp.up.weight"].shape[0] if arch == "mlp" else 512
+        exit_map = cls(hidden_size, arch=arch, mlp_size=mlp_size, eps=eps)
+        try:
+            exit_map.load_state_dict({n: t.float() for n, t in tensors.items()}, strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"exit map tensors do not fit arch {arch!r}: {str(exc).splitlines()[0]}") from None
+        return exit_map.eval().requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x.to(self.proj.weight.dtype))
+        if self.mlp is not None:
+            x32 = x.float()
+            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(y.dtype)
+            y = y + self.mlp["down"](F.silu(self.mlp["up"](normed)))
+        return y.to(x.dtype)
+
+
+class ExitHead(nn.Module):
+    """Early exit at the exit layer: [trained map ->] final norm + LM head on an intermediate
+    hidden state. Without a map this is the "logit lens".
+
+    forward(hidden: [num_rows, hidden_size]) -> (tokens [num_rows] int64, probs [num_rows] float32).
+    The norm and head weights are copies of the model's final norm and LM head (held by the exit
+    stage); `exit_map` is a trained ExitMap (pipeline/predictor_file.py holds its file format).
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, *, exit_map: ExitMap | None = None) -> None:
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.exit_map = exit_map
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exit_map is not None:
+            hidden = self.exit_map(hidden)
         logits = self.lm_head(self.norm(hidden)).float()
         probs, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
         return tokens, probs
