@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("model_dir", "stage_index", "num_stages", "layer_start", "layer_stop", "dtype", "device", "max_num_seqs", "max_model_len", "num_threads", "dist_rank", "dist_world_size", "dist_master_addr", "dist_master_port", "dist_backend", "stage_timeout_s", "exit_layer", "predictor")
+    __slots__ = ("model_dir", "stage_index", "num_stages", "layer_start", "layer_stop", "dtype", "device", "max_num_seqs", "max_model_len", "num_threads", "dist_rank", "dist_world_size", "dist_master_addr", "dist_master_port", "dist_backend", "stage_timeout_s", "exit_layer", "predictor", "exit_predictor")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class LoadStageRequest(_message.Message):
     STAGE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     EXIT_LAYER_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     stage_index: int
     num_stages: int
@@ -45,7 +46,8 @@ class LoadStageRequest(_message.Message):
     stage_timeout_s: float
     exit_layer: int
     predictor: str
-    def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., dist_backend: _Optional[str] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., predictor: _Optional[str] = ...) -> None: ...
+    exit_predictor: bytes
+    def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., dist_backend: _Optional[str] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., predictor: _Optional[str] = ..., exit_predictor: _Optional[bytes] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("weights_bytes", "num_parameters", "load_s", "tensor_names")
