@@ -49,7 +49,11 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (SPEED)")
     g.add_argument("--speculate", default="none", help="none | speed: inject drafts from the exit layer into "
                    "stage 0 while the real token is still in later stages (default none)")
-    g.add_argument("--predictor", default="hybrid", help="logit-lens | ngram | hybrid (default hybrid)")
+    g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
+                   "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
+                   "and exit layer (default hybrid)")
+    g.add_argument("--exit-predictor", metavar="FILE", help="trained early-exit head (from `speedpipe "
+                   "train-predictor`) for --predictor early-exit or hybrid, instead of the shipped one")
     g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
                    "(default: the last layer of stage 0)")
     g.add_argument("--max-inflight", type=int, default=0,
@@ -126,6 +130,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
+        exit_predictor=args.exit_predictor,
         max_inflight=args.max_inflight)
 
 
@@ -150,6 +155,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     session = PipelineSession(options, model)
     if not args.json:
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
+        if model.predictor_note:
+            say(model.predictor_note)
     start = time.perf_counter()
     with session:
         if not args.json:

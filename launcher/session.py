@@ -16,6 +16,7 @@ import torch
 
 from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
 from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses, StageProcessMonitor, free_port
+from launcher.predictor_select import choose_exit_predictor
 from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model
 from pipeline.partition import (
@@ -25,7 +26,7 @@ from pipeline.partition import (
     parse_layer_split,
     split_from_sizes,
 )
-from pipeline.predictors import PREDICTORS, Predictor, make_predictor
+from pipeline.predictors import PREDICTORS, Predictor, is_predictor_file, make_predictor
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from workers.convert import DTYPE_CHOICES, StageLoadSpec
@@ -52,15 +53,17 @@ class PipelineOptions:
     cache_dir: str | None = None
     progress: bool = True
     speculate: str = "none"
-    predictor: str = "hybrid"
+    predictor: str = "hybrid"  # a name in PREDICTORS or a trained predictor file (*.safetensors)
+    exit_predictor: str | None = None  # trained early-exit file for early-exit / hybrid (default: shipped)
     exit_layer: int | None = None  # None = last layer of stage 0
     max_inflight: int = 0  # per sequence; 0 = num_stages
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE_MODES:
             raise ValueError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
-        if self.predictor not in PREDICTORS:
-            raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
+        if self.predictor not in PREDICTORS and not is_predictor_file(self.predictor):
+            raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)} or a trained predictor file "
+                             f"(*.safetensors), got {self.predictor!r}")
         if self.max_inflight < 0:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
         if self.num_stages < 1:
@@ -90,6 +93,8 @@ class ResolvedModel:
     tokenizer: Tokenizer
     ranges: list[LayerRange]
     exit_layer: int
+    exit_predictor: bytes = b""  # trained early-exit predictor file for the exit stage; b"" = logit lens
+    predictor_note: str = ""  # what the exit head is, for the user
 
     @property
     def exit_stage(self) -> int:
@@ -132,7 +137,12 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
         if not 0 <= exit_layer < config.num_hidden_layers - 1:
             raise ValueError(f"--exit-layer {exit_layer} must be in [0, {config.num_hidden_layers - 1}) "
                              f"(a layer before the model's last)")
-    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer)
+    choice = None
+    if options.speculate == "speed" and make_predictor(options.predictor).needs_exit_head:
+        choice = choose_exit_predictor(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                                       model_dir=model_dir, config=config, exit_layer=exit_layer)
+    return ResolvedModel(model_dir, config, Tokenizer(model_dir), ranges, exit_layer,
+                         exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "")
 
 
 class PipelineSession:
@@ -203,7 +213,9 @@ class PipelineSession:
             num_threads=opt.threads_per_stage, dist_master_addr="127.0.0.1", dist_master_port=port,
             stage_timeout_s=opt.stage_timeout_s,
             exit_layer=m.exit_layer if self._needs_exit_head else -1,
-            predictor=opt.predictor if opt.speculate == "speed" else "") for i, r in enumerate(m.ranges)]
+            predictor=opt.predictor if opt.speculate == "speed" else "",
+            exit_predictor=m.exit_predictor if self._needs_exit_head and i == m.exit_stage else b"")
+            for i, r in enumerate(m.ranges)]
         self.load_responses = self.coordinator.start(specs)
 
     def _on_stage_death(self, stage_index: int, returncode: int) -> None:

@@ -232,3 +232,20 @@ def _check_shapes(pred: PredictorFile, where: str) -> None:
         if tuple(pred.tensors[name].shape) != shape:
             raise PredictorFileError(f"{where}: tensor {name!r} has shape {tuple(pred.tensors[name].shape)}, "
                                      f"expected {shape}")
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "assets" / "predictors"
+
+
+def shipped_predictor_name(identity: ModelIdentity, *, kind: str, exit_layer: int, k: int | None = None) -> str:
+    """File name of a predictor shipped with the project: `<model>-<hash12>-<kind>-L<layer>[-k<k>].safetensors`."""
+    suffix = f"-k{k}" if k is not None else ""
+    return f"{identity.name}-{identity.hash[:12]}-{kind}-L{exit_layer}{suffix}.safetensors"
+
+
+def shipped_predictor(identity: ModelIdentity, *, kind: str, exit_layer: int, k: int | None = None,
+                      folder: Path = SHIPPED_DIR) -> Path | None:
+    """The shipped predictor for this model, kind and exit layer (package data under
+    pipeline/assets/predictors/), or None when the project ships none."""
+    path = folder / shipped_predictor_name(identity, kind=kind, exit_layer=exit_layer, k=k)
+    return path if path.is_file() else None

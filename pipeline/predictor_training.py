@@ -30,9 +30,9 @@ class ExitTrainConfig:
     `steps` of `batch_size` rows, `arch` affine | mlp, `mlp_size` hidden units, `seed`."""
 
     arch: str = "affine"
-    steps: int = 400
+    steps: int = 300
     batch_size: int = 256
-    lr: float = 1e-3
+    lr: float = 3e-3
     weight_decay: float = 0.0
     mlp_size: int = 512
     seed: int = 0

@@ -2,7 +2,8 @@
 
 Owns the exit head (the stage-side part: final norm + LM head on an exit-layer hidden state, the
 "logit lens") and the coordinator-side predictors that turn a sequence's context plus the exit
-head's guess into a draft: `logit-lens`, `ngram` (prompt lookup) and `hybrid`.
+head's guess into a draft: `logit-lens`, `early-exit` (trained map, see ExitMap), `ngram` (prompt
+lookup) and `hybrid`.
 Sources: SPEED (arXiv 2310.12072) §3 for early-exit drafting; prompt-lookup decoding
 (Saxena 2023) / LLMA (arXiv 2304.04487) for n-gram matching. Pure: no I/O.
 """
@@ -19,7 +20,8 @@ from torch import nn
 
 from pipeline.model import RMSNorm
 
-PREDICTORS = ("logit-lens", "ngram", "hybrid")
+PREDICTORS = ("logit-lens", "early-exit", "ngram", "hybrid")
+PREDICTOR_FILE_SUFFIX = ".safetensors"  # a --predictor value ending so names a trained early-exit file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +136,13 @@ class LogitLensPredictor:
         return None if guess is None else Draft(guess.token, guess.prob, self.name)
 
 
+class EarlyExitPredictor(LogitLensPredictor):
+    """Draft = the argmax of a trained early-exit head (ExitMap before the frozen norm + head); the
+    stage computes it, so the coordinator side is the logit lens's."""
+
+    name = "early-exit"
+
+
 class NGramPredictor:
     """Prompt lookup: find the longest suffix of the context (max_ngram .. min_ngram tokens) that
     occurred earlier in the context and propose the token that followed its latest occurrence.
@@ -161,7 +170,8 @@ class NGramPredictor:
 
 
 class HybridPredictor:
-    """Per position, whichever of n-gram lookup and the exit head is more confident."""
+    """Per position, whichever of n-gram lookup and the exit head (trained early-exit head when the
+    stage has one, else the logit lens) is more confident."""
 
     name = "hybrid"
     needs_exit_head = True
@@ -178,12 +188,21 @@ class HybridPredictor:
         return a if a.confidence >= b.confidence else b
 
 
+def is_predictor_file(name: str) -> bool:
+    """Whether a --predictor value names a trained predictor file rather than a built-in predictor."""
+    return name.endswith(PREDICTOR_FILE_SUFFIX)
+
+
 def make_predictor(name: str) -> Predictor:
-    """Predictor by CLI name. Raises ValueError for an unknown name."""
+    """Predictor by CLI name; a trained file path (see is_predictor_file) is an early-exit predictor.
+    Raises ValueError for an unknown name."""
     if name == "logit-lens":
         return LogitLensPredictor()
+    if name == "early-exit" or is_predictor_file(name):
+        return EarlyExitPredictor()
     if name == "ngram":
         return NGramPredictor()
     if name == "hybrid":
         return HybridPredictor()
-    raise ValueError(f"--predictor {name!r} is not one of {', '.join(PREDICTORS)}")
+    raise ValueError(f"--predictor {name!r} is not one of {', '.join(PREDICTORS)} nor a trained predictor file "
+                     f"(*{PREDICTOR_FILE_SUFFIX})")

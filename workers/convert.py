@@ -19,7 +19,8 @@ class StageLoadSpec:
     """Everything one stage worker needs to load its weights and join the data plane.
 
     Ranks: the coordinator is rank 0 and stage i is rank i + 1 of `dist_world_size` = S + 1.
-    `exit_layer` -1 means no early-exit predictor on this stage.
+    `exit_layer` -1 means no early-exit predictor on this stage. `exit_predictor` holds the bytes of
+    a trained early-exit predictor file (pipeline/predictor_file.py) for the exit head, or b"".
     """
 
     model_dir: str
@@ -37,6 +38,7 @@ class StageLoadSpec:
     stage_timeout_s: float = 120.0
     exit_layer: int = -1
     predictor: str = ""
+    exit_predictor: bytes = b""  # trained early-exit predictor file bytes; empty = logit lens
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
@@ -72,7 +74,7 @@ def spec_to_proto(spec: StageLoadSpec) -> pb.LoadStageRequest:
         num_threads=spec.num_threads, dist_rank=spec.dist_rank, dist_world_size=spec.dist_world_size,
         dist_master_addr=spec.dist_master_addr, dist_master_port=spec.dist_master_port,
         dist_backend=spec.dist_backend, stage_timeout_s=spec.stage_timeout_s, exit_layer=spec.exit_layer,
-        predictor=spec.predictor,
+        predictor=spec.predictor, exit_predictor=spec.exit_predictor,
     )
 
 
@@ -84,7 +86,7 @@ def spec_from_proto(req: pb.LoadStageRequest) -> StageLoadSpec:
         max_num_seqs=req.max_num_seqs, max_model_len=req.max_model_len, num_threads=req.num_threads,
         dist_master_addr=req.dist_master_addr, dist_master_port=req.dist_master_port,
         dist_backend=req.dist_backend, stage_timeout_s=req.stage_timeout_s, exit_layer=req.exit_layer,
-        predictor=req.predictor,
+        predictor=req.predictor, exit_predictor=req.exit_predictor,
     )
     if (req.dist_rank, req.dist_world_size) != (spec.dist_rank, spec.dist_world_size):
         raise ValueError(f"dist rank/world {req.dist_rank}/{req.dist_world_size} disagree with stage "

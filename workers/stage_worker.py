@@ -28,7 +28,8 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.model import build_stage_model
-from pipeline.predictors import ExitHead, make_predictor
+from pipeline.predictor_file import load_predictor_bytes
+from pipeline.predictors import ExitHead, ExitMap, make_predictor
 from pipeline.stage_executor import StageExecutor
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
@@ -100,13 +101,24 @@ class StageServicer(pb_grpc.StageServiceServicer):
         return sorted(reader.read_names)
 
     def _load_exit_head(self, config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec) -> ExitHead:
-        """Copies of the final norm and LM head for the logit-lens exit head on this stage."""
+        """Copies of the final norm and LM head for the exit head on this stage, behind the trained
+        map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden size)."""
         norm_name = "model.norm.weight"
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         t = reader.read([norm_name, head_name], dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
+        exit_map = None
+        if spec.exit_predictor:
+            pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
+                                        where="exit predictor")
+            if pred.meta["model"]["hidden_size"] != config.hidden_size:
+                raise ValueError(f"exit predictor has hidden size {pred.meta['model']['hidden_size']}, the model "
+                                 f"{config.hidden_size}")
+            exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine"),
+                                            eps=config.rms_norm_eps).to(device=spec.device, dtype=TORCH_DTYPES[spec.dtype])
         with torch.device("meta"):
             head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
         head.load_state_dict({"norm.weight": t[norm_name], "lm_head.weight": t[head_name]}, assign=True)
+        head.exit_map = exit_map
         self.weights_bytes += sum(p.numel() * p.element_size() for p in head.parameters())
         return head.eval()
 

