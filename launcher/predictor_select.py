@@ -9,7 +9,7 @@ Rules (speculation on, predictor that needs an exit head):
   --exit-predictor PATH             the trained head in PATH, for early-exit or hybrid
   --predictor early-exit            the shipped head for this model and exit layer; error if none
   --predictor hybrid (default)      the shipped head when one exists, else the logit lens (with a note)
-  --predictor logit-lens            never a trained head
+  --predictor logit-lens            never a trained head (nor --exit-predictor none)
 Every file is checked against the running model (hash, shapes) and the exit layer.
 """
 
@@ -39,7 +39,7 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
     one line, naming the flag) for a bad, missing or mismatching file."""
     if exit_predictor is not None and predictor not in ("early-exit", "hybrid"):
         raise ValueError(f"--exit-predictor needs --predictor early-exit or hybrid, not {predictor!r}")
-    if predictor == "logit-lens":
+    if predictor == "logit-lens" or exit_predictor == "none":
         return ExitPredictorChoice(note="exit head: untrained logit lens")
     identity = model_identity(model_dir, config)
     path = Path(predictor) if is_predictor_file(predictor) else None

@@ -142,6 +142,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=128, help="tokens per training window (default 128)")
     p.add_argument("--steps", type=int, default=300, help="optimiser steps (default 300)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate, one-cycle schedule (default 3e-3)")
+    p.add_argument("--rank", type=int, default=0, help="rank of the affine map's change from the identity "
+                   "(0 = full; default 0)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay towards the identity "
+                   "(default 0)")
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     p.add_argument("--out", required=True, help="where to write the predictor (.safetensors)")
     p.add_argument("--cache-dir", help="model and hidden-state cache (default ~/.cache/speedpipe)")
@@ -170,7 +174,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir() or out.suffix != ".safetensors":
         raise ValueError(f"--out {out} must be a file path ending in .safetensors")
-    train_config = ExitTrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, seed=args.seed)
+    train_config = ExitTrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, seed=args.seed, rank=args.rank,
+                                   weight_decay=args.weight_decay)
     if args.firp_k < 1:
         raise ValueError(f"--firp-k must be >= 1, got {args.firp_k}")
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=not args.no_progress)
@@ -217,7 +222,7 @@ def train_early_exit(args: argparse.Namespace, data: TrainingSet, config,
     train_acc = top1_agreement(hidden=train_h, targets=train_t, exit_map=exit_map, **head)
     meta = {"eval": {"top1_agreement": round(trained, 4), "logit_lens_top1_agreement": round(lens, 4),
                      "train_top1_agreement": round(train_acc, 4), "eval_tokens": int(eval_t.numel())},
-            "steps": config.steps, "lr": config.lr}
+            "steps": config.steps, "lr": config.lr, "rank": config.rank, "weight_decay": config.weight_decay}
     line = (f"eval (held-out {args.corpus}, {eval_t.numel()} tokens): early-exit @ layer {layer} top-1 agreement "
             f"{trained:.1%} (logit lens {lens:.1%}; train {train_acc:.1%})")
     tensors = dict(exit_map.state_dict())

