@@ -186,7 +186,8 @@ class PipelineSession:
         m, lines = self.model, []
         for i, r in enumerate(m.ranges):
             extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
-                     (f"exit head after layer {m.exit_layer}", self._needs_exit_head and i == m.exit_stage))
+                     (f"{'trained ' if m.exit_predictor else ''}exit head after layer {m.exit_layer}",
+                      self._needs_exit_head and i == m.exit_stage))
                      if holds]
             lines.append(f"stage {i}: layers {r} ({len(r)})" + "".join(f" + {e}" for e in extra))
         return lines

@@ -74,7 +74,14 @@ class TrainingSet:
 
 
 def _cache_key(spec: DataSpec, model_hash: str, split: str, num_tokens: int) -> str:
-    corpus = spec.corpus if spec.corpus == "sotu" else str(Path(spec.corpus).resolve())
+    """Cache key: model hash, corpus (for a path: every file's name, size and mtime), split, sizes."""
+    corpus: object = spec.corpus
+    if spec.corpus != "sotu":
+        root = Path(spec.corpus).expanduser().resolve()
+        if not root.exists():
+            raise FileNotFoundError(f"--corpus {spec.corpus}: no such file or folder")
+        files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
+        corpus = [str(root)] + [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     text = json.dumps([DATA_CACHE_VERSION, model_hash, corpus, split, num_tokens, spec.window])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
