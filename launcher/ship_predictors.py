@@ -1,6 +1,7 @@
 """Produce the trained early-exit heads that ship with speedpipe, and the must-show eval report.
 
     nice -n 5 python -m launcher.ship_predictors [--model smollm2-135m] [--stages 2,3,4] [--eval-layers 10,15,20]
+        [--report PATH] [any `speedpipe train-predictor` flag, e.g. --tokens 24576]
 
 For each --stages value it finds the exit layer `launch --speculate speed` uses by default (the last
 layer of stage 0 of the default split) and trains a head there with `speedpipe train-predictor`
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--stages", default="2,3,4", help="pipeline depths whose default exit layer gets a shipped head")
     p.add_argument("--eval-layers", default="10,15,20", help="extra layers trained only for the eval report")
+    p.add_argument("--report", default=str(REPORT), help=f"eval report path (default {REPORT})")
     args, extra = p.parse_known_args(argv)
     model_dir = resolve_model(args.model, progress=False)
     identity = model_identity(model_dir)
@@ -52,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             meta = _train(args.model, layer, out, extra)
             report["layers"][str(layer)] = {**meta["eval"], "train_tokens": meta["train_tokens"], "arch": meta["arch"],
                                             "shipped_for_stages": ship.get(layer)}
-            REPORT.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"[speedpipe] eval report written to {REPORT}", file=sys.stderr)
+            Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[speedpipe] eval report written to {args.report}", file=sys.stderr)
     return 0
 
 

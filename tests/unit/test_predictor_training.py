@@ -18,6 +18,15 @@ from tests.tiny_model import write_tiny_model
 EXIT_LAYER = 1
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls: intra-op threads only add synchronisation (and stall on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_train")
