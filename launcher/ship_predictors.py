@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                                     progress=False)).exit_layer: int(s) for s in args.stages.split(",")}
     report = {"model": identity.to_dict(), "settings": " ".join(extra) or "defaults", "layers": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for layer in sorted(set(ship) | {int(x) for x in args.eval_layers.split(",")}):
+        eval_only = {int(x) for x in args.eval_layers.split(",")} - set(ship)
+        for layer in sorted(ship) + sorted(eval_only):  # shipped heads first
             out = (SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
                    if layer in ship else Path(tmp) / f"L{layer}.safetensors")
             meta = _train(args.model, layer, out, extra)

@@ -147,7 +147,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=24576, help="training tokens (default 24576)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out evaluation tokens (default 2048)")
     p.add_argument("--window", type=int, default=128, help="tokens per training window (default 128)")
-    p.add_argument("--steps", type=int, default=300, help="optimiser steps (default 300)")
+    p.add_argument("--steps", type=int, default=1000, help="optimiser steps (default 1000)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate, one-cycle schedule (default 3e-3)")
     p.add_argument("--rank", type=int, default=0, help="rank of the affine map's change from the identity "
                    "(0 = full; default 0)")

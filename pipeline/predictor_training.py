@@ -32,7 +32,7 @@ class ExitTrainConfig:
     (fewer parameters, less over-fitting on small corpora; the file still stores the full matrix)."""
 
     arch: str = "affine"
-    steps: int = 300
+    steps: int = 1000
     batch_size: int = 256
     lr: float = 3e-3
     weight_decay: float = 0.0
