@@ -19,7 +19,13 @@ import dataclasses
 from pathlib import Path
 
 from pipeline.config import ModelConfig
-from pipeline.predictor_file import load_predictor, model_identity, shipped_predictor
+from pipeline.predictor_file import (
+    load_predictor,
+    model_identity,
+    model_name,
+    shipped_predictor,
+    ships_predictors_for,
+)
 from pipeline.predictors import is_predictor_file
 
 
@@ -41,17 +47,21 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
         raise ValueError(f"--exit-predictor needs --predictor early-exit or hybrid, not {predictor!r}")
     if predictor == "logit-lens" or exit_predictor == "none":
         return ExitPredictorChoice(note="exit head: untrained logit lens")
-    identity = model_identity(model_dir, config)
     path = Path(predictor) if is_predictor_file(predictor) else None
     path = Path(exit_predictor) if exit_predictor is not None else path
-    if path is None:
-        path = shipped_predictor(identity, kind="early-exit", exit_layer=exit_layer)
+    name = model_name(model_dir)
+    if path is not None:
+        identity = model_identity(model_dir, config)
+    else:
+        # Hash the model only when some head ships for its name (hashing a large HF folder costs seconds).
+        identity = model_identity(model_dir, config) if ships_predictors_for(name) else None
+        path = shipped_predictor(identity, kind="early-exit", exit_layer=exit_layer) if identity else None
         if path is None:
             if predictor == "early-exit":
-                raise ValueError(f"--predictor early-exit: no trained head ships for model {identity.name!r} at exit "
+                raise ValueError(f"--predictor early-exit: no trained head ships for model {name!r} at exit "
                                  f"layer {exit_layer}; train one with `speedpipe train-predictor --exit-layer "
                                  f"{exit_layer} --out FILE.safetensors` and pass --predictor FILE.safetensors")
-            return ExitPredictorChoice(note=f"no trained early-exit head for {identity.name} at exit layer {exit_layer}; "
+            return ExitPredictorChoice(note=f"no trained early-exit head for {name} at exit layer {exit_layer}; "
                                             f"{predictor} uses the untrained logit lens")
     pred = load_predictor(path, expect=identity, exit_layer=exit_layer, kind="early-exit")
     agreement = pred.meta.get("eval", {}).get("top1_agreement")

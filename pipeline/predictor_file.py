@@ -67,19 +67,28 @@ class ModelIdentity:
         return dataclasses.asdict(self)
 
 
+def model_name(model_dir: str | Path) -> str:
+    """The model's name in a ModelIdentity (cheap): a converted GGUF's cache folder name without its
+    hash suffix (`smollm2-135m`), else the folder name."""
+    model_dir = Path(model_dir)
+    if (model_dir / SOURCE_FILE).is_file() and "-" in model_dir.name:
+        return model_dir.name.rsplit("-", 1)[0]
+    return model_dir.name
+
+
 def model_identity(model_dir: str | Path, config: ModelConfig | None = None) -> ModelIdentity:
     """Identity of the model in `model_dir` (see ModelIdentity.hash for what is read)."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_model_dir(model_dir)
     source = model_dir / SOURCE_FILE
+    name = model_name(model_dir)
     if source.is_file():
         digest = json.loads(source.read_text())["sha256"]
-        name = model_dir.name.rsplit("-", 1)[0] if "-" in model_dir.name else model_dir.name
     else:
         h = hashlib.sha256((model_dir / "config.json").read_bytes())
         for path in sorted(model_dir.glob("*.safetensors")):
             h.update(file_sha256(path).encode())
-        digest, name = h.hexdigest(), model_dir.name
+        digest = h.hexdigest()
     return ModelIdentity(name=name, hash=digest, hidden_size=config.hidden_size,
                          num_layers=config.num_hidden_layers, vocab_size=config.vocab_size)
 
@@ -241,6 +250,11 @@ def shipped_predictor_name(identity: ModelIdentity, *, kind: str, exit_layer: in
     """File name of a predictor shipped with the project: `<model>-<hash12>-<kind>-L<layer>[-k<k>].safetensors`."""
     suffix = f"-k{k}" if k is not None else ""
     return f"{identity.name}-{identity.hash[:12]}-{kind}-L{exit_layer}{suffix}.safetensors"
+
+
+def ships_predictors_for(name: str, *, folder: Path = SHIPPED_DIR) -> bool:
+    """Whether any predictor ships for a model of this name (lets callers skip hashing a model)."""
+    return any(folder.glob(f"{name}-*.safetensors"))
 
 
 def shipped_predictor(identity: ModelIdentity, *, kind: str, exit_layer: int, k: int | None = None,
