@@ -45,7 +45,7 @@ class ExitMap(nn.Module):
     """Trained map on the exit hidden state, applied before the frozen final norm + LM head.
 
     arch "affine": y = W x + b, W: [H, H] (initialised at the identity, so an untrained map is the
-    logit lens). arch "mlp": the affine map plus a residual SwiGLU-free MLP on the RMS-normalised
+    logit lens). arch "mlp": the affine map plus a residual one-hidden-layer SiLU MLP on the RMS-normalised
     input, y = W x + b + down(silu(up(x / rms(x)))), up: [M, H], down: [H, M] (down initialised at
     zero). forward(x: [num_rows, H]) -> [num_rows, H] in x's dtype.
     Parameter names are the predictor file's tensor names (pipeline/predictor_file.py).
