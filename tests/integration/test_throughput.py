@@ -129,7 +129,7 @@ def test_simulate_runs_calibrated_on_the_bench_output(bench_out: Path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["bench", "--speculate", "none,firp"], "firp not supported by this pipeline"),
+    (["bench", "--speculate", "none,medusa"], "medusa not supported by this pipeline"),
     (["bench", "--stages", "0,2"], "--stages"),
     (["bench", "--concurrency", "two"], "--concurrency"),
     (["bench", "--repeats", "0"], "--repeats"),
