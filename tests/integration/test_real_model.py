@@ -45,6 +45,14 @@ PROMPTS = (
 RUNS = {"1-stage-one-at-a-time": (1, False), "2-stage": (2, True), "3-stage": (3, True), "5-stage": (5, True)}
 
 
+
+def speculation_options(stages: int, smollm2_dir: Path, cache: Path, speculate: str, *,
+                        num_prompts: int) -> PipelineOptions:
+    """Options of a real-model session for the speculation exactness tests (hybrid predictor,
+    shipped trained heads), with one KV slot per prompt."""
+    return PipelineOptions(num_stages=stages, model=str(smollm2_dir), cache_dir=str(cache), progress=False,
+                           max_model_len=256, max_num_seqs=num_prompts, speculate=speculate, predictor="hybrid")
+
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """References run on one thread: on a shared 2-core machine torch's spinning intra-op threads

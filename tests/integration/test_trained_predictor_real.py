@@ -20,7 +20,7 @@ from launcher.session import PipelineOptions, PipelineSession, resolve
 from pipeline.predictors import make_predictor
 from pipeline.sampling import SamplingParams
 from tests.adversarial_predictors import SwitchablePredictor
-from tests.integration.test_real_model import PROMPTS
+from tests.integration.test_real_model import PROMPTS, speculation_options
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -30,8 +30,7 @@ RESULT_TIMEOUT_S = 300.0
 
 
 def _options(stages: int, smollm2_dir: Path, cache: Path, speculate: str) -> PipelineOptions:
-    return PipelineOptions(num_stages=stages, model=str(smollm2_dir), cache_dir=str(cache), progress=False,
-                           max_model_len=256, max_num_seqs=len(CHOSEN), speculate=speculate, predictor="hybrid")
+    return speculation_options(stages, smollm2_dir, cache, speculate, num_prompts=len(CHOSEN))
 
 
 @pytest.fixture(scope="module", params=(2, 3), ids=["2-stage", "3-stage"])
