@@ -20,9 +20,11 @@ from pathlib import Path
 
 from pipeline.config import ModelConfig
 from pipeline.predictor_file import (
+    SHIPPED_DIR,
     load_predictor,
     model_identity,
     model_name,
+    read_predictor_meta,
     shipped_predictor,
     ships_predictors_for,
 )
@@ -68,3 +70,22 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
     measured = f" (held-out top-1 agreement {agreement:.0%})" if isinstance(agreement, float) else ""
     return ExitPredictorChoice(file_bytes=path.read_bytes(), source=str(path),
                                note=f"exit head: trained early-exit {path.name}{measured}")
+
+
+def exit_head_rows(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
+                   exit_layer: int, folder: Path = SHIPPED_DIR) -> int:
+    """How many LM-head rows the exit head at `exit_layer` scores under the rules above: the trained
+    file's draft vocabulary size (pipeline/predictors.py [Note: draft vocabulary]), else the model's
+    vocabulary. Reads file headers only and never raises: choose_exit_predictor reports bad files."""
+    full = config.vocab_size
+    if predictor == "logit-lens" or exit_predictor == "none":
+        return full
+    path = Path(exit_predictor) if exit_predictor else (Path(predictor) if is_predictor_file(predictor) else None)
+    if path is None:  # the shipped head, found by name only (hashing the model here would cost seconds)
+        found = sorted(folder.glob(f"{model_name(model_dir)}-*-early-exit-L{exit_layer}.safetensors"))
+        path = found[0] if found else None
+    try:
+        meta = read_predictor_meta(path) if path is not None else {}
+    except (OSError, ValueError):
+        return full
+    return int(meta.get("draft_vocab_size", full))

@@ -18,7 +18,7 @@ import torch
 from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
 from launcher.local_backend import LocalLaunchConfig, LocalStageBackend, LocalStageProcesses
 from launcher.placement import PlacementOptions, StageBackend, node_stages
-from launcher.predictor_select import choose_exit_predictor
+from launcher.predictor_select import choose_exit_predictor, exit_head_rows
 from pipeline.config import ModelConfig
 from pipeline.draft_gate import DraftGate
 from pipeline.models import DEFAULT_MODEL, resolve_model
@@ -177,18 +177,46 @@ class ResolvedModel:
         return next(i for i, r in enumerate(self.ranges) if self.exit_layer in r)
 
 
-def stage_extra_cost(options: PipelineOptions, config: ModelConfig) -> list[float]:
-    """Per-stage cost beyond its decoder layers, in layer units: the LM head on the last stage, and a
-    logit-lens exit head on stage 0 when speculation uses one there ([Note: partition cost])."""
+def stage_extra_cost(options: PipelineOptions, config: ModelConfig, *, exit_rows: int | None = None) -> list[float]:
+    """Per-stage cost beyond its decoder layers, in layer units: the LM head on the last stage, and an
+    exit head on stage 0 when speculation uses one there ([Note: partition cost]). exit_rows: the
+    LM-head rows the exit head scores (a trained head's draft vocabulary; default the whole vocabulary)."""
     h, d = config.hidden_size, config.head_dim
     layer_params = (h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
                     + 3 * h * config.intermediate_size)
     head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=h, layer_params=layer_params)
     extra = [0.0] * options.num_stages
     extra[-1] += head
-    if options.uses_speed and options.exit_layer is None and make_predictor(options.predictor).needs_exit_head:
-        extra[0] += head
+    if _stage0_exit_head(options):
+        extra[0] += head * (exit_rows or config.vocab_size) / config.vocab_size
     return extra
+
+
+def _stage0_exit_head(options: PipelineOptions) -> bool:
+    return options.uses_speed and options.exit_layer is None and make_predictor(options.predictor).needs_exit_head
+
+
+def default_split(options: PipelineOptions, config: ModelConfig, model_dir: Path) -> list[LayerRange]:
+    """The balanced split, costing the exit head by the draft vocabulary of the head it will run.
+
+    The exit layer (last layer of stage 0) picks the head and the head's cost moves the split, so
+    this looks for a fixed point: split, find the head at that split's exit layer, re-split with its
+    cost; without one in three rounds, the whole-vocabulary split (pipeline/partition.py)."""
+    def split(rows: int) -> list[LayerRange]:
+        return balanced_split(config.num_hidden_layers, options.num_stages,
+                              extra_cost=stage_extra_cost(options, config, exit_rows=rows))
+
+    rows = config.vocab_size
+    ranges = split(rows)
+    if not _stage0_exit_head(options):
+        return ranges
+    for _ in range(3):
+        found = exit_head_rows(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                               model_dir=model_dir, config=config, exit_layer=ranges[0].stop - 1)
+        if found == rows:
+            return ranges
+        rows, ranges = found, split(found)
+    return split(config.vocab_size)
 
 
 def resolve(options: PipelineOptions) -> ResolvedModel:
@@ -201,7 +229,7 @@ def resolve(options: PipelineOptions) -> ResolvedModel:
             raise ValueError(f"--layer-split {options.layer_split} has {len(ranges)} stages, but --stages is "
                              f"{options.num_stages}")
     else:
-        ranges = balanced_split(config.num_hidden_layers, options.num_stages, extra_cost=stage_extra_cost(options, config))
+        ranges = default_split(options, config, model_dir)
     reader = CheckpointReader(model_dir)
     for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
         reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))

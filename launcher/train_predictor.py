@@ -38,6 +38,7 @@ from pipeline.weights import FINAL_NORM, CheckpointReader, head_tensor_name
 log = logging.getLogger("speedpipe.train")
 
 DATA_CACHE_VERSION = "1"
+DEFAULT_DRAFT_VOCAB = 4096  # draft vocabulary cap; pipeline/predictors.py [Note: draft vocabulary]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,6 +154,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "(0 = full; default 0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay towards the identity "
                    "(default 0)")
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
+                   help="early-exit: draft only the N most frequent argmax tokens of the training data, which cuts "
+                        f"the exit head's LM-head work (0 = full vocabulary; default {DEFAULT_DRAFT_VOCAB})")
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     p.add_argument("--out", required=True, help="where to write the predictor (.safetensors)")
     p.add_argument("--cache-dir", help="model and hidden-state cache (default ~/.cache/speedpipe)")
@@ -183,6 +187,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out} must be a file path ending in .safetensors")
     train_config = ExitTrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, seed=args.seed, rank=args.rank,
                                    weight_decay=args.weight_decay)
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
     if args.firp_k < 1:
         raise ValueError(f"--firp-k must be >= 1, got {args.firp_k}")
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=not args.no_progress)
@@ -209,7 +215,7 @@ def train_early_exit(args: argparse.Namespace, data: TrainingSet, config,
     """Train and evaluate an early-exit map at args.exit_layer. Returns (tensors, metadata, eval line)."""
     from tqdm import tqdm
 
-    from pipeline.predictor_training import top1_agreement, train_exit_map
+    from pipeline.predictor_training import draft_vocabulary, top1_agreement, train_exit_map
 
     layer = args.exit_layer
     head = dict(norm_weight=data.norm_weight, lm_head_weight=data.lm_head_weight, eps=data.rms_norm_eps)
@@ -224,14 +230,22 @@ def train_early_exit(args: argparse.Namespace, data: TrainingSet, config,
                 bar.set_postfix(loss=f"{loss:.3f}")
 
         exit_map = train_exit_map(hidden=train_h, targets=train_t, config=config, on_step=on_step, **head)
+    vocab = draft_vocabulary(train_t, max_size=args.draft_vocab) if args.draft_vocab else None
     trained = top1_agreement(hidden=eval_h, targets=eval_t, exit_map=exit_map, **head)
+    drafted = top1_agreement(hidden=eval_h, targets=eval_t, exit_map=exit_map, vocab_ids=vocab, **head)
     lens = top1_agreement(hidden=eval_h, targets=eval_t, **head)
     sample = slice(0, eval_t.numel())  # train-set agreement on as many rows as the eval (over-fitting check)
     train_acc = top1_agreement(hidden=train_h[sample], targets=train_t[sample], exit_map=exit_map, **head)
     meta = {"eval": {"top1_agreement": round(trained, 4), "logit_lens_top1_agreement": round(lens, 4),
                      "train_top1_agreement": round(train_acc, 4), "eval_tokens": int(eval_t.numel())},
             "steps": config.steps, "lr": config.lr, "rank": config.rank, "weight_decay": config.weight_decay}
-    line = (f"eval (held-out {args.corpus}, {eval_t.numel()} tokens): early-exit @ layer {layer} top-1 agreement "
-            f"{trained:.1%} (logit lens {lens:.1%}; train {train_acc:.1%})")
     tensors = dict(exit_map.state_dict())
+    vocab_note = ""
+    if vocab is not None:
+        tensors["draft_vocab"] = vocab
+        meta["draft_vocab_size"] = int(vocab.numel())
+        meta["eval"]["draft_vocab_top1_agreement"] = round(drafted, 4)
+        vocab_note = f"; {drafted:.1%} over its {vocab.numel()}-token draft vocabulary"
+    line = (f"eval (held-out {args.corpus}, {eval_t.numel()} tokens): early-exit @ layer {layer} top-1 agreement "
+            f"{trained:.1%}{vocab_note} (logit lens {lens:.1%}; train {train_acc:.1%})")
     return tensors, meta, line

@@ -15,7 +15,9 @@ value is a JSON object:
      "eval": {"top1_agreement" | "accepted_per_pass": float, "eval_tokens": int, ...}}
 
 Tensor names: early-exit "proj.weight" [H, H], "proj.bias" [H] (arch "mlp" adds "mlp.up.weight"
-[M, H], "mlp.up.bias" [M], "mlp.down.weight" [H, M], "mlp.down.bias" [H]); firp
+[M, H], "mlp.up.bias" [M], "mlp.down.weight" [H, M], "mlp.down.bias" [H]; optional
+"draft_vocab" [V'] int64, the draft vocabulary of pipeline/predictors.py [Note: draft vocabulary],
+with "draft_vocab_size": V' in the metadata); firp
 "maps.{i}.weight" [H, H], "maps.{i}.bias" [H] for i = 1 .. k.
 The same bytes travel to a stage worker inside LoadStageRequest, so `load_predictor_bytes` is the
 one parser on both sides.
@@ -95,7 +97,8 @@ def model_identity(model_dir: str | Path, config: ModelConfig | None = None) -> 
 
 @dataclasses.dataclass(frozen=True)
 class PredictorFile:
-    """A loaded predictor: its tensors (float32, CPU) and its metadata dict (see module docstring)."""
+    """A loaded predictor: its tensors (float32, CPU; "draft_vocab" int64) and its metadata dict (see
+    module docstring)."""
 
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
@@ -107,6 +110,11 @@ class PredictorFile:
     @property
     def exit_layer(self) -> int:
         return int(self.meta["exit_layer"])
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """[V'] int64 token ids an early-exit head may draft, or None (the whole vocabulary)."""
+        return self.tensors.get("draft_vocab")
 
 
 def _check_meta(meta: dict[str, Any]) -> None:
@@ -134,7 +142,8 @@ def predictor_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
     """
     meta = {"format": FORMAT, **meta}
     _check_meta(meta)
-    data = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
+    data = {name: t.detach().to("cpu", dtype if t.is_floating_point() else torch.int64).contiguous()
+            for name, t in tensors.items()}
     return st_save(data, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
 
@@ -185,7 +194,7 @@ def load_predictor_bytes(data: bytes, *, expect: ModelIdentity | None = None, ex
     except Exception as exc:  # noqa: BLE001
         raise PredictorFileError(f"{where} is not a safetensors file ({exc})") from None
     meta = _meta_from_header(raw_meta, where)
-    pred = PredictorFile({n: t.float() for n, t in tensors.items()}, meta)
+    pred = PredictorFile({n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}, meta)
     check_predictor(pred, expect=expect, exit_layer=exit_layer, kind=kind, where=where)
     return pred
 
@@ -235,6 +244,12 @@ def _check_shapes(pred: PredictorFile, where: str) -> None:
         expected = {}
         for i in range(1, pred.meta["k"] + 1):
             expected |= {f"maps.{i}.weight": (h, h), f"maps.{i}.bias": (h,)}
+    vocab = pred.tensors.get("draft_vocab")
+    if vocab is not None:
+        v = pred.meta["model"]["vocab_size"]
+        if (vocab.dim() != 1 or vocab.is_floating_point() or vocab.numel() == 0 or int(vocab.min()) < 0
+                or int(vocab.max()) >= v or vocab.unique().numel() != vocab.numel()):
+            raise PredictorFileError(f"{where}: tensor 'draft_vocab' must hold distinct token ids in [0, {v})")
     for name, shape in expected.items():
         if name not in pred.tensors:
             raise PredictorFileError(f"{where} has no tensor {name!r}")

@@ -110,18 +110,37 @@ def train_exit_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: 
     return exit_map.eval().requires_grad_(False)
 
 
+def draft_vocabulary(targets: torch.Tensor, *, max_size: int) -> torch.Tensor:
+    """The draft vocabulary of a trained head: the distinct `targets` (base-model argmax tokens of
+    the training data, any shape, int64), most frequent first (ties: lower id first), at most
+    `max_size` of them. Returns [V'] int64. See pipeline/predictors.py [Note: draft vocabulary].
+    Raises ValueError when max_size < 1 or there are no targets."""
+    if max_size < 1:
+        raise ValueError(f"--draft-vocab must be >= 1, got {max_size}")
+    if targets.numel() == 0:
+        raise ValueError("no training targets to build a draft vocabulary from")
+    ids, counts = torch.unique(targets.reshape(-1), return_counts=True)  # ids ascending
+    order = torch.argsort(counts, descending=True, stable=True)
+    return ids[order[:max_size]].to(torch.int64)
+
+
 @torch.no_grad()
 def top1_agreement(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: torch.Tensor,
                    lm_head_weight: torch.Tensor, eps: float, exit_map: ExitMap | None = None,
-                   chunk_rows: int = 1024) -> float:
-    """Share of rows whose full-vocabulary argmax of lm_head(norm([map](h))) equals `targets`.
+                   vocab_ids: torch.Tensor | None = None, chunk_rows: int = 1024) -> float:
+    """Share of rows whose argmax of lm_head(norm([map](h))) equals `targets`.
 
-    hidden: [num_rows, H]; targets: [num_rows]. Without `exit_map` this is the logit lens."""
+    hidden: [num_rows, H]; targets: [num_rows]. Without `exit_map` this is the logit lens. The
+    argmax is over the full vocabulary, or over `vocab_ids` ([V'] int64, a draft vocabulary) when
+    given, as the exit stage computes it."""
+    head = lm_head_weight if vocab_ids is None else lm_head_weight[vocab_ids]
     hits = 0
     for lo in range(0, hidden.shape[0], chunk_rows):
         x = hidden[lo:lo + chunk_rows].float()
         if exit_map is not None:
             x = exit_map(x)
-        pred = (_rms(x, eps) * norm_weight) @ lm_head_weight.T
-        hits += int((pred.argmax(-1) == targets[lo:lo + chunk_rows]).sum())
+        pred = ((_rms(x, eps) * norm_weight) @ head.T).argmax(-1)
+        if vocab_ids is not None:
+            pred = vocab_ids[pred]
+        hits += int((pred == targets[lo:lo + chunk_rows]).sum())
     return hits / max(1, hidden.shape[0])

@@ -111,11 +111,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     def _load_exit_head(self, config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec) -> ExitHead:
         """Copies of the final norm and LM head for the exit head on this stage, behind the trained
-        map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden size)."""
+        map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden size),
+        restricted to the file's draft vocabulary when it has one."""
         norm_name = "model.norm.weight"
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         t = reader.read([norm_name, head_name], dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        exit_map = None
+        exit_map, vocab = None, None
         if spec.exit_predictor:
             pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
                                         where="exit predictor")
@@ -124,10 +125,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                  f"{config.hidden_size}")
             exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine"),
                                             eps=config.rms_norm_eps).to(device=spec.device, dtype=TORCH_DTYPES[spec.dtype])
+            vocab = pred.draft_vocab
         with torch.device("meta"):
             head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
         head.load_state_dict({"norm.weight": t[norm_name], "lm_head.weight": t[head_name]}, assign=True)
         head.exit_map = exit_map
+        if vocab is not None:  # [Note: draft vocabulary] in pipeline/predictors.py
+            head.restrict_vocab(vocab)
         self.weights_bytes += sum(p.numel() * p.element_size() for p in head.parameters())
         return head.eval()
 

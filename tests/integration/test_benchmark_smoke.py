@@ -1,4 +1,5 @@
-"""Smoke test of tests/benchmarks/core_speed.py: `--quick` runs end to end and writes a sound JSON report.
+"""Smoke tests of tests/benchmarks/core_speed.py and row_cost.py: `--quick` runs end to end and reports
+sound numbers.
 
 Checks the report's shape and that every measured number is positive; it asserts no speed ratio
 (ratios on a shared CI machine are for the benchmark's reader, not for a pass/fail test).
@@ -47,3 +48,17 @@ def test_core_speed_quick_writes_report_with_positive_numbers(tmp_path: Path, sm
         assert ratio["value"] > 0 and ratio["target"] > 0 and isinstance(ratio["pass"], bool), f"{name}: {ratio}"
     for name in RATIO_KEYS:  # the table on stdout names every ratio
         assert name in proc.stdout, f"ratio {name} missing from the printed table:\n{proc.stdout}"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_row_cost_quick_prints_every_shape(smollm2_dir: Path, smollm2_cache: Path) -> None:
+    env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))
+    proc = subprocess.run([sys.executable, "tests/benchmarks/row_cost.py", "--quick"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("real rows")]
+    assert len(lines) == 9 and lines[0].endswith("1.00x one row"), proc.stdout
+    bad = subprocess.run([sys.executable, "tests/benchmarks/row_cost.py", "--quick", "--firp-layer", "99"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 2 and "--firp-layer 99" in bad.stderr

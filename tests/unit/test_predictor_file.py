@@ -100,3 +100,15 @@ def test_model_identity_changes_with_the_weights(tmp_path):
     c = model_identity(write_tiny_model(tmp_path / "c", seed=1))
     assert a.hash == b.hash and a.hidden_size == tiny_config().hidden_size
     assert c.hash != a.hash
+
+
+def test_draft_vocab_round_trips_as_int64_and_bad_ids_are_refused(tmp_path):
+    tensors, meta = _early_exit()
+    vocab = torch.tensor([7, 3, 255, 0])
+    data = predictor_bytes(tensors | {"draft_vocab": vocab}, meta | {"draft_vocab_size": 4})
+    pred = load_predictor_bytes(data, expect=_identity())
+    assert pred.draft_vocab.dtype == torch.int64 and pred.draft_vocab.tolist() == vocab.tolist()
+    assert load_predictor_bytes(predictor_bytes(tensors, meta)).draft_vocab is None
+    for bad in (torch.tensor([1, 256]), torch.tensor([2, 2]), torch.tensor([-1])):
+        with pytest.raises(PredictorFileError, match="draft_vocab"):
+            load_predictor_bytes(predictor_bytes(tensors | {"draft_vocab": bad}, meta))

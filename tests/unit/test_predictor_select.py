@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launcher.cli import main
-from launcher.predictor_select import choose_exit_predictor
+from launcher.predictor_select import choose_exit_predictor, exit_head_rows
 from pipeline.config import ModelConfig
 from pipeline.partition import LayerRange
 from pipeline.predictor_file import load_predictor_bytes, model_identity, save_predictor
@@ -77,3 +77,25 @@ def test_launch_refuses_bad_predictor_before_spawning(tiny, capsys, flags, messa
     assert rc == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_exit_head_rows_reads_the_draft_vocabulary_of_the_head_it_would_use(tiny, tmp_path):
+    model_dir, config, path = tiny
+    h = config.hidden_size
+    meta = {"kind": "early-exit", "model": model_identity(model_dir).to_dict(), "exit_layer": 2, "arch": "affine",
+            "corpus": "synthetic", "train_tokens": 1, "eval": {"top1_agreement": 0.5, "eval_tokens": 1},
+            "draft_vocab_size": 5}
+    tensors = {"proj.weight": torch.eye(h), "proj.bias": torch.zeros(h), "draft_vocab": torch.arange(5)}
+    shipped = tmp_path / "shipped"
+    save_predictor(shipped / f"{model_dir.name}-abc-early-exit-L2.safetensors", tensors, meta)
+    explicit = save_predictor(tmp_path / "mine.safetensors", tensors, meta)
+
+    def rows(predictor, exit_predictor=None, layer=2):
+        return exit_head_rows(predictor=predictor, exit_predictor=exit_predictor, model_dir=model_dir, config=config,
+                              exit_layer=layer, folder=shipped)
+
+    assert rows("hybrid") == rows("early-exit") == rows(str(explicit)) == rows("hybrid", str(explicit), 1) == 5
+    assert rows("hybrid", layer=1) == config.vocab_size  # no head ships at layer 1
+    assert rows("logit-lens") == rows("hybrid", "none") == config.vocab_size
+    assert rows(str(path), layer=1) == config.vocab_size  # a trained head without a draft vocabulary
+    assert rows(str(tmp_path / "missing.safetensors")) == config.vocab_size  # reported later by choose_*

@@ -11,7 +11,7 @@ import torch
 from launcher.cli import main
 from launcher.train_predictor import DataSpec, prepare_data
 from pipeline.predictor_file import load_predictor, model_identity
-from pipeline.predictor_training import ExitTrainConfig, top1_agreement, train_exit_map
+from pipeline.predictor_training import ExitTrainConfig, draft_vocabulary, top1_agreement, train_exit_map
 from pipeline.predictors import ExitHead, ExitMap
 from tests.tiny_model import write_tiny_model
 
@@ -59,10 +59,45 @@ def test_cli_writes_a_file_the_exit_head_uses(tiny, tmp_path, capsys):
     assert "top-1 agreement" in capsys.readouterr().out
     pred = load_predictor(out, expect=model_identity(model_dir), exit_layer=EXIT_LAYER, kind="early-exit")
     assert pred.meta["train_tokens"] == 1024 and pred.meta["eval"]["eval_tokens"] == 256
-    exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta["arch"])
+    vocab = pred.draft_vocab  # the training targets, most frequent first
+    assert pred.meta["draft_vocab_size"] == vocab.numel() and 0 < vocab.numel() < 256
+    assert "draft_vocab_top1_agreement" in pred.meta["eval"]
+    exit_map = ExitMap.from_tensors({n: t for n, t in pred.tensors.items() if n != "draft_vocab"}, arch=pred.meta["arch"])
     head = ExitHead(exit_map.proj.in_features, 256, 1e-5, exit_map=exit_map)
     tokens, probs = head(torch.randn(3, exit_map.proj.in_features))
     assert tokens.shape == (3,) and bool((probs > 0).all())
+
+
+def test_draft_vocabulary_is_the_most_frequent_targets():
+    targets = torch.tensor([[5, 9, 9, 2], [9, 5, 7, 7]])
+    assert draft_vocabulary(targets, max_size=10).tolist() == [9, 5, 7, 2]  # ties: lower id first
+    assert draft_vocabulary(targets, max_size=2).tolist() == [9, 5]
+    with pytest.raises(ValueError, match="--draft-vocab"):
+        draft_vocabulary(targets, max_size=0)
+
+
+def test_restricted_exit_head_is_the_argmax_over_its_vocabulary_and_agreement_matches():
+    torch.manual_seed(0)
+    h, v = 8, 40
+    head = ExitHead(h, v, 1e-5)
+    with torch.no_grad():
+        head.lm_head.weight.normal_()
+    hidden = torch.randn(64, h)
+    vocab = torch.tensor([3, 17, 0, 25, 9, 31])
+    full_logits = head.lm_head(head.norm(hidden))
+    want = vocab[full_logits[:, vocab].argmax(-1)]
+    head.restrict_vocab(vocab)
+    tokens, probs = head(hidden)
+    assert tokens.tolist() == want.tolist() and head.lm_head.weight.shape == (6, h)
+    assert bool((probs >= 1 / 6).all())  # softmax over 6 rows: the top one has at least 1/6
+    weight = torch.zeros(v, h)  # rows outside the vocabulary are never read
+    weight[vocab] = head.lm_head.weight.detach()
+    agree = top1_agreement(hidden=hidden, targets=want, norm_weight=head.norm.weight.detach(), lm_head_weight=weight,
+                           eps=1e-5, vocab_ids=vocab)
+    assert agree == 1.0
+    for bad in (torch.tensor([]), torch.tensor([40]), torch.tensor([1, 1])):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            ExitHead(h, v, 1e-5).restrict_vocab(bad)
 
 
 @pytest.mark.parametrize(("extra", "message"), [
