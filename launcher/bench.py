@@ -13,21 +13,18 @@ Must not: hold pipeline logic or metric definitions (pipeline/metrics.py, pipeli
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import dataclasses
 import importlib.util
 import itertools
 import json
-import os
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from launcher.driver_protocol import DriverProcess
 from launcher.session import SPECULATE_MODES, PipelineOptions, resolve
 from pipeline.models import DEFAULT_MODEL
 from pipeline.predictors import PREDICTORS
@@ -146,47 +143,9 @@ def read_bench_prompts(spec: str) -> list[str]:
     return prompts
 
 
-class Driver:
-    """Parent side of one launcher/bench_driver.py process. Raises RuntimeError if it fails or hangs."""
-
-    def __init__(self, options: dict) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.bench_driver", json.dumps(options)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def reply(self, timeout_s: float) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RuntimeError(f"bench driver gave no reply within {timeout_s:g} s") from None
-        if line is None:
-            raise RuntimeError(f"bench driver exited with code {self.proc.wait()} (its error is above)")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"bench driver: {reply['error']}")
-        return reply
-
-    def run(self, request: dict) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return self.reply(RUN_TIMEOUT_S)
-
-    def close(self) -> None:
-        """EOF on stdin stops the session; kill the driver if it does not exit."""
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def start_driver(options: dict) -> DriverProcess:
+    """Start one launcher/bench_driver.py process holding a session with `options` (PipelineOptions)."""
+    return DriverProcess([sys.executable, "-m", "launcher.bench_driver", json.dumps(options)], name="bench driver")
 
 
 def spread(values: Sequence[float]) -> dict:
@@ -264,19 +223,32 @@ def _code_version() -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the sweep; returns 0. Raises ValueError (exit 2) for bad flags before anything starts."""
-    from tqdm import tqdm
-
     configs, notes = sweep_configs(args)
     prompts = read_bench_prompts(args.prompts)
     if not args.no_plots:
         from launcher.plots import _pyplot
         _pyplot()  # fail now, not after the sweep, if matplotlib is missing
+    options = _session_options(args, configs, prompts)
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    for note in notes:
+        print(f"[speedpipe] bench: {note}", file=sys.stderr)
+    runs = _run_sweep(args, configs, options, prompts, out)
+    _write_results(args, configs, runs, notes, out)
+    return 0
+
+
+def _session_options(args: argparse.Namespace, configs: list[BenchConfig], prompts: list[str]) -> dict[tuple, dict]:
+    """PipelineOptions keyword arguments per session group, each validated before any process starts.
+
+    Raises ValueError for options a session rejects, or when the longest prompt plus
+    --max-new-tokens exceeds --max-model-len.
+    """
     base = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                 threads_per_stage=args.threads_per_stage, stage_timeout_s=args.stage_timeout_s,
                 log_level=args.log_level.upper(), cache_dir=args.cache_dir)
-    groups = list(dict.fromkeys(c.group for c in configs))
     options = {}
-    for s, mode, pred in groups:  # validate every session before any process starts
+    for s, mode, pred in dict.fromkeys(c.group for c in configs):
         options[(s, mode, pred)] = dict(base, num_stages=s, speculate=mode,
                                         predictor=pred if mode != "none" else "hybrid")
         model = resolve(PipelineOptions(**options[(s, mode, pred)], progress=False))
@@ -284,35 +256,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if longest + args.max_new_tokens > args.max_model_len:
         raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                          f"--max-model-len {args.max_model_len}")
-    out = Path(args.out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    for note in notes:
-        print(f"[speedpipe] bench: {note}", file=sys.stderr)
-    drivers: dict[tuple, Driver] = {}
+    return options
+
+
+def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: dict[tuple, dict],
+               prompts: list[str], out: Path) -> dict[str, list[dict]]:
+    """Start one driver per session group, warm each up, then run every repeat A B C A B C ...
+
+    Returns the runs by configuration name; every driver is closed on every exit path.
+    """
+    from tqdm import tqdm
+
+    drivers: dict[tuple, DriverProcess] = {}
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
-    total = len(groups) + args.repeats * len(configs)
+    total = len(options) + args.repeats * len(configs)
     try:
         with tqdm(total=total, desc="bench", unit="run", disable=args.no_progress, file=sys.stderr) as bar:
-            for g in groups:  # start one at a time (loading competes for the CPUs), then an untimed warm-up
+            for g in options:  # start one at a time (loading competes for the CPUs), then an untimed warm-up
                 bar.set_postfix_str(f"starting s{g[0]}-{g[1]}")
-                drivers[g] = Driver(options[g])
+                drivers[g] = start_driver(options[g])
                 drivers[g].reply(DRIVER_START_TIMEOUT_S)
-                drivers[g].run({"prompts": prompts[:1], "max_new_tokens": min(4, args.max_new_tokens)})
+                drivers[g].request({"prompts": prompts[:1], "max_new_tokens": min(4, args.max_new_tokens)},
+                                   RUN_TIMEOUT_S)
                 bar.update()
             for r in range(args.repeats):
                 for cfg in configs:
                     bar.set_postfix_str(f"{cfg.name} r{r}")
                     chosen = [prompts[(r * cfg.concurrency + j) % len(prompts)] for j in range(cfg.concurrency)]
                     stem = f"runs/{cfg.name}_r{r}"
-                    reply = drivers[cfg.group].run({"prompts": chosen, "max_new_tokens": args.max_new_tokens,
-                                                    "trace": str(out / f"{stem}.trace.json"),
-                                                    "timeline": str(out / f"{stem}.timeline.json")})
+                    reply = drivers[cfg.group].request({"prompts": chosen, "max_new_tokens": args.max_new_tokens,
+                                                        "trace": str(out / f"{stem}.trace.json"),
+                                                        "timeline": str(out / f"{stem}.timeline.json")},
+                                                       RUN_TIMEOUT_S)
                     runs[cfg.name].append({"repeat": r, "stats": reply["stats"], "num_tokens": reply["num_tokens"],
                                            "trace": f"{stem}.trace.json", "timeline": f"{stem}.timeline.json"})
                     bar.update()
     finally:
         for d in drivers.values():
             d.close()
+    return runs
+
+
+def _write_results(args: argparse.Namespace, configs: list[BenchConfig], runs: dict[str, list[dict]],
+                   notes: list[str], out: Path) -> None:
+    """results.json, results.csv and the plots under `out`; the table on stdout."""
     rows = summarise(configs, runs)
     title = f"{Path(args.model).name}, {args.max_new_tokens} tokens"
     plots = [] if args.no_plots else write_plots(rows, out, title=title)
@@ -324,7 +311,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print(f"[speedpipe] bench: results in {out}/results.json, results.csv" + (", plots/*.png" if plots else ""),
           file=sys.stderr)
-    return 0
 
 
 def format_table(rows: list[dict]) -> str:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from launcher.coordinator import PipelineError
 from launcher.http_bench import add_http_bench_args, cmd_http_bench
-from launcher.local_backend import StageStartupError
 from launcher.placement_args import add_placement_args, placement_from_args
 from launcher.serve import add_serve_args, cmd_serve
 from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.stage_processes import StageStartupError
 from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams
 

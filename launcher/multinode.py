@@ -25,13 +25,11 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from launcher.local_backend import (
-    LocalLaunchConfig,
-    LocalStageBackend,
-    StageProcessMonitor,
-    describe_returncode,
-)
+from launcher.local_backend import LocalStageBackend
+from launcher.local_launch_config import LocalLaunchConfig
 from launcher.placement import PlacementError, PlacementOptions, detect_host_ip, node_stages
+from launcher.stage_child import describe_returncode
+from launcher.stage_monitor import StageProcessMonitor
 
 log = logging.getLogger("speedpipe.multinode")
 

@@ -40,8 +40,9 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.local_backend import LOG_LEVELS, free_port
+from launcher.local_launch_config import LOG_LEVELS
 from launcher.placement import BundleNode, PlacementError, PlacementOptions, forwarded_env, stage_order
+from launcher.ports import free_port
 
 log = logging.getLogger("speedpipe.ray")
 

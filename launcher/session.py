@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 
 from launcher.coordinator import Coordinator, CoordinatorConfig, PipelineError
-from launcher.local_backend import LocalLaunchConfig, LocalStageBackend, LocalStageProcesses
+from launcher.local_backend import LocalStageBackend
+from launcher.local_launch_config import LocalLaunchConfig
 from launcher.placement import PlacementOptions, StageBackend, node_stages
 from launcher.predictor_select import choose_exit_predictor, exit_head_rows
+from launcher.stage_processes import LocalStageProcesses
 from pipeline.config import ModelConfig
 from pipeline.draft_gate import DraftGate
 from pipeline.models import DEFAULT_MODEL, resolve_model

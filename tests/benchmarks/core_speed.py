@@ -65,16 +65,18 @@ import importlib.util
 import json
 import os
 import platform
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from launcher.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies  # noqa: E402
+
 DEFAULT_OUT = "tests/benchmarks/results/core_speed.json"  # relative to REPO
 SOTU_NUM_PROMPTS = 4
 SOTU_PROMPT_WORDS = 60
@@ -151,26 +153,15 @@ def read_prompts(spec: str) -> list[str]:
 
 # -- drivers (child processes) ---------------------------------------------------------------------
 def _serve(handle_request) -> int:
-    """Line protocol of a driver: print a ready line, then one JSON reply per JSON request line.
+    """Line protocol of a driver (launcher/driver_protocol.py) with this benchmark's requests.
 
     A request is {"prompt_ids": [[int, ...], ...], "max_new_tokens": int}; the reply is
     {"requests": [{"num_tokens", "submit_s", "first_token_s", "finish_s", "token_ids"}], "stages": [...]}
     (times in seconds on the driver's perf_counter) or {"error": str}. Stdin EOF ends the driver.
     Everything else the driver or its libraries print goes to stderr.
     """
-    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    replies.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        try:
-            reply = handle_request(request["prompt_ids"], int(request["max_new_tokens"]))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        replies.write(json.dumps(reply) + "\n")
-    return 0
+    return serve_requests(take_stdout_for_replies(),
+                          lambda request: handle_request(request["prompt_ids"], int(request["max_new_tokens"])))
 
 
 def hf_driver(model_dir: str) -> int:
@@ -255,55 +246,22 @@ def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = 
         return _serve(handle)
 
 
-class Driver:
+class Driver(DriverProcess):
     """Parent side of one driver process. Raises RuntimeError if it fails, dies or times out."""
 
     def __init__(self, name: str, model_dir: Path, *, layer_split: str | None = None) -> None:
-        self.name = name
         cmd = [sys.executable, str(Path(__file__).resolve()), "--driver", name, "--model-dir",
                str(model_dir)]
         if layer_split:
             cmd += ["--layer-split", layer_split]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name=f"{name}-reader", daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _reply(self, timeout_s: float) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RuntimeError(f"driver {self.name}: no reply within {timeout_s:g} s") from None
-        if line is None:
-            raise RuntimeError(f"driver {self.name} exited with code {self.proc.wait()} (see its stderr above)")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"driver {self.name}: {reply['error']}")
-        return reply
+        super().__init__(cmd, name=f"driver {name}")
 
     def wait_ready(self) -> None:
-        self._reply(DRIVER_START_TIMEOUT_S)
+        self.reply(DRIVER_START_TIMEOUT_S)
 
     def run(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt_ids": [list(p) for p in prompt_ids],
-                                          "max_new_tokens": max_new_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._reply(REQUEST_TIMEOUT_S)
-
-    def close(self) -> None:
-        """Close stdin (the driver stops its session and exits); kill it if it does not."""
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        return self.request({"prompt_ids": [list(p) for p in prompt_ids], "max_new_tokens": max_new_tokens},
+                            REQUEST_TIMEOUT_S)
 
 
 class CpuMeter:

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launcher.http_bench import LoadTester  # noqa: E402
-from launcher.local_backend import free_port  # noqa: E402
+from launcher.ports import free_port  # noqa: E402
 from tests.benchmarks.speculation import sotu_prompts  # noqa: E402
 
 TARGETS = {"throughput_c2_over_c1": (">=", 1.6), "tpot_speed_over_none": ("<=", 0.8)}

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launcher.local_backend import free_port
+from launcher.ports import free_port
 from launcher.serve import ServeOptions, ServingStack
 from launcher.session import PipelineSession, resolve
 from pipeline.sampling import SamplingParams

@@ -1,4 +1,5 @@
-"""Tests for launcher.local_backend against tests/fake_stage_worker.py (real processes, no model, < 5 s each)."""
+"""Tests for the local backend (launch config, stage processes, monitor) against tests/fake_stage_worker.py
+(real processes, no model, < 5 s each)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.local_backend import (
-    LocalLaunchConfig,
-    LocalStageProcesses,
-    StageProcessMonitor,
-    StageStartupError,
-    free_port,
-)
+from launcher.local_launch_config import LocalLaunchConfig
+from launcher.ports import free_port
+from launcher.stage_monitor import StageProcessMonitor
+from launcher.stage_processes import LocalStageProcesses, StageStartupError
 from tests.conftest import find_leftover_children, kill_and_reap, snapshot_children
 
 pytestmark = pytest.mark.timeout(30)
@@ -268,7 +266,8 @@ def test_monitor_callback_may_stop_all_stages():
 LAUNCHER_THAT_DIES = textwrap.dedent(
     """
     import json, os, signal, sys
-    from launcher.local_backend import LocalLaunchConfig, LocalStageProcesses
+    from launcher.local_launch_config import LocalLaunchConfig
+    from launcher.stage_processes import LocalStageProcesses
     config = LocalLaunchConfig(num_stages=2, worker_module="tests.fake_stage_worker",
                                extra_args=tuple(sys.argv[1:]), startup_timeout_s=10.0)
     procs = LocalStageProcesses(config)
