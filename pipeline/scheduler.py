@@ -97,6 +97,7 @@ class SchedulerConfig:
     min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
     firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
     firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
+    exit_skipping: bool = True  # False: every item wants the exit head ([Note: exit-head skipping]; benchmarks)
 
     def __post_init__(self) -> None:
         if self.firp_k < 0:
@@ -307,6 +308,8 @@ class Scheduler:
         """Whether a draft made from `item`'s exit guess could ever be sent, so the exit stage
         should run its head on it. pipeline_full: the running sequences fill every micro-batch
         slot. See [Note: exit-head skipping]; when unsure, True."""
+        if not self.config.exit_skipping:
+            return True
         if not self.config.speculate or self.predictor is None or not self.predictor.needs_exit_head:
             return False
         if item.kind == ItemKind.PREFILL or self.config.max_inflight < 2:

@@ -37,15 +37,18 @@ def _send_one(sched: Scheduler) -> list[Item]:
     return batch
 
 
-def _first_decode_items(sched: Scheduler, prompts, *, max_new_tokens: int = 16) -> list[Item]:
-    """Add `prompts`, send their prefills, return each prefill's result (token 42), and send the
-    first decode item of every sequence; returns the decode items as sent."""
+def _first_decode_items(sched: Scheduler, prompts, *, max_new_tokens: int = 16,
+                        prefills: list[Item] | None = None) -> list[Item]:
+    """Add `prompts`, send their prefills (appended to `prefills`), return each prefill's result
+    (token 42), and send the first decode item of every sequence; returns the decode items as sent."""
     for i, p in enumerate(prompts):
         sched.add(i, p, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
     sent = []
     while (batch := sched.next_batch()) is not None:
         sent.append(batch)
-    assert all(it.kind == ItemKind.PREFILL and not it.want_exit for b in sent for it in b), sent
+    assert all(it.kind == ItemKind.PREFILL for b in sent for it in b), sent
+    if prefills is not None:
+        prefills.extend(it for b in sent for it in b)
     decodes = []
     for batch in sent:
         sched.on_result(batch, batch, torch.full((len(batch),), 42, dtype=torch.int64), None)
@@ -57,8 +60,10 @@ def _first_decode_items(sched: Scheduler, prompts, *, max_new_tokens: int = 16) 
 
 # -- the decision ---------------------------------------------------------------------------------------
 def test_a_lone_speculating_sequence_wants_the_exit_guess():
-    [item] = _first_decode_items(_sched(2), PROMPTS[:1])
+    prefills: list[Item] = []
+    [item] = _first_decode_items(_sched(2), PROMPTS[:1], prefills=prefills)
     assert item.want_exit
+    assert not prefills[0].want_exit, "no draft follows a prefill"
 
 
 @pytest.mark.parametrize("reason", ["no-speculation", "ngram-needs-no-head", "max-inflight-1", "budget-end",
@@ -87,6 +92,13 @@ def test_the_budget_end_is_exactly_where_the_ledger_refuses_drafts():
         ledger = sched.seqs[0].ledger
         allowed = ledger.can_draft_after(item.end - 1, item.epoch, max_inflight=2)
         assert item.want_exit == allowed, (max_new, item)
+
+
+def test_exit_skipping_off_wants_every_guess():
+    """SchedulerConfig.exit_skipping=False (benchmarks comparing the saving): the old behaviour."""
+    sched = Scheduler(SchedulerConfig(num_stages=2, speculate=True, exit_skipping=False), LogitLensPredictor())
+    items = _first_decode_items(sched, PROMPTS[:2], max_new_tokens=2)  # pipeline full and at the budget end
+    assert all(it.want_exit for it in items), items
 
 
 def test_a_full_run_ahead_still_wants_the_guess():
