@@ -20,6 +20,7 @@ from pipeline.partition import balanced_split
 from pipeline.predictors import ExitGuess, ExitHead, LogitLensPredictor, NGramPredictor
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Scheduler, SchedulerConfig
+from pipeline.simulator import Bernoulli, CostModel, SimConfig, Simulator
 from pipeline.stage_executor import StageExecutor
 from tests.unit.test_speculation_scheduler import PROMPTS, _generate, greedy_reference
 
@@ -172,6 +173,22 @@ def test_sequences_that_fill_the_pipeline_skip_the_head_and_keep_their_output(nu
     assert sched_all.spec.exit_rows_skipped == 0
     assert spec.exit_rows + spec.exit_rows_skipped <= sched_all.spec.exit_rows + 2 * num_stages
     assert spec.exit_rows < sched_all.spec.exit_rows / 2, (spec, sched_all.spec)
+
+
+# -- the simulator (pipeline/simulator.py) mirrors the exit stage ------------------------------------------
+def test_the_simulator_charges_the_exit_head_only_when_an_item_wants_it():
+    """A costly exit head slows a lone speculating sequence, but not two sequences that fill two stages."""
+    stage_s = 1e-3
+
+    def tokens_per_s(concurrency: int, predictor_s: float) -> float:
+        cost = CostModel.uniform(num_stages=2, stage_s=stage_s, predictor_s=predictor_s)
+        cfg = SimConfig(num_stages=2, prompt_lens=(4,) * concurrency, max_new_tokens=40, speculate=True)
+        res = Simulator(cfg, cost, acceptance=Bernoulli(0.5, seed=1), record_timeline=False).run()
+        assert res.tokens_per_s > 0
+        return res.tokens_per_s
+
+    assert tokens_per_s(1, stage_s) < 0.85 * tokens_per_s(1, 0.0)
+    assert tokens_per_s(2, stage_s) == pytest.approx(tokens_per_s(2, 0.0), rel=0.05)
 
 
 # -- the exit stage ------------------------------------------------------------------------------------------
