@@ -36,6 +36,9 @@ class Item:
     draft_token: the draft injected right after this item (SPEED; NO_TOKEN if none).
     firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
         `firp_anchors` rows (see [Note: pseudo rows] in pipeline/model.py); 0 = none.
+    want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
+        clears it when no draft made from that guess could be sent ([Note: exit-head skipping] in
+        pipeline/scheduler.py); prefill items never get a guess either way.
     """
 
     seq_id: int
@@ -49,6 +52,7 @@ class Item:
     draft_token: int = NO_TOKEN
     firp_k: int = 0
     firp_anchors: int = 0
+    want_exit: bool = True
 
     def __post_init__(self) -> None:
         if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
@@ -82,7 +86,8 @@ class Item:
     def to_wire(self) -> list[Any]:
         """Compact msgpack-able form (a list, field order fixed by `_WIRE_FIELDS`)."""
         return [self.seq_id, self.slot, self.start, self.num_tokens, self.epoch, int(self.kind),
-                list(self.token_ids), self.want_logits, self.draft_token, self.firp_k, self.firp_anchors]
+                list(self.token_ids), self.want_logits, self.draft_token, self.firp_k, self.firp_anchors,
+                self.want_exit]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Item:
@@ -93,8 +98,9 @@ class Item:
         for name in ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "draft_token", "firp_k", "firp_anchors"):
             if type(fields[name]) is not int:
                 raise ValueError(f"malformed item: {name} is not an int")
-        if type(fields["want_logits"]) is not bool:
-            raise ValueError("malformed item: want_logits is not a bool")
+        for name in ("want_logits", "want_exit"):
+            if type(fields[name]) is not bool:
+                raise ValueError(f"malformed item: {name} is not a bool")
         tokens = fields["token_ids"]
         if not isinstance(tokens, list) or any(type(t) is not int for t in tokens):
             raise ValueError("malformed item: token_ids is not a list of ints")
@@ -105,7 +111,7 @@ class Item:
         return cls(seq_id=fields["seq_id"], slot=fields["slot"], start=fields["start"],
                    num_tokens=fields["num_tokens"], epoch=fields["epoch"], kind=kind,
                    token_ids=tuple(tokens), want_logits=fields["want_logits"], draft_token=fields["draft_token"],
-                   firp_k=fields["firp_k"], firp_anchors=fields["firp_anchors"])
+                   firp_k=fields["firp_k"], firp_anchors=fields["firp_anchors"], want_exit=fields["want_exit"])
 
     def without_tokens(self) -> Item:
         """The same item without its token ids (what stages after the first receive)."""
@@ -113,4 +119,4 @@ class Item:
 
 
 _WIRE_FIELDS = ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "token_ids", "want_logits", "draft_token",
-                "firp_k", "firp_anchors")
+                "firp_k", "firp_anchors", "want_exit")

@@ -24,6 +24,26 @@ are sent only when no real item waits and fewer than `max_inflight_batches` micr
 flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
 acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/draft_gate.py).
 
+[Note: exit-head skipping]
+The exit head (final norm + LM head on the exit hidden state) costs the exit stage several layers
+of work per decode item. Its guess is only worth computing when a draft made from it could be
+sent, so every item the scheduler sends carries `Item.want_exit`, cleared (`_wants_exit`) when:
+- speculation is off or the predictor needs no exit head;
+- the item is a prefill (no draft follows a prefill);
+- `max_inflight` < 2 (a draft after the item would be a second item in flight);
+- a draft after the item would lie past the token budget (`SequenceLedger.can_draft_after`);
+- the running sequences fill the pipeline (at least `max_inflight_batches` of them): every
+  running sequence keeps a real item ready or in flight, and real work goes first, so drafts find
+  no free micro-batch slot ([Note: micro-batching]). This one is a heuristic: a sequence that
+  ends opens a gap, and an item sent just before it skipped its guess; the next one wants it.
+Deliberately NOT a reason: the per-sequence run-ahead being full when the item is sent. The
+draft after that item is proposed later from the same guess, when an older result frees room
+(the steady state of a single speculating sequence). The draft gate neither, since it judges a
+draft by the confidence that only the head produces. Skipping never changes committed tokens:
+without a guess the exit event still arrives, an exit-head predictor then proposes nothing
+(hybrid falls back to its n-gram half). `SpecCounters.exit_rows` / `exit_rows_skipped` count
+decode items at the exit stage with and without the head.
+
 [Note: FIRP policy]
 With `firp_k` = k > 0 (FIRP, arXiv 2410.20488; ARCHITECTURE.md §6) every item asks for pseudo
 chains of up to k rows on each of its result rows (`Item.firp_k`, `Item.firp_anchors`); the last
@@ -77,6 +97,7 @@ class SchedulerConfig:
     min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
     firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
     firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
+    exit_skipping: bool = True  # False: every item wants the exit head ([Note: exit-head skipping]; benchmarks)
 
     def __post_init__(self) -> None:
         if self.firp_k < 0:
@@ -165,6 +186,8 @@ class SpecCounters:
     firp_accepted: int = 0
     passes: int = 0
     committed_tokens: int = 0
+    exit_rows: int = 0  # decode items the exit head ran on ([Note: exit-head skipping])
+    exit_rows_skipped: int = 0  # decode items that passed the exit stage without it
 
     @property
     def tokens_per_pass(self) -> float:
@@ -257,11 +280,13 @@ class Scheduler:
 
     def _take(self, queue: collections.deque[int], size: int, now_ns: int) -> list[Item]:
         batch: list[Item] = []
+        pipeline_full = self.num_running >= self.config.max_inflight_batches  # [Note: exit-head skipping]
         while queue and len(batch) < size:
             seq = self.seqs.get(queue.popleft())
             if seq is None or seq.finished or seq.pending is None:
                 continue
             item, seq.pending = seq.pending, None
+            item = dataclasses.replace(item, want_exit=self._wants_exit(seq, item, pipeline_full=pipeline_full))
             if item.kind == ItemKind.DRAFT:
                 seq.ledger.add_draft(item.token_ids[0])
                 if seq.pending_key is not None:
@@ -278,6 +303,21 @@ class Scheduler:
         for item in batch:  # after the batch is formed: one item per sequence per micro-batch
             self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
         return batch
+
+    def _wants_exit(self, seq: SequenceState, item: Item, *, pipeline_full: bool) -> bool:
+        """Whether a draft made from `item`'s exit guess could ever be sent, so the exit stage
+        should run its head on it. pipeline_full: the running sequences fill every micro-batch
+        slot. See [Note: exit-head skipping]; when unsure, True."""
+        if not self.config.exit_skipping:
+            return True
+        if not self.config.speculate or self.predictor is None or not self.predictor.needs_exit_head:
+            return False
+        if item.kind == ItemKind.PREFILL or self.config.max_inflight < 2:
+            return False
+        last_budget_position = seq.ledger.prompt_len + seq.ledger.max_new_tokens - 1
+        if item.end >= last_budget_position:  # as SequenceLedger.can_draft_after(item.end - 1, ...)
+            return False
+        return not pipeline_full
 
     def _admit_waiting(self) -> None:
         while self.waiting and self.free_slots:
@@ -317,6 +357,10 @@ class Scheduler:
         now_ns: when they passed it (caller's clock)."""
         if not self.config.speculate:
             return
+        if self.predictor.needs_exit_head:
+            wanted = sum(it.want_exit for it in items if it.kind != ItemKind.PREFILL)
+            self.spec.exit_rows += wanted
+            self.spec.exit_rows_skipped += sum(it.kind != ItemKind.PREFILL for it in items) - wanted
         for item, guess in zip(items, guesses, strict=True):
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished:

@@ -53,8 +53,8 @@ class CostModel:
         hops between stages, which carry n rows of hidden state, also n * bytes_per_token / bandwidth.
     coordinator_s: the coordinator's turnaround per result (verify, commit, next send); the
         coordinator is one thread, so results queue for it.
-    predictor_s: extra compute on the exit stage for a micro-batch with non-prefill items when
-        speculating (the exit head).
+    predictor_s: extra compute on the exit stage for a micro-batch with non-prefill items that want
+        the exit head (`Item.want_exit`) when speculating.
     contention: slow-down of a stage's compute per other stage computing when it starts (shared
         memory bandwidth or CPUs): time x (1 + contention * others busy).
     Raises ValueError on negative costs or mismatched lengths.
@@ -332,8 +332,8 @@ class Simulator:
         cost = 0.0
         if kept:
             cost = self.cost.stage_s(stage, n)
-            if self._is_exit(stage, kept):
-                cost += self.cost.predictor_s
+            if self._is_exit(stage, kept) and any(it.want_exit for it in kept if it.kind != ItemKind.PREFILL):
+                cost += self.cost.predictor_s  # the exit head runs only on items that want it (StageExecutor)
             cost *= 1.0 + self.cost.contention * sum(self._busy)
         self._busy[stage] = True
         self._at(cost, "done", (stage, batch, kept, self.now_ns))

@@ -58,7 +58,8 @@ class StageOutput:
     firp_tokens: [num_pseudo] int64 argmax of every pseudo row (last stage; the FIRP drafts).
     firp_probs: [num_pseudo] float32 softmax probability of each FIRP draft (its confidence).
     exit_tokens, exit_probs: [num_items] the exit head's top token and its probability at each
-        item's last row (exit stage with an exit head; prefill items get -1 / 0).
+        item's last row (exit stage with an exit head; prefill items and items without
+        `want_exit` get -1 / 0; None when no item wanted a guess, so the head did not run).
     """
 
     items: list[Item]
@@ -132,7 +133,7 @@ class StageExecutor:
             pseudo = None
         elif pseudo is None and self.firp_layer is not None and self.firp_layer < self.model.layer_range.start:
             raise ValueError(f"items need {num_pseudo} FIRP pseudo rows, but none arrived from the stage before")
-        use_head = self.exit_head is not None and any(it.kind != ItemKind.PREFILL for it in items)
+        use_head = self.exit_head is not None and any(_wants_exit(it) for it in items)
         make_pseudo = None
         if self.firp_maps is not None and pseudo is None and num_pseudo:
             lens = [it.firp_k for it in items for _ in range(it.firp_anchors if it.firp_k else 0)]
@@ -169,10 +170,11 @@ class StageExecutor:
         return result
 
     def _exit_guesses(self, items: list[Item], exit_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exit head on the last row of each non-prefill item (drafts never follow a prefill)."""
+        """Exit head on the last row of each item that wants a guess (`_wants_exit`); the others
+        get token -1 / probability 0."""
         tokens = torch.full((len(items),), -1, dtype=torch.int64)
         probs = torch.zeros(len(items), dtype=torch.float32)
-        rows = [i for i, it in enumerate(items) if it.kind != ItemKind.PREFILL]
+        rows = [i for i, it in enumerate(items) if _wants_exit(it)]
         t, p = self.exit_head(exit_hidden[rows])
         tokens[rows], probs[rows] = t.cpu(), p.cpu()
         return tokens, probs
@@ -193,6 +195,12 @@ class StageExecutor:
     @property
     def _device(self) -> torch.device:
         return self.model.inv_freq.device
+
+
+def _wants_exit(item: Item) -> bool:
+    """Whether the exit head runs on `item`'s last row: drafts never follow a prefill, and the
+    scheduler clears `Item.want_exit` when no draft from this guess could be sent."""
+    return item.kind != ItemKind.PREFILL and item.want_exit
 
 
 def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_tokens) -> torch.Tensor:

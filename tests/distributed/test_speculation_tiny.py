@@ -206,6 +206,25 @@ def test_acceptance_rate_is_accepted_over_verified_drafts(pipeline: SpecPipeline
     assert 0.0 < stats["acceptance_rate"] < 1.0, stats
 
 
+# -- exit-head skipping ---------------------------------------------------------------------------------
+def test_exit_head_runs_on_few_rows_when_prompts_fill_the_pipeline(pipeline: SpecPipeline, refs: References):
+    """[Note: exit-head skipping] in pipeline/scheduler.py: with at least as many running prompts as
+    stages the exit stage skips its head on most decode items; one prompt keeps it on every item
+    but those at the budget's end (one position, re-sent at most once per squash). Greedy output is
+    the reference's both ways."""
+    if pipeline.name == "2-stage-1-slot":
+        pytest.skip("one KV slot: the running sequences never fill the pipeline")
+    one = pipeline.launch(LogitLensPredictor(), PROMPTS[:1], [greedy()])
+    many = pipeline.launch(LogitLensPredictor(), PROMPTS, [greedy()] * len(PROMPTS))
+    assert len(PROMPTS) >= pipeline.num_stages
+    for report, prompts in ((one, PROMPTS[:1]), (many, PROMPTS)):
+        for prompt, out in zip(prompts, report["outputs"], strict=True):
+            assert out["token_ids"] == refs.greedy[prompt], f"{pipeline.name}: exit-head skipping changed {prompt!r}"
+    s1, sn = one["stats"], many["stats"]
+    assert s1["exit_rows"] > 0 and s1["exit_rows_skipped"] <= 1 + s1["squashed_items"], s1
+    assert sn["exit_rows_skipped"] > sn["exit_rows"], sn
+
+
 # -- sampling -------------------------------------------------------------------------------------------
 NUM_SAMPLES = 300
 SAMPLING_PROMPT = PROMPTS[0]

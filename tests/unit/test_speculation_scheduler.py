@@ -95,7 +95,8 @@ class FakePipeline:
 
     logits_fn(prefix) -> [vocab] float32 logits, for items that want logits (sampling); the greedy
     token of every item is `next_fn(prefix)`. The exit head's guess for an item is
-    `next_fn(prefix) + lens_offset` (0: a perfect logit lens).
+    `next_fn(prefix) + lens_offset` (0: a perfect logit lens), and None for an item without
+    `want_exit` (the exit stage skips its head, pipeline/stage_executor.py).
     """
 
     def __init__(self, scheduler: Scheduler, *, exit_stage: int = 0, exit_first: bool = False,
@@ -172,7 +173,7 @@ class FakePipeline:
             kept = self._run_stage(j, items)
             busy += bool(kept)
             if j == self.exit_stage and kept:  # (the stage loop skips all-prefill batches; we do not)
-                guesses = [None if it.kind == ItemKind.PREFILL else
+                guesses = [None if it.kind == ItemKind.PREFILL or not it.want_exit else  # as StageExecutor
                            ExitGuess((self.next_fn(self.contents[j][it.slot][:it.end]) + self.lens_offset) % VOCAB, 0.9)
                            for it in kept]
                 self.exit_passed.update((it.seq_id, it.end - 1, it.epoch) for it in kept)

@@ -66,7 +66,7 @@ def _items() -> list[Item]:
     return [
         Item(seq_id=7, slot=1, start=0, num_tokens=3, epoch=0, kind=ItemKind.PREFILL, token_ids=(5, 6, 7),
              want_logits=True),
-        Item(seq_id=9, slot=0, start=12, num_tokens=1, epoch=4, kind=ItemKind.DRAFT, draft_token=33),
+        Item(seq_id=9, slot=0, start=12, num_tokens=1, epoch=4, kind=ItemKind.DRAFT, draft_token=33, want_exit=False),
         Item(seq_id=3, slot=2, start=20, num_tokens=3, epoch=1, kind=ItemKind.FIRP, firp_k=2, firp_anchors=3),
     ]
 
@@ -238,7 +238,7 @@ def test_rejects_items_or_meta_of_the_wrong_type(field, value):
 
 def _item_wire(**overrides: Any) -> list[Any]:
     base = dict(seq_id=1, slot=0, start=4, num_tokens=2, epoch=0, kind=1, token_ids=[3, 4], want_logits=False,
-                draft_token=-1, firp_k=0, firp_anchors=0)
+                draft_token=-1, firp_k=0, firp_anchors=0, want_exit=True)
     base.update(overrides)
     return list(base.values())
 
@@ -259,8 +259,9 @@ def _item_wire(**overrides: Any) -> list[Any]:
     (_item_wire(firp_k=-1), "firp_k -1"),
     (_item_wire(firp_anchors=3), "firp_anchors 3 outside"),
     (_item_wire(firp_k=1.0), "firp_k is not an int"),
-    (_item_wire()[:-1], "expected a list of 11 fields"),
-    ({"seq_id": 1}, "expected a list of 11 fields"),
+    (_item_wire(want_exit=0), "want_exit is not a bool"),
+    (_item_wire()[:-1], "expected a list of 12 fields"),
+    ({"seq_id": 1}, "expected a list of 12 fields"),
 ])
 def test_rejects_a_malformed_item_naming_the_problem(raw, match):
     _rejects(_frame(_valid_fields(items=[raw])), match)
