@@ -202,23 +202,25 @@ def default_split(options: PipelineOptions, config: ModelConfig, model_dir: Path
     """The balanced split, costing the exit head by the draft vocabulary of the head it will run.
 
     The exit layer (last layer of stage 0) picks the head and the head's cost moves the split, so
-    this looks for a fixed point: split, find the head at that split's exit layer, re-split with its
-    cost; without one in three rounds, the whole-vocabulary split (pipeline/partition.py)."""
-    def split(rows: int) -> list[LayerRange]:
-        return balanced_split(config.num_hidden_layers, options.num_stages,
-                              extra_cost=stage_extra_cost(options, config, exit_rows=rows))
+    every exit layer is tried: a layer is consistent when the split costed with that layer's head
+    ends stage 0 there. The cheapest consistent split wins (ties: the earlier exit layer); without
+    one, the whole-vocabulary split ([Note: partition cost] in pipeline/partition.py)."""
+    def split(rows: int) -> tuple[float, list[LayerRange]]:
+        extra = stage_extra_cost(options, config, exit_rows=rows)
+        ranges = balanced_split(config.num_hidden_layers, options.num_stages, extra_cost=extra)
+        return max(len(r) + c for r, c in zip(ranges, extra, strict=True)), ranges
 
-    rows = config.vocab_size
-    ranges = split(rows)
+    fallback = split(config.vocab_size)[1]
     if not _stage0_exit_head(options):
-        return ranges
-    for _ in range(3):
-        found = exit_head_rows(predictor=options.predictor, exit_predictor=options.exit_predictor,
-                               model_dir=model_dir, config=config, exit_layer=ranges[0].stop - 1)
-        if found == rows:
-            return ranges
-        rows, ranges = found, split(found)
-    return split(config.vocab_size)
+        return fallback
+    consistent = []
+    for layer in range(config.num_hidden_layers - 1):
+        rows = exit_head_rows(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                              model_dir=model_dir, config=config, exit_layer=layer)
+        cost, ranges = split(rows)
+        if ranges[0].stop - 1 == layer:
+            consistent.append((cost, layer, ranges))
+    return min(consistent, key=lambda c: c[:2])[2] if consistent else fallback
 
 
 def resolve(options: PipelineOptions) -> ResolvedModel:

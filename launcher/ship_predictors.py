@@ -19,9 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher.session import PipelineOptions, resolve
+from launcher.session import PipelineOptions, resolve, stage_extra_cost
 from launcher.train_predictor import add_train_args, cmd_train
+from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model
+from pipeline.partition import balanced_split
 from pipeline.predictor_file import SHIPPED_DIR, model_identity, read_predictor_meta, shipped_predictor_name
 
 REPORT = Path(__file__).resolve().parent.parent / "tests" / "benchmarks" / "results" / "predictor_eval.json"
@@ -35,35 +37,44 @@ def _train(model: str, layer: int, out: Path, extra: list[str]) -> dict:
     return read_predictor_meta(out)
 
 
+def _options(model: str, num_stages: int) -> PipelineOptions:
+    return PipelineOptions(num_stages=num_stages, model=model, speculate="speed", predictor="hybrid", progress=False)
+
+
 def _default_exit_layer(model: str, num_stages: int) -> int:
     """The exit layer `launch --stages N --speculate speed` picks with the heads shipped right now."""
-    return resolve(PipelineOptions(num_stages=num_stages, model=model, speculate="speed", predictor="hybrid",
-                                   progress=False)).exit_layer
+    return resolve(_options(model, num_stages)).exit_layer
 
 
-def ship_heads(model: str, identity, stages: list[int], extra: list[str]) -> dict[int, int]:
+def ship_heads(model: str, config: ModelConfig, identity, stages: list[int], extra: list[str]) -> dict[int, int]:
     """Train a shipped head at every --stages value's default exit layer; returns {layer: stages}.
 
     The default split costs the exit head by its draft vocabulary (launcher/session.py
-    default_split), so shipping a head can move the exit layer: repeat until each depth's exit layer
-    has a head, then delete this model's shipped heads that no depth uses."""
+    default_split), so a trained head can move the exit layer: train, re-split with the head's
+    cost, train again at the new exit layer until it stays; then delete this model's shipped heads
+    that no depth uses, and check that `launch` now picks the shipped layers."""
     for old in SHIPPED_DIR.glob(f"{identity.name}-{identity.hash[:12]}-early-exit-L*.safetensors"):
         old.unlink()  # stale heads would be found (and costed) by the split
     trained: dict[int, dict] = {}
     ship: dict[int, int] = {}
     for s in stages:
+        layer = _default_exit_layer(model, s)
         for _ in range(4):
-            layer = _default_exit_layer(model, s)
-            if layer in trained:
+            if layer not in trained:
+                out = SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
+                trained[layer] = _train(model, layer, out, extra)
+            rows = trained[layer].get("draft_vocab_size", config.vocab_size)
+            cost = stage_extra_cost(_options(model, s), config, exit_rows=rows)
+            moved = balanced_split(config.num_hidden_layers, s, extra_cost=cost)[0].stop - 1
+            if moved == layer:
                 break
-            out = SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
-            trained[layer] = _train(model, layer, out, extra)
+            layer = moved
         ship[layer] = s
     for layer in set(trained) - set(ship):
         (SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)).unlink()
-    changed = [s for s in stages if _default_exit_layer(model, s) not in ship]
-    if changed:
-        raise RuntimeError(f"--stages {changed}: the default exit layer did not settle on a shipped head")
+    unsettled = [s for s in stages if _default_exit_layer(model, s) not in ship]
+    if unsettled:
+        raise RuntimeError(f"--stages {unsettled}: the default exit layer did not settle on a shipped head")
     return ship
 
 
@@ -75,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     model_dir = resolve_model(args.model, progress=False)
     identity = model_identity(model_dir)
-    ship = ship_heads(args.model, identity, [int(s) for s in args.stages.split(",")], extra)
+    ship = ship_heads(args.model, ModelConfig.from_model_dir(model_dir), identity,
+                      [int(s) for s in args.stages.split(",")], extra)
     report = {"model": identity.to_dict(), "settings": " ".join(extra) or "defaults", "layers": {}}
     with tempfile.TemporaryDirectory() as tmp:
         eval_only = {int(x) for x in args.eval_layers.split(",")} - set(ship)

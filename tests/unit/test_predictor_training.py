@@ -62,7 +62,7 @@ def test_cli_writes_a_file_the_exit_head_uses(tiny, tmp_path, capsys):
     vocab = pred.draft_vocab  # the training targets, most frequent first
     assert pred.meta["draft_vocab_size"] == vocab.numel() and 0 < vocab.numel() < 256
     assert "draft_vocab_top1_agreement" in pred.meta["eval"]
-    exit_map = ExitMap.from_tensors({n: t for n, t in pred.tensors.items() if n != "draft_vocab"}, arch=pred.meta["arch"])
+    exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta["arch"])
     head = ExitHead(exit_map.proj.in_features, 256, 1e-5, exit_map=exit_map)
     tokens, probs = head(torch.randn(3, exit_map.proj.in_features))
     assert tokens.shape == (3,) and bool((probs > 0).all())
