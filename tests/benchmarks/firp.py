@@ -23,9 +23,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
-from pipeline.sampling import SamplingParams
-from tests.benchmarks.speculation import closed_form, sotu_prompts
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # `python tests/benchmarks/...` imports this checkout
+
+from launcher.session import PipelineOptions, PipelineSession, resolve  # noqa: E402
+from pipeline.sampling import SamplingParams  # noqa: E402
+from tests.benchmarks.speculation import closed_form, sotu_prompts  # noqa: E402
 
 
 def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
