@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import queue
@@ -21,56 +19,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import IO, TextIO
 
 from launcher.local_launch_config import READY_LINE_RE
+from workers.parent_death import PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
 
 NUM_STDERR_TAIL_LINES = 20
 
 
-# ---------------------------------------------------------------------------------------------------
-# Parent-death signal (Linux). Resolved once in the parent: the child, between fork and exec, only
-# calls an already-resolved C function (no dlopen, no imports).
-_PR_SET_PDEATHSIG = 1
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-_PRCTL = _load_prctl()
-
-
-def _make_preexec_fn() -> Callable[[], None] | None:
-    """A preexec_fn that asks the kernel to SIGKILL the child when the spawning thread dies."""
-    if _PRCTL is None:
-        return None
-    prctl = _PRCTL
-    parent_pid = os.getpid()
-    sigkill = int(signal.SIGKILL)
-
-    def set_parent_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os.kill(os.getpid(), sigkill)
-
-    return set_parent_death_signal
-
-
 def spawn_stage(command: Sequence[str], env: dict[str, str], *, stage_index: int) -> subprocess.Popen[bytes]:
-    """Start one stage worker with piped stdin/stdout/stderr and, on Linux, a parent-death SIGKILL.
+    """Start one stage worker with piped stdin/stdout/stderr. On Linux the worker arms a parent-death
+    SIGKILL itself (workers/parent_death.py: no preexec_fn, see [Note: no preexec_fn] there).
 
     Raises OSError if the command cannot be executed.
     """
@@ -80,9 +42,8 @@ def spawn_stage(command: Sequence[str], env: dict[str, str], *, stage_index: int
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=env,
+        env={**env, PARENT_PID_ENV: str(os.getpid())},
         close_fds=True,  # a sibling must not hold another stage's stdin open
-        preexec_fn=_make_preexec_fn(),  # only a resolved prctl call, see _make_preexec_fn
     )
 
 

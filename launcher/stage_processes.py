@@ -14,7 +14,7 @@ A stage process must never outlive the launcher (ARCHITECTURE.md §9). Three ind
    an `atexit` hook, and if it is itself interrupted (Ctrl-C) it SIGKILLs and reaps what is left.
 2. If the launcher dies without running Python code (SIGKILL, crash), the kernel closes its end of the
    stdin pipes and the workers exit on EOF.
-3. On Linux every child also gets `PR_SET_PDEATHSIG=SIGKILL` (launcher/stage_child.py), for a worker that is stuck and never
+3. On Linux every child also gets `PR_SET_PDEATHSIG=SIGKILL` (armed by the child: workers/parent_death.py), for a worker that is stuck and never
    reads stdin. The kernel ties this to the *thread* that spawned the child: call `start()` from a
    thread that lives as long as the stages (normally the main thread).
 

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from workers.parent_death import arm_parent_death_signal
+
 
 def _selects(selector: str, stage_index: int) -> bool:
     if selector == "all":
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ignore-stdin-eof", default="")
     parser.add_argument("--exit-code", type=int, default=3)
     args = parser.parse_args(argv)
+    arm_parent_death_signal()  # as the real worker does
     stage = args.stage_index
 
     def log(message: str) -> None:

@@ -37,6 +37,7 @@ from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
 from workers.convert import StageLoadSpec, spec_from_proto
+from workers.parent_death import arm_parent_death_signal
 from workers.stage_loop import StageLoop
 
 log = logging.getLogger("speedpipe.worker")
@@ -252,6 +253,7 @@ def serve(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--no-stdin-watch", action="store_true", help="do not exit on stdin EOF")
     args = parser.parse_args(argv)
+    arm_parent_death_signal()  # a SIGKILLed launcher takes its stages with it
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))

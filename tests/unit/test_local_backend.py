@@ -320,3 +320,53 @@ def test_leftover_child_check_finds_kills_and_reaps_a_leaked_process():
     assert process_gone(leaked.pid)
     assert find_leftover_children(before) == []
     leaked.wait(timeout=1.0)  # already reaped by kill_and_reap: returns at once
+
+
+SPAWN_WITH_GRPC_ACTIVE = """
+import subprocess, sys, grpc
+from concurrent import futures
+from launcher.stage_child import spawn_stage
+server = grpc.server(futures.ThreadPoolExecutor(2))
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{port}")).result(timeout=10)
+for _ in range(5):
+    if sys.argv[1] == "spawn_stage":
+        proc = spawn_stage([sys.executable, "-c", "pass"], {}, stage_index=0)
+    else:  # control: a preexec_fn makes Python fork(), which runs gRPC's fork handlers
+        proc = subprocess.Popen([sys.executable, "-c", "pass"], close_fds=True, preexec_fn=lambda: None,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.communicate(timeout=30)
+    print(proc.returncode)  # a forked child can crash (SIGSEGV / SIGABRT): the hazard itself
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork handlers and PR_SET_PDEATHSIG are Linux-only")
+def test_spawning_stages_never_runs_grpc_fork_handlers():
+    """[Note: no preexec_fn] in workers/parent_death.py: a forked child of a process with live gRPC
+    can abort (grpc/grpc issue 43055), so stages are spawned without fork handlers running."""
+    def spawn(mode: str) -> tuple[list[str], list[int]]:
+        """(gRPC's log lines about fork, the children's exit codes)"""
+        proc = subprocess.run([sys.executable, "-c", SPAWN_WITH_GRPC_ACTIVE, mode], cwd=REPO_ROOT,
+                              env={**os.environ, "GRPC_VERBOSITY": "INFO"}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return [line for line in proc.stderr.splitlines() if "fork" in line], [int(x) for x in proc.stdout.split()]
+
+    if not spawn("control")[0]:
+        pytest.skip("this grpcio logs nothing about fork handlers, so their absence proves nothing")
+    assert spawn("spawn_stage") == ([], [0] * 5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_worker_whose_launcher_is_already_gone_kills_itself():
+    code = "from workers.parent_death import arm_parent_death_signal; print(arm_parent_death_signal())"
+    alive = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "SPEEDPIPE_PARENT_PID": str(os.getpid())})
+    assert alive.returncode == 0 and alive.stdout.strip() == "True"
+    orphan = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "SPEEDPIPE_PARENT_PID": "1"})  # not its parent: "launcher gone"
+    assert orphan.returncode == -signal.SIGKILL
+    unset = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "SPEEDPIPE_PARENT_PID"})
+    assert unset.stdout.strip() == "False"
