@@ -28,7 +28,8 @@ import torch
 from pipeline.items import Item, ItemKind
 from pipeline.predictors import ExitGuess, Predictor, make_predictor
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Commit, Scheduler, SchedulerConfig
+from pipeline.scheduler import Scheduler
+from pipeline.scheduler_types import Commit, SchedulerConfig
 from pipeline.timeline import Timeline
 from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.wire import Message, MessageKind

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import itertools
 import math
 from collections.abc import Sequence
@@ -72,132 +71,7 @@ from pipeline.items import Item, ItemKind
 from pipeline.ledger import SequenceLedger
 from pipeline.predictors import ExitGuess, Predictor
 from pipeline.sampling import Sampler, SamplingParams
-
-
-class FinishReason(enum.Enum):
-    """Why a sequence stopped: token budget, end-of-sequence token, stop string, or aborted."""
-
-    LENGTH = "length"
-    EOS = "eos"
-    STOP = "stop"
-    ABORTED = "aborted"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """Limits of the pipeline the scheduler feeds. Raises ValueError on out-of-range values."""
-
-    num_stages: int
-    max_num_seqs: int = 8
-    max_model_len: int = 2048
-    max_inflight_batches: int = 0  # 0 = num_stages
-    eos_token_ids: tuple[int, ...] = ()
-    speculate: bool = False
-    max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
-    min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
-    firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
-    firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
-    exit_skipping: bool = True  # False: every item wants the exit head ([Note: exit-head skipping]; benchmarks)
-
-    def __post_init__(self) -> None:
-        if self.firp_k < 0:
-            raise ValueError(f"--firp-k must be >= 1, got {self.firp_k}")
-        if not 0.0 <= self.firp_min_prob <= 1.0:
-            raise ValueError(f"--firp-min-prob must be in [0, 1], got {self.firp_min_prob}")
-        if self.num_stages < 1:
-            raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if self.max_inflight_batches == 0:
-            object.__setattr__(self, "max_inflight_batches", self.num_stages)
-        if self.max_inflight == 0:
-            object.__setattr__(self, "max_inflight", self.num_stages)
-        if self.max_inflight < 1:
-            raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"--min-acceptance must be in [0, 1], got {self.min_acceptance}")
-
-
-@dataclasses.dataclass
-class SequenceState:
-    """One sequence as the coordinator sees it. `output_ids` are committed tokens only."""
-
-    seq_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    sampler: Sampler
-    ledger: SequenceLedger
-    slot: int = -1
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    pending: Item | None = None  # the next item to send (real or draft)
-    exit_seen: tuple[int, int, ExitGuess | None] | None = None  # (position, epoch, guess) of the last exit event
-    pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
-    pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket
-    # position of each sent run-ahead draft -> (DraftGate bucket, draft token, epoch)
-    draft_keys: dict[int, tuple[tuple[str, int], int, int]] = dataclasses.field(default_factory=dict)
-    firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def epoch(self) -> int:
-        return self.ledger.epoch
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus committed tokens."""
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def context(self) -> list[int]:
-        """Prompt, committed and in-flight draft tokens, up to the chain's end (predictor input)."""
-        # In-flight items at positions < known_len carry committed tokens (an accepted draft stays in
-        # flight until its own result comes back); only later positions are still guesses.
-        known = self.ledger.known_len
-        drafts = [t for f in self.ledger.inflight for p, t in enumerate(f.tokens, f.position) if p >= known]
-        return self.prompt_ids + self.output_ids + drafts
-
-
-@dataclasses.dataclass(frozen=True)
-class Commit:
-    """Tokens newly committed for one sequence by one result, and its finish reason if it ended."""
-
-    seq_id: int
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-
-
-@dataclasses.dataclass
-class SpecCounters:
-    """Speculation totals: drafts sent, drafts verified and accepted (SPEED and FIRP together),
-    items squashed; FIRP's own share; and real passes (results that committed) with their tokens."""
-
-    drafted_tokens: int = 0
-    verified_drafts: int = 0
-    accepted_tokens: int = 0
-    squashed_items: int = 0
-    gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
-    firp_drafted: int = 0
-    firp_verified: int = 0
-    firp_accepted: int = 0
-    passes: int = 0
-    committed_tokens: int = 0
-    exit_rows: int = 0  # decode items the exit head ran on ([Note: exit-head skipping])
-    exit_rows_skipped: int = 0  # decode items that passed the exit stage without it
-
-    @property
-    def tokens_per_pass(self) -> float:
-        """Committed tokens per result (1 without speculation; 1 + accepted drafts per pass)."""
-        return self.committed_tokens / self.passes if self.passes else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / verified drafts (0 when none were verified)."""
-        return self.accepted_tokens / self.verified_drafts if self.verified_drafts else 0.0
+from pipeline.scheduler_types import Commit, FinishReason, SchedulerConfig, SequenceState, SpecCounters
 
 
 class Scheduler:

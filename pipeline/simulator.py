@@ -31,7 +31,8 @@ import torch
 from pipeline.items import Item, ItemKind
 from pipeline.predictors import Draft, ExitGuess
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler, SchedulerConfig
+from pipeline.scheduler import Scheduler
+from pipeline.scheduler_types import SchedulerConfig
 from pipeline.timeline import Timeline
 
 SIM_VOCAB = 50_000

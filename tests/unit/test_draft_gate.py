@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from pipeline.draft_gate import DraftGate
 from pipeline.predictors import Draft
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler, SchedulerConfig
+from pipeline.scheduler import Scheduler
+from pipeline.scheduler_types import SchedulerConfig
 from tests.adversarial_predictors import AlwaysWrongPredictor, PerfectPredictor, ReferenceTable
 from tests.unit.test_speculation_scheduler import PROMPTS, FakePipeline, greedy_reference
 

@@ -19,7 +19,8 @@ from pipeline.model import build_stage_model, random_state_dict
 from pipeline.partition import balanced_split
 from pipeline.predictors import ExitGuess, ExitHead, LogitLensPredictor, NGramPredictor
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler, SchedulerConfig
+from pipeline.scheduler import Scheduler
+from pipeline.scheduler_types import SchedulerConfig
 from pipeline.simulator import Bernoulli, CostModel, SimConfig, Simulator
 from pipeline.stage_executor import StageExecutor
 from tests.unit.test_speculation_scheduler import PROMPTS, _generate, greedy_reference

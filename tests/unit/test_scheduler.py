@@ -19,7 +19,8 @@ import torch
 
 from pipeline.items import Item, ItemKind
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import FinishReason, Scheduler, SchedulerConfig
+from pipeline.scheduler import Scheduler
+from pipeline.scheduler_types import FinishReason, SchedulerConfig
 
 EOS = 2
 

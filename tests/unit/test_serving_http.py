@@ -25,7 +25,7 @@ from launcher.openai_protocol import parse_chat, parse_completion, render_chat
 from launcher.server import HttpServer
 from launcher.serving_engine import InvalidRequestError, ServingEngine
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Commit, FinishReason, SpecCounters
+from pipeline.scheduler_types import Commit, FinishReason, SpecCounters
 from pipeline.timeline import Timeline
 from pipeline.tokenizer import Tokenizer
 from proto import speedpipe_pb2 as pb

@@ -34,7 +34,8 @@ from pipeline.kv_cache import KVCache
 from pipeline.partition import LayerRange
 from pipeline.predictors import Draft, ExitGuess, LogitLensPredictor
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import FinishReason, Scheduler, SchedulerConfig, SpecCounters
+from pipeline.scheduler import Scheduler
+from pipeline.scheduler_types import FinishReason, SchedulerConfig, SpecCounters
 from pipeline.stage_executor import StageExecutor
 from tests.adversarial_predictors import (
     AlwaysWrongPredictor,
