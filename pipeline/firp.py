@@ -3,7 +3,7 @@
 Source: "FIRP: Faster LLM Inference via Future Intermediate Representation Prediction"
 (arXiv 2410.20488) §3: at layer L, k linear maps turn the hidden state h_t of the last known
 position into pseudo hidden states for positions t+1 .. t+k; they then run through layers L+1 ..
-N attending to the real context (pipeline/model.py, [Note: pseudo rows]) and the LM head turns
+N attending to the real context (pipeline/model.py; [Note: pseudo rows] in pipeline/spans.py) and the LM head turns
 pseudo row i into a draft of the token at position t+i+1.
 
 Owns the `FirpMaps` module (maps.{i}.weight [H, H], maps.{i}.bias [H], i = 1..k; identity at

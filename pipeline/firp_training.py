@@ -6,7 +6,7 @@ hidden states. A linear map under an MSE loss has a closed-form optimum, so `fit
 solves it exactly (ridge least squares, the ridge picked on a validation slice of the training
 windows) instead of running an optimiser from the identity.
 `firp_acceptance` measures what matters in the pipeline: accepted drafts per pass, with the real
-pseudo-row forward of pipeline/model.py ([Note: pseudo rows]) on the base model's own greedy
+pseudo-row forward of pipeline/model.py ([Note: pseudo rows] in pipeline/spans.py) on the base model's own greedy
 continuations of held-out text, replaying the chain policy of the scheduler ([Note: FIRP policy]).
 Owns: the maths only. Must not: read corpora or files, or parse command lines.
 """
@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pipeline.firp import FirpMaps
-from pipeline.model import Span, StageModel
+from pipeline.model import StageModel
+from pipeline.spans import Span
 
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1)  # ridge strength, relative to the mean diagonal of X^T X
 

@@ -35,7 +35,7 @@ class Item:
         them); otherwise only the argmax id.
     draft_token: the draft injected right after this item (SPEED; NO_TOKEN if none).
     firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
-        `firp_anchors` rows (see [Note: pseudo rows] in pipeline/model.py); 0 = none.
+        `firp_anchors` rows (see [Note: pseudo rows] in pipeline/spans.py); 0 = none.
     want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
         clears it when no draft made from that guess could be sent ([Note: exit-head skipping] in
         pipeline/scheduler.py); prefill items never get a guess either way.

@@ -9,15 +9,7 @@ Tokens of several items (sequences) are packed along one axis ("varlen" layout, 
     x: [num_tokens] token ids (first stage) or [num_tokens, hidden_size] hidden states (others)
     spans: one `Span(slot, start, num_tokens)` per item, in the same order as the packed rows.
 
-[Note: pseudo rows]
-FIRP (arXiv 2410.20488 §3) adds *pseudo rows*: hidden states predicted at an intermediate layer
-for future positions. A span with `num_anchors` A and `chain_len` k owns A chains of k pseudo rows;
-chain a hangs off real row n - A + a (position p_a) and its rows sit at positions p_a + 1 .. p_a + k.
-Pseudo rows follow all real rows of the micro-batch, span by span, chain by chain. A pseudo row
-attends to the cached keys of positions <= p_a (including this pass's real rows up to its anchor)
-and causally to the earlier rows of its own chain; real rows never see pseudo rows. Pseudo rows
-are never written into the KV cache: running them is exactly running the chain as real tokens
-on a copy of the cache truncated after the anchor (tests/unit/test_pseudo_rows.py checks this).
+FIRP pseudo rows: [Note: pseudo rows] in pipeline/spans.py.
 """
 
 from __future__ import annotations
@@ -33,65 +25,7 @@ from torch import nn
 from pipeline.config import ModelConfig, RopeScaling
 from pipeline.kv_cache import KVCache
 from pipeline.partition import LayerRange
-
-
-@dataclasses.dataclass(frozen=True)
-class Span:
-    """Where one item's rows sit: KV `slot`, first position `start`, `num_tokens` rows; plus its
-    FIRP pseudo chains: `chain_len` rows hanging off each of its last `num_anchors` rows
-    (see [Note: pseudo rows])."""
-
-    slot: int
-    start: int
-    num_tokens: int
-    num_anchors: int = 0
-    chain_len: int = 0
-
-    @property
-    def num_pseudo(self) -> int:
-        """Pseudo rows of this span (0 without FIRP chains)."""
-        return self.num_anchors * self.chain_len if self.chain_len else 0
-
-    def pseudo_positions(self) -> list[int]:
-        """Positions of the pseudo rows, chain by chain: [num_pseudo]."""
-        first_anchor = self.start + self.num_tokens - self.num_anchors
-        return [first_anchor + a + 1 + j for a in range(self.num_anchors) for j in range(self.chain_len)]
-
-    def pseudo_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Attention mask of this span's real then pseudo queries over cached then pseudo keys:
-        [num_tokens + num_pseudo, start + num_tokens + num_pseudo] bool (True = may attend)."""
-        n, p, end = self.num_tokens, self.num_pseudo, self.start + self.num_tokens
-        mask = torch.zeros(n + p, end + p, dtype=torch.bool)
-        key_pos = torch.arange(end)
-        mask[:n, :end] = key_pos[None, :] <= torch.arange(self.start, end)[:, None]
-        k = self.chain_len
-        causal = torch.ones(k, k, dtype=torch.bool).tril()
-        for a in range(self.num_anchors):
-            anchor_pos = end - self.num_anchors + a
-            rows = slice(n + a * k, n + (a + 1) * k)
-            mask[rows, :anchor_pos + 1] = True
-            mask[rows, end + a * k:end + (a + 1) * k] = causal
-        return mask.to(device)
-
-
-@dataclasses.dataclass
-class PseudoLayout:
-    """Where the pseudo rows of a packed micro-batch sit: after the `num_real` real rows; span i's
-    rows start at `offsets[i]`; `masks[i]` from `Span.pseudo_mask` (None: span has none)."""
-
-    num_real: int
-    offsets: list[int]
-    masks: list[torch.Tensor | None]
-
-    @classmethod
-    def build(cls, spans: Sequence[Span], device: torch.device | str) -> PseudoLayout:
-        num_real = sum(s.num_tokens for s in spans)
-        offsets, masks, row = [], [], num_real
-        for s in spans:
-            offsets.append(row)
-            masks.append(s.pseudo_mask(device) if s.num_pseudo else None)
-            row += s.num_pseudo
-        return cls(num_real, offsets, masks)
+from pipeline.spans import PseudoLayout, Span, anchor_rows, last_rows_of
 
 
 @dataclasses.dataclass
@@ -209,7 +143,7 @@ class Attention(nn.Module):
             keys, values = kv.view(layer, span.slot, end)  # [kv_heads, end, head_dim]
             if pseudo is None or pseudo.masks[i] is None:
                 out[rows] = _attend(q[rows], keys, values, span.start)
-            else:  # [Note: pseudo rows]: real + pseudo queries over cached + pseudo keys, never cached
+            else:  # [Note: pseudo rows] (pipeline/spans.py): real + pseudo queries over cached + pseudo keys, never cached
                 prows = slice(pseudo.offsets[i], pseudo.offsets[i] + span.num_pseudo)
                 keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
                 values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
@@ -336,7 +270,7 @@ class StageModel(nn.Module):
                      logit_rows: torch.Tensor | None = None, exit_layer: int | None = None,
                      pseudo: torch.Tensor | None = None, firp_layer: int | None = None,
                      make_pseudo=None) -> StageForward:
-        """Run this stage on packed real rows and FIRP pseudo rows ([Note: pseudo rows]).
+        """Run this stage on packed real rows and FIRP pseudo rows ([Note: pseudo rows] in pipeline/spans.py).
 
         x, spans, logit_rows, exit_layer: as in `forward` / `forward_with_exit`.
         pseudo: [sum num_pseudo, hidden] pseudo rows made by an earlier stage, or None.
@@ -350,7 +284,7 @@ class StageModel(nn.Module):
             kv.check_write(span.slot, span.start, span.num_tokens)
         device = x.device
         positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans]).to(device)
-        last_rows = torch.tensor(list(_last_rows(spans)), device=device)
+        last_rows = torch.tensor(list(last_rows_of(spans)), device=device)
         h = self.embed_tokens(x) if self.is_first else x
         num_real = h.shape[0]
         layout = None
@@ -363,7 +297,7 @@ class StageModel(nn.Module):
             if exit_layer is not None and int(name) == exit_layer:
                 exit_hidden = h[last_rows]
             if layout is None and make_pseudo is not None and int(name) == firp_layer:
-                anchors = torch.tensor(list(_anchor_rows(spans)), dtype=torch.int64, device=device)
+                anchors = torch.tensor(list(anchor_rows(spans)), dtype=torch.int64, device=device)
                 if len(anchors):
                     h, positions, layout = self._add_pseudo(h, positions, make_pseudo(h[anchors]), spans)
                     cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
@@ -388,22 +322,6 @@ class StageModel(nn.Module):
         pos = torch.tensor([p for s in spans for p in s.pseudo_positions()], dtype=positions.dtype)
         return (torch.cat([h, pseudo.to(h.dtype)]), torch.cat([positions, pos.to(positions.device)]),
                 PseudoLayout.build(spans, h.device))
-
-
-def _last_rows(spans: Sequence[Span]):
-    row = 0
-    for span in spans:
-        row += span.num_tokens
-        yield row - 1
-
-
-def _anchor_rows(spans: Sequence[Span]):
-    """Packed row indices of the anchors of every span's pseudo chains, in span order."""
-    row = 0
-    for span in spans:
-        if span.num_pseudo:
-            yield from range(row + span.num_tokens - span.num_anchors, row + span.num_tokens)
-        row += span.num_tokens
 
 
 def checkpoint_name(param_name: str, config: ModelConfig) -> str:

@@ -24,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.config import ModelConfig
-from pipeline.model import Span, StageModel, build_stage_model, rope_cos_sin
+from pipeline.model import StageModel, build_stage_model, rope_cos_sin
 from pipeline.partition import LayerRange
+from pipeline.spans import Span
 from pipeline.weights import CheckpointReader, all_tensor_names
 
 SOTU = "sotu"

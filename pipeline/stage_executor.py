@@ -25,8 +25,9 @@ import torch
 from pipeline.firp import FirpMaps
 from pipeline.items import Item, ItemKind
 from pipeline.kv_cache import KVCache
-from pipeline.model import Span, StageModel
+from pipeline.model import StageModel
 from pipeline.predictors import ExitHead
+from pipeline.spans import Span
 
 
 @dataclasses.dataclass
@@ -80,7 +81,7 @@ class StageExecutor:
     FIRP: `firp_layer` is the layer whose output feeds the FIRP maps (known to every stage, so a
     stage after it can check that pseudo rows arrived); `firp_maps` is held by the stage that has
     that layer, which turns each item's anchors into pseudo rows ([Note: pseudo rows] in
-    pipeline/model.py).
+    pipeline/spans.py).
     """
 
     def __init__(self, model: StageModel, kv: KVCache, *, exit_layer: int | None = None,

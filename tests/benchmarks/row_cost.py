@@ -27,9 +27,10 @@ import torch
 
 from pipeline.firp import FirpMaps
 from pipeline.kv_cache import KVCache
-from pipeline.model import Span, StageModel
+from pipeline.model import StageModel
 from pipeline.models import DEFAULT_MODEL, resolve_model
 from pipeline.predictor_data import load_full_model
+from pipeline.spans import Span
 
 # (real rows, FIRP chain length k): plain decode, a SPEED/verify pass of n rows, FIRP verify passes
 SHAPES = [(1, 0), (2, 0), (3, 0), (5, 0), (8, 0), (1, 2), (3, 2), (1, 4), (5, 4)]

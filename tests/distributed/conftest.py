@@ -28,9 +28,10 @@ from safetensors.torch import load_file, save_file
 
 from launcher.session import PipelineOptions, PipelineSession, ResolvedModel, resolve
 from pipeline.config import ModelConfig
-from pipeline.model import Span, StageModel, build_stage_model
+from pipeline.model import StageModel, build_stage_model
 from pipeline.partition import LayerRange
 from pipeline.sampling import Sampler, SamplingParams
+from pipeline.spans import Span
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, all_tensor_names
 from tests.tiny_model import write_tiny_model

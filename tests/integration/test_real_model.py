@@ -17,9 +17,10 @@ import torch
 
 from launcher.session import PipelineOptions, PipelineSession, resolve
 from pipeline.config import ModelConfig
-from pipeline.model import Span, build_stage_model
+from pipeline.model import build_stage_model
 from pipeline.partition import LayerRange
 from pipeline.sampling import SamplingParams
+from pipeline.spans import Span
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 

@@ -14,8 +14,9 @@ import torch
 import transformers
 
 from pipeline.config import ModelConfig, RopeScaling, tiny_config
-from pipeline.model import Span, StageModel, build_stage_model, random_state_dict
+from pipeline.model import StageModel, build_stage_model, random_state_dict
 from pipeline.partition import LayerRange, balanced_split, split_from_sizes
+from pipeline.spans import Span
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, all_tensor_names, stage_tensor_names
 from tests.tiny_model import TINY_EOS_ID, write_tiny_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.config import tiny_config
-from pipeline.model import Span, build_stage_model, random_state_dict
+from pipeline.model import build_stage_model, random_state_dict
 from pipeline.partition import LayerRange
 from pipeline.predictor_data import (
     Corpus,
@@ -16,6 +16,7 @@ from pipeline.predictor_data import (
     split_documents,
     token_windows,
 )
+from pipeline.spans import Span
 
 
 def _byte_encode(text: str) -> list[int]:

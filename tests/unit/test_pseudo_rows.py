@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from pipeline.config import tiny_config
-from pipeline.model import Span, build_stage_model, random_state_dict
+from pipeline.model import build_stage_model, random_state_dict
 from pipeline.partition import LayerRange
+from pipeline.spans import Span
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 PROMPT = [5, 17, 200, 33, 9, 81, 140, 7, 99]

@@ -1,0 +1,95 @@
+"""Where an item's rows sit in a packed micro-batch: `Span`, and the layout of FIRP pseudo rows.
+
+[Note: pseudo rows]
+FIRP (arXiv 2410.20488 §3) adds *pseudo rows*: hidden states predicted at an intermediate layer
+for future positions. A span with `num_anchors` A and `chain_len` k owns A chains of k pseudo rows;
+chain a hangs off real row n - A + a (position p_a) and its rows sit at positions p_a + 1 .. p_a + k.
+Pseudo rows follow all real rows of the micro-batch, span by span, chain by chain. A pseudo row
+attends to the cached keys of positions <= p_a (including this pass's real rows up to its anchor)
+and causally to the earlier rows of its own chain; real rows never see pseudo rows. Pseudo rows
+are never written into the KV cache: running them is exactly running the chain as real tokens
+on a copy of the cache truncated after the anchor (tests/unit/test_pseudo_rows.py checks this).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Where one item's rows sit: KV `slot`, first position `start`, `num_tokens` rows; plus its
+    FIRP pseudo chains: `chain_len` rows hanging off each of its last `num_anchors` rows
+    (see [Note: pseudo rows])."""
+
+    slot: int
+    start: int
+    num_tokens: int
+    num_anchors: int = 0
+    chain_len: int = 0
+
+    @property
+    def num_pseudo(self) -> int:
+        """Pseudo rows of this span (0 without FIRP chains)."""
+        return self.num_anchors * self.chain_len if self.chain_len else 0
+
+    def pseudo_positions(self) -> list[int]:
+        """Positions of the pseudo rows, chain by chain: [num_pseudo]."""
+        first_anchor = self.start + self.num_tokens - self.num_anchors
+        return [first_anchor + a + 1 + j for a in range(self.num_anchors) for j in range(self.chain_len)]
+
+    def pseudo_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Attention mask of this span's real then pseudo queries over cached then pseudo keys:
+        [num_tokens + num_pseudo, start + num_tokens + num_pseudo] bool (True = may attend)."""
+        n, p, end = self.num_tokens, self.num_pseudo, self.start + self.num_tokens
+        mask = torch.zeros(n + p, end + p, dtype=torch.bool)
+        key_pos = torch.arange(end)
+        mask[:n, :end] = key_pos[None, :] <= torch.arange(self.start, end)[:, None]
+        k = self.chain_len
+        causal = torch.ones(k, k, dtype=torch.bool).tril()
+        for a in range(self.num_anchors):
+            anchor_pos = end - self.num_anchors + a
+            rows = slice(n + a * k, n + (a + 1) * k)
+            mask[rows, :anchor_pos + 1] = True
+            mask[rows, end + a * k:end + (a + 1) * k] = causal
+        return mask.to(device)
+
+
+@dataclasses.dataclass
+class PseudoLayout:
+    """Where the pseudo rows of a packed micro-batch sit: after the `num_real` real rows; span i's
+    rows start at `offsets[i]`; `masks[i]` from `Span.pseudo_mask` (None: span has none)."""
+
+    num_real: int
+    offsets: list[int]
+    masks: list[torch.Tensor | None]
+
+    @classmethod
+    def build(cls, spans: Sequence[Span], device: torch.device | str) -> PseudoLayout:
+        num_real = sum(s.num_tokens for s in spans)
+        offsets, masks, row = [], [], num_real
+        for s in spans:
+            offsets.append(row)
+            masks.append(s.pseudo_mask(device) if s.num_pseudo else None)
+            row += s.num_pseudo
+        return cls(num_real, offsets, masks)
+
+
+def last_rows_of(spans: Sequence[Span]):
+    """Packed row index of every span's last real row, in span order."""
+    row = 0
+    for span in spans:
+        row += span.num_tokens
+        yield row - 1
+
+
+def anchor_rows(spans: Sequence[Span]):
+    """Packed row indices of the anchors of every span's pseudo chains, in span order."""
+    row = 0
+    for span in spans:
+        if span.num_pseudo:
+            yield from range(row + span.num_tokens - span.num_anchors, row + span.num_tokens)
+        row += span.num_tokens
