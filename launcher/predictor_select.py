@@ -74,9 +74,10 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
 
 def exit_head_rows(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
                    exit_layer: int, folder: Path = SHIPPED_DIR) -> int:
-    """How many LM-head rows the exit head at `exit_layer` scores under the rules above: the trained
-    file's draft vocabulary size (pipeline/predictors.py [Note: draft vocabulary]), else the model's
-    vocabulary. Reads file headers only and never raises: choose_exit_predictor reports bad files."""
+    """How many LM-head rows the exit head at `exit_layer` scores under the rules above: the draft
+    vocabulary size (pipeline/predictors.py [Note: draft vocabulary]) of the trained file that would
+    run there, else the model's vocabulary (also for a given file trained at another layer). Reads
+    file headers only and never raises: choose_exit_predictor reports bad files."""
     full = config.vocab_size
     if predictor == "logit-lens" or exit_predictor == "none":
         return full
@@ -87,5 +88,7 @@ def exit_head_rows(*, predictor: str, exit_predictor: str | None, model_dir: Pat
     try:
         meta = read_predictor_meta(path) if path is not None else {}
     except (OSError, ValueError):
+        return full
+    if meta.get("exit_layer") != exit_layer:  # not the head that would run at this layer
         return full
     return int(meta.get("draft_vocab_size", full))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from launcher.session import PipelineOptions, PipelineSession, resolve
+from pipeline.predictor_file import load_predictor_bytes, save_predictor
 from pipeline.predictors import make_predictor
 from pipeline.sampling import SamplingParams
 from tests.adversarial_predictors import SwitchablePredictor
@@ -71,3 +72,14 @@ def test_default_split_costs_the_shipped_head_by_its_draft_vocabulary(smollm2_di
         assert trained.exit_predictor and trained.exit_layer == trained.ranges[0].stop - 1, trained.predictor_note
         assert len(trained.ranges[0]) > len(lens.ranges[0]), (stages, trained.ranges, lens.ranges)
         assert not lens.exit_predictor
+
+
+def test_a_given_head_keeps_its_own_exit_layer(smollm2_dir: Path, smollm2_cache: Path, tmp_path: Path):
+    """`--predictor FILE` trained at another layer than the draft-vocabulary split's exit: the split
+    ends stage 0 at the file's layer instead (here the whole-vocabulary split, 15,15)."""
+    shipped = resolve(_options(2, smollm2_dir, smollm2_cache, "speed"))
+    pred = load_predictor_bytes(shipped.exit_predictor)
+    assert pred.draft_vocab is not None
+    path = save_predictor(tmp_path / "L14.safetensors", pred.tensors, {**pred.meta, "exit_layer": 14})
+    model = resolve(dataclasses.replace(_options(2, smollm2_dir, smollm2_cache, "speed"), predictor=str(path)))
+    assert model.exit_layer == 14 and [len(r) for r in model.ranges] == [15, 15] and model.exit_predictor

@@ -94,8 +94,9 @@ def test_exit_head_rows_reads_the_draft_vocabulary_of_the_head_it_would_use(tiny
         return exit_head_rows(predictor=predictor, exit_predictor=exit_predictor, model_dir=model_dir, config=config,
                               exit_layer=layer, folder=shipped)
 
-    assert rows("hybrid") == rows("early-exit") == rows(str(explicit)) == rows("hybrid", str(explicit), 1) == 5
+    assert rows("hybrid") == rows("early-exit") == rows(str(explicit)) == rows("hybrid", str(explicit)) == 5
     assert rows("hybrid", layer=1) == config.vocab_size  # no head ships at layer 1
+    assert rows(str(explicit), layer=1) == config.vocab_size  # the given file was trained at layer 2
     assert rows("logit-lens") == rows("hybrid", "none") == config.vocab_size
     assert rows(str(path), layer=1) == config.vocab_size  # a trained head without a draft vocabulary
     assert rows(str(tmp_path / "missing.safetensors")) == config.vocab_size  # reported later by choose_*
