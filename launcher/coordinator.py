@@ -405,7 +405,7 @@ class Coordinator:
                 self.events.put(("result", msg))
             elif msg.kind == MessageKind.DRAFT:
                 self.events.put(("exit", msg))
-            elif msg.kind == MessageKind.SHUTDOWN and is_last:
+            elif msg.kind == MessageKind.SHUTDOWN:  # from the last stage, and from the exit stage
                 return
             elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE) or not is_last:
                 self.events.put(("error", PipelineError(f"unexpected {msg.kind.name} from {rank_name(rank)}")))
@@ -455,9 +455,8 @@ class Coordinator:
             try:
                 self.sends.send(Message(MessageKind.SHUTDOWN), 1)
                 self.sends.flush()
-                last = self._receivers[-1] if self._receivers else None
-                if last is not None:
-                    last.join(timeout=self.config.stage_timeout_s)
+                for receiver in self._receivers:  # each ends on its source's SHUTDOWN
+                    receiver.join(timeout=self.config.stage_timeout_s)
             except ChannelError as exc:
                 log.warning("data plane shutdown failed: %s", exc)
         for stub in self.stubs:

@@ -52,6 +52,10 @@ class StageLoop:
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
                 self.sends.send(msg, self.next_rank)
                 if msg.kind == MessageKind.SHUTDOWN:
+                    if self.executor.exit_layer is not None and not self.is_last:
+                        # the coordinator's receiver of exit events ends on it too (no thread is
+                        # left blocked in a receive when the process group goes away)
+                        self.sends.send(Message(MessageKind.SHUTDOWN), 0)
                     self.sends.flush()
                     log.info("[Stage %d] data plane shut down", self.stage_index)
                     return

@@ -323,3 +323,27 @@ def test_sampling_with_drafts_keeps_the_token_distribution(pipeline: SpecPipelin
 def test_greedy_with_send_time_drafts_equals_plain_decoding(pipeline: SpecPipeline, refs: References, kind: str,
                                                             num_prompts: int):
     _greedy_equals_reference(pipeline, refs, kind, num_prompts)
+
+
+def test_closing_a_speculating_session_ends_every_coordinator_receiver(sharp_model_dir: Path):
+    """The exit stage passes SHUTDOWN to the coordinator too, so the receiver of its exit events
+    ends with the data plane, before any stage is told to exit (a receiver left blocked in a gloo
+    receive made the launcher abort at exit: "terminate called without an active exception")."""
+    options = session_options(sharp_model_dir, speculate="speed", predictor="logit-lens", num_stages=3,
+                              stage_timeout_s=10.0)
+    alive_at_stage_shutdown: list[list[str]] = []
+
+    class Stub:  # records which receivers still run when the first stage is told to shut down
+        def __init__(self, stub):
+            self.stub = stub
+
+        def Shutdown(self, *args, **kwargs):  # noqa: N802 - the gRPC method's name
+            alive_at_stage_shutdown.append([t.name for t in receivers if t.is_alive()])
+            return self.stub.Shutdown(*args, **kwargs)
+
+    with PipelineSession(options, resolve(options)) as session:
+        run_launch(session, [PROMPTS[0]], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
+        receivers = list(session.coordinator._receivers)
+        session.coordinator.stubs = [Stub(stub) for stub in session.coordinator.stubs]
+    assert [t.name for t in receivers] == ["receiver-1", "receiver-3"]  # exit stage 0, last stage 2
+    assert alive_at_stage_shutdown and alive_at_stage_shutdown[0] == []
