@@ -66,8 +66,12 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
             return ExitPredictorChoice(note=f"no trained early-exit head for {name} at exit layer {exit_layer}; "
                                             f"{predictor} uses the untrained logit lens")
     pred = load_predictor(path, expect=identity, exit_layer=exit_layer, kind="early-exit")
-    agreement = pred.meta.get("eval", {}).get("top1_agreement")
-    measured = f" (held-out top-1 agreement {agreement:.0%})" if isinstance(agreement, float) else ""
+    evals = pred.meta.get("eval", {})
+    agreement, drafted = evals.get("top1_agreement"), evals.get("draft_vocab_top1_agreement")
+    if isinstance(drafted, float) and pred.draft_vocab is not None:  # what the exit stage runs
+        measured = f" (held-out top-1 agreement {drafted:.0%} over its {pred.draft_vocab.numel()}-token draft vocabulary)"
+    else:
+        measured = f" (held-out top-1 agreement {agreement:.0%})" if isinstance(agreement, float) else ""
     return ExitPredictorChoice(file_bytes=path.read_bytes(), source=str(path),
                                note=f"exit head: trained early-exit {path.name}{measured}")
 

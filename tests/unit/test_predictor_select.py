@@ -100,3 +100,8 @@ def test_exit_head_rows_reads_the_draft_vocabulary_of_the_head_it_would_use(tiny
     assert rows("logit-lens") == rows("hybrid", "none") == config.vocab_size
     assert rows(str(path), layer=1) == config.vocab_size  # a trained head without a draft vocabulary
     assert rows(str(tmp_path / "missing.safetensors")) == config.vocab_size  # reported later by choose_*
+    meta["eval"] |= {"draft_vocab_top1_agreement": 0.75}
+    drafted = save_predictor(tmp_path / "drafted.safetensors", tensors, meta)
+    note = choose_exit_predictor(predictor=str(drafted), exit_predictor=None, model_dir=model_dir, config=config,
+                                 exit_layer=2).note
+    assert "75% over its 5-token draft vocabulary" in note  # what the exit stage runs, not the 50%
