@@ -1,7 +1,7 @@
 """Items: the units of work that travel through the pipeline.
 
 An item is a few consecutive token positions of one sequence, tagged with the sequence's epoch
-(ARCHITECTURE.md §1). Owns the `Item` record and its wire form (a plain msgpack-able dict).
+(ARCHITECTURE.md §1). Owns the `Item` record and its wire form (`items_to_wire` / `items_from_wire`: named columns).
 Must not: know about torch.distributed or processes.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -22,9 +23,6 @@ class ItemKind(enum.IntEnum):
     FIRP = 3
 
 
-NO_TOKEN = -1
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Item:
     """Positions [start, start + num_tokens) of sequence `seq_id`, in KV slot `slot`, at `epoch`.
@@ -33,12 +31,11 @@ class Item:
         stage's input tensor "x", and items carry none).
     want_logits: the last stage returns float32 logits for this item's last row (sampling needs
         them); otherwise only the argmax id.
-    draft_token: the draft injected right after this item (SPEED; NO_TOKEN if none).
     firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
         `firp_anchors` rows (see [Note: pseudo rows] in pipeline/spans.py); 0 = none.
     want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
         clears it when no draft made from that guess could be sent ([Note: exit-head skipping] in
-        pipeline/scheduler.py); prefill items never get a guess either way.
+        pipeline/scheduler.py); prefill items never get a guess either way (`wants_exit_guess`).
     """
 
     seq_id: int
@@ -49,7 +46,6 @@ class Item:
     kind: ItemKind = ItemKind.DECODE
     token_ids: tuple[int, ...] = ()
     want_logits: bool = False
-    draft_token: int = NO_TOKEN
     firp_k: int = 0
     firp_anchors: int = 0
     want_exit: bool = True
@@ -79,44 +75,77 @@ class Item:
         return 1 if self.kind == ItemKind.PREFILL else self.num_tokens
 
     @property
+    def may_precede_draft(self) -> bool:
+        """Whether a draft may follow this item, so it passes the exit layer with an exit event.
+        The one rule: never after a prefill (the first token after a prefill is never speculative,
+        ARCHITECTURE.md §5.5). The scheduler, the exit stage and the simulator all ask this."""
+        return self.kind != ItemKind.PREFILL
+
+    @property
+    def wants_exit_guess(self) -> bool:
+        """Whether the exit stage runs its exit head on this item's last row: a draft may follow
+        it and the scheduler left `want_exit` set ([Note: exit-head skipping] in pipeline/scheduler.py)."""
+        return self.may_precede_draft and self.want_exit
+
+    @property
     def num_pseudo(self) -> int:
         """FIRP pseudo rows this item carries after the FIRP layer."""
         return self.firp_k * self.firp_anchors
-
-    def to_wire(self) -> list[Any]:
-        """Compact msgpack-able form (a list, field order fixed by `_WIRE_FIELDS`)."""
-        return [self.seq_id, self.slot, self.start, self.num_tokens, self.epoch, int(self.kind),
-                list(self.token_ids), self.want_logits, self.draft_token, self.firp_k, self.firp_anchors,
-                self.want_exit]
-
-    @classmethod
-    def from_wire(cls, raw: Any) -> Item:
-        """Parse and validate the wire form. Raises ValueError on anything malformed."""
-        if not isinstance(raw, list) or len(raw) != len(_WIRE_FIELDS):
-            raise ValueError(f"malformed item: expected a list of {len(_WIRE_FIELDS)} fields")
-        fields = dict(zip(_WIRE_FIELDS, raw, strict=True))
-        for name in ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "draft_token", "firp_k", "firp_anchors"):
-            if type(fields[name]) is not int:
-                raise ValueError(f"malformed item: {name} is not an int")
-        for name in ("want_logits", "want_exit"):
-            if type(fields[name]) is not bool:
-                raise ValueError(f"malformed item: {name} is not a bool")
-        tokens = fields["token_ids"]
-        if not isinstance(tokens, list) or any(type(t) is not int for t in tokens):
-            raise ValueError("malformed item: token_ids is not a list of ints")
-        try:
-            kind = ItemKind(fields["kind"])
-        except ValueError:
-            raise ValueError(f"malformed item: unknown kind {fields['kind']}") from None
-        return cls(seq_id=fields["seq_id"], slot=fields["slot"], start=fields["start"],
-                   num_tokens=fields["num_tokens"], epoch=fields["epoch"], kind=kind,
-                   token_ids=tuple(tokens), want_logits=fields["want_logits"], draft_token=fields["draft_token"],
-                   firp_k=fields["firp_k"], firp_anchors=fields["firp_anchors"], want_exit=fields["want_exit"])
 
     def without_tokens(self) -> Item:
         """The same item without its token ids (what stages after the first receive)."""
         return dataclasses.replace(self, token_ids=()) if self.token_ids else self
 
 
-_WIRE_FIELDS = ("seq_id", "slot", "start", "num_tokens", "epoch", "kind", "token_ids", "want_logits", "draft_token",
-                "firp_k", "firp_anchors", "want_exit")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRelease:
+    """A finished sequence whose KV slot every stage frees (a RELEASE message carries these)."""
+
+    seq_id: int
+    slot: int
+
+
+# [Note: item wire form]
+# A micro-batch's items travel as named columns, {field: [value per item]}: every field is named
+# on the wire (a schema, not positions), and the names cost bytes once per message, not per item.
+# `token_ids` is a column of lists (empty after the first stage: they travel as tensor "x").
+ITEM_WIRE_SCHEMA: dict[str, type] = {
+    "seq_id": int, "slot": int, "start": int, "num_tokens": int, "epoch": int, "kind": int,
+    "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
+}
+
+
+def items_to_wire(items: Sequence[Item]) -> dict[str, list[Any]]:
+    """The msgpack-able columns of `items` (see [Note: item wire form])."""
+    cols: dict[str, list[Any]] = {name: [] for name in ITEM_WIRE_SCHEMA}
+    for it in items:
+        for name in ITEM_WIRE_SCHEMA:
+            value = getattr(it, name)
+            cols[name].append(int(value) if name == "kind" else list(value) if name == "token_ids" else value)
+    return cols
+
+
+def items_from_wire(raw: Any) -> list[Item]:
+    """Parse and validate item columns. Raises ValueError naming the first malformed field."""
+    if not isinstance(raw, dict) or set(raw) != set(ITEM_WIRE_SCHEMA):
+        raise ValueError(f"malformed items: expected the columns {sorted(ITEM_WIRE_SCHEMA)}")
+    lengths = {len(col) if isinstance(col, list) else -1 for col in raw.values()}
+    if len(lengths) != 1 or -1 in lengths:
+        raise ValueError("malformed items: columns are not lists of one length")
+    for name, kind in ITEM_WIRE_SCHEMA.items():
+        if any(type(v) is not kind for v in raw[name]):
+            raise ValueError(f"malformed item: {name} is not a {kind.__name__}")
+    if any(type(t) is not int for tokens in raw["token_ids"] for t in tokens):
+        raise ValueError("malformed item: token_ids is not a list of ints")
+    items = []
+    for row in zip(*(raw[name] for name in ITEM_WIRE_SCHEMA), strict=True):
+        fields = dict(zip(ITEM_WIRE_SCHEMA, row, strict=True))
+        try:
+            fields["kind"] = ItemKind(fields["kind"])
+        except ValueError:
+            raise ValueError(f"malformed item: unknown kind {fields['kind']}") from None
+        fields["token_ids"] = tuple(fields["token_ids"])
+        items.append(Item(**fields))
+    return items

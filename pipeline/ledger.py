@@ -40,13 +40,15 @@ from collections.abc import Sequence
 @dataclasses.dataclass(frozen=True)
 class InFlight:
     """One item of this sequence in the pipeline: its first position and input token, whether that
-    token is a draft, its epoch, and the FIRP drafts it carries at the following positions."""
+    token is a draft, its epoch, the FIRP drafts it carries at the following positions, and for a
+    run-ahead draft its adaptive-drafting bucket (pipeline/draft_gate.py; None if ungated)."""
 
     position: int
     token: int
     is_draft: bool
     epoch: int
     drafts: tuple[int, ...] = ()
+    gate_key: tuple[str, int] | None = None
 
     @property
     def last_position(self) -> int:
@@ -61,27 +63,12 @@ class InFlight:
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """Outcome of one result ([Note: chain verify]): the committed tokens, how many drafts were
-    checked and accepted, whether a draft was rejected, and how many in-flight items were squashed.
-
-    token: the last committed token. drafted: some draft was checked. accepted: some draft was
-    checked and none was rejected (the chain goes on)."""
+    checked and accepted, and how many in-flight items were squashed."""
 
     tokens: tuple[int, ...]
     num_verified: int
     num_accepted: int
     squashed: int
-
-    @property
-    def token(self) -> int:
-        return self.tokens[-1]
-
-    @property
-    def drafted(self) -> bool:
-        return self.num_verified > 0
-
-    @property
-    def accepted(self) -> bool:
-        return self.num_verified > 0 and self.num_accepted == self.num_verified
 
 
 class SequenceLedger:
@@ -140,10 +127,10 @@ class SequenceLedger:
         last_budget_position = self.prompt_len + self.max_new_tokens - 1
         return position + 1 < last_budget_position
 
-    def add_draft(self, token: int) -> InFlight:
-        """Record a draft item injected right after the chain's end."""
+    def add_draft(self, token: int, *, gate_key: tuple[str, int] | None = None) -> InFlight:
+        """Record a draft item injected right after the chain's end (gate_key: its DraftGate bucket)."""
         assert self.inflight, "a draft follows an in-flight item"
-        item = InFlight(self.inflight[-1].last_position + 1, token, True, self.epoch)
+        item = InFlight(self.inflight[-1].last_position + 1, token, True, self.epoch, gate_key=gate_key)
         self.inflight.append(item)
         return item
 
@@ -183,10 +170,6 @@ class SequenceLedger:
             return []
         head = self.inflight[0]
         return list(head.drafts) + ([self.inflight[1].token] if len(self.inflight) > 1 else [])
-
-    def next_draft_token(self) -> int | None:
-        """The draft that follows the chain's head (what the head's result is verified against)."""
-        return self.inflight[1].token if len(self.inflight) > 1 else None
 
     def finish(self) -> int:
         """The sequence ended: drop the chain; returns how many in-flight items became useless."""

@@ -2,9 +2,10 @@
 
 Owns every sequence's state (prompt, committed tokens, KV slot, epoch, finish reason), admission
 into KV slots, micro-batch formation, and turning results into committed tokens.
-Pure: the real coordinator (launcher/coordinator.py) and the discrete-event simulator drive the
-same object with the same calls. Must not: do I/O, know about ranks or tokenizers, or read a
-clock (callers pass `now_ns`, real or simulated, used only for overhead measurements).
+Pure, and driven only by `pipeline.engine.Engine` (which the coordinator, the simulator and the
+test fakes all use); the engine owns the micro-batches in flight. Must not: do I/O, know about
+ranks or tokenizers, or read a clock (callers pass `now_ns`, real or simulated, used only for
+overhead measurements).
 
 [Note: micro-batching]
 With S stages, at most `max_inflight_batches` (default S) micro-batches are in the pipeline at
@@ -29,7 +30,7 @@ The exit head (final norm + LM head on the exit hidden state) costs the exit sta
 of work per decode item. Its guess is only worth computing when a draft made from it could be
 sent, so every item the scheduler sends carries `Item.want_exit`, cleared (`_wants_exit`) when:
 - speculation is off or the predictor needs no exit head;
-- the item is a prefill (no draft follows a prefill);
+- the item is a prefill (no draft follows a prefill: `Item.may_precede_draft`);
 - `max_inflight` < 2 (a draft after the item would be a second item in flight);
 - a draft after the item would lie past the token budget (`SequenceLedger.can_draft_after`);
 - the running sequences fill the pipeline (at least `max_inflight_batches` of them): every
@@ -67,11 +68,19 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.draft_gate import DraftGate
-from pipeline.items import Item, ItemKind
+from pipeline.items import Item, ItemKind, SlotRelease
 from pipeline.ledger import SequenceLedger
 from pipeline.predictors import ExitGuess, Predictor
 from pipeline.sampling import Sampler, SamplingParams
-from pipeline.scheduler_types import Commit, FinishReason, SchedulerConfig, SequenceState, SpecCounters
+from pipeline.scheduler_types import (
+    Commit,
+    FinishReason,
+    MicroBatch,
+    SchedulerConfig,
+    SequenceState,
+    SpecCounters,
+)
+from pipeline.verify import verify_result
 
 
 class Scheduler:
@@ -88,13 +97,9 @@ class Scheduler:
         self.ready: collections.deque[int] = collections.deque()  # sequences with a pending real item
         self.drafting: collections.deque[int] = collections.deque()  # sequences with a pending draft
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
-        self.inflight_batches = 0
-        self.to_release: list[tuple[int, int]] = []  # (seq_id, slot) to free on every stage
+        self.to_release: list[SlotRelease] = []  # slots to free on every stage
         self.spec = SpecCounters()
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
-        # (seq_id, start, epoch) of each sent draft -> when it became available (caller's clock),
-        # for measuring the control overhead; the caller pops entries when results come back.
-        self.draft_ready_ns: dict[tuple[int, int, int], int] = {}
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
@@ -136,23 +141,27 @@ class Scheduler:
         return any(not s.finished for s in self.seqs.values())
 
     # -- micro-batches ----------------------------------------------------------------------------
-    def next_batch(self, now_ns: int = 0) -> list[Item] | None:
+    def next_batch(self, now_ns: int = 0, *, num_inflight: int) -> MicroBatch | None:
         """The next micro-batch to send to stage 0, or None if the pipeline is full or idle.
-        now_ns: the caller's clock (real or simulated), used only for the overhead measurements."""
-        if self.inflight_batches >= self.config.max_inflight_batches:
+        num_inflight: micro-batches in flight now (the engine's count); now_ns: the caller's clock
+        (real or simulated), used only for the overhead measurements."""
+        if num_inflight >= self.config.max_inflight_batches:
             return None
         self._admit_waiting()
         # Spread the ready sequences over the free micro-batch slots (5 sequences on 4 stages ->
         # 2,1,1,1), so every stage has work whenever sequences >= stages.
-        free = self.config.max_inflight_batches - self.inflight_batches
+        free = self.config.max_inflight_batches - num_inflight
         size = max(1, math.ceil(len(self.ready) / free))
-        batch = self._take(self.ready, size, now_ns) or self._take(self.drafting, self.config.max_num_seqs, now_ns)
+        ready_ns: list[int] = []
+        batch = (self._take(self.ready, size, now_ns, ready_ns)
+                 or self._take(self.drafting, self.config.max_num_seqs, now_ns, ready_ns))
         if not batch:
             return None
-        self.inflight_batches += 1
-        return batch
+        drafts_only = len(ready_ns) == len(batch)
+        return MicroBatch(items=tuple(batch), drafts_ready_ns=max(ready_ns) if drafts_only else None)
 
-    def _take(self, queue: collections.deque[int], size: int, now_ns: int) -> list[Item]:
+    def _take(self, queue: collections.deque[int], size: int, now_ns: int, ready_ns: list[int]) -> list[Item]:
+        """Pop up to `size` pending items off `queue`; appends each draft's ready time to ready_ns."""
         batch: list[Item] = []
         pipeline_full = self.num_running >= self.config.max_inflight_batches  # [Note: exit-head skipping]
         while queue and len(batch) < size:
@@ -162,11 +171,9 @@ class Scheduler:
             item, seq.pending = seq.pending, None
             item = dataclasses.replace(item, want_exit=self._wants_exit(seq, item, pipeline_full=pipeline_full))
             if item.kind == ItemKind.DRAFT:
-                seq.ledger.add_draft(item.token_ids[0])
-                if seq.pending_key is not None:
-                    seq.draft_keys[item.start] = (seq.pending_key, item.token_ids[0], item.epoch)
+                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key)
                 self.spec.drafted_tokens += 1
-                self.draft_ready_ns[(item.seq_id, item.start, item.epoch)] = seq.pending_ready_ns
+                ready_ns.append(seq.pending_ready_ns)
             elif item.kind == ItemKind.PREFILL:
                 seq.ledger.add_real(item.token_ids[-1])
             else:
@@ -182,11 +189,9 @@ class Scheduler:
         """Whether a draft made from `item`'s exit guess could ever be sent, so the exit stage
         should run its head on it. pipeline_full: the running sequences fill every micro-batch
         slot. See [Note: exit-head skipping]; when unsure, True."""
-        if not self.config.exit_skipping:
-            return True
         if not self.config.speculate or self.predictor is None or not self.predictor.needs_exit_head:
             return False
-        if item.kind == ItemKind.PREFILL or self.config.max_inflight < 2:
+        if not item.may_precede_draft or self.config.max_inflight < 2:
             return False
         last_budget_position = seq.ledger.prompt_len + seq.ledger.max_new_tokens - 1
         if item.end >= last_budget_position:  # as SequenceLedger.can_draft_after(item.end - 1, ...)
@@ -232,9 +237,9 @@ class Scheduler:
         if not self.config.speculate:
             return
         if self.predictor.needs_exit_head:
-            wanted = sum(it.want_exit for it in items if it.kind != ItemKind.PREFILL)
+            wanted = sum(it.wants_exit_guess for it in items)
             self.spec.exit_rows += wanted
-            self.spec.exit_rows_skipped += sum(it.kind != ItemKind.PREFILL for it in items) - wanted
+            self.spec.exit_rows_skipped += sum(it.may_precede_draft for it in items) - wanted
         for item, guess in zip(items, guesses, strict=True):
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished:
@@ -273,22 +278,18 @@ class Scheduler:
         self.drafting.append(seq.seq_id)
 
     # -- results ----------------------------------------------------------------------------------
-    def on_result(self, sent: Sequence[Item], returned: Sequence[Item], token_ids: torch.Tensor,
-                  logits: torch.Tensor | None, now_ns: int = 0, *,
-                  firp_tokens: torch.Tensor | None = None,
+    def on_result(self, returned: Sequence[Item], token_ids: torch.Tensor, logits: torch.Tensor | None,
+                  now_ns: int = 0, *, firp_tokens: torch.Tensor | None = None,
                   firp_probs: torch.Tensor | None = None) -> list[Commit]:
         """Verify and commit the last stage's output for one micro-batch (see [Note: verify] and
         [Note: chain verify]).
 
-        sent: the micro-batch as sent; returned: the items that ran on every stage (a subset, in
-        order); token_ids: [sum of returned items' num_result_rows] argmax of each result row;
+        returned: the items of the micro-batch that ran on every stage (a subset, in order); token_ids: [sum of returned items' num_result_rows] argmax of each result row;
         logits: [result rows of returned items with want_logits, vocab] float32 in item order;
         firp_tokens: [sum of returned items' num_pseudo] FIRP drafts (pseudo-row argmax), or None;
         firp_probs: the same shape, each draft's probability (None: no confidence cut).
         Results of finished sequences or older epochs are ignored.
         """
-        self.inflight_batches -= 1
-        assert self.inflight_batches >= 0, "more results than micro-batches sent"
         commits, row, logit_row, pseudo_row = [], 0, 0, 0
         for item in returned:
             n = item.num_result_rows
@@ -307,43 +308,26 @@ class Scheduler:
             commits.append(self._verify_and_commit(seq, item, argmax, rows, firp, now_ns))
         return commits
 
-    def _chain_tokens(self, seq: SequenceState, argmax: list[int], rows: torch.Tensor | None) -> list[int]:
-        """Tokens to commit from one result ([Note: chain verify]): row by row, each checked against
-        the draft that follows it, stopping after the first mismatch, at EOS or at the budget."""
-        drafts = seq.ledger.drafts_to_verify()
-        out: list[int] = []
-        for i, top in enumerate(argmax):
-            draft = drafts[i] if i < len(drafts) else None
-            if rows is None:
-                token = top
-            elif draft is None:
-                token = seq.sampler.sample(rows[i])
-            else:
-                token = seq.sampler.verify(rows[i], draft)[1]
-            out.append(token)
-            if token in self.config.eos_token_ids and not seq.params.ignore_eos:
-                break
-            if len(seq.output_ids) + len(out) >= seq.params.max_new_tokens or draft is None or token != draft:
-                break
-        return out
-
     def _record_gate(self, seq: SequenceState, item: Item, tokens: list[int]) -> None:
-        """Tell the draft gate whether the run-ahead draft that followed `item` was right. The real
-        token at position item.end is tokens[num_result_rows - 1] when the chain got that far; a draft
-        behind a broken chain was never verified."""
-        entry = seq.draft_keys.pop(item.end, None)
-        if entry is None or entry[2] != item.epoch:
+        """Tell the draft gate whether the run-ahead draft that followed `item` (the chain's second
+        in-flight item, still there: call before the ledger applies the result) was right. The real
+        token at position item.end is tokens[num_result_rows - 1] when the chain got that far; a
+        draft behind a broken chain was never verified."""
+        chain = seq.ledger.inflight
+        if len(chain) < 2 or chain[1].position != item.end or chain[1].gate_key is None:
             return
         i = item.num_result_rows - 1
         if i < len(tokens):
-            self.gate.record(entry[0], accepted=tokens[i] == entry[1])
+            self.gate.record(chain[1].gate_key, accepted=tokens[i] == chain[1].token)
 
     def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: list[int], rows: torch.Tensor | None,
                            firp: list[int], now_ns: int) -> Commit:
         own_drafts = len(seq.ledger.inflight[0].drafts)
-        tokens = self._chain_tokens(seq, argmax, rows)
-        verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
+        tokens = verify_result(argmax=argmax, drafts=seq.ledger.drafts_to_verify(), logits=rows, sampler=seq.sampler,
+                               eos_token_ids=self.config.eos_token_ids, ignore_eos=seq.params.ignore_eos,
+                               budget_left=seq.params.max_new_tokens - len(seq.output_ids))
         self._record_gate(seq, item, tokens)
+        verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         firp_verified = min(len(tokens), own_drafts)
         firp_accepted = min(verdict.num_accepted, firp_verified)
         self.spec.passes += 1
@@ -376,13 +360,13 @@ class Scheduler:
         seq.pending = None
         self.spec.squashed_items += seq.ledger.finish()
         if seq.slot >= 0:
-            self.to_release.append((seq.seq_id, seq.slot))
+            self.to_release.append(SlotRelease(seq.seq_id, seq.slot))
             self.free_slots.append(seq.slot)
             seq.slot = -1
 
-    def take_releases(self) -> list[tuple[int, int]]:
-        """(seq_id, slot) of finished sequences that held a slot: the caller frees the slots on every
-        stage in-band, in order, then `pop`s the sequences."""
+    def take_releases(self) -> list[SlotRelease]:
+        """Finished sequences that held a slot: the caller frees the slots on every stage in-band,
+        in order, then `pop`s the sequences."""
         out, self.to_release = self.to_release, []
         return out
 

@@ -37,7 +37,6 @@ class SchedulerConfig:
     min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
     firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
     firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
-    exit_skipping: bool = True  # False: every item wants the exit head ([Note: exit-head skipping]; benchmarks)
 
     def __post_init__(self) -> None:
         if self.firp_k < 0:
@@ -75,9 +74,7 @@ class SequenceState:
     pending: Item | None = None  # the next item to send (real or draft)
     exit_seen: tuple[int, int, ExitGuess | None] | None = None  # (position, epoch, guess) of the last exit event
     pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
-    pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket
-    # position of each sent run-ahead draft -> (DraftGate bucket, draft token, epoch)
-    draft_keys: dict[int, tuple[tuple[str, int], int, int]] = dataclasses.field(default_factory=dict)
+    pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket (the ledger keeps it once sent)
     firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
 
     @property
@@ -100,6 +97,16 @@ class SequenceState:
         known = self.ledger.known_len
         drafts = [t for f in self.ledger.inflight for p, t in enumerate(f.tokens, f.position) if p >= known]
         return self.prompt_ids + self.output_ids + drafts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MicroBatch:
+    """Items sent to stage 0 together (at most one per sequence, token ids included), and, for a
+    micro-batch of drafts only, when its last draft became available (caller's clock, for the
+    control overhead of `Timeline.draft_gap`); None otherwise."""
+
+    items: tuple[Item, ...]
+    drafts_ready_ns: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

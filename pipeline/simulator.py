@@ -1,12 +1,13 @@
-"""Discrete-event simulator of the pipeline: the real Scheduler, ledger and verify under a cost model.
+"""Discrete-event simulator of the pipeline: the real engine, scheduler, ledger and verify under a cost model.
 
 Owns simulated time, the stages as FIFO servers, the hops between them, and the acceptance process
 that stands in for the model and the predictor. What runs when, what is drafted, verified,
-committed and squashed is decided by the same `pipeline.scheduler.Scheduler` (and through it
-`pipeline.ledger.SequenceLedger` and the sampler's verify) that `launcher/coordinator.py` drives;
-stages drop stale items by the same rule as `StageExecutor.admit` ([Note: in-band squash]). The
-simulator records a `pipeline.timeline.Timeline`, so its runs give the same fractions, traces and
-plots as measured ones. Pure: no processes, no wall clock. Must not: copy scheduling policy.
+committed and squashed is decided by the same `pipeline.engine.Engine` (and through it the
+scheduler, `pipeline.ledger.SequenceLedger` and `pipeline.verify`) that `launcher/coordinator.py`
+drives; stages drop stale items by the same rule as `StageExecutor.admit` (`admit_epochs`,
+[Note: in-band squash]). The engine records a `pipeline.timeline.Timeline`, so simulated runs give
+the same fractions, traces and plots as measured ones. Pure: no processes, no wall clock.
+Must not: copy scheduling policy.
 
 [Note: simulated model]
 The "model" is a truth table: the real next token after position p of sequence i is
@@ -28,12 +29,14 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.items import Item, ItemKind
+from pipeline.engine import Engine
+from pipeline.engine_events import Event, ExitPassed, Result, Submit
+from pipeline.items import Item
 from pipeline.predictors import Draft, ExitGuess
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler
 from pipeline.scheduler_types import SchedulerConfig
-from pipeline.timeline import Timeline
+from pipeline.stage_executor import admit_epochs
+from pipeline.timeline import StageTiming, Timeline
 
 SIM_VOCAB = 50_000
 
@@ -234,12 +237,11 @@ class Simulator:
             raise ValueError("a speculating simulation needs an acceptance process")
         self.config, self.cost, self.max_events = config, cost, max_events
         predictor = SimPredictor(acceptance, needs_exit_head=config.exit_head) if config.speculate else None
-        self.scheduler = Scheduler(SchedulerConfig(
+        self.engine = Engine(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.concurrency,
             max_model_len=max(config.prompt_lens) + config.max_new_tokens + 1, speculate=config.speculate,
-            max_inflight=config.max_inflight), predictor)
-        self.timeline = Timeline(config.num_stages, max_slices=10_000_000)
-        self.record_timeline = record_timeline
+            max_inflight=config.max_inflight), predictor, record_timeline=record_timeline, max_slices=10_000_000,
+            max_commits=None)
         self.now_ns = 0
         self._events: list = []
         self._order = itertools.count()
@@ -247,6 +249,13 @@ class Simulator:
         self._busy = [False] * config.num_stages
         self._coord_free_ns = 0
         self._stage_epochs: list[dict[int, int]] = [{} for _ in range(config.num_stages)]
+        self._link_ns = [0] * config.num_stages  # last arrival on the link into stage i + 1 (FIFO)
+        self._first: dict[int, int] = {}  # seq_id -> time of its first commit
+        self._done: dict[int, int] = {}  # seq_id -> time of its last commit
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.engine.timeline
 
     def _at(self, delay_s: float, kind: str, payload) -> None:
         heapq.heappush(self._events, (self.now_ns + round(delay_s * 1e9), next(self._order), kind, payload))
@@ -254,106 +263,102 @@ class Simulator:
     def run(self) -> SimResult:
         """Simulate until every sequence finished. Raises RuntimeError if it does not converge."""
         cfg = self.config
+        submits = []
         for i, prompt_len in enumerate(cfg.prompt_lens):  # the tag token lets the predictor find the sequence
             prompt = [SIM_VOCAB + i] + [true_token(i, p) for p in range(1, prompt_len)]
-            self.scheduler.add(i, prompt, SamplingParams(max_new_tokens=cfg.max_new_tokens, ignore_eos=True))
-        commits: list[tuple[int, int, int]] = []
-        first: dict[int, int] = {}
-        done: dict[int, int] = {}
-        self._pump()
+            submits.append(Submit(seq_id=i, prompt_ids=tuple(prompt),
+                                  params=SamplingParams(max_new_tokens=cfg.max_new_tokens, ignore_eos=True)))
+        self._step(submits)
         for _ in range(self.max_events):
             if not self._events:
                 break
             self.now_ns = self._events[0][0]
+            engine_events: list[Event] = []  # every engine event of this instant, in one step
             while self._events and self._events[0][0] == self.now_ns:
                 _, _, kind, payload = heapq.heappop(self._events)
                 if kind == "arrive":
-                    stage, batch, items = payload
-                    self._queues[stage].append((batch, items))
+                    stage, timing, items = payload
+                    self._queues[stage].append((timing, items))
                     self._start(stage)
                 elif kind == "done":
                     self._finish(*payload)
                 elif kind == "exit":
-                    self.scheduler.on_exit(payload, [None] * len(payload), self.now_ns)
+                    engine_events.append(ExitPassed(items=tuple(payload), guesses=(None,) * len(payload),
+                                                    at_ns=self.now_ns))
                 elif kind == "result":  # queue for the coordinator's one thread
                     self._coord_free_ns = max(self._coord_free_ns, self.now_ns) + round(self.cost.coordinator_s * 1e9)
                     heapq.heappush(self._events, (self._coord_free_ns, next(self._order), "verify", payload))
                 elif kind == "verify":
-                    batch, returned, timing = payload
-                    for c in self._on_result(batch, returned, timing):
-                        for t in c.token_ids:
-                            commits.append((self.now_ns, c.seq_id, t))
-                        first.setdefault(c.seq_id, self.now_ns)
-                        if c.finish_reason is not None:
-                            done[c.seq_id] = self.now_ns
-            self._pump()
+                    engine_events.append(self._result(*payload))
+            self._step(engine_events)
         else:
             raise RuntimeError(f"simulation did not finish within {self.max_events} events")
+        return self._outcome()
+
+    def _outcome(self) -> SimResult:
+        cfg, done = self.config, self._done
         if len(done) != cfg.concurrency:
             raise RuntimeError(f"simulation stalled: {len(done)} of {cfg.concurrency} sequences finished")
-        spec = self.scheduler.spec
-        return SimResult(wall_s=max(done.values()) / 1e9, generated_tokens=len(commits),
-                         ttft_s=[first[i] / 1e9 for i in range(cfg.concurrency)],
-                         e2e_s=[done[i] / 1e9 for i in range(cfg.concurrency)], commits=commits,
+        spec = self.engine.spec
+        return SimResult(wall_s=max(done.values()) / 1e9, generated_tokens=len(self.engine.commit_log),
+                         ttft_s=[self._first[i] / 1e9 for i in range(cfg.concurrency)],
+                         e2e_s=[done[i] / 1e9 for i in range(cfg.concurrency)], commits=list(self.engine.commit_log),
                          timeline=self.timeline, drafted=spec.drafted_tokens, verified=spec.verified_drafts,
                          accepted=spec.accepted_tokens)
 
     # -- coordinator side ------------------------------------------------------------------------
-    def _pump(self) -> None:
-        for seq_id, _ in self.scheduler.take_releases():
-            self.scheduler.pop(seq_id)
+    def _step(self, events: list[Event]) -> None:
+        """One engine step at the current instant: note commits, forget released sequences on every
+        stage, and send the new micro-batches to stage 0 (token ids: latency only)."""
+        out = self.engine.step(events, self.now_ns)
+        for c in out.commits:
+            self._first.setdefault(c.seq_id, self.now_ns)
+            if c.finish_reason is not None:
+                self._done[c.seq_id] = self.now_ns
+        for release in out.releases:
             for epochs in self._stage_epochs:
-                epochs.pop(seq_id, None)
-        while (batch := self.scheduler.next_batch(self.now_ns)) is not None:
-            self._at(self.cost.hop_s(0), "arrive", (0, (batch, []), batch))  # token ids: latency only
+                epochs.pop(release.seq_id, None)
+        for batch in out.sends:
+            self._at(self.cost.hop_s(0), "arrive", (0, [], list(batch)))
 
-    def _on_result(self, batch: tuple[list[Item], list], returned: list[Item], timing: list):
-        sent, _ = batch
+    def _result(self, timing: list[StageTiming], returned: list[Item]) -> Result:
+        """The simulated model's result: the true next token after every returned item."""
         token_ids = torch.tensor([true_token(it.seq_id, it.end) for it in returned], dtype=torch.int64)
-        commits = self.scheduler.on_result(sent, returned, token_ids, None, self.now_ns)
-        committed_seqs = {c.seq_id for c in commits}
-        ran = {(it.seq_id, it.start, it.epoch) for it in returned}
-        committed = [it.seq_id in committed_seqs and (it.seq_id, it.start, it.epoch) in ran for it in sent]
-        if self.record_timeline:
-            self.timeline.record(timing, sent, sum(committed) / len(sent), committed=committed)
-        return commits
+        return Result(items=tuple(returned), token_ids=token_ids, timing=tuple(timing), at_ns=self.now_ns)
 
     # -- stages ----------------------------------------------------------------------------------
     def _start(self, stage: int) -> None:
         if self._busy[stage] or not self._queues[stage]:
             return
-        batch, items = self._queues[stage].pop(0)
-        epochs = self._stage_epochs[stage]
-        kept = []
-        for it in items:  # StageExecutor.admit: drop items older than the newest epoch seen
-            if it.epoch >= epochs.get(it.seq_id, -1):
-                epochs[it.seq_id] = it.epoch
-                kept.append(it)
+        timing, items = self._queues[stage].pop(0)
+        keep = admit_epochs(self._stage_epochs[stage], items)  # as StageExecutor.admit
+        kept = [it for it, k in zip(items, keep, strict=True) if k]
         n = sum(it.num_tokens for it in kept)
         cost = 0.0
         if kept:
             cost = self.cost.stage_s(stage, n)
-            if self._is_exit(stage, kept) and any(it.want_exit for it in kept if it.kind != ItemKind.PREFILL):
+            if self._is_exit(stage) and any(it.wants_exit_guess for it in kept):
                 cost += self.cost.predictor_s  # the exit head runs only on items that want it (StageExecutor)
             cost *= 1.0 + self.cost.contention * sum(self._busy)
         self._busy[stage] = True
-        self._at(cost, "done", (stage, batch, kept, self.now_ns))
+        self._at(cost, "done", (stage, timing, kept, self.now_ns))
 
-    def _is_exit(self, stage: int, items: list[Item]) -> bool:
-        return (self.config.speculate and self.config.exit_head and stage == self.config.exit_stage
-                and any(it.kind != ItemKind.PREFILL for it in items))
+    def _is_exit(self, stage: int) -> bool:
+        return self.config.speculate and self.config.exit_head and stage == self.config.exit_stage
 
-    def _finish(self, stage: int, batch: tuple[list[Item], list], items: list[Item], start_ns: int) -> None:
+    def _finish(self, stage: int, timing: list[StageTiming], items: list[Item], start_ns: int) -> None:
         self._busy[stage] = False
         if items:
-            batch[1].append([stage, start_ns, self.now_ns])
+            timing.append(StageTiming(stage, start_ns, self.now_ns))
         n = sum(it.num_tokens for it in items)
-        if items and self._is_exit(stage, items):
-            self._at(self.cost.hop_s(0), "exit", items)
+        if self._is_exit(stage) and any(it.may_precede_draft for it in items):
+            self._at(self.cost.hop_s(0), "exit", items)  # as the exit stage's EXIT_GUESS (workers/stage_loop.py)
         if stage == self.config.num_stages - 1:
-            self._at(self.cost.hop_s(0), "result", (batch, items, batch[1]))
-        else:
-            self._at(self.cost.hop_s(n), "arrive", (stage + 1, batch, items))
+            self._at(self.cost.hop_s(0), "result", (timing, items))
+        else:  # links are FIFO, as the data plane's channels: a message never overtakes the one before
+            arrive_ns = max(self.now_ns + round(self.cost.hop_s(n) * 1e9), self._link_ns[stage])
+            self._link_ns[stage] = arrive_ns
+            heapq.heappush(self._events, (arrive_ns, next(self._order), "arrive", (stage + 1, timing, items)))
         self._start(stage)
 
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 from pipeline.firp import FirpMaps
-from pipeline.items import Item, ItemKind
+from pipeline.items import Item
 from pipeline.kv_cache import KVCache
 from pipeline.model import StageModel
 from pipeline.predictors import ExitHead
@@ -37,11 +37,10 @@ class StageCounters:
     busy_ns: int = 0
     items_processed: int = 0
     tokens_processed: int = 0
-    items_dropped: int = 0
     reset_at_ns: int = dataclasses.field(default_factory=time.perf_counter_ns)
 
     def reset(self) -> None:
-        self.busy_ns = self.items_processed = self.tokens_processed = self.items_dropped = 0
+        self.busy_ns = self.items_processed = self.tokens_processed = 0
         self.reset_at_ns = time.perf_counter_ns()
 
 
@@ -103,15 +102,10 @@ class StageExecutor:
 
     def admit(self, items: list[Item]) -> list[bool]:
         """Apply epochs and truncation for `items`; returns which of them are current (to run)."""
-        keep = []
-        for it in items:
-            known = self.epochs.get(it.seq_id, -1)
-            if it.epoch < known:
-                keep.append(False)
-                continue
-            self.epochs[it.seq_id] = it.epoch
-            self.kv.truncate(it.slot, it.start)
-            keep.append(True)
+        keep = admit_epochs(self.epochs, items)
+        for it, current in zip(items, keep, strict=True):
+            if current:
+                self.kv.truncate(it.slot, it.start)  # the item starts at the committed length
         return keep
 
     def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None) -> StageOutput:
@@ -124,7 +118,6 @@ class StageExecutor:
             x = x[_rows(items, keep)]
             if pseudo is not None:
                 pseudo = pseudo[_rows(items, keep, rows_of=lambda it: it.num_pseudo)]
-            self.counters.items_dropped += keep.count(False)
             items = [it for it, k in zip(items, keep, strict=True) if k]
         if not items:
             return StageOutput(items=[])
@@ -134,7 +127,7 @@ class StageExecutor:
             pseudo = None
         elif pseudo is None and self.firp_layer is not None and self.firp_layer < self.model.layer_range.start:
             raise ValueError(f"items need {num_pseudo} FIRP pseudo rows, but none arrived from the stage before")
-        use_head = self.exit_head is not None and any(_wants_exit(it) for it in items)
+        use_head = self.exit_head is not None and any(it.wants_exit_guess for it in items)
         make_pseudo = None
         if self.firp_maps is not None and pseudo is None and num_pseudo:
             lens = [it.firp_k for it in items for _ in range(it.firp_anchors if it.firp_k else 0)]
@@ -171,11 +164,11 @@ class StageExecutor:
         return result
 
     def _exit_guesses(self, items: list[Item], exit_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exit head on the last row of each item that wants a guess (`_wants_exit`); the others
-        get token -1 / probability 0."""
+        """Exit head on the last row of each item that wants a guess (`Item.wants_exit_guess`); the
+        others get token -1 / probability 0."""
         tokens = torch.full((len(items),), -1, dtype=torch.int64)
         probs = torch.zeros(len(items), dtype=torch.float32)
-        rows = [i for i, it in enumerate(items) if _wants_exit(it)]
+        rows = [i for i, it in enumerate(items) if it.wants_exit_guess]
         t, p = self.exit_head(exit_hidden[rows])
         tokens[rows], probs[rows] = t.cpu(), p.cpu()
         return tokens, probs
@@ -198,10 +191,18 @@ class StageExecutor:
         return self.model.inv_freq.device
 
 
-def _wants_exit(item: Item) -> bool:
-    """Whether the exit head runs on `item`'s last row: drafts never follow a prefill, and the
-    scheduler clears `Item.want_exit` when no draft from this guess could be sent."""
-    return item.kind != ItemKind.PREFILL and item.want_exit
+def admit_epochs(epochs: dict[int, int], items: list[Item]) -> list[bool]:
+    """The stage's epoch rule ([Note: in-band squash]): an item older than the newest epoch this
+    stage has seen of its sequence is stale (False); any other is current (True) and its epoch
+    becomes the newest. `epochs` (seq_id -> newest epoch seen) is updated in place. The simulator
+    applies the same rule to its simulated stages."""
+    keep = []
+    for it in items:
+        current = it.epoch >= epochs.get(it.seq_id, -1)
+        if current:
+            epochs[it.seq_id] = it.epoch
+        keep.append(current)
+    return keep
 
 
 def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_tokens) -> torch.Tensor:

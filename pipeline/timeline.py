@@ -18,6 +18,16 @@ from pipeline.items import Item, ItemKind
 
 
 @dataclasses.dataclass(frozen=True)
+class StageTiming:
+    """When one stage computed one micro-batch: [start_ns, end_ns) on the host's CLOCK_MONOTONIC
+    (`time.perf_counter_ns`; simulated time in the simulator). Stages append one per FORWARD."""
+
+    stage: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ItemRecord:
     """One item of a micro-batch as the timeline keeps it: positions [start, start + num_tokens)
     of `seq_id` at `epoch`, its kind, and whether its result was committed (False: squashed,
@@ -95,9 +105,9 @@ class Timeline:
         self._last_end_ns = [0] * num_stages
         self.num_batches = 0
 
-    def record(self, timing: list, items: Sequence[Item], useful_share: float, draft_ready_ns: int | None = None,
-               *, committed: Sequence[bool] | None = None) -> None:
-        """Add one micro-batch: timing = [[stage, start_ns, end_ns], ...]; useful_share in [0, 1] is
+    def record(self, timing: Sequence[StageTiming], items: Sequence[Item], useful_share: float,
+               draft_ready_ns: int | None = None, *, committed: Sequence[bool] | None = None) -> None:
+        """Add one micro-batch: timing = one StageTiming per stage that ran it; useful_share in [0, 1] is
         the fraction of its items whose results were committed (the rest was squashed work);
         committed: per item, whether its result was committed (default: all if useful_share is 1).
         draft_ready_ns: for a drafts-only micro-batch, when its drafts became available; the first
@@ -106,10 +116,11 @@ class Timeline:
             committed = [useful_share >= 1.0] * len(items)
         records = tuple(ItemRecord(it.seq_id, it.start, it.num_tokens, it.epoch, it.kind, bool(c))
                         for it, c in zip(items, committed, strict=True))
-        if timing and draft_ready_ns and self._last_end_ns[timing[0][0]]:
-            stage, start_ns, _ = timing[0]
-            self.draft_gaps_ns.append(max(0, start_ns - max(draft_ready_ns, self._last_end_ns[stage])))
-        for stage, start_ns, end_ns in timing:
+        if timing and draft_ready_ns and self._last_end_ns[timing[0].stage]:
+            first = timing[0]
+            self.draft_gaps_ns.append(max(0, first.start_ns - max(draft_ready_ns, self._last_end_ns[first.stage])))
+        for t in timing:
+            stage, start_ns, end_ns = t.stage, t.start_ns, t.end_ns
             self._last_end_ns[stage] = max(self._last_end_ns[stage], end_ns)
             s = Slice(stage, start_ns, end_ns, records, useful_share, self.num_batches)
             self.slices.append(s)

@@ -7,8 +7,10 @@ Pure: no torch.distributed (workers/channel.py moves the bytes). Nothing is ever
 Every message starts with one fixed-size uint8 frame of `frame_bytes` (default 16 KiB):
     bytes 0..3   magic b"SPD1"
     bytes 4..7   header length H (uint32, little endian)
-    bytes 8..8+H msgpack header: {"kind", "items", "tensors": [[name, dtype, shape], ...],
-                 "payload_bytes", "inline", "on_device", "meta"}
+    bytes 8..8+H msgpack header, every field named and typed (`HEADER_SCHEMA`):
+                 {"kind", "items": {column: [...]}, "tensors": [[name, dtype, shape], ...],
+                 "payload_bytes", "inline", "on_device", "timing": {column: [...]} or nil,
+                 "releases": {column: [...]}}
     then         the payload (tensor bytes in header order) if "inline" is true and it fits.
 Otherwise the payload follows as a second message of exactly payload_bytes bytes, or, when
 "on_device" is true (hidden states between CUDA stages, sent over NCCL), as one device tensor per
@@ -27,10 +29,21 @@ from typing import Any
 import msgpack
 import torch
 
-from pipeline.items import Item
+from pipeline.items import Item, SlotRelease, items_from_wire, items_to_wire
+from pipeline.timeline import StageTiming
 
-MAGIC = b"SPD1"
-_HEADER_KEYS = {"kind", "items", "tensors", "payload_bytes", "inline", "on_device", "meta"}
+MAGIC = b"SPD2"
+# Every header field and its msgpack type (nil allowed only where noted).
+HEADER_SCHEMA: dict[str, type] = {
+    "kind": int,  # MessageKind
+    "items": dict,  # item columns, [Note: item wire form] in pipeline/items.py
+    "tensors": list,  # [[name, dtype name, shape], ...] in payload order
+    "payload_bytes": int,  # sum of the tensors' sizes
+    "inline": bool,  # the payload follows the header inside the first frame
+    "on_device": bool,  # the payload follows as one device tensor per spec (NCCL)
+    "timing": dict,  # StageTiming columns, or nil: stages record their compute only when not nil
+    "releases": dict,  # SlotRelease columns (RELEASE messages; empty columns otherwise)
+}
 PREFIX = struct.Struct("<4sI")
 DEFAULT_FRAME_BYTES = 16 * 1024
 
@@ -43,12 +56,13 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 class MessageKind(enum.IntEnum):
     """Data-plane message kinds. FORWARD goes stage to stage; RESULT from the last stage to the
-    coordinator; DRAFT from the exit stage to the coordinator; the rest are control, forwarded
-    along the ring in order with the work."""
+    coordinator; EXIT_GUESS from the exit stage to the coordinator (its items passed the exit
+    layer, with the exit head's guesses); the rest are control, forwarded along the ring in order
+    with the work (RELEASE frees KV slots: `Message.releases`)."""
 
     FORWARD = 0
     RESULT = 1
-    DRAFT = 2
+    EXIT_GUESS = 2
     KEEPALIVE = 3
     RELEASE = 4
     SHUTDOWN = 5
@@ -60,12 +74,16 @@ class WireError(ValueError):
 
 @dataclasses.dataclass
 class Message:
-    """One data-plane message: kind, items, named tensors and small metadata (msgpack types only)."""
+    """One data-plane message: kind, items, named tensors, stage timings and slot releases.
+
+    timing: None = stages do not time this FORWARD; a list = each stage appends its
+    `StageTiming` (the coordinator records a timeline). releases: the slots a RELEASE frees."""
 
     kind: MessageKind
     items: list[Item] = dataclasses.field(default_factory=list)
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timing: list[StageTiming] | None = None
+    releases: list[SlotRelease] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +112,8 @@ class Header:
     payload_bytes: int
     inline: bool
     on_device: bool
-    meta: dict[str, Any]
+    timing: list[StageTiming] | None
+    releases: list[SlotRelease]
 
 
 def encode_header(msg: Message, *, frame_bytes: int) -> tuple[bytearray, bool]:
@@ -107,8 +126,10 @@ def encode_header(msg: Message, *, frame_bytes: int) -> tuple[bytearray, bool]:
     specs = [[name, DTYPE_NAMES[t.dtype], list(t.shape)] for name, t in msg.tensors.items()]
     payload_bytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
     on_device = any(t.device.type != "cpu" for t in msg.tensors.values())
-    fields = {"kind": int(msg.kind), "items": [it.to_wire() for it in msg.items], "tensors": specs,
-              "payload_bytes": payload_bytes, "inline": False, "on_device": on_device, "meta": msg.meta}
+    timing = None if msg.timing is None else records_to_wire(msg.timing, StageTiming)
+    fields = {"kind": int(msg.kind), "items": items_to_wire(msg.items), "tensors": specs,
+              "payload_bytes": payload_bytes, "inline": False, "on_device": on_device, "timing": timing,
+              "releases": records_to_wire(msg.releases, SlotRelease)}
     header_len = len(msgpack.packb(fields))  # a msgpack bool is one byte either way
     if PREFIX.size + header_len > frame_bytes:
         raise WireError(f"message header of {header_len} bytes does not fit the {frame_bytes}-byte frame")
@@ -139,27 +160,33 @@ def decode_header(frame: bytes | bytearray | memoryview, *, max_payload_bytes: i
         raw = msgpack.unpackb(bytes(frame[PREFIX.size:PREFIX.size + length]), strict_map_key=True)
     except Exception as exc:  # msgpack raises several types
         raise WireError(f"undecodable header: {exc}") from None
-    if not isinstance(raw, dict) or set(raw) != _HEADER_KEYS:
+    if not isinstance(raw, dict) or set(raw) != set(HEADER_SCHEMA):
         raise WireError("header has missing or unknown keys")
+    for name, kind in HEADER_SCHEMA.items():
+        if type(raw[name]) is not kind and not (name == "timing" and raw[name] is None):
+            raise WireError(f"header field {name} is not a {kind.__name__}")
     try:
         kind = MessageKind(raw["kind"])
-    except (ValueError, TypeError):
+    except ValueError:
         raise WireError(f"unknown message kind {raw['kind']!r}") from None
-    if not isinstance(raw["items"], list) or not isinstance(raw["meta"], dict):
-        raise WireError("header items/meta have the wrong type")
-    items = [_item(it) for it in raw["items"]]
-    specs = [_spec(s) for s in _list(raw["tensors"], "tensors")]
+    try:
+        items = items_from_wire(raw["items"])
+        timing = None if raw["timing"] is None else records_from_wire(raw["timing"], StageTiming)
+        releases = records_from_wire(raw["releases"], SlotRelease)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+    specs = [_spec(s) for s in raw["tensors"]]
     payload = raw["payload_bytes"]
-    if type(payload) is not int or payload != sum(s.nbytes for s in specs):
+    if payload != sum(s.nbytes for s in specs):
         raise WireError(f"payload_bytes {payload!r} disagrees with the tensor specs")
     if payload > max_payload_bytes:
         raise WireError(f"payload of {payload} bytes exceeds this stage's limit of {max_payload_bytes}")
     inline = raw["inline"]
-    if type(inline) is not bool or (inline and PREFIX.size + length + payload > len(frame)):
+    if inline and PREFIX.size + length + payload > len(frame):
         raise WireError("inline payload does not fit the frame")
-    if type(raw["on_device"]) is not bool or (inline and raw["on_device"]):
+    if inline and raw["on_device"]:
         raise WireError("header on_device flag is malformed")
-    return Header(kind, items, specs, payload, inline, raw["on_device"], raw["meta"])
+    return Header(kind, items, specs, payload, inline, raw["on_device"], timing, releases)
 
 
 def inline_tensors(frame: bytes | bytearray | memoryview, header_len_end: int, header: Header) -> dict[str, torch.Tensor]:
@@ -194,17 +221,20 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def _list(value: Any, what: str) -> list:
-    if not isinstance(value, list):
-        raise WireError(f"header {what} is not a list")
-    return value
+def records_to_wire(records: list, cls: type) -> dict[str, list[int]]:
+    """Columns {field: [int per record]} of `records`, frozen dataclasses of int fields (`cls`)."""
+    return {f.name: [getattr(r, f.name) for r in records] for f in dataclasses.fields(cls)}
 
 
-def _item(raw: Any) -> Item:
-    try:
-        return Item.from_wire(raw)
-    except ValueError as exc:
-        raise WireError(str(exc)) from None
+def records_from_wire(raw: Any, cls: type) -> list:
+    """Parse the columns of `cls` records (int fields only). Raises ValueError if malformed."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(raw, dict) or sorted(raw) != sorted(names):
+        raise ValueError(f"malformed {cls.__name__} columns: expected {names}")
+    cols = [raw[n] for n in names]
+    if any(not isinstance(c, list) or any(type(v) is not int for v in c) for c in cols) or len(set(map(len, cols))) > 1:
+        raise ValueError(f"malformed {cls.__name__} columns: not int lists of one length")
+    return [cls(*row) for row in zip(*cols, strict=True)]
 
 
 def _spec(raw: Any) -> TensorSpec:
@@ -212,3 +242,22 @@ def _spec(raw: Any) -> TensorSpec:
             and isinstance(raw[2], list) and all(type(d) is int and d >= 0 for d in raw[2])):
         raise WireError(f"malformed tensor spec {raw!r}")
     return TensorSpec(raw[0], DTYPES[raw[1]], tuple(raw[2]))
+
+
+# [Note: ranks] The data plane has S + 1 ranks: 0 is the coordinator, stage i is rank i + 1.
+COORDINATOR_RANK = 0
+
+
+def rank_of_stage(stage_index: int) -> int:
+    """Data-plane rank of stage `stage_index` (see [Note: ranks])."""
+    return stage_index + 1
+
+
+def world_size(num_stages: int) -> int:
+    """Data-plane ranks of a pipeline of `num_stages` stages: the coordinator and every stage."""
+    return rank_of_stage(num_stages - 1) + 1
+
+
+def rank_name(rank: int) -> str:
+    """Human name of a rank: 'coordinator' or 'stage i'."""
+    return "coordinator" if rank == COORDINATOR_RANK else f"stage {rank - rank_of_stage(0)}"

@@ -7,7 +7,7 @@ Must not: interpret items or decide what runs (the stage loop and coordinator do
 
 The groups are explicit objects, never torch.distributed's process-global default group, so one
 process can drive several pipelines (benchmarks, tests, a server restarting its pipeline).
-Ranks: 0 is the coordinator, stage i is rank i + 1 (see launcher/coordinator.py).
+Ranks: [Note: ranks] in pipeline/wire.py (`rank_of_stage`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pipeline.wire import (
     header_end,
     inline_tensors,
     payload_bytes_of,
+    rank_name,
     split_payload,
 )
 
@@ -60,11 +61,6 @@ class DataPlaneGroup:
 
 class ChannelError(RuntimeError):
     """A data-plane transfer failed: the peer timed out, died, or sent a malformed message."""
-
-
-def rank_name(rank: int) -> str:
-    """Human name of a rank: 'coordinator' or 'stage i'."""
-    return "coordinator" if rank == 0 else f"stage {rank - 1}"
 
 
 class Channel:
@@ -125,7 +121,7 @@ class Channel:
             if header.payload_bytes:
                 self._wait(self._recv(payload, src), "receive from", src)
             tensors = split_payload(memoryview(payload.numpy()), header.specs)
-        return Message(header.kind, header.items, tensors, header.meta)
+        return Message(header.kind, header.items, tensors, header.timing, header.releases)
 
     def _send(self, t: torch.Tensor, dst: int):
         return self.group.group_for(t).send([t], dst, 0)

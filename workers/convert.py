@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.partition import LayerRange
+from pipeline.wire import rank_of_stage, world_size
 from proto import speedpipe_pb2 as pb
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -65,11 +66,11 @@ class StageLoadSpec:
 
     @property
     def dist_rank(self) -> int:
-        return self.stage_index + 1
+        return rank_of_stage(self.stage_index)
 
     @property
     def dist_world_size(self) -> int:
-        return self.num_stages + 1
+        return world_size(self.num_stages)
 
 
 def spec_to_proto(spec: StageLoadSpec) -> pb.LoadStageRequest:

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from pipeline.items import ItemKind
 from pipeline.stage_executor import StageExecutor
-from pipeline.wire import Message, MessageKind
+from pipeline.timeline import StageTiming
+from pipeline.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage
 from workers.channel import Channel, SendQueue
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,8 @@ class StageLoop:
         self.channel = channel
         self.stage_index = stage_index
         self.is_last = stage_index == num_stages - 1
-        self.prev_rank = stage_index  # stage i is rank i + 1; stage 0's upstream is the coordinator (0)
-        self.next_rank = 0 if self.is_last else stage_index + 2
+        self.prev_rank = COORDINATOR_RANK if stage_index == 0 else rank_of_stage(stage_index - 1)
+        self.next_rank = COORDINATOR_RANK if self.is_last else rank_of_stage(stage_index + 1)
         self.messages_received = 0
         self.stopped = threading.Event()
         self.sends = SendQueue(channel)  # see [Note: background sends] in workers/channel.py
@@ -47,7 +47,7 @@ class StageLoop:
                     self.sends.send(self._forward(msg), self.next_rank)
                     continue
                 if msg.kind == MessageKind.RELEASE:
-                    self.executor.release(list(msg.meta.get("seq_ids", [])), list(msg.meta.get("slots", [])))
+                    self.executor.release([r.seq_id for r in msg.releases], [r.slot for r in msg.releases])
                 elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
                 self.sends.send(msg, self.next_rank)
@@ -55,7 +55,7 @@ class StageLoop:
                     if self.executor.exit_layer is not None and not self.is_last:
                         # the coordinator's receiver of exit events ends on it too (no thread is
                         # left blocked in a receive when the process group goes away)
-                        self.sends.send(Message(MessageKind.SHUTDOWN), 0)
+                        self.sends.send(Message(MessageKind.SHUTDOWN), COORDINATOR_RANK)
                     self.sends.flush()
                     log.info("[Stage %d] data plane shut down", self.stage_index)
                     return
@@ -64,34 +64,32 @@ class StageLoop:
 
     def _forward(self, msg: Message) -> Message:
         """Run one micro-batch. On the exit stage, first tell the coordinator which items passed the
-        exit layer (with the exit head's guesses) so it can inject drafts at once. If the message's meta
-        has "timing" (the coordinator records a timeline), each stage appends [stage_index, start_ns,
-        end_ns] of its compute to it (CLOCK_MONOTONIC)."""
+        exit layer (EXIT_GUESS, with the exit head's guesses) so it can inject drafts at once. If
+        the message carries a timing list (the coordinator records a timeline), each stage appends
+        the StageTiming of its compute (CLOCK_MONOTONIC)."""
         x = msg.tensors.get("x")
         if x is None:
             raise ValueError(f"[Stage {self.stage_index}] FORWARD message without tensor 'x'")
         start_ns = time.perf_counter_ns()
         out = self.executor.run(msg.items, x, msg.tensors.get("pseudo"))
-        meta = msg.meta
-        if "timing" in meta:  # the coordinator records a timeline
-            meta = dict(meta)
-            meta["timing"] = [*meta["timing"], [self.stage_index, start_ns, time.perf_counter_ns()]]
-        if self.executor.exit_layer is not None and any(it.kind != ItemKind.PREFILL for it in out.items):
+        timing = msg.timing
+        if timing is not None:
+            timing = [*timing, StageTiming(self.stage_index, start_ns, time.perf_counter_ns())]
+        if self.executor.exit_layer is not None and any(it.may_precede_draft for it in out.items):
             guesses = {}
             if out.exit_tokens is not None:
                 guesses = {"exit_tokens": out.exit_tokens, "exit_probs": out.exit_probs}
-            exit_meta = {"timing": meta["timing"][-1:]} if "timing" in meta else {}
-            self.sends.send(Message(MessageKind.DRAFT, out.items, guesses, exit_meta), 0)
-        msg = Message(msg.kind, msg.items, msg.tensors, meta)
+            self.sends.send(Message(MessageKind.EXIT_GUESS, out.items, guesses, timing and timing[-1:]),
+                            COORDINATOR_RANK)
         if not self.is_last:
             hidden = out.hidden if out.hidden is not None else torch.empty(0)
             tensors = {"x": hidden}
             if out.pseudo is not None:
                 tensors["pseudo"] = out.pseudo
-            return Message(MessageKind.FORWARD, out.items, tensors, msg.meta)
+            return Message(MessageKind.FORWARD, out.items, tensors, timing)
         tensors = {"token_ids": out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)}
         if out.logits is not None:
             tensors["logits"] = out.logits
         if out.firp_tokens is not None:
             tensors["firp_tokens"], tensors["firp_probs"] = out.firp_tokens, out.firp_probs
-        return Message(MessageKind.RESULT, out.items, tensors, msg.meta)
+        return Message(MessageKind.RESULT, out.items, tensors, timing)

@@ -1,4 +1,5 @@
-"""Unit tests for pipeline.scheduler, driven by a fake pipeline (no model, no processes).
+"""Unit tests for pipeline.scheduler, driven through the one `pipeline.engine.Engine` by a fake
+pipeline (no model, no processes).
 
 The fake pipeline is a FIFO of sent micro-batches: the oldest batch is answered when no more can be
 sent, with a deterministic token per item, `fake_token(seq_id, position)`. It also models every stage's
@@ -17,9 +18,10 @@ import dataclasses
 import pytest
 import torch
 
+from pipeline.engine import Engine
+from pipeline.engine_events import Abort, Result, StopStringHit, Submit
 from pipeline.items import Item, ItemKind
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler
 from pipeline.scheduler_types import FinishReason, SchedulerConfig
 
 EOS = 2
@@ -52,28 +54,46 @@ class Trace:
 
 
 class FakePipeline:
-    """A FIFO of in-flight micro-batches plus a model of the stages' KV slot lengths."""
+    """The stages around the one `Engine`: a FIFO of in-flight micro-batches plus a model of the
+    stages' KV slot lengths. It only carries out the engine's output and answers batches."""
 
-    def __init__(self, sched: Scheduler, *, eos_at: dict[int, int] | None = None) -> None:
-        self.sched = sched
+    def __init__(self, engine: Engine, submits: list[Submit] = (), *, eos_at: dict[int, int] | None = None) -> None:
+        self.engine = engine
+        self.sched = engine.scheduler  # inspection only
+        self.submits = list(submits)  # submitted with the first step, all at once
         self.fifo: collections.deque[list[Item]] = collections.deque()
-        self.kv_len = [0] * sched.config.max_num_seqs
+        self.kv_len = [0] * self.sched.config.max_num_seqs
         self.slot_owner: dict[int, int] = {}
         self.eos_at = eos_at or {}  # seq_id -> position where the fake model predicts EOS
+        self.outputs: dict[int, list[int]] = collections.defaultdict(list)
+        self.reasons: dict[int, FinishReason] = {}
+        self.forgotten: list[int] = []
         self.trace = Trace()
 
     def token(self, item: Item) -> int:
         return EOS if self.eos_at.get(item.seq_id) == item.end else fake_token(item.seq_id, item.end)
 
-    def send_releases(self) -> None:
-        for seq_id, slot in self.sched.take_releases():
-            assert self.slot_owner.get(slot) == seq_id, f"release of slot {slot} by {seq_id}, owner {self.slot_owner}"
-            del self.slot_owner[slot]
-            self.kv_len[slot] = 0
-            self.trace.releases.append((seq_id, slot))
+    def step(self, events=()) -> list:
+        """One engine step (pending submits first); carries out releases and sends; returns commits."""
+        events, self.submits = [*self.submits, *events], []
+        out = self.engine.step(events)
+        for r in out.releases:
+            assert self.slot_owner.get(r.slot) == r.seq_id, f"release of slot {r.slot} by {r.seq_id}: {self.slot_owner}"
+            del self.slot_owner[r.slot]
+            self.kv_len[r.slot] = 0
+            self.trace.releases.append((r.seq_id, r.slot))
+        for batch in out.sends:
+            self.send(list(batch))
+        assert self.engine.num_inflight == len(self.fifo), "the engine's in-flight count disagrees with the ring"
+        for c in out.commits:
+            self.outputs[c.seq_id].extend(c.token_ids)
+            if c.finish_reason is not None:
+                self.reasons[c.seq_id] = c.finish_reason
+        self.forgotten.extend(out.forgotten)
+        return list(out.commits)
 
     def send(self, batch: list[Item]) -> None:
-        assert batch, "next_batch returned an empty micro-batch"
+        assert batch, "the engine sent an empty micro-batch"
         seqs = [it.seq_id for it in batch]
         assert len(set(seqs)) == len(seqs), f"a sequence twice in one micro-batch: {seqs}"
         for it in batch:
@@ -88,10 +108,8 @@ class FakePipeline:
         assert len(self.fifo) <= self.sched.config.max_inflight_batches, "too many micro-batches in flight"
 
     def fill(self) -> None:
-        """What the coordinator does between results: releases first, then as many batches as allowed."""
-        self.send_releases()
-        while (batch := self.sched.next_batch()) is not None:
-            self.send(batch)
+        """A step without events: releases first, then as many batches as allowed."""
+        self.step()
 
     def answer_oldest(self, *, returned: list[Item] | None = None):
         batch = self.fifo.popleft()
@@ -99,7 +117,7 @@ class FakePipeline:
         self.trace.inflight_at_answer.append(len(self.fifo) + 1)
         self.trace.running_at_answer.append(self.sched.num_running)
         tokens = torch.tensor([self.token(it) for it in returned], dtype=torch.int64)
-        commits = self.sched.on_result(batch, returned, tokens, None)
+        commits = self.step([Result(items=tuple(returned), token_ids=tokens)])
         if self.trace.first_finish_answer is None and any(c.finish_reason for c in commits):
             self.trace.first_finish_answer = len(self.trace.inflight_at_answer) - 1
         return commits
@@ -111,39 +129,40 @@ class FakePipeline:
                 break
             self.answer_oldest()
         else:
-            raise AssertionError("the scheduler did not finish")
-        self.send_releases()
-        assert not self.sched.has_unfinished, "idle pipeline with unfinished sequences"
+            raise AssertionError("the engine did not finish")
+        assert not self.engine.has_unfinished, "idle pipeline with unfinished sequences"
         return self.trace
 
 
-def _scheduler(*, num_stages: int, num_seqs: int, max_new_tokens: int = 6, max_num_seqs: int = 16,
-               **config) -> Scheduler:
-    sched = Scheduler(SchedulerConfig(num_stages=num_stages, max_num_seqs=max_num_seqs, eos_token_ids=(EOS,),
-                                      **config))
-    for seq_id in range(num_seqs):
-        sched.add(seq_id, prompt_of(seq_id), SamplingParams(max_new_tokens=max_new_tokens))
-    return sched
+def _submit(seq_id: int, prompt, params: SamplingParams) -> Submit:
+    return Submit(seq_id=seq_id, prompt_ids=tuple(prompt), params=params)
+
+
+def _pipeline(*, num_stages: int, num_seqs: int, max_new_tokens: int = 6, max_num_seqs: int = 16,
+              eos_at: dict[int, int] | None = None, **config) -> FakePipeline:
+    engine = Engine(SchedulerConfig(num_stages=num_stages, max_num_seqs=max_num_seqs, eos_token_ids=(EOS,), **config))
+    submits = [_submit(i, prompt_of(i), SamplingParams(max_new_tokens=max_new_tokens)) for i in range(num_seqs)]
+    return FakePipeline(engine, submits, eos_at=eos_at)
 
 
 # -- pipeline occupancy -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("num_stages", "num_seqs"), [(1, 1), (1, 3), (2, 1), (4, 2), (4, 3), (3, 7), (4, 9)])
 def test_micro_batches_in_flight_never_exceed_num_stages(num_stages, num_seqs):
-    trace = FakePipeline(_scheduler(num_stages=num_stages, num_seqs=num_seqs)).run()
+    trace = (_pipeline(num_stages=num_stages, num_seqs=num_seqs)).run()
     assert max(trace.inflight_at_answer) <= num_stages
 
 
 @pytest.mark.parametrize(("num_stages", "num_seqs"), [(2, 1), (4, 2), (4, 3), (3, 3)])
 def test_fewer_sequences_than_stages_run_one_micro_batch_each(num_stages, num_seqs):
-    trace = FakePipeline(_scheduler(num_stages=num_stages, num_seqs=num_seqs)).run()
+    trace = (_pipeline(num_stages=num_stages, num_seqs=num_seqs)).run()
     assert max(trace.inflight_at_answer) == num_seqs
     assert {len(b) for b in trace.batches} == {1}
 
 
 @pytest.mark.parametrize(("num_stages", "num_seqs"), [(2, 2), (4, 4), (4, 8), (3, 6), (2, 6)])
 def test_steady_state_keeps_every_stage_busy_when_seqs_are_a_multiple_of_stages(num_stages, num_seqs):
-    trace = FakePipeline(_scheduler(num_stages=num_stages, num_seqs=num_seqs)).run()
+    trace = (_pipeline(num_stages=num_stages, num_seqs=num_seqs)).run()
     steady = trace.inflight_at_answer[:trace.first_finish_answer]
     assert steady and all(n == num_stages for n in steady), f"batches in flight before any finish: {steady}"
     sizes = [len(b) for b in trace.batches]
@@ -152,14 +171,13 @@ def test_steady_state_keeps_every_stage_busy_when_seqs_are_a_multiple_of_stages(
 
 @pytest.mark.parametrize(("num_stages", "num_seqs"), [(4, 5), (4, 6), (3, 4)])
 def test_steady_state_keeps_every_stage_busy_when_seqs_exceed_stages(num_stages, num_seqs):
-    trace = FakePipeline(_scheduler(num_stages=num_stages, num_seqs=num_seqs)).run()
+    trace = (_pipeline(num_stages=num_stages, num_seqs=num_seqs)).run()
     steady = trace.inflight_at_answer[:trace.first_finish_answer]
     assert steady and all(n == num_stages for n in steady), f"batches in flight before any finish: {steady}"
 
 
 def test_max_inflight_batches_caps_the_pipeline_below_num_stages():
-    sched = _scheduler(num_stages=4, num_seqs=8, max_inflight_batches=2)
-    trace = FakePipeline(sched).run()
+    trace = _pipeline(num_stages=4, num_seqs=8, max_inflight_batches=2).run()
     assert max(trace.inflight_at_answer) == 2
 
 
@@ -167,27 +185,25 @@ def test_max_inflight_batches_caps_the_pipeline_below_num_stages():
 
 @pytest.mark.parametrize(("num_stages", "num_seqs", "max_new_tokens"), [(1, 1, 1), (2, 3, 5), (4, 6, 9), (3, 2, 12)])
 def test_every_sequence_gets_exactly_max_new_tokens_in_order(num_stages, num_seqs, max_new_tokens):
-    sched = _scheduler(num_stages=num_stages, num_seqs=num_seqs, max_new_tokens=max_new_tokens)
-    trace = FakePipeline(sched).run()
-    for seq_id in range(num_seqs):
-        seq = sched.seqs[seq_id]
-        assert seq.output_ids == expected_output(seq_id, max_new_tokens), f"seq {seq_id}"
-        assert seq.finish_reason is FinishReason.LENGTH
+    pipe = _pipeline(num_stages=num_stages, num_seqs=num_seqs, max_new_tokens=max_new_tokens)
+    trace = pipe.run()
+    outputs = {seq_id: expected_output(seq_id, max_new_tokens) for seq_id in range(num_seqs)}
+    assert dict(pipe.outputs) == outputs
+    assert pipe.reasons == dict.fromkeys(range(num_seqs), FinishReason.LENGTH)
     items = [it for b in trace.batches for it in b]
     assert len(items) == num_seqs * max_new_tokens, "one item per generated token"
     for it in items:
-        seq = sched.seqs[it.seq_id]
+        prompt = prompt_of(it.seq_id)
         if it.start == 0:
-            assert it.kind is ItemKind.PREFILL and list(it.token_ids) == seq.prompt_ids
+            assert it.kind is ItemKind.PREFILL and list(it.token_ids) == prompt
         else:
             assert it.kind is ItemKind.DECODE and it.num_tokens == 1
-            assert it.token_ids == (seq.output_ids[it.start - len(seq.prompt_ids)],), "fed a wrong token"
+            assert it.token_ids == (outputs[it.seq_id][it.start - len(prompt)],), "fed a wrong token"
         assert not it.want_logits, "greedy sequences need no logits"
 
 
 def test_commits_stream_one_token_per_result_in_order():
-    sched = _scheduler(num_stages=2, num_seqs=3, max_new_tokens=4)
-    pipe = FakePipeline(sched)
+    pipe = _pipeline(num_stages=2, num_seqs=3, max_new_tokens=4)
     streamed: dict[int, list[int]] = collections.defaultdict(list)
     reasons = {}
     for _ in range(100):
@@ -204,66 +220,64 @@ def test_commits_stream_one_token_per_result_in_order():
 
 
 def test_eos_stops_a_sequence_and_is_its_last_token():
-    sched = _scheduler(num_stages=2, num_seqs=3, max_new_tokens=8)
     n = len(prompt_of(1))
-    FakePipeline(sched, eos_at={1: n + 3}).run()
-    assert sched.seqs[1].output_ids == [*expected_output(1, 3), EOS]
-    assert sched.seqs[1].finish_reason is FinishReason.EOS
-    assert sched.seqs[0].output_ids == expected_output(0, 8) and sched.seqs[2].output_ids == expected_output(2, 8)
+    pipe = _pipeline(num_stages=2, num_seqs=3, max_new_tokens=8, eos_at={1: n + 3})
+    pipe.run()
+    assert pipe.outputs[1] == [*expected_output(1, 3), EOS] and pipe.reasons[1] is FinishReason.EOS
+    assert pipe.outputs[0] == expected_output(0, 8) and pipe.outputs[2] == expected_output(2, 8)
 
 
 def test_eos_as_the_first_token_after_prefill_finishes_at_once():
-    sched = _scheduler(num_stages=2, num_seqs=1, max_new_tokens=8)
-    FakePipeline(sched, eos_at={0: len(prompt_of(0))}).run()
-    assert sched.seqs[0].output_ids == [EOS] and sched.seqs[0].finish_reason is FinishReason.EOS
+    pipe = _pipeline(num_stages=2, num_seqs=1, max_new_tokens=8, eos_at={0: len(prompt_of(0))})
+    pipe.run()
+    assert pipe.outputs[0] == [EOS] and pipe.reasons[0] is FinishReason.EOS
 
 
 def test_ignore_eos_keeps_generating_to_max_new_tokens():
-    sched = Scheduler(SchedulerConfig(num_stages=2, eos_token_ids=(EOS,)))
-    sched.add(0, [5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True))
-    FakePipeline(sched, eos_at={0: 3}).run()
-    out = sched.seqs[0].output_ids
-    assert len(out) == 5 and out[1] == EOS and sched.seqs[0].finish_reason is FinishReason.LENGTH
+    engine = Engine(SchedulerConfig(num_stages=2, eos_token_ids=(EOS,)))
+    pipe = FakePipeline(engine, [_submit(0, [5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True))], eos_at={0: 3})
+    pipe.run()
+    out = pipe.outputs[0]
+    assert len(out) == 5 and out[1] == EOS and pipe.reasons[0] is FinishReason.LENGTH
 
 
 def test_sampled_sequences_use_their_logits_row_not_the_argmax():
-    sched = Scheduler(SchedulerConfig(num_stages=1, max_num_seqs=4))
+    engine = Engine(SchedulerConfig(num_stages=1, max_num_seqs=4))
     hot = {0: 40, 2: 41}  # seq -> the only token its logits allow
-    for seq_id in range(3):
-        params = SamplingParams(max_new_tokens=3, temperature=0.0 if seq_id == 1 else 1.0, seed=seq_id)
-        sched.add(seq_id, [9, 9], params)
-    batch = sched.next_batch()
+    submits = [_submit(seq_id, [9, 9], SamplingParams(max_new_tokens=3, temperature=0.0 if seq_id == 1 else 1.0,
+                                                      seed=seq_id)) for seq_id in range(3)]
+    [batch] = engine.step(submits).sends
     assert [it.seq_id for it in batch] == [0, 1, 2]
     assert [it.want_logits for it in batch] == [True, False, True]
     logits = torch.full((2, 64), -1e4)
     logits[0, hot[0]] = logits[1, hot[2]] = 10.0
-    commits = sched.on_result(batch, batch, torch.tensor([7, 8, 9]), logits)
+    commits = engine.step([Result(items=batch, token_ids=torch.tensor([7, 8, 9]), logits=logits)]).commits
     assert [(c.seq_id, c.token_ids) for c in commits] == [(0, (40,)), (1, (8,)), (2, (41,))]
 
 
 # -- admission and slots --------------------------------------------------------------------------------
 
 def test_too_long_prompt_is_rejected_naming_the_limit():
-    sched = Scheduler(SchedulerConfig(num_stages=2, max_model_len=16))
+    engine = Engine(SchedulerConfig(num_stages=2, max_model_len=16))
     with pytest.raises(ValueError, match=r"prompt \(12 tokens\) \+ max new tokens \(5\) = 17 exceeds "
                                          r"--max-model-len 16"):
-        sched.add(0, [1] * 12, SamplingParams(max_new_tokens=5))
-    sched.add(1, [1] * 11, SamplingParams(max_new_tokens=5))  # exactly at the limit is fine
-    assert 0 not in sched.seqs, "a rejected request must leave no state behind"
+        engine.step([_submit(0, [1] * 12, SamplingParams(max_new_tokens=5))])
+    engine.step([_submit(1, [1] * 11, SamplingParams(max_new_tokens=5))])  # exactly at the limit is fine
+    assert 0 not in engine.scheduler.seqs, "a rejected request must leave no state behind"
 
 
 def test_empty_prompt_is_rejected():
-    sched = Scheduler(SchedulerConfig(num_stages=2))
+    engine = Engine(SchedulerConfig(num_stages=2))
     with pytest.raises(ValueError, match=r"prompt is empty \(0 tokens\)"):
-        sched.add(0, [], SamplingParams())
-    assert not sched.seqs and not sched.waiting
+        engine.step([_submit(0, [], SamplingParams())])
+    assert not engine.num_sequences and not engine.scheduler.waiting
 
 
 def test_duplicate_sequence_id_is_rejected():
-    sched = Scheduler(SchedulerConfig(num_stages=2))
-    sched.add(3, [1], SamplingParams())
+    engine = Engine(SchedulerConfig(num_stages=2))
+    engine.step([_submit(3, [1], SamplingParams())])
     with pytest.raises(ValueError, match="sequence id 3 is already in use"):
-        sched.add(3, [2], SamplingParams())
+        engine.step([_submit(3, [2], SamplingParams())])
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -284,90 +298,81 @@ def test_max_inflight_batches_defaults_to_num_stages():
 
 @pytest.mark.parametrize(("max_num_seqs", "num_seqs", "num_stages"), [(1, 3, 2), (2, 7, 2), (3, 8, 4)])
 def test_slots_are_released_once_per_sequence_and_reused_by_waiting_sequences(max_num_seqs, num_seqs, num_stages):
-    sched = _scheduler(num_stages=num_stages, num_seqs=num_seqs, max_num_seqs=max_num_seqs, max_new_tokens=4)
-    trace = FakePipeline(sched).run()
+    pipe = _pipeline(num_stages=num_stages, num_seqs=num_seqs, max_num_seqs=max_num_seqs, max_new_tokens=4)
+    trace = pipe.run()
     released = [seq_id for seq_id, _ in trace.releases]
     assert sorted(released) == list(range(num_seqs)), f"each sequence releases exactly once: {released}"
     assert max(trace.running_at_answer) == max_num_seqs
     slots_used = {it.slot for b in trace.batches for it in b}
     assert slots_used == set(range(max_num_seqs)), "waiting sequences must reuse freed slots"
     for seq_id in range(num_seqs):
-        assert sched.seqs[seq_id].output_ids == expected_output(seq_id, 4)
-        assert sched.seqs[seq_id].slot == -1
-    assert sorted(sched.free_slots) == list(range(max_num_seqs)), "a slot leaked or was freed twice"
-    assert sched.take_releases() == []
-
-
-def test_pop_forgets_a_finished_sequence_and_refuses_an_unfinished_one():
-    sched = _scheduler(num_stages=1, num_seqs=2, max_new_tokens=1, max_num_seqs=1)
-    pipe = FakePipeline(sched)
-    pipe.fill()
-    pipe.answer_oldest()
-    assert sched.pop(0).output_ids == expected_output(0, 1) and 0 not in sched.seqs
-    with pytest.raises(AssertionError, match="not finished"):
-        sched.pop(1)
+        assert pipe.outputs[seq_id] == expected_output(seq_id, 4)
+    assert sorted(pipe.sched.free_slots) == list(range(max_num_seqs)), "a slot leaked or was freed twice"
+    assert pipe.engine.num_sequences == 0, "released sequences are forgotten"
+    assert sorted(pipe.forgotten) == list(range(num_seqs))
 
 
 # -- abort and stale results -----------------------------------------------------------------------------
 
 def test_abort_releases_the_slot_once_and_ignores_the_in_flight_result():
-    sched = _scheduler(num_stages=2, num_seqs=3, max_num_seqs=2, max_new_tokens=5)
-    pipe = FakePipeline(sched)
+    pipe = _pipeline(num_stages=2, num_seqs=3, max_num_seqs=2, max_new_tokens=5)
     pipe.fill()
     pipe.answer_oldest()
-    pipe.fill()
-    seq0 = sched.seqs[0]
+    seq0 = pipe.sched.seqs[0]
     slot, before = seq0.slot, list(seq0.output_ids)
     assert slot >= 0 and any(it.seq_id == 0 for b in pipe.fifo for it in b), "seq 0 must be in flight"
-    sched.abort(0)
-    sched.abort(0)  # a second abort is a no-op
+    pipe.step([Abort(seq_id=0), Abort(seq_id=0)])  # a second abort is a no-op
     assert seq0.finish_reason is FinishReason.ABORTED and seq0.slot == -1
-    assert sched.to_release == [(0, slot)]
+    assert pipe.trace.releases == [(0, slot)]
     trace = pipe.run()  # seq 0's in-flight result comes back after the abort
     assert seq0.output_ids == before, "a result of an aborted sequence was committed"
     assert [r for r in trace.releases if r[0] == 0] == [(0, slot)]
-    assert sched.seqs[2].output_ids == expected_output(2, 5), "the waiting sequence did not get the slot"
+    assert pipe.outputs[2] == expected_output(2, 5), "the waiting sequence did not get the slot"
 
 
 def test_abort_of_a_waiting_sequence_releases_nothing_and_never_schedules_it():
-    sched = _scheduler(num_stages=2, num_seqs=3, max_num_seqs=1, max_new_tokens=2)
-    sched.abort(2)
-    trace = FakePipeline(sched).run()
+    pipe = _pipeline(num_stages=2, num_seqs=3, max_num_seqs=1, max_new_tokens=2)
+    pipe.step([Abort(seq_id=2)])
+    assert pipe.forgotten == [2], "a sequence that never held a slot is forgotten at once"
+    trace = pipe.run()
     assert 2 not in {it.seq_id for b in trace.batches for it in b}
     assert [s for s, _ in trace.releases] == [0, 1]
-    assert sched.seqs[2].finish_reason is FinishReason.ABORTED and sched.seqs[2].output_ids == []
+    assert 2 not in pipe.outputs
 
 
 def test_stop_string_finish_releases_the_slot():
-    sched = _scheduler(num_stages=1, num_seqs=1, max_new_tokens=5)
-    pipe = FakePipeline(sched)
+    pipe = _pipeline(num_stages=1, num_seqs=1, max_new_tokens=5)
     pipe.fill()
     pipe.answer_oldest()
-    slot = sched.seqs[0].slot
-    sched.finish_on_stop_string(0)
-    assert sched.seqs[0].finish_reason is FinishReason.STOP
-    assert sched.take_releases() == [(0, slot)]
+    seq = pipe.sched.seqs[0]
+    slot = seq.slot
+    pipe.step([StopStringHit(seq_id=0)])
+    assert seq.finish_reason is FinishReason.STOP
+    assert pipe.trace.releases == [(0, slot)] and pipe.forgotten == [0]
 
 
 def test_result_of_an_older_epoch_is_ignored():
-    sched = _scheduler(num_stages=2, num_seqs=2, max_new_tokens=5)
-    pipe = FakePipeline(sched)
+    pipe = _pipeline(num_stages=2, num_seqs=2, max_new_tokens=5)
     pipe.fill()
-    sched.seqs[0].ledger.epoch += 1  # a squash happened while seq 0's item was in flight
+    pipe.sched.seqs[0].ledger.epoch += 1  # a squash happened while seq 0's item was in flight
     commits = pipe.answer_oldest()
-    assert commits == [] and sched.seqs[0].output_ids == []
+    assert commits == [] and pipe.sched.seqs[0].output_ids == []
     assert [c.seq_id for c in pipe.answer_oldest()] == [1]
-    assert sched.inflight_batches == 0
+    assert pipe.engine.num_inflight == len(pipe.fifo) == 1, "only seq 1's next item is in flight"
 
 
 def test_result_of_a_finished_sequence_is_ignored_and_logit_rows_stay_aligned():
-    sched = Scheduler(SchedulerConfig(num_stages=1))
-    for seq_id in range(2):
-        sched.add(seq_id, [1, 2], SamplingParams(max_new_tokens=4, temperature=1.0, seed=1))
-    batch = sched.next_batch()
-    sched.abort(0)
+    engine = Engine(SchedulerConfig(num_stages=1))
+    submits = [_submit(seq_id, [1, 2], SamplingParams(max_new_tokens=4, temperature=1.0, seed=1)) for seq_id in range(2)]
+    [batch] = engine.step(submits).sends
+    engine.step([Abort(seq_id=0)])
     logits = torch.full((2, 16), -1e4)
     logits[0, 5] = logits[1, 11] = 10.0
-    commits = sched.on_result(batch, batch, torch.tensor([0, 0]), logits)
+    commits = engine.step([Result(items=batch, token_ids=torch.tensor([0, 0]), logits=logits)]).commits
     assert [(c.seq_id, c.token_ids) for c in commits] == [(1, (11,))]
-    assert sched.seqs[0].output_ids == []
+
+
+def test_a_result_with_nothing_in_flight_is_an_error():
+    engine = Engine(SchedulerConfig(num_stages=1))
+    with pytest.raises(RuntimeError, match="no micro-batch in flight"):
+        engine.step([Result(items=(), token_ids=torch.tensor([], dtype=torch.int64))])

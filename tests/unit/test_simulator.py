@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.scheduler import Scheduler
+from pipeline.engine import Engine
 from pipeline.simulator import (
     Bernoulli,
     CostModel,
@@ -54,7 +54,7 @@ def test_plain_pipeline_utilisation_is_min_of_sequences_and_stages_over_stages()
         busy = [f.busy for f in res.timeline.fractions()]
         want = min(concurrency, num_stages) / num_stages
         assert busy == pytest.approx([want] * num_stages, abs=0.03), (num_stages, concurrency, busy)
-        assert isinstance(sim.scheduler, Scheduler)
+        assert isinstance(sim.engine, Engine)  # the engine the coordinator drives
 
 
 def test_two_stage_plain_single_sequence_has_bubble_one_half_and_no_waste():
