@@ -12,9 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.draft_gate import DraftGate
+from pipeline.engine import Engine
+from pipeline.engine_events import Submit
 from pipeline.predictors import Draft
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler
 from pipeline.scheduler_types import SchedulerConfig
 from tests.adversarial_predictors import AlwaysWrongPredictor, PerfectPredictor, ReferenceTable
 from tests.unit.test_speculation_scheduler import PROMPTS, FakePipeline, greedy_reference
@@ -79,11 +80,10 @@ ONE = PROMPTS[:1]  # a single sequence leaves idle stages for drafts to fill
 
 def _run(predictor, min_acceptance: float, num_stages: int = 2):
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True) for _ in ONE]
-    sched = Scheduler(SchedulerConfig(num_stages=num_stages, max_model_len=128, speculate=True,
-                                      min_acceptance=min_acceptance), predictor)
-    for i, (p, sp) in enumerate(zip(ONE, params, strict=True)):
-        sched.add(i, p, sp)
-    outputs = FakePipeline(sched, exit_stage=0).run()
+    sched = Engine(SchedulerConfig(num_stages=num_stages, max_model_len=128, speculate=True,
+                                   min_acceptance=min_acceptance), predictor)
+    submits = [Submit(seq_id=i, prompt_ids=tuple(p), params=sp) for i, (p, sp) in enumerate(zip(ONE, params, strict=True))]
+    outputs = FakePipeline(sched, submits, exit_stage=0).run()
     return [outputs.get(i, []) for i in range(len(ONE))], sched
 
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from pipeline.config import tiny_config
+from pipeline.engine import Engine
+from pipeline.engine_events import Abort, ExitPassed, Result, Submit
 from pipeline.items import Item, ItemKind
 from pipeline.model import build_stage_model, random_state_dict
 from pipeline.partition import balanced_split
@@ -26,36 +28,32 @@ from pipeline.stage_executor import StageExecutor
 from tests.unit.test_speculation_scheduler import PROMPTS, _generate, greedy_reference
 
 
-def _sched(num_stages: int = 2, *, predictor=None, speculate: bool = True, max_inflight: int = 0) -> Scheduler:
+def _sched(num_stages: int = 2, *, predictor=None, speculate: bool = True, max_inflight: int = 0) -> Engine:
     if speculate and predictor is None:
         predictor = LogitLensPredictor()
-    return Scheduler(SchedulerConfig(num_stages=num_stages, max_num_seqs=8, max_model_len=128, speculate=speculate,
-                                     max_inflight=max_inflight), predictor)
+    return Engine(SchedulerConfig(num_stages=num_stages, max_num_seqs=8, max_model_len=128, speculate=speculate,
+                                  max_inflight=max_inflight), predictor)
 
 
-def _send_one(sched: Scheduler) -> list[Item]:
-    batch = sched.next_batch()
-    assert batch is not None, "the scheduler sent nothing"
-    return batch
+def _send_one(engine: Engine, events=()) -> tuple[Item, ...]:
+    sends = engine.step(events).sends
+    assert sends, "the engine sent nothing"
+    return sends[0]
 
 
-def _first_decode_items(sched: Scheduler, prompts, *, max_new_tokens: int = 16,
+def _first_decode_items(engine: Engine, prompts, *, max_new_tokens: int = 16,
                         prefills: list[Item] | None = None) -> list[Item]:
-    """Add `prompts`, send their prefills (appended to `prefills`), return each prefill's result
-    (token 42), and send the first decode item of every sequence; returns the decode items as sent."""
-    for i, p in enumerate(prompts):
-        sched.add(i, p, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-    sent = []
-    while (batch := sched.next_batch()) is not None:
-        sent.append(batch)
+    """Submit `prompts` (their prefills are sent, and appended to `prefills`), return each prefill's
+    result (token 42), and collect the first decode item of every sequence, as sent."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    sent = engine.step([Submit(seq_id=i, prompt_ids=tuple(p), params=params) for i, p in enumerate(prompts)]).sends
     assert all(it.kind == ItemKind.PREFILL for b in sent for it in b), sent
     if prefills is not None:
         prefills.extend(it for b in sent for it in b)
     decodes = []
     for batch in sent:
-        sched.on_result(batch, batch, torch.full((len(batch),), 42, dtype=torch.int64), None)
-        while (nxt := sched.next_batch()) is not None:
-            decodes.extend(nxt)
+        out = engine.step([Result(items=batch, token_ids=torch.full((len(batch),), 42, dtype=torch.int64))])
+        decodes.extend(it for b in out.sends for it in b)
     assert decodes and all(it.kind == ItemKind.DECODE for it in decodes), decodes
     return decodes
 
@@ -91,16 +89,9 @@ def test_the_budget_end_is_exactly_where_the_ledger_refuses_drafts():
     for max_new in range(2, 6):
         sched = _sched(2)
         [item] = _first_decode_items(sched, PROMPTS[:1], max_new_tokens=max_new)
-        ledger = sched.seqs[0].ledger
+        ledger = sched.scheduler.seqs[0].ledger
         allowed = ledger.can_draft_after(item.end - 1, item.epoch, max_inflight=2)
         assert item.want_exit == allowed, (max_new, item)
-
-
-def test_exit_skipping_off_wants_every_guess():
-    """SchedulerConfig.exit_skipping=False (benchmarks comparing the saving): the old behaviour."""
-    sched = Scheduler(SchedulerConfig(num_stages=2, speculate=True, exit_skipping=False), LogitLensPredictor())
-    items = _first_decode_items(sched, PROMPTS[:2], max_new_tokens=2)  # pipeline full and at the budget end
-    assert all(it.want_exit for it in items), items
 
 
 def test_a_full_run_ahead_still_wants_the_guess():
@@ -109,9 +100,8 @@ def test_a_full_run_ahead_still_wants_the_guess():
     sched = _sched(2)
     [first] = _first_decode_items(sched, PROMPTS[:1])
     assert first.want_exit
-    sched.on_exit([first], [ExitGuess(7, 0.9)])
-    [draft] = _send_one(sched)
-    assert draft.kind == ItemKind.DRAFT and len(sched.seqs[0].ledger.inflight) == 2
+    [draft] = _send_one(sched, [ExitPassed(items=(first,), guesses=(ExitGuess(7, 0.9),))])
+    assert draft.kind == ItemKind.DRAFT and len(sched.scheduler.seqs[0].ledger.inflight) == 2
     assert draft.want_exit
 
 
@@ -119,9 +109,7 @@ def test_a_finished_sequence_frees_the_pipeline_for_guesses_again():
     sched = _sched(2)
     items = _first_decode_items(sched, PROMPTS[:2])
     assert not any(it.want_exit for it in items)
-    sched.abort(1)
-    sched.on_result([items[0]], [items[0]], torch.tensor([43]), None)
-    [nxt] = _send_one(sched)
+    [nxt] = _send_one(sched, [Abort(seq_id=1), Result(items=(items[0],), token_ids=torch.tensor([43]))])
     assert nxt.seq_id == 0 and nxt.want_exit
 
 
@@ -130,10 +118,10 @@ def test_on_exit_counts_rows_with_and_without_the_head():
     mk = lambda kind, want: Item(seq_id=99, slot=0, start=5, num_tokens=1, kind=kind, want_exit=want)  # noqa: E731
     items = [mk(ItemKind.PREFILL, False), mk(ItemKind.DECODE, True), mk(ItemKind.DRAFT, False),
              mk(ItemKind.DRAFT, True), mk(ItemKind.PREFILL, True)]
-    sched.on_exit(items, [None] * len(items))
+    sched.step([ExitPassed(items=tuple(items), guesses=(None,) * len(items))])
     assert (sched.spec.exit_rows, sched.spec.exit_rows_skipped) == (2, 1)
     ngram = _sched(2, predictor=NGramPredictor())
-    ngram.on_exit(items, [None] * len(items))
+    ngram.step([ExitPassed(items=tuple(items), guesses=(None,) * len(items))])
     assert (ngram.spec.exit_rows, ngram.spec.exit_rows_skipped) == (0, 0), "no exit head, nothing to count"
 
 

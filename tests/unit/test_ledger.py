@@ -34,6 +34,7 @@ from pipeline.kv_cache import KVCache
 from pipeline.ledger import SequenceLedger
 from pipeline.partition import LayerRange
 from pipeline.stage_executor import StageExecutor
+from pipeline.verify import verify_result
 
 VOCAB = 7
 MAX_MODEL_LEN = 64
@@ -64,6 +65,11 @@ class Log:
     blind_commits: list[dict] = dataclasses.field(default_factory=list)  # committed results that saw a wrong KV
     admits: list[dict] = dataclasses.field(default_factory=list)
     dropped: list[dict] = dataclasses.field(default_factory=list)
+
+
+def _accepted(verdict) -> bool:
+    """Some draft was checked and none was rejected (the chain goes on)."""
+    return verdict.num_verified > 0 and verdict.num_accepted == verdict.num_verified
 
 
 class AdmitOnlyModel:
@@ -197,11 +203,9 @@ class PipelineSim:
         epoch_before, committed_before = ledger.epoch, ledger.num_committed
         chain_before = [f.token for f in ledger.inflight]
         drafts = ledger.drafts_to_verify() if ledger.inflight and it.epoch == ledger.epoch else []
-        commit = []  # the scheduler's chain rule: stop after the first mismatch or at the budget
-        for i, result in enumerate(results):
-            commit.append(result)
-            if committed_before + len(commit) >= self.max_new or i >= len(drafts) or result != drafts[i]:
-                break
+        # the one verify rule (greedy): stop after the first mismatch or at the budget
+        commit = verify_result(argmax=results, drafts=drafts, logits=None, sampler=None, eos_token_ids=(),
+                               ignore_eos=True, budget_left=self.max_new - committed_before)
         verdict = ledger.on_result(it.end - 1, it.epoch, commit)
         if verdict is None:
             self.log.stale.append({"item_epoch": it.epoch, "ledger_epoch": epoch_before,
@@ -210,13 +214,13 @@ class PipelineSim:
         if not all(exact[:len(commit)]):
             self.log.blind_commits.append({"seq": seq, "start": it.start, "saw": t.saw_true_context})
         self.log.commits[seq].extend(verdict.tokens)
-        if verdict.accepted:
+        if _accepted(verdict):
             self.log.accepts += 1
-        if verdict.drafted and not verdict.accepted:
+        if verdict.num_verified and not _accepted(verdict):
             self.log.squashes.append({"epoch_before": epoch_before, "epoch_after": ledger.epoch,
                                       "inflight_after": len(ledger.inflight), "squashed": verdict.squashed,
                                       "chain_len_before": len(chain_before), "draft": drafts[len(commit) - 1],
-                                      "real": verdict.token})
+                                      "real": verdict.tokens[-1]})
         if ledger.num_committed == self.max_new:
             self.done[seq] = True
             self.log.finish_leftovers.append(ledger.finish())
@@ -398,12 +402,12 @@ def test_random_histories_really_exercise_squashes_stale_results_accepts_and_ref
 def test_stale_result_returns_none_and_leaves_the_ledger_unchanged():
     ledger = SequenceLedger(prompt_len=3, max_new_tokens=8)
     ledger.add_real(9)
-    assert ledger.on_result(2, 0, 5).token == 5  # prefill result
+    assert ledger.on_result(2, 0, 5).tokens == (5,)  # prefill result
     ledger.add_real(5)
     ledger.add_draft(6)
     ledger.add_draft(7)
     verdict = ledger.on_result(3, 0, 4)  # draft 6 was wrong
-    assert verdict.drafted and not verdict.accepted and verdict.squashed == 2
+    assert verdict.num_verified and not _accepted(verdict) and verdict.squashed == 2
     assert ledger.epoch == 1 and not ledger.inflight
     assert ledger.on_result(4, 0, 6) is None and ledger.on_result(5, 0, 1) is None
     assert ledger.num_committed == 2 and ledger.epoch == 1 and not ledger.inflight
@@ -415,9 +419,9 @@ def test_accepted_draft_becomes_the_chain_head_and_is_verified_next():
     ledger.on_result(1, 0, 3)
     ledger.add_real(3)
     ledger.add_draft(4)
-    assert ledger.next_draft_token() == 4
+    assert ledger.drafts_to_verify() == [4]
     verdict = ledger.on_result(2, 0, 4)
-    assert verdict.accepted and verdict.squashed == 0 and ledger.epoch == 0
+    assert _accepted(verdict) and verdict.squashed == 0 and ledger.epoch == 0
     assert [f.position for f in ledger.inflight] == [3] and ledger.next_real_position == 3
 
 
@@ -464,7 +468,7 @@ def test_chain_commits_the_longest_correct_prefix_plus_one_real_token_and_squash
     assert ledger.drafts_to_verify() == [6, 7, 8, 1]
     verdict = ledger.on_result(6, 0, (6, 7, 4))  # draft 8 rejected: commit 6, 7 and the real 4
     assert verdict.tokens == (6, 7, 4) and verdict.num_verified == 3 and verdict.num_accepted == 2
-    assert verdict.drafted and not verdict.accepted and verdict.squashed == 1
+    assert verdict.num_verified and not _accepted(verdict) and verdict.squashed == 1
     assert ledger.epoch == 1 and not ledger.inflight and ledger.num_committed == 4
     assert ledger.next_real_position == 6  # the next item starts right after the committed tokens
 
@@ -476,7 +480,7 @@ def test_fully_accepted_chain_keeps_the_run_ahead_item_and_a_wrong_run_ahead_squ
     ledger.add_real(2, (3, 4))
     ledger.add_draft(5)
     verdict = ledger.on_result(4, 0, (3, 4, 5))
-    assert verdict.accepted and verdict.num_accepted == 3 and verdict.squashed == 0 and ledger.epoch == 0
+    assert _accepted(verdict) and verdict.num_accepted == 3 and verdict.squashed == 0 and ledger.epoch == 0
     assert [f.position for f in ledger.inflight] == [5]
     ledger2 = SequenceLedger(prompt_len=2, max_new_tokens=12)
     ledger2.add_real(1)

@@ -1,4 +1,4 @@
-"""The real Scheduler with speculation on, driven by a fake in-process pipeline of S stages.
+"""The real engine and scheduler with speculation on, driven by a fake in-process pipeline of S stages.
 
 What breaks when these fail: SPEED changes greedy output (a wrong draft committed, a token lost or
 repeated after a squash, a slot reused with stale work), drafts that follow a prefill or run past
@@ -10,9 +10,9 @@ The fake pipeline: S stages joined by FIFO queues (one micro-batch per stage per
 moves one stage per step); each stage applies the real `StageExecutor.admit` (epochs, KV
 truncation) and keeps a model of its KV contents (the token at each position). The last stage's
 "model" computes the next token from the KV contents it attends to, `fake_next(prefix)`, so any
-stale key/value left behind by a squash changes the output. After the exit stage the fake calls
-`on_exit`, after the last stage `on_result`, and after every event it pumps `next_batch` and the
-slot releases, like launcher/coordinator.py. Whether the exit event of the chain's end or the
+stale key/value left behind by a squash changes the output. After the exit stage the fake feeds
+the one `pipeline.engine.Engine` an `ExitPassed` event, after the last stage a `Result`, one
+`Engine.step` per event, and carries out its sends and releases, like launcher/coordinator.py. Whether the exit event of the chain's end or the
 head's result of the same step reaches the scheduler first is a parameter: in the real runtime
 they come from two different stages and race.
 """
@@ -29,12 +29,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from pipeline.engine import Engine
+from pipeline.engine_events import ExitPassed, Result, Submit
 from pipeline.items import Item, ItemKind
 from pipeline.kv_cache import KVCache
 from pipeline.partition import LayerRange
 from pipeline.predictors import Draft, ExitGuess, LogitLensPredictor
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler
 from pipeline.scheduler_types import FinishReason, SchedulerConfig, SpecCounters
 from pipeline.stage_executor import StageExecutor
 from tests.adversarial_predictors import (
@@ -100,39 +101,41 @@ class FakePipeline:
     `want_exit` (the exit stage skips its head, pipeline/stage_executor.py).
     """
 
-    def __init__(self, scheduler: Scheduler, *, exit_stage: int = 0, exit_first: bool = False,
-                 next_fn=fake_next, logits_fn=None, lens_offset: int = 0, pop_finished: bool = False) -> None:
-        self.sched = scheduler
-        self.num_stages = scheduler.config.num_stages
+    def __init__(self, engine: Engine, submits: list[Submit], *, exit_stage: int = 0, exit_first: bool = False,
+                 next_fn=fake_next, logits_fn=None, lens_offset: int = 0) -> None:
+        self.engine = engine
+        self.sched = engine.scheduler  # inspection only: the fake drives the engine
+        self.num_stages = self.sched.config.num_stages
         self.exit_stage, self.exit_first = exit_stage, exit_first
         self.next_fn, self.logits_fn = next_fn, logits_fn
         self.lens_offset = lens_offset  # the exit head guesses next_fn(prefix) + lens_offset
-        self.pop_finished = pop_finished  # forget finished sequences (Scheduler.pop) once released
-        self.finished: dict[int, object] = {}  # popped SequenceStates
+        self.submits = submits
+        self.states: dict[int, object] = {}  # every SequenceState (the engine forgets released ones)
         self.exit_passed: set[tuple[int, int, int]] = set()  # (seq_id, position, epoch) past the exit stage
         self.queues: list[collections.deque] = [collections.deque() for _ in range(self.num_stages)]
-        cfg = scheduler.config
+        cfg = self.sched.config
         self.executors = [StageExecutor(_admit_only_model(), KVCache(
             num_layers=1, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_kv_heads=1,
             head_dim=1, dtype=torch.float32)) for _ in range(self.num_stages)]
         self.contents: list[dict[int, list[int]]] = [collections.defaultdict(list) for _ in range(self.num_stages)]
         self.outputs: dict[int, list[int]] = collections.defaultdict(list)
-        self.active = {i for i, s in scheduler.seqs.items() if not s.finished}  # add() every sequence first
+        self.active = {s.seq_id for s in submits}
         self.stats = Stats()
 
     # -- coordinator side ---------------------------------------------------------------------------
-    def pump(self) -> None:
-        releases = self.sched.take_releases()
-        if releases:
-            self.queues[0].append(("release", releases))
-            if self.pop_finished:
-                for seq_id, _ in releases:
-                    self.finished[seq_id] = self.sched.pop(seq_id)
-        while True:
-            real_before = self._real_pending()
-            batch = self.sched.next_batch()
-            if batch is None:
-                return
+    def pump(self, events=()) -> None:
+        """One engine step: carry out its releases (in-band, to stage 0) and micro-batches, and
+        record its commits. Drafts must never delay real work: a micro-batch with drafts holds
+        only drafts, and no real item is left waiting after it."""
+        out = self.engine.step(events)
+        self.states.update(self.sched.seqs)
+        if out.releases:
+            self.queues[0].append(("release", [(r.seq_id, r.slot) for r in out.releases]))
+        for commit in out.commits:
+            self.outputs[commit.seq_id].extend(commit.token_ids)
+            if commit.finish_reason is not None:
+                self.active.discard(commit.seq_id)
+        for batch in out.sends:
             drafts = [it for it in batch if it.kind == ItemKind.DRAFT]
             if drafts:
                 self.stats.drafts_sent.extend(drafts)
@@ -140,19 +143,13 @@ class FakePipeline:
                 if len(drafts) != len(batch) or waiting:
                     self.stats.policy_violations.append(
                         f"draft batch {[(it.seq_id, it.kind.name) for it in batch]} sent while real items of "
-                        f"{sorted(real_before)} were ready ({sorted(waiting)} still are)")
-            self.queues[0].append(("batch", batch, batch))
+                        f"{sorted(waiting)} were ready")
+            self.queues[0].append(("batch", batch, list(batch)))
 
     def _real_pending(self) -> set[int]:
         """Unfinished sequences whose next item is a real (non-draft) one, ready to be sent."""
         seqs = (self.sched.seqs[i] for i in self.active if i in self.sched.seqs)
         return {s.seq_id for s in seqs if s.pending is not None and s.pending.kind != ItemKind.DRAFT}
-
-    def _on_result(self, sent: list[Item], returned: list[Item], tokens: list[int], logits) -> None:
-        for commit in self.sched.on_result(sent, returned, torch.tensor(tokens, dtype=torch.int64), logits):
-            self.outputs[commit.seq_id].extend(commit.token_ids)
-            if commit.finish_reason is not None:
-                self.active.discard(commit.seq_id)
 
     # -- stages ---------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -195,10 +192,11 @@ class FakePipeline:
             events.sort(key=lambda e: e[0] != "exit")
         for kind, _, payload in events:
             if kind == "exit":
-                self.sched.on_exit(*payload)
+                items, guesses = payload
+                self.pump([ExitPassed(items=tuple(items), guesses=tuple(guesses))])
             else:
-                self._on_result(*payload)
-            self.pump()
+                _, kept, tokens, logits = payload
+                self.pump([Result(items=tuple(kept), token_ids=torch.tensor(tokens, dtype=torch.int64), logits=logits)])
 
     def _run_stage(self, j: int, items: list[Item]) -> list[Item]:
         executor, content = self.executors[j], self.contents[j]
@@ -215,35 +213,41 @@ class FakePipeline:
         return kept
 
     def run(self, *, max_steps: int = 20_000) -> dict[int, list[int]]:
-        self.pump()
+        self.pump(self.submits)
         for _ in range(max_steps):
-            if not self.sched.has_unfinished and not any(self.queues):
+            if not self.engine.has_unfinished and not any(self.queues):
                 return dict(self.outputs)
             self.step()
         raise AssertionError(f"the fake pipeline did not finish in {max_steps} steps")
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-def _scheduler(num_stages: int, *, speculate: bool, predictor=None, max_num_seqs: int = 8,
-               eos: bool = False, max_inflight: int = 0) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_stages=num_stages, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-                                     eos_token_ids=(EOS,) if eos else (), speculate=speculate,
-                                     max_inflight=max_inflight), predictor)
+def _engine(num_stages: int, *, speculate: bool, predictor=None, max_num_seqs: int = 8,
+            eos: bool = False, max_inflight: int = 0) -> Engine:
+    return Engine(SchedulerConfig(num_stages=num_stages, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+                                  eos_token_ids=(EOS,) if eos else (), speculate=speculate,
+                                  max_inflight=max_inflight), predictor)
+
+
+def _submits(prompts, params: SamplingParams | list[SamplingParams], first: int = 0) -> list[Submit]:
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    return [Submit(seq_id=first + i, prompt_ids=tuple(p), params=sp)
+            for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True))]
 
 
 def _generate(num_stages: int, prompts, params: SamplingParams | list[SamplingParams], *, predictor=None,
               exit_first: bool = False, exit_stage: int = 0, max_num_seqs: int = 8, eos: bool = False,
-              **fake_kwargs) -> tuple[list[list[int]], Scheduler, FakePipeline]:
+              **fake_kwargs) -> tuple[list[list[int]], Engine, FakePipeline]:
     """Run `prompts` (params: one for all, or one per prompt) through a fake pipeline."""
-    sched = _scheduler(num_stages, speculate=predictor is not None, predictor=predictor,
-                       max_num_seqs=max_num_seqs, eos=eos)
+    engine = _engine(num_stages, speculate=predictor is not None, predictor=predictor,
+                     max_num_seqs=max_num_seqs, eos=eos)
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, per_prompt[i])
-    fake = FakePipeline(sched, exit_stage=exit_stage, exit_first=exit_first, **fake_kwargs)
+    fake = FakePipeline(engine, _submits(prompts, per_prompt), exit_stage=exit_stage, exit_first=exit_first,
+                        **fake_kwargs)
     outputs = fake.run()
     for i in range(len(prompts)):
-        assert outputs.get(i, []) == sched.seqs[i].output_ids, "streamed commits differ from the sequence's output"
+        assert outputs.get(i, []) == fake.states[i].output_ids, "streamed commits differ from the sequence's output"
+    assert engine.num_sequences == 0 and engine.num_inflight == 0, "finished sequences must be forgotten"
     for d in fake.stats.drafts_sent:  # the first draft follows the first decode item, never the prefill
         n, budget = len(prompts[d.seq_id]), per_prompt[d.seq_id].max_new_tokens
         assert d.start >= n + 1, f"draft at {d.start} right after the prefill of a {n}-token prompt: {d}"
@@ -251,7 +255,7 @@ def _generate(num_stages: int, prompts, params: SamplingParams | list[SamplingPa
         if predictor is not None and predictor.needs_exit_head:  # exit-driven: only after the exit event
             assert (d.seq_id, d.start - 1, d.epoch) in fake.exit_passed, f"draft before its exit event: {d}"
     assert not fake.stats.policy_violations, fake.stats.policy_violations[:3]  # drafts never delay real work
-    return [outputs.get(i, []) for i in range(len(prompts))], sched, fake
+    return [outputs.get(i, []) for i in range(len(prompts))], engine, fake
 
 
 def _predictor(kind: str, prompts, references, *, seed: int = 0):
@@ -293,11 +297,11 @@ def test_speculative_greedy_commits_equal_plain_decoding(num_stages, num_seqs, k
     spec, sched, fake = _generate(num_stages, prompts, params, predictor=_predictor(kind, prompts, references),
                                   exit_first=exit_first)
     assert spec == plain, f"{kind} predictor changed greedy output"
-    assert all(s.finish_reason == FinishReason.LENGTH for s in sched.seqs.values())
+    assert all(s.finish_reason == FinishReason.LENGTH for s in fake.states.values())
     assert sched.spec.drafted_tokens > 0, "no draft was ever sent: the test did not exercise speculation"
     assert not fake.stats.policy_violations, fake.stats.policy_violations[:3]
     assert fake.stats.dropped_items == 0, "FIFO stages never see an item older than one they ran"
-    assert sched.inflight_batches == 0 and not sched.take_releases()
+    assert sched.num_inflight == 0 and sched.num_sequences == 0
 
 
 @pytest.mark.parametrize("num_stages", [2, 3, 4, 5])
@@ -441,7 +445,7 @@ def test_no_commit_past_eos_or_the_token_budget(num_stages, kind):
         assert len(out) <= params.max_new_tokens
         assert EOS not in out[:-1], f"seq {i} committed tokens after EOS: {out}"
         expected = FinishReason.EOS if out[-1] == EOS else FinishReason.LENGTH
-        assert sched.seqs[i].finish_reason == expected
+        assert fake.states[i].finish_reason == expected
     assert fake.stats.drafts_sent, "no drafts: nothing was tested"  # their positions: see _generate
 
 
@@ -459,18 +463,16 @@ def test_more_sequences_than_kv_slots_reuse_slots_without_stale_work():
 
 @pytest.mark.parametrize("kind", ["always-wrong", "sometimes-right"])
 def test_finished_sequences_can_be_forgotten_while_their_drafts_are_still_queued(kind):
-    """A server must forget finished sequences (Scheduler.pop after their slot is released), also
-    those that ended on EOS while a draft of theirs was still waiting to be sent."""
+    """A server must forget finished sequences (the engine pops them once their slot is released),
+    also those that ended on EOS while a draft of theirs was still waiting to be sent."""
     prompts = [[p, p + 1] for p in range(3, 43)]
     params = SamplingParams(max_new_tokens=12)
     references = [greedy_reference(p, params.max_new_tokens, eos=EOS) for p in prompts]
-    sched = _scheduler(4, speculate=True, predictor=_predictor(kind, prompts, references), max_num_seqs=3, eos=True)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, params)
-    fake = FakePipeline(sched, pop_finished=True)
+    engine = _engine(4, speculate=True, predictor=_predictor(kind, prompts, references), max_num_seqs=3, eos=True)
+    fake = FakePipeline(engine, _submits(prompts, params))
     outputs = fake.run()
     assert [outputs[i] for i in range(len(prompts))] == references
-    assert not sched.seqs and len(fake.finished) == len(prompts)
+    assert engine.num_sequences == 0 and len(fake.states) == len(prompts)
 
 
 @pytest.mark.parametrize("exit_stage", [1, 2])
@@ -559,11 +561,11 @@ def _sample_tokens(num_seqs: int, *, seed0: int, predictor, chunk: int = 50) -> 
     outputs, totals = [], SpecCounters()
     for first in range(0, num_seqs, chunk):
         # 5 stages, 3 KV slots: real work never fills the pipeline, so drafts run in the idle slots.
-        sched = _scheduler(5, speculate=predictor is not None, predictor=predictor, max_num_seqs=3)
+        sched = _engine(5, speculate=predictor is not None, predictor=predictor, max_num_seqs=3)
         ids = range(first, min(first + chunk, num_seqs))
-        for i in ids:
-            sched.add(i, SAMPLING_PROMPT, SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed0 + i))
-        out = FakePipeline(sched, next_fn=fake_argmax, logits_fn=fake_logits).run()
+        submits = [Submit(seq_id=i, prompt_ids=tuple(SAMPLING_PROMPT),
+                          params=SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed0 + i)) for i in ids]
+        out = FakePipeline(sched, submits, next_fn=fake_argmax, logits_fn=fake_logits).run()
         outputs.extend(out[i] for i in ids)
         for field in dataclasses.fields(SpecCounters):
             setattr(totals, field.name, getattr(totals, field.name) + getattr(sched.spec, field.name))
