@@ -136,7 +136,7 @@ def items_from_wire(raw: Any) -> list[Item]:
         raise ValueError("malformed items: columns are not lists of one length")
     for name, kind in ITEM_WIRE_SCHEMA.items():
         if any(type(v) is not kind for v in raw[name]):
-            raise ValueError(f"malformed item: {name} is not a {kind.__name__}")
+            raise ValueError(f"malformed item: {name} is not {'an int' if kind is int else 'a ' + kind.__name__}")
     if any(type(t) is not int for tokens in raw["token_ids"] for t in tokens):
         raise ValueError("malformed item: token_ids is not a list of ints")
     items = []

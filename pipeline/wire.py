@@ -44,6 +44,7 @@ HEADER_SCHEMA: dict[str, type] = {
     "timing": dict,  # StageTiming columns, or nil: stages record their compute only when not nil
     "releases": dict,  # SlotRelease columns (RELEASE messages; empty columns otherwise)
 }
+_TYPE_NAMES = {int: "an int", bool: "a bool", dict: "a map", list: "a list"}
 PREFIX = struct.Struct("<4sI")
 DEFAULT_FRAME_BYTES = 16 * 1024
 
@@ -164,7 +165,7 @@ def decode_header(frame: bytes | bytearray | memoryview, *, max_payload_bytes: i
         raise WireError("header has missing or unknown keys")
     for name, kind in HEADER_SCHEMA.items():
         if type(raw[name]) is not kind and not (name == "timing" and raw[name] is None):
-            raise WireError(f"header field {name} is not a {kind.__name__}")
+            raise WireError(f"header field {name} is not {_TYPE_NAMES[kind]}")
     try:
         kind = MessageKind(raw["kind"])
     except ValueError:

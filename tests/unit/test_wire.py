@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.items import Item, ItemKind
+from pipeline.items import ITEM_WIRE_SCHEMA, Item, ItemKind, SlotRelease, items_to_wire
+from pipeline.timeline import StageTiming
 from pipeline.wire import (
     DEFAULT_FRAME_BYTES,
     MAGIC,
@@ -48,13 +49,13 @@ def _round_trip(msg: Message, *, frame_bytes: int = FRAME) -> tuple[Message, boo
         tensors = inline_tensors(bytes(frame), header_end(frame), header)
     else:
         tensors = split_payload(payload_bytes_of(msg.tensors), header.specs)
-    return Message(header.kind, header.items, tensors, header.meta), inline
+    return Message(header.kind, header.items, tensors, header.timing, header.releases), inline
 
 
 def _assert_same(got: Message, want: Message) -> None:
     assert got.kind == want.kind
     assert got.items == want.items
-    assert got.meta == want.meta
+    assert got.timing == want.timing and got.releases == want.releases
     assert list(got.tensors) == list(want.tensors), "tensor names or order changed"
     for name, t in want.tensors.items():
         g = got.tensors[name]
@@ -66,7 +67,7 @@ def _items() -> list[Item]:
     return [
         Item(seq_id=7, slot=1, start=0, num_tokens=3, epoch=0, kind=ItemKind.PREFILL, token_ids=(5, 6, 7),
              want_logits=True),
-        Item(seq_id=9, slot=0, start=12, num_tokens=1, epoch=4, kind=ItemKind.DRAFT, draft_token=33, want_exit=False),
+        Item(seq_id=9, slot=0, start=12, num_tokens=1, epoch=4, kind=ItemKind.DRAFT, want_exit=False),
         Item(seq_id=3, slot=2, start=20, num_tokens=3, epoch=1, kind=ItemKind.FIRP, firp_k=2, firp_anchors=3),
     ]
 
@@ -87,14 +88,14 @@ def _tensors(num_rows: int) -> dict[str, torch.Tensor]:
 # -- round trips ------------------------------------------------------------------------------------
 
 def test_small_message_round_trips_inline_in_one_frame():
-    msg = Message(MessageKind.FORWARD, _items(), _tensors(4), {"step": 3, "note": "x", "ratio": 0.5})
+    msg = Message(MessageKind.FORWARD, _items(), _tensors(4), [StageTiming(0, 10, 25), StageTiming(1, 30, 2**62)])
     got, inline = _round_trip(msg)
     assert inline, "a small message must travel in the first frame"
     _assert_same(got, msg)
 
 
 def test_large_message_round_trips_with_a_separate_payload():
-    msg = Message(MessageKind.RESULT, _items(), _tensors(200), {"k": [1, 2, 3]})
+    msg = Message(MessageKind.RESULT, _items(), _tensors(200), [])
     got, inline = _round_trip(msg)
     assert not inline, "a payload larger than the frame must not be inlined"
     _assert_same(got, msg)
@@ -122,8 +123,15 @@ def test_zero_size_tensors_round_trip(shape, inline_payload):
 def test_message_without_tensors_or_items_round_trips():
     msg = Message(MessageKind.KEEPALIVE)
     got, inline = _round_trip(msg)
-    assert inline
+    assert inline and got.timing is None, "no timing list: stages must not time it"
     _assert_same(got, msg)
+
+
+def test_release_round_trips_its_typed_slot_records():
+    msg = Message(MessageKind.RELEASE, releases=[SlotRelease(4, 0), SlotRelease(9, 3)])
+    got, _ = _round_trip(msg)
+    _assert_same(got, msg)
+    assert got.releases[1].seq_id == 9 and got.releases[1].slot == 3
 
 
 def test_bfloat16_bytes_are_preserved_exactly():
@@ -153,9 +161,10 @@ def test_default_frame_holds_a_decode_micro_batch_of_one_hidden_row_inline():
 # -- decode_header rejects ----------------------------------------------------------------------------
 
 def _valid_fields(**overrides: Any) -> dict[str, Any]:
-    fields = {"kind": int(MessageKind.FORWARD), "items": [it.to_wire() for it in _items()],
+    fields = {"kind": int(MessageKind.FORWARD), "items": items_to_wire(_items()),
               "tensors": [["hidden", "float32", [2, 4]], ["ids", "int64", [2]]],
-              "payload_bytes": 2 * 4 * 4 + 2 * 8, "inline": False, "on_device": False, "meta": {}}
+              "payload_bytes": 2 * 4 * 4 + 2 * 8, "inline": False, "on_device": False,
+              "timing": {"stage": [0], "start_ns": [5], "end_ns": [9]}, "releases": {"seq_id": [], "slot": []}}
     fields.update(overrides)
     return fields
 
@@ -177,6 +186,7 @@ def test_hand_built_valid_header_is_accepted():
     header = decode_header(_frame(_valid_fields()), max_payload_bytes=LIMIT)
     assert isinstance(header, Header)
     assert header.items == _items() and header.payload_bytes == 48
+    assert header.timing == [StageTiming(0, 5, 9)] and header.releases == []
     assert [(s.name, s.dtype, s.shape) for s in header.specs] == [("hidden", torch.float32, (2, 4)),
                                                                     ("ids", torch.int64, (2,))]
 
@@ -192,9 +202,9 @@ def test_rejects_a_frame_shorter_than_its_prefix():
 
 
 def test_rejects_a_header_length_past_the_frame():
-    frame = bytearray(_frame(_valid_fields(), frame_bytes=256))
-    struct.pack_into("<I", frame, 4, 253)
-    _rejects(bytes(frame), r"header length 253 exceeds the 256-byte frame")
+    frame = bytearray(_frame(_valid_fields(), frame_bytes=512))
+    struct.pack_into("<I", frame, 4, 509)
+    _rejects(bytes(frame), r"header length 509 exceeds the 512-byte frame")
 
 
 def test_rejects_a_truncated_header():
@@ -222,25 +232,41 @@ def test_rejects_an_unknown_header_key():
 
 def test_rejects_a_missing_header_key():
     fields = _valid_fields()
-    del fields["meta"]
+    del fields["timing"]
     _rejects(_frame(fields), "missing or unknown keys")
 
 
-@pytest.mark.parametrize("kind", [99, -1, "FORWARD", None, [0]])
+@pytest.mark.parametrize("kind", [99, -1])
 def test_rejects_an_unknown_message_kind_naming_it(kind):
     _rejects(_frame(_valid_fields(kind=kind)), re.escape(f"unknown message kind {kind!r}"))
 
 
-@pytest.mark.parametrize(("field", "value"), [("items", {"a": 1}), ("items", 3), ("meta", [1]), ("meta", None)])
-def test_rejects_items_or_meta_of_the_wrong_type(field, value):
-    _rejects(_frame(_valid_fields(**{field: value})), "items/meta have the wrong type")
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("kind", "FORWARD", "kind is not an int"), ("kind", None, "kind is not an int"),
+    ("items", [1], "items is not a map"), ("items", 3, "items is not a map"),
+    ("timing", [1], "timing is not a map"), ("releases", None, "releases is not a map"),
+])
+def test_rejects_a_header_field_of_the_wrong_type_naming_it(field, value, match):
+    _rejects(_frame(_valid_fields(**{field: value})), match)
 
 
-def _item_wire(**overrides: Any) -> list[Any]:
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("timing", {"stage": [0], "start_ns": [1]}, "malformed StageTiming columns"),
+    ("timing", {"stage": [0], "start_ns": [1], "end_ns": [2, 3]}, "one length"),
+    ("timing", {"stage": ["0"], "start_ns": [1], "end_ns": [2]}, "not int lists"),
+    ("releases", {"seq_id": [1], "slot": [None]}, "not int lists"),
+    ("releases", {"seq_id": [1], "slot": [0], "x": [1]}, "malformed SlotRelease columns"),
+])
+def test_rejects_malformed_timing_or_release_records(field, value, match):
+    _rejects(_frame(_valid_fields(**{field: value})), match)
+
+
+def _item_wire(**overrides: Any) -> dict[str, list[Any]]:
+    """The item columns of one item (see [Note: item wire form]), with `overrides` as its values."""
     base = dict(seq_id=1, slot=0, start=4, num_tokens=2, epoch=0, kind=1, token_ids=[3, 4], want_logits=False,
-                draft_token=-1, firp_k=0, firp_anchors=0, want_exit=True)
+                firp_k=0, firp_anchors=0, want_exit=True)
     base.update(overrides)
-    return list(base.values())
+    return {name: [value] for name, value in base.items()}
 
 
 @pytest.mark.parametrize(("raw", "match"), [
@@ -249,7 +275,7 @@ def _item_wire(**overrides: Any) -> list[Any]:
     (_item_wire(start=True), "start is not an int"),
     (_item_wire(want_logits=1), "want_logits is not a bool"),
     (_item_wire(token_ids=[1, "2"]), "token_ids is not a list of ints"),
-    (_item_wire(token_ids=3), "token_ids is not a list of ints"),
+    (_item_wire(token_ids=3), "token_ids is not a list"),
     (_item_wire(kind=7), "unknown kind 7"),
     (_item_wire(start=-1), "negative start"),
     (_item_wire(slot=-2), "negative start/slot/epoch"),
@@ -260,11 +286,13 @@ def _item_wire(**overrides: Any) -> list[Any]:
     (_item_wire(firp_anchors=3), "firp_anchors 3 outside"),
     (_item_wire(firp_k=1.0), "firp_k is not an int"),
     (_item_wire(want_exit=0), "want_exit is not a bool"),
-    (_item_wire()[:-1], "expected a list of 12 fields"),
-    ({"seq_id": 1}, "expected a list of 12 fields"),
+    ({k: v for k, v in _item_wire().items() if k != "want_exit"}, "expected the columns"),
+    ({**_item_wire(), "draft_token": [-1]}, "expected the columns"),
+    ({**_item_wire(), "slot": [0, 1]}, "columns are not lists of one length"),
+    ({**_item_wire(), "slot": 0}, "columns are not lists of one length"),
 ])
 def test_rejects_a_malformed_item_naming_the_problem(raw, match):
-    _rejects(_frame(_valid_fields(items=[raw])), match)
+    _rejects(_frame(_valid_fields(items=raw)), match)
 
 
 @pytest.mark.parametrize("spec", [
@@ -290,9 +318,14 @@ def test_rejects_a_tensor_list_that_is_not_a_list():
     _rejects(_frame(_valid_fields(tensors={"x": 1}, payload_bytes=0)), "tensors is not a list")
 
 
-@pytest.mark.parametrize("payload", [47, 49, 0, "48", 48.0, None])
+@pytest.mark.parametrize("payload", [47, 49, 0])
 def test_rejects_payload_bytes_disagreeing_with_the_specs(payload):
     _rejects(_frame(_valid_fields(payload_bytes=payload)), rf"payload_bytes {payload!r} disagrees")
+
+
+@pytest.mark.parametrize("payload", ["48", 48.0, None])
+def test_rejects_payload_bytes_that_are_not_an_int(payload):
+    _rejects(_frame(_valid_fields(payload_bytes=payload)), "payload_bytes is not an int")
 
 
 def test_rejects_a_payload_over_the_stage_limit_naming_both_sizes():
@@ -313,12 +346,14 @@ def test_rejects_an_inline_payload_that_does_not_fit_the_frame():
 
 @pytest.mark.parametrize("inline", [1, "yes", None])
 def test_rejects_a_non_bool_inline_flag(inline):
-    _rejects(_frame(_valid_fields(inline=inline)), "inline payload does not fit")
+    _rejects(_frame(_valid_fields(inline=inline)), "inline is not a bool")
 
 
-@pytest.mark.parametrize(("inline", "on_device"), [(False, 1), (False, None), (True, True)])
-def test_rejects_a_malformed_or_contradictory_on_device_flag(inline, on_device):
-    _rejects(_frame(_valid_fields(inline=inline, on_device=on_device)), "on_device flag is malformed")
+@pytest.mark.parametrize(("inline", "on_device", "match"), [(False, 1, "on_device is not a bool"),
+                                                             (False, None, "on_device is not a bool"),
+                                                             (True, True, "on_device flag is malformed")])
+def test_rejects_a_malformed_or_contradictory_on_device_flag(inline, on_device, match):
+    _rejects(_frame(_valid_fields(inline=inline, on_device=on_device)), match)
 
 
 # -- fuzzing ----------------------------------------------------------------------------------------
@@ -359,8 +394,8 @@ def test_fuzz_one_header_field_replaced_by_any_value_decodes_or_raises_wire_erro
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(index=st.integers(0, 8), value=_values)
-def test_fuzz_one_item_field_replaced_by_any_value_decodes_or_raises_wire_error(index, value):
+@given(field=st.sampled_from(sorted(ITEM_WIRE_SCHEMA)), value=_values, whole_column=st.booleans())
+def test_fuzz_one_item_field_replaced_by_any_value_decodes_or_raises_wire_error(field, value, whole_column):
     raw = _item_wire()
-    raw[index] = value
-    _decode_or_wire_error(_frame(_valid_fields(items=[raw])))
+    raw[field] = value if whole_column else [value]
+    _decode_or_wire_error(_frame(_valid_fields(items=raw)))
