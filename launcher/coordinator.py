@@ -29,7 +29,7 @@ from launcher.stage_link import StageLink
 from launcher.stage_receivers import start_receivers
 from launcher.stage_startup import load_and_join, wait_reachable
 from pipeline.engine import Engine
-from pipeline.engine_events import Abort, Result, Submit
+from pipeline.engine_events import Abort, Submit
 from pipeline.predictors import Predictor, make_predictor
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler_types import Commit, SchedulerConfig, SpecCounters
@@ -169,9 +169,8 @@ class Coordinator:
 
     def _to_engine_events(self, kind: str, payload) -> list:
         """One queued event as engine events (none for a stop, or an abort of an unknown request)."""
-        if kind == "event":
-            return [dataclasses.replace(payload, at_ns=time.perf_counter_ns()) if isinstance(payload, Result)
-                    else payload]
+        if kind == "event":  # from a receiver: RESULT or EXIT_GUESS, stamped on arrival
+            return [payload]
         if kind == "submit":
             seq_id, handle = payload
             self.handles[seq_id] = handle

@@ -36,7 +36,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     end_ns = time.perf_counter_ns()
     wall_s = (end_ns - start_ns) / 1e9
     stage_stats = coord.stage_stats()
-    times, spec = coord.timeline, coord.scheduler.spec
+    times, spec = coord.timeline, coord.spec
     fractions = times.fractions(start_ns, end_ns) if coord.record_timeline else None
     stages = []
     for i, (st, r) in enumerate(zip(stage_stats, session.model.ranges, strict=True)):

@@ -52,7 +52,7 @@ class _PipelineCollector:
         self.coordinator, self.model_name = coordinator, model_name
 
     def collect(self):
-        spec = self.coordinator.scheduler.spec
+        spec = self.coordinator.spec
         for name, doc, value in (
             ("spec_decode_num_draft_tokens", "Draft tokens sent into the pipeline.", spec.drafted_tokens),
             ("spec_decode_num_verified_tokens", "Draft tokens verified against the last stage.", spec.verified_drafts),
@@ -170,7 +170,7 @@ class StatsLogger:
     def line(self, prev: dict) -> tuple[str, dict]:
         """The stats line for the interval since `prev` (a snapshot dict), and the new snapshot."""
         now = time.perf_counter()
-        spec = self.coordinator.scheduler.spec
+        spec = self.coordinator.spec
         try:
             stages = [(st.wall_ns, st.busy_ns) for st in self.coordinator.stage_stats()]
         except Exception:  # noqa: BLE001

@@ -21,21 +21,21 @@ class ReceiverError(RuntimeError):
     """A stage sent something the coordinator cannot use, or the data plane failed."""
 
 
-def exit_event(msg: Message) -> ExitPassed:
+def exit_event(msg: Message, *, now_ns: int) -> ExitPassed:
     """An EXIT_GUESS message as an engine event. Its time: when the exit stage finished the items
-    (its StageTiming) if timed, else now."""
+    (its StageTiming) if timed, else `now_ns` (when it arrived)."""
     tokens, probs = msg.tensors.get("exit_tokens"), msg.tensors.get("exit_probs")
     guesses = tuple(None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
                     for i in range(len(msg.items)))
-    at_ns = msg.timing[-1].end_ns if msg.timing else time.perf_counter_ns()
+    at_ns = msg.timing[-1].end_ns if msg.timing else now_ns
     return ExitPassed(items=tuple(msg.items), guesses=guesses, at_ns=at_ns)
 
 
-def result_event(msg: Message) -> Result:
-    """A RESULT message as an engine event, stamped with the time it is handled (set later)."""
+def result_event(msg: Message, *, now_ns: int) -> Result:
+    """A RESULT message as an engine event, stamped `now_ns` (when it arrived)."""
     return Result(items=tuple(msg.items), token_ids=msg.tensors["token_ids"], logits=msg.tensors.get("logits"),
                   firp_tokens=msg.tensors.get("firp_tokens"), firp_probs=msg.tensors.get("firp_probs"),
-                  timing=tuple(msg.timing or ()))
+                  timing=tuple(msg.timing or ()), at_ns=now_ns)
 
 
 def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, events: queue.Queue,
@@ -59,9 +59,9 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queu
                 events.put(("error", ReceiverError(str(exc))))
             return
         if msg.kind == MessageKind.RESULT and is_last:
-            events.put(("event", result_event(msg)))
+            events.put(("event", result_event(msg, now_ns=time.perf_counter_ns())))
         elif msg.kind == MessageKind.EXIT_GUESS:
-            events.put(("event", exit_event(msg)))
+            events.put(("event", exit_event(msg, now_ns=time.perf_counter_ns())))
         elif msg.kind == MessageKind.SHUTDOWN:  # from the last stage, and from the exit stage
             return
         elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE) or not is_last:

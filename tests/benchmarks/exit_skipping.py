@@ -5,7 +5,8 @@ The exit stage runs the exit head (final norm + LM head, with a trained map for 
 pipeline/scheduler.py). This compares, side by side in one run, aggregate decode tokens/s of
   none         `--speculate none`
   skip         `--speculate speed --predictor P`, exit-head skipping on (the default)
-  noskip       the same session with `SchedulerConfig.exit_skipping` off (head on every decode item)
+  noskip       the same session with the skip rule replaced by "always" (head on every decode item;
+               the benchmark swaps the scheduler's `_wants_exit` on its instance, while idle)
 per concurrency C (C prompts submitted together). The three alternate per repeat (drift hits all
 alike); each is summarised by the median over repeats of its ratio over `none`. Also reported:
 exit rows computed / skipped, drafts, acceptance, and whether greedy output equals `none`'s.
@@ -18,7 +19,6 @@ Usage: python tests/benchmarks/exit_skipping.py [--stages 2] [--predictor hybrid
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -38,8 +38,11 @@ MODES = ("none", "skip", "noskip")
 def measure(session: PipelineSession, prompts: list[str], max_new_tokens: int, *, exit_skipping: bool) -> dict:
     """Aggregate decode tokens/s of `prompts` submitted together, plus the speculation counters."""
     coord = session.coordinator
-    sched = coord.scheduler
-    sched.config = dataclasses.replace(sched.config, exit_skipping=exit_skipping)  # the session is idle
+    sched = coord.engine.scheduler  # the session is idle: nothing else touches it now
+    if exit_skipping:
+        sched.__dict__.pop("_wants_exit", None)  # the scheduler's own rule
+    else:
+        sched._wants_exit = lambda seq, item, *, pipeline_full: True  # noqa: SLF001 - the old behaviour
     coord.reset_stats()
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     submitted, handles = [], []
@@ -49,7 +52,7 @@ def measure(session: PipelineSession, prompts: list[str], max_new_tokens: int, *
     outs = [h.result(600) for h in handles]
     first = min(t0 + o.ttft_s for t0, o in zip(submitted, outs, strict=True))
     last = max(t0 + o.e2e_s for t0, o in zip(submitted, outs, strict=True))
-    spec = sched.spec
+    spec = coord.spec
     return {"decode_tokens_per_s": sum(len(o.token_ids) - 1 for o in outs) / max(last - first, 1e-9),
             "token_ids": [o.token_ids for o in outs], "exit_rows": spec.exit_rows,
             "exit_rows_skipped": spec.exit_rows_skipped, "drafted": spec.drafted_tokens,

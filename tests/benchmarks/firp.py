@@ -36,7 +36,7 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     coord = session.coordinator
     coord.reset_stats()
     out = coord.submit(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).result(600)
-    spec = coord.scheduler.spec
+    spec = coord.spec
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / (out.e2e_s - out.ttft_s), "token_ids": out.token_ids,
             "passes": spec.passes, "committed": spec.committed_tokens, "firp_verified": spec.firp_verified,
             "firp_accepted": spec.firp_accepted, "speed_verified": spec.verified_drafts - spec.firp_verified,

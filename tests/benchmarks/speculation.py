@@ -48,7 +48,7 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     coord.reset_stats()
     out = coord.submit(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).result(600)
     decode_s = out.e2e_s - out.ttft_s
-    spec = coord.scheduler.spec
+    spec = coord.spec
     stats = coord.stage_stats()
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
             "acceptance_rate": spec.acceptance_rate, "drafted": spec.drafted_tokens,

@@ -193,9 +193,9 @@ def test_coordinator_forgets_finished_sequences(pipeline: SpecPipeline, refs: Re
         pytest.skip("one shape is enough")
     pipeline.launch(make_predictor("always-wrong", refs), PROMPTS, [greedy(6)] * len(PROMPTS))
     deadline = time.monotonic() + 2.0  # slots are released (and sequences forgotten) after the last result
-    while pipeline.session.coordinator.scheduler.seqs and time.monotonic() < deadline:
+    while pipeline.session.coordinator.engine.num_sequences and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not pipeline.session.coordinator.scheduler.seqs, "finished sequences are kept forever"
+    assert not pipeline.session.coordinator.engine.num_sequences, "finished sequences are kept forever"
 
 
 def test_acceptance_rate_is_accepted_over_verified_drafts(pipeline: SpecPipeline, refs: References):

@@ -51,5 +51,5 @@ def test_firp_greedy_equals_no_speculation(reference, speculate, smollm2_dir: Pa
             out = session.coordinator.submit(prompt, GREEDY).result(RESULT_TIMEOUT_S)
             assert out.token_ids == expected, (f"{stages} stages, {speculate}, prompt {prompt[:30]!r}: "
                                                f"{out.token_ids} vs {expected}")
-            spec = session.coordinator.scheduler.spec
+            spec = session.coordinator.spec
             assert spec.firp_verified > 0, f"{speculate} never verified a FIRP draft: {spec}"

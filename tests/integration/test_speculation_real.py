@@ -113,7 +113,7 @@ def test_speculative_greedy_equals_transformers_for_one_prompt_alone(spec_sessio
     assert out.token_ids == transformers_greedy[ALONE], (
         f"{session.options.num_stages} stages, {predictor_name}: {out.token_ids} vs {transformers_greedy[ALONE]}")
     assert out.finish_reason == "length"
-    spec = session.coordinator.scheduler.spec
+    spec = session.coordinator.spec
     assert spec.verified_drafts > 0, f"{predictor_name} never drafted for a prompt alone: {spec}"
     if predictor_name == "always-wrong":
         assert spec.accepted_tokens == 0 and spec.squashed_items >= spec.verified_drafts, spec

@@ -59,7 +59,7 @@ def test_trained_head_greedy_equals_no_speculation(runs, predictor_name):
         out = session.coordinator.submit(prompt, GREEDY).result(RESULT_TIMEOUT_S)
         assert out.token_ids == expected, (f"{session.options.num_stages} stages, {predictor_name}, prompt "
                                            f"{prompt[:30]!r}: {out.token_ids} vs {expected}")
-        spec = session.coordinator.scheduler.spec
+        spec = session.coordinator.spec
         assert spec.verified_drafts > 0, f"{predictor_name} never drafted: {spec}"
 
 

@@ -13,7 +13,6 @@ import json
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -51,7 +50,7 @@ class FakeCoordinator:
         self.tokenizer, self.step_s = tokenizer, step_s
         self.failure: PipelineError | None = None
         self.stage_status = [pb.HealthResponse.SERVING] * 2
-        self.scheduler = SimpleNamespace(spec=SpecCounters())
+        self.spec = SpecCounters()
         self.timeline = Timeline(2)
         self.aborted: list[str] = []
         self._n = 0
@@ -71,12 +70,12 @@ class FakeCoordinator:
             if h.finish_reason is not None:
                 return
             last = i == h.params.max_new_tokens - 1
-            if h._emit(Commit(0, (h.prompt_ids[i % len(h.prompt_ids)],), FinishReason.LENGTH if last else None), ()):
+            if h.emit(Commit(0, (h.prompt_ids[i % len(h.prompt_ids)],), FinishReason.LENGTH if last else None)):
                 return
 
     def abort(self, handle: RequestHandle) -> None:
         self.aborted.append(handle.request_id)
-        handle._finish("aborted")
+        handle.finish("aborted")
 
     def health(self):
         return [pb.HealthResponse(status=s) for s in self.stage_status]
@@ -230,7 +229,7 @@ def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want):
     h = RequestHandle("r", "p", [1], params, tokenizer.detokenizer(prompt_ids=[1]))
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        if h._emit(Commit(0, (t,), FinishReason.LENGTH if last else None), stop):
+        if h.emit(Commit(0, (t,), FinishReason.LENGTH if last else None)):
             break
     chunks = list(h)
     assert "".join(c.text for c in chunks) == want == h.result(1).text
@@ -245,7 +244,7 @@ def test_stats_log_line(tokenizer):
     logger = StatsLogger(coord, engine.metrics, engine, interval_s=1.0)
     _, snap = logger.line({})
     engine.metrics.add_generation_tokens(50)
-    coord.scheduler.spec.verified_drafts, coord.scheduler.spec.accepted_tokens = 10, 4
+    coord.spec.verified_drafts, coord.spec.accepted_tokens = 10, 4
     engine._outstanding = 3  # 2 running + 1 waiting
     walls = iter([(3 * 10**9, 10**9), (3 * 10**9, 2 * 10**9)])  # idle 1/2 and 0 of the 2 s interval
     coord.stage_stats = lambda: [pb.StageStats(wall_ns=w, busy_ns=b) for w, b in walls]

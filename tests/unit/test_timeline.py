@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.items import Item, ItemKind
 from pipeline.metrics import inter_token_gaps_s, latency_summary, percentile
-from pipeline.timeline import Timeline
+from pipeline.timeline import StageTiming, Timeline
 from pipeline.trace import chrome_trace
 
 MS = 1_000_000
@@ -24,7 +24,7 @@ def _items() -> list[Item]:
 
 def test_each_item_keeps_sequence_positions_epoch_kind_and_outcome():
     tl = Timeline(1)
-    tl.record([[0, 0, 4 * MS]], _items(), 0.5, committed=[True, False])
+    tl.record([StageTiming(0, 0, 4 * MS)], _items(), 0.5, committed=[True, False])
     (s,) = tl.slices
     assert [it.to_json() for it in s.items] == [
         {"seq_id": 3, "positions": [7, 8], "epoch": 2, "kind": "decode", "outcome": "committed"},
@@ -35,8 +35,8 @@ def test_each_item_keeps_sequence_positions_epoch_kind_and_outcome():
 
 def test_fractions_split_busy_into_useful_and_wasted_and_the_rest_is_idle():
     tl = Timeline(2)
-    tl.record([[0, 0, 2 * MS], [1, 2 * MS, 4 * MS]], _items()[:1], 1.0)  # committed
-    tl.record([[0, 4 * MS, 6 * MS], [1, 6 * MS, 8 * MS]], _items()[1:], 0.0)  # squashed
+    tl.record([StageTiming(0, 0, 2 * MS), StageTiming(1, 2 * MS, 4 * MS)], _items()[:1], 1.0)  # committed
+    tl.record([StageTiming(0, 4 * MS, 6 * MS), StageTiming(1, 6 * MS, 8 * MS)], _items()[1:], 0.0)  # squashed
     f0, f1 = tl.fractions(0, 10 * MS)
     assert (f0.busy, f0.useful, f0.wasted, f0.idle) == pytest.approx((0.4, 0.2, 0.2, 0.6))
     assert (f1.busy, f1.useful, f1.wasted, f1.idle) == pytest.approx((0.4, 0.2, 0.2, 0.6))

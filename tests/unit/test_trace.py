@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from pipeline.items import Item, ItemKind
-from pipeline.timeline import Timeline
+from pipeline.timeline import StageTiming, Timeline
 from pipeline.trace import COMMIT_TID, chrome_trace
 
 
@@ -16,8 +16,8 @@ def _item(seq_id: int, start: int, kind: ItemKind) -> Item:
 def _timeline() -> Timeline:
     tl = Timeline(2)
     base = 1_000_000_000
-    tl.record([[0, base, base + 10_000], [1, base + 11_000, base + 25_000]], [_item(0, 5, ItemKind.DECODE)], 1.0)
-    tl.record([[0, base + 12_000, base + 22_000], [1, base + 26_000, base + 40_000]], [_item(0, 6, ItemKind.DRAFT)],
+    tl.record([StageTiming(0, base, base + 10_000), StageTiming(1, base + 11_000, base + 25_000)], [_item(0, 5, ItemKind.DECODE)], 1.0)
+    tl.record([StageTiming(0, base + 12_000, base + 22_000), StageTiming(1, base + 26_000, base + 40_000)], [_item(0, 6, ItemKind.DRAFT)],
               0.0)
     return tl
 

@@ -1,0 +1,130 @@
+"""The one engine (pipeline/engine.py), as the simulator and as the coordinator drive it.
+
+What breaks when these fail: the coordinator and the simulator no longer run the same engine the
+same way, so simulated studies stop predicting the runtime: the same events give other sends or
+other commits once they travel as data-plane messages and come back through the coordinator's
+receivers (launcher/stage_receivers.py), or an event trace with drafts and a squash commits
+tokens that the model did not produce.
+
+The trace: a simulated run (pipeline/simulator.py) of a few sequences with speculation, whose
+replayed draft outcomes include rejections, recorded as the list of `Engine.step` calls (events
+and outputs). It is replayed into a fresh engine the way the coordinator feeds its own: every
+result and exit event is encoded as the RESULT / EXIT_GUESS message a stage sends, decoded as the
+coordinator's channel does, and turned back into an event by the coordinator's receiver code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from launcher.stage_receivers import exit_event, result_event
+from pipeline.engine import Engine
+from pipeline.engine_events import ExitPassed, Result, StepOutput
+from pipeline.simulator import CostModel, Replay, SimConfig, SimPredictor, Simulator, true_token
+from pipeline.wire import Message, MessageKind, decode_header, encode_header, header_end, inline_tensors
+
+OUTCOMES = (True, True, False, True, True, True, False)  # the simulated predictor's draft outcomes, cyclic
+FRAME_BYTES = 1 << 16
+
+
+@dataclasses.dataclass
+class Recorded:
+    """One `Engine.step` call of the simulated run."""
+
+    events: list
+    now_ns: int
+    out: StepOutput
+
+
+def _record() -> tuple[Simulator, list[Recorded]]:
+    """Run the simulator with its engine's steps recorded."""
+    # 3 sequences on 4 stages leave a stage slot idle for drafts; uneven stage costs and a hop
+    # latency make the sequences drift apart.
+    cfg = SimConfig(num_stages=4, prompt_lens=(3, 5, 2), max_new_tokens=9, speculate=True)
+    cost = CostModel(stage_base_s=(1.0e-3, 1.3e-3, 0.7e-3, 0.9e-3), stage_per_token_s=(1e-5,) * 4,
+                     hop_latency_s=1e-4)
+    sim = Simulator(cfg, cost, acceptance=Replay(OUTCOMES))
+    steps: list[Recorded] = []
+    step = sim.engine.step
+
+    def recording_step(events=(), now_ns=0):
+        out = step(events, now_ns)
+        steps.append(Recorded(list(events), now_ns, out))
+        return out
+
+    sim.engine.step = recording_step
+    sim.run()
+    return sim, steps
+
+
+def _over_the_wire(msg: Message) -> Message:
+    """`msg` encoded as a stage sends it and decoded as the coordinator's channel does (inline)."""
+    frame, inline = encode_header(msg, frame_bytes=FRAME_BYTES)
+    assert inline, "the test's messages fit one frame"
+    header = decode_header(memoryview(bytes(frame)), max_payload_bytes=FRAME_BYTES)
+    tensors = inline_tensors(bytes(frame), header_end(frame), header)
+    return Message(header.kind, header.items, tensors, header.timing, header.releases)
+
+
+def _as_the_coordinator_sees_it(event):
+    """A simulated Result / ExitPassed as a stage's message, back through the coordinator's receiver."""
+    if isinstance(event, Result):
+        msg = Message(MessageKind.RESULT, [it.without_tokens() for it in event.items],
+                      {"token_ids": event.token_ids}, list(event.timing))
+        return result_event(_over_the_wire(msg), now_ns=event.at_ns)
+    if isinstance(event, ExitPassed):  # the simulated exit stage has no head: no guess tensors
+        assert all(g is None for g in event.guesses)
+        msg = Message(MessageKind.EXIT_GUESS, [it.without_tokens() for it in event.items], {}, None)
+        return exit_event(_over_the_wire(msg), now_ns=event.at_ns)
+    return event  # Submit: the coordinator builds it from the request (launcher/coordinator.py)
+
+
+def _commits_by_seq(commits) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for c in commits:
+        out.setdefault(c.seq_id, []).extend(c.token_ids)
+    return out
+
+
+def test_the_recorded_trace_has_sequences_drafts_and_a_squash():
+    sim, steps = _record()
+    spec = sim.engine.spec
+    assert len({c.seq_id for s in steps for c in s.out.commits}) == 3
+    assert spec.drafted_tokens >= 3 and spec.accepted_tokens >= 1, spec
+    assert spec.squashed_items >= 1 and spec.verified_drafts > spec.accepted_tokens, "no squash in the trace"
+    assert any(isinstance(e, ExitPassed) for s in steps for e in s.events)
+
+
+def test_one_trace_gives_the_same_sends_and_commits_as_the_coordinator_and_the_simulator_feed_it():
+    sim, steps = _record()
+    engine = Engine(sim.engine.scheduler.config, SimPredictor(Replay(OUTCOMES)))
+    replayed = []
+    for step in steps:
+        out = engine.step([_as_the_coordinator_sees_it(e) for e in step.events], step.now_ns)
+        assert out.sends == step.out.sends, f"other micro-batches at t={step.now_ns} ns"
+        assert list(out.releases) == list(step.out.releases)
+        replayed.extend(out.commits)
+    recorded = [c for s in steps for c in s.out.commits]
+    assert replayed == recorded
+    assert engine.spec == sim.engine.spec, "other drafts, verifies or squashes"
+    prompt_lens = sim.config.prompt_lens
+    want = {i: [true_token(i, n + k) for k in range(sim.config.max_new_tokens)] for i, n in enumerate(prompt_lens)}
+    assert _commits_by_seq(replayed) == want, "the trace committed tokens the simulated model did not produce"
+    assert engine.num_sequences == 0 and engine.num_inflight == 0
+
+
+def test_the_timeline_is_recorded_alike_from_both_feeds():
+    sim, steps = _record()
+    engine = Engine(sim.engine.scheduler.config, SimPredictor(Replay(OUTCOMES)))
+    for step in steps:
+        engine.step([_as_the_coordinator_sees_it(e) for e in step.events], step.now_ns)
+    assert [s.to_json() for s in engine.timeline.slices] == [s.to_json() for s in sim.engine.timeline.slices]
+    assert engine.timeline.wasted_ns == sim.engine.timeline.wasted_ns and any(engine.timeline.wasted_ns)
+
+
+def test_a_result_token_tensor_survives_the_wire_exactly():
+    tokens = torch.tensor([3, 49_999, 17], dtype=torch.int64)
+    msg = _over_the_wire(Message(MessageKind.RESULT, [], {"token_ids": tokens}, []))
+    assert torch.equal(msg.tensors["token_ids"], tokens) and msg.timing == []
