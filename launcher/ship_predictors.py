@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher.session import PipelineOptions, resolve, stage_extra_cost
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve, stage_extra_cost
 from launcher.train_predictor import add_train_args, cmd_train
 from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model

@@ -214,7 +214,9 @@ def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = 
     import psutil
     import torch
 
-    from launcher.session import PipelineOptions, PipelineSession, resolve
+    from launcher.pipeline_options import PipelineOptions
+    from launcher.run_plan import resolve
+    from launcher.session import PipelineSession
     from pipeline.sampling import SamplingParams
 
     torch.set_num_threads(1)

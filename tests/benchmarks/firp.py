@@ -26,7 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # `python tests/benchmarks/...` imports this checkout
 
-from launcher.session import PipelineOptions, PipelineSession, resolve  # noqa: E402
+from launcher.pipeline_options import PipelineOptions  # noqa: E402
+from launcher.run_plan import resolve  # noqa: E402
+from launcher.session import PipelineSession  # noqa: E402
 from pipeline.sampling import SamplingParams  # noqa: E402
 from tests.benchmarks.speculation import closed_form, sotu_prompts  # noqa: E402
 

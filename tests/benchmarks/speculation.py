@@ -29,7 +29,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.predictor_data import load_corpus, split_documents
 from pipeline.sampling import SamplingParams
 
