@@ -50,7 +50,7 @@ def _default_exit_layer(model: str, num_stages: int) -> int:
 def ship_heads(model: str, config: ModelConfig, identity, stages: list[int], extra: list[str]) -> dict[int, int]:
     """Train a shipped head at every --stages value's default exit layer; returns {layer: stages}.
 
-    The default split costs the exit head by its draft vocabulary (launcher/session.py
+    The default split costs the exit head by its draft vocabulary (launcher/run_plan.py
     default_split), so a trained head can move the exit layer: train, re-split with the head's
     cost, train again at the new exit layer until it stays; then delete this model's shipped heads
     that no depth uses, and check that `launch` now picks the shipped layers."""

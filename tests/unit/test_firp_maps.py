@@ -1,5 +1,5 @@
 """Unit tests for FIRP maps (pipeline/firp.py), their training and eval (pipeline/firp_training.py),
-and how a launch picks the FIRP file and chain length (launcher/session.py).
+and how a launch picks the FIRP file and chain length (launcher/run_plan.py).
 
 What breaks when these fail: maps that do not round-trip through a predictor file, a fit that
 does not recover a known linear dynamics, an eval whose replay of the chain policy is wrong, or a
