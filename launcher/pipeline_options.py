@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from launcher.local_launch_config import LOG_LEVELS
 from launcher.placement import PlacementOptions, node_stages
 from pipeline.run_config import RunConfig
 
@@ -30,5 +31,7 @@ class PipelineOptions(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.placement.multi_node:
             node_stages(num_stages=self.num_stages, nnodes=self.placement.nnodes, node_rank=self.placement.node_rank)

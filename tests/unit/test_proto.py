@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from google.protobuf import descriptor_pb2
 
 from proto import generate, speedpipe_pb2, speedpipe_pb2_grpc
 
@@ -151,6 +152,14 @@ def test_load_stage_request_round_trip():
     assert decoded.exit_layer == -1
     assert decoded.stage_timeout_s == 30.5
     assert (decoded.layer_start, decoded.layer_stop) == (11, 22)
+
+
+def test_removed_load_fields_are_reserved_so_their_numbers_are_never_reused():
+    message = descriptor_pb2.DescriptorProto()
+    speedpipe_pb2.LoadStageRequest.DESCRIPTOR.CopyToProto(message)
+    assert {"dist_backend", "predictor"} <= set(message.reserved_name)
+    assert {15, 18} <= {r.start for r in message.reserved_range}
+    assert not {"dist_backend", "predictor"} & set(speedpipe_pb2.LoadStageRequest.DESCRIPTOR.fields_by_name)
 
 
 def test_last_generate_response_round_trip_carries_usage_and_timing():

@@ -39,6 +39,13 @@ BAD_VALUES = [
 ]
 
 
+def test_launcher_options_refuse_an_unknown_log_level_naming_it():
+    with pytest.raises(ValueError, match=re.escape("log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "
+                                                   "got 'LOUD'")) as err:
+        PipelineOptions(log_level="LOUD")
+    assert flag_message(str(err.value)).startswith("--log-level must be one of")
+
+
 @pytest.mark.parametrize(("fields", "message", "cli_message"), BAD_VALUES, ids=[next(iter(f)) for f, _, _ in BAD_VALUES])
 def test_bad_value_names_the_parameter_and_the_cli_rewrites_it_to_the_flag(fields, message, cli_message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
