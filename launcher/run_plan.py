@@ -79,8 +79,8 @@ def resolve_firp(options: RunConfig, model_dir: Path, config: ModelConfig, exit_
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """A validated run: model folder, architecture, tokenizer, the per-stage layer ranges, the exit
-    layer, and what the exit stage and the FIRP stage load. `needs_exit_head`: the pipeline runs an
-    exit head after `exit_layer` (RunConfig.needs_exit_head, decided once)."""
+    layer, and what the exit stage and the FIRP stage load. Whether an exit head runs after
+    `exit_layer` at all is the run configuration's `needs_exit_head`."""
 
     model_dir: Path
     config: ModelConfig
@@ -90,7 +90,6 @@ class RunPlan:
     firp: FirpSetup | None = None
     exit_predictor: bytes = b""  # trained early-exit predictor file for the exit stage; b"" = logit lens
     predictor_note: str = ""  # what the exit head is, for the user
-    needs_exit_head: bool = False
 
     @property
     def exit_stage(self) -> int:
@@ -172,5 +171,4 @@ def resolve(options: PipelineOptions) -> RunPlan:
                                        model_dir=model_dir, config=config, exit_layer=exit_layer)
     firp = resolve_firp(options, model_dir, config, exit_layer) if options.uses_firp else None
     return RunPlan(model_dir, config, Tokenizer(model_dir), ranges, exit_layer, firp,
-                   exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "",
-                   needs_exit_head=options.needs_exit_head)
+                   exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "")

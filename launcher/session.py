@@ -34,7 +34,7 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
         num_stages=options.num_stages, max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len,
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
         device=options.device, speculate=options.uses_speed, predictor=options.predictor,
-        exit_stage=plan.exit_stage if plan.needs_exit_head else -1, max_inflight=options.max_inflight,
+        exit_stage=plan.exit_stage if options.needs_exit_head else -1, max_inflight=options.max_inflight,
         min_acceptance=options.draft_min_acceptance, record_timeline=options.record_timeline,
         firp_k=plan.firp.k if plan.firp else 0, firp_min_prob=options.firp_min_prob)
 
@@ -50,8 +50,8 @@ def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: st
         dtype=options.dtype, device=options.device, max_num_seqs=options.max_num_seqs,
         max_model_len=options.max_model_len, num_threads=options.threads_per_stage, dist_master_addr=master_addr,
         dist_master_port=master_port, stage_timeout_s=options.stage_timeout_s,
-        exit_layer=plan.exit_layer if plan.needs_exit_head else -1,
-        exit_predictor=plan.exit_predictor if plan.needs_exit_head and i == plan.exit_stage else b"",
+        exit_layer=plan.exit_layer if options.needs_exit_head else -1,
+        exit_predictor=plan.exit_predictor if options.needs_exit_head and i == plan.exit_stage else b"",
         firp_layer=firp.layer if firp else -1, firp_k=firp.k if firp else 0,
         firp_file=firp.file_bytes if firp and firp.layer in r else b"") for i, r in enumerate(plan.ranges)]
 
@@ -66,9 +66,9 @@ class PipelineSession:
         """model: the plan `launcher.run_plan.resolve(options)` made. predictor: a Predictor object
         overriding options.predictor on the coordinator side; it must agree with it on
         `needs_exit_head` (the stages are built for that). Raises ValueError if it does not."""
-        if predictor is not None and options.uses_speed and predictor.needs_exit_head != model.needs_exit_head:
+        if predictor is not None and options.uses_speed and predictor.needs_exit_head != options.needs_exit_head:
             raise ValueError(f"predictor override {type(predictor).__name__} needs_exit_head={predictor.needs_exit_head}, "
-                             f"but predictor {options.predictor!r} (the stages' build) has {model.needs_exit_head}")
+                             f"but predictor {options.predictor!r} (the stages' build) has {options.needs_exit_head}")
         self.predictor = predictor
         self.options = options
         self.model = model
@@ -93,7 +93,7 @@ class PipelineSession:
         for i, r in enumerate(m.ranges):
             extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
                      (f"{'trained ' if m.exit_predictor else ''}exit head after layer {m.exit_layer}",
-                      m.needs_exit_head and i == m.exit_stage),
+                      self.options.needs_exit_head and i == m.exit_stage),
                      (f"FIRP maps (k={m.firp.k}) after layer {m.firp.layer}" if m.firp else "",
                       m.firp is not None and m.firp.layer in r))
                      if holds]

@@ -114,7 +114,7 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir):
     options = _options(tiny_dir, speculate="speed", predictor="logit-lens")
     plan = resolve(options)
     specs = stage_load_specs(options, plan, master_addr="127.0.0.1", master_port=1234)
-    assert plan.needs_exit_head and plan.exit_layer == 1 and plan.exit_stage == 0
+    assert options.needs_exit_head and plan.exit_layer == 1 and plan.exit_stage == 0
     assert [s.exit_layer for s in specs] == [1, 1] and [s.holds_exit_head for s in specs] == [True, False]
     assert [(s.stage_index, s.layer_range.start, s.layer_range.stop) for s in specs] == [(0, 0, 2), (1, 2, 4)]
     for s in specs:
@@ -128,7 +128,7 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir):
 def test_a_context_only_predictor_gets_no_exit_head_anywhere(tiny_dir):
     options = _options(tiny_dir, speculate="speed", predictor="ngram")
     plan = resolve(options)
-    assert not plan.needs_exit_head
+    assert not options.needs_exit_head
     assert [s.exit_layer for s in stage_load_specs(options, plan, master_addr="h", master_port=1)] == [-1, -1]
     assert coordinator_config(options, plan, master_addr="h", master_port=1).exit_stage == -1
 
