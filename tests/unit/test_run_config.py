@@ -71,6 +71,9 @@ def test_every_mapped_parameter_is_a_config_field_and_its_flag_a_launch_flag():
     ("predictor file /tmp/max_num_seqs/x.safetensors does not exist",
      "predictor file /tmp/max_num_seqs/x.safetensors does not exist"),
     ("--max-new-tokens must be > 0, got 0", "--max-new-tokens must be > 0, got 0"),
+    ("max_new_tokens must be > 0, got 0", "--max-new-tokens must be > 0, got 0"),
+    ("top_p must be in (0, 1], got 1.5", "--top-p must be in (0, 1], got 1.5"),
+    ("stop must hold non-empty strings, got ''", "--stop must hold non-empty strings, got ''"),
     ("exit predictor has hidden size 8, the model 64", "exit predictor has hidden size 8, the model 64"),
 ])
 def test_flag_message_rewrites_parameter_names_only(message, expected):
