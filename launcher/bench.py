@@ -25,9 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.driver_protocol import DriverProcess
-from launcher.session import SPECULATE_MODES, PipelineOptions, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
 from pipeline.models import DEFAULT_MODEL
 from pipeline.predictors import PREDICTORS
+from pipeline.run_config import SPECULATE_MODES
 
 SOTU_NUM_PROMPTS = 8
 SOTU_PROMPT_WORDS = 48

@@ -20,7 +20,9 @@ import torch
 
 from launcher.driver_protocol import serve_requests, take_stdout_for_replies
 from launcher.launch import run_launch
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
 from pipeline.trace import chrome_trace
 

@@ -14,13 +14,17 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.cli_errors import flag_message
 from launcher.coordinator import PipelineError
 from launcher.http_bench import add_http_bench_args, cmd_http_bench
+from launcher.pipeline_options import PipelineOptions
 from launcher.placement_args import add_placement_args, placement_from_args
+from launcher.run_plan import resolve
 from launcher.serve import add_serve_args, cmd_serve
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.session import PipelineSession
 from launcher.stage_processes import StageStartupError
 from pipeline.models import DEFAULT_MODEL
+from pipeline.run_config import check_prompt_length
 from pipeline.sampling import SamplingParams
 
 PROG = "speedpipe"
@@ -211,10 +215,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     params = [sampling_params(args, i) for i in range(len(prompts))]
     model = resolve(options)
     for i, p in enumerate(prompts):  # length limits before anything is spawned
-        n = len(model.tokenizer.encode(p))
-        if n + params[i].max_new_tokens > options.max_model_len:
-            raise UsageError(f"prompt {i} ({n} tokens) + --max-new-tokens ({params[i].max_new_tokens}) = "
-                             f"{n + params[i].max_new_tokens} exceeds --max-model-len {options.max_model_len}")
+        check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
+                            max_model_len=options.max_model_len, what=f"prompt {i}")
     session = PipelineSession(options, model)
     if not args.json:
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {flag_message(str(exc))}", file=sys.stderr)
         return 2
     except (PipelineError, StageStartupError) as exc:
         print(f"{PROG} {args.command}: pipeline failed: {exc}", file=sys.stderr)

@@ -45,7 +45,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed if req.HasField("seed") else None,
                                 stop=tuple(req.stop), ignore_eos=req.ignore_eos)
-    except ValueError as exc:  # the message names the flag: "--top-p must be ..." -> field top_p
+    except ValueError as exc:  # the message names the parameter: "top_p must be ..." -> field 'top_p'
         field = str(exc).split()[0].lstrip("-").replace("-", "_")
         raise InvalidRequestError(str(exc).replace(str(exc).split()[0], f"'{field}'", 1), field) from None
     return ids, params

@@ -145,7 +145,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run until Ctrl-C / SIGTERM. Exit 2 for bad flags (nothing spawned), 1 if start-up fails."""
     from launcher.cli import pipeline_options, run_member, say
-    from launcher.session import resolve
+    from launcher.run_plan import resolve
 
     serve = serve_options(args)
     options = pipeline_options(args, progress=not getattr(args, "no_progress", False))

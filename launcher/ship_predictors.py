@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher.session import PipelineOptions, resolve, stage_extra_cost
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve, stage_extra_cost
 from launcher.train_predictor import add_train_args, cmd_train
 from pipeline.config import ModelConfig
 from pipeline.models import DEFAULT_MODEL, resolve_model
@@ -49,7 +50,7 @@ def _default_exit_layer(model: str, num_stages: int) -> int:
 def ship_heads(model: str, config: ModelConfig, identity, stages: list[int], extra: list[str]) -> dict[int, int]:
     """Train a shipped head at every --stages value's default exit layer; returns {layer: stages}.
 
-    The default split costs the exit head by its draft vocabulary (launcher/session.py
+    The default split costs the exit head by its draft vocabulary (launcher/run_plan.py
     default_split), so a trained head can move the exit layer: train, re-split with the head's
     cost, train again at the new exit layer until it stays; then delete this model's shipped heads
     that no depth uses, and check that `launch` now picks the shipped layers."""

@@ -46,7 +46,7 @@ class DraftGate:
     def __init__(self, *, min_acceptance: float, num_buckets: int = 10, prior_acceptance: float = 0.6,
                  prior_weight: float = 2.0, explore_every: int = 16) -> None:
         if not 0.0 <= min_acceptance <= 1.0:
-            raise ValueError(f"--min-acceptance must be in [0, 1], got {min_acceptance}")
+            raise ValueError(f"min_acceptance must be in [0, 1], got {min_acceptance}")
         if num_buckets < 1 or explore_every < 1 or prior_weight < 0 or not 0 <= prior_acceptance <= 1:
             raise ValueError("draft gate: num_buckets, explore_every >= 1, prior_weight >= 0, prior in [0, 1]")
         self.min_acceptance = min_acceptance

@@ -30,7 +30,7 @@ class FirpMaps(nn.Module):
     def __init__(self, hidden_size: int, k: int) -> None:
         super().__init__()
         if k < 1:
-            raise ValueError(f"--firp-k must be >= 1, got {k}")
+            raise ValueError(f"firp_k must be >= 1, got {k}")
         self.k, self.hidden_size = k, hidden_size
         self.weight = nn.Parameter(torch.eye(hidden_size).repeat(k, 1, 1))
         self.bias = nn.Parameter(torch.zeros(k, hidden_size))
@@ -69,7 +69,7 @@ class FirpMaps(nn.Module):
         have = int(pred.meta["k"])
         k = have if k is None else k
         if not 1 <= k <= have:
-            raise PredictorFileError(f"--firp-k {k} needs {k} maps, but the firp file holds {have}")
+            raise PredictorFileError(f"firp_k {k} needs {k} maps, but the firp file holds {have}")
         maps = cls(int(pred.meta["model"]["hidden_size"]), k)
         with torch.no_grad():
             for i in range(k):

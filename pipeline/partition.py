@@ -62,9 +62,9 @@ def balanced_split(num_layers: int, num_stages: int, *, extra_cost: Sequence[flo
     > num_layers, or extra_cost has the wrong length or a negative entry.
     """
     if num_stages < 1:
-        raise ValueError(f"--stages must be >= 1, got {num_stages}")
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if num_stages > num_layers:
-        raise ValueError(f"--stages {num_stages} is more than the model's {num_layers} layers")
+        raise ValueError(f"num_stages {num_stages} is more than the model's {num_layers} layers")
     if extra_cost is None:
         extra_cost = [0.0] * (num_stages - 1) + [HEAD_COST_LAYERS]
     if len(extra_cost) != num_stages or any(c < 0 for c in extra_cost):
@@ -92,12 +92,12 @@ def split_from_sizes(sizes: Sequence[int], num_layers: int) -> list[LayerRange]:
     Raises ValueError when a count is < 1 or the counts do not sum to `num_layers`.
     """
     if not sizes:
-        raise ValueError("--layer-split is empty")
+        raise ValueError("layer_split is empty")
     if any(s < 1 for s in sizes):
-        raise ValueError(f"--layer-split {','.join(map(str, sizes))}: every stage needs at least 1 layer")
+        raise ValueError(f"layer_split {','.join(map(str, sizes))}: every stage needs at least 1 layer")
     if sum(sizes) != num_layers:
         raise ValueError(
-            f"--layer-split {','.join(map(str, sizes))} sums to {sum(sizes)}, but the model has {num_layers} layers"
+            f"layer_split {','.join(map(str, sizes))} sums to {sum(sizes)}, but the model has {num_layers} layers"
         )
     ranges, start = [], 0
     for s in sizes:
@@ -111,4 +111,4 @@ def parse_layer_split(text: str) -> list[int]:
     try:
         return [int(p) for p in text.split(",")]
     except ValueError:
-        raise ValueError(f"--layer-split {text!r} must be comma-separated integers, e.g. 8,8,7,7") from None
+        raise ValueError(f"layer_split {text!r} must be comma-separated integers, e.g. 8,8,7,7") from None

@@ -100,6 +100,14 @@ def split_documents(corpus: Corpus, *, eval_fraction: float = 0.1) -> tuple[list
     return train, [d for d in corpus.documents if d in held]
 
 
+def held_out_prompts(spec: str, n: int, *, words: int = 60) -> list[str]:
+    """The opening `words` words of the first `n` documents of corpus `spec` that predictor training
+    holds out (the eval part of split_documents): prompts no trained predictor has seen. Raises
+    ValueError / FileNotFoundError as load_corpus does."""
+    held_out = split_documents(load_corpus(spec))[1]
+    return [" ".join(doc.text.split()[:words]) for doc in held_out[:n]]
+
+
 def token_windows(encode: Callable[[str], list[int]], docs: Sequence[Document], *, window: int,
                   num_tokens: int) -> torch.Tensor:
     """Cut documents into non-overlapping windows of `window` tokens and take windows round-robin

@@ -233,5 +233,5 @@ def make_predictor(name: str) -> Predictor:
         return NGramPredictor()
     if name == "hybrid":
         return HybridPredictor()
-    raise ValueError(f"--predictor {name!r} is not one of {', '.join(PREDICTORS)} nor a trained predictor file "
+    raise ValueError(f"predictor {name!r} is not one of {', '.join(PREDICTORS)} nor a trained predictor file "
                      f"(*{PREDICTOR_FILE_SUFFIX})")

@@ -31,7 +31,7 @@ class SamplingParams:
     stop: strings that end generation when they appear in the output (applied by the scheduler).
     ignore_eos: keep generating past EOS until `max_new_tokens` (benchmarks).
 
-    Raises ValueError (naming the CLI flag, the value and the limit) for invalid settings.
+    Raises ValueError (naming the parameter, the value and the limit) for invalid settings.
     """
 
     max_new_tokens: int = 64
@@ -43,27 +43,27 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ValueError(f"--max-new-tokens must be an integer, got {self.max_new_tokens!r}")
+            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens <= 0:
-            raise ValueError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature):
-            raise ValueError(f"--temperature must be finite, got {self.temperature}")
+            raise ValueError(f"temperature must be finite, got {self.temperature}")
         if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # also rejects NaN
-            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-                raise ValueError(f"--seed must be an integer or None, got {self.seed!r}")
+                raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
             if not 0 <= self.seed < _SEED_LIMIT:
-                raise ValueError(f"--seed must be in [0, 2**64), got {self.seed}")
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if not isinstance(self.stop, tuple):
             raise ValueError(
-                f"--stop must be a tuple of strings, got {type(self.stop).__name__} {self.stop!r}"
+                f"stop must be a tuple of strings, got {type(self.stop).__name__} {self.stop!r}"
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"--stop strings must be non-empty strings, got {s!r}")
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
 
     @property
     def is_greedy(self) -> bool:

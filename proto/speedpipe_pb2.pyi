@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("model_dir", "stage_index", "num_stages", "layer_start", "layer_stop", "dtype", "device", "max_num_seqs", "max_model_len", "num_threads", "dist_rank", "dist_world_size", "dist_master_addr", "dist_master_port", "dist_backend", "stage_timeout_s", "exit_layer", "predictor", "exit_predictor", "firp_layer", "firp_k", "firp_file")
+    __slots__ = ("model_dir", "stage_index", "num_stages", "layer_start", "layer_stop", "dtype", "device", "max_num_seqs", "max_model_len", "num_threads", "dist_rank", "dist_world_size", "dist_master_addr", "dist_master_port", "stage_timeout_s", "exit_layer", "exit_predictor", "firp_layer", "firp_k", "firp_file")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -23,10 +23,8 @@ class LoadStageRequest(_message.Message):
     DIST_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DIST_MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     DIST_MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
-    DIST_BACKEND_FIELD_NUMBER: _ClassVar[int]
     STAGE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     EXIT_LAYER_FIELD_NUMBER: _ClassVar[int]
-    PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     EXIT_PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     FIRP_LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRP_K_FIELD_NUMBER: _ClassVar[int]
@@ -45,15 +43,13 @@ class LoadStageRequest(_message.Message):
     dist_world_size: int
     dist_master_addr: str
     dist_master_port: int
-    dist_backend: str
     stage_timeout_s: float
     exit_layer: int
-    predictor: str
     exit_predictor: bytes
     firp_layer: int
     firp_k: int
     firp_file: bytes
-    def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., dist_backend: _Optional[str] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., predictor: _Optional[str] = ..., exit_predictor: _Optional[bytes] = ..., firp_layer: _Optional[int] = ..., firp_k: _Optional[int] = ..., firp_file: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., exit_predictor: _Optional[bytes] = ..., firp_layer: _Optional[int] = ..., firp_k: _Optional[int] = ..., firp_file: _Optional[bytes] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("weights_bytes", "num_parameters", "load_s", "tensor_names")
@@ -66,32 +62,6 @@ class LoadStageResponse(_message.Message):
     load_s: float
     tensor_names: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, weights_bytes: _Optional[int] = ..., num_parameters: _Optional[int] = ..., load_s: _Optional[float] = ..., tensor_names: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class GetInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class StageInfo(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_stop", "pid", "hostname", "device", "dtype", "loaded")
-    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
-    LAYER_START_FIELD_NUMBER: _ClassVar[int]
-    LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
-    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    LOADED_FIELD_NUMBER: _ClassVar[int]
-    stage_index: int
-    num_stages: int
-    layer_start: int
-    layer_stop: int
-    pid: int
-    hostname: str
-    device: str
-    dtype: str
-    loaded: bool
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., loaded: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

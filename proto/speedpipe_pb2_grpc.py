@@ -40,11 +40,6 @@ class StageServiceStub:
                 request_serializer=proto_dot_speedpipe__pb2.LoadStageRequest.SerializeToString,
                 response_deserializer=proto_dot_speedpipe__pb2.LoadStageResponse.FromString,
                 _registered_method=True)
-        self.GetInfo = channel.unary_unary(
-                '/speedpipe.v1.StageService/GetInfo',
-                request_serializer=proto_dot_speedpipe__pb2.GetInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_speedpipe__pb2.StageInfo.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/speedpipe.v1.StageService/Health',
                 request_serializer=proto_dot_speedpipe__pb2.HealthRequest.SerializeToString,
@@ -75,13 +70,6 @@ class StageServiceServicer:
         """Read this stage's layers [layer_start, layer_stop) from the checkpoint, build the KV cache and
         join the data-plane process group. Fails with FAILED_PRECONDITION if the stage is already loaded
         and INVALID_ARGUMENT if the request is inconsistent (for example layer_stop <= layer_start).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetInfo(self, request, context):
-        """Describe this stage: its place in the pipeline, where it runs and whether it is loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,11 +110,6 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=proto_dot_speedpipe__pb2.LoadStageRequest.FromString,
                     response_serializer=proto_dot_speedpipe__pb2.LoadStageResponse.SerializeToString,
-            ),
-            'GetInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetInfo,
-                    request_deserializer=proto_dot_speedpipe__pb2.GetInfoRequest.FromString,
-                    response_serializer=proto_dot_speedpipe__pb2.StageInfo.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -177,33 +160,6 @@ class StageService:
             '/speedpipe.v1.StageService/Load',
             proto_dot_speedpipe__pb2.LoadStageRequest.SerializeToString,
             proto_dot_speedpipe__pb2.LoadStageResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetInfo(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/speedpipe.v1.StageService/GetInfo',
-            proto_dot_speedpipe__pb2.GetInfoRequest.SerializeToString,
-            proto_dot_speedpipe__pb2.StageInfo.FromString,
             options,
             channel_credentials,
             insecure,

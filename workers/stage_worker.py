@@ -1,9 +1,10 @@
 """Stage worker process: a gRPC control-plane server plus the stage's data-plane loop.
 
-Owns one pipeline stage's lifetime: `Load` reads only this stage's tensors, builds the StageModel
-and KV cache, joins the torch.distributed group (rank = stage_index + 1) and starts the data-plane
-loop in a thread; `Health`, `GetStats`, `Reset`, `Shutdown` answer the coordinator.
-Must not: talk to clients or decide what runs.
+Owns one pipeline stage's lifetime: `Load` has pipeline/stage_assembly.py build the stage (only
+this stage's tensors: model, KV cache, exit head, FIRP maps), joins the torch.distributed group
+(rank = stage_index + 1) and starts the data-plane loop in a thread; `Health`, `GetStats`, `Reset`,
+`Shutdown` answer the coordinator.
+Must not: build models itself, talk to clients or decide what runs.
 
 Run: python -m workers.stage_worker --stage-index I [--host 127.0.0.1] [--port 0]
 Prints `SPEEDPIPE_STAGE_READY port=<N>` on stdout once listening; logs go to stderr. Exits when
@@ -16,7 +17,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,23 +26,17 @@ import grpc
 import psutil
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.firp import FirpMaps
-from pipeline.model import build_stage_model
-from pipeline.predictor_file import load_predictor_bytes
-from pipeline.predictors import ExitHead, ExitMap, make_predictor
+from pipeline.stage_assembly import StageLoadSpec, assemble_stage
 from pipeline.stage_executor import StageExecutor
-from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
-from workers.convert import StageLoadSpec, spec_from_proto
+from workers.convert import spec_from_proto
 from workers.parent_death import arm_parent_death_signal
 from workers.stage_loop import StageLoop
 
 log = logging.getLogger("speedpipe.worker")
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
 
 
@@ -85,56 +79,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                         load_s=time.perf_counter() - start, tensor_names=names)
 
     def _load_model(self, spec: StageLoadSpec) -> list[str]:
+        """Build this stage from its spec (pipeline/stage_assembly.py); returns the tensor names read."""
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
-        config = ModelConfig.from_model_dir(spec.model_dir)
-        names = stage_tensor_names(config, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last)
-        reader = CheckpointReader(spec.model_dir)
-        tensors = reader.read(names, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        model = build_stage_model(config, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
-                                  tensors=tensors, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
-        exit_layer = spec.exit_layer if spec.exit_layer in spec.layer_range else None
-        exit_head = None
-        if exit_layer is not None and make_predictor(spec.predictor).needs_exit_head:
-            exit_head = self._load_exit_head(config, reader, spec)
-        firp_layer = spec.firp_layer if spec.firp_k > 0 else None
-        firp_maps = None
-        if firp_layer is not None and firp_layer in spec.layer_range:
-            pred = load_predictor_bytes(spec.firp_file, kind="firp", exit_layer=firp_layer,
-                                        where=f"FIRP file for stage {spec.stage_index}")
-            firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-            self.weights_bytes += sum(p.numel() * p.element_size() for p in firp_maps.parameters())
-        self.executor = StageExecutor(model, kv, exit_layer=exit_layer, exit_head=exit_head, firp_layer=firp_layer,
-                                      firp_maps=firp_maps)
-        return sorted(reader.read_names)
-
-    def _load_exit_head(self, config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec) -> ExitHead:
-        """Copies of the final norm and LM head for the exit head on this stage, behind the trained
-        map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden size),
-        restricted to the file's draft vocabulary when it has one."""
-        norm_name = "model.norm.weight"
-        head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        t = reader.read([norm_name, head_name], dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        exit_map, vocab = None, None
-        if spec.exit_predictor:
-            pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
-                                        where="exit predictor")
-            if pred.meta["model"]["hidden_size"] != config.hidden_size:
-                raise ValueError(f"exit predictor has hidden size {pred.meta['model']['hidden_size']}, the model "
-                                 f"{config.hidden_size}")
-            exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine"),
-                                            eps=config.rms_norm_eps).to(device=spec.device, dtype=TORCH_DTYPES[spec.dtype])
-            vocab = pred.draft_vocab
-        with torch.device("meta"):
-            head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
-        head.load_state_dict({"norm.weight": t[norm_name], "lm_head.weight": t[head_name]}, assign=True)
-        head.exit_map = exit_map
-        if vocab is not None:  # [Note: draft vocabulary] in pipeline/predictors.py
-            head.restrict_vocab(vocab)
-        self.weights_bytes += sum(p.numel() * p.element_size() for p in head.parameters())
-        return head.eval()
+        stage = assemble_stage(spec)
+        self.executor, self.weights_bytes = stage.executor, stage.weights_bytes
+        return stage.tensor_names
 
     def _join_data_plane(self, spec: StageLoadSpec) -> None:
         """Join the process group (blocks until every rank joined) and start the data-plane loop."""
@@ -159,15 +109,6 @@ class StageServicer(pb_grpc.StageServiceServicer):
             os._exit(3)
 
     # -- queries ----------------------------------------------------------------------------------
-    def GetInfo(self, request, context):
-        spec = self.spec
-        return pb.StageInfo(
-            stage_index=self.stage_index, num_stages=spec.num_stages if spec else 0,
-            layer_start=spec.layer_range.start if spec else 0, layer_stop=spec.layer_range.stop if spec else 0,
-            pid=os.getpid(), hostname=socket.gethostname(), device=spec.device if spec else "",
-            dtype=spec.dtype if spec else "", loaded=spec is not None,
-        )
-
     def Health(self, request, context):
         if self.failure:
             return pb.HealthResponse(status=pb.HealthResponse.UNHEALTHY, message=self.failure)

@@ -72,10 +72,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from launcher.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies
 
-from launcher.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_OUT = "tests/benchmarks/results/core_speed.json"  # relative to REPO
 SOTU_NUM_PROMPTS = 4
@@ -214,7 +213,9 @@ def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = 
     import psutil
     import torch
 
-    from launcher.session import PipelineOptions, PipelineSession, resolve
+    from launcher.pipeline_options import PipelineOptions
+    from launcher.run_plan import resolve
+    from launcher.session import PipelineSession
     from pipeline.sampling import SamplingParams
 
     torch.set_num_threads(1)

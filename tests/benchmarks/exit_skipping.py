@@ -25,12 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # `python tests/benchmarks/...` imports this checkout
-
-from launcher.session import PipelineOptions, PipelineSession, resolve  # noqa: E402
-from pipeline.sampling import SamplingParams  # noqa: E402
-from tests.benchmarks.speculation import sotu_prompts  # noqa: E402
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
+from pipeline.predictor_data import held_out_prompts
+from pipeline.sampling import SamplingParams
 
 MODES = ("none", "skip", "noskip")
 
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
     if min(levels) < 1 or args.repeats < 1 or args.max_new_tokens < 2:
         ap.error("--concurrency values and --repeats must be >= 1, --max-new-tokens >= 2")
-    prompts = sotu_prompts(max(levels) * args.repeats)
+    prompts = held_out_prompts("sotu", max(levels) * args.repeats)
     sessions = {}
     try:
         for mode in ("none", "speed"):

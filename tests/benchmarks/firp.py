@@ -23,12 +23,12 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # `python tests/benchmarks/...` imports this checkout
-
-from launcher.session import PipelineOptions, PipelineSession, resolve  # noqa: E402
-from pipeline.sampling import SamplingParams  # noqa: E402
-from tests.benchmarks.speculation import closed_form, sotu_prompts  # noqa: E402
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
+from pipeline.predictor_data import held_out_prompts
+from pipeline.sampling import SamplingParams
+from pipeline.simulator import closed_form_speedup
 
 
 def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
@@ -50,7 +50,7 @@ def summarise(rows: list[dict], base: list[dict], stages: int, speed: bool) -> d
     tokens_per_pass = sum(r["committed"] for r in rows) / passes
     speed_verified = sum(r["speed_verified"] for r in rows)
     alpha = sum(r["speed_accepted"] for r in rows) / speed_verified if speed_verified else 0.0
-    ideal = tokens_per_pass * (closed_form(stages, alpha) if speed else 1.0)
+    ideal = tokens_per_pass * (closed_form_speedup(num_stages=stages, alpha=alpha) if speed else 1.0)
     return {"ratio_median": statistics.median(ratios), "ratios": ratios, "tokens_per_pass": tokens_per_pass,
             "firp_accepted_per_pass": sum(r["firp_accepted"] for r in rows) / passes,
             "firp_acceptance": (sum(r["firp_accepted"] for r in rows) / max(1, sum(r["firp_verified"] for r in rows))),
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.max_new_tokens, args.firp_k, args.combined_min_prob = 1, 12, "2", "0"
     ks = [int(k) for k in args.firp_k.split(",")]
-    prompts = sotu_prompts(args.prompts)
+    prompts = held_out_prompts("sotu", args.prompts)
     configs = {"none": dict(speculate="none")}
     configs |= {f"firp-k{k}": dict(speculate="firp", firp_k=k) for k in ks}
     for p in (float(x) for x in args.combined_min_prob.split(",")):

@@ -31,12 +31,11 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from launcher.http_bench import LoadTester
+from launcher.ports import free_port
+from pipeline.predictor_data import held_out_prompts
 
-from launcher.http_bench import LoadTester  # noqa: E402
-from launcher.ports import free_port  # noqa: E402
-from tests.benchmarks.speculation import sotu_prompts  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TARGETS = {"throughput_c2_over_c1": (">=", 1.6), "tpot_speed_over_none": ("<=", 0.8)}
 
@@ -47,7 +46,7 @@ def start_server(*, speculate: str, predictor: str, max_model_len: int) -> tuple
     cmd = [sys.executable, "-m", "launcher.cli", "serve", "--stages", "2", "--port", str(port), "--grpc-port", "-1",
            "--speculate", speculate, "--predictor", predictor, "--threads-per-stage", "1", "--stats-interval-s", "0",
            "--max-model-len", str(max_model_len)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.requests, args.max_tokens = 1, 2, 8
-    prompts = tuple(sotu_prompts(max(args.requests, 2)))
+    prompts = tuple(held_out_prompts("sotu", max(args.requests, 2)))
     servers = {}
     try:
         servers["none"] = start_server(speculate="none", predictor=args.predictor, max_model_len=1024)

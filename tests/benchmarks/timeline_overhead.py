@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.items import Item
 from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams

@@ -26,7 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from launcher.session import PipelineOptions, PipelineSession, ResolvedModel, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import RunPlan, resolve
+from launcher.session import PipelineSession
 from pipeline.config import ModelConfig
 from pipeline.model import StageModel, build_stage_model
 from pipeline.partition import LayerRange
@@ -84,7 +86,7 @@ def session_options(model_dir: Path, num_stages: int, **overrides) -> PipelineOp
 
 
 @contextlib.contextmanager
-def started_session(options: PipelineOptions, model: ResolvedModel | None = None) -> Iterator[PipelineSession]:
+def started_session(options: PipelineOptions, model: RunPlan | None = None) -> Iterator[PipelineSession]:
     """A started PipelineSession (stage processes spawned and loaded); closed on exit."""
     with PipelineSession(options, model or resolve(options)) as session:
         yield session

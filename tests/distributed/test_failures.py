@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from launcher.coordinator import PipelineError, RequestHandle
-from launcher.session import PipelineSession, resolve
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
 from tests.distributed.conftest import (
     env_with_tag,

@@ -17,7 +17,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from launcher.launch import run_launch
-from launcher.session import PipelineSession, resolve
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.items import ItemKind
 from pipeline.sampling import SamplingParams
 from tests.distributed.conftest import full_model, reference_generate, session_options

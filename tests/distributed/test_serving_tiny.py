@@ -23,8 +23,9 @@ import httpx
 import pytest
 
 from launcher.ports import free_port
+from launcher.run_plan import resolve
 from launcher.serve import ServeOptions, ServingStack
-from launcher.session import PipelineSession, resolve
+from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
 from tests.distributed.conftest import (
     env_with_tag,

@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from launcher.launch import run_launch
-from launcher.session import PipelineSession, resolve
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.predictors import LogitLensPredictor
 from pipeline.sampling import SamplingParams
 from tests.adversarial_predictors import (

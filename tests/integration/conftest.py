@@ -52,7 +52,9 @@ def smollm2_dir(smollm2_conversion: tuple[Path, float]) -> Path:
 def local_backend_tokens(smollm2_dir: Path) -> list[list[int]]:
     """Greedy token ids of PLACEMENT_PROMPTS (submitted together) from the local backend on 2 stages:
     the reference the other placement backends must reproduce."""
-    from launcher.session import PipelineOptions, PipelineSession, resolve
+    from launcher.pipeline_options import PipelineOptions
+    from launcher.run_plan import resolve
+    from launcher.session import PipelineSession
     from pipeline.sampling import SamplingParams
 
     options = PipelineOptions(num_stages=2, model=str(smollm2_dir), progress=False, max_model_len=256,

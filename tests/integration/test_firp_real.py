@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
 from tests.integration.test_real_model import PROMPTS, speculation_options
 

@@ -34,9 +34,11 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from launcher.coordinator import PipelineError  # noqa: E402
+from launcher.pipeline_options import PipelineOptions  # noqa: E402
 from launcher.placement import PlacementError, PlacementOptions  # noqa: E402
 from launcher.ray_backend import RayStageActors  # noqa: E402
-from launcher.session import PipelineOptions, PipelineSession, resolve  # noqa: E402
+from launcher.run_plan import resolve  # noqa: E402
+from launcher.session import PipelineSession  # noqa: E402
 from pipeline.sampling import SamplingParams  # noqa: E402
 from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS  # noqa: E402
 from tests.tiny_model import write_tiny_model  # noqa: E402

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.config import ModelConfig
 from pipeline.model import build_stage_model
 from pipeline.partition import LayerRange

@@ -19,8 +19,10 @@ import httpx
 import pytest
 
 from launcher.launch import run_launch
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
 from launcher.serve import ServeOptions, ServingStack
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.session import PipelineSession
 from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb

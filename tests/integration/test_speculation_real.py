@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.predictors import make_predictor
 from pipeline.sampling import SamplingParams
 from pipeline.tokenizer import Tokenizer

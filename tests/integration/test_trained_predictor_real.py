@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.predictor_file import load_predictor_bytes, save_predictor
 from pipeline.predictors import make_predictor
 from pipeline.sampling import SamplingParams

@@ -57,9 +57,9 @@ def test_zero_threshold_sends_everything():
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5])
 def test_out_of_range_threshold_is_refused(bad):
-    with pytest.raises(ValueError, match="min-acceptance"):
+    with pytest.raises(ValueError, match="min.acceptance"):
         DraftGate(min_acceptance=bad)
-    with pytest.raises(ValueError, match="min-acceptance"):
+    with pytest.raises(ValueError, match="min.acceptance"):
         SchedulerConfig(num_stages=2, min_acceptance=bad)
 
 

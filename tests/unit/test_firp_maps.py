@@ -1,5 +1,5 @@
 """Unit tests for FIRP maps (pipeline/firp.py), their training and eval (pipeline/firp_training.py),
-and how a launch picks the FIRP file and chain length (launcher/session.py).
+and how a launch picks the FIRP file and chain length (launcher/run_plan.py).
 
 What breaks when these fail: maps that do not round-trip through a predictor file, a fit that
 does not recover a known linear dynamics, an eval whose replay of the chain policy is wrong, or a
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.session import default_firp_k, shipped_firp_file
+from launcher.run_plan import default_firp_k, shipped_firp_file
 from pipeline.config import tiny_config
 from pipeline.firp import FirpMaps
 from pipeline.firp_training import SKIP_FIRST, chain_drafts, firp_acceptance, fit_firp_maps
@@ -37,7 +37,7 @@ def test_maps_round_trip_through_predictor_tensors_and_a_prefix_of_maps_is_a_sho
     torch.testing.assert_close(two(h), maps(h)[:, :2])
     chains = maps.chains(h[:2], [3, 1])
     torch.testing.assert_close(chains, torch.cat([maps(h[:1])[0], maps(h[1:2])[0, :1]]))
-    with pytest.raises(PredictorFileError, match="--firp-k 4"):
+    with pytest.raises(PredictorFileError, match="firp_k 4"):
         FirpMaps.from_predictor(_pred(maps, 3), k=4)
 
 

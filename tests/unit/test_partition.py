@@ -54,7 +54,7 @@ def test_balanced_split_is_contiguous_complete_non_empty_and_last_stage_no_large
 
 @pytest.mark.parametrize("num_stages", [0, -1])
 def test_balanced_split_rejects_fewer_than_one_stage(num_stages):
-    with pytest.raises(ValueError, match=rf"--stages must be >= 1, got {num_stages}"):
+    with pytest.raises(ValueError, match=rf"num_stages must be >= 1, got {num_stages}"):
         balanced_split(30, num_stages)
 
 

@@ -12,8 +12,9 @@ from pipeline.config import ModelConfig
 from pipeline.partition import LayerRange
 from pipeline.predictor_file import load_predictor_bytes, model_identity, save_predictor
 from pipeline.predictors import EarlyExitPredictor, make_predictor
+from pipeline.stage_assembly import StageLoadSpec
 from tests.tiny_model import write_tiny_model
-from workers.convert import StageLoadSpec, spec_from_proto, spec_to_proto
+from workers.convert import spec_from_proto, spec_to_proto
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_mismatches_and_missing_heads_are_user_errors(tiny, tmp_path):
 def test_exit_predictor_bytes_cross_the_proto(tiny):
     _, _, path = tiny
     spec = StageLoadSpec(model_dir="m", stage_index=0, num_stages=2, layer_range=LayerRange(0, 2), exit_layer=1,
-                         predictor="hybrid", exit_predictor=path.read_bytes())
+                         exit_predictor=path.read_bytes())
     assert spec_from_proto(spec_to_proto(spec)) == spec
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from google.protobuf import descriptor_pb2
 
 from proto import generate, speedpipe_pb2, speedpipe_pb2_grpc
 
@@ -141,10 +142,8 @@ def test_load_stage_request_round_trip():
         dist_world_size=3,
         dist_master_addr="127.0.0.1",
         dist_master_port=29500,
-        dist_backend="nccl",
         stage_timeout_s=30.5,
         exit_layer=-1,
-        predictor="",
     )
 
     decoded = speedpipe_pb2.LoadStageRequest.FromString(request.SerializeToString())
@@ -153,6 +152,14 @@ def test_load_stage_request_round_trip():
     assert decoded.exit_layer == -1
     assert decoded.stage_timeout_s == 30.5
     assert (decoded.layer_start, decoded.layer_stop) == (11, 22)
+
+
+def test_removed_load_fields_are_reserved_so_their_numbers_are_never_reused():
+    message = descriptor_pb2.DescriptorProto()
+    speedpipe_pb2.LoadStageRequest.DESCRIPTOR.CopyToProto(message)
+    assert {"dist_backend", "predictor"} <= set(message.reserved_name)
+    assert {15, 18} <= {r.start for r in message.reserved_range}
+    assert not {"dist_backend", "predictor"} & set(speedpipe_pb2.LoadStageRequest.DESCRIPTOR.fields_by_name)
 
 
 def test_last_generate_response_round_trip_carries_usage_and_timing():
@@ -187,7 +194,6 @@ def test_services_expose_the_documented_rpcs():
 
     assert [m.name for m in services["StageService"].methods] == [
         "Load",
-        "GetInfo",
         "Health",
         "GetStats",
         "Reset",

@@ -56,19 +56,19 @@ def _assert_distributed_as(tokens: list[int], p: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_new_tokens": 0}, "--max-new-tokens must be > 0, got 0"),
-        ({"max_new_tokens": 2.5}, "--max-new-tokens must be an integer, got 2.5"),
-        ({"temperature": -1.0}, "--temperature must be >= 0, got -1.0"),
-        ({"temperature": float("nan")}, "--temperature must be finite, got nan"),
-        ({"top_p": 1.5}, "--top-p must be in (0, 1], got 1.5"),
-        ({"top_p": 0.0}, "--top-p must be in (0, 1], got 0.0"),
-        ({"top_p": float("nan")}, "--top-p must be in (0, 1], got nan"),
-        ({"seed": -1}, "--seed must be in [0, 2**64), got -1"),
-        ({"stop": ("ok", "")}, "--stop strings must be non-empty strings, got ''"),
-        ({"stop": "\n"}, "--stop must be a tuple of strings, got str '\\n'"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be > 0, got 0"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer, got 2.5"),
+        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"temperature": float("nan")}, "temperature must be finite, got nan"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1], got nan"),
+        ({"seed": -1}, "seed must be in [0, 2**64), got -1"),
+        ({"stop": ("ok", "")}, "stop must hold non-empty strings, got ''"),
+        ({"stop": "\n"}, "stop must be a tuple of strings, got str '\\n'"),
     ],
 )
-def test_sampling_params_rejects_invalid_value_with_flag_value_and_limit(kwargs, message):
+def test_sampling_params_rejects_invalid_value_naming_parameter_value_and_limit(kwargs, message):
     with pytest.raises(ValueError) as excinfo:
         SamplingParams(**kwargs)
     assert str(excinfo.value) == message

@@ -1,5 +1,5 @@
-"""Tests for the local backend (launch config, stage processes, monitor) against tests/fake_stage_worker.py
-(real processes, no model, < 5 s each)."""
+"""Tests for the local backend (stage processes, monitor) against tests/fake_stage_worker.py
+(real processes, no model, < 5 s each). The pure launch-config tests are in tests/unit/test_local_launch_config.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,12 +20,11 @@ import psutil
 import pytest
 
 from launcher.local_launch_config import LocalLaunchConfig
-from launcher.ports import free_port
 from launcher.stage_monitor import StageProcessMonitor
 from launcher.stage_processes import LocalStageProcesses, StageStartupError
 from tests.conftest import find_leftover_children, kill_and_reap, snapshot_children
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(30)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_ENV = {"PYTHONPATH": str(REPO_ROOT), "FAKE_WORKER_TAG": "tag-42"}
@@ -61,44 +59,6 @@ def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
     return predicate()
 
 
-# -- config ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("overrides", "fragment"),
-    [
-        ({"num_stages": 0}, "num_stages must be an integer >= 1, got 0"),
-        ({"num_stages": True}, "num_stages"),
-        ({"startup_timeout_s": 0.0}, "startup_timeout_s must be > 0, got 0.0"),
-        ({"threads_per_stage": 0}, "threads_per_stage must be None or an integer >= 1, got 0"),
-        ({"log_level": "LOUD"}, "got 'LOUD'"),
-        ({"host": ""}, "host"),
-        ({"env": {"A=B": "1"}}, "env"),
-        ({"extra_args": "--flag"}, "extra_args"),
-    ],
-)
-def test_config_rejects_bad_values_naming_value_and_limit(overrides, fragment):
-    kwargs = {"num_stages": 2, **overrides}
-    with pytest.raises(ValueError, match=re.escape(fragment)):
-        LocalLaunchConfig(**kwargs)
-
-
-def test_config_command_and_env_follow_worker_contract():
-    config = LocalLaunchConfig(num_stages=2, log_level="INFO", threads_per_stage=3, env={"X_TAG": "v"})
-    assert config.command(1)[1:] == [
-        "-m", "workers.stage_worker", "--stage-index", "1", "--host", "127.0.0.1", "--port", "0",
-        "--log-level", "INFO",
-    ]
-    env = config.child_env()
-    assert (env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"], env["X_TAG"]) == ("3", "3", "v")
-
-
-def test_free_port_returns_a_bindable_port():
-    port = free_port("127.0.0.1")
-    assert 0 < port < 65536
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
-
-
-# -- start / stop ---------------------------------------------------------------------------------
 def test_three_workers_give_addresses_in_stage_order_and_stop_leaves_no_process():
     log = io.StringIO()
     procs = LocalStageProcesses(fake_config(3, threads_per_stage=2), log_stream=log)

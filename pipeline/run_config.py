@@ -1,0 +1,140 @@
+"""The run configuration: what a pipeline runs and with which limits, validated once.
+
+Owns `RunConfig` (the one frozen configuration every front end builds from its arguments), the
+one table of model dtypes, and the prompt-length rule. Lower layers get views of the run
+configuration (the scheduler's limits, each stage's load spec) or the booleans they need
+(`needs_exit_head`), never the user's flag names to re-derive them.
+Must not: resolve models, read files or know about processes (launcher/run_plan.py resolves the
+model, the split and the predictor files; launcher/session.py starts the stages).
+
+[Note: parameter names in errors]
+Errors raised here (and elsewhere in pipeline/) name the parameter (`max_num_seqs`), not a
+command-line flag: the same config is built by the CLI, the HTTP server, benchmarks and tests. The
+CLI turns parameter names into its flag names when it prints the one-line error
+(launcher/cli_errors.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pipeline.draft_gate import DraftGate
+from pipeline.models import DEFAULT_MODEL
+from pipeline.predictors import PREDICTORS, is_predictor_file, make_predictor
+
+# The dtypes model weights and activations may be loaded in (names as on the wire and in the CLI).
+MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16}
+SPECULATE_MODES = ("none", "speed", "firp", "speed+firp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Where and how to run the pipeline (everything except the requests and their placement).
+
+    Validated once, in `__post_init__`: raises ValueError naming the parameter, the value and the
+    limit ([Note: parameter names in errors]). Derived values are properties, so that no layer
+    below works them out again.
+    """
+
+    num_stages: int = 2
+    model: str = DEFAULT_MODEL  # registered name, HF model folder or .gguf file
+    cache_dir: str | None = None  # where converted models are cached (None: the default cache)
+    layer_split: str | None = None  # layers per stage, e.g. "8,8,7,7"; None = balanced
+    dtype: str = "float32"  # a key of MODEL_DTYPES
+    device: str = "cpu"
+    max_model_len: int = 2048  # prompt + generated tokens per sequence
+    max_num_seqs: int = 8  # KV-cache slots: sequences decoded at once
+    threads_per_stage: int = 1
+    stage_timeout_s: float = 120.0  # deadline of any data-plane wait
+    speculate: str = "none"  # one of SPECULATE_MODES
+    predictor: str = "hybrid"  # a name in PREDICTORS or a trained predictor file (*.safetensors)
+    exit_predictor: str | None = None  # trained early-exit file for early-exit / hybrid (default: shipped)
+    exit_layer: int | None = None  # None = last layer of stage 0
+    max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
+    min_acceptance: float | None = None  # adaptive drafting threshold; None = break-even for num_stages
+    record_timeline: bool = True  # per-item stage timings (off: measure the recording overhead)
+    firp_k: int | None = None  # FIRP drafts per chain; None = chosen from the FIRP file's eval
+    firp_file: str | None = None  # None = the shipped file for the model
+    firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
+
+    def __post_init__(self) -> None:
+        self._check_shape()
+        self._check_speculation()
+
+    def _check_shape(self) -> None:
+        """The model, device and limits."""
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for, but torch sees no CUDA device on this machine")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.threads_per_stage < 1:
+            raise ValueError(f"threads_per_stage must be >= 1, got {self.threads_per_stage}")
+        if self.stage_timeout_s <= 0:
+            raise ValueError(f"stage_timeout_s must be > 0, got {self.stage_timeout_s}")
+
+    def _check_speculation(self) -> None:
+        """The speculation mode, predictor and FIRP limits."""
+        if self.speculate not in SPECULATE_MODES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        if self.predictor not in PREDICTORS and not is_predictor_file(self.predictor):
+            raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)} or a trained predictor file "
+                             f"(*.safetensors), got {self.predictor!r}")
+        if self.max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be 'auto' or in [0, 1], got {self.min_acceptance}")
+        if self.firp_k is not None and self.firp_k < 1:
+            raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
+        if not 0.0 <= self.firp_min_prob <= 1.0:
+            raise ValueError(f"firp_min_prob must be in [0, 1], got {self.firp_min_prob}")
+
+    @property
+    def uses_speed(self) -> bool:
+        """SPEED run-ahead drafts are on (`speed` or `speed+firp`)."""
+        return self.speculate in ("speed", "speed+firp")
+
+    @property
+    def uses_firp(self) -> bool:
+        """FIRP chains are on (`firp` or `speed+firp`)."""
+        return self.speculate in ("firp", "speed+firp")
+
+    @property
+    def needs_exit_head(self) -> bool:
+        """The exit stage runs an exit head and reports exit guesses: SPEED is on and its predictor
+        drafts from the exit hidden state (ngram drafts from the context alone, at send time)."""
+        return self.uses_speed and make_predictor(self.predictor).needs_exit_head
+
+    @property
+    def draft_min_acceptance(self) -> float:
+        """The adaptive-drafting threshold in force: `min_acceptance`, or the break-even acceptance
+        for `num_stages` when it is None (pipeline/draft_gate.py)."""
+        return DraftGate.break_even(self.num_stages) if self.min_acceptance is None else self.min_acceptance
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of `dtype`."""
+        return MODEL_DTYPES[self.dtype]
+
+
+def check_prompt_length(*, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int,
+                        what: str = "prompt") -> None:
+    """The one rule for a request's length: at least one prompt token, and prompt + new tokens
+    within `max_model_len` (the KV slot). Raises ValueError naming the parameters; `what` names
+    the prompt in the message (e.g. "prompt 3")."""
+    if num_prompt_tokens < 1:
+        raise ValueError(f"{what} is empty (0 tokens)")
+    need = num_prompt_tokens + max_new_tokens
+    if need > max_model_len:
+        raise ValueError(f"{what} ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
+                         f"exceeds max_model_len {max_model_len}")

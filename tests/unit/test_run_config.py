@@ -1,0 +1,142 @@
+"""The config spine: RunConfig (pipeline/run_config.py) validated once with parameter names, the CLI's
+parameter -> flag rewrite (launcher/cli_errors.py), and the coordinator's and stages' views derived
+from one PipelineOptions + RunPlan (launcher/session.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import pytest
+
+from launcher.cli import build_parser
+from launcher.cli_errors import PARAMETER_FLAGS, flag_message
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession, coordinator_config, stage_load_specs
+from pipeline.draft_gate import DraftGate
+from pipeline.predictors import NGramPredictor
+from pipeline.run_config import RunConfig, check_prompt_length
+from pipeline.sampling import SamplingParams
+from tests.tiny_model import write_tiny_model
+from workers.convert import spec_from_proto, spec_to_proto
+
+BAD_VALUES = [
+    ({"num_stages": 0}, "num_stages must be >= 1, got 0", "--stages must be >= 1, got 0"),
+    ({"dtype": "int8"}, "dtype must be one of float32, bfloat16, float16, got 'int8'", "--dtype must be one of"),
+    ({"device": "tpu"}, "device must be cpu or cuda, got 'tpu'", "--device must be cpu or cuda"),
+    ({"max_model_len": 1}, "max_model_len must be >= 2, got 1", "--max-model-len must be >= 2"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0", "--max-num-seqs must be >= 1, got 0"),
+    ({"threads_per_stage": 0}, "threads_per_stage must be >= 1, got 0", "--threads-per-stage must be >= 1"),
+    ({"stage_timeout_s": 0.0}, "stage_timeout_s must be > 0, got 0.0", "--stage-timeout-s must be > 0"),
+    ({"speculate": "maybe"}, "speculate must be one of none, speed, firp, speed+firp", "--speculate must be one of"),
+    ({"predictor": "medusa"}, "predictor must be one of logit-lens", "--predictor must be one of"),
+    ({"max_inflight": -1}, "max_inflight must be >= 1, got -1", "--max-inflight must be >= 1"),
+    ({"min_acceptance": 1.5}, "min_acceptance must be 'auto' or in [0, 1], got 1.5", "--min-acceptance must be"),
+    ({"firp_k": 0}, "firp_k must be >= 1, got 0", "--firp-k must be >= 1, got 0"),
+    ({"firp_min_prob": 2.0}, "firp_min_prob must be in [0, 1], got 2.0", "--firp-min-prob must be in [0, 1]"),
+]
+
+
+def test_launcher_options_refuse_an_unknown_log_level_naming_it():
+    with pytest.raises(ValueError, match=re.escape("log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "
+                                                   "got 'LOUD'")) as err:
+        PipelineOptions(log_level="LOUD")
+    assert flag_message(str(err.value)).startswith("--log-level must be one of")
+
+
+@pytest.mark.parametrize(("fields", "message", "cli_message"), BAD_VALUES, ids=[next(iter(f)) for f, _, _ in BAD_VALUES])
+def test_bad_value_names_the_parameter_and_the_cli_rewrites_it_to_the_flag(fields, message, cli_message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        RunConfig(**fields)
+    assert flag_message(str(err.value)).startswith(cli_message)
+    with pytest.raises(ValueError, match=re.escape(message)):  # the launcher's options run the same checks
+        PipelineOptions(**fields)
+
+
+def test_every_mapped_parameter_is_a_config_field_and_its_flag_a_launch_flag():
+    fields = {f.name for f in dataclasses.fields(PipelineOptions)} | {f.name for f in dataclasses.fields(SamplingParams)}
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    launch = commands.choices["launch"]
+    flags = {s for action in launch._actions for s in action.option_strings}
+    assert set(PARAMETER_FLAGS) <= fields, set(PARAMETER_FLAGS) - fields
+    assert set(PARAMETER_FLAGS.values()) <= flags, set(PARAMETER_FLAGS.values()) - flags
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    ("num_stages 5 is more than the model's 4 layers", "--stages 5 is more than the model's 4 layers"),
+    ("layer_split 2,2 has 2 stages, but num_stages is 3", "--layer-split 2,2 has 2 stages, but --stages is 3"),
+    ("speculate firp needs firp_file PATH: none shipped", "--speculate firp needs --firp-file PATH: none shipped"),
+    ("predictor file /tmp/max_num_seqs/x.safetensors does not exist",
+     "predictor file /tmp/max_num_seqs/x.safetensors does not exist"),
+    ("--max-new-tokens must be > 0, got 0", "--max-new-tokens must be > 0, got 0"),
+    ("max_new_tokens must be > 0, got 0", "--max-new-tokens must be > 0, got 0"),
+    ("top_p must be in (0, 1], got 1.5", "--top-p must be in (0, 1], got 1.5"),
+    ("stop must hold non-empty strings, got ''", "--stop must hold non-empty strings, got ''"),
+    ("exit predictor has hidden size 8, the model 64", "exit predictor has hidden size 8, the model 64"),
+])
+def test_flag_message_rewrites_parameter_names_only(message, expected):
+    assert flag_message(message) == expected
+
+
+@pytest.mark.parametrize(("speculate", "predictor", "expected"), [
+    ("speed", "logit-lens", True), ("speed", "hybrid", True), ("speed", "early-exit", True),
+    ("speed+firp", "logit-lens", True), ("speed", "ngram", False), ("none", "logit-lens", False),
+    ("firp", "hybrid", False),
+])
+def test_needs_exit_head_is_decided_by_mode_and_predictor(speculate, predictor, expected):
+    assert RunConfig(speculate=speculate, predictor=predictor).needs_exit_head is expected
+
+
+def test_draft_threshold_defaults_to_the_break_even_of_the_stage_count():
+    assert RunConfig(num_stages=4).draft_min_acceptance == DraftGate.break_even(4)
+    assert RunConfig(num_stages=4, min_acceptance=0.0).draft_min_acceptance == 0.0
+
+
+def test_prompt_length_rule_names_the_parameters_and_allows_the_exact_fit():
+    check_prompt_length(num_prompt_tokens=6, max_new_tokens=10, max_model_len=16)
+    with pytest.raises(ValueError, match=re.escape("prompt 2 (7 tokens) + max_new_tokens (10) = 17 exceeds "
+                                                   "max_model_len 16")):
+        check_prompt_length(num_prompt_tokens=7, max_new_tokens=10, max_model_len=16, what="prompt 2")
+    with pytest.raises(ValueError, match="prompt is empty"):
+        check_prompt_length(num_prompt_tokens=0, max_new_tokens=1, max_model_len=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_views") / "model", seed=5)
+
+
+def _options(tiny_dir, **kw) -> PipelineOptions:
+    return PipelineOptions(num_stages=2, model=str(tiny_dir), layer_split="2,2", progress=False, max_num_seqs=3,
+                           max_model_len=64, dtype="bfloat16", threads_per_stage=2, **kw)
+
+
+def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir):
+    options = _options(tiny_dir, speculate="speed", predictor="logit-lens")
+    plan = resolve(options)
+    specs = stage_load_specs(options, plan, master_addr="127.0.0.1", master_port=1234)
+    assert options.needs_exit_head and plan.exit_layer == 1 and plan.exit_stage == 0
+    assert [s.exit_layer for s in specs] == [1, 1] and [s.holds_exit_head for s in specs] == [True, False]
+    assert [(s.stage_index, s.layer_range.start, s.layer_range.stop) for s in specs] == [(0, 0, 2), (1, 2, 4)]
+    for s in specs:
+        assert (s.dtype, s.max_num_seqs, s.max_model_len, s.num_threads, s.dist_master_port) == ("bfloat16", 3, 64, 2, 1234)
+        assert spec_from_proto(spec_to_proto(s)) == s
+    coord = coordinator_config(options, plan, master_addr="127.0.0.1", master_port=1234)
+    assert (coord.exit_stage, coord.speculate, coord.max_num_seqs, coord.min_acceptance) == (
+        0, True, 3, DraftGate.break_even(2))
+
+
+def test_a_context_only_predictor_gets_no_exit_head_anywhere(tiny_dir):
+    options = _options(tiny_dir, speculate="speed", predictor="ngram")
+    plan = resolve(options)
+    assert not options.needs_exit_head
+    assert [s.exit_layer for s in stage_load_specs(options, plan, master_addr="h", master_port=1)] == [-1, -1]
+    assert coordinator_config(options, plan, master_addr="h", master_port=1).exit_stage == -1
+
+
+def test_session_refuses_a_predictor_override_the_stages_were_not_built_for(tiny_dir):
+    options = _options(tiny_dir, speculate="speed", predictor="logit-lens")
+    with pytest.raises(ValueError, match="needs_exit_head"):
+        PipelineSession(options, resolve(options), predictor=NGramPredictor())
