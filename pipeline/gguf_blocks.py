@@ -22,7 +22,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.gguf_import import SOURCE_FILE, hf_tensor_name, open_gguf, unpermute_qk
-from pipeline.quant import Int4Groups, Int8Rows, QuantWeight, int8_rows_from_float
+from pipeline.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
 BLOCK = 32
 INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}

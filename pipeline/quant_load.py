@@ -14,8 +14,14 @@ from pipeline.config import ModelConfig
 from pipeline.gguf_blocks import GgufBlockReader, gguf_source_of
 from pipeline.model import StageModel, build_stage_model, checkpoint_name, rope_inv_freq
 from pipeline.partition import LayerRange
-from pipeline.quant import ACTIVATION_DTYPE, QuantWeight, cat_rows, quantize_dense, quantize_stage_model, \
-    validate_quantization
+from pipeline.quant import (
+    ACTIVATION_DTYPE,
+    QuantWeight,
+    cat_rows,
+    quantize_dense,
+    quantize_stage_model,
+    validate_quantization,
+)
 from pipeline.weights import CheckpointReader, stage_tensor_names
 
 
