@@ -41,7 +41,11 @@ class AttentionPlan:
     q_index: [num_small, max_q] packed row of each query (padding: row num_rows, a zero row).
     key_slots: [num_small]; max_len: cached keys read per item; pseudo_keys: [num_small, max_p]
         packed rows whose keys follow the cached ones (padding: the zero row), or None.
-    mask: [num_small, max_q, max_len + max_p] bool, True = may attend.
+    mask: [num_small, max_q, max_len + max_p] bool, True = may attend; None when every key may be
+        attended (one 1-row item). masked_out: its negation (built once, used by every layer).
+    dense_rows: True when the batched queries are exactly the packed rows in order (every item one
+        real row, no pseudo rows, no large items): no gather and no scatter.
+    src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
     """
 
     spans: Sequence[Span]
@@ -56,6 +60,10 @@ class AttentionPlan:
     max_len: int
     pseudo_keys: torch.Tensor | None
     mask: torch.Tensor | None
+    masked_out: torch.Tensor | None = None
+    dense_rows: bool = False
+    src: torch.Tensor | None = None
+    dst: torch.Tensor | None = None
 
     @classmethod
     def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device) -> AttentionPlan:
@@ -98,20 +106,35 @@ class AttentionPlan:
                 mask[b, :n + num_p[i], self.max_len:self.max_len + num_p[i]] = m[:, end:]
             else:
                 mask[b, :n, :end] = torch.arange(end)[None, :] <= torch.arange(s.start, end)[:, None]
-        self.q_index, self.mask = q_index.to(device), mask.to(device)
+        self.dense_rows = not self.large and max_q == 1 and len(self.small) == num_real_rows(spans)
+        valid = (q_index < pad).reshape(-1)
+        self.src = valid.nonzero()[:, 0].to(device)
+        self.dst = q_index.reshape(-1)[valid].to(device)
+        self.q_index = q_index.to(device)
+        if len(self.small) == 1 and max_q == 1 and max_p == 0:
+            self.mask = None
+        else:
+            self.mask, self.masked_out = mask.to(device), (~mask).to(device)
         self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
         self.pseudo_keys = p_index.to(device) if max_p else None
 
 
+def num_real_rows(spans: Sequence[Span]) -> int:
+    """Real rows of a micro-batch."""
+    return sum(s.num_tokens for s in spans)
+
+
 def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, Q, kv_heads, group, d]; keys/values: [B, kv_heads, L, d]; mask: [B, Q, L] bool.
+                         masked_out: torch.Tensor | None) -> torch.Tensor:
+    """q: [B, Q, kv_heads, group, d]; keys/values: [B, kv_heads, L, d]; masked_out: [B, Q, L] bool
+    (True = may NOT attend) or None.
 
     Returns [B, Q, kv_heads, group, d] float32 ([Note: batch-invariant attention]).
     """
     q, keys, values = q.float(), keys.float(), values.float()
     scores = (q.unsqueeze(-2) * keys[:, None, :, None]).sum(-1) * q.shape[-1] ** -0.5  # [B, Q, kvh, g, L]
-    scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
+    if masked_out is not None:
+        scores = scores.masked_fill(masked_out[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return (probs.unsqueeze(-1) * values[:, None, :, None]).sum(-2)
 
@@ -128,16 +151,19 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     out = torch.empty_like(q)
     if plan.small:
         h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
-        pad = q.new_zeros(1, h, d)
-        qp = torch.cat([q, pad])[plan.q_index].reshape(*plan.q_index.shape, kvh, h // kvh, d)
+        if plan.dense_rows:
+            qp = q.reshape(q.shape[0], 1, kvh, h // kvh, d)
+        else:
+            qp = torch.cat([q, q.new_zeros(1, h, d)])[plan.q_index].reshape(*plan.q_index.shape, kvh, h // kvh, d)
         keys, values = kv.gather(layer, plan.key_slots, plan.max_len)  # [B, kvh, max_len, d]
         if plan.pseudo_keys is not None:
             kp = torch.cat([k, k.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
             vp = torch.cat([v, v.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
             keys, values = torch.cat([keys, kp.to(keys.dtype)], 2), torch.cat([values, vp.to(values.dtype)], 2)
-        o = _invariant_attention(qp, keys, values, plan.mask).to(q.dtype).reshape(*plan.q_index.shape, h, d)
-        valid = plan.q_index < plan.num_rows
-        out[plan.q_index[valid]] = o[valid]
+        o = _invariant_attention(qp, keys, values, plan.masked_out).to(q.dtype)
+        if plan.dense_rows:
+            return o.reshape(q.shape)
+        out[plan.dst] = o.reshape(-1, h, d)[plan.src]
     row_of = [0]
     for s in plan.spans:
         row_of.append(row_of[-1] + s.num_tokens)

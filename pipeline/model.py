@@ -204,9 +204,10 @@ class StageModel(nn.Module):
     def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int) -> KVCache:
         """A KV cache sized for this stage's layers, in the model's dtype and device."""
         weight = next(iter(self.parameters()))
+        dtype = weight.dtype
         return KVCache(num_layers=len(self.layer_range), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
-                       dtype=weight.dtype, device=weight.device)
+                       dtype=dtype, device=weight.device)
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
