@@ -33,6 +33,7 @@ from pipeline.partition import (
 )
 from pipeline.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
 from pipeline.predictors import PREDICTORS, Predictor, is_predictor_file, make_predictor
+from pipeline.quant import validate_quantization
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
@@ -51,6 +52,7 @@ class PipelineOptions:
     model: str = DEFAULT_MODEL
     layer_split: str | None = None
     dtype: str = "float32"
+    quantization: str = "none"  # auto | none | int8 | int4 (pipeline/quant.py)
     device: str = "cpu"
     max_model_len: int = 2048
     max_num_seqs: int = 8
@@ -97,6 +99,7 @@ class PipelineOptions:
             raise ValueError(f"--min-acceptance must be 'auto' or in [0, 1], got {self.min_acceptance}")
         if self.num_stages < 1:
             raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
+        validate_quantization(self.quantization)
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -347,7 +350,7 @@ class PipelineSession:
             exit_layer=m.exit_layer if self._needs_exit_head else -1,
             predictor=opt.predictor if opt.uses_speed else "",
             exit_predictor=m.exit_predictor if self._needs_exit_head and i == m.exit_stage else b"",
-            firp_layer=m.firp.layer if m.firp else -1, firp_k=m.firp.k if m.firp else 0,
+            firp_layer=m.firp.layer if m.firp else -1, firp_k=m.firp.k if m.firp else 0, quantization=opt.quantization,
             firp_file=m.firp.file_bytes if m.firp and m.firp.layer in r else b"") for i, r in enumerate(m.ranges)]
         self.load_responses = self.coordinator.start(specs)
         self._check_health()

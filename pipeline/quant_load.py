@@ -34,6 +34,11 @@ def effective_mode(mode: str, model_dir: str) -> str:
     return "gguf" if gguf_source_of(model_dir) is not None else "none"
 
 
+def activation_dtype(mode: str, model_dir: str, dtype: torch.dtype) -> torch.dtype:
+    """Dtype of a stage's activations in `mode`: `dtype` for dense weights, else bfloat16."""
+    return dtype if effective_mode(mode, model_dir) == "none" else ACTIVATION_DTYPE
+
+
 def fused_linears(config: ModelConfig, layer_range: LayerRange, *, is_last: bool) -> dict[str, list[str]]:
     """Module name of every linear after `fuse` -> the checkpoint weights stacked into it, in order."""
     out: dict[str, list[str]] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.partition import LayerRange
+from pipeline.quant import validate_quantization
 from proto import speedpipe_pb2 as pb
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -44,10 +45,12 @@ class StageLoadSpec:
     firp_layer: int = -1
     firp_k: int = 0
     firp_file: bytes = b""
+    quantization: str = "none"  # pipeline/quant.py [Note: numeric modes]
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
             raise ValueError(f"stage_index {self.stage_index} out of range [0, {self.num_stages})")
+        validate_quantization(self.quantization)
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.stage_timeout_s <= 0:
@@ -82,7 +85,7 @@ def spec_to_proto(spec: StageLoadSpec) -> pb.LoadStageRequest:
         dist_master_addr=spec.dist_master_addr, dist_master_port=spec.dist_master_port,
         dist_backend=spec.dist_backend, stage_timeout_s=spec.stage_timeout_s, exit_layer=spec.exit_layer,
         predictor=spec.predictor, exit_predictor=spec.exit_predictor, firp_layer=spec.firp_layer, firp_k=spec.firp_k,
-        firp_file=spec.firp_file,
+        firp_file=spec.firp_file, quantization=spec.quantization,
     )
 
 
@@ -95,7 +98,7 @@ def spec_from_proto(req: pb.LoadStageRequest) -> StageLoadSpec:
         dist_master_addr=req.dist_master_addr, dist_master_port=req.dist_master_port,
         dist_backend=req.dist_backend, stage_timeout_s=req.stage_timeout_s, exit_layer=req.exit_layer,
         predictor=req.predictor, exit_predictor=req.exit_predictor, firp_layer=req.firp_layer, firp_k=req.firp_k,
-        firp_file=req.firp_file,
+        firp_file=req.firp_file, quantization=req.quantization or "none",
     )
     if (req.dist_rank, req.dist_world_size) != (spec.dist_rank, spec.dist_world_size):
         raise ValueError(f"dist rank/world {req.dist_rank}/{req.dist_world_size} disagree with stage "

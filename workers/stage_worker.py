@@ -28,11 +28,11 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.firp import FirpMaps
-from pipeline.model import build_stage_model
 from pipeline.predictor_file import load_predictor_bytes
 from pipeline.predictors import ExitHead, ExitMap, make_predictor
+from pipeline.quant_load import activation_dtype, load_stage_model
 from pipeline.stage_executor import StageExecutor
-from pipeline.weights import CheckpointReader, stage_tensor_names
+from pipeline.weights import CheckpointReader
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
@@ -88,12 +88,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         config = ModelConfig.from_model_dir(spec.model_dir)
-        names = stage_tensor_names(config, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last)
         reader = CheckpointReader(spec.model_dir)
-        tensors = reader.read(names, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        model = build_stage_model(config, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
-                                  tensors=tensors, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        model = load_stage_model(spec.model_dir, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
+                                 quantization=spec.quantization, dtype=TORCH_DTYPES[spec.dtype], device=spec.device,
+                                 reader=reader)
+        self.act_dtype = activation_dtype(spec.quantization, spec.model_dir, TORCH_DTYPES[spec.dtype])
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         exit_layer = spec.exit_layer if spec.exit_layer in spec.layer_range else None
         exit_head = None
@@ -104,7 +104,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if firp_layer is not None and firp_layer in spec.layer_range:
             pred = load_predictor_bytes(spec.firp_file, kind="firp", exit_layer=firp_layer,
                                         where=f"FIRP file for stage {spec.stage_index}")
-            firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
+            firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=self.act_dtype, device=spec.device)
             self.weights_bytes += sum(p.numel() * p.element_size() for p in firp_maps.parameters())
         self.executor = StageExecutor(model, kv, exit_layer=exit_layer, exit_head=exit_head, firp_layer=firp_layer,
                                       firp_maps=firp_maps)
@@ -116,7 +116,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         restricted to the file's draft vocabulary when it has one."""
         norm_name = "model.norm.weight"
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        t = reader.read([norm_name, head_name], dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
+        t = reader.read([norm_name, head_name], dtype=self.act_dtype, device=spec.device)
         exit_map, vocab = None, None
         if spec.exit_predictor:
             pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
@@ -125,7 +125,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 raise ValueError(f"exit predictor has hidden size {pred.meta['model']['hidden_size']}, the model "
                                  f"{config.hidden_size}")
             exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine"),
-                                            eps=config.rms_norm_eps).to(device=spec.device, dtype=TORCH_DTYPES[spec.dtype])
+                                            eps=config.rms_norm_eps).to(device=spec.device, dtype=self.act_dtype)
             vocab = pred.draft_vocab
         with torch.device("meta"):
             head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
