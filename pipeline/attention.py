@@ -10,7 +10,10 @@ Decode, draft and verify items (at most `SMALL_ITEM_ROWS` rows) of a micro-batch
 together in one float32 computation whose result for a query row depends only on that row, its
 keys and values, never on how many rows or items share the pass nor on the padding: scores are an
 elementwise product summed over head_dim (one fixed-order reduction per score), masked keys add
-exact zeros to the softmax and to the weighted sum. Matmul-based attention (SDPA, bmm) is not
+exact zeros to the softmax and to the weighted sum, and every item's keys are read in whole blocks
+of KEY_BLOCK positions, so the vectorised reductions over keys never take a length-dependent tail
+path (a 7-key softmax and the same 7 keys padded to 10 differ in the last bit; padded to 32 and to
+64 they do not; tests/unit/test_numeric_modes.py checks rows bitwise). Matmul-based attention (SDPA, bmm) is not
 batch-invariant on CPU: its blocking depends on the number of queries and keys, which moves a
 row's output by ~1e-7 between a 1-row decode and the same row inside a FIRP verify chain, and can
 flip a greedy near-tie. Longer items (prefills) are attended one by one with SDPA: a prefill has
@@ -29,6 +32,7 @@ from pipeline.kv_cache import KVCache
 from pipeline.spans import PseudoLayout, Span
 
 SMALL_ITEM_ROWS = 16  # items with at most this many real rows take the batched, batch-invariant path
+KEY_BLOCK = 32  # cached keys are read in whole blocks of this many positions (see the note)
 
 
 @dataclasses.dataclass
@@ -41,8 +45,8 @@ class AttentionPlan:
     q_index: [num_small, max_q] packed row of each query (padding: row num_rows, a zero row).
     key_slots: [num_small]; max_len: cached keys read per item; pseudo_keys: [num_small, max_p]
         packed rows whose keys follow the cached ones (padding: the zero row), or None.
-    mask: [num_small, max_q, max_len + max_p] bool, True = may attend; None when every key may be
-        attended (one 1-row item). masked_out: its negation (built once, used by every layer).
+    mask: [num_small, max_q, max_len + max_p] bool, True = may attend; masked_out: its negation
+        (built once, used by every layer). max_len is a multiple of KEY_BLOCK.
     dense_rows: True when the batched queries are exactly the packed rows in order (every item one
         real row, no pseudo rows, no large items): no gather and no scatter.
     src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
@@ -89,7 +93,8 @@ class AttentionPlan:
         num_p = [s.num_pseudo if self.pseudo is not None else 0 for s in spans]
         max_q = max(spans[i].num_tokens + num_p[i] for i in self.small)
         max_p = max(num_p[i] for i in self.small)
-        self.max_len = max(spans[i].start + spans[i].num_tokens for i in self.small)
+        longest = max(spans[i].start + spans[i].num_tokens for i in self.small)
+        self.max_len = -(-longest // KEY_BLOCK) * KEY_BLOCK
         q_index = torch.full((len(self.small), max_q), pad, dtype=torch.int64)
         p_index = torch.full((len(self.small), max_p), pad, dtype=torch.int64)
         mask = torch.zeros(len(self.small), max_q, self.max_len + max_p, dtype=torch.bool)
@@ -111,10 +116,7 @@ class AttentionPlan:
         self.src = valid.nonzero()[:, 0].to(device)
         self.dst = q_index.reshape(-1)[valid].to(device)
         self.q_index = q_index.to(device)
-        if len(self.small) == 1 and max_q == 1 and max_p == 0:
-            self.mask = None
-        else:
-            self.mask, self.masked_out = mask.to(device), (~mask).to(device)
+        self.mask, self.masked_out = mask.to(device), (~mask).to(device)
         self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
         self.pseudo_keys = p_index.to(device) if max_p else None
 

@@ -73,7 +73,12 @@ class KVCache:
 
     def gather(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, length) of `slots` [num_items]: two
-        [num_items, num_kv_heads, length, head_dim] tensors (views for a single slot, else copies)."""
+        [num_items, num_kv_heads, length, head_dim] tensors (views for a single slot, else copies).
+        Positions past max_model_len read as zeros; past a slot's length they hold stale entries."""
+        if length > self.max_model_len:
+            k, v = self.gather(layer, slots, self.max_model_len)
+            pad = (0, 0, 0, length - self.max_model_len)
+            return torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
         if slots.shape[0] == 1:
             s = int(slots[0])
             return self.k[layer, s:s + 1, :, :length], self.v[layer, s:s + 1, :, :length]
