@@ -24,6 +24,7 @@ from launcher.serve import add_serve_args, cmd_serve
 from launcher.session import PipelineSession
 from launcher.stage_processes import StageStartupError
 from pipeline.models import DEFAULT_MODEL
+from pipeline.quant import QUANTIZATION_CHOICES
 from pipeline.run_config import check_prompt_length
 from pipeline.sampling import SamplingParams
 
@@ -43,6 +44,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layer-split", help="layers per stage, e.g. 8,8,7,7 (default: balanced)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     g.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per stage; default cpu)")
+    g.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="weights: auto (a GGUF's own Q4/Q8 blocks) | none (dense --dtype) | int8 | int4 (default none)")
     g.add_argument("--max-model-len", type=int, default=2048, help="max prompt + generated tokens per sequence")
     g.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots: sequences decoded at once")
     g.add_argument("--threads-per-stage", type=int, default=1, help="torch threads in each stage process")
@@ -186,7 +189,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
     return PipelineOptions(
         num_stages=args.stages, model=args.model, layer_split=args.layer_split, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
+        quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor,

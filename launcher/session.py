@@ -53,7 +53,8 @@ def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: st
         exit_layer=plan.exit_layer if options.needs_exit_head else -1,
         exit_predictor=plan.exit_predictor if options.needs_exit_head and i == plan.exit_stage else b"",
         firp_layer=firp.layer if firp else -1, firp_k=firp.k if firp else 0,
-        firp_file=firp.file_bytes if firp and firp.layer in r else b"") for i, r in enumerate(plan.ranges)]
+        firp_file=firp.file_bytes if firp and firp.layer in r else b"", quantization=options.quantization)
+        for i, r in enumerate(plan.ranges)]
 
 
 class PipelineSession:

@@ -61,6 +61,30 @@ class KVCache:
         self.k[layer, slot, :, start:start + n] = k
         self.v[layer, slot, :, start:start + n] = v
 
+    def write_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """Store the rows of a packed micro-batch in one indexed copy per buffer.
+
+        slots, positions: [num_rows] int64; k, v: [num_rows, num_kv_heads, head_dim]. Call
+        `check_write` for every span first.
+        """
+        self.k[layer][slots, :, positions] = k.to(self.k.dtype)
+        self.v[layer][slots, :, positions] = v.to(self.v.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [0, length) of `slots` [num_items]: two
+        [num_items, num_kv_heads, length, head_dim] tensors (views for a single slot, else copies).
+        Positions past max_model_len read as zeros; past a slot's length they hold stale entries."""
+        if length > self.max_model_len:
+            k, v = self.gather(layer, slots, self.max_model_len)
+            pad = (0, 0, 0, length - self.max_model_len)
+            return torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+        if slots.shape[0] == 1:
+            s = int(slots[0])
+            return self.k[layer, s:s + 1, :, :length], self.v[layer, s:s + 1, :, :length]
+        return (self.k[layer, :, :, :length].index_select(0, slots),
+                self.v[layer, :, :, :length].index_select(0, slots))
+
     def set_length(self, slot: int, length: int) -> None:
         """Record that positions [0, length) of `slot` hold valid entries on every layer."""
         self.lengths[slot] = length

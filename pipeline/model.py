@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.attention import AttentionPlan, span_attention
 from pipeline.config import ModelConfig, RopeScaling
 from pipeline.kv_cache import KVCache
 from pipeline.partition import LayerRange
@@ -126,50 +127,14 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span],
-                kv: KVCache, layer: int, pseudo: PseudoLayout | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+                kv: KVCache, layer: int) -> torch.Tensor:
         # x: [num_tokens (+ num_pseudo), hidden]; cos/sin: the same rows x [head_dim]
-        t = x.shape[0]
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(x)
-        q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out = torch.empty_like(q)
-        row = 0
-        for i, span in enumerate(spans):
-            rows = slice(row, row + span.num_tokens)
-            end = span.start + span.num_tokens
-            kv.write(layer, span.slot, span.start, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
-            keys, values = kv.view(layer, span.slot, end)  # [kv_heads, end, head_dim]
-            if pseudo is None or pseudo.masks[i] is None:
-                out[rows] = _attend(q[rows], keys, values, span.start)
-            else:  # [Note: pseudo rows] (pipeline/spans.py): real + pseudo queries over cached + pseudo keys, never cached
-                prows = slice(pseudo.offsets[i], pseudo.offsets[i] + span.num_pseudo)
-                keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
-                values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
-                both = torch.cat([q[rows], q[prows]]).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(both, keys[None], values[None], attn_mask=pseudo.masks[i],
-                                                   enable_gqa=True)[0].transpose(0, 1)
-                out[rows], out[prows] = o[:span.num_tokens], o[span.num_tokens:]
-            row += span.num_tokens
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention of q: [n, heads, d] at positions start.. over keys/values: [kv_heads, start+n, d].
-
-    Query i may attend to keys 0 .. start+i. Returns [n, heads, d].
-    """
-    n = q.shape[0]
-    mask = None
-    if n > 1:
-        key_pos = torch.arange(keys.shape[1], device=q.device)
-        query_pos = torch.arange(start, start + n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [n, start+n]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
-    )  # [1, heads, n, d]
-    return out[0].transpose(0, 1)
+        qk = apply_rope(torch.cat([q.reshape(t, h, d), k.reshape(t, kvh, d)], dim=1), cos, sin)  # one rotation
+        out = span_attention(qk[:, :h], qk[:, h:], v.reshape(t, kvh, d), plan, kv, layer)
+        return self.o_proj(out.reshape(t, h * d))
 
 
 class MLP(nn.Module):
@@ -207,8 +172,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, spans, kv, layer, pseudo=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spans, kv, layer, pseudo)
+    def forward(self, x, cos, sin, plan, kv, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, kv, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,9 +204,10 @@ class StageModel(nn.Module):
     def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int) -> KVCache:
         """A KV cache sized for this stage's layers, in the model's dtype and device."""
         weight = next(iter(self.parameters()))
+        dtype = weight.dtype
         return KVCache(num_layers=len(self.layer_range), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
-                       dtype=weight.dtype, device=weight.device)
+                       dtype=dtype, device=weight.device)
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -291,9 +257,10 @@ class StageModel(nn.Module):
         if pseudo is not None:
             h, positions, layout = self._add_pseudo(h, positions, pseudo, spans)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        plan = AttentionPlan.build(spans, layout, device)
         exit_hidden = None
         for local, (name, layer) in enumerate(self.layers.items()):
-            h = layer(h, cos, sin, spans, kv, local, layout)
+            h = layer(h, cos, sin, plan, kv, local)
             if exit_layer is not None and int(name) == exit_layer:
                 exit_hidden = h[last_rows]
             if layout is None and make_pseudo is not None and int(name) == firp_layer:
@@ -301,6 +268,7 @@ class StageModel(nn.Module):
                 if len(anchors):
                     h, positions, layout = self._add_pseudo(h, positions, make_pseudo(h[anchors]), spans)
                     cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+                    plan = AttentionPlan.build(spans, layout, device)
         for span in spans:
             kv.set_length(span.slot, span.start + span.num_tokens)
         real, fake = h[:num_real], (h[num_real:] if layout is not None else None)

@@ -132,11 +132,18 @@ class ExitHead(nn.Module):
         head.weight = nn.Parameter(weight, requires_grad=False)
         self.lm_head, self.vocab_ids = head, ids.to(weight.device)
 
-    @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab'] of hidden [rows, hidden_size]."""
         if self.exit_map is not None:
             hidden = self.exit_map(hidden)
-        logits = self.lm_head(self.norm(hidden)).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Row by row, in the shape of a lone row: a guess never depends on which other rows want one
+        # ([Note: batch invariance] in pipeline/quant.py).
+        logits = torch.cat([self._logits(row) for row in hidden.split(1)]) if hidden.shape[0] > 1 \
+            else self._logits(hidden)
         probs, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
         if self.vocab_ids is not None:
             tokens = self.vocab_ids[tokens]

@@ -23,6 +23,7 @@ import torch
 from pipeline.draft_gate import DraftGate
 from pipeline.models import DEFAULT_MODEL
 from pipeline.predictors import PREDICTORS, is_predictor_file, make_predictor
+from pipeline.quant import validate_quantization
 
 # The dtypes model weights and activations may be loaded in (names as on the wire and in the CLI).
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -44,6 +45,7 @@ class RunConfig:
     cache_dir: str | None = None  # where converted models are cached (None: the default cache)
     layer_split: str | None = None  # layers per stage, e.g. "8,8,7,7"; None = balanced
     dtype: str = "float32"  # a key of MODEL_DTYPES
+    quantization: str = "none"  # weights: auto | none | int8 | int4 (pipeline/quant.py [Note: numeric modes])
     device: str = "cpu"
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     max_num_seqs: int = 8  # KV-cache slots: sequences decoded at once
@@ -70,6 +72,7 @@ class RunConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        validate_quantization(self.quantization)
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -14,13 +14,14 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.firp import FirpMaps
-from pipeline.model import build_stage_model
 from pipeline.partition import LayerRange
 from pipeline.predictor_file import load_predictor_bytes
 from pipeline.predictors import ExitHead, ExitMap
+from pipeline.quant import validate_quantization
+from pipeline.quant_load import activation_dtype, load_stage_model
 from pipeline.run_config import MODEL_DTYPES
 from pipeline.stage_executor import StageExecutor
-from pipeline.weights import CheckpointReader, stage_tensor_names
+from pipeline.weights import CheckpointReader
 from pipeline.wire import rank_of_stage, world_size
 
 
@@ -42,6 +43,7 @@ class StageLoadSpec:
     num_stages: int
     layer_range: LayerRange
     dtype: str = "float32"
+    quantization: str = "none"  # pipeline/quant.py [Note: numeric modes]
     device: str = "cpu"
     max_num_seqs: int = 8
     max_model_len: int = 2048
@@ -60,6 +62,7 @@ class StageLoadSpec:
             raise ValueError(f"stage_index {self.stage_index} out of range [0, {self.num_stages})")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        validate_quantization(self.quantization)
         if self.stage_timeout_s <= 0:
             raise ValueError(f"stage_timeout_s must be > 0, got {self.stage_timeout_s}")
         if self.firp_k < 0 or (self.firp_k > 0) != (self.firp_layer >= 0):
@@ -95,6 +98,12 @@ class StageLoadSpec:
     def torch_dtype(self) -> torch.dtype:
         return MODEL_DTYPES[self.dtype]
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """Dtype of this stage's activations (and of its exit head and FIRP maps): `dtype` for dense
+        weights, bfloat16 for the quantised modes (pipeline/quant_load.py)."""
+        return activation_dtype(self.quantization, self.model_dir, self.torch_dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class AssembledStage:
@@ -107,7 +116,8 @@ class AssembledStage:
 
 
 def _param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of a module's parameters and buffers (quantised weights are buffers)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
@@ -118,17 +128,16 @@ def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
     """
     config = ModelConfig.from_model_dir(spec.model_dir)
     reader = CheckpointReader(spec.model_dir)
-    names = stage_tensor_names(config, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last)
-    tensors = reader.read(names, dtype=spec.torch_dtype, device=spec.device)
-    model = build_stage_model(config, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
-                              tensors=tensors, dtype=spec.torch_dtype, device=spec.device)
+    model = load_stage_model(spec.model_dir, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
+                             quantization=spec.quantization, dtype=spec.torch_dtype, device=spec.device,
+                             reader=reader)
     kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
     exit_head = build_exit_head(config, reader, spec) if spec.holds_exit_head else None
     firp_maps = None
     if spec.holds_firp_maps:
         pred = load_predictor_bytes(spec.firp_file, kind="firp", exit_layer=spec.firp_layer,
                                     where=f"FIRP file for stage {spec.stage_index}")
-        firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=spec.torch_dtype, device=spec.device)
+        firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=spec.activation_dtype, device=spec.device)
     executor = StageExecutor(model, kv, exit_layer=spec.exit_layer if spec.holds_exit_head else None,
                              exit_head=exit_head, firp_layer=spec.firp_layer if spec.firp_k > 0 else None,
                              firp_maps=firp_maps)
@@ -142,7 +151,7 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
     size), restricted to the file's draft vocabulary when it has one. Raises ValueError."""
     norm_name = "model.norm.weight"
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    t = reader.read([norm_name, head_name], dtype=spec.torch_dtype, device=spec.device)
+    t = reader.read([norm_name, head_name], dtype=spec.activation_dtype, device=spec.device)
     exit_map, vocab = None, None
     if spec.exit_predictor:
         pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
@@ -151,7 +160,7 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
             raise ValueError(f"exit predictor has hidden size {pred.meta['model']['hidden_size']}, the model "
                              f"{config.hidden_size}")
         exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine"),
-                                        eps=config.rms_norm_eps).to(device=spec.device, dtype=spec.torch_dtype)
+                                        eps=config.rms_norm_eps).to(device=spec.device, dtype=spec.activation_dtype)
         vocab = pred.draft_vocab
     with torch.device("meta"):
         head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)

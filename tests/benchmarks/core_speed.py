@@ -1,15 +1,17 @@
 """Core decode-speed benchmark: speedpipe against Hugging Face `generate`, and pipeline overhead.
 
-Owns the measurement of four configurations of the default model (smollm2-135m, float32, CPU,
-one torch thread per process doing model work), compared side by side in ONE run:
+Owns the measurement of these configurations of the default model (smollm2-135m, CPU, one torch
+thread per process doing model work), compared side by side in ONE run, with a numeric-mode axis
+(`--modes none,auto`: speedpipe's `--quantization`, [Note: numeric modes] in pipeline/quant.py):
 
-    a  hf          transformers `generate`, greedy, one prompt (subprocess, 1 thread)
-    b  sp1         speedpipe --stages 1, one prompt
-    c  sp2         speedpipe --stages 2, one prompt
-    d  sp2x2       speedpipe --stages 2, two prompts submitted together (aggregate)
+    a        hf          transformers `generate`, float32, greedy, one prompt (subprocess, 1 thread)
+    b[:m]    sp1         speedpipe --stages 1 --quantization m, one prompt (no suffix: m = none)
+    c[:m]    sp2         speedpipe --stages 2 --quantization m, one prompt
+    d[:m]    sp2x2       speedpipe --stages 2 --quantization m, two prompts submitted together (aggregate)
 
-and the three target ratios: b/a >= 1.0 (speedpipe is not slower than HF generate), c/b >= 0.9
-(a second stage costs at most 10 %), d/c >= 1.6 (two sequences fill a two-stage pipeline).
+and the target ratios of issue 13: b/a >= 1.25 (float32 speedpipe vs HF generate), b:m/a >= 2.5 for
+the last (fastest) mode m, and per mode c/b >= 0.95 (a second stage costs at most 5 %) and
+d/c >= 1.9 (two sequences fill a two-stage pipeline).
 Must not: tune or patch the runtime, or assert absolute times (only ratios within one run mean
 anything on a shared machine).
 
@@ -94,13 +96,26 @@ class BenchConfig:
     num_prompts: int
 
 
-CONFIGS = (
-    BenchConfig(key="a", label="HF transformers generate, 1 thread, 1 prompt", driver="hf", num_prompts=1),
-    BenchConfig(key="b", label="speedpipe --stages 1, 1 thread, 1 prompt", driver="sp1", num_prompts=1),
-    BenchConfig(key="c", label="speedpipe --stages 2, 1 thread/stage, 1 prompt", driver="sp2", num_prompts=1),
-    BenchConfig(key="d", label="speedpipe --stages 2, 1 thread/stage, 2 prompts (aggregate)", driver="sp2",
-                num_prompts=2),
-)
+DEFAULT_MODES = "none,auto"  # --quantization values measured; the last one is "the fastest mode"
+
+
+def configs_for(modes: Sequence[str]) -> tuple[BenchConfig, ...]:
+    """a (HF), then b/c/d per numeric mode (keys "b", "c", "d" for `none`, "b:auto", ... for others)."""
+    out = [BenchConfig(key="a", label="HF transformers generate, float32, 1 thread, 1 prompt", driver="hf",
+                       num_prompts=1)]
+    for mode in modes:
+        sfx = "" if mode == "none" else f":{mode}"
+        q = f" --quantization {mode}"
+        out += [BenchConfig(key=f"b{sfx}", label=f"speedpipe --stages 1{q}, 1 thread, 1 prompt", driver=f"sp1{sfx}",
+                            num_prompts=1),
+                BenchConfig(key=f"c{sfx}", label=f"speedpipe --stages 2{q}, 1 thread/stage, 1 prompt",
+                            driver=f"sp2{sfx}", num_prompts=1),
+                BenchConfig(key=f"d{sfx}", label=f"speedpipe --stages 2{q}, 1 thread/stage, 2 prompts (aggregate)",
+                            driver=f"sp2{sfx}", num_prompts=2)]
+    return tuple(out)
+
+
+CONFIGS = configs_for(["none"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,11 +128,23 @@ class Target:
     claim: str
 
 
-TARGETS = (
-    Target(num="b", den="a", minimum=1.0, claim="speedpipe --stages 1 vs HF generate"),
-    Target(num="c", den="b", minimum=0.9, claim="pipeline overhead of a 2nd stage <= 10%"),
-    Target(num="d", den="c", minimum=1.6, claim="2 concurrent prompts on 2 stages"),
-)
+def targets_for(modes: Sequence[str]) -> tuple[Target, ...]:
+    """Issue 13's targets: float32 `none` --stages 1 >= 1.25x HF, the last (fastest) mode >= 2.5x HF;
+    per mode, a 2nd stage costs <= 5 % and 2 prompts on 2 stages give >= 1.9x one prompt."""
+    out = []
+    for mode in modes:
+        sfx = "" if mode == "none" else f":{mode}"
+        if mode == "none":
+            out.append(Target(num="b", den="a", minimum=1.25, claim="float32 speedpipe --stages 1 vs HF generate"))
+        if mode == modes[-1] and mode != "none":
+            out.append(Target(num=f"b{sfx}", den="a", minimum=2.5,
+                              claim=f"--quantization {mode} --stages 1 vs HF generate float32"))
+        out += [Target(num=f"c{sfx}", den=f"b{sfx}", minimum=0.95, claim=f"{mode}: a 2nd stage costs <= 5%"),
+                Target(num=f"d{sfx}", den=f"c{sfx}", minimum=1.9, claim=f"{mode}: 2 concurrent prompts on 2 stages")]
+    return tuple(out)
+
+
+TARGETS = targets_for(["none"])
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -205,7 +232,8 @@ def hf_driver(model_dir: str) -> int:
     return _serve(handle)
 
 
-def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = None) -> int:
+def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = None,
+                     quantization: str = "none") -> int:
     """Serve a speedpipe session with `num_stages` stages (1 thread each) of the converted model folder.
 
     layer_split: `--layer-split` of a multi-stage session (None: the runtime's default split).
@@ -220,7 +248,7 @@ def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = 
 
     torch.set_num_threads(1)
     options = PipelineOptions(num_stages=num_stages, model=model_dir, threads_per_stage=1, progress=False,
-                              layer_split=layer_split if num_stages > 1 else None)
+                              layer_split=layer_split if num_stages > 1 else None, quantization=quantization)
     with PipelineSession(options, resolve(options)) as session:
         coord = session.coordinator
         procs = [psutil.Process(), *(psutil.Process(pid) for pid in session.processes.pids)]
@@ -251,8 +279,9 @@ class Driver(DriverProcess):
     """Parent side of one driver process. Raises RuntimeError if it fails, dies or times out."""
 
     def __init__(self, name: str, model_dir: Path, *, layer_split: str | None = None) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--driver", name, "--model-dir",
-               str(model_dir)]
+        kind, _, mode = name.partition(":")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--driver", kind, "--model-dir",
+               str(model_dir), "--quantization", mode or "none"]
         if layer_split:
             cmd += ["--layer-split", layer_split]
         super().__init__(cmd, name=f"driver {name}")
@@ -348,10 +377,11 @@ def spread(samples: Sequence[float]) -> dict:
             "max": round(max(samples), 4), "samples": [round(s, 4) for s in samples]}
 
 
-def summarize(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
+def summarize(runs: dict[str, list[dict]], bench_configs: Sequence[BenchConfig] = CONFIGS,
+              targets: Sequence[Target] = TARGETS) -> tuple[dict, dict]:
     """Per-configuration spreads and the target ratios ([Note: which ratio decides])."""
     configs = {}
-    for cfg in CONFIGS:
+    for cfg in bench_configs:
         ms = runs[cfg.key]
         entry = {"label": cfg.label, "num_prompts": cfg.num_prompts,
                  "decode_tokens_per_s": spread([m["decode_tokens_per_s"] for m in ms]),
@@ -369,7 +399,7 @@ def summarize(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
         return [n[metric] / d[metric] for n, d in zip(runs[t.num], runs[t.den], strict=True)]
 
     ratios = {}
-    for t in TARGETS:
+    for t in targets:
         decode = paired(t, "decode_tokens_per_s")
         value = statistics.median(decode)
         of_medians = configs[t.num]["decode_tokens_per_s"]["median"] / configs[t.den]["decode_tokens_per_s"]["median"]
@@ -383,10 +413,10 @@ def summarize(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
 def format_report(configs: dict, ratios: dict, *, max_new_tokens: int, repeats: int, max_foreign: float) -> str:
     """The stdout table: per-configuration medians [min-max], target ratios, per-stage busy time."""
     lines = [f"core_speed: {max_new_tokens} new tokens, {repeats} repeat(s), medians [min-max]",
-             f"{'cfg':<4}{'decode tok/s':>26}{'e2e tok/s':>26}{'TTFT ms':>10}{'foreign':>9}  configuration"]
+             f"{'cfg':<8}{'decode tok/s':>26}{'e2e tok/s':>26}{'TTFT ms':>10}{'foreign':>9}  configuration"]
     for key, c in configs.items():
         d, e = c["decode_tokens_per_s"], c["e2e_tokens_per_s"]
-        lines.append(f"{key:<4}{d['median']:>9.2f} [{d['min']:>6.2f}-{d['max']:>6.2f}]"
+        lines.append(f"{key:<8}{d['median']:>9.2f} [{d['min']:>6.2f}-{d['max']:>6.2f}]"
                      f"{e['median']:>9.2f} [{e['min']:>6.2f}-{e['max']:>6.2f}]"
                      f"{c['ttft_s']['median'] * 1e3:>10.0f}{c['foreign_cpu_fraction']['max']:>9.0%}  {c['label']}")
     lines.append("target ratios: median over repeats of the paired decode tokens/s ratio [per repeat]; "
@@ -425,7 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before each measurement, wait up to this long for the machine to be quiet (default 60)")
     p.add_argument("--layer-split", help="--layer-split of the 2-stage configurations c and d, e.g. 19,11 "
                    "(default: the runtime's split); for diagnosis, the targets assume the default")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated --quantization modes to measure (default {DEFAULT_MODES}, with --quick "
+                   "none; the last is held to the fastest-mode target)")
     p.add_argument("--driver", choices=("hf", "sp1", "sp2"), help=argparse.SUPPRESS)
+    p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     return p
 
@@ -476,12 +510,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     model_dir = resolve_model(DEFAULT_MODEL)
     tokenizer = Tokenizer(model_dir)
     prompt_ids = [tokenizer.encode(p) for p in prompts]
-    runs: dict[str, list[dict]] = {cfg.key: [] for cfg in CONFIGS}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bench_configs, targets = configs_for(modes), targets_for(modes)
+    runs: dict[str, list[dict]] = {cfg.key: [] for cfg in bench_configs}
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         drivers = {}
-        for name in dict.fromkeys(cfg.driver for cfg in CONFIGS):  # one at a time: loads do not overlap
-            drivers[name] = Driver(name, model_dir, layer_split=args.layer_split if name == "sp2" else None)
+        for name in dict.fromkeys(cfg.driver for cfg in bench_configs):  # one at a time: loads do not overlap
+            drivers[name] = Driver(name, model_dir, layer_split=args.layer_split if name.startswith("sp2") else None)
             stack.callback(drivers[name].close)
             drivers[name].wait_ready()
             print(f"[core_speed] driver {name} ready", file=sys.stderr)
@@ -489,17 +525,17 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         def prompts_for(cfg: BenchConfig, r: int) -> list[list[int]]:
             return [prompt_ids[(r + j) % len(prompt_ids)] for j in range(cfg.num_prompts)]
 
-        for cfg in CONFIGS:  # untimed warm-up
+        for cfg in bench_configs:  # untimed warm-up
             drivers[cfg.driver].run(prompts_for(cfg, 0), min(WARMUP_NEW_TOKENS, args.max_new_tokens))
         meter = CpuMeter()
         for r in range(args.repeats):
-            for cfg in CONFIGS:
+            for cfg in bench_configs:
                 m = measure(drivers[cfg.driver], cfg, prompts_for(cfg, r), args, meter)
                 runs[cfg.key].append(m)
                 print(f"[core_speed] repeat {r + 1}/{args.repeats} {cfg.key}: "
                       f"{m['decode_tokens_per_s']:.2f} decode tok/s, foreign CPU "
                       f"{m['foreign_cpu_fraction']:.0%}", file=sys.stderr)
-    configs, ratios = summarize(runs)
+    configs, ratios = summarize(runs, bench_configs, targets)
     import torch
     import transformers
 
@@ -512,7 +548,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                      "layer_split_2_stages": args.layer_split or "default", "max_foreign": args.max_foreign,
                      "retries": args.retries, "quiet_wait_s": args.quiet_wait_s,
                      "prompt_tokens": [len(p) for p in prompt_ids], "threads_per_process": 1, "ignore_eos": True,
-                     "dtype": "float32", "order": "warm-up, then per repeat: " + " ".join(c.key for c in CONFIGS)},
+                     "dtype": "float32 (HF, none); bfloat16 activations in int modes", "modes": modes,
+                     "order": "warm-up, then per repeat: " + " ".join(c.key for c in bench_configs)},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__},
         "wall_s": round(time.perf_counter() - started, 1),
@@ -526,7 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.driver == "hf":
         return hf_driver(args.model_dir)
     if args.driver in ("sp1", "sp2"):
-        return speedpipe_driver(args.model_dir, num_stages=int(args.driver[-1]), layer_split=args.layer_split)
+        return speedpipe_driver(args.model_dir, num_stages=int(args.driver[-1]), layer_split=args.layer_split,
+                                quantization=args.quantization)
+    if args.modes is None:
+        args.modes = "none" if args.quick else DEFAULT_MODES
     if args.quick:
         args.repeats, args.max_new_tokens, args.max_foreign, args.retries, args.quiet_wait_s = 1, 16, 1.0, 0, 0.0
     if args.repeats < 1 or args.max_new_tokens < 2 or args.retries < 0 or args.max_foreign <= 0:

@@ -79,8 +79,10 @@ def hf_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     return (config.vocab_size, h)
 
 
-def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
-    """Write a tiny GGUF as llama.cpp would; return the HF tensors it encodes."""
+def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: int = 0,
+               proj_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+    """Write a tiny GGUF as llama.cpp would; return the HF tensors it encodes (the float32 values
+    before quantisation). proj_type: quantise every `*_proj` weight to it (e.g. Q4_1)."""
     rng = np.random.default_rng(seed)
     tensors = {n: rng.standard_normal(hf_shape(config, n)).astype(np.float32) for n in all_tensor_names(config)}
     w = gguf.GGUFWriter(str(path), arch)
@@ -111,6 +113,8 @@ def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: in
         if name == "model.embed_tokens.weight":  # one quantised tensor, as in real files
             w.add_tensor(gguf_name(name), gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif proj_type is not None and name.endswith("_proj.weight"):
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(t, proj_type), raw_dtype=proj_type)
         else:
             w.add_tensor(gguf_name(name), t)
     w.write_header_to_file()
