@@ -20,9 +20,13 @@ import transformers
 from pipeline.config import ModelConfig
 from pipeline.model import StageModel, build_stage_model
 from pipeline.partition import LayerRange, balanced_split
+from pipeline.predictors import LogitLensPredictor
+from pipeline.sampling import SamplingParams
 from pipeline.spans import Span
 from pipeline.weights import CheckpointReader, all_tensor_names, stage_tensor_names
+from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable
 from tests.family_models import FAMILY_CONFIGS, family_config, write_family_model
+from tests.in_process_pipeline import InProcessPipeline
 
 FAMILIES = list(FAMILY_CONFIGS)
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -177,3 +181,29 @@ def test_unsupported_config_is_a_one_line_error_naming_it(bad, match):
     with pytest.raises(ValueError, match=match) as err:
         ModelConfig.from_hf_dict(d)
     assert "\n" not in str(err.value)
+
+
+# -- speculation (SPEED) on every family, in process ------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculate_speed_greedy_equals_plain_on_every_family(folders, family):
+    """The real Scheduler and StageExecutors over 2 and 3 stages of each family's model: SPEED with
+    an always-wrong predictor (every draft squashed on every stage) and the real logit lens gives the
+    tokens of plain greedy decoding (tests/in_process_pipeline.py)."""
+    prompts = [PROMPT, PROMPT[:5], [7, 7, 7]]
+    budgets = (NUM_NEW_TOKENS, 6, 11)  # sequences finish one by one, leaving idle stages for drafts
+    params = [SamplingParams(max_new_tokens=b, ignore_eos=True) for b in budgets]
+    reference = [Chain(_stages(folders[family], 1)).greedy(p, b) for p, b in zip(prompts, budgets, strict=True)]
+    table = ReferenceTable(zip(prompts, reference, strict=True))
+    for num_stages in (2, 3):
+        stages = _stages(folders[family], num_stages)
+        plain = InProcessPipeline(stages, max_model_len=MAX_MODEL_LEN).generate(prompts, params)
+        assert plain == reference, f"{num_stages} stages without speculation"
+        for predictor in (AlwaysWrongPredictor(table, vocab_size=256), LogitLensPredictor()):
+            pipe = InProcessPipeline(_stages(folders[family], num_stages), max_model_len=MAX_MODEL_LEN,
+                                     predictor=predictor)
+            assert pipe.generate(prompts, params) == reference, f"{type(predictor).__name__}, {num_stages} stages"
+            spec = pipe.scheduler.spec
+            assert spec.drafted_tokens > 0, "no draft was sent: speculation was not exercised"
+            if isinstance(predictor, AlwaysWrongPredictor):
+                assert spec.squashed_items > 0 and spec.accepted_tokens == 0

@@ -1,0 +1,114 @@
+"""The real Scheduler driving real StageExecutors of real StageModels, in one process, in lock-step.
+
+Owns `InProcessPipeline`: S stages joined by FIFO queues (one micro-batch per stage per step), each
+running `StageExecutor.run` on its model with its own KV cache (epochs, in-band squash, releases),
+the exit stage's exit head, and the coordinator's part of the loop as launcher/coordinator.py does it
+(send releases and micro-batches, turn exit tokens into `ExitGuess`es, verify results). It gives
+multi-stage and speculative greedy output on any model without processes, for tests that sweep
+many models (every family) where a real session per model would be too slow.
+Must not: replace the multi-process tests (no wire, no threads, no timing).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import torch
+
+from pipeline.items import ItemKind
+from pipeline.model import StageModel
+from pipeline.predictors import ExitGuess, ExitHead, Predictor
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import Scheduler
+from pipeline.scheduler_types import SchedulerConfig
+from pipeline.stage_executor import StageExecutor
+
+
+def exit_head_for(last: StageModel) -> ExitHead:
+    """A logit-lens exit head: copies of the last stage's final norm and LM head (as the worker loads)."""
+    cfg = last.config
+    head = ExitHead(cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps)
+    head.norm.weight.data.copy_(last.norm.weight.detach() + cfg.norm_weight_offset)
+    head.lm_head.weight.data.copy_(last.lm_head.weight.detach())
+    return head.eval()
+
+
+class InProcessPipeline:
+    """Generate with `stages` (a split of one model) under a real Scheduler; see the module docstring."""
+
+    def __init__(self, stages: Sequence[StageModel], *, max_model_len: int, max_num_seqs: int = 4,
+                 predictor: Predictor | None = None, exit_layer: int | None = None) -> None:
+        self.stages = list(stages)
+        cfg = stages[0].config
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_stages=len(stages), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            eos_token_ids=cfg.eos_token_ids, speculate=predictor is not None), predictor)
+        exit_layer = stages[0].layer_range.stop - 1 if exit_layer is None else exit_layer
+        head = exit_head_for(stages[-1]) if predictor is not None and predictor.needs_exit_head else None
+        self.executors = []
+        for m in stages:
+            here = predictor is not None and exit_layer in m.layer_range
+            self.executors.append(StageExecutor(m, m.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
+                                                exit_layer=exit_layer if here else None,
+                                                exit_head=head if here else None))
+        self.queues: list[collections.deque] = [collections.deque() for _ in stages]
+        self.sent: collections.deque = collections.deque()
+        self.outputs: dict[int, list[int]] = collections.defaultdict(list)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], *,
+                 max_steps: int = 100_000) -> list[list[int]]:
+        """Token ids generated for each prompt (all submitted at once; params: one for all or one each)."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        for i, prompt in enumerate(prompts):
+            self.scheduler.add(i, list(prompt), per_prompt[i])
+        self._pump()
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished and not any(self.queues):
+                return [self.outputs.get(i, []) for i in range(len(prompts))]
+            self._step()
+        raise AssertionError(f"the in-process pipeline did not finish in {max_steps} steps")
+
+    def _pump(self) -> None:
+        releases = self.scheduler.take_releases()
+        if releases:
+            self.queues[0].append(("release", releases))
+            for seq_id, _ in releases:
+                self.scheduler.pop(seq_id)
+        while (batch := self.scheduler.next_batch()) is not None:
+            x = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
+            self.sent.append(batch)
+            self.queues[0].append(("batch", [it.without_tokens() for it in batch], x))
+
+    def _step(self) -> None:
+        events = []
+        for j in reversed(range(len(self.stages))):
+            if not self.queues[j]:
+                continue
+            entry = self.queues[j].popleft()
+            if entry[0] == "release":
+                seq_ids, slots = zip(*entry[1], strict=True)
+                self.executors[j].release(list(seq_ids), list(slots))
+                if j + 1 < len(self.stages):
+                    self.queues[j + 1].append(entry)
+                continue
+            _, items, x = entry
+            out = self.executors[j].run(items, x)  # (an all-stale batch still travels on, empty: as stage_loop.py)
+            if self.executors[j].exit_layer is not None and any(it.kind != ItemKind.PREFILL for it in out.items):
+                tokens, probs = out.exit_tokens, out.exit_probs
+                guesses = [None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
+                           for i in range(len(out.items))]
+                events.append(("exit", out.items, guesses))
+            if j + 1 < len(self.stages):
+                hidden = out.hidden if out.hidden is not None else torch.empty(0)
+                self.queues[j + 1].append(("batch", out.items, hidden))
+            else:
+                token_ids = out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)
+                events.append(("result", out.items, token_ids, out.logits))
+        for event in events:
+            if event[0] == "exit":
+                self.scheduler.on_exit(event[1], event[2])
+            else:
+                for commit in self.scheduler.on_result(self.sent.popleft(), event[1], event[2], event[3]):
+                    self.outputs[commit.seq_id].extend(commit.token_ids)
+            self._pump()
