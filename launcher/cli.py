@@ -38,7 +38,10 @@ class UsageError(ValueError):
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that starts a pipeline."""
     g = p.add_argument_group("pipeline")
-    g.add_argument("--stages", type=int, default=2, help="number of pipeline stages (worker processes); default 2")
+    g.add_argument("--stages", type=_stages_arg, default=2,
+                   help="number of pipeline stages (worker processes), or 'auto': the fewest whose weights + KV "
+                   "each fit --stage-memory-gib; default 2")
+    g.add_argument("--stage-memory-gib", type=float, help="per-stage memory budget for --stages auto (GiB)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
     g.add_argument("--layer-split", help="layers per stage, e.g. 8,8,7,7 (default: balanced)")
@@ -186,9 +189,44 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _stages_arg(text: str) -> int | str:
+    """--stages: a positive count or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
+
+
+def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | None]:
+    """(--stages, --layer-split) from the flags; for --stages auto, the fewest stages that fit the
+    budget (pipeline/stage_memory.py), printing each stage's need against it. Raises UsageError."""
+    if args.stages != "auto":
+        return args.stages, args.layer_split
+    if args.stage_memory_gib is None or args.stage_memory_gib <= 0 or args.layer_split:
+        raise UsageError("--stages auto needs --stage-memory-gib > 0 (and no --layer-split)")
+    from pipeline.models import resolve_model
+    from pipeline.run_config import MODEL_DTYPES
+    from pipeline.stage_memory import plan_stages_for_budget
+
+    dtype = MODEL_DTYPES.get(args.dtype)
+    if dtype is None:
+        raise UsageError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {args.dtype!r}")
+    model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=progress)
+    plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    for line in plan.lines():
+        logging.getLogger(__name__).info("%s", line)
+        if progress:
+            say(line)
+    return len(plan.ranges), plan.layer_split()
+
+
 def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
+    num_stages, layer_split = _auto_stages(args, progress)
     return PipelineOptions(
-        num_stages=args.stages, model=args.model, layer_split=args.layer_split, dtype=args.dtype, device=args.device,
+        num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipeline.family_blocks import window_mask
 from pipeline.kv_cache import KVCache
 from pipeline.spans import PseudoLayout, Span
 
@@ -68,6 +69,21 @@ class AttentionPlan:
     dense_rows: bool = False
     src: torch.Tensor | None = None
     dst: torch.Tensor | None = None
+    q_positions: torch.Tensor | None = None
+    _window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def masked_out_for(self, window: int | None) -> torch.Tensor | None:
+        """`masked_out` of the batched items, with cached key j also hidden from a query at position i
+        when j <= i - window (a sliding-window layer; built once per window per forward)."""
+        if window is None:
+            return self.masked_out
+        if self.pseudo_keys is not None:
+            raise ValueError("FIRP pseudo rows are not supported on sliding-window layers")
+        if window not in self._window_masks:
+            key_pos = torch.arange(self.max_len, device=self.masked_out.device)
+            outside = key_pos[None, None, :] <= self.q_positions[:, :, None] - window
+            self._window_masks[window] = self.masked_out | outside
+        return self._window_masks[window]
 
     @classmethod
     def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device) -> AttentionPlan:
@@ -96,12 +112,14 @@ class AttentionPlan:
         longest = max(spans[i].start + spans[i].num_tokens for i in self.small)
         self.max_len = -(-longest // KEY_BLOCK) * KEY_BLOCK
         q_index = torch.full((len(self.small), max_q), pad, dtype=torch.int64)
+        q_pos = torch.zeros(len(self.small), max_q, dtype=torch.int64)  # padding rows: position 0
         p_index = torch.full((len(self.small), max_p), pad, dtype=torch.int64)
         mask = torch.zeros(len(self.small), max_q, self.max_len + max_p, dtype=torch.bool)
         mask[:, :, 0] = True  # padding queries attend to one key (no NaN); their rows are never read
         for b, i in enumerate(self.small):
             s, n, end = spans[i], spans[i].num_tokens, spans[i].start + spans[i].num_tokens
             q_index[b, :n] = torch.arange(row_of[i], row_of[i] + n)
+            q_pos[b, :n] = torch.arange(s.start, end)
             if num_p[i]:
                 prows = torch.arange(self.pseudo.offsets[i], self.pseudo.offsets[i] + num_p[i])
                 q_index[b, n:n + num_p[i]] = prows
@@ -115,7 +133,7 @@ class AttentionPlan:
         valid = (q_index < pad).reshape(-1)
         self.src = valid.nonzero()[:, 0].to(device)
         self.dst = q_index.reshape(-1)[valid].to(device)
-        self.q_index = q_index.to(device)
+        self.q_index, self.q_positions = q_index.to(device), q_pos.to(device)
         self.mask, self.masked_out = mask.to(device), (~mask).to(device)
         self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
         self.pseudo_keys = p_index.to(device) if max_p else None
@@ -127,14 +145,15 @@ def num_real_rows(spans: Sequence[Span]) -> int:
 
 
 def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         masked_out: torch.Tensor | None) -> torch.Tensor:
+                         masked_out: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
     """q: [B, Q, kv_heads, group, d]; keys/values: [B, kv_heads, L, d]; masked_out: [B, Q, L] bool
-    (True = may NOT attend) or None.
+    (True = may NOT attend) or None; scale: softmax scale (default 1/sqrt(d)).
 
     Returns [B, Q, kv_heads, group, d] float32 ([Note: batch-invariant attention]).
     """
     q, keys, values = q.float(), keys.float(), values.float()
-    scores = (q.unsqueeze(-2) * keys[:, None, :, None]).sum(-1) * q.shape[-1] ** -0.5  # [B, Q, kvh, g, L]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.unsqueeze(-2) * keys[:, None, :, None]).sum(-1) * scale  # [B, Q, kvh, g, L]
     if masked_out is not None:
         scores = scores.masked_fill(masked_out[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -142,11 +161,13 @@ def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, kv: KVCache,
-                   layer: int) -> torch.Tensor:
+                   layer: int, *, window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Write the real rows' k/v into `kv` at `layer`, then attend every query row.
 
     q: [num_rows, heads, d]; k, v: [num_rows, kv_heads, d] (RoPE applied); pseudo rows are never
-    written to the cache. Returns [num_rows, heads, d] in q's dtype.
+    written to the cache. window: sliding-window size of this layer (Mistral, Gemma 3) or None;
+    scale: softmax scale (default 1/sqrt(d)). Returns [num_rows, heads, d] in q's dtype.
+    Raises ValueError for FIRP pseudo rows on a sliding-window layer.
     """
     num_real = plan.write_slots.shape[0]
     kv.write_rows(layer, plan.write_slots, plan.write_positions, k[:num_real], v[:num_real])
@@ -162,7 +183,7 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
             kp = torch.cat([k, k.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
             vp = torch.cat([v, v.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
             keys, values = torch.cat([keys, kp.to(keys.dtype)], 2), torch.cat([values, vp.to(values.dtype)], 2)
-        o = _invariant_attention(qp, keys, values, plan.masked_out).to(q.dtype)
+        o = _invariant_attention(qp, keys, values, plan.masked_out_for(window), scale).to(q.dtype)
         if plan.dense_rows:
             return o.reshape(q.shape)
         out[plan.dst] = o.reshape(-1, h, d)[plan.src]
@@ -170,11 +191,12 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     for s in plan.spans:
         row_of.append(row_of[-1] + s.num_tokens)
     for i in plan.large:
-        _large_item(out, q, k, v, plan, kv, layer, i, row_of[i])
+        _large_item(out, q, k, v, plan, kv, layer, i, row_of[i], window=window, scale=scale)
     return out
 
 
-def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: int, row: int) -> None:
+def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: int, row: int, *,
+                window: int | None, scale: float | None) -> None:
     """SDPA of item i's real rows (a prefill) over its cached keys, and of its pseudo rows if it has
     any ([Note: pseudo rows] in pipeline/spans.py); writes them into `out`."""
     span = plan.spans[i]
@@ -183,15 +205,17 @@ def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: i
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     rows = slice(row, row + n)
     if plan.pseudo is None or plan.pseudo.masks[i] is None:
-        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(span.start, end, device=q.device)[:, None]
+        mask = window_mask(torch.arange(span.start, end, device=q.device), end, window)  # [n, end]
         o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                           enable_gqa=True)
+                                           enable_gqa=True, scale=scale)
         out[rows] = o[0].transpose(0, 1)
         return
+    if window is not None:
+        raise ValueError("FIRP pseudo rows are not supported on sliding-window layers")
     prows = slice(plan.pseudo.offsets[i], plan.pseudo.offsets[i] + span.num_pseudo)
     keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
     values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
     both = torch.cat([q[rows], q[prows]]).transpose(0, 1)[None]
     o = F.scaled_dot_product_attention(both, keys[None], values[None], attn_mask=plan.pseudo.masks[i],
-                                       enable_gqa=True)[0].transpose(0, 1)
+                                       enable_gqa=True, scale=scale)[0].transpose(0, 1)
     out[rows], out[prows] = o[:n], o[n:]

@@ -1,6 +1,6 @@
-"""The Llama-family decoder, cut into stages.
+"""The decoder of every supported family, cut into stages.
 
-Owns the torch modules (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, decoder layer) and
+Owns the torch modules (RMSNorm, RoPE, grouped-query attention, gated MLP, decoder layer) and
 `StageModel`, the part of the model one pipeline stage runs: the layers of one `LayerRange`, plus
 the token embedding on the first stage and the final norm + LM head on the last.
 Must not: read files (pipeline/weights.py does), talk to other processes, or pick KV slots.
@@ -10,6 +10,8 @@ Tokens of several items (sequences) are packed along one axis ("varlen" layout, 
     spans: one `Span(slot, start, num_tokens)` per item, in the same order as the packed rows.
 
 FIRP pseudo rows: [Note: pseudo rows] in pipeline/spans.py.
+Families (q/k norm, Gemma norms, sliding windows, MoE, ...): [Note: model families] in
+pipeline/config.py; their larger blocks live in pipeline/family_blocks.py and pipeline/moe.py.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.attention import AttentionPlan, span_attention
 from pipeline.config import ModelConfig, RopeScaling
+from pipeline.family_blocks import ACTIVATION_FNS, make_embedding, make_norm, soft_cap
 from pipeline.kv_cache import KVCache
+from pipeline.moe import SparseMoE
 from pipeline.partition import LayerRange
 from pipeline.spans import PseudoLayout, Span, anchor_rows, last_rows_of
+from pipeline.weights import family_tensor_name
 
 
 @dataclasses.dataclass
@@ -97,21 +101,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the packed rows plus each item's cached keys/values."""
+    """Grouped-query self-attention over the packed rows plus each item's cached keys/values.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Layer `layer` of `config`: optional q/k RMSNorm over head_dim before RoPE, a sliding window
+    on sliding layers, the family's query scale. phi3 checkpoints hold q/k/v fused (`qkv_proj`).
+    """
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         h, d = config.num_attention_heads, config.head_dim
         kv = config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
         self.qkv_proj: nn.Linear | None = None
+        if config.model_type == "phi3":
+            self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kv) * d, bias=config.attention_bias)
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.attention_bias)
+            self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+            self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = make_norm(config, d) if config.qk_norm else None
+        self.k_norm = make_norm(config, d) if config.qk_norm else None
+        self.window = config.sliding_window if config.is_sliding(layer) else None
+        self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one [q; k; v] matmul (same numbers, fewer kernel calls)."""
+        if self.qkv_proj is not None:  # already fused (phi3 checkpoints, or a second call)
+            return
         q, k, v = self.q_proj, self.k_proj, self.v_proj
         fused = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features, bias=q.bias is not None,
                           device=q.weight.device, dtype=q.weight.dtype)
@@ -132,23 +149,38 @@ class Attention(nn.Module):
         # x: [num_tokens (+ num_pseudo), hidden]; cos/sin: the same rows x [head_dim]
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(x)
-        qk = apply_rope(torch.cat([q.reshape(t, h, d), k.reshape(t, kvh, d)], dim=1), cos, sin)  # one rotation
-        out = span_attention(qk[:, :h], qk[:, h:], v.reshape(t, kvh, d), plan, kv, layer)
+        q, k = q.reshape(t, h, d), k.reshape(t, kvh, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # one rotation for q and k
+        out = span_attention(qk[:, :h], qk[:, h:], v.reshape(t, kvh, d), plan, kv, layer, window=self.window,
+                             scale=self.scale)
         return self.o_proj(out.reshape(t, h * d))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)); act is SiLU (SwiGLU) or tanh-GELU (GeGLU).
 
-    def __init__(self, config: ModelConfig) -> None:
+    intermediate_size: default config.intermediate_size (MoE experts pass their own). phi3
+    checkpoints hold gate and up fused (`gate_up_proj`).
+    """
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = intermediate_size or config.intermediate_size
+        self.act_fn = ACTIVATION_FNS[config.hidden_act]
         self.gate_up_proj: nn.Linear | None = None
+        if config.model_type == "phi3":
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
+        else:
+            self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+            self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
     def fuse(self) -> None:
         """Replace gate and up projections by one [gate; up] matmul."""
+        if self.gate_up_proj is not None:
+            return
         g, u = self.gate_proj, self.up_proj
         fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device, dtype=g.weight.dtype)
         fused.weight = nn.Parameter(torch.cat([g.weight, u.weight]), requires_grad=False)
@@ -157,23 +189,44 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _feed_forward(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s feed-forward: a gated MLP, or a sparse MoE block (pipeline/moe.py)."""
+    if not config.is_moe_layer(layer):
+        return MLP(config)
+    return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                     renormalise=config.norm_topk_prob,
+                     make_expert=lambda: MLP(config, config.moe_intermediate_size))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)).
 
-    def __init__(self, config: ModelConfig) -> None:
+    With `config.sandwich_norms` (Gemma 3): x + post_attn_norm(attn(norm(x))), then
+    + post_ff_norm(mlp(pre_ff_norm(.))). Layer `layer` picks its attention kind and feed-forward.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = _feed_forward(config, layer)
 
     def forward(self, x, cos, sin, plan, kv, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, kv, layer)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, plan, kv, layer)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,13 +246,21 @@ class StageModel(nn.Module):
         self.config = config
         self.layer_range = layer_range
         self.is_first, self.is_last = is_first, is_last
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if is_first else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in layer_range})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
+        self.embed_tokens = make_embedding(config) if is_first else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in layer_range})
+        self.norm = make_norm(config, config.hidden_size) if is_last else None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
-        )
+        self.register_buffer("inv_freq", _inv_freq(config, local=False), persistent=False)
+        self.register_buffer("inv_freq_local", _inv_freq(config, local=True), persistent=False)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{absolute layer: (cos, sin) [num_tokens, head_dim]} for this stage's layers at `positions`
+        (sliding layers of a family with its own local RoPE base get the local tables)."""
+        tables = {False: rope_cos_sin(positions, self.inv_freq, dtype)}
+        local = self.config.rope_local_theta is not None
+        if local and any(self.config.is_sliding(i) for i in self.layer_range):
+            tables[True] = rope_cos_sin(positions, self.inv_freq_local, dtype)
+        return {i: tables[local and self.config.is_sliding(i)] for i in self.layer_range}
 
     def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int) -> KVCache:
         """A KV cache sized for this stage's layers, in the model's dtype and device."""
@@ -256,18 +317,18 @@ class StageModel(nn.Module):
         layout = None
         if pseudo is not None:
             h, positions, layout = self._add_pseudo(h, positions, pseudo, spans)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        ropes = self.rope_tables(positions, h.dtype)
         plan = AttentionPlan.build(spans, layout, device)
         exit_hidden = None
         for local, (name, layer) in enumerate(self.layers.items()):
-            h = layer(h, cos, sin, plan, kv, local)
+            h = layer(h, *ropes[int(name)], plan, kv, local)
             if exit_layer is not None and int(name) == exit_layer:
                 exit_hidden = h[last_rows]
             if layout is None and make_pseudo is not None and int(name) == firp_layer:
                 anchors = torch.tensor(list(anchor_rows(spans)), dtype=torch.int64, device=device)
                 if len(anchors):
                     h, positions, layout = self._add_pseudo(h, positions, make_pseudo(h[anchors]), spans)
-                    cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+                    ropes = self.rope_tables(positions, h.dtype)
                     plan = AttentionPlan.build(spans, layout, device)
         for span in spans:
             kv.set_length(span.slot, span.start + span.num_tokens)
@@ -276,9 +337,13 @@ class StageModel(nn.Module):
             return StageForward(real, fake, exit_hidden)
         rows = last_rows if logit_rows is None else logit_rows
         if fake is None:
-            return StageForward(self.lm_head(self.norm(real[rows])).float(), None, exit_hidden)
-        logits = self.lm_head(self.norm(torch.cat([real[rows], fake]))).float()  # one head matmul for both
+            return StageForward(self._logits(real[rows]), None, exit_hidden)
+        logits = self._logits(torch.cat([real[rows], fake]))  # one head matmul for both
         return StageForward(logits[:len(rows)], logits[len(rows):], exit_hidden)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and the family's soft-cap: [rows, hidden] -> float32 [rows, vocab]."""
+        return soft_cap(self.lm_head(self.norm(h)).float(), self.config.final_logit_softcapping)
 
     @staticmethod
     def _add_pseudo(h: torch.Tensor, positions: torch.Tensor, pseudo: torch.Tensor,
@@ -292,11 +357,25 @@ class StageModel(nn.Module):
                 PseudoLayout.build(spans, h.device))
 
 
+def set_rope_buffers(model: StageModel, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    """Fill a meta-built model's RoPE frequency buffers (global, and local for Gemma 3's sliding layers)."""
+    model.inv_freq = _inv_freq(config, local=False).to(device)
+    model.inv_freq_local = _inv_freq(config, local=True).to(device)
+
+
+def _inv_freq(config: ModelConfig, *, local: bool) -> torch.Tensor:
+    """Global RoPE frequencies, or those of sliding layers with their own unscaled base (Gemma 3)."""
+    if local and config.rope_local_theta is not None:
+        return rope_inv_freq(config.head_dim, config.rope_local_theta, None)
+    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
 def checkpoint_name(param_name: str, config: ModelConfig) -> str:
-    """Checkpoint tensor name for a StageModel parameter (tied heads read the embedding)."""
+    """Checkpoint tensor name for a StageModel parameter (tied heads read the embedding; family
+    renames such as Mixtral's experts in pipeline/weights.py)."""
     if param_name == "lm_head.weight":
         return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    return "model." + param_name
+    return family_tensor_name("model." + param_name, config)
 
 
 def random_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
@@ -307,8 +386,8 @@ def random_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.05) 
     for name, param in full.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            t = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
+        if name.endswith("norm.weight"):  # layer norms, q/k norms, final norm: around 1 (Gemma: w + 1)
+            t = 1.0 - config.norm_weight_offset + 0.1 * torch.randn(param.shape, generator=gen)
         else:
             t = std * torch.randn(param.shape, generator=gen)
         out[checkpoint_name(name, config)] = t
@@ -339,9 +418,9 @@ def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first:
     model.load_state_dict(state, assign=True, strict=True)
     if is_first and is_last and config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one tensor, as in the checkpoint
-    model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    set_rope_buffers(model, config, device)
     if fuse:
         for layer in model.layers.values():
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.mlp.fuse()  # (an MoE block fuses each expert)
     return model.eval()

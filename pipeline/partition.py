@@ -112,3 +112,35 @@ def parse_layer_split(text: str) -> list[int]:
         return [int(p) for p in text.split(",")]
     except ValueError:
         raise ValueError(f"layer_split {text!r} must be comma-separated integers, e.g. 8,8,7,7") from None
+
+
+def smallest_fitting_split(layer_bytes: Sequence[int], *, first_bytes: int, last_bytes: int,
+                           budget_bytes: int) -> list[LayerRange]:
+    """The fewest contiguous stages whose memory each fits `budget_bytes`, split to minimise the
+    largest stage.
+
+    layer_bytes[i]: bytes decoder layer i needs on its stage (weights + its KV cache); first_bytes:
+    the first stage's extra (token embedding); last_bytes: the last stage's extra (final norm + LM
+    head). Exact for contiguous splits (dynamic programme over split points, O(stages x layers^2)).
+    Raises ValueError naming the largest single need and the budget when no split fits.
+    """
+    n = len(layer_bytes)
+    if n == 0 or budget_bytes <= 0:
+        raise ValueError(f"need at least one layer and a positive budget, got {n} layers, {budget_bytes} bytes")
+    prefix = [0]
+    for b in layer_bytes:
+        prefix.append(prefix[-1] + b)
+
+    def cost(lo: int, hi: int) -> int:
+        return prefix[hi] - prefix[lo] + (first_bytes if lo == 0 else 0) + (last_bytes if hi == n else 0)
+
+    best = {i: (cost(0, i), [0, i]) for i in range(1, n + 1)}  # best[i]: layers [0, i) on k stages
+    for k in range(1, n + 1):
+        if best[n][0] <= budget_bytes:
+            bounds = best[n][1]
+            return [LayerRange(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        best = {i: min(((max(best[j][0], cost(j, i)), best[j][1] + [i]) for j in range(k, i) if j in best),
+                       key=lambda c: c[0]) for i in range(k + 1, n + 1)}
+    need = max(max(cost(i, i + 1) for i in range(n)), first_bytes, last_bytes)
+    raise ValueError(f"no split fits a per-stage budget of {budget_bytes / 2**30:.2f} GiB: one layer alone "
+                     f"(with the embedding or head) needs up to {need / 2**30:.2f} GiB")

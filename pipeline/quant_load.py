@@ -12,7 +12,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.gguf_blocks import GgufBlockReader, gguf_source_of
-from pipeline.model import StageModel, build_stage_model, checkpoint_name, rope_inv_freq
+from pipeline.model import StageModel, build_stage_model, checkpoint_name, set_rope_buffers
 from pipeline.partition import LayerRange
 from pipeline.quant import (
     ACTIVATION_DTYPE,
@@ -97,7 +97,7 @@ def build_quantized_stage_model(config: ModelConfig, layer_range: LayerRange, *,
         layer.self_attn.fuse()
         layer.mlp.fuse()
     quantize_stage_model(model, _quant_weights(mode, groups, reader, blocks))
-    model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    set_rope_buffers(model, config)
     left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if left:
         raise ValueError(f"quantised stage {layer_range} left tensors unloaded: {left[:3]}")

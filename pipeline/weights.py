@@ -1,6 +1,7 @@
 """Checkpoint tensors: which Hugging Face tensor names a stage needs, and reading exactly those.
 
-Owns the Llama-family tensor naming (`model.layers.{i}.self_attn.q_proj.weight`, ...), the choice of
+Owns the tensor naming of every supported family (`model.layers.{i}.self_attn.q_proj.weight`, ...;
+phi3's fused `qkv_proj` / `gate_up_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1`), the choice of
 names per stage (`stage_tensor_names`), and `CheckpointReader`, a lazy reader of a Hugging Face
 model folder: one `model.safetensors`, or shards listed in `model.safetensors.index.json`.
 Must not: build modules, materialise the whole model, or know about GGUF (see `gguf_import`).
@@ -26,25 +27,56 @@ LM_HEAD = "lm_head.weight"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 _BYTES_PER_ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                       "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+# Mixtral's checkpoint names for what this decoder calls mlp.gate_proj / up_proj / down_proj.
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def family_tensor_name(name: str, config: ModelConfig) -> str:
+    """The checkpoint's name for a tensor this decoder calls `name` (HF names, "model." prefix):
+    identity except Mixtral's `block_sparse_moe` prefix and w1/w3/w2 expert projections."""
+    if config.model_type != "mixtral" or ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for ours, theirs in _MIXTRAL_EXPERT.items():
+        name = name.replace(f".{ours}.", f".{theirs}.")
+    return name
+
+
+def _mlp_names(config: ModelConfig, prefix: str, layer: int) -> list[str]:
+    """Feed-forward tensors of one layer: gate/up/down (phi3: gate_up/down), or router + experts."""
+    projections = ("gate_up_proj", "down_proj") if config.model_type == "phi3" else _MLP_PROJ
+    if not config.is_moe_layer(layer):
+        return [f"{prefix}.mlp.{proj}.weight" for proj in projections]
+    names = [f"{prefix}.mlp.gate.weight"]
+    names += [f"{prefix}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts) for proj in projections]
+    return [family_tensor_name(n, config) for n in names]
+
+
 def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
-    """Checkpoint names of decoder layer `layer` (norms, q/k/v/o, q/k/v biases when
-    `config.attention_bias`, gate/up/down). Raises ValueError when the layer does not exist."""
+    """Checkpoint names of decoder layer `layer` (norms, q/k/v/o or phi3's fused qkv, q/k/v biases
+    when `config.attention_bias`, o bias when `config.o_proj_bias`, q/k norms, Gemma's feed-forward
+    norms, gate/up/down or the MoE router and experts). Raises ValueError when the layer does not exist."""
     if not 0 <= layer < config.num_hidden_layers:
         raise ValueError(f"layer {layer} is outside the model's {config.num_hidden_layers} layers")
     p = f"model.layers.{layer}"
     names = [f"{p}.input_layernorm.weight"]
-    names += [f"{p}.self_attn.{proj}.weight" for proj in _ATTN_PROJ]
+    qkv = ("qkv_proj",) if config.model_type == "phi3" else ("q_proj", "k_proj", "v_proj")
+    names += [f"{p}.self_attn.{proj}.weight" for proj in (*qkv, "o_proj")]
     if config.attention_bias:
-        names += [f"{p}.self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        names += [f"{p}.self_attn.{proj}.bias" for proj in qkv]
+    if config.o_proj_bias:
+        names.append(f"{p}.self_attn.o_proj.bias")
+    if config.qk_norm:
+        names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
     names.append(f"{p}.post_attention_layernorm.weight")
-    names += [f"{p}.mlp.{proj}.weight" for proj in _MLP_PROJ]
-    return names
+    if config.sandwich_norms:
+        names += [f"{p}.pre_feedforward_layernorm.weight", f"{p}.post_feedforward_layernorm.weight"]
+    return names + _mlp_names(config, p, layer)
 
 
 def head_tensor_name(config: ModelConfig) -> str:

@@ -30,6 +30,7 @@ GGUF_LAYER_NAMES = {  # written out here, independently of the converter's table
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
@@ -72,7 +73,7 @@ def hf_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     for suffix, shape in {"q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
                           "o_proj.weight": (h, q), "q_proj.bias": (q,), "k_proj.bias": (kv,),
-                          "v_proj.bias": (kv,), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h),
+                          "v_proj.bias": (kv,), "o_proj.bias": (h,), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h),
                           "down_proj.weight": (h, inter), "norm.weight": (h,)}.items():
         if name.endswith(suffix):
             return shape

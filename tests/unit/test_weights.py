@@ -92,9 +92,12 @@ def test_single_stage_tied_lists_embedding_once():
 
 
 def test_layer_names_with_attention_bias():
-    names = layer_tensor_names(tiny_config(attention_bias=True), 0)
+    names = layer_tensor_names(tiny_config(model_type="qwen2", attention_bias=True), 0)
     assert [n for n in names if n.endswith(".bias")] == [
         f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"]
+    llama = layer_tensor_names(tiny_config(attention_bias=True), 0)  # Llama's o_proj follows attention_bias
+    assert [n for n in llama if n.endswith(".bias")] == [
+        f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"]
     assert not any(n.endswith(".bias") for n in layer_tensor_names(tiny_config(), 0))
 
 

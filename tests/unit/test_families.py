@@ -1,0 +1,209 @@
+"""Every supported family on a tiny random model, with Hugging Face transformers as the oracle.
+
+What breaks when these fail: a family feature of the decoder (Llama-3 RoPE scaling, Mistral's
+sliding window, Qwen2 q/k/v bias, Qwen3 q/k norm, Gemma 3's (1 + w) norms, sandwich norms, GeGLU,
+embedding scale, query scale, local/global layers with their own RoPE bases and logit soft-capping,
+phi3's fused checkpoint tensors, Mixtral / Qwen3-MoE routing and dense layers), reading a family's
+config.json, the checkpoint names a stage reads, or splitting a family's model into stages.
+
+The models come from transformers' own config classes (tests/family_models.py); transformers loads
+the same safetensors folder with `from_pretrained` (so our checkpoint names are the Hub's: it
+converts Mixtral's and Qwen3-MoE's per-expert tensors itself).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pipeline.config import ModelConfig
+from pipeline.model import StageModel, build_stage_model
+from pipeline.partition import LayerRange, balanced_split
+from pipeline.predictors import LogitLensPredictor
+from pipeline.sampling import SamplingParams
+from pipeline.spans import Span
+from pipeline.weights import CheckpointReader, all_tensor_names, stage_tensor_names
+from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable
+from tests.family_models import FAMILY_CONFIGS, family_config, write_family_model
+from tests.in_process_pipeline import InProcessPipeline
+
+FAMILIES = list(FAMILY_CONFIGS)
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+MAX_MODEL_LEN = 96
+PROMPT = [5, 17, 200, 33, 9, 81, 140, 77, 3, 250, 12, 64]  # longer than every sliding window
+NUM_NEW_TOKENS = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, object]:
+    return {f: write_family_model(tmp_path_factory.mktemp(f), f, seed=3) for f in FAMILIES}
+
+
+def _hf(folder):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True, attn_implementation="eager")
+    missing = [k for k in info["missing_keys"] if k != "lm_head.weight"]
+    assert not missing and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def _stages(folder, num_stages: int) -> list[StageModel]:
+    reader = CheckpointReader(folder)
+    cfg = reader.config
+    ranges = balanced_split(cfg.num_hidden_layers, num_stages)
+    out = []
+    for i, r in enumerate(ranges):
+        first, last = i == 0, i == num_stages - 1
+        tensors = reader.read(stage_tensor_names(cfg, r, is_first=first, is_last=last), dtype=torch.float32)
+        out.append(build_stage_model(cfg, r, is_first=first, is_last=last, tensors=tensors))
+    return out
+
+
+class Chain:
+    """Stage models run one after the other, each with its own KV cache (an in-process pipeline)."""
+
+    def __init__(self, stages: list[StageModel]) -> None:
+        self.stages = stages
+        self.kvs = [s.new_kv_cache(max_num_seqs=1, max_model_len=MAX_MODEL_LEN) for s in stages]
+
+    def __call__(self, ids: list[int], start: int, *, all_rows: bool = False) -> torch.Tensor:
+        x = torch.tensor(ids, dtype=torch.int64)
+        spans = [Span(0, start, len(ids))]
+        for stage, kv in zip(self.stages, self.kvs, strict=True):
+            rows = torch.arange(len(ids)) if all_rows and stage.is_last else None
+            x = stage(x, spans, kv, logit_rows=rows)
+        return x
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        logits = self(prompt, 0)
+        out = []
+        for _ in range(n):
+            out.append(int(logits[-1].argmax()))
+            logits = self([out[-1]], len(prompt) + len(out) - 1)
+        return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_stage_logits_match_transformers(folders, family):
+    ours = Chain(_stages(folders[family], 2))(PROMPT, 0, all_rows=True)
+    with torch.no_grad():
+        ref = _hf(folders[family])(torch.tensor([PROMPT])).logits[0].float()
+    assert ours.shape == ref.shape == (len(PROMPT), 256)
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert ref.std() > 0.1, "degenerate oracle: near-constant logits"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_identical_across_one_to_three_stages_and_equals_transformers_generate(folders, family):
+    outs = {s: Chain(_stages(folders[family], s)).greedy(PROMPT, NUM_NEW_TOKENS) for s in (1, 2, 3)}
+    assert outs[1] == outs[2] == outs[3], outs
+    with torch.no_grad():
+        ref = _hf(folders[family]).generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS,
+                                            eos_token_id=None, pad_token_id=0)
+    assert ref[0, len(PROMPT):].tolist() == outs[1]
+    assert len(set(outs[1])) > 3, "degenerate oracle: the random model repeats one token"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stage_tensor_names_are_exactly_the_parameters_each_stage_builds(family):
+    cfg = family_config(family)
+    for ranges in (balanced_split(4, 1), balanced_split(4, 3)):
+        for i, r in enumerate(ranges):
+            first, last = i == 0, i == len(ranges) - 1
+            with torch.device("meta"):
+                model = StageModel(cfg, r, is_first=first, is_last=last)
+            from pipeline.model import checkpoint_name
+            wanted = {checkpoint_name(n, cfg) for n, _ in model.named_parameters()}
+            assert set(stage_tensor_names(cfg, r, is_first=first, is_last=last)) == wanted
+
+
+def test_each_stage_reads_only_its_own_layers_tensors(folders):
+    for family in ("mixtral", "gemma3_text", "phi3"):
+        reader = CheckpointReader(folders[family])
+        cfg = reader.config
+        r = LayerRange(1, 3)
+        tensors = reader.read(stage_tensor_names(cfg, r, is_first=False, is_last=False), dtype=torch.float32)
+        build_stage_model(cfg, r, is_first=False, is_last=False, tensors=tensors)
+        assert reader.read_names == set(tensors)
+        assert all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in reader.read_names)
+        assert reader.read_names < set(all_tensor_names(cfg))
+
+
+def test_family_features_are_read_from_transformers_configs():
+    gemma = family_config("gemma3_text")
+    assert (gemma.norm_weight_offset, gemma.sandwich_norms, gemma.qk_norm, gemma.hidden_act) == \
+        (1.0, True, True, "gelu_pytorch_tanh")
+    assert gemma.embedding_scale == 8.0 and gemma.rope_local_theta == 10000.0 and gemma.rope_theta == 1e6
+    assert gemma.layer_types[:2] == ("sliding_attention", "full_attention") and gemma.sliding_window == 6
+    assert gemma.final_logit_softcapping == 5.0 and gemma.rope_scaling.rope_type == "linear"
+    moe = family_config("qwen3_moe")
+    assert [moe.is_moe_layer(i) for i in range(4)] == [True, False, True, True] and not moe.norm_topk_prob
+    assert family_config("mixtral").norm_topk_prob and family_config("mistral").is_sliding(3)
+    assert family_config("llama3").rope_scaling.rope_type == "llama3"
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen3_moe"])
+def test_a_family_feature_switched_off_changes_the_logits(folders, family):
+    """Guard for the comparisons above: the family features really change the numbers."""
+    import dataclasses
+
+    reader = CheckpointReader(folders[family])
+    cfg = reader.config
+    off = {"gemma3_text": dict(final_logit_softcapping=None, rope_local_theta=None),
+           "mistral": dict(sliding_window=None, layer_types=()),
+           "qwen3_moe": dict(norm_topk_prob=True)}[family]
+    tensors = reader.read(all_tensor_names(cfg), dtype=torch.float32)
+    full = LayerRange(0, cfg.num_hidden_layers)
+    a, b = (Chain([build_stage_model(c, full, is_first=True, is_last=True, tensors=tensors)])(PROMPT, 0)
+            for c in (cfg, dataclasses.replace(cfg, **off)))
+    assert (a - b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(model_type="falcon"), "model_type 'falcon' is not supported .*llama.*gemma3_text"),
+    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(model_type="llama", hidden_act="gelu"), "activation 'gelu' is not supported"),
+    (dict(model_type="phi3", partial_rotary_factor=0.75), "partial_rotary_factor"),
+    (dict(model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+])
+def test_unsupported_config_is_a_one_line_error_naming_it(bad, match):
+    d = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4} | bad
+    with pytest.raises(ValueError, match=match) as err:
+        ModelConfig.from_hf_dict(d)
+    assert "\n" not in str(err.value)
+
+
+# -- speculation (SPEED) on every family, in process ------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculate_speed_greedy_equals_plain_on_every_family(folders, family):
+    """The real Scheduler and StageExecutors over 2 and 3 stages of each family's model: SPEED with
+    an always-wrong predictor (every draft squashed on every stage) and the real logit lens gives the
+    tokens of plain greedy decoding (tests/in_process_pipeline.py)."""
+    prompts = [PROMPT, PROMPT[:5], [7, 7, 7]]
+    budgets = (NUM_NEW_TOKENS, 6, 11)  # sequences finish one by one, leaving idle stages for drafts
+    params = [SamplingParams(max_new_tokens=b, ignore_eos=True) for b in budgets]
+    reference = [Chain(_stages(folders[family], 1)).greedy(p, b) for p, b in zip(prompts, budgets, strict=True)]
+    table = ReferenceTable(zip(prompts, reference, strict=True))
+    for num_stages in (2, 3):
+        stages = _stages(folders[family], num_stages)
+        plain = InProcessPipeline(stages, max_model_len=MAX_MODEL_LEN).generate(prompts, params)
+        assert plain == reference, f"{num_stages} stages without speculation"
+        for predictor in (AlwaysWrongPredictor(table, vocab_size=256), LogitLensPredictor()):
+            pipe = InProcessPipeline(_stages(folders[family], num_stages), max_model_len=MAX_MODEL_LEN,
+                                     predictor=predictor)
+            assert pipe.generate(prompts, params) == reference, f"{type(predictor).__name__}, {num_stages} stages"
+            spec = pipe.engine.spec
+            assert spec.drafted_tokens > 0, "no draft was sent: speculation was not exercised"
+            if isinstance(predictor, AlwaysWrongPredictor):
+                assert spec.squashed_items > 0 and spec.accepted_tokens == 0

@@ -1,0 +1,84 @@
+"""`--stages auto`: the fewest stages whose weights + KV each fit a per-stage memory budget.
+
+What breaks when these fail: the split search (not the fewest stages, a stage over budget, a
+non-contiguous or lopsided split), the bytes a layer / the embedding / the head count for, or the
+CLI flags that turn a budget into --stages and --layer-split.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from launcher.cli import UsageError, _auto_stages, build_parser
+from pipeline.partition import smallest_fitting_split
+from pipeline.stage_memory import kv_bytes_per_layer, plan_stages_for_budget
+from pipeline.weights import CheckpointReader, stage_tensor_names
+from tests.family_models import write_family_model
+
+
+def _brute_force(layer_bytes, first, last, budget):
+    """(fewest stages, least max stage) over every contiguous split, by enumeration."""
+    n = len(layer_bytes)
+    for k in range(1, n + 1):
+        best = None
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = [0, *cuts, n]
+            costs = [sum(layer_bytes[a:b]) + (first if a == 0 else 0) + (last if b == n else 0)
+                     for a, b in zip(bounds, bounds[1:], strict=False)]
+            if max(costs) <= budget and (best is None or max(costs) < best):
+                best = max(costs)
+        if best is not None:
+            return k, best
+    return None
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_split_has_the_fewest_stages_and_the_least_largest_stage(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 8, (1,), generator=gen))
+    layers = torch.randint(1, 20, (n,), generator=gen).tolist()
+    first, last = (int(v) for v in torch.randint(0, 30, (2,), generator=gen))
+    budget = int(torch.randint(15, 80, (1,), generator=gen))
+    want = _brute_force(layers, first, last, budget)
+    if want is None:
+        with pytest.raises(ValueError, match="no split fits a per-stage budget"):
+            smallest_fitting_split(layers, first_bytes=first, last_bytes=last, budget_bytes=budget)
+        return
+    ranges = smallest_fitting_split(layers, first_bytes=first, last_bytes=last, budget_bytes=budget)
+    assert ranges[0].start == 0 and ranges[-1].stop == n
+    assert all(a.stop == b.start and len(a) > 0 for a, b in zip(ranges, ranges[1:], strict=False))
+    costs = [sum(layers[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0)
+             for i, r in enumerate(ranges)]
+    assert (len(ranges), max(costs)) == want
+
+
+def test_plan_counts_weights_and_kv_of_each_stage(tmp_path):
+    folder = write_family_model(tmp_path / "m", "qwen3")  # tied head: the last stage holds its own copy
+    reader = CheckpointReader(folder)
+    cfg = reader.config
+    kv = kv_bytes_per_layer(cfg, dtype=torch.float32, max_num_seqs=2, max_model_len=64)
+    one = plan_stages_for_budget(folder, budget_bytes=1 << 40, dtype=torch.float32, max_num_seqs=2, max_model_len=64)
+    assert len(one.ranges) == 1
+    plan = plan_stages_for_budget(folder, budget_bytes=int(one.stage_bytes[0] * 0.6), dtype=torch.float32,
+                                  max_num_seqs=2, max_model_len=64)
+    assert len(plan.ranges) == 2 and all(b <= plan.budget_bytes for b in plan.stage_bytes)
+    for i, (r, b) in enumerate(zip(plan.ranges, plan.stage_bytes, strict=True)):
+        names = stage_tensor_names(cfg, r, is_first=i == 0, is_last=i == len(plan.ranges) - 1)
+        assert b == reader.nbytes(names, dtype=torch.float32) + kv * len(r)
+    assert "of a" in plan.lines()[0] and plan.layer_split() == ",".join(str(len(r)) for r in plan.ranges)
+
+
+def test_cli_stages_auto_sets_stages_and_split(tmp_path):
+    folder = write_family_model(tmp_path / "m", "llama3")
+    whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, dtype=torch.float32, max_num_seqs=8,
+                                   max_model_len=64).stage_bytes[0]
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib",
+                                      str(0.6 * whole / 2**30), "--max-model-len", "64", "--prompt", "x"])
+    stages, split = _auto_stages(args, progress=False)
+    assert stages >= 2 and split.count(",") == stages - 1
+    with pytest.raises(UsageError, match="--stage-memory-gib"):
+        _auto_stages(build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto",
+                                                "--prompt", "x"]), progress=False)
