@@ -17,18 +17,18 @@ pipeline/config.py; their larger blocks live in pipeline/family_blocks.py and pi
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from pipeline.attention import AttentionPlan, span_attention
-from pipeline.config import ModelConfig, RopeScaling
+from pipeline.config import ModelConfig
 from pipeline.family_blocks import ACTIVATION_FNS, make_embedding, make_norm, soft_cap
 from pipeline.kv_cache import KVCache
 from pipeline.moe import SparseMoE
 from pipeline.partition import LayerRange
+from pipeline.rope import apply_rope, config_inv_freq, rope_cos_sin
 from pipeline.spans import PseudoLayout, Span, anchor_rows, last_rows_of
 from pipeline.weights import family_tensor_name
 
@@ -62,42 +62,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim // 2] (float32), with linear or Llama-3 scaling.
-
-    Source: RoFormer (arXiv 2104.09864) §3.4; Llama 3.1 scaling as in Meta's reference code.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None or scaling.rope_type == "default":
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [num_tokens, head_dim] for integer `positions` [num_tokens] (computed in float32)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [num_tokens, num_heads, head_dim] by cos/sin: [num_tokens, head_dim] (half-split layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class Attention(nn.Module):
@@ -250,8 +214,8 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in layer_range})
         self.norm = make_norm(config, config.hidden_size) if is_last else None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
-        self.register_buffer("inv_freq", _inv_freq(config, local=False), persistent=False)
-        self.register_buffer("inv_freq_local", _inv_freq(config, local=True), persistent=False)
+        self.register_buffer("inv_freq", config_inv_freq(config, local=False), persistent=False)
+        self.register_buffer("inv_freq_local", config_inv_freq(config, local=True), persistent=False)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{absolute layer: (cos, sin) [num_tokens, head_dim]} for this stage's layers at `positions`
@@ -359,15 +323,8 @@ class StageModel(nn.Module):
 
 def set_rope_buffers(model: StageModel, config: ModelConfig, device: torch.device | str = "cpu") -> None:
     """Fill a meta-built model's RoPE frequency buffers (global, and local for Gemma 3's sliding layers)."""
-    model.inv_freq = _inv_freq(config, local=False).to(device)
-    model.inv_freq_local = _inv_freq(config, local=True).to(device)
-
-
-def _inv_freq(config: ModelConfig, *, local: bool) -> torch.Tensor:
-    """Global RoPE frequencies, or those of sliding layers with their own unscaled base (Gemma 3)."""
-    if local and config.rope_local_theta is not None:
-        return rope_inv_freq(config.head_dim, config.rope_local_theta, None)
-    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    model.inv_freq = config_inv_freq(config, local=False).to(device)
+    model.inv_freq_local = config_inv_freq(config, local=True).to(device)
 
 
 def checkpoint_name(param_name: str, config: ModelConfig) -> str:

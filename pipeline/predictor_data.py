@@ -23,8 +23,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.attention import AttentionPlan
 from pipeline.config import ModelConfig
-from pipeline.model import StageModel, build_stage_model, rope_cos_sin
+from pipeline.model import StageModel, build_stage_model
 from pipeline.partition import LayerRange
 from pipeline.spans import Span
 from pipeline.weights import CheckpointReader, all_tensor_names
@@ -184,9 +185,10 @@ def collect_hidden_states(model: StageModel, windows: torch.Tensor, *, layers: S
             kv.truncate(slot, 0)
         positions = torch.arange(window).repeat(batch.shape[0])
         h = model.embed_tokens(batch.reshape(-1))
-        cos, sin = rope_cos_sin(positions, model.inv_freq, h.dtype)
+        ropes = model.rope_tables(positions, h.dtype)
+        plan = AttentionPlan.build(spans, None, h.device)
         for local, (name, layer) in enumerate(model.layers.items()):
-            h = layer(h, cos, sin, spans, kv, local)
+            h = layer(h, *ropes[int(name)], plan, kv, local)
             if int(name) in hidden:
                 hidden[int(name)][lo:lo + batch.shape[0]] = h.reshape(batch.shape[0], window, -1).to(hidden_dtype)
         for slot in range(batch.shape[0]):
