@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.partition import LayerRange
-from pipeline.wire import rank_of_stage, world_size
 from proto import speedpipe_pb2 as pb
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -66,11 +65,11 @@ class StageLoadSpec:
 
     @property
     def dist_rank(self) -> int:
-        return rank_of_stage(self.stage_index)
+        return self.stage_index + 1
 
     @property
     def dist_world_size(self) -> int:
-        return world_size(self.num_stages)
+        return self.num_stages + 1
 
 
 def spec_to_proto(spec: StageLoadSpec) -> pb.LoadStageRequest:
