@@ -7,9 +7,8 @@ request handles (detokenisation, stop strings, streaming: launcher/request_handl
 Must not: decide what runs or what commits (the engine does), run model layers, or spawn
 processes (launcher/local_backend.py places the workers).
 
-Threads: the caller's (submit, results), the engine thread (the only one that touches the
-engine and sends on the data plane), and the receivers (launcher/stage_receivers.py: blocking
-receives from the last stage and the exit stage). They meet in one event queue, so nothing polls.
+Threads: the caller's (submit, results), the engine thread (the only one that touches the engine
+and sends), the receivers (launcher/stage_receivers.py). They meet in one event queue: no polling.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ from collections.abc import Sequence
 import grpc
 
 from launcher.request_handle import PipelineError, RequestHandle, RequestOutput, StreamChunk, encode_prompt
+from launcher.stage_control import load_and_join, shutdown_stages, wait_reachable
 from launcher.stage_link import StageLink
 from launcher.stage_receivers import start_receivers
-from launcher.stage_startup import load_and_join, wait_reachable
 from pipeline.engine import Engine
 from pipeline.engine_events import Abort, Submit
 from pipeline.predictors import Predictor, make_predictor
@@ -111,6 +110,7 @@ class Coordinator:
 
     @property
     def timeline(self) -> Timeline:
+        """What each micro-batch cost on each stage, and was worth (the engine's)."""
         return self.engine.timeline
 
     @property
@@ -150,6 +150,13 @@ class Coordinator:
         """Cancel a request; its KV slot is freed on every stage."""
         self.events.put(("abort", handle))
 
+    def sync(self, timeout_s: float) -> bool:
+        """Wait until the engine thread handled every event queued before this call (e.g. the
+        step that forgets a finished request); False on timeout or after a failure."""
+        done = threading.Event()
+        self.events.put(("sync", done))
+        return done.wait(timeout_s)
+
     # -- engine thread ----------------------------------------------------------------------------
     def _engine_loop(self) -> None:
         try:
@@ -181,8 +188,8 @@ class Coordinator:
             return [] if seq_id is None else [Abort(seq_id=seq_id)]
         if kind == "error":
             raise payload if isinstance(payload, PipelineError) else PipelineError(str(payload))
-        if kind == "stop":
-            self._stopping.set()
+        if kind in ("stop", "sync"):
+            (self._stopping if kind == "stop" else payload).set()
             return []
         raise AssertionError(f"unknown coordinator event {kind!r}")
 
@@ -237,10 +244,4 @@ class Coordinator:
                     receiver.join(timeout=self.config.stage_timeout_s)
             except ChannelError as exc:
                 log.warning("data plane shutdown failed: %s", exc)
-        for stub in self.stubs:
-            try:
-                stub.Shutdown(pb.ShutdownRequest(reason=reason), timeout=5)
-            except grpc.RpcError:
-                pass
-        for ch in self.channels:
-            ch.close()
+        shutdown_stages(self.stubs, self.channels, reason=reason)

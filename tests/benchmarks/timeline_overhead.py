@@ -33,7 +33,7 @@ from launcher.session import PipelineSession
 from pipeline.items import Item
 from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams
-from pipeline.timeline import Timeline
+from pipeline.timeline import StageTiming, Timeline
 from pipeline.wire import Message, MessageKind, encode_header
 
 PROMPT = "The history of the printing press begins"
@@ -49,16 +49,16 @@ def decode_tokens_per_s(coord, prompt: str, max_new_tokens: int) -> float:
 def recording_cost_us(num_stages: int, *, num_batches: int = 20_000) -> dict:
     """In-process cost of recording one micro-batch of one item, in microseconds, independent of
     machine load's effect on a pipeline run: the coordinator's Timeline.record, and the header work
-    the stages add (appending [stage, start, end] and msgpack-encoding the longer header)."""
+    the stages add (appending a StageTiming and msgpack-encoding the longer header)."""
     item = Item(seq_id=0, slot=0, start=10, num_tokens=1)
-    timing = [[i, 1_000_000 + i, 2_000_000 + i] for i in range(num_stages)]
+    timing = [StageTiming(i, 1_000_000 + i, 2_000_000 + i) for i in range(num_stages)]
     tl = Timeline(num_stages)
     t0 = time.perf_counter()
     for _ in range(num_batches):
         tl.record(timing, [item], 1.0, committed=[True])
     record_us = (time.perf_counter() - t0) / num_batches * 1e6
-    with_timing = Message(MessageKind.FORWARD, [item], {"x": torch.zeros(1, 576)}, {"timing": timing})
-    without = Message(MessageKind.FORWARD, [item], {"x": torch.zeros(1, 576)}, {})
+    with_timing = Message(MessageKind.FORWARD, [item], {"x": torch.zeros(1, 576)}, timing)
+    without = Message(MessageKind.FORWARD, [item], {"x": torch.zeros(1, 576)}, None)
     costs = []
     for msg in (with_timing, without):
         t0 = time.perf_counter()

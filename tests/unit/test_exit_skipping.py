@@ -233,3 +233,14 @@ def test_the_exit_stage_skips_the_head_when_no_row_wants_it(stage0):
     _, head, none = _run(stage0, [False, False, False])
     assert head.calls == [] and none.exit_tokens is None and none.exit_probs is None
     assert torch.equal(none.hidden, every.hidden)
+
+
+def test_one_rule_says_which_items_get_an_exit_guess():
+    """`Item.may_precede_draft` / `wants_exit_guess`: the rule the scheduler, the exit stage and the
+    simulator all ask. A prefill never gets a guess, whatever its `want_exit`."""
+    mk = lambda kind, want: Item(seq_id=0, slot=0, start=4, num_tokens=1, kind=kind, want_exit=want)  # noqa: E731
+    for kind in ItemKind:
+        for want in (False, True):
+            item = mk(kind, want)
+            assert item.may_precede_draft == (kind != ItemKind.PREFILL)
+            assert item.wants_exit_guess == (kind != ItemKind.PREFILL and want)

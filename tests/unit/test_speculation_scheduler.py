@@ -186,7 +186,7 @@ class FakePipeline:
         self.stats.steps += 1
         self.stats.busy_per_step.append(busy)
         # `events` holds the result (last stage) before the exit event of an earlier stage, and a
-        # stage's exit event before its own result (the stage sends DRAFT before forwarding).
+        # stage's exit event before its own result (the stage sends EXIT_GUESS before forwarding).
         # Between different stages the order is the race under test.
         if self.exit_first:
             events.sort(key=lambda e: e[0] != "exit")

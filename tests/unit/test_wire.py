@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from pipeline.items import ITEM_WIRE_SCHEMA, Item, ItemKind, SlotRelease, items_to_wire
 from pipeline.timeline import StageTiming
 from pipeline.wire import (
+    COORDINATOR_RANK,
     DEFAULT_FRAME_BYTES,
     MAGIC,
     PREFIX,
@@ -32,7 +33,10 @@ from pipeline.wire import (
     header_end,
     inline_tensors,
     payload_bytes_of,
+    rank_name,
+    rank_of_stage,
     split_payload,
+    world_size,
 )
 
 FRAME = 4096
@@ -399,3 +403,11 @@ def test_fuzz_one_item_field_replaced_by_any_value_decodes_or_raises_wire_error(
     raw = _item_wire()
     raw[field] = value if whole_column else [value]
     _decode_or_wire_error(_frame(_valid_fields(items=raw)))
+
+
+# -- ranks ----------------------------------------------------------------------------------------------
+
+def test_ranks_put_the_coordinator_first_and_every_stage_after_it():
+    assert COORDINATOR_RANK == 0 and world_size(4) == 5
+    assert [rank_of_stage(i) for i in range(4)] == [1, 2, 3, 4]
+    assert [rank_name(r) for r in range(world_size(2))] == ["coordinator", "stage 0", "stage 1"]

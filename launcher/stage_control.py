@@ -1,8 +1,8 @@
-"""Start-up of a pipeline's stages from the coordinator: Load every stage while joining the data
-plane, the first failure winning.
+"""The coordinator's control-plane calls to its stages: Load every stage while joining the data
+plane (the first failure winning), and stop them all.
 
-Owns running the blocking start-up calls in daemon threads and naming the stage that failed.
-Must not: serve requests (launcher/coordinator.py does) or spawn processes.
+Owns running the blocking start-up calls in daemon threads, naming the stage that failed, and
+the Shutdown round. Must not: serve requests (launcher/coordinator.py does) or spawn processes.
 """
 
 from __future__ import annotations
@@ -66,3 +66,15 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
         who = f"stage {index}" if index < len(specs) else "coordinator"
         raise PipelineError(f"{who} failed to load: {detail}")
     return [f.result() for f in sorted(loads, key=loads.get)]
+
+
+def shutdown_stages(stubs: Sequence[pb_grpc.StageServiceStub], channels: Sequence[grpc.Channel], *,
+                    reason: str) -> None:
+    """Ask every stage to shut down (a stage already gone is fine) and close the channels."""
+    for stub in stubs:
+        try:
+            stub.Shutdown(pb.ShutdownRequest(reason=reason), timeout=5)
+        except grpc.RpcError:
+            pass
+    for ch in channels:
+        ch.close()
