@@ -36,6 +36,7 @@ from pipeline.wire import Message, MessageKind
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, ChannelError, DataPlaneGroup, SendQueue, rank_name
+from workers.control_auth import with_secret
 from workers.convert import StageLoadSpec, spec_to_proto
 
 log = logging.getLogger("speedpipe.coordinator")
@@ -188,14 +189,15 @@ class Coordinator:
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
-                 predictor: Predictor | None = None) -> None:
-        """predictor: overrides the one named by config.predictor (tests use adversarial ones)."""
+                 predictor: Predictor | None = None, control_secret: str | None = None) -> None:
+        """predictor: overrides the one named by config.predictor (tests use adversarial ones).
+        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config = config
         self.tokenizer = tokenizer
         self.channels = [grpc.insecure_channel(a) for a in stage_addresses]
-        self.stubs = [pb_grpc.StageServiceStub(c) for c in self.channels]
+        self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,

@@ -36,6 +36,7 @@ from pipeline.predictors import PREDICTORS, Predictor, is_predictor_file, make_p
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
+from workers.control_auth import SECRET_ENV, new_secret
 from workers.convert import DTYPE_CHOICES, StageLoadSpec
 
 log = logging.getLogger("speedpipe.launch")
@@ -268,6 +269,7 @@ class PipelineSession:
         self.backend: StageBackend | None = None
         self.coordinator: Coordinator | None = None
         self.load_responses = []
+        self.control_secret = new_secret()  # [Note: control-plane secret] in workers/control_auth.py
 
     def __enter__(self) -> PipelineSession:
         try:
@@ -318,9 +320,10 @@ class PipelineSession:
             from launcher.multinode import MultiNodeStages
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
-                                   threads_per_stage=opt.threads_per_stage)
+                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret)
         return LocalStageBackend(LocalLaunchConfig(
-            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage))
+            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
+            env={SECRET_ENV: self.control_secret}))
 
     def _start(self) -> None:
         opt, m = self.options, self.model
@@ -337,7 +340,7 @@ class PipelineSession:
             min_acceptance=(DraftGate.break_even(opt.num_stages) if opt.min_acceptance is None
                             else opt.min_acceptance), record_timeline=opt.record_timeline,
             firp_k=m.firp.k if m.firp else 0, firp_min_prob=opt.firp_min_prob), m.tokenizer, addresses,
-            predictor=self.predictor)
+            predictor=self.predictor, control_secret=self.control_secret)
         self.backend.watch(self._on_stage_death)
         specs = [StageLoadSpec(
             model_dir=str(m.model_dir), stage_index=i, num_stages=opt.num_stages, layer_range=r, dtype=opt.dtype,
