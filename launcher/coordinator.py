@@ -419,6 +419,9 @@ class Coordinator:
         self.events.put(("error", error))
 
     def _fail(self, error: PipelineError) -> None:
+        from launcher.stage_heartbeat import blame_hung_stages
+
+        error = PipelineError(blame_hung_stages(str(error), self.stubs))  # a timeout may name a victim
         log.error("pipeline failed: %s", error)
         self.failure = error
         self._stopping = True

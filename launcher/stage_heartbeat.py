@@ -102,3 +102,25 @@ class StageHeartbeat:
                     log.exception("heartbeat callback failed")
                 return
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+
+def blame_hung_stages(message: str, stubs: Sequence, *, timeout_s: float = 1.0) -> str:
+    """`message` prefixed with the stages that are hung: those whose `Health` call runs into its
+    `timeout_s` deadline (a dead stage refuses at once and is not blamed here).
+
+    A hung stage makes its neighbours' data-plane waits time out too, so the first timeout to fire
+    may name a stage that is only waiting for it ("timed out ... waiting to receive from stage 2"
+    while stage 1 is stopped); asking every control plane names the one that is silent.
+    """
+    calls = [stub.Health.future(pb.HealthRequest(), timeout=timeout_s) for stub in stubs]
+    hung = []
+    for i, call in enumerate(calls):
+        try:
+            call.result()
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                hung.append(i)
+    if not hung:
+        return message
+    who = ", ".join(f"stage {i}" for i in hung)
+    return f"{who} {'is' if len(hung) == 1 else 'are'} hung (no control-plane answer within {timeout_s:g} s); {message}"
