@@ -315,7 +315,8 @@ class PipelineSession:
             from launcher.ray_backend import RayStageActors  # ray is imported only there
 
             return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
-                                  log_level=opt.log_level, threads_per_stage=opt.threads_per_stage)
+                                  log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
+                                  control_secret=self.control_secret)
         if opt.placement.multi_node:
             from launcher.multinode import MultiNodeStages
 

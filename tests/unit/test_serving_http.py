@@ -413,3 +413,32 @@ def test_serve_buffers_are_windows(tokenizer):
     assert len(coord.commit_events) == 100 and len(coord.timeline.slices) == 100
     assert 0 < len(coord.timeline.draft_gaps_ns) <= 100
     assert coord.timeline.num_batches == 4999  # totals stay exact
+
+
+def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
+    import grpc
+
+    from launcher.grpc_generate import GrpcServer
+    from proto import speedpipe_pb2_grpc as pb_grpc
+
+    coord = FakeCoordinator(tokenizer)
+    engine = ServingEngine(coord, model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    server = GrpcServer(engine, host="127.0.0.1", port=0, api_key="k3y")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            request = pb.GenerateRequest(prompt="Hi", max_new_tokens=3)
+            for metadata in (None, [("authorization", "Bearer wrong")]):
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(request, metadata=metadata, timeout=10))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            replies = list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
+            assert sum(len(r.token_ids) for r in replies) == 3
+            assert stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
+            engine.fence("draining: the server is shutting down")
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
+    finally:
+        server.stop()
