@@ -3,7 +3,7 @@
 Starts `speedpipe serve` as a child process (default: the tiny random model of tests/tiny_model.py,
 2 stages, so the soak measures the server and not the model), sends --warmup short greedy requests,
 reads the server process's RSS (psutil), sends --requests more at --concurrency, reads it again and
-prints the growth. Target: <= 20 MB growth over 10,000 requests after warm-up.
+prints the growth (and its trend after every tenth of the requests). Target: <= 20 MB growth over 10,000 requests after warm-up.
 
 Usage: python tests/benchmarks/serving_soak.py [--requests 10000] [--warmup 1000] [--concurrency 8]
        [--model PATH] [--stages 2] [--max-tokens 2] [--out results.json]
@@ -81,9 +81,13 @@ def main() -> int:
             server = psutil.Process(proc.pid)
             failed = send(url, args.warmup, concurrency=args.concurrency, max_tokens=args.max_tokens)
             before = server.memory_info().rss
-            start = time.perf_counter()
-            failed += send(url, args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
-                           start=args.warmup)
+            start, done, trend_mb = time.perf_counter(), 0, []
+            while done < args.requests:  # RSS after every tenth of the requests: growth or plateau?
+                n = min(max(1, args.requests // 10), args.requests - done)
+                failed += send(url, n, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                               start=args.warmup + done)
+                done += n
+                trend_mb.append(round((server.memory_info().rss - before) / 2**20, 2))
             wall_s = time.perf_counter() - start
             after = server.memory_info().rss
         finally:
@@ -92,7 +96,8 @@ def main() -> int:
     result = {"model": args.model or "tiny random (tests/tiny_model.py)", "stages": args.stages,
               "warmup": args.warmup, "requests": args.requests, "concurrency": args.concurrency,
               "failed": failed, "rss_before_mb": round(before / 2**20, 1), "rss_after_mb": round(after / 2**20, 1),
-              "rss_growth_mb": round((after - before) / 2**20, 2), "requests_per_s": round(args.requests / wall_s, 1),
+              "rss_growth_mb": round((after - before) / 2**20, 2), "rss_growth_trend_mb": trend_mb,
+              "requests_per_s": round(args.requests / wall_s, 1),
               "server_exit_code": proc.returncode}
     print(json.dumps(result))
     if args.out:

@@ -239,3 +239,29 @@ def test_sigterm_drains_in_flight_streams_and_a_second_sigterm_ends_the_rest(tin
     assert long[-1] == "[DONE]" and "shutting down" in json.loads(long[-2])["error"]["message"], long[-3:]
     assert cli.finish() == 0, cli.stderr[-3000:]
     assert "Traceback" not in cli.stderr and "CancelledError" not in cli.stderr, cli.stderr[-3000:]
+
+
+def test_long_prefills_are_not_a_hang(tiny_model_dir: Path):
+    """12 concurrent ~3000-token prefills: every heartbeat is answered, /health stays 200 throughout
+    and every request completes (default --stage-heartbeat-timeout-s)."""
+    options = session_options(tiny_model_dir, 2, max_model_len=4096, max_num_seqs=12)
+    with PipelineSession(options, resolve(options)) as session, \
+            ServingStack(session, ServeOptions(port=0, grpc_port=-1, stats_interval_s=0)) as stack:
+        url = f"http://127.0.0.1:{stack.http_port}"
+        codes: list[int] = []
+
+        def post(i: int) -> None:
+            body = {"prompt": f"{i} " + "lorem ipsum " * 250, "max_tokens": 4, "ignore_eos": True}
+            codes.append(httpx.post(url + "/v1/completions", json=body, timeout=170).status_code)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        health = []
+        while any(t.is_alive() for t in threads):
+            health.append(httpx.get(url + "/health", timeout=30).status_code)
+            time.sleep(0.1)
+        for t in threads:
+            t.join()
+        assert codes == [200] * 12 and health and set(health) == {200}, (codes, health)
+        assert stack.heartbeat.hung is None
