@@ -85,6 +85,9 @@ def drain(stack: ServingStack, signals: DrainSignals, *, grace_s: float) -> bool
     with an error event. Returns True if every request finished by itself."""
     engine = stack.engine
     engine.fence("draining: the server is shutting down")
+    failed = stack.failure is not None or engine.coordinator.failure is not None
+    if failed:
+        grace_s = 0.0  # every request already ended with the failure's error event
     outstanding = engine.num_outstanding
     if outstanding:
         log.warning("draining: waiting up to %.0f s for %d in-flight request(s)", grace_s, outstanding)
@@ -93,7 +96,8 @@ def drain(stack: ServingStack, signals: DrainSignals, *, grace_s: float) -> bool
         engine.wait_idle(min(WATCH_S, max(0.0, deadline - time.monotonic())))
     if not engine.num_outstanding:
         return True
-    why = "a second signal" if signals.abort.is_set() else f"--shutdown-grace-s {grace_s:g} expired"
+    why = ("the pipeline failed" if failed else "a second signal" if signals.abort.is_set()
+           else f"--shutdown-grace-s {grace_s:g} expired")
     ended = engine.fail_all(UnavailableError(f"server shutting down ({why}); request ended before it finished"))
     log.warning("ended %d in-flight request(s) with an error (%s)", ended, why)
     engine.wait_idle(FLUSH_S)
