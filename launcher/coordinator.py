@@ -38,6 +38,7 @@ from pipeline.wire import rank_of_stage
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import ChannelError
+from workers.control_auth import with_secret
 from workers.convert import StageLoadSpec
 
 __all__ = ["Coordinator", "CoordinatorConfig", "PipelineError", "RequestHandle", "RequestOutput", "StreamChunk"]
@@ -75,14 +76,15 @@ class Coordinator:
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
-                 predictor: Predictor | None = None) -> None:
-        """predictor: overrides the one named by config.predictor (tests use adversarial ones)."""
+                 predictor: Predictor | None = None, control_secret: str | None = None) -> None:
+        """predictor: overrides the one named by config.predictor (tests use adversarial ones).
+        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config = config
         self.tokenizer = tokenizer
         self.channels = [grpc.insecure_channel(a) for a in stage_addresses]
-        self.stubs = [pb_grpc.StageServiceStub(c) for c in self.channels]
+        self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         # Per-micro-batch stage timings; off: measure the overhead (tests/benchmarks/timeline_overhead.py)
         self.record_timeline = config.record_timeline
         self.engine = Engine(SchedulerConfig(
@@ -204,6 +206,9 @@ class Coordinator:
         self.events.put(("error", error))
 
     def _fail(self, error: PipelineError) -> None:
+        from launcher.stage_heartbeat import blame_hung_stages
+
+        error = PipelineError(blame_hung_stages(str(error), self.stubs))  # a timeout may name a victim
         log.error("pipeline failed: %s", error)
         self.failure = error
         self._stopping.set()

@@ -2,7 +2,9 @@
 
 `Generate` streams one `GenerateResponse` per commit; the last has finish_reason, usage and timing.
 Status codes: INVALID_ARGUMENT for bad input (the message names the field), RESOURCE_EXHAUSTED
-when the queue is full, UNAVAILABLE when the pipeline failed. A cancelled RPC (client gone,
+when the queue is full, UNAVAILABLE when the pipeline failed or the server is fenced or draining
+(also mid-stream), UNAUTHENTICATED for Generate without `authorization: Bearer KEY` metadata when
+the server has --api-key (Health stays open, as HTTP /health). A cancelled RPC (client gone,
 deadline passed) aborts the request, freeing its KV slot on every stage. `Health` is SERVING only
 while the coordinator and every stage are.
 Must not: hold generation logic (launcher/serving_engine.py).
@@ -17,10 +19,11 @@ import uuid
 import grpc
 
 from launcher.coordinator import PipelineError
-from launcher.serving_engine import InvalidRequestError, QueueFullError, ServingEngine
+from launcher.serving_engine import InvalidRequestError, QueueFullError, ServingEngine, UnavailableError
 from pipeline.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
+from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
 
 log = logging.getLogger("speedpipe.serve")
 FINISH = {"length": pb.GenerateResponse.LENGTH, "stop": pb.GenerateResponse.STOP, "eos": pb.GenerateResponse.EOS,
@@ -68,6 +71,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except UnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PipelineError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
         context.add_callback(stream.cancel)  # runs when the RPC ends: a no-op unless it was cancelled
@@ -80,6 +85,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     msg.usage.prompt_tokens, msg.usage.completion_tokens = final.prompt_tokens, final.completion_tokens
                     msg.timing.ttft_s, msg.timing.e2e_s = final.ttft_s, final.e2e_s
                 yield msg
+        except UnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PipelineError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
 
@@ -89,13 +96,17 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
 
 class GrpcServer:
-    """A gRPC server with GenerateService on host:port (port 0 = any free port; see `.port`)."""
+    """A gRPC server with GenerateService on host:port (port 0 = any free port; see `.port`);
+    Generate needs `authorization: Bearer api_key` metadata when api_key is set."""
 
-    def __init__(self, engine: ServingEngine, *, host: str, port: int) -> None:
+    def __init__(self, engine: ServingEngine, *, host: str, port: int, api_key: str | None = None) -> None:
         workers = engine.max_num_seqs + engine.max_queue + 4  # one thread per stream, plus refusals
+        interceptors = [] if api_key is None else [SecretCheckInterceptor(
+            key=API_KEY_METADATA_KEY, expected=f"Bearer {api_key}", what="API key (`authorization: Bearer KEY`)",
+            exempt=("/speedpipe.v1.GenerateService/Health",))]
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                                         thread_name_prefix="grpc-generate"),
-                                  maximum_concurrent_rpcs=workers)
+                                  maximum_concurrent_rpcs=workers, interceptors=interceptors)
         pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine), self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:

@@ -8,7 +8,8 @@ HOST:P+1) and drives every stage; the other nodes only keep their stages alive u
 it is done, node 0 goes away, or one of their stages dies.
 Must not: know about models or requests (PipelineSession and the coordinator do).
 
-Store keys: `stage/<i>` = gRPC address of stage i; `done` = node 0 is shutting the pipeline down
+Store keys: `control_secret` = the session secret every stage's control plane checks (set by node 0;
+[Note: control-plane secret] in workers/control_auth.py); `stage/<i>` = gRPC address of stage i; `done` = node 0 is shutting the pipeline down
 (stage exits are expected from now on); `left/<r>` = node r saw `done` (node 0 waits for these so
 that its store outlives their last read).
 """
@@ -30,6 +31,8 @@ from launcher.local_launch_config import LocalLaunchConfig
 from launcher.placement import PlacementError, PlacementOptions, detect_host_ip, node_stages
 from launcher.stage_child import describe_returncode
 from launcher.stage_monitor import StageProcessMonitor
+from workers.channel import loopback_listener
+from workers.control_auth import SECRET_ENV
 
 log = logging.getLogger("speedpipe.multinode")
 
@@ -71,7 +74,9 @@ def _store(options: PlacementOptions) -> dist.TCPStore:
     timeout = datetime.timedelta(seconds=remaining_s)
     try:
         return dist.TCPStore(options.master_addr, options.master_port, None, is_master, timeout=timeout,
-                             wait_for_workers=False)
+                             wait_for_workers=False,
+                             master_listen_fd=loopback_listener(options.master_addr, options.master_port)
+                             if is_master else None)
     except (RuntimeError, OSError) as exc:  # torch raises DistNetworkError / DistStoreError (RuntimeErrors)
         what = (f"cannot listen on port {options.master_port}" if is_master else
                 f"cannot reach node 0 at {options.master_addr}:{options.master_port} within "
@@ -81,31 +86,34 @@ def _store(options: PlacementOptions) -> dist.TCPStore:
                              f"--master-addr/--master-port, and that the port is open") from None
 
 
-def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str,
-                   threads_per_stage: int) -> tuple[LocalStageBackend, range]:
+def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
+                   control_secret: str) -> tuple[LocalStageBackend, range]:
     stages = node_stages(num_stages=num_stages, nnodes=options.nnodes, node_rank=options.node_rank)
     host = options.host_ip or detect_host_ip(options.master_addr, options.master_port)
     config = LocalLaunchConfig(num_stages=len(stages), host=host, log_level=log_level,
-                               threads_per_stage=threads_per_stage, first_stage_index=stages.start)
+                               threads_per_stage=threads_per_stage, first_stage_index=stages.start,
+                               env={SECRET_ENV: control_secret})
     return LocalStageBackend(config), stages
 
 
 class MultiNodeStages:
     """Node 0's StageBackend: its own stages locally, every other node's through the launch store."""
 
-    def __init__(self, *, num_stages: int, placement: PlacementOptions, log_level: str = "WARNING",
-                 threads_per_stage: int = 1) -> None:
+    def __init__(self, *, num_stages: int, placement: PlacementOptions, control_secret: str,
+                 log_level: str = "WARNING", threads_per_stage: int = 1) -> None:
         assert placement.node_rank == 0, "only node 0 runs the coordinator"
         self.num_stages = num_stages
         self.options = placement
         self.master_addr = placement.master_addr
+        self.control_secret = control_secret
         self.local, self.stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
-                                                 threads_per_stage=threads_per_stage)
+                                                 threads_per_stage=threads_per_stage, control_secret=control_secret)
         self.store: dist.TCPStore | None = None
         self.addresses: list[str] = []
 
     def start(self) -> list[str]:
         self.store = _store(self.options)
+        self.store.set("control_secret", self.control_secret)
         for i, address in zip(self.stages, self.local.start(), strict=True):
             self.store.set(f"stage/{i}", address)
         keys = [f"stage/{i}" for i in range(self.num_stages)]
@@ -167,7 +175,8 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
     """
     store = _store(placement)
     backend, stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
-                                     threads_per_stage=threads_per_stage)
+                                     threads_per_stage=threads_per_stage,
+                                     control_secret=store.get("control_secret").decode())
     outcome: dict[str, str] = {}
     finished = threading.Event()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import time
 import uuid
@@ -23,6 +24,7 @@ from pipeline.sampling import SamplingParams
 from pipeline.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
 MAX_STOP_STRINGS = 4
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
 # value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
@@ -42,6 +44,42 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool
     prompt_field: str
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body. Raises InvalidRequestError (param "body") for bytes that are
+    not UTF-8 JSON, nesting deeper than MAX_JSON_DEPTH, or a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON allows but no tokenizer can encode)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:  # the C parser recurses per level: ~1000 levels of [ or {
+        raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
+                                  "body") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}", "body") from None
+    _check_value(value)
+    return value
+
+
+def _check_value(value: Any) -> None:
+    """Raise InvalidRequestError if `value` nests deeper than MAX_JSON_DEPTH or any string (key or
+    value) in it is not encodable as UTF-8. Iterative: never recurses."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} "
+                                          f"levels", "body")
+            children = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+            stack.extend((c, depth + 1) for c in children)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = v[exc.start:exc.end].encode("utf-8", "backslashreplace").decode()
+                raise InvalidRequestError(f"request body has a string that is not valid Unicode (lone surrogate "
+                                          f"{bad})", "body") from None
 
 
 def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:

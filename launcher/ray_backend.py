@@ -61,8 +61,9 @@ class StageActor:
     def __repr__(self) -> str:  # Ray prefixes forwarded log lines with it: "(Stage1 pid=...)"
         return f"Stage{self.stage_index}"
 
-    def start(self, log_level: str) -> dict:
-        """Start the StageService on this node's IP; returns where it runs."""
+    def start(self, log_level: str, control_secret: str | None = None) -> dict:
+        """Start the StageService on this node's IP (checking `control_secret` on every call, see
+        workers/control_auth.py); returns where it runs."""
         import torch
 
         from workers.stage_worker import start_server  # the worker code, imported in the actor only
@@ -71,7 +72,7 @@ class StageActor:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         host = ray.util.get_node_ip_address()
         self.server, self.servicer, port = start_server(stage_index=self.stage_index, host=host, port=0,
-                                                        stop_event=self.stop_event)
+                                                        stop_event=self.stop_event, control_secret=control_secret)
         return {"host": host, "port": port, "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "hostname": socket.gethostname()}
 
@@ -139,7 +140,7 @@ class RayStageActors:
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, device: str = "cpu",
                  log_level: str = "WARNING", threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, control_secret: str | None = None) -> None:
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         self.num_stages = num_stages
@@ -149,6 +150,7 @@ class RayStageActors:
         self.threads_per_stage = threads_per_stage
         self.startup_timeout_s = startup_timeout_s
         self.environ = dict(os.environ if environ is None else environ)
+        self.control_secret = control_secret
         self.master_addr = "127.0.0.1"
         self.placements: list[StagePlacement] = []
         self._started_ray = False
@@ -273,7 +275,7 @@ class RayStageActors:
                     placement_group=self._pg, placement_group_bundle_index=where.bundle_index),
             ).remote(stage_index)
             self._actors.append(actor)
-        started = [actor.start.remote(self.log_level) for actor in self._actors]
+        started = [actor.start.remote(self.log_level, self.control_secret) for actor in self._actors]
         ready, _ = ray.wait(started, num_returns=len(started), timeout=self.startup_timeout_s)
         for stage_index, (ref, where) in enumerate(zip(started, order, strict=True)):
             if ref not in ready:

@@ -4,20 +4,25 @@ Owns the serve flags, checking them (and that the ports are free) before any sta
 and `ServingStack`, which puts the front ends on a started PipelineSession: the serving engine,
 the OpenAI-compatible HTTP server (launcher/server.py), the gRPC GenerateService
 (launcher/grpc_generate.py) and the periodic stats log line (launcher/metrics.py).
-If the pipeline fails, the remaining stage processes are stopped at once and the front ends stay
-up answering 503 / UNAVAILABLE (and /health 503 with the reason) until the server is stopped.
-Must not: parse requests or hold generation logic.
+If the pipeline fails (a stage dies, or misses its heartbeats for --stage-heartbeat-timeout-s),
+the engine is fenced (new requests: 503 at once), every in-flight request ends with an error event,
+the remaining stage processes are stopped, and the front ends stay up answering 503 / UNAVAILABLE
+(and /health 503 with the reason) until the server is stopped. SIGTERM drains
+(launcher/serve_drain.py). Must not: parse requests or hold generation logic.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import logging
+import os
 import socket
 import sys
-import threading
 
+from launcher.coordinator import Coordinator, PipelineError
 from launcher.session import PipelineSession
 
 log = logging.getLogger("speedpipe.serve")
@@ -36,6 +41,24 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
                    help="requests allowed to wait for a KV slot; more are refused with 429 (default 64)")
     g.add_argument("--stats-interval-s", type=float, default=10.0,
                    help="seconds between stats log lines (default 10; 0 = off)")
+    g.add_argument("--api-key", help="clients must send `Authorization: Bearer KEY` (HTTP /v1/*) or that "
+                   f"metadata (gRPC Generate); default ${API_KEY_ENV} if set, else no key")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest HTTP request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are ended with "
+                   "an error event (default 30; a second SIGTERM ends them at once)")
+    g.add_argument("--stage-heartbeat-timeout-s", type=float, default=5.0,
+                   help="a stage that does not answer its heartbeat this long is declared hung: requests fail, "
+                   "/health 503 (default 5; a long step is not a hang)")
+
+
+API_KEY_ENV = "SPEEDPIPE_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+# In serve mode the coordinator's trace buffers keep only the latest entries: nothing writes a trace
+# of a server, and the full-run defaults (1,000,000 commit events, 200,000 slices) would grow its
+# memory for hours ([Note: bounded serve buffers]).
+SERVE_WINDOW = 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +72,10 @@ class ServeOptions:
     max_queue: int = 64
     stats_interval_s: float = 10.0
     http_log_level: str = "warning"
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_grace_s: float = 30.0
+    stage_heartbeat_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,28 +86,42 @@ class ServeOptions:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.stats_interval_s < 0:
             raise ValueError(f"--stats-interval-s must be >= 0, got {self.stats_interval_s}")
+        if self.port and self.port == self.grpc_port:
+            raise ValueError(f"--port and --grpc-port are both {self.port}: the HTTP and gRPC servers need "
+                             f"different ports")
+        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable() or " " in self.api_key):
+            raise ValueError("--api-key must be a non-empty string of printable characters without spaces")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+        if not self.stage_heartbeat_timeout_s > 0:
+            raise ValueError(f"--stage-heartbeat-timeout-s must be > 0, got {self.stage_heartbeat_timeout_s}")
 
     def check_ports(self) -> None:
-        """Raise ValueError if the host does not resolve or a port is taken (before spawning anything)."""
+        """Raise ValueError if the host does not resolve or a port is taken (before spawning anything).
+        Every port is held while the next is tried, so the same port twice is refused too."""
         ports = [("--port", self.port)] + ([("--grpc-port", self.grpc_port)] if self.grpc_port > 0 else [])
-        for flag, port in ports:
-            try:
-                family, socktype, proto, _, addr = socket.getaddrinfo(self.host, port, type=socket.SOCK_STREAM)[0]
-            except socket.gaierror as exc:
-                raise ValueError(f"--host {self.host!r} does not resolve: {exc.strerror}") from None
-            with socket.socket(family, socktype, proto) as sock:
+        with contextlib.ExitStack() as held:
+            for flag, port in ports:
+                try:
+                    family, socktype, proto, _, addr = socket.getaddrinfo(self.host, port, type=socket.SOCK_STREAM)[0]
+                except socket.gaierror as exc:
+                    raise ValueError(f"--host {self.host!r} does not resolve: {exc.strerror}") from None
+                sock = held.enter_context(socket.socket(family, socktype, proto))
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     sock.bind(addr)
+                    sock.listen()
                 except OSError as exc:
                     raise ValueError(f"{flag} {port}: cannot listen on {self.host}:{port} ({exc.strerror})") from None
 
 
 class ServingStack:
-    """Engine + HTTP + gRPC + stats logger on a started session; a context manager.
+    """Engine + HTTP + gRPC + stats logger + stage heartbeat on a started session; a context manager.
 
     `http_port` / `grpc_port` are the bound ports (useful with port 0). Raises RuntimeError if a
-    server cannot listen.
+    server cannot listen. `on_pipeline_failure()` fences the engine and ends every request.
     """
 
     def __init__(self, session: PipelineSession, options: ServeOptions) -> None:
@@ -88,16 +129,25 @@ class ServingStack:
         from launcher.metrics import StatsLogger
         from launcher.server import HttpServer
         from launcher.serving_engine import ServingEngine
+        from launcher.stage_heartbeat import StageHeartbeat
 
         coord, opt = session.coordinator, session.options
         self.session = session
+        window_serving_buffers(coord, SERVE_WINDOW)
         self.engine = ServingEngine(coord, model_name=options.model_name or default_model_name(session),
                                     max_num_seqs=opt.max_num_seqs, max_queue=options.max_queue,
                                     max_model_len=opt.max_model_len)
-        self.http = HttpServer(self.engine, host=options.host, port=options.port, log_level=options.http_log_level)
-        self.grpc = GrpcServer(self.engine, host=options.host, port=options.grpc_port) if options.grpc_port >= 0 else None
+        self.http = HttpServer(self.engine, host=options.host, port=options.port, log_level=options.http_log_level,
+                               api_key=options.api_key, max_request_bytes=options.max_request_bytes)
+        self.grpc = (GrpcServer(self.engine, host=options.host, port=options.grpc_port, api_key=options.api_key)
+                     if options.grpc_port >= 0 else None)
         self.stats = StatsLogger(coord, self.engine.metrics, self.engine, interval_s=options.stats_interval_s)
+        self.heartbeat = StageHeartbeat(coord.stubs, timeout_s=options.stage_heartbeat_timeout_s,
+                                        on_hung=self._on_hung)
+        self.engine.heartbeat = self.heartbeat
+        self.failure: PipelineError | None = None
         self.host = options.host
+        self.options = options
 
     @property
     def http_port(self) -> int:
@@ -114,6 +164,7 @@ class ServingStack:
                 self.grpc.start()
             self.http.start()
             self.stats.start()
+            self.heartbeat.start()
         except BaseException:
             self.close()
             raise
@@ -122,11 +173,40 @@ class ServingStack:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def on_pipeline_failure(self, failure: BaseException) -> None:
+        """Fence (new requests 503 at once) and end every in-flight request with an error event naming
+        `failure`, without waiting for the coordinator (it may be stuck on a hung stage). Idempotent."""
+        if self.failure is None:
+            self.failure = failure if isinstance(failure, PipelineError) else PipelineError(str(failure))
+        self.heartbeat.stop()
+        self.engine.fence(f"pipeline failed: {self.failure}")
+        self.engine.fail_all(self.failure)
+
+    def _on_hung(self, stage_index: int, message: str) -> None:
+        error = PipelineError(message)
+        self.on_pipeline_failure(error)
+        self.session.coordinator.fail(error)
+
     def close(self) -> None:
+        self.heartbeat.stop()
         self.stats.stop()
         self.http.stop()
         if self.grpc is not None:
             self.grpc.stop()
+
+
+def window_serving_buffers(coord: Coordinator, max_entries: int) -> None:
+    """Keep only the latest `max_entries` commit events, timeline slices and draft gaps of `coord`.
+
+    [Note: bounded serve buffers]
+    `launch` and `bench` keep every event of a run for its trace and plots; a server runs for days
+    and writes no trace, so its buffers are windows. Counters (useful / wasted seconds, speculation
+    totals) are plain numbers and stay exact. Called before the server admits requests.
+    """
+    coord.commit_events = collections.deque(coord.commit_events, maxlen=max_entries)
+    timeline = coord.timeline
+    timeline.slices = collections.deque(timeline.slices, maxlen=max_entries)
+    timeline.draft_gaps_ns = collections.deque(timeline.draft_gaps_ns, maxlen=max_entries)
 
 
 def default_model_name(session: PipelineSession) -> str:
@@ -139,20 +219,13 @@ def default_model_name(session: PipelineSession) -> str:
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, model_name=args.served_model_name,
-                        max_queue=args.max_queue, stats_interval_s=args.stats_interval_s)
+                        max_queue=args.max_queue, stats_interval_s=args.stats_interval_s,
+                        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+                        max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
+                        stage_heartbeat_timeout_s=args.stage_heartbeat_timeout_s)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Run until Ctrl-C / SIGTERM. Exit 2 for bad flags (nothing spawned), 1 if start-up fails."""
-    from launcher.cli import pipeline_options, run_member, say
-    from launcher.run_plan import resolve
-
-    serve = serve_options(args)
-    options = pipeline_options(args, progress=not getattr(args, "no_progress", False))
-    if options.placement.multi_node and options.placement.node_rank > 0:
-        return run_member(options)  # node R > 0 only runs its stages; node 0 serves
-    serve.check_ports()
-    model = resolve(options)
+def _show_stats_lines() -> None:
     if logging.getLogger().level > logging.INFO:  # the stats line is the server's heartbeat: show it
         logging.getLogger("speedpipe.stats").setLevel(logging.INFO)
         if not logging.getLogger("speedpipe.stats").handlers:
@@ -160,15 +233,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             logging.getLogger("speedpipe.stats").addHandler(handler)
             logging.getLogger("speedpipe.stats").propagate = False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run until SIGTERM / Ctrl-C, then drain. Exit 2 for bad flags (nothing spawned), 1 if start-up
+    fails, 0 after a drain (launcher/serve_drain.py)."""
+    from launcher.cli import pipeline_options, run_member, say
+    from launcher.run_plan import resolve
+    from launcher.serve_drain import DrainSignals, serve_until_stopped
+
+    serve = serve_options(args)
+    options = pipeline_options(args, progress=not getattr(args, "no_progress", False))
+    if options.placement.multi_node and options.placement.node_rank > 0:
+        return run_member(options)  # node R > 0 only runs its stages; node 0 serves
+    serve.check_ports()
+    model = resolve(options)
+    _show_stats_lines()
     with PipelineSession(options, model) as session, ServingStack(session, serve) as stack:
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
-            f"{grpc_note}; Ctrl-C to stop")
-        stopped = threading.Event()
-        while not stopped.wait(0.5):
-            coord = session.coordinator
-            if coord is not None and coord.failure is not None and session.processes is not None:
-                log.error("pipeline failed (%s); stopping the stages, answering 503 until stopped", coord.failure)
-                session.processes.stop()
-                session.processes = None
+            f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")
+        with DrainSignals() as signals:
+            serve_until_stopped(session, stack, signals)
+    say("server stopped")
     return 0

@@ -3,8 +3,13 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
 server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (200, or 503 with the
 reason while the pipeline or any stage is unhealthy) and `GET /metrics` (Prometheus text).
-Errors: bad input → 400, unknown route → 404, full queue → 429, failed pipeline → 503, each with
-an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; the server keeps serving.
+Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting) → 400, wrong or missing
+`Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
+--max-request-bytes → 413, full queue → 429, failed, fenced or draining server → 503, each with an
+OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; the server keeps serving. A
+stream that fails mid-way ends with an error event and `data: [DONE]`.
+Body decoding, validation and tokenisation run in a worker thread, so /health and the running
+streams are served while a large body is handled.
 A client that disconnects (or stops reading a stream) has its request aborted at once, which
 frees its KV slot on every stage.
 Must not: validate fields itself (launcher/openai_protocol.py) or touch the coordinator directly
@@ -26,10 +31,52 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from launcher import openai_protocol as proto
 from launcher.coordinator import PipelineError
-from launcher.serving_engine import InvalidRequestError, QueueFullError, RequestStream, ServingEngine
+from launcher.serving_engine import (
+    InvalidRequestError,
+    QueueFullError,
+    RequestStream,
+    ServingEngine,
+    UnavailableError,
+)
+from workers.control_auth import secret_matches
 
 log = logging.getLogger("speedpipe.serve")
 DISCONNECT_POLL_S = 0.2
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+class _BodyTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than {limit} bytes (--max-request-bytes)")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body; raises _BodyTooLarge as soon as it is known to exceed `limit` bytes."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _in_thread(fn, *args) -> Any:
+    """fn(*args) in a worker thread. If the request is cancelled meanwhile, a RequestStream the call
+    still returns is cancelled when it arrives (no orphaned generation)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def cancel_stream(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None:
+                t.result()[1].cancel()
+
+        task.add_done_callback(cancel_stream)
+        raise
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> JSONResponse:
@@ -55,10 +102,17 @@ class _AbortingStreamingResponse(StreamingResponse):
             self._request_stream.cancel()
 
 
-def build_app(engine: ServingEngine) -> FastAPI:
-    """The FastAPI application serving `engine`."""
+def build_app(engine: ServingEngine, *, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
     app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
     tokenizer, model = engine.tokenizer, engine.model_name
+
+    def refused(request: Request) -> JSONResponse | None:
+        if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
+            return None
+        return JSONResponse(proto.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
+                                             None, code="invalid_api_key"), status_code=401)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -76,29 +130,38 @@ def build_app(engine: ServingEngine) -> FastAPI:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "speedpipe",
-                                            "max_model_len": engine.max_model_len}]}
+    async def models(request: Request) -> Response:
+        if (denied := refused(request)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "speedpipe",
+                                            "max_model_len": engine.max_model_len}]})
+
+    def admit(raw: bytes, chat: bool) -> tuple[proto.ParsedRequest, RequestStream]:
+        """Decode, validate, tokenise and submit (in a worker thread). Raises what `generate` maps."""
+        body = proto.decode_body(raw)
+        if chat:
+            parsed = proto.parse_chat(body, tokenizer=tokenizer, model_name=model, max_model_len=engine.max_model_len)
+        else:
+            parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
+        engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
+        return parsed, engine.start(parsed.prompt_ids, parsed.params,
+                                    request_id=proto.new_id("chatcmpl" if chat else "cmpl"))
 
     async def generate(request: Request, *, chat: bool) -> Response:
+        if (denied := refused(request)) is not None:
+            return denied
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"request body is not valid JSON: {exc}", "body")
-        try:
-            if chat:
-                parsed = proto.parse_chat(body, tokenizer=tokenizer, model_name=model, max_model_len=engine.max_model_len)
-            else:
-                parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
-            engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
-            stream = engine.start(parsed.prompt_ids, parsed.params,
-                                  request_id=proto.new_id("chatcmpl" if chat else "cmpl"))
+            parsed, stream = await _in_thread(admit, await _read_body(request, max_request_bytes), chat)
+        except _BodyTooLarge as exc:
+            return _error(413, str(exc), None)
         except InvalidRequestError as exc:
             return _error(400, str(exc), exc.param)
         except ValueError as exc:  # SamplingParams / coordinator checks not caught above
             return _error(400, str(exc), None)
         except QueueFullError as exc:
             return _error(429, str(exc), None, type_="rate_limit_error")
+        except UnavailableError as exc:
+            return _error(503, str(exc), None, type_="service_unavailable")
         except PipelineError as exc:
             return _error(503, f"pipeline failed: {exc}", None, type_="service_unavailable")
         if parsed.stream:
@@ -123,6 +186,8 @@ def build_app(engine: ServingEngine) -> FastAPI:
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
                 reason = chunk.finish_reason or reason
+        except UnavailableError as exc:
+            return _error(503, str(exc), None, type_="service_unavailable")
         except PipelineError as exc:
             return _error(503, f"pipeline failed: {exc}", None, type_="service_unavailable")
         finally:
@@ -150,8 +215,10 @@ def build_app(engine: ServingEngine) -> FastAPI:
             if parsed.include_usage and stream.final is not None:
                 yield _sse(proto.usage_chunk(request_id=rid, model=model, final=stream.final, chat=chat))
             yield "data: [DONE]\n\n"
-        except PipelineError as exc:
-            yield _sse(proto.error_body(f"pipeline failed: {exc}", None, type_="service_unavailable", code=503))
+        except (PipelineError, UnavailableError) as exc:  # the stream ends with an error event, then [DONE]
+            message = str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}"
+            yield _sse(proto.error_body(message, None, type_="service_unavailable", code=503))
+            yield "data: [DONE]\n\n"
         finally:  # also on client disconnect (the generator is cancelled / closed)
             stream.cancel()
 
@@ -172,10 +239,12 @@ class HttpServer:
     `start()` returns once the socket listens; raises RuntimeError if it could not bind.
     """
 
-    def __init__(self, engine: ServingEngine, *, host: str, port: int, log_level: str = "warning") -> None:
+    def __init__(self, engine: ServingEngine, *, host: str, port: int, log_level: str = "warning",
+                 api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         import uvicorn
 
-        self.config = uvicorn.Config(build_app(engine), host=host, port=port, log_level=log_level.lower(),
+        app = build_app(engine, api_key=api_key, max_request_bytes=max_request_bytes)
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                      access_log=False, lifespan="off", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(self.config)
         self._thread = threading.Thread(target=self.server.run, name="http-server", daemon=True)

@@ -2,7 +2,9 @@
 
 Owns admission control (a bounded number of outstanding requests: `max_num_seqs` decoding plus
 `max_queue` waiting; beyond that `QueueFullError`, which the front ends answer with HTTP 429 /
-gRPC RESOURCE_EXHAUSTED), the request streams that carry committed chunks from the coordinator's
+gRPC RESOURCE_EXHAUSTED), the fence (after a stage failure or while draining, new requests fail at
+once with `UnavailableError`, HTTP 503 / gRPC UNAVAILABLE, and `healthy()` names the reason without
+asking the stages), ending outstanding requests with an error event (`fail_all`), the request streams that carry committed chunks from the coordinator's
 threads to a consumer (asyncio or blocking), cancellation (a client that goes away frees its KV
 slot on every stage at once, through `Coordinator.abort`), and the per-request serving metrics.
 Must not: parse HTTP or protobuf, render chat templates, or start processes.
@@ -34,6 +36,10 @@ log = logging.getLogger("speedpipe.serve")
 
 class QueueFullError(RuntimeError):
     """Too many outstanding requests: `max_num_seqs` running plus `max_queue` waiting."""
+
+
+class UnavailableError(RuntimeError):
+    """The server takes no new requests (draining, or fenced after a stage failure): HTTP 503."""
 
 
 class InvalidRequestError(ValueError):
@@ -75,7 +81,9 @@ class RequestStream:
         self._cond = threading.Condition()
         self._wakeup: Callable[[], None] | None = None
         self._cancelled = False
+        self._failed = False  # fail() delivered an error: the pump delivers nothing more
         self._thread = threading.Thread(target=self._pump, name=f"stream-{handle.request_id}", daemon=True)
+        engine._track(self)
         self._thread.start()
 
     @property
@@ -87,6 +95,16 @@ class RequestStream:
         if not self._cancelled and self.handle.finish_reason is None:
             self._cancelled = True
             self.engine.coordinator.abort(self.handle)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream now with `error` (the consumer raises it after the chunks it already has)
+        and abort the request on the coordinator; later chunks are dropped. Any thread."""
+        with self._cond:
+            if self._failed or (self._items and self._items[-1] is None):
+                return
+            self._failed = True
+        self._deliver(error, force=True)
+        self.cancel()
 
     # consumer side
     def __iter__(self) -> Iterator[StreamChunk]:
@@ -119,8 +137,10 @@ class RequestStream:
             yield item
 
     # pump thread
-    def _deliver(self, item: StreamChunk | BaseException | None) -> None:
+    def _deliver(self, item: StreamChunk | BaseException | None, *, force: bool = False) -> None:
         with self._cond:
+            if self._failed and not force:
+                return
             self._items.append(item)
             self._cond.notify_all()
             wakeup = self._wakeup
@@ -150,16 +170,16 @@ class RequestStream:
                     self.final = FinalInfo(chunk.finish_reason, len(h.prompt_ids), len(h.token_ids), ttft, e2e)
                     m.observe_finish(chunk.finish_reason, e2e)
                     # free the admission slot before the client can see the end (and send again)
-                    released = self.engine._release()
+                    released = self.engine._release(self)
                 self._deliver(chunk)
             self._deliver(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             m.observe_finish("error", time.perf_counter() - h.submitted_at)
-            released = released or self.engine._release()
+            released = released or self.engine._release(self)
             self._deliver(exc)
         finally:
             if not released:
-                self.engine._release()
+                self.engine._release(self)
 
 
 class ServingEngine:
@@ -167,7 +187,9 @@ class ServingEngine:
 
     max_num_seqs: KV slots (requests decoding at once); max_queue: requests allowed to wait for a
     slot beyond those. Counts for `num_running` / `num_waiting` are derived from the outstanding
-    requests (the scheduler admits whenever a slot is free).
+    requests (the scheduler admits whenever a slot is free). `heartbeat`: when set (serve mode,
+    launcher/stage_heartbeat.py), `healthy()` answers from its latest beats instead of asking every
+    stage, so /health never waits on a hung stage.
     """
 
     def __init__(self, coordinator: Coordinator, *, model_name: str, max_num_seqs: int, max_queue: int,
@@ -178,8 +200,12 @@ class ServingEngine:
         self.tokenizer = coordinator.tokenizer
         self.model_name, self.max_num_seqs, self.max_queue = model_name, max_num_seqs, max_queue
         self.max_model_len = max_model_len
+        self.heartbeat = None  # a StageHeartbeat, set by the serving stack
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._streams: set[RequestStream] = set()
         self._outstanding = 0
+        self._fence: str | None = None  # why new requests are refused (draining, stage failure)
         self.metrics = ServingMetrics(coordinator, model_name=model_name, engine=self)
 
     @property
@@ -194,10 +220,40 @@ class ServingEngine:
     def num_waiting(self) -> int:
         return max(0, self._outstanding - self.max_num_seqs)
 
+    @property
+    def fenced(self) -> str | None:
+        """Why new requests are refused (e.g. "draining: ..."), or None while admitting."""
+        return self._fence
+
+    def fence(self, reason: str) -> None:
+        """Refuse every new request from now on with UnavailableError(reason); the first reason stays."""
+        with self._lock:
+            if self._fence is None:
+                self._fence = reason
+                log.warning("no new requests: %s", reason)
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every outstanding request's stream now with `error` (an error event for the client) and
+        abort it on the coordinator. Returns how many were ended."""
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.fail(error)
+        return len(streams)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until no request is outstanding; True if none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout=timeout_s)
+
     def healthy(self) -> tuple[bool, str]:
         """(True, "") when the coordinator and every stage serve; else (False, why)."""
+        if self._fence is not None:
+            return False, self._fence
         if self.coordinator.failure is not None:
             return False, str(self.coordinator.failure)
+        if self.heartbeat is not None:
+            return self.heartbeat.healthy()
         try:
             responses = self.coordinator.health()
         except Exception as exc:  # noqa: BLE001 - any control-plane failure is "unhealthy"
@@ -206,7 +262,6 @@ class ServingEngine:
             if r.status != r.SERVING:
                 return False, f"stage {i} is {r.Status.Name(r.status)}" + (f": {r.message}" if r.message else "")
         return True, ""
-
     def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int, *, prompt_field: str) -> None:
         """Raise InvalidRequestError if the prompt is empty or prompt + max_tokens > max_model_len."""
         if not prompt_ids:
@@ -226,8 +281,12 @@ class ServingEngine:
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:
         """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
-        outstanding, PipelineError if the pipeline failed, ValueError for input the coordinator rejects."""
+        outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
+        input the coordinator rejects."""
         with self._lock:
+            if self._fence is not None:
+                self.metrics.observe_rejected("unavailable")
+                raise UnavailableError(self._fence)
             limit = self.max_num_seqs + self.max_queue
             if self._outstanding >= limit:
                 self.metrics.observe_rejected("queue_full")
@@ -242,10 +301,17 @@ class ServingEngine:
         self.metrics.add_prompt_tokens(len(handle.prompt_ids))
         return RequestStream(self, handle)
 
-    def _release(self) -> bool:
-        """One outstanding request ended; returns True (for the caller's bookkeeping)."""
+    def _track(self, stream: RequestStream) -> None:
+        """A stream whose pump is about to start: outstanding until `_release(stream)`."""
         with self._lock:
+            self._streams.add(stream)
+
+    def _release(self, stream: RequestStream | None = None) -> bool:
+        """One outstanding request ended; returns True (for the caller's bookkeeping)."""
+        with self._idle:
             self._outstanding -= 1
+            self._streams.discard(stream)
+            self._idle.notify_all()
         return True
 
 

@@ -22,6 +22,7 @@ from launcher.stage_processes import LocalStageProcesses
 from pipeline.predictors import Predictor
 from pipeline.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
+from workers.control_auth import SECRET_ENV, new_secret
 
 log = logging.getLogger("speedpipe.launch")
 
@@ -76,6 +77,7 @@ class PipelineSession:
         self.backend: StageBackend | None = None
         self.coordinator: Coordinator | None = None
         self.load_responses = []
+        self.control_secret = new_secret()  # [Note: control-plane secret] in workers/control_auth.py
 
     def __enter__(self) -> PipelineSession:
         try:
@@ -112,14 +114,16 @@ class PipelineSession:
             from launcher.ray_backend import RayStageActors  # ray is imported only there
 
             return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
-                                  log_level=opt.log_level, threads_per_stage=opt.threads_per_stage)
+                                  log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
+                                  control_secret=self.control_secret)
         if opt.placement.multi_node:
             from launcher.multinode import MultiNodeStages
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
-                                   threads_per_stage=opt.threads_per_stage)
+                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret)
         return LocalStageBackend(LocalLaunchConfig(
-            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage))
+            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
+            env={SECRET_ENV: self.control_secret}))
 
     def _start(self) -> None:
         opt, m = self.options, self.model
@@ -129,7 +133,8 @@ class PipelineSession:
         addresses = self.backend.start()
         master_addr, port = self.backend.master_addr, self.backend.data_port()
         self.coordinator = Coordinator(coordinator_config(opt, m, master_addr=master_addr, master_port=port),
-                                       m.tokenizer, addresses, predictor=self.predictor)
+                                       m.tokenizer, addresses, predictor=self.predictor,
+                                       control_secret=self.control_secret)
         self.backend.watch(self._on_stage_death)
         specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
         self.load_responses = self.coordinator.start(specs)

@@ -13,7 +13,9 @@ Ranks: [Note: ranks] in pipeline/wire.py (`rank_of_stage`).
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import queue
+import socket
 import threading
 
 import torch
@@ -33,6 +35,26 @@ from pipeline.wire import (
 )
 
 
+def loopback_listener(host: str, port: int) -> int | None:
+    """A listening socket's fd bound to `host`:`port` when `host` is a loopback address, else None.
+
+    torch's TCPStore server listens on every interface; handed this fd (`master_listen_fd`, which it
+    then owns) it serves on loopback only. A non-loopback `host` (multi-node) keeps torch's default.
+    """
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return None
+    if not loopback:
+        return None
+    family, socktype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socktype, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(128)
+    return sock.detach()
+
+
 class DataPlaneGroup:
     """Rendezvous and process groups of one pipeline: gloo always, NCCL too when `device` is CUDA.
 
@@ -48,7 +70,8 @@ class DataPlaneGroup:
         self.rank, self.world_size = rank, world_size
         self.store = dist.TCPStore(master_addr, master_port, world_size, rank == 0,
                                    timeout=datetime.timedelta(seconds=max(timeout_s, connect_timeout_s)),
-                                   wait_for_workers=True)
+                                   wait_for_workers=True,
+                                   master_listen_fd=loopback_listener(master_addr, master_port) if rank == 0 else None)
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, timeout)
         self.nccl = None
         if device.startswith("cuda"):

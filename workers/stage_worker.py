@@ -31,6 +31,7 @@ from pipeline.stage_executor import StageExecutor
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
+from workers.control_auth import SECRET_ENV, SECRET_METADATA_KEY, SecretCheckInterceptor, take_secret_from_env
 from workers.convert import spec_from_proto
 from workers.parent_death import arm_parent_death_signal
 from workers.stage_loop import StageLoop
@@ -157,15 +158,20 @@ def _exit_on_stdin_eof(stop_event: threading.Event) -> None:
     os._exit(0 if stop_event.is_set() else 1)
 
 
-def start_server(*, stage_index: int, host: str, port: int = 0,
-                 stop_event: threading.Event) -> tuple[grpc.Server, StageServicer, int]:
+def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: threading.Event,
+                 control_secret: str | None = None) -> tuple[grpc.Server, StageServicer, int]:
     """Start one stage's StageService on host:port (0 = a free port) in this process.
 
     Returns (server, servicer, bound port). The Shutdown RPC sets `stop_event`; the caller then
     calls `stop_server`. Used by `serve` (a process per stage) and by the Ray stage actor (the same
-    worker code inside an actor). Raises OSError if the address cannot be bound.
+    worker code inside an actor). control_secret: every call must carry it as metadata, else
+    UNAUTHENTICATED ([Note: control-plane secret] in workers/control_auth.py); None = no check.
+    Raises OSError if the address cannot be bound.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"))
+    interceptors = [] if control_secret is None else [SecretCheckInterceptor(
+        key=SECRET_METADATA_KEY, expected=control_secret, what="control-plane secret (the launcher's session secret)")]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"),
+                         interceptors=interceptors)
     servicer = StageServicer(stage_index, stop_event)
     pb_grpc.add_StageServiceServicer_to_server(servicer, server)
     try:
@@ -202,9 +208,14 @@ def serve(argv: list[str] | None = None) -> int:
     # stdin, and PR_SET_PDEATHSIG covers a killed launcher), so a stage never dies of SIGINT itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop_event = threading.Event()
+    secret = take_secret_from_env()
+    if secret is None:
+        print(f"stage worker: {SECRET_ENV} is not set: the launcher hands every stage the session secret that "
+              f"authenticates the control plane", file=sys.stderr)
+        return 2
     try:
         server, servicer, port = start_server(stage_index=args.stage_index, host=args.host, port=args.port,
-                                              stop_event=stop_event)
+                                              stop_event=stop_event, control_secret=secret)
     except OSError as exc:
         print(str(exc), file=sys.stderr)
         return 2

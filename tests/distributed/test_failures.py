@@ -142,11 +142,19 @@ def hung_stage(tiny_model_dir: Path) -> FailedRun:
 
 
 def test_a_hung_stage_fails_the_request_within_the_stage_timeout(hung_stage: FailedRun):
-    # Which stage the error names is a race (the coordinator's send to stage 0 or its receive from
-    # stage 1 times out first), so only the deadline is checked here.
     assert isinstance(hung_stage.error, PipelineError), hung_stage.error
     assert hung_stage.detect_s < 3 * HUNG_STAGE_TIMEOUT_S
     assert isinstance(hung_stage.submit_error, PipelineError), hung_stage.submit_error
+
+
+def test_the_timeout_message_names_the_hung_stage_not_the_one_waiting_for_it(tiny_model_dir: Path):
+    """Stage 1 of 3 stopped: the first timeout to fire is the coordinator's receive from stage 2, or
+    stage 0's / stage 2's own wait (they then exit 3); whichever it is, the error names stage 1."""
+    run = break_a_stage_mid_generation(tiny_model_dir, num_stages=3, stage=1, sig=signal.SIGSTOP,
+                                       stage_timeout_s=HUNG_STAGE_TIMEOUT_S)
+    assert isinstance(run.error, PipelineError), run.error
+    assert str(run.error).startswith("stage 1 is hung"), run.error
+    assert run.alive_after_close == []
 
 
 def test_closing_a_session_with_a_hung_stage_stops_every_stage_process(hung_stage: FailedRun):

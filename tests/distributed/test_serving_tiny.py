@@ -54,8 +54,8 @@ def test_stage_killed_under_a_live_server(tiny_model_dir: Path):
                 assert next(line for line in lines if line.startswith("data: "))
                 os.kill(pids[1], signal.SIGKILL)
                 rest = [line for line in lines if line.startswith("data: ")]
-            assert rest and "error" in json.loads(rest[-1][6:]), rest[-3:]
-            assert "stage 1" in json.loads(rest[-1][6:])["error"]["message"]
+            assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:]), rest[-3:]
+            assert "stage 1" in json.loads(rest[-2][6:])["error"]["message"]
             health = httpx.get(url + "/health")
             assert health.status_code == 503 and "stage 1" in health.json()["error"]["message"]
             r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})

@@ -264,3 +264,180 @@ def test_client_gone_before_a_non_streamed_answer_aborts_it(served):
     while (not coord.aborted or engine.num_outstanding) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(coord.aborted) == 1 and engine.num_outstanding == 0
+
+
+# -- request hardening, API key, fence (issue 16) ----------------------------------------------------
+@pytest.fixture()
+def guarded(tokenizer):
+    """A server with --api-key and a small --max-request-bytes."""
+    coord = FakeCoordinator(tokenizer)
+    engine = ServingEngine(coord, model_name="tiny", max_num_seqs=2, max_queue=2, max_model_len=64)
+    http = HttpServer(engine, host="127.0.0.1", port=0, api_key="k3y", max_request_bytes=4096)
+    http.start()
+    port = http.server.servers[0].sockets[0].getsockname()[1]
+    yield coord, engine, f"http://127.0.0.1:{port}"
+    http.stop()
+
+
+AUTH = {"Authorization": "Bearer k3y"}
+
+
+def test_a_body_over_max_request_bytes_is_413(guarded):
+    _, engine, url = guarded
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 5000}, headers=AUTH)
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit holds while streaming the body in
+        for _ in range(10):
+            yield b" " * 1000
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH).status_code == 200
+    assert engine.num_outstanding == 0
+
+
+@pytest.mark.parametrize(("raw", "fragment"), [
+    (b'{"prompt": "hi \\ud800", "max_tokens": 2}', "surrogate"),
+    (b'{"prompt": "' + b"[" * 10 + b'", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}", "deeper than"),
+    (b"[" * 100_000, "deeper than"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_ill_formed_bodies_are_400_with_an_openai_error(served, raw, fragment):
+    _, _, url = served
+    r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error" and error["param"] == "body"
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_api_key_is_required_on_v1_routes_only(guarded):
+    _, _, url = guarded
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k3y"}):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models", headers=headers).status_code == 401
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+
+
+def test_requests_complete_while_a_large_body_is_uploaded_and_parsed(served):
+    coord, _, url = served
+    release = threading.Event()
+    outcome = {}
+
+    def slow_body():  # a client uploading a large body slowly: the event loop must not wait for it
+        yield b'{"prompt": "'
+        release.wait(30)
+        yield b"y" * 3_000_000 + b'", "max_tokens": 1}'
+
+    def upload() -> None:
+        outcome["big"] = httpx.post(url + "/v1/completions", content=slow_body(), timeout=60,
+                                    headers={"Content-Type": "application/json"})
+
+    uploader = threading.Thread(target=upload)
+    uploader.start()
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        release.set()  # the body is complete: it is decoded and tokenised now (seconds, in a worker thread)
+        answered_meanwhile = 0
+        while uploader.is_alive():
+            answered_meanwhile += httpx.get(url + "/health", timeout=30).status_code == 200 and uploader.is_alive()
+    finally:
+        release.set()
+        uploader.join(60)
+    assert outcome["big"].status_code == 400  # 3 M tokens > max_model_len
+    assert answered_meanwhile > 0
+
+
+def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error_event(served):
+    coord, engine, url = served
+    coord.step_s = 0.05
+    from launcher.serving_engine import UnavailableError
+
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 60, "stream": True},
+                      timeout=10) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        engine.fence("pipeline failed: stage 1 missed its heartbeats")
+        assert engine.fail_all(UnavailableError("pipeline failed: stage 1 missed its heartbeats")) == 1
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]" and "stage 1" in json.loads(rest[-2])["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and "heartbeats" in r.json()["error"]["message"]
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "heartbeats" in health.json()["error"]["message"]
+    assert engine.wait_idle(5) and engine.num_outstanding == 0
+
+
+def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, monkeypatch):
+    import launcher.serve
+
+    def spawned(*args, **kwargs):
+        raise AssertionError("a pipeline session was started")
+
+    monkeypatch.setattr(launcher.serve, "PipelineSession", spawned)
+    port = str(free_tcp_port())
+    assert main(["serve", "--port", port, "--grpc-port", port]) == 2
+    err = capsys.readouterr().err
+    assert "--grpc-port" in err and "Traceback" not in err
+    for flag, value in (("--max-request-bytes", "10"), ("--shutdown-grace-s", "-1"),
+                        ("--stage-heartbeat-timeout-s", "0")):
+        assert main(["serve", flag, value]) == 2
+        assert flag in capsys.readouterr().err
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_buffers_are_windows(tokenizer):
+    from collections import deque
+
+    from launcher.serve import window_serving_buffers
+    from pipeline.items import Item, ItemKind
+
+    coord = SimpleNamespace(commit_events=deque(maxlen=1_000_000), timeline=Timeline(2))
+    window_serving_buffers(coord, 100)
+    item = Item(seq_id=0, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT)
+    for i in range(1, 5000):
+        coord.commit_events.append((i, 0, 1))
+        coord.timeline.record([[0, 10 * i, 10 * i + 5], [1, 10 * i + 5, 10 * i + 9]], [item], 1.0,
+                              draft_ready_ns=10 * i - 1)
+    assert len(coord.commit_events) == 100 and len(coord.timeline.slices) == 100
+    assert 0 < len(coord.timeline.draft_gaps_ns) <= 100
+    assert coord.timeline.num_batches == 4999  # totals stay exact
+
+
+def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
+    import grpc
+
+    from launcher.grpc_generate import GrpcServer
+    from proto import speedpipe_pb2_grpc as pb_grpc
+
+    coord = FakeCoordinator(tokenizer)
+    engine = ServingEngine(coord, model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    server = GrpcServer(engine, host="127.0.0.1", port=0, api_key="k3y")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            request = pb.GenerateRequest(prompt="Hi", max_new_tokens=3)
+            for metadata in (None, [("authorization", "Bearer wrong")]):
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(request, metadata=metadata, timeout=10))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            replies = list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
+            assert sum(len(r.token_ids) for r in replies) == 3
+            assert stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
+            engine.fence("draining: the server is shutting down")
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
+    finally:
+        server.stop()

@@ -1,0 +1,118 @@
+"""Authentication of gRPC services: the per-session control-plane secret and the serving API key.
+
+Owns the shared-secret check on both sides of a gRPC connection: `SecretCheckInterceptor` (a server
+interceptor that answers UNAUTHENTICATED to every call whose metadata lacks the expected value; used
+by every stage's StageService with the session secret, and by the GenerateService with `--api-key`),
+`with_secret` (a client channel that adds the value to every call), and how the launcher creates a
+session secret and hands it to stage processes (`SECRET_ENV`, read once by the worker at start-up).
+Must not: know which RPCs exist or what they do.
+
+[Note: control-plane secret]
+Each pipeline session draws a fresh 256-bit secret (`new_secret`). Local stage processes get it in
+their environment (never on the command line, which every user can read with `ps`; a process's
+environment is readable only by its own user and root) and drop it from `os.environ` at once;
+multi-node members read it from the launch store of node 0; the coordinator sends it as call
+metadata `x-speedpipe-control-secret` on every control call. A stage compares it in constant time
+(`hmac.compare_digest`). Without TLS the secret crosses the network in clear text: on loopback
+that is fine, across nodes use `--tls-cert/--tls-key` or a private network.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import os
+import secrets
+from collections.abc import Callable, Iterable
+
+import grpc
+
+SECRET_ENV = "SPEEDPIPE_CONTROL_SECRET"
+SECRET_METADATA_KEY = "x-speedpipe-control-secret"
+API_KEY_METADATA_KEY = "authorization"  # "Bearer KEY", as the HTTP front end (and vLLM) expect
+
+
+def new_secret() -> str:
+    """A fresh session secret: 43 url-safe characters (256 random bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def take_secret_from_env() -> str | None:
+    """The session secret handed to this worker process in `SECRET_ENV`, removed from os.environ
+    (so that no child of the worker inherits it); None when it was not set."""
+    return os.environ.pop(SECRET_ENV, None) or None
+
+
+def secret_matches(given: str | None, expected: str) -> bool:
+    """Constant-time comparison of a presented secret with the expected one."""
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+class SecretCheckInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose metadata `key` is not `expected` with UNAUTHENTICATED.
+
+    expected: the secret (for `authorization` metadata: the whole value, e.g. "Bearer KEY").
+    exempt: full method names (`/speedpipe.v1.GenerateService/Health`) served without the check.
+    what: how the refusal names the missing credential, e.g. "the control-plane secret".
+    """
+
+    def __init__(self, *, key: str, expected: str, what: str, exempt: Iterable[str] = ()) -> None:
+        if not expected:
+            raise ValueError(f"{what} must be a non-empty string")
+        self._key, self._expected, self._what = key, expected, what
+        self._exempt = frozenset(exempt)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method in self._exempt:
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if secret_matches(metadata.get(self._key), self._expected):
+            return handler
+        return _refusal(handler, f"{handler_call_details.method}: missing or wrong {self._what}")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
+    def deny(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def deny_stream(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, **kwargs)
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                            "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, key: str, value: str) -> None:
+        self._pair = (key, value)
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._pair], d.credentials,
+                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+def with_secret(channel: grpc.Channel, secret: str | None, *, key: str = SECRET_METADATA_KEY) -> grpc.Channel:
+    """`channel` sending `secret` as metadata `key` on every call (`channel` itself when secret is None)."""
+    return channel if secret is None else grpc.intercept_channel(channel, _AddMetadata(key, secret))
