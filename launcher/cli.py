@@ -42,7 +42,7 @@ class UsageError(ValueError):
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that starts a pipeline."""
     g = p.add_argument_group("pipeline")
-    g.add_argument("--stages", "-pp", "--pipeline-parallel-size", type=int, default=2,
+    g.add_argument("--stages", "-pp", "--pipeline-parallel-size", type=int, default=2, metavar="N",
                    help="number of pipeline stages (worker processes; vLLM's -pp)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")

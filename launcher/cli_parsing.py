@@ -79,18 +79,19 @@ class HelpAllAction(argparse.Action):
 
 def shorten_help(parser: argparse.ArgumentParser, *, hidden_groups: tuple[str, ...] = SHORT_HELP_GROUPS,
                  advanced: frozenset[str] = ADVANCED_DESTS) -> None:
-    """Hide the advanced flags of `parser` from `--help` (they still parse) and add `--help-all`."""
+    """Hide the advanced flags of `parser` from `--help` (they still parse) and add `--help-all`.
+    `launch --serve` itself stays listed; the flags of what it starts are advanced."""
     count = 0
     for group in parser._action_groups:  # noqa: SLF001
         for action in group._group_actions:  # noqa: SLF001
             if action.help is argparse.SUPPRESS:
                 continue
-            if group.title in hidden_groups or action.dest in advanced:
+            if (group.title in hidden_groups and action.dest != "serve") or action.dest in advanced:
                 action.full_help = action.help
                 action.help = argparse.SUPPRESS
                 count += 1
     parser.add_argument("--help-all", action=HelpAllAction,
-                        help=f"show all flags, also the {count} advanced ones (speculation tuning, placement, serving)")
+                        help=f"show every flag, also the {count} advanced ones this help leaves out")
 
 
 def add_vllm_aliases(group: argparse._ArgumentGroup) -> None:
