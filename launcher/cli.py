@@ -343,9 +343,13 @@ def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctr
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse argv; unknown flags are reported with the usage of the command they were given to."""
-    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("serve", "sweep", "-h", "--help")):
+    implicit_sweep = argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("serve", "sweep", "-h", "--help"))
+    if implicit_sweep:
         argv = ["bench", "sweep", *argv[1:]]  # plain `bench FLAGS` is the sweep
     args, extras = parser.parse_known_args(argv)
+    args.label = args.command
+    if args.command == "bench" and not implicit_sweep:
+        args.label = f"bench {args.bench_command}"
     if extras:
         target = args.subparsers.get(args.command, parser)
         if args.command == "bench":
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _sigterm)
-    command = args.command + (f" {args.bench_command}" if args.command == "bench" else "")
+    command = args.label
     try:
         check_vllm_args(args)
         return args.func(args)
