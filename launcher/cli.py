@@ -16,9 +16,11 @@ from pathlib import Path
 
 from launcher.cli_parsing import (
     CliParser,
+    UsageError,
     add_vllm_aliases,
     check_vllm_args,
     mark_model_given,
+    read_prompts_file,
     shorten_help,
     unescape,
     version_string,
@@ -33,10 +35,6 @@ from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams
 
 PROG = "speedpipe"
-
-
-class UsageError(ValueError):
-    """Bad user input detected by the CLI itself."""
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -188,38 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     parser.set_defaults(subparsers={**commands, "simulate": simulate, "train-predictor": train})
     return parser
-
-
-def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
-    """Prompts of a file: one per line (blank lines skipped), or JSONL objects with a string 'prompt'.
-    Raises UsageError naming `flag` and the file: missing, a directory, not UTF-8 text, bad JSON."""
-    path = Path(name)
-    if path.is_dir():
-        raise UsageError(f"{flag} {path} is a directory, not a file of prompts")
-    if not path.is_file():
-        raise UsageError(f"{flag} {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{flag} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
-                         f"{exc.start}): give one prompt per line or JSONL") from None
-    prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl" or line.lstrip().startswith("{"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{flag} {path}:{n}: invalid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise UsageError(f"{flag} {path}:{n}: expected an object with a string 'prompt'")
-            prompts.append(obj["prompt"])
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise UsageError(f"{flag} {path} has no prompt")
-    return prompts
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

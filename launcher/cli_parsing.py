@@ -1,7 +1,7 @@
 """Argument-parser behaviour shared by every `speedpipe` command: short errors, defaults in help,
 `--help` / `--help-all`, `--version`, and vLLM's flag spellings.
 
-Owns how the command line *looks*: an `ArgumentParser` whose errors are one line naming the
+Owns how the command line *looks* (and reading a prompts file, shared by `launch` and `bench serve`): an `ArgumentParser` whose errors are one line naming the
 problem plus a one-line usage hint of the command that failed (never the top-level usage, never a
 30-line usage block), a help formatter that shows every flag's default, the split of `launch`'s
 flags into the everyday ones (`--help`) and the advanced ones (`--help-all`), and the checks of
@@ -17,7 +17,14 @@ script written for one runs on the other. Tensor parallelism does not exist here
 from __future__ import annotations
 
 import argparse
+import json
 from importlib import metadata
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """Bad user input detected by the CLI itself (exit 2)."""
+
 
 SHORT_HELP_GROUPS = ("placement", "serving (OpenAI-compatible HTTP and gRPC)")
 # Flags of other groups that only `--help-all` lists (speculation tuning, rarely needed knobs).
@@ -118,11 +125,6 @@ def mark_model_given(argv: list[str]) -> bool:
     return any(a == "--model" or a.startswith("--model=") for a in argv)
 
 
-def fail_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
-    """Report unrecognised arguments with the usage of the subcommand they were given to."""
-    parser.error(f"unrecognized arguments: {' '.join(extras)}")
-
-
 def unescape(text: str) -> str:
     """`--stop` values: turn the two-character sequences \\n, \\t, \\r and \\\\ into the characters
     (a shell passes `"\\n\\n"` as backslash-n-backslash-n); everything else is kept as typed."""
@@ -136,3 +138,35 @@ def unescape(text: str) -> str:
             out.append(text[i])
             i += 1
     return "".join(out)
+
+
+def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
+    """Prompts of a file: one per line (blank lines skipped), or JSONL objects with a string 'prompt'.
+    Raises UsageError naming `flag` and the file: missing, a directory, not UTF-8 text, bad JSON."""
+    path = Path(name)
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory, not a file of prompts")
+    if not path.is_file():
+        raise UsageError(f"{flag} {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{flag} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                         f"{exc.start}): give one prompt per line or JSONL") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl" or line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{flag} {path}:{n}: invalid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise UsageError(f"{flag} {path}:{n}: expected an object with a string 'prompt'")
+            prompts.append(obj["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise UsageError(f"{flag} {path} has no prompt")
+    return prompts

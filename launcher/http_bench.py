@@ -136,7 +136,7 @@ def random_dataset(args: argparse.Namespace, model: str) -> list[tuple[list[int]
 
 def prompts_file_dataset(args: argparse.Namespace) -> list[tuple[list[int] | str, int, int]]:
     """The file's prompts in order, repeated to --num-prompts; prompt tokens come from usage."""
-    from launcher.cli import read_prompts_file
+    from launcher.cli_parsing import read_prompts_file
 
     prompts = read_prompts_file(args.dataset_path, flag="--dataset-path")
     return [(prompts[i % len(prompts)], 0, args.random_output_len) for i in range(args.num_prompts)]
