@@ -143,6 +143,7 @@ def prompts_file_dataset(args: argparse.Namespace) -> list[tuple[list[int] | str
 
 
 def request_body(args: argparse.Namespace, model: str, prompt: list[int] | str, max_tokens: int) -> dict:
+    """The streaming request of one prompt: token ids or text (completions) or one user message (chat)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if args.ignore_eos:
