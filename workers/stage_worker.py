@@ -147,14 +147,20 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
 
 def _exit_on_stdin_eof(stop_event: threading.Event) -> None:
-    """The launcher holds our stdin open; EOF means it died: stop at once (no orphans)."""
+    """The launcher holds our stdin open; EOF means it stopped us or died: stop at once (no orphans).
+
+    Reads the raw file descriptor (os.read), never `sys.stdin.buffer`: a daemon thread blocked in a
+    buffered read holds the reader's lock, and interpreter shutdown then aborts with "Fatal Python
+    error: _enter_buffered_busy". Closing stdin is also the launcher's normal way to stop a stage
+    (LocalStageProcesses.stop, Ctrl-C included), so EOF is logged at INFO, not as a warning.
+    """
     try:
-        while sys.stdin.buffer.read(4096):
+        while os.read(0, 4096):
             pass
-    except (OSError, ValueError):
+    except OSError:
         pass
     if not stop_event.is_set():
-        log.warning("launcher went away (stdin closed); exiting")
+        log.info("stdin closed (the launcher stopped or went away); exiting")
     os._exit(0 if stop_event.is_set() else 1)
 
 

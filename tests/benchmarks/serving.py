@@ -2,8 +2,9 @@
 
 Starts two real `speedpipe serve --stages 2` servers as child processes (A: --speculate none,
 B: --speculate speed), then measures in alternation, round after round (A c=1, A c=2, B c=1, A c=1,
-...), with the `speedpipe bench --url` client (launcher/http_bench.py: streaming /v1/completions,
-greedy, ignore_eos so every request yields exactly --max-tokens tokens):
+...), with the `speedpipe bench serve` client (launcher/http_bench.py: streaming /v1/completions,
+greedy, ignore_eos so every request yields exactly --max-tokens tokens; closed loop: all requests
+at once, at most C in flight):
 
 - throughput ratio = A's request throughput at concurrency 2 / at concurrency 1   (target >= 1.6)
 - TPOT ratio       = B's mean TPOT at concurrency 1 / A's mean TPOT at concurrency 1 (target <= 0.8)
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from launcher.http_bench import LoadTester
+from launcher.bench_serve_report import summarize
+from launcher.http_bench import add_http_bench_args, run_benchmark
 from launcher.ports import free_port
 from pipeline.predictor_data import held_out_prompts
 
@@ -77,6 +79,19 @@ def model_name(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+def measure(url: str, prompts: tuple[str, ...], concurrency: int, num_requests: int, max_tokens: int) -> dict:
+    """One `bench serve` measurement: vLLM's summary fields (no per-request lists)."""
+    ap = argparse.ArgumentParser()
+    add_http_bench_args(ap)
+    args = ap.parse_args(["--base-url", url, "--num-prompts", str(num_requests), "--max-concurrency",
+                          str(concurrency), "--random-output-len", str(max_tokens), "--ignore-eos", "--disable-tqdm"])
+    dataset = [(prompts[i % len(prompts)], 0, max_tokens) for i in range(num_requests)]
+    outputs, duration = asyncio.run(run_benchmark(args, url + args.endpoint, model_name(url), dataset))
+    result = summarize(outputs, duration_s=duration, metrics=["ttft", "tpot", "e2el"], percentiles=[99])
+    return {k: v for k, v in result.items() if not isinstance(v, list)} | {
+        "errors": sorted({e for e in result["errors"] if e})[:5]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -93,19 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         servers["none"] = start_server(speculate="none", predictor=args.predictor, max_model_len=1024)
         servers["speed"] = start_server(speculate="speed", predictor=args.predictor, max_model_len=1024)
-        testers = {k: LoadTester(url, model=model_name(url), max_tokens=args.max_tokens, temperature=0.0,
-                                 ignore_eos=True, prompts=prompts) for k, (_, url) in servers.items()}
-        for t in testers.values():  # untimed warm-up
-            asyncio.run(t.level(1, 1))
+        urls = {k: url for k, (_, url) in servers.items()}
+        for url in urls.values():  # untimed warm-up
+            measure(url, prompts, 1, 1, args.max_tokens)
         rounds = []
         for r in range(args.rounds):
-            row = {"none_c1": asyncio.run(testers["none"].level(1, args.requests)),
-                   "none_c2": asyncio.run(testers["none"].level(2, args.requests)),
-                   "speed_c1": asyncio.run(testers["speed"].level(1, args.requests))}
+            row = {"none_c1": measure(urls["none"], prompts, 1, args.requests, args.max_tokens),
+                   "none_c2": measure(urls["none"], prompts, 2, args.requests, args.max_tokens),
+                   "speed_c1": measure(urls["speed"], prompts, 1, args.requests, args.max_tokens)}
             if any(m["failed"] for m in row.values()):
                 raise SystemExit(f"round {r}: requests failed: {[m['errors'] for m in row.values()]}")
             row["throughput_c2_over_c1"] = row["none_c2"]["request_throughput"] / row["none_c1"]["request_throughput"]
-            row["tpot_speed_over_none"] = row["speed_c1"]["tpot"]["mean_ms"] / row["none_c1"]["tpot"]["mean_ms"]
+            row["tpot_speed_over_none"] = row["speed_c1"]["mean_tpot_ms"] / row["none_c1"]["mean_tpot_ms"]
             rounds.append(row)
             print(f"round {r}: throughput c2/c1 {row['throughput_c2_over_c1']:.3f}, "
                   f"TPOT speed/none {row['tpot_speed_over_none']:.3f}", file=sys.stderr)

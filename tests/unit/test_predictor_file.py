@@ -64,7 +64,7 @@ def test_firp_file_needs_every_map(tmp_path):
     ({"expect": _identity(hash="cd" * 32)}, "hash"),
     ({"expect": _identity(hidden_size=32)}, "hidden size"),
     ({"expect": _identity(num_layers=8)}, "num layers"),
-    ({"exit_layer": 2}, "exit layer 1, but --exit-layer is 2"),
+    ({"exit_layer": 2}, "exit layer 1, but this pipeline's exit layer is 2"),
     ({"kind": "firp"}, "'firp' one is needed"),
 ])
 def test_mismatch_is_refused_naming_the_field(tmp_path, kwargs, message):

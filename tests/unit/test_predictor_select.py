@@ -43,7 +43,7 @@ def test_file_is_validated_and_its_bytes_sent(tiny):
 
 def test_mismatches_and_missing_heads_are_user_errors(tiny, tmp_path):
     model_dir, config, path = tiny
-    with pytest.raises(ValueError, match="exit layer 1, but --exit-layer is 2"):
+    with pytest.raises(ValueError, match="exit layer 1, but this pipeline.s exit layer is 2"):
         choose_exit_predictor(predictor=str(path), exit_predictor=None, model_dir=model_dir, config=config, exit_layer=2)
     other = write_tiny_model(tmp_path / "other", seed=3)
     with pytest.raises(ValueError, match="hash"):

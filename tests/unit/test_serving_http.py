@@ -8,7 +8,6 @@ tests/integration/test_serving.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import threading
@@ -19,7 +18,6 @@ import pytest
 
 from launcher.cli import main
 from launcher.coordinator import PipelineError, RequestHandle
-from launcher.http_bench import add_http_bench_args, cmd_http_bench
 from launcher.openai_protocol import parse_chat, parse_completion, render_chat
 from launcher.server import HttpServer
 from launcher.serving_engine import InvalidRequestError, ServingEngine
@@ -182,23 +180,6 @@ def test_too_long_prompt_names_prompt_or_max_tokens(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
-def test_bench_against_a_server(served, tmp_path, capsys):
-    _, _, url = served
-    parser = argparse.ArgumentParser()
-    add_http_bench_args(parser)
-    out = tmp_path / "results.json"
-    args = parser.parse_args(["--url", url, "--concurrency", "1,2", "--num-requests", "4", "--max-tokens", "5",
-                              "--warmup", "0", "--prompt", "Hi there", "--output", str(out)])
-    assert cmd_http_bench(args) == 0
-    results = json.loads(out.read_text())
-    assert [lv["concurrency"] for lv in results["levels"]] == [1, 2]
-    for lv in results["levels"]:
-        assert lv["completed"] == 4 and lv["failed"] == 0 and lv["output_tokens"] == 20
-        assert 0 < lv["ttft"]["p50_ms"] <= lv["e2e"]["p50_ms"]
-        assert lv["tpot"]["mean_ms"] > 0 and lv["request_throughput"] > 0
-    assert "req/s" in capsys.readouterr().out
-
-
 def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
@@ -212,9 +193,8 @@ def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
         busy.listen()
         assert main(["serve", "--port", str(busy.getsockname()[1]), "--grpc-port", "-1"]) == 2
         assert "cannot listen" in capsys.readouterr().err
-    assert main(["bench", "--url", "http://127.0.0.1:9", "--num-requests", "1"]) == 2
-    assert "--url" in capsys.readouterr().err
-    assert main(["bench", "--url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
+    assert "--base-url" in capsys.readouterr().err  # bench serve's own checks: tests/unit/test_bench_serve.py
 
 
 @pytest.mark.parametrize(("text", "stop", "want"), [

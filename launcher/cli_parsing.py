@@ -1,0 +1,172 @@
+"""Argument-parser behaviour shared by every `speedpipe` command: short errors, defaults in help,
+`--help` / `--help-all`, `--version`, and vLLM's flag spellings.
+
+Owns how the command line *looks* (and reading a prompts file, shared by `launch` and `bench serve`): an `ArgumentParser` whose errors are one line naming the
+problem plus a one-line usage hint of the command that failed (never the top-level usage, never a
+30-line usage block), a help formatter that shows every flag's default, the split of `launch`'s
+flags into the everyday ones (`--help`) and the advanced ones (`--help-all`), and the checks of
+vLLM's spellings (`serve MODEL`, `--tensor-parallel-size`). Must not: define a command's flags'
+meaning or run anything.
+
+[Note: vLLM names] vLLM users type `vllm serve MODEL -pp 4 --distributed-executor-backend ray`;
+speedpipe accepts the same words as aliases of its own (`--stages`, `--backend`, `--model`), so a
+script written for one runs on the other. Tensor parallelism does not exist here: the only accepted
+`--tensor-parallel-size` is 1, anything else is a usage error that points at `--stages`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib import metadata
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """Bad user input detected by the CLI itself (exit 2)."""
+
+
+SHORT_HELP_GROUPS = ("placement", "serving (OpenAI-compatible HTTP and gRPC)")
+# Flags of other groups that only `--help-all` lists (speculation tuning, rarely needed knobs).
+ADVANCED_DESTS = frozenset({
+    "firp_k", "firp_file", "firp_min_prob", "exit_predictor", "exit_layer", "max_inflight", "min_acceptance",
+    "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
+})
+
+
+def version_string() -> str:
+    """`speedpipe X.Y.Z` from the installed package metadata ("unknown" when not installed)."""
+    try:
+        return f"speedpipe {metadata.version('speedpipe')}"
+    except metadata.PackageNotFoundError:
+        return "speedpipe (version unknown: not installed)"
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ` (default: X)` to every flag whose help text does not already state its default.
+    Flags that are off by default (store_true) and empty repeatable lists show nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction, argparse._VersionAction)):
+            return text
+        if action.default in ([], ()):
+            return text
+        shown = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are short: `PROG: error: MESSAGE` and a one-line usage hint
+    naming this (sub)command's --help. Exits 2, like argparse."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # noqa: D102 - argparse API
+        self.exit(2, f"{self.prog}: error: {message}\nusage: {self.prog} [OPTIONS]  (see `{self.prog} --help`)\n")
+
+
+class HelpAllAction(argparse.Action):
+    """`--help-all`: print the help with every flag (the advanced ones included), exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:  # noqa: SLF001 - argparse has no public action list
+            if getattr(action, "full_help", None) is not None:
+                action.help = action.full_help
+        parser.print_help()
+        parser.exit()
+
+
+def shorten_help(parser: argparse.ArgumentParser, *, hidden_groups: tuple[str, ...] = SHORT_HELP_GROUPS,
+                 advanced: frozenset[str] = ADVANCED_DESTS) -> None:
+    """Hide the advanced flags of `parser` from `--help` (they still parse) and add `--help-all`.
+    `launch --serve` itself stays listed; the flags of what it starts are advanced."""
+    count = 0
+    for group in parser._action_groups:  # noqa: SLF001
+        for action in group._group_actions:  # noqa: SLF001
+            if action.help is argparse.SUPPRESS:
+                continue
+            if (group.title in hidden_groups and action.dest != "serve") or action.dest in advanced:
+                action.full_help = action.help
+                action.help = argparse.SUPPRESS
+                count += 1
+    parser.add_argument("--help-all", action=HelpAllAction,
+                        help=f"show every flag, also the {count} advanced ones this help leaves out")
+
+
+def add_vllm_aliases(group: argparse._ArgumentGroup) -> None:
+    """`--tensor-parallel-size/-tp` (only 1 is accepted; see check_vllm_args)."""
+    group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                       help="vLLM's flag; speedpipe splits by layers, so only 1 is accepted")
+
+
+def check_vllm_args(args: argparse.Namespace) -> None:
+    """Apply vLLM spellings to a parsed namespace. Raises ValueError (exit 2) naming the flag."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        raise ValueError(f"--tensor-parallel-size {tp}: tensor parallelism is not supported (only 1); "
+                         f"speedpipe splits the model by layers: use --pipeline-parallel-size/--stages {tp}")
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model_given and args.model != tag:
+            raise ValueError(f"the model is given twice: positional {tag!r} and --model {args.model!r}; give one")
+        args.model = tag
+
+
+def mark_model_given(argv: list[str]) -> bool:
+    """True if `--model` appears on the command line (so a positional MODEL can be checked against it)."""
+    return any(a == "--model" or a.startswith("--model=") for a in argv)
+
+
+def unescape(text: str) -> str:
+    """`--stop` values: turn the two-character sequences \\n, \\t, \\r and \\\\ into the characters
+    (a shell passes `"\\n\\n"` as backslash-n-backslash-n); everything else is kept as typed."""
+    out, i = [], 0
+    table = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in table:
+            out.append(table[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
+    """Prompts of a file: one per line (blank lines skipped), or JSONL objects with a string 'prompt'.
+    Raises UsageError naming `flag` and the file: missing, a directory, not UTF-8 text, bad JSON."""
+    path = Path(name)
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory, not a file of prompts")
+    if not path.is_file():
+        raise UsageError(f"{flag} {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{flag} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                         f"{exc.start}): give one prompt per line or JSONL") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl" or line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{flag} {path}:{n}: invalid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise UsageError(f"{flag} {path}:{n}: expected an object with a string 'prompt'")
+            prompts.append(obj["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise UsageError(f"{flag} {path} has no prompt")
+    return prompts

@@ -1,0 +1,119 @@
+"""The command line's surface, in process (nothing is spawned): vLLM's spellings, `--version`,
+defaults in every help line, the short `launch --help` and `--help-all`, short per-command errors,
+`--stop` escapes and the prompts-file errors. What breaks if these fail: a vLLM user's flags are
+refused, or a mistake prints a wall of usage instead of one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from launcher.cli import UsageError, _parse, build_parser, main, plural, read_prompts_file
+from launcher.cli_parsing import DefaultsFormatter, unescape, version_string
+from launcher.plots import percent_label
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
+def _exit(capsys, argv: list[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr()
+    return info.value.code, out.out, out.err
+
+
+def test_vllm_spellings_parse_to_speedpipe_options(parser):
+    args = _parse(parser, ["launch", "-pp", "3", "--distributed-executor-backend", "mp", "-tp", "1"])
+    assert (args.stages, args.backend, args.tensor_parallel_size) == (3, "local", 1)
+    args = _parse(parser, ["serve", "smollm2-135m", "--pipeline-parallel-size", "4",
+                           "--distributed-executor-backend", "ray"])
+    assert (args.model_tag, args.stages, args.backend) == ("smollm2-135m", 4, "ray")
+
+
+def test_tensor_parallel_above_1_and_a_model_given_twice_are_usage_errors(capsys):
+    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("speedpipe serve: error: --tensor-parallel-size 2") and "--stages" in err
+    assert len(err.splitlines()) == 1
+    assert main(["serve", "model-a", "--model", "model-b"]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["serve", "-tp", "1", "--port", "70000"]) == 2  # -tp 1 accepted; the port is what fails
+    assert "--port" in capsys.readouterr().err
+
+
+def test_version_on_the_command_and_on_launch(capsys):
+    for argv in (["--version"], ["launch", "--version"]):
+        code, out, _ = _exit(capsys, argv)
+        assert code == 0 and out.strip() == version_string() and out.startswith("speedpipe ")
+
+
+def test_launch_help_is_short_and_help_all_lists_every_flag(capsys):
+    code, short, _ = _exit(capsys, ["launch", "--help"])
+    assert code == 0 and len(short.splitlines()) <= 80
+    for flag in ("--stages", "--model", "--speculate", "--prompt", "--stop", "--json", "--help-all"):
+        assert flag in short, flag
+    hidden = ("--firp-k", "--ray-address", "--port", "--max-inflight", "--stage-timeout-s", "--nnodes")
+    assert not [f for f in hidden if f in short]
+    code, full, _ = _exit(capsys, ["launch", "--help-all"])
+    assert code == 0 and all(f in full for f in hidden)
+
+
+def test_every_flag_of_every_command_shows_its_default(parser):
+    formatter = DefaultsFormatter("x")
+    subparsers = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    bench = subparsers["bench"]._subparsers._group_actions[0].choices  # noqa: SLF001
+    missing = []
+    for name, sub in [*subparsers.items(), *(("bench " + k, v) for k, v in bench.items())]:
+        for action in sub._actions:  # noqa: SLF001
+            if (not action.option_strings or action.nargs == 0 or action.default in ([], ())
+                    or action.help == argparse.SUPPRESS):
+                continue
+            if "default" not in formatter._get_help_string(action).lower():  # noqa: SLF001
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert missing == []
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["launch", "--stages", "abc"], "argument --stages"),
+    (["launch", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["bench", "serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["simulate", "--stage-overhead-ms", "x"], "--stage-overhead-ms"),
+])
+def test_argument_errors_are_two_lines_naming_the_command(capsys, argv, needle):
+    code, _, err = _exit(capsys, argv)
+    lines = err.strip().splitlines()
+    command = " ".join(a for a in argv[:2] if not a.startswith("-"))
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0].startswith(f"speedpipe {command}: error: ") and needle in lines[0], lines
+    assert lines[1] == f"usage: speedpipe {command} [OPTIONS]  (see `speedpipe {command} --help`)"
+
+
+def test_stop_escapes_and_plain_text():
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n" and unescape("END") == "END"
+    assert unescape("\\") == "\\" and unescape(r"\x") == r"\x"
+    args = _parse(build_parser(), ["launch", "--stop", r"\n\n", "--stop", "###"])
+    assert args.stop == ["\n\n", "###"]
+
+
+def test_prompts_file_errors_name_the_file(tmp_path):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x8a\x00\xff")
+    with pytest.raises(UsageError, match=rf"--prompts-file {binary} is not UTF-8 text \(byte 0x8a at offset 0\)"):
+        read_prompts_file(str(binary))
+    with pytest.raises(UsageError, match=f"--prompts-file {tmp_path} is a directory"):
+        read_prompts_file(str(tmp_path))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(UsageError, match="has no prompt"):
+        read_prompts_file(str(tmp_path / "empty.txt"))
+
+
+def test_counts_and_percent_labels_read_well():
+    assert (plural(1, "item"), plural(0, "item"), plural(3, "item")) == ("1 item", "0 items", "3 items")
+    assert (percent_label(-0.001), percent_label(0.126), percent_label(-0.05)) == ("0%", "+13%", "-5%")
