@@ -29,7 +29,7 @@ from launcher.pipeline_options import PipelineOptions
 from launcher.run_plan import resolve
 from pipeline.models import DEFAULT_MODEL
 from pipeline.predictors import PREDICTORS
-from pipeline.run_config import SPECULATE_MODES
+from pipeline.run_config import SPECULATE_MODES, check_prompt_length
 
 SOTU_NUM_PROMPTS = 8
 SOTU_PROMPT_WORDS = 48
@@ -257,9 +257,8 @@ def _session_options(args: argparse.Namespace, configs: list[BenchConfig], promp
                                         predictor=pred if mode != "none" else "hybrid")
         model = resolve(PipelineOptions(**options[(s, mode, pred)], progress=False))
     longest = max(len(model.tokenizer.encode(p)) for p in prompts)
-    if longest + args.max_new_tokens > args.max_model_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
-                         f"--max-model-len {args.max_model_len}")
+    check_prompt_length(num_prompt_tokens=longest, max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len,
+                        what="the longest prompt")
     return options
 
 

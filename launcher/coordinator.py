@@ -48,23 +48,24 @@ log = logging.getLogger("speedpipe.coordinator")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoordinatorConfig:
-    """How the coordinator reaches and drives the stages."""
+    """How the coordinator reaches and drives the stages: the scheduler's view of the run
+    (`RunConfig.scheduler_config`, validated there) plus what only the coordinator needs."""
 
-    num_stages: int
-    max_num_seqs: int = 8
-    max_model_len: int = 2048
+    scheduler: SchedulerConfig
     stage_timeout_s: float = 120.0
     dist_master_addr: str = "127.0.0.1"
     dist_master_port: int = 29500
-    device: str = "cpu"
-    speculate: bool = False
     predictor: str = "ngram"
     exit_stage: int = 0  # stage whose exit layer feeds the predictor; -1 = none (context-only predictors)
-    max_inflight: int = 0  # per sequence; 0 = num_stages
-    min_acceptance: float = 0.0  # adaptive drafting threshold (pipeline/draft_gate.py); 0 = every draft
     record_timeline: bool = True  # per-item stage timings (pipeline/timeline.py)
-    firp_k: int = 0  # FIRP drafts per chain; 0 = FIRP off
-    firp_min_prob: float = 0.0  # FIRP drafts carried only while their probability is at least this
+
+    @property
+    def num_stages(self) -> int:
+        return self.scheduler.num_stages
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
 
     @property
     def keepalive_s(self) -> float:
@@ -87,16 +88,12 @@ class Coordinator:
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         # Per-micro-batch stage timings; off: measure the overhead (tests/benchmarks/timeline_overhead.py)
         self.record_timeline = config.record_timeline
-        self.engine = Engine(SchedulerConfig(
-            num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            eos_token_ids=tuple(tokenizer.eos_token_ids), speculate=config.speculate,
-            max_inflight=config.max_inflight, min_acceptance=config.min_acceptance, firp_k=config.firp_k,
-            firp_min_prob=config.firp_min_prob),
-            (predictor or make_predictor(config.predictor)) if config.speculate else None,
-            record_timeline=config.record_timeline, commit_sink=self._emit)
+        speculate = config.scheduler.speculate
+        self.engine = Engine(config.scheduler, (predictor or make_predictor(config.predictor)) if speculate else None,
+                             record_timeline=config.record_timeline, commit_sink=self._emit)
         self.link = StageLink(num_stages=config.num_stages, master_addr=config.dist_master_addr,
                               master_port=config.dist_master_port, timeout_s=config.stage_timeout_s,
-                              max_num_seqs=config.max_num_seqs, record_timeline=config.record_timeline)
+                              max_num_seqs=config.scheduler.max_num_seqs, record_timeline=config.record_timeline)
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}
         self.failure: PipelineError | None = None
@@ -128,7 +125,7 @@ class Coordinator:
         responses = load_and_join(self.stubs, specs, self.link.join, timeout_s=timeout_s)
         self.link.warm_up()
         sources = {self.link.last}
-        if self.config.speculate and self.config.exit_stage >= 0:
+        if self.config.scheduler.speculate and self.config.exit_stage >= 0:
             sources.add(rank_of_stage(self.config.exit_stage))
         self._receivers = start_receivers(self.link.channel, sorted(sources), last_rank=self.link.last,
                                           events=self.events, stopping=self._stopping)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from pipeline.run_config import check_prompt_length
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler_types import Commit
 from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -28,21 +29,14 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
     """(text, token ids) of a request's prompt, given as text or token ids. Raises ValueError for
     an empty prompt, a token id outside the vocabulary, or prompt + max new tokens > max_model_len."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty")
-        text, ids = prompt, tokenizer.encode(prompt)
+        text, ids = prompt, tokenizer.encode(prompt) if prompt else []
     else:
         ids = [int(t) for t in prompt]
         text = tokenizer.decode(ids)
     for t in ids:
         if not 0 <= t < tokenizer.vocab_size:
             raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})")
-    need = len(ids) + params.max_new_tokens
-    if not ids:
-        raise ValueError("prompt is empty (0 tokens)")
-    if need > max_model_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({params.max_new_tokens}) = {need} "
-                         f"exceeds --max-model-len {max_model_len}")
+    check_prompt_length(num_prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, max_model_len=max_model_len)
     return text, ids
 
 

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from launcher.coordinator import Coordinator, RequestHandle, StreamChunk
 from launcher.metrics import ServingMetrics
+from pipeline.run_config import check_prompt_length
 from pipeline.sampling import SamplingParams
 
 log = logging.getLogger("speedpipe.serve")
@@ -263,21 +264,19 @@ class ServingEngine:
                 return False, f"stage {i} is {r.Status.Name(r.status)}" + (f": {r.message}" if r.message else "")
         return True, ""
     def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int, *, prompt_field: str) -> None:
-        """Raise InvalidRequestError if the prompt is empty or prompt + max_tokens > max_model_len."""
-        if not prompt_ids:
-            raise InvalidRequestError(f"'{prompt_field}' is empty (0 tokens)", prompt_field)
+        """Raise InvalidRequestError if a token id is outside the vocabulary, or the prompt breaks
+        the length rule (`check_prompt_length`); the error names the prompt's field, or
+        'max_tokens' when the prompt alone fits."""
         for t in prompt_ids:
             if not 0 <= t < self.tokenizer.vocab_size:
                 raise InvalidRequestError(f"'{prompt_field}' token id {t} is outside the vocabulary "
                                           f"[0, {self.tokenizer.vocab_size})", prompt_field)
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise InvalidRequestError(f"'{prompt_field}' has {n} tokens; the maximum context length is "
-                                      f"{self.max_model_len} tokens (--max-model-len)", prompt_field)
-        if n + max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"'max_tokens' {max_tokens} + {n} prompt tokens = {n + max_tokens} exceeds "
-                                      f"the maximum context length {self.max_model_len} (--max-model-len)",
-                                      "max_tokens")
+        try:
+            check_prompt_length(num_prompt_tokens=len(prompt_ids), max_new_tokens=max_tokens,
+                                max_model_len=self.max_model_len, what=f"'{prompt_field}'", budget="'max_tokens'")
+        except ValueError as exc:
+            field = prompt_field if not prompt_ids or len(prompt_ids) >= self.max_model_len else "max_tokens"
+            raise InvalidRequestError(str(exc), field) from None
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:
         """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are

@@ -32,12 +32,11 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
     """The coordinator's view of the run: its limits, the data-plane rendezvous, and the exit stage
     (-1 when the pipeline runs no exit head)."""
     return CoordinatorConfig(
-        num_stages=options.num_stages, max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len,
+        scheduler=options.scheduler_config(eos_token_ids=tuple(plan.tokenizer.eos_token_ids),
+                                           firp_k=plan.firp.k if plan.firp else 0),
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
-        device=options.device, speculate=options.uses_speed, predictor=options.predictor,
-        exit_stage=plan.exit_stage if options.needs_exit_head else -1, max_inflight=options.max_inflight,
-        min_acceptance=options.draft_min_acceptance, record_timeline=options.record_timeline,
-        firp_k=plan.firp.k if plan.firp else 0, firp_min_prob=options.firp_min_prob)
+        predictor=options.predictor, exit_stage=plan.exit_stage if options.needs_exit_head else -1,
+        record_timeline=options.record_timeline)
 
 
 def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: str,

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline.calibrate import Calibration, calibrate, draft_outcomes
-from pipeline.predictors import make_predictor
+from pipeline.run_config import RunConfig
 from pipeline.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 
 
@@ -83,7 +83,7 @@ def load_bench_runs(path: str | Path) -> list[dict]:
         for cfg in results["configs"]:
             for run in cfg["runs"]:
                 tl = json.loads((path.parent / run["timeline"]).read_text())
-                exit_head = cfg["speculate"] != "none" and make_predictor(cfg["predictor"]).needs_exit_head
+                exit_head = RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"]).needs_exit_head
                 runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
                              "exit_head": exit_head,
                              "concurrency": cfg["concurrency"], "stats": run["stats"],

@@ -65,7 +65,7 @@ class FirpMaps(nn.Module):
         Raises PredictorFileError if the file is not a firp file or has fewer than k maps.
         """
         if pred.kind != "firp":
-            raise PredictorFileError(f"predictor is a {pred.kind!r} file, --speculate firp needs a 'firp' one")
+            raise PredictorFileError(f"speculate firp needs a 'firp' predictor file, got a {pred.kind!r} one")
         have = int(pred.meta["k"])
         k = have if k is None else k
         if not 1 <= k <= have:

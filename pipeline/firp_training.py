@@ -57,7 +57,7 @@ def fit_firp_maps(hidden: torch.Tensor, *, k: int, val_fraction: float = 0.1,
     """
     num_windows, window, _ = hidden.shape
     if window <= k + SKIP_FIRST:
-        raise ValueError(f"windows of {window} tokens are too short for --firp-k {k} (need > {k + SKIP_FIRST})")
+        raise ValueError(f"windows of {window} tokens are too short for firp_k {k} (need > {k + SKIP_FIRST})")
     num_val = max(1, int(num_windows * val_fraction)) if num_windows > 1 else 0
     train, val = hidden[:num_windows - num_val], hidden[num_windows - num_val:]
     maps = FirpMaps(hidden.shape[-1], k)

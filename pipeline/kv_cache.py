@@ -20,10 +20,8 @@ class KVCache:
 
     def __init__(self, *, num_layers: int, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
-        if max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+        # Invariants: the run configuration validated both (pipeline/run_config.py).
+        assert max_num_seqs >= 1 and max_model_len >= 2, (max_num_seqs, max_model_len)
         shape = (num_layers, max_num_seqs, num_kv_heads, max_model_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -48,7 +46,7 @@ class KVCache:
             raise ValueError(f"KV slot {slot}: write at position {start} leaves a gap after length {self.lengths[slot]}")
         if start + num_tokens > self.max_model_len:
             raise ValueError(
-                f"KV slot {slot}: positions up to {start + num_tokens} exceed --max-model-len {self.max_model_len}"
+                f"KV slot {slot}: positions up to {start + num_tokens} exceed max_model_len {self.max_model_len}"
             )
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

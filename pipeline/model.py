@@ -246,15 +246,7 @@ class StageModel(nn.Module):
         float32 (last). Writes K/V of every row into `kv` and sets each slot's length to the end of
         its span. Raises ValueError if a span does not fit its KV slot.
         """
-        return self.forward_with_exit(x, spans, kv, logit_rows=logit_rows)[0]
-
-    def forward_with_exit(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
-                          logit_rows: torch.Tensor | None = None,
-                          exit_layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward`, plus the hidden state after absolute layer `exit_layer` (which must be in this
-        stage) at each item's last row: [num_items, hidden_size], or None without an exit layer."""
-        result = self.forward_rows(x, spans, kv, logit_rows=logit_rows, exit_layer=exit_layer)
-        return result.out, result.exit_hidden
+        return self.forward_rows(x, spans, kv, logit_rows=logit_rows).out
 
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
@@ -263,7 +255,9 @@ class StageModel(nn.Module):
                      make_pseudo=None) -> StageForward:
         """Run this stage on packed real rows and FIRP pseudo rows ([Note: pseudo rows] in pipeline/spans.py).
 
-        x, spans, logit_rows, exit_layer: as in `forward` / `forward_with_exit`.
+        x, spans, logit_rows: as in `forward`.
+        exit_layer: an absolute layer of this stage whose hidden state at each item's last row
+            is returned as `exit_hidden` [num_items, hidden_size]; None: no exit hidden state.
         pseudo: [sum num_pseudo, hidden] pseudo rows made by an earlier stage, or None.
         firp_layer, make_pseudo: if `pseudo` is None and absolute layer `firp_layer` is in this
             stage, after it `make_pseudo(anchor_hidden [num_anchor_rows, hidden])` returns the

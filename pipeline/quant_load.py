@@ -122,7 +122,7 @@ def load_stage_model(model_dir: str, layer_range: LayerRange, *, is_first: bool,
         return build_stage_model(config, layer_range, is_first=is_first, is_last=is_last, tensors=tensors,
                                  dtype=dtype, device=device)
     if torch.device(device).type != "cpu":
-        raise ValueError(f"--quantization {quantization} runs torch's CPU int kernels; use --quantization none "
-                         f"on device {device}")
+        raise ValueError(f"quantization {quantization} runs torch's CPU int kernels only; on device {device} "
+                         "use none")
     return build_quantized_stage_model(config, layer_range, is_first=is_first, is_last=is_last, mode=mode,
                                        reader=reader)

@@ -24,6 +24,7 @@ from pipeline.draft_gate import DraftGate
 from pipeline.models import DEFAULT_MODEL
 from pipeline.predictors import PREDICTORS, is_predictor_file, make_predictor
 from pipeline.quant import validate_quantization
+from pipeline.scheduler_types import SchedulerConfig
 
 # The dtypes model weights and activations may be loaded in (names as on the wire and in the CLI).
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -129,15 +130,25 @@ class RunConfig:
         """The torch dtype of `dtype`."""
         return MODEL_DTYPES[self.dtype]
 
+    def scheduler_config(self, *, eos_token_ids: tuple[int, ...], firp_k: int) -> SchedulerConfig:
+        """The scheduler's view of this run (its limits are validated here, not again there).
+        eos_token_ids: the tokenizer's; firp_k: the FIRP chain length the run plan chose (0 = off)."""
+        return SchedulerConfig(
+            num_stages=self.num_stages, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
+            min_acceptance=self.draft_min_acceptance, firp_k=firp_k, firp_min_prob=self.firp_min_prob)
+
 
 def check_prompt_length(*, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int,
-                        what: str = "prompt") -> None:
+                        what: str = "prompt", budget: str = "max_new_tokens") -> None:
     """The one rule for a request's length: at least one prompt token, and prompt + new tokens
-    within `max_model_len` (the KV slot). Raises ValueError naming the parameters; `what` names
-    the prompt in the message (e.g. "prompt 3")."""
+    within `max_model_len` (the KV slot). Every front end (CLI, coordinator, HTTP and gRPC
+    servers, benchmarks) calls this; the scheduler and KV cache only assert it.
+    Raises ValueError naming the parameters; `what` names the prompt in the message (e.g.
+    "prompt 3"), `budget` the new-token limit (e.g. "'max_tokens'" for the OpenAI API)."""
     if num_prompt_tokens < 1:
         raise ValueError(f"{what} is empty (0 tokens)")
     need = num_prompt_tokens + max_new_tokens
     if need > max_model_len:
-        raise ValueError(f"{what} ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
+        raise ValueError(f"{what} ({num_prompt_tokens} tokens) + {budget} ({max_new_tokens}) = {need} "
                          f"exceeds max_model_len {max_model_len}")

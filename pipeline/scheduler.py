@@ -103,17 +103,12 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
-        """Queue a new sequence. Raises ValueError for an empty or too long prompt."""
+        """Queue a new sequence whose length the front end checked (`check_prompt_length` in
+        pipeline/run_config.py). Raises ValueError for a sequence id already in use."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence id {seq_id} is already in use")
-        if not prompt_ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        need = len(prompt_ids) + params.max_new_tokens
-        if need > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max new tokens ({params.max_new_tokens}) = {need} "
-                f"exceeds --max-model-len {self.config.max_model_len}"
-            )
+        assert 0 < len(prompt_ids) and len(prompt_ids) + params.max_new_tokens <= self.config.max_model_len, (
+            len(prompt_ids), params.max_new_tokens, self.config.max_model_len)
         seq = SequenceState(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, sampler=Sampler(params),
                             ledger=SequenceLedger(prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens))
         self.seqs[seq_id] = seq

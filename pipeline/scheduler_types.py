@@ -25,7 +25,9 @@ class FinishReason(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """Limits of the pipeline the scheduler feeds. Raises ValueError on out-of-range values."""
+    """Limits of the pipeline the scheduler feeds: a view of the run configuration
+    (`pipeline.run_config.RunConfig.scheduler_config`), which validates them. AssertionError on
+    out-of-range values (an invariant, not user input)."""
 
     num_stages: int
     max_num_seqs: int = 8
@@ -39,24 +41,15 @@ class SchedulerConfig:
     firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
 
     def __post_init__(self) -> None:
-        if self.firp_k < 0:
-            raise ValueError(f"--firp-k must be >= 1, got {self.firp_k}")
-        if not 0.0 <= self.firp_min_prob <= 1.0:
-            raise ValueError(f"--firp-min-prob must be in [0, 1], got {self.firp_min_prob}")
-        if self.num_stages < 1:
-            raise ValueError(f"--stages must be >= 1, got {self.num_stages}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)
+        # or a validated SimConfig; user input is checked there, once.
         if self.max_inflight_batches == 0:
             object.__setattr__(self, "max_inflight_batches", self.num_stages)
         if self.max_inflight == 0:
             object.__setattr__(self, "max_inflight", self.num_stages)
-        if self.max_inflight < 1:
-            raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"--min-acceptance must be in [0, 1], got {self.min_acceptance}")
+        assert self.num_stages >= 1 and self.max_num_seqs >= 1 and self.max_model_len >= 2, self
+        assert self.max_inflight >= 1 and self.firp_k >= 0, self
+        assert 0.0 <= self.min_acceptance <= 1.0 and 0.0 <= self.firp_min_prob <= 1.0, self
 
 
 @dataclasses.dataclass

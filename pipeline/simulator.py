@@ -175,6 +175,8 @@ class SimConfig:
             raise ValueError(f"stages must be >= 1, got {self.num_stages}")
         if self.concurrency < 1 or self.prompt_len < 1 or self.max_new_tokens < 1:
             raise ValueError("concurrency, prompt length and max new tokens must be >= 1")
+        if self.max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0 (0 = num_stages), got {self.max_inflight}")
         if self.speculate and not 0 <= self.exit_stage < self.num_stages - 1:
             raise ValueError(f"exit stage {self.exit_stage} must be before the last of {self.num_stages} stages "
                              "(speculation needs >= 2 stages)")

@@ -30,6 +30,7 @@ import msgpack
 import torch
 
 from pipeline.items import Item, SlotRelease, items_from_wire, items_to_wire
+from pipeline.run_config import MODEL_DTYPES
 from pipeline.timeline import StageTiming
 
 MAGIC = b"SPD2"
@@ -48,10 +49,8 @@ _TYPE_NAMES = {int: "an int", bool: "a bool", dict: "a map", list: "a list"}
 PREFIX = struct.Struct("<4sI")
 DEFAULT_FRAME_BYTES = 16 * 1024
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
+# Tensors on the wire: activations in any model dtype, plus the int types of token ids and masks.
+DTYPES: dict[str, torch.dtype] = {**MODEL_DTYPES, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

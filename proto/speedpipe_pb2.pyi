@@ -92,11 +92,9 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("wall_ns", "busy_ns", "useful_ns", "wasted_ns", "items_processed", "tokens_processed", "messages_received", "rss_bytes", "weights_bytes", "kv_cache_bytes", "kv_slots_in_use")
+    __slots__ = ("wall_ns", "busy_ns", "items_processed", "tokens_processed", "messages_received", "rss_bytes", "weights_bytes", "kv_cache_bytes", "kv_slots_in_use")
     WALL_NS_FIELD_NUMBER: _ClassVar[int]
     BUSY_NS_FIELD_NUMBER: _ClassVar[int]
-    USEFUL_NS_FIELD_NUMBER: _ClassVar[int]
-    WASTED_NS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -106,8 +104,6 @@ class StageStats(_message.Message):
     KV_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     wall_ns: int
     busy_ns: int
-    useful_ns: int
-    wasted_ns: int
     items_processed: int
     tokens_processed: int
     messages_received: int
@@ -115,7 +111,7 @@ class StageStats(_message.Message):
     weights_bytes: int
     kv_cache_bytes: int
     kv_slots_in_use: int
-    def __init__(self, wall_ns: _Optional[int] = ..., busy_ns: _Optional[int] = ..., useful_ns: _Optional[int] = ..., wasted_ns: _Optional[int] = ..., items_processed: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., messages_received: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ...) -> None: ...
+    def __init__(self, wall_ns: _Optional[int] = ..., busy_ns: _Optional[int] = ..., items_processed: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., messages_received: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("reset_stats", "clear_kv_cache")

@@ -5,15 +5,21 @@ unreaped zombie) is a leak of the kind ARCHITECTURE.md §9 forbids; the fixture 
 test, naming pids and command lines. Long-lived helpers that the standard library or torch start on
 purpose (multiprocessing's resource tracker and forkserver, inductor compile workers) are allowed; a
 test that knowingly keeps a process for later tests can use `@pytest.mark.allow_leftover_children`.
+`wait_for` is the one bounded wait-on-condition helper (no copies of sleep loops in test modules).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import psutil
 import pytest
+
+T = TypeVar("T")
 
 # Substrings of command lines of session-long helper processes that are not leaks.
 ALLOWED_CHILD_CMDLINE_MARKERS = (
@@ -23,6 +29,17 @@ ALLOWED_CHILD_CMDLINE_MARKERS = (
     "torch._inductor.compile_worker",
 )
 LEFTOVER_KILL_TIMEOUT_S = 3.0
+
+
+def wait_for(condition: Callable[[], T], *, timeout_s: float, step_s: float = 0.02) -> T:
+    """The one bounded wait on a condition that tests use where no event exists to wait on (another
+    process's state, an HTTP server's counters): call `condition` until it returns something truthy
+    or `timeout_s` passed, and return its last value (falsy on timeout; the caller asserts on it,
+    naming what did not happen). `condition` may raise to end the wait early (e.g. a process died)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(step_s)
+    return value
 
 
 def pytest_configure(config: pytest.Config) -> None:

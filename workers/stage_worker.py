@@ -125,7 +125,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.stage_index} is not loaded")
         c = ex.counters
         return pb.StageStats(
-            wall_ns=time.perf_counter_ns() - c.reset_at_ns, busy_ns=c.busy_ns, useful_ns=c.busy_ns, wasted_ns=0,
+            wall_ns=time.perf_counter_ns() - c.reset_at_ns, busy_ns=c.busy_ns,
             items_processed=c.items_processed, tokens_processed=c.tokens_processed,
             messages_received=self.loop.messages_received if self.loop else 0,
             rss_bytes=psutil.Process().memory_info().rss, weights_bytes=self.weights_bytes,

@@ -22,6 +22,7 @@ from launcher.coordinator import PipelineError, RequestHandle
 from launcher.run_plan import resolve
 from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
+from tests.conftest import wait_for
 from tests.distributed.conftest import (
     env_with_tag,
     pid_alive,
@@ -40,22 +41,20 @@ TAG_ENV = "SPEEDPIPE_TEST_FAILURES_TAG"
 
 
 def wait_for_tokens(handle: RequestHandle, n: int, timeout_s: float = 30.0) -> None:
-    """Bounded polling until `handle` has committed `n` tokens (so generation is under way)."""
-    deadline = time.monotonic() + timeout_s
-    while len(handle.token_ids) < n:
+    """Wait (bounded) until `handle` has committed `n` tokens (so generation is under way)."""
+    def enough() -> bool:
         if handle.error is not None:
             raise handle.error
-        if time.monotonic() > deadline:
-            pytest.fail(f"only {len(handle.token_ids)} tokens after {timeout_s} s")
-        time.sleep(0.02)
+        return len(handle.token_ids) >= n
+
+    if not wait_for(enough, timeout_s=timeout_s):
+        pytest.fail(f"only {len(handle.token_ids)} tokens after {timeout_s} s")
 
 
 def wait_until_dead(pids, timeout_s: float) -> list[int]:
-    """Bounded polling until none of `pids` is alive; returns those still alive at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
+    """Wait (bounded) until none of `pids` is alive; returns those still alive at the deadline."""
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout_s=timeout_s)
+    return [p for p in pids if pid_alive(p)]
 
 
 @dataclasses.dataclass
@@ -219,14 +218,13 @@ class CliRun:
             buf.extend(chunk)
 
     def wait_for_generation(self, timeout_s: float = 60.0) -> None:
-        """Bounded polling until generated text is streamed after the echoed prompt."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.stdout) < len("Once upon a time") + 8:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"launch did not start generating (rc {self.proc.returncode}):\n"
-                            f"{self.stderr.decode(errors='replace')[-3000:]}")
-            time.sleep(0.05)
+        """Wait (bounded) until generated text is streamed after the echoed prompt."""
+        want = len("Once upon a time") + 8
+        wait_for(lambda: len(self.stdout) >= want or self.proc.poll() is not None, timeout_s=timeout_s)
+        if len(self.stdout) < want:
+            self.kill()
+            pytest.fail(f"launch did not start generating (rc {self.proc.returncode}):\n"
+                        f"{self.stderr.decode(errors='replace')[-3000:]}")
 
     def workers(self):
         return stage_worker_processes(env_tag=(TAG_ENV, self.tag))

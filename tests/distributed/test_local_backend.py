@@ -22,7 +22,7 @@ import pytest
 from launcher.local_launch_config import LocalLaunchConfig
 from launcher.stage_monitor import StageProcessMonitor
 from launcher.stage_processes import LocalStageProcesses, StageStartupError
-from tests.conftest import find_leftover_children, kill_and_reap, snapshot_children
+from tests.conftest import find_leftover_children, kill_and_reap, snapshot_children, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(30)]
 
@@ -50,13 +50,6 @@ def process_gone(pid: int, *, zombie_counts_as_gone: bool = False) -> bool:
     return zombie_counts_as_gone and status == psutil.STATUS_ZOMBIE
 
 
-def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()
 
 
 def test_three_workers_give_addresses_in_stage_order_and_stop_leaves_no_process():
@@ -190,7 +183,7 @@ def test_monitor_is_silent_on_intentional_stop_and_ends_by_itself():
     procs.start()
     monitor = StageProcessMonitor(procs, lambda i, rc: deaths.append((i, rc))).start()
     procs.stop()
-    assert wait_until(lambda: not monitor.running, 2.0), "monitor thread kept running after stop()"
+    assert wait_for(lambda: not monitor.running, timeout_s=2.0), "monitor thread kept running after stop()"
     monitor.stop()
     assert deaths == [] and not monitor.fired.is_set()
 
@@ -216,7 +209,7 @@ def test_monitor_callback_may_stop_all_stages():
         procs.stop(grace_s=1.0)
 
     monitor = StageProcessMonitor(procs, on_death).start()
-    assert wait_until(lambda: not monitor.running, 8.0)
+    assert wait_for(lambda: not monitor.running, timeout_s=8.0)
     monitor.stop()
     assert deaths == [(0, 9)]
     assert all(process_gone(pid) for pid in procs.pids)
@@ -259,7 +252,7 @@ def test_workers_die_within_5s_when_launcher_is_sigkilled(fake_flags):
     assert len(worker_pids) == 2
     # The orphans are reparented away from us (so the conftest leak check cannot see them); whoever
     # adopts them may reap them late, hence a zombie counts as gone.
-    all_gone = wait_until(lambda: all(process_gone(p, zombie_counts_as_gone=True) for p in worker_pids), 5.0)
+    all_gone = wait_for(lambda: all(process_gone(p, zombie_counts_as_gone=True) for p in worker_pids), timeout_s=5.0)
     if not all_gone:
         for pid in worker_pids:  # do not leave the orphans running after a failure
             with contextlib.suppress(psutil.NoSuchProcess):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from pipeline.config import ModelConfig
 from pipeline.sampling import SamplingParams
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
+from tests.conftest import wait_for
 from tests.distributed.conftest import full_model, reference_generate, session_options
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
@@ -158,13 +158,12 @@ def test_concurrent_prompts_beyond_max_num_seqs_match_one_at_a_time(pipeline: Pi
 
 def test_kv_slots_are_all_released_after_requests_finish(pipeline: Pipeline):
     pipeline.generate_concurrently(CONCURRENT_PROMPTS, [greedy(4)] * len(CONCURRENT_PROMPTS))
-    deadline = time.monotonic() + 10.0  # RELEASE travels in-band after the last result
-    while True:
-        in_use = [st.kv_slots_in_use for st in pipeline.session.coordinator.stage_stats()]
-        if not any(in_use) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert in_use == [0] * pipeline.shape.num_stages
+    def slots_in_use() -> list[int]:
+        return [st.kv_slots_in_use for st in pipeline.session.coordinator.stage_stats()]
+
+    # RELEASE travels in-band after the last result
+    wait_for(lambda: not any(slots_in_use()), timeout_s=10.0)
+    assert slots_in_use() == [0] * pipeline.shape.num_stages
 
 
 def test_seeded_sampling_matches_reference_sampler_on_every_stage_count(pipeline: Pipeline, reference):

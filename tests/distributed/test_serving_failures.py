@@ -34,6 +34,7 @@ from launcher.serve_drain import DrainSignals, serve_until_stopped
 from launcher.session import PipelineSession, resolve
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
 from tests.distributed.conftest import env_with_tag, pid_alive, session_options, stage_worker_processes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
@@ -163,16 +164,15 @@ class ServeCli:
         self.stderr = ""
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             assert self.proc.poll() is None, self.proc.stderr.read()
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        pytest.fail("serve did not become healthy")
+                return False
+
+        if not wait_for(healthy, timeout_s=timeout_s, step_s=0.2):
+            pytest.fail("serve did not become healthy")
 
     def workers(self):
         return stage_worker_processes(env_tag=self.tag)
@@ -184,9 +184,7 @@ class ServeCli:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.communicate()
-        deadline = time.monotonic() + 5
-        while self.workers() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: not self.workers(), timeout_s=5)
         assert self.workers() == []
         return self.proc.returncode
 

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,6 +26,7 @@ from launcher.run_plan import resolve
 from launcher.serve import ServeOptions, ServingStack
 from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
+from tests.conftest import wait_for
 from tests.distributed.conftest import (
     env_with_tag,
     full_model,
@@ -63,9 +63,7 @@ def test_stage_killed_under_a_live_server(tiny_model_dir: Path):
             assert httpx.get(url + "/v1/models").status_code == 200  # still answering
     finally:
         session.close()
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout_s=5)
     assert not [p for p in pids if pid_alive(p)]
 
 
@@ -81,14 +79,14 @@ def test_serve_cli_serves_reference_tokens_and_stops_on_sigterm(tiny_model_dir: 
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             assert proc.poll() is None, proc.stderr.read()
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                time.sleep(0.2)
+                return False
+
+        assert wait_for(healthy, timeout_s=120, step_s=0.2), "serve did not become healthy"
         model, tokenizer = full_model(tiny_model_dir)
 
         def stream(prompt: str) -> list[int]:
@@ -123,7 +121,5 @@ def test_serve_cli_serves_reference_tokens_and_stops_on_sigterm(tiny_model_dir: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    deadline = time.monotonic() + 5
-    while stage_worker_processes(env_tag=tag) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not stage_worker_processes(env_tag=tag), timeout_s=5)
     assert stage_worker_processes(env_tag=tag) == []

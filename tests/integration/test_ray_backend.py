@@ -40,6 +40,7 @@ from launcher.ray_backend import RayStageActors  # noqa: E402
 from launcher.run_plan import resolve  # noqa: E402
 from launcher.session import PipelineSession  # noqa: E402
 from pipeline.sampling import SamplingParams  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
 from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS  # noqa: E402
 from tests.tiny_model import write_tiny_model  # noqa: E402
 
@@ -52,18 +53,18 @@ PROCESS_GONE_TIMEOUT_S = 20.0
 
 def _gone(pids, timeout_s: float = PROCESS_GONE_TIMEOUT_S) -> list[int]:
     """Pids still alive (not zombies) after waiting up to timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = []
+    def alive() -> list[int]:
+        living = []
         for pid in pids:
             try:
                 if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
+                    living.append(pid)
             except psutil.NoSuchProcess:
                 pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
+        return living
+
+    wait_for(lambda: not alive(), timeout_s=timeout_s, step_s=0.2)
+    return alive()
 
 
 @pytest.fixture(scope="module")

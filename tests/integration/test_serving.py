@@ -27,6 +27,7 @@ from pipeline.models import DEFAULT_MODEL
 from pipeline.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -75,16 +76,12 @@ def kv_slots(stack) -> list[int]:
 
 
 def wait_slots_free(stack, timeout_s: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while any(slots := kv_slots(stack)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return slots
+    wait_for(lambda: not any(kv_slots(stack)), timeout_s=timeout_s)
+    return kv_slots(stack)
 
 
 def wait_outstanding_zero(stack, timeout_s: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while stack.engine.num_outstanding and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not stack.engine.num_outstanding, timeout_s=timeout_s)
     return stack.engine.num_outstanding
 
 

@@ -59,8 +59,6 @@ def test_zero_threshold_sends_everything():
 def test_out_of_range_threshold_is_refused(bad):
     with pytest.raises(ValueError, match="min.acceptance"):
         DraftGate(min_acceptance=bad)
-    with pytest.raises(ValueError, match="min.acceptance"):
-        SchedulerConfig(num_stages=2, min_acceptance=bad)
 
 
 @given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), max_size=60), st.floats(0.05, 0.95))

@@ -116,7 +116,7 @@ def test_check_write_rejects_a_gap_naming_position_and_length():
 def test_check_write_rejects_positions_past_max_model_len(start, num_tokens):
     kv = _cache(max_model_len=8)
     kv.set_length(0, start)
-    with pytest.raises(ValueError, match=rf"up to {start + num_tokens} exceed --max-model-len 8"):
+    with pytest.raises(ValueError, match=rf"up to {start + num_tokens} exceed max_model_len 8"):
         kv.check_write(0, start, num_tokens)
 
 
@@ -125,10 +125,3 @@ def test_check_write_rejects_a_slot_out_of_range(slot):
     kv = _cache(max_num_seqs=3)
     with pytest.raises(ValueError, match=rf"KV slot {slot} out of range \[0, 3\)"):
         kv.check_write(slot, 0, 1)
-
-
-def test_constructor_rejects_no_slots_or_tiny_max_model_len():
-    with pytest.raises(ValueError, match="--max-num-seqs must be >= 1, got 0"):
-        _cache(max_num_seqs=0)
-    with pytest.raises(ValueError, match="--max-model-len must be >= 2, got 1"):
-        _cache(max_model_len=1)

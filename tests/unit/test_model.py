@@ -321,7 +321,7 @@ def test_stage_forward_rejects_a_span_past_its_kv_slot(tiny):
     kv = model.new_kv_cache(max_num_seqs=2, max_model_len=8)
     with pytest.raises(ValueError, match="gap"):
         model(torch.tensor([1]), [Span(0, 3, 1)], kv)
-    with pytest.raises(ValueError, match="max-model-len 8"):
+    with pytest.raises(ValueError, match="max_model_len 8"):
         model(torch.arange(9), [Span(1, 0, 9)], kv)
 
 

@@ -68,7 +68,8 @@ def test_collected_states_match_the_stage_model():
     for w in range(3):  # reference: one window at a time, prefix by prefix
         for t in (0, 5, 11):
             kv = model.new_kv_cache(max_num_seqs=1, max_model_len=12)
-            logits, exit_hidden = model.forward_with_exit(windows[w, :t + 1], [Span(0, 0, t + 1)], kv, exit_layer=1)
+            out = model.forward_rows(windows[w, :t + 1], [Span(0, 0, t + 1)], kv, exit_layer=1)
+            logits, exit_hidden = out.out, out.exit_hidden
             assert int(logits.argmax(-1)) == int(data.targets[w, t])
             torch.testing.assert_close(exit_hidden[0], data.hidden[1][w, t], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="outside"):

@@ -72,7 +72,7 @@ def test_draft_vocabulary_is_the_most_frequent_targets():
     targets = torch.tensor([[5, 9, 9, 2], [9, 5, 7, 7]])
     assert draft_vocabulary(targets, max_size=10).tolist() == [9, 5, 7, 2]  # ties: lower id first
     assert draft_vocabulary(targets, max_size=2).tolist() == [9, 5]
-    with pytest.raises(ValueError, match="--draft-vocab"):
+    with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
         draft_vocabulary(targets, max_size=0)
 
 

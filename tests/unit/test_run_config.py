@@ -11,8 +11,9 @@ import re
 import pytest
 
 from launcher.cli import build_parser
-from launcher.cli_errors import PARAMETER_FLAGS, flag_message
+from launcher.cli_errors import PARAMETER_FLAGS, TRAINING_FLAGS, flag_message
 from launcher.pipeline_options import PipelineOptions
+from launcher.request_handle import encode_prompt
 from launcher.run_plan import resolve
 from launcher.session import PipelineSession, coordinator_config, stage_load_specs
 from pipeline.draft_gate import DraftGate
@@ -62,6 +63,8 @@ def test_every_mapped_parameter_is_a_config_field_and_its_flag_a_launch_flag():
     flags = {s for action in launch._actions for s in action.option_strings}
     assert set(PARAMETER_FLAGS) <= fields, set(PARAMETER_FLAGS) - fields
     assert set(PARAMETER_FLAGS.values()) <= flags, set(PARAMETER_FLAGS.values()) - flags
+    train = commands.choices["train-predictor"]
+    assert set(TRAINING_FLAGS.values()) <= {s for action in train._actions for s in action.option_strings}
 
 
 @pytest.mark.parametrize(("message", "expected"), [
@@ -75,6 +78,14 @@ def test_every_mapped_parameter_is_a_config_field_and_its_flag_a_launch_flag():
     ("top_p must be in (0, 1], got 1.5", "--top-p must be in (0, 1], got 1.5"),
     ("stop must hold non-empty strings, got ''", "--stop must hold non-empty strings, got ''"),
     ("exit predictor has hidden size 8, the model 64", "exit predictor has hidden size 8, the model 64"),
+    ("quantization int4 runs torch's CPU int kernels only; on device cuda use none",
+     "--quantization int4 runs torch's CPU int kernels only; on device cuda use none"),
+    ("h.safetensors was trained at exit layer 1, but this pipeline's exit layer is 2 (exit_layer; default: the "
+     "last layer of stage 0): pass exit_layer 1", "h.safetensors was trained at exit layer 1, but this pipeline's "
+     "exit layer is 2 (--exit-layer; default: the last layer of stage 0): pass --exit-layer 1"),
+    ("corpus /no/such: no such file or folder", "--corpus /no/such: no such file or folder"),
+    ("arch must be affine or mlp, got 'x'", "--arch must be affine or mlp, got 'x'"),
+    ("draft_vocab must be >= 1, got 0", "--draft-vocab must be >= 1, got 0"),
 ])
 def test_flag_message_rewrites_parameter_names_only(message, expected):
     assert flag_message(message) == expected
@@ -124,8 +135,23 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir):
         assert (s.dtype, s.max_num_seqs, s.max_model_len, s.num_threads, s.dist_master_port) == ("bfloat16", 3, 64, 2, 1234)
         assert spec_from_proto(spec_to_proto(s)) == s
     coord = coordinator_config(options, plan, master_addr="127.0.0.1", master_port=1234)
-    assert (coord.exit_stage, coord.speculate, coord.max_num_seqs, coord.min_acceptance) == (
-        0, True, 3, DraftGate.break_even(2))
+    assert coord.exit_stage == 0 and coord.scheduler == options.scheduler_config(
+        eos_token_ids=tuple(plan.tokenizer.eos_token_ids), firp_k=0)
+    sched = coord.scheduler
+    assert (sched.speculate, sched.num_stages, sched.max_num_seqs, sched.max_model_len, sched.min_acceptance) == (
+        True, 2, 3, 64, DraftGate.break_even(2))
+    assert sched.eos_token_ids == tuple(plan.tokenizer.eos_token_ids) and sched.max_inflight == 2
+
+
+def test_the_coordinator_applies_the_one_prompt_length_rule(tiny_dir):
+    tokenizer = resolve(_options(tiny_dir)).tokenizer
+    assert encode_prompt(tokenizer, [1] * 11, SamplingParams(max_new_tokens=5), max_model_len=16)[1] == [1] * 11
+    with pytest.raises(ValueError, match=re.escape("prompt (12 tokens) + max_new_tokens (5) = 17 exceeds "
+                                                   "max_model_len 16")):
+        encode_prompt(tokenizer, [1] * 12, SamplingParams(max_new_tokens=5), max_model_len=16)
+    for empty in ("", []):
+        with pytest.raises(ValueError, match=re.escape("prompt is empty (0 tokens)")):
+            encode_prompt(tokenizer, empty, SamplingParams(), max_model_len=16)
 
 
 def test_a_context_only_predictor_gets_no_exit_head_anywhere(tiny_dir):

@@ -26,6 +26,7 @@ from pipeline.scheduler_types import Commit, FinishReason, SpecCounters
 from pipeline.timeline import Timeline
 from pipeline.tokenizer import Tokenizer
 from proto import speedpipe_pb2 as pb
+from tests.conftest import wait_for
 from tests.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,9 +135,7 @@ def test_queue_bound_is_429_and_abort_on_disconnect(served):
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
         for r in held:
             r.close()
-    deadline = time.monotonic() + 5
-    while (len(coord.aborted) < 3 or engine.num_outstanding) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: len(coord.aborted) >= 3 and not engine.num_outstanding, timeout_s=5)
     assert len(coord.aborted) == 3 and engine.num_outstanding == 0
     assert 'speedpipe:request_rejected_total{model_name="tiny",reason="queue_full"} 1.0' in httpx.get(url + "/metrics").text
 
@@ -240,9 +239,7 @@ def test_client_gone_before_a_non_streamed_answer_aborts_it(served):
     coord.step_s = 0.05
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 60}, timeout=0.5)
-    deadline = time.monotonic() + 5
-    while (not coord.aborted or engine.num_outstanding) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: coord.aborted and not engine.num_outstanding, timeout_s=5)
     assert len(coord.aborted) == 1 and engine.num_outstanding == 0
 
 

@@ -203,7 +203,7 @@ class FakePipeline:
         keep = executor.admit(items)
         self.stats.dropped_items += keep.count(False)
         kept = [it for it, k in zip(items, keep, strict=True) if k]
-        for it in kept:  # like StageModel.forward_with_exit: every write is checked before any is done
+        for it in kept:  # like StageModel.forward_rows: every write is checked before any is done
             executor.kv.check_write(it.slot, it.start, it.num_tokens)  # raises on a gap
         for it in kept:
             tokens = list(it.token_ids)
