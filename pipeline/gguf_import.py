@@ -18,7 +18,6 @@ Only the `llama` architecture is permuted; Qwen2, Qwen3 and Gemma 3 GGUFs keep H
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -26,7 +25,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ from pipeline.gguf_families import (  # noqa: F401 (unpermute_qk, hf_tensor_name
     hf_tensor_name,
     unpermute_qk,
 )
+from pipeline.model_chunks import path_lock
 from pipeline.safetensors_stream import write_streaming
 from pipeline.weights import SINGLE_FILE, all_tensor_names
 
@@ -248,23 +247,6 @@ def _write_folder(reader: gguf.GGUFReader, folder: Path, source: GgufSource, pro
     _write_json(folder / SOURCE_FILE, dataclasses.asdict(source))  # last: marks the folder complete
 
 
-@contextlib.contextmanager
-def _conversion_lock(out_dir: Path) -> Iterator[None]:
-    """Serialise conversions of one folder across processes (saves duplicate work only: the
-    atomic rename in `_publish` is what keeps readers from seeing a half-written folder)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: duplicate work is possible but still safe
-        yield
-        return
-    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _publish(tmp: Path, out_dir: Path) -> None:
     """Move the finished `tmp` folder to `out_dir` with `os.replace`, first moving aside a stale one."""
     if out_dir.exists():
@@ -293,7 +275,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     if out_dir.exists() and not (out_dir / SOURCE_FILE).is_file() and any(out_dir.iterdir()):
         raise ValueError(f"refusing to overwrite {out_dir}: it is not a speedpipe GGUF conversion")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _conversion_lock(out_dir):
+    with path_lock(out_dir):  # the atomic rename in `_publish` keeps readers safe
         if is_converted(out_dir, source):  # another process finished while we waited
             return out_dir
         reader = open_gguf(gguf_path)

