@@ -36,7 +36,7 @@ from pipeline.wire import Message, MessageKind
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, ChannelError, DataPlaneGroup, SendQueue, rank_name
-from workers.control_auth import with_secret
+from workers.control_auth import TlsFiles, control_channel, with_secret
 from workers.convert import StageLoadSpec, spec_to_proto
 
 log = logging.getLogger("speedpipe.coordinator")
@@ -189,14 +189,16 @@ class Coordinator:
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
-                 predictor: Predictor | None = None, control_secret: str | None = None) -> None:
+                 predictor: Predictor | None = None, control_secret: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
         """predictor: overrides the one named by config.predictor (tests use adversarial ones).
-        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py)."""
+        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py);
+        tls: the control plane's TLS files (None: plain TCP)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config = config
         self.tokenizer = tokenizer
-        self.channels = [grpc.insecure_channel(a) for a in stage_addresses]
+        self.channels = [control_channel(a, tls=tls) for a in stage_addresses]
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         self.scheduler = Scheduler(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,

@@ -36,7 +36,7 @@ from pipeline.predictors import PREDICTORS, Predictor, is_predictor_file, make_p
 from pipeline.tokenizer import Tokenizer
 from pipeline.weights import CheckpointReader, stage_tensor_names
 from proto import speedpipe_pb2 as pb
-from workers.control_auth import SECRET_ENV, new_secret
+from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
 from workers.convert import DTYPE_CHOICES, StageLoadSpec
 
 log = logging.getLogger("speedpipe.launch")
@@ -261,8 +261,11 @@ class PipelineSession:
     Raises PipelineError if a stage fails to start or load (naming the stage).
     """
 
-    def __init__(self, options: PipelineOptions, model: ResolvedModel, *, predictor: Predictor | None = None) -> None:
-        """predictor: a Predictor object overriding options.predictor on the coordinator side."""
+    def __init__(self, options: PipelineOptions, model: ResolvedModel, *, predictor: Predictor | None = None,
+                 tls: TlsFiles | None = None) -> None:
+        """predictor: a Predictor object overriding options.predictor on the coordinator side;
+        tls: TLS files of the stages' control plane (serve --tls-cert/--tls-key)."""
+        self.tls = tls
         self.predictor = predictor
         self.options = options
         self.model = model
@@ -316,15 +319,16 @@ class PipelineSession:
 
             return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
                                   log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-                                  control_secret=self.control_secret)
+                                  control_secret=self.control_secret, tls=self.tls)
         if opt.placement.multi_node:
             from launcher.multinode import MultiNodeStages
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
-                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret)
+                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret,
+                                   tls=self.tls)
         return LocalStageBackend(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-            env={SECRET_ENV: self.control_secret}))
+            env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})}))
 
     def _start(self) -> None:
         opt, m = self.options, self.model
@@ -341,7 +345,7 @@ class PipelineSession:
             min_acceptance=(DraftGate.break_even(opt.num_stages) if opt.min_acceptance is None
                             else opt.min_acceptance), record_timeline=opt.record_timeline,
             firp_k=m.firp.k if m.firp else 0, firp_min_prob=opt.firp_min_prob), m.tokenizer, addresses,
-            predictor=self.predictor, control_secret=self.control_secret)
+            predictor=self.predictor, control_secret=self.control_secret, tls=self.tls)
         self.backend.watch(self._on_stage_death)
         specs = [StageLoadSpec(
             model_dir=str(m.model_dir), stage_index=i, num_stages=opt.num_stages, layer_range=r, dtype=opt.dtype,

@@ -386,9 +386,11 @@ def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, m
     err = capsys.readouterr().err
     assert "--grpc-port" in err and "Traceback" not in err
     for flag, value in (("--max-request-bytes", "10"), ("--shutdown-grace-s", "-1"),
-                        ("--stage-heartbeat-timeout-s", "0")):
+                        ("--stage-heartbeat-timeout-s", "0"), ("--tls-cert", __file__), ("--tls-key", __file__)):
         assert main(["serve", flag, value]) == 2
         assert flag in capsys.readouterr().err
+    assert main(["serve", "--tls-cert", __file__, "--tls-key", __file__]) == 2  # not PEM
+    assert "not a PEM certificate" in capsys.readouterr().err
 
 
 def free_tcp_port() -> int:
