@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from launcher.server import HttpServer
 from launcher.serving_engine import InvalidRequestError, ServingEngine
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler_types import Commit, FinishReason, SpecCounters
-from pipeline.timeline import Timeline
+from pipeline.timeline import StageTiming, Timeline
 from pipeline.tokenizer import Tokenizer
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
@@ -362,9 +363,11 @@ def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, m
     err = capsys.readouterr().err
     assert "--grpc-port" in err and "Traceback" not in err
     for flag, value in (("--max-request-bytes", "10"), ("--shutdown-grace-s", "-1"),
-                        ("--stage-heartbeat-timeout-s", "0")):
+                        ("--stage-heartbeat-timeout-s", "0"), ("--tls-cert", __file__), ("--tls-key", __file__)):
         assert main(["serve", flag, value]) == 2
         assert flag in capsys.readouterr().err
+    assert main(["serve", "--tls-cert", __file__, "--tls-key", __file__]) == 2  # not PEM
+    assert "not a PEM certificate" in capsys.readouterr().err
 
 
 def free_tcp_port() -> int:
@@ -384,7 +387,7 @@ def test_serve_buffers_are_windows(tokenizer):
     item = Item(seq_id=0, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT)
     for i in range(1, 5000):
         coord.commit_events.append((i, 0, 1))
-        coord.timeline.record([[0, 10 * i, 10 * i + 5], [1, 10 * i + 5, 10 * i + 9]], [item], 1.0,
+        coord.timeline.record([StageTiming(0, 10 * i, 10 * i + 5), StageTiming(1, 10 * i + 5, 10 * i + 9)], [item], 1.0,
                               draft_ready_ns=10 * i - 1)
     assert len(coord.commit_events) == 100 and len(coord.timeline.slices) == 100
     assert 0 < len(coord.timeline.draft_gaps_ns) <= 100
