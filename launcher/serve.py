@@ -14,7 +14,6 @@ the remaining stage processes are stopped, and the front ends stay up answering 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -207,10 +206,7 @@ def window_serving_buffers(coord: Coordinator, max_entries: int) -> None:
     and writes no trace, so its buffers are windows. Counters (useful / wasted seconds, speculation
     totals) are plain numbers and stay exact. Called before the server admits requests.
     """
-    coord.commit_events = collections.deque(coord.commit_events, maxlen=max_entries)
-    timeline = coord.timeline
-    timeline.slices = collections.deque(timeline.slices, maxlen=max_entries)
-    timeline.draft_gaps_ns = collections.deque(timeline.draft_gaps_ns, maxlen=max_entries)
+    coord.engine.window_buffers(max_entries)
 
 
 def default_model_name(session: PipelineSession) -> str:

@@ -24,7 +24,7 @@ from launcher.server import HttpServer
 from launcher.serving_engine import InvalidRequestError, ServingEngine
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler_types import Commit, FinishReason, SpecCounters
-from pipeline.timeline import StageTiming, Timeline
+from pipeline.timeline import Timeline
 from pipeline.tokenizer import Tokenizer
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
@@ -377,21 +377,22 @@ def free_tcp_port() -> int:
 
 
 def test_serve_buffers_are_windows(tokenizer):
-    from collections import deque
-
     from launcher.serve import window_serving_buffers
+    from pipeline.engine import Engine
     from pipeline.items import Item, ItemKind
+    from pipeline.scheduler_types import SchedulerConfig
+    from pipeline.timeline import StageTiming
 
-    coord = SimpleNamespace(commit_events=deque(maxlen=1_000_000), timeline=Timeline(2))
-    window_serving_buffers(coord, 100)
+    engine = Engine(SchedulerConfig(num_stages=2, max_num_seqs=2, max_model_len=64))
+    window_serving_buffers(SimpleNamespace(engine=engine), 100)
     item = Item(seq_id=0, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT)
     for i in range(1, 5000):
-        coord.commit_events.append((i, 0, 1))
-        coord.timeline.record([StageTiming(0, 10 * i, 10 * i + 5), StageTiming(1, 10 * i + 5, 10 * i + 9)], [item], 1.0,
-                              draft_ready_ns=10 * i - 1)
-    assert len(coord.commit_events) == 100 and len(coord.timeline.slices) == 100
-    assert 0 < len(coord.timeline.draft_gaps_ns) <= 100
-    assert coord.timeline.num_batches == 4999  # totals stay exact
+        engine.commit_log.append((i, 0, 1))
+        engine.timeline.record([StageTiming(0, 10 * i, 10 * i + 5), StageTiming(1, 10 * i + 5, 10 * i + 9)], [item],
+                               1.0, draft_ready_ns=10 * i - 1)
+    assert len(engine.commit_log) == 100 and len(engine.timeline.slices) == 100
+    assert 0 < len(engine.timeline.draft_gaps_ns) <= 100
+    assert engine.timeline.num_batches == 4999  # totals stay exact
 
 
 def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
