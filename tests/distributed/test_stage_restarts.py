@@ -13,9 +13,9 @@ import pytest
 from launcher.stage_monitor import StageProcessMonitor
 from launcher.stage_processes import LocalStageProcesses, StageStartupError
 from launcher.stage_restarts import RestartBudget, RestartLedger
-from tests.unit.test_local_backend import fake_config
+from tests.distributed.test_local_backend import fake_config
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]
 
 
 def test_restart_budget_is_a_sliding_window():
