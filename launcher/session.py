@@ -69,10 +69,10 @@ class PipelineSession:
         overriding options.predictor on the coordinator side; it must agree with it on
         `needs_exit_head` (the stages are built for that). Raises ValueError if it does not.
         tls: TLS files of the stages' control plane (serve --tls-cert/--tls-key)."""
+        self.tls = tls
         if predictor is not None and options.uses_speed and predictor.needs_exit_head != options.needs_exit_head:
             raise ValueError(f"predictor override {type(predictor).__name__} needs_exit_head={predictor.needs_exit_head}, "
                              f"but predictor {options.predictor!r} (the stages' build) has {options.needs_exit_head}")
-        self.tls = tls
         self.predictor = predictor
         self.options = options
         self.model = model

@@ -116,8 +116,10 @@ class AssembledStage:
 
 
 def _param_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (quantised weights are buffers)."""
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    """Bytes of a module's weights: its parameters and persistent buffers (quantised weights are
+    buffers; RoPE tables are not persistent and not counted; a tied tensor counts once)."""
+    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def assemble_stage(spec: StageLoadSpec) -> AssembledStage:

@@ -15,7 +15,7 @@ from launcher.stage_processes import LocalStageProcesses, StageStartupError
 from launcher.stage_restarts import RestartBudget, RestartLedger
 from tests.distributed.test_local_backend import fake_config
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]
 
 
 def test_restart_budget_is_a_sliding_window():
