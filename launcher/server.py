@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from launcher import openai_protocol as proto
+from launcher import openai_protocol
 from launcher.coordinator import PipelineError
 from launcher.serving_engine import (
     InvalidRequestError,
@@ -80,7 +80,7 @@ async def _in_thread(fn, *args) -> Any:
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(proto.error_body(message, param, type_=type_, code=status), status_code=status)
+    return JSONResponse(openai_protocol.error_body(message, param, type_=type_, code=status), status_code=status)
 
 
 def _sse(obj: Any) -> str:
@@ -106,32 +106,106 @@ def _refused(request: Request, api_key: str | None) -> JSONResponse | None:
     """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`); else a 401."""
     if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
         return None
-    return JSONResponse(proto.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
-                                         None, code="invalid_api_key"), status_code=401)
+    return JSONResponse(openai_protocol.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
+                                                   None, code="invalid_api_key"), status_code=401)
 
 
-def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[proto.ParsedRequest, RequestStream]:
+def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protocol.ParsedRequest, RequestStream]:
     """Decode, validate, tokenise and submit one request body (in a worker thread).
     Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
-    body = proto.decode_body(raw)
+    body = openai_protocol.decode_body(raw)
     tokenizer, model = engine.tokenizer, engine.model_name
     if chat:
-        parsed = proto.parse_chat(body, tokenizer=tokenizer, model_name=model, max_model_len=engine.max_model_len)
+        parsed = openai_protocol.parse_chat(body, tokenizer=tokenizer, model_name=model,
+                                            max_model_len=engine.max_model_len)
     else:
-        parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
+        parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model)
     engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
-    return parsed, engine.start(parsed.prompt_ids, parsed.params, request_id=proto.new_id("chatcmpl" if chat else "cmpl"))
+    return parsed, engine.start(parsed.prompt_ids, parsed.params,
+                                request_id=openai_protocol.new_id("chatcmpl" if chat else "cmpl"))
 
 
-def build_app(engine: ServingEngine, *, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
-    app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
-    model = engine.model_name
+def _failure_message(exc: PipelineError | UnavailableError) -> str:
+    return str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}"
 
-    def refused(request: Request) -> JSONResponse | None:
-        return _refused(request, api_key)
 
+def _unavailable(exc: PipelineError | UnavailableError) -> JSONResponse:
+    """503 for a fenced or draining server, or a failed pipeline."""
+    return _error(503, _failure_message(exc), None, type_="service_unavailable")
+
+
+def _admission_error(exc: Exception) -> JSONResponse:
+    """The response for an exception raised while admitting a request (see the module docstring)."""
+    if isinstance(exc, _BodyTooLarge):
+        return _error(413, str(exc), None)
+    if isinstance(exc, InvalidRequestError):
+        return _error(400, str(exc), exc.param)
+    if isinstance(exc, QueueFullError):
+        return _error(429, str(exc), None, type_="rate_limit_error")
+    if isinstance(exc, (UnavailableError, PipelineError)):
+        return _unavailable(exc)
+    return _error(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
+
+
+async def _collect(request: Request, stream: RequestStream, parsed: openai_protocol.ParsedRequest, *,
+                   model: str, chat: bool) -> Response:
+    """The whole answer of a non-streaming request; a client gone before it is ready aborts it."""
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            if await request.is_disconnected():
+                stream.cancel()
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.create_task(watch())
+    text, ids, reason = [], [], None
+    try:
+        async for chunk in stream:
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            reason = chunk.finish_reason or reason
+    except (UnavailableError, PipelineError) as exc:
+        return _unavailable(exc)
+    finally:
+        done.set()
+        watcher.cancel()
+        stream.cancel()
+    return JSONResponse(openai_protocol.completion_body(
+        request_id=stream.request_id, model=model, text="".join(text),
+        token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=stream.final,
+        chunk=False, chat=chat))
+
+
+async def _stream(stream: RequestStream, parsed: openai_protocol.ParsedRequest, *, model: str, chat: bool):
+    """Server-sent events of a streaming request, ending in `data: [DONE]` (after an error event
+    if the pipeline fails mid-way)."""
+    rid = stream.request_id
+    try:
+        if chat:
+            yield _sse(openai_protocol.completion_body(request_id=rid, model=model, text="", token_ids=None,
+                                                       finish_reason=None, final=None, chunk=True, chat=True,
+                                                       role=True))
+        async for chunk in stream:
+            if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
+                continue
+            yield _sse(openai_protocol.completion_body(
+                request_id=rid, model=model, text=chunk.text,
+                token_ids=list(chunk.token_ids) if parsed.return_token_ids else None,
+                finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat))
+        if parsed.include_usage and stream.final is not None:
+            yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=stream.final, chat=chat))
+        yield "data: [DONE]\n\n"
+    except (PipelineError, UnavailableError) as exc:
+        yield _sse(openai_protocol.error_body(_failure_message(exc), None, type_="service_unavailable", code=503))
+        yield "data: [DONE]\n\n"
+    finally:  # also on client disconnect (the generator is cancelled / closed)
+        stream.cancel()
+
+
+def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
+    """Unauthenticated routes: /health, /metrics, and the error body of unknown routes."""
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else
@@ -147,88 +221,30 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
         body = await asyncio.to_thread(engine.metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        if (denied := refused(request)) is not None:
-            return denied
-        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "speedpipe",
-                                            "max_model_len": engine.max_model_len}]})
 
+def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | None, max_request_bytes: int) -> None:
+    """/v1/models, /v1/completions and /v1/chat/completions, behind `Authorization: Bearer api_key` if set."""
+    model = engine.model_name
 
     async def generate(request: Request, *, chat: bool) -> Response:
-        if (denied := refused(request)) is not None:
+        if (denied := _refused(request, api_key)) is not None:
             return denied
         try:
             parsed, stream = await _in_thread(_admit, engine, await _read_body(request, max_request_bytes), chat)
-        except _BodyTooLarge as exc:
-            return _error(413, str(exc), None)
-        except InvalidRequestError as exc:
-            return _error(400, str(exc), exc.param)
-        except ValueError as exc:  # SamplingParams / coordinator checks not caught above
-            return _error(400, str(exc), None)
-        except QueueFullError as exc:
-            return _error(429, str(exc), None, type_="rate_limit_error")
-        except UnavailableError as exc:
-            return _error(503, str(exc), None, type_="service_unavailable")
-        except PipelineError as exc:
-            return _error(503, f"pipeline failed: {exc}", None, type_="service_unavailable")
+        except (_BodyTooLarge, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
+            return _admission_error(exc)  # InvalidRequestError is a ValueError
         if parsed.stream:
-            return _AbortingStreamingResponse(_stream(stream, parsed, chat=chat), stream=stream,
+            return _AbortingStreamingResponse(_stream(stream, parsed, model=model, chat=chat), stream=stream,
                                               media_type="text/event-stream")
-        return await _collect(request, stream, parsed, chat=chat)
+        return await _collect(request, stream, parsed, model=model, chat=chat)
 
-    async def _collect(request: Request, stream: RequestStream, parsed: proto.ParsedRequest, *, chat: bool) -> Response:
-        done = asyncio.Event()
-
-        async def watch() -> None:  # a client gone before the answer is ready aborts the request
-            while not done.is_set():
-                if await request.is_disconnected():
-                    stream.cancel()
-                    return
-                await asyncio.sleep(DISCONNECT_POLL_S)
-
-        watcher = asyncio.create_task(watch())
-        text, ids, reason = [], [], None
-        try:
-            async for chunk in stream:
-                text.append(chunk.text)
-                ids.extend(chunk.token_ids)
-                reason = chunk.finish_reason or reason
-        except UnavailableError as exc:
-            return _error(503, str(exc), None, type_="service_unavailable")
-        except PipelineError as exc:
-            return _error(503, f"pipeline failed: {exc}", None, type_="service_unavailable")
-        finally:
-            done.set()
-            watcher.cancel()
-            stream.cancel()
-        return JSONResponse(proto.completion_body(
-            request_id=stream.request_id, model=model, text="".join(text),
-            token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=stream.final,
-            chunk=False, chat=chat))
-
-    async def _stream(stream: RequestStream, parsed: proto.ParsedRequest, *, chat: bool):
-        rid = stream.request_id
-        try:
-            if chat:
-                yield _sse(proto.completion_body(request_id=rid, model=model, text="", token_ids=None,
-                                                 finish_reason=None, final=None, chunk=True, chat=True, role=True))
-            async for chunk in stream:
-                if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
-                    continue
-                yield _sse(proto.completion_body(
-                    request_id=rid, model=model, text=chunk.text,
-                    token_ids=list(chunk.token_ids) if parsed.return_token_ids else None,
-                    finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat))
-            if parsed.include_usage and stream.final is not None:
-                yield _sse(proto.usage_chunk(request_id=rid, model=model, final=stream.final, chat=chat))
-            yield "data: [DONE]\n\n"
-        except (PipelineError, UnavailableError) as exc:  # the stream ends with an error event, then [DONE]
-            message = str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}"
-            yield _sse(proto.error_body(message, None, type_="service_unavailable", code=503))
-            yield "data: [DONE]\n\n"
-        finally:  # also on client disconnect (the generator is cancelled / closed)
-            stream.cancel()
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if (denied := _refused(request, api_key)) is not None:
+            return denied
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "speedpipe",
+                "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -238,6 +254,13 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
 
+
+def build_app(engine: ServingEngine, *, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
+    app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_ops_routes(app, engine)
+    _add_openai_routes(app, engine, api_key=api_key, max_request_bytes=max_request_bytes)
     return app
 
 
