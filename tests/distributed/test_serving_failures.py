@@ -29,9 +29,10 @@ import psutil
 import pytest
 
 from launcher.ports import free_port
+from launcher.run_plan import resolve
 from launcher.serve import ServeOptions, ServingStack
 from launcher.serve_drain import DrainSignals, serve_until_stopped
-from launcher.session import PipelineSession, resolve
+from launcher.session import PipelineSession
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
@@ -94,7 +95,7 @@ def test_a_broken_stage_fences_the_server_which_keeps_answering(tiny_model_dir: 
             start = time.monotonic()
             late = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
             assert late.status_code == 503 and time.monotonic() - start < FAST_S
-            time.sleep(1.0)  # the server loop notices the failure (every 0.5 s) and stops the stages
+            assert wait_for(lambda: session.processes.stopping, timeout_s=10), "the server loop did not stop the stages"
             assert httpx.get(url + "/v1/models", timeout=FAST_S).status_code == 200
             assert loop.is_alive() and not crashed, crashed
             signals.request()
@@ -196,7 +197,8 @@ def test_serve_cli_survives_kill_9_of_a_stage_and_exits_0_on_sigterm(tiny_model_
     with httpx.stream("POST", cli.url + "/v1/completions", json=LONG, timeout=60) as r:
         events = sse_events(r, after_first=lambda: os.kill(pids[1], signal.SIGKILL))
     assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
-    time.sleep(1.5)  # the crash of the finding came 0.2 s after the kill
+    # the finding: the server crashed just after it stopped its stages; it must outlive that
+    assert wait_for(lambda: not cli.workers(), timeout_s=30), "the server did not stop its stages after the kill"
     assert cli.proc.poll() is None, cli.proc.stderr.read()
     assert httpx.get(cli.url + "/health", timeout=FAST_S).status_code == 503
     assert httpx.post(cli.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
