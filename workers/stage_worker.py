@@ -92,7 +92,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         reader = CheckpointReader(spec.model_dir)
         tensors = reader.read(names, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
         model = build_stage_model(config, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
-                                  tensors=tensors, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
+                                  tensors=tensors, dtype=TORCH_DTYPES[spec.dtype], device=spec.device,
+                                  consume=True)  # fusing then frees the unfused copies
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         exit_layer = spec.exit_layer if spec.exit_layer in spec.layer_range else None
