@@ -169,8 +169,3 @@ def hf_tensor_blocks(tensor: Any, config: ModelConfig, arch: str, *,
         # F32 tensors come back as read-only views of the memory map: copy those.
         yield np.ascontiguousarray(w) if w.flags.writeable else np.array(w, order="C")
 
-
-def hf_tensor(tensor: Any, config: ModelConfig, arch: str) -> np.ndarray:
-    """`hf_tensor_blocks` joined into one array (for small tensors and tests)."""
-    blocks = list(hf_tensor_blocks(tensor, config, arch))
-    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
