@@ -92,7 +92,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         model = load_stage_model(spec.model_dir, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
                                  quantization=spec.quantization, dtype=TORCH_DTYPES[spec.dtype], device=spec.device,
                                  reader=reader)
-        self.act_dtype = activation_dtype(spec.quantization, spec.model_dir, TORCH_DTYPES[spec.dtype])
+        self.act_dtype = activation_dtype(spec.quantization, spec.model_dir, TORCH_DTYPES[spec.dtype], spec.device)
         self.weights_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         exit_layer = spec.exit_layer if spec.exit_layer in spec.layer_range else None
