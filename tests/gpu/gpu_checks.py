@@ -82,7 +82,7 @@ def main() -> int:
             ids = tok.encode(text)
             sp_tokens, sp_first, sp_s = sp_greedy(sp, ids, args.new_tokens)
             hf_tokens, hf_first, hf_s = hf_greedy(hf, ids, args.new_tokens)
-            same = next((i for i, (a, b) in enumerate(zip(sp_tokens, hf_tokens)) if a != b), len(sp_tokens))
+            same = next((i for i, (a, b) in enumerate(zip(sp_tokens, hf_tokens, strict=True)) if a != b), len(sp_tokens))
             rows.append({"max_abs_logit_diff": (sp_first - hf_first).abs().max().item(), "matching_prefix": same,
                          "sp_decode_tokens_per_s": (args.new_tokens - 1) / sp_s,
                          "hf_generate_tokens_per_s": args.new_tokens / hf_s})
