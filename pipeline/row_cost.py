@@ -115,16 +115,18 @@ def best_num_rows(table: RowCostTable, probs: Sequence[float], *, max_rows: int)
 
 
 def measure_row_costs(run_pass: Callable[[int, int], None], shapes: Sequence[tuple[int, int]], *,
-                      repeats: int) -> dict[tuple[int, int], float]:
+                      repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
     """Median seconds of `run_pass(num_rows, firp_k)` per shape, shapes interleaved repeat by repeat
-    (drift hits every shape alike); the first round warms up and is dropped."""
+    (drift hits every shape alike); the first round warms up and is dropped. clock: wall time by
+    default; `time.thread_time` (CPU seconds of this thread) on a machine shared with other jobs,
+    where wall time mostly measures how long the thread waited for a core."""
     times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
     for r in range(repeats + 1):
         for shape in shapes:
-            start = time.perf_counter()
+            start = clock()
             run_pass(*shape)
             if r:
-                times[shape].append(time.perf_counter() - start)
+                times[shape].append(clock() - start)
     return {shape: statistics.median(ts) for shape, ts in times.items()}
 
 

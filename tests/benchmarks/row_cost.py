@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def load_mode(model_dir: Path, mode: str) -> StageModel:
                             quantization=quantization, dtype=dtype)
 
 
-def measure(model: StageModel, *, context: int, repeats: int, firp_layer: int) -> list[dict]:
+def measure(model: StageModel, *, context: int, repeats: int, firp_layer: int, clock=None) -> list[dict]:
     """Median seconds per shape and the ratio to the one-row pass, shapes interleaved per repeat."""
     c = model.config
     kv = model.new_kv_cache(max_num_seqs=1, max_model_len=context + 96)
@@ -61,7 +62,7 @@ def measure(model: StageModel, *, context: int, repeats: int, firp_layer: int) -
     maps = FirpMaps(c.hidden_size, max(k for _, k in SHAPES)).to(dtype)
     run = decode_pass(model, kv, context=context, firp_layer=firp_layer,
                       make_pseudo=lambda h, k: maps.chains(h, [k] * len(h)))
-    medians = measure_row_costs(run, SHAPES, repeats=repeats)
+    medians = measure_row_costs(run, SHAPES, repeats=repeats, clock=clock or time.perf_counter)
     base = medians[(1, 0)]
     return [{"real_rows": n, "firp_k": k, "pseudo_rows": n * k if k else 0, "median_ms": round(med * 1e3, 2),
              "ratio_to_one_row": round(med / base, 3)} for (n, k), med in medians.items()]
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--firp-layer", type=int, default=16, help="layer whose output anchors FIRP chains (default 16)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "row_cost.json"))
     p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, short context, no JSON")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time (quiet machine), or this thread's CPU time (a machine shared with other jobs)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
@@ -96,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.firp_layer < num_layers - 1:
         print(f"error: --firp-layer {args.firp_layer} must be in [0, {num_layers - 1})", file=sys.stderr)
         return 2
-    report = {"model": args.model, "context": args.context, "repeats": args.repeats, "threads": 1,
+    report = {"model": args.model, "context": args.context, "repeats": args.repeats, "threads": 1, "clock": args.clock,
               "firp_layer": args.firp_layer, "modes": {}, "tables": []}
     for mode in modes:
         rows = measure(load_mode(model_dir, mode), context=args.context, repeats=args.repeats,
-                       firp_layer=args.firp_layer)
+                       firp_layer=args.firp_layer, clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
         report["modes"][mode] = rows
         report["tables"].append(table_of(mode, rows).to_json())
         for r in rows:
