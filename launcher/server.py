@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from launcher import openai_protocol as proto
 from launcher.coordinator import PipelineError
+from launcher.openai_logprobs import LogprobFormatter
 from launcher.serving_engine import (
     InvalidRequestError,
     QueueFullError,
@@ -83,6 +84,47 @@ def _error(status: int, message: str, param: str | None = None, type_: str = "in
     return JSONResponse(proto.error_body(message, param, type_=type_, code=status), status_code=status)
 
 
+class _ChoiceStreams(list):
+    """The n RequestStreams of one request (choice i is element i; see `ParsedRequest.choice_params`)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+    def cancel(self) -> None:
+        """Abort every choice still running."""
+        for stream in self:
+            stream.cancel()
+
+
+async def _merged(streams: _ChoiceStreams):
+    """(choice index, chunk) of every choice's stream as they arrive; raises what a stream raises."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk, None))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            index, chunk, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if chunk is None:
+                left -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -107,6 +149,7 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
     """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
     app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
     tokenizer, model = engine.tokenizer, engine.model_name
+    formatter = LogprobFormatter(tokenizer)
 
     def refused(request: Request) -> JSONResponse | None:
         if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
@@ -144,8 +187,15 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
         else:
             parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
         engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
-        return parsed, engine.start(parsed.prompt_ids, parsed.params,
-                                    request_id=proto.new_id("chatcmpl" if chat else "cmpl"))
+        streams = _ChoiceStreams(proto.new_id("chatcmpl" if chat else "cmpl"))
+        try:  # n choices: n independent sequences, seeds derived per choice
+            for i, params in enumerate(parsed.choice_params()):
+                rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
+                streams.append(engine.start(parsed.prompt_ids, params, request_id=rid))
+        except BaseException:
+            streams.cancel()
+            raise
+        return parsed, streams
 
     async def generate(request: Request, *, chat: bool) -> Response:
         if (denied := refused(request)) is not None:
@@ -169,7 +219,21 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
                                               media_type="text/event-stream")
         return await _collect(request, stream, parsed, chat=chat)
 
-    async def _collect(request: Request, stream: RequestStream, parsed: proto.ParsedRequest, *, chat: bool) -> Response:
+    def choice_logprobs(parsed: proto.ParsedRequest, chat: bool, ids: list[int], entries: list,
+                        prompt_entries, text_offset: int) -> dict[str, Any] | None:
+        """The `logprobs` object of (a chunk of) one choice, or None when the request asked for none."""
+        if parsed.params.logprobs is None:
+            return None
+        if chat:
+            return formatter.chat(ids, entries)
+        if prompt_entries is not None:  # echo: the prompt's tokens first
+            ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
+        return formatter.completion(ids, entries, text_offset=text_offset)
+
+    def echo_text(parsed: proto.ParsedRequest) -> str:
+        return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
+
+    async def _collect(request: Request, stream: _ChoiceStreams, parsed: proto.ParsedRequest, *, chat: bool) -> Response:
         done = asyncio.Event()
 
         async def watch() -> None:  # a client gone before the answer is ready aborts the request
@@ -180,12 +244,21 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
                 await asyncio.sleep(DISCONNECT_POLL_S)
 
         watcher = asyncio.create_task(watch())
-        text, ids, reason = [], [], None
+        choices = []
         try:
-            async for chunk in stream:
-                text.append(chunk.text)
-                ids.extend(chunk.token_ids)
-                reason = chunk.finish_reason or reason
+            for index, choice in enumerate(stream):
+                text, ids, reason, entries, prompt_entries = [echo_text(parsed)], [], None, [], None
+                async for chunk in choice:
+                    text.append(chunk.text)
+                    ids.extend(chunk.token_ids)
+                    entries.extend(chunk.logprobs or ())
+                    prompt_entries = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_entries
+                    reason = chunk.finish_reason or reason
+                choices.append(proto.completion_body(
+                    request_id=stream.request_id, model=model, text="".join(text),
+                    token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
+                    chunk=False, chat=chat, index=index,
+                    logprobs=choice_logprobs(parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
         except UnavailableError as exc:
             return _error(503, str(exc), None, type_="service_unavailable")
         except PipelineError as exc:
@@ -194,26 +267,39 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
             done.set()
             watcher.cancel()
             stream.cancel()
-        return JSONResponse(proto.completion_body(
-            request_id=stream.request_id, model=model, text="".join(text),
-            token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=stream.final,
-            chunk=False, chat=chat))
+        body = proto.completion_body(request_id=stream.request_id, model=model, text="", token_ids=None,
+                                     finish_reason=None, final=proto.merged_final([s.final for s in stream]),
+                                     chunk=False, chat=chat)
+        body["choices"] = choices
+        return JSONResponse(body)
 
-    async def _stream(stream: RequestStream, parsed: proto.ParsedRequest, *, chat: bool):
+    async def _stream(stream: _ChoiceStreams, parsed: proto.ParsedRequest, *, chat: bool):
         rid = stream.request_id
+        offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
+        started: set[int] = set()
         try:
             if chat:
-                yield _sse(proto.completion_body(request_id=rid, model=model, text="", token_ids=None,
-                                                 finish_reason=None, final=None, chunk=True, chat=True, role=True))
-            async for chunk in stream:
+                for index in range(len(stream)):
+                    yield _sse(proto.completion_body(request_id=rid, model=model, text="", token_ids=None,
+                                                     finish_reason=None, final=None, chunk=True, chat=True,
+                                                     role=True, index=index))
+            async for index, chunk in _merged(stream):
                 if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                     continue
+                text = chunk.text if index in started else echo_text(parsed) + chunk.text
+                started.add(index)
+                ids = list(chunk.token_ids)
+                logprobs = choice_logprobs(parsed, chat, ids, list(chunk.logprobs or ()), chunk.prompt_logprobs,
+                                           offsets[index])
+                if logprobs is not None and not chat:
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse(proto.completion_body(
-                    request_id=rid, model=model, text=chunk.text,
-                    token_ids=list(chunk.token_ids) if parsed.return_token_ids else None,
-                    finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat))
-            if parsed.include_usage and stream.final is not None:
-                yield _sse(proto.usage_chunk(request_id=rid, model=model, final=stream.final, chat=chat))
+                    request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
+                    finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
+                    logprobs=logprobs))
+            final = proto.merged_final([s.final for s in stream])
+            if parsed.include_usage and final is not None:
+                yield _sse(proto.usage_chunk(request_id=rid, model=model, final=final, chat=chat))
             yield "data: [DONE]\n\n"
         except (PipelineError, UnavailableError) as exc:  # the stream ends with an error event, then [DONE]
             message = str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}"
