@@ -170,7 +170,8 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
 
 def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
     """Completions: `logprobs` (null or 0..MAX_LOGPROBS alternatives) and `echo` (prompt logprobs too)."""
-    kw["logprobs"] = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
+    lp = {"logprobs": None if body.get("logprobs") is False else body.get("logprobs")}  # false: none, as null
+    kw["logprobs"] = _int(lp, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
     kw["echo"] = bool(body.get("echo", False))
     if kw["echo"] and kw["logprobs"] is not None:
         kw["prompt_logprobs"] = kw["logprobs"]

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -145,8 +146,11 @@ def test_queue_bound_is_429_and_abort_on_disconnect(served):
     ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": "3"}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 2}, "top_p"),
     ({"seed": -3}, "seed"), ({"stop": 5}, "stop"), ({"model": "other"}, "model"), ({"prompt": ""}, "prompt"),
-    ({"prompt": None}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"n": 2}, "n"), ({"stream": "yes"}, "stream"),
-    ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": None}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"n": 0}, "n"), ({"stream": "yes"}, "stream"),
+    ({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"echo": 1}, "echo"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 2.1}, "repetition_penalty"),
+    ({"best_of": 3}, "best_of"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_parse_completion_names_the_bad_field(tokenizer, body, param):
@@ -168,6 +172,17 @@ def test_parse_completion_and_chat(tokenizer):
     assert render_chat(messages, tokenizer=tokenizer) == "<user>Hi\n<assistant>"
     chat = parse_chat({"messages": messages}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
     assert chat.params.max_new_tokens == 64 - len(chat.prompt_ids)
+    chat = parse_chat({"messages": messages, "logprobs": True, "top_logprobs": 3, "n": 2, "seed": 5},
+                      tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+    assert chat.params.logprobs == 3 and [p.seed for p in chat.choice_params()] == [5, 6]
+    p = parse_completion({"prompt": "Hi", "logprobs": 2, "echo": True, "repetition_penalty": 1.2},
+                         tokenizer=tokenizer, model_name="tiny")
+    assert (p.params.logprobs, p.params.prompt_logprobs, p.echo, p.params.repetition_penalty) == (2, 2, True, 1.2)
+    for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo")):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_chat({"messages": messages, **body}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+        assert info.value.param == param
 
 
 def test_too_long_prompt_names_prompt_or_max_tokens(served):
@@ -382,8 +397,9 @@ def test_serve_buffers_are_windows(tokenizer):
     from launcher.serve import window_serving_buffers
     from pipeline.items import Item, ItemKind
 
-    coord = SimpleNamespace(commit_events=deque(maxlen=1_000_000), timeline=Timeline(2))
+    coord = SimpleNamespace(engine=SimpleNamespace(commit_log=deque(maxlen=1_000_000)), timeline=Timeline(2))
     window_serving_buffers(coord, 100)
+    coord.commit_events = coord.engine.commit_log  # as Coordinator.commit_events reads it
     item = Item(seq_id=0, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT)
     for i in range(1, 5000):
         coord.commit_events.append((i, 0, 1))
