@@ -1,7 +1,8 @@
 """The OpenAI API features clients use, through the official `openai` client against `speedpipe serve`.
 
-One 2-stage server on the tiny random model (float32) per speculation mode, `none` and `speed`
-(n-gram drafts, so drafts are verified and both accepted and squashed). Every check compares with
+One 2-stage server (real stage processes, gloo on loopback) on the tiny random model (float32) per
+speculation mode: `none`, `speed` (n-gram drafts) and `speed+firp` (untrained FIRP maps, so chains
+of several rows are verified in one result and both accepted and rejected), every draft sent. Every check compares with
 a reference computed here from transformers' logits for the same prompt (greedy decoding, float32,
 to 1e-4): `logprobs` / `top_logprobs` on completions and chat, `echo` with prompt logprobs, `n` = 3,
 presence / frequency / repetition penalties; both modes must match the same reference, so the
@@ -25,13 +26,13 @@ from launcher.serve import ServeOptions, ServingStack
 from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
 from pipeline.tokenizer import Tokenizer
-from tests.tiny_model import write_tiny_model
+from tests.tiny_model import write_firp_file, write_tiny_model
 from tests.unit.test_logprobs_penalties import _reference_penalised
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 PROMPT = "The cat sat on the mat."
 NUM_TOKENS = 8
@@ -55,10 +56,15 @@ def hf_model(tiny_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module", params=["none", "speed"])
-def server(request, tiny_dir):
+@pytest.fixture(scope="module", params=["none", "speed", "speed+firp"])
+def server(request, tiny_dir, tmp_path_factory):
+    firp = {}
+    if "firp" in request.param:
+        path = write_firp_file(tiny_dir, tmp_path_factory.mktemp("firp") / "firp.safetensors", layer=1, k=3)
+        firp = dict(firp_file=str(path), layer_split="2,2")
     options = PipelineOptions(num_stages=2, model=str(tiny_dir), progress=False, max_num_seqs=4, max_model_len=128,
-                              stage_timeout_s=60, speculate=request.param, predictor="ngram")
+                              stage_timeout_s=60, speculate=request.param, predictor="ngram", min_acceptance=0.0,
+                              **firp)
     with PipelineSession(options, resolve(options)) as session:
         with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=-1, stats_interval_s=0)) as stack:
             yield stack
@@ -202,5 +208,9 @@ def test_bad_values_are_400_naming_the_field(server, body, param):
 def test_speculation_verified_drafts(server, client):
     if server.session.options.speculate == "none":
         pytest.skip("plain decoding")
-    client.completions.create(model=server.engine.model_name, prompt="ab ab ab ab ab ab", **GREEDY)
-    assert server.session.coordinator.spec.verified_drafts > 0
+    client.completions.create(model=server.engine.model_name, prompt="ab ab ab ab ab ab", logprobs=1,
+                              frequency_penalty=0.5, **GREEDY)
+    spec = server.session.coordinator.spec
+    assert spec.verified_drafts > 0 and spec.accepted_tokens > 0 and spec.squashed_items > 0, spec
+    if "firp" in server.session.options.speculate:
+        assert spec.firp_verified > 0, spec
