@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from pipeline.engine import Engine
-from pipeline.sampling import SamplingParams, apply_penalties, token_logprob
+from pipeline.sampling import Sampler, SamplingParams, apply_penalties, token_logprob
 from pipeline.scheduler_types import SchedulerConfig
+from pipeline.verify import verify_result
 from tests.unit.test_speculation_scheduler import (
     MAX_MODEL_LEN,
     SAMPLING_VOCAB,
@@ -118,3 +119,13 @@ def test_token_logprob_is_log_softmax_with_sorted_alternatives():
 def test_out_of_range_values_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_chain_verify_penalises_each_row_with_the_drafts_accepted_before_it():
+    # Two result rows of one FIRP chain: row 0 verifies draft 3 (its argmax), row 1's raw argmax is 3
+    # again, but plain decoding would have 3 in the history there, so the penalty makes it 4.
+    logits = torch.tensor([[0.0, 0.0, 0.0, 5.0, 1.0, 0.0], [0.0, 0.0, 0.0, 5.0, 4.0, 0.0]])
+    params = SamplingParams(frequency_penalty=2.0, max_new_tokens=8)
+    tokens = verify_result(argmax=[3, 3], drafts=[3, 3], logits=logits, sampler=Sampler(params), eos_token_ids=(),
+                           ignore_eos=True, budget_left=8, prompt_ids=[1], output_ids=[0])
+    assert tokens == [3, 4]
