@@ -194,6 +194,28 @@ def test_n_3_streamed_has_every_choice(server, client):
     assert all(n == NUM_TOKENS for n in logprobs.values())
 
 
+def test_streamed_chat_and_echo_carry_the_same_logprobs(server, client):
+    name = server.engine.model_name
+    whole = client.chat.completions.create(model=name, messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
+    streamed = []
+    for chunk in client.chat.completions.create(model=name, messages=CHAT, logprobs=True, top_logprobs=2,
+                                                stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed.extend(c.logprobs.content if c.logprobs else [])
+    want = choice_of(whole).logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in want]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in want], abs=TOL)
+    text, token_logprobs = "", []
+    for chunk in client.completions.create(model=name, prompt=PROMPT, logprobs=0, echo=True, stream=True, **GREEDY):
+        text += chunk.choices[0].text
+        token_logprobs.extend(chunk.choices[0].logprobs.token_logprobs)
+    whole = client.completions.create(model=name, prompt=PROMPT, logprobs=0, echo=True, **GREEDY)
+    assert text == choice_of(whole).text and text.startswith(PROMPT)
+    want = choice_of(whole).logprobs.token_logprobs
+    assert token_logprobs[0] is None and want[0] is None
+    assert token_logprobs[1:] == pytest.approx(want[1:], abs=TOL)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"logprobs": 21}, "logprobs"), ({"n": 0}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
