@@ -187,6 +187,9 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
         else:
             parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
         engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
+        if parsed.n > engine.max_num_seqs + engine.max_queue:
+            raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
+                                      f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")
         streams = _ChoiceStreams(proto.new_id("chatcmpl" if chat else "cmpl"))
         try:  # n choices: n independent sequences, seeds derived per choice
             for i, params in enumerate(parsed.choice_params()):
