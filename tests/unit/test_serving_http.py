@@ -437,3 +437,20 @@ def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
     finally:
         server.stop()
+
+
+def test_n_choices_are_independent_requests_merged_in_one_response(served):
+    coord, engine, url = served
+    r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "n": 3, "seed": 9})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2] and all(c["text"] == "abca" for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    with httpx.stream("POST", url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "n": 2, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 2
+    r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "n": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert engine.num_outstanding == 0
