@@ -144,6 +144,49 @@ class _AbortingStreamingResponse(StreamingResponse):
             self._request_stream.cancel()
 
 
+def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[proto.ParsedRequest, _ChoiceStreams]:
+    """Decode, validate, tokenise and submit one request body (in a worker thread): n choices are n
+    independent sequences, seeds derived per choice (`ParsedRequest.choice_params`).
+    Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
+    body = proto.decode_body(raw)
+    tokenizer, model = engine.tokenizer, engine.model_name
+    if chat:
+        parsed = proto.parse_chat(body, tokenizer=tokenizer, model_name=model, max_model_len=engine.max_model_len)
+    else:
+        parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
+    engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
+    if parsed.n > engine.max_num_seqs + engine.max_queue:
+        raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
+                                  f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")
+    streams = _ChoiceStreams(proto.new_id("chatcmpl" if chat else "cmpl"))
+    try:
+        for i, params in enumerate(parsed.choice_params()):
+            rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
+            streams.append(engine.start(parsed.prompt_ids, params, request_id=rid))
+    except BaseException:
+        streams.cancel()
+        raise
+    return parsed, streams
+
+
+def _choice_logprobs(formatter: LogprobFormatter, parsed: proto.ParsedRequest, chat: bool, ids: list[int],
+                     entries: list, prompt_entries, text_offset: int) -> dict[str, Any] | None:
+    """The `logprobs` object of (a chunk of) one choice, or None when the request asked for none.
+    prompt_entries: the prompt's logprobs (completions with echo, on the first chunk), else None."""
+    if parsed.params.logprobs is None:
+        return None
+    if chat:
+        return formatter.chat(ids, entries)
+    if prompt_entries is not None:  # echo: the prompt's tokens first
+        ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
+    return formatter.completion(ids, entries, text_offset=text_offset)
+
+
+def _echo_text(tokenizer, parsed: proto.ParsedRequest) -> str:
+    """The prompt's text when the request echoes it (completions `echo`), else ""."""
+    return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
+
+
 def build_app(engine: ServingEngine, *, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
@@ -179,32 +222,11 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
         return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "speedpipe",
                                             "max_model_len": engine.max_model_len}]})
 
-    def admit(raw: bytes, chat: bool) -> tuple[proto.ParsedRequest, RequestStream]:
-        """Decode, validate, tokenise and submit (in a worker thread). Raises what `generate` maps."""
-        body = proto.decode_body(raw)
-        if chat:
-            parsed = proto.parse_chat(body, tokenizer=tokenizer, model_name=model, max_model_len=engine.max_model_len)
-        else:
-            parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
-        engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
-        if parsed.n > engine.max_num_seqs + engine.max_queue:
-            raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
-                                      f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")
-        streams = _ChoiceStreams(proto.new_id("chatcmpl" if chat else "cmpl"))
-        try:  # n choices: n independent sequences, seeds derived per choice
-            for i, params in enumerate(parsed.choice_params()):
-                rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
-                streams.append(engine.start(parsed.prompt_ids, params, request_id=rid))
-        except BaseException:
-            streams.cancel()
-            raise
-        return parsed, streams
-
     async def generate(request: Request, *, chat: bool) -> Response:
         if (denied := refused(request)) is not None:
             return denied
         try:
-            parsed, stream = await _in_thread(admit, await _read_body(request, max_request_bytes), chat)
+            parsed, stream = await _in_thread(_admit, engine, await _read_body(request, max_request_bytes), chat)
         except _BodyTooLarge as exc:
             return _error(413, str(exc), None)
         except InvalidRequestError as exc:
@@ -222,20 +244,6 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
                                               media_type="text/event-stream")
         return await _collect(request, stream, parsed, chat=chat)
 
-    def choice_logprobs(parsed: proto.ParsedRequest, chat: bool, ids: list[int], entries: list,
-                        prompt_entries, text_offset: int) -> dict[str, Any] | None:
-        """The `logprobs` object of (a chunk of) one choice, or None when the request asked for none."""
-        if parsed.params.logprobs is None:
-            return None
-        if chat:
-            return formatter.chat(ids, entries)
-        if prompt_entries is not None:  # echo: the prompt's tokens first
-            ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
-        return formatter.completion(ids, entries, text_offset=text_offset)
-
-    def echo_text(parsed: proto.ParsedRequest) -> str:
-        return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
-
     async def _collect(request: Request, stream: _ChoiceStreams, parsed: proto.ParsedRequest, *, chat: bool) -> Response:
         done = asyncio.Event()
 
@@ -250,7 +258,7 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
         choices = []
         try:
             for index, choice in enumerate(stream):
-                text, ids, reason, entries, prompt_entries = [echo_text(parsed)], [], None, [], None
+                text, ids, reason, entries, prompt_entries = [_echo_text(tokenizer, parsed)], [], None, [], None
                 async for chunk in choice:
                     text.append(chunk.text)
                     ids.extend(chunk.token_ids)
@@ -261,7 +269,7 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
                     request_id=stream.request_id, model=model, text="".join(text),
                     token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
                     chunk=False, chat=chat, index=index,
-                    logprobs=choice_logprobs(parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
+                    logprobs=_choice_logprobs(formatter, parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
         except UnavailableError as exc:
             return _error(503, str(exc), None, type_="service_unavailable")
         except PipelineError as exc:
@@ -289,11 +297,11 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
             async for index, chunk in _merged(stream):
                 if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                     continue
-                text = chunk.text if index in started else echo_text(parsed) + chunk.text
+                text = chunk.text if index in started else _echo_text(tokenizer, parsed) + chunk.text
                 started.add(index)
                 ids = list(chunk.token_ids)
-                logprobs = choice_logprobs(parsed, chat, ids, list(chunk.logprobs or ()), chunk.prompt_logprobs,
-                                           offsets[index])
+                logprobs = _choice_logprobs(formatter, parsed, chat, ids, list(chunk.logprobs or ()),
+                                            chunk.prompt_logprobs, offsets[index])
                 if logprobs is not None and not chat:
                     offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse(proto.completion_body(
