@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.engine import Engine
+from pipeline.items import Item, ItemKind
 from pipeline.sampling import Sampler, SamplingParams, apply_penalties, token_logprob
 from pipeline.scheduler_types import SchedulerConfig
 from pipeline.verify import verify_result
@@ -129,3 +130,14 @@ def test_a_chain_verify_penalises_each_row_with_the_drafts_accepted_before_it():
     tokens = verify_result(argmax=[3, 3], drafts=[3, 3], logits=logits, sampler=Sampler(params), eos_token_ids=(),
                            ignore_eos=True, budget_left=8, prompt_ids=[1], output_ids=[0])
     assert tokens == [3, 4]
+
+
+def test_only_requests_that_need_them_ask_the_last_stage_for_logits():
+    assert not SamplingParams().needs_logits  # greedy without logprobs or penalties: argmax ids only
+    for kw in (dict(temperature=0.7), dict(logprobs=0), dict(presence_penalty=0.1), dict(repetition_penalty=1.1)):
+        assert SamplingParams(**kw).needs_logits, kw
+    with pytest.raises(ValueError, match="want_prompt_logits"):
+        Item(seq_id=0, slot=0, start=3, num_tokens=1, kind=ItemKind.DECODE, want_logits=True, want_prompt_logits=True)
+    prefill = Item(seq_id=0, slot=0, start=0, num_tokens=5, kind=ItemKind.PREFILL, want_logits=True,
+                   want_prompt_logits=True)
+    assert (prefill.num_logit_rows, prefill.num_result_rows) == (5, 1)
