@@ -5,7 +5,7 @@ speculation mode: `none`, `speed` (n-gram drafts) and `speed+firp` (untrained FI
 of several rows are verified in one result and both accepted and rejected), every draft sent. Every check compares with
 a reference computed here from transformers' logits for the same prompt (greedy decoding, float32,
 to 1e-4): `logprobs` / `top_logprobs` on completions and chat, `echo` with prompt logprobs, `n` = 3,
-presence / frequency / repetition penalties; both modes must match the same reference, so the
+presence / frequency / repetition penalties, and gRPC Generate's logprobs and penalties; all modes must match the same reference, so the
 verify pass gives the logprobs plain decoding gives. Bad values answer 400 naming the field.
 What breaks when these fail: logprobs of the wrong row or distribution, prompt rows lost, penalties
 that differ from vLLM's formula or that ignore accepted drafts, choices that share a sequence.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -26,6 +27,8 @@ from launcher.serve import ServeOptions, ServingStack
 from launcher.session import PipelineSession
 from pipeline.sampling import SamplingParams
 from pipeline.tokenizer import Tokenizer
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.tiny_model import write_firp_file, write_tiny_model
 from tests.unit.test_logprobs_penalties import _reference_penalised
 
@@ -66,7 +69,7 @@ def server(request, tiny_dir, tmp_path_factory):
                               stage_timeout_s=60, speculate=request.param, predictor="ngram", min_acceptance=0.0,
                               **firp)
     with PipelineSession(options, resolve(options)) as session:
-        with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=-1, stats_interval_s=0)) as stack:
+        with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=0, stats_interval_s=0)) as stack:
             yield stack
 
 
@@ -225,6 +228,29 @@ def test_bad_values_are_400_naming_the_field(server, body, param):
     r = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/completions", json={"prompt": PROMPT, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_grpc_generate_logprobs_and_penalties_match_transformers(server, hf_model):
+    ids = server.engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_new_tokens=NUM_TOKENS, frequency_penalty=1.0)
+    ref, logps = _greedy_reference(hf_model, ids, params)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        chunks = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NUM_TOKENS, ignore_eos=True,
+                                                       frequency_penalty=1.0, logprobs=2)))
+        entries = [e for c in chunks for e in c.logprobs]
+        assert [t for c in chunks for t in c.token_ids] == ref == [e.token_id for e in entries]
+        assert [e.logprob for e in entries] == pytest.approx([float(logps[i][t]) for i, t in enumerate(ref)], abs=TOL)
+        for i, e in enumerate(entries):
+            values, top_ids = torch.sort(logps[i], descending=True, stable=True)
+            assert [t.token_id for t in e.top] == top_ids[:2].tolist()
+            assert [t.logprob for t in e.top] == pytest.approx(values[:2].tolist(), abs=TOL)
+        for req, field in ((pb.GenerateRequest(prompt="Hi", max_new_tokens=2, logprobs=21), "logprobs"),
+                           (pb.GenerateRequest(prompt="Hi", max_new_tokens=2, presence_penalty=3), "presence_penalty"),
+                           (pb.GenerateRequest(prompt="Hi", max_new_tokens=2, repetition_penalty=0), "repetition_penalty")):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(req))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
 
 
 def test_speculation_verified_drafts(server, client):
