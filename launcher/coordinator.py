@@ -21,8 +21,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import grpc
-
 from launcher.request_handle import PipelineError, RequestHandle, RequestOutput, StreamChunk, encode_prompt
 from launcher.stage_control import load_and_join, shutdown_stages, wait_reachable
 from launcher.stage_link import StageLink
@@ -38,7 +36,7 @@ from pipeline.wire import rank_of_stage
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import ChannelError
-from workers.control_auth import with_secret
+from workers.control_auth import TlsFiles, control_channel, with_secret
 from workers.convert import StageLoadSpec
 
 __all__ = ["Coordinator", "CoordinatorConfig", "PipelineError", "RequestHandle", "RequestOutput", "StreamChunk"]
@@ -76,14 +74,16 @@ class Coordinator:
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
-                 predictor: Predictor | None = None, control_secret: str | None = None) -> None:
+                 predictor: Predictor | None = None, control_secret: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
         """predictor: overrides the one named by config.predictor (tests use adversarial ones).
-        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py)."""
+        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py);
+        tls: the control plane's TLS files (None: plain TCP)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config = config
         self.tokenizer = tokenizer
-        self.channels = [grpc.insecure_channel(a) for a in stage_addresses]
+        self.channels = [control_channel(a, tls=tls) for a in stage_addresses]
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         # Per-micro-batch stage timings; off: measure the overhead (tests/benchmarks/timeline_overhead.py)
         self.record_timeline = config.record_timeline

@@ -14,7 +14,6 @@ the remaining stage processes are stopped, and the front ends stay up answering 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -24,6 +23,7 @@ import sys
 
 from launcher.coordinator import Coordinator, PipelineError
 from launcher.session import PipelineSession
+from workers.control_auth import TlsFiles
 
 log = logging.getLogger("speedpipe.serve")
 
@@ -48,6 +48,9 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
     g.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are ended with "
                    "an error event (default 30; a second SIGTERM ends them at once)")
+    g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate of the stages' control plane (with "
+                   "--tls-key; it must name every stage's host): stages serve TLS, the coordinator trusts it")
+    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     g.add_argument("--stage-heartbeat-timeout-s", type=float, default=5.0,
                    help="a stage that does not answer its heartbeat this long is declared hung: requests fail, "
                    "/health 503 (default 5; a long step is not a hang)")
@@ -203,10 +206,7 @@ def window_serving_buffers(coord: Coordinator, max_entries: int) -> None:
     and writes no trace, so its buffers are windows. Counters (useful / wasted seconds, speculation
     totals) are plain numbers and stay exact. Called before the server admits requests.
     """
-    coord.engine.commit_log = collections.deque(coord.engine.commit_log, maxlen=max_entries)  # commit_events reads it
-    timeline = coord.timeline
-    timeline.slices = collections.deque(timeline.slices, maxlen=max_entries)
-    timeline.draft_gaps_ns = collections.deque(timeline.draft_gaps_ns, maxlen=max_entries)
+    coord.engine.window_buffers(max_entries)
 
 
 def default_model_name(session: PipelineSession) -> str:
@@ -225,6 +225,14 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         stage_heartbeat_timeout_s=args.stage_heartbeat_timeout_s)
 
 
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """--tls-cert and --tls-key (both or neither). Raises ValueError naming the flag."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    return None if cert is None else TlsFiles(cert_file=cert, key_file=key)
+
+
 def _show_stats_lines() -> None:
     if logging.getLogger().level > logging.INFO:  # the stats line is the server's heartbeat: show it
         logging.getLogger("speedpipe.stats").setLevel(logging.INFO)
@@ -238,18 +246,21 @@ def _show_stats_lines() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM / Ctrl-C, then drain. Exit 2 for bad flags (nothing spawned), 1 if start-up
     fails, 0 after a drain (launcher/serve_drain.py)."""
-    from launcher.cli import pipeline_options, run_member, say
+    from launcher.cli import pipeline_options, say
+    from launcher.multinode import run_member_node
     from launcher.run_plan import resolve
     from launcher.serve_drain import DrainSignals, serve_until_stopped
 
-    serve = serve_options(args)
+    serve, tls = serve_options(args), tls_files(args)
     options = pipeline_options(args, progress=not getattr(args, "no_progress", False))
-    if options.placement.multi_node and options.placement.node_rank > 0:
-        return run_member(options)  # node R > 0 only runs its stages; node 0 serves
+    if options.placement.multi_node and options.placement.node_rank > 0:  # only runs its stages; node 0 serves
+        resolve(options)
+        return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
+                               threads_per_stage=options.threads_per_stage, say=say, tls=tls)
     serve.check_ports()
     model = resolve(options)
     _show_stats_lines()
-    with PipelineSession(options, model) as session, ServingStack(session, serve) as stack:
+    with PipelineSession(options, model, tls=tls) as session, ServingStack(session, serve) as stack:
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")

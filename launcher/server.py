@@ -144,6 +144,14 @@ class _AbortingStreamingResponse(StreamingResponse):
             self._request_stream.cancel()
 
 
+def _refused(request: Request, api_key: str | None) -> JSONResponse | None:
+    """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`); else a 401."""
+    if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
+        return None
+    return JSONResponse(proto.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
+                                         None, code="invalid_api_key"), status_code=401)
+
+
 def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[proto.ParsedRequest, _ChoiceStreams]:
     """Decode, validate, tokenise and submit one request body (in a worker thread): n choices are n
     independent sequences, seeds derived per choice (`ParsedRequest.choice_params`).
@@ -195,10 +203,7 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
     formatter = LogprobFormatter(tokenizer)
 
     def refused(request: Request) -> JSONResponse | None:
-        if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
-            return None
-        return JSONResponse(proto.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
-                                             None, code="invalid_api_key"), status_code=401)
+        return _refused(request, api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

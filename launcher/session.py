@@ -22,7 +22,7 @@ from launcher.stage_processes import LocalStageProcesses
 from pipeline.predictors import Predictor
 from pipeline.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
-from workers.control_auth import SECRET_ENV, new_secret
+from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
 
 log = logging.getLogger("speedpipe.launch")
 
@@ -64,10 +64,13 @@ class PipelineSession:
     Raises PipelineError if a stage fails to start or load (naming the stage).
     """
 
-    def __init__(self, options: PipelineOptions, model: RunPlan, *, predictor: Predictor | None = None) -> None:
+    def __init__(self, options: PipelineOptions, model: RunPlan, *, predictor: Predictor | None = None,
+                 tls: TlsFiles | None = None) -> None:
         """model: the plan `launcher.run_plan.resolve(options)` made. predictor: a Predictor object
         overriding options.predictor on the coordinator side; it must agree with it on
-        `needs_exit_head` (the stages are built for that). Raises ValueError if it does not."""
+        `needs_exit_head` (the stages are built for that). Raises ValueError if it does not.
+        tls: TLS files of the stages' control plane (serve --tls-cert/--tls-key)."""
+        self.tls = tls
         if predictor is not None and options.uses_speed and predictor.needs_exit_head != options.needs_exit_head:
             raise ValueError(f"predictor override {type(predictor).__name__} needs_exit_head={predictor.needs_exit_head}, "
                              f"but predictor {options.predictor!r} (the stages' build) has {options.needs_exit_head}")
@@ -115,15 +118,16 @@ class PipelineSession:
 
             return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
                                   log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-                                  control_secret=self.control_secret)
+                                  control_secret=self.control_secret, tls=self.tls)
         if opt.placement.multi_node:
             from launcher.multinode import MultiNodeStages
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
-                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret)
+                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret,
+                                   tls=self.tls)
         return LocalStageBackend(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-            env={SECRET_ENV: self.control_secret}))
+            env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})}))
 
     def _start(self) -> None:
         opt, m = self.options, self.model
@@ -134,7 +138,7 @@ class PipelineSession:
         master_addr, port = self.backend.master_addr, self.backend.data_port()
         self.coordinator = Coordinator(coordinator_config(opt, m, master_addr=master_addr, master_port=port),
                                        m.tokenizer, addresses, predictor=self.predictor,
-                                       control_secret=self.control_secret)
+                                       control_secret=self.control_secret, tls=self.tls)
         self.backend.watch(self._on_stage_death)
         specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
         self.load_responses = self.coordinator.start(specs)

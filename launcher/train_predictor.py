@@ -123,7 +123,7 @@ def prepare_data(spec: DataSpec, *, cache_dir: Path | None = None, layers: list[
         save_hidden_states(path, data, meta={"corpus": spec.corpus, "split": split, "model_hash": identity.hash})
         parts.append(dataclasses.replace(data, hidden={layer: data.hidden[layer] for layer in layers}))
     head = CheckpointReader(spec.model_dir).read([FINAL_NORM, head_tensor_name(config)], dtype=torch.float32)
-    return TrainingSet(train=parts[0], eval=parts[1], norm_weight=head[FINAL_NORM],
+    return TrainingSet(train=parts[0], eval=parts[1], norm_weight=head[FINAL_NORM] + config.norm_weight_offset,
                        lm_head_weight=head[head_tensor_name(config)], rms_norm_eps=config.rms_norm_eps)
 
 

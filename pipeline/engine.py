@@ -93,6 +93,13 @@ class Engine:
         """The scheduler, for white-box inspection in tests. Drive it only through `step`."""
         return self._scheduler
 
+    def window_buffers(self, max_entries: int) -> None:
+        """Keep only the latest `max_entries` commits, timeline slices and draft gaps (a long-running
+        server's buffers are windows; counters and totals stay exact). Call while idle."""
+        self.commit_log = collections.deque(self.commit_log, maxlen=max_entries)
+        self.timeline.slices = collections.deque(self.timeline.slices, maxlen=max_entries)
+        self.timeline.draft_gaps_ns = collections.deque(self.timeline.draft_gaps_ns, maxlen=max_entries)
+
     def reset_stats(self) -> None:
         """Zero the speculation counters, the timeline and the commit log (call while idle)."""
         self._scheduler.spec = SpecCounters()

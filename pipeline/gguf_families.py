@@ -11,6 +11,7 @@ Must not: write files or build tokenizers (gguf_import.py does).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import gguf
@@ -144,18 +145,27 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensor(tensor: Any, config: ModelConfig, arch: str) -> np.ndarray:
+def hf_tensor_blocks(tensor: Any, config: ModelConfig, arch: str, *,
+                     block_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
     """One GGUF tensor dequantised to float32 in HF layout ([out, in]; GGUF lists dims innermost
-    first), Q/K un-permuted and norm shift removed where the converter applied them."""
+    first), Q/K un-permuted and norm shift removed where the converter applied them, yielded in
+    blocks of whole rows of about `block_bytes` float32 bytes (so a 151936-row embedding never
+    exists in full; un-permuted Q/K come whole: the permutation mixes rows)."""
+    shape = tuple(reversed(tensor.shape.tolist()))
     # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles dequantise time.
-    w = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
-    w = w.reshape(tuple(reversed(tensor.shape.tolist())))
-    if arch in PERMUTED_ARCHITECTURES and ".attn_q." in tensor.name:
-        w = unpermute_qk(w, config.num_attention_heads)
-    elif arch in PERMUTED_ARCHITECTURES and ".attn_k." in tensor.name:
-        w = unpermute_qk(w, config.num_key_value_heads)
-    shift = NORM_SHIFTED_ARCHITECTURES.get(arch)
-    if shift and tensor.name.endswith("norm.weight"):
-        w = w - np.float32(shift)
-    # F32 tensors come back as read-only views of the memory map: copy those.
-    return np.ascontiguousarray(w) if w.flags.writeable else np.array(w, order="C")
+    data = np.asarray(tensor.data)
+    permute = arch in PERMUTED_ARCHITECTURES and (".attn_q." in tensor.name or ".attn_k." in tensor.name)
+    row_bytes = 4 * (int(np.prod(shape[1:])) if len(shape) > 1 else shape[0])
+    step = shape[0] if permute or len(shape) == 1 else max(1, block_bytes // row_bytes)
+    for lo in range(0, shape[0] if len(shape) > 1 else 1, step):
+        part = data[lo:lo + step] if len(shape) > 1 else data
+        w = gguf.quants.dequantize(part, tensor.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape((-1, *shape[1:]) if len(shape) > 1 else shape)
+        if permute:
+            w = unpermute_qk(w, config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads)
+        shift = NORM_SHIFTED_ARCHITECTURES.get(arch)
+        if shift and tensor.name.endswith("norm.weight"):
+            w = w - np.float32(shift)
+        # F32 tensors come back as read-only views of the memory map: copy those.
+        yield np.ascontiguousarray(w) if w.flags.writeable else np.array(w, order="C")
+

@@ -41,7 +41,7 @@ from pipeline.gguf_families import (  # noqa: F401 (unpermute_qk, hf_tensor_name
     check_tensor_types,
     config_from_gguf,
     field,
-    hf_tensor,
+    hf_tensor_blocks,
     hf_tensor_name,
     unpermute_qk,
 )
@@ -158,7 +158,7 @@ def write_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path, *, p
     bar = tqdm(total=len(plan), desc="converting GGUF", unit="tensor", disable=None if progress else True)
     with bar:
         write_streaming(path, [(name, shape) for name, shape, _ in plan],
-                        lambda i: hf_tensor(plan[i][2], config, arch), metadata={"format": "pt"},
+                        lambda i: hf_tensor_blocks(plan[i][2], config, arch), metadata={"format": "pt"},
                         on_tensor=lambda: bar.update(1))
 
 

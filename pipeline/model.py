@@ -353,11 +353,13 @@ def random_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.05) 
 
 def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first: bool, is_last: bool,
                       tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu", fuse: bool = True) -> StageModel:
+                      device: torch.device | str = "cpu", fuse: bool = True, consume: bool = False) -> StageModel:
     """Build a StageModel on the meta device and assign its weights from `tensors` (checkpoint names).
 
     fuse: concatenate q/k/v and gate/up projections into single matmuls after loading (as vLLM's
     QKVParallelLinear / MergedColumnParallelLinear do): identical maths, fewer, larger kernels.
+    consume: remove the tensors used from `tensors`, so that fusing frees the unfused copies (a
+    stage worker's peak memory then stays near its weights, not twice its projections).
 
     Raises ValueError naming the first missing or mis-shaped checkpoint tensor.
     """
@@ -373,6 +375,10 @@ def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first:
             raise ValueError(f"checkpoint tensor {ckpt!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
         state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
+    if consume:
+        for name in state:
+            tensors.pop(checkpoint_name(name, config), None)
+    del state
     if is_first and is_last and config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one tensor, as in the checkpoint
     set_rope_buffers(model, config, device)

@@ -120,7 +120,7 @@ def load_stage_model(model_dir: str, layer_range: LayerRange, *, is_first: bool,
         names = stage_tensor_names(config, layer_range, is_first=is_first, is_last=is_last)
         tensors = reader.read(names, dtype=dtype, device=device)
         return build_stage_model(config, layer_range, is_first=is_first, is_last=is_last, tensors=tensors,
-                                 dtype=dtype, device=device)
+                                 dtype=dtype, device=device, consume=True)  # fusing frees the unfused copies
     if torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {quantization} runs torch's CPU int kernels; use --quantization none "
                          f"on device {device}")

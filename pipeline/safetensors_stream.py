@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +21,14 @@ _DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
 
 
 def write_streaming(path: str | Path, entries: Sequence[tuple[str, tuple[int, ...]]],
-                    produce: Callable[[int], np.ndarray], *, dtype: np.dtype = np.dtype(np.float32),
+                    produce: Callable[[int], Iterable[np.ndarray]], *, dtype: np.dtype = np.dtype(np.float32),
                     metadata: dict[str, str] | None = None, on_tensor: Callable[[], None] | None = None) -> None:
-    """Write `entries` (name, shape) to `path`; `produce(i)` returns entry i's array.
+    """Write `entries` (name, shape) to `path`; `produce(i)` yields entry i's rows in blocks
+    (arrays whose concatenation along dim 0 is the tensor).
 
-    Only one produced array is alive at a time (it is dropped after writing). Raises ValueError
-    when a produced array's shape or dtype differs from what was declared, or for a dtype other
-    than float32/float16. `on_tensor` is called after each tensor (for a progress bar).
+    Only one block is alive at a time (each is dropped after writing). Raises ValueError when the
+    produced blocks' shapes or dtype differ from what was declared, or for a dtype other than
+    float32/float16. `on_tensor` is called after each tensor (for a progress bar).
     """
     dtype = np.dtype(dtype)
     if dtype not in _DTYPES:
@@ -44,11 +45,15 @@ def write_streaming(path: str | Path, entries: Sequence[tuple[str, tuple[int, ..
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for i, (name, shape) in enumerate(entries):
-            array = produce(i)
-            if tuple(array.shape) != tuple(shape) or array.dtype != dtype:
-                raise ValueError(f"tensor {name!r}: produced {array.dtype}{tuple(array.shape)}, "
-                                 f"declared {dtype}{tuple(shape)}")
-            f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
-            del array
+            rows = 0
+            for block in produce(i):
+                if tuple(block.shape[1:]) != tuple(shape[1:]) or block.dtype != dtype:
+                    raise ValueError(f"tensor {name!r}: produced a {block.dtype}{tuple(block.shape)} block, "
+                                     f"declared {dtype}{tuple(shape)}")
+                rows += block.shape[0] if block.ndim else 1
+                f.write(memoryview(np.ascontiguousarray(block.astype(block.dtype.newbyteorder("<"), copy=False))))
+                del block
+            if rows != (shape[0] if shape else 1):
+                raise ValueError(f"tensor {name!r}: produced {rows} rows, declared {dtype}{tuple(shape)}")
             if on_tensor is not None:
                 on_tensor()

@@ -116,8 +116,10 @@ class AssembledStage:
 
 
 def _param_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (quantised weights are buffers)."""
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    """Bytes of a module's weights: its parameters and persistent buffers (quantised weights are
+    buffers; RoPE tables are not persistent and not counted; a tied tensor counts once)."""
+    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
@@ -164,7 +166,8 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
         vocab = pred.draft_vocab
     with torch.device("meta"):
         head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
-    head.load_state_dict({"norm.weight": t[norm_name], "lm_head.weight": t[head_name]}, assign=True)
+    norm = t[norm_name] + config.norm_weight_offset  # Gemma's (1 + w) norm as a plain RMSNorm weight
+    head.load_state_dict({"norm.weight": norm, "lm_head.weight": t[head_name]}, assign=True)
     head.exit_map = exit_map
     if vocab is not None:  # [Note: draft vocabulary] in pipeline/predictors.py
         head.restrict_vocab(vocab)

@@ -185,3 +185,15 @@ def test_each_stage_peak_rss_is_within_its_weight_share(runs):
         assert weights < 0.5 * total
     names = [set(n) for n in run["tensor_names"]]
     assert all(not (a & b) for i, a in enumerate(names) for b in names[i + 1:]), "a tensor read by two stages"
+
+
+def test_speculate_speed_on_4_stages_equals_transformers(model_dir: Path, hf_greedy):
+    """One sequence at a time (so idle stages are filled with drafts), SPEED with the logit lens."""
+    options = PipelineOptions(num_stages=4, model=str(model_dir), progress=False, max_model_len=128, max_num_seqs=1,
+                              stage_timeout_s=600.0, speculate="speed")
+    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    with PipelineSession(options, resolve(options)) as session:
+        tokens = [session.coordinator.submit(p, params).result(RESULT_TIMEOUT_S).token_ids for p in PROMPTS[:2]]
+        spec = session.coordinator.scheduler.spec
+    assert tokens == hf_greedy[:2]
+    assert spec.drafted_tokens > 0, "no draft was sent: speculation was not exercised"

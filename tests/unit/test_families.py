@@ -207,3 +207,22 @@ def test_speculate_speed_greedy_equals_plain_on_every_family(folders, family):
             assert spec.drafted_tokens > 0, "no draft was sent: speculation was not exercised"
             if isinstance(predictor, AlwaysWrongPredictor):
                 assert spec.squashed_items > 0 and spec.accepted_tokens == 0
+
+
+def test_build_stage_model_consume_frees_the_tensors_it_used(folders):
+    reader = CheckpointReader(folders["phi3"])
+    cfg = reader.config
+    tensors = reader.read(all_tensor_names(cfg), dtype=torch.float32)
+    tensors["unrelated"] = torch.zeros(1)
+    build_stage_model(cfg, LayerRange(0, 2), is_first=True, is_last=False, tensors=tensors, consume=True)
+    assert set(tensors) == {"unrelated"} | set(stage_tensor_names(cfg, LayerRange(2, 4), is_first=False, is_last=True))
+
+
+def test_cli_exits_2_with_one_line_naming_an_unsupported_architecture(tmp_path, capsys):
+    from launcher.cli import main
+
+    (tmp_path / "config.json").write_text('{"model_type": "falcon", "vocab_size": 10, "hidden_size": 8, '
+                                          '"intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2}')
+    assert main(["launch", "--model", str(tmp_path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "model_type 'falcon' is not supported (supported: llama," in err

@@ -298,7 +298,9 @@ def test_missing_model_package_names_the_install_command(monkeypatch):
 def test_unknown_spec_and_folder_without_config(tmp_path):
     with pytest.raises(ValueError) as err:
         models.resolve_model("x")
-    assert str(err.value) == ("unknown model 'x': not a registered name (smollm2-135m) "
+    names = ", ".join([*models.REGISTRY, *models.CHUNKED_REGISTRY])
+    assert "smollm2-135m" in names and "qwen2.5-coder-1.5b" in names
+    assert str(err.value) == (f"unknown model 'x': not a registered name ({names}) "
                               "nor a path to a model folder or .gguf file")
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         models.resolve_model(str(tmp_path))

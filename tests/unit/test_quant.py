@@ -118,7 +118,7 @@ def test_fused_rows_are_the_parts_stacked():
 
 
 def test_bad_modes_shapes_and_groups_are_named():
-    with pytest.raises(ValueError, match="--quantization must be one of auto, none, int8, int4, got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4, got 'int3'"):
         validate_quantization("int3")
     with pytest.raises(ValueError, match="multiple of the group size"):
         int4_groups_from_float(torch.zeros(4, 40))

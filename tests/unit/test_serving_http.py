@@ -357,6 +357,7 @@ def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error
                       timeout=10) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
+        assert "stage_busy_seconds" in httpx.get(url + "/metrics").text
         engine.fence("pipeline failed: stage 1 missed its heartbeats")
         assert engine.fail_all(UnavailableError("pipeline failed: stage 1 missed its heartbeats")) == 1
         rest = [line[6:] for line in lines if line.startswith("data: ")]
@@ -366,6 +367,9 @@ def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error
     health = httpx.get(url + "/health")
     assert health.status_code == 503 and "heartbeats" in health.json()["error"]["message"]
     assert engine.wait_idle(5) and engine.num_outstanding == 0
+    metrics = httpx.get(url + "/metrics")  # no per-stage scrape of a fenced pipeline: it could hang
+    assert metrics.status_code == 200 and "stage_busy_seconds" not in metrics.text
+    assert "generation_tokens_total" in metrics.text
 
 
 def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, monkeypatch):
@@ -380,9 +384,11 @@ def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, m
     err = capsys.readouterr().err
     assert "--grpc-port" in err and "Traceback" not in err
     for flag, value in (("--max-request-bytes", "10"), ("--shutdown-grace-s", "-1"),
-                        ("--stage-heartbeat-timeout-s", "0")):
+                        ("--stage-heartbeat-timeout-s", "0"), ("--tls-cert", __file__), ("--tls-key", __file__)):
         assert main(["serve", flag, value]) == 2
         assert flag in capsys.readouterr().err
+    assert main(["serve", "--tls-cert", __file__, "--tls-key", __file__]) == 2  # not PEM
+    assert "not a PEM certificate" in capsys.readouterr().err
 
 
 def free_tcp_port() -> int:
@@ -392,22 +398,22 @@ def free_tcp_port() -> int:
 
 
 def test_serve_buffers_are_windows(tokenizer):
-    from collections import deque
-
     from launcher.serve import window_serving_buffers
+    from pipeline.engine import Engine
     from pipeline.items import Item, ItemKind
+    from pipeline.scheduler_types import SchedulerConfig
+    from pipeline.timeline import StageTiming
 
-    coord = SimpleNamespace(engine=SimpleNamespace(commit_log=deque(maxlen=1_000_000)), timeline=Timeline(2))
-    window_serving_buffers(coord, 100)
-    coord.commit_events = coord.engine.commit_log  # as Coordinator.commit_events reads it
+    engine = Engine(SchedulerConfig(num_stages=2, max_num_seqs=2, max_model_len=64))
+    window_serving_buffers(SimpleNamespace(engine=engine), 100)
     item = Item(seq_id=0, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT)
     for i in range(1, 5000):
-        coord.commit_events.append((i, 0, 1))
-        coord.timeline.record([[0, 10 * i, 10 * i + 5], [1, 10 * i + 5, 10 * i + 9]], [item], 1.0,
-                              draft_ready_ns=10 * i - 1)
-    assert len(coord.commit_events) == 100 and len(coord.timeline.slices) == 100
-    assert 0 < len(coord.timeline.draft_gaps_ns) <= 100
-    assert coord.timeline.num_batches == 4999  # totals stay exact
+        engine.commit_log.append((i, 0, 1))
+        engine.timeline.record([StageTiming(0, 10 * i, 10 * i + 5), StageTiming(1, 10 * i + 5, 10 * i + 9)], [item],
+                               1.0, draft_ready_ns=10 * i - 1)
+    assert len(engine.commit_log) == 100 and len(engine.timeline.slices) == 100
+    assert 0 < len(engine.timeline.draft_gaps_ns) <= 100
+    assert engine.timeline.num_batches == 4999  # totals stay exact
 
 
 def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
