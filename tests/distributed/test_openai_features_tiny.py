@@ -56,7 +56,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module", params=["none", "speed", "speed+firp"])
