@@ -108,9 +108,12 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan | Sequence[Span],
                 kv: KVCache, layer: int) -> torch.Tensor:
         # x: [num_tokens (+ num_pseudo), hidden]; cos/sin: the same rows x [head_dim]
+        # plan: built once per forward by StageModel.forward_rows; plain spans (no pseudo rows) also do
+        if not isinstance(plan, AttentionPlan):
+            plan = AttentionPlan.build(plan, None, x.device)
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(x)
         q, k = q.reshape(t, h, d), k.reshape(t, kvh, d)

@@ -25,18 +25,21 @@ from pipeline.quant import (
 from pipeline.weights import CheckpointReader, stage_tensor_names
 
 
-def effective_mode(mode: str, model_dir: str) -> str:
-    """`auto` becomes `gguf` for a folder converted from a GGUF whose file is still there, else `none`;
+def effective_mode(mode: str, model_dir: str, device: str = "cpu") -> str:
+    """`auto` becomes `gguf` for a folder converted from a GGUF whose file is still there, else `none`
+    (and `none` on a non-CPU device: dense fallback, the int kernels here are torch's CPU ones);
     other modes are returned as they are. Raises ValueError for an unknown mode."""
     validate_quantization(mode)
     if mode != "auto":
         return mode
+    if torch.device(device).type != "cpu":
+        return "none"
     return "gguf" if gguf_source_of(model_dir) is not None else "none"
 
 
-def activation_dtype(mode: str, model_dir: str, dtype: torch.dtype) -> torch.dtype:
+def activation_dtype(mode: str, model_dir: str, dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
     """Dtype of a stage's activations in `mode`: `dtype` for dense weights, else bfloat16."""
-    return dtype if effective_mode(mode, model_dir) == "none" else ACTIVATION_DTYPE
+    return dtype if effective_mode(mode, model_dir, device) == "none" else ACTIVATION_DTYPE
 
 
 def fused_linears(config: ModelConfig, layer_range: LayerRange, *, is_last: bool) -> dict[str, list[str]]:
@@ -115,7 +118,7 @@ def load_stage_model(model_dir: str, layer_range: LayerRange, *, is_first: bool,
     """
     reader = reader or CheckpointReader(model_dir)
     config = reader.config
-    mode = effective_mode(quantization, str(model_dir))
+    mode = effective_mode(quantization, str(model_dir), str(device))
     if mode == "none":
         names = stage_tensor_names(config, layer_range, is_first=is_first, is_last=is_last)
         tensors = reader.read(names, dtype=dtype, device=device)

@@ -102,7 +102,7 @@ class StageLoadSpec:
     def activation_dtype(self) -> torch.dtype:
         """Dtype of this stage's activations (and of its exit head and FIRP maps): `dtype` for dense
         weights, bfloat16 for the quantised modes (pipeline/quant_load.py)."""
-        return activation_dtype(self.quantization, self.model_dir, self.torch_dtype)
+        return activation_dtype(self.quantization, self.model_dir, self.torch_dtype, self.device)
 
 
 @dataclasses.dataclass(frozen=True)

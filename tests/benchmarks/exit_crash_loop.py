@@ -3,11 +3,14 @@
 A stage worker's stdin watcher once blocked in a buffered read, and about 2 launches in 30 ended
 with `Fatal Python error: _enter_buffered_busy ... at interpreter shutdown` (exit code still 0).
 This runs `launch --stages 4 --max-new-tokens 8` N times in a row and counts the runs whose
-stderr holds a crash message or a traceback, or whose exit code is not 0. Expected: 0.
+stderr holds a crash message or a traceback, and (apart) the runs whose exit code is not 0 (on an
+overloaded machine a stage can miss its start-up deadline: that is a failure, not a crash).
+Expected: 0 and 0.
 
     python tests/benchmarks/exit_crash_loop.py [--runs 50] [--stages 4] [--max-new-tokens 8]
 
-Prints one line per failing run (its tail of stderr) and a final count line; exit code 1 if any.
+Prints one line per run (a failing one with its tail of stderr) and a final count line; exit code
+1 if any run crashed or failed.
 """
 
 from __future__ import annotations
@@ -31,19 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     launch = str(Path(sys.executable).parent / "launch")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    bad, start = 0, time.perf_counter()
+    crashes, failures, start = 0, 0, time.perf_counter()
     for i in range(args.runs):
         proc = subprocess.run([launch, "--stages", str(args.stages), "--max-new-tokens", str(args.max_new_tokens),
                                "--prompt", "Once upon a time"], capture_output=True, text=True, env=env,
                               timeout=args.timeout_s, stdin=subprocess.DEVNULL)
         markers = [m for m in CRASH_MARKERS if m in proc.stderr]
-        if markers or proc.returncode != 0:
-            bad += 1
+        crashes += bool(markers)
+        failures += proc.returncode != 0
+        status = "ok" if not markers and proc.returncode == 0 else f"exit {proc.returncode}, markers {markers}"
+        print(f"run {i}: {status} ({time.perf_counter() - start:.0f} s)", flush=True)
+        if status != "ok":
             tail = "\n    ".join(proc.stderr.strip().splitlines()[-6:])
-            print(f"run {i}: exit {proc.returncode}, {markers or 'no marker'}:\n    {tail}", flush=True)
-    print(f"{bad} of {args.runs} launches (--stages {args.stages} --max-new-tokens {args.max_new_tokens}) "
-          f"printed a crash message or failed; {time.perf_counter() - start:.0f} s")
-    return 1 if bad else 0
+            print(f"    {tail}", flush=True)
+    print(f"{crashes} of {args.runs} launches (--stages {args.stages} --max-new-tokens {args.max_new_tokens}) printed "
+          f"a crash message; {failures} exited non-zero; {time.perf_counter() - start:.0f} s")
+    return 1 if crashes or failures else 0
 
 
 if __name__ == "__main__":
