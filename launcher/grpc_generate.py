@@ -20,7 +20,7 @@ import grpc
 
 from launcher.coordinator import PipelineError
 from launcher.serving_engine import InvalidRequestError, QueueFullError, ServingEngine, UnavailableError
-from pipeline.sampling import SamplingParams
+from pipeline.sampling import SamplingParams, TokenLogprob
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
@@ -47,11 +47,19 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     try:
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed if req.HasField("seed") else None,
-                                stop=tuple(req.stop), ignore_eos=req.ignore_eos)
+                                stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+                                logprobs=req.logprobs if req.HasField("logprobs") else None)
     except ValueError as exc:  # the message names the parameter: "top_p must be ..." -> field 'top_p'
         field = str(exc).split()[0].lstrip("-").replace("-", "_")
         raise InvalidRequestError(str(exc).replace(str(exc).split()[0], f"'{field}'", 1), field) from None
     return ids, params
+
+
+def _token_logprob(entry: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
@@ -78,7 +86,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         context.add_callback(stream.cancel)  # runs when the RPC ends: a no-op unless it was cancelled
         try:
             for chunk in stream:
-                msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text)
+                msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
+                                          logprobs=[_token_logprob(e) for e in chunk.logprobs or ()])
                 if chunk.finish_reason is not None:
                     msg.finish_reason = FINISH.get(chunk.finish_reason, pb.GenerateResponse.ABORTED)
                     final = stream.final

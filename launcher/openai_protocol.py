@@ -5,7 +5,10 @@ token ids and `SamplingParams` (every bad field → `InvalidRequestError` naming
 layer answers with 400 and an OpenAI-style error body), rendering chat messages with the model's
 own Jinja chat template (sandboxed, as Hugging Face does), and building the JSON objects of
 responses and stream chunks. Field semantics follow the OpenAI API reference; extensions as vLLM's:
-`ignore_eos`, `return_token_ids` (adds `token_ids` to each choice / chunk).
+`ignore_eos`, `return_token_ids` (adds `token_ids` to each choice / chunk), `repetition_penalty`.
+`logprobs` (completions: an integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo`
+(completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
+presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/sampling.py).
 Must not: do I/O or know about the coordinator.
 """
 
@@ -20,7 +23,7 @@ import uuid
 from typing import Any
 
 from launcher.serving_engine import FinalInfo, InvalidRequestError
-from pipeline.sampling import SamplingParams
+from pipeline.sampling import MAX_LOGPROBS, SamplingParams
 from pipeline.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -29,8 +32,8 @@ MAX_STOP_STRINGS = 4
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
 # value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
 # Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
-UNSUPPORTED = ("n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", "tools", "functions",
-               "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "logit_bias")
+MAX_N = 16  # most choices one request may ask for (each is a sequence in its own KV slot)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort"}
 
 
@@ -44,6 +47,15 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool
     prompt_field: str
+    n: int = 1
+    echo: bool = False
+
+    def choice_params(self) -> list[SamplingParams]:
+        """The sampling parameters of each of the n choices: the same, but with seed + i for
+        choice i when a seed is given (so choices differ yet the request stays reproducible)."""
+        if self.params.seed is None:
+            return [self.params] * self.n
+        return [dataclasses.replace(self.params, seed=(self.params.seed + i) % 2**63) for i in range(self.n)]
 
 
 def decode_body(raw: bytes) -> Any:
@@ -125,7 +137,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
     for name in UNSUPPORTED:
         value = body.get(name)
-        if (value not in (None, 1)) if name in ("n", "best_of") else bool(value):
+        if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
             raise InvalidRequestError(f"'{name}' = {value!r} is not supported by this server", name)
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
@@ -136,7 +148,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequestError("'stream_options' must be an object", "stream_options")
-    for flag in ("stream", "ignore_eos", "return_token_ids"):
+    for flag in ("stream", "ignore_eos", "return_token_ids", "echo"):
         if not isinstance(body.get(flag, False), bool):
             raise InvalidRequestError(f"'{flag}' must be true or false, got {body[flag]!r}", flag)
     return {
@@ -149,11 +161,37 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "stream": bool(body.get("stream", False)),
         "include_usage": bool(stream_options.get("include_usage", False)),
         "return_token_ids": bool(body.get("return_token_ids", False)),
+        "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
     }
 
 
+def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
+    """Completions: `logprobs` (null or 0..MAX_LOGPROBS alternatives) and `echo` (prompt logprobs too)."""
+    lp = {"logprobs": None if body.get("logprobs") is False else body.get("logprobs")}  # false: none, as null
+    kw["logprobs"] = _int(lp, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
+    kw["echo"] = bool(body.get("echo", False))
+    if kw["echo"] and kw["logprobs"] is not None:
+        kw["prompt_logprobs"] = kw["logprobs"]
+
+
+def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
+    """Chat: `logprobs` (true/false) and `top_logprobs` (0..MAX_LOGPROBS, only with logprobs)."""
+    if body.get("echo"):
+        raise InvalidRequestError("'echo' is only supported on /v1/completions", "echo")
+    want = body.get("logprobs", False)
+    if want is not None and not isinstance(want, bool):
+        raise InvalidRequestError(f"'logprobs' must be true or false, got {want!r}", "logprobs")
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
+    if top is not None and not want:
+        raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    kw["logprobs"] = (top or 0) if want else None
+
+
 def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> ParsedRequest:
-    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids")}
+    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids", "n", "echo") if k in kw}
     return ParsedRequest(prompt_ids, SamplingParams(**kw), prompt_field=prompt_field, **options)
 
 
@@ -163,6 +201,7 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str) -> Par
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
     kw = _common(body, model_name=model_name, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
+    _completion_logprobs(body, kw)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -229,6 +268,7 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     text = render_chat(body.get("messages"), tokenizer=tokenizer)
     ids = tokenizer.encode(text)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
+    _chat_logprobs(body, kw)
     return _finish(kw, ids, "messages")
 
 
@@ -249,15 +289,18 @@ def error_body(message: str, param: str | None, *, type_: str = "invalid_request
 
 
 def completion_body(*, request_id: str, model: str, text: str, token_ids: list[int] | None, finish_reason: str | None,
-                    final: FinalInfo | None, chunk: bool, chat: bool, role: bool = False) -> dict[str, Any]:
-    """A response (chunk=False) or stream chunk (chunk=True) of either endpoint, one choice."""
+                    final: FinalInfo | None, chunk: bool, chat: bool, role: bool = False, index: int = 0,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A response (chunk=False) or stream chunk (chunk=True) of either endpoint, one choice
+    (number `index`; `logprobs` from launcher/openai_logprobs.py or None)."""
     reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
     if chat:
         content = {"role": "assistant", "content": text} if (role or not chunk) else {"content": text}
-        choice = {"index": 0, ("delta" if chunk else "message"): content, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, ("delta" if chunk else "message"): content, "logprobs": logprobs,
+                  "finish_reason": reason}
         obj = "chat.completion.chunk" if chunk else "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -271,3 +314,12 @@ def usage_chunk(*, request_id: str, model: str, final: FinalInfo, chat: bool) ->
     """The last stream chunk when stream_options.include_usage: no choices, only usage."""
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [], "usage": usage(final)}
+
+
+def merged_final(finals: list[FinalInfo | None]) -> FinalInfo | None:
+    """The usage of n choices of one request: the prompt counted once, completion tokens summed
+    (as OpenAI reports n > 1); latencies of the slowest choice. None if any choice has none."""
+    if not finals or any(f is None for f in finals):
+        return None
+    return FinalInfo(finals[0].finish_reason, finals[0].prompt_tokens, sum(f.completion_tokens for f in finals),
+                     max(f.ttft_s for f in finals), max(f.e2e_s for f in finals))

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from pipeline.run_config import check_prompt_length
-from pipeline.sampling import SamplingParams
+from pipeline.sampling import SamplingParams, TokenLogprob
 from pipeline.scheduler_types import Commit
 from pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -56,11 +56,14 @@ class RequestOutput:
 
 @dataclasses.dataclass(frozen=True)
 class StreamChunk:
-    """Newly committed tokens of one request and their text; `finish_reason` set on the last chunk."""
+    """Newly committed tokens of one request and their text; `finish_reason` set on the last chunk.
+    logprobs / prompt_logprobs: as `Commit`'s (None unless the request asked)."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class RequestHandle:
@@ -125,7 +128,7 @@ class RequestHandle:
             delta, self._held = pending[:max(0, len(pending) - keep)], pending[max(0, len(pending) - keep):]
         self.text += delta
         reason = "stop" if hit else (commit.finish_reason.value if commit.finish_reason else None)
-        self._chunks.put(StreamChunk(commit.token_ids, delta, reason))
+        self._chunks.put(StreamChunk(commit.token_ids, delta, reason, commit.logprobs, commit.prompt_logprobs))
         if reason is not None:
             self.finish(reason)
         return hit

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from launcher import openai_protocol
 from launcher.coordinator import PipelineError
+from launcher.openai_logprobs import LogprobFormatter
 from launcher.serving_engine import (
     InvalidRequestError,
     QueueFullError,
@@ -83,6 +84,47 @@ def _error(status: int, message: str, param: str | None = None, type_: str = "in
     return JSONResponse(openai_protocol.error_body(message, param, type_=type_, code=status), status_code=status)
 
 
+class _ChoiceStreams(list):
+    """The n RequestStreams of one request (choice i is element i; see `ParsedRequest.choice_params`)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+    def cancel(self) -> None:
+        """Abort every choice still running."""
+        for stream in self:
+            stream.cancel()
+
+
+async def _merged(streams: _ChoiceStreams):
+    """(choice index, chunk) of every choice's stream as they arrive; raises what a stream raises."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk, None))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            index, chunk, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if chunk is None:
+                left -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -107,11 +149,12 @@ def _refused(request: Request, api_key: str | None) -> JSONResponse | None:
     if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
         return None
     return JSONResponse(openai_protocol.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
-                                                   None, code="invalid_api_key"), status_code=401)
+                                         None, code="invalid_api_key"), status_code=401)
 
 
-def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protocol.ParsedRequest, RequestStream]:
-    """Decode, validate, tokenise and submit one request body (in a worker thread).
+def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protocol.ParsedRequest, _ChoiceStreams]:
+    """Decode, validate, tokenise and submit one request body (in a worker thread): n choices are n
+    independent sequences, seeds derived per choice (`ParsedRequest.choice_params`).
     Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
     body = openai_protocol.decode_body(raw)
     tokenizer, model = engine.tokenizer, engine.model_name
@@ -121,8 +164,36 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     else:
         parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model)
     engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
-    return parsed, engine.start(parsed.prompt_ids, parsed.params,
-                                request_id=openai_protocol.new_id("chatcmpl" if chat else "cmpl"))
+    if parsed.n > engine.max_num_seqs + engine.max_queue:
+        raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
+                                  f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")
+    streams = _ChoiceStreams(openai_protocol.new_id("chatcmpl" if chat else "cmpl"))
+    try:
+        for i, params in enumerate(parsed.choice_params()):
+            rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
+            streams.append(engine.start(parsed.prompt_ids, params, request_id=rid))
+    except BaseException:
+        streams.cancel()
+        raise
+    return parsed, streams
+
+
+def _choice_logprobs(formatter: LogprobFormatter, parsed: openai_protocol.ParsedRequest, chat: bool, ids: list[int],
+                     entries: list, prompt_entries, text_offset: int) -> dict[str, Any] | None:
+    """The `logprobs` object of (a chunk of) one choice, or None when the request asked for none.
+    prompt_entries: the prompt's logprobs (completions with echo, on the first chunk), else None."""
+    if parsed.params.logprobs is None:
+        return None
+    if chat:
+        return formatter.chat(ids, entries)
+    if prompt_entries is not None:  # echo: the prompt's tokens first
+        ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
+    return formatter.completion(ids, entries, text_offset=text_offset)
+
+
+def _echo_text(tokenizer, parsed: openai_protocol.ParsedRequest) -> str:
+    """The prompt's text when the request echoes it (completions `echo`), else ""."""
+    return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
 
 
 def _failure_message(exc: PipelineError | UnavailableError) -> str:
@@ -147,12 +218,13 @@ def _admission_error(exc: Exception) -> JSONResponse:
     return _error(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
 
 
-async def _collect(request: Request, stream: RequestStream, parsed: openai_protocol.ParsedRequest, *,
-                   model: str, chat: bool) -> Response:
-    """The whole answer of a non-streaming request; a client gone before it is ready aborts it."""
+async def _collect(request: Request, stream: _ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,
+                   engine: ServingEngine, formatter: LogprobFormatter, chat: bool) -> Response:
+    """The whole answer of a non-streaming request (every choice); a client gone before it is ready aborts it."""
+    tokenizer, model = engine.tokenizer, engine.model_name
     done = asyncio.Event()
 
-    async def watch() -> None:
+    async def watch() -> None:  # a client gone before the answer is ready aborts the request
         while not done.is_set():
             if await request.is_disconnected():
                 stream.cancel()
@@ -160,44 +232,67 @@ async def _collect(request: Request, stream: RequestStream, parsed: openai_proto
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     watcher = asyncio.create_task(watch())
-    text, ids, reason = [], [], None
+    choices = []
     try:
-        async for chunk in stream:
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            reason = chunk.finish_reason or reason
+        for index, choice in enumerate(stream):
+            text, ids, reason, entries, prompt_entries = [_echo_text(tokenizer, parsed)], [], None, [], None
+            async for chunk in choice:
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                entries.extend(chunk.logprobs or ())
+                prompt_entries = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_entries
+                reason = chunk.finish_reason or reason
+            choices.append(openai_protocol.completion_body(
+                request_id=stream.request_id, model=model, text="".join(text),
+                token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
+                chunk=False, chat=chat, index=index,
+                logprobs=_choice_logprobs(formatter, parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
     except (UnavailableError, PipelineError) as exc:
         return _unavailable(exc)
     finally:
         done.set()
         watcher.cancel()
         stream.cancel()
-    return JSONResponse(openai_protocol.completion_body(
-        request_id=stream.request_id, model=model, text="".join(text),
-        token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=stream.final,
-        chunk=False, chat=chat))
+    body = openai_protocol.completion_body(request_id=stream.request_id, model=model, text="", token_ids=None,
+                                 finish_reason=None, final=openai_protocol.merged_final([s.final for s in stream]),
+                                 chunk=False, chat=chat)
+    body["choices"] = choices
+    return JSONResponse(body)
 
 
-async def _stream(stream: RequestStream, parsed: openai_protocol.ParsedRequest, *, model: str, chat: bool):
-    """Server-sent events of a streaming request, ending in `data: [DONE]` (after an error event
-    if the pipeline fails mid-way)."""
+async def _stream(stream: _ChoiceStreams, parsed: openai_protocol.ParsedRequest, *, engine: ServingEngine,
+                  formatter: LogprobFormatter, chat: bool):
+    """Server-sent events of a streaming request (choices interleaved as they come), ending in
+    `data: [DONE]`, after an error event if the pipeline fails mid-way."""
+    tokenizer, model = engine.tokenizer, engine.model_name
     rid = stream.request_id
+    offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
+    started: set[int] = set()
     try:
         if chat:
-            yield _sse(openai_protocol.completion_body(request_id=rid, model=model, text="", token_ids=None,
-                                                       finish_reason=None, final=None, chunk=True, chat=True,
-                                                       role=True))
-        async for chunk in stream:
+            for index in range(len(stream)):
+                yield _sse(openai_protocol.completion_body(request_id=rid, model=model, text="", token_ids=None,
+                                                 finish_reason=None, final=None, chunk=True, chat=True,
+                                                 role=True, index=index))
+        async for index, chunk in _merged(stream):
             if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                 continue
+            text = chunk.text if index in started else _echo_text(tokenizer, parsed) + chunk.text
+            started.add(index)
+            ids = list(chunk.token_ids)
+            logprobs = _choice_logprobs(formatter, parsed, chat, ids, list(chunk.logprobs or ()),
+                                        chunk.prompt_logprobs, offsets[index])
+            if logprobs is not None and not chat:
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
             yield _sse(openai_protocol.completion_body(
-                request_id=rid, model=model, text=chunk.text,
-                token_ids=list(chunk.token_ids) if parsed.return_token_ids else None,
-                finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat))
-        if parsed.include_usage and stream.final is not None:
-            yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=stream.final, chat=chat))
+                request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
+                finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
+                logprobs=logprobs))
+        final = openai_protocol.merged_final([s.final for s in stream])
+        if parsed.include_usage and final is not None:
+            yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))
         yield "data: [DONE]\n\n"
-    except (PipelineError, UnavailableError) as exc:
+    except (PipelineError, UnavailableError) as exc:  # the stream ends with an error event, then [DONE]
         yield _sse(openai_protocol.error_body(_failure_message(exc), None, type_="service_unavailable", code=503))
         yield "data: [DONE]\n\n"
     finally:  # also on client disconnect (the generator is cancelled / closed)
@@ -224,7 +319,7 @@ def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
 
 def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | None, max_request_bytes: int) -> None:
     """/v1/models, /v1/completions and /v1/chat/completions, behind `Authorization: Bearer api_key` if set."""
-    model = engine.model_name
+    formatter = LogprobFormatter(engine.tokenizer)
 
     async def generate(request: Request, *, chat: bool) -> Response:
         if (denied := _refused(request, api_key)) is not None:
@@ -234,15 +329,15 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
         except (_BodyTooLarge, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
             return _admission_error(exc)  # InvalidRequestError is a ValueError
         if parsed.stream:
-            return _AbortingStreamingResponse(_stream(stream, parsed, model=model, chat=chat), stream=stream,
-                                              media_type="text/event-stream")
-        return await _collect(request, stream, parsed, model=model, chat=chat)
+            return _AbortingStreamingResponse(_stream(stream, parsed, engine=engine, formatter=formatter, chat=chat),
+                                              stream=stream, media_type="text/event-stream")
+        return await _collect(request, stream, parsed, engine=engine, formatter=formatter, chat=chat)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if (denied := _refused(request, api_key)) is not None:
             return denied
-        card = {"id": model, "object": "model", "created": 0, "owned_by": "speedpipe",
+        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "speedpipe",
                 "max_model_len": engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 

@@ -29,8 +29,11 @@ class Item:
 
     token_ids: the input token ids, kept by the coordinator (on the wire they travel as the first
         stage's input tensor "x", and items carry none).
-    want_logits: the last stage returns float32 logits for this item's last row (sampling needs
-        them); otherwise only the argmax id.
+    want_logits: the last stage returns float32 logits for this item's result rows (sampling,
+        penalties and logprobs need them); otherwise only the argmax ids.
+    want_prompt_logits: (prefill items with want_logits) the last stage returns logits for every
+        row of the item, not only its result row (prompt logprobs, OpenAI `echo`); see
+        `num_logit_rows`.
     firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
         `firp_anchors` rows (see [Note: pseudo rows] in pipeline/spans.py); 0 = none.
     want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
@@ -49,6 +52,7 @@ class Item:
     firp_k: int = 0
     firp_anchors: int = 0
     want_exit: bool = True
+    want_prompt_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
@@ -58,6 +62,8 @@ class Item:
             raise ValueError(f"item of seq {self.seq_id} has num_tokens {self.num_tokens} < 1")
         if self.start < 0 or self.slot < 0 or self.epoch < 0:
             raise ValueError(f"item of seq {self.seq_id} has a negative start/slot/epoch")
+        if self.want_prompt_logits and (self.kind != ItemKind.PREFILL or not self.want_logits):
+            raise ValueError(f"item of seq {self.seq_id}: want_prompt_logits needs a prefill with want_logits")
         if self.token_ids and len(self.token_ids) != self.num_tokens:
             raise ValueError(
                 f"item of seq {self.seq_id} carries {len(self.token_ids)} token ids for {self.num_tokens} positions"
@@ -73,6 +79,12 @@ class Item:
         """Rows whose next-token result the last stage returns: the last row of a prefill, every
         row of any other item (a FIRP chain verifies each of its drafts)."""
         return 1 if self.kind == ItemKind.PREFILL else self.num_tokens
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows whose logits the last stage returns when `want_logits`: every row with
+        `want_prompt_logits` (the result row is the last of them), else the result rows."""
+        return self.num_tokens if self.want_prompt_logits else self.num_result_rows
 
     @property
     def may_precede_draft(self) -> bool:
@@ -114,6 +126,7 @@ class SlotRelease:
 ITEM_WIRE_SCHEMA: dict[str, type] = {
     "seq_id": int, "slot": int, "start": int, "num_tokens": int, "epoch": int, "kind": int,
     "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
+    "want_prompt_logits": bool,
 }
 
 

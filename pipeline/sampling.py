@@ -1,8 +1,10 @@
 """Sampling: turning one position's final logits into a token, and the speculative accept rule.
 
 Owns the per-request sampling settings (`SamplingParams`), the per-sequence `Sampler` (greedy or
-temperature + nucleus sampling with its own seeded `torch.Generator`), and `verify_draft`, the
-distribution-exact accept/resample rule for a drafted token (ARCHITECTURE.md §5.4).
+temperature + nucleus sampling with its own seeded `torch.Generator`), `verify_draft`, the
+distribution-exact accept/resample rule for a drafted token (ARCHITECTURE.md §5.4), and the
+OpenAI / vLLM logit processors: repetition / presence / frequency penalties (`apply_penalties`) and
+the log-probabilities reported to clients (`token_logprob`). See [Note: logprobs and penalties].
 Must not: do I/O, know about stages, processes or torch.distributed, or decide when to stop a
 sequence (EOS, budget and stop strings are the scheduler's job; this module only carries the settings).
 """
@@ -11,11 +13,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
 _SEED_LIMIT = 2**64
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)
+
+# [Note: logprobs and penalties]
+# Where: on the coordinator side, where the scheduler turns a result row into a token. A request that
+# asks for logprobs or a penalty sets `needs_logits`, so its items carry `Item.want_logits` and the
+# last stage returns float32 logits for each of their result rows (greedy requests without either
+# pay nothing: the last stage returns only argmax ids for them). One place decides both the token
+# and its logprob, so a draft's verify uses exactly what plain decoding uses at that position.
+# Penalties (vLLM's definitions, vllm/model_executor/layers/utils.py `apply_penalties`; OpenAI API
+# reference for presence/frequency): with c(t) = how often t occurs in the tokens *generated so far*
+# (for a verify row: committed output plus the drafts accepted before that row in the same result),
+#     logits[t] -= frequency_penalty * c(t) + presence_penalty * [c(t) > 0],
+# and, first, for every t in the prompt or the output, repetition_penalty r (CTRL, Keskar et al.
+# 2019, arXiv 1909.05858 §4.1): logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r.
+# Greedy then takes the argmax of the penalised logits; sampling applies temperature / top-p to them.
+# Logprobs are those of the raw model distribution, log_softmax(logits) before penalties and
+# temperature (vLLM's default `raw_logprobs` mode), so they are comparable across requests; the
+# reported token is the one committed (penalised / sampled), whatever its raw rank.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +51,12 @@ class SamplingParams:
     seed: seeds the sequence's generator; None draws a fresh random seed, so runs differ.
     stop: strings that end generation when they appear in the output (applied by the scheduler).
     ignore_eos: keep generating past EOS until `max_new_tokens` (benchmarks).
+    logprobs: None, or report each generated token's logprob plus this many (0..MAX_LOGPROBS) most
+        likely alternatives per position ([Note: logprobs and penalties]).
+    prompt_logprobs: None, or report the logprob of every prompt token after the first (given the
+        tokens before it) plus this many alternatives (OpenAI completions `echo` + `logprobs`).
+    presence_penalty, frequency_penalty: in [-2, 2], OpenAI's; repetition_penalty: in (0, 2], vLLM's
+        extension, 1 = off.
 
     Raises ValueError (naming the parameter, the value and the limit) for invalid settings.
     """
@@ -40,6 +67,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -64,11 +96,73 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
 
     @property
     def is_greedy(self) -> bool:
         """True when tokens are chosen by argmax (temperature == 0)."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether the last stage must return this request's logits (sampling, logprobs, penalties)."""
+        return not self.is_greedy or self.logprobs is not None or self.has_penalties
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One position's reported log-probabilities: the chosen token's, and the `top` alternatives
+    as (token id, logprob) pairs, most likely first (natural log, raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    """logits: [vocab_size] raw final logits of a position; token_id: the token reported there;
+    num_top: alternatives to list (0..MAX_LOGPROBS). Ties keep the lower token id first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0:
+        values, ids = torch.sort(logp, descending=True, stable=True)
+        top = tuple(zip(ids[:num_top].tolist(), values[:num_top].tolist(), strict=True))
+    return TokenLogprob(token_id, float(logp[token_id]), top)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, *, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """The penalised logits of one position ([Note: logprobs and penalties]); a new tensor.
+
+    logits: [vocab_size] float; prompt_ids: the sequence's prompt; output_ids: every token generated
+    before this position. Returns [vocab_size] float32 (`logits` itself when no penalty is set).
+    """
+    if not params.has_penalties:
+        return logits
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor([*prompt_ids, *output_ids], dtype=torch.int64)] = True
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if output_ids and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64), minlength=vocab)[:vocab].float()
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return out
 
 
 class Sampler:

@@ -71,7 +71,7 @@ from pipeline.draft_gate import DraftGate
 from pipeline.items import Item, ItemKind, SlotRelease
 from pipeline.ledger import SequenceLedger
 from pipeline.predictors import ExitGuess, Predictor
-from pipeline.sampling import Sampler, SamplingParams
+from pipeline.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from pipeline.scheduler_types import (
     Commit,
     FinishReason,
@@ -202,12 +202,14 @@ class Scheduler:
             self._queue_real(seq)
 
     def _queue_real(self, seq: SequenceState) -> None:
-        want_logits = not seq.params.is_greedy
+        want_logits = seq.params.needs_logits
         if not seq.output_ids:
             n = len(seq.prompt_ids)
+            prompt_logits = seq.params.prompt_logprobs is not None
             seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n,
                                epoch=seq.epoch, kind=ItemKind.PREFILL, token_ids=tuple(seq.prompt_ids),
-                               want_logits=want_logits, **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
+                               want_logits=want_logits or prompt_logits, want_prompt_logits=prompt_logits,
+                               **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
         else:
             drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
             start = seq.num_tokens - 1
@@ -267,7 +269,7 @@ class Scheduler:
         seq.pending_key = self.gate.key(draft)
         start = end.last_position + 1
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
-                           kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=not seq.params.is_greedy,
+                           kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=seq.params.needs_logits,
                            **self._firp_fields(seq, first_anchor=start, num_anchors=1))
         seq.pending_ready_ns = now_ns
         self.drafting.append(seq.seq_id)
@@ -280,7 +282,8 @@ class Scheduler:
         [Note: chain verify]).
 
         returned: the items of the micro-batch that ran on every stage (a subset, in order); token_ids: [sum of returned items' num_result_rows] argmax of each result row;
-        logits: [result rows of returned items with want_logits, vocab] float32 in item order;
+        logits: [`num_logit_rows` of returned items with want_logits, vocab] float32 in item order
+        (a prefill with want_prompt_logits also brings its prompt rows: `Commit.prompt_logprobs`);
         firp_tokens: [sum of returned items' num_pseudo] FIRP drafts (pseudo-row argmax), or None;
         firp_probs: the same shape, each draft's probability (None: no confidence cut).
         Results of finished sequences or older epochs are ignored.
@@ -289,9 +292,11 @@ class Scheduler:
         for item in returned:
             n = item.num_result_rows
             argmax = [int(t) for t in token_ids[row:row + n]]
-            rows = None
+            rows = prompt_rows = None
             if item.want_logits:
-                rows, logit_row = logits[logit_row:logit_row + n], logit_row + n
+                rows, logit_row = logits[logit_row:logit_row + item.num_logit_rows], logit_row + item.num_logit_rows
+                if item.want_prompt_logits:
+                    prompt_rows, rows = rows[:-1], rows[-1:]
             firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + item.num_pseudo]]
             if firp and firp_probs is not None and self.config.firp_min_prob > 0:
                 probs = firp_probs[pseudo_row:pseudo_row + item.num_pseudo].tolist()
@@ -300,7 +305,10 @@ class Scheduler:
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
-            commits.append(self._verify_and_commit(seq, item, argmax, rows, firp, now_ns))
+            commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
+            if prompt_rows is not None:
+                commit = dataclasses.replace(commit, prompt_logprobs=_prompt_logprobs(seq, prompt_rows))
+            commits.append(commit)
         return commits
 
     def _record_gate(self, seq: SequenceState, item: Item, tokens: list[int]) -> None:
@@ -320,7 +328,11 @@ class Scheduler:
         own_drafts = len(seq.ledger.inflight[0].drafts)
         tokens = verify_result(argmax=argmax, drafts=seq.ledger.drafts_to_verify(), logits=rows, sampler=seq.sampler,
                                eos_token_ids=self.config.eos_token_ids, ignore_eos=seq.params.ignore_eos,
-                               budget_left=seq.params.max_new_tokens - len(seq.output_ids))
+                               budget_left=seq.params.max_new_tokens - len(seq.output_ids),
+                               prompt_ids=seq.prompt_ids, output_ids=seq.output_ids)
+        logprobs = None
+        if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/sampling.py
+            logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
         self._record_gate(seq, item, tokens)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         firp_verified = min(len(tokens), own_drafts)
@@ -348,7 +360,7 @@ class Scheduler:
             self._queue_real(seq)
         else:
             self._try_draft(seq, now_ns)  # the accepted chain has room again
-        return Commit(seq.seq_id, tuple(tokens), seq.finish_reason)
+        return Commit(seq.seq_id, tuple(tokens), seq.finish_reason, logprobs=logprobs)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -371,3 +383,10 @@ class Scheduler:
         seq = self.seqs[seq_id]
         assert seq.finished, f"sequence {seq_id} is not finished"
         return self.seqs.pop(seq_id)
+
+
+def _prompt_logprobs(seq: SequenceState, prompt_rows: torch.Tensor) -> tuple[TokenLogprob | None, ...]:
+    """Logprob of each prompt token given the ones before it (None for the first), with
+    `prompt_logprobs` alternatives. prompt_rows: [prompt_len - 1, vocab] raw logits of rows 0..n-2."""
+    k = seq.params.prompt_logprobs or 0
+    return (None, *(token_logprob(prompt_rows[j], t, k) for j, t in enumerate(seq.prompt_ids[1:])))

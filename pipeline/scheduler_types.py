@@ -11,7 +11,7 @@ import enum
 from pipeline.items import Item
 from pipeline.ledger import SequenceLedger
 from pipeline.predictors import ExitGuess
-from pipeline.sampling import Sampler, SamplingParams
+from pipeline.sampling import Sampler, SamplingParams, TokenLogprob
 
 
 class FinishReason(enum.Enum):
@@ -104,11 +104,16 @@ class MicroBatch:
 
 @dataclasses.dataclass(frozen=True)
 class Commit:
-    """Tokens newly committed for one sequence by one result, and its finish reason if it ended."""
+    """Tokens newly committed for one sequence by one result, and its finish reason if it ended.
+    logprobs: one per token when the request asks (`SamplingParams.logprobs`), else None;
+    prompt_logprobs: on the prefill's commit, one per prompt token (None for the first) when the
+    request asks (`SamplingParams.prompt_logprobs`), else None."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass

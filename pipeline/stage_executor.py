@@ -54,7 +54,7 @@ class StageOutput:
         they exist), in item order.
     token_ids: [sum of items' num_result_rows] int64 argmax of each result row (last stage): the
         last row of a prefill, every row of any other item.
-    logits: [result rows of items with want_logits, vocab_size] float32 (last stage).
+    logits: [`num_logit_rows` of each item with want_logits, summed, vocab_size] float32 (last stage).
     firp_tokens: [num_pseudo] int64 argmax of every pseudo row (last stage; the FIRP drafts).
     firp_probs: [num_pseudo] float32 softmax probability of each FIRP draft (its confidence).
     exit_tokens, exit_probs: [num_items] the exit head's top token and its probability at each
@@ -132,9 +132,10 @@ class StageExecutor:
         if self.firp_maps is not None and pseudo is None and num_pseudo:
             lens = [it.firp_k for it in items for _ in range(it.firp_anchors if it.firp_k else 0)]
             make_pseudo = lambda anchors: self.firp_maps.chains(anchors, lens)  # noqa: E731
-        logit_rows = None
+        logit_rows = result_index = None
         if self.model.is_last:
-            logit_rows = torch.tensor(_result_rows(items), dtype=torch.int64, device=self._device)
+            rows, result_index = _logit_rows(items)
+            logit_rows = torch.tensor(rows, dtype=torch.int64, device=self._device)
         fwd = self.model.forward_rows(x.to(self._device), spans, self.kv, logit_rows=logit_rows,
                                       exit_layer=self.exit_layer if use_head else None,
                                       pseudo=None if pseudo is None else pseudo.to(self._device),
@@ -143,13 +144,13 @@ class StageExecutor:
         if use_head:
             result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden)
         if self.model.is_last:
-            out = fwd.out
-            result.token_ids = out.argmax(dim=-1).cpu()
+            out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
+            result.token_ids = out[result_index].argmax(dim=-1).cpu()
             want, row = [], 0
             for it in items:
                 if it.want_logits:
-                    want.extend(range(row, row + it.num_result_rows))
-                row += it.num_result_rows
+                    want.extend(range(row, row + it.num_logit_rows))
+                row += it.num_logit_rows
             if want:
                 result.logits = out[want].cpu()
             if fwd.pseudo is not None:
@@ -215,10 +216,13 @@ def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_tokens)
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def _result_rows(items: list[Item]) -> list[int]:
-    """Packed row indices of every item's result rows (`Item.num_result_rows`, its last rows)."""
-    rows, row = [], 0
+def _logit_rows(items: list[Item]) -> tuple[list[int], list[int]]:
+    """(packed row indices the LM head runs on, index of each result row among them): every item's
+    result rows (`Item.num_result_rows`, its last rows), or all its rows for an item with
+    `want_prompt_logits` (`Item.num_logit_rows`; its result row is the last of them)."""
+    rows, result_index, row = [], [], 0
     for it in items:
         row += it.num_tokens
-        rows.extend(range(row - it.num_result_rows, row))
-    return rows
+        rows.extend(range(row - it.num_logit_rows, row))
+        result_index.extend(range(len(rows) - it.num_result_rows, len(rows)))
+    return rows, result_index

@@ -12,12 +12,13 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from pipeline.sampling import Sampler
+from pipeline.sampling import Sampler, apply_penalties
 
 
 def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch.Tensor | None,
                   sampler: Sampler | None, eos_token_ids: Collection[int], ignore_eos: bool,
-                  budget_left: int) -> list[int]:
+                  budget_left: int, prompt_ids: Sequence[int] = (),
+                  output_ids: Sequence[int] = ()) -> list[int]:
     """The tokens one result commits, in row order: the longest accepted prefix plus one real token.
 
     argmax: [num_result_rows] the last stage's argmax of each result row (row i is the model's
@@ -25,9 +26,13 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
     drafts: the draft that followed each row (`SequenceLedger.drafts_to_verify()`: the item's own
         FIRP drafts, then the run-ahead draft after it); shorter than argmax when the last rows
         had none.
-    logits: [num_result_rows, vocab_size] float32 when the sequence samples (temperature > 0),
-        None for greedy.
+    logits: [num_result_rows, vocab_size] float32 when the sequence needs them
+        (`SamplingParams.needs_logits`: sampling, penalties or logprobs), None otherwise.
     sampler: the sequence's sampler (its params and seeded generator); used only with logits.
+    prompt_ids / output_ids: the sequence's prompt and committed output before this result; with
+        penalties, row i is penalised with output_ids + the tokens this result committed before it,
+        exactly the history plain decoding has at that position ([Note: logprobs and penalties] in
+        pipeline/sampling.py).
     eos_token_ids / ignore_eos: the sequence's stop tokens; budget_left: tokens it may still
         commit (>= 1).
     Returns 1..num_result_rows tokens; every token but the last equals its draft.
@@ -35,14 +40,21 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
     out: list[int] = []
     for i, top in enumerate(argmax):
         draft = drafts[i] if i < len(drafts) else None
-        if logits is None:
+        row = None
+        if logits is not None:
+            row = apply_penalties(logits[i], sampler.params, prompt_ids=prompt_ids, output_ids=[*output_ids, *out])
+        if row is not None and sampler.params.is_greedy:
+            # Greedy on the penalised logits (the raw argmax when no penalty is set); a draft is
+            # accepted iff it equals this token, as in the unpenalised greedy case below.
+            token = int(torch.argmax(row)) if sampler.params.has_penalties else top
+        elif logits is None:
             # Greedy: the real token is the argmax; the draft is accepted iff it equals it. So
             # greedy output with speculation is token-identical to greedy output without it
             # (ARCHITECTURE.md §5.3), whatever the predictor proposes.
             token = top
         elif draft is None:
             # No draft followed this row: sample the real next token from p = softmax(logits / T).
-            token = sampler.sample(logits[i])
+            token = sampler.sample(row)
         else:
             # Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192 §2.3; SPEED §3):
             # accept the draft x with probability min(1, p(x) / q(x)), q = the predictor's
@@ -50,7 +62,7 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
             # otherwise commit y ~ normalise(max(0, p - q)). Either way the token is distributed
             # exactly as p (`pipeline.sampling.verify_draft` does the arithmetic, with the
             # sequence's top-p filter and seeded generator).
-            token = sampler.verify(logits[i], draft)[1]
+            token = sampler.verify(row, draft)[1]
         out.append(token)
         if token in eos_token_ids and not ignore_eos:
             break  # never commit past EOS (§5.5)

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.partition import LayerRange
 from pipeline.quant import Int4Linear, Int8Linear
 from pipeline.quant_load import effective_mode, load_stage_model

@@ -25,7 +25,9 @@ import pytest
 import torch
 
 from launcher.openai_protocol import render_chat
-from launcher.session import PipelineOptions, PipelineSession, resolve
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.session import PipelineSession
 from pipeline.model_chunks import assemble
 from pipeline.models import CACHE_ENV, CHUNKED_REGISTRY, default_cache_dir, resolve_model
 from pipeline.sampling import SamplingParams

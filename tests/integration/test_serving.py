@@ -303,3 +303,33 @@ def test_models_health_and_metrics(server):
     generated = next(float(line.split()[-1]) for line in text.splitlines()
                      if line.startswith("speedpipe:generation_tokens_total"))
     assert generated >= NUM_TOKENS * len(PROMPTS)
+
+
+def test_logprobs_echo_and_penalties_match_transformers_on_the_default_model(server, client):
+    """Greedy float32 logprobs (with echo) and a frequency penalty against transformers' own logits
+    (the full checks per option run on the tiny model: tests/distributed/test_openai_features_tiny.py)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    stack, _ = server
+    hf = transformers.AutoModelForCausalLM.from_pretrained(stack.session.model.model_dir, dtype=torch.float32).eval()
+    ids = stack.engine.tokenizer.encode(PROMPTS[1])
+    out, want = [], []
+    for _ in range(NUM_TOKENS):  # greedy with frequency_penalty 1.0: logits[t] -= count of t in the output
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out])).logits[0].float()
+        if not out:
+            prompt_logp = torch.log_softmax(logits[:-1], dim=-1)
+        penalised = logits[-1] - torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.shape[-1])
+        out.append(int(torch.argmax(penalised)))
+        want.append(float(torch.log_softmax(logits[-1], dim=-1)[out[-1]]))
+    r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[1], max_tokens=NUM_TOKENS, temperature=0,
+                                  logprobs=2, echo=True, frequency_penalty=1.0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.token_ids == out and choice.text.startswith(PROMPTS[1])
+    n = len(ids)
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:n] == pytest.approx(
+        [float(prompt_logp[j - 1][ids[j]]) for j in range(1, n)], abs=1e-4)
+    assert choice.logprobs.token_logprobs[n:] == pytest.approx(want, abs=1e-4)

@@ -145,8 +145,11 @@ def test_queue_bound_is_429_and_abort_on_disconnect(served):
     ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": "3"}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 2}, "top_p"),
     ({"seed": -3}, "seed"), ({"stop": 5}, "stop"), ({"model": "other"}, "model"), ({"prompt": ""}, "prompt"),
-    ({"prompt": None}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"n": 2}, "n"), ({"stream": "yes"}, "stream"),
-    ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": None}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"n": 0}, "n"), ({"stream": "yes"}, "stream"),
+    ({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"echo": 1}, "echo"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 2.1}, "repetition_penalty"),
+    ({"best_of": 3}, "best_of"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_parse_completion_names_the_bad_field(tokenizer, body, param):
@@ -168,6 +171,17 @@ def test_parse_completion_and_chat(tokenizer):
     assert render_chat(messages, tokenizer=tokenizer) == "<user>Hi\n<assistant>"
     chat = parse_chat({"messages": messages}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
     assert chat.params.max_new_tokens == 64 - len(chat.prompt_ids)
+    chat = parse_chat({"messages": messages, "logprobs": True, "top_logprobs": 3, "n": 2, "seed": 5},
+                      tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+    assert chat.params.logprobs == 3 and [p.seed for p in chat.choice_params()] == [5, 6]
+    p = parse_completion({"prompt": "Hi", "logprobs": 2, "echo": True, "repetition_penalty": 1.2},
+                         tokenizer=tokenizer, model_name="tiny")
+    assert (p.params.logprobs, p.params.prompt_logprobs, p.echo, p.params.repetition_penalty) == (2, 2, True, 1.2)
+    for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo")):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_chat({"messages": messages, **body}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+        assert info.value.param == param
 
 
 def test_too_long_prompt_names_prompt_or_max_tokens(served):
@@ -426,3 +440,20 @@ def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
     finally:
         server.stop()
+
+
+def test_n_choices_are_independent_requests_merged_in_one_response(served):
+    coord, engine, url = served
+    r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "n": 3, "seed": 9})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2] and all(c["text"] == "abca" for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    with httpx.stream("POST", url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "n": 2, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 2
+    r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "n": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert engine.num_outstanding == 0

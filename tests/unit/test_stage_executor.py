@@ -206,3 +206,21 @@ def test_an_item_past_its_kv_slot_is_a_value_error(weights):
     first, _ = _pipeline(weights)
     with pytest.raises(ValueError, match="gap"):
         first.run([_item([1], start=4)], torch.tensor([1]))
+
+
+def test_prompt_logits_items_return_every_row_and_the_same_result_token(weights):
+    """A prefill with want_prompt_logits (OpenAI echo + logprobs) returns logits for all its rows, in
+    item order beside other items' result rows; its argmax is still that of its last row."""
+    cfg, _ = weights
+    echo = Item(seq_id=1, slot=0, start=0, num_tokens=4, kind=ItemKind.PREFILL, token_ids=(5, 6, 7, 8),
+                want_logits=True, want_prompt_logits=True)
+    other = _item([9, 10, 11], seq_id=2, slot=1, want_logits=True)
+    outs = _run(_pipeline(weights), [echo, other])
+    last = outs[-1]
+    assert last.logits.shape == (4 + 1, cfg.vocab_size) and last.token_ids.shape == (2,)
+    plain = _run(_pipeline(weights), [_item([5, 6, 7, 8], want_logits=True), other])[-1]
+    torch.testing.assert_close(last.logits[3], plain.logits[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last.logits[4], plain.logits[1], rtol=1e-5, atol=1e-5)
+    assert last.token_ids.tolist() == [int(last.logits[3].argmax()), int(last.logits[4].argmax())]
+    prefix = _run(_pipeline(weights), [_item([5, 6], want_logits=True)])[-1]  # row 1 = the logits after [5, 6]
+    torch.testing.assert_close(last.logits[1], prefix.logits[0], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,264 @@
+"""The OpenAI API features clients use, through the official `openai` client against `speedpipe serve`.
+
+One 2-stage server (real stage processes, gloo on loopback) on the tiny random model (float32) per
+speculation mode: `none`, `speed` (n-gram drafts) and `speed+firp` (untrained FIRP maps, so chains
+of several rows are verified in one result and both accepted and rejected), every draft sent. Every check compares with
+a reference computed here from transformers' logits for the same prompt (greedy decoding, float32,
+to 1e-4): `logprobs` / `top_logprobs` on completions and chat, `echo` with prompt logprobs, `n` = 3,
+presence / frequency / repetition penalties, and gRPC Generate's logprobs and penalties; all modes must match the same reference, so the
+verify pass gives the logprobs plain decoding gives. Bad values answer 400 naming the field.
+What breaks when these fail: logprobs of the wrong row or distribution, prompt rows lost, penalties
+that differ from vLLM's formula or that ignore accepted drafts, choices that share a sequence.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+import torch
+
+from launcher.openai_protocol import render_chat
+from launcher.pipeline_options import PipelineOptions
+from launcher.run_plan import resolve
+from launcher.serve import ServeOptions, ServingStack
+from launcher.session import PipelineSession
+from pipeline.sampling import SamplingParams
+from pipeline.tokenizer import Tokenizer
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.tiny_model import write_firp_file, write_tiny_model
+from tests.unit.test_logprobs_penalties import _reference_penalised
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+PROMPT = "The cat sat on the mat."
+NUM_TOKENS = 8
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT = [{"role": "user", "content": "Say something."}]
+TOL = 1e-4
+GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-openai"))
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=["none", "speed", "speed+firp"])
+def server(request, tiny_dir, tmp_path_factory):
+    firp = {}
+    if "firp" in request.param:
+        path = write_firp_file(tiny_dir, tmp_path_factory.mktemp("firp") / "firp.safetensors", layer=1, k=3)
+        firp = dict(firp_file=str(path), layer_split="2,2")
+    options = PipelineOptions(num_stages=2, model=str(tiny_dir), progress=False, max_num_seqs=4, max_model_len=128,
+                              stage_timeout_s=60, speculate=request.param, predictor="ngram", min_acceptance=0.0,
+                              **firp)
+    with PipelineSession(options, resolve(options)) as session:
+        with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=0, stats_interval_s=0)) as stack:
+            yield stack
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+def _logits(hf_model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of every position."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def _greedy_reference(hf_model, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding on transformers' logits (penalised as `params` says): tokens and, per token,
+    the raw log_softmax of its position."""
+    out, logps = [], []
+    for _ in range(params.max_new_tokens):
+        logits = _logits(hf_model, prompt_ids + out)[-1]
+        out.append(int(torch.argmax(_reference_penalised(logits, params, prompt_ids, out))))
+        logps.append(torch.log_softmax(logits, dim=-1))
+    return out, logps
+
+
+def _top(tok: Tokenizer, logp: torch.Tensor, k: int) -> dict[str, float]:
+    values, ids = torch.sort(logp, descending=True, stable=True)
+    pairs = zip(ids[:k].tolist(), values[:k].tolist(), strict=True)
+    return {tok.decode([i], skip_special_tokens=False): v for i, v in pairs}
+
+
+def _assert_top(got: dict[str, float], want: dict[str, float]) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=TOL)
+
+
+def test_completion_logprobs_and_top_logprobs_match_transformers(server, client, hf_model):
+    tok = server.engine.tokenizer
+    ids = tok.encode(PROMPT)
+    ref, logps = _greedy_reference(hf_model, ids, SamplingParams(max_new_tokens=NUM_TOKENS))
+    r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, logprobs=3, **GREEDY)
+    choice = choice_of(r)
+    assert choice.token_ids == ref
+    lp = choice.logprobs
+    assert lp.token_logprobs == pytest.approx([float(logps[i][t]) for i, t in enumerate(ref)], abs=TOL)
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref]
+    for i, top in enumerate(lp.top_logprobs):
+        _assert_top(top, _top(tok, logps[i], 3))
+
+
+def choice_of(response, index: int = 0):
+    assert len(response.choices) > index
+    return response.choices[index]
+
+
+def test_echo_returns_prompt_logprobs(server, client, hf_model):
+    tok = server.engine.tokenizer
+    ids = tok.encode(PROMPT)
+    prompt_logp = torch.log_softmax(_logits(hf_model, ids), dim=-1)
+    r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, logprobs=2, echo=True, **GREEDY)
+    lp = choice_of(r).logprobs
+    assert choice_of(r).text.startswith(PROMPT)
+    n = len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([float(prompt_logp[j - 1][ids[j]]) for j in range(1, n)], abs=TOL)
+    for j in range(1, n):
+        _assert_top(lp.top_logprobs[j], _top(tok, prompt_logp[j - 1], 2))
+    assert len(lp.tokens) == n + NUM_TOKENS and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_match_transformers(server, client, hf_model):
+    tok = server.engine.tokenizer
+    ids = tok.encode(render_chat(CHAT, tokenizer=tok))
+    ref, logps = _greedy_reference(hf_model, ids, SamplingParams(max_new_tokens=NUM_TOKENS))
+    r = client.chat.completions.create(model=server.engine.model_name, messages=CHAT, logprobs=True, top_logprobs=2,
+                                       **GREEDY)
+    content = choice_of(r).logprobs.content
+    assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False) for t in ref]
+    assert [c.logprob for c in content] == pytest.approx([float(logps[i][t]) for i, t in enumerate(ref)], abs=TOL)
+    for i, c in enumerate(content):
+        _assert_top({t.token: t.logprob for t in c.top_logprobs}, _top(tok, logps[i], 2))
+
+
+@pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5), dict(frequency_penalty=1.0),
+                                       dict(repetition_penalty=1.8)], ids=lambda p: next(iter(p)))
+def test_penalties_match_transformers(server, client, hf_model, penalties):
+    ids = server.engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_new_tokens=NUM_TOKENS, **penalties)
+    ref, _ = _greedy_reference(hf_model, ids, params)
+    plain, _ = _greedy_reference(hf_model, ids, SamplingParams(max_new_tokens=NUM_TOKENS))
+    body = {**GREEDY, "extra_body": {**GREEDY["extra_body"], **penalties}} if "repetition_penalty" in penalties \
+        else {**GREEDY, **penalties}
+    r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, **body)
+    assert choice_of(r).token_ids == ref
+    assert ref != plain, "the penalty should change this prompt's greedy output (else the check is vacuous)"
+
+
+def test_n_3_greedy_and_seeded(server, client, hf_model):
+    name = server.engine.model_name
+    ids = server.engine.tokenizer.encode(PROMPT)
+    ref, _ = _greedy_reference(hf_model, ids, SamplingParams(max_new_tokens=NUM_TOKENS))
+    r = client.completions.create(model=name, prompt=PROMPT, n=3, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.token_ids == ref for c in r.choices)
+    assert r.usage.completion_tokens == 3 * NUM_TOKENS and r.usage.prompt_tokens == len(ids)
+    sampled = {**GREEDY, "temperature": 1.0, "seed": 7}
+    r = client.completions.create(model=name, prompt=PROMPT, n=3, **sampled)
+    singles = [client.completions.create(model=name, prompt=PROMPT, **{**sampled, "seed": 7 + i}) for i in range(3)]
+    assert [c.token_ids for c in r.choices] == [choice_of(s).token_ids for s in singles]
+    assert len({tuple(c.token_ids) for c in r.choices}) > 1, "choices with derived seeds should differ"
+
+
+def test_n_3_streamed_has_every_choice(server, client):
+    stream = client.completions.create(model=server.engine.model_name, prompt=PROMPT, n=3, stream=True,
+                                       logprobs=1, **GREEDY)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    logprobs: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    for chunk in stream:
+        for c in chunk.choices:
+            tokens[c.index].extend(c.token_ids or [])
+            logprobs[c.index] += len(c.logprobs.token_logprobs) if c.logprobs else 0
+    assert all(len(t) == NUM_TOKENS for t in tokens.values()) and tokens[0] == tokens[1] == tokens[2]
+    assert all(n == NUM_TOKENS for n in logprobs.values())
+
+
+def test_streamed_chat_and_echo_carry_the_same_logprobs(server, client):
+    name = server.engine.model_name
+    whole = client.chat.completions.create(model=name, messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
+    streamed = []
+    for chunk in client.chat.completions.create(model=name, messages=CHAT, logprobs=True, top_logprobs=2,
+                                                stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed.extend(c.logprobs.content if c.logprobs else [])
+    want = choice_of(whole).logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in want]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in want], abs=TOL)
+    text, token_logprobs = "", []
+    for chunk in client.completions.create(model=name, prompt=PROMPT, logprobs=0, echo=True, stream=True, **GREEDY):
+        text += chunk.choices[0].text
+        token_logprobs.extend(chunk.choices[0].logprobs.token_logprobs)
+    whole = client.completions.create(model=name, prompt=PROMPT, logprobs=0, echo=True, **GREEDY)
+    assert text == choice_of(whole).text and text.startswith(PROMPT)
+    want = choice_of(whole).logprobs.token_logprobs
+    assert token_logprobs[0] is None and want[0] is None
+    assert token_logprobs[1:] == pytest.approx(want[1:], abs=TOL)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"logprobs": 21}, "logprobs"), ({"n": 0}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"echo": "yes"}, "echo"),
+])
+def test_bad_values_are_400_naming_the_field(server, body, param):
+    r = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/completions", json={"prompt": PROMPT, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_grpc_generate_logprobs_and_penalties_match_transformers(server, hf_model):
+    ids = server.engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_new_tokens=NUM_TOKENS, frequency_penalty=1.0)
+    ref, logps = _greedy_reference(hf_model, ids, params)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        chunks = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NUM_TOKENS, ignore_eos=True,
+                                                       frequency_penalty=1.0, logprobs=2)))
+        entries = [e for c in chunks for e in c.logprobs]
+        assert [t for c in chunks for t in c.token_ids] == ref == [e.token_id for e in entries]
+        assert [e.logprob for e in entries] == pytest.approx([float(logps[i][t]) for i, t in enumerate(ref)], abs=TOL)
+        for i, e in enumerate(entries):
+            values, top_ids = torch.sort(logps[i], descending=True, stable=True)
+            assert [t.token_id for t in e.top] == top_ids[:2].tolist()
+            assert [t.logprob for t in e.top] == pytest.approx(values[:2].tolist(), abs=TOL)
+        for req, field in ((pb.GenerateRequest(prompt="Hi", max_new_tokens=2, logprobs=21), "logprobs"),
+                           (pb.GenerateRequest(prompt="Hi", max_new_tokens=2, presence_penalty=3), "presence_penalty"),
+                           (pb.GenerateRequest(prompt="Hi", max_new_tokens=2, repetition_penalty=0), "repetition_penalty")):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(req))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+
+
+def test_speculation_verified_drafts(server, client):
+    if server.session.options.speculate == "none":
+        pytest.skip("plain decoding")
+    client.completions.create(model=server.engine.model_name, prompt="ab ab ab ab ab ab", logprobs=1,
+                              frequency_penalty=0.5, **GREEDY)
+    spec = server.session.coordinator.spec
+    assert spec.verified_drafts > 0 and spec.accepted_tokens > 0 and spec.squashed_items > 0, spec
+    if "firp" in server.session.options.speculate:
+        assert spec.firp_verified > 0, spec
