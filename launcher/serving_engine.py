@@ -252,6 +252,8 @@ class ServingEngine:
             return False, self._fence
         if self.coordinator.failure is not None:
             return False, str(self.coordinator.failure)
+        if self.coordinator.recovering is not None:  # a stage fail-over is in progress: requests wait
+            return False, self.coordinator.recovering
         if self.heartbeat is not None:
             return self.heartbeat.healthy()
         try:

@@ -84,6 +84,7 @@ class LocalStageProcesses:
         self._started = False
         self._stopped = False
         self._stopping = threading.Event()
+        self._keeper: threading.Thread | None = None  # spawns restarted stages (see restart())
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -143,6 +144,70 @@ class LocalStageProcesses:
             if returncode is not None:
                 dead.append((stage.stage_index, returncode))
         return dead
+
+    def restart(self, local_index: int) -> str:
+        """Kill local stage `local_index` if it still runs (a hung one), reap it, and spawn it again
+        with the same command and environment (session secret included); returns its new address
+        once it printed its ready line. Raises StageStartupError (the other stages keep running) if
+        it does not come up within `config.startup_timeout_s`, RuntimeError while stopping."""
+        with self._lock:
+            if self._stopping.is_set() or not self._started:
+                raise RuntimeError("restart() needs started stage processes that are not stopping")
+            old = self._stages[local_index]
+            with contextlib.suppress(OSError):
+                old.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                old.proc.wait(timeout=KILL_REAP_TIMEOUT_S)
+            old.join_readers(READER_JOIN_TIMEOUT_S)
+            if old.pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(old.pidfd)
+                old.pidfd = None
+            with contextlib.suppress(OSError, ValueError):
+                if old.proc.stdin is not None:
+                    old.proc.stdin.close()
+            proc = self._spawn_from_keeper(local_index)
+            child = StageChild(local_index, proc, label_index=self.config.first_stage_index + local_index)
+            self._stages[local_index] = child
+        events: queue.Queue[tuple[int, str, int]] = queue.Queue()
+        child.start_readers(events, self._out)
+        try:
+            _, kind, port = events.get(timeout=self.config.startup_timeout_s)
+        except queue.Empty:
+            kind, port = "timeout", 0
+        if kind != "ready" or not 0 < port < 65536:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            raise StageStartupError(f"stage {child.label_index} did not come back after a restart ({kind}); "
+                                    f"last stderr lines: {' | '.join(child.stderr_tail) or '(none)'}",
+                                    stage_index=child.label_index, returncode=proc.poll(),
+                                    stderr_tail=child.stderr_tail)
+        self._addresses[local_index] = format_address(self.config.host, port)
+        logger.info("[Stage %d] restarted: pid %d at %s", child.label_index, proc.pid, self._addresses[local_index])
+        return self._addresses[local_index]
+
+    def _spawn_from_keeper(self, local_index: int) -> subprocess.Popen[bytes]:
+        """Spawn a stage from a thread that lives as long as this object, never from the caller's
+        (PR_SET_PDEATHSIG fires when the *spawning thread* exits: [Note: no orphan stage processes])."""
+        if self._keeper is None:
+            self._keeper_jobs: queue.Queue = queue.Queue()
+            self._keeper = threading.Thread(target=self._keep, name="speedpipe-stage-keeper", daemon=True)
+            self._keeper.start()
+        done: queue.Queue = queue.Queue()
+        self._keeper_jobs.put((local_index, done))
+        result = done.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _keep(self) -> None:
+        while True:
+            local_index, done = self._keeper_jobs.get()
+            try:
+                done.put(spawn_stage(self.config.command(local_index), self.config.child_env(),
+                                     stage_index=local_index))
+            except OSError as exc:
+                done.put(exc)
 
     def stop(self, grace_s: float = 5.0, *, term_grace_s: float = 2.0) -> None:
         """Stop and reap every stage process; idempotent.
