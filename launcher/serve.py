@@ -228,7 +228,7 @@ def window_serving_buffers(coord: Coordinator, max_entries: int) -> None:
     and writes no trace, so its buffers are windows. Counters (useful / wasted seconds, speculation
     totals) are plain numbers and stay exact. Called before the server admits requests.
     """
-    coord.commit_events = collections.deque(coord.commit_events, maxlen=max_entries)
+    coord.engine.commit_log = collections.deque(coord.engine.commit_log, maxlen=max_entries)  # the engine's
     timeline = coord.timeline
     timeline.slices = collections.deque(timeline.slices, maxlen=max_entries)
     timeline.draft_gaps_ns = collections.deque(timeline.draft_gaps_ns, maxlen=max_entries)

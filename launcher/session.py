@@ -19,8 +19,8 @@ from launcher.local_backend import LocalStageBackend
 from launcher.local_launch_config import LocalLaunchConfig
 from launcher.pipeline_options import PipelineOptions
 from launcher.placement import StageBackend
-from launcher.stage_failover import RestartBudget, RestartPolicy, StageFailover
 from launcher.run_plan import RunPlan
+from launcher.stage_failover import RestartBudget, RestartPolicy, StageFailover
 from launcher.stage_processes import LocalStageProcesses
 from pipeline.predictors import Predictor
 from pipeline.stage_assembly import StageLoadSpec

@@ -34,7 +34,16 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable
 
-from pipeline.engine_events import Abort, Event, ExitPassed, ReplayRunning, Result, StepOutput, StopStringHit, Submit
+from pipeline.engine_events import (
+    Abort,
+    Event,
+    ExitPassed,
+    ReplayRunning,
+    Result,
+    StepOutput,
+    StopStringHit,
+    Submit,
+)
 from pipeline.items import Item
 from pipeline.predictors import Predictor
 from pipeline.scheduler import Scheduler
