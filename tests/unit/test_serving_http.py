@@ -47,6 +47,7 @@ class FakeCoordinator:
     def __init__(self, tokenizer: Tokenizer, *, step_s: float = 0.002) -> None:
         self.tokenizer, self.step_s = tokenizer, step_s
         self.failure: PipelineError | None = None
+        self.recovering: str | None = None  # a stage fail-over in progress (launcher/stage_failover.py)
         self.stage_status = [pb.HealthResponse.SERVING] * 2
         self.spec = SpecCounters()
         self.timeline = Timeline(2)
@@ -378,18 +379,21 @@ def free_tcp_port() -> int:
 
 def test_serve_buffers_are_windows(tokenizer):
     from collections import deque
+    from types import SimpleNamespace
 
     from launcher.serve import window_serving_buffers
     from pipeline.items import Item, ItemKind
+    from pipeline.timeline import StageTiming
 
-    coord = SimpleNamespace(commit_events=deque(maxlen=1_000_000), timeline=Timeline(2))
+    coord = SimpleNamespace(engine=SimpleNamespace(commit_log=deque(maxlen=1_000_000)), timeline=Timeline(2))
     window_serving_buffers(coord, 100)
     item = Item(seq_id=0, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT)
     for i in range(1, 5000):
-        coord.commit_events.append((i, 0, 1))
-        coord.timeline.record([[0, 10 * i, 10 * i + 5], [1, 10 * i + 5, 10 * i + 9]], [item], 1.0,
+        coord.engine.commit_log.append((i, 0, 1))
+        timing = [StageTiming(0, 10 * i, 10 * i + 5), StageTiming(1, 10 * i + 5, 10 * i + 9)]
+        coord.timeline.record(timing, [item], 1.0,
                               draft_ready_ns=10 * i - 1)
-    assert len(coord.commit_events) == 100 and len(coord.timeline.slices) == 100
+    assert len(coord.engine.commit_log) == 100 and len(coord.timeline.slices) == 100
     assert 0 < len(coord.timeline.draft_gaps_ns) <= 100
     assert coord.timeline.num_batches == 4999  # totals stay exact
 
