@@ -236,3 +236,40 @@ def test_chaos_serve_kill_9_of_random_stages_every_request_completes_with_the_of
         seen_pids.update(session.processes.pids)
         session.close()
     assert not [p for p in seen_pids if pid_alive(p)]
+
+
+def test_serve_with_a_stage_sigstopped_restarts_it_and_streams_complete_with_the_offline_text(tiny_model_dir: Path):
+    """A hung stage (SIGSTOP) under `serve`: declared hung by the heartbeat, killed, restarted."""
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    options = session_options(tiny_model_dir, 3, max_model_len=1024)
+    session = PipelineSession(options, resolve(options), restart_policy=POLICY).__enter__()
+    pids, signals, loop = list(session.processes.pids), DrainSignals(), None
+    try:
+        coord = session.coordinator
+        offline = [coord.submit(p, params).result(timeout_s=120).text for p in PROMPTS[:3]]
+        serve = ServeOptions(port=0, grpc_port=-1, stats_interval_s=0, stage_heartbeat_timeout_s=1.5)
+        with ServingStack(session, serve) as stack:
+            loop = threading.Thread(target=serve_until_stopped, args=(session, stack, signals), daemon=True)
+            loop.start()
+            url = f"http://127.0.0.1:{stack.http_port}"
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(httpx.post, url + "/v1/completions", timeout=300, json={
+                    "prompt": p, "max_tokens": params.max_new_tokens, "ignore_eos": True, "temperature": 0})
+                    for p in PROMPTS[:3]]
+                while stack.engine.num_outstanding == 0 and not all(f.done() for f in futures):
+                    time.sleep(0.01)
+                os.kill(pids[1], signal.SIGSTOP)
+                responses = [f.result() for f in futures]
+            assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
+            assert [r.json()["choices"][0]["text"] for r in responses] == offline
+            _wait_healthy(url, 90)
+            assert coord.num_restarts == 1 and not pid_alive(pids[1])
+    finally:
+        signals.request()
+        if loop is not None:
+            loop.join(timeout=60)
+        if pid_alive(pids[1]):
+            os.kill(pids[1], signal.SIGKILL)
+        all_pids = {*pids, *session.processes.pids}
+        session.close()
+    assert not [p for p in all_pids if pid_alive(p)]
