@@ -190,7 +190,8 @@ class Coordinator:
                 self._pump()
             except Exception as exc:  # noqa: BLE001 - recovered, or it fails every request, named
                 error = exc if isinstance(exc, PipelineError) else PipelineError(str(exc))
-                if self._stopping.is_set() or not self._recover(error):
+                error = error if self._stopping.is_set() else self._recover(error)
+                if error is not None:
                     self._fail(error)
                     return
 
@@ -209,14 +210,13 @@ class Coordinator:
                 self.handles.pop(seq_id, None)
 
     # -- fail-over (launcher/stage_failover.py) ---------------------------------------------------
-    def _recover(self, error: PipelineError) -> bool:
-        """Restart the failed stages and replay every running sequence ([Note: fail-over]); False
-        (and `error` amended) when there is no fail-over or its budget is spent."""
+    def _recover(self, error: PipelineError) -> PipelineError | None:
+        """Restart the failed stages and replay every running sequence ([Note: fail-over]); None once
+        recovered, else the error to fail every request with (no fail-over, or its budget spent)."""
         fo = self.failover
-        while fo is not None:
+        while fo is not None and not self._stopping.is_set():
             if not fo.budget.take():
-                error.args = (f"{error} (stage restarts exhausted: {fo.budget.describe()})",)
-                return False
+                return PipelineError(f"{error} (stage restarts exhausted: {fo.budget.describe()})")
             self.num_restarts += 1
             log.warning("stage failure (%s): restarting (restart %d)", error, self.num_restarts)
             self.recovering = f"restarting after a stage failure: {error}"
@@ -229,8 +229,8 @@ class Coordinator:
             log.warning("pipeline restored after %d restart(s); replayed the running requests", self.num_restarts)
             self.recovering = None
             self._notify_recovery("done")
-            return True
-        return False
+            return None
+        return error
 
     def _restart_and_replay(self, fo: StageFailover) -> None:
         self._receivers_stopping.set()
