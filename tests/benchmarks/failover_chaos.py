@@ -1,7 +1,7 @@
 """The issue-16 chaos run at any size: `serve` (in-process, 3 stages, tiny model), greedy requests
 at concurrency, `kill -9` of random stages at random times (tests/distributed/test_failover.py `chaos`).
 
-    python tests/benchmarks/failover_chaos.py [--requests 64] [--concurrency 8] [--kills 3]
+    PYTHONPATH=. python tests/benchmarks/failover_chaos.py [--requests 64] [--concurrency 8] [--kills 3]
 
 Asserts that every response is 200 with the offline text, that no process or KV slot leaks, and
 prints how long /health took to answer 200 again after each kill. Exit code 1 on a failed check.
