@@ -42,7 +42,7 @@ from pipeline.wire import rank_of_stage
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import ChannelError
-from workers.control_auth import with_secret
+from workers.control_auth import TlsFiles, control_channel, with_secret
 from workers.convert import StageLoadSpec
 
 __all__ = ["Coordinator", "CoordinatorConfig", "PipelineError", "RequestHandle", "RequestOutput", "StreamChunk"]
@@ -80,14 +80,16 @@ class Coordinator:
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
-                 predictor: Predictor | None = None, control_secret: str | None = None) -> None:
+                 predictor: Predictor | None = None, control_secret: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
         """predictor: overrides the one named by config.predictor (tests use adversarial ones).
-        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py)."""
+        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py);
+        tls: the control plane's TLS files (None: plain TCP)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config = config
         self.tokenizer = tokenizer
-        self._control_secret = control_secret
+        self._control_secret, self._tls = control_secret, tls
         self.channels = [self._control_channel(a) for a in stage_addresses]
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         # Per-micro-batch stage timings; off: measure the overhead (tests/benchmarks/timeline_overhead.py)
@@ -143,7 +145,7 @@ class Coordinator:
         return responses
 
     def _control_channel(self, address: str) -> grpc.Channel:
-        return grpc.insecure_channel(address)
+        return control_channel(address, tls=self._tls)
 
     def _new_link(self, port: int) -> StageLink:
         c = self.config
@@ -215,8 +217,11 @@ class Coordinator:
         recovered, else the error to fail every request with (no fail-over, or its budget spent)."""
         fo = self.failover
         while fo is not None and not self._stopping.is_set():
-            if not fo.budget.take():
-                return PipelineError(f"{error} (stage restarts exhausted: {fo.budget.describe()})")
+            if not fo.budget.allows(time.monotonic()):
+                b = fo.budget.budget
+                return PipelineError(f"{error} (stage restarts exhausted: --max-stage-restarts {b.max_restarts} "
+                                     f"within --restart-window-s {b.window_s:g})")
+            fo.budget.record(time.monotonic())
             self.num_restarts += 1
             log.warning("stage failure (%s): restarting (restart %d)", error, self.num_restarts)
             self.recovering = f"restarting after a stage failure: {error}"

@@ -55,7 +55,7 @@ class LocalStageBackend:
     def restart_stage(self, stage_index: int) -> str:
         """Kill stage `stage_index` if it still runs and start it again (same command, environment and
         session secret); returns its new control-plane address. Raises StageStartupError."""
-        return self.processes.restart(stage_index - self.config.first_stage_index)
+        return self.processes.respawn(stage_index - self.config.first_stage_index)
 
     def unwatch(self) -> None:
         if self.monitor is not None:

@@ -46,10 +46,11 @@ class _EngineCounts(Protocol):
 
 
 class _PipelineCollector:
-    """Collected at scrape time: speculation totals and per-stage time accounts."""
+    """Collected at scrape time: speculation totals and per-stage time accounts (the latter skipped
+    while the engine is fenced: a scrape never waits on a dead or hung stage)."""
 
-    def __init__(self, coordinator: Coordinator, model_name: str) -> None:
-        self.coordinator, self.model_name = coordinator, model_name
+    def __init__(self, coordinator: Coordinator, model_name: str, engine: _EngineCounts) -> None:
+        self.coordinator, self.model_name, self.engine = coordinator, model_name, engine
 
     def collect(self):
         spec = self.coordinator.spec
@@ -63,6 +64,8 @@ class _PipelineCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
+        if getattr(self.engine, "fenced", None) is not None:
+            return
         try:
             stats = self.coordinator.stage_stats()
         except Exception:  # noqa: BLE001 - a dead stage shows up in /health, not as a failed scrape
@@ -117,7 +120,7 @@ class ServingMetrics:
               registry=r).labels(model_name).set_function(lambda: engine.num_running)
         Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a KV slot.", lab,
               registry=r).labels(model_name).set_function(lambda: engine.num_waiting)
-        r.register(_PipelineCollector(coordinator, model_name))
+        r.register(_PipelineCollector(coordinator, model_name, engine))
         self._lock = threading.Lock()
         self.generation_tokens = 0  # plain totals for the stats log line
         self.finished_requests = 0

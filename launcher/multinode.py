@@ -32,7 +32,7 @@ from launcher.placement import PlacementError, PlacementOptions, detect_host_ip,
 from launcher.stage_child import describe_returncode
 from launcher.stage_monitor import StageProcessMonitor
 from workers.channel import loopback_listener
-from workers.control_auth import SECRET_ENV
+from workers.control_auth import SECRET_ENV, TlsFiles
 
 log = logging.getLogger("speedpipe.multinode")
 
@@ -87,12 +87,12 @@ def _store(options: PlacementOptions) -> dist.TCPStore:
 
 
 def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
-                   control_secret: str) -> tuple[LocalStageBackend, range]:
+                   control_secret: str, tls: TlsFiles | None) -> tuple[LocalStageBackend, range]:
     stages = node_stages(num_stages=num_stages, nnodes=options.nnodes, node_rank=options.node_rank)
     host = options.host_ip or detect_host_ip(options.master_addr, options.master_port)
     config = LocalLaunchConfig(num_stages=len(stages), host=host, log_level=log_level,
                                threads_per_stage=threads_per_stage, first_stage_index=stages.start,
-                               env={SECRET_ENV: control_secret})
+                               env={SECRET_ENV: control_secret, **(tls.env() if tls else {})})
     return LocalStageBackend(config), stages
 
 
@@ -100,14 +100,15 @@ class MultiNodeStages:
     """Node 0's StageBackend: its own stages locally, every other node's through the launch store."""
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, control_secret: str,
-                 log_level: str = "WARNING", threads_per_stage: int = 1) -> None:
+                 log_level: str = "WARNING", threads_per_stage: int = 1, tls: TlsFiles | None = None) -> None:
         assert placement.node_rank == 0, "only node 0 runs the coordinator"
         self.num_stages = num_stages
         self.options = placement
         self.master_addr = placement.master_addr
         self.control_secret = control_secret
         self.local, self.stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
-                                                 threads_per_stage=threads_per_stage, control_secret=control_secret)
+                                                 threads_per_stage=threads_per_stage, control_secret=control_secret,
+                                                 tls=tls)
         self.store: dist.TCPStore | None = None
         self.addresses: list[str] = []
 
@@ -167,7 +168,7 @@ class MultiNodeStages:
 
 
 def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
-                    say: Callable[[str], None]) -> int:
+                    say: Callable[[str], None], tls: TlsFiles | None = None) -> int:
     """Node R > 0: start this node's stages, publish them, keep them until node 0 is done.
 
     Returns 0 when node 0 shut the pipeline down, 1 when a local stage died or node 0 went away.
@@ -176,7 +177,7 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
     store = _store(placement)
     backend, stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
                                      threads_per_stage=threads_per_stage,
-                                     control_secret=store.get("control_secret").decode())
+                                     control_secret=store.get("control_secret").decode(), tls=tls)
     outcome: dict[str, str] = {}
     finished = threading.Event()
 

@@ -61,7 +61,7 @@ class StageActor:
     def __repr__(self) -> str:  # Ray prefixes forwarded log lines with it: "(Stage1 pid=...)"
         return f"Stage{self.stage_index}"
 
-    def start(self, log_level: str, control_secret: str | None = None) -> dict:
+    def start(self, log_level: str, control_secret: str | None = None, tls=None) -> dict:
         """Start the StageService on this node's IP (checking `control_secret` on every call, see
         workers/control_auth.py); returns where it runs."""
         import torch
@@ -72,7 +72,8 @@ class StageActor:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         host = ray.util.get_node_ip_address()
         self.server, self.servicer, port = start_server(stage_index=self.stage_index, host=host, port=0,
-                                                        stop_event=self.stop_event, control_secret=control_secret)
+                                                        stop_event=self.stop_event, control_secret=control_secret,
+                                                        tls=tls)
         return {"host": host, "port": port, "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "hostname": socket.gethostname()}
 
@@ -140,7 +141,8 @@ class RayStageActors:
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, device: str = "cpu",
                  log_level: str = "WARNING", threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
-                 environ: Mapping[str, str] | None = None, control_secret: str | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, control_secret: str | None = None,
+                 tls=None) -> None:
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         self.num_stages = num_stages
@@ -150,7 +152,7 @@ class RayStageActors:
         self.threads_per_stage = threads_per_stage
         self.startup_timeout_s = startup_timeout_s
         self.environ = dict(os.environ if environ is None else environ)
-        self.control_secret = control_secret
+        self.control_secret, self.tls = control_secret, tls  # tls: workers.control_auth.TlsFiles or None
         self.master_addr = "127.0.0.1"
         self.placements: list[StagePlacement] = []
         self._started_ray = False
@@ -275,7 +277,7 @@ class RayStageActors:
                     placement_group=self._pg, placement_group_bundle_index=where.bundle_index),
             ).remote(stage_index)
             self._actors.append(actor)
-        started = [actor.start.remote(self.log_level, self.control_secret) for actor in self._actors]
+        started = [actor.start.remote(self.log_level, self.control_secret, self.tls) for actor in self._actors]
         ready, _ = ray.wait(started, num_returns=len(started), timeout=self.startup_timeout_s)
         for stage_index, (ref, where) in enumerate(zip(started, order, strict=True)):
             if ref not in ready:

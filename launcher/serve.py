@@ -26,7 +26,8 @@ import sys
 
 from launcher.coordinator import Coordinator, PipelineError
 from launcher.session import PipelineSession
-from launcher.stage_failover import RestartPolicy
+from launcher.stage_restarts import RestartBudget
+from workers.control_auth import TlsFiles
 
 log = logging.getLogger("speedpipe.serve")
 
@@ -51,6 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
     g.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are ended with "
                    "an error event (default 30; a second SIGTERM ends them at once)")
+    g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate of the stages' control plane (with "
+                   "--tls-key; it must name every stage's host): stages serve TLS, the coordinator trusts it")
+    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     g.add_argument("--stage-heartbeat-timeout-s", type=float, default=5.0,
                    help="a stage that does not answer its heartbeat this long is declared hung: requests fail, "
                    "/health 503 (default 5; a long step is not a hang)")
@@ -242,9 +246,9 @@ def default_model_name(session: PipelineSession) -> str:
     return name
 
 
-def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+def restart_budget(args: argparse.Namespace) -> RestartBudget:
     """--max-stage-restarts / --restart-window-s. Raises ValueError naming the flag."""
-    return RestartPolicy(max_stage_restarts=args.max_stage_restarts, restart_window_s=args.restart_window_s)
+    return RestartBudget(max_restarts=args.max_stage_restarts, window_s=args.restart_window_s)
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
@@ -253,6 +257,14 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                         max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
                         stage_heartbeat_timeout_s=args.stage_heartbeat_timeout_s)
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """--tls-cert and --tls-key (both or neither). Raises ValueError naming the flag."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    return None if cert is None else TlsFiles(cert_file=cert, key_file=key)
 
 
 def _show_stats_lines() -> None:
@@ -268,18 +280,22 @@ def _show_stats_lines() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM / Ctrl-C, then drain. Exit 2 for bad flags (nothing spawned), 1 if start-up
     fails, 0 after a drain (launcher/serve_drain.py)."""
-    from launcher.cli import pipeline_options, run_member, say
+    from launcher.cli import pipeline_options, say
+    from launcher.multinode import run_member_node
     from launcher.run_plan import resolve
     from launcher.serve_drain import DrainSignals, serve_until_stopped
 
-    serve, restarts = serve_options(args), restart_policy(args)
+    serve, tls, restarts = serve_options(args), tls_files(args), restart_budget(args)
     options = pipeline_options(args, progress=not getattr(args, "no_progress", False))
-    if options.placement.multi_node and options.placement.node_rank > 0:
-        return run_member(options)  # node R > 0 only runs its stages; node 0 serves
+    if options.placement.multi_node and options.placement.node_rank > 0:  # only runs its stages; node 0 serves
+        resolve(options)
+        return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
+                               threads_per_stage=options.threads_per_stage, say=say, tls=tls)
     serve.check_ports()
     model = resolve(options)
     _show_stats_lines()
-    with PipelineSession(options, model, restart_policy=restarts) as session, ServingStack(session, serve) as stack:
+    with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,
+          ServingStack(session, serve) as stack):
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")

@@ -102,17 +102,35 @@ class _AbortingStreamingResponse(StreamingResponse):
             self._request_stream.cancel()
 
 
+def _refused(request: Request, api_key: str | None) -> JSONResponse | None:
+    """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`); else a 401."""
+    if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
+        return None
+    return JSONResponse(proto.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
+                                         None, code="invalid_api_key"), status_code=401)
+
+
+def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[proto.ParsedRequest, RequestStream]:
+    """Decode, validate, tokenise and submit one request body (in a worker thread).
+    Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
+    body = proto.decode_body(raw)
+    tokenizer, model = engine.tokenizer, engine.model_name
+    if chat:
+        parsed = proto.parse_chat(body, tokenizer=tokenizer, model_name=model, max_model_len=engine.max_model_len)
+    else:
+        parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
+    engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
+    return parsed, engine.start(parsed.prompt_ids, parsed.params, request_id=proto.new_id("chatcmpl" if chat else "cmpl"))
+
+
 def build_app(engine: ServingEngine, *, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
     app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
-    tokenizer, model = engine.tokenizer, engine.model_name
+    model = engine.model_name
 
     def refused(request: Request) -> JSONResponse | None:
-        if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
-            return None
-        return JSONResponse(proto.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
-                                             None, code="invalid_api_key"), status_code=401)
+        return _refused(request, api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -136,22 +154,12 @@ def build_app(engine: ServingEngine, *, api_key: str | None = None,
         return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "speedpipe",
                                             "max_model_len": engine.max_model_len}]})
 
-    def admit(raw: bytes, chat: bool) -> tuple[proto.ParsedRequest, RequestStream]:
-        """Decode, validate, tokenise and submit (in a worker thread). Raises what `generate` maps."""
-        body = proto.decode_body(raw)
-        if chat:
-            parsed = proto.parse_chat(body, tokenizer=tokenizer, model_name=model, max_model_len=engine.max_model_len)
-        else:
-            parsed = proto.parse_completion(body, tokenizer=tokenizer, model_name=model)
-        engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
-        return parsed, engine.start(parsed.prompt_ids, parsed.params,
-                                    request_id=proto.new_id("chatcmpl" if chat else "cmpl"))
 
     async def generate(request: Request, *, chat: bool) -> Response:
         if (denied := refused(request)) is not None:
             return denied
         try:
-            parsed, stream = await _in_thread(admit, await _read_body(request, max_request_bytes), chat)
+            parsed, stream = await _in_thread(_admit, engine, await _read_body(request, max_request_bytes), chat)
         except _BodyTooLarge as exc:
             return _error(413, str(exc), None)
         except InvalidRequestError as exc:

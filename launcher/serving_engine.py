@@ -285,10 +285,11 @@ class ServingEngine:
         """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
         outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
         input the coordinator rejects."""
+        beating, why = self.heartbeat.healthy() if self.heartbeat is not None else (True, "")
         with self._lock:
-            if self._fence is not None:
+            if self._fence is not None or not beating:  # a silent stage: refuse before it is declared hung
                 self.metrics.observe_rejected("unavailable")
-                raise UnavailableError(self._fence)
+                raise UnavailableError(self._fence or why)
             limit = self.max_num_seqs + self.max_queue
             if self._outstanding >= limit:
                 self.metrics.observe_rejected("queue_full")

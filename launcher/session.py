@@ -20,12 +20,13 @@ from launcher.local_launch_config import LocalLaunchConfig
 from launcher.pipeline_options import PipelineOptions
 from launcher.placement import StageBackend
 from launcher.run_plan import RunPlan
-from launcher.stage_failover import RestartBudget, RestartPolicy, StageFailover
+from launcher.stage_failover import StageFailover
 from launcher.stage_processes import LocalStageProcesses
+from launcher.stage_restarts import RestartBudget, RestartLedger
 from pipeline.predictors import Predictor
 from pipeline.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
-from workers.control_auth import SECRET_ENV, new_secret
+from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
 
 log = logging.getLogger("speedpipe.launch")
 REJOIN_WAIT_S = 120  # how long a stage whose data plane broke waits for the coordinator's Rejoin
@@ -69,17 +70,18 @@ class PipelineSession:
     """
 
     def __init__(self, options: PipelineOptions, model: RunPlan, *, predictor: Predictor | None = None,
-                 restart_policy: RestartPolicy | None = None) -> None:
+                 restart_budget: RestartBudget | None = None, tls: TlsFiles | None = None) -> None:
         """model: the plan `launcher.run_plan.resolve(options)` made. predictor: a Predictor object
         overriding options.predictor on the coordinator side; it must agree with it on
         `needs_exit_head` (the stages are built for that). Raises ValueError if it does not.
-        restart_policy: stage fail-over (--max-stage-restarts); None or 0 restarts: a failed stage
-        fails every request."""
+        restart_budget: stage fail-over (--max-stage-restarts); None or 0 restarts: a failed stage
+        fails every request. tls: TLS files of the stages' control plane (serve --tls-cert/--tls-key)."""
         if predictor is not None and options.uses_speed and predictor.needs_exit_head != options.needs_exit_head:
             raise ValueError(f"predictor override {type(predictor).__name__} needs_exit_head={predictor.needs_exit_head}, "
                              f"but predictor {options.predictor!r} (the stages' build) has {options.needs_exit_head}")
+        self.tls = tls
         self.predictor = predictor
-        self.restart_policy = restart_policy or RestartPolicy(max_stage_restarts=0)
+        self.restart_budget = restart_budget or RestartBudget(max_restarts=0)
         self.options = options
         self.model = model
         self.backend: StageBackend | None = None
@@ -123,16 +125,18 @@ class PipelineSession:
 
             return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
                                   log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-                                  control_secret=self.control_secret)
+                                  control_secret=self.control_secret, tls=self.tls)
         if opt.placement.multi_node:
             from launcher.multinode import MultiNodeStages
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
-                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret)
+                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret,
+                                   tls=self.tls)
         return LocalStageBackend(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-            env={SECRET_ENV: self.control_secret},  # a stage whose data plane broke waits to be rejoined:
-            extra_args=("--rejoin-wait-s", str(REJOIN_WAIT_S)) if self.restart_policy.max_stage_restarts else ()))
+            env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})},
+            # a stage whose data plane broke waits to be rejoined ([Note: fail-over]):
+            extra_args=("--rejoin-wait-s", str(REJOIN_WAIT_S)) if self.restart_budget.max_restarts else ()))
 
     def _start(self) -> None:
         opt, m = self.options, self.model
@@ -143,7 +147,7 @@ class PipelineSession:
         master_addr, port = self.backend.master_addr, self.backend.data_port()
         self.coordinator = Coordinator(coordinator_config(opt, m, master_addr=master_addr, master_port=port),
                                        m.tokenizer, addresses, predictor=self.predictor,
-                                       control_secret=self.control_secret)
+                                       control_secret=self.control_secret, tls=self.tls)
         self.backend.watch(self._on_stage_death)
         specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
         self.load_responses = self.coordinator.start(specs)
@@ -153,7 +157,7 @@ class PipelineSession:
     def _failover(self, master_addr: str) -> StageFailover | None:
         """The coordinator's fail-over hooks ([Note: fail-over]), or None (no restarts allowed, or a
         backend that cannot restart one stage yet: Ray and multi-node fail every request instead)."""
-        if not self.restart_policy.max_stage_restarts:
+        if not self.restart_budget.max_restarts:
             return None
         backend = self.backend
         if not isinstance(backend, LocalStageBackend):
@@ -162,7 +166,7 @@ class PipelineSession:
             return None
         opt, m = self.options, self.model
         return StageFailover(
-            budget=RestartBudget(self.restart_policy), restart_stage=backend.restart_stage,
+            budget=RestartLedger(self.restart_budget), restart_stage=backend.restart_stage,
             dead_stages=lambda: [i for i, _ in backend.processes.dead_stages()], data_port=backend.data_port,
             load_specs=lambda port: stage_load_specs(opt, m, master_addr=master_addr, master_port=port),
             pause_watch=backend.unwatch, resume_watch=lambda: backend.watch(self._on_stage_death))

@@ -1,7 +1,8 @@
-"""Stage fail-over: the restart budget, and restarting the stages that died or hung.
+"""Stage fail-over: restarting the stages that died or hung, and re-forming the data plane.
 
-Owns the restart policy (`--max-stage-restarts` within `--restart-window-s`), the budget that
-counts restarts in that window, deciding which stages must be restarted (dead processes, and
+Owns the hooks a session hands the coordinator (`StageFailover`; the restart budget itself,
+`--max-stage-restarts` within `--restart-window-s`, is launcher/stage_restarts.py), deciding
+which stages must be restarted (dead processes, and
 hung ones: a `Health` call that runs into its deadline), and the control round that moves every
 stage into a fresh data-plane group (`Load` for a restarted stage, `Rejoin` for the others).
 Must not: touch the engine or the requests (launcher/coordinator.py replays them), or spawn
@@ -27,7 +28,6 @@ every request as before (serve: /health 503, the server keeps answering).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -37,6 +37,7 @@ import grpc
 
 from launcher.request_handle import PipelineError
 from launcher.stage_control import in_daemon_thread
+from launcher.stage_restarts import RestartLedger
 from pipeline.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
 from workers.convert import spec_to_proto
@@ -47,52 +48,17 @@ HUNG_PROBE_S = 2.0  # a stage whose Health call does not answer within this is h
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RestartPolicy:
-    """How many stage restarts are allowed within a sliding window. Raises ValueError naming the flag."""
-
-    max_stage_restarts: int = 3  # 0 = no fail-over (a dead stage fails every request)
-    restart_window_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.max_stage_restarts < 0:
-            raise ValueError(f"--max-stage-restarts must be >= 0, got {self.max_stage_restarts}")
-        if not self.restart_window_s > 0:
-            raise ValueError(f"--restart-window-s must be > 0, got {self.restart_window_s}")
-
-
-class RestartBudget:
-    """Counts restarts in the policy's sliding window; `take()` spends one if any is left."""
-
-    def __init__(self, policy: RestartPolicy, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.policy, self.clock = policy, clock
-        self._times: collections.deque[float] = collections.deque()
-
-    def take(self) -> bool:
-        """True (and one restart counted) if fewer than max_stage_restarts happened in the window."""
-        now = self.clock()
-        while self._times and now - self._times[0] > self.policy.restart_window_s:
-            self._times.popleft()
-        if len(self._times) >= self.policy.max_stage_restarts:
-            return False
-        self._times.append(now)
-        return True
-
-    def describe(self) -> str:
-        p = self.policy
-        return f"--max-stage-restarts {p.max_stage_restarts} within --restart-window-s {p.restart_window_s:g}"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class StageFailover:
     """What the coordinator needs from its session to recover ([Note: fail-over]).
 
+    budget: the restarts so far, against --max-stage-restarts / --restart-window-s.
     restart_stage(i) -> address: kill stage i if it runs, start it again, its control address.
     dead_stages() -> indices of stages whose process has exited.
     data_port() -> a free port for the next rendezvous; load_specs(port): every stage's Load spec.
     pause_watch / resume_watch: stop and restart the process monitor around the restarts.
     """
 
-    budget: RestartBudget
+    budget: RestartLedger
     restart_stage: Callable[[int], str]
     dead_stages: Callable[[], Sequence[int]]
     data_port: Callable[[], int]

@@ -84,7 +84,7 @@ class LocalStageProcesses:
         self._started = False
         self._stopped = False
         self._stopping = threading.Event()
-        self._keeper: threading.Thread | None = None  # spawns restarted stages (see restart())
+        self._keeper: threading.Thread | None = None  # spawns respawned stages (see respawn())
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -132,6 +132,59 @@ class LocalStageProcesses:
         logger.info("started %d stage processes: %s", config.num_stages, ", ".join(self._addresses))
         return self.addresses
 
+    def respawn(self, local_index: int) -> str:
+        """Replace local stage `local_index` by a fresh process (same command and environment) and wait
+        for its ready line; returns its new gRPC address. The old process is SIGKILLed first if it
+        still runs, and reaped. For the fail-over of a dead stage (its restart budget is
+        launcher/stage_restarts.py); a StageProcessMonitor started before must be replaced by a new
+        one afterwards (it watches the old pidfd). Raises StageStartupError (the other stages keep
+        running) if the new process fails to start, RuntimeError if not started or stopping.
+        """
+        with self._lock:
+            if not self._started or self._stopping.is_set():
+                raise RuntimeError("respawn() needs started stages that are not being stopped")
+            if not 0 <= local_index < len(self._stages):
+                raise ValueError(f"local stage index {local_index} outside [0, {len(self._stages)})")
+            old = self._stages[local_index]
+            if old.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    old.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                old.proc.wait(timeout=KILL_REAP_TIMEOUT_S)
+            old.join_readers(READER_JOIN_TIMEOUT_S)
+            if old.pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(old.pidfd)
+                old.pidfd = None
+            with contextlib.suppress(OSError, ValueError):
+                if old.proc.stdin is not None:
+                    old.proc.stdin.close()
+            proc = self._spawn_from_keeper(local_index)
+            child = StageChild(local_index, proc, label_index=old.label_index)
+            self._stages[local_index] = child
+        events: queue.Queue[tuple[int, str, int]] = queue.Queue()
+        child.start_readers(events, self._out)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            try:
+                _, kind, port = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                kind, port = "timeout", 0
+            if kind == "ready" and 0 < port < 65536:
+                address = format_address(self.config.host, port)
+                self._addresses[local_index] = address
+                logger.info("[Stage %d] respawned as pid %d at %s", child.label_index, proc.pid, address)
+                return address
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=KILL_REAP_TIMEOUT_S)
+            child.join_readers(READER_JOIN_TIMEOUT_S)
+            raise StageStartupError(f"stage {child.label_index} could not be respawned ({kind}); last stderr "
+                                    f"lines: {' | '.join(child.stderr_tail) or '(none)'}",
+                                    stage_index=child.label_index, returncode=proc.poll(),
+                                    stderr_tail=list(child.stderr_tail))
+
     def wait_exited(self, timeout_s: float) -> bool:
         """Wait (reaping) up to `timeout_s` for every stage to exit by itself; True if all did."""
         return self._wait_all(timeout_s)
@@ -144,47 +197,6 @@ class LocalStageProcesses:
             if returncode is not None:
                 dead.append((stage.stage_index, returncode))
         return dead
-
-    def restart(self, local_index: int) -> str:
-        """Kill local stage `local_index` if it still runs (a hung one), reap it, and spawn it again
-        with the same command and environment (session secret included); returns its new address
-        once it printed its ready line. Raises StageStartupError (the other stages keep running) if
-        it does not come up within `config.startup_timeout_s`, RuntimeError while stopping."""
-        with self._lock:
-            if self._stopping.is_set() or not self._started:
-                raise RuntimeError("restart() needs started stage processes that are not stopping")
-            old = self._stages[local_index]
-            with contextlib.suppress(OSError):
-                old.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                old.proc.wait(timeout=KILL_REAP_TIMEOUT_S)
-            old.join_readers(READER_JOIN_TIMEOUT_S)
-            if old.pidfd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(old.pidfd)
-                old.pidfd = None
-            with contextlib.suppress(OSError, ValueError):
-                if old.proc.stdin is not None:
-                    old.proc.stdin.close()
-            proc = self._spawn_from_keeper(local_index)
-            child = StageChild(local_index, proc, label_index=self.config.first_stage_index + local_index)
-            self._stages[local_index] = child
-        events: queue.Queue[tuple[int, str, int]] = queue.Queue()
-        child.start_readers(events, self._out)
-        try:
-            _, kind, port = events.get(timeout=self.config.startup_timeout_s)
-        except queue.Empty:
-            kind, port = "timeout", 0
-        if kind != "ready" or not 0 < port < 65536:
-            with contextlib.suppress(OSError):
-                proc.kill()
-            raise StageStartupError(f"stage {child.label_index} did not come back after a restart ({kind}); "
-                                    f"last stderr lines: {' | '.join(child.stderr_tail) or '(none)'}",
-                                    stage_index=child.label_index, returncode=proc.poll(),
-                                    stderr_tail=child.stderr_tail)
-        self._addresses[local_index] = format_address(self.config.host, port)
-        logger.info("[Stage %d] restarted: pid %d at %s", child.label_index, proc.pid, self._addresses[local_index])
-        return self._addresses[local_index]
 
     def _spawn_from_keeper(self, local_index: int) -> subprocess.Popen[bytes]:
         """Spawn a stage from a thread that lives as long as this object, never from the caller's

@@ -3,8 +3,9 @@
 Owns the shared-secret check on both sides of a gRPC connection: `SecretCheckInterceptor` (a server
 interceptor that answers UNAUTHENTICATED to every call whose metadata lacks the expected value; used
 by every stage's StageService with the session secret, and by the GenerateService with `--api-key`),
-`with_secret` (a client channel that adds the value to every call), and how the launcher creates a
-session secret and hands it to stage processes (`SECRET_ENV`, read once by the worker at start-up).
+`with_secret` (a client channel that adds the value to every call), how the launcher creates a
+session secret and hands it to stage processes (`SECRET_ENV`, read once by the worker at start-up),
+and the optional TLS of the control plane (`TlsFiles`, `control_channel`).
 Must not: know which RPCs exist or what they do.
 
 [Note: control-plane secret]
@@ -20,10 +21,12 @@ that is fine, across nodes use `--tls-cert/--tls-key` or a private network.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hmac
 import os
 import secrets
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import grpc
 
@@ -116,3 +119,53 @@ class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 def with_secret(channel: grpc.Channel, secret: str | None, *, key: str = SECRET_METADATA_KEY) -> grpc.Channel:
     """`channel` sending `secret` as metadata `key` on every call (`channel` itself when secret is None)."""
     return channel if secret is None else grpc.intercept_channel(channel, _AddMetadata(key, secret))
+
+
+TLS_CERT_ENV = "SPEEDPIPE_TLS_CERT"
+TLS_KEY_ENV = "SPEEDPIPE_TLS_KEY"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TlsFiles:
+    """PEM files of the control plane's TLS (`--tls-cert`, `--tls-key`): every stage serves with
+    this certificate and key, the coordinator trusts exactly this certificate (so it must name
+    every stage's host: subjectAltName IP or DNS entries). Raises ValueError naming the flag for a
+    missing or unreadable file, or one that is not PEM."""
+
+    cert_file: str
+    key_file: str
+
+    def __post_init__(self) -> None:
+        for flag, path, marker in (("--tls-cert", self.cert_file, b"-----BEGIN CERTIFICATE"),
+                                   ("--tls-key", self.key_file, b"PRIVATE KEY-----")):
+            try:
+                data = Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+            if marker not in data:
+                raise ValueError(f"{flag} {path}: not a PEM {'certificate' if flag == '--tls-cert' else 'private key'}")
+
+    def env(self) -> dict[str, str]:
+        """The environment that hands these files to a stage worker (`from_env` there)."""
+        return {TLS_CERT_ENV: str(Path(self.cert_file).resolve()), TLS_KEY_ENV: str(Path(self.key_file).resolve())}
+
+    @classmethod
+    def from_env(cls) -> TlsFiles | None:
+        """The files named by SPEEDPIPE_TLS_CERT / SPEEDPIPE_TLS_KEY (both or neither), else None."""
+        cert, key = os.environ.get(TLS_CERT_ENV), os.environ.get(TLS_KEY_ENV)
+        if not cert and not key:
+            return None
+        if not cert or not key:
+            raise ValueError(f"{TLS_CERT_ENV} and {TLS_KEY_ENV} must be set together")
+        return cls(cert_file=cert, key_file=key)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=Path(self.cert_file).read_bytes())
+
+
+def control_channel(address: str, *, tls: TlsFiles | None = None) -> grpc.Channel:
+    """A channel to a stage's control plane: TLS trusting `tls.cert_file` when given, else plain."""
+    return grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls.channel_credentials())

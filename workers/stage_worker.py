@@ -33,7 +33,13 @@ from pipeline.stage_executor import StageExecutor
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
-from workers.control_auth import SECRET_ENV, SECRET_METADATA_KEY, SecretCheckInterceptor, take_secret_from_env
+from workers.control_auth import (
+    SECRET_ENV,
+    SECRET_METADATA_KEY,
+    SecretCheckInterceptor,
+    TlsFiles,
+    take_secret_from_env,
+)
 from workers.convert import spec_from_proto
 from workers.parent_death import arm_parent_death_signal
 from workers.stage_loop import StageLoop
@@ -201,14 +207,15 @@ def _exit_on_stdin_eof(stop_event: threading.Event) -> None:
 
 
 def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: threading.Event,
-                 control_secret: str | None = None, rejoin_wait_s: float = 0.0) -> tuple[grpc.Server, StageServicer, int]:
+                 control_secret: str | None = None, tls: TlsFiles | None = None,
+                 rejoin_wait_s: float = 0.0) -> tuple[grpc.Server, StageServicer, int]:
     """Start one stage's StageService on host:port (0 = a free port) in this process.
 
     Returns (server, servicer, bound port). The Shutdown RPC sets `stop_event`; the caller then
     calls `stop_server`. Used by `serve` (a process per stage) and by the Ray stage actor (the same
     worker code inside an actor). control_secret: every call must carry it as metadata, else
     UNAUTHENTICATED ([Note: control-plane secret] in workers/control_auth.py); None = no check.
-    Raises OSError if the address cannot be bound.
+    tls: serve TLS with these files instead of plain TCP. Raises OSError if the address cannot be bound.
     """
     interceptors = [] if control_secret is None else [SecretCheckInterceptor(
         key=SECRET_METADATA_KEY, expected=control_secret, what="control-plane secret (the launcher's session secret)")]
@@ -217,7 +224,9 @@ def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: thre
     servicer = StageServicer(stage_index, stop_event, rejoin_wait_s=rejoin_wait_s)
     pb_grpc.add_StageServiceServicer_to_server(servicer, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(
+            address, tls.server_credentials())
     except RuntimeError as exc:  # grpc raises RuntimeError on a bind failure
         raise OSError(f"cannot bind control plane to {host}:{port}: {exc}") from None
     if bound == 0:
@@ -259,9 +268,9 @@ def serve(argv: list[str] | None = None) -> int:
         return 2
     try:
         server, servicer, port = start_server(stage_index=args.stage_index, host=args.host, port=args.port,
-                                              stop_event=stop_event, control_secret=secret,
+                                              stop_event=stop_event, control_secret=secret, tls=TlsFiles.from_env(),
                                               rejoin_wait_s=args.rejoin_wait_s)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
     if not args.no_stdin_watch:

@@ -37,7 +37,7 @@ from launcher.run_plan import resolve
 from launcher.serve import ServeOptions, ServingStack
 from launcher.serve_drain import DrainSignals, serve_until_stopped
 from launcher.session import PipelineSession
-from launcher.stage_failover import RestartPolicy
+from launcher.stage_restarts import RestartBudget
 from pipeline.sampling import SamplingParams
 from tests.distributed.conftest import (
     WORKER_MODULE,
@@ -50,7 +50,7 @@ from tests.distributed.conftest import (
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Once upon a time", "abc", "The quick brown fox", "hello world", "1 2 3", "xyz xyz"]
-POLICY = RestartPolicy(max_stage_restarts=3, restart_window_s=600)
+POLICY = RestartBudget(max_restarts=3, window_s=600)
 GREEDY = SamplingParams(max_new_tokens=48, ignore_eos=True)
 
 
@@ -86,7 +86,7 @@ def test_a_stage_broken_mid_generation_is_restarted_and_every_request_completes_
         tiny_model_dir: Path, breakage: str):
     expected = _references(tiny_model_dir, PROMPTS[:3], GREEDY)
     options = session_options(tiny_model_dir, 3, stage_timeout_s=3.0 if breakage == "sigstop" else 60.0)
-    session = PipelineSession(options, resolve(options), restart_policy=POLICY).__enter__()
+    session = PipelineSession(options, resolve(options), restart_budget=POLICY).__enter__()
     pids = list(session.processes.pids)
     try:
         coord = session.coordinator
@@ -113,8 +113,8 @@ def test_a_stage_broken_mid_generation_is_restarted_and_every_request_completes_
 
 def test_past_the_restart_budget_every_request_fails_naming_it(tiny_model_dir: Path):
     options = session_options(tiny_model_dir, 2)
-    policy = RestartPolicy(max_stage_restarts=1, restart_window_s=600)
-    with PipelineSession(options, resolve(options), restart_policy=policy) as session:
+    policy = RestartBudget(max_restarts=1, window_s=600)
+    with PipelineSession(options, resolve(options), restart_budget=policy) as session:
         coord = session.coordinator
         for attempt in range(2):
             handle = coord.submit(PROMPTS[0], GREEDY)
@@ -193,8 +193,8 @@ def chaos(tiny_model_dir: Path, *, num_requests: int, concurrency: int, num_kill
     params = SamplingParams(max_new_tokens=160, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(num_requests)]
     options = session_options(tiny_model_dir, 3, max_model_len=1024, max_num_seqs=concurrency)
-    policy = RestartPolicy(max_stage_restarts=num_kills, restart_window_s=600)
-    session = PipelineSession(options, resolve(options), restart_policy=policy).__enter__()
+    policy = RestartBudget(max_restarts=num_kills, window_s=600)
+    session = PipelineSession(options, resolve(options), restart_budget=policy).__enter__()
     seen_pids, signals, loop = set(session.processes.pids), DrainSignals(), None
     try:
         coord = session.coordinator
@@ -248,7 +248,7 @@ def test_serve_with_a_stage_sigstopped_restarts_it_and_streams_complete_with_the
     """A hung stage (SIGSTOP) under `serve`: declared hung by the heartbeat, killed, restarted."""
     params = SamplingParams(max_new_tokens=120, ignore_eos=True)
     options = session_options(tiny_model_dir, 3, max_model_len=1024)
-    session = PipelineSession(options, resolve(options), restart_policy=POLICY).__enter__()
+    session = PipelineSession(options, resolve(options), restart_budget=POLICY).__enter__()
     pids, signals, loop = list(session.processes.pids), DrainSignals(), None
     try:
         coord = session.coordinator

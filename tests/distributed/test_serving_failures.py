@@ -265,3 +265,35 @@ def test_long_prefills_are_not_a_hang(tiny_model_dir: Path):
             t.join()
         assert codes == [200] * 12 and health and set(health) == {200}, (codes, health)
         assert stack.heartbeat.hung is None
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (subjectAltName IP) and its key, made by openssl."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=speedpipe",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0, reason="no openssl")
+def test_control_plane_over_tls(tiny_model_dir: Path, tmp_path: Path):
+    from workers.control_auth import TlsFiles
+
+    cert, key = self_signed_cert(tmp_path)
+    with pytest.raises(ValueError, match="--tls-key"):
+        TlsFiles(cert_file=str(cert), key_file=str(cert))
+    tls = TlsFiles(cert_file=str(cert), key_file=str(key))
+    options = session_options(tiny_model_dir, 2)
+    with PipelineSession(options, resolve(options), tls=tls) as session:
+        out = session.coordinator.submit("abc", session_sampling()).result(60)
+        assert len(out.token_ids) == 4
+        address = session.processes.addresses[0]
+        with grpc.insecure_channel(address) as plain:  # plain TCP to a TLS port: no answer
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.StageServiceStub(plain).Health(pb.HealthRequest(), timeout=5)
+            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        with grpc.secure_channel(address, tls.channel_credentials()) as secure:  # TLS alone is not enough
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.StageServiceStub(secure).Health(pb.HealthRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -343,6 +343,7 @@ def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error
                       timeout=10) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
+        assert "stage_busy_seconds" in httpx.get(url + "/metrics").text
         engine.fence("pipeline failed: stage 1 missed its heartbeats")
         assert engine.fail_all(UnavailableError("pipeline failed: stage 1 missed its heartbeats")) == 1
         rest = [line[6:] for line in lines if line.startswith("data: ")]
@@ -352,6 +353,9 @@ def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error
     health = httpx.get(url + "/health")
     assert health.status_code == 503 and "heartbeats" in health.json()["error"]["message"]
     assert engine.wait_idle(5) and engine.num_outstanding == 0
+    metrics = httpx.get(url + "/metrics")  # no per-stage scrape of a fenced pipeline: it could hang
+    assert metrics.status_code == 200 and "stage_busy_seconds" not in metrics.text
+    assert "generation_tokens_total" in metrics.text
 
 
 def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, monkeypatch):
@@ -366,9 +370,11 @@ def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, m
     err = capsys.readouterr().err
     assert "--grpc-port" in err and "Traceback" not in err
     for flag, value in (("--max-request-bytes", "10"), ("--shutdown-grace-s", "-1"),
-                        ("--stage-heartbeat-timeout-s", "0")):
+                        ("--stage-heartbeat-timeout-s", "0"), ("--tls-cert", __file__), ("--tls-key", __file__)):
         assert main(["serve", flag, value]) == 2
         assert flag in capsys.readouterr().err
+    assert main(["serve", "--tls-cert", __file__, "--tls-key", __file__]) == 2  # not PEM
+    assert "not a PEM certificate" in capsys.readouterr().err
 
 
 def free_tcp_port() -> int:
