@@ -285,7 +285,10 @@ class ServingEngine:
         """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
         outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
         input the coordinator rejects."""
-        beating, why = self.heartbeat.healthy() if self.heartbeat is not None else (True, "")
+        # A silent stage: refuse before it is declared hung, unless a fail-over will restart it
+        # (then requests wait behind the restart: a pause, not an error).
+        watch = self.heartbeat is not None and self.coordinator.failover is None
+        beating, why = self.heartbeat.healthy() if watch else (True, "")
         with self._lock:
             if self._fence is not None or not beating:  # a silent stage: refuse before it is declared hung
                 self.metrics.observe_rejected("unavailable")
