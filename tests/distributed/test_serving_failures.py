@@ -29,9 +29,10 @@ import psutil
 import pytest
 
 from launcher.ports import free_port
+from launcher.run_plan import resolve
 from launcher.serve import ServeOptions, ServingStack
 from launcher.serve_drain import DrainSignals, serve_until_stopped
-from launcher.session import PipelineSession, resolve
+from launcher.session import PipelineSession
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.distributed.conftest import env_with_tag, pid_alive, session_options, stage_worker_processes
