@@ -207,23 +207,44 @@ class Scheduler:
             self._queue_real(seq)
 
     def _queue_real(self, seq: SequenceState) -> None:
-        want_logits = seq.params.needs_logits
         if not seq.output_ids:
-            n = len(seq.prompt_ids)
-            prompt_logits = seq.params.prompt_logprobs is not None
-            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n,
-                               epoch=seq.epoch, kind=ItemKind.PREFILL, token_ids=tuple(seq.prompt_ids),
-                               want_logits=want_logits or prompt_logits, want_prompt_logits=prompt_logits,
-                               **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
-        else:
-            drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
-            start = seq.num_tokens - 1
-            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
-                               epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
-                               token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
-                               **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
+            self._queue_prefill(seq)
+            return
+        want_logits = seq.params.needs_logits
+        drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
+        start = seq.num_tokens - 1
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
+                           epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
+                           token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
+                           **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
         seq.firp_drafts = ()
         self.ready.append(seq.seq_id)
+
+    def _queue_prefill(self, seq: SequenceState) -> None:
+        """Queue one prefill of the sequence's whole known context (prompt + committed tokens): the
+        prompt at admission, the replayed context after a stage restart ([Note: replay] in pipeline/engine.py)."""
+        context = (*seq.prompt_ids, *seq.output_ids)
+        n = len(context)
+        # prompt logprobs (echo) once, at admission; a replayed prefill only needs its last row
+        prompt_logits = seq.params.prompt_logprobs is not None and not seq.output_ids
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n, epoch=seq.epoch,
+                           kind=ItemKind.PREFILL, token_ids=context,
+                           want_logits=seq.params.needs_logits or prompt_logits, want_prompt_logits=prompt_logits,
+                           **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
+        seq.firp_drafts = ()
+        self.ready.append(seq.seq_id)
+
+    def replay_running(self) -> None:
+        """Every stage lost its KV cache and the work in flight: turn each running sequence back
+        into one prefill of its committed context, under a new epoch. See [Note: replay] in pipeline/engine.py."""
+        self.ready.clear()
+        self.drafting.clear()
+        for seq in self.seqs.values():
+            if seq.finished or seq.slot < 0:
+                continue  # finished (its release is harmless on a cleared stage) or still waiting
+            self.spec.squashed_items += seq.ledger.finish()  # drop the chain, bump the epoch
+            seq.pending, seq.exit_seen, seq.pending_key = None, None, None
+            self._queue_prefill(seq)
 
     def _firp_fields(self, seq: SequenceState, *, first_anchor: int, num_anchors: int) -> dict[str, int]:
         """Item.firp_k / firp_anchors for an item whose pseudo chains hang off `num_anchors` rows
