@@ -45,16 +45,7 @@ without a guess the exit event still arrives, an exit-head predictor then propos
 (hybrid falls back to its n-gram half). `SpecCounters.exit_rows` / `exit_rows_skipped` count
 decode items at the exit stage with and without the head.
 
-[Note: FIRP policy]
-With `firp_k` = k > 0 (FIRP, arXiv 2410.20488; ARCHITECTURE.md §6) every item asks for pseudo
-chains of up to k rows on each of its result rows (`Item.firp_k`, `Item.firp_anchors`); the last
-stage returns one draft per pseudo row. When a result leaves the sequence with nothing in flight,
-the next real item is [last committed token, the k drafts of the chain anchored at the row that
-produced it] (kind FIRP), verified as a chain ([Note: chain verify] in pipeline/ledger.py). Chains
-are cut so that no draft lies past the token budget, and before the first draft whose probability
-(softmax of its pseudo row) is below `firp_min_prob`: unlikely drafts cost rows and, with SPEED, a
-short confident chain leaves the run-ahead draft behind it a chance. With SPEED on as well, run-ahead drafts follow
-FIRP items as they follow any item; FIRP drafts of a result are used only if the chain ends there.
+FIRP chains: [Note: FIRP policy] in pipeline/firp.py.
 """
 
 from __future__ import annotations
@@ -71,7 +62,7 @@ from pipeline.draft_gate import DraftGate
 from pipeline.items import Item, ItemKind, SlotRelease
 from pipeline.ledger import SequenceLedger
 from pipeline.predictors import ExitGuess, Predictor
-from pipeline.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from pipeline.sampling import Sampler, SamplingParams, prompt_logprobs, token_logprob
 from pipeline.scheduler_types import (
     Commit,
     FinishReason,
@@ -333,7 +324,8 @@ class Scheduler:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
             if prompt_rows is not None:
-                commit = dataclasses.replace(commit, prompt_logprobs=_prompt_logprobs(seq, prompt_rows))
+                commit = dataclasses.replace(commit, prompt_logprobs=prompt_logprobs(
+                    seq.prompt_ids, prompt_rows, seq.params.prompt_logprobs or 0))
             commits.append(commit)
         return commits
 
@@ -410,9 +402,3 @@ class Scheduler:
         assert seq.finished, f"sequence {seq_id} is not finished"
         return self.seqs.pop(seq_id)
 
-
-def _prompt_logprobs(seq: SequenceState, prompt_rows: torch.Tensor) -> tuple[TokenLogprob | None, ...]:
-    """Logprob of each prompt token given the ones before it (None for the first), with
-    `prompt_logprobs` alternatives. prompt_rows: [prompt_len - 1, vocab] raw logits of rows 0..n-2."""
-    k = seq.params.prompt_logprobs or 0
-    return (None, *(token_logprob(prompt_rows[j], t, k) for j, t in enumerate(seq.prompt_ids[1:])))
