@@ -31,7 +31,7 @@ from launcher.http_bench import add_http_bench_args, cmd_http_bench
 from launcher.pipeline_options import PipelineOptions
 from launcher.placement_args import add_placement_args, placement_from_args
 from launcher.run_plan import resolve
-from launcher.serve import add_serve_args, cmd_serve
+from launcher.serve import add_serve_args, cmd_serve, restart_budget
 from launcher.session import PipelineSession
 from launcher.stage_processes import StageStartupError
 from pipeline.models import DEFAULT_MODEL
@@ -279,7 +279,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
                             max_model_len=options.max_model_len, what=f"prompt {i}")
-    session = PipelineSession(options, model)
+    session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
         if model.predictor_note:

@@ -31,7 +31,7 @@ SHORT_HELP_GROUPS = ("placement", "serving (OpenAI-compatible HTTP and gRPC)")
 ADVANCED_DESTS = frozenset({
     "firp_k", "firp_file", "firp_min_prob", "exit_predictor", "exit_layer", "max_inflight", "min_acceptance",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
-    "stage_memory_gib",
+    "stage_memory_gib", "max_stage_restarts", "restart_window_s",
 })
 
 

@@ -9,6 +9,9 @@ processes (launcher/local_backend.py places the workers).
 
 Threads: the caller's (submit, results), the engine thread (the only one that touches the engine
 and sends), the receivers (launcher/stage_receivers.py). They meet in one event queue: no polling.
+With a `StageFailover` set, a stage failure is recovered in place by the engine thread
+([Note: fail-over] in launcher/stage_failover.py); each data-plane group is one `generation`,
+and events of an older one are dropped.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import threading
 import time
 from collections.abc import Sequence
 
+import grpc
+
 from launcher.request_handle import PipelineError, RequestHandle, RequestOutput, StreamChunk, encode_prompt
 from launcher.stage_control import load_and_join, shutdown_stages, wait_reachable
+from launcher.stage_failover import StageFailover, rejoin_all, stages_to_restart
 from launcher.stage_link import StageLink
 from launcher.stage_receivers import start_receivers
 from pipeline.engine import Engine
-from pipeline.engine_events import Abort, Submit
+from pipeline.engine_events import Abort, ReplayRunning, Submit
 from pipeline.predictors import Predictor, make_predictor
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler_types import Commit, SchedulerConfig, SpecCounters
@@ -84,16 +90,15 @@ class Coordinator:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config = config
         self.tokenizer = tokenizer
-        self.channels = [control_channel(a, tls=tls) for a in stage_addresses]
+        self._control_secret, self._tls = control_secret, tls
+        self.channels = [self._control_channel(a) for a in stage_addresses]
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         # Per-micro-batch stage timings; off: measure the overhead (tests/benchmarks/timeline_overhead.py)
         self.record_timeline = config.record_timeline
         speculate = config.scheduler.speculate
         self.engine = Engine(config.scheduler, (predictor or make_predictor(config.predictor)) if speculate else None,
                              record_timeline=config.record_timeline, commit_sink=self._emit)
-        self.link = StageLink(num_stages=config.num_stages, master_addr=config.dist_master_addr,
-                              master_port=config.dist_master_port, timeout_s=config.stage_timeout_s,
-                              max_num_seqs=config.scheduler.max_num_seqs, record_timeline=config.record_timeline)
+        self.link = self._new_link(config.dist_master_port)
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}
         self.failure: PipelineError | None = None
@@ -101,6 +106,13 @@ class Coordinator:
         self._engine_thread: threading.Thread | None = None
         self._receivers: list[threading.Thread] = []
         self._stopping = threading.Event()
+        self._receivers_stopping = threading.Event()  # this generation's receivers end quietly
+        self.generation = 0  # bumped by each fail-over: one data-plane group per generation
+        self.failover: StageFailover | None = None  # set by the session to recover from stage failures
+        self.recovering: str | None = None  # why a fail-over is in progress (health reports it)
+        self.num_restarts = 0
+        self._unloaded: set[int] = set()  # restarted stages not loaded yet
+        self.recovery_listeners: list = []  # called (phase "start" | "done", reason) on the engine thread
 
     @property
     def spec(self) -> SpecCounters:
@@ -124,14 +136,28 @@ class Coordinator:
         wait_reachable(self.channels)
         responses = load_and_join(self.stubs, specs, self.link.join, timeout_s=timeout_s)
         self.link.warm_up()
-        sources = {self.link.last}
-        if self.config.scheduler.speculate and self.config.exit_stage >= 0:
-            sources.add(rank_of_stage(self.config.exit_stage))
-        self._receivers = start_receivers(self.link.channel, sorted(sources), last_rank=self.link.last,
-                                          events=self.events, stopping=self._stopping)
+        self._start_receivers()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self._engine_thread.start()
         return responses
+
+    def _control_channel(self, address: str) -> grpc.Channel:
+        return control_channel(address, tls=self._tls)
+
+    def _new_link(self, port: int) -> StageLink:
+        c = self.config
+        return StageLink(num_stages=c.num_stages, master_addr=c.dist_master_addr, master_port=port,
+                         timeout_s=c.stage_timeout_s, max_num_seqs=c.scheduler.max_num_seqs, record_timeline=c.record_timeline)
+
+    def _start_receivers(self) -> None:
+        """This generation's receivers: the last stage's results, the exit stage's guesses."""
+        sources = {self.link.last}
+        if self.config.scheduler.speculate and self.config.exit_stage >= 0:
+            sources.add(rank_of_stage(self.config.exit_stage))
+        self._receivers_stopping = threading.Event()
+        self._receivers = start_receivers(self.link.channel, sorted(sources), last_rank=self.link.last,
+                                          events=self.events, stopping=self._receivers_stopping,
+                                          generation=self.generation)
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestHandle:
@@ -158,25 +184,91 @@ class Coordinator:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _engine_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._pump()
+            except Exception as exc:  # noqa: BLE001 - recovered, or it fails every request, named
+                error = exc if isinstance(exc, PipelineError) else PipelineError(str(exc))
+                error = error if self._stopping.is_set() else self._recover(error)
+                if error is not None:
+                    self._fail(error)
+                    return
+
+    def _pump(self) -> None:
+        """Apply queued events to the engine and send its output until stopped; raises on failure."""
+        while not self._stopping.is_set():
+            try:
+                kind, payload = self.events.get(timeout=self.config.keepalive_s)
+            except queue.Empty:
+                if not self.engine.num_inflight:
+                    self.link.keepalive()
+                continue
+            out = self.engine.step(self._to_engine_events(kind, payload), now_ns=time.perf_counter_ns())
+            self.link.send_step(out)  # releases, then micro-batches
+            for seq_id in out.forgotten:
+                self.handles.pop(seq_id, None)
+
+    # -- fail-over (launcher/stage_failover.py) ---------------------------------------------------
+    def _recover(self, error: PipelineError) -> PipelineError | None:
+        """Restart the failed stages and replay every running sequence ([Note: fail-over]); None once
+        recovered, else the error to fail every request with (no fail-over, or its budget spent)."""
+        fo = self.failover
+        while fo is not None and not self._stopping.is_set():
+            if not fo.budget.allows(time.monotonic()):
+                b = fo.budget.budget
+                return PipelineError(f"{error} (stage restarts exhausted: --max-stage-restarts {b.max_restarts} "
+                                     f"within --restart-window-s {b.window_s:g})")
+            fo.budget.record(time.monotonic())
+            self.num_restarts += 1
+            log.warning("stage failure (%s): restarting (restart %d)", error, self.num_restarts)
+            self.recovering = f"restarting after a stage failure: {error}"
+            self._notify_recovery("start")
+            try:
+                self._restart_and_replay(fo)
+            except Exception as exc:  # noqa: BLE001 - a failed attempt spends another restart
+                error = PipelineError(f"stage restart failed: {exc}")
+                continue
+            log.warning("pipeline restored after %d restart(s); replayed the running requests", self.num_restarts)
+            self.recovering = None
+            self._notify_recovery("done")
+            return None
+        return error
+
+    def _restart_and_replay(self, fo: StageFailover) -> None:
+        self._receivers_stopping.set()
+        self.generation += 1  # from now on, events of the old ring are dropped
+        fo.pause_watch()
         try:
-            while not self._stopping.is_set():
-                try:
-                    kind, payload = self.events.get(timeout=self.config.keepalive_s)
-                except queue.Empty:
-                    if not self.engine.num_inflight:
-                        self.link.keepalive()
-                    continue
-                out = self.engine.step(self._to_engine_events(kind, payload), now_ns=time.perf_counter_ns())
-                self.link.send_step(out)  # releases, then micro-batches
-                for seq_id in out.forgotten:
-                    self.handles.pop(seq_id, None)
-        except Exception as exc:  # noqa: BLE001 - every failure fails every request, named
-            self._fail(exc if isinstance(exc, PipelineError) else PipelineError(str(exc)))
+            for i in stages_to_restart(self.stubs, fo.dead_stages()):
+                address = fo.restart_stage(i)
+                self.channels[i].close()
+                self.channels[i] = self._control_channel(address)
+                self.stubs[i] = pb_grpc.StageServiceStub(with_secret(self.channels[i], self._control_secret))
+                self._unloaded.add(i)  # until a Load succeeds (an attempt may fail half-way)
+        finally:
+            fo.resume_watch()
+        wait_reachable(self.channels)
+        port = fo.data_port()
+        self.link = self._new_link(port)
+        rejoin_all(self.stubs, fo.load_specs(port), self._unloaded, self.link.join, timeout_s=600.0)
+        self._unloaded.clear()
+        self.link.warm_up()
+        self._start_receivers()
+        out = self.engine.step([ReplayRunning()], now_ns=time.perf_counter_ns())
+        self.link.send_step(out)
+
+    def _notify_recovery(self, phase: str) -> None:
+        for listener in self.recovery_listeners:
+            try:
+                listener(phase, self.recovering or "")
+            except Exception:  # noqa: BLE001 - a listener must not stop the recovery
+                log.exception("recovery listener failed")
 
     def _to_engine_events(self, kind: str, payload) -> list:
         """One queued event as engine events (none for a stop, or an abort of an unknown request)."""
         if kind == "event":  # from a receiver: RESULT or EXIT_GUESS, stamped on arrival
-            return [payload]
+            generation, event = payload
+            return [event] if generation == self.generation else []  # an old ring's: stale
         if kind == "submit":
             seq_id, handle = payload
             self.handles[seq_id] = handle
@@ -186,7 +278,10 @@ class Coordinator:
             payload.finish("aborted")
             return [] if seq_id is None else [Abort(seq_id=seq_id)]
         if kind == "error":
-            raise payload if isinstance(payload, PipelineError) else PipelineError(str(payload))
+            generation, error = payload
+            if generation != self.generation:
+                return []  # about a ring that a fail-over has replaced
+            raise error if isinstance(error, PipelineError) else PipelineError(str(error))
         if kind in ("stop", "sync"):
             (self._stopping if kind == "stop" else payload).set()
             return []
@@ -199,8 +294,9 @@ class Coordinator:
 
     # -- failure and shutdown ---------------------------------------------------------------------
     def fail(self, error: PipelineError) -> None:
-        """Called from any thread (e.g. the process monitor): fail every request and stop."""
-        self.events.put(("error", error))
+        """Called from any thread (e.g. the process monitor): fail every request and stop, or, with
+        a fail-over set and budget left, restart the failed stage and replay ([Note: fail-over])."""
+        self.events.put(("error", (self.generation, error)))
 
     def _fail(self, error: PipelineError) -> None:
         from launcher.stage_heartbeat import blame_hung_stages
@@ -209,6 +305,7 @@ class Coordinator:
         log.error("pipeline failed: %s", error)
         self.failure = error
         self._stopping.set()
+        self._receivers_stopping.set()
         for handle in list(self.handles.values()):
             handle.finish("error", error)
         while True:  # requests submitted but not yet seen by the engine

@@ -52,6 +52,11 @@ class LocalStageBackend:
 
         self.monitor = StageProcessMonitor(self.processes, died).start()
 
+    def restart_stage(self, stage_index: int) -> str:
+        """Kill stage `stage_index` if it still runs and start it again (same command, environment and
+        session secret); returns its new control-plane address. Raises StageStartupError."""
+        return self.processes.respawn(stage_index - self.config.first_stage_index)
+
     def unwatch(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()

@@ -4,8 +4,10 @@ Owns the serve flags, checking them (and that the ports are free) before any sta
 and `ServingStack`, which puts the front ends on a started PipelineSession: the serving engine,
 the OpenAI-compatible HTTP server (launcher/server.py), the gRPC GenerateService
 (launcher/grpc_generate.py) and the periodic stats log line (launcher/metrics.py).
-If the pipeline fails (a stage dies, or misses its heartbeats for --stage-heartbeat-timeout-s),
-the engine is fenced (new requests: 503 at once), every in-flight request ends with an error event,
+If a stage dies or misses its heartbeats for --stage-heartbeat-timeout-s, the coordinator restarts
+it and replays the running requests (launcher/stage_failover.py; they see a pause, /health is 503
+"restarting ..." meanwhile), at most --max-stage-restarts times within --restart-window-s. Past
+that budget the pipeline has failed: the engine is fenced (new requests: 503 at once), every in-flight request ends with an error event,
 the remaining stage processes are stopped, and the front ends stay up answering 503 / UNAVAILABLE
 (and /health 503 with the reason) until the server is stopped. SIGTERM drains
 (launcher/serve_drain.py). Must not: parse requests or hold generation logic.
@@ -23,6 +25,7 @@ import sys
 
 from launcher.coordinator import Coordinator, PipelineError
 from launcher.session import PipelineSession
+from launcher.stage_restarts import RestartBudget
 from workers.control_auth import TlsFiles
 
 log = logging.getLogger("speedpipe.serve")
@@ -54,6 +57,12 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
     g.add_argument("--stage-heartbeat-timeout-s", type=float, default=5.0,
                    help="a stage that does not answer its heartbeat this long is declared hung: requests fail, "
                    "/health 503 (default 5; a long step is not a hang)")
+    f = p.add_argument_group("stage fail-over")
+    f.add_argument("--max-stage-restarts", type=int, default=3,
+                   help="restart a dead or hung stage and replay the running requests at most this many times "
+                   "within --restart-window-s; beyond that every request fails (default 3; 0 = never restart)")
+    f.add_argument("--restart-window-s", type=float, default=600.0,
+                   help="sliding window of --max-stage-restarts, in seconds (default 600)")
 
 
 API_KEY_ENV = "SPEEDPIPE_API_KEY"
@@ -148,6 +157,7 @@ class ServingStack:
         self.heartbeat = StageHeartbeat(coord.stubs, timeout_s=options.stage_heartbeat_timeout_s,
                                         on_hung=self._on_hung)
         self.engine.heartbeat = self.heartbeat
+        coord.recovery_listeners.append(self._on_recovery)
         self.failure: PipelineError | None = None
         self.host = options.host
         self.options = options
@@ -187,8 +197,23 @@ class ServingStack:
 
     def _on_hung(self, stage_index: int, message: str) -> None:
         error = PipelineError(message)
-        self.on_pipeline_failure(error)
-        self.session.coordinator.fail(error)
+        coord = self.session.coordinator
+        if coord.failover is None:
+            self.on_pipeline_failure(error)
+        coord.fail(error)  # with fail-over: the coordinator kills and restarts the hung stage
+
+    def _on_recovery(self, phase: str, reason: str) -> None:
+        """Coordinator fail-over hook (engine thread): no heartbeat verdicts while stages restart;
+        a fresh heartbeat on the new stages once the pipeline is back."""
+        from launcher.stage_heartbeat import StageHeartbeat
+
+        if phase == "start":
+            self.heartbeat.stop()
+            return
+        if self.failure is None:
+            self.heartbeat = StageHeartbeat(self.session.coordinator.stubs, on_hung=self._on_hung,
+                                            timeout_s=self.options.stage_heartbeat_timeout_s).start()
+            self.engine.heartbeat = self.heartbeat
 
     def close(self) -> None:
         self.heartbeat.stop()
@@ -215,6 +240,11 @@ def default_model_name(session: PipelineSession) -> str:
     if "/" in name or "\\" in name or name.endswith(".gguf"):
         return session.model.model_dir.name
     return name
+
+
+def restart_budget(args: argparse.Namespace) -> RestartBudget:
+    """--max-stage-restarts / --restart-window-s. Raises ValueError naming the flag."""
+    return RestartBudget(max_restarts=args.max_stage_restarts, window_s=args.restart_window_s)
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
@@ -251,7 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from launcher.run_plan import resolve
     from launcher.serve_drain import DrainSignals, serve_until_stopped
 
-    serve, tls = serve_options(args), tls_files(args)
+    serve, tls, restarts = serve_options(args), tls_files(args), restart_budget(args)
     options = pipeline_options(args, progress=not getattr(args, "no_progress", False))
     if options.placement.multi_node and options.placement.node_rank > 0:  # only runs its stages; node 0 serves
         resolve(options)
@@ -260,7 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve.check_ports()
     model = resolve(options)
     _show_stats_lines()
-    with PipelineSession(options, model, tls=tls) as session, ServingStack(session, serve) as stack:
+    with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,
+          ServingStack(session, serve) as stack):
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")

@@ -253,6 +253,8 @@ class ServingEngine:
             return False, self._fence
         if self.coordinator.failure is not None:
             return False, str(self.coordinator.failure)
+        if self.coordinator.recovering is not None:  # a stage fail-over is in progress: requests wait
+            return False, self.coordinator.recovering
         if self.heartbeat is not None:
             return self.heartbeat.healthy()
         try:
@@ -282,7 +284,10 @@ class ServingEngine:
         """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
         outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
         input the coordinator rejects."""
-        beating, why = self.heartbeat.healthy() if self.heartbeat is not None else (True, "")
+        # A silent stage: refuse before it is declared hung, unless a fail-over will restart it
+        # (then requests wait behind the restart: a pause, not an error).
+        watch = self.heartbeat is not None and self.coordinator.failover is None
+        beating, why = self.heartbeat.healthy() if watch else (True, "")
         with self._lock:
             if self._fence is not None or not beating:  # a silent stage: refuse before it is declared hung
                 self.metrics.observe_rejected("unavailable")

@@ -4,7 +4,9 @@ Owns the order of start-up (everything that can be validated is validated *befor
 spawned, in PipelineOptions and launcher/run_plan.py, so bad input leaves nothing behind), the
 choice of placement backend (local processes, Ray actors, or the torchrun-style multi-node mode;
 see launcher/placement.py), the coordinator's and the stages' views of the run configuration, the
-health check before any work is admitted, and teardown. Serving and benchmarking front ends reuse it.
+health check before any work is admitted, the hooks the coordinator's fail-over uses to restart a
+stage (launcher/stage_failover.py; local stages only), and teardown. Serving and benchmarking front
+ends reuse it.
 Must not: parse command lines (launcher/cli.py) or format output.
 """
 
@@ -18,13 +20,16 @@ from launcher.local_launch_config import LocalLaunchConfig
 from launcher.pipeline_options import PipelineOptions
 from launcher.placement import StageBackend
 from launcher.run_plan import RunPlan
+from launcher.stage_failover import StageFailover
 from launcher.stage_processes import LocalStageProcesses
+from launcher.stage_restarts import RestartBudget, RestartLedger
 from pipeline.predictors import Predictor
 from pipeline.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
 from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
 
 log = logging.getLogger("speedpipe.launch")
+REJOIN_WAIT_S = 120  # how long a stage whose data plane broke waits for the coordinator's Rejoin
 
 
 def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: str,
@@ -64,16 +69,18 @@ class PipelineSession:
     """
 
     def __init__(self, options: PipelineOptions, model: RunPlan, *, predictor: Predictor | None = None,
-                 tls: TlsFiles | None = None) -> None:
+                 restart_budget: RestartBudget | None = None, tls: TlsFiles | None = None) -> None:
         """model: the plan `launcher.run_plan.resolve(options)` made. predictor: a Predictor object
         overriding options.predictor on the coordinator side; it must agree with it on
         `needs_exit_head` (the stages are built for that). Raises ValueError if it does not.
-        tls: TLS files of the stages' control plane (serve --tls-cert/--tls-key)."""
-        self.tls = tls
+        restart_budget: stage fail-over (--max-stage-restarts); None or 0 restarts: a failed stage
+        fails every request. tls: TLS files of the stages' control plane (serve --tls-cert/--tls-key)."""
         if predictor is not None and options.uses_speed and predictor.needs_exit_head != options.needs_exit_head:
             raise ValueError(f"predictor override {type(predictor).__name__} needs_exit_head={predictor.needs_exit_head}, "
                              f"but predictor {options.predictor!r} (the stages' build) has {options.needs_exit_head}")
+        self.tls = tls
         self.predictor = predictor
+        self.restart_budget = restart_budget or RestartBudget(max_restarts=0)
         self.options = options
         self.model = model
         self.backend: StageBackend | None = None
@@ -126,7 +133,9 @@ class PipelineSession:
                                    tls=self.tls)
         return LocalStageBackend(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-            env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})}))
+            env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})},
+            # a stage whose data plane broke waits to be rejoined ([Note: fail-over]):
+            extra_args=("--rejoin-wait-s", str(REJOIN_WAIT_S)) if self.restart_budget.max_restarts else ()))
 
     def _start(self) -> None:
         opt, m = self.options, self.model
@@ -142,6 +151,24 @@ class PipelineSession:
         specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
         self.load_responses = self.coordinator.start(specs)
         self._check_health()
+        self.coordinator.failover = self._failover(master_addr)
+
+    def _failover(self, master_addr: str) -> StageFailover | None:
+        """The coordinator's fail-over hooks ([Note: fail-over]), or None (no restarts allowed, or a
+        backend that cannot restart one stage yet: Ray and multi-node fail every request instead)."""
+        if not self.restart_budget.max_restarts:
+            return None
+        backend = self.backend
+        if not isinstance(backend, LocalStageBackend):
+            log.warning("stage fail-over is implemented for local stages only (not for %s): a failed stage "
+                        "fails every request", type(backend).__name__)
+            return None
+        opt, m = self.options, self.model
+        return StageFailover(
+            budget=RestartLedger(self.restart_budget), restart_stage=backend.restart_stage,
+            dead_stages=lambda: [i for i, _ in backend.processes.dead_stages()], data_port=backend.data_port,
+            load_specs=lambda port: stage_load_specs(opt, m, master_addr=master_addr, master_port=port),
+            pause_watch=backend.unwatch, resume_watch=lambda: backend.watch(self._on_stage_death))
 
     def _check_health(self) -> None:
         """Every stage must report SERVING before any work is admitted. Raises PipelineError."""

@@ -84,6 +84,7 @@ class LocalStageProcesses:
         self._started = False
         self._stopped = False
         self._stopping = threading.Event()
+        self._keeper: threading.Thread | None = None  # spawns respawned stages (see respawn())
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -155,7 +156,10 @@ class LocalStageProcesses:
                 with contextlib.suppress(OSError):
                     os.close(old.pidfd)
                 old.pidfd = None
-            proc = spawn_stage(self.config.command(local_index), self.config.child_env(), stage_index=local_index)
+            with contextlib.suppress(OSError, ValueError):
+                if old.proc.stdin is not None:
+                    old.proc.stdin.close()
+            proc = self._spawn_from_keeper(local_index)
             child = StageChild(local_index, proc, label_index=old.label_index)
             self._stages[local_index] = child
         events: queue.Queue[tuple[int, str, int]] = queue.Queue()
@@ -193,6 +197,29 @@ class LocalStageProcesses:
             if returncode is not None:
                 dead.append((stage.stage_index, returncode))
         return dead
+
+    def _spawn_from_keeper(self, local_index: int) -> subprocess.Popen[bytes]:
+        """Spawn a stage from a thread that lives as long as this object, never from the caller's
+        (PR_SET_PDEATHSIG fires when the *spawning thread* exits: [Note: no orphan stage processes])."""
+        if self._keeper is None:
+            self._keeper_jobs: queue.Queue = queue.Queue()
+            self._keeper = threading.Thread(target=self._keep, name="speedpipe-stage-keeper", daemon=True)
+            self._keeper.start()
+        done: queue.Queue = queue.Queue()
+        self._keeper_jobs.put((local_index, done))
+        result = done.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _keep(self) -> None:
+        while True:
+            local_index, done = self._keeper_jobs.get()
+            try:
+                done.put(spawn_stage(self.config.command(local_index), self.config.child_env(),
+                                     stage_index=local_index))
+            except OSError as exc:
+                done.put(exc)
 
     def stop(self, grace_s: float = 5.0, *, term_grace_s: float = 2.0) -> None:
         """Stop and reap every stage process; idempotent.

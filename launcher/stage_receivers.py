@@ -39,31 +39,36 @@ def result_event(msg: Message, *, now_ns: int) -> Result:
 
 
 def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, events: queue.Queue,
-                    stopping: threading.Event) -> list[threading.Thread]:
-    """One daemon thread per rank in `ranks`, each putting ("event", engine event) or ("error",
-    ReceiverError) on `events`; a channel error while `stopping` is set ends the thread quietly."""
-    threads = [threading.Thread(target=_receive_loop, args=(channel, rank, rank == last_rank, events, stopping),
+                    stopping: threading.Event, generation: int = 0) -> list[threading.Thread]:
+    """One daemon thread per rank in `ranks`, each putting ("event", (generation, engine event)) or
+    ("error", (generation, ReceiverError)) on `events`; a channel error while `stopping` is set ends
+    the thread quietly. generation: the coordinator's data-plane generation (fail-over drops old ones)."""
+    threads = [threading.Thread(target=_receive_loop,
+                                args=(channel, rank, rank == last_rank, events, stopping, generation),
                                 name=f"receiver-{rank}", daemon=True) for rank in ranks]
     for t in threads:
         t.start()
     return threads
 
 
-def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queue, stopping: threading.Event) -> None:
+def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queue, stopping: threading.Event,
+                  generation: int) -> None:
     """Blocking receives from `rank` (the last stage, or the exit stage's EXIT_GUESS messages)."""
     while True:
         try:
             msg = channel.recv(rank)
         except ChannelError as exc:
             if not stopping.is_set():
-                events.put(("error", ReceiverError(str(exc))))
+                events.put(("error", (generation, ReceiverError(str(exc)))))
             return
+        if stopping.is_set():
+            return  # a fail-over replaced this ring
         if msg.kind == MessageKind.RESULT and is_last:
-            events.put(("event", result_event(msg, now_ns=time.perf_counter_ns())))
+            events.put(("event", (generation, result_event(msg, now_ns=time.perf_counter_ns()))))
         elif msg.kind == MessageKind.EXIT_GUESS:
-            events.put(("event", exit_event(msg, now_ns=time.perf_counter_ns())))
+            events.put(("event", (generation, exit_event(msg, now_ns=time.perf_counter_ns()))))
         elif msg.kind == MessageKind.SHUTDOWN:  # from the last stage, and from the exit stage
             return
         elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE) or not is_last:
-            events.put(("error", ReceiverError(f"unexpected {msg.kind.name} from {rank_name(rank)}")))
+            events.put(("error", (generation, ReceiverError(f"unexpected {msg.kind.name} from {rank_name(rank)}"))))
             return

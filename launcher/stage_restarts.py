@@ -1,10 +1,10 @@
 """The restart budget of a pipeline's stages: how many restarts within which window (issue 16 part 1).
 
 Owns `RestartBudget` (`--max-stage-restarts`, `--restart-window-s`) and `RestartLedger`, which says
-whether one more restart fits the budget and records it. The fail-over that will use it (a dead or
+whether one more restart fits the budget and records it. The fail-over that uses it (a dead or
 hung stage respawned by its backend, `LocalStageProcesses.respawn` for local processes, then the
-coordinator replaying every running sequence) is not wired yet: past the budget, today's
-behaviour stays (every request fails, /health 503, the server keeps answering).
+coordinator replaying every running sequence: [Note: fail-over] in launcher/stage_failover.py)
+stops restarting past the budget: every request fails, /health 503, the server keeps answering.
 Must not: start or stop processes.
 """
 

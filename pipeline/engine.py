@@ -8,11 +8,25 @@ the unit-test fakes scripted ones; none of them touches the scheduler.
 Pure: no I/O, no threads, no clock (events carry the caller's time).
 
 [Note: one engine]
-`step(events)` applies the events in order (submit, abort, stop string, exit passed, result),
+`step(events)` applies the events in order (submit, abort, stop string, exit passed, result,
+replay after a stage restart),
 then, as a pipeline driver must, asks for the slots to release (sent first, so a stage frees a
 slot before the slot's next owner arrives) and for as many micro-batches as the scheduler allows.
 Every driver therefore sends the same items in the same order for the same events: a recorded
 event trace gives the same commits whoever replays it (tests/unit/test_engine.py).
+
+[Note: replay]
+When a stage is restarted (launcher/stage_failover.py) every stage's KV cache is empty and the
+micro-batches in flight are lost. `Scheduler.replay_running` bumps each running sequence's epoch (results
+of the old ring, if any arrive, are stale), forgets its chain, pending draft and FIRP drafts, and
+queues one PREFILL of prompt + committed tokens in the sequence's own KV slot: its result row is
+the next token, exactly the item that would have followed the last commit. Committed tokens are
+never touched, so no token is lost, repeated or reordered (tests/unit/test_replay.py). Greedy
+output is therefore identical to an undisturbed run (up to the batch-invariance caveat of
+ARCHITECTURE.md §3: the context's keys and values are recomputed in one pass). Sampling: the
+sequence's Sampler (its generator) is kept as it is, so the next draw continues its stream; with
+speculation off that is the draw an undisturbed run makes (same tokens for a seeded request),
+with speculation on the draws differ but every token keeps the exact distribution (§5.4).
 """
 
 from __future__ import annotations
@@ -20,7 +34,16 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable
 
-from pipeline.engine_events import Abort, Event, ExitPassed, Result, StepOutput, StopStringHit, Submit
+from pipeline.engine_events import (
+    Abort,
+    Event,
+    ExitPassed,
+    ReplayRunning,
+    Result,
+    StepOutput,
+    StopStringHit,
+    Submit,
+)
 from pipeline.items import Item
 from pipeline.predictors import Predictor
 from pipeline.scheduler import Scheduler
@@ -126,6 +149,9 @@ class Engine:
                 forgotten.append(event.seq_id)
         elif isinstance(event, StopStringHit):
             sched.finish_on_stop_string(event.seq_id)
+        elif isinstance(event, ReplayRunning):
+            self._inflight.clear()  # their results will never come: the old ring is gone
+            sched.replay_running()
         else:
             raise TypeError(f"unknown engine event {event!r}")
 

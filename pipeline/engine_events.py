@@ -71,7 +71,15 @@ class Result:
     at_ns: int = 0
 
 
-Event = Submit | Abort | StopStringHit | ExitPassed | Result
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayRunning:
+    """The pipeline lost its in-flight work and every stage's KV cache (a stage was restarted:
+    launcher/stage_failover.py): drop every micro-batch in flight and turn each running sequence
+    back into one prefill of its committed context (prompt + committed tokens), under a new epoch.
+    See [Note: replay] in pipeline/scheduler.py."""
+
+
+Event = Submit | Abort | StopStringHit | ExitPassed | Result | ReplayRunning
 
 
 @dataclasses.dataclass(frozen=True)

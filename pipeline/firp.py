@@ -9,6 +9,18 @@ pseudo row i into a draft of the token at position t+i+1.
 Owns the `FirpMaps` module (maps.{i}.weight [H, H], maps.{i}.bias [H], i = 1..k; identity at
 init) and building it from a predictor file (pipeline/predictor_file.py). Must not: do I/O, or
 decide which drafts are committed (pipeline/ledger.py does).
+
+[Note: FIRP policy]
+With `firp_k` = k > 0 (FIRP, arXiv 2410.20488; ARCHITECTURE.md §6) every item asks for pseudo
+chains of up to k rows on each of its result rows (`Item.firp_k`, `Item.firp_anchors`); the last
+stage returns one draft per pseudo row. When a result leaves the sequence with nothing in flight,
+the next real item is [last committed token, the k drafts of the chain anchored at the row that
+produced it] (kind FIRP), verified as a chain ([Note: chain verify] in pipeline/ledger.py). Chains
+are cut so that no draft lies past the token budget, and before the first draft whose probability
+(softmax of its pseudo row) is below `firp_min_prob`: unlikely drafts cost rows and, with SPEED, a
+short confident chain leaves the run-ahead draft behind it a chance. With SPEED on as well, run-ahead drafts follow
+FIRP items as they follow any item; FIRP drafts of a result are used only if the chain ends there.
+(The scheduler in pipeline/scheduler.py applies this policy.)
 """
 
 from __future__ import annotations

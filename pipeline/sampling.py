@@ -291,3 +291,10 @@ def verify_draft(
         residual = p
     # torch.multinomial normalises its weights, which is the normalise() above.
     return False, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def prompt_logprobs(prompt_ids: Sequence[int], prompt_rows: torch.Tensor, k: int) -> tuple[TokenLogprob | None, ...]:
+    """Logprob of each prompt token given the ones before it (None for the first), with `k`
+    alternatives (echo's prompt logprobs). prompt_rows: [len(prompt_ids) - 1, vocab] raw logits of
+    rows 0 .. n-2 of the prefill."""
+    return (None, *(token_logprob(prompt_rows[j], t, k) for j, t in enumerate(prompt_ids[1:])))

@@ -45,16 +45,7 @@ without a guess the exit event still arrives, an exit-head predictor then propos
 (hybrid falls back to its n-gram half). `SpecCounters.exit_rows` / `exit_rows_skipped` count
 decode items at the exit stage with and without the head.
 
-[Note: FIRP policy]
-With `firp_k` = k > 0 (FIRP, arXiv 2410.20488; ARCHITECTURE.md §6) every item asks for pseudo
-chains of up to k rows on each of its result rows (`Item.firp_k`, `Item.firp_anchors`); the last
-stage returns one draft per pseudo row. When a result leaves the sequence with nothing in flight,
-the next real item is [last committed token, the k drafts of the chain anchored at the row that
-produced it] (kind FIRP), verified as a chain ([Note: chain verify] in pipeline/ledger.py). Chains
-are cut so that no draft lies past the token budget, and before the first draft whose probability
-(softmax of its pseudo row) is below `firp_min_prob`: unlikely drafts cost rows and, with SPEED, a
-short confident chain leaves the run-ahead draft behind it a chance. With SPEED on as well, run-ahead drafts follow
-FIRP items as they follow any item; FIRP drafts of a result are used only if the chain ends there.
+FIRP chains: [Note: FIRP policy] in pipeline/firp.py.
 """
 
 from __future__ import annotations
@@ -71,7 +62,7 @@ from pipeline.draft_gate import DraftGate
 from pipeline.items import Item, ItemKind, SlotRelease
 from pipeline.ledger import SequenceLedger
 from pipeline.predictors import ExitGuess, Predictor
-from pipeline.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from pipeline.sampling import Sampler, SamplingParams, prompt_logprobs, token_logprob
 from pipeline.scheduler_types import (
     Commit,
     FinishReason,
@@ -202,23 +193,44 @@ class Scheduler:
             self._queue_real(seq)
 
     def _queue_real(self, seq: SequenceState) -> None:
-        want_logits = seq.params.needs_logits
         if not seq.output_ids:
-            n = len(seq.prompt_ids)
-            prompt_logits = seq.params.prompt_logprobs is not None
-            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n,
-                               epoch=seq.epoch, kind=ItemKind.PREFILL, token_ids=tuple(seq.prompt_ids),
-                               want_logits=want_logits or prompt_logits, want_prompt_logits=prompt_logits,
-                               **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
-        else:
-            drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
-            start = seq.num_tokens - 1
-            seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
-                               epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
-                               token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
-                               **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
+            self._queue_prefill(seq)
+            return
+        want_logits = seq.params.needs_logits
+        drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
+        start = seq.num_tokens - 1
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
+                           epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
+                           token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
+                           **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
         seq.firp_drafts = ()
         self.ready.append(seq.seq_id)
+
+    def _queue_prefill(self, seq: SequenceState) -> None:
+        """Queue one prefill of the sequence's whole known context (prompt + committed tokens): the
+        prompt at admission, the replayed context after a stage restart ([Note: replay] in pipeline/engine.py)."""
+        context = (*seq.prompt_ids, *seq.output_ids)
+        n = len(context)
+        # prompt logprobs (echo) once, at admission; a replayed prefill only needs its last row
+        prompt_logits = seq.params.prompt_logprobs is not None and not seq.output_ids
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n, epoch=seq.epoch,
+                           kind=ItemKind.PREFILL, token_ids=context,
+                           want_logits=seq.params.needs_logits or prompt_logits, want_prompt_logits=prompt_logits,
+                           **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
+        seq.firp_drafts = ()
+        self.ready.append(seq.seq_id)
+
+    def replay_running(self) -> None:
+        """Every stage lost its KV cache and the work in flight: turn each running sequence back
+        into one prefill of its committed context, under a new epoch. See [Note: replay] in pipeline/engine.py."""
+        self.ready.clear()
+        self.drafting.clear()
+        for seq in self.seqs.values():
+            if seq.finished or seq.slot < 0:
+                continue  # finished (its release is harmless on a cleared stage) or still waiting
+            self.spec.squashed_items += seq.ledger.finish()  # drop the chain, bump the epoch
+            seq.pending, seq.exit_seen, seq.pending_key = None, None, None
+            self._queue_prefill(seq)
 
     def _firp_fields(self, seq: SequenceState, *, first_anchor: int, num_anchors: int) -> dict[str, int]:
         """Item.firp_k / firp_anchors for an item whose pseudo chains hang off `num_anchors` rows
@@ -307,7 +319,8 @@ class Scheduler:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
             if prompt_rows is not None:
-                commit = dataclasses.replace(commit, prompt_logprobs=_prompt_logprobs(seq, prompt_rows))
+                commit = dataclasses.replace(commit, prompt_logprobs=prompt_logprobs(
+                    seq.prompt_ids, prompt_rows, seq.params.prompt_logprobs or 0))
             commits.append(commit)
         return commits
 
@@ -384,9 +397,3 @@ class Scheduler:
         assert seq.finished, f"sequence {seq_id} is not finished"
         return self.seqs.pop(seq_id)
 
-
-def _prompt_logprobs(seq: SequenceState, prompt_rows: torch.Tensor) -> tuple[TokenLogprob | None, ...]:
-    """Logprob of each prompt token given the ones before it (None for the first), with
-    `prompt_logprobs` alternatives. prompt_rows: [prompt_len - 1, vocab] raw logits of rows 0..n-2."""
-    k = seq.params.prompt_logprobs or 0
-    return (None, *(token_logprob(prompt_rows[j], t, k) for j, t in enumerate(seq.prompt_ids[1:])))

@@ -125,6 +125,18 @@ class ResetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RejoinRequest(_message.Message):
+    __slots__ = ("dist_master_port", "join_timeout_s")
+    DIST_MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    dist_master_port: int
+    join_timeout_s: float
+    def __init__(self, dist_master_port: _Optional[int] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
+
+class RejoinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ShutdownRequest(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]

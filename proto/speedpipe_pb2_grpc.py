@@ -60,6 +60,11 @@ class StageServiceStub:
                 request_serializer=proto_dot_speedpipe__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=proto_dot_speedpipe__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.Rejoin = channel.unary_unary(
+                '/speedpipe.v1.StageService/Rejoin',
+                request_serializer=proto_dot_speedpipe__pb2.RejoinRequest.SerializeToString,
+                response_deserializer=proto_dot_speedpipe__pb2.RejoinResponse.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -103,6 +108,15 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rejoin(self, request, context):
+        """Fail-over: leave the old data-plane group, drop every KV-cache slot and join a fresh group at
+        a new rendezvous port (a restarted stage Loads instead). Replies once every rank has joined.
+        FAILED_PRECONDITION if the stage is not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +144,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=proto_dot_speedpipe__pb2.ShutdownRequest.FromString,
                     response_serializer=proto_dot_speedpipe__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'Rejoin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rejoin,
+                    request_deserializer=proto_dot_speedpipe__pb2.RejoinRequest.FromString,
+                    response_serializer=proto_dot_speedpipe__pb2.RejoinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class StageService:
             '/speedpipe.v1.StageService/Shutdown',
             proto_dot_speedpipe__pb2.ShutdownRequest.SerializeToString,
             proto_dot_speedpipe__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rejoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speedpipe.v1.StageService/Rejoin',
+            proto_dot_speedpipe__pb2.RejoinRequest.SerializeToString,
+            proto_dot_speedpipe__pb2.RejoinResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,7 @@ class StageLoop:
         self.next_rank = COORDINATOR_RANK if self.is_last else rank_of_stage(stage_index + 1)
         self.messages_received = 0
         self.stopped = threading.Event()
+        self.retired = False  # set by Rejoin: this loop's group is abandoned; stop at the next message
         self.sends = SendQueue(channel)  # see [Note: background sends] in workers/channel.py
 
     def run(self) -> None:
@@ -42,6 +43,8 @@ class StageLoop:
         try:
             while True:
                 msg = self.channel.recv(self.prev_rank)
+                if self.retired:
+                    return
                 self.messages_received += 1
                 if msg.kind == MessageKind.FORWARD:
                     self.sends.send(self._forward(msg), self.next_rank)

@@ -3,7 +3,8 @@
 Owns one pipeline stage's lifetime: `Load` has pipeline/stage_assembly.py build the stage (only
 this stage's tensors: model, KV cache, exit head, FIRP maps), joins the torch.distributed group
 (rank = stage_index + 1) and starts the data-plane loop in a thread; `Health`, `GetStats`, `Reset`,
-`Shutdown` answer the coordinator.
+`Shutdown` answer the coordinator; `Rejoin` moves the loaded stage into a fresh data-plane group
+after another stage was restarted ([Note: fail-over] in launcher/stage_failover.py).
 Must not: build models itself, talk to clients or decide what runs.
 
 Run: python -m workers.stage_worker --stage-index I [--host 127.0.0.1] [--port 0]
@@ -14,6 +15,7 @@ stdin reaches EOF (its launcher died) or on Shutdown.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -50,8 +52,12 @@ READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
 class StageServicer(pb_grpc.StageServiceServicer):
     """gRPC StageService of one worker. Errors in Load map to INVALID_ARGUMENT / INTERNAL."""
 
-    def __init__(self, stage_index: int, stop_event: threading.Event) -> None:
+    def __init__(self, stage_index: int, stop_event: threading.Event, *, rejoin_wait_s: float = 0.0) -> None:
+        """rejoin_wait_s: after a data-plane failure, wait this long for a `Rejoin` before exiting
+        (0: exit at once, so the launcher notices; > 0 when the launcher restarts stages)."""
         self.stage_index = stage_index
+        self.rejoin_wait_s = rejoin_wait_s
+        self._rejoined = threading.Event()
         self.stop_event = stop_event
         self.spec: StageLoadSpec | None = None
         self.executor: StageExecutor | None = None
@@ -93,27 +99,34 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.executor, self.weights_bytes = stage.executor, stage.weights_bytes
         return stage.tensor_names
 
-    def _join_data_plane(self, spec: StageLoadSpec) -> None:
+    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = 600.0) -> None:
         """Join the process group (blocks until every rank joined) and start the data-plane loop."""
         group = DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
                                rank=spec.dist_rank, world_size=spec.dist_world_size,
-                               timeout_s=spec.stage_timeout_s, device=spec.device)
+                               timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s)
         hidden_bytes = self.executor.model.config.hidden_size * 4
         channel = Channel(group, timeout_s=spec.stage_timeout_s, device=spec.device, label=f"[Stage {spec.stage_index}] ",
                           max_payload_bytes=max(hidden_bytes, self.executor.model.config.vocab_size * 4)
                           * spec.max_model_len * spec.max_num_seqs)
         self.loop = StageLoop(executor=self.executor, channel=channel, stage_index=spec.stage_index,
                               num_stages=spec.num_stages)
-        threading.Thread(target=self._run_loop, name="data-plane", daemon=True).start()
+        self._rejoined = threading.Event()
+        threading.Thread(target=self._run_loop, args=(self.loop, self._rejoined), name="data-plane",
+                         daemon=True).start()
 
-    def _run_loop(self) -> None:
+    def _run_loop(self, loop: StageLoop, rejoined: threading.Event) -> None:
         try:
-            self.loop.run()
-        except Exception as exc:  # fatal: report and exit so the launcher tears everything down
+            loop.run()
+        except Exception as exc:  # fatal unless a Rejoin retired this loop or comes in time
+            if loop.retired:
+                log.info("[Stage %d] old data-plane group ended: %s", self.stage_index, exc)
+                return
             self.failure = str(exc)
             log.error("[Stage %d] data plane failed: %s", self.stage_index, exc)
+            if self.rejoin_wait_s > 0 and rejoined.wait(self.rejoin_wait_s):
+                return  # the coordinator moved this stage into a fresh group
             sys.stderr.flush()
-            os._exit(3)
+            os._exit(3)  # the launcher tears everything down
 
     # -- queries ----------------------------------------------------------------------------------
     def Health(self, request, context):
@@ -146,6 +159,29 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 self.executor.clear()
         return pb.ResetResponse()
 
+    def Rejoin(self, request, context):
+        """Retire the data-plane loop, clear the KV cache, join the group at request.dist_master_port."""
+        with self._lock:
+            if self.executor is None or self.spec is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.stage_index} is not loaded")
+            if not 0 < request.dist_master_port < 65536:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dist_master_port {request.dist_master_port} "
+                              "is not a port")
+            old = self.loop
+            if old is not None:
+                old.retired = True
+                old.stopped.wait(timeout=1.0)  # a loop in the middle of a step finishes it first
+            self._rejoined.set()
+            self.executor.clear()
+            spec = dataclasses.replace(self.spec, dist_master_port=request.dist_master_port)
+            try:
+                self._join_data_plane(spec, connect_timeout_s=request.join_timeout_s or 600.0)
+            except RuntimeError as exc:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {self.stage_index}: rejoin failed: {exc}")
+            self.spec, self.failure = spec, None
+            log.info("[Stage %d] rejoined the data plane at port %d", self.stage_index, request.dist_master_port)
+            return pb.RejoinResponse()
+
     def Shutdown(self, request, context):
         log.info("[Stage %d] shutdown requested: %s", self.stage_index, request.reason or "no reason given")
         self.stop_event.set()
@@ -171,8 +207,8 @@ def _exit_on_stdin_eof(stop_event: threading.Event) -> None:
 
 
 def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: threading.Event,
-                 control_secret: str | None = None, tls: TlsFiles | None = None
-                 ) -> tuple[grpc.Server, StageServicer, int]:
+                 control_secret: str | None = None, tls: TlsFiles | None = None,
+                 rejoin_wait_s: float = 0.0) -> tuple[grpc.Server, StageServicer, int]:
     """Start one stage's StageService on host:port (0 = a free port) in this process.
 
     Returns (server, servicer, bound port). The Shutdown RPC sets `stop_event`; the caller then
@@ -185,7 +221,7 @@ def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: thre
         key=SECRET_METADATA_KEY, expected=control_secret, what="control-plane secret (the launcher's session secret)")]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"),
                          interceptors=interceptors)
-    servicer = StageServicer(stage_index, stop_event)
+    servicer = StageServicer(stage_index, stop_event, rejoin_wait_s=rejoin_wait_s)
     pb_grpc.add_StageServiceServicer_to_server(servicer, server)
     try:
         address = f"{host}:{port}"
@@ -214,6 +250,8 @@ def serve(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="control-plane port (0 = pick a free one)")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--no-stdin-watch", action="store_true", help="do not exit on stdin EOF")
+    parser.add_argument("--rejoin-wait-s", type=float, default=0.0,
+                        help="after a data-plane failure, wait this long for a Rejoin before exiting (default 0)")
     args = parser.parse_args(argv)
     arm_parent_death_signal()  # a SIGKILLed launcher takes its stages with it
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -230,7 +268,8 @@ def serve(argv: list[str] | None = None) -> int:
         return 2
     try:
         server, servicer, port = start_server(stage_index=args.stage_index, host=args.host, port=args.port,
-                                              stop_event=stop_event, control_secret=secret, tls=TlsFiles.from_env())
+                                              stop_event=stop_event, control_secret=secret, tls=TlsFiles.from_env(),
+                                              rejoin_wait_s=args.rejoin_wait_s)
     except (OSError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -191,7 +191,7 @@ class ServeCli:
 
 
 def test_serve_cli_survives_kill_9_of_a_stage_and_exits_0_on_sigterm(tiny_model_dir: Path):
-    cli = ServeCli(tiny_model_dir)
+    cli = ServeCli(tiny_model_dir, "--max-stage-restarts", "0")  # fenced, not restarted (test_failover.py)
     cli.wait_healthy()
     pids = [w.pid for w in cli.workers()]
     with httpx.stream("POST", cli.url + "/v1/completions", json=LONG, timeout=60) as r:

@@ -198,6 +198,7 @@ def test_services_expose_the_documented_rpcs():
         "GetStats",
         "Reset",
         "Shutdown",
+        "Rejoin",
     ]
     assert [m.name for m in services["GenerateService"].methods] == ["Generate", "Health"]
     generate_rpc = services["GenerateService"].methods_by_name["Generate"]

@@ -49,6 +49,8 @@ class FakeCoordinator:
     def __init__(self, tokenizer: Tokenizer, *, step_s: float = 0.002) -> None:
         self.tokenizer, self.step_s = tokenizer, step_s
         self.failure: PipelineError | None = None
+        self.recovering: str | None = None  # a stage fail-over in progress (launcher/stage_failover.py)
+        self.failover = None  # no fail-over: a silent stage refuses admissions
         self.stage_status = [pb.HealthResponse.SERVING] * 2
         self.spec = SpecCounters()
         self.timeline = Timeline(2)
