@@ -4,14 +4,14 @@ Owns `RunConfig` (the one frozen configuration every front end builds from its a
 one table of model dtypes, and the prompt-length rule. Lower layers get views of the run
 configuration (the scheduler's limits, each stage's load spec) or the booleans they need
 (`needs_exit_head`), never the user's flag names to re-derive them.
-Must not: resolve models, read files or know about processes (launcher/run_plan.py resolves the
-model, the split and the predictor files; launcher/session.py starts the stages).
+Must not: resolve models, read files or know about processes (launcher/coordinator/run_plan.py resolves the
+model, the split and the predictor files; launcher/coordinator/session.py starts the stages).
 
 [Note: parameter names in errors]
 Errors raised here (and elsewhere in pipeline/) name the parameter (`max_num_seqs`), not a
 command-line flag: the same config is built by the CLI, the HTTP server, benchmarks and tests. The
 CLI turns parameter names into its flag names when it prints the one-line error
-(launcher/cli_errors.py).
+(launcher/cli/errors.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import dataclasses
 
 import torch
 
-from pipeline.draft_gate import DraftGate
-from pipeline.models import DEFAULT_MODEL
-from pipeline.predictors import PREDICTORS, is_predictor_file, make_predictor
-from pipeline.quant import validate_quantization
-from pipeline.scheduler_types import SchedulerConfig
+from pipeline.engine.records import SchedulerConfig
+from pipeline.speculation.draft_gate import DraftGate
+from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
+from pipeline.weights.quant import validate_quantization
+from pipeline.weights.registry import DEFAULT_MODEL
 
 # The dtypes model weights and activations may be loaded in (names as on the wire and in the CLI).
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -46,7 +46,7 @@ class RunConfig:
     cache_dir: str | None = None  # where converted models are cached (None: the default cache)
     layer_split: str | None = None  # layers per stage, e.g. "8,8,7,7"; None = balanced
     dtype: str = "float32"  # a key of MODEL_DTYPES
-    quantization: str = "none"  # weights: auto | none | int8 | int4 (pipeline/quant.py [Note: numeric modes])
+    quantization: str = "none"  # weights: auto | none | int8 | int4 (pipeline/weights/quant.py [Note: numeric modes])
     device: str = "cpu"
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     max_num_seqs: int = 8  # KV-cache slots: sequences decoded at once
@@ -122,7 +122,7 @@ class RunConfig:
     @property
     def draft_min_acceptance(self) -> float:
         """The adaptive-drafting threshold in force: `min_acceptance`, or the break-even acceptance
-        for `num_stages` when it is None (pipeline/draft_gate.py)."""
+        for `num_stages` when it is None (pipeline/speculation/draft_gate.py)."""
         return DraftGate.break_even(self.num_stages) if self.min_acceptance is None else self.min_acceptance
 
     @property

@@ -1,6 +1,6 @@
 """Test-only draft predictors that make SPEED's squash path run on purpose.
 
-Owns predictors implementing pipeline.predictors.Predictor for speculation tests: one that is
+Owns predictors implementing pipeline.speculation.predictors.Predictor for speculation tests: one that is
 always wrong, a (mostly) uniformly random one, one that is right about half of the time (so
 accepts AND squashes happen), one that is always right, and a switchable wrapper so one pipeline
 session can be reused with several predictors. "Right" and "wrong" are judged against reference continuations
@@ -8,7 +8,7 @@ session can be reused with several predictors. "Right" and "wrong" are judged ag
 Must not: import the runtime beyond the predictor types, or touch processes.
 
 Context lookups: a predictor sees `context` = prompt + committed + in-flight draft tokens, up to
-the chain's end (pipeline/predictors.py). If that context is a prefix of a reference sequence
+the chain's end (pipeline/speculation/predictors.py). If that context is a prefix of a reference sequence
 (prompt + its greedy continuation), the true next token is known; otherwise the chain already holds
 a wrong draft and whatever is proposed will be squashed anyway.
 """
@@ -19,7 +19,7 @@ import random
 import threading
 from collections.abc import Iterable, Sequence
 
-from pipeline.predictors import Draft, ExitGuess
+from pipeline.speculation.predictors import Draft, ExitGuess
 
 
 class ReferenceTable:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pipeline.config import ModelConfig
-from pipeline.model import random_state_dict
+from pipeline.model.config import ModelConfig
+from pipeline.model.stage_model import random_state_dict
 from tests.tiny_model import byte_tokenizer
 
 _COMMON: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

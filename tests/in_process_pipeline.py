@@ -2,7 +2,7 @@
 
 Owns `InProcessPipeline`: S stages joined by FIFO queues (one micro-batch per stage per step), each
 running `StageExecutor.run` on its model with its own KV cache (epochs, in-band squash, releases),
-the exit stage's exit head, and the one pure `Engine` (pipeline/engine.py) fed the events the
+the exit stage's exit head, and the one pure `Engine` (pipeline/engine/engine.py) fed the events the
 coordinator would feed it (exit guesses, results): no second copy of the pump. It gives
 multi-stage and speculative greedy output on any model without processes, for tests that sweep
 many models (every family) where a real session per model would be too slow.
@@ -16,14 +16,14 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.engine import Engine
-from pipeline.engine_events import ExitPassed, Result, StepOutput, Submit
-from pipeline.items import ItemKind
-from pipeline.model import StageModel
-from pipeline.predictors import ExitGuess, ExitHead, Predictor
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler_types import SchedulerConfig
-from pipeline.stage_executor import StageExecutor
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import ExitPassed, Result, StepOutput, Submit
+from pipeline.engine.records import SchedulerConfig
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.model.stage_model import StageModel
+from pipeline.speculation.items import ItemKind
+from pipeline.speculation.predictors import ExitGuess, ExitHead, Predictor
+from pipeline.speculation.sampling import SamplingParams
 
 
 def exit_head_for(last: StageModel) -> ExitHead:

@@ -22,8 +22,8 @@ import tokenizers
 from safetensors.torch import save_file
 from tokenizers import decoders, models, pre_tokenizers
 
-from pipeline.config import ModelConfig, tiny_config
-from pipeline.model import random_state_dict
+from pipeline.model.config import ModelConfig, tiny_config
+from pipeline.model.stage_model import random_state_dict
 
 TINY_EOS_ID = 2
 NUM_BYTE_TOKENS = 256
@@ -109,8 +109,8 @@ def write_firp_file(model_dir: str | Path, path: str | Path, *, layer: int, k: i
     matrices, so drafts are sometimes right and often wrong (tests need both)."""
     import torch
 
-    from pipeline.firp import FirpMaps
-    from pipeline.predictor_file import model_identity, save_predictor
+    from pipeline.speculation.firp import FirpMaps
+    from pipeline.speculation.predictor_file import model_identity, save_predictor
 
     identity = model_identity(model_dir)
     maps = FirpMaps(identity.hidden_size, k)

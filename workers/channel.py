@@ -1,13 +1,13 @@
 """Data-plane channel: ordered point-to-point messages between neighbour ranks.
 
 Owns the data-plane process group of one pipeline (a TCPStore rendezvous plus a gloo group for
-CPU tensors and, on CUDA, an NCCL group for hidden states), moving `pipeline.wire.Message`s over
+CPU tensors and, on CUDA, an NCCL group for hidden states), moving `pipeline.engine.wire.Message`s over
 it, the per-wait deadline, and turning transport failures into `ChannelError`s naming the peer.
 Must not: interpret items or decide what runs (the stage loop and coordinator do).
 
 The groups are explicit objects, never torch.distributed's process-global default group, so one
 process can drive several pipelines (benchmarks, tests, a server restarting its pipeline).
-Ranks: [Note: ranks] in pipeline/wire.py (`rank_of_stage`).
+Ranks: [Note: ranks] in pipeline/engine/wire.py (`rank_of_stage`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from pipeline.wire import (
+from pipeline.engine.wire import (
     DEFAULT_FRAME_BYTES,
     Message,
     WireError,

@@ -3,7 +3,7 @@
 Owns the order in which a stage handles messages from its upstream neighbour: every FORWARD
 message yields exactly one message downstream (possibly with no items, if all were stale), so the
 coordinator's in-flight accounting is a plain count; control messages are applied and passed on
-in order with the work (see [Note: in-band squash] in pipeline/stage_executor.py).
+in order with the work (see [Note: in-band squash] in pipeline/engine/stage_executor.py).
 Must not: decide what runs (the coordinator does) or talk gRPC.
 """
 
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from pipeline.stage_executor import StageExecutor
-from pipeline.timeline import StageTiming
-from pipeline.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage
+from pipeline.measure.timeline import StageTiming
 from workers.channel import Channel, SendQueue
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """Stage worker process: a gRPC control-plane server plus the stage's data-plane loop.
 
-Owns one pipeline stage's lifetime: `Load` has pipeline/stage_assembly.py build the stage (only
+Owns one pipeline stage's lifetime: `Load` has pipeline/model/stage_assembly.py build the stage (only
 this stage's tensors: model, KV cache, exit head, FIRP maps), joins the torch.distributed group
 (rank = stage_index + 1) and starts the data-plane loop in a thread; `Health`, `GetStats`, `Reset`,
 `Shutdown` answer the coordinator; `Rejoin` moves the loaded stage into a fresh data-plane group
-after another stage was restarted ([Note: fail-over] in launcher/stage_failover.py).
+after another stage was restarted ([Note: fail-over] in launcher/coordinator/stage_failover.py).
 Must not: build models itself, talk to clients or decide what runs.
 
 Run: python -m workers.stage_worker --stage-index I [--host 127.0.0.1] [--port 0]
@@ -28,8 +28,8 @@ import grpc
 import psutil
 import torch
 
-from pipeline.stage_assembly import StageLoadSpec, assemble_stage
-from pipeline.stage_executor import StageExecutor
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.model.stage_assembly import StageLoadSpec, assemble_stage
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
@@ -40,7 +40,7 @@ from workers.control_auth import (
     TlsFiles,
     take_secret_from_env,
 )
-from workers.convert import spec_from_proto
+from workers.load_spec_codec import spec_from_proto
 from workers.parent_death import arm_parent_death_signal
 from workers.stage_loop import StageLoop
 
@@ -92,7 +92,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                         load_s=time.perf_counter() - start, tensor_names=names)
 
     def _load_model(self, spec: StageLoadSpec) -> list[str]:
-        """Build this stage from its spec (pipeline/stage_assembly.py); returns the tensor names read."""
+        """Build this stage from its spec (pipeline/model/stage_assembly.py); returns the tensor names read."""
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         stage = assemble_stage(spec)

@@ -23,15 +23,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.models import DEFAULT_MODEL
-from pipeline.simulator import closed_form_speedup
+from pipeline.measure.simulator import closed_form_speedup
+from pipeline.weights.registry import DEFAULT_MODEL
 
 PROMPT = "The history of the printing press begins in"
 STAGES = 2
 
 
 def launch_json(model: str, max_new_tokens: int, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "launcher.cli", "launch", "--model", model, "--stages", str(STAGES), "--prompt",
+    cmd = [sys.executable, "-m", "launcher.cli.main", "launch", "--model", model, "--stages", str(STAGES), "--prompt",
            PROMPT, "--max-new-tokens", str(max_new_tokens), "--ignore-eos", "--json", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

@@ -2,7 +2,7 @@
 
 Owns the measurement of these configurations of the default model (smollm2-135m, CPU, one torch
 thread per process doing model work), compared side by side in ONE run, with a numeric-mode axis
-(`--modes none,auto`: speedpipe's `--quantization`, [Note: numeric modes] in pipeline/quant.py):
+(`--modes none,auto`: speedpipe's `--quantization`, [Note: numeric modes] in pipeline/weights/quant.py):
 
     a        hf          transformers `generate`, float32, greedy, one prompt (subprocess, 1 thread)
     b[:m]    sp1         speedpipe --stages 1 --quantization m, one prompt (no suffix: m = none)
@@ -74,7 +74,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies
+from launcher.bench.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,7 +179,7 @@ def read_prompts(spec: str) -> list[str]:
 
 # -- drivers (child processes) ---------------------------------------------------------------------
 def _serve(handle_request) -> int:
-    """Line protocol of a driver (launcher/driver_protocol.py) with this benchmark's requests.
+    """Line protocol of a driver (launcher/bench/driver_protocol.py) with this benchmark's requests.
 
     A request is {"prompt_ids": [[int, ...], ...], "max_new_tokens": int}; the reply is
     {"requests": [{"num_tokens", "submit_s", "first_token_s", "finish_s", "token_ids"}], "stages": [...]}
@@ -241,10 +241,10 @@ def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = 
     import psutil
     import torch
 
-    from launcher.pipeline_options import PipelineOptions
-    from launcher.run_plan import resolve
-    from launcher.session import PipelineSession
-    from pipeline.sampling import SamplingParams
+    from launcher.coordinator.pipeline_options import PipelineOptions
+    from launcher.coordinator.run_plan import resolve
+    from launcher.coordinator.session import PipelineSession
+    from pipeline.speculation.sampling import SamplingParams
 
     torch.set_num_threads(1)
     options = PipelineOptions(num_stages=num_stages, model=model_dir, threads_per_stage=1, progress=False,
@@ -502,8 +502,8 @@ def code_version() -> dict:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
-    from pipeline.models import DEFAULT_MODEL, resolve_model
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.model.tokenizer import Tokenizer
+    from pipeline.weights.registry import DEFAULT_MODEL, resolve_model
 
     version = code_version()  # at the start: other work may change the tree while this runs
     prompts = read_prompts(args.prompts)

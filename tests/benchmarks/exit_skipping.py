@@ -2,7 +2,7 @@
 
 The exit stage runs the exit head (final norm + LM head, with a trained map for `early-exit` /
 `hybrid`) only on items whose guess could become a sent draft ([Note: exit-head skipping] in
-pipeline/scheduler.py). This compares, side by side in one run, aggregate decode tokens/s of
+pipeline/engine/scheduler.py). This compares, side by side in one run, aggregate decode tokens/s of
   none         `--speculate none`
   skip         `--speculate speed --predictor P`, exit-head skipping on (the default)
   noskip       the same session with the skip rule replaced by "always" (head on every decode item;
@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.predictor_data import held_out_prompts
-from pipeline.sampling import SamplingParams
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.training.data import held_out_prompts
 
 MODES = ("none", "skip", "noskip")
 

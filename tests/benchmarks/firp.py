@@ -23,12 +23,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.predictor_data import held_out_prompts
-from pipeline.sampling import SamplingParams
-from pipeline.simulator import closed_form_speedup
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.measure.simulator import closed_form_speedup
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.training.data import held_out_prompts
 
 
 def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:

@@ -28,12 +28,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline.config import ModelConfig  # noqa: E402
-from pipeline.models import DEFAULT_MODEL, resolve_model  # noqa: E402
-from pipeline.partition import LayerRange  # noqa: E402
-from pipeline.quant_load import load_stage_model  # noqa: E402
-from pipeline.spans import Span  # noqa: E402
-from pipeline.tokenizer import Tokenizer  # noqa: E402
+from pipeline.model.config import ModelConfig  # noqa: E402
+from pipeline.model.partition import LayerRange  # noqa: E402
+from pipeline.model.row_layout import Span  # noqa: E402
+from pipeline.model.tokenizer import Tokenizer  # noqa: E402
+from pipeline.weights.quant_load import load_stage_model  # noqa: E402
+from pipeline.weights.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
 from tests.benchmarks.core_speed import sotu_prompts  # noqa: E402
 
 

@@ -6,11 +6,11 @@ than decoding one (the memory-bound regime of a GPU). This measures that premise
 at hand: the median time of a decode-style pass (n new rows over a cached context) divided by the
 one-row pass, interleaved repeat by repeat so drift hits every shape alike. A FIRP verify pass with
 k drafts has 1 + k real rows and (1 + k) x k pseudo rows from the FIRP layer on
-([Note: pseudo rows] in pipeline/model.py); its break-even is accepted tokens per pass >= ratio - 1.
+([Note: pseudo rows] in pipeline/model/stage_model.py); its break-even is accepted tokens per pass >= ratio - 1.
 
 Numeric modes (`--modes fp32,bf16,int8,int4,auto`): fp32 / bf16 are `--quantization none` with
-that dtype, the others `--quantization int8|int4|auto` ([Note: numeric modes] in pipeline/quant.py).
-The JSON report holds one `RowCostTable` per mode (pipeline/row_cost.py), which the scheduler and
+that dtype, the others `--quantization int8|int4|auto` ([Note: numeric modes] in pipeline/weights/quant.py).
+The JSON report holds one `RowCostTable` per mode (pipeline/measure/row_cost.py), which the scheduler and
 predictors can load to choose how many draft / tree / FIRP rows to send ([Note: rows worth sending]).
 
     python tests/benchmarks/row_cost.py [--model smollm2-135m] [--context 200] [--repeats 15]
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.firp import FirpMaps
-from pipeline.model import StageModel
-from pipeline.models import DEFAULT_MODEL, resolve_model
-from pipeline.partition import LayerRange
-from pipeline.quant_load import load_stage_model
-from pipeline.row_cost import RowCostTable, decode_pass, measure_row_costs
-from pipeline.spans import Span
+from pipeline.measure.row_cost import RowCostTable, decode_pass, measure_row_costs
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.model.stage_model import StageModel
+from pipeline.speculation.firp import FirpMaps
+from pipeline.weights.quant_load import load_stage_model
+from pipeline.weights.registry import DEFAULT_MODEL, resolve_model
 
 # (real rows, FIRP chain length k): plain decode, SPEED/verify/tree passes of n rows, FIRP verify
 # passes (a FIRP k verify pass has 1 + k real rows, each anchoring k pseudo rows: (4, 3) for k = 3)

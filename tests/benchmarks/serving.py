@@ -2,7 +2,7 @@
 
 Starts two real `speedpipe serve --stages 2` servers as child processes (A: --speculate none,
 B: --speculate speed), then measures in alternation, round after round (A c=1, A c=2, B c=1, A c=1,
-...), with the `speedpipe bench serve` client (launcher/http_bench.py: streaming /v1/completions,
+...), with the `speedpipe bench serve` client (launcher/bench/http_load.py: streaming /v1/completions,
 greedy, ignore_eos so every request yields exactly --max-tokens tokens; closed loop: all requests
 at once, at most C in flight):
 
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import httpx
 
-from launcher.bench_serve_report import summarize
-from launcher.http_bench import add_http_bench_args, run_benchmark
-from launcher.ports import free_port
-from pipeline.predictor_data import held_out_prompts
+from launcher.backends.ports import free_port
+from launcher.bench.http_load import add_http_bench_args, run_benchmark
+from launcher.bench.serve_report import summarize
+from pipeline.training.data import held_out_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ TARGETS = {"throughput_c2_over_c1": (">=", 1.6), "tpot_speed_over_none": ("<=", 
 def start_server(*, speculate: str, predictor: str, max_model_len: int) -> tuple[subprocess.Popen, str]:
     """A `speedpipe serve --stages 2` child on a free port; returns (process, base URL) once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "launcher.cli", "serve", "--stages", "2", "--port", str(port), "--grpc-port", "-1",
+    cmd = [sys.executable, "-m", "launcher.cli.main", "serve", "--stages", "2", "--port", str(port), "--grpc-port", "-1",
            "--speculate", speculate, "--predictor", predictor, "--threads-per-stage", "1", "--stats-interval-s", "0",
            "--max-model-len", str(max_model_len)]
     env = dict(os.environ, OMP_NUM_THREADS="1")

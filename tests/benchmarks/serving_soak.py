@@ -34,13 +34,13 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from launcher.ports import free_port  # noqa: E402
+from launcher.backends.ports import free_port  # noqa: E402
 from tests.tiny_model import write_tiny_model  # noqa: E402
 
 
 def start_server(model: str, stages: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", model, "--stages", str(stages),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli.main", "serve", "--model", model, "--stages", str(stages),
                              "--port", str(port), "--grpc-port", "-1", "--max-model-len", "256",
                              "--served-model-name", "soak", "--stats-interval-s", "0"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)

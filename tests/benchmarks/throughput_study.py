@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.models import DEFAULT_MODEL
+from pipeline.weights.registry import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-tokens", type=int, default=128, help="tokens per sequence in the simulated sweep")
     args = p.parse_args(argv)
     work, out = Path(args.work), Path(args.out)
-    cli = [sys.executable, "-m", "launcher.cli"]
+    cli = [sys.executable, "-m", "launcher.cli.main"]
     if not args.skip_bench:
         subprocess.run([*cli, "bench", "--model", args.model, "--stages", "1,2", "--speculate", "none,speed",
                         "--predictor", args.predictor, "--concurrency", "1,2", "--prompts", args.prompts,

@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.items import Item
-from pipeline.models import DEFAULT_MODEL
-from pipeline.sampling import SamplingParams
-from pipeline.timeline import StageTiming, Timeline
-from pipeline.wire import Message, MessageKind, encode_header
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.engine.wire import Message, MessageKind, encode_header
+from pipeline.measure.timeline import StageTiming, Timeline
+from pipeline.speculation.items import Item
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.registry import DEFAULT_MODEL
 
 PROMPT = "The history of the printing press begins"
 TARGET = 0.02

@@ -26,16 +26,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import RunPlan, resolve
-from launcher.session import PipelineSession
-from pipeline.config import ModelConfig
-from pipeline.model import StageModel, build_stage_model
-from pipeline.partition import LayerRange
-from pipeline.sampling import Sampler, SamplingParams
-from pipeline.spans import Span
-from pipeline.tokenizer import Tokenizer
-from pipeline.weights import CheckpointReader, all_tensor_names
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import RunPlan, resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.model.stage_model import StageModel, build_stage_model
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import Sampler, SamplingParams
+from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names
 from tests.tiny_model import write_tiny_model
 
 SHARPEN_FACTOR = 8.0
@@ -105,7 +105,7 @@ def reference_generate(model: StageModel, prompt_ids: Sequence[int], params: Sam
                        *, eos_token_ids: Sequence[int] = ()) -> list[int]:
     """Single-process generation with a KV cache: the oracle the pipeline must reproduce.
 
-    Greedy or seeded sampling through `pipeline.sampling.Sampler` (one generator per sequence,
+    Greedy or seeded sampling through `pipeline.speculation.sampling.Sampler` (one generator per sequence,
     as the coordinator does). Stops at EOS unless `params.ignore_eos`, else after max_new_tokens.
     """
     sampler = Sampler(params)

@@ -1,4 +1,4 @@
-"""Stage fail-over with replay (issue 16 part 1; launcher/stage_failover.py), on the tiny model.
+"""Stage fail-over with replay (issue 16 part 1; launcher/coordinator/stage_failover.py), on the tiny model.
 
 What breaks when these fail: a stage that dies or hangs under load takes every running request
 down with it (or the server), a restarted pipeline continues from KV caches no stage holds any
@@ -32,13 +32,13 @@ import httpx
 import psutil
 import pytest
 
-from launcher.coordinator import PipelineError
-from launcher.run_plan import resolve
-from launcher.serve import ServeOptions, ServingStack
-from launcher.serve_drain import DrainSignals, serve_until_stopped
-from launcher.session import PipelineSession
-from launcher.stage_restarts import RestartBudget
-from pipeline.sampling import SamplingParams
+from launcher.coordinator.coordinator import PipelineError
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.coordinator.stage_restarts import RestartBudget
+from launcher.serving.drain import DrainSignals, serve_until_stopped
+from launcher.serving.serve import ServeOptions, ServingStack
+from pipeline.speculation.sampling import SamplingParams
 from tests.distributed.conftest import (
     WORKER_MODULE,
     full_model,
@@ -132,7 +132,7 @@ def test_past_the_restart_budget_every_request_fails_naming_it(tiny_model_dir: P
 def _launch(model_dir: Path, *, kill_stage: int | None) -> tuple[str, str]:
     """`speedpipe launch --stages 3` streaming one long greedy prompt; kills stage `kill_stage` once
     text streams. Returns (the streamed line, stderr)."""
-    command = [sys.executable, "-m", "launcher.cli", "launch", "--model", str(model_dir), "--stages", "3",
+    command = [sys.executable, "-m", "launcher.cli.main", "launch", "--model", str(model_dir), "--stages", "3",
                "--prompt", PROMPTS[0], "--max-new-tokens", "1500", "--max-model-len", "2048", "--ignore-eos"]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.coordinator import PipelineError, RequestHandle
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.sampling import SamplingParams
+from launcher.coordinator.coordinator import PipelineError, RequestHandle
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.speculation.sampling import SamplingParams
 from tests.conftest import wait_for
 from tests.distributed.conftest import (
     env_with_tag,
@@ -200,7 +200,7 @@ class CliRun:
     def __init__(self, model_dir: Path) -> None:
         self.tag = uuid.uuid4().hex
         launch = Path(sys.executable).with_name("launch")
-        command = [str(launch)] if launch.exists() else [sys.executable, "-m", "launcher.cli", "launch"]
+        command = [str(launch)] if launch.exists() else [sys.executable, "-m", "launcher.cli.main", "launch"]
         self.proc = subprocess.Popen(
             [*command, "--model", str(model_dir), "--stages", "2", "--prompt", "Once upon a time",
              "--max-new-tokens", "4000", "--max-model-len", str(LONG_MODEL_LEN), "--ignore-eos"],

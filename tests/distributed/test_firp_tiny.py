@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from launcher.launch import run_launch
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.items import ItemKind
-from pipeline.sampling import SamplingParams
+from launcher.cli.launch import run_launch
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.speculation.items import ItemKind
+from pipeline.speculation.sampling import SamplingParams
 from tests.distributed.conftest import full_model, reference_generate, session_options
 from tests.distributed.test_speculation_tiny import (
     CHI2_CRITICAL,

@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.local_launch_config import LocalLaunchConfig
-from launcher.stage_monitor import StageProcessMonitor
-from launcher.stage_processes import LocalStageProcesses, StageStartupError
+from launcher.backends.stage_group import LocalStageProcesses, StageStartupError
+from launcher.backends.stage_monitor import StageProcessMonitor
+from launcher.backends.worker_command import LocalLaunchConfig
 from tests.conftest import find_leftover_children, kill_and_reap, snapshot_children, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(30)]
@@ -219,8 +219,8 @@ def test_monitor_callback_may_stop_all_stages():
 LAUNCHER_THAT_DIES = textwrap.dedent(
     """
     import json, os, signal, sys
-    from launcher.local_launch_config import LocalLaunchConfig
-    from launcher.stage_processes import LocalStageProcesses
+    from launcher.backends.worker_command import LocalLaunchConfig
+    from launcher.backends.stage_group import LocalStageProcesses
     config = LocalLaunchConfig(num_stages=2, worker_module="tests.fake_stage_worker",
                                extra_args=tuple(sys.argv[1:]), startup_timeout_s=10.0)
     procs = LocalStageProcesses(config)
@@ -278,7 +278,7 @@ def test_leftover_child_check_finds_kills_and_reaps_a_leaked_process():
 SPAWN_WITH_GRPC_ACTIVE = """
 import subprocess, sys, grpc
 from concurrent import futures
-from launcher.stage_child import spawn_stage
+from launcher.backends.stage_process import spawn_stage
 server = grpc.server(futures.ThreadPoolExecutor(2))
 port = server.add_insecure_port("127.0.0.1:0")
 server.start()

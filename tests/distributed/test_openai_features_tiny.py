@@ -20,13 +20,13 @@ import httpx
 import pytest
 import torch
 
-from launcher.openai_protocol import render_chat
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.serve import ServeOptions, ServingStack
-from launcher.session import PipelineSession
-from pipeline.sampling import SamplingParams
-from pipeline.tokenizer import Tokenizer
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.serving.openai_protocol import render_chat
+from launcher.serving.serve import ServeOptions, ServingStack
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.tiny_model import write_firp_file, write_tiny_model

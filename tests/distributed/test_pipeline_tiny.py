@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.config import ModelConfig
-from pipeline.sampling import SamplingParams
-from pipeline.tokenizer import Tokenizer
-from pipeline.weights import CheckpointReader, stage_tensor_names
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.model.config import ModelConfig
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from tests.conftest import wait_for
 from tests.distributed.conftest import full_model, reference_generate, session_options
 

@@ -28,11 +28,11 @@ import httpx
 import psutil
 import pytest
 
-from launcher.ports import free_port
-from launcher.run_plan import resolve
-from launcher.serve import ServeOptions, ServingStack
-from launcher.serve_drain import DrainSignals, serve_until_stopped
-from launcher.session import PipelineSession
+from launcher.backends.ports import free_port
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.serving.drain import DrainSignals, serve_until_stopped
+from launcher.serving.serve import ServeOptions, ServingStack
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
@@ -143,7 +143,7 @@ def is_loopback(ip: str) -> bool:
 
 
 def session_sampling():
-    from pipeline.sampling import SamplingParams
+    from pipeline.speculation.sampling import SamplingParams
 
     return SamplingParams(max_new_tokens=4, ignore_eos=True)
 
@@ -157,7 +157,7 @@ class ServeCli:
         env = env_with_tag(*self.tag)
         env["PYTHONPATH"] = str(REPO)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher.cli", "serve", "--model", str(model_dir), "--stages", "2",
+            [sys.executable, "-m", "launcher.cli.main", "serve", "--model", str(model_dir), "--stages", "2",
              "--port", str(self.port), "--grpc-port", "-1", "--max-model-len", "4096", "--served-model-name",
              "tiny", "--stats-interval-s", "0", *extra],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launcher.ports import free_port
-from launcher.run_plan import resolve
-from launcher.serve import ServeOptions, ServingStack
-from launcher.session import PipelineSession
-from pipeline.sampling import SamplingParams
+from launcher.backends.ports import free_port
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.serving.serve import ServeOptions, ServingStack
+from pipeline.speculation.sampling import SamplingParams
 from tests.conftest import wait_for
 from tests.distributed.conftest import (
     env_with_tag,
@@ -72,7 +72,7 @@ def test_serve_cli_serves_reference_tokens_and_stops_on_sigterm(tiny_model_dir: 
     tag = ("SPEEDPIPE_TEST_TAG", f"serve-{os.getpid()}-{port}")
     env = env_with_tag(*tag)
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--model", str(tiny_model_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli.main", "serve", "--model", str(tiny_model_dir),
                              "--stages", "2", "--port", str(port), "--grpc-port", "-1", "--max-model-len", "512",
                              "--served-model-name", "tiny", "--speculate", "speed", "--predictor", "ngram",
                              "--max-num-seqs", "4"],

@@ -10,9 +10,9 @@ import threading
 import psutil
 import pytest
 
-from launcher.stage_monitor import StageProcessMonitor
-from launcher.stage_processes import LocalStageProcesses, StageStartupError
-from launcher.stage_restarts import RestartBudget, RestartLedger
+from launcher.backends.stage_group import LocalStageProcesses, StageStartupError
+from launcher.backends.stage_monitor import StageProcessMonitor
+from launcher.coordinator.stage_restarts import RestartBudget, RestartLedger
 from tests.distributed.test_local_backend import fake_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]

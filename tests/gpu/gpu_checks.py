@@ -20,11 +20,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline.models import DEFAULT_MODEL, resolve_model  # noqa: E402
-from pipeline.partition import LayerRange  # noqa: E402
-from pipeline.quant_load import effective_mode, load_stage_model  # noqa: E402
-from pipeline.spans import Span  # noqa: E402
-from pipeline.tokenizer import Tokenizer  # noqa: E402
+from pipeline.model.partition import LayerRange  # noqa: E402
+from pipeline.model.row_layout import Span  # noqa: E402
+from pipeline.model.tokenizer import Tokenizer  # noqa: E402
+from pipeline.weights.quant_load import effective_mode, load_stage_model  # noqa: E402
+from pipeline.weights.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 PROMPTS = ("Once upon a time, in a small village at the edge of the forest,", "def quicksort(arr):\n    ",
            "3, 1, 4, 1, 5, 9, 2, 6, 5, 3,")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.models import DEFAULT_MODEL, registered_gguf_path, resolve_model
+from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path, resolve_model
 
 # Prompts of the placement tests (Ray backend, multi-node mode) and how many greedy tokens they take.
 PLACEMENT_PROMPTS = ("Once upon a time", "def fib(n):")
@@ -52,10 +52,10 @@ def smollm2_dir(smollm2_conversion: tuple[Path, float]) -> Path:
 def local_backend_tokens(smollm2_dir: Path) -> list[list[int]]:
     """Greedy token ids of PLACEMENT_PROMPTS (submitted together) from the local backend on 2 stages:
     the reference the other placement backends must reproduce."""
-    from launcher.pipeline_options import PipelineOptions
-    from launcher.run_plan import resolve
-    from launcher.session import PipelineSession
-    from pipeline.sampling import SamplingParams
+    from launcher.coordinator.pipeline_options import PipelineOptions
+    from launcher.coordinator.run_plan import resolve
+    from launcher.coordinator.session import PipelineSession
+    from pipeline.speculation.sampling import SamplingParams
 
     options = PipelineOptions(num_stages=2, model=str(smollm2_dir), progress=False, max_model_len=256,
                               max_num_seqs=2)

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 BIN = Path(sys.executable).parent
 LAUNCH = [str(BIN / "launch")]
 SPEEDPIPE_LAUNCH = [str(BIN / "speedpipe"), "launch"]
-MODULE_LAUNCH = [sys.executable, "-m", "launcher.cli", "launch"]
+MODULE_LAUNCH = [sys.executable, "-m", "launcher.cli.main", "launch"]
 TAG_ENV = "SPEEDPIPE_TEST_CLI_TAG"
 PIPELINE_RUN_TIMEOUT_S = 180
 BAD_INPUT_TIMEOUT_S = 60
@@ -235,7 +235,7 @@ def _full_args(tiny_dir: Path, case: BadInput) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bad_input_results(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[BadInput, CliResult]]:
-    """Every bad-input case run once (`python -m launcher.cli launch`), two at a time."""
+    """Every bad-input case run once (`python -m launcher.cli.main launch`), two at a time."""
     cases = bad_inputs(tiny_dir, tmp_path_factory.mktemp("bad-input"))
     assert list(cases) == BAD_INPUT_NAMES
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.sampling import SamplingParams
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.speculation.sampling import SamplingParams
 from tests.integration.test_real_model import PROMPTS, speculation_options
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -1,4 +1,4 @@
-"""Integration tests: the real SmolLM2-135M GGUF converted by pipeline.gguf_import, checked against
+"""Integration tests: the real SmolLM2-135M GGUF converted by pipeline.weights.gguf_import, checked against
 transformers' own, independent GGUF loader (dequantisation, Q/K un-permutation, tokenizer)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.models import DEFAULT_MODEL, resolve_model
-from pipeline.tokenizer import Tokenizer
-from pipeline.weights import CheckpointReader
+from pipeline.model.config import ModelConfig
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.registry import DEFAULT_MODEL, resolve_model
 
 pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")

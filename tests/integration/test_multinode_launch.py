@@ -47,7 +47,7 @@ def _launch(*args: str, tag: str) -> subprocess.Popen:
     env = {**os.environ, TAG_ENV: tag}
     for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "launch", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli.main", "launch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -1,4 +1,4 @@
-"""Numeric modes on the real default model ([Note: numeric modes] in pipeline/quant.py).
+"""Numeric modes on the real default model ([Note: numeric modes] in pipeline/weights/quant.py).
 
 What breaks when these fail: `--quantization auto` does not run the GGUF's own Q4_1 / Q8_0 blocks
 on the real model, or within a quantised mode greedy output changes with the stage count or with
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.partition import LayerRange
-from pipeline.quant import Int4Linear, Int8Linear
-from pipeline.quant_load import effective_mode, load_stage_model
-from pipeline.sampling import SamplingParams
-from pipeline.spans import Span
-from pipeline.tokenizer import Tokenizer
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.quant import Int4Linear, Int8Linear
+from pipeline.weights.quant_load import effective_mode, load_stage_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

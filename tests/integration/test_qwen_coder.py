@@ -24,14 +24,14 @@ import psutil
 import pytest
 import torch
 
-from launcher.openai_protocol import render_chat
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.model_chunks import assemble
-from pipeline.models import CACHE_ENV, CHUNKED_REGISTRY, default_cache_dir, resolve_model
-from pipeline.sampling import SamplingParams
-from pipeline.tokenizer import Tokenizer
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.serving.openai_protocol import render_chat
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.model_chunks import assemble
+from pipeline.weights.registry import CACHE_ENV, CHUNKED_REGISTRY, default_cache_dir, resolve_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 

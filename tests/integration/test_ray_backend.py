@@ -33,13 +33,13 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from launcher.coordinator import PipelineError  # noqa: E402
-from launcher.pipeline_options import PipelineOptions  # noqa: E402
-from launcher.placement import PlacementError, PlacementOptions  # noqa: E402
-from launcher.ray_backend import RayStageActors  # noqa: E402
-from launcher.run_plan import resolve  # noqa: E402
-from launcher.session import PipelineSession  # noqa: E402
-from pipeline.sampling import SamplingParams  # noqa: E402
+from launcher.backends.placement import PlacementError, PlacementOptions  # noqa: E402
+from launcher.backends.ray import RayStageActors  # noqa: E402
+from launcher.coordinator.coordinator import PipelineError  # noqa: E402
+from launcher.coordinator.pipeline_options import PipelineOptions  # noqa: E402
+from launcher.coordinator.run_plan import resolve  # noqa: E402
+from launcher.coordinator.session import PipelineSession  # noqa: E402
+from pipeline.speculation.sampling import SamplingParams  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS  # noqa: E402
 from tests.tiny_model import write_tiny_model  # noqa: E402
@@ -168,7 +168,7 @@ def test_cli_with_its_own_ray_instance_exits_2_when_gpus_are_missing_and_leaves_
     env = {**os.environ, "SPEEDPIPE_TEST_RAY_TAG": tag, "RAY_ADDRESS": ""}
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "launch", "--backend", "ray", "--stages", "2", "--model",
+        [sys.executable, "-m", "launcher.cli.main", "launch", "--backend", "ray", "--stages", "2", "--model",
          str(model_dir), "--stage-resources", '{"GPU": 1}', "--placement-timeout-s", "3", "--prompt", "Hi"],
         capture_output=True, text=True, env=env, timeout=180)
     elapsed = time.monotonic() - start

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli_parsing import unescape
+from launcher.cli.parsing import unescape
 from tests.integration.test_cli import LAUNCH, CliResult, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.config import ModelConfig
-from pipeline.model import build_stage_model
-from pipeline.partition import LayerRange
-from pipeline.sampling import SamplingParams
-from pipeline.spans import Span
-from pipeline.tokenizer import Tokenizer
-from pipeline.weights import CheckpointReader, stage_tensor_names
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.model.stage_model import build_stage_model
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -18,13 +18,13 @@ import grpc
 import httpx
 import pytest
 
-from launcher.launch import run_launch
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.serve import ServeOptions, ServingStack
-from launcher.session import PipelineSession
-from pipeline.models import DEFAULT_MODEL
-from pipeline.sampling import SamplingParams
+from launcher.cli.launch import run_launch
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.serving.serve import ServeOptions, ServingStack
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.registry import DEFAULT_MODEL
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
@@ -134,7 +134,7 @@ def test_seeded_sampling_and_stop_strings(server, client):
 
 def test_chat_template_matches_transformers(server):
     transformers = pytest.importorskip("transformers")
-    from launcher.openai_protocol import render_chat
+    from launcher.serving.openai_protocol import render_chat
 
     stack, _ = server
     tok = transformers.AutoTokenizer.from_pretrained(stack.session.model.model_dir)
@@ -160,7 +160,7 @@ def test_chat_streamed_and_not(server, client):
     assert ids == full.choices[0].token_ids
     assert len(ids) == NUM_TOKENS
     # the chat prompt is the rendered template: the same tokens as a completion of that text
-    from launcher.openai_protocol import render_chat
+    from launcher.serving.openai_protocol import render_chat
 
     prompt = render_chat(CHAT, tokenizer=stack.engine.tokenizer)
     plain = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=NUM_TOKENS, **GREEDY)

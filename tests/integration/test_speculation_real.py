@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.predictors import make_predictor
-from pipeline.sampling import SamplingParams
-from pipeline.tokenizer import Tokenizer
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.predictors import make_predictor
+from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable, SwitchablePredictor
 from tests.integration.test_real_model import PROMPTS  # prompts without greedy near-ties (see there)
 

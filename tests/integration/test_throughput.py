@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.cli import main as cli_main
-from launcher.plots import FIG_PX, png_size
+from launcher.bench.plots import FIG_PX, png_size
+from launcher.cli.main import main as cli_main
 from tests.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -34,7 +34,7 @@ MAX_NEW_TOKENS = 8
 
 
 def speedpipe(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([sys.executable, "-m", "launcher.cli.main", *args], capture_output=True, text=True, env=ENV,
                           cwd=REPO, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
 

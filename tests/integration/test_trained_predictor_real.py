@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.pipeline_options import PipelineOptions
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession
-from pipeline.predictor_file import load_predictor_bytes, save_predictor
-from pipeline.predictors import make_predictor
-from pipeline.sampling import SamplingParams
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from pipeline.speculation.predictor_file import load_predictor_bytes, save_predictor
+from pipeline.speculation.predictors import make_predictor
+from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import SwitchablePredictor
 from tests.integration.test_real_model import PROMPTS, speculation_options
 

@@ -13,9 +13,9 @@ import json
 import numpy as np
 import pytest
 
-from launcher.bench_serve_report import RequestOutput, parse_percentiles, summarize
-from launcher.cli import main
-from launcher.http_bench import arrival_offsets_s
+from launcher.bench.http_load import arrival_offsets_s
+from launcher.bench.serve_report import RequestOutput, parse_percentiles, summarize
+from launcher.cli.main import main
 from tests.unit.test_serving_http import served, tokenizer  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.timeout(120)

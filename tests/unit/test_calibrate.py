@@ -1,4 +1,4 @@
-"""Calibration maths (pipeline/calibrate.py) on recorded timelines with known costs.
+"""Calibration maths (pipeline/measure/calibrate.py) on recorded timelines with known costs.
 
 The recorded data are timelines of the simulator under a known cost model, in the same JSON form
 `bench` writes; calibration must recover the costs and, fed back into the simulator, predict every
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.calibrate import calibrate, draft_outcomes, scaled_fits
-from pipeline.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
+from pipeline.measure.calibrate import calibrate, draft_outcomes, scaled_fits
+from pipeline.measure.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 
 HOP_S, COORD_S, PRED_S = 3e-4, 8e-4, 2e-3
 BASES = {1: (0.030,), 2: (0.016, 0.017)}

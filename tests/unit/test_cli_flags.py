@@ -10,9 +10,9 @@ import argparse
 
 import pytest
 
-from launcher.cli import UsageError, _parse, build_parser, main, plural, read_prompts_file
-from launcher.cli_parsing import DefaultsFormatter, unescape, version_string
-from launcher.plots import percent_label
+from launcher.bench.plots import percent_label
+from launcher.cli.main import UsageError, _parse, build_parser, main, plural, read_prompts_file
+from launcher.cli.parsing import DefaultsFormatter, unescape, version_string
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import build_parser
-from launcher.placement import PlacementOptions
-from launcher.placement_args import placement_from_args
+from launcher.backends.placement import PlacementOptions
+from launcher.backends.placement_options import placement_from_args
+from launcher.cli.main import build_parser
 
 yaml = pytest.importorskip("yaml")
 

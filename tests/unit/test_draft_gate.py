@@ -1,4 +1,4 @@
-"""Adaptive drafting (pipeline/draft_gate.py) alone and inside the real Scheduler.
+"""Adaptive drafting (pipeline/speculation/draft_gate.py) alone and inside the real Scheduler.
 
 What breaks when these fail: drafts of a predictor that is nearly always wrong keep flooding the
 pipeline (each rejection costs a stage-step), good drafts get refused, a refused bucket never gets
@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.draft_gate import DraftGate
-from pipeline.engine import Engine
-from pipeline.engine_events import Submit
-from pipeline.predictors import Draft
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler_types import SchedulerConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import Submit
+from pipeline.engine.records import SchedulerConfig
+from pipeline.speculation.draft_gate import DraftGate
+from pipeline.speculation.predictors import Draft
+from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, PerfectPredictor, ReferenceTable
 from tests.unit.test_speculation_scheduler import PROMPTS, FakePipeline, greedy_reference
 

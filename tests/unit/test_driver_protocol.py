@@ -1,4 +1,4 @@
-"""Tests for launcher.driver_protocol: a real child process speaking the line protocol (no model, < 2 s each)."""
+"""Tests for launcher.bench.driver_protocol: a real child process speaking the line protocol (no model, < 2 s each)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.driver_protocol import DriverProcess
+from launcher.bench.driver_protocol import DriverProcess
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ECHO_DRIVER = textwrap.dedent(
     """
     import sys
-    from launcher.driver_protocol import serve_requests, take_stdout_for_replies
+    from launcher.bench.driver_protocol import serve_requests, take_stdout_for_replies
 
     replies = take_stdout_for_replies()
     print("noise that must not reach the parent as a reply")

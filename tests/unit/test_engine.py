@@ -1,12 +1,12 @@
-"""The one engine (pipeline/engine.py), as the simulator and as the coordinator drive it.
+"""The one engine (pipeline/engine/engine.py), as the simulator and as the coordinator drive it.
 
 What breaks when these fail: the coordinator and the simulator no longer run the same engine the
 same way, so simulated studies stop predicting the runtime: the same events give other sends or
 other commits once they travel as data-plane messages and come back through the coordinator's
-receivers (launcher/stage_receivers.py), or an event trace with drafts and a squash commits
+receivers (launcher/coordinator/stage_receivers.py), or an event trace with drafts and a squash commits
 tokens that the model did not produce.
 
-The trace: a simulated run (pipeline/simulator.py) of a few sequences with speculation, whose
+The trace: a simulated run (pipeline/measure/simulator.py) of a few sequences with speculation, whose
 replayed draft outcomes include rejections, recorded as the list of `Engine.step` calls (events
 and outputs). It is replayed into a fresh engine the way the coordinator feeds its own: every
 result and exit event is encoded as the RESULT / EXIT_GUESS message a stage sends, decoded as the
@@ -19,11 +19,18 @@ import dataclasses
 
 import torch
 
-from launcher.stage_receivers import exit_event, result_event
-from pipeline.engine import Engine
-from pipeline.engine_events import ExitPassed, Result, StepOutput
-from pipeline.simulator import CostModel, Replay, SimConfig, SimPredictor, Simulator, true_token
-from pipeline.wire import Message, MessageKind, decode_header, encode_header, header_end, inline_tensors
+from launcher.coordinator.stage_receivers import exit_event, result_event
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import ExitPassed, Result, StepOutput
+from pipeline.engine.wire import (
+    Message,
+    MessageKind,
+    decode_header,
+    encode_header,
+    header_end,
+    inline_tensors,
+)
+from pipeline.measure.simulator import CostModel, Replay, SimConfig, SimPredictor, Simulator, true_token
 
 OUTCOMES = (True, True, False, True, True, True, False)  # the simulated predictor's draft outcomes, cyclic
 FRAME_BYTES = 1 << 16
@@ -78,7 +85,7 @@ def _as_the_coordinator_sees_it(event):
         assert all(g is None for g in event.guesses)
         msg = Message(MessageKind.EXIT_GUESS, [it.without_tokens() for it in event.items], {}, None)
         return exit_event(_over_the_wire(msg), now_ns=event.at_ns)
-    return event  # Submit: the coordinator builds it from the request (launcher/coordinator.py)
+    return event  # Submit: the coordinator builds it from the request (launcher/coordinator/coordinator.py)
 
 
 def _commits_by_seq(commits) -> dict[int, list[int]]:

@@ -5,7 +5,7 @@ What breaks when these fail: the exit head runs on items whose guess can never b
 sequences already fill the pipeline), or, worse, it is skipped where a draft would have been sent
 (a single speculating sequence stops filling the pipeline), or skipping changes greedy output, or
 the `exit_rows` / `exit_rows_skipped` counters of `--json` are wrong.
-See [Note: exit-head skipping] in pipeline/scheduler.py.
+See [Note: exit-head skipping] in pipeline/engine/scheduler.py.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import tiny_config
-from pipeline.engine import Engine
-from pipeline.engine_events import Abort, ExitPassed, Result, Submit
-from pipeline.items import Item, ItemKind
-from pipeline.model import build_stage_model, random_state_dict
-from pipeline.partition import balanced_split
-from pipeline.predictors import ExitGuess, ExitHead, LogitLensPredictor, NGramPredictor
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler
-from pipeline.scheduler_types import SchedulerConfig
-from pipeline.simulator import Bernoulli, CostModel, SimConfig, Simulator
-from pipeline.stage_executor import StageExecutor
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import Abort, ExitPassed, Result, Submit
+from pipeline.engine.records import SchedulerConfig
+from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.measure.simulator import Bernoulli, CostModel, SimConfig, Simulator
+from pipeline.model.config import tiny_config
+from pipeline.model.partition import balanced_split
+from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.predictors import ExitGuess, ExitHead, LogitLensPredictor, NGramPredictor
+from pipeline.speculation.sampling import SamplingParams
 from tests.unit.test_speculation_scheduler import PROMPTS, _generate, greedy_reference
 
 
@@ -164,7 +164,7 @@ def test_sequences_that_fill_the_pipeline_skip_the_head_and_keep_their_output(nu
     assert spec.exit_rows < sched_all.spec.exit_rows / 2, (spec, sched_all.spec)
 
 
-# -- the simulator (pipeline/simulator.py) mirrors the exit stage ------------------------------------------
+# -- the simulator (pipeline/measure/simulator.py) mirrors the exit stage ------------------------------------------
 def test_the_simulator_charges_the_exit_head_only_when_an_item_wants_it():
     """A costly exit head slows a lone speculating sequence, but not two sequences that fill two stages."""
     stage_s = 1e-3

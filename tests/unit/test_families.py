@@ -17,13 +17,13 @@ import pytest
 import torch
 import transformers
 
-from pipeline.config import ModelConfig
-from pipeline.model import StageModel, build_stage_model
-from pipeline.partition import LayerRange, balanced_split
-from pipeline.predictors import LogitLensPredictor
-from pipeline.sampling import SamplingParams
-from pipeline.spans import Span
-from pipeline.weights import CheckpointReader, all_tensor_names, stage_tensor_names
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import LayerRange, balanced_split
+from pipeline.model.row_layout import Span
+from pipeline.model.stage_model import StageModel, build_stage_model
+from pipeline.speculation.predictors import LogitLensPredictor
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
 from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable
 from tests.family_models import FAMILY_CONFIGS, family_config, write_family_model
 from tests.in_process_pipeline import InProcessPipeline
@@ -121,7 +121,7 @@ def test_stage_tensor_names_are_exactly_the_parameters_each_stage_builds(family)
             first, last = i == 0, i == len(ranges) - 1
             with torch.device("meta"):
                 model = StageModel(cfg, r, is_first=first, is_last=last)
-            from pipeline.model import checkpoint_name
+            from pipeline.model.stage_model import checkpoint_name
             wanted = {checkpoint_name(n, cfg) for n, _ in model.named_parameters()}
             assert set(stage_tensor_names(cfg, r, is_first=first, is_last=last)) == wanted
 
@@ -219,7 +219,7 @@ def test_build_stage_model_consume_frees_the_tensors_it_used(folders):
 
 
 def test_cli_exits_2_with_one_line_naming_an_unsupported_architecture(tmp_path, capsys):
-    from launcher.cli import main
+    from launcher.cli.main import main
 
     (tmp_path / "config.json").write_text('{"model_type": "falcon", "vocab_size": 10, "hidden_size": 8, '
                                           '"intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2}')

@@ -1,5 +1,5 @@
-"""Unit tests for FIRP maps (pipeline/firp.py), their training and eval (pipeline/firp_training.py),
-and how a launch picks the FIRP file and chain length (launcher/run_plan.py).
+"""Unit tests for FIRP maps (pipeline/speculation/firp.py), their training and eval (pipeline/training/firp.py),
+and how a launch picks the FIRP file and chain length (launcher/coordinator/run_plan.py).
 
 What breaks when these fail: maps that do not round-trip through a predictor file, a fit that
 does not recover a known linear dynamics, an eval whose replay of the chain policy is wrong, or a
@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.run_plan import default_firp_k, shipped_firp_file
-from pipeline.config import tiny_config
-from pipeline.firp import FirpMaps
-from pipeline.firp_training import SKIP_FIRST, chain_drafts, firp_acceptance, fit_firp_maps
-from pipeline.model import build_stage_model, random_state_dict
-from pipeline.partition import LayerRange
-from pipeline.predictor_file import ModelIdentity, PredictorFile, PredictorFileError
+from launcher.coordinator.run_plan import default_firp_k, shipped_firp_file
+from pipeline.model.config import tiny_config
+from pipeline.model.partition import LayerRange
+from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.speculation.firp import FirpMaps
+from pipeline.speculation.predictor_file import ModelIdentity, PredictorFile, PredictorFileError
+from pipeline.training.firp import SKIP_FIRST, chain_drafts, firp_acceptance, fit_firp_maps
 
 
 def _pred(maps: FirpMaps, k: int) -> PredictorFile:

@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline import model_chunks
-from pipeline.config import ModelConfig
-from pipeline.gguf_families import hf_tensor_blocks
-from pipeline.gguf_import import convert_gguf, open_gguf
-from pipeline.model import random_state_dict
-from pipeline.safetensors_stream import write_streaming
-from pipeline.weights import CheckpointReader, stage_tensor_names
+from pipeline.model.config import ModelConfig
+from pipeline.model.stage_model import random_state_dict
+from pipeline.weights import model_chunks
+from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
+from pipeline.weights.gguf_families import hf_tensor_blocks
+from pipeline.weights.gguf_import import convert_gguf, open_gguf
+from pipeline.weights.safetensors_stream import write_streaming
 from tests.family_models import family_config
 from tests.unit.test_gguf_import_tiny import MERGES, SPECIALS, vocabulary
 
@@ -123,7 +123,7 @@ def test_each_stage_reads_only_its_own_tensors_of_a_converted_gguf(tmp_path):
     out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
     seen = []
     for i, r in enumerate([range(0, 2), range(2, 4)]):
-        from pipeline.partition import LayerRange
+        from pipeline.model.partition import LayerRange
 
         reader = CheckpointReader(out)
         names = stage_tensor_names(reader.config, LayerRange(r.start, r.stop), is_first=i == 0, is_last=i == 1)

@@ -16,11 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import gguf_import, models
-from pipeline.config import ModelConfig, tiny_config
-from pipeline.gguf_import import SOURCE_FILE, convert_gguf, unpermute_qk
-from pipeline.tokenizer import Tokenizer
-from pipeline.weights import all_tensor_names
+from pipeline.model.config import ModelConfig, tiny_config
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.weights import gguf_import
+from pipeline.weights import registry as models
+from pipeline.weights.checkpoint import all_tensor_names
+from pipeline.weights.gguf_import import SOURCE_FILE, convert_gguf, unpermute_qk
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "Ġ t", "Ġt he", "1 2", "Ġ 1"]  # the last two only apply without Digits

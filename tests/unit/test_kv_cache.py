@@ -1,11 +1,11 @@
-"""Unit tests for pipeline.kv_cache: write/view/truncate/free semantics and write validation."""
+"""Unit tests for pipeline.model.kv_cache: write/view/truncate/free semantics and write validation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.kv_cache import KVCache
+from pipeline.model.kv_cache import KVCache
 
 NUM_KV_HEADS, HEAD_DIM = 2, 4
 

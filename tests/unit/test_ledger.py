@@ -1,11 +1,11 @@
-"""Property tests for pipeline.ledger.SequenceLedger, driven through a simulated FIFO pipeline.
+"""Property tests for pipeline.speculation.ledger.SequenceLedger, driven through a simulated FIFO pipeline.
 
 What breaks when these fail: SPEED commits a token that the model did not produce after the true
 prefix (a token lost, duplicated or reordered), a squash that leaves items of the old chain live,
 a stale result that commits, more items of one sequence in flight than --max-inflight, drafts past
 the token budget, or a stage whose KV cache holds a squashed draft's keys under a committed token
 (so greedy output with speculation would differ from plain decoding). See [Note: verify] in
-pipeline/ledger.py and [Note: in-band squash] in pipeline/stage_executor.py.
+pipeline/speculation/ledger.py and [Note: in-band squash] in pipeline/engine/stage_executor.py.
 
 The simulator: `num_stages` stages joined by FIFO queues, each stage a real `StageExecutor` whose
 `admit` (epochs + KV truncation) is applied to every item, with the KV *contents* modelled as the
@@ -29,12 +29,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.items import Item, ItemKind
-from pipeline.kv_cache import KVCache
-from pipeline.ledger import SequenceLedger
-from pipeline.partition import LayerRange
-from pipeline.stage_executor import StageExecutor
-from pipeline.verify import verify_result
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.model.kv_cache import KVCache
+from pipeline.model.partition import LayerRange
+from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.ledger import SequenceLedger
+from pipeline.speculation.verify import verify_result
 
 VOCAB = 7
 MAX_MODEL_LEN = 64

@@ -1,4 +1,4 @@
-"""LocalLaunchConfig (launcher/local_launch_config.py): validation and the worker contract's command
+"""LocalLaunchConfig (launcher/backends/worker_command.py): validation and the worker contract's command
 line and environment, plus free_port. Pure: nothing is spawned (process tests: tests/distributed/test_local_backend.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from launcher.local_launch_config import LocalLaunchConfig
-from launcher.ports import free_port
+from launcher.backends.ports import free_port
+from launcher.backends.worker_command import LocalLaunchConfig
 
 
 @pytest.mark.parametrize(

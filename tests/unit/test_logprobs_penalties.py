@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine import Engine
-from pipeline.items import Item, ItemKind
-from pipeline.sampling import Sampler, SamplingParams, apply_penalties, token_logprob
-from pipeline.scheduler_types import SchedulerConfig
-from pipeline.verify import verify_result
+from pipeline.engine.engine import Engine
+from pipeline.engine.records import SchedulerConfig
+from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.sampling import Sampler, SamplingParams, apply_penalties, token_logprob
+from pipeline.speculation.verify import verify_result
 from tests.unit.test_speculation_scheduler import (
     MAX_MODEL_LEN,
     SAMPLING_VOCAB,

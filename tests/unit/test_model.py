@@ -1,4 +1,4 @@
-"""Unit tests for pipeline.model on the tiny random model, with Hugging Face transformers as the oracle.
+"""Unit tests for pipeline.model.stage_model on the tiny random model, with Hugging Face transformers as the oracle.
 
 What breaks when these fail: the decoder math (against transformers' Llama / Qwen2 / Mistral), RoPE
 scaling, splitting the model into stages, the KV cache path (incremental decode and chunked prefill),
@@ -13,12 +13,12 @@ import pytest
 import torch
 import transformers
 
-from pipeline.config import ModelConfig, RopeScaling, tiny_config
-from pipeline.model import StageModel, build_stage_model, random_state_dict
-from pipeline.partition import LayerRange, balanced_split, split_from_sizes
-from pipeline.spans import Span
-from pipeline.tokenizer import Tokenizer
-from pipeline.weights import CheckpointReader, all_tensor_names, stage_tensor_names
+from pipeline.model.config import ModelConfig, RopeScaling, tiny_config
+from pipeline.model.partition import LayerRange, balanced_split, split_from_sizes
+from pipeline.model.row_layout import Span
+from pipeline.model.stage_model import StageModel, build_stage_model, random_state_dict
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
 from tests.tiny_model import TINY_EOS_ID, write_tiny_model
 
 # Weights std 0.2 (not the 0.05 default) so logits are spread out and greedy output varies: with

@@ -1,4 +1,4 @@
-"""Exactness of every numeric mode ([Note: numeric modes] in pipeline/quant.py) on tiny models.
+"""Exactness of every numeric mode ([Note: numeric modes] in pipeline/weights/quant.py) on tiny models.
 
 What breaks when these fail: in a quantised mode a token's logits depend on the shape of the pass
 that computed them (a SPEED draft verified in a 1-row item, a FIRP chain verified in a k-row item,
@@ -14,13 +14,13 @@ import gguf
 import pytest
 import torch
 
-from pipeline.gguf_blocks import GgufBlockReader, gguf_source_of
-from pipeline.gguf_import import convert_gguf
-from pipeline.partition import LayerRange
-from pipeline.quant import Int4Linear, Int8Linear
-from pipeline.quant_load import effective_mode, load_stage_model
-from pipeline.spans import Span
-from pipeline.weights import CheckpointReader
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
+from pipeline.weights.gguf_import import convert_gguf
+from pipeline.weights.quant import Int4Linear, Int8Linear
+from pipeline.weights.quant_load import effective_mode, load_stage_model
 from tests.tiny_model import write_tiny_model
 from tests.unit.test_gguf_import_tiny import tiny as gguf_tiny_config
 from tests.unit.test_gguf_import_tiny import write_gguf

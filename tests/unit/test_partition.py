@@ -1,4 +1,4 @@
-"""Unit tests for pipeline.partition: balanced split, explicit splits and their error messages."""
+"""Unit tests for pipeline.model.partition: balanced split, explicit splits and their error messages."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.partition import LayerRange, balanced_split, parse_layer_split, split_from_sizes
+from pipeline.model.partition import LayerRange, balanced_split, parse_layer_split, split_from_sizes
 
 
 def _sizes(ranges: list[LayerRange]) -> list[int]:

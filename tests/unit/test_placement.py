@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from launcher.placement import (
+from launcher.backends.placement import (
     BundleNode,
     PlacementError,
     PlacementOptions,
@@ -18,7 +18,7 @@ from launcher.placement import (
     parse_stage_resources,
     stage_order,
 )
-from launcher.placement_args import add_placement_args, placement_from_args
+from launcher.backends.placement_options import add_placement_args, placement_from_args
 
 DRIVER = "node-driver"
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import tiny_config
-from pipeline.model import build_stage_model, random_state_dict
-from pipeline.partition import LayerRange
-from pipeline.predictor_data import (
+from pipeline.model.config import tiny_config
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.training.data import (
     Corpus,
     Document,
     collect_hidden_states,
@@ -16,7 +17,6 @@ from pipeline.predictor_data import (
     split_documents,
     token_windows,
 )
-from pipeline.spans import Span
 
 
 def _byte_encode(text: str) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import tiny_config
-from pipeline.predictor_file import (
+from pipeline.model.config import tiny_config
+from pipeline.speculation.predictor_file import (
     FORMAT,
     ModelIdentity,
     PredictorFileError,

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.cli import main
-from launcher.predictor_select import choose_exit_predictor, exit_head_rows
-from pipeline.config import ModelConfig
-from pipeline.partition import LayerRange
-from pipeline.predictor_file import load_predictor_bytes, model_identity, save_predictor
-from pipeline.predictors import EarlyExitPredictor, make_predictor
-from pipeline.stage_assembly import StageLoadSpec
+from launcher.cli.main import main
+from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_rows
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import LayerRange
+from pipeline.model.stage_assembly import StageLoadSpec
+from pipeline.speculation.predictor_file import load_predictor_bytes, model_identity, save_predictor
+from pipeline.speculation.predictors import EarlyExitPredictor, make_predictor
 from tests.tiny_model import write_tiny_model
-from workers.convert import spec_from_proto, spec_to_proto
+from workers.load_spec_codec import spec_from_proto, spec_to_proto
 
 
 @pytest.fixture(scope="module")

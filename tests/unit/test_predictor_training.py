@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from launcher.cli import main
-from launcher.train_predictor import DataSpec, prepare_data
-from pipeline.predictor_file import load_predictor, model_identity
-from pipeline.predictor_training import ExitTrainConfig, draft_vocabulary, top1_agreement, train_exit_map
-from pipeline.predictors import ExitHead, ExitMap
+from launcher.cli.main import main
+from launcher.cli.train_predictor import DataSpec, prepare_data
+from pipeline.speculation.predictor_file import load_predictor, model_identity
+from pipeline.speculation.predictors import ExitHead, ExitMap
+from pipeline.training.early_exit import ExitTrainConfig, draft_vocabulary, top1_agreement, train_exit_map
 from tests.tiny_model import write_tiny_model
 
 EXIT_LAYER = 1

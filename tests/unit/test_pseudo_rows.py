@@ -1,4 +1,4 @@
-"""Unit tests for FIRP pseudo rows in StageModel ([Note: pseudo rows] in pipeline/model.py).
+"""Unit tests for FIRP pseudo rows in StageModel ([Note: pseudo rows] in pipeline/model/stage_model.py).
 
 What breaks when these fail: pseudo rows attending to the wrong keys (a wrong mask, wrong RoPE
 positions), pseudo rows leaking into the persistent KV cache, or pseudo rows changing the real
@@ -12,10 +12,10 @@ import copy
 import pytest
 import torch
 
-from pipeline.config import tiny_config
-from pipeline.model import build_stage_model, random_state_dict
-from pipeline.partition import LayerRange
-from pipeline.spans import Span
+from pipeline.model.config import tiny_config
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.model.stage_model import build_stage_model, random_state_dict
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 PROMPT = [5, 17, 200, 33, 9, 81, 140, 7, 99]

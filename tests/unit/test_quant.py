@@ -1,4 +1,4 @@
-"""Quantised weights (pipeline/quant.py, pipeline/gguf_blocks.py): formats, kernels, batch invariance.
+"""Quantised weights (pipeline/weights/quant.py, pipeline/weights/gguf_blocks.py): formats, kernels, batch invariance.
 
 What breaks when these fail: a quantised linear computes something other than its dequantised
 weight (wrong nibble order, wrong zero point, Q/K rows left interleaved), GGUF blocks decode to
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.gguf_blocks import _unpermute, decode_int4, decode_q8_0
-from pipeline.gguf_import import unpermute_qk
-from pipeline.predictors import ExitHead
-from pipeline.quant import (
+from pipeline.speculation.predictors import ExitHead
+from pipeline.weights.gguf_blocks import _unpermute, decode_int4, decode_q8_0
+from pipeline.weights.gguf_import import unpermute_qk
+from pipeline.weights.quant import (
     ACTIVATION_DTYPE,
     Int4Groups,
     Int4Linear,

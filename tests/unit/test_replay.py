@@ -1,6 +1,6 @@
-"""The replay event (pipeline/engine_events.py `ReplayRunning`, [Note: replay] in pipeline/engine.py).
+"""The replay event (pipeline/engine/events.py `ReplayRunning`, [Note: replay] in pipeline/engine/engine.py).
 
-What breaks when these fail: after a stage restart (launcher/stage_failover.py) a running request
+What breaks when these fail: after a stage restart (launcher/coordinator/stage_failover.py) a running request
 loses, repeats or reorders tokens, or continues from a KV cache that no stage holds any more.
 
 The fake ring below stands in for the stages: a micro-batch comes back after the ones sent before
@@ -19,13 +19,13 @@ import zlib
 import pytest
 import torch
 
-from pipeline.engine import Engine
-from pipeline.engine_events import ReplayRunning, Result, Submit
-from pipeline.items import ItemKind
-from pipeline.predictors import NGramPredictor
-from pipeline.sampling import Sampler, SamplingParams
-from pipeline.scheduler_types import SchedulerConfig
-from pipeline.stage_executor import admit_epochs
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import ReplayRunning, Result, Submit
+from pipeline.engine.records import SchedulerConfig
+from pipeline.engine.stage_executor import admit_epochs
+from pipeline.speculation.items import ItemKind
+from pipeline.speculation.predictors import NGramPredictor
+from pipeline.speculation.sampling import Sampler, SamplingParams
 
 VOCAB = 40
 

@@ -1,4 +1,4 @@
-"""The row-cost table and the rows-worth-sending rule (pipeline/row_cost.py).
+"""The row-cost table and the rows-worth-sending rule (pipeline/measure/row_cost.py).
 
 What breaks when these fail: the scheduler sends long draft chains where extra rows are expensive
 (float32 on CPU) or short ones where they are nearly free (int4, bf16 AMX, GPU), or a saved table
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.row_cost import RowCostTable, best_num_rows, expected_tokens, measure_row_costs
+from pipeline.measure.row_cost import RowCostTable, best_num_rows, expected_tokens, measure_row_costs
 
 CHEAP = RowCostTable(mode="int4", num_rows=(1, 2, 4, 8), pass_s=(0.010, 0.0102, 0.0106, 0.0115))
 COSTLY = RowCostTable(mode="fp32", num_rows=(1, 2, 4, 8), pass_s=(0.050, 0.058, 0.085, 0.104))

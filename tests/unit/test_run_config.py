@@ -1,6 +1,6 @@
 """The config spine: RunConfig (pipeline/run_config.py) validated once with parameter names, the CLI's
-parameter -> flag rewrite (launcher/cli_errors.py), and the coordinator's and stages' views derived
-from one PipelineOptions + RunPlan (launcher/session.py)."""
+parameter -> flag rewrite (launcher/cli/errors.py), and the coordinator's and stages' views derived
+from one PipelineOptions + RunPlan (launcher/coordinator/session.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import re
 
 import pytest
 
-from launcher.cli import build_parser
-from launcher.cli_errors import PARAMETER_FLAGS, TRAINING_FLAGS, flag_message
-from launcher.pipeline_options import PipelineOptions
-from launcher.request_handle import encode_prompt
-from launcher.run_plan import resolve
-from launcher.session import PipelineSession, coordinator_config, stage_load_specs
-from pipeline.draft_gate import DraftGate
-from pipeline.predictors import NGramPredictor
+from launcher.cli.errors import PARAMETER_FLAGS, TRAINING_FLAGS, flag_message
+from launcher.cli.main import build_parser
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.request_handle import encode_prompt
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession, coordinator_config, stage_load_specs
 from pipeline.run_config import RunConfig, check_prompt_length
-from pipeline.sampling import SamplingParams
+from pipeline.speculation.draft_gate import DraftGate
+from pipeline.speculation.predictors import NGramPredictor
+from pipeline.speculation.sampling import SamplingParams
 from tests.tiny_model import write_tiny_model
-from workers.convert import spec_from_proto, spec_to_proto
+from workers.load_spec_codec import spec_from_proto, spec_to_proto
 
 BAD_VALUES = [
     ({"num_stages": 0}, "num_stages must be >= 1, got 0", "--stages must be >= 1, got 0"),

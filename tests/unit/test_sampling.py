@@ -1,4 +1,4 @@
-"""Tests of `pipeline.sampling`: parameter validation, greedy / temperature / top-p sampling, and the
+"""Tests of `pipeline.speculation.sampling`: parameter validation, greedy / temperature / top-p sampling, and the
 speculative accept rule `verify_draft`, whose output must be distributed exactly as the target p
 (checked with a chi-square goodness-of-fit test over fixed-seed draws).
 """
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.sampling import Sampler, SamplingParams, verify_draft
+from pipeline.speculation.sampling import Sampler, SamplingParams, verify_draft
 
 # Hand-built target p and draft q on a vocab of 8: q is above p on some tokens and below on others,
 # so both branches of the rule (certain accept, probabilistic accept + residual resample) are used.

@@ -1,4 +1,4 @@
-"""Unit tests for pipeline.scheduler, driven through the one `pipeline.engine.Engine` by a fake
+"""Unit tests for pipeline.engine.scheduler, driven through the one `pipeline.engine.engine.Engine` by a fake
 pipeline (no model, no processes).
 
 The fake pipeline is a FIFO of sent micro-batches: the oldest batch is answered when no more can be
@@ -18,11 +18,11 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.engine import Engine
-from pipeline.engine_events import Abort, Result, StopStringHit, Submit
-from pipeline.items import Item, ItemKind
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler_types import FinishReason, SchedulerConfig
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import Abort, Result, StopStringHit, Submit
+from pipeline.engine.records import FinishReason, SchedulerConfig
+from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.sampling import SamplingParams
 
 EOS = 2
 

@@ -17,15 +17,15 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from launcher.cli import main
-from launcher.coordinator import PipelineError, RequestHandle
-from launcher.openai_protocol import parse_chat, parse_completion, render_chat
-from launcher.server import HttpServer
-from launcher.serving_engine import InvalidRequestError, ServingEngine
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler_types import Commit, FinishReason, SpecCounters
-from pipeline.timeline import Timeline
-from pipeline.tokenizer import Tokenizer
+from launcher.cli.main import main
+from launcher.coordinator.coordinator import PipelineError, RequestHandle
+from launcher.serving.http_server import HttpServer
+from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
+from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
+from pipeline.engine.records import Commit, FinishReason, SpecCounters
+from pipeline.measure.timeline import Timeline
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
 from tests.tiny_model import write_tiny_model
@@ -49,7 +49,7 @@ class FakeCoordinator:
     def __init__(self, tokenizer: Tokenizer, *, step_s: float = 0.002) -> None:
         self.tokenizer, self.step_s = tokenizer, step_s
         self.failure: PipelineError | None = None
-        self.recovering: str | None = None  # a stage fail-over in progress (launcher/stage_failover.py)
+        self.recovering: str | None = None  # a stage fail-over in progress (launcher/coordinator/stage_failover.py)
         self.failover = None  # no fail-over: a silent stage refuses admissions
         self.stage_status = [pb.HealthResponse.SERVING] * 2
         self.spec = SpecCounters()
@@ -233,7 +233,7 @@ def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want):
 
 
 def test_stats_log_line(tokenizer):
-    from launcher.metrics import StatsLogger
+    from launcher.serving.prometheus import StatsLogger
 
     coord = FakeCoordinator(tokenizer)
     engine = ServingEngine(coord, model_name="tiny", max_num_seqs=2, max_queue=4, max_model_len=64)
@@ -350,7 +350,7 @@ def test_requests_complete_while_a_large_body_is_uploaded_and_parsed(served):
 def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error_event(served):
     coord, engine, url = served
     coord.step_s = 0.05
-    from launcher.serving_engine import UnavailableError
+    from launcher.serving.serving_engine import UnavailableError
 
     with httpx.stream("POST", url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 60, "stream": True},
                       timeout=10) as r:
@@ -372,12 +372,12 @@ def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error
 
 
 def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, monkeypatch):
-    import launcher.serve
+    import launcher.serving.serve
 
     def spawned(*args, **kwargs):
         raise AssertionError("a pipeline session was started")
 
-    monkeypatch.setattr(launcher.serve, "PipelineSession", spawned)
+    monkeypatch.setattr(launcher.serving.serve, "PipelineSession", spawned)
     port = str(free_tcp_port())
     assert main(["serve", "--port", port, "--grpc-port", port]) == 2
     err = capsys.readouterr().err
@@ -397,11 +397,11 @@ def free_tcp_port() -> int:
 
 
 def test_serve_buffers_are_windows(tokenizer):
-    from launcher.serve import window_serving_buffers
-    from pipeline.engine import Engine
-    from pipeline.items import Item, ItemKind
-    from pipeline.scheduler_types import SchedulerConfig
-    from pipeline.timeline import StageTiming
+    from launcher.serving.serve import window_serving_buffers
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.records import SchedulerConfig
+    from pipeline.measure.timeline import StageTiming
+    from pipeline.speculation.items import Item, ItemKind
 
     engine = Engine(SchedulerConfig(num_stages=2, max_num_seqs=2, max_model_len=64))
     window_serving_buffers(SimpleNamespace(engine=engine), 100)
@@ -418,7 +418,7 @@ def test_serve_buffers_are_windows(tokenizer):
 def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
     import grpc
 
-    from launcher.grpc_generate import GrpcServer
+    from launcher.serving.grpc_generate import GrpcServer
     from proto import speedpipe_pb2_grpc as pb_grpc
 
     coord = FakeCoordinator(tokenizer)

@@ -1,4 +1,4 @@
-"""The discrete-event simulator (pipeline/simulator.py) against the closed form and pipeline theory.
+"""The discrete-event simulator (pipeline/measure/simulator.py) against the closed form and pipeline theory.
 
 What breaks when these fail: the simulator no longer reproduces SPEED's expected speed-up
 S / (alpha*e + (1-alpha)*S) for one sequence (ARCHITECTURE.md §5), the plain pipeline's
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.engine import Engine
-from pipeline.simulator import (
+from pipeline.engine.engine import Engine
+from pipeline.measure.simulator import (
     Bernoulli,
     CostModel,
     Replay,

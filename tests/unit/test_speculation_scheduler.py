@@ -11,8 +11,8 @@ moves one stage per step); each stage applies the real `StageExecutor.admit` (ep
 truncation) and keeps a model of its KV contents (the token at each position). The last stage's
 "model" computes the next token from the KV contents it attends to, `fake_next(prefix)`, so any
 stale key/value left behind by a squash changes the output. After the exit stage the fake feeds
-the one `pipeline.engine.Engine` an `ExitPassed` event, after the last stage a `Result`, one
-`Engine.step` per event, and carries out its sends and releases, like launcher/coordinator.py. Whether the exit event of the chain's end or the
+the one `pipeline.engine.engine.Engine` an `ExitPassed` event, after the last stage a `Result`, one
+`Engine.step` per event, and carries out its sends and releases, like launcher/coordinator/coordinator.py. Whether the exit event of the chain's end or the
 head's result of the same step reaches the scheduler first is a parameter: in the real runtime
 they come from two different stages and race.
 """
@@ -29,15 +29,15 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from pipeline.engine import Engine
-from pipeline.engine_events import ExitPassed, Result, Submit
-from pipeline.items import Item, ItemKind
-from pipeline.kv_cache import KVCache
-from pipeline.partition import LayerRange
-from pipeline.predictors import Draft, ExitGuess, LogitLensPredictor
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler_types import FinishReason, SchedulerConfig, SpecCounters
-from pipeline.stage_executor import StageExecutor
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import ExitPassed, Result, Submit
+from pipeline.engine.records import FinishReason, SchedulerConfig, SpecCounters
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.model.kv_cache import KVCache
+from pipeline.model.partition import LayerRange
+from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.predictors import Draft, ExitGuess, LogitLensPredictor
+from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import (
     AlwaysWrongPredictor,
     PerfectPredictor,
@@ -98,7 +98,7 @@ class FakePipeline:
     logits_fn(prefix) -> [vocab] float32 logits, for items that want logits (sampling); the greedy
     token of every item is `next_fn(prefix)`. The exit head's guess for an item is
     `next_fn(prefix) + lens_offset` (0: a perfect logit lens), and None for an item without
-    `want_exit` (the exit stage skips its head, pipeline/stage_executor.py).
+    `want_exit` (the exit stage skips its head, pipeline/engine/stage_executor.py).
     """
 
     def __init__(self, engine: Engine, submits: list[Submit], *, exit_stage: int = 0, exit_first: bool = False,

@@ -1,8 +1,8 @@
-"""Unit tests for pipeline.stage_executor: epochs, in-band squash, releases and last-stage outputs.
+"""Unit tests for pipeline.engine.stage_executor: epochs, in-band squash, releases and last-stage outputs.
 
 What breaks when these fail: stale (squashed) work reaching the KV cache or the coordinator, a squash
 that leaves wrong keys/values behind (so output after a rejected draft differs from a clean run), or
-slots that are never freed. See [Note: in-band squash] in pipeline/stage_executor.py.
+slots that are never freed. See [Note: in-band squash] in pipeline/engine/stage_executor.py.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import tiny_config
-from pipeline.items import Item, ItemKind
-from pipeline.model import build_stage_model, random_state_dict
-from pipeline.partition import balanced_split
-from pipeline.stage_executor import StageExecutor
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.model.config import tiny_config
+from pipeline.model.partition import balanced_split
+from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.speculation.items import Item, ItemKind
 
 MAX_MODEL_LEN = 32
 GOOD = [11, 22, 33, 44, 55, 66]

@@ -12,10 +12,10 @@ import itertools
 import pytest
 import torch
 
-from launcher.cli import UsageError, _auto_stages, build_parser
-from pipeline.partition import smallest_fitting_split
-from pipeline.stage_memory import kv_bytes_per_layer, plan_stages_for_budget
-from pipeline.weights import CheckpointReader, stage_tensor_names
+from launcher.cli.main import UsageError, _auto_stages, build_parser
+from pipeline.model.partition import smallest_fitting_split
+from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
+from pipeline.weights.stage_memory import kv_bytes_per_layer, plan_stages_for_budget
 from tests.family_models import write_family_model
 
 

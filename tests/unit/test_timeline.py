@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.items import Item, ItemKind
-from pipeline.metrics import inter_token_gaps_s, latency_summary, percentile
-from pipeline.timeline import StageTiming, Timeline
-from pipeline.trace import chrome_trace
+from pipeline.measure.metrics import inter_token_gaps_s, latency_summary, percentile
+from pipeline.measure.timeline import StageTiming, Timeline
+from pipeline.measure.trace import chrome_trace
+from pipeline.speculation.items import Item, ItemKind
 
 MS = 1_000_000
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from pipeline.items import Item, ItemKind
-from pipeline.timeline import StageTiming, Timeline
-from pipeline.trace import COMMIT_TID, chrome_trace
+from pipeline.measure.timeline import StageTiming, Timeline
+from pipeline.measure.trace import COMMIT_TID, chrome_trace
+from pipeline.speculation.items import Item, ItemKind
 
 
 def _item(seq_id: int, start: int, kind: ItemKind) -> Item:

@@ -1,4 +1,4 @@
-"""Unit tests for pipeline.weights: per-stage tensor names and the lazy safetensors reader."""
+"""Unit tests for pipeline.weights.checkpoint: per-stage tensor names and the lazy safetensors reader."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline import weights
-from pipeline.config import ModelConfig, tiny_config
-from pipeline.partition import LayerRange
-from pipeline.weights import (
+from pipeline.model.config import ModelConfig, tiny_config
+from pipeline.model.partition import LayerRange
+from pipeline.weights import checkpoint as weights
+from pipeline.weights.checkpoint import (
     EMBED_TOKENS,
     FINAL_NORM,
     INDEX_FILE,

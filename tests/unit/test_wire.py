@@ -1,4 +1,4 @@
-"""Unit tests for pipeline.wire: message round trips and the validation of every header off the wire.
+"""Unit tests for pipeline.engine.wire: message round trips and the validation of every header off the wire.
 
 What breaks when these fail: tensors arriving changed (dtype, shape, bytes), or a malformed or hostile
 frame getting past `decode_header` (or crashing it with something other than WireError), which on the
@@ -17,9 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.items import ITEM_WIRE_SCHEMA, Item, ItemKind, SlotRelease, items_to_wire
-from pipeline.timeline import StageTiming
-from pipeline.wire import (
+from pipeline.engine.wire import (
     COORDINATOR_RANK,
     DEFAULT_FRAME_BYTES,
     MAGIC,
@@ -38,6 +36,8 @@ from pipeline.wire import (
     split_payload,
     world_size,
 )
+from pipeline.measure.timeline import StageTiming
+from pipeline.speculation.items import ITEM_WIRE_SCHEMA, Item, ItemKind, SlotRelease, items_to_wire
 
 FRAME = 4096
 LIMIT = 1 << 20

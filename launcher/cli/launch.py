@@ -1,0 +1,77 @@
+"""The `launch` job: submit prompts to a running session, stream or collect, and report stats.
+
+Owns the JSON report of `launch --json` (outputs; overall tokens/s, TTFT, TPOT and ITL percentiles,
+acceptance; per stage busy / useful / wasted / idle (bubble) fractions from the timeline, RSS and
+weight memory; the item timeline itself with `timeline=True`).
+Must not: start or stop processes (PipelineSession does).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+from launcher.coordinator.session import PipelineSession
+from pipeline.measure.metrics import inter_token_gaps_s, latency_summary
+from pipeline.speculation.sampling import SamplingParams
+
+
+def openai_finish_reason(reason) -> str:
+    """The finish reason as OpenAI and vLLM name it: EOS and stop strings are both `stop`."""
+    value = getattr(reason, "value", reason)
+    return "stop" if value == "eos" else value
+
+
+def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Sequence[int]],
+               params: Sequence[SamplingParams], *, stream: bool = False, timeline: bool = False) -> dict:
+    """Run all prompts concurrently; returns {"outputs": [...], "stats": {...}} (see README).
+    prompts: texts or token-id lists; timeline: also return the recorded slices under "timeline"
+    (stage, start/end ns relative to the run's start, items with seq, positions, epoch, kind, outcome)."""
+    coord = session.coordinator
+    coord.reset_stats()
+    start_ns = time.perf_counter_ns()
+    handles = [coord.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    if stream:
+        sys.stdout.write(handles[0].prompt)
+        for chunk in handles[0]:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    results = [h.result() for h in handles]
+    end_ns = time.perf_counter_ns()
+    wall_s = (end_ns - start_ns) / 1e9
+    stage_stats = coord.stage_stats()
+    times, spec = coord.timeline, coord.spec
+    fractions = times.fractions(start_ns, end_ns) if coord.record_timeline else None
+    stages = []
+    for i, (st, r) in enumerate(zip(stage_stats, session.model.ranges, strict=True)):
+        if fractions is not None:
+            row = fractions[i].to_json()
+        else:  # no timeline: busy from the stage's own counters, no useful/wasted split
+            busy = st.busy_ns / (st.wall_ns or 1)
+            row = {"stage": i, "busy_fraction": round(busy, 4), "idle_fraction": round(1 - busy, 4)}
+        stages.append({**row, "layers": [r.start, r.stop], "rss_mb": round(st.rss_bytes / 2**20, 1),
+                       "weights_mb": round(st.weights_bytes / 2**20, 2)})
+    idle = [s["idle_fraction"] for s in stages]
+    summary = latency_summary(num_tokens=[len(r.token_ids) for r in results], ttft_s=[r.ttft_s for r in results],
+                              e2e_s=[r.e2e_s for r in results], wall_s=wall_s,
+                              itl_s=inter_token_gaps_s(coord.commit_events))
+    report = {
+        "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
+                     "finish_reason": openai_finish_reason(r.finish_reason),
+                     "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4)} for r in results],
+        "stats": {"wall_s": round(wall_s, 4), **summary,
+                  "bubble_fraction": round(sum(idle) / len(idle), 4),
+                  "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
+                  "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
+                  "squashed_items": spec.squashed_items, "gated_drafts": spec.gated_drafts,
+                  "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
+                  "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
+                  "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
+                  "timeline_recorded": coord.record_timeline,
+                  **times.draft_gap(0), "stages": stages},
+    }
+    if timeline:
+        report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
+    return report

@@ -1,0 +1,399 @@
+"""Command line: `speedpipe <command>` and its short form `launch`.
+
+Owns argument parsing, mapping errors to exit codes (2 for bad input, 1 for a pipeline failure,
+130 for Ctrl-C), logging set-up, and printing results. Must not hold pipeline logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from launcher.backends.placement_options import add_placement_args, placement_from_args
+from launcher.backends.stage_group import StageStartupError
+from launcher.bench.http_load import add_http_bench_args, cmd_http_bench
+from launcher.cli.errors import flag_message
+from launcher.cli.parsing import (
+    CliParser,
+    UsageError,
+    add_vllm_aliases,
+    check_vllm_args,
+    mark_model_given,
+    read_prompts_file,
+    shorten_help,
+    unescape,
+    version_string,
+)
+from launcher.coordinator.coordinator import PipelineError
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
+from pipeline.run_config import check_prompt_length
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.quant import QUANTIZATION_CHOICES
+from pipeline.weights.registry import DEFAULT_MODEL
+
+PROG = "speedpipe"
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that starts a pipeline."""
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--stages", "-pp", "--pipeline-parallel-size", type=_stages_arg, default=2, metavar="N",
+                   help="number of pipeline stages (worker processes; vLLM's -pp), or 'auto': the fewest whose "
+                   "weights + KV each fit --stage-memory-gib")
+    g.add_argument("--stage-memory-gib", type=float, help="per-stage memory budget for --stages auto (GiB)")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
+    g.add_argument("--layer-split", help="layers per stage, e.g. 8,8,7,7 (default: balanced)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per stage; default cpu)")
+    g.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="weights: auto (a GGUF's own Q4/Q8 blocks) | none (dense --dtype) | int8 | int4 (default none)")
+    g.add_argument("--max-model-len", type=int, default=2048, help="max prompt + generated tokens per sequence")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots: sequences decoded at once")
+    g.add_argument("--threads-per-stage", type=int, default=1, help="torch threads in each stage process")
+    g.add_argument("--stage-timeout-s", type=float, default=120.0,
+                   help="deadline for any data-plane wait; a stage silent this long is a failure")
+    g.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
+    g.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+    add_vllm_aliases(g)
+
+
+def _acceptance(text: str) -> float | None:
+    """--min-acceptance: 'auto' (None) or a probability."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(f"--min-acceptance must be 'auto' or a number in [0, 1], got {text!r}")
+    return value
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation (SPEED)")
+    g.add_argument("--speculate", default="none", help="none | speed | firp | speed+firp. speed: inject drafts "
+                   "from the exit layer into stage 0 while the real token is still in later stages; firp: "
+                   "predict future hidden states and verify them as a chain (default none)")
+    g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: the shortest chain within "
+                   "0.02 accepted drafts per pass of the best in the FIRP file's eval)")
+    g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
+    g.add_argument("--firp-min-prob", type=float, default=0.0, help="carry a FIRP draft only while its "
+                   "probability is at least this (a chain stops at the first less likely draft; default 0)")
+    g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
+                   "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
+                   "and exit layer (default hybrid)")
+    g.add_argument("--exit-predictor", metavar="FILE", help="trained early-exit head (from `speedpipe "
+                   "train-predictor`) for --predictor early-exit or hybrid, instead of the shipped one; `none` = the untrained logit lens")
+    g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
+                   "(default: the last layer of stage 0)")
+    g.add_argument("--max-inflight", type=int, default=0,
+                   help="items of one sequence in flight at once (default: number of stages)")
+    g.add_argument("--min-acceptance", default="auto",
+                   help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
+                   "often; 'auto' = break-even 1/stages, 0 = always draft (default auto)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--seed", type=int, help="sampling seed (per prompt: seed + prompt index)")
+    g.add_argument("--stop", action="append", default=[], type=unescape,
+                   help=r"stop string (repeatable); \n, \t, \r and \\ are read as newline, tab, CR, backslash")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+
+
+def cmd_bench_sweep(args: argparse.Namespace) -> int:
+    """`bench sweep` (also plain `bench`): a sweep of pipeline configurations (launcher/bench/sweep.py)."""
+    from launcher.bench.sweep import cmd_bench
+    return cmd_bench(args)
+
+
+def _launch_parser(sub) -> argparse.ArgumentParser:
+    launch = sub.add_parser("launch", help="run prompts through an N-stage pipeline and print the outputs",
+                            description="Spawn N stage workers on this machine, generate, print, stop everything.")
+    launch.add_argument("--version", action="version", version=version_string())
+    add_pipeline_args(launch)
+    add_placement_args(launch)
+    add_speculation_args(launch)
+    add_sampling_args(launch)
+    g = launch.add_argument_group("prompts and output")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; run concurrently)")
+    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field per line")
+    g.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) as the last line")
+    g.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace (JSON trace events) of the "
+                   "stage timelines: open it in ui.perfetto.dev or chrome://tracing")
+    g.add_argument("--no-timeline", action="store_true", help="do not record per-item stage timings (no "
+                   "useful/wasted split, no trace); for measuring the recording overhead")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar while converting a model")
+    launch.set_defaults(func=cmd_launch)
+    add_serve_args(launch, switch=True)
+    shorten_help(launch)
+    return launch
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API and gRPC",
+                           description="Start an N-stage pipeline and serve it until Ctrl-C. "
+                           "`speedpipe serve MODEL` is the same as `--model MODEL` (vLLM's spelling).")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
+    add_pipeline_args(serve)
+    add_placement_args(serve)
+    add_speculation_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    shorten_help(serve, hidden_groups=("placement",))
+    return serve
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+    from launcher.bench.sweep import add_bench_args
+
+    bench = sub.add_parser("bench", help="benchmarks: `bench serve` load-tests a server like `vllm bench serve`; "
+                           "`bench sweep` (or plain `bench`) measures pipeline configurations side by side",
+                           description="`speedpipe bench serve --help` and `speedpipe bench sweep --help` list "
+                           "each benchmark's flags; `speedpipe bench FLAGS` runs the sweep.")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,sweep}")
+    sweep = kinds.add_parser("sweep", help="sweep configurations side by side; write results.json/.csv, traces, "
+                             "plots", description="Measure pipeline configurations side by side (paired repeats).")
+    add_bench_args(sweep)
+    sweep.set_defaults(func=cmd_bench_sweep)
+    serve = kinds.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's `bench serve` flags)",
+                             description="Load-test any OpenAI-compatible server with vLLM's `bench serve` "
+                             "options and summary.")
+    add_http_bench_args(serve)
+    serve.set_defaults(func=cmd_http_bench)
+    return bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog=PROG, description="Pipeline-parallel LLM inference with speculative "
+                       "pipelined execution (SPEED) and FIRP.")
+    parser.add_argument("--version", action="version", version=version_string())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CliParser)
+    commands = {"launch": _launch_parser(sub), "serve": _serve_parser(sub), "bench": _bench_parser(sub)}
+    from launcher.cli.simulate import add_simulate_args, cmd_simulate
+    simulate = sub.add_parser("simulate", help="discrete-event simulation of the pipeline (optionally calibrated)")
+    add_simulate_args(simulate)
+    simulate.set_defaults(func=cmd_simulate)
+    from launcher.cli.train_predictor import add_train_args, cmd_train
+
+    train = sub.add_parser("train-predictor", help="train an early-exit head or FIRP maps for a model (frozen)",
+                           description="Self-distil a predictor from the base model's own outputs on a corpus.")
+    add_train_args(train)
+    train.set_defaults(func=cmd_train)
+    parser.set_defaults(subparsers={**commands, "simulate": simulate, "train-predictor": train})
+    return parser
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt and --prompts-file, in order. Raises UsageError."""
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts_file(args.prompts_file)
+    if not prompts:
+        raise UsageError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise UsageError(f"prompt {i} is empty")
+    return prompts
+
+
+def _stages_arg(text: str) -> int | str:
+    """--stages: a positive count or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
+
+
+def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | None]:
+    """(--stages, --layer-split) from the flags; for --stages auto, the fewest stages that fit the
+    budget (pipeline/weights/stage_memory.py), printing each stage's need against it. Raises UsageError."""
+    if args.stages != "auto":
+        return args.stages, args.layer_split
+    if args.stage_memory_gib is None or args.stage_memory_gib <= 0 or args.layer_split:
+        raise UsageError("--stages auto needs --stage-memory-gib > 0 (and no --layer-split)")
+    from pipeline.run_config import MODEL_DTYPES
+    from pipeline.weights.registry import resolve_model
+    from pipeline.weights.stage_memory import plan_stages_for_budget
+
+    dtype = MODEL_DTYPES.get(args.dtype)
+    if dtype is None:
+        raise UsageError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {args.dtype!r}")
+    model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=progress)
+    plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    for line in plan.lines():
+        logging.getLogger(__name__).info("%s", line)
+        if progress:
+            say(line)
+    return len(plan.ranges), plan.layer_split()
+
+
+def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
+    num_stages, layer_split = _auto_stages(args, progress)
+    return PipelineOptions(
+        num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
+        quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
+        stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
+        progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
+        exit_predictor=args.exit_predictor,
+        max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance),
+        placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
+        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob)
+
+
+def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=None if args.seed is None else args.seed + index, stop=tuple(args.stop),
+                          ignore_eos=args.ignore_eos)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from launcher.cli.launch import run_launch  # keeps `speedpipe --help` fast
+
+    if args.serve:
+        return cmd_serve(args)
+    if args.trace and args.no_timeline:
+        raise UsageError("--trace needs the timeline: drop --no-timeline")
+    options = pipeline_options(args, progress=not args.no_progress and not args.json)
+    if options.placement.multi_node and options.placement.node_rank > 0:
+        return run_member(options)
+    prompts = read_prompts(args)
+    params = [sampling_params(args, i) for i in range(len(prompts))]
+    model = resolve(options)
+    for i, p in enumerate(prompts):  # length limits before anything is spawned
+        check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
+                            max_model_len=options.max_model_len, what=f"prompt {i}")
+    session = PipelineSession(options, model, restart_budget=restart_budget(args))
+    if not args.json:
+        say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
+        if model.predictor_note:
+            say(model.predictor_note)
+    start = time.perf_counter()
+    with session:
+        if not args.json:
+            say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
+        report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
+        if args.trace:
+            write_trace(session, args.trace)
+            if not args.json:
+                say(f"trace written to {args.trace}")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report, streamed=len(prompts) == 1)
+    return 0
+
+
+def run_member(options: PipelineOptions) -> int:
+    """`launch --nnodes N --node-rank R` with R > 0: run this node's stages for node 0 (no prompts)."""
+    from launcher.backends.multinode import run_member_node
+
+    resolve(options)  # the model and split are valid here too, before anything starts
+    return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
+                           threads_per_stage=options.threads_per_stage, say=say)
+
+
+def write_trace(session: PipelineSession, path: str) -> None:
+    """Write the session's stage timeline as Chrome trace-event JSON."""
+    from pipeline.measure.trace import chrome_trace
+
+    coord = session.coordinator
+    trace = chrome_trace(coord.timeline, commits=list(coord.commit_events))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(trace))
+
+
+def plural(n: int, word: str) -> str:
+    """`1 item`, `2 items`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def print_report(report: dict, *, streamed: bool) -> None:
+    if not streamed:
+        for i, out in enumerate(report["outputs"]):
+            print(f"=== [{i}] {out['prompt']}")
+            print(out["text"])
+    stats = report["stats"]
+    busy = ", ".join(f"{s['stage']}: {s['busy_fraction']:.0%}" for s in stats["stages"])
+    spec = ""
+    if stats["drafted_tokens"]:
+        spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
+                f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
+                f"{stats['tokens_per_pass']:.2f} tokens per pass")
+    print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
+          f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
+
+
+def say(text: str) -> None:
+    """A progress line for people, on stderr (stdout carries only results)."""
+    print(f"[speedpipe] {text}", file=sys.stderr, flush=True)
+
+
+def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctrl-C
+    raise KeyboardInterrupt
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse argv; unknown flags are reported with the usage of the command they were given to."""
+    implicit_sweep = argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("serve", "sweep", "-h", "--help"))
+    if implicit_sweep:
+        argv = ["bench", "sweep", *argv[1:]]  # plain `bench FLAGS` is the sweep
+    args, extras = parser.parse_known_args(argv)
+    args.label = args.command
+    if args.command == "bench" and not implicit_sweep:
+        args.label = f"bench {args.bench_command}"
+    if extras:
+        target = args.subparsers.get(args.command, parser)
+        if args.command == "bench":
+            target = target._subparsers._group_actions[0].choices[args.bench_command]  # noqa: SLF001
+        target.error(f"unrecognized arguments: {' '.join(extras)}")
+    args.model_given = mark_model_given(argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`speedpipe` entry point. Returns the process exit code."""
+    parser = build_parser()
+    args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
+    level = getattr(args, "log_level", "WARNING").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _sigterm)
+    command = args.label
+    try:
+        check_vllm_args(args)
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{PROG} {command}: error: {flag_message(str(exc))}", file=sys.stderr)
+        return 2
+    except (PipelineError, StageStartupError) as exc:
+        print(f"{PROG} {command}: pipeline failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} {command}: interrupted; all stages stopped", file=sys.stderr)
+        return 130
+
+
+def launch_main() -> int:
+    """`launch` entry point: the short form of `speedpipe launch`."""
+    return main(["launch", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

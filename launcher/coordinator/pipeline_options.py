@@ -1,0 +1,37 @@
+"""`PipelineOptions`: the run configuration of a launch, plus where its stages are placed.
+
+Owns the launcher's part of the one config spine: `RunConfig` (pipeline/run_config.py: model,
+limits, speculation; validated there) extended with the placement (launcher/backends/placement.py), the
+stages' log level and whether model conversion shows a progress bar. Front ends (CLI, server,
+benchmarks, tests) build one of these and nothing else; the coordinator's and the stages' views are
+derived from it in launcher/coordinator/session.py.
+Must not: parse command lines (launcher/cli/main.py) or resolve models (launcher/coordinator/run_plan.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from launcher.backends.placement import PlacementOptions, node_stages
+from launcher.backends.worker_command import LOG_LEVELS
+from pipeline.run_config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineOptions(RunConfig):
+    """Where and how to run the pipeline (everything except the requests).
+
+    Raises ValueError naming the parameter (RunConfig's checks), or PlacementError (a ValueError)
+    when the placement cannot hold `num_stages` (every node runs at least one stage).
+    """
+
+    placement: PlacementOptions = dataclasses.field(default_factory=PlacementOptions)
+    log_level: str = "WARNING"  # of the stage processes
+    progress: bool = True  # a progress bar while converting a model
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.placement.multi_node:
+            node_stages(num_stages=self.num_stages, nnodes=self.placement.nnodes, node_rank=self.placement.node_rank)

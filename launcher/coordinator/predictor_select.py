@@ -1,0 +1,98 @@
+"""Which trained early-exit head a launch uses, decided before any process is spawned.
+
+Owns the rules that map `--predictor` / `--exit-predictor` to the bytes of a validated predictor
+file for the exit stage (or none: the untrained logit lens), and the note a user sees about it.
+Must not: start processes or build torch modules.
+
+Rules (speculation on, predictor that needs an exit head):
+  --predictor PATH.safetensors      the trained head in PATH, alone (drafts = its argmax)
+  --exit-predictor PATH             the trained head in PATH, for early-exit or hybrid
+  --predictor early-exit            the shipped head for this model and exit layer; error if none
+  --predictor hybrid (default)      the shipped head when one exists, else the logit lens (with a note)
+  --predictor logit-lens            never a trained head (nor --exit-predictor none)
+Every file is checked against the running model (hash, shapes) and the exit layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pipeline.model.config import ModelConfig
+from pipeline.speculation.predictor_file import (
+    SHIPPED_DIR,
+    load_predictor,
+    model_identity,
+    model_name,
+    read_predictor_meta,
+    shipped_predictor,
+    ships_predictors_for,
+)
+from pipeline.speculation.predictors import is_predictor_file
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitPredictorChoice:
+    """file_bytes: the predictor file sent to the exit stage (b"" = logit lens); source: its path or "";
+    note: one line for the user (what is used, and its measured held-out agreement)."""
+
+    file_bytes: bytes = b""
+    source: str = ""
+    note: str = ""
+
+
+def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
+                          exit_layer: int) -> ExitPredictorChoice:
+    """Apply the rules of the module docstring. Raises ValueError / FileNotFoundError (user errors,
+    one line, naming the flag) for a bad, missing or mismatching file."""
+    if exit_predictor is not None and predictor not in ("early-exit", "hybrid"):
+        raise ValueError(f"--exit-predictor needs --predictor early-exit or hybrid, not {predictor!r}")
+    if predictor == "logit-lens" or exit_predictor == "none":
+        return ExitPredictorChoice(note="exit head: untrained logit lens")
+    path = Path(predictor) if is_predictor_file(predictor) else None
+    path = Path(exit_predictor) if exit_predictor is not None else path
+    name = model_name(model_dir)
+    if path is not None:
+        identity = model_identity(model_dir, config)
+    else:
+        # Hash the model only when some head ships for its name (hashing a large HF folder costs seconds).
+        identity = model_identity(model_dir, config) if ships_predictors_for(name) else None
+        path = shipped_predictor(identity, kind="early-exit", exit_layer=exit_layer) if identity else None
+        if path is None:
+            if predictor == "early-exit":
+                raise ValueError(f"--predictor early-exit: no trained head ships for model {name!r} at exit "
+                                 f"layer {exit_layer}; train one with `speedpipe train-predictor --exit-layer "
+                                 f"{exit_layer} --out FILE.safetensors` and pass --predictor FILE.safetensors")
+            return ExitPredictorChoice(note=f"no trained early-exit head for {name} at exit layer {exit_layer}; "
+                                            f"{predictor} uses the untrained logit lens")
+    pred = load_predictor(path, expect=identity, exit_layer=exit_layer, kind="early-exit")
+    evals = pred.meta.get("eval", {})
+    agreement, drafted = evals.get("top1_agreement"), evals.get("draft_vocab_top1_agreement")
+    if isinstance(drafted, float) and pred.draft_vocab is not None:  # what the exit stage runs
+        measured = f" (held-out top-1 agreement {drafted:.0%} over its {pred.draft_vocab.numel()}-token draft vocabulary)"
+    else:
+        measured = f" (held-out top-1 agreement {agreement:.0%})" if isinstance(agreement, float) else ""
+    return ExitPredictorChoice(file_bytes=path.read_bytes(), source=str(path),
+                               note=f"exit head: trained early-exit {path.name}{measured}")
+
+
+def exit_head_rows(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
+                   exit_layer: int, folder: Path = SHIPPED_DIR) -> int:
+    """How many LM-head rows the exit head at `exit_layer` scores under the rules above: the draft
+    vocabulary size (pipeline/speculation/predictors.py [Note: draft vocabulary]) of the trained file that would
+    run there, else the model's vocabulary (also for a given file trained at another layer). Reads
+    file headers only and never raises: choose_exit_predictor reports bad files."""
+    full = config.vocab_size
+    if predictor == "logit-lens" or exit_predictor == "none":
+        return full
+    path = Path(exit_predictor) if exit_predictor else (Path(predictor) if is_predictor_file(predictor) else None)
+    if path is None:  # the shipped head, found by name only (hashing the model here would cost seconds)
+        found = sorted(folder.glob(f"{model_name(model_dir)}-*-early-exit-L{exit_layer}.safetensors"))
+        path = found[0] if found else None
+    try:
+        meta = read_predictor_meta(path) if path is not None else {}
+    except (OSError, ValueError):
+        return full
+    if meta.get("exit_layer") != exit_layer:  # not the head that would run at this layer
+        return full
+    return int(meta.get("draft_vocab_size", full))

@@ -1,0 +1,146 @@
+"""Request handles: what `Coordinator.submit` returns, and what a request's caller reads.
+
+Owns one request's committed tokens, their detokenised text (stop strings held back until known
+not to be one), timings, and the stream of chunks. Thread-safe hand-off: the coordinator's engine
+thread calls `emit` / `finish`, the caller iterates or calls `result`.
+Must not: decide what is committed (pipeline/engine/engine.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from pipeline.engine.records import Commit
+from pipeline.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pipeline.run_config import check_prompt_length
+from pipeline.speculation.sampling import SamplingParams, TokenLogprob
+
+
+class PipelineError(RuntimeError):
+    """The pipeline failed (a stage died, timed out or refused to load); every request fails."""
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: SamplingParams, *,
+                  max_model_len: int) -> tuple[str, list[int]]:
+    """(text, token ids) of a request's prompt, given as text or token ids. Raises ValueError for
+    an empty prompt, a token id outside the vocabulary, or prompt + max new tokens > max_model_len."""
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode(prompt) if prompt else []
+    else:
+        ids = [int(t) for t in prompt]
+        text = tokenizer.decode(ids)
+    for t in ids:
+        if not 0 <= t < tokenizer.vocab_size:
+            raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    check_prompt_length(num_prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, max_model_len=max_model_len)
+    return text, ids
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """Final state of one request."""
+
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float
+    e2e_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """Newly committed tokens of one request and their text; `finish_reason` set on the last chunk.
+    logprobs / prompt_logprobs: as `Commit`'s (None unless the request asked)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+class RequestHandle:
+    """A submitted request: iterate it for StreamChunks, or call `result()`."""
+
+    def __init__(self, request_id: str, prompt: str, prompt_ids: list[int], params: SamplingParams,
+                 detok: IncrementalDetokenizer) -> None:
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._held = ""  # decoded text not streamed yet: it may be the start of a stop string
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._chunks: queue.Queue[StreamChunk | BaseException] = queue.Queue()
+        self._done = threading.Event()
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while True:
+            chunk = self._chunks.get()
+            if isinstance(chunk, BaseException):
+                raise chunk
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    def result(self, timeout_s: float | None = None) -> RequestOutput:
+        """Block until finished. Raises PipelineError if the pipeline failed, TimeoutError on timeout."""
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"request {self.request_id} not finished within {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, list(self.token_ids), self.text,
+                             self.finish_reason or "", (self.first_token_at or self.finished_at) - self.submitted_at,
+                             self.finished_at - self.submitted_at)
+
+    # -- the coordinator's side (its engine thread) ---------------------------------------------------
+    def emit(self, commit: Commit) -> bool:
+        """Record newly committed tokens and stream their text; returns True if one of the
+        request's stop strings ended it (the coordinator then finishes the sequence)."""
+        stop = self.params.stop
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.token_ids.extend(commit.token_ids)
+        delta = self.detok.add_many(commit.token_ids)
+        if commit.finish_reason is not None:
+            delta += self.detok.flush()
+        # Text that could be the start of a stop string is held back until it is known not to be
+        # one (as vLLM does), so no chunk ever streams part of a stop string.
+        pending, hit = self._held + delta, False
+        if stop:
+            cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                pending, hit = pending[:cut], True
+        keep = max((len(s) for s in stop), default=1) - 1
+        if hit or commit.finish_reason is not None or keep == 0:
+            delta, self._held = pending, ""
+        else:
+            delta, self._held = pending[:max(0, len(pending) - keep)], pending[max(0, len(pending) - keep):]
+        self.text += delta
+        reason = "stop" if hit else (commit.finish_reason.value if commit.finish_reason else None)
+        self._chunks.put(StreamChunk(commit.token_ids, delta, reason, commit.logprobs, commit.prompt_logprobs))
+        if reason is not None:
+            self.finish(reason)
+        return hit
+
+    def finish(self, reason: str, error: BaseException | None = None) -> None:
+        """End the request: `reason` is a finish reason ("aborted", "error", ...), `error` the
+        exception `result()` and iteration raise. A second call is ignored."""
+        if self._done.is_set():
+            return
+        self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
+        if error is not None:
+            self._chunks.put(error)
+        elif reason == "aborted":  # wake a streaming reader: nothing more will come
+            self._chunks.put(StreamChunk((), "", reason))
+        self._done.set()

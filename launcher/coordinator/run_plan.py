@@ -1,0 +1,174 @@
+"""The plan of a run, decided before any process is spawned: model folder, layer split, exit head, FIRP file.
+
+Owns resolving a `RunConfig` (pipeline/run_config.py) against the model it names: the model folder
+and architecture, the per-stage layer ranges (balanced, costing the LM head and the exit head, or
+the user's split), the exit layer, the trained exit head (launcher/coordinator/predictor_select.py) and the
+FIRP maps. Everything here can fail on bad user input, so it all runs before anything starts; the
+result, `RunPlan`, is what launcher/coordinator/session.py derives the coordinator's and the stages' views from.
+Errors name parameters, not flags ([Note: parameter names in errors] in pipeline/run_config.py).
+Must not: start processes or hold torch modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_rows
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import (
+    LayerRange,
+    balanced_split,
+    head_cost_layers,
+    parse_layer_split,
+    split_from_sizes,
+)
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.run_config import RunConfig
+from pipeline.speculation.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
+from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
+from pipeline.weights.registry import resolve_model
+
+
+@dataclasses.dataclass(frozen=True)
+class FirpSetup:
+    """FIRP maps for the run: the predictor file's bytes, its layer, and how many maps are used."""
+
+    file_bytes: bytes = dataclasses.field(repr=False)
+    layer: int = -1
+    k: int = 0
+
+
+def shipped_firp_file(identity: ModelIdentity, exit_layer: int, folder: Path = SHIPPED_DIR) -> Path | None:
+    """The shipped FIRP file for this model (pipeline/assets/predictors/<model>-<hash12>-firp-L<layer>-k<k>):
+    the one at `exit_layer` if shipped, else the one at the nearest layer; None if none is shipped."""
+    files = sorted(folder.glob(f"{identity.name}-{identity.hash[:12]}-firp-L*.safetensors"))
+    layers = {int(f.name.split("-firp-L")[1].split("-")[0].split(".")[0]): f for f in files}
+    return layers[min(layers, key=lambda layer: (abs(layer - exit_layer), layer))] if layers else None
+
+
+def default_firp_k(meta: dict) -> int:
+    """`firp_k` when not given: the shortest chain whose held-out accepted drafts per pass (the file's
+    eval) is within 0.02 of the best (longer chains cost pseudo rows for almost nothing), else all maps."""
+    per_pass = {int(k): float(v) for k, v in meta.get("eval", {}).get("accepted_per_pass", {}).items()
+                if int(k) <= int(meta["k"])}
+    if not per_pass:
+        return int(meta["k"])
+    best = max(per_pass.values())
+    return min(k for k, v in per_pass.items() if v >= best - 0.02)
+
+
+def resolve_firp(options: RunConfig, model_dir: Path, config: ModelConfig, exit_layer: int) -> FirpSetup:
+    """Load and check the FIRP file (`firp_file`, else the shipped one nearest to `exit_layer`).
+    Raises ValueError / FileNotFoundError naming the problem (no file, wrong model, too few maps)."""
+    identity = model_identity(model_dir, config)
+    path = options.firp_file or shipped_firp_file(identity, exit_layer)
+    if path is None:
+        raise ValueError(f"speculate {options.speculate} needs firp_file PATH: no FIRP maps are shipped for "
+                         f"model {identity.name!r} (train them with `speedpipe train-predictor --kind firp`)")
+    pred = load_predictor(path, expect=identity, kind="firp")
+    k = default_firp_k(pred.meta) if options.firp_k is None else options.firp_k
+    if k > int(pred.meta["k"]):
+        raise ValueError(f"firp_k {k} is more than the {pred.meta['k']} maps in {path}")
+    if not 0 <= pred.exit_layer < config.num_hidden_layers:
+        raise ValueError(f"FIRP file {path} has layer {pred.exit_layer}, outside the model's {config.num_hidden_layers}")
+    return FirpSetup(Path(path).read_bytes(), pred.exit_layer, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A validated run: model folder, architecture, tokenizer, the per-stage layer ranges, the exit
+    layer, and what the exit stage and the FIRP stage load. Whether an exit head runs after
+    `exit_layer` at all is the run configuration's `needs_exit_head`."""
+
+    model_dir: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    ranges: list[LayerRange]
+    exit_layer: int
+    firp: FirpSetup | None = None
+    exit_predictor: bytes = b""  # trained early-exit predictor file for the exit stage; b"" = logit lens
+    predictor_note: str = ""  # what the exit head is, for the user
+
+    @property
+    def exit_stage(self) -> int:
+        """Index of the stage holding the exit layer."""
+        return next(i for i, r in enumerate(self.ranges) if self.exit_layer in r)
+
+
+def stage_extra_cost(options: RunConfig, config: ModelConfig, *, exit_rows: int | None = None) -> list[float]:
+    """Per-stage cost beyond its decoder layers, in layer units: the LM head on the last stage, and an
+    exit head on stage 0 when speculation uses one there ([Note: partition cost]). exit_rows: the
+    LM-head rows the exit head scores (a trained head's draft vocabulary; default the whole vocabulary)."""
+    h, d = config.hidden_size, config.head_dim
+    layer_params = (h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+                    + 3 * h * config.intermediate_size)
+    head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=h, layer_params=layer_params)
+    extra = [0.0] * options.num_stages
+    extra[-1] += head
+    if _stage0_exit_head(options):
+        extra[0] += head * (exit_rows or config.vocab_size) / config.vocab_size
+    return extra
+
+
+def _stage0_exit_head(options: RunConfig) -> bool:
+    """The exit head runs on stage 0 (after its last layer, the default exit layer)."""
+    return options.needs_exit_head and options.exit_layer is None
+
+
+def default_split(options: RunConfig, config: ModelConfig, model_dir: Path) -> list[LayerRange]:
+    """The balanced split, costing the exit head by the draft vocabulary of the head it will run.
+
+    The exit layer (last layer of stage 0) picks the head and the head's cost moves the split, so
+    every exit layer is tried: a layer is consistent when the split costed with that layer's head
+    ends stage 0 there. The cheapest consistent split wins (ties: the earlier exit layer); without
+    one, the whole-vocabulary split ([Note: partition cost] in pipeline/model/partition.py)."""
+    def split(rows: int) -> tuple[float, list[LayerRange]]:
+        extra = stage_extra_cost(options, config, exit_rows=rows)
+        ranges = balanced_split(config.num_hidden_layers, options.num_stages, extra_cost=extra)
+        return max(len(r) + c for r, c in zip(ranges, extra, strict=True)), ranges
+
+    fallback = split(config.vocab_size)[1]
+    if not _stage0_exit_head(options):
+        return fallback
+    consistent = []
+    for layer in range(config.num_hidden_layers - 1):
+        rows = exit_head_rows(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                              model_dir=model_dir, config=config, exit_layer=layer)
+        cost, ranges = split(rows)
+        if ranges[0].stop - 1 == layer:
+            consistent.append((cost, layer, ranges))
+    return min(consistent, key=lambda c: c[:2])[2] if consistent else fallback
+
+
+def resolve(options: PipelineOptions) -> RunPlan:
+    """Resolve and validate the model, split, exit head and FIRP file. Raises ValueError /
+    FileNotFoundError (user errors, naming the parameter)."""
+    model_dir = resolve_model(options.model, cache_dir=options.cache_dir, progress=options.progress)
+    config = ModelConfig.from_model_dir(model_dir)
+    if options.layer_split:
+        ranges = split_from_sizes(parse_layer_split(options.layer_split), config.num_hidden_layers)
+        if len(ranges) != options.num_stages:
+            raise ValueError(f"layer_split {options.layer_split} has {len(ranges)} stages, but num_stages is "
+                             f"{options.num_stages}")
+    else:
+        ranges = default_split(options, config, model_dir)
+    reader = CheckpointReader(model_dir)
+    for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
+        reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
+    exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
+    if options.uses_speed:
+        if options.num_stages < 2:
+            raise ValueError(f"speculate {options.speculate} needs num_stages >= 2 (one stage has no idle stage "
+                             f"for drafts to fill)")
+        if not 0 <= exit_layer < config.num_hidden_layers - 1:
+            raise ValueError(f"exit_layer {exit_layer} must be in [0, {config.num_hidden_layers - 1}) "
+                             f"(a layer before the model's last)")
+    choice = None
+    if options.needs_exit_head:
+        choice = choose_exit_predictor(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                                       model_dir=model_dir, config=config, exit_layer=exit_layer)
+    firp = resolve_firp(options, model_dir, config, exit_layer) if options.uses_firp else None
+    return RunPlan(model_dir, config, Tokenizer(model_dir), ranges, exit_layer, firp,
+                   exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "")

@@ -1,0 +1,196 @@
+"""Pipeline session: place the stages, load them, start the coordinator, tear down on every exit path.
+
+Owns the order of start-up (everything that can be validated is validated *before* any process is
+spawned, in PipelineOptions and launcher/coordinator/run_plan.py, so bad input leaves nothing behind), the
+choice of placement backend (local processes, Ray actors, or the torchrun-style multi-node mode;
+see launcher/backends/placement.py), the coordinator's and the stages' views of the run configuration, the
+health check before any work is admitted, the hooks the coordinator's fail-over uses to restart a
+stage (launcher/coordinator/stage_failover.py; local stages only), and teardown. Serving and benchmarking front
+ends reuse it.
+Must not: parse command lines (launcher/cli/main.py) or format output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from launcher.backends.local import LocalStageBackend
+from launcher.backends.placement import StageBackend
+from launcher.backends.stage_group import LocalStageProcesses
+from launcher.backends.worker_command import LocalLaunchConfig
+from launcher.coordinator.coordinator import Coordinator, CoordinatorConfig, PipelineError
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import RunPlan
+from launcher.coordinator.stage_failover import StageFailover
+from launcher.coordinator.stage_restarts import RestartBudget, RestartLedger
+from pipeline.model.stage_assembly import StageLoadSpec
+from pipeline.speculation.predictors import Predictor
+from proto import speedpipe_pb2 as pb
+from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
+
+log = logging.getLogger("speedpipe.launch")
+REJOIN_WAIT_S = 120  # how long a stage whose data plane broke waits for the coordinator's Rejoin
+
+
+def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: str,
+                       master_port: int) -> CoordinatorConfig:
+    """The coordinator's view of the run: its limits, the data-plane rendezvous, and the exit stage
+    (-1 when the pipeline runs no exit head)."""
+    return CoordinatorConfig(
+        scheduler=options.scheduler_config(eos_token_ids=tuple(plan.tokenizer.eos_token_ids),
+                                           firp_k=plan.firp.k if plan.firp else 0),
+        stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
+        predictor=options.predictor, exit_stage=plan.exit_stage if options.needs_exit_head else -1,
+        record_timeline=options.record_timeline)
+
+
+def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: str,
+                     master_port: int) -> list[StageLoadSpec]:
+    """Each stage's view of the run, in stage order: its layers and limits, whether the pipeline
+    runs an exit head (exit_layer, -1 for none) and, for the stages that hold them, the exit
+    head's and the FIRP maps' files."""
+    firp = plan.firp
+    return [StageLoadSpec(
+        model_dir=str(plan.model_dir), stage_index=i, num_stages=options.num_stages, layer_range=r,
+        dtype=options.dtype, device=options.device, max_num_seqs=options.max_num_seqs,
+        max_model_len=options.max_model_len, num_threads=options.threads_per_stage, dist_master_addr=master_addr,
+        dist_master_port=master_port, stage_timeout_s=options.stage_timeout_s,
+        exit_layer=plan.exit_layer if options.needs_exit_head else -1,
+        exit_predictor=plan.exit_predictor if options.needs_exit_head and i == plan.exit_stage else b"",
+        firp_layer=firp.layer if firp else -1, firp_k=firp.k if firp else 0,
+        firp_file=firp.file_bytes if firp and firp.layer in r else b"", quantization=options.quantization)
+        for i, r in enumerate(plan.ranges)]
+
+
+class PipelineSession:
+    """Context manager: spawn the stage workers, load them, start the coordinator; stop all on exit.
+
+    Raises PipelineError if a stage fails to start or load (naming the stage).
+    """
+
+    def __init__(self, options: PipelineOptions, model: RunPlan, *, predictor: Predictor | None = None,
+                 restart_budget: RestartBudget | None = None, tls: TlsFiles | None = None) -> None:
+        """model: the plan `launcher.coordinator.run_plan.resolve(options)` made. predictor: a Predictor object
+        overriding options.predictor on the coordinator side; it must agree with it on
+        `needs_exit_head` (the stages are built for that). Raises ValueError if it does not.
+        restart_budget: stage fail-over (--max-stage-restarts); None or 0 restarts: a failed stage
+        fails every request. tls: TLS files of the stages' control plane (serve --tls-cert/--tls-key)."""
+        if predictor is not None and options.uses_speed and predictor.needs_exit_head != options.needs_exit_head:
+            raise ValueError(f"predictor override {type(predictor).__name__} needs_exit_head={predictor.needs_exit_head}, "
+                             f"but predictor {options.predictor!r} (the stages' build) has {options.needs_exit_head}")
+        self.tls = tls
+        self.predictor = predictor
+        self.restart_budget = restart_budget or RestartBudget(max_restarts=0)
+        self.options = options
+        self.model = model
+        self.backend: StageBackend | None = None
+        self.coordinator: Coordinator | None = None
+        self.load_responses = []
+        self.control_secret = new_secret()  # [Note: control-plane secret] in workers/control_auth.py
+
+    def __enter__(self) -> PipelineSession:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def placement(self) -> list[str]:
+        """One line per stage: which layers (and which extra modules) it holds."""
+        m, lines = self.model, []
+        for i, r in enumerate(m.ranges):
+            extra = [name for name, holds in (("embedding", i == 0), ("final norm + LM head", i == len(m.ranges) - 1),
+                     (f"{'trained ' if m.exit_predictor else ''}exit head after layer {m.exit_layer}",
+                      self.options.needs_exit_head and i == m.exit_stage),
+                     (f"FIRP maps (k={m.firp.k}) after layer {m.firp.layer}" if m.firp else "",
+                      m.firp is not None and m.firp.layer in r))
+                     if holds]
+            lines.append(f"stage {i}: layers {r} ({len(r)})" + "".join(f" + {e}" for e in extra))
+        return lines
+
+    @property
+    def processes(self) -> LocalStageProcesses | None:
+        """The local stage processes (local backend only; None otherwise)."""
+        return self.backend.processes if isinstance(self.backend, LocalStageBackend) else None
+
+    def _make_backend(self) -> StageBackend:
+        opt = self.options
+        if opt.placement.backend == "ray":
+            from launcher.backends.ray import RayStageActors  # ray is imported only there
+
+            return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
+                                  log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
+                                  control_secret=self.control_secret, tls=self.tls)
+        if opt.placement.multi_node:
+            from launcher.backends.multinode import MultiNodeStages
+
+            return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
+                                   threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret,
+                                   tls=self.tls)
+        return LocalStageBackend(LocalLaunchConfig(
+            num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
+            env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})},
+            # a stage whose data plane broke waits to be rejoined ([Note: fail-over]):
+            extra_args=("--rejoin-wait-s", str(REJOIN_WAIT_S)) if self.restart_budget.max_restarts else ()))
+
+    def _start(self) -> None:
+        opt, m = self.options, self.model
+        for line in self.placement():
+            log.info("%s", line)
+        self.backend = self._make_backend()
+        addresses = self.backend.start()
+        master_addr, port = self.backend.master_addr, self.backend.data_port()
+        self.coordinator = Coordinator(coordinator_config(opt, m, master_addr=master_addr, master_port=port),
+                                       m.tokenizer, addresses, predictor=self.predictor,
+                                       control_secret=self.control_secret, tls=self.tls)
+        self.backend.watch(self._on_stage_death)
+        specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
+        self.load_responses = self.coordinator.start(specs)
+        self._check_health()
+        self.coordinator.failover = self._failover(master_addr)
+
+    def _failover(self, master_addr: str) -> StageFailover | None:
+        """The coordinator's fail-over hooks ([Note: fail-over]), or None (no restarts allowed, or a
+        backend that cannot restart one stage yet: Ray and multi-node fail every request instead)."""
+        if not self.restart_budget.max_restarts:
+            return None
+        backend = self.backend
+        if not isinstance(backend, LocalStageBackend):
+            log.warning("stage fail-over is implemented for local stages only (not for %s): a failed stage "
+                        "fails every request", type(backend).__name__)
+            return None
+        opt, m = self.options, self.model
+        return StageFailover(
+            budget=RestartLedger(self.restart_budget), restart_stage=backend.restart_stage,
+            dead_stages=lambda: [i for i, _ in backend.processes.dead_stages()], data_port=backend.data_port,
+            load_specs=lambda port: stage_load_specs(opt, m, master_addr=master_addr, master_port=port),
+            pause_watch=backend.unwatch, resume_watch=lambda: backend.watch(self._on_stage_death))
+
+    def _check_health(self) -> None:
+        """Every stage must report SERVING before any work is admitted. Raises PipelineError."""
+        for i, health in enumerate(self.coordinator.health()):
+            if health.status != pb.HealthResponse.SERVING:
+                raise PipelineError(f"{self.backend.describe(i)} is not healthy after start-up: "
+                                    f"{pb.HealthResponse.Status.Name(health.status)} {health.message}".rstrip())
+
+    def _on_stage_death(self, stage_index: int, description: str) -> None:
+        if self.coordinator is not None:
+            self.coordinator.fail(PipelineError(description))
+
+    def close(self) -> None:
+        """Stop the coordinator and every stage worker; idempotent."""
+        if self.backend is not None:
+            self.backend.unwatch()
+        if self.coordinator is not None:
+            try:
+                self.coordinator.shutdown()
+            except Exception as exc:  # noqa: BLE001 - teardown must go on
+                log.warning("coordinator shutdown: %s", exc)
+            self.coordinator = None
+        if self.backend is not None:
+            self.backend.stop()
+            self.backend = None

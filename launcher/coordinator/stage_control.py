@@ -1,0 +1,80 @@
+"""The coordinator's control-plane calls to its stages: Load every stage while joining the data
+plane (the first failure winning), and stop them all.
+
+Owns running the blocking start-up calls in daemon threads, naming the stage that failed, and
+the Shutdown round. Must not: serve requests (launcher/coordinator/coordinator.py does) or spawn processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from launcher.coordinator.request_handle import PipelineError
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
+from workers.load_spec_codec import StageLoadSpec, spec_to_proto
+
+
+def in_daemon_thread(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """Run fn(*args, **kwargs) in a daemon thread; its outcome lands in the returned Future."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=getattr(fn, "__name__", "start-up"), daemon=True).start()
+    return fut
+
+
+def wait_reachable(channels: Sequence[grpc.Channel], *, timeout_s: float = 30.0) -> None:
+    """Wait for every stage's control plane. Raises PipelineError naming the first unreachable one."""
+    for i, channel in enumerate(channels):
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise PipelineError(f"stage {i} control plane is not reachable") from None
+
+
+def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[StageLoadSpec],
+                  join: Callable[[], None], *, timeout_s: float) -> list[pb.LoadStageResponse]:
+    """Load every stage (one Load RPC each) while `join` joins the data plane; returns the Load
+    responses in stage order. Raises PipelineError naming the stage (or the coordinator) that
+    failed first, or on timeout."""
+    # Daemon threads, not a ThreadPoolExecutor: after a failed start a join may stay blocked in
+    # the rendezvous, and the interpreter must still be able to exit.
+    loads = {in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
+             for i, (stub, spec) in enumerate(zip(stubs, specs, strict=True))}
+    joined = in_daemon_thread(join)
+    # The first failure wins: a stage whose weights are bad fails its Load at once, while the
+    # others would only time out later waiting for it to join the data plane.
+    done, pending = concurrent.futures.wait([*loads, joined], timeout=timeout_s,
+                                            return_when=concurrent.futures.FIRST_EXCEPTION)
+    if pending and not any(f.exception() for f in done):
+        raise PipelineError(f"stages did not load and join the data plane within {timeout_s:g} s")
+    failed = sorted((loads.get(f, len(specs)), f) for f in done if f.exception() is not None)
+    if failed:
+        index, fut = failed[0]
+        exc = fut.exception()
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        who = f"stage {index}" if index < len(specs) else "coordinator"
+        raise PipelineError(f"{who} failed to load: {detail}")
+    return [f.result() for f in sorted(loads, key=loads.get)]
+
+
+def shutdown_stages(stubs: Sequence[pb_grpc.StageServiceStub], channels: Sequence[grpc.Channel], *,
+                    reason: str) -> None:
+    """Ask every stage to shut down (a stage already gone is fine) and close the channels."""
+    for stub in stubs:
+        try:
+            stub.Shutdown(pb.ShutdownRequest(reason=reason), timeout=5)
+        except grpc.RpcError:
+            pass
+    for ch in channels:
+        ch.close()

@@ -1,0 +1,103 @@
+"""Stage fail-over: restarting the stages that died or hung, and re-forming the data plane.
+
+Owns the hooks a session hands the coordinator (`StageFailover`; the restart budget itself,
+`--max-stage-restarts` within `--restart-window-s`, is launcher/coordinator/stage_restarts.py), deciding
+which stages must be restarted (dead processes, and
+hung ones: a `Health` call that runs into its deadline), and the control round that moves every
+stage into a fresh data-plane group (`Load` for a restarted stage, `Rejoin` for the others).
+Must not: touch the engine or the requests (launcher/coordinator/coordinator.py replays them), or spawn
+processes itself (the placement backend's `restart_stage` does: launcher/backends/local.py).
+
+[Note: fail-over]
+A dead stage (its process exited: launcher/backends/stage_monitor.py), a hung one (missed heartbeats:
+launcher/coordinator/stage_heartbeat.py) or a failed data-plane transfer reaches the coordinator's engine
+thread as an error. With budget left, that thread, which alone drives the engine, recovers in
+place while new requests queue behind it (clients see a pause, not an error):
+1. bump the coordinator's generation: results, exit events and errors of the old ring that are
+   still queued or still arrive are dropped; the old receivers end quietly;
+2. restart every stage whose process died or whose control plane does not answer within
+   `HUNG_PROBE_S` (the backend kills it first), with the same arguments and session secret;
+3. pick a new rendezvous port; `Load` each restarted stage (weights, empty KV cache, join) and
+   `Rejoin` each surviving one (retire its loop, clear its KV cache, join) while the coordinator
+   joins as rank 0: a new TCPStore and a new gloo group on every rank, never the old ones;
+4. warm the ring up, start new receivers, and step the engine with `ReplayRunning`: every running
+   sequence is prefilled again from prompt + committed tokens ([Note: replay] in pipeline/engine/engine.py).
+A failure during these steps counts as another restart. Past the budget the coordinator fails
+every request as before (serve: /health 503, the server keeps answering).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from launcher.coordinator.request_handle import PipelineError
+from launcher.coordinator.stage_control import in_daemon_thread
+from launcher.coordinator.stage_restarts import RestartLedger
+from pipeline.model.stage_assembly import StageLoadSpec
+from proto import speedpipe_pb2 as pb
+from workers.load_spec_codec import spec_to_proto
+
+log = logging.getLogger("speedpipe.failover")
+
+HUNG_PROBE_S = 2.0  # a stage whose Health call does not answer within this is hung: restart it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageFailover:
+    """What the coordinator needs from its session to recover ([Note: fail-over]).
+
+    budget: the restarts so far, against --max-stage-restarts / --restart-window-s.
+    restart_stage(i) -> address: kill stage i if it runs, start it again, its control address.
+    dead_stages() -> indices of stages whose process has exited.
+    data_port() -> a free port for the next rendezvous; load_specs(port): every stage's Load spec.
+    pause_watch / resume_watch: stop and restart the process monitor around the restarts.
+    """
+
+    budget: RestartLedger
+    restart_stage: Callable[[int], str]
+    dead_stages: Callable[[], Sequence[int]]
+    data_port: Callable[[], int]
+    load_specs: Callable[[int], Sequence[StageLoadSpec]]
+    pause_watch: Callable[[], None] = lambda: None
+    resume_watch: Callable[[], None] = lambda: None
+
+
+def stages_to_restart(stubs: Sequence, dead: Sequence[int], *, probe_s: float = HUNG_PROBE_S) -> list[int]:
+    """The dead stages plus those whose Health call does not answer within `probe_s` (hung, or
+    refusing: a process that is gone but not yet reaped)."""
+    calls = {i: stub.Health.future(pb.HealthRequest(), timeout=probe_s) for i, stub in enumerate(stubs) if i not in dead}
+    silent = []
+    for i, call in calls.items():
+        try:
+            call.result()
+        except grpc.RpcError:
+            silent.append(i)
+    return sorted({*dead, *silent})
+
+
+def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[int], join: Callable[[], None],
+               *, timeout_s: float) -> None:
+    """Load the restarted stages and Rejoin the others at the specs' rendezvous port, while `join`
+    joins it as rank 0. Raises PipelineError naming the first stage (or the coordinator) that failed."""
+    port = specs[0].dist_master_port
+    calls = {}
+    for i, (stub, spec) in enumerate(zip(stubs, specs, strict=True)):
+        if i in restarted:
+            calls[in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s)] = f"stage {i} (Load)"
+        else:
+            request = pb.RejoinRequest(dist_master_port=port, join_timeout_s=timeout_s)
+            calls[in_daemon_thread(stub.Rejoin, request, timeout=timeout_s)] = f"stage {i} (Rejoin)"
+    calls[in_daemon_thread(join)] = "coordinator (join)"
+    deadline = time.monotonic() + timeout_s
+    for fut, who in calls.items():
+        try:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            raise PipelineError(f"{who} failed while re-forming the data plane: {exc.details()}") from None
+        except Exception as exc:  # noqa: BLE001 - named and handed on
+            raise PipelineError(f"{who} failed while re-forming the data plane: {exc or type(exc).__name__}") from None

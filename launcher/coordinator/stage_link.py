@@ -1,0 +1,61 @@
+"""The coordinator's data-plane link: rank 0's channel to stage 0 and from the last stage.
+
+Owns joining the data plane as rank 0, the warm-up round, and turning the engine's output into
+messages (RELEASE, FORWARD), keepalives and the in-band SHUTDOWN. Must not: decide what to send
+(pipeline/engine/engine.py does) or receive results (launcher/coordinator/stage_receivers.py does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from launcher.coordinator.request_handle import PipelineError
+from pipeline.engine.events import StepOutput
+from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage, world_size
+from workers.channel import Channel, DataPlaneGroup, SendQueue
+
+
+class StageLink:
+    """Rank 0's end of the ring. `join` first (it blocks until every stage joined)."""
+
+    def __init__(self, *, num_stages: int, master_addr: str, master_port: int, timeout_s: float,
+                 max_num_seqs: int, record_timeline: bool) -> None:
+        self.num_stages, self.master_addr, self.master_port = num_stages, master_addr, master_port
+        self.timeout_s, self.max_num_seqs, self.record_timeline = timeout_s, max_num_seqs, record_timeline
+        self.channel: Channel | None = None
+        self.sends: SendQueue | None = None
+        self.first, self.last = rank_of_stage(0), rank_of_stage(num_stages - 1)
+
+    def join(self) -> None:
+        """Join the data plane as rank 0 (host of its rendezvous). Raises RuntimeError on timeout."""
+        group = DataPlaneGroup(master_addr=self.master_addr, master_port=self.master_port, rank=COORDINATOR_RANK,
+                               world_size=world_size(self.num_stages), timeout_s=self.timeout_s, device="cpu")
+        self.channel = Channel(group, timeout_s=self.timeout_s, label="[coordinator] ",
+                               max_payload_bytes=(1 << 20) * max(64, self.max_num_seqs))
+        self.sends = SendQueue(self.channel)  # the engine never blocks on stage 0 ([Note: background sends])
+
+    def warm_up(self) -> None:
+        """Create every neighbour link in one fixed order: one KEEPALIVE round the ring."""
+        self.channel.send(Message(MessageKind.KEEPALIVE), self.first)
+        msg = self.channel.recv(self.last)
+        if msg.kind != MessageKind.KEEPALIVE:
+            raise PipelineError(f"warm-up: expected KEEPALIVE back from the last stage, got {msg.kind.name}")
+
+    def send_step(self, out: StepOutput) -> None:
+        """Send the engine's releases (one RELEASE), then each of its micro-batches (FORWARD: the
+        token ids as tensor "x", items without them; a timing list when a timeline is recorded)."""
+        if out.releases:
+            self.sends.send(Message(MessageKind.RELEASE, releases=list(out.releases)), self.first)
+        for batch in out.sends:
+            tokens = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
+            self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens},
+                                    [] if self.record_timeline else None), self.first)
+
+    def keepalive(self) -> None:
+        """A KEEPALIVE round the ring, so idle stages hear something within their deadline."""
+        self.sends.send(Message(MessageKind.KEEPALIVE), self.first)
+
+    def shutdown(self) -> None:
+        """The in-band SHUTDOWN, after everything queued. Raises ChannelError if a send fails."""
+        self.sends.send(Message(MessageKind.SHUTDOWN), self.first)
+        self.sends.flush()

@@ -1,0 +1,74 @@
+"""Stage receivers: the coordinator's threads that block on data-plane receives from the stages.
+
+Owns turning what arrives from the last stage (RESULT) and from the exit stage (EXIT_GUESS) into
+engine events (pipeline/engine/events.py), and ending on the in-band SHUTDOWN each of those
+stages sends. Must not: touch the engine (only the coordinator's engine thread does), or send.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from pipeline.engine.events import ExitPassed, Result
+from pipeline.engine.wire import Message, MessageKind, rank_name
+from pipeline.speculation.predictors import ExitGuess
+from workers.channel import Channel, ChannelError
+
+
+class ReceiverError(RuntimeError):
+    """A stage sent something the coordinator cannot use, or the data plane failed."""
+
+
+def exit_event(msg: Message, *, now_ns: int) -> ExitPassed:
+    """An EXIT_GUESS message as an engine event. Its time: when the exit stage finished the items
+    (its StageTiming) if timed, else `now_ns` (when it arrived)."""
+    tokens, probs = msg.tensors.get("exit_tokens"), msg.tensors.get("exit_probs")
+    guesses = tuple(None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
+                    for i in range(len(msg.items)))
+    at_ns = msg.timing[-1].end_ns if msg.timing else now_ns
+    return ExitPassed(items=tuple(msg.items), guesses=guesses, at_ns=at_ns)
+
+
+def result_event(msg: Message, *, now_ns: int) -> Result:
+    """A RESULT message as an engine event, stamped `now_ns` (when it arrived)."""
+    return Result(items=tuple(msg.items), token_ids=msg.tensors["token_ids"], logits=msg.tensors.get("logits"),
+                  firp_tokens=msg.tensors.get("firp_tokens"), firp_probs=msg.tensors.get("firp_probs"),
+                  timing=tuple(msg.timing or ()), at_ns=now_ns)
+
+
+def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, events: queue.Queue,
+                    stopping: threading.Event, generation: int = 0) -> list[threading.Thread]:
+    """One daemon thread per rank in `ranks`, each putting ("event", (generation, engine event)) or
+    ("error", (generation, ReceiverError)) on `events`; a channel error while `stopping` is set ends
+    the thread quietly. generation: the coordinator's data-plane generation (fail-over drops old ones)."""
+    threads = [threading.Thread(target=_receive_loop,
+                                args=(channel, rank, rank == last_rank, events, stopping, generation),
+                                name=f"receiver-{rank}", daemon=True) for rank in ranks]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queue, stopping: threading.Event,
+                  generation: int) -> None:
+    """Blocking receives from `rank` (the last stage, or the exit stage's EXIT_GUESS messages)."""
+    while True:
+        try:
+            msg = channel.recv(rank)
+        except ChannelError as exc:
+            if not stopping.is_set():
+                events.put(("error", (generation, ReceiverError(str(exc)))))
+            return
+        if stopping.is_set():
+            return  # a fail-over replaced this ring
+        if msg.kind == MessageKind.RESULT and is_last:
+            events.put(("event", (generation, result_event(msg, now_ns=time.perf_counter_ns()))))
+        elif msg.kind == MessageKind.EXIT_GUESS:
+            events.put(("event", (generation, exit_event(msg, now_ns=time.perf_counter_ns()))))
+        elif msg.kind == MessageKind.SHUTDOWN:  # from the last stage, and from the exit stage
+            return
+        elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE) or not is_last:
+            events.put(("error", (generation, ReceiverError(f"unexpected {msg.kind.name} from {rank_name(rank)}"))))
+            return

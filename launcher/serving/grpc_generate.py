@@ -1,0 +1,133 @@
+"""gRPC front end: `GenerateService` of proto/speedpipe.proto, served by the coordinator's process.
+
+`Generate` streams one `GenerateResponse` per commit; the last has finish_reason, usage and timing.
+Status codes: INVALID_ARGUMENT for bad input (the message names the field), RESOURCE_EXHAUSTED
+when the queue is full, UNAVAILABLE when the pipeline failed or the server is fenced or draining
+(also mid-stream), UNAUTHENTICATED for Generate without `authorization: Bearer KEY` metadata when
+the server has --api-key (Health stays open, as HTTP /health). A cancelled RPC (client gone,
+deadline passed) aborts the request, freeing its KV slot on every stage. `Health` is SERVING only
+while the coordinator and every stage are.
+Must not: hold generation logic (launcher/serving/serving_engine.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import uuid
+
+import grpc
+
+from launcher.coordinator.coordinator import PipelineError
+from launcher.serving.serving_engine import (
+    InvalidRequestError,
+    QueueFullError,
+    ServingEngine,
+    UnavailableError,
+)
+from pipeline.speculation.sampling import SamplingParams, TokenLogprob
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
+from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
+
+log = logging.getLogger("speedpipe.serve")
+FINISH = {"length": pb.GenerateResponse.LENGTH, "stop": pb.GenerateResponse.STOP, "eos": pb.GenerateResponse.EOS,
+          "aborted": pb.GenerateResponse.ABORTED}
+
+
+def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list[int], SamplingParams]:
+    """Prompt ids and sampling parameters of a GenerateRequest. Raises InvalidRequestError naming the field."""
+    which = req.WhichOneof("input")
+    if which is None:
+        raise InvalidRequestError("exactly one of 'prompt' or 'prompt_token_ids' must be set", "prompt")
+    if which == "prompt":
+        if not req.prompt:
+            raise InvalidRequestError("'prompt' is empty", "prompt")
+        ids = engine.tokenizer.encode(req.prompt)
+    else:
+        ids = list(req.prompt_token_ids.ids)
+    if req.max_new_tokens < 1:
+        raise InvalidRequestError(f"'max_new_tokens' must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
+    engine.check_prompt(ids, req.max_new_tokens, prompt_field=which)
+    try:
+        params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+                                top_p=req.top_p or 1.0, seed=req.seed if req.HasField("seed") else None,
+                                stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+                                logprobs=req.logprobs if req.HasField("logprobs") else None)
+    except ValueError as exc:  # the message names the parameter: "top_p must be ..." -> field 'top_p'
+        field = str(exc).split()[0].lstrip("-").replace("-", "_")
+        raise InvalidRequestError(str(exc).replace(str(exc).split()[0], f"'{field}'", 1), field) from None
+    return ids, params
+
+
+def _token_logprob(entry: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
+
+
+class GenerateServicer(pb_grpc.GenerateServiceServicer):
+    """GenerateService over a ServingEngine."""
+
+    def __init__(self, engine: ServingEngine) -> None:
+        self.engine = engine
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):  # noqa: N802 - gRPC name
+        try:
+            ids, params = request_params(request, self.engine)
+            rid = request.request_id or f"grpc-{uuid.uuid4().hex[:24]}"
+            stream = self.engine.start(ids, params, request_id=rid)
+        except InvalidRequestError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except UnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except PipelineError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
+        context.add_callback(stream.cancel)  # runs when the RPC ends: a no-op unless it was cancelled
+        try:
+            for chunk in stream:
+                msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
+                                          logprobs=[_token_logprob(e) for e in chunk.logprobs or ()])
+                if chunk.finish_reason is not None:
+                    msg.finish_reason = FINISH.get(chunk.finish_reason, pb.GenerateResponse.ABORTED)
+                    final = stream.final
+                    msg.usage.prompt_tokens, msg.usage.completion_tokens = final.prompt_tokens, final.completion_tokens
+                    msg.timing.ttft_s, msg.timing.e2e_s = final.ttft_s, final.e2e_s
+                yield msg
+        except UnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except PipelineError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:  # noqa: N802
+        ok, why = self.engine.healthy()
+        return pb.HealthResponse(status=pb.HealthResponse.SERVING if ok else pb.HealthResponse.UNHEALTHY, message=why)
+
+
+class GrpcServer:
+    """A gRPC server with GenerateService on host:port (port 0 = any free port; see `.port`);
+    Generate needs `authorization: Bearer api_key` metadata when api_key is set."""
+
+    def __init__(self, engine: ServingEngine, *, host: str, port: int, api_key: str | None = None) -> None:
+        workers = engine.max_num_seqs + engine.max_queue + 4  # one thread per stream, plus refusals
+        interceptors = [] if api_key is None else [SecretCheckInterceptor(
+            key=API_KEY_METADATA_KEY, expected=f"Bearer {api_key}", what="API key (`authorization: Bearer KEY`)",
+            exempt=("/speedpipe.v1.GenerateService/Health",))]
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                                        thread_name_prefix="grpc-generate"),
+                                  maximum_concurrent_rpcs=workers, interceptors=interceptors)
+        pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine), self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen for gRPC on {host}:{port}")
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(grace=1).wait(5)

@@ -1,0 +1,388 @@
+"""OpenAI-compatible HTTP front end (FastAPI on uvicorn).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
+server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (200, or 503 with the
+reason while the pipeline or any stage is unhealthy) and `GET /metrics` (Prometheus text).
+Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting) → 400, wrong or missing
+`Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
+--max-request-bytes → 413, full queue → 429, failed, fenced or draining server → 503, each with an
+OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; the server keeps serving. A
+stream that fails mid-way ends with an error event and `data: [DONE]`.
+Body decoding, validation and tokenisation run in a worker thread, so /health and the running
+streams are served while a large body is handled.
+A client that disconnects (or stops reading a stream) has its request aborted at once, which
+frees its KV slot on every stage.
+Must not: validate fields itself (launcher/serving/openai_protocol.py) or touch the coordinator directly
+(launcher/serving/serving_engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from launcher.coordinator.coordinator import PipelineError
+from launcher.serving import openai_protocol
+from launcher.serving.openai_logprobs import LogprobFormatter
+from launcher.serving.serving_engine import (
+    InvalidRequestError,
+    QueueFullError,
+    RequestStream,
+    ServingEngine,
+    UnavailableError,
+)
+from workers.control_auth import secret_matches
+
+log = logging.getLogger("speedpipe.serve")
+DISCONNECT_POLL_S = 0.2
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+class _BodyTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than {limit} bytes (--max-request-bytes)")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body; raises _BodyTooLarge as soon as it is known to exceed `limit` bytes."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _in_thread(fn, *args) -> Any:
+    """fn(*args) in a worker thread. If the request is cancelled meanwhile, a RequestStream the call
+    still returns is cancelled when it arrives (no orphaned generation)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def cancel_stream(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None:
+                t.result()[1].cancel()
+
+        task.add_done_callback(cancel_stream)
+        raise
+
+
+def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(openai_protocol.error_body(message, param, type_=type_, code=status), status_code=status)
+
+
+class _ChoiceStreams(list):
+    """The n RequestStreams of one request (choice i is element i; see `ParsedRequest.choice_params`)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+    def cancel(self) -> None:
+        """Abort every choice still running."""
+        for stream in self:
+            stream.cancel()
+
+
+async def _merged(streams: _ChoiceStreams):
+    """(choice index, chunk) of every choice's stream as they arrive; raises what a stream raises."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk, None))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            index, chunk, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if chunk is None:
+                left -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that cancels its request however the response ends: finished,
+    client gone, or cancelled before the body iterator even started."""
+
+    def __init__(self, content, *, stream: RequestStream, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._request_stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._request_stream.cancel()
+
+
+def _refused(request: Request, api_key: str | None) -> JSONResponse | None:
+    """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`); else a 401."""
+    if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
+        return None
+    return JSONResponse(openai_protocol.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
+                                         None, code="invalid_api_key"), status_code=401)
+
+
+def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protocol.ParsedRequest, _ChoiceStreams]:
+    """Decode, validate, tokenise and submit one request body (in a worker thread): n choices are n
+    independent sequences, seeds derived per choice (`ParsedRequest.choice_params`).
+    Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
+    body = openai_protocol.decode_body(raw)
+    tokenizer, model = engine.tokenizer, engine.model_name
+    if chat:
+        parsed = openai_protocol.parse_chat(body, tokenizer=tokenizer, model_name=model,
+                                            max_model_len=engine.max_model_len)
+    else:
+        parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model)
+    engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
+    if parsed.n > engine.max_num_seqs + engine.max_queue:
+        raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
+                                  f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")
+    streams = _ChoiceStreams(openai_protocol.new_id("chatcmpl" if chat else "cmpl"))
+    try:
+        for i, params in enumerate(parsed.choice_params()):
+            rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
+            streams.append(engine.start(parsed.prompt_ids, params, request_id=rid))
+    except BaseException:
+        streams.cancel()
+        raise
+    return parsed, streams
+
+
+def _choice_logprobs(formatter: LogprobFormatter, parsed: openai_protocol.ParsedRequest, chat: bool, ids: list[int],
+                     entries: list, prompt_entries, text_offset: int) -> dict[str, Any] | None:
+    """The `logprobs` object of (a chunk of) one choice, or None when the request asked for none.
+    prompt_entries: the prompt's logprobs (completions with echo, on the first chunk), else None."""
+    if parsed.params.logprobs is None:
+        return None
+    if chat:
+        return formatter.chat(ids, entries)
+    if prompt_entries is not None:  # echo: the prompt's tokens first
+        ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
+    return formatter.completion(ids, entries, text_offset=text_offset)
+
+
+def _echo_text(tokenizer, parsed: openai_protocol.ParsedRequest) -> str:
+    """The prompt's text when the request echoes it (completions `echo`), else ""."""
+    return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
+
+
+def _failure_message(exc: PipelineError | UnavailableError) -> str:
+    return str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}"
+
+
+def _unavailable(exc: PipelineError | UnavailableError) -> JSONResponse:
+    """503 for a fenced or draining server, or a failed pipeline."""
+    return _error(503, _failure_message(exc), None, type_="service_unavailable")
+
+
+def _admission_error(exc: Exception) -> JSONResponse:
+    """The response for an exception raised while admitting a request (see the module docstring)."""
+    if isinstance(exc, _BodyTooLarge):
+        return _error(413, str(exc), None)
+    if isinstance(exc, InvalidRequestError):
+        return _error(400, str(exc), exc.param)
+    if isinstance(exc, QueueFullError):
+        return _error(429, str(exc), None, type_="rate_limit_error")
+    if isinstance(exc, (UnavailableError, PipelineError)):
+        return _unavailable(exc)
+    return _error(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
+
+
+async def _collect(request: Request, stream: _ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,
+                   engine: ServingEngine, formatter: LogprobFormatter, chat: bool) -> Response:
+    """The whole answer of a non-streaming request (every choice); a client gone before it is ready aborts it."""
+    tokenizer, model = engine.tokenizer, engine.model_name
+    done = asyncio.Event()
+
+    async def watch() -> None:  # a client gone before the answer is ready aborts the request
+        while not done.is_set():
+            if await request.is_disconnected():
+                stream.cancel()
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.create_task(watch())
+    choices = []
+    try:
+        for index, choice in enumerate(stream):
+            text, ids, reason, entries, prompt_entries = [_echo_text(tokenizer, parsed)], [], None, [], None
+            async for chunk in choice:
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                entries.extend(chunk.logprobs or ())
+                prompt_entries = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_entries
+                reason = chunk.finish_reason or reason
+            choices.append(openai_protocol.completion_body(
+                request_id=stream.request_id, model=model, text="".join(text),
+                token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
+                chunk=False, chat=chat, index=index,
+                logprobs=_choice_logprobs(formatter, parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
+    except (UnavailableError, PipelineError) as exc:
+        return _unavailable(exc)
+    finally:
+        done.set()
+        watcher.cancel()
+        stream.cancel()
+    body = openai_protocol.completion_body(request_id=stream.request_id, model=model, text="", token_ids=None,
+                                 finish_reason=None, final=openai_protocol.merged_final([s.final for s in stream]),
+                                 chunk=False, chat=chat)
+    body["choices"] = choices
+    return JSONResponse(body)
+
+
+async def _stream(stream: _ChoiceStreams, parsed: openai_protocol.ParsedRequest, *, engine: ServingEngine,
+                  formatter: LogprobFormatter, chat: bool):
+    """Server-sent events of a streaming request (choices interleaved as they come), ending in
+    `data: [DONE]`, after an error event if the pipeline fails mid-way."""
+    tokenizer, model = engine.tokenizer, engine.model_name
+    rid = stream.request_id
+    offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
+    started: set[int] = set()
+    try:
+        if chat:
+            for index in range(len(stream)):
+                yield _sse(openai_protocol.completion_body(request_id=rid, model=model, text="", token_ids=None,
+                                                 finish_reason=None, final=None, chunk=True, chat=True,
+                                                 role=True, index=index))
+        async for index, chunk in _merged(stream):
+            if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
+                continue
+            text = chunk.text if index in started else _echo_text(tokenizer, parsed) + chunk.text
+            started.add(index)
+            ids = list(chunk.token_ids)
+            logprobs = _choice_logprobs(formatter, parsed, chat, ids, list(chunk.logprobs or ()),
+                                        chunk.prompt_logprobs, offsets[index])
+            if logprobs is not None and not chat:
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            yield _sse(openai_protocol.completion_body(
+                request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
+                finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
+                logprobs=logprobs))
+        final = openai_protocol.merged_final([s.final for s in stream])
+        if parsed.include_usage and final is not None:
+            yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))
+        yield "data: [DONE]\n\n"
+    except (PipelineError, UnavailableError) as exc:  # the stream ends with an error event, then [DONE]
+        yield _sse(openai_protocol.error_body(_failure_message(exc), None, type_="service_unavailable", code=503))
+        yield "data: [DONE]\n\n"
+    finally:  # also on client disconnect (the generator is cancelled / closed)
+        stream.cancel()
+
+
+def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
+    """Unauthenticated routes: /health, /metrics, and the error body of unknown routes."""
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else
+                      "invalid_request_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, why = await asyncio.to_thread(engine.healthy)
+        return Response(status_code=200) if ok else _error(503, why, type_="service_unavailable")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(engine.metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | None, max_request_bytes: int) -> None:
+    """/v1/models, /v1/completions and /v1/chat/completions, behind `Authorization: Bearer api_key` if set."""
+    formatter = LogprobFormatter(engine.tokenizer)
+
+    async def generate(request: Request, *, chat: bool) -> Response:
+        if (denied := _refused(request, api_key)) is not None:
+            return denied
+        try:
+            parsed, stream = await _in_thread(_admit, engine, await _read_body(request, max_request_bytes), chat)
+        except (_BodyTooLarge, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
+            return _admission_error(exc)  # InvalidRequestError is a ValueError
+        if parsed.stream:
+            return _AbortingStreamingResponse(_stream(stream, parsed, engine=engine, formatter=formatter, chat=chat),
+                                              stream=stream, media_type="text/event-stream")
+        return await _collect(request, stream, parsed, engine=engine, formatter=formatter, chat=chat)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if (denied := _refused(request, api_key)) is not None:
+            return denied
+        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "speedpipe",
+                "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+
+def build_app(engine: ServingEngine, *, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
+    app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_ops_routes(app, engine)
+    _add_openai_routes(app, engine, api_key=api_key, max_request_bytes=max_request_bytes)
+    return app
+
+
+class HttpServer:
+    """uvicorn serving `build_app(engine)` in a background thread (tests, and `serve` with gRPC).
+
+    `start()` returns once the socket listens; raises RuntimeError if it could not bind.
+    """
+
+    def __init__(self, engine: ServingEngine, *, host: str, port: int, log_level: str = "warning",
+                 api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        import uvicorn
+
+        app = build_app(engine, api_key=api_key, max_request_bytes=max_request_bytes)
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                     access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(self.config)
+        self._thread = threading.Thread(target=self.server.run, name="http-server", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server did not start on {self.config.host}:{self.config.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)

@@ -1,0 +1,60 @@
+"""OpenAI-style `logprobs` objects of responses: completions' legacy form and chat's `content` list.
+
+Owns turning the pipeline's `TokenLogprob` records (pipeline/speculation/sampling.py: raw-model log-probabilities,
+natural log, see [Note: logprobs and penalties] there) into the JSON shapes of the OpenAI API
+reference: for /v1/completions `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (with
+`echo`, the prompt's tokens come first, the very first one with logprob null), for
+/v1/chat/completions `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+Token strings are each token decoded alone (a byte-level token that is part of a multi-byte
+character decodes to U+FFFD, as in vLLM). `top_logprobs` lists the k most likely alternatives of
+each position (k = the request's `logprobs` / `top_logprobs`); the chosen token is reported in
+`tokens` / `token` whether or not it is among them.
+Must not: do I/O, validate requests (launcher/serving/openai_protocol.py) or know about the coordinator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import TokenLogprob
+
+
+class LogprobFormatter:
+    """Formats `TokenLogprob`s for one tokenizer; token strings are cached per id."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token decoded alone (special tokens kept)."""
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def completion(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], *,
+                   text_offset: int = 0) -> dict[str, Any]:
+        """The legacy completions `logprobs` object of `token_ids` (one entry each; None = the first
+        prompt token, which has no logprob). text_offset: character offset of the first token in
+        the choice's text; offsets then advance by each token's text length."""
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for t, entry in zip(token_ids, entries, strict=True):
+            tokens.append(self.token_text(t))
+            offsets.append(text_offset)
+            text_offset += len(tokens[-1])
+            logprobs.append(None if entry is None else entry.logprob)
+            tops.append(None if entry is None else {self.token_text(i): lp for i, lp in entry.top})
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The chat `logprobs` object: {"content": [one record per token]}."""
+        return {"content": [{**self._chat_token(t, e.logprob),
+                             "top_logprobs": [self._chat_token(i, lp) for i, lp in e.top]}
+                            for t, e in zip(token_ids, entries, strict=True)]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,325 @@
+"""OpenAI API request validation, chat-template rendering and response bodies.
+
+Owns turning a decoded JSON body of `POST /v1/completions` or `/v1/chat/completions` into prompt
+token ids and `SamplingParams` (every bad field → `InvalidRequestError` naming it, which the HTTP
+layer answers with 400 and an OpenAI-style error body), rendering chat messages with the model's
+own Jinja chat template (sandboxed, as Hugging Face does), and building the JSON objects of
+responses and stream chunks. Field semantics follow the OpenAI API reference; extensions as vLLM's:
+`ignore_eos`, `return_token_ids` (adds `token_ids` to each choice / chunk), `repetition_penalty`.
+`logprobs` (completions: an integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo`
+(completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
+presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py).
+Must not: do I/O or know about the coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+from launcher.serving.serving_engine import FinalInfo, InvalidRequestError
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
+MAX_STOP_STRINGS = 4
+# Fields this server does not implement: refused (400 naming the field) unless absent or set to a
+# value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
+# Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
+UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "logit_bias")
+MAX_N = 16  # most choices one request may ask for (each is a sequence in its own KV slot)
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: prompt ids, sampling parameters and response options."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    prompt_field: str
+    n: int = 1
+    echo: bool = False
+
+    def choice_params(self) -> list[SamplingParams]:
+        """The sampling parameters of each of the n choices: the same, but with seed + i for
+        choice i when a seed is given (so choices differ yet the request stays reproducible)."""
+        if self.params.seed is None:
+            return [self.params] * self.n
+        return [dataclasses.replace(self.params, seed=(self.params.seed + i) % 2**63) for i in range(self.n)]
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body. Raises InvalidRequestError (param "body") for bytes that are
+    not UTF-8 JSON, nesting deeper than MAX_JSON_DEPTH, or a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON allows but no tokenizer can encode)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:  # the C parser recurses per level: ~1000 levels of [ or {
+        raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
+                                  "body") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}", "body") from None
+    _check_value(value)
+    return value
+
+
+def _check_value(value: Any) -> None:
+    """Raise InvalidRequestError if `value` nests deeper than MAX_JSON_DEPTH or any string (key or
+    value) in it is not encodable as UTF-8. Iterative: never recurses."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} "
+                                          f"levels", "body")
+            children = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+            stack.extend((c, depth + 1) for c in children)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = v[exc.start:exc.end].encode("utf-8", "backslashreplace").decode()
+                raise InvalidRequestError(f"request body has a string that is not valid Unicode (lone surrogate "
+                                          f"{bad})", "body") from None
+
+
+def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"'{name}' must be a number, got {value!r}", name)
+    if value < lo or (lo_open and value == lo) or value > hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise InvalidRequestError(f"'{name}' must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _int(body: dict, name: str, default: int | None, *, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"'{name}' must be an integer, got {value!r}", name)
+    if value < lo or (hi is not None and value >= hi):
+        limit = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+        raise InvalidRequestError(f"'{name}' must be {limit}, got {value}", name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequestError("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    return tuple(stops)
+
+
+def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str, Any]:
+    """Validate the fields both endpoints share; returns keyword arguments of SamplingParams + options."""
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
+            raise InvalidRequestError(f"'{name}' = {value!r} is not supported by this server", name)
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise InvalidRequestError(f"'response_format' = {fmt!r} is not supported (only text)", "response_format")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _int({field: max_tokens}, field, max_tokens_default, lo=1)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise InvalidRequestError("'stream_options' must be an object", "stream_options")
+    for flag in ("stream", "ignore_eos", "return_token_ids", "echo"):
+        if not isinstance(body.get(flag, False), bool):
+            raise InvalidRequestError(f"'{flag}' must be true or false, got {body[flag]!r}", flag)
+    return {
+        "max_new_tokens": max_tokens,
+        "temperature": _number(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        "top_p": _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        "seed": _int(body, "seed", None, lo=0, hi=2**63),
+        "stop": _stop(body),
+        "ignore_eos": bool(body.get("ignore_eos", False)),
+        "stream": bool(body.get("stream", False)),
+        "include_usage": bool(stream_options.get("include_usage", False)),
+        "return_token_ids": bool(body.get("return_token_ids", False)),
+        "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
+    }
+
+
+def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
+    """Completions: `logprobs` (null or 0..MAX_LOGPROBS alternatives) and `echo` (prompt logprobs too)."""
+    lp = {"logprobs": None if body.get("logprobs") is False else body.get("logprobs")}  # false: none, as null
+    kw["logprobs"] = _int(lp, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
+    kw["echo"] = bool(body.get("echo", False))
+    if kw["echo"] and kw["logprobs"] is not None:
+        kw["prompt_logprobs"] = kw["logprobs"]
+
+
+def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
+    """Chat: `logprobs` (true/false) and `top_logprobs` (0..MAX_LOGPROBS, only with logprobs)."""
+    if body.get("echo"):
+        raise InvalidRequestError("'echo' is only supported on /v1/completions", "echo")
+    want = body.get("logprobs", False)
+    if want is not None and not isinstance(want, bool):
+        raise InvalidRequestError(f"'logprobs' must be true or false, got {want!r}", "logprobs")
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
+    if top is not None and not want:
+        raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    kw["logprobs"] = (top or 0) if want else None
+
+
+def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> ParsedRequest:
+    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids", "n", "echo") if k in kw}
+    return ParsedRequest(prompt_ids, SamplingParams(**kw), prompt_field=prompt_field, **options)
+
+
+def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str) -> ParsedRequest:
+    """A /v1/completions body. prompt: a string, a list of one string, or a list of token ids.
+    Raises InvalidRequestError naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", None)
+    kw = _common(body, model_name=model_name, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
+    _completion_logprobs(body, kw)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("'prompt' is empty", "prompt")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    elif prompt is None:
+        raise InvalidRequestError("'prompt' is required", "prompt")
+    else:
+        raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt per request)",
+                                  "prompt")
+    return _finish(kw, ids, "prompt")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str):
+        raise InvalidRequestError(f"chat template refused the messages: {message}", "messages")
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def render_chat(messages: Any, *, tokenizer: Tokenizer) -> str:
+    """The prompt text of `messages` under the model's chat template, ending with the assistant's
+    generation prompt. Raises InvalidRequestError ('messages') for malformed messages or a model
+    without a chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequestError(f"'messages[{i}].content' parts must all be of type 'text'",
+                                          f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
+        clean.append({"role": m["role"], "content": content})
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+    bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
+    eos = tokenizer.decode([tokenizer.eos_token_ids[0]], skip_special_tokens=False) if tokenizer.eos_token_ids else ""
+    return _compiled_template(tokenizer.chat_template).render(messages=clean, add_generation_prompt=True,
+                                                              bos_token=bos, eos_token=eos)
+
+
+def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> ParsedRequest:
+    """A /v1/chat/completions body; max_tokens defaults to what fits in max_model_len.
+    Raises InvalidRequestError naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", None)
+    text = render_chat(body.get("messages"), tokenizer=tokenizer)
+    ids = tokenizer.encode(text)
+    kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
+    _chat_logprobs(body, kw)
+    return _finish(kw, ids, "messages")
+
+
+# -- responses ---------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(final: FinalInfo) -> dict[str, int]:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def error_body(message: str, param: str | None, *, type_: str = "invalid_request_error",
+               code: int | str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def completion_body(*, request_id: str, model: str, text: str, token_ids: list[int] | None, finish_reason: str | None,
+                    final: FinalInfo | None, chunk: bool, chat: bool, role: bool = False, index: int = 0,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A response (chunk=False) or stream chunk (chunk=True) of either endpoint, one choice
+    (number `index`; `logprobs` from launcher/serving/openai_logprobs.py or None)."""
+    reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
+    if chat:
+        content = {"role": "assistant", "content": text} if (role or not chunk) else {"content": text}
+        choice = {"index": index, ("delta" if chunk else "message"): content, "logprobs": logprobs,
+                  "finish_reason": reason}
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        obj = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body = {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    if final is not None and not chunk:
+        body["usage"] = usage(final)
+    return body
+
+
+def usage_chunk(*, request_id: str, model: str, final: FinalInfo, chat: bool) -> dict[str, Any]:
+    """The last stream chunk when stream_options.include_usage: no choices, only usage."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [], "usage": usage(final)}
+
+
+def merged_final(finals: list[FinalInfo | None]) -> FinalInfo | None:
+    """The usage of n choices of one request: the prompt counted once, completion tokens summed
+    (as OpenAI reports n > 1); latencies of the slowest choice. None if any choice has none."""
+    if not finals or any(f is None for f in finals):
+        return None
+    return FinalInfo(finals[0].finish_reason, finals[0].prompt_tokens, sum(f.completion_tokens for f in finals),
+                     max(f.ttft_s for f in finals), max(f.e2e_s for f in finals))

@@ -1,0 +1,322 @@
+"""Serving engine: the front ends' (HTTP, gRPC) one door into a running Coordinator.
+
+Owns admission control (a bounded number of outstanding requests: `max_num_seqs` decoding plus
+`max_queue` waiting; beyond that `QueueFullError`, which the front ends answer with HTTP 429 /
+gRPC RESOURCE_EXHAUSTED), the fence (after a stage failure or while draining, new requests fail at
+once with `UnavailableError`, HTTP 503 / gRPC UNAVAILABLE, and `healthy()` names the reason without
+asking the stages), ending outstanding requests with an error event (`fail_all`), the request streams that carry committed chunks from the coordinator's
+threads to a consumer (asyncio or blocking), cancellation (a client that goes away frees its KV
+slot on every stage at once, through `Coordinator.abort`), and the per-request serving metrics.
+Must not: parse HTTP or protobuf, render chat templates, or start processes.
+
+[Note: continuous admission]
+Requests are handed to the coordinator as they arrive; its scheduler admits a waiting request into
+a KV slot as soon as one is free and packs its prefill into the next micro-batch next to the
+decodes already running (pipeline/engine/scheduler.py [Note: micro-batching]), so nobody waits for a
+"batch" to finish. With speculation on, drafts only take stage slots that real items leave idle
+([Note: speculation policy]). The engine bounds only how many requests may wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+from launcher.coordinator.coordinator import Coordinator, RequestHandle, StreamChunk
+from launcher.serving.prometheus import ServingMetrics
+from pipeline.run_config import check_prompt_length
+from pipeline.speculation.sampling import SamplingParams
+
+log = logging.getLogger("speedpipe.serve")
+
+
+class QueueFullError(RuntimeError):
+    """Too many outstanding requests: `max_num_seqs` running plus `max_queue` waiting."""
+
+
+class UnavailableError(RuntimeError):
+    """The server takes no new requests (draining, or fenced after a stage failure): HTTP 503."""
+
+
+class InvalidRequestError(ValueError):
+    """A request field is invalid; `param` names the field (OpenAI `error.param`)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalInfo:
+    """What the last chunk of a stream carries: finish reason, token counts and latencies (s)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+_EMPTY = object()
+
+
+class RequestStream:
+    """One admitted request: a pump thread moves its chunks from the coordinator into a buffer that
+    one consumer reads; `cancel()` aborts.
+
+    The pump starts at once (so the admission slot is returned when the request ends even if no
+    consumer ever reads it). Iterate the stream (blocking, for gRPC) or `async for` it (asyncio,
+    for HTTP); one consumer only. After the last chunk (finish_reason set) `final` holds usage and
+    latencies. The iterators raise PipelineError if the pipeline fails.
+    """
+
+    def __init__(self, engine: ServingEngine, handle: RequestHandle) -> None:
+        self.engine, self.handle = engine, handle
+        self.final: FinalInfo | None = None
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._wakeup: Callable[[], None] | None = None
+        self._cancelled = False
+        self._failed = False  # fail() delivered an error: the pump delivers nothing more
+        self._thread = threading.Thread(target=self._pump, name=f"stream-{handle.request_id}", daemon=True)
+        engine._track(self)
+        self._thread.start()
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+    def cancel(self) -> None:
+        """Abort the request if it is still running: its KV slot is freed on every stage."""
+        if not self._cancelled and self.handle.finish_reason is None:
+            self._cancelled = True
+            self.engine.coordinator.abort(self.handle)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream now with `error` (the consumer raises it after the chunks it already has)
+        and abort the request on the coordinator; later chunks are dropped. Any thread."""
+        with self._cond:
+            if self._failed or (self._items and self._items[-1] is None):
+                return
+            self._failed = True
+        self._deliver(error, force=True)
+        self.cancel()
+
+    # consumer side
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        self._wakeup = lambda: loop.call_soon_threadsafe(ready.set)
+        while True:
+            with self._cond:
+                item = self._items.popleft() if self._items else _EMPTY
+            if item is _EMPTY:
+                await ready.wait()
+                ready.clear()
+                continue
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    # pump thread
+    def _deliver(self, item: StreamChunk | BaseException | None, *, force: bool = False) -> None:
+        with self._cond:
+            if self._failed and not force:
+                return
+            self._items.append(item)
+            self._cond.notify_all()
+            wakeup = self._wakeup
+        if wakeup is not None:
+            try:
+                wakeup()
+            except RuntimeError:  # the consumer's event loop is closed (server stopping)
+                pass
+
+    def _pump(self) -> None:
+        h, m = self.handle, self.engine.metrics
+        last_t, released = None, False
+        try:
+            for chunk in h:
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if last_t is None:
+                        m.observe_ttft(now - h.submitted_at)
+                    else:
+                        for _ in chunk.token_ids:
+                            m.observe_itl((now - last_t) / len(chunk.token_ids))
+                    last_t = now
+                    m.add_generation_tokens(len(chunk.token_ids))
+                if chunk.finish_reason is not None:
+                    e2e = (h.finished_at or now) - h.submitted_at
+                    ttft = (h.first_token_at or h.finished_at or now) - h.submitted_at
+                    self.final = FinalInfo(chunk.finish_reason, len(h.prompt_ids), len(h.token_ids), ttft, e2e)
+                    m.observe_finish(chunk.finish_reason, e2e)
+                    # free the admission slot before the client can see the end (and send again)
+                    released = self.engine._release(self)
+                self._deliver(chunk)
+            self._deliver(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            m.observe_finish("error", time.perf_counter() - h.submitted_at)
+            released = released or self.engine._release(self)
+            self._deliver(exc)
+        finally:
+            if not released:
+                self.engine._release(self)
+
+
+class ServingEngine:
+    """Admission-bounded, thread-safe access to a started Coordinator.
+
+    max_num_seqs: KV slots (requests decoding at once); max_queue: requests allowed to wait for a
+    slot beyond those. Counts for `num_running` / `num_waiting` are derived from the outstanding
+    requests (the scheduler admits whenever a slot is free). `heartbeat`: when set (serve mode,
+    launcher/coordinator/stage_heartbeat.py), `healthy()` answers from its latest beats instead of asking every
+    stage, so /health never waits on a hung stage.
+    """
+
+    def __init__(self, coordinator: Coordinator, *, model_name: str, max_num_seqs: int, max_queue: int,
+                 max_model_len: int) -> None:
+        if max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
+        self.coordinator = coordinator
+        self.tokenizer = coordinator.tokenizer
+        self.model_name, self.max_num_seqs, self.max_queue = model_name, max_num_seqs, max_queue
+        self.max_model_len = max_model_len
+        self.heartbeat = None  # a StageHeartbeat, set by the serving stack
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._streams: set[RequestStream] = set()
+        self._outstanding = 0
+        self._fence: str | None = None  # why new requests are refused (draining, stage failure)
+        self.metrics = ServingMetrics(coordinator, model_name=model_name, engine=self)
+
+    @property
+    def num_outstanding(self) -> int:
+        return self._outstanding
+
+    @property
+    def num_running(self) -> int:
+        return min(self._outstanding, self.max_num_seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, self._outstanding - self.max_num_seqs)
+
+    @property
+    def fenced(self) -> str | None:
+        """Why new requests are refused (e.g. "draining: ..."), or None while admitting."""
+        return self._fence
+
+    def fence(self, reason: str) -> None:
+        """Refuse every new request from now on with UnavailableError(reason); the first reason stays."""
+        with self._lock:
+            if self._fence is None:
+                self._fence = reason
+                log.warning("no new requests: %s", reason)
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every outstanding request's stream now with `error` (an error event for the client) and
+        abort it on the coordinator. Returns how many were ended."""
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.fail(error)
+        return len(streams)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until no request is outstanding; True if none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout=timeout_s)
+
+    def healthy(self) -> tuple[bool, str]:
+        """(True, "") when the coordinator and every stage serve; else (False, why)."""
+        if self._fence is not None:
+            return False, self._fence
+        if self.coordinator.failure is not None:
+            return False, str(self.coordinator.failure)
+        if self.coordinator.recovering is not None:  # a stage fail-over is in progress: requests wait
+            return False, self.coordinator.recovering
+        if self.heartbeat is not None:
+            return self.heartbeat.healthy()
+        try:
+            responses = self.coordinator.health()
+        except Exception as exc:  # noqa: BLE001 - any control-plane failure is "unhealthy"
+            return False, f"stage health check failed: {exc}"
+        for i, r in enumerate(responses):
+            if r.status != r.SERVING:
+                return False, f"stage {i} is {r.Status.Name(r.status)}" + (f": {r.message}" if r.message else "")
+        return True, ""
+    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int, *, prompt_field: str) -> None:
+        """Raise InvalidRequestError if a token id is outside the vocabulary, or the prompt breaks
+        the length rule (`check_prompt_length`); the error names the prompt's field, or
+        'max_tokens' when the prompt alone fits."""
+        for t in prompt_ids:
+            if not 0 <= t < self.tokenizer.vocab_size:
+                raise InvalidRequestError(f"'{prompt_field}' token id {t} is outside the vocabulary "
+                                          f"[0, {self.tokenizer.vocab_size})", prompt_field)
+        try:
+            check_prompt_length(num_prompt_tokens=len(prompt_ids), max_new_tokens=max_tokens,
+                                max_model_len=self.max_model_len, what=f"'{prompt_field}'", budget="'max_tokens'")
+        except ValueError as exc:
+            field = prompt_field if not prompt_ids or len(prompt_ids) >= self.max_model_len else "max_tokens"
+            raise InvalidRequestError(str(exc), field) from None
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:
+        """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
+        outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
+        input the coordinator rejects."""
+        # A silent stage: refuse before it is declared hung, unless a fail-over will restart it
+        # (then requests wait behind the restart: a pause, not an error).
+        watch = self.heartbeat is not None and self.coordinator.failover is None
+        beating, why = self.heartbeat.healthy() if watch else (True, "")
+        with self._lock:
+            if self._fence is not None or not beating:  # a silent stage: refuse before it is declared hung
+                self.metrics.observe_rejected("unavailable")
+                raise UnavailableError(self._fence or why)
+            limit = self.max_num_seqs + self.max_queue
+            if self._outstanding >= limit:
+                self.metrics.observe_rejected("queue_full")
+                raise QueueFullError(f"server is at capacity: {self._outstanding} requests outstanding "
+                                     f"(--max-num-seqs {self.max_num_seqs} + --max-queue {self.max_queue}); retry later")
+            self._outstanding += 1
+        try:
+            handle = self.coordinator.submit(list(prompt_ids), params, request_id=request_id)
+        except BaseException:
+            self._release()
+            raise
+        self.metrics.add_prompt_tokens(len(handle.prompt_ids))
+        return RequestStream(self, handle)
+
+    def _track(self, stream: RequestStream) -> None:
+        """A stream whose pump is about to start: outstanding until `_release(stream)`."""
+        with self._lock:
+            self._streams.add(stream)
+
+    def _release(self, stream: RequestStream | None = None) -> bool:
+        """One outstanding request ended; returns True (for the caller's bookkeeping)."""
+        with self._idle:
+            self._outstanding -= 1
+            self._streams.discard(stream)
+            self._idle.notify_all()
+        return True
+
+

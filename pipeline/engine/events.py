@@ -1,0 +1,94 @@
+"""The engine's inputs and outputs: events in, one `StepOutput` out (see pipeline/engine/engine.py).
+
+Pure records: no policy. Times are the caller's clock in ns (real `time.perf_counter_ns`, or
+simulated); they feed only the measurements (timeline, control overhead, commit log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from pipeline.engine.records import Commit
+from pipeline.measure.timeline import StageTiming
+from pipeline.speculation.items import Item, SlotRelease
+from pipeline.speculation.predictors import ExitGuess
+from pipeline.speculation.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Submit:
+    """A new sequence. The engine raises ValueError for an empty or too long prompt."""
+
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Abort:
+    """Finish a sequence early (client gone); unknown or finished ids are ignored."""
+
+    seq_id: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopStringHit:
+    """The detokenised output of a sequence reached one of its stop strings."""
+
+    seq_id: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExitPassed:
+    """Items passed the exit layer (an EXIT_GUESS message): guesses[i] is the exit head's guess at
+    items[i]'s last row, or None (no head, or the head skipped it)."""
+
+    items: tuple[Item, ...]
+    guesses: tuple[ExitGuess | None, ...]
+    at_ns: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Result:
+    """The last stage's output for the oldest micro-batch in flight (the ring is FIFO).
+
+    items: the micro-batch's items that ran on every stage (a subset, in order).
+    token_ids: [sum of items' num_result_rows] int64 argmax of each result row.
+    logits: [result rows of items with want_logits, vocab_size] float32, or None.
+    firp_tokens / firp_probs: [sum of items' num_pseudo] FIRP drafts and their probabilities, or None.
+    timing: one StageTiming per stage that ran it (empty when not recorded).
+    """
+
+    items: tuple[Item, ...]
+    token_ids: torch.Tensor
+    logits: torch.Tensor | None = None
+    firp_tokens: torch.Tensor | None = None
+    firp_probs: torch.Tensor | None = None
+    timing: tuple[StageTiming, ...] = ()
+    at_ns: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayRunning:
+    """The pipeline lost its in-flight work and every stage's KV cache (a stage was restarted:
+    launcher/coordinator/stage_failover.py): drop every micro-batch in flight and turn each running sequence
+    back into one prefill of its committed context (prompt + committed tokens), under a new epoch.
+    See [Note: replay] in pipeline/engine/scheduler.py."""
+
+
+Event = Submit | Abort | StopStringHit | ExitPassed | Result | ReplayRunning
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one `Engine.step` asks the caller to do, in this order: send `releases` down the ring
+    (one RELEASE), then each micro-batch of `sends` to stage 0; stream `commits`; forget the
+    sequences in `forgotten` (released, or aborted before they held a slot)."""
+
+    sends: Sequence[tuple[Item, ...]] = ()
+    commits: Sequence[Commit] = ()
+    releases: Sequence[SlotRelease] = ()
+    forgotten: Sequence[int] = ()

@@ -1,0 +1,145 @@
+"""The scheduler's records: its configuration, one sequence's state, a commit, the finish
+reasons and the speculation counters (pipeline/engine/scheduler.py holds the policy that updates them).
+Pure data: no I/O, no policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from pipeline.speculation.items import Item
+from pipeline.speculation.ledger import SequenceLedger
+from pipeline.speculation.predictors import ExitGuess
+from pipeline.speculation.sampling import Sampler, SamplingParams, TokenLogprob
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped: token budget, end-of-sequence token, stop string, or aborted."""
+
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of the pipeline the scheduler feeds: a view of the run configuration
+    (`pipeline.run_config.RunConfig.scheduler_config`), which validates them. AssertionError on
+    out-of-range values (an invariant, not user input)."""
+
+    num_stages: int
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    max_inflight_batches: int = 0  # 0 = num_stages
+    eos_token_ids: tuple[int, ...] = ()
+    speculate: bool = False
+    max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
+    min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
+    firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
+    firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
+
+    def __post_init__(self) -> None:
+        # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)
+        # or a validated SimConfig; user input is checked there, once.
+        if self.max_inflight_batches == 0:
+            object.__setattr__(self, "max_inflight_batches", self.num_stages)
+        if self.max_inflight == 0:
+            object.__setattr__(self, "max_inflight", self.num_stages)
+        assert self.num_stages >= 1 and self.max_num_seqs >= 1 and self.max_model_len >= 2, self
+        assert self.max_inflight >= 1 and self.firp_k >= 0, self
+        assert 0.0 <= self.min_acceptance <= 1.0 and 0.0 <= self.firp_min_prob <= 1.0, self
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """One sequence as the coordinator sees it. `output_ids` are committed tokens only."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    ledger: SequenceLedger
+    slot: int = -1
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    pending: Item | None = None  # the next item to send (real or draft)
+    exit_seen: tuple[int, int, ExitGuess | None] | None = None  # (position, epoch, guess) of the last exit event
+    pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
+    pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket (the ledger keeps it once sent)
+    firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def epoch(self) -> int:
+        return self.ledger.epoch
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus committed tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def context(self) -> list[int]:
+        """Prompt, committed and in-flight draft tokens, up to the chain's end (predictor input)."""
+        # In-flight items at positions < known_len carry committed tokens (an accepted draft stays in
+        # flight until its own result comes back); only later positions are still guesses.
+        known = self.ledger.known_len
+        drafts = [t for f in self.ledger.inflight for p, t in enumerate(f.tokens, f.position) if p >= known]
+        return self.prompt_ids + self.output_ids + drafts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MicroBatch:
+    """Items sent to stage 0 together (at most one per sequence, token ids included), and, for a
+    micro-batch of drafts only, when its last draft became available (caller's clock, for the
+    control overhead of `Timeline.draft_gap`); None otherwise."""
+
+    items: tuple[Item, ...]
+    drafts_ready_ns: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """Tokens newly committed for one sequence by one result, and its finish reason if it ended.
+    logprobs: one per token when the request asks (`SamplingParams.logprobs`), else None;
+    prompt_logprobs: on the prefill's commit, one per prompt token (None for the first) when the
+    request asks (`SamplingParams.prompt_logprobs`), else None."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    """Speculation totals: drafts sent, drafts verified and accepted (SPEED and FIRP together),
+    items squashed; FIRP's own share; and real passes (results that committed) with their tokens."""
+
+    drafted_tokens: int = 0
+    verified_drafts: int = 0
+    accepted_tokens: int = 0
+    squashed_items: int = 0
+    gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
+    firp_drafted: int = 0
+    firp_verified: int = 0
+    firp_accepted: int = 0
+    passes: int = 0
+    committed_tokens: int = 0
+    exit_rows: int = 0  # decode items the exit head ran on ([Note: exit-head skipping])
+    exit_rows_skipped: int = 0  # decode items that passed the exit stage without it
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Committed tokens per result (1 without speculation; 1 + accepted drafts per pass)."""
+        return self.committed_tokens / self.passes if self.passes else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified drafts (0 when none were verified)."""
+        return self.accepted_tokens / self.verified_drafts if self.verified_drafts else 0.0

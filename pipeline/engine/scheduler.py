@@ -1,0 +1,399 @@
+"""Scheduler: which items enter stage 0 next, and what the last stage's results commit.
+
+Owns every sequence's state (prompt, committed tokens, KV slot, epoch, finish reason), admission
+into KV slots, micro-batch formation, and turning results into committed tokens.
+Pure, and driven only by `pipeline.engine.engine.Engine` (which the coordinator, the simulator and the
+test fakes all use); the engine owns the micro-batches in flight. Must not: do I/O, know about
+ranks or tokenizers, or read a clock (callers pass `now_ns`, real or simulated, used only for
+overhead measurements).
+
+[Note: micro-batching]
+With S stages, at most `max_inflight_batches` (default S) micro-batches are in the pipeline at
+once. Sequences whose last item came back are "ready"; each new micro-batch takes
+ceil(ready / free micro-batch slots) of them, so M sequences settle into S interleaved groups and every stage
+has work whenever M >= S (utilisation min(M, S) / S, ARCHITECTURE.md §5). Prefills join the same
+micro-batches as decodes (packed rows, no padding). A micro-batch holds at most one item per sequence.
+
+[Note: speculation policy]
+With `speculate=True` (SPEED, ARCHITECTURE.md §5) a sequence may get a pending *draft* item right
+after the end of its in-flight chain (pipeline/speculation/ledger.py decides whether one is allowed: chain end,
+epoch, per-sequence cap `max_inflight`, token budget; never after a prefill). Predictors that need
+an exit head propose when the chain end passes the exit layer (an exit event); the others (ngram)
+propose as soon as the chain end is sent, so stage 0 finds the draft queued behind it. A proposal
+refused for lack of room is retried when a result frees room. Real items always go first: drafts
+are sent only when no real item waits and fewer than `max_inflight_batches` micro-batches are in
+flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
+acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
+
+[Note: exit-head skipping]
+The exit head (final norm + LM head on the exit hidden state) costs the exit stage several layers
+of work per decode item. Its guess is only worth computing when a draft made from it could be
+sent, so every item the scheduler sends carries `Item.want_exit`, cleared (`_wants_exit`) when:
+- speculation is off or the predictor needs no exit head;
+- the item is a prefill (no draft follows a prefill: `Item.may_precede_draft`);
+- `max_inflight` < 2 (a draft after the item would be a second item in flight);
+- a draft after the item would lie past the token budget (`SequenceLedger.can_draft_after`);
+- the running sequences fill the pipeline (at least `max_inflight_batches` of them): every
+  running sequence keeps a real item ready or in flight, and real work goes first, so drafts find
+  no free micro-batch slot ([Note: micro-batching]). This one is a heuristic: a sequence that
+  ends opens a gap, and an item sent just before it skipped its guess; the next one wants it.
+Deliberately NOT a reason: the per-sequence run-ahead being full when the item is sent. The
+draft after that item is proposed later from the same guess, when an older result frees room
+(the steady state of a single speculating sequence). The draft gate neither, since it judges a
+draft by the confidence that only the head produces. Skipping never changes committed tokens:
+without a guess the exit event still arrives, an exit-head predictor then proposes nothing
+(hybrid falls back to its n-gram half). `SpecCounters.exit_rows` / `exit_rows_skipped` count
+decode items at the exit stage with and without the head.
+
+FIRP chains: [Note: FIRP policy] in pipeline/speculation/firp.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from pipeline.engine.records import (
+    Commit,
+    FinishReason,
+    MicroBatch,
+    SchedulerConfig,
+    SequenceState,
+    SpecCounters,
+)
+from pipeline.speculation.draft_gate import DraftGate
+from pipeline.speculation.items import Item, ItemKind, SlotRelease
+from pipeline.speculation.ledger import SequenceLedger
+from pipeline.speculation.predictors import ExitGuess, Predictor
+from pipeline.speculation.sampling import Sampler, SamplingParams, prompt_logprobs, token_logprob
+from pipeline.speculation.verify import verify_result
+
+
+class Scheduler:
+    """Admission, micro-batching, speculation and commit. See [Note: micro-batching] and
+    [Note: speculation policy]."""
+
+    def __init__(self, config: SchedulerConfig, predictor: Predictor | None = None) -> None:
+        if config.speculate and predictor is None:
+            raise ValueError("speculation needs a predictor")
+        self.config = config
+        self.predictor = predictor
+        self.seqs: dict[int, SequenceState] = {}
+        self.waiting: collections.deque[int] = collections.deque()
+        self.ready: collections.deque[int] = collections.deque()  # sequences with a pending real item
+        self.drafting: collections.deque[int] = collections.deque()  # sequences with a pending draft
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.to_release: list[SlotRelease] = []  # slots to free on every stage
+        self.spec = SpecCounters()
+        self.gate = DraftGate(min_acceptance=config.min_acceptance)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
+        """Queue a new sequence whose length the front end checked (`check_prompt_length` in
+        pipeline/run_config.py). Raises ValueError for a sequence id already in use."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence id {seq_id} is already in use")
+        assert 0 < len(prompt_ids) and len(prompt_ids) + params.max_new_tokens <= self.config.max_model_len, (
+            len(prompt_ids), params.max_new_tokens, self.config.max_model_len)
+        seq = SequenceState(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, sampler=Sampler(params),
+                            ledger=SequenceLedger(prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens))
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq_id)
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        """Finish a sequence early (client gone); its slot is released on every stage."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None and not seq.finished:
+            self._finish(seq, FinishReason.ABORTED)
+
+    def finish_on_stop_string(self, seq_id: int) -> None:
+        """The coordinator found a stop string in the detokenised output."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None and not seq.finished:
+            self._finish(seq, FinishReason.STOP)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.seqs.values() if s.slot >= 0 and not s.finished)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return any(not s.finished for s in self.seqs.values())
+
+    # -- micro-batches ----------------------------------------------------------------------------
+    def next_batch(self, now_ns: int = 0, *, num_inflight: int) -> MicroBatch | None:
+        """The next micro-batch to send to stage 0, or None if the pipeline is full or idle.
+        num_inflight: micro-batches in flight now (the engine's count); now_ns: the caller's clock
+        (real or simulated), used only for the overhead measurements."""
+        if num_inflight >= self.config.max_inflight_batches:
+            return None
+        self._admit_waiting()
+        # Spread the ready sequences over the free micro-batch slots (5 sequences on 4 stages ->
+        # 2,1,1,1), so every stage has work whenever sequences >= stages.
+        free = self.config.max_inflight_batches - num_inflight
+        size = max(1, math.ceil(len(self.ready) / free))
+        ready_ns: list[int] = []
+        batch = (self._take(self.ready, size, now_ns, ready_ns)
+                 or self._take(self.drafting, self.config.max_num_seqs, now_ns, ready_ns))
+        if not batch:
+            return None
+        drafts_only = len(ready_ns) == len(batch)
+        return MicroBatch(items=tuple(batch), drafts_ready_ns=max(ready_ns) if drafts_only else None)
+
+    def _take(self, queue: collections.deque[int], size: int, now_ns: int, ready_ns: list[int]) -> list[Item]:
+        """Pop up to `size` pending items off `queue`; appends each draft's ready time to ready_ns."""
+        batch: list[Item] = []
+        pipeline_full = self.num_running >= self.config.max_inflight_batches  # [Note: exit-head skipping]
+        while queue and len(batch) < size:
+            seq = self.seqs.get(queue.popleft())
+            if seq is None or seq.finished or seq.pending is None:
+                continue
+            item, seq.pending = seq.pending, None
+            item = dataclasses.replace(item, want_exit=self._wants_exit(seq, item, pipeline_full=pipeline_full))
+            if item.kind == ItemKind.DRAFT:
+                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key)
+                self.spec.drafted_tokens += 1
+                ready_ns.append(seq.pending_ready_ns)
+            elif item.kind == ItemKind.PREFILL:
+                seq.ledger.add_real(item.token_ids[-1])
+            else:
+                seq.ledger.add_real(item.token_ids[0], item.token_ids[1:])
+                self.spec.drafted_tokens += item.num_tokens - 1
+                self.spec.firp_drafted += item.num_tokens - 1
+            batch.append(item)
+        for item in batch:  # after the batch is formed: one item per sequence per micro-batch
+            self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
+        return batch
+
+    def _wants_exit(self, seq: SequenceState, item: Item, *, pipeline_full: bool) -> bool:
+        """Whether a draft made from `item`'s exit guess could ever be sent, so the exit stage
+        should run its head on it. pipeline_full: the running sequences fill every micro-batch
+        slot. See [Note: exit-head skipping]; when unsure, True."""
+        if not self.config.speculate or self.predictor is None or not self.predictor.needs_exit_head:
+            return False
+        if not item.may_precede_draft or self.config.max_inflight < 2:
+            return False
+        last_budget_position = seq.ledger.prompt_len + seq.ledger.max_new_tokens - 1
+        if item.end >= last_budget_position:  # as SequenceLedger.can_draft_after(item.end - 1, ...)
+            return False
+        return not pipeline_full
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and self.free_slots:
+            seq = self.seqs.get(self.waiting.popleft())
+            if seq is None or seq.finished:
+                continue
+            seq.slot = self.free_slots.pop()
+            self._queue_real(seq)
+
+    def _queue_real(self, seq: SequenceState) -> None:
+        if not seq.output_ids:
+            self._queue_prefill(seq)
+            return
+        want_logits = seq.params.needs_logits
+        drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
+        start = seq.num_tokens - 1
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
+                           epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
+                           token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
+                           **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
+        seq.firp_drafts = ()
+        self.ready.append(seq.seq_id)
+
+    def _queue_prefill(self, seq: SequenceState) -> None:
+        """Queue one prefill of the sequence's whole known context (prompt + committed tokens): the
+        prompt at admission, the replayed context after a stage restart ([Note: replay] in pipeline/engine/engine.py)."""
+        context = (*seq.prompt_ids, *seq.output_ids)
+        n = len(context)
+        # prompt logprobs (echo) once, at admission; a replayed prefill only needs its last row
+        prompt_logits = seq.params.prompt_logprobs is not None and not seq.output_ids
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n, epoch=seq.epoch,
+                           kind=ItemKind.PREFILL, token_ids=context,
+                           want_logits=seq.params.needs_logits or prompt_logits, want_prompt_logits=prompt_logits,
+                           **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
+        seq.firp_drafts = ()
+        self.ready.append(seq.seq_id)
+
+    def replay_running(self) -> None:
+        """Every stage lost its KV cache and the work in flight: turn each running sequence back
+        into one prefill of its committed context, under a new epoch. See [Note: replay] in pipeline/engine/engine.py."""
+        self.ready.clear()
+        self.drafting.clear()
+        for seq in self.seqs.values():
+            if seq.finished or seq.slot < 0:
+                continue  # finished (its release is harmless on a cleared stage) or still waiting
+            self.spec.squashed_items += seq.ledger.finish()  # drop the chain, bump the epoch
+            seq.pending, seq.exit_seen, seq.pending_key = None, None, None
+            self._queue_prefill(seq)
+
+    def _firp_fields(self, seq: SequenceState, *, first_anchor: int, num_anchors: int) -> dict[str, int]:
+        """Item.firp_k / firp_anchors for an item whose pseudo chains hang off `num_anchors` rows
+        from position `first_anchor` on: chains no longer than the budget can use."""
+        k = min(self.config.firp_k, seq.ledger.last_item_position - first_anchor - 1)
+        return {"firp_k": k, "firp_anchors": num_anchors} if k > 0 else {}
+
+    # -- exit-layer events (speculation) ------------------------------------------------------------
+    def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None], now_ns: int = 0) -> None:
+        """Items passed the exit layer: propose a draft after each chain end (see
+        [Note: speculation policy]). guesses: the exit head's output per item (None if no head);
+        now_ns: when they passed it (caller's clock)."""
+        if not self.config.speculate:
+            return
+        if self.predictor.needs_exit_head:
+            wanted = sum(it.wants_exit_guess for it in items)
+            self.spec.exit_rows += wanted
+            self.spec.exit_rows_skipped += sum(it.may_precede_draft for it in items) - wanted
+        for item, guess in zip(items, guesses, strict=True):
+            seq = self.seqs.get(item.seq_id)
+            if seq is None or seq.finished:
+                continue
+            seq.exit_seen = (item.end - 1, item.epoch, guess)
+            self._try_draft(seq, now_ns)
+
+    def _try_draft(self, seq: SequenceState, now_ns: int) -> None:
+        """Queue a draft after the sequence's chain end if the ledger allows one and the chain end
+        has passed the exit layer (or the predictor needs no exit head). Called on exit events,
+        after sends, and when a result frees room in the chain, so a refused draft is retried."""
+        if not self.config.speculate or seq.finished or seq.pending is not None or not seq.ledger.inflight:
+            return
+        end = seq.ledger.inflight[-1]
+        if end.position < seq.ledger.prompt_len:  # the first token after prefill is never drafted
+            return
+        guess = None
+        if self.predictor.needs_exit_head:
+            if seq.exit_seen is None or seq.exit_seen[:2] != (end.last_position, end.epoch):
+                return
+            guess = seq.exit_seen[2]
+        if not seq.ledger.can_draft_after(end.last_position, end.epoch, max_inflight=self.config.max_inflight):
+            return
+        draft = self.predictor.propose(seq.context(), guess)
+        if draft is None:
+            return
+        if not self.gate.allow(draft):  # see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py
+            self.spec.gated_drafts += 1
+            return
+        seq.pending_key = self.gate.key(draft)
+        start = end.last_position + 1
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
+                           kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=seq.params.needs_logits,
+                           **self._firp_fields(seq, first_anchor=start, num_anchors=1))
+        seq.pending_ready_ns = now_ns
+        self.drafting.append(seq.seq_id)
+
+    # -- results ----------------------------------------------------------------------------------
+    def on_result(self, returned: Sequence[Item], token_ids: torch.Tensor, logits: torch.Tensor | None,
+                  now_ns: int = 0, *, firp_tokens: torch.Tensor | None = None,
+                  firp_probs: torch.Tensor | None = None) -> list[Commit]:
+        """Verify and commit the last stage's output for one micro-batch (see [Note: verify] and
+        [Note: chain verify]).
+
+        returned: the items of the micro-batch that ran on every stage (a subset, in order); token_ids: [sum of returned items' num_result_rows] argmax of each result row;
+        logits: [`num_logit_rows` of returned items with want_logits, vocab] float32 in item order
+        (a prefill with want_prompt_logits also brings its prompt rows: `Commit.prompt_logprobs`);
+        firp_tokens: [sum of returned items' num_pseudo] FIRP drafts (pseudo-row argmax), or None;
+        firp_probs: the same shape, each draft's probability (None: no confidence cut).
+        Results of finished sequences or older epochs are ignored.
+        """
+        commits, row, logit_row, pseudo_row = [], 0, 0, 0
+        for item in returned:
+            n = item.num_result_rows
+            argmax = [int(t) for t in token_ids[row:row + n]]
+            rows = prompt_rows = None
+            if item.want_logits:
+                rows, logit_row = logits[logit_row:logit_row + item.num_logit_rows], logit_row + item.num_logit_rows
+                if item.want_prompt_logits:
+                    prompt_rows, rows = rows[:-1], rows[-1:]
+            firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + item.num_pseudo]]
+            if firp and firp_probs is not None and self.config.firp_min_prob > 0:
+                probs = firp_probs[pseudo_row:pseudo_row + item.num_pseudo].tolist()
+                firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
+            row, pseudo_row = row + n, pseudo_row + item.num_pseudo
+            seq = self.seqs.get(item.seq_id)
+            if seq is None or seq.finished or item.epoch != seq.epoch:
+                continue
+            commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
+            if prompt_rows is not None:
+                commit = dataclasses.replace(commit, prompt_logprobs=prompt_logprobs(
+                    seq.prompt_ids, prompt_rows, seq.params.prompt_logprobs or 0))
+            commits.append(commit)
+        return commits
+
+    def _record_gate(self, seq: SequenceState, item: Item, tokens: list[int]) -> None:
+        """Tell the draft gate whether the run-ahead draft that followed `item` (the chain's second
+        in-flight item, still there: call before the ledger applies the result) was right. The real
+        token at position item.end is tokens[num_result_rows - 1] when the chain got that far; a
+        draft behind a broken chain was never verified."""
+        chain = seq.ledger.inflight
+        if len(chain) < 2 or chain[1].position != item.end or chain[1].gate_key is None:
+            return
+        i = item.num_result_rows - 1
+        if i < len(tokens):
+            self.gate.record(chain[1].gate_key, accepted=tokens[i] == chain[1].token)
+
+    def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: list[int], rows: torch.Tensor | None,
+                           firp: list[int], now_ns: int) -> Commit:
+        own_drafts = len(seq.ledger.inflight[0].drafts)
+        tokens = verify_result(argmax=argmax, drafts=seq.ledger.drafts_to_verify(), logits=rows, sampler=seq.sampler,
+                               eos_token_ids=self.config.eos_token_ids, ignore_eos=seq.params.ignore_eos,
+                               budget_left=seq.params.max_new_tokens - len(seq.output_ids),
+                               prompt_ids=seq.prompt_ids, output_ids=seq.output_ids)
+        logprobs = None
+        if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/sampling.py
+            logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
+        self._record_gate(seq, item, tokens)
+        verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
+        firp_verified = min(len(tokens), own_drafts)
+        firp_accepted = min(verdict.num_accepted, firp_verified)
+        self.spec.passes += 1
+        self.spec.committed_tokens += len(tokens)
+        self.spec.verified_drafts += verdict.num_verified
+        self.spec.accepted_tokens += verdict.num_accepted
+        self.spec.firp_verified += firp_verified
+        self.spec.firp_accepted += firp_accepted
+        self.spec.squashed_items += verdict.squashed
+        if not seq.ledger.inflight:
+            seq.pending = None  # a pending draft followed the finished (or squashed) chain
+        seq.output_ids.extend(tokens)
+        if not seq.ledger.inflight and item.firp_k:
+            anchor = item.num_tokens - item.num_result_rows + len(tokens) - 1 - (item.num_tokens - item.firp_anchors)
+            if 0 <= anchor < item.firp_anchors:
+                chain = firp[anchor * item.firp_k:(anchor + 1) * item.firp_k]
+                seq.firp_drafts = tuple(itertools.takewhile(lambda t: t is not None, chain))
+        if tokens[-1] in self.config.eos_token_ids and not seq.params.ignore_eos:
+            self._finish(seq, FinishReason.EOS)
+        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+        elif not seq.ledger.inflight:
+            self._queue_real(seq)
+        else:
+            self._try_draft(seq, now_ns)  # the accepted chain has room again
+        return Commit(seq.seq_id, tuple(tokens), seq.finish_reason, logprobs=logprobs)
+
+    def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        seq.pending = None
+        self.spec.squashed_items += seq.ledger.finish()
+        if seq.slot >= 0:
+            self.to_release.append(SlotRelease(seq.seq_id, seq.slot))
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+
+    def take_releases(self) -> list[SlotRelease]:
+        """Finished sequences that held a slot: the caller frees the slots on every stage in-band,
+        in order, then `pop`s the sequences."""
+        out, self.to_release = self.to_release, []
+        return out
+
+    def pop(self, seq_id: int) -> SequenceState:
+        """Forget a finished sequence. Results of its items still in flight are then ignored, and
+        queues skip its id. Raises KeyError for an unknown id."""
+        seq = self.seqs[seq_id]
+        assert seq.finished, f"sequence {seq_id} is not finished"
+        return self.seqs.pop(seq_id)
+

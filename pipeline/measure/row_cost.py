@@ -1,0 +1,145 @@
+"""Measured cost of a stage pass by its number of rows, and how many draft rows that makes worth sending.
+
+Owns `RowCostTable` (seconds of a decode-style pass with n real rows, optionally with FIRP pseudo
+rows, measured on the machine in one numeric mode; JSON round trip), `measure_row_costs` (the short
+calibration that fills it, also run by tests/benchmarks/row_cost.py), and `best_num_rows`, the pure
+rule "send as many draft rows as maximise expected committed tokens per second". Must not: drive
+the scheduler (it asks this module) or know about processes.
+
+[Note: rows worth sending]
+A pass of n rows verifies a chain of n - 1 drafts after one real token. With p_i the calibrated
+probability that draft i is right given drafts 1..i-1 were, the expected tokens committed by the
+pass are 1 + sum_{i=1}^{n-1} prod_{j<=i} p_j (the real token, then the accepted prefix). The best
+n maximises that over cost(n) from the table. When extra rows are nearly free (AMX bf16, int4
+kernels, GPUs) long chains pay even at low p; in float32 on CPU, where 8 rows cost ~2x one row,
+they do not. Source: the speculative-decoding speed-up analysis of Leviathan et al. (arXiv
+2211.17192 §3.3), with the measured cost curve in place of their constant c.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from pipeline.model.row_layout import Span
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowCostTable:
+    """Median seconds of one pass by number of real rows (no pseudo rows), in one numeric `mode`.
+
+    num_rows: ascending row counts measured, starting at 1; pass_s: seconds of each.
+    Raises ValueError when empty, unsorted, not starting at 1, or with a non-positive time.
+    """
+
+    mode: str
+    num_rows: tuple[int, ...]
+    pass_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.num_rows or self.num_rows[0] != 1 or len(self.num_rows) != len(self.pass_s):
+            raise ValueError(f"row-cost table needs times for 1, ... rows, got rows {self.num_rows}")
+        if list(self.num_rows) != sorted(set(self.num_rows)) or min(self.pass_s) <= 0:
+            raise ValueError(f"row-cost table rows must ascend and times be > 0: {self.num_rows}, {self.pass_s}")
+
+    def cost_s(self, num_rows: int) -> float:
+        """Seconds of a pass with `num_rows` (>= 1) rows: linear between measured points, and beyond
+        the last one along the last segment's slope."""
+        if num_rows < 1:
+            raise ValueError(f"a pass has at least 1 row, got {num_rows}")
+        rows, secs = self.num_rows, self.pass_s
+        if len(rows) == 1:
+            return secs[0] * num_rows
+        for i in range(1, len(rows)):
+            if num_rows <= rows[i] or i == len(rows) - 1:
+                lo, hi = i - 1, i
+                slope = (secs[hi] - secs[lo]) / (rows[hi] - rows[lo])
+                return max(secs[0], secs[lo] + slope * (num_rows - rows[lo]))
+        raise AssertionError("unreachable")
+
+    def ratio(self, num_rows: int) -> float:
+        """cost_s(num_rows) / cost_s(1)."""
+        return self.cost_s(num_rows) / self.pass_s[0]
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "num_rows": list(self.num_rows), "pass_s": list(self.pass_s)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> RowCostTable:
+        """Inverse of `to_json`. Raises ValueError for a malformed table."""
+        try:
+            return cls(mode=str(data["mode"]), num_rows=tuple(int(n) for n in data["num_rows"]),
+                       pass_s=tuple(float(s) for s in data["pass_s"]))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"malformed row-cost table: {err!r}") from None
+
+    @classmethod
+    def load(cls, path: str | Path, mode: str) -> RowCostTable:
+        """The table of `mode` from a row_cost.py JSON report. Raises ValueError when it has none."""
+        tables = json.loads(Path(path).read_text())["tables"]
+        for t in tables:
+            if t["mode"] == mode:
+                return cls.from_json(t)
+        raise ValueError(f"{path} has no row-cost table for mode {mode!r} (has {[t['mode'] for t in tables]})")
+
+
+def expected_tokens(probs: Sequence[float], num_drafts: int) -> float:
+    """Expected committed tokens of a pass verifying the first `num_drafts` drafts of a chain whose
+    conditional acceptance probabilities are `probs` ([Note: rows worth sending])."""
+    total, alive = 1.0, 1.0
+    for p in probs[:num_drafts]:
+        alive *= p
+        total += alive
+    return total
+
+
+def best_num_rows(table: RowCostTable, probs: Sequence[float], *, max_rows: int) -> int:
+    """Rows (1 + drafts) of the next pass that maximise expected tokens per second, at most
+    `max_rows` and at most 1 + len(probs). Raises ValueError for max_rows < 1 or a p outside [0, 1]."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if any(not 0.0 <= p <= 1.0 for p in probs):
+        raise ValueError(f"acceptance probabilities must be in [0, 1], got {list(probs)}")
+    best, best_rate = 1, 1.0 / table.cost_s(1)
+    for n in range(2, min(max_rows, 1 + len(probs)) + 1):
+        rate = expected_tokens(probs, n - 1) / table.cost_s(n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+def measure_row_costs(run_pass: Callable[[int, int], None], shapes: Sequence[tuple[int, int]], *,
+                      repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
+    """Median seconds of `run_pass(num_rows, firp_k)` per shape, shapes interleaved repeat by repeat
+    (drift hits every shape alike); the first round warms up and is dropped. clock: wall time by
+    default; `time.thread_time` (CPU seconds of this thread) on a machine shared with other jobs,
+    where wall time mostly measures how long the thread waited for a core."""
+    times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    for r in range(repeats + 1):
+        for shape in shapes:
+            start = clock()
+            run_pass(*shape)
+            if r:
+                times[shape].append(clock() - start)
+    return {shape: statistics.median(ts) for shape, ts in times.items()}
+
+
+def decode_pass(model, kv, *, context: int, make_pseudo=None, firp_layer: int | None = None):
+    """A `run_pass` for `measure_row_costs`: n rows after `context` cached positions of slot 0 of
+    `kv` (the context must be cached already); k > 0 adds a FIRP chain of k pseudo rows to every row,
+    made by `make_pseudo(anchor_hidden, k)` at `firp_layer`."""
+    def run(num_rows: int, k: int) -> None:
+        kv.set_length(0, context)
+        ids = torch.arange(num_rows) + 100
+        extra = {}
+        if k:
+            extra = {"firp_layer": firp_layer, "make_pseudo": lambda h: make_pseudo(h, k)}
+        span = Span(0, context, num_rows, num_anchors=num_rows if k else 0, chain_len=k)
+        model.forward_rows(ids, [span], kv, **extra)
+    return run

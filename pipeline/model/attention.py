@@ -1,0 +1,221 @@
+"""Attention over the packed spans of one micro-batch: one batched call per layer.
+
+Owns `AttentionPlan` (built once per stage forward from the spans and the FIRP pseudo layout: KV
+write indices, query gather indices, and the causal / pseudo mask of every item) and
+`span_attention`, which writes a layer's keys/values into the KV cache and attends every query row.
+Must not: own the KV buffers (pipeline/model/kv_cache.py) or the projections (pipeline/model/stage_model.py).
+
+[Note: batch-invariant attention]
+Decode, draft and verify items (at most `SMALL_ITEM_ROWS` rows) of a micro-batch are attended
+together in one float32 computation whose result for a query row depends only on that row, its
+keys and values, never on how many rows or items share the pass nor on the padding: scores are an
+elementwise product summed over head_dim (one fixed-order reduction per score), masked keys add
+exact zeros to the softmax and to the weighted sum, and every item's keys are read in whole blocks
+of KEY_BLOCK positions, so the vectorised reductions over keys never take a length-dependent tail
+path (a 7-key softmax and the same 7 keys padded to 10 differ in the last bit; padded to 32 and to
+64 they do not; tests/unit/test_numeric_modes.py checks rows bitwise). Matmul-based attention (SDPA, bmm) is not
+batch-invariant on CPU: its blocking depends on the number of queries and keys, which moves a
+row's output by ~1e-7 between a 1-row decode and the same row inside a FIRP verify chain, and can
+flip a greedy near-tie. Longer items (prefills) are attended one by one with SDPA: a prefill has
+the same shape in every speculation mode, so it needs no invariance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.model.family_blocks import window_mask
+from pipeline.model.kv_cache import KVCache
+from pipeline.model.row_layout import PseudoLayout, Span
+
+SMALL_ITEM_ROWS = 16  # items with at most this many real rows take the batched, batch-invariant path
+KEY_BLOCK = 32  # cached keys are read in whole blocks of this many positions (see the note)
+
+
+@dataclasses.dataclass
+class AttentionPlan:
+    """Index tensors and masks of one micro-batch, shared by every layer of a stage forward.
+
+    spans, pseudo: as given to StageModel.forward_rows. Real rows [0, num_real), pseudo rows after.
+    write_slots, write_positions: [num_real] KV slot and position of every real row.
+    small: indices (into spans) of the items on the batched path; large: the others.
+    q_index: [num_small, max_q] packed row of each query (padding: row num_rows, a zero row).
+    key_slots: [num_small]; max_len: cached keys read per item; pseudo_keys: [num_small, max_p]
+        packed rows whose keys follow the cached ones (padding: the zero row), or None.
+    mask: [num_small, max_q, max_len + max_p] bool, True = may attend; masked_out: its negation
+        (built once, used by every layer). max_len is a multiple of KEY_BLOCK.
+    dense_rows: True when the batched queries are exactly the packed rows in order (every item one
+        real row, no pseudo rows, no large items): no gather and no scatter.
+    src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
+    """
+
+    spans: Sequence[Span]
+    pseudo: PseudoLayout | None
+    num_rows: int
+    write_slots: torch.Tensor
+    write_positions: torch.Tensor
+    small: list[int]
+    large: list[int]
+    q_index: torch.Tensor | None
+    key_slots: torch.Tensor | None
+    max_len: int
+    pseudo_keys: torch.Tensor | None
+    mask: torch.Tensor | None
+    masked_out: torch.Tensor | None = None
+    dense_rows: bool = False
+    src: torch.Tensor | None = None
+    dst: torch.Tensor | None = None
+    q_positions: torch.Tensor | None = None
+    _window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def masked_out_for(self, window: int | None) -> torch.Tensor | None:
+        """`masked_out` of the batched items, with cached key j also hidden from a query at position i
+        when j <= i - window (a sliding-window layer; built once per window per forward)."""
+        if window is None:
+            return self.masked_out
+        if self.pseudo_keys is not None:
+            raise ValueError("FIRP pseudo rows are not supported on sliding-window layers")
+        if window not in self._window_masks:
+            key_pos = torch.arange(self.max_len, device=self.masked_out.device)
+            outside = key_pos[None, None, :] <= self.q_positions[:, :, None] - window
+            self._window_masks[window] = self.masked_out | outside
+        return self._window_masks[window]
+
+    @classmethod
+    def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device) -> AttentionPlan:
+        """Plan for packed real rows of `spans` (+ pseudo rows of `pseudo`). Pure index maths."""
+        num_real = sum(s.num_tokens for s in spans)
+        num_pseudo = sum(s.num_pseudo for s in spans) if pseudo is not None else 0
+        slots = torch.tensor([s.slot for s in spans for _ in range(s.num_tokens)], dtype=torch.int64)
+        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans])
+        small = [i for i, s in enumerate(spans) if s.num_tokens <= SMALL_ITEM_ROWS]
+        large = [i for i, s in enumerate(spans) if s.num_tokens > SMALL_ITEM_ROWS]
+        plan = cls(spans, pseudo, num_real + num_pseudo, slots.to(device), positions.to(device), small, large,
+                   None, None, 0, None, None)
+        if small:
+            plan._build_small(device)
+        return plan
+
+    def _build_small(self, device: torch.device) -> None:
+        """Gather indices and the mask of the batched items ([Note: pseudo rows] in pipeline/model/row_layout.py)."""
+        spans, pad = self.spans, self.num_rows
+        row_of = [0]
+        for s in spans:
+            row_of.append(row_of[-1] + s.num_tokens)
+        num_p = [s.num_pseudo if self.pseudo is not None else 0 for s in spans]
+        max_q = max(spans[i].num_tokens + num_p[i] for i in self.small)
+        max_p = max(num_p[i] for i in self.small)
+        longest = max(spans[i].start + spans[i].num_tokens for i in self.small)
+        self.max_len = -(-longest // KEY_BLOCK) * KEY_BLOCK
+        q_index = torch.full((len(self.small), max_q), pad, dtype=torch.int64)
+        q_pos = torch.zeros(len(self.small), max_q, dtype=torch.int64)  # padding rows: position 0
+        p_index = torch.full((len(self.small), max_p), pad, dtype=torch.int64)
+        mask = torch.zeros(len(self.small), max_q, self.max_len + max_p, dtype=torch.bool)
+        mask[:, :, 0] = True  # padding queries attend to one key (no NaN); their rows are never read
+        for b, i in enumerate(self.small):
+            s, n, end = spans[i], spans[i].num_tokens, spans[i].start + spans[i].num_tokens
+            q_index[b, :n] = torch.arange(row_of[i], row_of[i] + n)
+            q_pos[b, :n] = torch.arange(s.start, end)
+            if num_p[i]:
+                prows = torch.arange(self.pseudo.offsets[i], self.pseudo.offsets[i] + num_p[i])
+                q_index[b, n:n + num_p[i]] = prows
+                p_index[b, :num_p[i]] = prows
+                m = self.pseudo.masks[i].cpu()  # [n + p, end + p]
+                mask[b, :n + num_p[i], :end] = m[:, :end]
+                mask[b, :n + num_p[i], self.max_len:self.max_len + num_p[i]] = m[:, end:]
+            else:
+                mask[b, :n, :end] = torch.arange(end)[None, :] <= torch.arange(s.start, end)[:, None]
+        self.dense_rows = not self.large and max_q == 1 and len(self.small) == num_real_rows(spans)
+        valid = (q_index < pad).reshape(-1)
+        self.src = valid.nonzero()[:, 0].to(device)
+        self.dst = q_index.reshape(-1)[valid].to(device)
+        self.q_index, self.q_positions = q_index.to(device), q_pos.to(device)
+        self.mask, self.masked_out = mask.to(device), (~mask).to(device)
+        self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
+        self.pseudo_keys = p_index.to(device) if max_p else None
+
+
+def num_real_rows(spans: Sequence[Span]) -> int:
+    """Real rows of a micro-batch."""
+    return sum(s.num_tokens for s in spans)
+
+
+def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         masked_out: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    """q: [B, Q, kv_heads, group, d]; keys/values: [B, kv_heads, L, d]; masked_out: [B, Q, L] bool
+    (True = may NOT attend) or None; scale: softmax scale (default 1/sqrt(d)).
+
+    Returns [B, Q, kv_heads, group, d] float32 ([Note: batch-invariant attention]).
+    """
+    q, keys, values = q.float(), keys.float(), values.float()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.unsqueeze(-2) * keys[:, None, :, None]).sum(-1) * scale  # [B, Q, kvh, g, L]
+    if masked_out is not None:
+        scores = scores.masked_fill(masked_out[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return (probs.unsqueeze(-1) * values[:, None, :, None]).sum(-2)
+
+
+def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, kv: KVCache,
+                   layer: int, *, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """Write the real rows' k/v into `kv` at `layer`, then attend every query row.
+
+    q: [num_rows, heads, d]; k, v: [num_rows, kv_heads, d] (RoPE applied); pseudo rows are never
+    written to the cache. window: sliding-window size of this layer (Mistral, Gemma 3) or None;
+    scale: softmax scale (default 1/sqrt(d)). Returns [num_rows, heads, d] in q's dtype.
+    Raises ValueError for FIRP pseudo rows on a sliding-window layer.
+    """
+    num_real = plan.write_slots.shape[0]
+    kv.write_rows(layer, plan.write_slots, plan.write_positions, k[:num_real], v[:num_real])
+    out = torch.empty_like(q)
+    if plan.small:
+        h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
+        if plan.dense_rows:
+            qp = q.reshape(q.shape[0], 1, kvh, h // kvh, d)
+        else:
+            qp = torch.cat([q, q.new_zeros(1, h, d)])[plan.q_index].reshape(*plan.q_index.shape, kvh, h // kvh, d)
+        keys, values = kv.gather(layer, plan.key_slots, plan.max_len)  # [B, kvh, max_len, d]
+        if plan.pseudo_keys is not None:
+            kp = torch.cat([k, k.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
+            vp = torch.cat([v, v.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
+            keys, values = torch.cat([keys, kp.to(keys.dtype)], 2), torch.cat([values, vp.to(values.dtype)], 2)
+        o = _invariant_attention(qp, keys, values, plan.masked_out_for(window), scale).to(q.dtype)
+        if plan.dense_rows:
+            return o.reshape(q.shape)
+        out[plan.dst] = o.reshape(-1, h, d)[plan.src]
+    row_of = [0]
+    for s in plan.spans:
+        row_of.append(row_of[-1] + s.num_tokens)
+    for i in plan.large:
+        _large_item(out, q, k, v, plan, kv, layer, i, row_of[i], window=window, scale=scale)
+    return out
+
+
+def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: int, row: int, *,
+                window: int | None, scale: float | None) -> None:
+    """SDPA of item i's real rows (a prefill) over its cached keys, and of its pseudo rows if it has
+    any ([Note: pseudo rows] in pipeline/model/row_layout.py); writes them into `out`."""
+    span = plan.spans[i]
+    n, end = span.num_tokens, span.start + span.num_tokens
+    keys, values = kv.view(layer, span.slot, end)  # [kv_heads, end, d]
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    rows = slice(row, row + n)
+    if plan.pseudo is None or plan.pseudo.masks[i] is None:
+        mask = window_mask(torch.arange(span.start, end, device=q.device), end, window)  # [n, end]
+        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                           enable_gqa=True, scale=scale)
+        out[rows] = o[0].transpose(0, 1)
+        return
+    if window is not None:
+        raise ValueError("FIRP pseudo rows are not supported on sliding-window layers")
+    prows = slice(plan.pseudo.offsets[i], plan.pseudo.offsets[i] + span.num_pseudo)
+    keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
+    values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
+    both = torch.cat([q[rows], q[prows]]).transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(both, keys[None], values[None], attn_mask=plan.pseudo.masks[i],
+                                       enable_gqa=True, scale=scale)[0].transpose(0, 1)
+    out[rows], out[prows] = o[:n], o[n:]

@@ -1,0 +1,247 @@
+"""Model configuration: the architecture hyper-parameters of a Llama-family decoder.
+
+Owns the one typed description of a model (`ModelConfig`), how it is read from a Hugging Face
+`config.json`, and a tiny named config that unit tests use instead of real weights.
+Must not: read weights, touch the file system beyond `config.json`, or import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+# model_type values whose layout this decoder implements. Families differ only by configuration
+# (see [Note: model families] below); the HF class each one is checked against in tests.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+SUPPORTED_MODEL_TYPES = tuple(HF_ARCHITECTURES)
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_O_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3_text")  # o_proj has a bias iff attention_bias
+_UNIFORM_WINDOW = ("mistral", "mixtral", "phi3", "qwen3_moe")  # a sliding_window applies to every layer
+
+# [Note: model families]
+# One decoder, switched by these ModelConfig fields (all default to plain Llama):
+#   attention_bias / o_proj_bias   q,k,v (and o) biases: qwen2 (q,k,v only), llama/qwen3/gemma3 when set
+#   qk_norm                        RMSNorm over head_dim on q and k before RoPE: qwen3, qwen3_moe, gemma3
+#   norm_weight_offset             gemma's RMSNorm multiplies by (1 + w): 1.0 for gemma3
+#   sandwich_norms                 gemma3: norm the attention output, and pre-/post-feed-forward norms
+#   hidden_act                     silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, gemma3)
+#   embedding_scale                token embedding times sqrt(hidden_size) (gemma3)
+#   query_pre_attn_scalar          attention scale 1/sqrt(this) instead of 1/sqrt(head_dim) (gemma3)
+#   layer_types, sliding_window    per-layer full or sliding-window causal attention (mistral, gemma3)
+#   rope_local_theta               RoPE base of sliding layers, unscaled (gemma3's rope_local_base_freq)
+#   final_logit_softcapping        logits = cap * tanh(logits / cap)
+#   num_experts, ...               sparse mixture-of-experts feed-forward (mixtral, qwen3_moe)
+# phi3 differs only in the checkpoint (fused qkv_proj and gate_up_proj); see pipeline/weights/checkpoint.py.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in Hugging Face `rope_scaling`.
+
+    `rope_type` is one of "default", "linear" (positions divided by `factor`) or "llama3"
+    (Llama 3.1 wavelength-dependent scaling with `low_freq_factor`, `high_freq_factor` and
+    `original_max_position_embeddings`).
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported (default, linear, llama3)")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of a decoder of one of SUPPORTED_MODEL_TYPES, by configuration ([Note: model families]).
+
+    Sizes are counts; `head_dim` defaults to hidden_size // num_attention_heads; `layer_types`
+    defaults to full attention on every layer. Raises ValueError when the sizes are inconsistent
+    (e.g. heads not divisible by KV heads) or a family field is out of range.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    o_proj_bias: bool | None = None  # None: the family's rule (_O_BIAS_FAMILIES follow attention_bias)
+    qk_norm: bool = False
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    embedding_scale: float = 1.0
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layer_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if self.o_proj_bias is None:
+            object.__setattr__(self, "o_proj_bias", self.attention_bias and self.model_type in _O_BIAS_FAMILIES)
+        _check_family_fields(self)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                    f"({self.num_attention_heads}) when head_dim is not given"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not self.layer_types:  # one attention kind for every layer (mistral, mixtral, phi3: all sliding)
+            kind = SLIDING_ATTENTION if self.sliding_window and self.model_type in _UNIFORM_WINDOW else FULL_ATTENTION
+            object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
+
+    def is_sliding(self, layer: int) -> bool:
+        """True when decoder layer `layer` uses sliding-window attention."""
+        return self.layer_types[layer] == SLIDING_ATTENTION
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when decoder layer `layer` has a sparse mixture-of-experts feed-forward."""
+        return (self.num_experts > 0 and layer not in self.dense_layers
+                and (layer + 1) % self.moe_layer_step == 0)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict. Raises ValueError on unsupported models,
+        naming the model_type or field and what is supported."""
+        from pipeline.model.family_config import family_fields, rope_fields
+
+        model_type = d.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        fields: dict[str, Any] = dict(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+            head_dim=int(d.get("head_dim") or 0),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma3_text")),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+        return cls(**(fields | rope_fields(d, model_type) | family_fields(d, model_type)))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Read `<model_dir>/config.json`. Raises FileNotFoundError / ValueError."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {model_dir}")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` form (loadable by transformers' config class of the family)."""
+        from pipeline.model.family_config import family_hf_dict
+
+        d: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        d.update(family_hf_dict(self))
+        return d
+
+
+def _check_family_fields(c: ModelConfig) -> None:
+    """Validate the family fields of [Note: model families]; ValueError naming the field and limit."""
+    if c.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {c.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    if c.layer_types:
+        if len(c.layer_types) != c.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(c.layer_types)} entries for {c.num_hidden_layers} layers")
+        bad = sorted(set(c.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if bad:
+            raise ValueError(f"layer type {bad[0]!r} is not supported ({FULL_ATTENTION}, {SLIDING_ATTENTION})")
+        if SLIDING_ATTENTION in c.layer_types and not (c.sliding_window or 0) > 0:
+            raise ValueError(f"sliding_window must be > 0 for sliding-window layers, got {c.sliding_window}")
+    if c.num_experts:
+        if not 0 < c.num_experts_per_tok <= c.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {c.num_experts}], got {c.num_experts_per_tok}")
+        if c.moe_intermediate_size <= 0 or c.moe_layer_step < 1:
+            raise ValueError(f"moe_intermediate_size ({c.moe_intermediate_size}) must be > 0 and moe_layer_step "
+                             f"({c.moe_layer_step}) >= 1")
+    for name in ("final_logit_softcapping", "query_pre_attn_scalar"):
+        if getattr(c, name) is not None and getattr(c, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(c, name)}")
+
+
+def tiny_config(**overrides: Any) -> ModelConfig:
+    """A tiny random-weight Llama config for unit tests (4 layers, hidden 64, GQA 4/2, vocab 256)."""
+    base: dict[str, Any] = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=True, max_position_embeddings=512, eos_token_ids=(2,),
+    )
+    base.update(overrides)
+    return ModelConfig(**base)

@@ -1,0 +1,84 @@
+"""Small per-family building blocks of the decoder, chosen by ModelConfig ([Note: model families]).
+
+Owns the norm factory (Llama's RMSNorm or Gemma's (1 + w) variant), the embedding with a scale
+(Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
+tanh-approximate GELU), final logit soft-capping, and the sliding-window causal mask.
+Must not: read files or know about stages, KV slots or processes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.model.config import ModelConfig
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm with weight offset `offset` (Gemma: 1.0): normalise in float32, times (offset + w),
+    cast back. x: [..., dim] -> same shape and dtype. Unlike Llama's, the product is taken in float32
+    before the cast (transformers' Gemma3RMSNorm; Gemma paper, arXiv 2403.08295 §2)."""
+
+    def __init__(self, dim: int, eps: float, offset: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """The RMSNorm this family uses over `dim` features (plain, or Gemma's when norm_weight_offset)."""
+    from pipeline.model.stage_model import RMSNorm  # model.py imports this module
+
+    if config.norm_weight_offset:
+        return GemmaRMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
+    return RMSNorm(dim, config.rms_norm_eps)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding times a constant (`scale` cast to the weight's dtype, as transformers'
+    Gemma3TextScaledWordEmbedding does). ids: [num_tokens] -> [num_tokens, hidden]."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(ids)
+        return out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)
+
+
+def make_embedding(config: ModelConfig) -> nn.Embedding:
+    """The first stage's token embedding (scaled when `config.embedding_scale` != 1)."""
+    if config.embedding_scale != 1.0:
+        return ScaledEmbedding(config.vocab_size, config.hidden_size, config.embedding_scale)
+    return nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (transformers' `gelu_pytorch_tanh`)."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATION_FNS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma 2, arXiv 2408.00118 §2), or `logits` when cap is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def window_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """Causal mask [num_queries, num_keys] (True = attend) for queries at absolute `query_pos`
+    over keys at positions 0..num_keys-1; with `window`, key j is visible to query i only when
+    i - window < j <= i (Mistral's sliding window, arXiv 2310.06825 §2, as transformers masks it)."""
+    key_pos = torch.arange(num_keys, device=query_pos.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    return mask

@@ -1,0 +1,152 @@
+"""Per-family reading and writing of Hugging Face `config.json` keys ([Note: model families] in config.py).
+
+Owns what each supported `model_type` means in terms of ModelConfig's family fields: the defaults
+of transformers' config class of that family when a key is absent, the RoPE keys in both the
+legacy form (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) and transformers 5's
+`rope_parameters` (flat, or per layer type), and the reverse mapping for `to_hf_dict`.
+Must not: import torch or transformers, or read files.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pipeline.model.config import FULL_ATTENTION, SLIDING_ATTENTION, RopeScaling
+
+# Families whose config classes derive per-layer sliding windows from `use_sliding_window`.
+_QWEN = ("qwen2", "qwen3", "qwen3_moe")
+# transformers' defaults for a key missing from config.json, per family.
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0}
+_DEFAULT_EPS = {"gemma3_text": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "gemma3_text": 4096}
+_GEMMA_SLIDING_PATTERN = 6
+
+
+def _scaling(d: dict[str, Any] | None) -> RopeScaling | None:
+    """RopeScaling from a `rope_scaling` / `rope_parameters` dict (None or "default" -> None)."""
+    if not d:
+        return None
+    kind = d.get("rope_type", d.get("type", "default"))
+    if kind == "default":
+        return None
+    return RopeScaling(
+        rope_type=kind,
+        factor=float(d.get("factor", 1.0)),
+        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def rope_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling and rope_local_theta from a config dict. Raises ValueError for an
+    unsupported scaling type or a partial rotary factor other than 1."""
+    params = d.get("rope_parameters") or {}
+    per_type = FULL_ATTENTION in params or SLIDING_ATTENTION in params
+    full = params.get(FULL_ATTENTION, {}) if per_type else params
+    local = params.get(SLIDING_ATTENTION, {}) if per_type else {}
+    for p in (d, full):
+        factor = p.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise ValueError(f"partial_rotary_factor {factor} is not supported (only 1.0: RoPE on every dim)")
+    theta = full.get("rope_theta", d.get("rope_theta", _DEFAULT_THETA.get(model_type, 10000.0)))
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": _scaling(d.get("rope_scaling") or full)}
+    if model_type == "gemma3_text":
+        out["rope_local_theta"] = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+        if _scaling(local) is not None:
+            raise ValueError("gemma3 RoPE scaling of sliding-window layers is not supported")
+    return out
+
+
+def _layer_types(d: dict[str, Any], model_type: str, num_layers: int, window: int | None) -> tuple[str, ...]:
+    if d.get("layer_types"):
+        return tuple(d["layer_types"])
+    if window is None:
+        return (FULL_ATTENTION,) * num_layers
+    if model_type == "gemma3_text":
+        pattern = int(d.get("sliding_window_pattern", _GEMMA_SLIDING_PATTERN))
+        return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers))
+    if model_type in ("qwen2", "qwen3"):
+        first = int(d.get("max_window_layers", 28))
+        return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers))
+    return (SLIDING_ATTENTION,) * num_layers  # mistral, mixtral, phi3, qwen3_moe: every layer
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+    if model_type in _QWEN and not d.get("use_sliding_window", False):
+        return None
+    window = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))
+    return None if window is None else int(window)
+
+
+def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    if model_type == "mixtral":
+        return {"num_experts": int(d.get("num_local_experts", 8)),
+                "num_experts_per_tok": int(d.get("num_experts_per_tok", 2)),
+                "moe_intermediate_size": int(d["intermediate_size"]), "norm_topk_prob": True}
+    return {"num_experts": int(d.get("num_experts", d.get("num_local_experts", 128))),
+            "num_experts_per_tok": int(d.get("num_experts_per_tok", 8)),
+            "moe_intermediate_size": int(d.get("moe_intermediate_size", 768)),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "moe_layer_step": int(d.get("decoder_sparse_step", 1)),
+            "dense_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ())}
+
+
+def _reject_unsupported(d: dict[str, Any], model_type: str) -> None:
+    for key in ("mlp_bias", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if d.get(key) not in (None, False):
+            raise ValueError(f"{model_type} config {key}={d[key]!r} is not supported (only null/false)")
+    act = d.get("hidden_activation") or d.get("hidden_act")
+    if act not in (None, "silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"{model_type} config activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+
+
+def family_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The family fields of ModelConfig (and family defaults of core fields) for a config dict.
+
+    Raises ValueError naming a key whose value this decoder does not implement.
+    """
+    _reject_unsupported(d, model_type)
+    window = _sliding_window(d, model_type)
+    out: dict[str, Any] = {
+        "qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        "hidden_act": d.get("hidden_activation") or d.get("hidden_act") or "silu",
+        "layer_types": _layer_types(d, model_type, int(d["num_hidden_layers"]), window),
+        "sliding_window": window,
+    }
+    if "rms_norm_eps" not in d and model_type in _DEFAULT_EPS:
+        out["rms_norm_eps"] = _DEFAULT_EPS[model_type]
+    if model_type == "gemma3_text":
+        out.update(norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=math.sqrt(int(d["hidden_size"])),
+                   query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                   final_logit_softcapping=d.get("final_logit_softcapping"),
+                   hidden_act=d.get("hidden_activation") or "gelu_pytorch_tanh")
+        out["head_dim"] = int(d.get("head_dim") or 256)
+    if model_type in ("mixtral", "qwen3_moe"):
+        out.update(_moe_fields(d, model_type))
+    return out
+
+
+def family_hf_dict(c: Any) -> dict[str, Any]:
+    """config.json keys for the family fields of ModelConfig `c` (what transformers reads back)."""
+    d: dict[str, Any] = {"hidden_act": c.hidden_act, "sliding_window": c.sliding_window}
+    if c.model_type in _QWEN or c.model_type == "gemma3_text":
+        d["layer_types"] = list(c.layer_types)
+    elif len(set(c.layer_types)) > 1:
+        raise ValueError(f"{c.model_type} has one attention kind for all layers, not {sorted(set(c.layer_types))}")
+    if c.model_type in _QWEN:
+        d["use_sliding_window"] = c.sliding_window is not None
+        d["max_window_layers"] = next((i for i, t in enumerate(c.layer_types) if t == SLIDING_ATTENTION),
+                                      c.num_hidden_layers)
+    if c.model_type == "gemma3_text":
+        d.update(hidden_activation=c.hidden_act, query_pre_attn_scalar=c.query_pre_attn_scalar,
+                 final_logit_softcapping=c.final_logit_softcapping,
+                 rope_local_base_freq=c.rope_theta if c.rope_local_theta is None else c.rope_local_theta)
+    if c.model_type == "mixtral":
+        d.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
+    if c.model_type == "qwen3_moe":
+        d.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                 moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                 decoder_sparse_step=c.moe_layer_step, mlp_only_layers=list(c.dense_layers))
+    return d

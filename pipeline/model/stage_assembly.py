@@ -1,0 +1,175 @@
+"""Stage assembly: build one stage's model, KV cache, exit head and FIRP maps from its load spec.
+
+Owns `StageLoadSpec` (what one stage worker is told to load: the stage view of the run
+configuration, launcher/coordinator/session.py derives it) and `assemble_stage`, which reads only this stage's
+tensors and returns a ready `StageExecutor`. Pure of processes: no gRPC, no torch.distributed
+(workers/stage_worker.py serves the result; workers/load_spec_codec.py maps the spec to protobuf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pipeline.engine.stage_executor import StageExecutor
+from pipeline.engine.wire import rank_of_stage, world_size
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import LayerRange
+from pipeline.run_config import MODEL_DTYPES
+from pipeline.speculation.firp import FirpMaps
+from pipeline.speculation.predictor_file import load_predictor_bytes
+from pipeline.speculation.predictors import ExitHead, ExitMap
+from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.quant import validate_quantization
+from pipeline.weights.quant_load import activation_dtype, load_stage_model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageLoadSpec:
+    """Everything one stage worker needs to load its weights and join the data plane.
+
+    Ranks: the coordinator is rank 0 and stage i is rank i + 1 of `dist_world_size` = S + 1.
+    `exit_layer`: the pipeline's exit layer when it runs an exit head (the stage holding it runs
+    the head after that layer and reports exit guesses), -1 for none. `exit_predictor` holds the
+    bytes of a trained early-exit predictor file (pipeline/speculation/predictor_file.py) for the exit head, or
+    b"" (the untrained logit lens). `firp_layer` -1 / `firp_k` 0 mean FIRP off; `firp_file`
+    (predictor-file bytes) is sent only to the stage holding firp_layer.
+    Raises ValueError naming the field for inconsistent values (the spec may come off the wire).
+    """
+
+    model_dir: str
+    stage_index: int
+    num_stages: int
+    layer_range: LayerRange
+    dtype: str = "float32"
+    quantization: str = "none"  # pipeline/weights/quant.py [Note: numeric modes]
+    device: str = "cpu"
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    num_threads: int = 1
+    dist_master_addr: str = "127.0.0.1"
+    dist_master_port: int = 29500
+    stage_timeout_s: float = 120.0
+    exit_layer: int = -1
+    exit_predictor: bytes = b""
+    firp_layer: int = -1
+    firp_k: int = 0
+    firp_file: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage_index < self.num_stages:
+            raise ValueError(f"stage_index {self.stage_index} out of range [0, {self.num_stages})")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        validate_quantization(self.quantization)
+        if self.stage_timeout_s <= 0:
+            raise ValueError(f"stage_timeout_s must be > 0, got {self.stage_timeout_s}")
+        if self.firp_k < 0 or (self.firp_k > 0) != (self.firp_layer >= 0):
+            raise ValueError(f"FIRP needs both firp_layer and firp_k (got {self.firp_layer}, {self.firp_k})")
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def dist_rank(self) -> int:
+        return rank_of_stage(self.stage_index)
+
+    @property
+    def dist_world_size(self) -> int:
+        return world_size(self.num_stages)
+
+    @property
+    def holds_exit_head(self) -> bool:
+        """This stage runs the exit head (the pipeline has one, after a layer of this stage)."""
+        return self.exit_layer >= 0 and self.exit_layer in self.layer_range
+
+    @property
+    def holds_firp_maps(self) -> bool:
+        """This stage runs the FIRP maps (FIRP is on and firp_layer is one of its layers)."""
+        return self.firp_k > 0 and self.firp_layer in self.layer_range
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return MODEL_DTYPES[self.dtype]
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """Dtype of this stage's activations (and of its exit head and FIRP maps): `dtype` for dense
+        weights, bfloat16 for the quantised modes (pipeline/weights/quant_load.py)."""
+        return activation_dtype(self.quantization, self.model_dir, self.torch_dtype, self.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class AssembledStage:
+    """A loaded stage: its executor (model, KV cache, exit head, FIRP maps), the bytes of the
+    parameters it holds in the loaded dtype, and the checkpoint tensor names it read (sorted)."""
+
+    executor: StageExecutor
+    weights_bytes: int
+    tensor_names: list[str]
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's weights: its parameters and persistent buffers (quantised weights are
+    buffers; RoPE tables are not persistent and not counted; a tied tensor counts once)."""
+    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
+    """Read this stage's tensors from `spec.model_dir` (only its own) and build the StageExecutor.
+
+    Raises ValueError / FileNotFoundError / OSError naming the problem (missing tensors, a bad
+    predictor file, a FIRP or exit predictor that does not fit the model).
+    """
+    config = ModelConfig.from_model_dir(spec.model_dir)
+    reader = CheckpointReader(spec.model_dir)
+    model = load_stage_model(spec.model_dir, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
+                             quantization=spec.quantization, dtype=spec.torch_dtype, device=spec.device,
+                             reader=reader)
+    kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
+    exit_head = build_exit_head(config, reader, spec) if spec.holds_exit_head else None
+    firp_maps = None
+    if spec.holds_firp_maps:
+        pred = load_predictor_bytes(spec.firp_file, kind="firp", exit_layer=spec.firp_layer,
+                                    where=f"FIRP file for stage {spec.stage_index}")
+        firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=spec.activation_dtype, device=spec.device)
+    executor = StageExecutor(model, kv, exit_layer=spec.exit_layer if spec.holds_exit_head else None,
+                             exit_head=exit_head, firp_layer=spec.firp_layer if spec.firp_k > 0 else None,
+                             firp_maps=firp_maps)
+    weights = sum(_param_bytes(m) for m in (model, exit_head, firp_maps) if m is not None)
+    return AssembledStage(executor, weights, sorted(reader.read_names))
+
+
+def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec) -> ExitHead:
+    """Copies of the final norm and LM head for the exit head after `spec.exit_layer`, behind the
+    trained map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden
+    size), restricted to the file's draft vocabulary when it has one. Raises ValueError."""
+    norm_name = "model.norm.weight"
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    t = reader.read([norm_name, head_name], dtype=spec.activation_dtype, device=spec.device)
+    exit_map, vocab = None, None
+    if spec.exit_predictor:
+        pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
+                                    where="exit predictor")
+        if pred.meta["model"]["hidden_size"] != config.hidden_size:
+            raise ValueError(f"exit predictor has hidden size {pred.meta['model']['hidden_size']}, the model "
+                             f"{config.hidden_size}")
+        exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine"),
+                                        eps=config.rms_norm_eps).to(device=spec.device, dtype=spec.activation_dtype)
+        vocab = pred.draft_vocab
+    with torch.device("meta"):
+        head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
+    norm = t[norm_name] + config.norm_weight_offset  # Gemma's (1 + w) norm as a plain RMSNorm weight
+    head.load_state_dict({"norm.weight": norm, "lm_head.weight": t[head_name]}, assign=True)
+    head.exit_map = exit_map
+    if vocab is not None:  # [Note: draft vocabulary] in pipeline/speculation/predictors.py
+        head.restrict_vocab(vocab)
+    return head.eval()
+

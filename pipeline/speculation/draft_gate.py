@@ -1,0 +1,94 @@
+"""Adaptive drafting: send a draft only when it is expected to pay for itself.
+
+Owns the running acceptance estimate of every (predictor source, confidence bucket) and the
+break-even acceptance below which a draft costs more than it saves. Pure: no I/O, no clock.
+
+[Note: adaptive drafting]
+A draft that is accepted saves the S − e stage-steps the real token would have waited for
+(ARCHITECTURE.md §5: speed-up S / (α·e + (1−α)·S)); a rejected one is not free in a real pipeline:
+later stages run the stale item before the in-band squash reaches them, and the real token waits
+behind it, about one stage-step (measured: untrained predictors at α ≈ 0.15–0.35 ran 0.77–0.89×
+plain decode at --stages 2). Drafting a token with acceptance probability a therefore pays when
+a·(S − e) > (1 − a)·r with r ≈ 1 stage-step, i.e. a > r / (S − e + r) = 1/S for e = r = 1.
+Predictors report a confidence; how well it predicts acceptance differs per predictor and model,
+so the gate learns it: drafts are grouped by (source, confidence bucket), each bucket keeps an
+acceptance estimate (successes + prior) / (trials + prior weight), and a draft is sent only when its
+bucket's estimate reaches `min_acceptance`. A refused bucket still gets every `explore_every`-th
+draft, so its estimate can recover when the text changes (deterministic: no random numbers, so
+runs are reproducible). Gating only decides whether to draft; committed tokens never change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeline.speculation.predictors import Draft
+
+
+@dataclasses.dataclass
+class BucketStats:
+    """Verified drafts of one (source, confidence bucket) and how many were accepted."""
+
+    verified: int = 0
+    accepted: int = 0
+    refused_since_probe: int = 0
+
+
+class DraftGate:
+    """Decides per draft whether to send it; learns from verdicts. See [Note: adaptive drafting].
+
+    min_acceptance: break-even acceptance in [0, 1] (0 = send every draft).
+    num_buckets: confidence buckets over [0, 1]; prior_acceptance, prior_weight: the Beta-style
+    prior each bucket starts from (optimistic by default, so new buckets are tried).
+    Raises ValueError for out-of-range arguments.
+    """
+
+    def __init__(self, *, min_acceptance: float, num_buckets: int = 10, prior_acceptance: float = 0.6,
+                 prior_weight: float = 2.0, explore_every: int = 16) -> None:
+        if not 0.0 <= min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {min_acceptance}")
+        if num_buckets < 1 or explore_every < 1 or prior_weight < 0 or not 0 <= prior_acceptance <= 1:
+            raise ValueError("draft gate: num_buckets, explore_every >= 1, prior_weight >= 0, prior in [0, 1]")
+        self.min_acceptance = min_acceptance
+        self.num_buckets = num_buckets
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.explore_every = explore_every
+        self.buckets: dict[tuple[str, int], BucketStats] = {}
+        self.num_refused = 0
+
+    @staticmethod
+    def break_even(num_stages: int, *, draft_lag: float = 1.0, rejection_cost: float = 1.0) -> float:
+        """Acceptance at which a draft neither gains nor loses: r / (S − e + r), in stage-steps."""
+        gain = max(num_stages - draft_lag, 0.0)
+        return rejection_cost / (gain + rejection_cost) if gain + rejection_cost > 0 else 1.0
+
+    def key(self, draft: Draft) -> tuple[str, int]:
+        """The bucket of a draft: its source and its confidence bucket."""
+        conf = min(max(draft.confidence, 0.0), 1.0)
+        return draft.source, min(int(conf * self.num_buckets), self.num_buckets - 1)
+
+    def estimate(self, key: tuple[str, int]) -> float:
+        """Current acceptance estimate of a bucket (the prior when it has no verdicts yet)."""
+        b = self.buckets.get(key, BucketStats())
+        return (b.accepted + self.prior_acceptance * self.prior_weight) / (b.verified + self.prior_weight)
+
+    def allow(self, draft: Draft) -> bool:
+        """Whether to send `draft` (counts refusals; every explore_every-th refusal is sent)."""
+        if self.min_acceptance <= 0.0:
+            return True
+        key = self.key(draft)
+        if self.estimate(key) >= self.min_acceptance:
+            return True
+        stats = self.buckets.setdefault(key, BucketStats())
+        stats.refused_since_probe += 1
+        if stats.refused_since_probe >= self.explore_every:
+            stats.refused_since_probe = 0
+            return True
+        self.num_refused += 1
+        return False
+
+    def record(self, key: tuple[str, int], *, accepted: bool) -> None:
+        """A draft of bucket `key` was verified."""
+        stats = self.buckets.setdefault(key, BucketStats())
+        stats.verified += 1
+        stats.accepted += int(accepted)

@@ -1,0 +1,164 @@
+"""Items: the units of work that travel through the pipeline.
+
+An item is a few consecutive token positions of one sequence, tagged with the sequence's epoch
+(ARCHITECTURE.md §1). Owns the `Item` record and its wire form (`items_to_wire` / `items_from_wire`: named columns).
+Must not: know about torch.distributed or processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+
+class ItemKind(enum.IntEnum):
+    """What an item is: the prompt pass, a committed-token decode pass, a speculative draft (SPEED),
+    or a FIRP chain (a committed token followed by FIRP drafts, verified in one pass)."""
+
+    PREFILL = 0
+    DECODE = 1
+    DRAFT = 2
+    FIRP = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Item:
+    """Positions [start, start + num_tokens) of sequence `seq_id`, in KV slot `slot`, at `epoch`.
+
+    token_ids: the input token ids, kept by the coordinator (on the wire they travel as the first
+        stage's input tensor "x", and items carry none).
+    want_logits: the last stage returns float32 logits for this item's result rows (sampling,
+        penalties and logprobs need them); otherwise only the argmax ids.
+    want_prompt_logits: (prefill items with want_logits) the last stage returns logits for every
+        row of the item, not only its result row (prompt logprobs, OpenAI `echo`); see
+        `num_logit_rows`.
+    firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
+        `firp_anchors` rows (see [Note: pseudo rows] in pipeline/model/row_layout.py); 0 = none.
+    want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
+        clears it when no draft made from that guess could be sent ([Note: exit-head skipping] in
+        pipeline/engine/scheduler.py); prefill items never get a guess either way (`wants_exit_guess`).
+    """
+
+    seq_id: int
+    slot: int
+    start: int
+    num_tokens: int
+    epoch: int = 0
+    kind: ItemKind = ItemKind.DECODE
+    token_ids: tuple[int, ...] = ()
+    want_logits: bool = False
+    firp_k: int = 0
+    firp_anchors: int = 0
+    want_exit: bool = True
+    want_prompt_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
+            raise ValueError(f"item of seq {self.seq_id} has firp_k {self.firp_k} / firp_anchors "
+                             f"{self.firp_anchors} outside [0, num_tokens {self.num_tokens}]")
+        if self.num_tokens < 1:
+            raise ValueError(f"item of seq {self.seq_id} has num_tokens {self.num_tokens} < 1")
+        if self.start < 0 or self.slot < 0 or self.epoch < 0:
+            raise ValueError(f"item of seq {self.seq_id} has a negative start/slot/epoch")
+        if self.want_prompt_logits and (self.kind != ItemKind.PREFILL or not self.want_logits):
+            raise ValueError(f"item of seq {self.seq_id}: want_prompt_logits needs a prefill with want_logits")
+        if self.token_ids and len(self.token_ids) != self.num_tokens:
+            raise ValueError(
+                f"item of seq {self.seq_id} carries {len(self.token_ids)} token ids for {self.num_tokens} positions"
+            )
+
+    @property
+    def end(self) -> int:
+        """One past the last position."""
+        return self.start + self.num_tokens
+
+    @property
+    def num_result_rows(self) -> int:
+        """Rows whose next-token result the last stage returns: the last row of a prefill, every
+        row of any other item (a FIRP chain verifies each of its drafts)."""
+        return 1 if self.kind == ItemKind.PREFILL else self.num_tokens
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows whose logits the last stage returns when `want_logits`: every row with
+        `want_prompt_logits` (the result row is the last of them), else the result rows."""
+        return self.num_tokens if self.want_prompt_logits else self.num_result_rows
+
+    @property
+    def may_precede_draft(self) -> bool:
+        """Whether a draft may follow this item, so it passes the exit layer with an exit event.
+        The one rule: never after a prefill (the first token after a prefill is never speculative,
+        ARCHITECTURE.md §5.5). The scheduler, the exit stage and the simulator all ask this."""
+        return self.kind != ItemKind.PREFILL
+
+    @property
+    def wants_exit_guess(self) -> bool:
+        """Whether the exit stage runs its exit head on this item's last row: a draft may follow
+        it and the scheduler left `want_exit` set ([Note: exit-head skipping] in pipeline/engine/scheduler.py)."""
+        return self.may_precede_draft and self.want_exit
+
+    @property
+    def num_pseudo(self) -> int:
+        """FIRP pseudo rows this item carries after the FIRP layer."""
+        return self.firp_k * self.firp_anchors
+
+    def without_tokens(self) -> Item:
+        """The same item without its token ids (what stages after the first receive)."""
+        return dataclasses.replace(self, token_ids=()) if self.token_ids else self
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRelease:
+    """A finished sequence whose KV slot every stage frees (a RELEASE message carries these)."""
+
+    seq_id: int
+    slot: int
+
+
+# [Note: item wire form]
+# A micro-batch's items travel as named columns, {field: [value per item]}: every field is named
+# on the wire (a schema, not positions), and the names cost bytes once per message, not per item.
+# `token_ids` is a column of lists (empty after the first stage: they travel as tensor "x").
+ITEM_WIRE_SCHEMA: dict[str, type] = {
+    "seq_id": int, "slot": int, "start": int, "num_tokens": int, "epoch": int, "kind": int,
+    "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
+    "want_prompt_logits": bool,
+}
+
+
+def items_to_wire(items: Sequence[Item]) -> dict[str, list[Any]]:
+    """The msgpack-able columns of `items` (see [Note: item wire form])."""
+    cols: dict[str, list[Any]] = {name: [] for name in ITEM_WIRE_SCHEMA}
+    for it in items:
+        for name in ITEM_WIRE_SCHEMA:
+            value = getattr(it, name)
+            cols[name].append(int(value) if name == "kind" else list(value) if name == "token_ids" else value)
+    return cols
+
+
+def items_from_wire(raw: Any) -> list[Item]:
+    """Parse and validate item columns. Raises ValueError naming the first malformed field."""
+    if not isinstance(raw, dict) or set(raw) != set(ITEM_WIRE_SCHEMA):
+        raise ValueError(f"malformed items: expected the columns {sorted(ITEM_WIRE_SCHEMA)}")
+    lengths = {len(col) if isinstance(col, list) else -1 for col in raw.values()}
+    if len(lengths) != 1 or -1 in lengths:
+        raise ValueError("malformed items: columns are not lists of one length")
+    for name, kind in ITEM_WIRE_SCHEMA.items():
+        if any(type(v) is not kind for v in raw[name]):
+            raise ValueError(f"malformed item: {name} is not {'an int' if kind is int else 'a ' + kind.__name__}")
+    if any(type(t) is not int for tokens in raw["token_ids"] for t in tokens):
+        raise ValueError("malformed item: token_ids is not a list of ints")
+    items = []
+    for row in zip(*(raw[name] for name in ITEM_WIRE_SCHEMA), strict=True):
+        fields = dict(zip(ITEM_WIRE_SCHEMA, row, strict=True))
+        try:
+            fields["kind"] = ItemKind(fields["kind"])
+        except ValueError:
+            raise ValueError(f"malformed item: unknown kind {fields['kind']}") from None
+        fields["token_ids"] = tuple(fields["token_ids"])
+        items.append(Item(**fields))
+    return items

@@ -1,0 +1,73 @@
+"""Verify: which tokens one result of the last stage commits. One pure function, read top to bottom.
+
+Owns the verify rule of speculative decoding for one result (SPEED, arXiv 2310.12072 §3; FIRP
+chains, arXiv 2410.20488 §3.3): each result row is checked against the draft that followed it.
+Must not: touch the ledger, the scheduler or any I/O (pipeline/engine/scheduler.py applies the verdict,
+pipeline/speculation/ledger.py keeps the chain). See [Note: verify] and [Note: chain verify] in pipeline/speculation/ledger.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from pipeline.speculation.sampling import Sampler, apply_penalties
+
+
+def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch.Tensor | None,
+                  sampler: Sampler | None, eos_token_ids: Collection[int], ignore_eos: bool,
+                  budget_left: int, prompt_ids: Sequence[int] = (),
+                  output_ids: Sequence[int] = ()) -> list[int]:
+    """The tokens one result commits, in row order: the longest accepted prefix plus one real token.
+
+    argmax: [num_result_rows] the last stage's argmax of each result row (row i is the model's
+        next token after the item's i-th result position).
+    drafts: the draft that followed each row (`SequenceLedger.drafts_to_verify()`: the item's own
+        FIRP drafts, then the run-ahead draft after it); shorter than argmax when the last rows
+        had none.
+    logits: [num_result_rows, vocab_size] float32 when the sequence needs them
+        (`SamplingParams.needs_logits`: sampling, penalties or logprobs), None otherwise.
+    sampler: the sequence's sampler (its params and seeded generator); used only with logits.
+    prompt_ids / output_ids: the sequence's prompt and committed output before this result; with
+        penalties, row i is penalised with output_ids + the tokens this result committed before it,
+        exactly the history plain decoding has at that position ([Note: logprobs and penalties] in
+        pipeline/speculation/sampling.py).
+    eos_token_ids / ignore_eos: the sequence's stop tokens; budget_left: tokens it may still
+        commit (>= 1).
+    Returns 1..num_result_rows tokens; every token but the last equals its draft.
+    """
+    out: list[int] = []
+    for i, top in enumerate(argmax):
+        draft = drafts[i] if i < len(drafts) else None
+        row = None
+        if logits is not None:
+            row = apply_penalties(logits[i], sampler.params, prompt_ids=prompt_ids, output_ids=[*output_ids, *out])
+        if row is not None and sampler.params.is_greedy:
+            # Greedy on the penalised logits (the raw argmax when no penalty is set); a draft is
+            # accepted iff it equals this token, as in the unpenalised greedy case below.
+            token = int(torch.argmax(row)) if sampler.params.has_penalties else top
+        elif logits is None:
+            # Greedy: the real token is the argmax; the draft is accepted iff it equals it. So
+            # greedy output with speculation is token-identical to greedy output without it
+            # (ARCHITECTURE.md §5.3), whatever the predictor proposes.
+            token = top
+        elif draft is None:
+            # No draft followed this row: sample the real next token from p = softmax(logits / T).
+            token = sampler.sample(row)
+        else:
+            # Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192 §2.3; SPEED §3):
+            # accept the draft x with probability min(1, p(x) / q(x)), q = the predictor's
+            # distribution (one-hot for our deterministic predictors, so accept w.p. p(x));
+            # otherwise commit y ~ normalise(max(0, p - q)). Either way the token is distributed
+            # exactly as p (`pipeline.speculation.sampling.verify_draft` does the arithmetic, with the
+            # sequence's top-p filter and seeded generator).
+            token = sampler.verify(row, draft)[1]
+        out.append(token)
+        if token in eos_token_ids and not ignore_eos:
+            break  # never commit past EOS (§5.5)
+        if len(out) >= budget_left:
+            break  # nor past the token budget
+        if draft is None or token != draft:
+            break  # a rejected draft (or none): the rows after it saw a wrong context
+    return out

@@ -1,0 +1,248 @@
+"""Checkpoint tensors: which Hugging Face tensor names a stage needs, and reading exactly those.
+
+Owns the tensor naming of every supported family (`model.layers.{i}.self_attn.q_proj.weight`, ...;
+phi3's fused `qkv_proj` / `gate_up_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1`), the choice of
+names per stage (`stage_tensor_names`), and `CheckpointReader`, a lazy reader of a Hugging Face
+model folder: one `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+Must not: build modules, materialise the whole model, or know about GGUF (see `gguf_import`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import safetensors
+import torch
+from safetensors import safe_open
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import LayerRange
+
+EMBED_TOKENS = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+_BYTES_PER_ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                      "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+# Mixtral's checkpoint names for what this decoder calls mlp.gate_proj / up_proj / down_proj.
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def family_tensor_name(name: str, config: ModelConfig) -> str:
+    """The checkpoint's name for a tensor this decoder calls `name` (HF names, "model." prefix):
+    identity except Mixtral's `block_sparse_moe` prefix and w1/w3/w2 expert projections."""
+    if config.model_type != "mixtral" or ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for ours, theirs in _MIXTRAL_EXPERT.items():
+        name = name.replace(f".{ours}.", f".{theirs}.")
+    return name
+
+
+def _mlp_names(config: ModelConfig, prefix: str, layer: int) -> list[str]:
+    """Feed-forward tensors of one layer: gate/up/down (phi3: gate_up/down), or router + experts."""
+    projections = ("gate_up_proj", "down_proj") if config.model_type == "phi3" else _MLP_PROJ
+    if not config.is_moe_layer(layer):
+        return [f"{prefix}.mlp.{proj}.weight" for proj in projections]
+    names = [f"{prefix}.mlp.gate.weight"]
+    names += [f"{prefix}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts) for proj in projections]
+    return [family_tensor_name(n, config) for n in names]
+
+
+def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
+    """Checkpoint names of decoder layer `layer` (norms, q/k/v/o or phi3's fused qkv, q/k/v biases
+    when `config.attention_bias`, o bias when `config.o_proj_bias`, q/k norms, Gemma's feed-forward
+    norms, gate/up/down or the MoE router and experts). Raises ValueError when the layer does not exist."""
+    if not 0 <= layer < config.num_hidden_layers:
+        raise ValueError(f"layer {layer} is outside the model's {config.num_hidden_layers} layers")
+    p = f"model.layers.{layer}"
+    names = [f"{p}.input_layernorm.weight"]
+    qkv = ("qkv_proj",) if config.model_type == "phi3" else ("q_proj", "k_proj", "v_proj")
+    names += [f"{p}.self_attn.{proj}.weight" for proj in (*qkv, "o_proj")]
+    if config.attention_bias:
+        names += [f"{p}.self_attn.{proj}.bias" for proj in qkv]
+    if config.o_proj_bias:
+        names.append(f"{p}.self_attn.o_proj.bias")
+    if config.qk_norm:
+        names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+    names.append(f"{p}.post_attention_layernorm.weight")
+    if config.sandwich_norms:
+        names += [f"{p}.pre_feedforward_layernorm.weight", f"{p}.post_feedforward_layernorm.weight"]
+    return names + _mlp_names(config, p, layer)
+
+
+def head_tensor_name(config: ModelConfig) -> str:
+    """The LM head's checkpoint name: the embedding itself when `tie_word_embeddings`."""
+    return EMBED_TOKENS if config.tie_word_embeddings else LM_HEAD
+
+
+def stage_tensor_names(config: ModelConfig, layer_range: LayerRange, *, is_first: bool,
+                       is_last: bool) -> list[str]:
+    """Exactly the checkpoint tensors one stage needs, each once, in checkpoint order.
+
+    First stage: the token embedding; every stage: its layers; last stage: the final norm and the
+    head (`model.embed_tokens.weight` when tied, else `lm_head.weight`).
+    Raises ValueError when `layer_range` reaches past the model's layers.
+    """
+    if layer_range.stop > config.num_hidden_layers:
+        raise ValueError(f"layer range {layer_range} is outside the model's {config.num_hidden_layers} layers")
+    names = [EMBED_TOKENS] if is_first else []
+    for layer in layer_range:
+        names += layer_tensor_names(config, layer)
+    if is_last:
+        names.append(FINAL_NORM)
+        if head_tensor_name(config) not in names:
+            names.append(head_tensor_name(config))
+    return names
+
+
+def all_tensor_names(config: ModelConfig) -> list[str]:
+    """Every tensor of a complete checkpoint of this config (a single stage holding all layers)."""
+    return stage_tensor_names(config, LayerRange(0, config.num_hidden_layers), is_first=True, is_last=True)
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path) -> Iterator[safetensors.safe_open]:
+    """`safe_open(path)` with a clear ValueError for a truncated or corrupt file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"safetensors file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except safetensors.SafetensorError as err:
+        raise ValueError(f"corrupt or truncated safetensors file {path}: {err}") from None
+
+
+def _index_weight_map(model_dir: Path) -> dict[str, Path]:
+    """name -> shard path from `model.safetensors.index.json`; checks every shard exists."""
+    index_path = model_dir / INDEX_FILE
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"malformed safetensors index {index_path}: {err!r}") from None
+    resolved = {name: model_dir / file for name, file in weight_map.items()}
+    for shard in sorted(set(resolved.values())):
+        if not shard.is_file():
+            raise FileNotFoundError(f"shard {shard} listed in {index_path} does not exist")
+    return resolved
+
+
+def _header_weight_map(files: list[Path]) -> dict[str, Path]:
+    """name -> file from the headers of unindexed safetensors files (headers only, no data)."""
+    weight_map: dict[str, Path] = {}
+    for path in files:
+        with _open_safetensors(path) as f:
+            for name in f.keys():
+                if name in weight_map:
+                    raise ValueError(f"tensor {name!r} is in both {weight_map[name]} and {path}")
+                weight_map[name] = path
+    return weight_map
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _read_direct(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `names` read from safetensors `path` with plain reads into fresh tensors.
+
+    [Note: reading without mmap] A memory map of the file would leave every page a stage read
+    resident in the process (counted in its RSS) next to the tensors copied out of it, doubling a
+    stage's peak memory while it loads; reading straight into each tensor's own buffer keeps the
+    peak at the stage's weights. Raises ValueError when the file ends before a tensor's data does.
+    """
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        for name in names:
+            info = header[name]
+            begin, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_TORCH_DTYPES[info["dtype"]])
+            f.seek(8 + header_len + begin)
+            if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != end - begin:
+                raise ValueError(f"corrupt or truncated safetensors file {path}: tensor {name!r} is cut short")
+            yield name, t
+
+
+class CheckpointReader:
+    """Lazy reader of a Hugging Face model folder's safetensors weights.
+
+    Construction reads `config.json` and the index (or the single file's header), never tensor
+    data. `read` opens only the files that hold the requested names and copies only those tensors,
+    so a stage never materialises the whole model. `read_names` records every name read so far.
+    Raises FileNotFoundError (folder without config.json or without safetensors files, missing
+    shard) and ValueError (corrupt/truncated file, malformed index) naming the path.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = ModelConfig.from_model_dir(self.model_dir)
+        self.read_names: set[str] = set()
+        if (self.model_dir / INDEX_FILE).is_file():
+            self._weight_map = _index_weight_map(self.model_dir)
+        else:
+            files = sorted(self.model_dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"no {SINGLE_FILE} or {INDEX_FILE} in model folder {self.model_dir}")
+            self._weight_map = _header_weight_map(files)
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        """Every tensor name in the checkpoint."""
+        return frozenset(self._weight_map)
+
+    def _files_for(self, names: Iterable[str]) -> dict[Path, list[str]]:
+        """Group names by the file holding them. Raises ValueError naming missing tensors."""
+        missing = [n for n in names if n not in self._weight_map]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:3]) + (" ..." if len(missing) > 3 else "")
+            raise ValueError(f"{len(missing)} tensor(s) not in checkpoint {self.model_dir}: {shown}")
+        groups: dict[Path, list[str]] = {}
+        for name in names:
+            groups.setdefault(self._weight_map[name], []).append(name)
+        return groups
+
+    def read(self, names: Iterable[str], *, dtype: torch.dtype,
+             device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Read `names` as `dtype` on `device`; returns {name: tensor} in the order asked.
+
+        Shapes are the checkpoint's (HF layout, e.g. q_proj: [num_heads * head_dim, hidden_size]).
+        Raises ValueError for a name missing from the checkpoint or a corrupt/truncated file.
+        """
+        names = list(dict.fromkeys(names))
+        tensors: dict[str, torch.Tensor] = {}
+        for path, group in self._files_for(names).items():
+            with _open_safetensors(path):  # validates the header (clear error for a corrupt file)
+                pass
+            for name, t in _read_direct(path, group):
+                tensors[name] = t.to(device=device, dtype=dtype)
+        self.read_names.update(names)
+        return {name: tensors[name] for name in names}
+
+    def nbytes(self, names: Iterable[str], *, dtype: torch.dtype | None = None) -> int:
+        """Bytes the tensors `names` take: as stored on disk, or once read as `dtype` when given.
+
+        Reads headers only. Raises ValueError for a missing name or a corrupt file.
+        """
+        total = 0
+        for path, group in self._files_for(list(dict.fromkeys(names))).items():
+            with _open_safetensors(path) as f:
+                for name in group:
+                    info = f.get_slice(name)
+                    numel = 1
+                    for dim in info.get_shape():
+                        numel *= dim
+                    itemsize = dtype.itemsize if dtype is not None else _BYTES_PER_ELEMENT[info.get_dtype()]
+                    total += numel * itemsize
+        return total

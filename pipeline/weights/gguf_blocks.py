@@ -1,0 +1,123 @@
+"""A stage's raw GGUF blocks, as quantised weight records (for `--quantization auto`).
+
+Owns decoding llama.cpp's Q4_0 / Q4_1 / Q8_0 block layouts straight into `Int4Groups` / `Int8Rows`
+(pipeline/weights/quant.py), undoing the Q/K row permutation on the records, and finding the GGUF a
+converted folder came from. Reads only the tensors asked for, from the memory-mapped file: a stage
+never inflates the model to float32. Must not: build modules or write files.
+
+Block layouts (ggml-common.h), 32 weights per block along the input dimension:
+    Q4_0: f16 d, u8 qs[16]          w = d * (q - 8)         q = low nibbles (0..15), then high nibbles
+    Q4_1: f16 d, f16 m, u8 qs[16]   w = d * q + m
+    Q8_0: f16 d, i8 qs[32]          w = d * q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from pipeline.model.config import ModelConfig
+from pipeline.weights.gguf_import import SOURCE_FILE, hf_tensor_name, open_gguf, unpermute_qk
+from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
+
+BLOCK = 32
+INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
+INT8_TYPES = {gguf.GGMLQuantizationType.Q8_0}
+_PERMUTED_ARCHITECTURES = ("llama",)
+
+
+def gguf_source_of(model_dir: str | Path) -> Path | None:
+    """The GGUF file a converted folder was made from (its `speedpipe_source.json`), or None for a
+    plain Hugging Face folder or when that file is gone."""
+    meta = Path(model_dir) / SOURCE_FILE
+    if not meta.is_file():
+        return None
+    path = Path(json.loads(meta.read_text())["path"])
+    return path if path.is_file() else None
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 16] packed bytes -> [rows, blocks * 32] values 0..15 (low nibbles first)."""
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return q.reshape(qs.shape[0], -1)
+
+
+def decode_int4(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> Int4Groups:
+    """Q4_0 / Q4_1 bytes [rows, row_bytes] -> Int4Groups with the file's own q, scale and minimum."""
+    rows = data.shape[0]
+    block_bytes = 18 if kind == gguf.GGMLQuantizationType.Q4_0 else 20
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == gguf.GGMLQuantizationType.Q4_0:
+        minimum, qs = -8.0 * d, blocks[..., 2:]
+    else:
+        minimum, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blocks[..., 4:]
+    q = _nibbles(qs)
+    return Int4Groups(q=torch.from_numpy(q.astype(np.uint8)), scale=torch.from_numpy(d),
+                      minimum=torch.from_numpy(np.ascontiguousarray(minimum)), group_size=BLOCK)
+
+
+def decode_q8_0(data: np.ndarray) -> torch.Tensor:
+    """Q8_0 bytes [rows, row_bytes] -> the exact float32 weight [rows, in]."""
+    blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+    return torch.from_numpy((q * d[..., None]).reshape(data.shape[0], -1))
+
+
+def _unpermute(w: QuantWeight, num_heads: int) -> QuantWeight:
+    """Undo llama.cpp's Q/K row interleaving on a per-row record ([Note: GGUF Q/K permutation])."""
+    order = unpermute_qk(np.arange(w.shape[0]), num_heads)
+    return w.rows(torch.from_numpy(np.ascontiguousarray(order)).long())
+
+
+class GgufBlockReader:
+    """Reads named tensors of a GGUF file as quantised records or dense float32 tensors.
+
+    `read(names)` returns {HF name: Int4Groups | Int8Rows | float32 tensor}: Q4_0/Q4_1 → Int4Groups
+    (exact), Q8_0 → Int8Rows when `int8_for_q8` (re-scaled per row, see [Note: numeric modes] in
+    pipeline/weights/quant.py) else its exact float32 values, anything else → float32 through `gguf`.
+    Raises ValueError naming a tensor the file lacks.
+    """
+
+    def __init__(self, path: str | Path, config: ModelConfig) -> None:
+        self.reader = open_gguf(path)
+        self.config = config
+        arch = self.reader.fields["general.architecture"]
+        arch_name = bytes(arch.parts[arch.data[0]]).decode()
+        self.permuted = arch_name in _PERMUTED_ARCHITECTURES
+        self.tensors = {hf_tensor_name(t.name): t for t in self.reader.tensors}
+
+    def kind(self, name: str) -> gguf.GGMLQuantizationType:
+        """The GGML type of HF-named tensor `name`."""
+        return self._tensor(name).tensor_type
+
+    def _tensor(self, name: str):
+        if name not in self.tensors:
+            raise ValueError(f"GGUF file has no tensor for {name!r}")
+        return self.tensors[name]
+
+    def read_one(self, name: str, *, int8_for_q8: bool = True) -> QuantWeight | torch.Tensor:
+        """One tensor, as described in the class docstring."""
+        t = self._tensor(name)
+        data = np.asarray(t.data)
+        shape = tuple(reversed(t.shape.tolist()))
+        if t.tensor_type in INT4_TYPES:
+            out: QuantWeight | torch.Tensor = decode_int4(data, t.tensor_type)
+        elif t.tensor_type in INT8_TYPES:
+            dense = decode_q8_0(data)
+            out = int8_rows_from_float(dense) if int8_for_q8 else dense
+        else:
+            w = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32).reshape(shape)
+            out = torch.from_numpy(np.array(w, order="C"))
+        if self.permuted and (".q_proj." in name or ".k_proj." in name) and not isinstance(out, torch.Tensor):
+            heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
+            out = _unpermute(out, heads)
+        elif self.permuted and (".q_proj." in name or ".k_proj." in name):
+            heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
+            out = torch.from_numpy(unpermute_qk(out.numpy(), heads).copy())
+        return out

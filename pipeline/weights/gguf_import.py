@@ -1,0 +1,289 @@
+"""GGUF import: convert a llama.cpp GGUF file once into a Hugging Face-format model folder.
+
+Owns the conversion (tensors streamed one at a time into model.safetensors, so no process ever
+holds the whole float32 model), rebuilding `tokenizer.json` from the GGUF vocabulary (byte-level
+BPE with the pre-tokenizer `tokenizer.ggml.pre` names), and publishing the folder atomically.
+Per-architecture metadata, tensor names and tensor fix-ups live in pipeline/weights/gguf_families.py.
+Must not: run models, download anything, or import transformers (it is a test-only oracle).
+
+[Note: GGUF Q/K permutation]
+llama.cpp's `convert_hf_to_gguf.py` (LlamaModel.permute) reorders the rows of q_proj and k_proj
+from HF's "rotate half" RoPE layout to GGML's interleaved-pairs layout:
+    w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2).reshape(out, in)
+with n_head = num_attention_heads for Q and num_key_value_heads for K (biases alike). The inverse,
+applied here, is the same reshape with the two middle axes the other way round:
+    w.reshape(n_head, head_dim // 2, 2, in).swapaxes(1, 2).reshape(out, in)
+Only the `llama` architecture is permuted; Qwen2, Qwen3 and Gemma 3 GGUFs keep HF's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tqdm import tqdm
+
+from pipeline.model.config import ModelConfig
+from pipeline.weights.checkpoint import SINGLE_FILE, all_tensor_names
+from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_tensor_name: re-exported)
+    SUPPORTED_ARCHITECTURES,
+    check_tensor_types,
+    config_from_gguf,
+    field,
+    hf_tensor_blocks,
+    hf_tensor_name,
+    unpermute_qk,
+)
+from pipeline.weights.model_chunks import path_lock
+from pipeline.weights.safetensors_stream import write_streaming
+
+CONVERTER_VERSION = 2  # 2: families, streamed tensors, qwen2 pre-tokenizer
+SOURCE_FILE = "speedpipe_source.json"
+OUTPUT_FILES = ("config.json", SINGLE_FILE, "tokenizer.json", "tokenizer_config.json",
+                "generation_config.json", SOURCE_FILE)
+# tokenizer.ggml.pre -> pre-tokenizer of the model's own tokenizer.json. The smollm family (also
+# StarCoder, Refact) isolates every digit, then applies GPT-2's byte-level regex to the rest.
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact")
+_GPT2 = ("gpt2", "default")
+# Qwen2's tokenizer.json: NFC, then this split (isolated), then byte-level without GPT-2's regex.
+_QWEN2 = ("qwen2",)
+_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GgufSource:
+    """Identity of a converted GGUF file, stored as `speedpipe_source.json` in the folder."""
+
+    path: str
+    size_bytes: int
+    sha256: str
+    converter_version: int = CONVERTER_VERSION
+
+    def same_content(self, other: GgufSource) -> bool:
+        """True when both describe the same bytes converted by the same converter version."""
+        return (self.size_bytes, self.sha256, self.converter_version) == (
+            other.size_bytes, other.sha256, other.converter_version)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_cached(path: str, size_bytes: int, mtime_ns: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file (about 0.1 s per 100 MB); cached per (path, size, mtime) in-process."""
+    st = Path(path).stat()
+    return _sha256_cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def describe_source(gguf_path: str | Path) -> GgufSource:
+    """Size and sha256 of a GGUF file. Raises FileNotFoundError, or ValueError when not GGUF."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    return GgufSource(path=str(path.resolve()), size_bytes=path.stat().st_size, sha256=file_sha256(path))
+
+
+def is_converted(out_dir: Path, source: GgufSource) -> bool:
+    """True when `out_dir` is a complete conversion of `source` by this converter version."""
+    if not all((out_dir / name).is_file() for name in OUTPUT_FILES):
+        return False
+    try:
+        stored = GgufSource(**json.loads((out_dir / SOURCE_FILE).read_text()))
+    except (json.JSONDecodeError, TypeError):
+        return False
+    return stored.same_content(source)
+
+
+def open_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
+    """Open (memory-map) a GGUF file. Raises FileNotFoundError, or ValueError naming the path when
+    the file is not GGUF, is truncated or corrupt, or its architecture is not supported."""
+    path = Path(gguf_path)
+    describe_source(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read GGUF file {path} (truncated or corrupt?): {err}") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > path.stat().st_size:
+        raise ValueError(f"GGUF file {path} is truncated: tensor data ends at byte {end}")
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path}: architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    check_tensor_types(reader, f"GGUF file {path}")
+    return reader
+
+
+def _tensor_plan(reader: gguf.GGUFReader, config: ModelConfig) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(HF name, HF shape, GGUF tensor) for every tensor, checked against `config`'s names.
+
+    Raises ValueError for unknown tensors or when the names differ from what `config` implies.
+    """
+    arch = field(reader, "general.architecture")
+    plan = [(hf_tensor_name(t.name, arch), tuple(reversed(t.shape.tolist())), t) for t in reader.tensors]
+    got, expected = {name for name, _, _ in plan}, set(all_tensor_names(config))
+    if got != expected:
+        raise ValueError(f"GGUF tensors do not match the config: missing {sorted(expected - got)[:3]}, "
+                         f"unexpected {sorted(got - expected)[:3]}")
+    return plan
+
+
+def write_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path, *, progress: bool = True) -> None:
+    """Stream every GGUF tensor, dequantised to float32 under its HF name, into safetensors `path`.
+
+    One tensor is dequantised at a time (peak memory: the largest tensor, not the model).
+    Raises ValueError as `_tensor_plan` does.
+    """
+    arch = field(reader, "general.architecture")
+    plan = _tensor_plan(reader, config)
+    bar = tqdm(total=len(plan), desc="converting GGUF", unit="tensor", disable=None if progress else True)
+    with bar:
+        write_streaming(path, [(name, shape) for name, shape, _ in plan],
+                        lambda i: hf_tensor_blocks(plan[i][2], config, arch), metadata={"format": "pt"},
+                        on_tensor=lambda: bar.update(1))
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _GPT2:
+        return byte_level
+    if pre in _QWEN2:
+        split = pre_tokenizers.Split(tokenizers.Regex(_QWEN2_PATTERN), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported yet "
+                     f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2 + _QWEN2)})")
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
+    """Byte-level BPE `tokenizers.Tokenizer` from the GGUF vocabulary, merges and token types.
+
+    Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
+    tokens. Raises ValueError for a non-BPE (e.g. SentencePiece) vocabulary or unknown pre-tokenizer.
+    """
+    kind = field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    pre = field(reader, "tokenizer.ggml.pre", "default")
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    if pre in _QWEN2:
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    types = field(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
+    typed = list(zip(tokens, types, strict=True))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in typed if kind == _TOKEN_TYPE_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in typed if kind == _TOKEN_TYPE_USER_DEFINED])
+    return tok
+
+
+def _special_token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
+    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}
+    ids = {name: field(reader, f"tokenizer.ggml.{key}", None) for name, key in keys.items()}
+    return {name: i for name, i in ids.items() if i is not None}
+
+
+def _tokenizer_config(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, Any]:
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    d: dict[str, Any] = {f"{name}_token": tokens[i] for name, i in _special_token_ids(reader).items()}
+    d.update(
+        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_eos_token=bool(field(reader, "tokenizer.ggml.add_eos_token", False)),
+        chat_template=field(reader, "tokenizer.chat_template", None),
+        clean_up_tokenization_spaces=False,
+        model_max_length=config.max_position_embeddings,
+        tokenizer_class="PreTrainedTokenizerFast",
+    )
+    return d
+
+
+def _generation_config(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, Any]:
+    ids = _special_token_ids(reader)
+    d: dict[str, Any] = {"bos_token_id": ids.get("bos"), "pad_token_id": ids.get("pad")}
+    if config.eos_token_ids:
+        eos = config.eos_token_ids
+        d["eos_token_id"] = list(eos) if len(eos) > 1 else eos[0]
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_folder(reader: gguf.GGUFReader, folder: Path, source: GgufSource, progress: bool) -> None:
+    config = config_from_gguf(reader)
+    tokenizer = tokenizer_from_gguf(reader)
+    write_tensors(reader, config, folder / SINGLE_FILE, progress=progress)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "config.json", config.to_hf_dict())
+    _write_json(folder / "tokenizer_config.json", _tokenizer_config(reader, config))
+    _write_json(folder / "generation_config.json", _generation_config(reader, config))
+    _write_json(folder / SOURCE_FILE, dataclasses.asdict(source))  # last: marks the folder complete
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the finished `tmp` folder to `out_dir` with `os.replace`, first moving aside a stale one."""
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.replace(out_dir, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
+    """Convert a GGUF file into a Hugging Face folder at `out_dir` and return `out_dir`.
+
+    Writes config.json, model.safetensors (float32, HF names and [out, in] layout, Q/K
+    un-permuted, no lm_head when tied), tokenizer.json, tokenizer_config.json,
+    generation_config.json and speedpipe_source.json (source path, size, sha256, converter
+    version). Reuses `out_dir` when it already holds a complete conversion of the same bytes.
+    The folder is built next to `out_dir` and renamed into place, so concurrent processes never
+    see it half-written. `progress` shows a tqdm bar over tensors (on a TTY).
+    Raises FileNotFoundError (missing file), ValueError (not GGUF, truncated, unsupported
+    architecture/tokenizer, or `out_dir` is an existing folder that is not a speedpipe conversion).
+    """
+    out_dir = Path(out_dir)
+    source = describe_source(gguf_path)
+    if is_converted(out_dir, source):
+        return out_dir
+    if out_dir.exists() and not (out_dir / SOURCE_FILE).is_file() and any(out_dir.iterdir()):
+        raise ValueError(f"refusing to overwrite {out_dir}: it is not a speedpipe GGUF conversion")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with path_lock(out_dir):  # the atomic rename in `_publish` keeps readers safe
+        if is_converted(out_dir, source):  # another process finished while we waited
+            return out_dir
+        reader = open_gguf(gguf_path)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
+        try:
+            _write_folder(reader, tmp, source, progress)
+            _publish(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

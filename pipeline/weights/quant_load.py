@@ -1,0 +1,131 @@
+"""Building a stage in a quantised numeric mode ([Note: numeric modes] in pipeline/weights/quant.py).
+
+Owns which checkpoint tensors feed which (fused) linear of a StageModel, where a stage's quantised
+weights come from (the GGUF's own blocks for `auto`, the folder's dense tensors requantised for
+`int4` / `int8`), and `load_stage_model`, the one entry point the stage worker and the benchmarks
+call for every mode. Must not: talk to other processes or pick a split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.partition import LayerRange
+from pipeline.model.stage_model import StageModel, build_stage_model, checkpoint_name, set_rope_buffers
+from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
+from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
+from pipeline.weights.quant import (
+    ACTIVATION_DTYPE,
+    QuantWeight,
+    cat_rows,
+    quantize_dense,
+    quantize_stage_model,
+    validate_quantization,
+)
+
+
+def effective_mode(mode: str, model_dir: str, device: str = "cpu") -> str:
+    """`auto` becomes `gguf` for a folder converted from a GGUF whose file is still there, else `none`
+    (and `none` on a non-CPU device: dense fallback, the int kernels here are torch's CPU ones);
+    other modes are returned as they are. Raises ValueError for an unknown mode."""
+    validate_quantization(mode)
+    if mode != "auto":
+        return mode
+    if torch.device(device).type != "cpu":
+        return "none"
+    return "gguf" if gguf_source_of(model_dir) is not None else "none"
+
+
+def activation_dtype(mode: str, model_dir: str, dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """Dtype of a stage's activations in `mode`: `dtype` for dense weights, else bfloat16."""
+    return dtype if effective_mode(mode, model_dir, device) == "none" else ACTIVATION_DTYPE
+
+
+def fused_linears(config: ModelConfig, layer_range: LayerRange, *, is_last: bool) -> dict[str, list[str]]:
+    """Module name of every linear after `fuse` -> the checkpoint weights stacked into it, in order."""
+    out: dict[str, list[str]] = {}
+    for i in layer_range:
+        p = f"model.layers.{i}"
+        out[f"layers.{i}.self_attn.qkv_proj"] = [f"{p}.self_attn.{n}_proj.weight" for n in "qkv"]
+        out[f"layers.{i}.self_attn.o_proj"] = [f"{p}.self_attn.o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj"] = [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"]
+        out[f"layers.{i}.mlp.down_proj"] = [f"{p}.mlp.down_proj.weight"]
+    if is_last:
+        out["lm_head"] = [checkpoint_name("lm_head.weight", config)]
+    return out
+
+
+def _quant_weights(mode: str, groups: dict[str, list[str]], reader: CheckpointReader,
+                   blocks: GgufBlockReader | None) -> dict[str, QuantWeight]:
+    """One quantised record per fused linear, read tensor by tensor (never a whole dense model)."""
+    out: dict[str, QuantWeight] = {}
+    for module, names in groups.items():
+        parts = []
+        for name in names:
+            if blocks is not None:
+                w = blocks.read_one(name)
+                parts.append(quantize_dense(w, "int4") if isinstance(w, torch.Tensor) else w)
+            else:
+                parts.append(quantize_dense(reader.read([name], dtype=torch.float32)[name], mode))
+        out[module] = parts[0] if len(parts) == 1 else cat_rows(parts)
+    return out
+
+
+def build_quantized_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first: bool, is_last: bool,
+                                mode: str, reader: CheckpointReader) -> StageModel:
+    """A StageModel whose projections and head run int4/int8 kernels and whose other tensors
+    (embedding, norms, biases) are dense bfloat16; activations and KV are bfloat16.
+
+    mode: "int4", "int8" (requantised from the folder's dense tensors) or "gguf" (the GGUF's own
+    blocks). CPU only (the kernels are torch's CPU ones). Raises ValueError for a missing tensor.
+    """
+    groups = fused_linears(config, layer_range, is_last=is_last)
+    linear_names = {n for names in groups.values() for n in names}
+    names = stage_tensor_names(config, layer_range, is_first=is_first, is_last=is_last)
+    dense_names = [n for n in names if n not in linear_names or (is_first and n == "model.embed_tokens.weight")]
+    blocks = None
+    if mode == "gguf":
+        blocks = GgufBlockReader(gguf_source_of(reader.model_dir), config)
+    dense = reader.read(dense_names, dtype=ACTIVATION_DTYPE)
+    with torch.device("meta"):
+        model = StageModel(config, layer_range, is_first=is_first, is_last=is_last)
+    state = {}
+    for name, _ in model.named_parameters():
+        ckpt = checkpoint_name(name, config)
+        if ckpt in dense and name != "lm_head.weight":
+            state[name] = dense[ckpt]
+    model.load_state_dict(state, assign=True, strict=False)
+    for layer in model.layers.values():
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+    quantize_stage_model(model, _quant_weights(mode, groups, reader, blocks))
+    set_rope_buffers(model, config)
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if left:
+        raise ValueError(f"quantised stage {layer_range} left tensors unloaded: {left[:3]}")
+    return model.eval()
+
+
+def load_stage_model(model_dir: str, layer_range: LayerRange, *, is_first: bool, is_last: bool,
+                     quantization: str = "none", dtype: torch.dtype = torch.float32,
+                     device: str = "cpu", reader: CheckpointReader | None = None) -> StageModel:
+    """Build one stage of the model in `model_dir` in numeric mode `quantization`.
+
+    `none`: dense in `dtype` on `device` (the previous path). Other modes: see
+    `build_quantized_stage_model`; `dtype` is then bfloat16. Raises ValueError for an unknown mode,
+    a quantised mode on a non-CPU device, or a missing tensor.
+    """
+    reader = reader or CheckpointReader(model_dir)
+    config = reader.config
+    mode = effective_mode(quantization, str(model_dir), str(device))
+    if mode == "none":
+        names = stage_tensor_names(config, layer_range, is_first=is_first, is_last=is_last)
+        tensors = reader.read(names, dtype=dtype, device=device)
+        return build_stage_model(config, layer_range, is_first=is_first, is_last=is_last, tensors=tensors,
+                                 dtype=dtype, device=device, consume=True)  # fusing frees the unfused copies
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization {quantization} runs torch's CPU int kernels only; on device {device} "
+                         "use none")
+    return build_quantized_stage_model(config, layer_range, is_first=is_first, is_last=is_last, mode=mode,
+                                       reader=reader)

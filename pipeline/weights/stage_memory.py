@@ -1,0 +1,66 @@
+"""Per-stage memory: what each layer, the embedding and the head need, and the auto stage count.
+
+Owns `StagePlan` and `plan_stages_for_budget`, which measures a model folder's weights per layer
+(from safetensors headers, at the run's dtype: no tensor data is read) plus each layer's KV cache for
+`max_num_seqs` x `max_model_len`, and picks the fewest stages that fit a per-stage budget
+(`--stages auto --stage-memory-gib`, pipeline/model/partition.py `smallest_fitting_split`).
+Must not: start processes or allocate tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from pipeline.model.partition import LayerRange, smallest_fitting_split
+from pipeline.weights.checkpoint import (
+    EMBED_TOKENS,
+    FINAL_NORM,
+    CheckpointReader,
+    head_tensor_name,
+    layer_tensor_names,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """The chosen split and each stage's bytes (weights + KV) against the budget."""
+
+    ranges: list[LayerRange]
+    stage_bytes: list[int]
+    budget_bytes: int
+
+    def layer_split(self) -> str:
+        """The split as `--layer-split` spells it (e.g. "8,8,7,7")."""
+        return ",".join(str(len(r)) for r in self.ranges)
+
+    def lines(self) -> list[str]:
+        """One start-up log line per stage: layers, need and budget."""
+        return [f"stage {i}: layers {r}, {b / 2**30:.2f} GiB of a {self.budget_bytes / 2**30:.2f} GiB budget"
+                for i, (r, b) in enumerate(zip(self.ranges, self.stage_bytes, strict=True))]
+
+
+def kv_bytes_per_layer(config, *, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
+    """K and V of one layer for every slot: 2 x seqs x len x kv_heads x head_dim x itemsize."""
+    return 2 * max_num_seqs * max_model_len * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
+def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: torch.dtype, max_num_seqs: int,
+                           max_model_len: int) -> StagePlan:
+    """The fewest stages (and their split) whose weights + KV each fit `budget_bytes`.
+
+    Raises ValueError (from `smallest_fitting_split`) when one layer with the embedding or head
+    does not fit, and FileNotFoundError / ValueError for a bad model folder.
+    """
+    reader = CheckpointReader(model_dir)
+    config = reader.config
+    kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    layer = [reader.nbytes(layer_tensor_names(config, i), dtype=dtype) + kv for i in range(config.num_hidden_layers)]
+    first = reader.nbytes([EMBED_TOKENS], dtype=dtype)
+    last = reader.nbytes([FINAL_NORM, head_tensor_name(config)], dtype=dtype)
+    ranges = smallest_fitting_split(layer, first_bytes=first, last_bytes=last, budget_bytes=budget_bytes)
+    sizes = [sum(layer[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0)
+             for i, r in enumerate(ranges)]
+    return StagePlan(ranges=ranges, stage_bytes=sizes, budget_bytes=budget_bytes)
