@@ -38,7 +38,8 @@ REPORT = Path(__file__).resolve().parents[2] / "tests" / "benchmarks" / "results
 def _train(model: str, layer: int, out: Path, extra: list[str]) -> dict:
     parser = argparse.ArgumentParser()
     add_train_args(parser)
-    args = parser.parse_args(["--model", model, "--exit-layer", str(layer), "--out", str(out), *extra])
+    # the shipped heads were trained on the corpus; extra may say --data self-distill
+    args = parser.parse_args(["--model", model, "--exit-layer", str(layer), "--out", str(out), "--data", "corpus", *extra])
     cmd_train(args)
     return read_predictor_meta(out)
 

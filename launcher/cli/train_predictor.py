@@ -39,6 +39,7 @@ log = logging.getLogger("speedpipe.train")
 
 DATA_CACHE_VERSION = "1"
 DEFAULT_DRAFT_VOCAB = 4096  # draft vocabulary cap; pipeline/speculation/predictors.py [Note: draft vocabulary]
+MAX_PREDICTOR_BYTES = 4 << 20  # gRPC's default message limit: the file travels inside LoadStageRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,7 +144,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", default="early-exit", help=f"{' | '.join(KINDS)} (default early-exit)")
     p.add_argument("--exit-layer", type=int, required=True, help="layer whose hidden state feeds the predictor")
     p.add_argument("--firp-k", type=int, default=3, help="firp: number of future positions predicted (default 3)")
-    p.add_argument("--arch", default="affine", help=f"{' | '.join(ARCHS)} (default affine)")
+    p.add_argument("--arch", default="affine", help=f"{' | '.join(ARCHS)}; with --data self-distill a comma-separated "
+                   "list trains each and keeps the best on held-out data (default affine)")
     p.add_argument("--corpus", default="sotu", help="sotu | PATH (a folder of .txt files or one .txt file)")
     p.add_argument("--tokens", type=int, default=24576, help="training tokens (default 24576)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out evaluation tokens (default 2048)")
@@ -157,6 +159,23 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
                    help="early-exit: draft only the N most frequent argmax tokens of the training data, which cuts "
                         f"the exit head's LM-head work (0 = full vocabulary; default {DEFAULT_DRAFT_VOCAB})")
+    p.add_argument("--data", default="self-distill", choices=("self-distill", "corpus"),
+                   help="early-exit training data: self-distill = the model's own greedy and sampled continuations of "
+                        "chat instructions and corpus excerpts (generated once, cached); corpus = teacher-forced "
+                        "corpus windows (--tokens); FIRP always uses corpus (default self-distill)")
+    p.add_argument("--new-tokens", type=int, default=128, help="self-distill: tokens per continuation (default 128)")
+    p.add_argument("--sampled", type=int, default=1, help="self-distill: sampled continuations per prompt beside the "
+                   "greedy one (default 1)")
+    p.add_argument("--temperature", type=float, default=0.8, help="self-distill: sampling temperature (default 0.8)")
+    p.add_argument("--text-prompts", type=int, default=96, help="self-distill: corpus excerpts used as plain-text "
+                   "prompts (default 96)")
+    p.add_argument("--mlp-size", type=int, default=768, help="swiglu: hidden units per block (default 768; the file "
+                   f"must stay under the stage control plane's {MAX_PREDICTOR_BYTES >> 20} MiB message limit)")
+    p.add_argument("--blocks", type=int, default=1, help="swiglu: residual SwiGLU blocks (default 1)")
+    p.add_argument("--dropout", type=float, default=0.1, help="swiglu: dropout on the blocks' units (default 0.1)")
+    p.add_argument("--soft-weight", type=float, default=0.0, help="swiglu: weight of the loss against the model's "
+                   "own top-8 distribution beside its argmax, in [0, 1] (default 0)")
+    p.add_argument("--batch-size", type=int, default=256, help="training rows per optimiser step (default 256)")
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     p.add_argument("--out", required=True, help="where to write the predictor (.safetensors)")
     p.add_argument("--cache-dir", help="model and hidden-state cache (default ~/.cache/speedpipe)")
@@ -175,7 +194,6 @@ def firp_trainer():
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `speedpipe train-predictor`; returns the exit code (bad input raises ValueError -> 2)."""
-    from pipeline.speculation.predictor_file import save_predictor
     from pipeline.training.early_exit import ExitTrainConfig
 
     if args.kind not in KINDS:
@@ -185,13 +203,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir() or out.suffix != ".safetensors":
         raise ValueError(f"--out {out} must be a file path ending in .safetensors")
-    train_config = ExitTrainConfig(arch=args.arch, steps=args.steps, lr=args.lr, seed=args.seed, rank=args.rank,
-                                   weight_decay=args.weight_decay)
+    archs = args.arch.split(",")
+    if not all(a in ARCHS for a in archs) or len(set(archs)) != len(archs):
+        raise ValueError(f"--arch must be one of {', '.join(ARCHS)} (or a comma-separated list to compare), "
+                         f"got {args.arch!r}")
+    if (len(archs) > 1 or "swiglu" in archs) and (args.kind != "early-exit" or args.data != "self-distill"):
+        raise ValueError(f"--arch {args.arch} (the swiglu drafter, or a comparison) trains only with --kind "
+                         f"early-exit --data self-distill")
+    train_config = ExitTrainConfig(arch=archs[0] if archs[0] != "swiglu" else "affine", steps=args.steps, lr=args.lr,
+                                   seed=args.seed, rank=args.rank, weight_decay=args.weight_decay,
+                                   batch_size=args.batch_size)
+    if "swiglu" in archs:
+        h = ModelConfig.from_model_dir(resolve_model(args.model, cache_dir=args.cache_dir,
+                                                     progress=not args.no_progress)).hidden_size
+        size = 2 * (h * h + h + args.blocks * (3 * args.mlp_size * h + h)) + 8 * args.draft_vocab
+        if size > MAX_PREDICTOR_BYTES - (64 << 10):
+            raise ValueError(f"--mlp-size {args.mlp_size} --blocks {args.blocks} make a {size / 2**20:.1f} MiB "
+                             f"predictor file; the stage control plane takes at most {MAX_PREDICTOR_BYTES >> 20} MiB")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
     if args.firp_k < 1:
         raise ValueError(f"--firp-k must be >= 1, got {args.firp_k}")
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=not args.no_progress)
+    if args.kind == "early-exit" and args.data == "self-distill":
+        return _write(args, model_dir, *train_distilled(args, model_dir))
     spec = DataSpec(model_dir=model_dir, corpus=args.corpus, train_tokens=args.tokens, eval_tokens=args.eval_tokens,
                     window=args.window)
     torch.manual_seed(args.seed)
@@ -201,13 +236,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         tensors, meta, line = firp_trainer()(args, data, identity)
     else:
         tensors, meta, line = train_early_exit(args, data, train_config, progress=not args.no_progress)
-    meta = {"kind": args.kind, "model": identity.to_dict(), "exit_layer": args.exit_layer, "arch": args.arch,
-            "corpus": args.corpus if args.corpus == "sotu" else Path(args.corpus).name,
-            "train_tokens": int(data.train.targets.numel()), **meta}
+    return _write(args, model_dir, tensors, {"train_tokens": int(data.train.targets.numel()), **meta}, line)
+
+
+def _write(args: argparse.Namespace, model_dir: Path, tensors: dict[str, torch.Tensor], meta: dict, line: str) -> int:
+    """Write the predictor file (identity, layer, arch and corpus added to `meta`), print `line`."""
+    from pipeline.speculation.predictor_file import save_predictor
+
+    out = Path(args.out)
+    meta = {"kind": args.kind, "model": model_identity(model_dir).to_dict(), "exit_layer": args.exit_layer,
+            "arch": args.arch, "corpus": args.corpus if args.corpus == "sotu" else Path(args.corpus).name, **meta}
     save_predictor(out, tensors, meta)
     print(line)
     print(f"[speedpipe] wrote {out} ({out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
     return 0
+
+
+def train_distilled(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """`--data self-distill`: generate (or read cached) continuations, train, evaluate held out."""
+    from launcher.cli.distill_data import DistillSpec, prepare_distill_data
+    from launcher.cli.train_drafter import train_self_distilled
+
+    spec = DistillSpec(model_dir=model_dir, corpus=args.corpus, new_tokens=args.new_tokens, sampled=args.sampled,
+                       temperature=args.temperature, max_text_prompts=args.text_prompts)
+    torch.manual_seed(args.seed)
+    data = prepare_distill_data(spec, layer=args.exit_layer, seed=args.seed, cache_dir=args.cache_dir,
+                                progress=not args.no_progress)
+    tensors, meta, line = train_self_distilled(args, data, model_identity(model_dir), progress=not args.no_progress)
+    return tensors, {"train_tokens": data.train.num_rows, **meta}, line
 
 
 def train_early_exit(args: argparse.Namespace, data: TrainingSet, config,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.stage_model import RMSNorm
+from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterMap
 
 PREDICTORS = ("logit-lens", "early-exit", "ngram", "hybrid")
 PREDICTOR_FILE_SUFFIX = ".safetensors"  # a --predictor value ending so names a trained early-exit file
@@ -69,9 +70,12 @@ class ExitMap(nn.Module):
                 self.mlp["down"].bias.zero_()
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> ExitMap:
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> nn.Module:
         """Build from predictor-file tensors ("proj.weight" [H, H], ...; a "draft_vocab" is the
-        ExitHead's, not the map's, and is skipped). Raises ValueError on a missing or mis-shaped tensor."""
+        ExitHead's, not the map's, and is skipped); arch "swiglu" is the drafter of pipeline/speculation/drafter.py.
+        Raises ValueError on a missing or mis-shaped tensor."""
+        if arch == DRAFTER_ARCH:
+            return DrafterMap.from_tensors(tensors, eps=eps)
         tensors = {n: t for n, t in tensors.items() if n != "draft_vocab"}
         hidden_size = tensors["proj.weight"].shape[0]
         mlp_size = tensors["mlp.up.weight"].shape[0] if arch == "mlp" else 512
@@ -97,11 +101,11 @@ class ExitHead(nn.Module):
 
     forward(hidden: [num_rows, hidden_size]) -> (tokens [num_rows] int64, probs [num_rows] float32).
     The norm and head weights are copies of the model's final norm and LM head (held by the exit
-    stage); `exit_map` is a trained ExitMap (pipeline/speculation/predictor_file.py holds its file format).
+    stage); `exit_map` is a trained ExitMap or DrafterMap (pipeline/speculation/predictor_file.py holds its file format).
     With a draft vocabulary (`restrict_vocab`), see [Note: draft vocabulary].
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float, *, exit_map: ExitMap | None = None) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, *, exit_map: nn.Module | None = None) -> None:
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)

@@ -52,7 +52,8 @@ def test_training_beats_the_logit_lens_on_held_out_documents(tiny):
 def test_cli_writes_a_file_the_exit_head_uses(tiny, tmp_path, capsys):
     model_dir, corpus, cache = tiny
     out = tmp_path / "head.safetensors"
-    rc = main(["train-predictor", "--model", str(model_dir), "--exit-layer", str(EXIT_LAYER), "--corpus", str(corpus),
+    rc = main(["train-predictor", "--model", str(model_dir), "--exit-layer", str(EXIT_LAYER), "--data", "corpus",
+               "--corpus", str(corpus),
                "--tokens", "1024", "--eval-tokens", "256", "--window", "64", "--steps", "30", "--out", str(out),
                "--cache-dir", str(cache), "--no-progress"])
     assert rc == 0
@@ -110,7 +111,7 @@ def test_restricted_exit_head_is_the_argmax_over_its_vocabulary_and_agreement_ma
 ])
 def test_cli_bad_input_exits_2(tiny, tmp_path, capsys, extra, message):
     model_dir, corpus, cache = tiny
-    args = ["train-predictor", "--model", str(model_dir), "--exit-layer", "1", "--corpus", str(corpus),
+    args = ["train-predictor", "--model", str(model_dir), "--exit-layer", "1", "--data", "corpus", "--corpus", str(corpus),
             "--window", "64", "--out", str(tmp_path / "p.safetensors"), "--cache-dir", str(cache), "--no-progress"]
     assert main(args + extra) == 2
     err = capsys.readouterr().err

@@ -1,0 +1,162 @@
+"""Self-distilled training data for `speedpipe train-predictor --data self-distill`.
+
+Owns which prompts are used (chat-templated instructions of pipeline/assets/prompts/, excerpts of
+the corpus's training documents; held out: the instruction files' held-out lines and the corpus's
+held-out documents), generating the base model's greedy and sampled continuations of them with a
+progress bar, caching those sequences on disk, and the prefill that turns them into exit-layer
+states and targets. The maths lives in pipeline/training/self_distill.py ([Note: self-distilled data]).
+Must not: train anything or write predictor files (launcher/cli/train_predictor.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from launcher.serving.openai_protocol import render_chat
+from pipeline.model.config import ModelConfig
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.predictor_file import model_identity
+from pipeline.training.data import load_corpus, load_full_model, split_documents
+from pipeline.training.self_distill import (
+    GenerationConfig,
+    SequenceStates,
+    excerpts,
+    generate,
+    load_generation,
+    load_instructions,
+    save_generation,
+    split_texts,
+)
+from pipeline.weights.checkpoint import FINAL_NORM, CheckpointReader, head_tensor_name
+from pipeline.weights.registry import default_cache_dir
+
+log = logging.getLogger("speedpipe.train")
+
+CACHE_VERSION = "2"
+EVAL_SETS = ("chat", "speeches", "code")  # held-out sets, in report order
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillSpec:
+    """What to generate: `new_tokens` per continuation; per training prompt one greedy and
+    `sampled` sampled continuations at `temperature`; `excerpts_per_doc` plain-text prompts of
+    `excerpt_words` words per training document of `corpus`, at most `max_text_prompts` of them;
+    held out: every held-out instruction and `eval_docs` held-out documents spread over the corpus
+    (greedy only)."""
+
+    model_dir: Path
+    corpus: str = "sotu"
+    new_tokens: int = 128
+    sampled: int = 1
+    temperature: float = 0.8
+    excerpts_per_doc: int = 1
+    excerpt_words: int = 48
+    max_text_prompts: int = 96
+    eval_docs: int = 16
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.new_tokens < 2:
+            raise ValueError(f"--new-tokens must be >= 2, got {self.new_tokens}")
+        if self.sampled < 0:
+            raise ValueError(f"--sampled must be >= 0, got {self.sampled}")
+        if self.max_text_prompts < 0 or self.eval_docs < 1:
+            raise ValueError(f"--text-prompts must be >= 0 and eval documents >= 1, got {self.max_text_prompts}, "
+                             f"{self.eval_docs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillData:
+    """Training states (every fed generated token of every training continuation) and one
+    held-out set per EVAL_SETS name, plus the frozen head: norm_weight [H], lm_head_weight [V, H]
+    float32."""
+
+    train: SequenceStates
+    evals: dict[str, SequenceStates]
+    norm_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+    rms_norm_eps: float
+
+
+def chat_prompt(tokenizer: Tokenizer, instruction: str) -> str:
+    """One user turn rendered with the model's chat template (a plain `User:/Assistant:` frame for a
+    model without one, such as the tiny test model)."""
+    if not tokenizer.chat_template:
+        return f"User: {instruction}\nAssistant:"
+    return render_chat([{"role": "user", "content": instruction}], tokenizer=tokenizer)
+
+
+def prompt_texts(spec: DistillSpec, tokenizer: Tokenizer) -> tuple[list[str], dict[str, list[str]]]:
+    """(training prompts, {held-out set name: prompts}), as text ready to tokenise."""
+    chat_train, chat_eval = split_texts(load_instructions("chat"))
+    code_train, code_eval = split_texts(load_instructions("code"))
+    docs_train, docs_eval = split_documents(load_corpus(spec.corpus))
+    text_train = excerpts([d.text for d in docs_train], per_text=spec.excerpts_per_doc, words=spec.excerpt_words,
+                          max_total=spec.max_text_prompts)
+    text_eval = excerpts([d.text for d in docs_eval], per_text=1, words=spec.excerpt_words, max_total=spec.eval_docs)
+    train = [chat_prompt(tokenizer, t) for t in chat_train + code_train] + text_train
+    evals = {"chat": [chat_prompt(tokenizer, t) for t in chat_eval], "speeches": text_eval,
+             "code": [chat_prompt(tokenizer, t) for t in code_eval]}
+    return train, evals
+
+
+def _generation(model, tokenizer: Tokenizer, texts: list[str], gen: GenerationConfig, *, layer: int, path: Path,
+                desc: str, progress: bool) -> SequenceStates:
+    """The states of the model's continuations of `texts` at `layer`, from the cache file `path`
+    or generated (and cached)."""
+    if path.is_file():
+        log.info("read cached continuations from %s", path)
+        return load_generation(path)[1].states
+    from tqdm import tqdm
+
+    prompts = [tokenizer.encode(t) for t in texts]
+    with tqdm(total=len(prompts) * gen.num_new_tokens, desc=desc, unit="tok", disable=not progress,
+              file=sys.stderr) as bar:
+        out = generate(model(), prompts, gen, layer=layer, stop_ids=tokenizer.eos_token_ids, on_tokens=bar.update)
+    save_generation(path, prompts, out, meta={"desc": desc, "layer": str(layer)})
+    return out.states
+
+
+def prepare_distill_data(spec: DistillSpec, *, layer: int, seed: int = 0, cache_dir: Path | None = None,
+                         progress: bool = True) -> DistillData:
+    """Generate (or read from `<cache>/self-distill/`) the continuations with their states at
+    `layer`. Raises ValueError / FileNotFoundError for a bad corpus, model or layer."""
+    config = ModelConfig.from_model_dir(spec.model_dir)
+    if not 0 <= layer < config.num_hidden_layers - 1:
+        raise ValueError(f"--exit-layer {layer} must be in [0, {config.num_hidden_layers - 1}) "
+                         f"(a layer before the model's last)")
+    identity = model_identity(spec.model_dir, config)
+    tokenizer = Tokenizer(spec.model_dir)
+    train_texts, eval_texts = prompt_texts(spec, tokenizer)
+    cache = default_cache_dir(cache_dir) / "self-distill"
+    loaded = []
+
+    def model():
+        if not loaded:
+            loaded.append(load_full_model(spec.model_dir))
+        return loaded[0]
+
+    def run(texts: list[str], name: str, gen: GenerationConfig) -> SequenceStates:
+        key = json.dumps([CACHE_VERSION, identity.hash, layer, texts, dataclasses.asdict(gen)])
+        path = cache / f"{identity.name}-L{layer}-{name.replace(' ', '-')}-" \
+                       f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+        return _generation(model, tokenizer, texts, gen, layer=layer, path=path, desc=name, progress=progress)
+
+    greedy = GenerationConfig(num_new_tokens=spec.new_tokens, batch_size=spec.batch_size)
+    parts = [run(train_texts, "train greedy", greedy)]
+    for i in range(spec.sampled):
+        sampled = dataclasses.replace(greedy, temperature=spec.temperature, seed=seed + i)
+        parts.append(run(train_texts, f"train sampled {i + 1}", sampled))
+    train = SequenceStates(**{f.name: torch.cat([getattr(p, f.name) for p in parts])
+                              for f in dataclasses.fields(SequenceStates)})
+    evals = {name: run(texts, f"held-out {name}", greedy) for name, texts in eval_texts.items() if texts}
+    head = CheckpointReader(spec.model_dir).read([FINAL_NORM, head_tensor_name(config)], dtype=torch.float32)
+    return DistillData(train=train, evals=evals, norm_weight=head[FINAL_NORM],
+                       lm_head_weight=head[head_tensor_name(config)], rms_norm_eps=config.rms_norm_eps)
