@@ -20,8 +20,9 @@ _SAME_NAME = (
 )
 PARAMETER_FLAGS: dict[str, str] = {**{name: "--" + name.replace("_", "-") for name in _SAME_NAME}, **_RENAMED}
 # `train-predictor` parameters (ExitTrainConfig, the corpus, the draft vocabulary): flag = "--" + name.
-TRAINING_FLAGS: dict[str, str] = {name: "--" + name.replace("_", "-")
-                                  for name in ("arch", "steps", "lr", "rank", "corpus", "draft_vocab")}
+TRAINING_FLAGS: dict[str, str] = {**{name: "--" + name.replace("_", "-") for name in (
+    "arch", "steps", "lr", "rank", "corpus", "draft_vocab", "dropout", "soft_weight", "mlp_size")},
+    "num_blocks": "--blocks"}
 _ALL_FLAGS = {**TRAINING_FLAGS, **PARAMETER_FLAGS}
 # Plain words that open a message followed by any value of theirs ("corpus PATH: no such file").
 _ANY_VALUE = ("corpus", "quantization")

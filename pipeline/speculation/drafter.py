@@ -126,15 +126,15 @@ class DrafterTrainConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
-            raise ValueError(f"--steps and batch size must be >= 1, got {self.steps}, {self.batch_size}")
+            raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
         if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+            raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0 <= self.soft_weight <= 1:
-            raise ValueError(f"--soft-weight must be in [0, 1], got {self.soft_weight}")
+            raise ValueError(f"soft_weight must be in [0, 1], got {self.soft_weight}")
         if self.mlp_size < 1 or self.num_blocks < 1:
-            raise ValueError(f"--mlp-size and --blocks must be >= 1, got {self.mlp_size}, {self.num_blocks}")
+            raise ValueError(f"mlp_size and num_blocks must be >= 1, got {self.mlp_size}, {self.num_blocks}")
 
 
 def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: torch.Tensor,
@@ -151,7 +151,7 @@ def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weigh
     Raises ValueError for mismatched shapes or soft_weight > 0 without a teacher.
     """
     if config.soft_weight > 0 and teacher is None:
-        raise ValueError("--soft-weight > 0 needs the base model's top-k tokens (self-distilled data)")
+        raise ValueError("soft_weight > 0 needs the base model's top-k tokens (self-distilled data)")
     if hidden.shape[0] != targets.shape[0] or hidden.shape[1] != norm_weight.shape[0]:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit targets {tuple(targets.shape)} / "
                          f"hidden size {norm_weight.shape[0]}")
