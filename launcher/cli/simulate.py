@@ -83,7 +83,8 @@ def load_bench_runs(path: str | Path) -> list[dict]:
         for cfg in results["configs"]:
             for run in cfg["runs"]:
                 tl = json.loads((path.parent / run["timeline"]).read_text())
-                exit_head = RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"]).needs_exit_head
+                exit_head = (cfg["speculate"] != "none"  # a run without speculation records predictor "-"
+                             and RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"]).needs_exit_head)
                 runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
                              "exit_head": exit_head,
                              "concurrency": cfg["concurrency"], "stats": run["stats"],

