@@ -112,6 +112,18 @@ def is_converted(out_dir: Path, source: GgufSource) -> bool:
     return stored.same_content(source)
 
 
+def _repoint_source(out_dir: Path, source: GgufSource) -> None:
+    """Record where the GGUF lives now when a folder converted from the same bytes names an older path
+    (a re-created virtual environment or a moved file): `--quantization auto` reads its blocks from
+    that path and would otherwise fall back to dense weights. Written atomically."""
+    stored = json.loads((out_dir / SOURCE_FILE).read_text())
+    if stored.get("path") == source.path:
+        return
+    tmp = out_dir / f".{SOURCE_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(dataclasses.asdict(source), indent=2) + "\n")
+    os.replace(tmp, out_dir / SOURCE_FILE)
+
+
 def open_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
     """Open (memory-map) a GGUF file. Raises FileNotFoundError, or ValueError naming the path when
     the file is not GGUF, is truncated or corrupt, or its architecture is not supported."""
@@ -271,6 +283,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     out_dir = Path(out_dir)
     source = describe_source(gguf_path)
     if is_converted(out_dir, source):
+        _repoint_source(out_dir, source)
         return out_dir
     if out_dir.exists() and not (out_dir / SOURCE_FILE).is_file() and any(out_dir.iterdir()):
         raise ValueError(f"refusing to overwrite {out_dir}: it is not a speedpipe GGUF conversion")

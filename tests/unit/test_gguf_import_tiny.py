@@ -21,7 +21,9 @@ from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights import gguf_import
 from pipeline.weights import registry as models
 from pipeline.weights.checkpoint import all_tensor_names
+from pipeline.weights.gguf_blocks import gguf_source_of
 from pipeline.weights.gguf_import import SOURCE_FILE, convert_gguf, unpermute_qk
+from pipeline.weights.quant_load import effective_mode
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "Ġ t", "Ġt he", "1 2", "Ġ 1"]  # the last two only apply without Digits
@@ -219,6 +221,20 @@ def test_existing_conversion_is_reused_and_stale_one_replaced(tmp_path, monkeypa
     got = load_file(str(out / "model.safetensors"))["model.norm.weight"]
     assert torch.equal(got, torch.from_numpy(tensors["model.norm.weight"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "m.gguf", "out"]
+
+
+def test_a_moved_gguf_is_recorded_so_auto_still_finds_its_blocks(tmp_path):
+    """A cached conversion whose GGUF moved (a re-created venv) is reused, and its source record
+    names the new path: otherwise `--quantization auto` silently fell back to dense weights."""
+    write_gguf(tmp_path / "old.gguf", tiny(), seed=1)
+    out = convert_gguf(tmp_path / "old.gguf", tmp_path / "out", progress=False)
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    (tmp_path / "old.gguf").rename(tmp_path / "new.gguf")
+    assert gguf_source_of(out) is None
+    assert convert_gguf(tmp_path / "new.gguf", out, progress=False) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not converted again
+    assert gguf_source_of(out) == (tmp_path / "new.gguf").resolve()
+    assert effective_mode("auto", str(out)) == "gguf"
 
 
 def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
