@@ -8,16 +8,22 @@ Must not: own the KV buffers (pipeline/model/kv_cache.py) or the projections (pi
 [Note: batch-invariant attention]
 Decode, draft and verify items (at most `SMALL_ITEM_ROWS` rows) of a micro-batch are attended
 together in one float32 computation whose result for a query row depends only on that row, its
-keys and values, never on how many rows or items share the pass nor on the padding: scores are an
-elementwise product summed over head_dim (one fixed-order reduction per score), masked keys add
-exact zeros to the softmax and to the weighted sum, and every item's keys are read in whole blocks
-of KEY_BLOCK positions, so the vectorised reductions over keys never take a length-dependent tail
-path (a 7-key softmax and the same 7 keys padded to 10 differ in the last bit; padded to 32 and to
-64 they do not; tests/unit/test_numeric_modes.py checks rows bitwise). Matmul-based attention (SDPA, bmm) is not
-batch-invariant on CPU: its blocking depends on the number of queries and keys, which moves a
-row's output by ~1e-7 between a 1-row decode and the same row inside a FIRP verify chain, and can
-flip a greedy near-tie. Longer items (prefills) are attended one by one with SDPA: a prefill has
-the same shape in every speculation mode, so it needs no invariance.
+keys and values, never on how many rows or items share the pass nor on the padding. Matmul-based
+attention over all queries at once (SDPA, or one GEMM per KV head with every query row of the head
+as M) is not batch-invariant on CPU: MKL picks its kernel and blocking by the number of queries,
+which moves a row's output by ~1e-7 between a 1-row decode and the same row inside a FIRP verify
+chain, and can flip a greedy near-tie. So every (query row, KV head) is its own small product of a
+shape that depends only on the model: scores [group, d] x [d, L] and output [group, L] x [L, d],
+all of them in one `torch.bmm` each (the keys of an item are expanded over its rows). Masked keys
+add exact zeros to the softmax and to the weighted sum, and every item's keys are read in whole
+blocks of KEY_BLOCK positions, so the reductions over keys never take a length-dependent tail path
+(a 7-key softmax and the same 7 keys padded to 10 differ in the last bit; padded to 32 and to 64
+they do not). This is checked empirically, bitwise, over every item size up to SMALL_ITEM_ROWS,
+row offsets, other items, key paddings and pseudo rows (tests/unit/test_attention_invariance.py;
+a grouped-GEMM formulation fails it); the bmm is ~1.4x cheaper than the elementwise
+product-and-sum it replaced (tests/benchmarks/row_cost.py, README "Fast passes"). Longer items
+(prefills) are attended one by one with SDPA: a prefill has the same shape in every speculation
+mode, so it needs no invariance.
 """
 
 from __future__ import annotations
@@ -149,15 +155,22 @@ def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """q: [B, Q, kv_heads, group, d]; keys/values: [B, kv_heads, L, d]; masked_out: [B, Q, L] bool
     (True = may NOT attend) or None; scale: softmax scale (default 1/sqrt(d)).
 
-    Returns [B, Q, kv_heads, group, d] float32 ([Note: batch-invariant attention]).
+    Returns [B, Q, kv_heads, group, d] float32 ([Note: batch-invariant attention]): one `torch.bmm`
+    for the scores and one for the weighted sum, each over B * Q * kv_heads products of the same
+    shape ([group, d] x [d, L], [group, L] x [L, d]) however many rows share the pass; the keys of
+    an item are expanded over its Q rows (a copy when Q > 1; a view when every item has one row).
     """
-    q, keys, values = q.float(), keys.float(), values.float()
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q.unsqueeze(-2) * keys[:, None, :, None]).sum(-1) * scale  # [B, Q, kvh, g, L]
+    b, nq, kvh, g, d = q.shape
+    length = keys.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    qq = q.reshape(b * nq * kvh, g, d).float()
+    kk = keys[:, None].expand(b, nq, kvh, length, d).reshape(-1, length, d).float()
+    vv = values[:, None].expand(b, nq, kvh, length, d).reshape(-1, length, d).float()
+    scores = torch.bmm(qq, kk.transpose(1, 2)).view(b, nq, kvh, g, length) * scale
     if masked_out is not None:
         scores = scores.masked_fill(masked_out[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return (probs.unsqueeze(-1) * values[:, None, :, None]).sum(-2)
+    return torch.bmm(probs.view(-1, g, length), vv).view(b, nq, kvh, g, d)
 
 
 def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, kv: KVCache,

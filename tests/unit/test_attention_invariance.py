@@ -1,0 +1,99 @@
+"""Batch invariance of the batched attention path ([Note: batch-invariant attention] in pipeline/model/attention.py).
+
+What breaks when these fail: a query row's attention output depends on how many rows its item
+has, where the row sits in it, which other items (longer contexts: more key padding; prefills;
+FIRP pseudo rows) share the pass. Speculative greedy output can then differ from plain greedy
+output at a near-tie (a SPEED draft verified in a 1-row item, the same position inside a FIRP
+chain). The check is bitwise, on the default model's head shape (9 heads, 3 KV heads, d = 64),
+against the same row attended alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.model.attention import KEY_BLOCK, SMALL_ITEM_ROWS, AttentionPlan, span_attention
+from pipeline.model.kv_cache import KVCache
+from pipeline.model.row_layout import PseudoLayout, Span
+
+HEADS, KV_HEADS, D = 9, 3, 64
+MAX_LEN = 200
+
+
+def _cache(dtype: torch.dtype, lengths: list[int], gen: torch.Generator) -> tuple[KVCache, list[tuple]]:
+    """A one-layer cache with `lengths[s]` random positions in slot s; returns it and every slot's k/v."""
+    kv = KVCache(num_layers=1, max_num_seqs=len(lengths), max_model_len=MAX_LEN, num_kv_heads=KV_HEADS,
+                 head_dim=D, dtype=dtype)
+    stored = []
+    for slot, n in enumerate(lengths):
+        k = torch.randn(KV_HEADS, MAX_LEN, D, generator=gen).to(dtype)
+        v = torch.randn(KV_HEADS, MAX_LEN, D, generator=gen).to(dtype)
+        kv.write(0, slot, 0, k[:, :n], v[:, :n])
+        kv.set_length(slot, n)
+        stored.append((k, v))
+    return kv, stored
+
+
+def _attend(kv, spans, q, k, v, pseudo: PseudoLayout | None = None) -> torch.Tensor:
+    plan = AttentionPlan.build(spans, pseudo, torch.device("cpu"))
+    return span_attention(q, k, v, plan, kv, 0)
+
+
+def _item_rows(stored, span: Span, target_pos: int, q_target, gen, dtype):
+    """q/k/v rows of `span`: its keys/values are the slot's stored ones (so the target sees the same
+    context), the target position gets `q_target`, the other queries are random."""
+    k, v = stored[span.slot]
+    pos = slice(span.start, span.start + span.num_tokens)
+    q = torch.randn(span.num_tokens, HEADS, D, generator=gen).to(dtype)
+    if span.start <= target_pos < span.start + span.num_tokens:
+        q[target_pos - span.start] = q_target
+    return q, k[:, pos].transpose(0, 1).contiguous(), v[:, pos].transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("target_pos", [3, KEY_BLOCK - 1, KEY_BLOCK, 77])
+def test_a_row_attends_bitwise_alike_in_every_item_shape_and_batch(dtype, target_pos):
+    gen = torch.Generator().manual_seed(target_pos)
+    others = [150, 40]  # slot 1: a longer context (more key padding for everyone), slot 2: shorter
+    kv, stored = _cache(dtype, [target_pos + SMALL_ITEM_ROWS, *others], gen)
+    q_target = torch.randn(HEADS, D, generator=gen).to(dtype)
+    alone = Span(0, target_pos, 1)
+    ref = _attend(kv, [alone], *_item_rows(stored, alone, target_pos, q_target, gen, dtype))[0]
+    checked = 0
+    for num_rows in range(1, SMALL_ITEM_ROWS + 1):
+        for offset in sorted({0, num_rows // 2, num_rows - 1}):
+            start = target_pos - offset
+            if start < 0:
+                continue
+            span = Span(0, start, num_rows)
+            for company in ([], [Span(1, others[0], 1)], [Span(2, others[1], 3), Span(1, others[0], 2)]):
+                spans = [span, *company]
+                parts = [_item_rows(stored, s, target_pos if s.slot == 0 else -1, q_target, gen, dtype) for s in spans]
+                q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+                out = _attend(kv, spans, q, k, v)
+                assert torch.equal(out[offset], ref), (
+                    f"row at {target_pos} in a {num_rows}-row item (offset {offset}) with {len(company)} other "
+                    f"items differs by {(out[offset].float() - ref.float()).abs().max().item():.3g}")
+                checked += 1
+    assert checked > 3 * SMALL_ITEM_ROWS
+
+
+def test_pseudo_rows_and_a_prefill_in_the_pass_change_no_real_row():
+    dtype, target_pos = torch.float32, 45
+    gen = torch.Generator().manual_seed(1)
+    kv, stored = _cache(dtype, [target_pos + 8, 60, 0], gen)
+    q_target = torch.randn(HEADS, D, generator=gen)
+    alone = Span(0, target_pos, 1)
+    ref = _attend(kv, [alone], *_item_rows(stored, alone, target_pos, q_target, gen, dtype))[0]
+    chained = Span(0, target_pos - 2, 4, num_anchors=4, chain_len=3)  # a FIRP k=3 verify item
+    prefill = Span(2, 0, SMALL_ITEM_ROWS + 5)  # a large item: SDPA, attended on its own
+    spans = [chained, Span(1, 60, 1), prefill]
+    parts = [_item_rows(stored, s, target_pos if s.slot == 0 else -1, q_target, gen, dtype) for s in spans]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    num_pseudo = chained.num_pseudo
+    q = torch.cat([q, torch.randn(num_pseudo, HEADS, D, generator=gen)])
+    k = torch.cat([k, torch.randn(num_pseudo, KV_HEADS, D, generator=gen)])
+    v = torch.cat([v, torch.randn(num_pseudo, KV_HEADS, D, generator=gen)])
+    out = _attend(kv, spans, q, k, v, PseudoLayout.build(spans, "cpu"))
+    assert torch.equal(out[2], ref), (out[2] - ref).abs().max()
