@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from pipeline.engine.records import SchedulerConfig
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
 from pipeline.weights.quant import validate_quantization
@@ -62,6 +63,8 @@ class RunConfig:
     firp_k: int | None = None  # FIRP drafts per chain; None = chosen from the FIRP file's eval
     firp_file: str | None = None  # None = the shipped file for the model
     firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
+    row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
+    # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
 
     def __post_init__(self) -> None:
         self._check_shape()
@@ -102,6 +105,9 @@ class RunConfig:
             raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
         if not 0.0 <= self.firp_min_prob <= 1.0:
             raise ValueError(f"firp_min_prob must be in [0, 1], got {self.firp_min_prob}")
+        if self.row_cost_file is not None and not self.row_cost_file.endswith(".json"):
+            raise ValueError(f"row_cost_file must be a .json report of tests/benchmarks/row_cost.py, "
+                             f"got {self.row_cost_file!r}")
 
     @property
     def uses_speed(self) -> bool:
@@ -126,17 +132,29 @@ class RunConfig:
         return DraftGate.break_even(self.num_stages) if self.min_acceptance is None else self.min_acceptance
 
     @property
+    def row_cost_mode(self) -> str:
+        """The numeric mode's name in a row_cost.py report: fp32 / bf16 / fp16 for dense weights,
+        else the quantization (int8, int4, auto)."""
+        if self.quantization != "none":
+            return self.quantization
+        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of `dtype`."""
         return MODEL_DTYPES[self.dtype]
 
-    def scheduler_config(self, *, eos_token_ids: tuple[int, ...], firp_k: int) -> SchedulerConfig:
+    def scheduler_config(self, *, eos_token_ids: tuple[int, ...], firp_k: int, row_costs: RowCostTable | None = None,
+                         firp_pseudo_weight: float = 1.0) -> SchedulerConfig:
         """The scheduler's view of this run (its limits are validated here, not again there).
-        eos_token_ids: the tokenizer's; firp_k: the FIRP chain length the run plan chose (0 = off)."""
+        eos_token_ids: the tokenizer's; firp_k: the FIRP chain length the run plan chose (0 = off);
+        row_costs: the table loaded from `row_cost_file` (None: fixed chains); firp_pseudo_weight:
+        the share of the model's layers a pseudo row runs through."""
         return SchedulerConfig(
             num_stages=self.num_stages, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
-            min_acceptance=self.draft_min_acceptance, firp_k=firp_k, firp_min_prob=self.firp_min_prob)
+            min_acceptance=self.draft_min_acceptance, firp_k=firp_k, firp_min_prob=self.firp_min_prob,
+            row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight)
 
 
 def check_prompt_length(*, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int,

@@ -89,6 +89,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
     g.add_argument("--firp-min-prob", type=float, default=0.0, help="carry a FIRP draft only while its "
                    "probability is at least this (a chain stops at the first less likely draft; default 0)")
+    g.add_argument("--row-cost-file", metavar="PATH", help="a tests/benchmarks/row_cost.py JSON report: FIRP "
+                   "chain lengths follow its table for this --quantization/--dtype and the measured acceptance "
+                   "(default: fixed --firp-k chains)")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")
@@ -254,7 +257,8 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         exit_predictor=args.exit_predictor,
         max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance),
         placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
-        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob)
+        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob,
+        row_cost_file=args.row_cost_file)
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:

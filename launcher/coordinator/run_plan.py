@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_rows
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import (
     LayerRange,
@@ -90,6 +91,14 @@ class RunPlan:
     firp: FirpSetup | None = None
     exit_predictor: bytes = b""  # trained early-exit predictor file for the exit stage; b"" = logit lens
     predictor_note: str = ""  # what the exit head is, for the user
+    row_costs: RowCostTable | None = None  # from row_cost_file ([Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
+
+    @property
+    def firp_pseudo_weight(self) -> float:
+        """Share of the model's layers a FIRP pseudo row runs through (after the FIRP layer); 1 without FIRP."""
+        if self.firp is None:
+            return 1.0
+        return max(1, self.config.num_hidden_layers - self.firp.layer - 1) / self.config.num_hidden_layers
 
     @property
     def exit_stage(self) -> int:
@@ -170,5 +179,12 @@ def resolve(options: PipelineOptions) -> RunPlan:
         choice = choose_exit_predictor(predictor=options.predictor, exit_predictor=options.exit_predictor,
                                        model_dir=model_dir, config=config, exit_layer=exit_layer)
     firp = resolve_firp(options, model_dir, config, exit_layer) if options.uses_firp else None
+    row_costs = None
+    if options.row_cost_file is not None:
+        try:
+            row_costs = RowCostTable.load(options.row_cost_file, options.row_cost_mode)
+        except (OSError, ValueError, KeyError) as err:  # a missing file, bad JSON, no table for the mode
+            raise ValueError(f"row_cost_file {options.row_cost_file}: {err}") from None
     return RunPlan(model_dir, config, Tokenizer(model_dir), ranges, exit_layer, firp,
-                   exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "")
+                   exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "",
+                   row_costs=row_costs)

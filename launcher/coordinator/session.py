@@ -38,7 +38,8 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
     (-1 when the pipeline runs no exit head)."""
     return CoordinatorConfig(
         scheduler=options.scheduler_config(eos_token_ids=tuple(plan.tokenizer.eos_token_ids),
-                                           firp_k=plan.firp.k if plan.firp else 0),
+                                           firp_k=plan.firp.k if plan.firp else 0, row_costs=plan.row_costs,
+                                           firp_pseudo_weight=plan.firp_pseudo_weight),
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
         predictor=options.predictor, exit_stage=plan.exit_stage if options.needs_exit_head else -1,
         record_timeline=options.record_timeline)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.items import Item
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.predictors import ExitGuess
@@ -39,6 +40,8 @@ class SchedulerConfig:
     min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
     firp_k: int = 0  # FIRP drafts per chain ([Note: FIRP policy]); 0 = FIRP off
     firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
+    row_costs: RowCostTable | None = None  # measured pass costs: chain lengths follow them (pipeline/engine/row_budget.py)
+    firp_pseudo_weight: float = 1.0  # a pseudo row's cost in real rows (layers after the FIRP layer / all)
 
     def __post_init__(self) -> None:
         # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)
@@ -50,6 +53,7 @@ class SchedulerConfig:
         assert self.num_stages >= 1 and self.max_num_seqs >= 1 and self.max_model_len >= 2, self
         assert self.max_inflight >= 1 and self.firp_k >= 0, self
         assert 0.0 <= self.min_acceptance <= 1.0 and 0.0 <= self.firp_min_prob <= 1.0, self
+        assert 0.0 < self.firp_pseudo_weight <= 1.0, self
 
 
 @dataclasses.dataclass

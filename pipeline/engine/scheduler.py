@@ -25,34 +25,14 @@ are sent only when no real item waits and fewer than `max_inflight_batches` micr
 flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
 acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
 
-[Note: exit-head skipping]
-The exit head (final norm + LM head on the exit hidden state) costs the exit stage several layers
-of work per decode item. Its guess is only worth computing when a draft made from it could be
-sent, so every item the scheduler sends carries `Item.want_exit`, cleared (`_wants_exit`) when:
-- speculation is off or the predictor needs no exit head;
-- the item is a prefill (no draft follows a prefill: `Item.may_precede_draft`);
-- `max_inflight` < 2 (a draft after the item would be a second item in flight);
-- a draft after the item would lie past the token budget (`SequenceLedger.can_draft_after`);
-- the running sequences fill the pipeline (at least `max_inflight_batches` of them): every
-  running sequence keeps a real item ready or in flight, and real work goes first, so drafts find
-  no free micro-batch slot ([Note: micro-batching]). This one is a heuristic: a sequence that
-  ends opens a gap, and an item sent just before it skipped its guess; the next one wants it.
-Deliberately NOT a reason: the per-sequence run-ahead being full when the item is sent. The
-draft after that item is proposed later from the same guess, when an older result frees room
-(the steady state of a single speculating sequence). The draft gate neither, since it judges a
-draft by the confidence that only the head produces. Skipping never changes committed tokens:
-without a guess the exit event still arrives, an exit-head predictor then proposes nothing
-(hybrid falls back to its n-gram half). `SpecCounters.exit_rows` / `exit_rows_skipped` count
-decode items at the exit stage with and without the head.
-
-FIRP chains: [Note: FIRP policy] in pipeline/speculation/firp.py.
+Exit-head skipping and FIRP chain lengths: [Note: exit-head skipping] and [Note: row-cost-driven
+chains] in pipeline/engine/row_budget.py. FIRP chains: [Note: FIRP policy] in pipeline/speculation/firp.py.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 
@@ -66,6 +46,7 @@ from pipeline.engine.records import (
     SequenceState,
     SpecCounters,
 )
+from pipeline.engine.row_budget import RowBudget, next_firp_drafts, wants_exit
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
@@ -91,6 +72,8 @@ class Scheduler:
         self.to_release: list[SlotRelease] = []  # slots to free on every stage
         self.spec = SpecCounters()
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
+        self.rows = RowBudget(max_firp_k=config.firp_k, row_costs=config.row_costs,
+                              pseudo_weight=config.firp_pseudo_weight)  # [Note: row-cost-driven chains]
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
@@ -172,17 +155,8 @@ class Scheduler:
         return batch
 
     def _wants_exit(self, seq: SequenceState, item: Item, *, pipeline_full: bool) -> bool:
-        """Whether a draft made from `item`'s exit guess could ever be sent, so the exit stage
-        should run its head on it. pipeline_full: the running sequences fill every micro-batch
-        slot. See [Note: exit-head skipping]; when unsure, True."""
-        if not self.config.speculate or self.predictor is None or not self.predictor.needs_exit_head:
-            return False
-        if not item.may_precede_draft or self.config.max_inflight < 2:
-            return False
-        last_budget_position = seq.ledger.prompt_len + seq.ledger.max_new_tokens - 1
-        if item.end >= last_budget_position:  # as SequenceLedger.can_draft_after(item.end - 1, ...)
-            return False
-        return not pipeline_full
+        """[Note: exit-head skipping] in pipeline/engine/row_budget.py."""
+        return wants_exit(self.config, self.predictor, seq, item, pipeline_full=pipeline_full)
 
     def _admit_waiting(self) -> None:
         while self.waiting and self.free_slots:
@@ -233,10 +207,9 @@ class Scheduler:
             self._queue_prefill(seq)
 
     def _firp_fields(self, seq: SequenceState, *, first_anchor: int, num_anchors: int) -> dict[str, int]:
-        """Item.firp_k / firp_anchors for an item whose pseudo chains hang off `num_anchors` rows
-        from position `first_anchor` on: chains no longer than the budget can use."""
-        k = min(self.config.firp_k, seq.ledger.last_item_position - first_anchor - 1)
-        return {"firp_k": k, "firp_anchors": num_anchors} if k > 0 else {}
+        """Item.firp_k / firp_anchors (pipeline/engine/row_budget.py chooses the chain length)."""
+        return self.rows.firp_fields(last_item_position=seq.ledger.last_item_position, first_anchor=first_anchor,
+                                     num_anchors=num_anchors)
 
     # -- exit-layer events (speculation) ------------------------------------------------------------
     def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None], now_ns: int = 0) -> None:
@@ -357,14 +330,13 @@ class Scheduler:
         self.spec.firp_verified += firp_verified
         self.spec.firp_accepted += firp_accepted
         self.spec.squashed_items += verdict.squashed
+        if own_drafts:
+            self.rows.record(verified=firp_verified, accepted=firp_accepted)
         if not seq.ledger.inflight:
             seq.pending = None  # a pending draft followed the finished (or squashed) chain
         seq.output_ids.extend(tokens)
-        if not seq.ledger.inflight and item.firp_k:
-            anchor = item.num_tokens - item.num_result_rows + len(tokens) - 1 - (item.num_tokens - item.firp_anchors)
-            if 0 <= anchor < item.firp_anchors:
-                chain = firp[anchor * item.firp_k:(anchor + 1) * item.firp_k]
-                seq.firp_drafts = tuple(itertools.takewhile(lambda t: t is not None, chain))
+        if not seq.ledger.inflight:
+            seq.firp_drafts = next_firp_drafts(item, len(tokens), firp)
         if tokens[-1] in self.config.eos_token_ids and not seq.params.ignore_eos:
             self._finish(seq, FinishReason.EOS)
         elif len(seq.output_ids) >= seq.params.max_new_tokens:

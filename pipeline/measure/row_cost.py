@@ -114,6 +114,34 @@ def best_num_rows(table: RowCostTable, probs: Sequence[float], *, max_rows: int)
     return best
 
 
+def firp_pass_rows(k: int, *, pseudo_weight: float = 1.0) -> float:
+    """Row-equivalents of a steady-state FIRP verify pass with chain length k: 1 + k real rows
+    (the committed token and k drafts), each anchoring k pseudo rows, a pseudo row counting
+    `pseudo_weight` of a real one (the share of the stage's layers it runs through)."""
+    return 1 + k + pseudo_weight * (1 + k) * k
+
+
+def best_firp_k(table: RowCostTable, probs: Sequence[float], *, max_k: int, pseudo_weight: float = 1.0) -> int:
+    """FIRP chain length (0 = no chain) that maximises expected committed tokens per second of
+    steady-state FIRP passes ([Note: rows worth sending]; rows from `firp_pass_rows`), at most
+    `max_k` and len(probs). probs: conditional acceptance of draft depth 1, 2, ... Raises
+    ValueError for max_k < 0, a p outside [0, 1] or pseudo_weight outside (0, 1]."""
+    if max_k < 0:
+        raise ValueError(f"max_k must be >= 0, got {max_k}")
+    if any(not 0.0 <= p <= 1.0 for p in probs):
+        raise ValueError(f"acceptance probabilities must be in [0, 1], got {list(probs)}")
+    if not 0.0 < pseudo_weight <= 1.0:
+        raise ValueError(f"pseudo_weight must be in (0, 1], got {pseudo_weight}")
+
+    def cost(k: int) -> float:  # cost_s takes whole rows: interpolate between the neighbours
+        rows = firp_pass_rows(k, pseudo_weight=pseudo_weight)
+        lo = int(rows)
+        return table.cost_s(lo) + (rows - lo) * (table.cost_s(lo + 1) - table.cost_s(lo))
+
+    rates = [expected_tokens(probs, k) / cost(k) for k in range(min(max_k, len(probs)) + 1)]
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
 def measure_row_costs(run_pass: Callable[[int, int], None], shapes: Sequence[tuple[int, int]], *,
                       repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
     """Median seconds of `run_pass(num_rows, firp_k)` per shape, shapes interleaved repeat by repeat

@@ -38,7 +38,7 @@ class Item:
         `firp_anchors` rows (see [Note: pseudo rows] in pipeline/model/row_layout.py); 0 = none.
     want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
         clears it when no draft made from that guess could be sent ([Note: exit-head skipping] in
-        pipeline/engine/scheduler.py); prefill items never get a guess either way (`wants_exit_guess`).
+        pipeline/engine/row_budget.py); prefill items never get a guess either way (`wants_exit_guess`).
     """
 
     seq_id: int
@@ -96,7 +96,7 @@ class Item:
     @property
     def wants_exit_guess(self) -> bool:
         """Whether the exit stage runs its exit head on this item's last row: a draft may follow
-        it and the scheduler left `want_exit` set ([Note: exit-head skipping] in pipeline/engine/scheduler.py)."""
+        it and the scheduler left `want_exit` set ([Note: exit-head skipping] in pipeline/engine/row_budget.py)."""
         return self.may_precede_draft and self.want_exit
 
     @property

@@ -11,6 +11,7 @@ The oracle is the single-process reference of tests/distributed/conftest.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,11 @@ SHAPES = {
     "3-stage-firp-in-stage-1": (dict(num_stages=3, layer_split="1,1,2", speculate="firp"), 1),
     "3-stage-speed+firp-min-prob": (dict(num_stages=3, layer_split="1,2,1", speculate="speed+firp", predictor="logit-lens",
                                         firp_min_prob=0.01), 2),
+    # chain lengths chosen per item from a row-cost table and the measured acceptance (they vary)
+    "2-stage-firp-row-costs": (dict(num_stages=2, layer_split="2,2", speculate="firp", row_cost_file=True), 1),
 }
+# a fake float32 table: a second row costs 5 %, 16 rows 2.4x ([Note: row-cost-driven chains])
+ROW_COSTS = {"tables": [{"mode": "fp32", "num_rows": [1, 2, 4, 8, 16, 32], "pass_s": [1.0, 1.05, 1.2, 1.6, 2.4, 4.0]}]}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +65,10 @@ def firp_session(request, tiny_model_dir: Path, tmp_path_factory):
     overrides, layer = SHAPES[request.param]
     path = write_firp_file(tiny_model_dir, tmp_path_factory.mktemp("firp") / "firp.safetensors", layer=layer, k=3,
                            seed=len(request.param))
+    if overrides.get("row_cost_file"):
+        table = path.parent / "row_cost.json"
+        table.write_text(json.dumps(ROW_COSTS))
+        overrides = {**overrides, "row_cost_file": str(table)}
     options = session_options(tiny_model_dir, firp_file=str(path), **overrides)
     with PipelineSession(options, resolve(options)) as session:
         yield request.param, session

@@ -207,7 +207,7 @@ def test_acceptance_rate_is_accepted_over_verified_drafts(pipeline: SpecPipeline
 
 # -- exit-head skipping ---------------------------------------------------------------------------------
 def test_exit_head_runs_on_few_rows_when_prompts_fill_the_pipeline(pipeline: SpecPipeline, refs: References):
-    """[Note: exit-head skipping] in pipeline/engine/scheduler.py: with at least as many running prompts as
+    """[Note: exit-head skipping] in pipeline/engine/row_budget.py: with at least as many running prompts as
     stages the exit stage skips its head on most decode items; one prompt keeps it on every item
     but those at the budget's end (one position, re-sent at most once per squash). Greedy output is
     the reference's both ways."""

@@ -5,7 +5,7 @@ What breaks when these fail: the exit head runs on items whose guess can never b
 sequences already fill the pipeline), or, worse, it is skipped where a draft would have been sent
 (a single speculating sequence stops filling the pipeline), or skipping changes greedy output, or
 the `exit_rows` / `exit_rows_skipped` counters of `--json` are wrong.
-See [Note: exit-head skipping] in pipeline/engine/scheduler.py.
+See [Note: exit-head skipping] in pipeline/engine/row_budget.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,138 @@
+"""Which extra rows an item spends: its FIRP chains (lengths from a measured row-cost table and the
+measured acceptance) and its exit-head row.
+
+Owns, split out of pipeline/engine/scheduler.py (which asks them): `RowBudget` (an item's FIRP fields
+`Item.firp_k` / `Item.firp_anchors`, the per-depth FIRP acceptance counters), `next_firp_drafts`
+(which FIRP drafts a result leaves for the next item, [Note: FIRP policy] in
+pipeline/speculation/firp.py) and `wants_exit` (whether the exit stage runs its head on an item).
+Must not: form micro-batches, commit tokens, or measure anything itself (the table comes from
+tests/benchmarks/row_cost.py via `--row-cost-file`; pipeline/measure/row_cost.py owns the rule).
+
+[Note: row-cost-driven chains]
+Without a row-cost table every item asks for chains of `firp_k` rows (the run's fixed choice).
+With one, the chain length of the next item is `best_firp_k` over the table and the acceptance
+measured so far: conditional acceptance of draft depth i = accepted_i / verified_i (a depth is
+verified when every shallower draft of its chain was accepted), smoothed toward PRIOR_ACCEPTANCE
+with PRIOR_WEIGHT pseudo-trials, so the first items follow the prior and a few dozen passes
+follow the measurement ([Note: rows worth sending] in pipeline/measure/row_cost.py). Pseudo rows
+count `pseudo_weight` of a real row: the share of the model's layers after the FIRP layer.
+When the rule says "shorter than the longest chain", every EXPLORE_EVERY-th item still asks for
+one depth more, so the depth that was cut keeps being measured and the choice can grow back.
+The table prices one sequence's pass; with several sequences in a micro-batch the real marginal
+cost of a row is lower, so the rule errs towards short chains there. A chain length never
+changes committed tokens, only how many drafts are verified (exactness: ARCHITECTURE.md §5).
+
+[Note: exit-head skipping]
+The exit head (final norm + LM head on the exit hidden state) costs the exit stage several layers
+of work per decode item. Its guess is only worth computing when a draft made from it could be
+sent, so every item the scheduler sends carries `Item.want_exit`, cleared (`wants_exit`) when:
+- speculation is off or the predictor needs no exit head;
+- the item is a prefill (no draft follows a prefill: `Item.may_precede_draft`);
+- `max_inflight` < 2 (a draft after the item would be a second item in flight);
+- a draft after the item would lie past the token budget (`SequenceLedger.can_draft_after`);
+- the running sequences fill the pipeline (at least `max_inflight_batches` of them): every
+  running sequence keeps a real item ready or in flight, and real work goes first, so drafts find
+  no free micro-batch slot ([Note: micro-batching] in pipeline/engine/scheduler.py). This one is a heuristic: a sequence that
+  ends opens a gap, and an item sent just before it skipped its guess; the next one wants it.
+Deliberately NOT a reason: the per-sequence run-ahead being full when the item is sent. The
+draft after that item is proposed later from the same guess, when an older result frees room
+(the steady state of a single speculating sequence). The draft gate neither, since it judges a
+draft by the confidence that only the head produces. Skipping never changes committed tokens:
+without a guess the exit event still arrives, an exit-head predictor then proposes nothing
+(hybrid falls back to its n-gram half). `SpecCounters.exit_rows` / `exit_rows_skipped` count
+decode items at the exit stage with and without the head.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from pipeline.engine.records import SchedulerConfig, SequenceState
+from pipeline.measure.row_cost import RowCostTable, best_firp_k
+from pipeline.speculation.items import Item
+from pipeline.speculation.predictors import Predictor
+
+PRIOR_ACCEPTANCE = 0.5  # conditional acceptance of a depth before any measurement
+PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
+EXPLORE_EVERY = 16  # every n-th item asks for one depth more than the rule chose
+
+
+class RowBudget:
+    """FIRP chain lengths of one scheduler's items.
+
+    max_firp_k: the FIRP maps the stages run (0 = FIRP off); row_costs: the measured table of the
+    run's numeric mode, or None (fixed chains of max_firp_k); pseudo_weight: a pseudo row's cost
+    in real rows, in (0, 1].
+    """
+
+    def __init__(self, *, max_firp_k: int, row_costs: RowCostTable | None = None, pseudo_weight: float = 1.0) -> None:
+        self.max_firp_k = max_firp_k
+        self.row_costs = row_costs
+        self.pseudo_weight = pseudo_weight
+        self.verified = [0] * max_firp_k  # per depth 1..max_firp_k
+        self.accepted = [0] * max_firp_k
+        self._chosen = max_firp_k if row_costs is None else self._choose()
+        self._asked = 0
+
+    def acceptance(self) -> list[float]:
+        """Smoothed conditional acceptance of every draft depth 1..max_firp_k ([Note: row-cost-driven chains])."""
+        return [(a + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (v + PRIOR_WEIGHT)
+                for a, v in zip(self.accepted, self.verified, strict=True)]
+
+    def _choose(self) -> int:
+        return best_firp_k(self.row_costs, self.acceptance(), max_k=self.max_firp_k, pseudo_weight=self.pseudo_weight)
+
+    @property
+    def chosen_k(self) -> int:
+        """The chain length the rule chooses now (max_firp_k without a table)."""
+        return self._chosen
+
+    def record(self, *, verified: int, accepted: int) -> None:
+        """A pass verified the item's first `verified` FIRP drafts and accepted the first `accepted`
+        of them (accepted <= verified): depths 1..min(accepted + 1, verified) were tried."""
+        assert 0 <= accepted <= verified <= self.max_firp_k, (accepted, verified, self.max_firp_k)
+        for depth in range(min(accepted + 1, verified)):
+            self.verified[depth] += 1
+            self.accepted[depth] += depth < accepted
+        if self.row_costs is not None and verified:
+            self._chosen = self._choose()
+
+    def firp_fields(self, *, last_item_position: int, first_anchor: int, num_anchors: int) -> dict[str, int]:
+        """Item.firp_k / firp_anchors for an item whose pseudo chains hang off `num_anchors` rows
+        from position `first_anchor` on: the chosen length, cut so that no draft lies past the
+        token budget (`last_item_position`: the last position an item may hold)."""
+        k = self._chosen
+        if self.row_costs is not None and k < self.max_firp_k:
+            self._asked += 1
+            if self._asked % EXPLORE_EVERY == 0:
+                k += 1
+        k = min(k, last_item_position - first_anchor - 1)
+        return {"firp_k": k, "firp_anchors": num_anchors} if k > 0 else {}
+
+
+def next_firp_drafts(item: Item, num_committed: int, firp: list[int | None]) -> tuple[int, ...]:
+    """The FIRP drafts a result leaves for the sequence's next item: the chain anchored at the row
+    that produced the last of the `num_committed` tokens, up to its first cut draft (None).
+    firp: the item's pseudo-row drafts [num_pseudo], chain by chain."""
+    if not item.firp_k:
+        return ()
+    anchor = item.num_tokens - item.num_result_rows + num_committed - 1 - (item.num_tokens - item.firp_anchors)
+    if not 0 <= anchor < item.firp_anchors:
+        return ()
+    chain = firp[anchor * item.firp_k:(anchor + 1) * item.firp_k]
+    return tuple(itertools.takewhile(lambda t: t is not None, chain))
+
+
+def wants_exit(config: SchedulerConfig, predictor: Predictor | None, seq: SequenceState, item: Item, *,
+               pipeline_full: bool) -> bool:
+    """Whether a draft made from `item`'s exit guess could ever be sent, so the exit stage
+    should run its head on it. pipeline_full: the running sequences fill every micro-batch
+    slot. See [Note: exit-head skipping]; when unsure, True."""
+    if not config.speculate or predictor is None or not predictor.needs_exit_head:
+        return False
+    if not item.may_precede_draft or config.max_inflight < 2:
+        return False
+    last_budget_position = seq.ledger.prompt_len + seq.ledger.max_new_tokens - 1
+    if item.end >= last_budget_position:  # as SequenceLedger.can_draft_after(item.end - 1, ...)
+        return False
+    return not pipeline_full
