@@ -21,9 +21,11 @@ from launcher.cli.errors import flag_message
 from launcher.cli.parsing import (
     CliParser,
     UsageError,
+    add_row_cost_flag,
     add_vllm_aliases,
     check_vllm_args,
     mark_model_given,
+    min_acceptance_arg,
     read_prompts_file,
     shorten_help,
     unescape,
@@ -66,19 +68,6 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     add_vllm_aliases(g)
 
 
-def _acceptance(text: str) -> float | None:
-    """--min-acceptance: 'auto' (None) or a probability."""
-    if text == "auto":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise UsageError(f"--min-acceptance must be 'auto' or a number in [0, 1], got {text!r}")
-    return value
-
-
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (SPEED)")
     g.add_argument("--speculate", default="none", help="none | speed | firp | speed+firp. speed: inject drafts "
@@ -89,9 +78,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
     g.add_argument("--firp-min-prob", type=float, default=0.0, help="carry a FIRP draft only while its "
                    "probability is at least this (a chain stops at the first less likely draft; default 0)")
-    g.add_argument("--row-cost-file", metavar="PATH", help="a tests/benchmarks/row_cost.py JSON report: FIRP "
-                   "chain lengths follow its table for this --quantization/--dtype and the measured acceptance "
-                   "(default: fixed --firp-k chains)")
+    add_row_cost_flag(g)
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")
@@ -254,11 +241,10 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        exit_predictor=args.exit_predictor,
-        max_inflight=args.max_inflight, min_acceptance=_acceptance(args.min_acceptance),
+        exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file,
+        max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance),
         placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
-        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob,
-        row_cost_file=args.row_cost_file)
+        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob)
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:

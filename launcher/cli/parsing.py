@@ -171,3 +171,23 @@ def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
     if not prompts:
         raise UsageError(f"{flag} {path} has no prompt")
     return prompts
+
+
+def add_row_cost_flag(group: argparse._ArgumentGroup) -> None:
+    """`--row-cost-file` ([Note: row-cost-driven chains] in pipeline/engine/row_budget.py)."""
+    group.add_argument("--row-cost-file", metavar="PATH", help="a tests/benchmarks/row_cost.py JSON report: FIRP "
+                       "chain lengths follow its table for this --quantization/--dtype and the measured "
+                       "acceptance (default: fixed --firp-k chains)")
+
+
+def min_acceptance_arg(text: str) -> float | None:
+    """--min-acceptance: 'auto' (None) or a probability."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(f"--min-acceptance must be 'auto' or a number in [0, 1], got {text!r}")
+    return value
