@@ -183,7 +183,11 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     Raises ValueError for FIRP pseudo rows on a sliding-window layer.
     """
     num_real = plan.write_slots.shape[0]
-    kv.write_rows(layer, plan.write_slots, plan.write_positions, k[:num_real], v[:num_real])
+    if len(plan.spans) == 1:  # one item (a single sequence's decode, verify or prefill): a slice copy
+        span = plan.spans[0]
+        kv.write(layer, span.slot, span.start, k[:num_real].transpose(0, 1), v[:num_real].transpose(0, 1))
+    else:
+        kv.write_rows(layer, plan.write_slots, plan.write_positions, k[:num_real], v[:num_real])
     out = torch.empty_like(q)
     if plan.small:
         h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
