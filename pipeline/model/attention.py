@@ -164,8 +164,9 @@ def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     length = keys.shape[2]
     scale = d ** -0.5 if scale is None else scale
     qq = q.reshape(b * nq * kvh, g, d).float()
-    kk = keys[:, None].expand(b, nq, kvh, length, d).reshape(-1, length, d).float()
-    vv = values[:, None].expand(b, nq, kvh, length, d).reshape(-1, length, d).float()
+    # expanded, cast and made contiguous in one copy (a view when every item has one float32 row)
+    kk = keys[:, None].expand(b, nq, kvh, length, d).float().reshape(-1, length, d)
+    vv = values[:, None].expand(b, nq, kvh, length, d).float().reshape(-1, length, d)
     scores = torch.bmm(qq, kk.transpose(1, 2)).view(b, nq, kvh, g, length) * scale
     if masked_out is not None:
         scores = scores.masked_fill(masked_out[:, :, None, None, :], float("-inf"))
