@@ -2,8 +2,9 @@
 
 Owns `RowCostTable` (seconds of a decode-style pass with n real rows, optionally with FIRP pseudo
 rows, measured on the machine in one numeric mode; JSON round trip), `measure_row_costs` (the short
-calibration that fills it, also run by tests/benchmarks/row_cost.py), and `best_num_rows`, the pure
-rule "send as many draft rows as maximise expected committed tokens per second". Must not: drive
+calibration that fills it, also run by tests/benchmarks/row_cost.py), and `best_num_rows` / `best_firp_k`, the pure
+rule "send as many draft rows as maximise expected committed tokens per second" (for a draft chain,
+and for FIRP chains whose pseudo rows ride along). Must not: drive
 the scheduler (it asks this module) or know about processes.
 
 [Note: rows worth sending]
