@@ -14,12 +14,13 @@ Predictors report a confidence; how well it predicts acceptance differs per pred
 so the gate learns it: drafts are grouped by (source, confidence bucket), each bucket keeps an
 acceptance estimate (successes + prior · w) / (trials + w), and a draft is sent only when its
 bucket's estimate reaches `min_acceptance`. The prior of a bucket is the predictor's own claim, the
-bucket's mid-point confidence, worth w = 4 verdicts: a trained head that says 0.95 and is right 70 %
-of the time keeps its bucket open through an early miss. (A flat optimistic prior of 0.6 worth 2
-verdicts closed a bucket on its first miss at break-even 0.5, and a closed bucket is only probed
-every 16th draft: that is what held a self-distilled drafter at α 0.08 over 12 of 92 drafts in a
-launch whose ungated α was 0.30, the same as its offline held-out acceptance.) A refused bucket still gets every `explore_every`-th
-draft, so its estimate can recover when the text changes (deterministic: no random numbers, so
+bucket's mid-point confidence, worth w = 2 verdicts: a trained head that says 0.95 and is right 70 %
+of the time keeps its bucket open through an early miss, and one that is always wrong closes it
+after 2 misses at break-even 0.5 (6 at 0.25). (A flat optimistic prior of 0.6 worth 2 verdicts closed
+every bucket on its first miss at break-even 0.5, and a closed bucket is only probed every 16th
+draft: that is what held a self-distilled drafter at α 0.08 over 12 of 92 drafts in a launch whose
+ungated α was 0.30, the same as its offline held-out acceptance.) A refused bucket still gets every
+`explore_every`-th draft, so its estimate can recover when the text changes (deterministic: no random numbers, so
 runs are reproducible). Gating only decides whether to draft; committed tokens never change.
 """
 
@@ -50,7 +51,7 @@ class DraftGate:
     """
 
     def __init__(self, *, min_acceptance: float, num_buckets: int = 10, prior_acceptance: float | None = None,
-                 prior_weight: float = 4.0, explore_every: int = 16) -> None:
+                 prior_weight: float = 2.0, explore_every: int = 16) -> None:
         if not 0.0 <= min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {min_acceptance}")
         if num_buckets < 1 or explore_every < 1 or prior_weight < 0 or not (
