@@ -14,7 +14,7 @@ from launcher.cli.train_drafter import overfit_warnings
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
-from pipeline.speculation.drafter import DrafterMap, DrafterTrainConfig, train_drafter_map
+from pipeline.speculation.drafter import DrafterMap, DrafterTrainConfig, train_drafter_map, validation_split
 from pipeline.speculation.predictor_file import (
     load_predictor,
     load_predictor_bytes,
@@ -272,3 +272,42 @@ def test_offline_acceptance_of_a_file_is_its_in_pipeline_alpha(tiny):
         accepted += pipe.engine.spec.accepted_tokens
     assert verified >= gen.states.num_rows - len(prompts)  # a draft after (nearly) every fed token
     assert accepted / verified == pytest.approx(offline, abs=0.05), (accepted, verified, offline)
+
+
+def test_validation_split_takes_whole_blocks_and_leaves_training_rows():
+    mask = validation_split(1000, fraction=0.2, block=100, seed=1)
+    assert mask.shape == (1000,) and int(mask.sum()) == 200
+    blocks = mask.reshape(10, 100)
+    assert bool((blocks.all(1) | ~blocks.any(1)).all())  # a block is wholly in or out
+    assert int(validation_split(250, fraction=0.9, block=100).sum()) < 250  # some rows are left to train on
+    assert not validation_split(250, fraction=0.0).any()
+    with pytest.raises(ValueError, match="fraction"):
+        validation_split(10, fraction=1.0)
+
+
+def test_early_stop_keeps_the_best_drafter_on_the_validation_rows():
+    """Few training rows with noisy targets over-fit; the drafter kept is the best one seen on the
+    validation rows (at least as good there as the last step's, which is the same run's end)."""
+    torch.manual_seed(0)
+    h, v = 16, 48
+    norm, head = torch.ones(h), torch.randn(v, h)
+    hidden = torch.randn(1200, h)
+    targets = (hidden @ torch.randn(h, h) @ head.T).argmax(-1)
+    noisy = torch.where(torch.rand(1200) < 0.4, torch.randint(0, v, (1200,)), targets)
+    kw = dict(hidden=hidden[:200], targets=noisy[:200], norm_weight=norm, lm_head_weight=head, eps=1e-5)
+    config = DrafterTrainConfig(steps=300, batch_size=64, mlp_size=64, lr=1e-2, dropout=0.0, weight_decay=0.0,
+                                val_every=25)
+    val = (hidden[200:], targets[200:])
+    last = train_drafter_map(config=config, **kw)
+    kept = train_drafter_map(config=config, val=val, **kw)
+    agree = {name: top1_agreement(hidden=val[0], targets=val[1], norm_weight=norm, lm_head_weight=head, eps=1e-5,
+                                  exit_map=m) for name, m in (("last", last), ("kept", kept))}
+    assert last.early_stop is None and kept.early_stop is not None
+    step, best = kept.early_stop
+    assert step % 25 == 0 and 0 < step <= 300
+    assert agree["kept"] >= agree["last"], agree
+    # the recorded agreement is the kept drafter's (over the candidate vocabulary: every val target here)
+    cand = torch.unique(noisy[:200])
+    restricted = top1_agreement(hidden=val[0], targets=val[1], norm_weight=norm, lm_head_weight=head, eps=1e-5,
+                                exit_map=kept, vocab_ids=cand)
+    assert best == pytest.approx(restricted, abs=1e-6)
