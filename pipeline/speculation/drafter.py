@@ -179,11 +179,7 @@ def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weigh
     drafter = DrafterMap(hidden.shape[1], mlp_size=config.mlp_size, num_blocks=config.num_blocks, eps=eps)
     for block in drafter.blocks:
         block.dropout = config.dropout
-    decay = [p for n, p in drafter.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
-    rest = [p for n, p in drafter.named_parameters() if not (n.startswith("blocks.") and p.dim() == 2)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=config.lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=config.steps, pct_start=0.1)
+    opt, sched = _optimiser(drafter, config)
     best = _EarlyStop(val, candidates, head, eps)
     drafter.train()
     for step in range(config.steps):
@@ -206,6 +202,15 @@ def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weigh
         block.dropout = 0.0
     best.restore(drafter)
     return drafter.eval().requires_grad_(False)
+
+
+def _optimiser(drafter: DrafterMap, config: DrafterTrainConfig):
+    """AdamW (weight decay on the blocks' matrices only) and its one-cycle schedule."""
+    decay = [p for n, p in drafter.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    rest = [p for n, p in drafter.named_parameters() if not (n.startswith("blocks.") and p.dim() == 2)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=config.lr)
+    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=config.steps, pct_start=0.1)
 
 
 class _EarlyStop:
