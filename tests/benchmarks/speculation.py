@@ -21,7 +21,7 @@ launcher/cli/distill_data.py; `sotu` (the opening words of held-out speeches, is
 
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--sets chat,speeches,code] [--prompts 3]
        [--max-new-tokens 64] [--configs none,speed/hybrid,firp,speed+firp/hybrid]
-       [--exit-predictor FILE] [--out tests/benchmarks/results/speculation.json]
+       [--exit-predictor FILE] [--out tests/benchmarks/results/speculation_heldout.json]
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predictors", help="issue 3's form: speed with each of these predictors (P[@GATE], "
                     "comma-separated); replaces --configs")
     ap.add_argument("--exit-predictor", help="trained early-exit file for early-exit / hybrid (default: shipped)")
-    ap.add_argument("--out", default="tests/benchmarks/results/speculation.json")
+    ap.add_argument("--out", default="tests/benchmarks/results/speculation_heldout.json")
     args = ap.parse_args(argv)
     if args.predictors:
         args.configs = ",".join(["none"] + [f"speed/{p}" for p in args.predictors.split(",")])
