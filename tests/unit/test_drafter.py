@@ -311,3 +311,11 @@ def test_early_stop_keeps_the_best_drafter_on_the_validation_rows():
     restricted = top1_agreement(hidden=val[0], targets=val[1], norm_weight=norm, lm_head_weight=head, eps=1e-5,
                                 exit_map=kept, vocab_ids=cand)
     assert best == pytest.approx(restricted, abs=1e-6)
+
+
+def test_a_val_fraction_outside_zero_to_one_exits_2(tiny, tmp_path, capsys):
+    model_dir, corpus, cache, _ = tiny
+    rc = main(["train-predictor", "--model", str(model_dir), "--exit-layer", "1", "--arch", "swiglu",
+               "--val-fraction", "1.0", "--corpus", str(corpus), "--out", str(tmp_path / "p.safetensors"),
+               "--no-progress"])
+    assert rc == 2 and "--val-fraction" in capsys.readouterr().err
