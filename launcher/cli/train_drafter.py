@@ -16,7 +16,7 @@ import sys
 import torch
 
 from launcher.cli.distill_data import EVAL_SETS, DistillData
-from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterTrainConfig, train_drafter_map
+from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterTrainConfig, train_drafter_map, validation_split
 from pipeline.speculation.predictor_file import load_predictor, shipped_predictor
 from pipeline.speculation.predictors import ExitMap
 from pipeline.training.early_exit import ExitTrainConfig, draft_vocabulary, top1_agreement, train_exit_map
@@ -45,7 +45,11 @@ def fit_map(arch: str, args: argparse.Namespace, hidden: torch.Tensor, targets: 
                                         num_blocks=args.blocks, dropout=args.dropout,
                                         weight_decay=args.weight_decay, batch_size=args.batch_size,
                                         soft_weight=args.soft_weight)
-            return train_drafter_map(hidden=hidden, targets=targets, config=config, teacher=teacher,
+            is_val = validation_split(targets.numel(), fraction=args.val_fraction, seed=args.seed)
+            fit = ~is_val
+            return train_drafter_map(hidden=hidden[fit], targets=targets[fit], config=config,
+                                     teacher=(teacher[0][fit], teacher[1][fit]),
+                                     val=(hidden[is_val], targets[is_val]) if bool(is_val.any()) else None,
                                      on_step=on_step, **head)
         config = ExitTrainConfig(arch=arch, steps=args.steps, lr=args.lr, seed=args.seed, rank=args.rank,
                                  weight_decay=args.weight_decay, batch_size=args.batch_size)
@@ -120,6 +124,10 @@ def train_self_distilled(args: argparse.Namespace, data: DistillData, identity, 
               + (f", {vocab.numel()}-token draft vocabulary" if vocab is not None else "") + f"; layer {layer}"
               + (f"; shipped head: {shipped[2]}" if shipped is not None else "") + "):")
     lines = report_lines(header, [(c, t, h) for c, _, t, h in results], kept=arch)
+    for cand, cand_map, _, _ in results:
+        if getattr(cand_map, "early_stop", None) is not None:
+            lines.append(f"  {cand} early stop: kept step {cand_map.early_stop[0]} of {args.steps} (validation "
+                         f"agreement {cand_map.early_stop[1]:.1%} over the candidate vocabulary)")
     for warning in overfit_warnings(train_acc, held):
         print(warning, file=sys.stderr)
     first = held[next(iter(held))] if held else {}
@@ -133,7 +141,9 @@ def train_self_distilled(args: argparse.Namespace, data: DistillData, identity, 
     meta["eval"] = {k: v for k, v in meta["eval"].items() if v is not None}
     if arch == DRAFTER_ARCH:
         meta |= {"mlp_size": args.mlp_size, "blocks": args.blocks, "dropout": args.dropout,
-                 "soft_weight": args.soft_weight}
+                 "soft_weight": args.soft_weight, "val_fraction": args.val_fraction}
+        if exit_map.early_stop is not None:
+            meta |= {"early_stop_step": exit_map.early_stop[0], "val_agreement": round(exit_map.early_stop[1], 4)}
     tensors = dict(exit_map.state_dict())
     if vocab is not None:
         tensors["draft_vocab"] = vocab

@@ -175,6 +175,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=0.1, help="swiglu: dropout on the blocks' units (default 0.1)")
     p.add_argument("--soft-weight", type=float, default=0.0, help="swiglu: weight of the loss against the model's "
                    "own top-8 distribution beside its argmax, in [0, 1] (default 0)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="swiglu: share of the training rows (whole blocks "
+                   "of consecutive rows) held out to keep the best drafter seen every 100 steps (early stopping; "
+                   "0 = train to the last step; default 0.1)")
     p.add_argument("--batch-size", type=int, default=256, help="training rows per optimiser step (default 256)")
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     p.add_argument("--out", required=True, help="where to write the predictor (.safetensors)")
@@ -220,6 +223,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if size > MAX_PREDICTOR_BYTES - (64 << 10):
             raise ValueError(f"--mlp-size {args.mlp_size} --blocks {args.blocks} make a {size / 2**20:.1f} MiB "
                              f"predictor file; the stage control plane takes at most {MAX_PREDICTOR_BYTES >> 20} MiB")
+    if not 0 <= args.val_fraction < 1:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
     if args.firp_k < 1:

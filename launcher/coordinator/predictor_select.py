@@ -68,7 +68,10 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
     pred = load_predictor(path, expect=identity, exit_layer=exit_layer, kind="early-exit")
     evals = pred.meta.get("eval", {})
     agreement, drafted = evals.get("top1_agreement"), evals.get("draft_vocab_top1_agreement")
-    if isinstance(drafted, float) and pred.draft_vocab is not None:  # what the exit stage runs
+    held = evals.get("held_out")
+    if isinstance(held, dict) and held:  # self-distilled: acceptance per held-out set, over the draft vocabulary
+        measured = " (held-out acceptance " + ", ".join(f"{n} {r['acceptance']:.0%}" for n, r in held.items()) + ")"
+    elif isinstance(drafted, float) and pred.draft_vocab is not None:  # what the exit stage runs
         measured = f" (held-out top-1 agreement {drafted:.0%} over its {pred.draft_vocab.numel()}-token draft vocabulary)"
     else:
         measured = f" (held-out top-1 agreement {agreement:.0%})" if isinstance(agreement, float) else ""

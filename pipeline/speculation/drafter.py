@@ -70,6 +70,7 @@ class DrafterMap(nn.Module):
     """
 
     arch = DRAFTER_ARCH
+    early_stop: tuple[int, float] | None = None  # (step kept, its validation agreement), set by training
 
     def __init__(self, hidden_size: int, *, mlp_size: int = 768, num_blocks: int = 1, eps: float = 1e-5) -> None:
         super().__init__()
@@ -112,7 +113,9 @@ class DrafterTrainConfig:
     `mlp_size` and `num_blocks` size the drafter; `seed`; `soft_weight` β in [0, 1]: the loss is
     (1 - β) cross-entropy against the argmax + β cross-entropy against the base model's own top-k
     distribution (renormalised over the candidate vocabulary; soft-target distillation, Hinton et
-    al. arXiv 1503.02531), which needs teacher tokens and probabilities."""
+    al. arXiv 1503.02531), which needs teacher tokens and probabilities; `val_every`: with
+    validation rows, measure their top-1 agreement every this many steps and keep the best
+    drafter seen (early stopping against over-fitting, [Note: early stop])."""
 
     steps: int = 2000
     batch_size: int = 512
@@ -123,6 +126,7 @@ class DrafterTrainConfig:
     num_blocks: int = 1
     seed: int = 0
     soft_weight: float = 0.0
+    val_every: int = 100
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -135,20 +139,32 @@ class DrafterTrainConfig:
             raise ValueError(f"soft_weight must be in [0, 1], got {self.soft_weight}")
         if self.mlp_size < 1 or self.num_blocks < 1:
             raise ValueError(f"mlp_size and num_blocks must be >= 1, got {self.mlp_size}, {self.num_blocks}")
+        if self.val_every < 1:
+            raise ValueError(f"val_every must be >= 1, got {self.val_every}")
 
 
 def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: torch.Tensor,
                       lm_head_weight: torch.Tensor, eps: float, config: DrafterTrainConfig,
                       teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      val: tuple[torch.Tensor, torch.Tensor] | None = None,
                       on_step: Callable[[int, float], None] | None = None) -> DrafterMap:
     """Train a DrafterMap so that argmax(lm_head(norm(drafter(h)))) matches `targets`.
 
     hidden: [num_rows, H] exit-layer states (any float dtype); targets: [num_rows] int64 base-model
     argmax; norm_weight: [H]; lm_head_weight: [V, H]; teacher: (ids [num_rows, k] int64, probs
-    [num_rows, k]) the base model's top-k next tokens, needed when config.soft_weight > 0. The loss
-    is over the candidate vocabulary ([Note: candidate vocabulary] in pipeline/training/early_exit.py).
-    on_step(step, loss) after each step. Returns the drafter in eval mode, float32, gradients off.
+    [num_rows, k]) the base model's top-k next tokens, needed when config.soft_weight > 0; val:
+    (hidden [rows, H], targets [rows]) validation rows kept out of training, for early stopping
+    ([Note: early stop]). The loss is over the candidate vocabulary ([Note: candidate vocabulary]
+    in pipeline/training/early_exit.py). on_step(step, loss) after each step. Returns the drafter
+    (the best on `val` when given, else the last) in eval mode, float32, gradients off.
     Raises ValueError for mismatched shapes or soft_weight > 0 without a teacher.
+
+    [Note: early stop]
+    A head trained on a few thousand self-distilled rows learns them by heart (92-95 % training
+    agreement against 30-46 % held out on the default model). Rows held out of training — whole
+    blocks of consecutive rows, so that neighbouring positions of one continuation do not sit on
+    both sides — measure the drafter every `val_every` steps over the candidate vocabulary, and
+    the best state is kept: the step count becomes an upper bound rather than a guess.
     """
     if config.soft_weight > 0 and teacher is None:
         raise ValueError("soft_weight > 0 needs the base model's top-k tokens (self-distilled data)")
@@ -163,11 +179,8 @@ def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weigh
     drafter = DrafterMap(hidden.shape[1], mlp_size=config.mlp_size, num_blocks=config.num_blocks, eps=eps)
     for block in drafter.blocks:
         block.dropout = config.dropout
-    decay = [p for n, p in drafter.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
-    rest = [p for n, p in drafter.named_parameters() if not (n.startswith("blocks.") and p.dim() == 2)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=config.lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=config.steps, pct_start=0.1)
+    opt, sched = _optimiser(drafter, config)
+    best = _EarlyStop(val, candidates, head, eps)
     drafter.train()
     for step in range(config.steps):
         rows = torch.randint(0, hidden.shape[0], (config.batch_size,), generator=gen)
@@ -183,9 +196,63 @@ def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weigh
         sched.step()
         if on_step is not None:
             on_step(step, loss.detach().item())
+        if (step + 1) % config.val_every == 0 or step + 1 == config.steps:
+            best.check(drafter, step + 1)
     for block in drafter.blocks:
         block.dropout = 0.0
+    best.restore(drafter)
     return drafter.eval().requires_grad_(False)
+
+
+def _optimiser(drafter: DrafterMap, config: DrafterTrainConfig):
+    """AdamW (weight decay on the blocks' matrices only) and its one-cycle schedule."""
+    decay = [p for n, p in drafter.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    rest = [p for n, p in drafter.named_parameters() if not (n.startswith("blocks.") and p.dim() == 2)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=config.lr)
+    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=config.steps, pct_start=0.1)
+
+
+class _EarlyStop:
+    """The best drafter state on the validation rows ([Note: early stop]); inert without rows.
+    val: (hidden [rows, H], targets [rows]); candidates: [C] token ids; head: [C, H] (norm folded in)."""
+
+    def __init__(self, val: tuple[torch.Tensor, torch.Tensor] | None, candidates: torch.Tensor,
+                 head: torch.Tensor, eps: float) -> None:
+        self.val, self.candidates, self.head, self.eps = val, candidates, head, eps
+        self.best_agreement, self.best_step, self.state = -1.0, 0, None
+
+    @torch.no_grad()
+    def check(self, drafter: DrafterMap, step: int) -> None:
+        if self.val is None or self.val[1].numel() == 0:
+            return
+        drafter.eval()
+        pred = self.candidates[(_rms(drafter(self.val[0].float()), self.eps) @ self.head.T).argmax(-1)]
+        agreement = float((pred == self.val[1]).float().mean())
+        drafter.train()
+        if agreement > self.best_agreement:
+            self.best_agreement, self.best_step = agreement, step
+            self.state = {n: t.detach().clone() for n, t in drafter.state_dict().items()}
+
+    def restore(self, drafter: DrafterMap) -> None:
+        if self.state is not None:
+            drafter.load_state_dict(self.state)
+        drafter.early_stop = (self.best_step, self.best_agreement) if self.state is not None else None
+
+
+def validation_split(num_rows: int, *, fraction: float, block: int = 128, seed: int = 0) -> torch.Tensor:
+    """[num_rows] bool mask, True for validation rows: whole blocks of `block` consecutive rows
+    (one continuation's neighbouring positions stay on one side), about `fraction` of them, chosen
+    with `seed`; at least one block is left for training. Raises ValueError for a fraction outside
+    [0, 1)."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"validation fraction must be in [0, 1), got {fraction}")
+    num_blocks = -(-num_rows // block)
+    take = min(int(round(fraction * num_blocks)), num_blocks - 1)
+    chosen = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:take]
+    mask = torch.zeros(num_blocks, dtype=torch.bool)
+    mask[chosen] = True
+    return mask.repeat_interleave(block)[:num_rows]
 
 
 def _soft_targets(teacher: tuple[torch.Tensor, torch.Tensor], candidates: torch.Tensor,

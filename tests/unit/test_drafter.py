@@ -14,8 +14,13 @@ from launcher.cli.train_drafter import overfit_warnings
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
-from pipeline.speculation.drafter import DrafterMap, DrafterTrainConfig, train_drafter_map
-from pipeline.speculation.predictor_file import load_predictor, model_identity
+from pipeline.speculation.drafter import DrafterMap, DrafterTrainConfig, train_drafter_map, validation_split
+from pipeline.speculation.predictor_file import (
+    load_predictor,
+    load_predictor_bytes,
+    model_identity,
+    predictor_bytes,
+)
 from pipeline.speculation.predictors import EarlyExitPredictor, ExitMap
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import collect_hidden_states, load_full_model
@@ -222,3 +227,95 @@ def test_a_drafter_too_large_for_the_control_plane_exits_2(tiny, tmp_path, capsy
                "--mlp-size", "200000", "--corpus", str(corpus), "--out", str(tmp_path / "p.safetensors"),
                "--no-progress"])
     assert rc == 2 and "MiB" in capsys.readouterr().err
+
+
+def test_offline_acceptance_of_a_file_is_its_in_pipeline_alpha(tiny):
+    """A predictor file's offline acceptance (its top-1 agreement over its draft vocabulary with the
+    model's own greedy continuation) is what the pipeline measures with that file at the exit stage,
+    ungated, on the same text: the exit head, its trained map and its draft vocabulary are loaded as
+    trained. (The launch's gap between 0.30 offline and 0.08 in the pipeline was the draft gate,
+    tests/unit/test_draft_gate.py; this is the check that the two measure the same thing.)"""
+    model_dir, _, _, model = tiny
+    config = ModelConfig.from_model_dir(model_dir)
+    torch.manual_seed(3)
+    drafter = DrafterMap(config.hidden_size, mlp_size=24)
+    with torch.no_grad():  # a non-trivial map: neither the logit lens nor always right
+        drafter.proj.weight.add_(0.3 * torch.randn_like(drafter.proj.weight))
+        drafter.blocks[0].down.weight.normal_(std=0.2)
+    prompts = [[5, 9, 14, 3, 5, 9], [40, 41, 42], [7, 8, 7, 8, 100]]
+    gen = generate(model, prompts, GenerationConfig(num_new_tokens=20), layer=EXIT_LAYER, hidden_dtype=torch.float32)
+    vocab = torch.unique(gen.states.targets)[::2]  # a draft vocabulary that misses some targets
+    identity = model_identity(model_dir)
+    meta = {"kind": "early-exit", "model": identity.to_dict(), "exit_layer": EXIT_LAYER, "arch": "swiglu",
+            "corpus": "test", "train_tokens": 0}
+    file_bytes = predictor_bytes(dict(drafter.state_dict()) | {"draft_vocab": vocab}, meta, dtype=torch.float32)
+    pred = load_predictor_bytes(file_bytes)
+    reader = CheckpointReader(model_dir)
+    w = reader.read(["model.norm.weight", "model.embed_tokens.weight" if config.tie_word_embeddings
+                     else "lm_head.weight"], dtype=torch.float32)
+    offline = top1_agreement(hidden=gen.states.hidden, targets=gen.states.targets,
+                             exit_map=ExitMap.from_tensors(pred.tensors, arch="swiglu"), vocab_ids=pred.draft_vocab,
+                             norm_weight=w["model.norm.weight"], lm_head_weight=w[next(k for k in w if "norm" not in k)],
+                             eps=config.rms_norm_eps)
+    assert 0.1 < offline < 0.9, offline  # a test that can tell the two apart
+    ranges = [LayerRange(0, EXIT_LAYER + 1), LayerRange(EXIT_LAYER + 1, config.num_hidden_layers)]
+    stages = [load_stage_model(str(model_dir), r, is_first=i == 0, is_last=i == 1) for i, r in enumerate(ranges)]
+    spec = StageLoadSpec(model_dir=str(model_dir), stage_index=0, num_stages=2, layer_range=ranges[0],
+                         exit_layer=EXIT_LAYER, exit_predictor=file_bytes)
+    head = build_exit_head(config, reader, spec)
+    verified = accepted = 0
+    for prompt, cont in zip(prompts, gen.continuations, strict=True):
+        pipe = InProcessPipeline(stages, max_model_len=64, predictor=EarlyExitPredictor())
+        pipe.executors[0].exit_head = head
+        assert pipe.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True)) == [cont]
+        verified += pipe.engine.spec.verified_drafts
+        accepted += pipe.engine.spec.accepted_tokens
+    assert verified >= gen.states.num_rows - len(prompts)  # a draft after (nearly) every fed token
+    assert accepted / verified == pytest.approx(offline, abs=0.05), (accepted, verified, offline)
+
+
+def test_validation_split_takes_whole_blocks_and_leaves_training_rows():
+    mask = validation_split(1000, fraction=0.2, block=100, seed=1)
+    assert mask.shape == (1000,) and int(mask.sum()) == 200
+    blocks = mask.reshape(10, 100)
+    assert bool((blocks.all(1) | ~blocks.any(1)).all())  # a block is wholly in or out
+    assert int(validation_split(250, fraction=0.9, block=100).sum()) < 250  # some rows are left to train on
+    assert not validation_split(250, fraction=0.0).any()
+    with pytest.raises(ValueError, match="fraction"):
+        validation_split(10, fraction=1.0)
+
+
+def test_early_stop_keeps_the_best_drafter_on_the_validation_rows():
+    """Few training rows with noisy targets over-fit; the drafter kept is the best one seen on the
+    validation rows (at least as good there as the last step's, which is the same run's end)."""
+    torch.manual_seed(0)
+    h, v = 16, 48
+    norm, head = torch.ones(h), torch.randn(v, h)
+    hidden = torch.randn(1200, h)
+    targets = (hidden @ torch.randn(h, h) @ head.T).argmax(-1)
+    noisy = torch.where(torch.rand(1200) < 0.4, torch.randint(0, v, (1200,)), targets)
+    kw = dict(hidden=hidden[:200], targets=noisy[:200], norm_weight=norm, lm_head_weight=head, eps=1e-5)
+    config = DrafterTrainConfig(steps=300, batch_size=64, mlp_size=64, lr=1e-2, dropout=0.0, weight_decay=0.0,
+                                val_every=25)
+    val = (hidden[200:], targets[200:])
+    last = train_drafter_map(config=config, **kw)
+    kept = train_drafter_map(config=config, val=val, **kw)
+    agree = {name: top1_agreement(hidden=val[0], targets=val[1], norm_weight=norm, lm_head_weight=head, eps=1e-5,
+                                  exit_map=m) for name, m in (("last", last), ("kept", kept))}
+    assert last.early_stop is None and kept.early_stop is not None
+    step, best = kept.early_stop
+    assert step % 25 == 0 and 0 < step <= 300
+    assert agree["kept"] >= agree["last"], agree
+    # the recorded agreement is the kept drafter's (over the candidate vocabulary: every val target here)
+    cand = torch.unique(noisy[:200])
+    restricted = top1_agreement(hidden=val[0], targets=val[1], norm_weight=norm, lm_head_weight=head, eps=1e-5,
+                                exit_map=kept, vocab_ids=cand)
+    assert best == pytest.approx(restricted, abs=1e-6)
+
+
+def test_a_val_fraction_outside_zero_to_one_exits_2(tiny, tmp_path, capsys):
+    model_dir, corpus, cache, _ = tiny
+    rc = main(["train-predictor", "--model", str(model_dir), "--exit-layer", "1", "--arch", "swiglu",
+               "--val-fraction", "1.0", "--corpus", str(corpus), "--out", str(tmp_path / "p.safetensors"),
+               "--no-progress"])
+    assert rc == 2 and "--val-fraction" in capsys.readouterr().err
