@@ -34,12 +34,13 @@ from pipeline.training.data import (
 )
 from pipeline.weights.checkpoint import FINAL_NORM, CheckpointReader, head_tensor_name
 from pipeline.weights.registry import DEFAULT_MODEL, default_cache_dir, resolve_model
+from workers.control_auth import MAX_CONTROL_MESSAGE_BYTES
 
 log = logging.getLogger("speedpipe.train")
 
 DATA_CACHE_VERSION = "1"
 DEFAULT_DRAFT_VOCAB = 4096  # draft vocabulary cap; pipeline/speculation/predictors.py [Note: draft vocabulary]
-MAX_PREDICTOR_BYTES = 4 << 20  # gRPC's default message limit: the file travels inside LoadStageRequest
+MAX_PREDICTOR_BYTES = MAX_CONTROL_MESSAGE_BYTES  # the file travels inside LoadStageRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
