@@ -312,6 +312,22 @@ def test_family_gguf_logits_equal_transformers_and_greedy_is_identical_across_st
     assert outs[1] == outs[2] == outs[3] == ref_greedy, outs
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "phi3"])
+def test_block_reader_gives_each_expert_its_slice_under_the_checkpoint_name(hf_family_ggufs, family):
+    """`--quantization auto` reads linears straight from the GGUF: an expert's name maps to its slice of
+    the stacked tensor (Mixtral's w1/w3/w2 names too), equal to what the conversion wrote."""
+    from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
+
+    _, converted = hf_family_ggufs[family]
+    reader = CheckpointReader(converted)
+    blocks = GgufBlockReader(gguf_source_of(converted), reader.config)
+    names = [n for n in sorted(reader.tensor_names) if ".experts." in n or "qkv" in n or "gate_up" in n][:8]
+    assert names
+    for name in names:
+        torch.testing.assert_close(blocks.read_one(name), reader.read([name], dtype=torch.float32)[name],
+                                   rtol=0, atol=0, msg=name)
+
+
 def test_qwen3moe_dense_layers_and_default_renormalisation_come_from_the_gguf(tmp_path):
     """Layers stored with plain ffn_gate/up/down are qwen3_moe's mlp_only_layers; without the
     expert_weights_norm key the top-k weights are renormalised (what llama.cpp does for qwen3moe)."""
