@@ -33,6 +33,11 @@ import grpc
 SECRET_ENV = "SPEEDPIPE_CONTROL_SECRET"
 SECRET_METADATA_KEY = "x-speedpipe-control-secret"
 API_KEY_METADATA_KEY = "authorization"  # "Bearer KEY", as the HTTP front end (and vLLM) expect
+# Largest stage control-plane message (both ends): a trained predictor travels inside LoadStageRequest,
+# and one H x H map of a 1.5B model (H = 1536) is 4.7 MB in float16, past gRPC's 4 MiB default.
+MAX_CONTROL_MESSAGE_BYTES = 64 << 20
+CONTROL_GRPC_OPTIONS = (("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE_BYTES),
+                        ("grpc.max_send_message_length", MAX_CONTROL_MESSAGE_BYTES))
 
 
 def new_secret() -> str:
@@ -167,5 +172,9 @@ class TlsFiles:
 
 
 def control_channel(address: str, *, tls: TlsFiles | None = None) -> grpc.Channel:
-    """A channel to a stage's control plane: TLS trusting `tls.cert_file` when given, else plain."""
-    return grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls.channel_credentials())
+    """A channel to a stage's control plane: TLS trusting `tls.cert_file` when given, else plain
+    (messages up to MAX_CONTROL_MESSAGE_BYTES)."""
+    options = list(CONTROL_GRPC_OPTIONS)
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)

@@ -34,6 +34,7 @@ from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
 from workers.control_auth import (
+    CONTROL_GRPC_OPTIONS,
     SECRET_ENV,
     SECRET_METADATA_KEY,
     SecretCheckInterceptor,
@@ -220,7 +221,7 @@ def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: thre
     interceptors = [] if control_secret is None else [SecretCheckInterceptor(
         key=SECRET_METADATA_KEY, expected=control_secret, what="control-plane secret (the launcher's session secret)")]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"),
-                         interceptors=interceptors)
+                         interceptors=interceptors, options=list(CONTROL_GRPC_OPTIONS))
     servicer = StageServicer(stage_index, stop_event, rejoin_wait_s=rejoin_wait_s)
     pb_grpc.add_StageServiceServicer_to_server(servicer, server)
     try:

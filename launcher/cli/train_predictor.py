@@ -34,12 +34,13 @@ from pipeline.training.data import (
 )
 from pipeline.weights.checkpoint import FINAL_NORM, CheckpointReader, head_tensor_name
 from pipeline.weights.registry import DEFAULT_MODEL, default_cache_dir, resolve_model
+from workers.control_auth import MAX_CONTROL_MESSAGE_BYTES
 
 log = logging.getLogger("speedpipe.train")
 
 DATA_CACHE_VERSION = "1"
 DEFAULT_DRAFT_VOCAB = 4096  # draft vocabulary cap; pipeline/speculation/predictors.py [Note: draft vocabulary]
-MAX_PREDICTOR_BYTES = 4 << 20  # gRPC's default message limit: the file travels inside LoadStageRequest
+MAX_PREDICTOR_BYTES = MAX_CONTROL_MESSAGE_BYTES  # the file travels inside LoadStageRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,7 +143,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
     p.add_argument("--kind", default="early-exit", help=f"{' | '.join(KINDS)} (default early-exit)")
-    p.add_argument("--exit-layer", type=int, required=True, help="layer whose hidden state feeds the predictor")
+    p.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor (default: the one "
+                   "`launch --stages 2 --speculate speed` uses on this model, the last layer of its stage 0)")
     p.add_argument("--firp-k", type=int, default=3, help="firp: number of future positions predicted (default 3)")
     p.add_argument("--arch", default="affine", help=f"{' | '.join(ARCHS)}; with --data self-distill a comma-separated "
                    "list trains each and keeps the best on held-out data (default affine)")
@@ -169,6 +171,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="self-distill: sampling temperature (default 0.8)")
     p.add_argument("--text-prompts", type=int, default=96, help="self-distill: corpus excerpts used as plain-text "
                    "prompts (default 96)")
+    p.add_argument("--prompts", type=int, default=0, help="self-distill: at most this many training prompts, taken "
+                   "evenly from the chat and code instructions and the corpus excerpts (0 = all; a reduced run)")
+    p.add_argument("--eval-prompts", type=int, default=0, help="self-distill: at most this many held-out prompts per "
+                   "held-out set (0 = all)")
     p.add_argument("--mlp-size", type=int, default=768, help="swiglu: hidden units per block (default 768; the file "
                    f"must stay under the stage control plane's {MAX_PREDICTOR_BYTES >> 20} MiB message limit)")
     p.add_argument("--blocks", type=int, default=1, help="swiglu: residual SwiGLU blocks (default 1)")
@@ -230,6 +236,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.firp_k < 1:
         raise ValueError(f"--firp-k must be >= 1, got {args.firp_k}")
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=not args.no_progress)
+    if args.exit_layer is None:
+        args.exit_layer = default_exit_layer(model_dir)
+        print(f"[speedpipe] exit layer {args.exit_layer} (the last layer of stage 0 at --stages 2)", file=sys.stderr)
     if args.kind == "early-exit" and args.data == "self-distill":
         return _write(args, model_dir, *train_distilled(args, model_dir))
     spec = DataSpec(model_dir=model_dir, corpus=args.corpus, train_tokens=args.tokens, eval_tokens=args.eval_tokens,
@@ -242,6 +251,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         tensors, meta, line = train_early_exit(args, data, train_config, progress=not args.no_progress)
     return _write(args, model_dir, tensors, {"train_tokens": int(data.train.targets.numel()), **meta}, line)
+
+
+def default_exit_layer(model_dir: Path, num_stages: int = 2) -> int:
+    """The exit layer `launch --stages num_stages --speculate speed --predictor logit-lens` uses on the
+    model in `model_dir`: the last layer of stage 0 of its default split (which follows the model's
+    depth and the cost of its LM head). Raises ValueError when the model has too few layers."""
+    from launcher.coordinator.pipeline_options import PipelineOptions
+    from launcher.coordinator.run_plan import resolve
+
+    options = PipelineOptions(num_stages=num_stages, model=str(model_dir), speculate="speed", predictor="logit-lens",
+                              progress=False)
+    return resolve(options).exit_layer
 
 
 def _write(args: argparse.Namespace, model_dir: Path, tensors: dict[str, torch.Tensor], meta: dict, line: str) -> int:
@@ -263,7 +284,8 @@ def train_distilled(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str
     from launcher.cli.train_drafter import train_self_distilled
 
     spec = DistillSpec(model_dir=model_dir, corpus=args.corpus, new_tokens=args.new_tokens, sampled=args.sampled,
-                       temperature=args.temperature, max_text_prompts=args.text_prompts)
+                       temperature=args.temperature, max_text_prompts=args.text_prompts,
+                       max_prompts=args.prompts or None, max_eval_prompts=args.eval_prompts or None)
     torch.manual_seed(args.seed)
     data = prepare_distill_data(spec, layer=args.exit_layer, seed=args.seed, cache_dir=args.cache_dir,
                                 progress=not args.no_progress)

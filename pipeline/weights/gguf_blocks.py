@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from pipeline.model.config import ModelConfig
-from pipeline.weights.gguf_import import SOURCE_FILE, hf_tensor_name, open_gguf, unpermute_qk
+from pipeline.weights.gguf_families import PERMUTED_ARCHITECTURES, field, tensor_targets
+from pipeline.weights.gguf_import import SOURCE_FILE, open_gguf, unpermute_qk
 from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
 BLOCK = 32
 INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
 INT8_TYPES = {gguf.GGMLQuantizationType.Q8_0}
-_PERMUTED_ARCHITECTURES = ("llama",)
 
 
 def gguf_source_of(model_dir: str | Path) -> Path | None:
@@ -81,20 +81,21 @@ class GgufBlockReader:
     `read(names)` returns {HF name: Int4Groups | Int8Rows | float32 tensor}: Q4_0/Q4_1 → Int4Groups
     (exact), Q8_0 → Int8Rows when `int8_for_q8` (re-scaled per row, see [Note: numeric modes] in
     pipeline/weights/quant.py) else its exact float32 values, anything else → float32 through `gguf`.
+    A stacked expert tensor ([num_experts, out, in]) answers for each expert's HF name with its slice.
     Raises ValueError naming a tensor the file lacks.
     """
 
     def __init__(self, path: str | Path, config: ModelConfig) -> None:
         self.reader = open_gguf(path)
         self.config = config
-        arch = self.reader.fields["general.architecture"]
-        arch_name = bytes(arch.parts[arch.data[0]]).decode()
-        self.permuted = arch_name in _PERMUTED_ARCHITECTURES
-        self.tensors = {hf_tensor_name(t.name): t for t in self.reader.tensors}
+        arch = field(self.reader, "general.architecture")
+        self.permuted = arch in PERMUTED_ARCHITECTURES
+        self.tensors = {name: (t, expert) for t in self.reader.tensors
+                        for name, expert in tensor_targets(t.name, arch, config)}
 
     def kind(self, name: str) -> gguf.GGMLQuantizationType:
         """The GGML type of HF-named tensor `name`."""
-        return self._tensor(name).tensor_type
+        return self._tensor(name)[0].tensor_type
 
     def _tensor(self, name: str):
         if name not in self.tensors:
@@ -103,9 +104,11 @@ class GgufBlockReader:
 
     def read_one(self, name: str, *, int8_for_q8: bool = True) -> QuantWeight | torch.Tensor:
         """One tensor, as described in the class docstring."""
-        t = self._tensor(name)
+        t, expert = self._tensor(name)
         data = np.asarray(t.data)
         shape = tuple(reversed(t.shape.tolist()))
+        if expert is not None:
+            data, shape = data[expert], shape[1:]
         if t.tensor_type in INT4_TYPES:
             out: QuantWeight | torch.Tensor = decode_int4(data, t.tensor_type)
         elif t.tensor_type in INT8_TYPES:

@@ -1,11 +1,15 @@
 """GGUF architectures: metadata -> Hugging Face config, tensor names, and per-tensor dequantisation.
 
-Owns, per GGUF `general.architecture` (llama, qwen2, qwen3, gemma3): the HF `model_type`, the
-`config.json` dict built from `{arch}.*` metadata (then read by ModelConfig.from_hf_dict, so family
-defaults live in one place), the GGUF -> HF tensor-name map, and undoing what llama.cpp's
-`convert_hf_to_gguf.py` did to a tensor: the Q/K row permutation ([Note: GGUF Q/K permutation] in
-gguf_import.py; llama only) and Gemma's norm shift (the converter stores w + 1 for every Gemma
-norm; HF stores w). Dequantisation is tensor by tensor, so no process ever holds a whole float32 model.
+Owns, per GGUF `general.architecture` (llama, qwen2, qwen3, qwen3moe, gemma3, phi3): the HF
+`model_type` (llama.cpp writes Mistral and Mixtral as `llama`: a sliding window makes it mistral,
+experts make it mixtral), the `config.json` dict built from `{arch}.*` metadata (then read by
+ModelConfig.from_hf_dict, so family defaults live in one place), the GGUF -> HF tensor-name map
+(one stacked `ffn_*_exps` tensor [experts, out, in] -> one HF tensor per expert), and undoing what
+llama.cpp's `convert_hf_to_gguf.py` did to a tensor: the Q/K row permutation ([Note: GGUF Q/K
+permutation] in gguf_import.py; llama only, so Mistral and Mixtral too) and Gemma's norm shift (the
+converter stores w + 1 for every Gemma norm; HF stores w). phi3 keeps HF's fused `qkv_proj` and
+`gate_up_proj` (llama.cpp: `attn_qkv`, and `ffn_up` holding gate then up). Dequantisation is tensor
+by tensor (expert by expert), so no process ever holds a whole float32 model.
 Must not: write files or build tokenizers (gguf_import.py does).
 """
 
@@ -18,9 +22,11 @@ import gguf
 import numpy as np
 
 from pipeline.model.config import ModelConfig
+from pipeline.weights.checkpoint import family_tensor_name
 
-# GGUF general.architecture -> HF model_type.
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF general.architecture -> HF model_type (llama: also mistral / mixtral, see `model_type_of`).
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                           "gemma3": "gemma3_text", "phi3": "phi3"}
 PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp's converter interleaves Q/K rows only for these
 NORM_SHIFTED_ARCHITECTURES = {"gemma3": 1.0}  # the converter adds this to every *norm.weight
 _GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every 6th gemma3 layer is global
@@ -32,14 +38,20 @@ _LAYER_TENSORS = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate", "attn_qkv": "self_attn.qkv_proj",
 }
+# Stacked expert tensors [num_experts, out, in] -> the decoder's per-expert projection.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# phi3: llama.cpp's ffn_up is HF's fused gate_up_proj (gate rows first, then up).
+_PHI3_LAYER_TENSORS = _LAYER_TENSORS | {"ffn_up": "mlp.gate_up_proj"}
 # Gemma 3 has four norms per layer: llama.cpp's ffn_norm is its pre-feed-forward norm.
 _GEMMA3_LAYER_TENSORS = _LAYER_TENSORS | {
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _MISSING = object()
+_UNSUPPORTED_TENSORS = {"rope_freqs": "Llama 3.1 RoPE scaling", "rope_factors_long": "Phi-3 LongRoPE",
+                        "rope_factors_short": "Phi-3 LongRoPE"}
 
 
 def dequantisable_types() -> list[str]:
@@ -79,20 +91,69 @@ def _rope_scaling(kind: str, factor: float) -> dict[str, Any] | None:
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (none, linear)")
 
 
+def model_type_of(reader: gguf.GGUFReader) -> str:
+    """The HF model_type of a GGUF file: its architecture's, except that llama.cpp writes Mistral and
+    Mixtral as `llama` (experts -> mixtral, else a sliding window -> mistral)."""
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        return SUPPORTED_ARCHITECTURES[arch]
+    if field(reader, "llama.expert_count", 0):
+        return "mixtral"
+    return "mistral" if field(reader, "llama.attention.sliding_window", None) else "llama"
+
+
+def _dense_layers(reader: gguf.GGUFReader) -> list[int]:
+    """Layers of an MoE GGUF with a plain feed-forward (`blk.N.ffn_gate.weight`, no experts)."""
+    names = {t.name for t in reader.tensors}
+    return sorted(int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.endswith(".ffn_gate.weight"))
+
+
+def _family_keys(reader: gguf.GGUFReader, model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """config.json keys of one family, from `{arch}.*` metadata; `d` holds the common keys."""
+    arch = field(reader, "general.architecture")
+
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        return field(reader, f"{arch}.{key}", default)
+
+    window = meta("attention.sliding_window", None)
+    if model_type == "gemma3_text":
+        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+        return {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "sliding_window": window or 4096,
+                "sliding_window_pattern": _GEMMA3_SLIDING_PATTERN, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
+                "final_logit_softcapping": meta("final_logit_softcapping", None)}
+    out: dict[str, Any] = {"sliding_window": window} if model_type in ("mistral", "mixtral", "phi3") else {}
+    if model_type == "phi3":
+        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+        out["partial_rotary_factor"] = meta("rope.dimension_count", head_dim) / head_dim
+    if model_type == "mixtral":
+        out |= {"num_local_experts": meta("expert_count"), "num_experts_per_tok": meta("expert_used_count"),
+                "intermediate_size": meta("expert_feed_forward_length", None) or d["intermediate_size"]}
+    if model_type == "qwen3_moe":
+        # llama.cpp renormalises the top-k weights of qwen3moe unless the file says otherwise.
+        out |= {"num_experts": meta("expert_count"), "num_experts_per_tok": meta("expert_used_count"),
+                "moe_intermediate_size": meta("expert_feed_forward_length"),
+                "norm_topk_prob": bool(meta("expert_weights_norm", True)), "decoder_sparse_step": 1,
+                "mlp_only_layers": _dense_layers(reader)}
+    return out
+
+
 def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
     """The HF `config.json` dict of a GGUF file's model. Raises ValueError when unsupported."""
     arch = field(reader, "general.architecture")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF rope_freqs (Llama 3.1 RoPE scaling) is not supported yet")
+    full_names = {t.name for t in reader.tensors}
+    names = {n.rpartition(".")[0] for n in full_names}
+    for stem, what in _UNSUPPORTED_TENSORS.items():
+        if stem in names:
+            raise ValueError(f"GGUF tensor {stem!r} ({what}) is not supported yet")
 
     def meta(key: str, default: Any = _MISSING) -> Any:
         return field(reader, f"{arch}.{key}", default)
 
     eos = [field(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(i for i in eos if i is not None))
+    model_type = model_type_of(reader)
     d: dict[str, Any] = {
-        "model_type": SUPPORTED_ARCHITECTURES[arch],
+        "model_type": model_type,
         "vocab_size": meta("vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
         "hidden_size": meta("embedding_length"), "intermediate_size": meta("feed_forward_length"),
         "num_hidden_layers": meta("block_count"), "num_attention_heads": meta("attention.head_count"),
@@ -101,19 +162,13 @@ def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
         "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": _f32(meta("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(meta("rope.scaling.type", "none"), meta("rope.scaling.factor", 1.0)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        "tie_word_embeddings": "output" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in full_names or "blk.0.attn_qkv.bias" in full_names,
         "max_position_embeddings": meta("context_length", 2048),
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }
-    if arch == "gemma3":
-        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
-        d |= {"head_dim": head_dim, "query_pre_attn_scalar": head_dim,
-              "sliding_window": meta("attention.sliding_window", 4096),
-              "sliding_window_pattern": _GEMMA3_SLIDING_PATTERN, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
-              "final_logit_softcapping": meta("final_logit_softcapping", None)}
-    return d
+    return d | _family_keys(reader, model_type, d)
 
 
 def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
@@ -122,11 +177,12 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
-    """HF checkpoint name of a GGUF tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight').
+    """HF checkpoint name of a GGUF tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'),
+    in the decoder's own naming (Mixtral's `block_sparse_moe` names: `tensor_targets`).
 
-    Raises ValueError for a tensor this converter does not know.
+    Raises ValueError for a tensor this converter does not know, or a stacked expert tensor.
     """
-    layer_map = _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+    layer_map = {"gemma3": _GEMMA3_LAYER_TENSORS, "phi3": _PHI3_LAYER_TENSORS}.get(arch, _LAYER_TENSORS)
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     if len(parts) == 1 and stem in _GLOBAL_TENSORS:
@@ -134,6 +190,21 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_map:
         return f"model.layers.{parts[1]}.{layer_map[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this converter")
+
+
+def tensor_targets(gguf_name: str, arch: str, config: ModelConfig) -> list[tuple[str, int | None]]:
+    """(checkpoint name, expert index) of every HF tensor that GGUF tensor `gguf_name` holds: one
+    (name, None) for a plain tensor; (name, e) for e in range(num_experts) for a stacked
+    `blk.N.ffn_{gate,up,down}_exps` tensor, whose slice e is expert e. Names are the checkpoint's
+    (`family_tensor_name`: Mixtral's `block_sparse_moe.experts.{e}.w1`). Raises ValueError as
+    `hf_tensor_name` does."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS:
+        proj = _EXPERT_TENSORS[parts[2]]
+        return [(family_tensor_name(f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{suffix}", config), e)
+                for e in range(config.num_experts)]
+    return [(family_tensor_name(hf_tensor_name(gguf_name, arch), config), None)]
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -145,15 +216,18 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensor_blocks(tensor: Any, config: ModelConfig, arch: str, *,
+def hf_tensor_blocks(tensor: Any, config: ModelConfig, arch: str, *, expert: int | None = None,
                      block_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
-    """One GGUF tensor dequantised to float32 in HF layout ([out, in]; GGUF lists dims innermost
-    first), Q/K un-permuted and norm shift removed where the converter applied them, yielded in
-    blocks of whole rows of about `block_bytes` float32 bytes (so a 151936-row embedding never
-    exists in full; un-permuted Q/K come whole: the permutation mixes rows)."""
+    """One GGUF tensor (with `expert`: slice `expert` of a stacked [num_experts, out, in] tensor)
+    dequantised to float32 in HF layout ([out, in]; GGUF lists dims innermost first), Q/K
+    un-permuted and norm shift removed where the converter applied them, yielded in blocks of whole
+    rows of about `block_bytes` float32 bytes (so a 151936-row embedding never exists in full;
+    un-permuted Q/K come whole: the permutation mixes rows)."""
     shape = tuple(reversed(tensor.shape.tolist()))
     # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles dequantise time.
     data = np.asarray(tensor.data)
+    if expert is not None:
+        data, shape = data[expert], shape[1:]
     permute = arch in PERMUTED_ARCHITECTURES and (".attn_q." in tensor.name or ".attn_k." in tensor.name)
     row_bytes = 4 * (int(np.prod(shape[1:])) if len(shape) > 1 else shape[0])
     step = shape[0] if permute or len(shape) == 1 else max(1, block_bytes // row_bytes)
@@ -168,4 +242,3 @@ def hf_tensor_blocks(tensor: Any, config: ModelConfig, arch: str, *,
             w = w - np.float32(shift)
         # F32 tensors come back as read-only views of the memory map: copy those.
         yield np.ascontiguousarray(w) if w.flags.writeable else np.array(w, order="C")
-

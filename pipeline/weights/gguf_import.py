@@ -13,7 +13,8 @@ from HF's "rotate half" RoPE layout to GGML's interleaved-pairs layout:
 with n_head = num_attention_heads for Q and num_key_value_heads for K (biases alike). The inverse,
 applied here, is the same reshape with the two middle axes the other way round:
     w.reshape(n_head, head_dim // 2, 2, in).swapaxes(1, 2).reshape(out, in)
-Only the `llama` architecture is permuted; Qwen2, Qwen3 and Gemma 3 GGUFs keep HF's layout.
+Only the `llama` architecture is permuted (so Mistral and Mixtral, which llama.cpp writes as `llama`);
+Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Phi-3 GGUFs keep HF's layout (Phi-3's fused qkv included).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_ten
     field,
     hf_tensor_blocks,
     hf_tensor_name,
+    tensor_targets,
     unpermute_qk,
 )
 from pipeline.weights.model_chunks import path_lock
@@ -144,14 +146,19 @@ def open_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
     return reader
 
 
-def _tensor_plan(reader: gguf.GGUFReader, config: ModelConfig) -> list[tuple[str, tuple[int, ...], Any]]:
-    """(HF name, HF shape, GGUF tensor) for every tensor, checked against `config`'s names.
+def _tensor_plan(reader: gguf.GGUFReader,
+                 config: ModelConfig) -> list[tuple[str, tuple[int, ...], Any, int | None]]:
+    """(HF name, HF shape, GGUF tensor, expert index or None) for every HF tensor (a stacked expert
+    tensor gives one entry per expert), checked against `config`'s names.
 
     Raises ValueError for unknown tensors or when the names differ from what `config` implies.
     """
     arch = field(reader, "general.architecture")
-    plan = [(hf_tensor_name(t.name, arch), tuple(reversed(t.shape.tolist())), t) for t in reader.tensors]
-    got, expected = {name for name, _, _ in plan}, set(all_tensor_names(config))
+    plan = []
+    for t in reader.tensors:
+        shape = tuple(reversed(t.shape.tolist()))
+        plan += [(name, shape if e is None else shape[1:], t, e) for name, e in tensor_targets(t.name, arch, config)]
+    got, expected = {p[0] for p in plan}, set(all_tensor_names(config))
     if got != expected:
         raise ValueError(f"GGUF tensors do not match the config: missing {sorted(expected - got)[:3]}, "
                          f"unexpected {sorted(got - expected)[:3]}")
@@ -161,16 +168,16 @@ def _tensor_plan(reader: gguf.GGUFReader, config: ModelConfig) -> list[tuple[str
 def write_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path, *, progress: bool = True) -> None:
     """Stream every GGUF tensor, dequantised to float32 under its HF name, into safetensors `path`.
 
-    One tensor is dequantised at a time (peak memory: the largest tensor, not the model).
-    Raises ValueError as `_tensor_plan` does.
+    One tensor (one expert) is dequantised at a time (peak memory: the largest tensor, not the
+    model). Raises ValueError as `_tensor_plan` does.
     """
     arch = field(reader, "general.architecture")
     plan = _tensor_plan(reader, config)
     bar = tqdm(total=len(plan), desc="converting GGUF", unit="tensor", disable=None if progress else True)
     with bar:
-        write_streaming(path, [(name, shape) for name, shape, _ in plan],
-                        lambda i: hf_tensor_blocks(plan[i][2], config, arch), metadata={"format": "pt"},
-                        on_tensor=lambda: bar.update(1))
+        write_streaming(path, [(name, shape) for name, shape, _, _ in plan],
+                        lambda i: hf_tensor_blocks(plan[i][2], config, arch, expert=plan[i][3]),
+                        metadata={"format": "pt"}, on_tensor=lambda: bar.update(1))
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -196,7 +203,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
     tokens = field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     pre = field(reader, "tokenizer.ggml.pre", "default")
     tok.pre_tokenizer = _pre_tokenizer(pre)

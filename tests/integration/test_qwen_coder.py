@@ -3,7 +3,9 @@
 What breaks when these fail: assembling the chunks, importing a qwen2 GGUF (config, qkv biases,
 untied head, tensor names), the qwen2 pre-tokenizer, special tokens or chat template rebuilt from
 the GGUF, greedy output on 1, 2 and 4 stages, or per-stage memory (a stage holding more than its
-share of the weights). The oracle is transformers reading the same GGUF file itself
+share of the weights), speculation on this model (SPEED with the n-gram and logit-lens predictors,
+FIRP with untrained identity maps: greedy tokens equal those without speculation), or the check that
+refuses a predictor trained for another model (the shipped SmolLM2 heads). The oracle is transformers reading the same GGUF file itself
 (`from_pretrained(..., gguf_file=...)`, dequantised to float32): its own tensor mapping and
 tokenizer conversion, independent of ours.
 
@@ -196,6 +198,88 @@ def test_speculate_speed_on_4_stages_equals_transformers(model_dir: Path, hf_gre
     params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     with PipelineSession(options, resolve(options)) as session:
         tokens = [session.coordinator.submit(p, params).result(RESULT_TIMEOUT_S).token_ids for p in PROMPTS[:2]]
-        spec = session.coordinator.scheduler.spec
+        spec = session.coordinator.spec
     assert tokens == hf_greedy[:2]
     assert spec.drafted_tokens > 0, "no draft was sent: speculation was not exercised"
+
+
+# -- speculation on this model (issue 15 item 4) -----------------------------------------------------
+
+SPEC_STAGES = 2
+
+
+@pytest.fixture(scope="module")
+def plain_2_stages(model_dir: Path) -> list[list[int]]:
+    """Greedy tokens of PROMPTS on 2 stages without speculation, one sequence at a time."""
+    return _spec_run(model_dir, speculate="none")[0]
+
+
+def _spec_run(model_dir: Path, **overrides) -> tuple[list[list[int]], object]:
+    """Greedy tokens of PROMPTS on SPEC_STAGES stages, one sequence at a time (so idle stages take
+    drafts), and the scheduler's speculation counters."""
+    options = PipelineOptions(num_stages=SPEC_STAGES, model=str(model_dir), progress=False, max_model_len=128,
+                              max_num_seqs=1, stage_timeout_s=600.0, **overrides)
+    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    with PipelineSession(options, resolve(options)) as session:
+        tokens = [session.coordinator.submit(p, params).result(RESULT_TIMEOUT_S).token_ids for p in PROMPTS]
+        return tokens, session.coordinator.spec
+
+
+def _identity_firp_file(model_dir: Path, path: Path, *, exit_layer: int, k: int) -> Path:
+    """A FIRP file of k untrained maps (identity, zero bias: FirpMaps' initial state) for this model."""
+    from pipeline.speculation.firp import FirpMaps
+    from pipeline.speculation.predictor_file import model_identity, save_predictor
+
+    identity = model_identity(model_dir)
+    meta = {"kind": "firp", "model": identity.to_dict(), "exit_layer": exit_layer, "k": k, "arch": "affine",
+            "corpus": "none (untrained identity maps)"}
+    return save_predictor(path, FirpMaps(identity.hidden_size, k).to_tensors(), meta)
+
+
+@pytest.mark.parametrize("predictor", ["ngram", "logit-lens"])
+def test_speculate_speed_on_2_stages_equals_no_speculation(model_dir: Path, plain_2_stages, predictor):
+    tokens, spec = _spec_run(model_dir, speculate="speed", predictor=predictor, min_acceptance=0.0)
+    assert tokens == plain_2_stages
+    assert spec.drafted_tokens > 0, "no draft was sent: speculation was not exercised"
+
+
+def test_speculate_firp_on_2_stages_equals_no_speculation(model_dir: Path, plain_2_stages, tmp_path):
+    """FIRP maps of this model's size (1536 x 1536 each: 4.7 MB per map in float16, more than gRPC's
+    default 4 MiB message, so this also checks the control plane's raised limit)."""
+    path = _identity_firp_file(model_dir, tmp_path / "firp.safetensors", exit_layer=14, k=2)
+    assert path.stat().st_size > 4 << 20
+    tokens, spec = _spec_run(model_dir, speculate="firp", firp_file=str(path), firp_k=2)
+    assert tokens == plain_2_stages
+    assert spec.drafted_tokens > 0, "no FIRP draft was sent"
+
+
+def test_predictors_trained_for_the_default_model_are_refused(model_dir: Path):
+    """The shipped SmolLM2-135M heads and FIRP maps (hidden 576, vocab 49152) do not fit this model."""
+    from launcher.coordinator.run_plan import SHIPPED_DIR
+
+    shipped = sorted(SHIPPED_DIR.glob("smollm2-135m-*.safetensors"))
+    assert any("-firp-" in p.name for p in shipped) and any("-early-exit-" in p.name for p in shipped)
+    for path in shipped:
+        overrides = ({"speculate": "firp", "firp_file": str(path)} if "-firp-" in path.name
+                     else {"speculate": "speed", "predictor": "early-exit", "exit_predictor": str(path)})
+        options = PipelineOptions(num_stages=SPEC_STAGES, model=str(model_dir), progress=False, **overrides)
+        with pytest.raises(ValueError, match=r"(model|hash|hidden|vocab)") as err:
+            resolve(options)
+        assert "\n" not in str(err.value) and path.name in str(err.value), str(err.value)
+
+
+def test_a_predictor_of_another_hidden_size_is_refused_even_with_this_models_hash(model_dir: Path, tmp_path):
+    """A shipped 135M head relabelled with this model's hash still fails: its hidden size (576) and
+    tensor shapes are not this model's (1536)."""
+    from launcher.coordinator.run_plan import SHIPPED_DIR
+    from pipeline.speculation.predictor_file import load_predictor, model_identity, save_predictor
+
+    shipped = load_predictor(sorted(SHIPPED_DIR.glob("smollm2-135m-*-early-exit-*.safetensors"))[0])
+    identity = model_identity(model_dir)
+    meta = {**shipped.meta, "model": {**shipped.meta["model"], "name": identity.name, "hash": identity.hash}}
+    meta.pop("format")
+    path = save_predictor(tmp_path / "relabelled.safetensors", shipped.tensors, meta)
+    options = PipelineOptions(num_stages=SPEC_STAGES, model=str(model_dir), progress=False, speculate="speed",
+                              predictor="early-exit", exit_predictor=str(path), exit_layer=shipped.exit_layer)
+    with pytest.raises(ValueError, match=r"hidden size 576, but the running model's is 1536"):
+        resolve(options)

@@ -1,11 +1,15 @@
-"""GGUF import of the qwen3 and gemma3 architectures, streamed conversion, chunked models, bad input.
+"""GGUF import of every family the `gguf` package describes, streamed conversion, chunked models, bad input.
 
 What breaks when these fail: a family's GGUF metadata or tensor names (qwen3 q/k norms; gemma3's
-four norms per layer, its norm shift, sliding window and query scale), the Q/K un-permute applied
-where llama.cpp did not permute, block-wise dequantisation, the streaming safetensors writer,
-assembling a model from chunk packages (order, size and hash checks), or the one-line errors for
-an unsupported architecture or a tensor type without a dequantiser.
-The tiny GGUF files are written here with `gguf.GGUFWriter`, following llama.cpp's converter.
+four norms per layer, its norm shift, sliding window and query scale; mistral as llama + sliding
+window; phi3's fused attn_qkv and gate-up ffn_up; mixtral and qwen3moe stacked experts and router,
+qwen3moe dense layers), the Q/K un-permute applied where llama.cpp did not permute (or missed where
+it did), block-wise dequantisation, the streaming safetensors writer, assembling a model from chunk
+packages (order, size and hash checks), or the one-line errors for an unsupported architecture,
+tensor or tensor type (exit 2 from the CLI).
+The tiny GGUF files are written here with `gguf.GGUFWriter`, following llama.cpp's converter; for
+mistral, phi3, mixtral and qwen3_moe they come from a tiny transformers model of the family
+(tests/family_models.py), which is the oracle for logits and greedy output.
 """
 
 from __future__ import annotations
@@ -170,8 +174,192 @@ def test_unsupported_architecture_and_tensor_type_are_one_line_errors(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match=r"architecture 'falcon' is not supported \(supported: llama, qwen2, "
-                                         r"qwen3, gemma3\)"):
+                                         r"qwen3, qwen3moe, gemma3, phi3\)"):
         convert_gguf(tmp_path / "falcon.gguf", tmp_path / "out2", progress=False)
+
+
+# -- mistral, phi3, mixtral, qwen3_moe from a tiny transformers model ------------------------------
+
+HF_FAMILY_ARCH = {"mistral": "llama", "phi3": "phi3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+# Hub tensor name (layer part) -> llama.cpp tensor, per family (written out here, not the converter's table).
+_HUB_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+              "block_sparse_moe.gate": "ffn_gate_inp"}
+_HUB_EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+               "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _f16_rounded_family_model(path: Path, family: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """A tiny transformers model of `family` whose matrices are float16 values (so an F16 GGUF holds
+    them exactly); returns its config.json dict and tensors under Hub names."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from tests.family_models import write_family_model
+
+    write_family_model(path, family, seed=3)
+    with safe_open(str(path / "model.safetensors"), framework="np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    tensors = {k: v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v for k, v in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return json.loads((path / "config.json").read_text()), tensors
+
+
+def _gguf_tensors(d: dict, arch: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """llama.cpp's tensors for Hub `tensors`: renamed, Q/K permuted for `llama`, experts stacked."""
+    from tests.unit.test_gguf_import_tiny import llama_cpp_permute
+
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        if name in TOP:
+            out[TOP[name]] = t
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, _, suffix = rest.rpartition(".")
+        if ".experts." in module:
+            _, e, proj = module.rsplit(".", 2)
+            experts.setdefault(f"blk.{layer}.{_HUB_EXPERT[proj]}.{suffix}", {})[int(e)] = t
+            continue
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = d["num_attention_heads"] if module == "self_attn.q_proj" else d["num_key_value_heads"]
+            t = llama_cpp_permute(t, heads)
+        out[f"blk.{layer}.{_HUB_LAYER[module]}.{suffix}"] = t
+    for name, per_expert in experts.items():
+        out[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
+    return out
+
+
+def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], family: str, *,
+                         extra: dict[str, np.ndarray] | None = None) -> None:
+    """The GGUF llama.cpp's converter writes for transformers config `d` and Hub `tensors` (matrices
+    as F16, norms as F32), with a 256-token byte-level vocabulary (the tiny models' ids); `extra`:
+    GGUF tensors added as they are. qwen3_moe: no expert_weights_norm key when norm_topk_prob is None."""
+    from tests.tiny_model import byte_alphabet
+
+    arch = HF_FAMILY_ARCH[family]
+    w = gguf.GGUFWriter(str(path), arch)
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    num_experts = d.get("num_experts", d.get("num_local_experts"))
+    for add, value in ((w.add_block_count, d["num_hidden_layers"]), (w.add_context_length, d["max_position_embeddings"]),
+                       (w.add_embedding_length, d["hidden_size"]), (w.add_feed_forward_length, d["intermediate_size"]),
+                       (w.add_head_count, d["num_attention_heads"]), (w.add_head_count_kv, d["num_key_value_heads"]),
+                       (w.add_key_length, head_dim), (w.add_value_length, head_dim),
+                       (w.add_rope_freq_base, theta), (w.add_layer_norm_rms_eps, d["rms_norm_eps"]),
+                       (w.add_rope_dimension_count, head_dim)):
+        add(value)
+    if d.get("sliding_window"):
+        w.add_sliding_window(d["sliding_window"])
+    if family == "mixtral":
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(d["num_experts_per_tok"])
+    if family == "qwen3_moe":
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(d["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(d["moe_intermediate_size"])
+        if d["norm_topk_prob"] is not None:
+            w.add_expert_weights_norm(d["norm_topk_prob"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(byte_alphabet())
+    w.add_token_types([1] * 256)
+    w.add_eos_token_id(2)
+    for name, t in (_gguf_tensors(d, arch, tensors) | (extra or {})).items():
+        w.add_tensor(name, t.astype(np.float16) if t.ndim >= 2 else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def hf_family_ggufs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family -> (transformers folder, speedpipe's conversion of the family's GGUF)."""
+    out = {}
+    for family in HF_FAMILY_ARCH:
+        root = tmp_path_factory.mktemp(family)
+        d, tensors = _f16_rounded_family_model(root / "hf", family)
+        write_hf_family_gguf(root / "m.gguf", d, tensors, family)
+        out[family] = (root / "hf", convert_gguf(root / "m.gguf", root / "converted", progress=False))
+    return out
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILY_ARCH))
+def test_family_gguf_logits_equal_transformers_and_greedy_is_identical_across_stages(hf_family_ggufs, family):
+    from tests.unit.test_families import NUM_NEW_TOKENS, PROMPT, TOL, Chain, _hf, _stages
+
+    hf_dir, converted = hf_family_ggufs[family]
+    ours, want = ModelConfig.from_model_dir(converted), ModelConfig.from_model_dir(hf_dir)
+    fields = ("model_type", "sliding_window", "layer_types", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+              "moe_intermediate_size", "dense_layers", "tie_word_embeddings", "head_dim", "intermediate_size")
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    reader = CheckpointReader(converted)
+    with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+        assert reader.tensor_names == set(f.keys())  # the Hub's names (Mixtral's block_sparse_moe.*.w1 too)
+    logits = Chain(_stages(converted, 2))(PROMPT, 0, all_rows=True)
+    hf = _hf(hf_dir)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+        ref_greedy = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS,
+                                 eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    torch.testing.assert_close(logits, ref, **TOL)
+    assert ref.std() > 0.1, "degenerate oracle: near-constant logits"
+    outs = {s: Chain(_stages(converted, s)).greedy(PROMPT, NUM_NEW_TOKENS) for s in (1, 2, 3)}
+    assert outs[1] == outs[2] == outs[3] == ref_greedy, outs
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "phi3"])
+def test_block_reader_gives_each_expert_its_slice_under_the_checkpoint_name(hf_family_ggufs, family):
+    """`--quantization auto` reads linears straight from the GGUF: an expert's name maps to its slice of
+    the stacked tensor (Mixtral's w1/w3/w2 names too), equal to what the conversion wrote."""
+    from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
+
+    _, converted = hf_family_ggufs[family]
+    reader = CheckpointReader(converted)
+    blocks = GgufBlockReader(gguf_source_of(converted), reader.config)
+    names = [n for n in sorted(reader.tensor_names) if ".experts." in n or "qkv" in n or "gate_up" in n][:8]
+    assert names
+    for name in names:
+        torch.testing.assert_close(blocks.read_one(name), reader.read([name], dtype=torch.float32)[name],
+                                   rtol=0, atol=0, msg=name)
+
+
+def test_qwen3moe_dense_layers_and_default_renormalisation_come_from_the_gguf(tmp_path):
+    """Layers stored with plain ffn_gate/up/down are qwen3_moe's mlp_only_layers; without the
+    expert_weights_norm key the top-k weights are renormalised (what llama.cpp does for qwen3moe)."""
+    from pipeline.weights.gguf_families import hf_config_dict
+
+    d, tensors = _f16_rounded_family_model(tmp_path / "hf", "qwen3_moe")
+    assert d["mlp_only_layers"] == [1] and d["norm_topk_prob"] is False
+    write_hf_family_gguf(tmp_path / "m.gguf", d, tensors, "qwen3_moe")
+    got = hf_config_dict(open_gguf(tmp_path / "m.gguf"))
+    assert got["mlp_only_layers"] == [1] and got["norm_topk_prob"] is False
+    write_hf_family_gguf(tmp_path / "n.gguf", d | {"norm_topk_prob": None}, tensors, "qwen3_moe")
+    assert hf_config_dict(open_gguf(tmp_path / "n.gguf"))["norm_topk_prob"] is True
+
+
+def test_longrope_phi3_gguf_and_unsupported_architecture_are_one_line_errors_and_exit_2(tmp_path, capsys):
+    from launcher.cli.main import main
+
+    d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3")
+    write_hf_family_gguf(tmp_path / "long.gguf", d, tensors, "phi3",
+                         extra={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"'rope_factors_long' \(Phi-3 LongRoPE\) is not supported") as err:
+        convert_gguf(tmp_path / "long.gguf", tmp_path / "out", progress=False)
+    assert "\n" not in str(err.value)
+    w = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for bad in ("falcon.gguf", "long.gguf"):
+        assert main(["launch", "--model", str(tmp_path / bad), "--prompt", "hi", "--cache-dir", str(tmp_path)]) == 2
+        err_text = capsys.readouterr().err.strip()
+        assert "\n" not in err_text and ("supported: llama, qwen2" in err_text or "LongRoPE" in err_text), err_text
 
 
 # -- chunked models ---------------------------------------------------------------------------------
