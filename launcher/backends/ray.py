@@ -179,6 +179,11 @@ class RayStageActors:
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    @property
+    def actors(self) -> list:
+        """The stage actors' handles in stage order (for `ray.kill` in tests and tools)."""
+        return list(self._actors)
+
     # -- StageBackend -----------------------------------------------------------------------------
     def start(self) -> list[str]:
         """Place the bundles, start one actor per stage, return gRPC addresses in stage order."""
