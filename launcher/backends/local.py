@@ -65,6 +65,8 @@ class LocalStageBackend:
         if self.monitor is not None:
             self.monitor.stop()
 
+    pause_watch = unwatch  # during a fail-over (a new `watch` follows)
+
     def stop(self) -> None:
         self.unwatch()
         self.processes.stop()

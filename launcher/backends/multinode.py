@@ -14,8 +14,8 @@ data plane broke waits for a Rejoin (> 0: fail-over is on); `stage/<i>` = gRPC a
 `done` = node 0 is shutting the pipeline down
 (stage exits are expected from now on); `left/<r>` = node r saw `done` (node 0 waits for these so
 that its store outlives their last read); `restart/<r>/<n>` = node 0's n-th request (n = 1, 2, ...)
-to node r: restart stage <value>; `respawned/<r>/<n>` = node r's answer: the new gRPC address, or
-`error: why`.
+to node r: restart stage <value> (`end`: no more requests); `respawned/<r>/<n>` = node r's answer:
+the new gRPC address, or `error: why`.
 
 [Note: multi-node restart]
 With fail-over on ([Note: fail-over] in launcher/coordinator/stage_failover.py), a dead or hung stage
@@ -210,15 +210,26 @@ class MultiNodeStages:
         """Watches this node's stages; a remote stage's death reaches the coordinator on the data plane."""
         self.local.watch(on_death)
 
+    def pause_watch(self) -> None:
+        """During a fail-over: stop watching this node's stages (the other nodes go on)."""
+        self.local.unwatch()
+
     def unwatch(self) -> None:
         """Stage exits are expected from now on, here and (through `done`) on every node."""
         self.local.unwatch()
-        if self.store is not None:
-            self.store.set("done", "1")
+        self._say_done()
+
+    def _say_done(self) -> None:
+        """`done`, and an `end` request to every node that answers restart requests."""
+        if self.store is None or self.store.check(["done"]):
+            return
+        self.store.set("done", "1")
+        if self.rejoin_wait_s > 0:
+            for rank in range(1, self.options.nnodes):
+                self.store.set(f"restart/{rank}/{self.store.add(f'restarts/{rank}', 1)}", "end")
 
     def stop(self) -> None:
-        if self.store is not None:
-            self.store.set("done", "1")
+        self._say_done()
         self.local.stop()
         if self.store is not None and self.addresses:  # every node joined: let them read `done` first
             try:
@@ -240,10 +251,12 @@ class _MemberWatch:
         self.lock = threading.Lock()
         self.monitor = StageProcessMonitor(backend.processes, died).start()
 
-    def stop(self) -> None:
+    def stop(self, restarts: threading.Thread | None) -> None:
+        """Stop the monitor; wait for the `restarts` thread (node 0 ends it with `end` after `done`)."""
         with self.lock:
             self.monitor.stop()
-
+        if restarts is not None:
+            restarts.join(LEFT_WAIT_S)  # a thread left inside a store call would abort the interpreter
     def answer_restarts(self) -> None:
         """Serve `restart/<r>/<n>` for n = 1, 2, ... until node 0 goes away (daemon thread)."""
         rank = self.placement.node_rank
@@ -251,8 +264,10 @@ class _MemberWatch:
             store = _store(self.placement)
             for n in itertools.count(1):
                 store.wait([f"restart/{rank}/{n}"], FOREVER)
-                stage_index = int(store.get(f"restart/{rank}/{n}").decode())
-                store.set(f"respawned/{rank}/{n}", self._respawn(stage_index))
+                request = store.get(f"restart/{rank}/{n}").decode()
+                if request == "end":
+                    return
+                store.set(f"respawned/{rank}/{n}", self._respawn(int(request)))
         except RuntimeError as exc:  # node 0 went away (or finished): the main thread decides
             log.info("node %d: restart requests end: %s", rank, str(exc).splitlines()[0])
 
@@ -318,12 +333,13 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         span = f"stage {stages.start}" if len(stages) == 1 else f"stages {stages.start}-{stages.stop - 1}"
         say(f"node {placement.node_rank}: {span} at {', '.join(addresses)}; "
             f"waiting for node 0 at {placement.master_addr}:{placement.master_port}")
-        watch = _MemberWatch(placement, backend, died)
+        watch, restarts = _MemberWatch(placement, backend, died), None
         if rejoin_wait_s > 0:
-            threading.Thread(target=watch.answer_restarts, name="speedpipe-restarts", daemon=True).start()
+            restarts = threading.Thread(target=watch.answer_restarts, name="speedpipe-restarts", daemon=True)
+            restarts.start()
         threading.Thread(target=wait_done, name="speedpipe-wait-done", daemon=True).start()
         finished.wait()
-        watch.stop()
+        watch.stop(restarts if "error" not in outcome else None)
         if "error" not in outcome:
             store.set(f"left/{placement.node_rank}", "1")
             # node 0's coordinator is sending Shutdown to our stages: let them drain and exit on their own

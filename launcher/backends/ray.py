@@ -218,6 +218,8 @@ class RayStageActors:
         """Exits from now on are expected (the coordinator is shutting the stages down, or restarting one)."""
         self._unwatched.set()
 
+    pause_watch = unwatch  # during a fail-over (a new `watch` follows)
+
     def dead_stages(self) -> list[int]:
         """Indices of the stages whose actor has stopped or died (its `wait_stopped` call resolved)."""
         refs = list(self._stopped_refs)

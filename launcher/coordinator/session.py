@@ -165,7 +165,7 @@ class PipelineSession:
             budget=RestartLedger(self.restart_budget), restart_stage=backend.restart_stage,
             dead_stages=backend.dead_stages, data_port=backend.data_port,
             load_specs=lambda port: stage_load_specs(opt, m, master_addr=master_addr, master_port=port),
-            pause_watch=backend.unwatch, resume_watch=lambda: backend.watch(self._on_stage_death))
+            pause_watch=backend.pause_watch, resume_watch=lambda: backend.watch(self._on_stage_death))
 
     def _check_health(self) -> None:
         """Every stage must report SERVING before any work is admitted. Raises PipelineError."""
