@@ -148,7 +148,7 @@ class PipelineSession:
         self.coordinator = Coordinator(coordinator_config(opt, m, master_addr=master_addr, master_port=port),
                                        m.tokenizer, addresses, predictor=self.predictor,
                                        control_secret=self.control_secret, tls=self.tls)
-        self.backend.watch(self._on_stage_death)
+        self.backend.watch(self._on_stage_death(0))
         specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
         self.load_responses = self.coordinator.start(specs)
         self._check_health()
@@ -165,7 +165,8 @@ class PipelineSession:
             budget=RestartLedger(self.restart_budget), restart_stage=backend.restart_stage,
             dead_stages=backend.dead_stages, data_port=backend.data_port,
             load_specs=lambda port: stage_load_specs(opt, m, master_addr=master_addr, master_port=port),
-            pause_watch=backend.pause_watch, resume_watch=lambda: backend.watch(self._on_stage_death))
+            pause_watch=backend.pause_watch,
+            resume_watch=lambda: backend.watch(self._on_stage_death(self.coordinator.generation)))
 
     def _check_health(self) -> None:
         """Every stage must report SERVING before any work is admitted. Raises PipelineError."""
@@ -174,9 +175,13 @@ class PipelineSession:
                 raise PipelineError(f"{self.backend.describe(i)} is not healthy after start-up: "
                                     f"{pb.HealthResponse.Status.Name(health.status)} {health.message}".rstrip())
 
-    def _on_stage_death(self, stage_index: int, description: str) -> None:
-        if self.coordinator is not None:
-            self.coordinator.fail(PipelineError(description))
+    def _on_stage_death(self, generation: int):
+        """The backend's death callback of the stages of data-plane `generation`: a death reported
+        late, after a fail-over replaced that ring, is dropped (it would spend another restart)."""
+        def died(stage_index: int, description: str) -> None:
+            if self.coordinator is not None:
+                self.coordinator.fail(PipelineError(description), generation=generation)
+        return died
 
     def close(self) -> None:
         """Stop the coordinator and every stage worker; idempotent."""
