@@ -286,6 +286,19 @@ class _MemberWatch:
                 self.monitor = StageProcessMonitor(self.backend.processes, self.died).start()
 
 
+def _member_death(stage: str, returncode: int, *, fail_over: bool) -> tuple[str, str] | None:
+    """What a member node makes of its `stage` exiting with `returncode`: ("done", "") for exit code
+    0 (the stage obeyed a Shutdown RPC: only node 0's coordinator sends one, right after `done`,
+    which may reach this node a moment after the stage's exit does); None with fail-over on (node 0
+    asks for a restart, or fences and says `done`); else ("error", why)."""
+    if returncode == 0:
+        return "done", ""
+    if fail_over:
+        log.error("%s exited with %s; node 0 decides", stage, describe_returncode(returncode))
+        return None
+    return "error", f"{stage} exited unexpectedly with {describe_returncode(returncode)}"
+
+
 def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
                     say: Callable[[str], None], tls: TlsFiles | None = None) -> int:
     """Node R > 0: start this node's stages, publish them, keep them until node 0 is done; with
@@ -313,18 +326,10 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         finished.set()
 
     def died(local_index: int, returncode: int) -> None:
-        # Exit code 0 means the stage obeyed a Shutdown RPC: only node 0's coordinator sends one, right
-        # after `done`, which may reach this node a moment after the stage's exit does.
-        index = stages.start + local_index
-        if returncode == 0:
-            outcome.setdefault("done", "")
-        elif rejoin_wait_s > 0:  # fail-over: node 0 asks for the restart, or fences and says `done`
-            log.error("%s exited with %s; node 0 decides", backend.describe(index), describe_returncode(returncode))
-            return
-        else:
-            outcome.setdefault("error", f"{backend.describe(index)} exited unexpectedly with "
-                                        f"{describe_returncode(returncode)}")
-        finished.set()
+        verdict = _member_death(backend.describe(stages.start + local_index), returncode, fail_over=rejoin_wait_s > 0)
+        if verdict is not None:
+            outcome.setdefault(*verdict)
+            finished.set()
 
     try:
         addresses = backend.start()
