@@ -84,8 +84,10 @@ class DataPlaneGroup:
         return self.gloo if t.device.type == "cpu" else self.nccl
 
     def close(self) -> None:
-        """Abort the groups (a transfer blocked on them fails) and drop them and the store, so their
-        listening sockets close: a group a fail-over replaced must not leak ports. Idempotent."""
+        """Abort the groups and drop them and the store: once no transfer holds them any more (a
+        transfer already blocked on one ends at its deadline, or when its peer's sockets close), they
+        are freed and their listening sockets close, so a group a fail-over replaced leaks no port.
+        Later transfers on this group raise ChannelError. Idempotent."""
         for pg in (self.gloo, self.nccl):
             if pg is not None:
                 try:
