@@ -78,8 +78,23 @@ class DataPlaneGroup:
             self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), rank, world_size)
 
     def group_for(self, t: torch.Tensor):
-        """The process group that moves tensors on `t`'s device."""
+        """The process group that moves tensors on `t`'s device. Raises ChannelError after close()."""
+        if self.store is None:
+            raise ChannelError(f"rank {self.rank}: data-plane group closed")
         return self.gloo if t.device.type == "cpu" else self.nccl
+
+    def close(self) -> None:
+        """Abort the groups and drop them and the store: once no transfer holds them any more (a
+        transfer already blocked on one ends at its deadline, or when its peer's sockets close), they
+        are freed and their listening sockets close, so a group a fail-over replaced leaks no port.
+        Later transfers on this group raise ChannelError. Idempotent."""
+        for pg in (self.gloo, self.nccl):
+            if pg is not None:
+                try:
+                    pg.abort()
+                except RuntimeError:
+                    pass
+        self.gloo = self.nccl = self.store = None
 
 
 class ChannelError(RuntimeError):
@@ -156,6 +171,9 @@ class Channel:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as exc:
+            # A stored ChannelError (SendQueue keeps one) holds this frame: without `work` in it, a
+            # group a fail-over replaced is freed, and its sockets close (no leaked port).
+            del work
             text = str(exc)
             if "Timed out" in text or "timeout" in text.lower():
                 raise ChannelError(

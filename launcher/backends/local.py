@@ -52,6 +52,10 @@ class LocalStageBackend:
 
         self.monitor = StageProcessMonitor(self.processes, died).start()
 
+    def dead_stages(self) -> list[int]:
+        """Pipeline stage indices of the stage processes that have exited."""
+        return [self.config.first_stage_index + local for local, _ in self.processes.dead_stages()]
+
     def restart_stage(self, stage_index: int) -> str:
         """Kill stage `stage_index` if it still runs and start it again (same command, environment and
         session secret); returns its new control-plane address. Raises StageStartupError."""
@@ -60,6 +64,8 @@ class LocalStageBackend:
     def unwatch(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()
+
+    pause_watch = unwatch  # during a fail-over (a new `watch` follows)
 
     def stop(self) -> None:
         self.unwatch()

@@ -9,14 +9,30 @@ it is done, node 0 goes away, or one of their stages dies.
 Must not: know about models or requests (PipelineSession and the coordinator do).
 
 Store keys: `control_secret` = the session secret every stage's control plane checks (set by node 0;
-[Note: control-plane secret] in workers/control_auth.py); `stage/<i>` = gRPC address of stage i; `done` = node 0 is shutting the pipeline down
+[Note: control-plane secret] in workers/control_auth.py); `rejoin_wait_s` = how long a stage whose
+data plane broke waits for a Rejoin (> 0: fail-over is on); `stage/<i>` = gRPC address of stage i;
+`done` = node 0 is shutting the pipeline down
 (stage exits are expected from now on); `left/<r>` = node r saw `done` (node 0 waits for these so
-that its store outlives their last read).
+that its store outlives their last read); `restart/<r>/<n>` = node 0's n-th request (n = 1, 2, ...)
+to node r: restart stage <value> (`end`: no more requests); `respawned/<r>/<n>` = node r's answer:
+the new gRPC address, or `error: why`.
+
+[Note: multi-node restart]
+With fail-over on ([Note: fail-over] in launcher/coordinator/stage_failover.py), a dead or hung stage
+on node r > 0 is found by node 0's coordinator (its data plane breaks, its Health call refuses or
+times out). Node 0's `restart_stage(i)` posts `restart/<r>/<n>`; node r's launcher, which waits for
+these on its own store connection, kills the stage if it still runs, respawns it with the same
+arguments and session secret and posts `respawned/<r>/<n>`; node 0 waits for that at most
+`--placement-timeout-s`, then Loads the new stage and Rejoins the others. A node that misses that
+deadline is not asked again: every later restart of its stages fails at once, so the coordinator's
+budget runs out and it fences as without fail-over. With fail-over on, a member node no longer
+gives up when one of its stages dies: node 0 decides (restart, or fence and say `done`).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import socket
 import sys
@@ -28,6 +44,7 @@ import torch.distributed as dist
 
 from launcher.backends.local import LocalStageBackend
 from launcher.backends.placement import PlacementError, PlacementOptions, detect_host_ip, node_stages
+from launcher.backends.ports import free_port
 from launcher.backends.stage_monitor import StageProcessMonitor
 from launcher.backends.stage_process import describe_returncode
 from launcher.backends.worker_command import LocalLaunchConfig
@@ -87,33 +104,47 @@ def _store(options: PlacementOptions) -> dist.TCPStore:
 
 
 def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
-                   control_secret: str, tls: TlsFiles | None) -> tuple[LocalStageBackend, range]:
+                   control_secret: str, tls: TlsFiles | None, rejoin_wait_s: float) -> tuple[LocalStageBackend, range]:
     stages = node_stages(num_stages=num_stages, nnodes=options.nnodes, node_rank=options.node_rank)
     host = options.host_ip or detect_host_ip(options.master_addr, options.master_port)
     config = LocalLaunchConfig(num_stages=len(stages), host=host, log_level=log_level,
                                threads_per_stage=threads_per_stage, first_stage_index=stages.start,
-                               env={SECRET_ENV: control_secret, **(tls.env() if tls else {})})
+                               env={SECRET_ENV: control_secret, **(tls.env() if tls else {})},
+                               extra_args=("--rejoin-wait-s", f"{rejoin_wait_s:g}") if rejoin_wait_s > 0 else ())
     return LocalStageBackend(config), stages
 
 
+def _node_of_stage(stage_index: int, *, num_stages: int, nnodes: int) -> int:
+    return next(r for r in range(nnodes) if stage_index in node_stages(num_stages=num_stages, nnodes=nnodes,
+                                                                       node_rank=r))
+
+
 class MultiNodeStages:
-    """Node 0's StageBackend: its own stages locally, every other node's through the launch store."""
+    """Node 0's StageBackend: its own stages locally, every other node's through the launch store.
+
+    rejoin_wait_s > 0 turns fail-over on, on every node ([Note: multi-node restart]).
+    """
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, control_secret: str,
-                 log_level: str = "WARNING", threads_per_stage: int = 1, tls: TlsFiles | None = None) -> None:
+                 log_level: str = "WARNING", threads_per_stage: int = 1, tls: TlsFiles | None = None,
+                 rejoin_wait_s: float = 0.0) -> None:
         assert placement.node_rank == 0, "only node 0 runs the coordinator"
         self.num_stages = num_stages
         self.options = placement
         self.master_addr = placement.master_addr
         self.control_secret = control_secret
+        self.rejoin_wait_s = rejoin_wait_s
         self.local, self.stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
                                                  threads_per_stage=threads_per_stage, control_secret=control_secret,
-                                                 tls=tls)
+                                                 tls=tls, rejoin_wait_s=rejoin_wait_s)
         self.store: dist.TCPStore | None = None
         self.addresses: list[str] = []
+        self._num_groups = 0  # data-plane groups handed out (data_port)
+        self._missed: dict[int, str] = {}  # node rank -> why it is not asked to restart a stage again
 
     def start(self) -> list[str]:
         self.store = _store(self.options)
+        self.store.set("rejoin_wait_s", f"{self.rejoin_wait_s:g}")  # before the secret: members read it first
         self.store.set("control_secret", self.control_secret)
         for i, address in zip(self.stages, self.local.start(), strict=True):
             self.store.set(f"stage/{i}", address)
@@ -135,8 +166,39 @@ class MultiNodeStages:
         return list(self.addresses)
 
     def data_port(self) -> int:
-        """The data-plane rendezvous is fixed at --master-port + 1, so firewalls can name it."""
-        return self.options.master_port + 1
+        """The data-plane rendezvous is fixed at --master-port + 1, so firewalls can name it; a group
+        re-formed after a fail-over uses a free port instead (the old group may still hold port + 1)."""
+        self._num_groups += 1
+        return self.options.master_port + 1 if self._num_groups == 1 else free_port(self.master_addr)
+
+    def dead_stages(self) -> list[int]:
+        """This node's exited stages; a remote stage's death is found by the coordinator's Health probe."""
+        return self.local.dead_stages()
+
+    def restart_stage(self, stage_index: int) -> str:
+        """Restart stage `stage_index`: here, or by asking its node's launcher and waiting at most
+        --placement-timeout-s for the new address ([Note: multi-node restart]). Raises RuntimeError
+        naming the node when it answers with an error, misses the deadline or missed one before."""
+        if stage_index in self.stages:
+            return self.local.restart_stage(stage_index)
+        rank = _node_of_stage(stage_index, num_stages=self.num_stages, nnodes=self.options.nnodes)
+        if rank in self._missed:
+            raise RuntimeError(self._missed[rank])
+        n = self.store.add(f"restarts/{rank}", 1)
+        self.store.set(f"restart/{rank}/{n}", str(stage_index))
+        timeout_s = self.options.placement_timeout_s
+        try:
+            self.store.wait([f"respawned/{rank}/{n}"], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            self._missed[rank] = (f"node {rank} did not respawn stage {stage_index} within {timeout_s:g} s "
+                                  f"(--placement-timeout-s)")
+            raise RuntimeError(self._missed[rank]) from None
+        answer = self.store.get(f"respawned/{rank}/{n}").decode()
+        if answer.startswith("error:"):
+            raise RuntimeError(f"node {rank} could not respawn stage {stage_index}:{answer[len('error:'):]}")
+        self.addresses[stage_index] = answer
+        log.warning("node %d respawned stage %d at %s", rank, stage_index, answer)
+        return answer
 
     def describe(self, stage_index: int) -> str:
         if stage_index in self.stages:
@@ -148,15 +210,26 @@ class MultiNodeStages:
         """Watches this node's stages; a remote stage's death reaches the coordinator on the data plane."""
         self.local.watch(on_death)
 
+    def pause_watch(self) -> None:
+        """During a fail-over: stop watching this node's stages (the other nodes go on)."""
+        self.local.unwatch()
+
     def unwatch(self) -> None:
         """Stage exits are expected from now on, here and (through `done`) on every node."""
         self.local.unwatch()
-        if self.store is not None:
-            self.store.set("done", "1")
+        self._say_done()
+
+    def _say_done(self) -> None:
+        """`done`, and an `end` request to every node that answers restart requests."""
+        if self.store is None or self.store.check(["done"]):
+            return
+        self.store.set("done", "1")
+        if self.rejoin_wait_s > 0:
+            for rank in range(1, self.options.nnodes):
+                self.store.set(f"restart/{rank}/{self.store.add(f'restarts/{rank}', 1)}", "end")
 
     def stop(self) -> None:
-        if self.store is not None:
-            self.store.set("done", "1")
+        self._say_done()
         self.local.stop()
         if self.store is not None and self.addresses:  # every node joined: let them read `done` first
             try:
@@ -167,17 +240,79 @@ class MultiNodeStages:
         self.store = None
 
 
+class _MemberWatch:
+    """A member node's watch over its stages: the death monitor, and (fail-over on) the thread that
+    answers node 0's restart requests ([Note: multi-node restart]) on its own store connection (a
+    TCPStore client runs one blocking call at a time, and another thread waits for `done`)."""
+
+    def __init__(self, placement: PlacementOptions, backend: LocalStageBackend,
+                 died: Callable[[int, int], None]) -> None:
+        self.placement, self.backend, self.died = placement, backend, died
+        self.lock = threading.Lock()
+        self.monitor = StageProcessMonitor(backend.processes, died).start()
+
+    def stop(self, restarts: threading.Thread | None) -> None:
+        """Stop the monitor; wait for the `restarts` thread (node 0 ends it with `end` after `done`)."""
+        with self.lock:
+            self.monitor.stop()
+        if restarts is not None:
+            restarts.join(LEFT_WAIT_S)  # a thread left inside a store call would abort the interpreter
+    def answer_restarts(self) -> None:
+        """Serve `restart/<r>/<n>` for n = 1, 2, ... until node 0 goes away (daemon thread)."""
+        rank = self.placement.node_rank
+        try:
+            store = _store(self.placement)
+            for n in itertools.count(1):
+                store.wait([f"restart/{rank}/{n}"], FOREVER)
+                request = store.get(f"restart/{rank}/{n}").decode()
+                if request == "end":
+                    return
+                store.set(f"respawned/{rank}/{n}", self._respawn(int(request)))
+        except RuntimeError as exc:  # node 0 went away (or finished): the main thread decides
+            log.info("node %d: restart requests end: %s", rank, str(exc).splitlines()[0])
+
+    def _respawn(self, stage_index: int) -> str:
+        """The new address of stage `stage_index`, or `error: why`."""
+        with self.lock:
+            self.monitor.stop()  # it watches the old process
+            try:
+                address = self.backend.restart_stage(stage_index)
+                log.warning("node %d: stage %d respawned at %s", self.placement.node_rank, stage_index, address)
+                return address
+            except Exception as exc:  # noqa: BLE001 - reported to node 0, which decides
+                log.error("node %d: stage %d could not be respawned: %s", self.placement.node_rank, stage_index, exc)
+                return f"error: {exc}"
+            finally:
+                self.monitor = StageProcessMonitor(self.backend.processes, self.died).start()
+
+
+def _member_death(stage: str, returncode: int, *, fail_over: bool) -> tuple[str, str] | None:
+    """What a member node makes of its `stage` exiting with `returncode`: ("done", "") for exit code
+    0 (the stage obeyed a Shutdown RPC: only node 0's coordinator sends one, right after `done`,
+    which may reach this node a moment after the stage's exit does); None with fail-over on (node 0
+    asks for a restart, or fences and says `done`); else ("error", why)."""
+    if returncode == 0:
+        return "done", ""
+    if fail_over:
+        log.error("%s exited with %s; node 0 decides", stage, describe_returncode(returncode))
+        return None
+    return "error", f"{stage} exited unexpectedly with {describe_returncode(returncode)}"
+
+
 def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
                     say: Callable[[str], None], tls: TlsFiles | None = None) -> int:
-    """Node R > 0: start this node's stages, publish them, keep them until node 0 is done.
+    """Node R > 0: start this node's stages, publish them, keep them until node 0 is done; with
+    fail-over on (node 0's `rejoin_wait_s`), respawn a stage when node 0 asks ([Note: multi-node restart]).
 
-    Returns 0 when node 0 shut the pipeline down, 1 when a local stage died or node 0 went away.
-    Raises PlacementError when node 0 is not reachable within the placement timeout.
+    Returns 0 when node 0 shut the pipeline down, 1 when a local stage died (fail-over off) or node 0
+    went away. Raises PlacementError when node 0 is not reachable within the placement timeout.
     """
     store = _store(placement)
+    rejoin_wait_s = float(store.get("rejoin_wait_s").decode())
     backend, stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
                                      threads_per_stage=threads_per_stage,
-                                     control_secret=store.get("control_secret").decode(), tls=tls)
+                                     control_secret=store.get("control_secret").decode(), tls=tls,
+                                     rejoin_wait_s=rejoin_wait_s)
     outcome: dict[str, str] = {}
     finished = threading.Event()
 
@@ -191,15 +326,10 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         finished.set()
 
     def died(local_index: int, returncode: int) -> None:
-        # Exit code 0 means the stage obeyed a Shutdown RPC: only node 0's coordinator sends one, right
-        # after `done`, which may reach this node a moment after the stage's exit does.
-        index = stages.start + local_index
-        if returncode == 0:
-            outcome.setdefault("done", "")
-        else:
-            outcome.setdefault("error", f"{backend.describe(index)} exited unexpectedly with "
-                                        f"{describe_returncode(returncode)}")
-        finished.set()
+        verdict = _member_death(backend.describe(stages.start + local_index), returncode, fail_over=rejoin_wait_s > 0)
+        if verdict is not None:
+            outcome.setdefault(*verdict)
+            finished.set()
 
     try:
         addresses = backend.start()
@@ -208,10 +338,13 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         span = f"stage {stages.start}" if len(stages) == 1 else f"stages {stages.start}-{stages.stop - 1}"
         say(f"node {placement.node_rank}: {span} at {', '.join(addresses)}; "
             f"waiting for node 0 at {placement.master_addr}:{placement.master_port}")
-        monitor = StageProcessMonitor(backend.processes, died).start()
+        watch, restarts = _MemberWatch(placement, backend, died), None
+        if rejoin_wait_s > 0:
+            restarts = threading.Thread(target=watch.answer_restarts, name="speedpipe-restarts", daemon=True)
+            restarts.start()
         threading.Thread(target=wait_done, name="speedpipe-wait-done", daemon=True).start()
         finished.wait()
-        monitor.stop()
+        watch.stop(restarts if "error" not in outcome else None)
         if "error" not in outcome:
             store.set(f"left/{placement.node_rank}", "1")
             # node 0's coordinator is sending Shutdown to our stages: let them drain and exit on their own

@@ -201,6 +201,10 @@ class StageBackend(Protocol):
     stages down, so their exits are expected); `stop()` stops every worker, is idempotent and safe on every exit
     path. `master_addr` is the address of this (the coordinator's) machine that every stage can reach:
     rank 0 hosts the data-plane rendezvous there. `data_port()` is the port it uses.
+    Fail-over ([Note: fail-over] in launcher/coordinator/stage_failover.py): `dead_stages()` are the
+    indices of workers that exited; `restart_stage(i)` kills worker i if it runs, starts it again
+    (same arguments and session secret) and returns its new gRPC address; `pause_watch()` stops
+    `watch` for the restart (a new `watch` follows) without telling other nodes the pipeline ends.
     """
 
     master_addr: str
@@ -214,5 +218,11 @@ class StageBackend(Protocol):
     def unwatch(self) -> None: ...
 
     def describe(self, stage_index: int) -> str: ...
+
+    def dead_stages(self) -> list[int]: ...
+
+    def restart_stage(self, stage_index: int) -> str: ...
+
+    def pause_watch(self) -> None: ...
 
     def stop(self) -> None: ...

@@ -15,6 +15,12 @@ long-running `wait_stopped()` call; its ObjectRef resolves when the stage shuts 
 `RayActorError` when the actor or its node dies, so the watcher thread sleeps in `ray.wait` and
 never polls. Actors are owned by the driver, so Ray kills them when the driver exits (no orphans).
 
+Fail-over ([Note: fail-over] in launcher/coordinator/stage_failover.py): `restart_stage(i)` kills stage
+i's actor (a hung one too) and starts a new one in the same placement-group bundle, so it gets the
+same resources on the same node; the coordinator then `Load`s it and `Rejoin`s the others, as for
+local processes. The actors' `rejoin_wait_s` keeps a surviving stage whose data plane broke alive
+until that `Rejoin` (without it the worker exits, and with it the actor).
+
 [Note: rendezvous address]
 The data plane's TCPStore is hosted by rank 0, the coordinator, which runs in the driver; so the
 rendezvous address is the driver node's IP as Ray sees it (`ray.util.get_node_ip_address()`). Stage 0
@@ -67,9 +73,10 @@ class StageActor:
     def __repr__(self) -> str:  # Ray prefixes forwarded log lines with it: "(Stage1 pid=...)"
         return f"Stage{self.stage_index}"
 
-    def start(self, log_level: str, control_secret: str | None = None, tls=None) -> dict:
+    def start(self, log_level: str, control_secret: str | None = None, tls=None, rejoin_wait_s: float = 0.0) -> dict:
         """Start the StageService on this node's IP (checking `control_secret` on every call, see
-        workers/control_auth.py); returns where it runs."""
+        workers/control_auth.py; waiting `rejoin_wait_s` for a Rejoin after a data-plane failure);
+        returns where it runs."""
         import torch
 
         from workers.stage_worker import start_server  # the worker code, imported in the actor only
@@ -79,7 +86,7 @@ class StageActor:
         host = ray.util.get_node_ip_address()
         self.server, self.servicer, port = start_server(stage_index=self.stage_index, host=host, port=0,
                                                         stop_event=self.stop_event, control_secret=control_secret,
-                                                        tls=tls)
+                                                        tls=tls, rejoin_wait_s=rejoin_wait_s)
         return {"host": host, "port": port, "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "hostname": socket.gethostname()}
 
@@ -143,12 +150,13 @@ class RayStageActors:
 
     Raises PlacementError (a ValueError: exit code 2) if the placement cannot be satisfied within
     `placement.placement_timeout_s`; RuntimeError if an actor fails to start (naming stage and node).
+    rejoin_wait_s: how long a stage whose data plane broke waits for the coordinator's Rejoin (fail-over).
     """
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, device: str = "cpu",
                  log_level: str = "WARNING", threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
                  environ: Mapping[str, str] | None = None, control_secret: str | None = None,
-                 tls=None) -> None:
+                 tls=None, rejoin_wait_s: float = 0.0) -> None:
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         self.num_stages = num_stages
@@ -159,6 +167,7 @@ class RayStageActors:
         self.startup_timeout_s = startup_timeout_s
         self.environ = dict(os.environ if environ is None else environ)
         self.control_secret, self.tls = control_secret, tls  # tls: workers.control_auth.TlsFiles or None
+        self.rejoin_wait_s = rejoin_wait_s
         self.master_addr = "127.0.0.1"
         self.placements: list[StagePlacement] = []
         self._started_ray = False
@@ -166,8 +175,14 @@ class RayStageActors:
         self._actors: list = []
         self._stopped_refs: dict = {}
         self._stopping = threading.Event()
+        self._unwatched = threading.Event()  # the current watcher's: exits from now on are expected
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
+
+    @property
+    def actors(self) -> list:
+        """The stage actors' handles in stage order (for `ray.kill` in tests and tools)."""
+        return list(self._actors)
 
     # -- StageBackend -----------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -192,14 +207,47 @@ class RayStageActors:
         return f"stage {stage_index} (Ray actor pid {p.pid} on node {p.node_ip} id {p.node_id[:12]})"
 
     def watch(self, on_death: Callable[[int, str], None]) -> None:
-        """Call `on_death(stage_index, description)` once if an actor, or its node, dies before stop()."""
-        self._watcher = threading.Thread(target=self._watch, args=(on_death,), name="speedpipe-ray-watch",
-                                         daemon=True)
+        """Call `on_death(stage_index, description)` once if an actor, or its node, dies before
+        `unwatch()` or stop(). A watch after an unwatch watches the current actors (fail-over)."""
+        self._unwatched = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, args=(on_death, dict(self._stopped_refs), self._unwatched),
+                                         name="speedpipe-ray-watch", daemon=True)
         self._watcher.start()
 
     def unwatch(self) -> None:
-        """Exits from now on are expected (the coordinator is shutting the stages down)."""
-        self._stopping.set()
+        """Exits from now on are expected (the coordinator is shutting the stages down, or restarting one)."""
+        self._unwatched.set()
+
+    pause_watch = unwatch  # during a fail-over (a new `watch` follows)
+
+    def dead_stages(self) -> list[int]:
+        """Indices of the stages whose actor has stopped or died (its `wait_stopped` call resolved)."""
+        refs = list(self._stopped_refs)
+        if not refs:
+            return []
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return sorted(self._stopped_refs[ref] for ref in done)
+
+    def restart_stage(self, stage_index: int) -> str:
+        """Kill stage `stage_index`'s actor if it still runs and start a new one in the same bundle
+        (same resources and node), with the same secret; returns its new gRPC address. The
+        coordinator loads it ([Note: fail-over]). Raises RuntimeError if it does not start within
+        `startup_timeout_s`, or if the stages are stopping."""
+        with self._lock:
+            if self._stopping.is_set() or not self._actors:
+                raise RuntimeError("restart_stage() needs started stages that are not being stopped")
+            old = self.placements[stage_index]
+            with contextlib.suppress(Exception):
+                ray.kill(self._actors[stage_index], no_restart=True)
+            where = BundleNode(bundle_index=old.bundle_index, node_id=old.node_id, node_ip=old.node_ip)
+            actor = self._new_actor(stage_index, where)
+            self._actors[stage_index] = actor
+            placement = self._started(stage_index, where, actor.start.remote(*self._start_args()))
+            self.placements[stage_index] = placement
+            self._stopped_refs = {ref: i for ref, i in self._stopped_refs.items() if i != stage_index}
+            self._stopped_refs[actor.wait_stopped.remote()] = stage_index
+        log.warning("restarted %s", self.describe(stage_index))
+        return placement.address
 
     def stop(self) -> None:
         """Kill every actor, remove the placement group, shut down Ray if this object started it."""
@@ -271,42 +319,53 @@ class RayStageActors:
                 f"nodes' resources, --placement-strategy, that every node joined (`ray status`), and that no "
                 f"other job holds the resources.")
 
-    def _start_actors(self, order: list[BundleNode]) -> None:
+    def _env(self) -> dict[str, str]:
         env = forwarded_env(self.environ, log_level=self.log_level)
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads_per_stage)
-        actor_class = ray.remote(StageActor)
-        for stage_index, where in enumerate(order):
-            actor = actor_class.options(
-                **_actor_options(self.bundle), max_concurrency=2, max_restarts=0,
-                runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=where.bundle_index),
-            ).remote(stage_index)
-            self._actors.append(actor)
-        started = [actor.start.remote(self.log_level, self.control_secret, self.tls) for actor in self._actors]
-        ready, _ = ray.wait(started, num_returns=len(started), timeout=self.startup_timeout_s)
+        return env
+
+    def _new_actor(self, stage_index: int, where: BundleNode):
+        """A StageActor for `stage_index` in bundle `where.bundle_index` of the placement group."""
+        return ray.remote(StageActor).options(
+            **_actor_options(self.bundle), max_concurrency=2, max_restarts=0,
+            runtime_env={"env_vars": self._env()},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=where.bundle_index),
+        ).remote(stage_index)
+
+    def _start_args(self) -> tuple:
+        return self.log_level, self.control_secret, self.tls, self.rejoin_wait_s
+
+    def _started(self, stage_index: int, where: BundleNode, ref, *, timeout_s: float | None = None) -> StagePlacement:
+        """Where stage `stage_index` runs once its `start` call `ref` returned. Raises RuntimeError
+        if it fails or takes longer than `timeout_s` (default `startup_timeout_s`)."""
+        ready, _ = ray.wait([ref], timeout=self.startup_timeout_s if timeout_s is None else timeout_s)
+        if not ready:
+            raise RuntimeError(f"stage {stage_index} (Ray actor on node {where.node_ip}) did not start within "
+                               f"{self.startup_timeout_s:g} s")
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"stage {stage_index} (Ray actor on node {where.node_ip}) failed to start: "
+                               f"{str(exc).splitlines()[0]}") from None
+        host = info["host"]
+        address = f"[{host}]:{info['port']}" if ":" in host else f"{host}:{info['port']}"
+        return StagePlacement(stage_index=stage_index, bundle_index=where.bundle_index, node_id=info["node_id"],
+                              node_ip=host, pid=info["pid"], address=address)
+
+    def _start_actors(self, order: list[BundleNode]) -> None:
+        self._actors = [self._new_actor(stage_index, where) for stage_index, where in enumerate(order)]
+        started = [actor.start.remote(*self._start_args()) for actor in self._actors]
+        ray.wait(started, num_returns=len(started), timeout=self.startup_timeout_s)  # one deadline for all
         for stage_index, (ref, where) in enumerate(zip(started, order, strict=True)):
-            if ref not in ready:
-                raise RuntimeError(f"stage {stage_index} (Ray actor on node {where.node_ip}) did not start within "
-                                   f"{self.startup_timeout_s:g} s")
-            try:
-                info = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                raise RuntimeError(f"stage {stage_index} (Ray actor on node {where.node_ip}) failed to start: "
-                                   f"{str(exc).splitlines()[0]}") from None
-            host = info["host"]
-            address = f"[{host}]:{info['port']}" if ":" in host else f"{host}:{info['port']}"
-            self.placements.append(StagePlacement(stage_index=stage_index, bundle_index=where.bundle_index,
-                                                  node_id=info["node_id"], node_ip=host, pid=info["pid"],
-                                                  address=address))
+            self.placements.append(self._started(stage_index, where, ref, timeout_s=0))
         self._stopped_refs = {actor.wait_stopped.remote(): i for i, actor in enumerate(self._actors)}
         log.info("Ray stages: %s", "; ".join(self.describe(i) for i in range(self.num_stages)))
 
-    def _watch(self, on_death: Callable[[int, str], None]) -> None:
-        pending = dict(self._stopped_refs)
+    def _watch(self, on_death: Callable[[int, str], None], pending: dict, unwatched: threading.Event) -> None:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or unwatched.is_set():
                 return
             stage_index = pending.pop(ready[0])
             try:
@@ -314,7 +373,7 @@ class RayStageActors:
                 cause = "stopped on its own"
             except ray.exceptions.RayError as exc:
                 cause = _death_cause(exc)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or unwatched.is_set():
                 return
             log.error("%s died: %s", self.describe(stage_index), cause)
             on_death(stage_index, f"{self.describe(stage_index)} died: {cause}")

@@ -255,6 +255,7 @@ class Coordinator:
             fo.resume_watch()
         wait_reachable(self.channels)
         port = fo.data_port()
+        self.link.close()  # the old ring's store and gloo listeners
         self.link = self._new_link(port)
         rejoin_all(self.stubs, fo.load_specs(port), self._unloaded, self.link.join, timeout_s=600.0)
         self._unloaded.clear()
@@ -299,10 +300,12 @@ class Coordinator:
         return handle is not None and handle.emit(commit)
 
     # -- failure and shutdown ---------------------------------------------------------------------
-    def fail(self, error: PipelineError) -> None:
+    def fail(self, error: PipelineError, *, generation: int | None = None) -> None:
         """Called from any thread (e.g. the process monitor): fail every request and stop, or, with
-        a fail-over set and budget left, restart the failed stage and replay ([Note: fail-over])."""
-        self.events.put(("error", (self.generation, error)))
+        a fail-over set and budget left, restart the failed stage and replay ([Note: fail-over]).
+        generation: the data-plane generation the report is about (default the current one); a
+        report about a replaced ring (a death a fail-over already handles) is dropped."""
+        self.events.put(("error", (self.generation if generation is None else generation, error)))
 
     def _fail(self, error: PipelineError) -> None:
         from launcher.coordinator.stage_heartbeat import blame_hung_stages

@@ -5,7 +5,7 @@ spawned, in PipelineOptions and launcher/coordinator/run_plan.py, so bad input l
 choice of placement backend (local processes, Ray actors, or the torchrun-style multi-node mode;
 see launcher/backends/placement.py), the coordinator's and the stages' views of the run configuration, the
 health check before any work is admitted, the hooks the coordinator's fail-over uses to restart a
-stage (launcher/coordinator/stage_failover.py; local stages only), and teardown. Serving and benchmarking front
+stage (launcher/coordinator/stage_failover.py; every backend's `restart_stage`), and teardown. Serving and benchmarking front
 ends reuse it.
 Must not: parse command lines (launcher/cli/main.py) or format output.
 """
@@ -120,23 +120,24 @@ class PipelineSession:
 
     def _make_backend(self) -> StageBackend:
         opt = self.options
+        # a stage whose data plane broke waits to be rejoined ([Note: fail-over]):
+        rejoin_wait_s = REJOIN_WAIT_S if self.restart_budget.max_restarts else 0
         if opt.placement.backend == "ray":
             from launcher.backends.ray import RayStageActors  # ray is imported only there
 
             return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
                                   log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
-                                  control_secret=self.control_secret, tls=self.tls)
+                                  control_secret=self.control_secret, tls=self.tls, rejoin_wait_s=rejoin_wait_s)
         if opt.placement.multi_node:
             from launcher.backends.multinode import MultiNodeStages
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
                                    threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret,
-                                   tls=self.tls)
+                                   tls=self.tls, rejoin_wait_s=rejoin_wait_s)
         return LocalStageBackend(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
             env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})},
-            # a stage whose data plane broke waits to be rejoined ([Note: fail-over]):
-            extra_args=("--rejoin-wait-s", str(REJOIN_WAIT_S)) if self.restart_budget.max_restarts else ()))
+            extra_args=("--rejoin-wait-s", str(rejoin_wait_s)) if rejoin_wait_s else ()))
 
     def _start(self) -> None:
         opt, m = self.options, self.model
@@ -148,28 +149,25 @@ class PipelineSession:
         self.coordinator = Coordinator(coordinator_config(opt, m, master_addr=master_addr, master_port=port),
                                        m.tokenizer, addresses, predictor=self.predictor,
                                        control_secret=self.control_secret, tls=self.tls)
-        self.backend.watch(self._on_stage_death)
+        self.backend.watch(self._on_stage_death(0))
         specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
         self.load_responses = self.coordinator.start(specs)
         self._check_health()
         self.coordinator.failover = self._failover(master_addr)
 
     def _failover(self, master_addr: str) -> StageFailover | None:
-        """The coordinator's fail-over hooks ([Note: fail-over]), or None (no restarts allowed, or a
-        backend that cannot restart one stage yet: Ray and multi-node fail every request instead)."""
+        """The coordinator's fail-over hooks ([Note: fail-over]), or None (no restarts allowed): every
+        backend restarts one stage (local: a new process; Ray: a new actor in the same bundle;
+        multi-node: the stage's node launcher respawns it)."""
         if not self.restart_budget.max_restarts:
             return None
-        backend = self.backend
-        if not isinstance(backend, LocalStageBackend):
-            log.warning("stage fail-over is implemented for local stages only (not for %s): a failed stage "
-                        "fails every request", type(backend).__name__)
-            return None
-        opt, m = self.options, self.model
+        backend, opt, m = self.backend, self.options, self.model
         return StageFailover(
             budget=RestartLedger(self.restart_budget), restart_stage=backend.restart_stage,
-            dead_stages=lambda: [i for i, _ in backend.processes.dead_stages()], data_port=backend.data_port,
+            dead_stages=backend.dead_stages, data_port=backend.data_port,
             load_specs=lambda port: stage_load_specs(opt, m, master_addr=master_addr, master_port=port),
-            pause_watch=backend.unwatch, resume_watch=lambda: backend.watch(self._on_stage_death))
+            pause_watch=backend.pause_watch,
+            resume_watch=lambda: backend.watch(self._on_stage_death(self.coordinator.generation)))
 
     def _check_health(self) -> None:
         """Every stage must report SERVING before any work is admitted. Raises PipelineError."""
@@ -178,9 +176,13 @@ class PipelineSession:
                 raise PipelineError(f"{self.backend.describe(i)} is not healthy after start-up: "
                                     f"{pb.HealthResponse.Status.Name(health.status)} {health.message}".rstrip())
 
-    def _on_stage_death(self, stage_index: int, description: str) -> None:
-        if self.coordinator is not None:
-            self.coordinator.fail(PipelineError(description))
+    def _on_stage_death(self, generation: int):
+        """The backend's death callback of the stages of data-plane `generation`: a death reported
+        late, after a fail-over replaced that ring, is dropped (it would spend another restart)."""
+        def died(stage_index: int, description: str) -> None:
+            if self.coordinator is not None:
+                self.coordinator.fail(PipelineError(description), generation=generation)
+        return died
 
     def close(self) -> None:
         """Stop the coordinator and every stage worker; idempotent."""

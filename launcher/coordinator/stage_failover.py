@@ -6,7 +6,9 @@ which stages must be restarted (dead processes, and
 hung ones: a `Health` call that runs into its deadline), and the control round that moves every
 stage into a fresh data-plane group (`Load` for a restarted stage, `Rejoin` for the others).
 Must not: touch the engine or the requests (launcher/coordinator/coordinator.py replays them), or spawn
-processes itself (the placement backend's `restart_stage` does: launcher/backends/local.py).
+processes itself (the placement backend's `restart_stage` does: a new process, launcher/backends/local.py;
+a new actor in the same bundle, launcher/backends/ray.py; a respawn by the stage's node launcher,
+[Note: multi-node restart] in launcher/backends/multinode.py).
 
 [Note: fail-over]
 A dead stage (its process exited: launcher/backends/stage_monitor.py), a hung one (missed heartbeats:
@@ -16,7 +18,9 @@ place while new requests queue behind it (clients see a pause, not an error):
 1. bump the coordinator's generation: results, exit events and errors of the old ring that are
    still queued or still arrive are dropped; the old receivers end quietly;
 2. restart every stage whose process died or whose control plane does not answer within
-   `HUNG_PROBE_S` (the backend kills it first), with the same arguments and session secret;
+   `HUNG_PROBE_S` (the backend kills it first), with the same arguments and session secret (on any
+   backend: a local process, a Ray actor in the same placement-group bundle, or a stage on another
+   node, respawned by that node's launcher within --placement-timeout-s);
 3. pick a new rendezvous port; `Load` each restarted stage (weights, empty KV cache, join) and
    `Rejoin` each surviving one (retire its loop, clear its KV cache, join) while the coordinator
    joins as rank 0: a new TCPStore and a new gloo group on every rank, never the old ones;

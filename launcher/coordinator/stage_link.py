@@ -34,6 +34,11 @@ class StageLink:
                                max_payload_bytes=(1 << 20) * max(64, self.max_num_seqs))
         self.sends = SendQueue(self.channel)  # the engine never blocks on stage 0 ([Note: background sends])
 
+    def close(self) -> None:
+        """Close this ring's data-plane group (after a fail-over replaced it): its sockets close."""
+        if self.channel is not None:
+            self.channel.group.close()
+
     def warm_up(self) -> None:
         """Create every neighbour link in one fixed order: one KEEPALIVE round the ring."""
         self.channel.send(Message(MessageKind.KEEPALIVE), self.first)

@@ -1,12 +1,19 @@
 """The torchrun-style multi-node mode: two `launch` processes on one machine (node 0 and node 1 over
 loopback) give the local backend's greedy token ids on the real default model and both exit 0,
 leaving no stage process; node 0 without its peer, and node 1 without node 0, fail within
---placement-timeout-s (exit 2)."""
+--placement-timeout-s (exit 2).
+
+Fail-over across nodes ([Note: multi-node restart] in launcher/backends/multinode.py), tiny model:
+node 1's stage killed mid-generation is respawned by node 1's launcher and node 0 prints the same
+text as an undisturbed local run; when node 1's launcher cannot answer (stopped), node 0 gives up
+after --placement-timeout-s and fails the request naming the node (fenced, as without fail-over)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +23,8 @@ import uuid
 import psutil
 import pytest
 
+from tests.conftest import wait_for
+from tests.distributed.conftest import sharpen_weights
 from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS
 from tests.tiny_model import write_tiny_model
 
@@ -120,3 +129,91 @@ def test_node_1_without_node_0_fails_within_the_placement_timeout(tmp_path):
     assert "Traceback" not in err
     assert elapsed < 40, f"took {elapsed:.0f} s with --placement-timeout-s 3"
     assert not _tagged_workers(tag), "stage workers left running"
+
+
+LONG_PROMPT = "Once upon a time"
+LONG_ARGS = ("--prompt", LONG_PROMPT, "--max-new-tokens", "1500", "--max-model-len", "2048", "--ignore-eos")
+
+
+def _stage_workers_of(pid: int) -> list[psutil.Process]:
+    """The live stage-worker processes among the children of `pid`."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "workers.stage_worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _streamed(proc: subprocess.Popen, chars: int, timeout_s: float = 120) -> str:
+    """Read node 0's streamed stdout until it holds `chars` characters (text is generating)."""
+    text = ""
+    deadline = time.monotonic() + timeout_s
+    while len(text) < chars:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        text += proc.stdout.read(1)
+    return text
+
+
+def _two_nodes(model_dir, port: int, tag: str, *node0_args: str) -> tuple[subprocess.Popen, subprocess.Popen]:
+    common = ["--stages", "2", "--model", str(model_dir), "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), *node0_args]
+    node1 = _launch(*common, "--node-rank", "1", tag=tag)
+    node0 = _launch(*common, "--node-rank", "0", *LONG_ARGS, tag=tag)
+    return node0, node1
+
+
+def _kill_all(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+def test_a_stage_killed_on_node_1_is_respawned_there_and_node_0_prints_the_undisturbed_text(tmp_path):
+    model_dir = sharpen_weights(write_tiny_model(tmp_path / "tiny"))
+    local = subprocess.run([sys.executable, "-m", "launcher.cli.main", "launch", "--stages", "2", "--model",
+                            str(model_dir), *LONG_ARGS], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert local.returncode == 0, local.stderr[-3000:]
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    node0, node1 = _two_nodes(model_dir, port, tag)
+    try:
+        head = _streamed(node0, len(LONG_PROMPT) + 16)
+        victims = _stage_workers_of(node1.pid)
+        assert len(victims) == 1, victims
+        victims[0].kill()
+        out0, err0 = node0.communicate(timeout=RUN_TIMEOUT_S)
+        out1, err1 = node1.communicate(timeout=60)
+    finally:
+        _kill_all(node0, node1)
+    assert node0.returncode == 0, err0[-3000:]
+    assert node1.returncode == 0, err1[-3000:]
+    assert "pipeline restored" in err0 and "stage 1 respawned" in err1, (err0[-2000:], err1[-2000:])
+    assert (head + out0).splitlines()[0] == local.stdout.splitlines()[0]
+    assert not _tagged_workers(tag), "stage workers left running"
+
+
+def test_node_0_fences_when_node_1_does_not_respawn_its_stage_within_the_placement_timeout(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    node0, node1 = _two_nodes(model_dir, port, tag, "--placement-timeout-s", "8")
+    try:
+        _streamed(node0, len(LONG_PROMPT) + 16)
+        victims = _stage_workers_of(node1.pid)
+        assert len(victims) == 1, victims
+        os.kill(node1.pid, signal.SIGSTOP)  # its launcher cannot answer node 0's restart request
+        victims[0].kill()
+        start = time.monotonic()
+        _, err0 = node0.communicate(timeout=RUN_TIMEOUT_S)
+        elapsed = time.monotonic() - start
+    finally:
+        _kill_all(node0, node1)
+    assert node0.returncode != 0, err0[-3000:]
+    assert "node 1 did not respawn stage 1 within 8 s (--placement-timeout-s)" in err0, err0[-3000:]
+    assert "stage restarts exhausted" in err0, err0[-3000:]
+    assert elapsed < 8 + 60, f"took {elapsed:.0f} s"
+    assert wait_for(lambda: not _tagged_workers(tag), timeout_s=30), "stage workers left running"

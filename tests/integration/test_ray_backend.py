@@ -4,8 +4,11 @@ local Ray instance it starts itself.
 The cluster (head node = the driver's node, plus nodes at 127.0.0.3 and 127.0.0.2, one CPU each) is
 started once for the module. On it: 2 and 3 stages give the local backend's greedy token ids on the
 real default model, with stages spread over nodes in the deterministic order (driver node first, then
-by IP); an unsatisfiable placement fails within --placement-timeout-s saying what was asked and what
-the cluster has; a killed stage actor is reported by stage index and node. Then the CLI starts its
+by IP); with fail-over on, a stage actor killed (`ray.kill`) mid-generation is replaced by a new actor
+in the same placement-group bundle (same node) and every request completes with the tokens of an
+undisturbed run (tiny model, 3 stages); an unsatisfiable placement fails within --placement-timeout-s
+saying what was asked and what the cluster has; without fail-over, a killed stage actor is reported
+by stage index and node. Then the CLI starts its
 own Ray instance (`ray.init(num_cpus=...)`), asks for GPUs this machine lacks, exits 2 in time and
 leaves no Ray process behind.
 
@@ -39,8 +42,10 @@ from launcher.coordinator.coordinator import PipelineError  # noqa: E402
 from launcher.coordinator.pipeline_options import PipelineOptions  # noqa: E402
 from launcher.coordinator.run_plan import resolve  # noqa: E402
 from launcher.coordinator.session import PipelineSession  # noqa: E402
+from launcher.coordinator.stage_restarts import RestartBudget  # noqa: E402
 from pipeline.speculation.sampling import SamplingParams  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
+from tests.distributed.conftest import sharpen_weights  # noqa: E402
 from tests.integration.conftest import PLACEMENT_NEW_TOKENS, PLACEMENT_PROMPTS  # noqa: E402
 from tests.tiny_model import write_tiny_model  # noqa: E402
 
@@ -129,6 +134,36 @@ def test_ray_2_stages_spread_over_nodes_give_the_local_backends_tokens_in_rank_o
     assert tokens == local_backend_tokens
     _check_rank_order(placements, 2)
     assert not _gone([p.pid for p in placements]), "stage actors still alive after the session closed"
+
+
+def test_a_stage_actor_killed_mid_generation_is_replaced_in_its_bundle_and_requests_keep_their_tokens(
+        cluster, tmp_path):
+    """Runs before the module's 3-stage session exists (file order): that one holds every CPU."""
+    model_dir = sharpen_weights(write_tiny_model(tmp_path / "tiny"))
+    placement = PlacementOptions(backend="ray", placement_timeout_s=30)
+    options = PipelineOptions(num_stages=3, model=str(model_dir), progress=False, max_model_len=256,
+                              max_num_seqs=3, stage_timeout_s=60.0, placement=placement)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    prompts = ["Once upon a time", "abc", "hello world"]
+    with PipelineSession(options, resolve(options), restart_budget=RestartBudget(max_restarts=1)) as session:
+        coord, backend = session.coordinator, session.backend
+        undisturbed = [h.result(timeout_s=RESULT_TIMEOUT_S).token_ids
+                       for h in [coord.submit(p, params) for p in prompts]]
+        before = list(backend.placements)
+        handles = [coord.submit(p, params) for p in prompts]
+        wait_for(lambda: len(handles[0].token_ids) >= 4 or handles[0].error is not None, timeout_s=60, step_s=0.01)
+        ray.kill(backend.actors[1], no_restart=True)
+        outputs = [h.result(timeout_s=RESULT_TIMEOUT_S).token_ids for h in handles]
+        after = list(backend.placements)
+        assert coord.num_restarts == 1 and coord.failure is None
+        assert outputs == undisturbed
+        assert after[1].pid != before[1].pid  # a new actor ...
+        assert (after[1].bundle_index, after[1].node_id) == (before[1].bundle_index, before[1].node_id)  # ... same bundle
+        assert [p.pid for p in after[::2]] == [p.pid for p in before[::2]]  # the others kept
+        assert not _gone([before[1].pid]), "the killed actor's process is still alive"
+        assert coord.sync(10)
+        assert [s.kv_slots_in_use for s in coord.stage_stats()] == [0, 0, 0]
+    assert not _gone([p.pid for p in after]), "stage actors still alive after the session closed"
 
 
 def test_ray_3_stages_one_per_node_give_the_local_backends_tokens_in_rank_order(three_stage_session, local_backend_tokens):
