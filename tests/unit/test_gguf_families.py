@@ -161,6 +161,15 @@ def test_streaming_writer_output_reads_back_and_checks_shapes(tmp_path):
         write_streaming(tmp_path / "y.safetensors", [("a", (4, 3))], lambda i: [arrays["a"][:2]])
 
 
+def _write_empty_gguf(path, arch: str) -> None:
+    """A GGUF file of architecture `arch` with no metadata and no tensors."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def test_unsupported_architecture_and_tensor_type_are_one_line_errors(tmp_path):
     config = _config("qwen3")
     write_family_gguf(tmp_path / "bad.gguf", "qwen3", config, bad_type=True)
@@ -168,11 +177,7 @@ def test_unsupported_architecture_and_tensor_type_are_one_line_errors(tmp_path):
                                          r"\(supported: .*Q4_K.*\)") as err:
         convert_gguf(tmp_path / "bad.gguf", tmp_path / "out", progress=False)
     assert "\n" not in str(err.value)
-    w = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_empty_gguf(tmp_path / "falcon.gguf", "falcon")
     with pytest.raises(ValueError, match=r"architecture 'falcon' is not supported \(supported: llama, qwen2, "
                                          r"qwen3, qwen3moe, gemma3, phi3\)"):
         convert_gguf(tmp_path / "falcon.gguf", tmp_path / "out2", progress=False)
@@ -351,11 +356,7 @@ def test_longrope_phi3_gguf_and_unsupported_architecture_are_one_line_errors_and
     with pytest.raises(ValueError, match=r"'rope_factors_long' \(Phi-3 LongRoPE\) is not supported") as err:
         convert_gguf(tmp_path / "long.gguf", tmp_path / "out", progress=False)
     assert "\n" not in str(err.value)
-    w = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_empty_gguf(tmp_path / "falcon.gguf", "falcon")
     for bad in ("falcon.gguf", "long.gguf"):
         assert main(["launch", "--model", str(tmp_path / bad), "--prompt", "hi", "--cache-dir", str(tmp_path)]) == 2
         err_text = capsys.readouterr().err.strip()
