@@ -14,12 +14,15 @@ Predictors report a confidence; how well it predicts acceptance differs per pred
 so the gate learns it: drafts are grouped by (source, confidence bucket), each bucket keeps an
 acceptance estimate (successes + prior · w) / (trials + w), and a draft is sent only when its
 bucket's estimate reaches `min_acceptance`. The prior of a bucket is the predictor's own claim, the
-bucket's mid-point confidence, worth w = 2 verdicts: a trained head that says 0.95 and is right 70 %
-of the time keeps its bucket open through an early miss, and one that is always wrong closes it
-after 2 misses at break-even 0.5 (6 at 0.25). (A flat optimistic prior of 0.6 worth 2 verdicts closed
-every bucket on its first miss at break-even 0.5, and a closed bucket is only probed every 16th
-draft: that is what held a self-distilled drafter at α 0.08 over 12 of 92 drafts in a launch whose
-ungated α was 0.30, the same as its offline held-out acceptance.) A refused bucket still gets every
+bucket's mid-point confidence, but never below an optimistic floor of 0.6 (OPTIMISTIC_PRIOR), worth
+w = 2 verdicts: a trained head that says 0.95 and is right 70 % of the time keeps its bucket open
+through an early miss, and one that is always wrong closes it after 2 misses at break-even 0.5. (A
+flat prior of 0.6 closed every bucket on its first miss at break-even 0.5, and a closed bucket is
+only probed every 16th draft: that is what held a self-distilled drafter at α 0.08 over 12 of 92
+drafts in a launch whose ungated α was 0.30, the same as its offline held-out acceptance.) The
+floor keeps new low buckets tried: an n-gram match's confidence is its length over the longest
+n-gram, not a probability, and short matches are often right (tests/distributed/test_serving_tiny.py
+sends no draft at all without it). A refused bucket still gets every
 `explore_every`-th draft, so its estimate can recover when the text changes (deterministic: no random numbers, so
 runs are reproducible). Gating only decides whether to draft; committed tokens never change.
 """
@@ -29,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.speculation.predictors import Draft
+
+OPTIMISTIC_PRIOR = 0.6  # the lowest prior acceptance of a new bucket (see the note)
 
 
 @dataclasses.dataclass
@@ -46,7 +51,7 @@ class DraftGate:
     min_acceptance: break-even acceptance in [0, 1] (0 = send every draft).
     num_buckets: confidence buckets over [0, 1]; prior_acceptance, prior_weight: the Beta-style
     prior each bucket starts from (prior_acceptance None, the default: the bucket's mid-point
-    confidence; a number: that value for every bucket).
+    confidence or OPTIMISTIC_PRIOR, whichever is higher; a number: that value for every bucket).
     Raises ValueError for out-of-range arguments.
     """
 
@@ -78,7 +83,10 @@ class DraftGate:
     def estimate(self, key: tuple[str, int]) -> float:
         """Current acceptance estimate of a bucket (the prior when it has no verdicts yet)."""
         b = self.buckets.get(key, BucketStats())
-        prior = (key[1] + 0.5) / self.num_buckets if self.prior_acceptance is None else self.prior_acceptance
+        if self.prior_acceptance is None:
+            prior = max(OPTIMISTIC_PRIOR, (key[1] + 0.5) / self.num_buckets)
+        else:
+            prior = self.prior_acceptance
         return (b.accepted + prior * self.prior_weight) / (b.verified + self.prior_weight)
 
     def allow(self, draft: Draft) -> bool:

@@ -42,7 +42,10 @@ def test_gate_refuses_a_bucket_whose_drafts_are_rejected_and_keeps_a_good_one():
 def test_a_new_bucket_starts_at_its_own_confidence():
     gate = DraftGate(min_acceptance=0.5)
     assert gate.estimate(gate.key(Draft(0, 0.97, "head"))) == pytest.approx(0.95)
-    assert gate.estimate(gate.key(Draft(0, 0.12, "head"))) == pytest.approx(0.15)
+    assert gate.estimate(gate.key(Draft(0, 0.12, "head"))) == pytest.approx(0.6)  # the optimistic floor
+    assert gate.allow(Draft(0, 0.12, "head")) and gate.allow(Draft(0, 0.97, "head"))
+    gate.record(gate.key(Draft(0, 0.12, "head")), accepted=False)  # a low bucket closes on its first miss
+    gate.record(gate.key(Draft(0, 0.97, "head")), accepted=False)  # a confident one does not
     assert not gate.allow(Draft(0, 0.12, "head")) and gate.allow(Draft(0, 0.97, "head"))
     flat = DraftGate(min_acceptance=0.5, prior_acceptance=0.6)
     assert flat.estimate(flat.key(Draft(0, 0.12, "head"))) == pytest.approx(0.6)
