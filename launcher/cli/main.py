@@ -83,7 +83,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")
     g.add_argument("--exit-predictor", metavar="FILE", help="trained early-exit head (from `speedpipe "
-                   "train-predictor`) for --predictor early-exit or hybrid, instead of the shipped one; `none` = the untrained logit lens")
+                   "train-predictor`) for --predictor early-exit or hybrid, instead of the shipped one; `none` = the untrained logit lens (default: the head shipped for the model and exit layer)")
     g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
                    "(default: the last layer of stage 0)")
     g.add_argument("--max-inflight", type=int, default=0,

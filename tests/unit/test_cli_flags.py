@@ -117,3 +117,31 @@ def test_prompts_file_errors_name_the_file(tmp_path):
 def test_counts_and_percent_labels_read_well():
     assert (plural(1, "item"), plural(0, "item"), plural(3, "item")) == ("1 item", "0 items", "3 items")
     assert (percent_label(-0.001), percent_label(0.126), percent_label(-0.05)) == ("0%", "+13%", "-5%")
+
+
+def _readme_flag_table(title: str) -> list[str]:
+    """The flags named in the first column of the README table that follows the line `title`."""
+    import pathlib
+    import re
+    lines = (pathlib.Path(__file__).parents[2] / "README.md").read_text().splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(title))
+    rows = []
+    for line in lines[i + 3:]:
+        if not line.startswith("|"):
+            break
+        rows += re.findall(r"`(-[-\w]+)", line.split("|")[1])
+    return rows
+
+
+def test_the_readme_flag_tables_match_launch_help_and_help_all(parser):
+    """README "Everyday flags" lists only what `launch --help` shows, "Advanced flags" only what
+    `--help-all` adds; every flag named exists."""
+    from launcher.cli.parsing import ADVANCED_DESTS
+    launch = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("launch"))
+    dest_of = {opt: a.dest for a in launch._actions for opt in a.option_strings}
+    everyday, advanced = _readme_flag_table("Everyday flags"), _readme_flag_table("Advanced flags")
+    assert everyday and advanced
+    unknown = [f for f in everyday + advanced if f not in dest_of]
+    assert not unknown, f"README names flags `launch` does not have: {unknown}"
+    assert not [f for f in everyday if dest_of[f] in ADVANCED_DESTS], "an advanced flag in the everyday table"
+    assert not [f for f in advanced if dest_of[f] not in ADVANCED_DESTS], "an everyday flag in the advanced table"
