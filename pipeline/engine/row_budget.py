@@ -57,6 +57,8 @@ from pipeline.speculation.predictors import Predictor
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance of a depth before any measurement
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
 EXPLORE_EVERY = 16  # every n-th item asks for one depth more than the rule chose
+RUN_AHEAD_PRIOR_WEIGHT = 8.0  # pseudo-trials behind the run-ahead prior: two early misses must not end
+# run-ahead for a whole run (the draft gate already refuses unlikely drafts one by one)
 
 
 class RowBudget:
@@ -95,14 +97,15 @@ class RowBudget:
         """Items of one sequence allowed in flight now ([Note: run-ahead depth] in
         pipeline/measure/row_cost.py): `config.max_inflight`, unless the run asked for a table-driven
         depth and has a table; then `best_run_ahead` at the SPEED acceptance measured so far
-        (smoothed toward PRIOR_ACCEPTANCE), at most max_inflight. When that is 1 (no run-ahead),
-        every EXPLORE_EVERY-th ask allows 2, so acceptance keeps being measured and depth can grow back.
+        (smoothed toward PRIOR_ACCEPTANCE with RUN_AHEAD_PRIOR_WEIGHT pseudo-trials), at most
+        max_inflight. When that is 1 (no run-ahead), every EXPLORE_EVERY-th ask allows 2, so
+        acceptance keeps being measured and depth can grow back.
         shared_rows: rows of other sequences a draft's pass would carry."""
         if not config.run_ahead_from_table or self.row_costs is None or config.max_inflight < 2:
             return config.max_inflight
         verified = spec.verified_drafts - spec.firp_verified
         accepted = spec.accepted_tokens - spec.firp_accepted
-        alpha = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (verified + PRIOR_WEIGHT)
+        alpha = (accepted + PRIOR_ACCEPTANCE * RUN_AHEAD_PRIOR_WEIGHT) / (verified + RUN_AHEAD_PRIOR_WEIGHT)
         depth = best_run_ahead(self.row_costs, min(1.0, max(0.0, alpha)), num_stages=config.num_stages,
                                max_depth=config.max_inflight, shared_rows=shared_rows)
         self.run_ahead_depth = depth

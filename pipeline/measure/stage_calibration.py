@@ -26,7 +26,7 @@ from pipeline.measure.row_cost import RowCostTable, decode_pass, measure_row_cos
 from pipeline.model.row_layout import Span
 from pipeline.model.stage_model import StageModel
 
-ROW_COUNTS = (1, 2, 3, 4, 5, 8, 12, 16, 24, 32)  # candidates; a stage times those up to its max rows
+ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # candidates (a stage times those up to its max rows; cost_s interpolates)
 MAX_CALIBRATION_ROWS = 32
 CONTEXT = 64  # cached positions before each timed pass
 

@@ -111,7 +111,7 @@ def test_stage_tables_combine_into_the_pipeline_pass_cost():
 
 
 def test_calibration_rows_cover_what_the_scheduler_may_send():
-    assert calibration_rows(1) == (1, 2, 3, 4, 5, 8)
+    assert calibration_rows(1) == (1, 2, 4, 8)
     assert calibration_rows(20)[-1] == 20 and 16 in calibration_rows(20)
     assert calibration_rows(500)[-1] == 32
     with pytest.raises(ValueError, match="max_rows"):
