@@ -84,7 +84,8 @@ def load_bench_runs(path: str | Path) -> list[dict]:
             for run in cfg["runs"]:
                 tl = json.loads((path.parent / run["timeline"]).read_text())
                 exit_head = (cfg["speculate"] != "none"  # a run without speculation records predictor "-"
-                             and RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"]).needs_exit_head)
+                             and RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"] if cfg["predictor"] != "-"
+                                           else "hybrid").needs_exit_head)
                 runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
                              "exit_head": exit_head,
                              "concurrency": cfg["concurrency"], "stats": run["stats"],
@@ -105,13 +106,19 @@ def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int 
             if it["kind"] == "prefill":
                 prompt_lens[it["seq_id"]] = it["positions"][1]
     lens = tuple(prompt_lens[k] for k in sorted(prompt_lens)) or (16,) * run["concurrency"]
-    spec = run["speculate"] != "none"
+    spec = run["speculate"] in ("speed", "speed+firp")
+    stats = run["stats"]
     acceptance = None
     if spec:
         outcomes = draft_outcomes(run["timeline"])
-        acceptance = Replay(outcomes) if replay and outcomes else Bernoulli(run["stats"]["acceptance_rate"], seed=seed)
+        acceptance = Replay(outcomes) if replay and outcomes else Bernoulli(stats["acceptance_rate"], seed=seed)
+    firp_k = 0
+    if "firp" in run["speculate"]:  # the chain length the run used: its longest FIRP item's drafts
+        firp_k = max((it["positions"][1] - it["positions"][0] - 1 for s in run["timeline"]["slices"]
+                      for it in s["items"] if it["kind"] == "firp"), default=0)
+    firp_alpha = stats.get("firp_accepted", 0) / stats["firp_verified"] if stats.get("firp_verified") else 0.0
     cfg = SimConfig(num_stages=run["num_stages"], prompt_lens=lens, max_new_tokens=max(run["num_tokens"]),
-                    speculate=spec, exit_head=run.get("exit_head", True))
+                    speculate=spec, exit_head=run.get("exit_head", True), firp_k=max(0, firp_k), firp_alpha=firp_alpha)
     cost = cal.cost_model(run["num_stages"])
     return Simulator(cfg, cost, acceptance=acceptance, record_timeline=False).run().tokens_per_s
 
