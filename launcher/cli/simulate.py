@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes
+from pipeline.measure.calibrate_tables import run_load_factor
 from pipeline.measure.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 from pipeline.run_config import RunConfig
 
@@ -97,9 +98,10 @@ def load_bench_runs(path: str | Path) -> list[dict]:
     return runs
 
 
-def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int = 0) -> float:
+def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int = 0, at_run_load: bool = False) -> float:
     """Simulated tokens/s of one measured run: same stages, prompt lengths (from its prefill items),
-    tokens per sequence, speculation and acceptance."""
+    tokens per sequence, speculation and acceptance (SPEED's, and FIRP's chain length and
+    acceptance); at_run_load: compute costs scaled by the run's own load (`run_load_factor`)."""
     prompt_lens = {}
     for s in run["timeline"]["slices"]:
         for it in s["items"]:
@@ -120,11 +122,15 @@ def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int 
     cfg = SimConfig(num_stages=run["num_stages"], prompt_lens=lens, max_new_tokens=max(run["num_tokens"]),
                     speculate=spec, exit_head=run.get("exit_head", True), firp_k=max(0, firp_k), firp_alpha=firp_alpha)
     cost = cal.cost_model(run["num_stages"])
+    if at_run_load and cal.stage_tables:
+        cost = cost.scaled(run_load_factor(run["timeline"], cal.stage_tables[run["num_stages"]]))
     return Simulator(cfg, cost, acceptance=acceptance, record_timeline=False).run().tokens_per_s
 
 
 def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = False, seed: int = 0) -> list[dict]:
-    """Per measured configuration: median measured and predicted tokens/s over its runs, and the error."""
+    """Per measured configuration: median measured and predicted tokens/s over its runs, and the
+    error; also predicted at each run's own load (`at_run_load_*`: [Note: table calibration] in
+    pipeline/measure/calibrate.py) and the runs' median load."""
     by_cfg: dict[str, list[dict]] = {}
     for r in runs:
         by_cfg.setdefault(r["config"], []).append(r)
@@ -132,8 +138,12 @@ def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = Fals
     for name, rs in by_cfg.items():
         measured = statistics.median(r["stats"]["tokens_per_s"] for r in rs)
         predicted = statistics.median(predict_run(cal, r, replay=replay, seed=seed) for r in rs)
+        at_load = statistics.median(r["stats"]["tokens_per_s"] / predict_run(cal, r, replay=replay, seed=seed,
+                                                                              at_run_load=True) for r in rs)
+        loads = [run_load_factor(r["timeline"], cal.stage_tables[r["num_stages"]]) for r in rs] if cal.stage_tables else [1.0]
         rows.append({"config": name, "measured_tokens_per_s": round(measured, 3),
-                     "predicted_tokens_per_s": round(predicted, 3), "error": round(predicted / measured - 1, 4)})
+                     "predicted_tokens_per_s": round(predicted, 3), "error": round(predicted / measured - 1, 4),
+                     "at_run_load_error": round(1 / at_load - 1, 4), "run_load": round(statistics.median(loads), 3)})
     return rows
 
 
@@ -200,7 +210,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         w.writerows(rows)
     for row in checks:
         print(f"{row['config']:<24} measured {row['measured_tokens_per_s']:8.2f} tokens/s, predicted "
-              f"{row['predicted_tokens_per_s']:8.2f} ({row['error']:+.1%})")
+              f"{row['predicted_tokens_per_s']:8.2f} ({row['error']:+.1%}); at each run's load "
+              f"(median {row['run_load']:.2f}x) {row['at_run_load_error']:+.1%}")
     print(f"[speedpipe] simulate: {len(rows)} simulated configurations in {out}/simulate.json, simulate.csv"
           + (", plots/*.png" if plots else ""), file=sys.stderr)
     return 0

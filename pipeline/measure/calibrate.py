@@ -11,19 +11,7 @@ time with speculation less without); and the contention between stages computing
 runs where there are any, so they are uncontended. Also the recorded draft outcomes, for replayed acceptance.
 Pure: dicts in, `CostModel`s out.
 
-[Note: table calibration]
-On top of the linear fit above, `calibrate` fits the terms of [Note: stage pass cost]
-(pipeline/measure/cost_model.py), which the cost models it returns use:
-- per stage, a row-cost table: the median time of the plain runs' slices by their number of real
-  rows, each divided by (1 + contention x other stages computing at its start), so 2-row decode
-  steps of two-prompt runs and prompt-length prefills price multi-row passes as measured;
-- the exit head per item that wants a guess (`want_exit` in the timeline): least squares through
-  the origin of stage-0 slice time less the table's, over those items (replaces the per-batch
-  `predictor_s`);
-- per stage, the cost of a FIRP pseudo row, the same way over the FIRP runs' pseudo rows;
-- the exit event's delay: median gap from stage 0 finishing a chain end to it starting the draft
-  after it, in exit-head runs, when stage 0 stayed idle and no result came back in between (a
-  result could have been what freed room for the draft), less the send hop.
+The table-driven terms of the cost model: [Note: table calibration] in pipeline/measure/calibrate_tables.py.
 """
 
 from __future__ import annotations
@@ -33,6 +21,8 @@ import dataclasses
 import statistics
 from collections.abc import Iterable, Sequence
 
+from pipeline.measure.calibrate_tables import num_tokens as _num_tokens
+from pipeline.measure.calibrate_tables import with_tables
 from pipeline.measure.cost_model import CostModel
 from pipeline.measure.row_cost import RowCostTable
 
@@ -43,10 +33,6 @@ class StageFit:
 
     base_s: float
     per_token_s: float
-
-
-def _num_tokens(slice_: dict) -> int:
-    return sum(it["positions"][1] - it["positions"][0] for it in slice_["items"])
 
 
 def fit_stages(timelines: Iterable[dict], num_stages: int) -> list[StageFit]:
@@ -233,106 +219,6 @@ def calibrate(runs: Sequence[dict]) -> Calibration:
                 extra.append(statistics.median(ones) - fits[r["num_stages"]][0].base_s)
     cal = Calibration(fits, hop, coordinator, max(0.0, statistics.median(extra)) if extra else 0.0, contention)
     return with_tables(cal, runs)
-
-
-def with_tables(cal: Calibration, runs: Sequence[dict]) -> Calibration:
-    """`cal` with the terms of [Note: table calibration] fitted from `runs` (its per-batch
-    predictor_s then 0: the exit head is priced per item)."""
-    c = cal.contention
-    plain = [r for r in runs if r["speculate"] == "none"] or list(runs)
-    tables = {s: fit_stage_tables([r["timeline"] for r in plain if r["num_stages"] == s], s, contention=c)
-              for s in cal.stage_fits}
-    pseudo = {}
-    for s, ts in tables.items():
-        firp = [r["timeline"] for r in runs if r["num_stages"] == s and "firp" in r["speculate"]]
-        pseudo[s] = [_through_origin(_residuals(firp, stage, t, c, lambda it: it.get("num_pseudo", 0)))
-                     for stage, t in enumerate(ts)]
-    heads = [r for r in runs if r["speculate"] != "none" and r.get("exit_head", True) and r["num_stages"] in tables]
-    points = []
-    for r in heads:
-        legacy = not any("want_exit" in it for sl in r["timeline"]["slices"] for it in sl["items"])
-        points += _residuals([r["timeline"]], 0, tables[r["num_stages"]][0], c,
-                             lambda it, legacy=legacy: it.get("want_exit", legacy and it["kind"] in ("decode", "draft")))
-    gaps = [g for r in heads for g in draft_round_trips_s(r["timeline"])]
-    exit_event = max(0.0, statistics.median(gaps) - cal.hop_latency_s) if gaps else None
-    return dataclasses.replace(cal, predictor_s=0.0 if points else cal.predictor_s, stage_tables=tables,
-                               pseudo_row_s=pseudo, exit_row_s=_through_origin(points), exit_event_s=exit_event)
-
-
-def _busy_others(timeline: dict) -> list[int]:
-    """Per slice of `timeline`, how many other stages were computing when it started."""
-    spans = [(s["stage"], s["start_ns"], s["end_ns"]) for s in timeline["slices"]]
-    return [sum(1 for st, a, b in spans if st != stage and a <= start < b) for stage, start, _ in spans]
-
-
-def fit_stage_tables(timelines: Sequence[dict], num_stages: int, *, contention: float) -> list[RowCostTable]:
-    """Per stage, the median time by number of real rows of the slices without FIRP pseudo rows or
-    exit-head items, each divided by (1 + contention x others computing at its start). Raises
-    ValueError when a stage has no one-row slice."""
-    points: dict[int, dict[int, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for tl in timelines:
-        for s, others in zip(tl["slices"], _busy_others(tl), strict=True):
-            if any(it.get("num_pseudo", 0) or it.get("want_exit") for it in s["items"]):
-                continue
-            points[s["stage"]][_num_tokens(s)].append((s["end_ns"] - s["start_ns"]) / 1e9 / (1 + contention * others))
-    tables = []
-    for stage in range(num_stages):
-        by_rows = points.get(stage, {})
-        if 1 not in by_rows:
-            raise ValueError(f"calibration: stage {stage} of {num_stages} has no one-token (decode) slice")
-        rows = sorted(by_rows)
-        tables.append(RowCostTable(mode="fitted", num_rows=tuple(rows),
-                                   pass_s=tuple(max(1e-9, statistics.median(by_rows[n])) for n in rows)))
-    return tables
-
-
-def _residuals(timelines: Sequence[dict], stage: int, table: RowCostTable, contention: float,
-               count) -> list[tuple[float, float]]:
-    """(count of `count(item)` over the slice's items, its de-contended time less the table's for its
-    real rows) for every slice of `stage` with a count > 0."""
-    out = []
-    for tl in timelines:
-        for s, others in zip(tl["slices"], _busy_others(tl), strict=True):
-            x = sum(int(count(it)) for it in s["items"])
-            if s["stage"] == stage and x > 0:
-                alone = (s["end_ns"] - s["start_ns"]) / 1e9 / (1 + contention * others)
-                out.append((float(x), alone - table.cost_s(max(1, _num_tokens(s)))))
-    return out
-
-
-def _through_origin(points: Sequence[tuple[float, float]]) -> float:
-    """Least-squares slope through the origin of (x, y) points, clamped at 0 (0 for none)."""
-    den = sum(x * x for x, _ in points)
-    return max(0.0, sum(x * y for x, y in points) / den) if den else 0.0
-
-
-def draft_round_trips_s(timeline: dict, exit_stage: int = 0) -> list[float]:
-    """Gaps from `exit_stage` finishing an item to stage 0 starting the draft that follows it (same
-    sequence and epoch, the draft's first position = the item's end), where stage 0 started
-    nothing and no result of that sequence came back in between ([Note: table calibration])."""
-    last = timeline["num_stages"] - 1
-    ends, starts0, results = {}, [], collections.defaultdict(list)
-    for s in timeline["slices"]:
-        for it in s["items"]:
-            if s["stage"] == exit_stage:
-                ends[(it["seq_id"], it["epoch"], it["positions"][1])] = s["end_ns"]
-            if s["stage"] == last:
-                results[it["seq_id"]].append(s["end_ns"])
-        if s["stage"] == 0:
-            starts0.append(s["start_ns"])
-    gaps = []
-    for s in timeline["slices"]:
-        if s["stage"] != 0:
-            continue
-        for it in s["items"]:
-            end = ends.get((it["seq_id"], it["epoch"], it["positions"][0])) if it["kind"] == "draft" else None
-            if end is None or end > s["start_ns"]:
-                continue
-            busy = any(end < t < s["start_ns"] for t in starts0)
-            freed = any(end < t <= s["start_ns"] for t in results[it["seq_id"]])
-            if not busy and not freed:
-                gaps.append((s["start_ns"] - end) / 1e9)
-    return gaps
 
 
 def _stage_slices(timeline: dict, stage: int) -> list[tuple[float, int, bool]]:

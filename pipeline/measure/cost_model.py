@@ -95,6 +95,20 @@ class CostModel:
         exit_head = (self.predictor_s + exit_rows * self.exit_row_s) if exit_rows else 0.0
         return rows + pseudo + exit_head
 
+    def scaled(self, factor: float) -> CostModel:
+        """Every compute cost (stage passes, pseudo rows, the exit head) times `factor` > 0 (a run's
+        measured load, pipeline/measure/calibrate.py `run_load_factor`); hops, the coordinator and
+        the exit event unchanged."""
+        if factor <= 0:
+            raise ValueError(f"cost model scale must be > 0, got {factor}")
+        tables = tuple(RowCostTable(mode=t.mode, num_rows=t.num_rows, pass_s=tuple(x * factor for x in t.pass_s))
+                       for t in self.stage_tables)
+        return dataclasses.replace(
+            self, stage_base_s=tuple(x * factor for x in self.stage_base_s), stage_tables=tables,
+            stage_per_token_s=tuple(x * factor for x in self.stage_per_token_s),
+            pseudo_row_s=tuple(x * factor for x in self.pseudo_row_s), predictor_s=self.predictor_s * factor,
+            exit_row_s=self.exit_row_s * factor)
+
     def hop_s(self, num_tokens: int) -> float:
         return self.hop_latency_s + num_tokens * self.bytes_per_token / self.hop_bandwidth_bytes_per_s
 
