@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes
 from pipeline.measure.calibrate_tables import run_load_factor
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.measure.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 from pipeline.run_config import RunConfig
 
@@ -40,6 +41,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cost model (without --calibrate)")
     c.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
                    "and report predicted vs measured tokens/s of each of its configurations")
+    c.add_argument("--row-cost", default="none", metavar="none|file:PATH", help="with --calibrate: a "
+                   "tests/benchmarks/row_cost.py report whose table (--dtype's mode) prices the row counts the "
+                   "measured runs did not have (default none: interpolated between them)")
+    c.add_argument("--dtype", default="float32", help="with --row-cost: the runs' dtype (default float32)")
     c.add_argument("--replay", action="store_true", help="with --calibrate: replay each run's recorded draft "
                    "outcomes instead of Bernoulli draws at its measured acceptance")
     c.add_argument("--model-ms", type=float, default=60.0, help="whole-model compute per token row, ms (default 60)")
@@ -96,6 +101,19 @@ def load_bench_runs(path: str | Path) -> list[dict]:
     if not runs:
         raise ValueError(f"--calibrate {path}: no measured runs")
     return runs
+
+
+def row_shape_arg(args: argparse.Namespace) -> RowCostTable | None:
+    """The table of `--row-cost file:PATH` for --dtype's mode, or None. Raises ValueError."""
+    if args.row_cost == "none":
+        return None
+    if not args.row_cost.startswith("file:"):
+        raise ValueError(f"--row-cost must be none or file:PATH, got {args.row_cost!r}")
+    path = args.row_cost[len("file:"):]
+    try:
+        return RowCostTable.load(path, RunConfig(dtype=args.dtype).row_cost_mode)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--row-cost {args.row_cost}: {exc}") from None
 
 
 def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int = 0, at_run_load: bool = False) -> float:
@@ -191,7 +209,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cal, checks = None, []
     if args.calibrate:
         runs = load_bench_runs(args.calibrate)
-        cal = calibrate(runs)
+        cal = calibrate(runs, row_shape=row_shape_arg(args))
         checks = check_calibration(cal, runs, replay=args.replay, seed=args.seed)
     elif args.replay:
         raise ValueError("--replay needs --calibrate RESULTS_JSON (the recorded draft outcomes)")

@@ -74,7 +74,7 @@ def hop_latency_s(timelines: Iterable[dict]) -> float | None:
                 busy_until = max((e for e in last_end[stage + 1] if e <= nxt["start_ns"]), default=0)
                 if busy_until <= s["end_ns"]:  # the next stage was idle when the hand-over began
                     gaps.append((nxt["start_ns"] - s["end_ns"]) / 1e9)
-    return statistics.median(gaps) if gaps else None
+    return statistics.fmean(gaps) if gaps else None
 
 
 def ring_turnaround_s(timelines: Iterable[dict]) -> float | None:
@@ -94,7 +94,7 @@ def ring_turnaround_s(timelines: Iterable[dict]) -> float | None:
         for a, b in zip(order, order[1:], strict=False):
             if last in batches[a] and 0 in batches[b]:
                 gaps.append((batches[b][0]["start_ns"] - batches[a][last]["end_ns"]) / 1e9)
-    return statistics.median(gaps) if gaps else None
+    return statistics.fmean(gaps) if gaps else None
 
 
 def draft_outcomes(timeline: dict) -> list[bool]:
@@ -195,10 +195,12 @@ def scaled_fits(stage_fits: dict[int, list[StageFit]], num_stages: int) -> list[
     return [StageFit(compute / num_stages + overhead, per_tok[counts[0]] / num_stages)] * num_stages
 
 
-def calibrate(runs: Sequence[dict]) -> Calibration:
+def calibrate(runs: Sequence[dict], *, row_shape: RowCostTable | None = None) -> Calibration:
     """Fit from measured runs: [{"num_stages", "speculate", "timeline", optional "concurrency" and
     "exit_head" (whether its predictor ran an exit head)}]. The exit head's cost comes from stage-0
-    slices that ran while no other stage computed. Raises ValueError if no run has decode slices."""
+    slices that ran while no other stage computed. row_shape: a measured row-cost table (row_cost.py,
+    `--row-cost calibrate`) whose ratios price the row counts the runs did not measure
+    ([Note: table calibration]). Raises ValueError if no run has decode slices."""
     if not runs:
         raise ValueError("calibration needs at least one measured run")
     plain = [r for r in runs if r["speculate"] == "none"] or list(runs)
@@ -218,7 +220,7 @@ def calibrate(runs: Sequence[dict]) -> Calibration:
             if ones:
                 extra.append(statistics.median(ones) - fits[r["num_stages"]][0].base_s)
     cal = Calibration(fits, hop, coordinator, max(0.0, statistics.median(extra)) if extra else 0.0, contention)
-    return with_tables(cal, runs)
+    return with_tables(cal, runs, row_shape=row_shape)
 
 
 def _stage_slices(timeline: dict, stage: int) -> list[tuple[float, int, bool]]:

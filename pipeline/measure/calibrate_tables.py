@@ -10,7 +10,9 @@ fits the terms of [Note: stage pass cost] (pipeline/measure/cost_model.py), whic
 it returns use:
 - per stage, a row-cost table from the plain runs' slices by their number of real rows
   (`fit_stage_tables`), so 2-row decode steps of two-prompt runs and prompt-length prefills price
-  multi-row passes as measured;
+  multi-row passes as measured; row counts no run measured (a FIRP pass's 3 rows) take their
+  ratio to one row from a measured row-cost table when one is given (`shaped`: `simulate
+  --row-cost file:PATH`, a tests/benchmarks/row_cost.py report);
 - the exit head per item that wants a guess (`want_exit` in the timeline): least squares through
   the origin of stage-0 slice time less the table's, over those items (replaces the per-batch
   `predictor_s`);
@@ -41,16 +43,20 @@ def num_tokens(slice_: dict) -> int:
 
 
 
-def with_tables(cal, runs: Sequence[dict]):
+def with_tables(cal, runs: Sequence[dict], *, row_shape: RowCostTable | None = None):
     """`cal` (a pipeline.measure.calibrate.Calibration) with the terms of [Note: table calibration]
-    fitted from `runs` (its per-batch predictor_s then 0: the exit head is priced per item)."""
+    fitted from `runs` (its per-batch predictor_s then 0: the exit head is priced per item);
+    row_shape: see `shaped`."""
     c = cal.contention
     plain = [r for r in runs if r["speculate"] == "none"] or list(runs)
     tables = {}
-    for s in cal.stage_fits:
-        mine = [r["timeline"] for r in plain if r["num_stages"] == s]
-        first = fit_stage_tables(mine, s, contention=c)  # then again with each run's load divided out
-        tables[s] = fit_stage_tables(mine, s, contention=c, loads=[run_load_factor(t, first) for t in mine])
+    for s in cal.stage_fits:  # one-sequence runs first: their passes are uncontended
+        mine = sorted((r for r in plain if r["num_stages"] == s), key=lambda r: r.get("concurrency", 1) > 1)
+        tls, primary = [r["timeline"] for r in mine], [r.get("concurrency", 1) == 1 for r in mine]
+        first = fit_stage_tables(tls, s, contention=c, primary=primary)  # again with each run's load divided out
+        first = [shaped(t, row_shape) for t in first]
+        tables[s] = [shaped(t, row_shape) for t in fit_stage_tables(
+            tls, s, contention=c, primary=primary, loads=[run_load_factor(t, first) for t in tls])]
     load = {id(r): run_load_factor(r["timeline"], tables[r["num_stages"]]) for r in runs if r["num_stages"] in tables}
     pseudo = {}
     for s, ts in tables.items():
@@ -65,7 +71,7 @@ def with_tables(cal, runs: Sequence[dict]):
         points += _residuals(r["timeline"], 0, tables[r["num_stages"]][0], c, load=load[id(r)],
                              count=lambda it, legacy=legacy: it.get("want_exit", legacy and it["kind"] in ("decode", "draft")))
     gaps = [g for r in heads for g in draft_round_trips_s(r["timeline"])]
-    exit_event = max(0.0, statistics.median(gaps) - cal.hop_latency_s) if gaps else None
+    exit_event = max(0.0, statistics.fmean(gaps) - cal.hop_latency_s) if gaps else None
     return dataclasses.replace(cal, predictor_s=0.0 if points else cal.predictor_s, stage_tables=tables,
                                pseudo_row_s=pseudo, exit_row_s=_through_origin(points), exit_event_s=exit_event)
 
@@ -81,20 +87,22 @@ LINE_FROM_ROWS = 16  # above this many rows (prefills) a table's points come fro
 
 
 def fit_stage_tables(timelines: Sequence[dict], num_stages: int, *, contention: float,
-                     loads: Sequence[float] | None = None) -> list[RowCostTable]:
+                     loads: Sequence[float] | None = None, primary: Sequence[bool] | None = None) -> list[RowCostTable]:
     """Per stage, the time by number of real rows of the slices without FIRP pseudo rows or
-    exit-head items: per row count up to LINE_FROM_ROWS, the median of the slices that ran while no
-    other stage computed, or if there are none, of all of them each divided by (1 + contention x
-    others computing at its start); above it (prefills: few samples, one per prompt length), points
-    on the least-squares line through those slices, so that extrapolation follows the trend, not
-    the last two samples. loads: per timeline, a factor its times are divided by (`run_load_factor`).
-    Raises ValueError when a stage has no one-row slice."""
+    exit-head items: per row count up to LINE_FROM_ROWS, the median of the `primary` timelines'
+    slices of that count if they have any (one-sequence runs), else of the others'; of the slices
+    that ran while no other stage computed, or if there are none, of all of them, each divided by
+    (1 + contention x others computing at its start). Above it (prefills: few samples, one per
+    prompt length), points on the least-squares line through those, so that extrapolation follows
+    the trend, not the last two samples. loads: per timeline, a factor its times are divided by
+    (`run_load_factor`). Raises ValueError when a stage has no one-row slice."""
     points: dict[int, dict[int, list[tuple[float, int]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for tl, load in zip(timelines, loads or [1.0] * len(timelines), strict=True):
+    for tl, load, first in zip(timelines, loads or [1.0] * len(timelines), primary or [True] * len(timelines),
+                               strict=True):
         for s, others in zip(tl["slices"], _busy_others(tl), strict=True):
             if any(it.get("num_pseudo", 0) or it.get("want_exit") for it in s["items"]):
                 continue
-            points[s["stage"]][num_tokens(s)].append(((s["end_ns"] - s["start_ns"]) / 1e9 / load, others))
+            points[s["stage"]][num_tokens(s)].append(((s["end_ns"] - s["start_ns"]) / 1e9 / load, others, first))
     tables = []
     for stage in range(num_stages):
         by_rows = points.get(stage, {})
@@ -102,8 +110,9 @@ def fit_stage_tables(timelines: Sequence[dict], num_stages: int, *, contention: 
             raise ValueError(f"calibration: stage {stage} of {num_stages} has no one-token (decode) slice")
         small = {}
         for n, samples in by_rows.items():
-            alone = [d for d, others in samples if not others]
-            small[n] = statistics.median(alone or [d / (1 + contention * others) for d, others in samples])
+            samples = [x for x in samples if x[2]] or samples
+            alone = [d for d, others, _ in samples if not others]
+            small[n] = statistics.median(alone or [d / (1 + contention * others) for d, others, _ in samples])
         large = sorted((n, d) for n, d in small.items() if n > LINE_FROM_ROWS)
         small = {n: d for n, d in small.items() if n <= LINE_FROM_ROWS}
         if large:
@@ -114,6 +123,21 @@ def fit_stage_tables(timelines: Sequence[dict], num_stages: int, *, contention: 
         rows = sorted(small)
         tables.append(RowCostTable(mode="fitted", num_rows=tuple(rows), pass_s=tuple(max(1e-9, small[n]) for n in rows)))
     return tables
+
+
+def shaped(table: RowCostTable, shape: RowCostTable | None) -> RowCostTable:
+    """`table` (fitted from timelines) with a point at every row count of `shape` up to
+    LINE_FROM_ROWS that it lacks, at its own 1-row cost x shape.ratio(n): decode runs measure 1
+    row (and 2 with two prompts on one stage) and prefills, so a 3-row FIRP pass would otherwise be
+    priced on the line from 1 row to a 50-row prefill, where a CPU's kernels say 1.9x, not 1.05x."""
+    if shape is None:
+        return table
+    have = dict(zip(table.num_rows, table.pass_s, strict=True))
+    for n in shape.num_rows:
+        if n <= LINE_FROM_ROWS and n not in have:
+            have[n] = table.pass_s[0] * shape.ratio(n)
+    rows = sorted(have)
+    return RowCostTable(mode=table.mode, num_rows=tuple(rows), pass_s=tuple(have[n] for n in rows))
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
