@@ -56,7 +56,7 @@ class LoadStageRequest(_message.Message):
     def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., exit_predictor: _Optional[bytes] = ..., firp_layer: _Optional[int] = ..., firp_k: _Optional[int] = ..., firp_file: _Optional[bytes] = ..., quantization: _Optional[str] = ..., calibrate_max_rows: _Optional[int] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
-    __slots__ = ("weights_bytes", "num_parameters", "load_s", "tensor_names", "row_costs", "row_cost_mode", "calibrate_s")
+    __slots__ = ("weights_bytes", "num_parameters", "load_s", "tensor_names", "row_costs", "row_cost_mode", "calibrate_s", "exit_head_row_s")
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     LOAD_S_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class LoadStageResponse(_message.Message):
     ROW_COSTS_FIELD_NUMBER: _ClassVar[int]
     ROW_COST_MODE_FIELD_NUMBER: _ClassVar[int]
     CALIBRATE_S_FIELD_NUMBER: _ClassVar[int]
+    EXIT_HEAD_ROW_S_FIELD_NUMBER: _ClassVar[int]
     weights_bytes: int
     num_parameters: int
     load_s: float
@@ -71,7 +72,8 @@ class LoadStageResponse(_message.Message):
     row_costs: _containers.RepeatedCompositeFieldContainer[RowCost]
     row_cost_mode: str
     calibrate_s: float
-    def __init__(self, weights_bytes: _Optional[int] = ..., num_parameters: _Optional[int] = ..., load_s: _Optional[float] = ..., tensor_names: _Optional[_Iterable[str]] = ..., row_costs: _Optional[_Iterable[_Union[RowCost, _Mapping]]] = ..., row_cost_mode: _Optional[str] = ..., calibrate_s: _Optional[float] = ...) -> None: ...
+    exit_head_row_s: float
+    def __init__(self, weights_bytes: _Optional[int] = ..., num_parameters: _Optional[int] = ..., load_s: _Optional[float] = ..., tensor_names: _Optional[_Iterable[str]] = ..., row_costs: _Optional[_Iterable[_Union[RowCost, _Mapping]]] = ..., row_cost_mode: _Optional[str] = ..., calibrate_s: _Optional[float] = ..., exit_head_row_s: _Optional[float] = ...) -> None: ...
 
 class RowCost(_message.Message):
     __slots__ = ("num_rows", "pass_s")

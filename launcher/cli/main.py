@@ -279,7 +279,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with session:
         if session.row_costs is not None and options.calibrates_row_costs:  # stderr, so also with --json
-            say(f"row costs calibrated at start-up (sum of {options.num_stages} stages): {ratio_line(session.row_costs)}")
+            head_ms = max((r.exit_head_row_s for r in session.load_responses), default=0.0) * 1e3
+            say(f"row costs calibrated at start-up (sum of {options.num_stages} stages): {ratio_line(session.row_costs)}"
+                + (f"; exit head {head_ms:.2f} ms a row" if head_ms else ""))
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)

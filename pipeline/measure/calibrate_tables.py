@@ -13,8 +13,8 @@ it returns use:
   multi-row passes as measured; row counts no run measured (a FIRP pass's 3 rows) take their
   ratio to one row from a measured row-cost table when one is given (`shaped`: `simulate
   --row-cost file:PATH`, a tests/benchmarks/row_cost.py report);
-- the exit head per item that wants a guess (`want_exit` in the timeline): least squares through
-  the origin of stage-0 slice time less the table's, over those items (replaces the per-batch
+- the exit head per item that wants a guess (`want_exit` in the timeline): the median over
+  stage-0 slices of (slice time less the table's) / those items (replaces the per-batch
   `predictor_s`);
 - per stage, the cost of a FIRP pseudo row, the same way over the FIRP runs' pseudo rows;
 - the exit event's delay: median gap from stage 0 finishing a chain end to it starting the draft
@@ -181,9 +181,9 @@ def run_load_factor(timeline: dict, tables: Sequence[RowCostTable], *, exit_stag
 
 
 def _through_origin(points: Sequence[tuple[float, float]]) -> float:
-    """Least-squares slope through the origin of (x, y) points, clamped at 0 (0 for none)."""
-    den = sum(x * x for x, _ in points)
-    return max(0.0, sum(x * y for x, y in points) / den) if den else 0.0
+    """Slope through the origin of (x > 0, y) points: the median of y / x (robust to the slow
+    passes of a loaded machine, which a least-squares fit follows), clamped at 0 (0 for none)."""
+    return max(0.0, statistics.median(y / x for x, y in points)) if points else 0.0
 
 
 def draft_round_trips_s(timeline: dict, exit_stage: int = 0) -> list[float]:

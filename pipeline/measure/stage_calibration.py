@@ -72,3 +72,21 @@ def calibrate_stage(model: StageModel, *, mode: str, max_rows: int, device: str 
                               reduce=min)
     return RowCostTable(mode=mode, num_rows=rows, pass_s=tuple(max(times[(n, 0)], 1e-9) for n in rows))
 
+
+@torch.inference_mode()
+def time_exit_head(exit_head, *, hidden_size: int, dtype: torch.dtype, device: str = "cpu", num_threads: int = 1,
+                   repeats: int = 5) -> float:
+    """Seconds the exit stage's exit head (pipeline/speculation/predictors.py `ExitHead`) takes on
+    one row, the cost it adds per item that wants a guess (min of `repeats` after a warm-up,
+    through `measure_row_costs`)."""
+    weight_device = torch.device(device)
+    hidden = torch.randn(1, hidden_size, generator=torch.Generator().manual_seed(0)).to(weight_device, dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+
+    def run(num_rows: int, _k: int) -> None:
+        exit_head(hidden[:num_rows])
+        if sync is not None:
+            sync()
+
+    times = measure_row_costs(run, [(1, 0)], repeats=repeats, clock=stage_clock(device, num_threads), reduce=min)
+    return times[(1, 0)]

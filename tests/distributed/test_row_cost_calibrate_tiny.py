@@ -45,6 +45,9 @@ def test_calibrated_row_costs_give_the_tokens_of_no_table(tiny_model_dir: Path, 
     table = session.row_costs
     assert table is not None and table.num_rows[0] == 1 and min(table.pass_s) > 0
     assert all(r.row_costs and r.row_cost_mode == "fp32" and r.calibrate_s > 0 for r in session.load_responses)
+    # the exit stage (stage 0: the logit lens after its last layer) also timed its exit head; no other stage has one
+    assert session.load_responses[0].exit_head_row_s > 0
+    assert all(r.exit_head_row_s == 0 for r in session.load_responses[1:])
     # the pipeline's table is the sum of the stages' (pipeline/measure/row_cost.py [Note: combining stage tables])
     one_row = sum(r.row_costs[0].pass_s for r in session.load_responses)
     assert table.pass_s[0] == pytest.approx(one_row)
