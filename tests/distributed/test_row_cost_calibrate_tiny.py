@@ -18,6 +18,7 @@ from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from pipeline.speculation.sampling import SamplingParams
 from tests.distributed.conftest import full_model, reference_generate, session_options
+from tests.tiny_model import write_firp_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -51,3 +52,16 @@ def test_calibrated_row_costs_give_the_tokens_of_no_table(tiny_model_dir: Path, 
     # the pipeline's table is the sum of the stages' (pipeline/measure/row_cost.py [Note: combining stage tables])
     one_row = sum(r.row_costs[0].pass_s for r in session.load_responses)
     assert table.pass_s[0] == pytest.approx(one_row)
+
+
+def test_calibrated_row_costs_size_firp_chains_without_changing_tokens(tiny_model_dir: Path, tmp_path: Path):
+    model, tokenizer = full_model(tiny_model_dir)
+    reference = reference_generate(model, tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=BUDGET,
+                                                                                       ignore_eos=True))
+    firp = write_firp_file(tiny_model_dir, tmp_path / "firp.safetensors", layer=1, k=3, seed=5)
+    options = session_options(tiny_model_dir, 2, layer_split="2,2", speculate="speed+firp", predictor="logit-lens",
+                              firp_file=str(firp), row_cost="calibrate")
+    tokens, session = _tokens(options, PROMPTS[:1])
+    assert tokens[0] == reference, "FIRP chains sized by the calibrated table changed greedy output"
+    # the stages timed what a FIRP pass may hold: 4 slots x (1 + 3) rows (session_options: max_num_seqs 4)
+    assert session.row_costs.num_rows[-1] == 16
