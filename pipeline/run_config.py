@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from pipeline.engine.records import SchedulerConfig
-from pipeline.measure.row_cost import RowCostTable
+from pipeline.measure.row_cost import RowCostTable, numeric_mode_name
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
 from pipeline.weights.quant import validate_quantization
@@ -65,6 +65,9 @@ class RunConfig:
     firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
     row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
     # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
+    row_cost: str = "none"  # where the row-cost table comes from: none | calibrate (every stage times
+    # itself at start-up) | file:PATH (= row_cost_file PATH); with a table and max_inflight 0, the
+    # run-ahead depth follows it too ([Note: run-ahead depth] in pipeline/measure/row_cost.py)
 
     def __post_init__(self) -> None:
         self._check_shape()
@@ -105,9 +108,15 @@ class RunConfig:
             raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
         if not 0.0 <= self.firp_min_prob <= 1.0:
             raise ValueError(f"firp_min_prob must be in [0, 1], got {self.firp_min_prob}")
-        if self.row_cost_file is not None and not self.row_cost_file.endswith(".json"):
-            raise ValueError(f"row_cost_file must be a .json report of tests/benchmarks/row_cost.py, "
-                             f"got {self.row_cost_file!r}")
+        if self.row_cost not in ("none", "calibrate") and not self.row_cost.startswith("file:"):
+            raise ValueError(f"row_cost must be none, calibrate or file:PATH, got {self.row_cost!r}")
+        if self.row_cost != "none" and self.row_cost_file is not None:
+            raise ValueError(f"row_cost {self.row_cost} and row_cost_file {self.row_cost_file} both name a "
+                             f"row-cost table: give one")
+        path = self.row_cost_path
+        if path is not None and not path.endswith(".json"):
+            what = "row_cost_file" if self.row_cost_file is not None else "row_cost file:PATH"
+            raise ValueError(f"{what} must be a .json report of tests/benchmarks/row_cost.py, got {path!r}")
 
     @property
     def uses_speed(self) -> bool:
@@ -132,12 +141,22 @@ class RunConfig:
         return DraftGate.break_even(self.num_stages) if self.min_acceptance is None else self.min_acceptance
 
     @property
+    def row_cost_path(self) -> str | None:
+        """The row-cost report to read (`row_cost` file:PATH or `row_cost_file`), or None."""
+        if self.row_cost.startswith("file:"):
+            return self.row_cost[len("file:"):]
+        return self.row_cost_file
+
+    @property
+    def calibrates_row_costs(self) -> bool:
+        """Every stage times its own passes at start-up (`row_cost` calibrate)."""
+        return self.row_cost == "calibrate"
+
+    @property
     def row_cost_mode(self) -> str:
         """The numeric mode's name in a row_cost.py report: fp32 / bf16 / fp16 for dense weights,
         else the quantization (int8, int4, auto)."""
-        if self.quantization != "none":
-            return self.quantization
-        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+        return numeric_mode_name(dtype=self.dtype, quantization=self.quantization)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -154,7 +173,8 @@ class RunConfig:
             num_stages=self.num_stages, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
             min_acceptance=self.draft_min_acceptance, firp_k=firp_k, firp_min_prob=self.firp_min_prob,
-            row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight)
+            row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight,
+            run_ahead_from_table=self.max_inflight == 0 and (self.calibrates_row_costs or self.row_cost_path is not None))
 
 
 def check_prompt_length(*, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int,

@@ -29,6 +29,8 @@ import psutil
 import torch
 
 from pipeline.engine.stage_executor import StageExecutor
+from pipeline.measure.row_cost import numeric_mode_name, ratio_line
+from pipeline.measure.stage_calibration import calibrate_stage, time_exit_head
 from pipeline.model.stage_assembly import StageLoadSpec, assemble_stage
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
@@ -84,13 +86,31 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 names = self._load_model(spec)
             except (ValueError, FileNotFoundError, OSError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.stage_index}: {exc}")
+            calibration = self._calibrate(spec) if spec.calibrate_max_rows else {}
             self._join_data_plane(spec)
             self.spec = spec
             log.info("[Stage %d] loaded layers %s (%.1f MB) in %.2f s", spec.stage_index, spec.layer_range,
                      self.weights_bytes / 2**20, time.perf_counter() - start)
             return pb.LoadStageResponse(weights_bytes=self.weights_bytes,
                                         num_parameters=sum(p.numel() for p in self.executor.model.parameters()),
-                                        load_s=time.perf_counter() - start, tensor_names=names)
+                                        load_s=time.perf_counter() - start, tensor_names=names, **calibration)
+
+    def _calibrate(self, spec: StageLoadSpec) -> dict:
+        """Time this stage's passes of 1.. rows (pipeline/measure/stage_calibration.py); the
+        LoadStageResponse fields that report them."""
+        start = time.perf_counter()
+        mode = numeric_mode_name(dtype=spec.dtype, quantization=spec.quantization)
+        table = calibrate_stage(self.executor.model, mode=mode, max_rows=spec.calibrate_max_rows, device=spec.device,
+                                num_threads=spec.num_threads)
+        head = self.executor.exit_head
+        head_s = 0.0 if head is None else time_exit_head(head, hidden_size=self.executor.model.config.hidden_size,
+                                                         dtype=next(iter(head.parameters())).dtype,
+                                                         device=spec.device, num_threads=spec.num_threads)
+        took = time.perf_counter() - start
+        log.info("[Stage %d] row costs in %.2f s: %s; exit head %.2f ms a row", spec.stage_index, took,
+                 ratio_line(table), head_s * 1e3)
+        return {"row_costs": [pb.RowCost(num_rows=n, pass_s=s) for n, s in zip(table.num_rows, table.pass_s, strict=True)],
+                "row_cost_mode": mode, "calibrate_s": took, "exit_head_row_s": head_s}
 
     def _load_model(self, spec: StageLoadSpec) -> list[str]:
         """Build this stage from its spec (pipeline/model/stage_assembly.py); returns the tensor names read."""

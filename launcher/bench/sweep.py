@@ -79,7 +79,7 @@ class BenchConfig:
 
     @property
     def name(self) -> str:
-        spec = f"speed-{self.predictor}" if self.speculate != "none" else "none"
+        spec = {"none": "none", "firp": "firp"}.get(self.speculate, f"{self.speculate}-{self.predictor}")
         return f"s{self.stages}-{spec}-c{self.concurrency}"
 
 
@@ -118,7 +118,7 @@ def sweep_configs(args: argparse.Namespace) -> tuple[list[BenchConfig], list[str
             note = f"skipped --stages {s} with --speculate {mode} (speculation needs >= 2 stages)"
             notes += [note] if note not in notes else []
             continue
-        for pred in predictors if mode != "none" else ["-"]:
+        for pred in predictors if mode not in ("none", "firp") else ["-"]:  # firp drafts without a predictor
             configs.append(BenchConfig(s, mode, pred, c))
     if not configs:
         raise ValueError("the sweep has no runnable configuration: " + "; ".join(notes))
@@ -254,7 +254,7 @@ def _session_options(args: argparse.Namespace, configs: list[BenchConfig], promp
     options = {}
     for s, mode, pred in dict.fromkeys(c.group for c in configs):
         options[(s, mode, pred)] = dict(base, num_stages=s, speculate=mode,
-                                        predictor=pred if mode != "none" else "hybrid")
+                                        predictor=pred if pred != "-" else "hybrid")
         model = resolve(PipelineOptions(**options[(s, mode, pred)], progress=False))
     longest = max(len(model.tokenizer.encode(p)) for p in prompts)
     check_prompt_length(num_prompt_tokens=longest, max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len,

@@ -36,6 +36,7 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
+from pipeline.measure.row_cost import ratio_line
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.quant import QUANTIZATION_CHOICES
@@ -87,7 +88,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
                    "(default: the last layer of stage 0)")
     g.add_argument("--max-inflight", type=int, default=0,
-                   help="items of one sequence in flight at once (default: number of stages)")
+                   help="items of one sequence in flight at once (default 0: chosen from the row-cost table and the "
+                   "measured acceptance with --row-cost, else the number of stages)")
     g.add_argument("--min-acceptance", default="auto",
                    help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
                    "often; 'auto' = break-even 1/stages, 0 = always draft (default auto)")
@@ -241,7 +243,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file,
+        exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,
         max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance),
         placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
         firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob)
@@ -276,6 +278,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
             say(model.predictor_note)
     start = time.perf_counter()
     with session:
+        if session.row_costs is not None and options.calibrates_row_costs:  # stderr, so also with --json
+            head_ms = max((r.exit_head_row_s for r in session.load_responses), default=0.0) * 1e3
+            say(f"row costs calibrated at start-up (sum of {options.num_stages} stages): {ratio_line(session.row_costs)}"
+                + (f"; exit head {head_ms:.2f} ms a row" if head_ms else ""))
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)

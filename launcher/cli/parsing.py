@@ -29,7 +29,7 @@ class UsageError(ValueError):
 SHORT_HELP_GROUPS = ("placement", "serving (OpenAI-compatible HTTP and gRPC)")
 # Flags of other groups that only `--help-all` lists (speculation tuning, rarely needed knobs).
 ADVANCED_DESTS = frozenset({
-    "firp_k", "firp_file", "firp_min_prob", "row_cost_file", "exit_predictor", "exit_layer", "max_inflight", "min_acceptance",
+    "firp_k", "firp_file", "firp_min_prob", "row_cost", "row_cost_file", "exit_predictor", "exit_layer", "max_inflight", "min_acceptance",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
     "stage_memory_gib", "max_stage_restarts", "restart_window_s",
 })
@@ -174,10 +174,17 @@ def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
 
 
 def add_row_cost_flag(group: argparse._ArgumentGroup) -> None:
-    """`--row-cost-file` ([Note: row-cost-driven chains] in pipeline/engine/row_budget.py)."""
-    group.add_argument("--row-cost-file", metavar="PATH", help="a tests/benchmarks/row_cost.py JSON report: FIRP "
-                       "chain lengths follow its table for this --quantization/--dtype and the measured "
-                       "acceptance (default: fixed --firp-k chains)")
+    """`--row-cost` and its older spelling `--row-cost-file PATH` (= `--row-cost file:PATH`)
+    ([Note: row-cost-driven chains] in pipeline/engine/row_budget.py, [Note: run-ahead depth] in
+    pipeline/measure/row_cost.py)."""
+    group.add_argument("--row-cost", default="none", metavar="none|calibrate|file:PATH",
+                       help="where the cost of a pass by its number of rows comes from: calibrate = every stage "
+                       "times its own 1..N-row passes at start-up (about a second); file:PATH = a "
+                       "tests/benchmarks/row_cost.py JSON report. With a table, FIRP chain lengths and the SPEED "
+                       "run-ahead depth (unless --max-inflight is given) follow it and the measured acceptance "
+                       "(default none: fixed --firp-k chains, run-ahead = --stages)")
+    group.add_argument("--row-cost-file", metavar="PATH", help="the same as --row-cost file:PATH (kept for "
+                       "existing scripts)")
 
 
 def min_acceptance_arg(text: str) -> float | None:

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes
+from pipeline.measure.calibrate_tables import run_load_factor
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.measure.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 from pipeline.run_config import RunConfig
 
@@ -39,6 +41,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cost model (without --calibrate)")
     c.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
                    "and report predicted vs measured tokens/s of each of its configurations")
+    c.add_argument("--row-cost", default="none", metavar="none|file:PATH", help="with --calibrate: a "
+                   "tests/benchmarks/row_cost.py report whose table (--dtype's mode) prices the row counts the "
+                   "measured runs did not have (default none: interpolated between them)")
+    c.add_argument("--dtype", default="float32", help="with --row-cost: the runs' dtype (default float32)")
     c.add_argument("--replay", action="store_true", help="with --calibrate: replay each run's recorded draft "
                    "outcomes instead of Bernoulli draws at its measured acceptance")
     c.add_argument("--model-ms", type=float, default=60.0, help="whole-model compute per token row, ms (default 60)")
@@ -84,7 +90,8 @@ def load_bench_runs(path: str | Path) -> list[dict]:
             for run in cfg["runs"]:
                 tl = json.loads((path.parent / run["timeline"]).read_text())
                 exit_head = (cfg["speculate"] != "none"  # a run without speculation records predictor "-"
-                             and RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"]).needs_exit_head)
+                             and RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"] if cfg["predictor"] != "-"
+                                           else "hybrid").needs_exit_head)
                 runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
                              "exit_head": exit_head,
                              "concurrency": cfg["concurrency"], "stats": run["stats"],
@@ -96,28 +103,52 @@ def load_bench_runs(path: str | Path) -> list[dict]:
     return runs
 
 
-def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int = 0) -> float:
+def row_shape_arg(args: argparse.Namespace) -> RowCostTable | None:
+    """The table of `--row-cost file:PATH` for --dtype's mode, or None. Raises ValueError."""
+    if args.row_cost == "none":
+        return None
+    if not args.row_cost.startswith("file:"):
+        raise ValueError(f"--row-cost must be none or file:PATH, got {args.row_cost!r}")
+    path = args.row_cost[len("file:"):]
+    try:
+        return RowCostTable.load(path, RunConfig(dtype=args.dtype).row_cost_mode)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--row-cost {args.row_cost}: {exc}") from None
+
+
+def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int = 0, at_run_load: bool = False) -> float:
     """Simulated tokens/s of one measured run: same stages, prompt lengths (from its prefill items),
-    tokens per sequence, speculation and acceptance."""
+    tokens per sequence, speculation and acceptance (SPEED's, and FIRP's chain length and
+    acceptance); at_run_load: compute costs scaled by the run's own load (`run_load_factor`)."""
     prompt_lens = {}
     for s in run["timeline"]["slices"]:
         for it in s["items"]:
             if it["kind"] == "prefill":
                 prompt_lens[it["seq_id"]] = it["positions"][1]
     lens = tuple(prompt_lens[k] for k in sorted(prompt_lens)) or (16,) * run["concurrency"]
-    spec = run["speculate"] != "none"
+    spec = run["speculate"] in ("speed", "speed+firp")
+    stats = run["stats"]
     acceptance = None
     if spec:
         outcomes = draft_outcomes(run["timeline"])
-        acceptance = Replay(outcomes) if replay and outcomes else Bernoulli(run["stats"]["acceptance_rate"], seed=seed)
+        acceptance = Replay(outcomes) if replay and outcomes else Bernoulli(stats["acceptance_rate"], seed=seed)
+    firp_k = 0
+    if "firp" in run["speculate"]:  # the chain length the run used: its longest FIRP item's drafts
+        firp_k = max((it["positions"][1] - it["positions"][0] - 1 for s in run["timeline"]["slices"]
+                      for it in s["items"] if it["kind"] == "firp"), default=0)
+    firp_alpha = stats.get("firp_accepted", 0) / stats["firp_verified"] if stats.get("firp_verified") else 0.0
     cfg = SimConfig(num_stages=run["num_stages"], prompt_lens=lens, max_new_tokens=max(run["num_tokens"]),
-                    speculate=spec, exit_head=run.get("exit_head", True))
+                    speculate=spec, exit_head=run.get("exit_head", True), firp_k=max(0, firp_k), firp_alpha=firp_alpha)
     cost = cal.cost_model(run["num_stages"])
+    if at_run_load and cal.stage_tables:
+        cost = cost.scaled(run_load_factor(run["timeline"], cal.stage_tables[run["num_stages"]]))
     return Simulator(cfg, cost, acceptance=acceptance, record_timeline=False).run().tokens_per_s
 
 
 def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = False, seed: int = 0) -> list[dict]:
-    """Per measured configuration: median measured and predicted tokens/s over its runs, and the error."""
+    """Per measured configuration: median measured and predicted tokens/s over its runs, and the
+    error; also predicted at each run's own load (`at_run_load_*`: [Note: table calibration] in
+    pipeline/measure/calibrate.py) and the runs' median load."""
     by_cfg: dict[str, list[dict]] = {}
     for r in runs:
         by_cfg.setdefault(r["config"], []).append(r)
@@ -125,8 +156,12 @@ def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = Fals
     for name, rs in by_cfg.items():
         measured = statistics.median(r["stats"]["tokens_per_s"] for r in rs)
         predicted = statistics.median(predict_run(cal, r, replay=replay, seed=seed) for r in rs)
+        at_load = statistics.median(r["stats"]["tokens_per_s"] / predict_run(cal, r, replay=replay, seed=seed,
+                                                                              at_run_load=True) for r in rs)
+        loads = [run_load_factor(r["timeline"], cal.stage_tables[r["num_stages"]]) for r in rs] if cal.stage_tables else [1.0]
         rows.append({"config": name, "measured_tokens_per_s": round(measured, 3),
-                     "predicted_tokens_per_s": round(predicted, 3), "error": round(predicted / measured - 1, 4)})
+                     "predicted_tokens_per_s": round(predicted, 3), "error": round(predicted / measured - 1, 4),
+                     "at_run_load_error": round(1 / at_load - 1, 4), "run_load": round(statistics.median(loads), 3)})
     return rows
 
 
@@ -174,7 +209,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cal, checks = None, []
     if args.calibrate:
         runs = load_bench_runs(args.calibrate)
-        cal = calibrate(runs)
+        cal = calibrate(runs, row_shape=row_shape_arg(args))
         checks = check_calibration(cal, runs, replay=args.replay, seed=args.seed)
     elif args.replay:
         raise ValueError("--replay needs --calibrate RESULTS_JSON (the recorded draft outcomes)")
@@ -193,7 +228,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         w.writerows(rows)
     for row in checks:
         print(f"{row['config']:<24} measured {row['measured_tokens_per_s']:8.2f} tokens/s, predicted "
-              f"{row['predicted_tokens_per_s']:8.2f} ({row['error']:+.1%})")
+              f"{row['predicted_tokens_per_s']:8.2f} ({row['error']:+.1%}); at each run's load "
+              f"(median {row['run_load']:.2f}x) {row['at_run_load_error']:+.1%}")
     print(f"[speedpipe] simulate: {len(rows)} simulated configurations in {out}/simulate.json, simulate.csv"
           + (", plots/*.png" if plots else ""), file=sys.stderr)
     return 0

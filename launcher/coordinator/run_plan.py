@@ -180,11 +180,11 @@ def resolve(options: PipelineOptions) -> RunPlan:
                                        model_dir=model_dir, config=config, exit_layer=exit_layer)
     firp = resolve_firp(options, model_dir, config, exit_layer) if options.uses_firp else None
     row_costs = None
-    if options.row_cost_file is not None:
+    if options.row_cost_path is not None:
         try:
-            row_costs = RowCostTable.load(options.row_cost_file, options.row_cost_mode)
+            row_costs = RowCostTable.load(options.row_cost_path, options.row_cost_mode)
         except (OSError, ValueError, KeyError) as err:  # a missing file, bad JSON, no table for the mode
-            raise ValueError(f"row_cost_file {options.row_cost_file}: {err}") from None
+            raise ValueError(f"row_cost file {options.row_cost_path}: {err}") from None
     return RunPlan(model_dir, config, Tokenizer(model_dir), ranges, exit_layer, firp,
                    exit_predictor=choice.file_bytes if choice else b"", predictor_note=choice.note if choice else "",
                    row_costs=row_costs)

@@ -13,6 +13,8 @@ Must not: parse command lines (launcher/cli/main.py) or format output.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 
 from launcher.backends.local import LocalStageBackend
 from launcher.backends.placement import StageBackend
@@ -23,6 +25,8 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import RunPlan
 from launcher.coordinator.stage_failover import StageFailover
 from launcher.coordinator.stage_restarts import RestartBudget, RestartLedger
+from pipeline.measure.row_cost import RowCostTable, combine_stage_tables, firp_pass_rows
+from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS
 from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.speculation.predictors import Predictor
 from proto import speedpipe_pb2 as pb
@@ -45,12 +49,21 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
         record_timeline=options.record_timeline)
 
 
+def calibration_max_rows(options: PipelineOptions, plan: RunPlan) -> int:
+    """The most rows the scheduler could send one stage in a pass: every sequence's item of 1 + k
+    rows, or one FIRP verify pass in row equivalents (at most 32, pipeline/measure/stage_calibration.py)."""
+    k = plan.firp.k if plan.firp else 0
+    return min(MAX_CALIBRATION_ROWS, max(options.max_num_seqs * (1 + k), math.ceil(firp_pass_rows(k))))
+
+
 def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: str,
-                     master_port: int) -> list[StageLoadSpec]:
+                     master_port: int, calibrate: bool = False) -> list[StageLoadSpec]:
     """Each stage's view of the run, in stage order: its layers and limits, whether the pipeline
     runs an exit head (exit_layer, -1 for none) and, for the stages that hold them, the exit
-    head's and the FIRP maps' files."""
+    head's and the FIRP maps' files. calibrate: every stage times its passes after loading
+    (`--row-cost calibrate`; only at start-up, not when fail-over reloads a stage)."""
     firp = plan.firp
+    calibrate_rows = calibration_max_rows(options, plan) if calibrate else 0
     return [StageLoadSpec(
         model_dir=str(plan.model_dir), stage_index=i, num_stages=options.num_stages, layer_range=r,
         dtype=options.dtype, device=options.device, max_num_seqs=options.max_num_seqs,
@@ -59,8 +72,23 @@ def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: st
         exit_layer=plan.exit_layer if options.needs_exit_head else -1,
         exit_predictor=plan.exit_predictor if options.needs_exit_head and i == plan.exit_stage else b"",
         firp_layer=firp.layer if firp else -1, firp_k=firp.k if firp else 0,
-        firp_file=firp.file_bytes if firp and firp.layer in r else b"", quantization=options.quantization)
+        firp_file=firp.file_bytes if firp and firp.layer in r else b"", quantization=options.quantization,
+        calibrate_max_rows=calibrate_rows)
         for i, r in enumerate(plan.ranges)]
+
+
+def calibrated_table(responses: Sequence[pb.LoadStageResponse]) -> RowCostTable:
+    """The pipeline's row-cost table from the stages' calibrations in their Load responses
+    ([Note: combining stage tables] in pipeline/measure/row_cost.py). Raises PipelineError when a
+    stage reported none or a malformed one."""
+    tables = []
+    for i, r in enumerate(responses):
+        try:
+            tables.append(RowCostTable(mode=r.row_cost_mode, num_rows=tuple(c.num_rows for c in r.row_costs),
+                                       pass_s=tuple(c.pass_s for c in r.row_costs)))
+        except ValueError as exc:
+            raise PipelineError(f"stage {i} reported no usable row-cost calibration: {exc}") from None
+    return combine_stage_tables(tables)
 
 
 class PipelineSession:
@@ -87,6 +115,7 @@ class PipelineSession:
         self.backend: StageBackend | None = None
         self.coordinator: Coordinator | None = None
         self.load_responses = []
+        self.row_costs = model.row_costs  # the table rows are priced with (--row-cost); None: fixed choices
         self.control_secret = new_secret()  # [Note: control-plane secret] in workers/control_auth.py
 
     def __enter__(self) -> PipelineSession:
@@ -150,8 +179,11 @@ class PipelineSession:
                                        m.tokenizer, addresses, predictor=self.predictor,
                                        control_secret=self.control_secret, tls=self.tls)
         self.backend.watch(self._on_stage_death(0))
-        specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port)
+        specs = stage_load_specs(opt, m, master_addr=master_addr, master_port=port, calibrate=opt.calibrates_row_costs)
         self.load_responses = self.coordinator.start(specs)
+        if opt.calibrates_row_costs:
+            self.row_costs = calibrated_table(self.load_responses)
+            self.coordinator.engine.use_row_costs(self.row_costs)
         self._check_health()
         self.coordinator.failover = self._failover(master_addr)
 

@@ -46,6 +46,7 @@ from pipeline.engine.events import (
 )
 from pipeline.engine.records import Commit, MicroBatch, SchedulerConfig, SpecCounters
 from pipeline.engine.scheduler import Scheduler
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.measure.timeline import Timeline
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import Predictor
@@ -91,6 +92,12 @@ class Engine:
             self._inflight.append(batch)
             sends.append(batch.items)
         return StepOutput(sends=sends, commits=commits, releases=releases, forgotten=forgotten)
+
+    def use_row_costs(self, table: RowCostTable) -> None:
+        """Price rows with `table` from now on: FIRP chains and the run-ahead depth follow it (a
+        start-up calibration, `--row-cost calibrate`, arrives after the engine exists; call it
+        before the first Submit)."""
+        self._scheduler.rows.use_table(table)
 
     @property
     def spec(self) -> SpecCounters:

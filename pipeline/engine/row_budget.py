@@ -6,7 +6,9 @@ Owns, split out of pipeline/engine/scheduler.py (which asks them): `RowBudget` (
 (which FIRP drafts a result leaves for the next item, [Note: FIRP policy] in
 pipeline/speculation/firp.py) and `wants_exit` (whether the exit stage runs its head on an item).
 Must not: form micro-batches, commit tokens, or measure anything itself (the table comes from
-tests/benchmarks/row_cost.py via `--row-cost-file`; pipeline/measure/row_cost.py owns the rule).
+tests/benchmarks/row_cost.py via `--row-cost file:PATH`, or from the stages' start-up
+calibration, `--row-cost calibrate`; pipeline/measure/row_cost.py owns the rules), including the
+SPEED run-ahead depth (`RowBudget.run_ahead`, [Note: run-ahead depth] in pipeline/measure/row_cost.py).
 
 [Note: row-cost-driven chains]
 Without a row-cost table every item asks for chains of `firp_k` rows (the run's fixed choice).
@@ -47,14 +49,16 @@ from __future__ import annotations
 
 import itertools
 
-from pipeline.engine.records import SchedulerConfig, SequenceState
-from pipeline.measure.row_cost import RowCostTable, best_firp_k
+from pipeline.engine.records import SchedulerConfig, SequenceState, SpecCounters
+from pipeline.measure.row_cost import RowCostTable, best_firp_k, best_run_ahead
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import Predictor
 
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance of a depth before any measurement
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
 EXPLORE_EVERY = 16  # every n-th item asks for one depth more than the rule chose
+RUN_AHEAD_PRIOR_WEIGHT = 8.0  # pseudo-trials behind the run-ahead prior: two early misses must not end
+# run-ahead for a whole run (the draft gate already refuses unlikely drafts one by one)
 
 
 class RowBudget:
@@ -73,6 +77,8 @@ class RowBudget:
         self.accepted = [0] * max_firp_k
         self._chosen = max_firp_k if row_costs is None else self._choose()
         self._asked = 0
+        self._asked_run_ahead = 0
+        self.run_ahead_depth = 0  # the last table-driven run-ahead depth (0: none chosen yet)
 
     def acceptance(self) -> list[float]:
         """Smoothed conditional acceptance of every draft depth 1..max_firp_k ([Note: row-cost-driven chains])."""
@@ -81,6 +87,33 @@ class RowBudget:
 
     def _choose(self) -> int:
         return best_firp_k(self.row_costs, self.acceptance(), max_k=self.max_firp_k, pseudo_weight=self.pseudo_weight)
+
+    def use_table(self, row_costs: RowCostTable) -> None:
+        """Price rows with `row_costs` from now on (a start-up calibration arrives after the scheduler exists)."""
+        self.row_costs = row_costs
+        self._chosen = self._choose()
+
+    def run_ahead(self, config: SchedulerConfig, spec: SpecCounters, *, shared_rows: int) -> int:
+        """Items of one sequence allowed in flight now ([Note: run-ahead depth] in
+        pipeline/measure/row_cost.py): `config.max_inflight`, unless the run asked for a table-driven
+        depth and has a table; then `best_run_ahead` at the SPEED acceptance measured so far
+        (smoothed toward PRIOR_ACCEPTANCE with RUN_AHEAD_PRIOR_WEIGHT pseudo-trials), at most
+        max_inflight. When that is 1 (no run-ahead), every EXPLORE_EVERY-th ask allows 2, so
+        acceptance keeps being measured and depth can grow back.
+        shared_rows: rows of other sequences a draft's pass would carry."""
+        if not config.run_ahead_from_table or self.row_costs is None or config.max_inflight < 2:
+            return config.max_inflight
+        verified = spec.verified_drafts - spec.firp_verified
+        accepted = spec.accepted_tokens - spec.firp_accepted
+        alpha = (accepted + PRIOR_ACCEPTANCE * RUN_AHEAD_PRIOR_WEIGHT) / (verified + RUN_AHEAD_PRIOR_WEIGHT)
+        depth = best_run_ahead(self.row_costs, min(1.0, max(0.0, alpha)), num_stages=config.num_stages,
+                               max_depth=config.max_inflight, shared_rows=shared_rows)
+        self.run_ahead_depth = depth
+        if depth == 1:
+            self._asked_run_ahead += 1
+            if self._asked_run_ahead % EXPLORE_EVERY == 0:
+                return 2
+        return depth
 
     @property
     def chosen_k(self) -> int:

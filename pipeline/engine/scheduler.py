@@ -243,7 +243,8 @@ class Scheduler:
             if seq.exit_seen is None or seq.exit_seen[:2] != (end.last_position, end.epoch):
                 return
             guess = seq.exit_seen[2]
-        if not seq.ledger.can_draft_after(end.last_position, end.epoch, max_inflight=self.config.max_inflight):
+        depth = self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1)  # row_budget.py
+        if not seq.ledger.can_draft_after(end.last_position, end.epoch, max_inflight=depth):
             return
         draft = self.predictor.propose(seq.context(), guess)
         if draft is None:

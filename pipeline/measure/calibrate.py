@@ -10,6 +10,8 @@ time with speculation less without); and the contention between stages computing
 (one-token time with every stage busy over the time alone). Stage costs come from one-sequence
 runs where there are any, so they are uncontended. Also the recorded draft outcomes, for replayed acceptance.
 Pure: dicts in, `CostModel`s out.
+
+The table-driven terms of the cost model: [Note: table calibration] in pipeline/measure/calibrate_tables.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import dataclasses
 import statistics
 from collections.abc import Iterable, Sequence
 
-from pipeline.measure.simulator import CostModel
+from pipeline.measure.calibrate_tables import num_tokens as _num_tokens
+from pipeline.measure.calibrate_tables import with_tables
+from pipeline.measure.cost_model import CostModel
+from pipeline.measure.row_cost import RowCostTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +33,6 @@ class StageFit:
 
     base_s: float
     per_token_s: float
-
-
-def _num_tokens(slice_: dict) -> int:
-    return sum(it["positions"][1] - it["positions"][0] for it in slice_["items"])
 
 
 def fit_stages(timelines: Iterable[dict], num_stages: int) -> list[StageFit]:
@@ -73,7 +74,7 @@ def hop_latency_s(timelines: Iterable[dict]) -> float | None:
                 busy_until = max((e for e in last_end[stage + 1] if e <= nxt["start_ns"]), default=0)
                 if busy_until <= s["end_ns"]:  # the next stage was idle when the hand-over began
                     gaps.append((nxt["start_ns"] - s["end_ns"]) / 1e9)
-    return statistics.median(gaps) if gaps else None
+    return statistics.fmean(gaps) if gaps else None
 
 
 def ring_turnaround_s(timelines: Iterable[dict]) -> float | None:
@@ -93,7 +94,7 @@ def ring_turnaround_s(timelines: Iterable[dict]) -> float | None:
         for a, b in zip(order, order[1:], strict=False):
             if last in batches[a] and 0 in batches[b]:
                 gaps.append((batches[b][0]["start_ns"] - batches[a][last]["end_ns"]) / 1e9)
-    return statistics.median(gaps) if gaps else None
+    return statistics.fmean(gaps) if gaps else None
 
 
 def draft_outcomes(timeline: dict) -> list[bool]:
@@ -121,29 +122,63 @@ def draft_outcomes(timeline: dict) -> list[bool]:
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """Costs fitted from a measured sweep: stage fits per measured stage count, hop latency,
-    coordinator turnaround and exit-head cost, all in seconds."""
+    coordinator turnaround and exit-head cost, all in seconds; with stage_tables, the terms of
+    [Note: table calibration] (per measured stage count: a row-cost table and a pseudo-row cost per stage)."""
 
     stage_fits: dict[int, list[StageFit]]
     hop_latency_s: float
     coordinator_s: float
     predictor_s: float
     contention: float = 0.0
+    stage_tables: dict[int, list[RowCostTable]] = dataclasses.field(default_factory=dict)
+    pseudo_row_s: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    exit_row_s: float = 0.0
+    exit_event_s: float | None = None
 
     def cost_model(self, num_stages: int) -> CostModel:
-        """The measured stage costs for a measured stage count; otherwise scaled (see `scaled_fits`)
-        with no contention: the measured contention is between stages sharing this host's CPUs and
-        memory, while an unmeasured stage count stands for one device per stage."""
+        """The measured stage costs for a measured stage count; otherwise scaled (see `scaled_fits`,
+        `scaled_tables`) with no contention: the measured contention is between stages sharing this
+        host's CPUs and memory, while an unmeasured stage count stands for one device per stage."""
         measured = num_stages in self.stage_fits
         fits = self.stage_fits[num_stages] if measured else scaled_fits(self.stage_fits, num_stages)
+        tables, pseudo = (), ()
+        if self.stage_tables:
+            tables = tuple(self.stage_tables[num_stages] if measured else scaled_tables(self.stage_tables, num_stages))
+            pseudo = tuple(self.pseudo_row_s.get(num_stages) or _spread(self.pseudo_row_s, num_stages))
         return CostModel(stage_base_s=tuple(max(0.0, f.base_s - f.per_token_s) for f in fits),
-                         stage_per_token_s=tuple(f.per_token_s for f in fits),
-                         hop_latency_s=self.hop_latency_s, coordinator_s=self.coordinator_s,
-                         predictor_s=self.predictor_s, contention=self.contention if measured else 0.0)
+                         stage_per_token_s=tuple(f.per_token_s for f in fits), stage_tables=tables,
+                         pseudo_row_s=pseudo, hop_latency_s=self.hop_latency_s, coordinator_s=self.coordinator_s,
+                         predictor_s=self.predictor_s, exit_row_s=self.exit_row_s, exit_event_s=self.exit_event_s,
+                         contention=self.contention if measured else 0.0)
 
     def to_json(self) -> dict:
         return {"stage_fits": {str(k): [dataclasses.asdict(f) for f in v] for k, v in self.stage_fits.items()},
                 "hop_latency_s": self.hop_latency_s, "coordinator_s": self.coordinator_s,
-                "predictor_s": self.predictor_s, "contention": self.contention}
+                "predictor_s": self.predictor_s, "contention": self.contention,
+                "stage_tables": {str(k): [t.to_json() for t in v] for k, v in self.stage_tables.items()},
+                "pseudo_row_s": {str(k): v for k, v in self.pseudo_row_s.items()},
+                "exit_row_s": self.exit_row_s, "exit_event_s": self.exit_event_s}
+
+
+def scaled_tables(tables: dict[int, list[RowCostTable]], num_stages: int) -> list[RowCostTable]:
+    """Row-cost tables for an unmeasured stage count, as `scaled_fits`: at every row count, the
+    smallest measured count's total split evenly, plus the per-stage overhead (slope of the 1-row
+    totals over the measured counts, clamped at 0)."""
+    counts = sorted(tables)
+    rows = sorted({n for t in tables[counts[0]] for n in t.num_rows})
+    one = {s: sum(t.cost_s(1) for t in tables[s]) for s in counts}
+    overhead = max(0.0, (one[counts[-1]] - one[counts[0]]) / (counts[-1] - counts[0])) if len(counts) >= 2 else 0.0
+    per_stage = [max(1e-9, (sum(t.cost_s(n) for t in tables[counts[0]]) - counts[0] * overhead) / num_stages + overhead)
+                 for n in rows]
+    return [RowCostTable(mode="fitted", num_rows=tuple(rows), pass_s=tuple(per_stage))] * num_stages
+
+
+def _spread(per_count: dict[int, list[float]], num_stages: int) -> list[float]:
+    """A per-stage cost of an unmeasured stage count: a measured count's total, split evenly."""
+    if not per_count:
+        return []
+    measured = per_count[max(per_count)]
+    return [sum(measured) / num_stages] * num_stages
 
 
 def scaled_fits(stage_fits: dict[int, list[StageFit]], num_stages: int) -> list[StageFit]:
@@ -160,10 +195,12 @@ def scaled_fits(stage_fits: dict[int, list[StageFit]], num_stages: int) -> list[
     return [StageFit(compute / num_stages + overhead, per_tok[counts[0]] / num_stages)] * num_stages
 
 
-def calibrate(runs: Sequence[dict]) -> Calibration:
+def calibrate(runs: Sequence[dict], *, row_shape: RowCostTable | None = None) -> Calibration:
     """Fit from measured runs: [{"num_stages", "speculate", "timeline", optional "concurrency" and
     "exit_head" (whether its predictor ran an exit head)}]. The exit head's cost comes from stage-0
-    slices that ran while no other stage computed. Raises ValueError if no run has decode slices."""
+    slices that ran while no other stage computed. row_shape: a measured row-cost table (row_cost.py,
+    `--row-cost calibrate`) whose ratios price the row counts the runs did not measure
+    ([Note: table calibration]). Raises ValueError if no run has decode slices."""
     if not runs:
         raise ValueError("calibration needs at least one measured run")
     plain = [r for r in runs if r["speculate"] == "none"] or list(runs)
@@ -182,7 +219,8 @@ def calibrate(runs: Sequence[dict]) -> Calibration:
             ones = [d for d, n, alone in _stage_slices(r["timeline"], 0) if n == 1 and alone]
             if ones:
                 extra.append(statistics.median(ones) - fits[r["num_stages"]][0].base_s)
-    return Calibration(fits, hop, coordinator, max(0.0, statistics.median(extra)) if extra else 0.0, contention)
+    cal = Calibration(fits, hop, coordinator, max(0.0, statistics.median(extra)) if extra else 0.0, contention)
+    return with_tables(cal, runs, row_shape=row_shape)
 
 
 def _stage_slices(timeline: dict, stage: int) -> list[tuple[float, int, bool]]:

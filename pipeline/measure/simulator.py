@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import math
 import random
 from collections.abc import Sequence
 
@@ -33,6 +32,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.events import Event, ExitPassed, Result, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.stage_executor import admit_epochs
+from pipeline.measure.cost_model import CostModel  # noqa: F401 - re-exported: the simulator's cost model
 from pipeline.measure.timeline import StageTiming, Timeline
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import Draft, ExitGuess
@@ -44,58 +44,6 @@ SIM_VOCAB = 50_000
 def true_token(seq_id: int, position: int) -> int:
     """The simulated model's token at `position` of sequence `seq_id`, in [3, SIM_VOCAB)."""
     return 3 + (seq_id * 1_000_003 + position * 7_919) % (SIM_VOCAB - 3)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """Simulated costs, all in seconds.
-
-    stage_base_s / stage_per_token_s: compute time of stage i on a micro-batch of n token rows is
-        stage_base_s[i] + n * stage_per_token_s[i] (one entry per stage).
-    hop_latency_s, hop_bandwidth_bytes_per_s, bytes_per_token: each hop (coordinator -> stage 0,
-        stage i -> i + 1, last stage -> coordinator, exit stage -> coordinator) takes the latency;
-        hops between stages, which carry n rows of hidden state, also n * bytes_per_token / bandwidth.
-    coordinator_s: the coordinator's turnaround per result (verify, commit, next send); the
-        coordinator is one thread, so results queue for it.
-    predictor_s: extra compute on the exit stage for a micro-batch with non-prefill items that want
-        the exit head (`Item.want_exit`) when speculating.
-    contention: slow-down of a stage's compute per other stage computing when it starts (shared
-        memory bandwidth or CPUs): time x (1 + contention * others busy).
-    Raises ValueError on negative costs or mismatched lengths.
-    """
-
-    stage_base_s: tuple[float, ...]
-    stage_per_token_s: tuple[float, ...]
-    hop_latency_s: float = 0.0
-    hop_bandwidth_bytes_per_s: float = math.inf
-    bytes_per_token: int = 0
-    coordinator_s: float = 0.0
-    predictor_s: float = 0.0
-    contention: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.stage_base_s or len(self.stage_base_s) != len(self.stage_per_token_s):
-            raise ValueError(f"cost model: {len(self.stage_base_s)} base costs for {len(self.stage_per_token_s)} "
-                             "per-token costs (need one of each per stage, at least one stage)")
-        values = (*self.stage_base_s, *self.stage_per_token_s, self.hop_latency_s, self.coordinator_s,
-                  self.predictor_s, self.bytes_per_token, self.contention)
-        if any(v < 0 for v in values) or self.hop_bandwidth_bytes_per_s <= 0:
-            raise ValueError("cost model: costs must be >= 0 and bandwidth > 0")
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stage_base_s)
-
-    @classmethod
-    def uniform(cls, *, num_stages: int, stage_s: float, per_token_s: float = 0.0, **kwargs) -> CostModel:
-        """Every stage costs stage_s + n * per_token_s."""
-        return cls(stage_base_s=(stage_s,) * num_stages, stage_per_token_s=(per_token_s,) * num_stages, **kwargs)
-
-    def stage_s(self, stage: int, num_tokens: int) -> float:
-        return self.stage_base_s[stage] + num_tokens * self.stage_per_token_s[stage]
-
-    def hop_s(self, num_tokens: int) -> float:
-        return self.hop_latency_s + num_tokens * self.bytes_per_token / self.hop_bandwidth_bytes_per_s
 
 
 class Bernoulli:
@@ -151,7 +99,8 @@ class SimConfig:
 
     speculate: SPEED with the simulated predictor (exit at the end of stage `exit_stage`, or, with
     exit_head=False, drafting at send time as the ngram predictor does);
-    max_inflight: per-sequence cap (0 = num_stages). Raises ValueError on bad values.
+    max_inflight: per-sequence cap (0 = num_stages); firp_k / firp_alpha: FIRP chains whose every
+    draft is right with probability firp_alpha (seeded). Raises ValueError on bad values.
     """
 
     num_stages: int
@@ -163,6 +112,8 @@ class SimConfig:
     exit_head: bool = True  # False: a context-only predictor (ngram) that drafts at send time, no exit event
     max_inflight: int = 0
     prompt_lens: tuple[int, ...] = ()  # per sequence (overrides prompt_len and concurrency)
+    firp_k: int = 0  # FIRP chains of this many drafts (0 = off); their drafts right at `firp_alpha`
+    firp_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_lens:
@@ -177,6 +128,8 @@ class SimConfig:
             raise ValueError("concurrency, prompt length and max new tokens must be >= 1")
         if self.max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0 (0 = num_stages), got {self.max_inflight}")
+        if self.firp_k < 0 or not 0.0 <= self.firp_alpha <= 1.0:
+            raise ValueError(f"firp_k must be >= 0 and firp_alpha in [0, 1], got {self.firp_k}, {self.firp_alpha}")
         if self.speculate and not 0 <= self.exit_stage < self.num_stages - 1:
             raise ValueError(f"exit stage {self.exit_stage} must be before the last of {self.num_stages} stages "
                              "(speculation needs >= 2 stages)")
@@ -242,7 +195,8 @@ class Simulator:
         self.engine = Engine(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.concurrency,
             max_model_len=max(config.prompt_lens) + config.max_new_tokens + 1, speculate=config.speculate,
-            max_inflight=config.max_inflight), predictor, record_timeline=record_timeline, max_slices=10_000_000,
+            max_inflight=config.max_inflight, firp_k=config.firp_k), predictor, record_timeline=record_timeline,
+            max_slices=10_000_000,
             max_commits=None)
         self.now_ns = 0
         self._events: list = []
@@ -254,6 +208,7 @@ class Simulator:
         self._link_ns = [0] * config.num_stages  # last arrival on the link into stage i + 1 (FIFO)
         self._first: dict[int, int] = {}  # seq_id -> time of its first commit
         self._done: dict[int, int] = {}  # seq_id -> time of its last commit
+        self._firp = Bernoulli(config.firp_alpha, seed=1)  # FIRP drafts' acceptance
 
     @property
     def timeline(self) -> Timeline:
@@ -324,9 +279,18 @@ class Simulator:
             self._at(self.cost.hop_s(0), "arrive", (0, [], list(batch)))
 
     def _result(self, timing: list[StageTiming], returned: list[Item]) -> Result:
-        """The simulated model's result: the true next token after every returned item."""
-        token_ids = torch.tensor([true_token(it.seq_id, it.end) for it in returned], dtype=torch.int64)
-        return Result(items=tuple(returned), token_ids=token_ids, timing=tuple(timing), at_ns=self.now_ns)
+        """The simulated model's result: the true next token after every result row of every returned
+        item, and for FIRP items the chain drafts of each anchor row (the last `firp_anchors` rows):
+        anchored at position a, draft j is for position a + 2 + j, right with probability firp_alpha."""
+        tokens, firp = [], []
+        for it in returned:
+            tokens += [true_token(it.seq_id, p + 1) for p in range(it.end - it.num_result_rows, it.end)]
+            for a in range(it.end - it.firp_anchors, it.end) if it.firp_k else ():
+                for j in range(it.firp_k):
+                    truth = true_token(it.seq_id, a + 2 + j)
+                    firp.append(truth if self._firp.accept() else (truth + 1 - 3) % (SIM_VOCAB - 3) + 3)
+        return Result(items=tuple(returned), token_ids=torch.tensor(tokens, dtype=torch.int64), timing=tuple(timing),
+                      at_ns=self.now_ns, firp_tokens=torch.tensor(firp, dtype=torch.int64) if firp else None)
 
     # -- stages ----------------------------------------------------------------------------------
     def _start(self, stage: int) -> None:
@@ -337,10 +301,9 @@ class Simulator:
         kept = [it for it, k in zip(items, keep, strict=True) if k]
         n = sum(it.num_tokens for it in kept)
         cost = 0.0
-        if kept:
-            cost = self.cost.stage_s(stage, n)
-            if self._is_exit(stage) and any(it.wants_exit_guess for it in kept):
-                cost += self.cost.predictor_s  # the exit head runs only on items that want it (StageExecutor)
+        if kept:  # the exit head runs only on items that want it (StageExecutor)
+            exit_rows = sum(it.wants_exit_guess for it in kept) if self._is_exit(stage) else 0
+            cost = self.cost.stage_s(stage, n, num_pseudo=sum(it.num_pseudo for it in kept), exit_rows=exit_rows)
             cost *= 1.0 + self.cost.contention * sum(self._busy)
         self._busy[stage] = True
         self._at(cost, "done", (stage, timing, kept, self.now_ns))
@@ -354,7 +317,7 @@ class Simulator:
             timing.append(StageTiming(stage, start_ns, self.now_ns))
         n = sum(it.num_tokens for it in items)
         if self._is_exit(stage) and any(it.may_precede_draft for it in items):
-            self._at(self.cost.hop_s(0), "exit", items)  # as the exit stage's EXIT_GUESS (workers/stage_loop.py)
+            self._at(self.cost.exit_delay_s, "exit", items)  # as the exit stage's EXIT_GUESS (workers/stage_loop.py)
         if stage == self.config.num_stages - 1:
             self._at(self.cost.hop_s(0), "result", (timing, items))
         else:  # links are FIFO, as the data plane's channels: a message never overtakes the one before

@@ -31,7 +31,8 @@ class StageTiming:
 class ItemRecord:
     """One item of a micro-batch as the timeline keeps it: positions [start, start + num_tokens)
     of `seq_id` at `epoch`, its kind, and whether its result was committed (False: squashed,
-    stale or dropped)."""
+    stale or dropped); the FIRP pseudo rows it carried and whether the exit stage ran its head on
+    it (what the simulator's cost model prices, pipeline/measure/calibrate.py)."""
 
     seq_id: int
     start: int
@@ -39,10 +40,17 @@ class ItemRecord:
     epoch: int
     kind: ItemKind
     committed: bool
+    num_pseudo: int = 0
+    want_exit: bool = False
 
     def to_json(self) -> dict:
-        return {"seq_id": self.seq_id, "positions": [self.start, self.start + self.num_tokens], "epoch": self.epoch,
-                "kind": self.kind.name.lower(), "outcome": "committed" if self.committed else "squashed"}
+        out = {"seq_id": self.seq_id, "positions": [self.start, self.start + self.num_tokens], "epoch": self.epoch,
+               "kind": self.kind.name.lower(), "outcome": "committed" if self.committed else "squashed"}
+        if self.num_pseudo:
+            out["num_pseudo"] = self.num_pseudo
+        if self.want_exit:
+            out["want_exit"] = True
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +122,8 @@ class Timeline:
         stage's wait start - max(ready, its previous slice's end) is the control overhead."""
         if committed is None:
             committed = [useful_share >= 1.0] * len(items)
-        records = tuple(ItemRecord(it.seq_id, it.start, it.num_tokens, it.epoch, it.kind, bool(c))
+        records = tuple(ItemRecord(it.seq_id, it.start, it.num_tokens, it.epoch, it.kind, bool(c), it.num_pseudo,
+                                   it.wants_exit_guess)
                         for it, c in zip(items, committed, strict=True))
         if timing and draft_ready_ns and self._last_end_ns[timing[0].stage]:
             first = timing[0]

@@ -56,6 +56,7 @@ class StageLoadSpec:
     firp_layer: int = -1
     firp_k: int = 0
     firp_file: bytes = b""
+    calibrate_max_rows: int = 0  # > 0: time 1..N-row passes after loading (pipeline/measure/stage_calibration.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:

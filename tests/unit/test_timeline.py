@@ -27,8 +27,8 @@ def test_each_item_keeps_sequence_positions_epoch_kind_and_outcome():
     tl.record([StageTiming(0, 0, 4 * MS)], _items(), 0.5, committed=[True, False])
     (s,) = tl.slices
     assert [it.to_json() for it in s.items] == [
-        {"seq_id": 3, "positions": [7, 8], "epoch": 2, "kind": "decode", "outcome": "committed"},
-        {"seq_id": 4, "positions": [9, 10], "epoch": 0, "kind": "draft", "outcome": "squashed"}]
+        {"seq_id": 3, "positions": [7, 8], "epoch": 2, "kind": "decode", "outcome": "committed", "want_exit": True},
+        {"seq_id": 4, "positions": [9, 10], "epoch": 0, "kind": "draft", "outcome": "squashed", "want_exit": True}]
     event = next(e for e in chrome_trace(tl)["traceEvents"] if e["ph"] == "X")
     assert event["args"]["items"] == [it.to_json() for it in s.items] and event["cat"] == "partly-squashed"
 
