@@ -146,6 +146,7 @@ def register(config: SchedulerConfig, gate: DraftGate, spec: SpecCounters, seq: 
         gate.allow(Draft(token, bucket_mid, key[0]))  # the gate's own bookkeeping (probe counters)
     seq.ledger.add_draft(token, gate_key=key)
     spec.drafted_tokens += 1
+    spec.stage_drafted += 1
 
 
 def guard_unannounced(seq: SequenceState, item: Item) -> None:

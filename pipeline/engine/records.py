@@ -131,6 +131,7 @@ class SpecCounters:
     accepted_tokens: int = 0
     squashed_items: int = 0
     gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
+    stage_drafted: int = 0  # drafts the exit stage made itself (pipeline/engine/local_draft.py)
     firp_drafted: int = 0
     firp_verified: int = 0
     firp_accepted: int = 0
