@@ -14,10 +14,11 @@ exit stage sends EXIT_GUESS, the coordinator proposes, gates and sends the draft
 waits (`draft_gap_share`, measured 6-12 % of a stage step at --stages 2). With `--draft-at stage`
 and the exit layer on stage 0 (ARCHITECTURE.md §5.6):
 1. Authorise. Each item the coordinator sends as its sequence's chain end, that wants an exit
-   guess, carries `draft_upto` (a draft may follow position p only while p < draft_upto: the
-   ledger's `can_draft_after` as a position bound, with the chain cap raised by one, see 5),
-   `draft_gate` (the DraftGate's open (source, bucket) bits, `DraftGate.would_allow`; -1: gate
-   off) and `draft_with` (which built-in predictor the stage runs; CUSTOM for a test's object).
+   guess, carries `draft_cap` / `draft_upto` (a draft may follow position p only while p <
+   draft_upto, and p < draft_cap is the ledger's own `can_draft_after` as a position bound; the
+   one position in between is a "deep" draft, see 5), `draft_gate` (the DraftGate's open
+   (source, bucket) bits, `DraftGate.would_allow`, and the deep bits) and `draft_with` (which
+   built-in predictor the stage runs; CUSTOM for a test's object).
 2. Decide. Stage 0 keeps every sequence's tokens as its KV cache holds them (each item truncates
    to its start and appends its tokens, like `KVCache.truncate`), so the context it proposes
    from is the coordinator's `SequenceState.context()` up to the chain end. After running an
@@ -38,12 +39,18 @@ and the exit layer on stage 0 (ARCHITECTURE.md §5.6):
    `guard_unannounced` bumps the epoch first (the draft becomes stale, and a late announcement
    is refused by `register`). The engine matches a self-made micro-batch's result to its
    announcement by its items' (seq, start, epoch) in either arrival order.
-5. Credits. The chain cap (`max_inflight`) moves as results commit, which the stage does not
-   see: after each result the coordinator sends an in-band CREDIT to stage 0 with the new
-   `draft_upto` and gate bits. The cap is max_inflight + 1 for a stage-made draft: the
-   stage finishes item p+1 when the last stage finishes p, and waiting for p's commit to reach
-   it would put the round trip back on the critical path; one more item in the chain is the
-   one whose result is on its way.
+5. Credits and deep drafts. The chain cap (`max_inflight`) moves as results commit, which the
+   stage does not see: after each result the coordinator sends an in-band CREDIT to stage 0
+   with the new bounds and gate bits. In the steady state of one sequence the stage finishes
+   draft p+1 when the last stage finishes p: the chain is full, and waiting for p's commit would
+   put the round trip back on the critical path. The stage may then go one deeper (the chain
+   holds max_inflight + 1 items, one of them with its result on the way), but such a draft
+   costs about a stage step when p+1 turns out wrong (stage 0 is busy with it when the real
+   token arrives) and saves only the round trip g when p+1 is right: it pays when p+1's
+   acceptance exceeds 1 - g / T (measured g / T ≈ 0.1 at --stages 2). So a deep draft needs its
+   parent to be a draft this stage made whose gate bucket's acceptance estimate is at least
+   DEEP_ACCEPTANCE (the deep bits); otherwise the stage leaves it to the coordinator, which
+   drafts when the result frees room, as without this mode.
 Committed tokens never depend on any of this: every draft is verified (ARCHITECTURE.md §5.3).
 """
 
@@ -71,6 +78,9 @@ from pipeline.speculation.predictors import (
 
 GATE_SOURCES = ("ngram", "logit-lens", "early-exit")  # draft sources the gate bits cover
 NUM_GATE_BUCKETS = 10  # DraftGate's default number of confidence buckets
+NUM_KEYS = len(GATE_SOURCES) * NUM_GATE_BUCKETS  # gate bits 0..29: open; 30..59: deep; 60: gate off
+GATE_OFF_BIT = 2 * NUM_KEYS
+DEEP_ACCEPTANCE = 0.9  # a deep draft's parent must be accepted at least this often (see the note, 5)
 STAGE_PREDICTORS = {1: "ngram", 2: "logit-lens", 3: "early-exit", 4: "hybrid"}  # Item.draft_with
 CUSTOM = 255  # Item.draft_with of a predictor object the stage was handed (in-process tests)
 _TYPES = {NGramPredictor: 1, LogitLensPredictor: 2, EarlyExitPredictor: 3, HybridPredictor: 4}
@@ -89,25 +99,25 @@ def predictor_code(predictor: Predictor) -> int:
 
 
 def gate_bits(gate: DraftGate) -> int:
-    """The open (source, bucket) bits of `gate` (bit i * NUM_GATE_BUCKETS + b for GATE_SOURCES[i],
-    bucket b; `DraftGate.would_allow`), or -1 when the gate is off (every draft is sent)."""
-    if gate.min_acceptance <= 0.0:
-        return -1
+    """`Item.draft_gate` of `gate`: for key k = i * NUM_GATE_BUCKETS + b (GATE_SOURCES[i], bucket
+    b), bit k is set when `DraftGate.would_allow` it, bit NUM_KEYS + k when its acceptance
+    estimate is at least DEEP_ACCEPTANCE; bit GATE_OFF_BIT when the gate is off (any source)."""
     assert gate.num_buckets == NUM_GATE_BUCKETS, gate.num_buckets
-    bits = 0
+    bits = 1 << GATE_OFF_BIT if gate.min_acceptance <= 0.0 else 0
     for i, source in enumerate(GATE_SOURCES):
         for b in range(NUM_GATE_BUCKETS):
-            if gate.would_allow((source, b)):
-                bits |= 1 << (i * NUM_GATE_BUCKETS + b)
+            k = i * NUM_GATE_BUCKETS + b
+            bits |= gate.would_allow((source, b)) << k | (gate.estimate((source, b)) >= DEEP_ACCEPTANCE) << NUM_KEYS + k
     return bits
 
 
-def draft_limit(config: SchedulerConfig, seq: SequenceState) -> int:
-    """`Item.draft_upto`: a stage-made draft may follow position p only while p < this. It is
-    `SequenceLedger.can_draft_after` as a position bound (single-row items: the chain holds the
-    positions next_real_position .. p) with the cap max_inflight + 1 (see the note, 5)."""
+def draft_limit(config: SchedulerConfig, seq: SequenceState) -> tuple[int, int]:
+    """(`Item.draft_cap`, `Item.draft_upto`): `SequenceLedger.can_draft_after` as position bounds
+    (single-row items: the chain holds the positions next_real_position .. p), with the chain cap
+    max_inflight, and max_inflight + 1 for a deep draft (see the note, 5)."""
     ledger = seq.ledger
-    return min(ledger.next_real_position + config.max_inflight, ledger.last_item_position)
+    return (min(ledger.next_real_position + config.max_inflight - 1, ledger.last_item_position),
+            min(ledger.next_real_position + config.max_inflight, ledger.last_item_position))
 
 
 def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, seq: SequenceState, item: Item,
@@ -117,10 +127,10 @@ def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, se
     if (not config.draft_at_stage or pipeline_full or not predictor.needs_exit_head or config.firp_k
             or not item.wants_exit_guess or item.kind == ItemKind.FIRP):
         return item
-    upto = draft_limit(config, seq)
+    cap, upto = draft_limit(config, seq)
     if item.end - 1 >= upto:
         return item
-    return dataclasses.replace(item, draft_upto=upto, draft_gate=gate_bits(gate),
+    return dataclasses.replace(item, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate),
                                draft_with=predictor_code(predictor))
 
 
@@ -129,8 +139,9 @@ def credit(config: SchedulerConfig, gate: DraftGate, seq: SequenceState) -> Item
     of its slot and epoch), or None when no stage-made draft can follow its chain."""
     if not config.draft_at_stage or not seq.ledger.inflight or seq.finished:
         return None
+    cap, upto = draft_limit(config, seq)
     return Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.ledger.next_real_position, num_tokens=1,
-                epoch=seq.epoch, draft_upto=draft_limit(config, seq), draft_gate=gate_bits(gate))
+                epoch=seq.epoch, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate))
 
 
 def register(config: SchedulerConfig, gate: DraftGate, spec: SpecCounters, seq: SequenceState, item: Item,
@@ -140,7 +151,7 @@ def register(config: SchedulerConfig, gate: DraftGate, spec: SpecCounters, seq: 
     if not seq.ledger.can_draft_after(item.end - 1, item.epoch, max_inflight=config.max_inflight + 1):
         return  # stale: a squash or `guard_unannounced` came first; its result will be ignored
     key = None
-    if 0 <= key_code < len(GATE_SOURCES) * NUM_GATE_BUCKETS:
+    if 0 <= key_code < NUM_KEYS:
         key = (GATE_SOURCES[key_code // NUM_GATE_BUCKETS], key_code % NUM_GATE_BUCKETS)
         bucket_mid = (key[1] + 0.5) / NUM_GATE_BUCKETS
         gate.allow(Draft(token, bucket_mid, key[0]))  # the gate's own bookkeeping (probe counters)
@@ -161,9 +172,22 @@ def guard_unannounced(seq: SequenceState, item: Item) -> None:
 # -- stage side -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Grant:
+    """The coordinator's latest bounds and gate bits for one sequence at one epoch."""
+
     epoch: int
+    cap: int
     upto: int
     gate: int
+
+    def merge(self, item: Item) -> _Grant:
+        """This grant updated by a coordinator item or credit of the same or a newer epoch. Within
+        an epoch bounds only grow, and the gate bits are the newest send's: credits are applied
+        on arrival (reader thread), items when they run, so an older item may come after a
+        newer credit; the bigger bound is the newer."""
+        if item.epoch > self.epoch:
+            return _Grant(item.epoch, item.draft_cap, item.draft_upto, item.draft_gate)
+        gate = item.draft_gate if item.draft_upto >= self.upto else self.gate
+        return _Grant(self.epoch, max(self.cap, item.draft_cap), max(self.upto, item.draft_upto), gate)
 
 
 class StageDrafter:
@@ -178,6 +202,7 @@ class StageDrafter:
         self.custom = custom
         self.tokens: dict[int, list[int]] = {}
         self.grants: dict[int, _Grant] = {}
+        self.made: dict[int, dict[int, tuple[int, int]]] = {}  # seq -> {draft start: (epoch, gate key code)}
         self._predictors: dict[int, Predictor] = {}
         self._lock = threading.Lock()
 
@@ -193,10 +218,8 @@ class StageDrafter:
                     del tokens[it.start:]
                     if len(tokens) == it.start:  # else a gap (the stage was reset): unknown until a prefill
                         tokens.extend(ids[row:row + it.num_tokens])
-                    grant = self.grants.get(it.seq_id)
-                    if it.draft_upto and (grant is None or grant.epoch <= it.epoch):
-                        self.grants[it.seq_id] = _Grant(it.epoch, max(it.draft_upto, grant.upto if grant and
-                                                                      grant.epoch == it.epoch else 0), it.draft_gate)
+                    if it.draft_upto and not it.self_made:  # a self-made item carries a grant we had
+                        self._grant(it)
                 row += it.num_tokens
 
     def credit(self, credits: Sequence[Item]) -> None:
@@ -204,11 +227,14 @@ class StageDrafter:
         credit of an older epoch than the grant held is ignored)."""
         with self._lock:
             for c in credits:
-                grant = self.grants.get(c.seq_id)
-                if grant is None or grant.epoch < c.epoch:
-                    self.grants[c.seq_id] = _Grant(c.epoch, c.draft_upto, c.draft_gate)
-                elif grant.epoch == c.epoch:
-                    self.grants[c.seq_id] = _Grant(c.epoch, max(grant.upto, c.draft_upto), c.draft_gate)
+                self._grant(c)
+
+    def _grant(self, item: Item) -> None:
+        grant = self.grants.get(item.seq_id)
+        if grant is None:
+            self.grants[item.seq_id] = _Grant(item.epoch, item.draft_cap, item.draft_upto, item.draft_gate)
+        elif grant.epoch <= item.epoch:
+            self.grants[item.seq_id] = grant.merge(item)
 
     def drafts(self, ran: Sequence[Item], exit_tokens: torch.Tensor | None,
                exit_probs: torch.Tensor | None) -> tuple[list[Item], list[int], list[int]]:
@@ -225,10 +251,14 @@ class StageDrafter:
                 continue
             grant = self.grants[it.seq_id]
             tokens[i], keys[i] = draft.token, _key_code(draft)
+            mine = self.made.setdefault(it.seq_id, {})
+            mine[it.end] = (it.epoch, keys[i])
+            for old in [p for p in mine if p < it.end - 64]:
+                del mine[old]
             made.append(Item(seq_id=it.seq_id, slot=it.slot, start=it.end, num_tokens=1, epoch=it.epoch,
                              kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=it.want_logits,
-                             want_exit=it.want_exit, draft_upto=grant.upto, draft_gate=grant.gate,
-                             draft_with=it.draft_with, self_made=True))
+                             want_exit=it.want_exit, draft_cap=grant.cap, draft_upto=grant.upto,
+                             draft_gate=grant.gate, draft_with=it.draft_with, self_made=True))
         return made, tokens, keys
 
     def _decide(self, it: Item, guess: ExitGuess | None) -> Draft | None:
@@ -241,10 +271,14 @@ class StageDrafter:
             if grant is None or grant.epoch != it.epoch or it.end - 1 >= grant.upto or len(context) != it.end:
                 return None
             gate = grant.gate
+            if it.end - 1 >= grant.cap:  # a deep draft: only after a draft of ours that is right often
+                epoch, parent = self.made.get(it.seq_id, {}).get(it.start, (-1, -1))
+                if not it.self_made or epoch != it.epoch or parent < 0 or not gate >> (NUM_KEYS + parent) & 1:
+                    return None
             context = list(context)
         predictor = self._predictor(it.draft_with)
         draft = None if predictor is None else predictor.propose(context, guess)
-        if draft is None or gate == -1:
+        if draft is None or gate >> GATE_OFF_BIT & 1:
             return draft
         code = _key_code(draft)
         return draft if code >= 0 and gate >> code & 1 else None
@@ -262,6 +296,7 @@ class StageDrafter:
             for seq_id in seq_ids:
                 self.tokens.pop(seq_id, None)
                 self.grants.pop(seq_id, None)
+                self.made.pop(seq_id, None)
 
 
 def _key_code(draft: Draft) -> int:

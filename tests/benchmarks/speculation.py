@@ -10,10 +10,11 @@ wasted fraction (stage time spent on squashed work, mean over stages), the contr
 the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5, e = 1), and
 whether the output was token-identical to `none`.
 
-Configurations: MODE[/PREDICTOR][@GATE]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
+Configurations: MODE[/PREDICTOR][@GATE][:stage]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
 `--predictor` name, a trained file (*.safetensors), or `hybrid-untrained` (hybrid with
 `--exit-predictor none`: n-gram + logit lens); `@X` runs with `--min-acceptance X` (0: every draft
-is sent). `--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
+is sent); `:stage` runs with `--draft-at stage` (the exit stage drafts itself).
+`--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
 the head shipped for the exit layer, pipeline/assets/predictors/).
 Held-out sets: `chat` and `code` (chat-templated instructions that `train-predictor --data
 self-distill` holds out) and `speeches` (held-out State of the Union excerpts), as in
@@ -76,7 +77,8 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
 
 
 def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOptions:
-    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE]."""
+    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][:stage]."""
+    config, _, draft_at = config.partition(":")
     body, _, gate = config.partition("@")
     mode, _, pred = body.partition("/")
     pred = pred or "hybrid"
@@ -85,7 +87,7 @@ def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOpt
     return PipelineOptions(num_stages=stages, speculate=mode, threads_per_stage=1, progress=False,
                            predictor="hybrid" if untrained else pred,
                            exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
-                           min_acceptance=float(gate) if gate else None)
+                           min_acceptance=float(gate) if gate else None, draft_at=draft_at or "coordinator")
 
 
 def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:

@@ -25,6 +25,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.events import ExitPassed, ReplayRunning, Result, Submit
 from pipeline.engine.local_draft import (
     CUSTOM,
+    GATE_OFF_BIT,
     GATE_SOURCES,
     NUM_GATE_BUCKETS,
     StageDrafter,
@@ -115,7 +116,7 @@ class LocalFakePipeline(FakePipeline):
 
     def _exit(self, kept: list[Item]) -> None:
         guesses = [None if it.kind == ItemKind.PREFILL or not it.want_exit else
-                   ExitGuess((self.next_fn(self.contents[0][it.slot][:it.end]) + self.lens_offset) % VOCAB, 0.9)
+                   ExitGuess((self.next_fn(self.contents[0][it.slot][:it.end]) + self.lens_offset) % VOCAB, 0.97)
                    for it in kept]
         tokens = torch.tensor([-1 if g is None else g.token for g in guesses], dtype=torch.int64)
         probs = torch.tensor([0.0 if g is None else g.prob for g in guesses], dtype=torch.float32)
@@ -301,7 +302,8 @@ def test_stage_refuses_an_item_that_was_not_authorised():
 def test_stage_refuses_a_stale_epoch():
     sched, prefill, decode = _scheduler_at_first_decode([1, 2, 1, 2, 1])
     drafter = StageDrafter()
-    newer = Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch + 1, draft_upto=50, draft_gate=-1)
+    newer = Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch + 1, draft_cap=50,
+                 draft_upto=50, draft_gate=1 << GATE_OFF_BIT)
     drafter.credit([newer])  # the coordinator squashed meanwhile
     assert _stage_draft(prefill, decode, ExitGuess(3, 0.9), drafter)[0] is None
 
@@ -321,19 +323,48 @@ def test_stage_refuses_when_the_gate_is_closed_and_follows_its_bits():
 
 def test_stage_refuses_past_the_ledger_limit_until_a_credit_raises_it():
     sched, prefill, decode = _scheduler_at_first_decode([1, 2, 3])
-    capped = Item(**{**decode.__dict__, "draft_upto": decode.end - 1})  # p < draft_upto fails
+    capped = Item(**{**decode.__dict__, "draft_cap": decode.end - 1, "draft_upto": decode.end - 1})
     drafter = StageDrafter()
-    assert _stage_draft(prefill, capped, ExitGuess(3, 0.9), drafter)[0] is None
-    drafter.credit([Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch,
-                         draft_upto=decode.end, draft_gate=-1)])
+    assert _stage_draft(prefill, capped, ExitGuess(3, 0.9), drafter)[0] is None  # p < draft_upto fails
+    credit = Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch,
+                  draft_cap=decode.end - 1, draft_upto=decode.end, draft_gate=decode.draft_gate)
+    drafter.credit([credit])
+    assert _stage_draft(prefill, capped, ExitGuess(3, 0.9), drafter)[0] is None, "a deep draft after a coordinator item"
+    drafter.credit([Item(**{**credit.__dict__, "draft_cap": decode.end})])
     assert _stage_draft(prefill, capped, ExitGuess(3, 0.9), drafter)[0] is not None
+
+
+def test_a_deep_draft_needs_a_parent_made_here_whose_bucket_is_right_often():
+    """Past the coordinator's own cap, the stage drafts only after its own draft of a bucket with
+    acceptance >= DEEP_ACCEPTANCE ([Note: stage-local drafting] 5)."""
+    sched, prefill, decode = _scheduler_at_first_decode([7, 8, 9], predictor=LogitLensPredictor())
+    drafter = StageDrafter()
+    first, token, key = _stage_draft(prefill, decode, ExitGuess(3, 0.95), drafter)  # within the cap
+    assert first is not None and first.draft_cap == decode.draft_cap
+    deep = dict(draft_cap=first.start, draft_upto=first.start + 1)  # first's position is past the cap
+    confident = Item(**{**first.__dict__, **deep})
+    drafter.credit([Item(seq_id=0, slot=first.slot, start=0, num_tokens=1, epoch=first.epoch,
+                         draft_gate=first.draft_gate, **deep)])
+    x = torch.tensor(confident.token_ids)
+    drafter.observe([confident], x, [confident.without_tokens()])
+    made, _, _ = drafter.drafts([confident.without_tokens()], torch.tensor([4]), torch.tensor([0.95]))
+    assert made, "the parent's bucket (0.95, prior 0.95) is deep: the stage must draft"
+    gate = sched.gate
+    for _ in range(4):
+        gate.record((GATE_SOURCES[key // NUM_GATE_BUCKETS], key % NUM_GATE_BUCKETS), accepted=False)
+    drafter.credit([Item(seq_id=0, slot=first.slot, start=0, num_tokens=1, epoch=first.epoch,
+                         draft_gate=gate_bits(gate), **deep)])
+    drafter.observe([confident], x, [confident.without_tokens()])
+    made, _, _ = drafter.drafts([confident.without_tokens()], torch.tensor([4]), torch.tensor([0.95]))
+    assert not made, "a parent whose bucket is often wrong must not get a deep draft"
 
 
 def test_only_default_built_in_predictors_are_rebuilt_on_the_stage():
     assert predictor_code(HybridPredictor()) != CUSTOM and predictor_code(LogitLensPredictor()) != CUSTOM
     assert predictor_code(HybridPredictor(NGramPredictor(max_ngram=3))) == CUSTOM
     assert predictor_code(RandomPredictor(seed=0, vocab_size=8)) == CUSTOM
-    assert gate_bits(DraftGate(min_acceptance=0.0)) == -1
+    assert gate_bits(DraftGate(min_acceptance=0.0)) >> GATE_OFF_BIT & 1
+    assert not gate_bits(DraftGate(min_acceptance=0.5)) >> GATE_OFF_BIT & 1
 
 
 def test_nothing_is_authorised_without_the_flag():
