@@ -16,7 +16,7 @@ from launcher.backends.placement import PlacementOptions, node_stages
 from launcher.backends.worker_command import LOG_LEVELS
 from pipeline.run_config import RunConfig
 
-DRAFT_AT = ("stage", "coordinator")  # --draft-at: who makes a draft from an exit guess (first: default)
+DRAFT_AT = ("coordinator", "stage")  # --draft-at: who makes a draft from an exit guess (first: default)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -72,7 +72,7 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
             "drafted": spec.drafted_tokens, "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
             "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
-            "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts,
+            "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts, "stage_drafted": spec.stage_drafted,
             "wasted_fraction": statistics.mean(wasted) if wasted else 0.0, **coord.timeline.draft_gap(0)}
 
 
@@ -98,6 +98,7 @@ def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
     firp_verified = sum(r["firp_verified"] for r in rows)
     return {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
             "verified": verified, "drafted": sum(r["drafted"] for r in rows), "gated": sum(r["gated"] for r in rows),
+            "stage_drafted": sum(r["stage_drafted"] for r in rows),
             "firp_acceptance": sum(r["firp_accepted"] for r in rows) / firp_verified if firp_verified else 0.0,
             "tokens_per_verify": statistics.mean(r["tokens_per_pass"] for r in rows),
             "wasted_fraction": statistics.mean(r["wasted_fraction"] for r in rows),

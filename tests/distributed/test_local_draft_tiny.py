@@ -64,3 +64,36 @@ def test_stage_drafting_keeps_greedy_output(tiny_model_dir: Path, references, sh
                 assert stats["stage_drafted"] > 0, f"the exit stage never drafted itself: {stats}"
         assert session.coordinator.sync(10.0)
         assert session.coordinator.engine.num_inflight == 0, "a self-made micro-batch was never matched"
+
+
+def test_a_stage_killed_while_the_exit_stage_drafts_replays_to_the_same_tokens(tiny_model_dir: Path):
+    """Fail-over with self-made drafts in flight: the replay bumps every epoch, so no draft the
+    coordinator does not know survives, and the output is the undisturbed one."""
+    import os
+    import signal
+
+    from launcher.coordinator.stage_restarts import RestartBudget
+    from tests.distributed.conftest import pid_alive
+    from tests.distributed.test_failover import _wait_for_tokens
+
+    options = session_options(tiny_model_dir, speculate="speed", predictor="logit-lens", draft_at="stage",
+                              **SHAPES["3-stage"])
+    session = PipelineSession(options, resolve(options), restart_budget=RestartBudget(max_restarts=3, window_s=600))
+    session.__enter__()
+    pids = list(session.processes.pids)
+    try:
+        coord = session.coordinator
+        params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+        model, tokenizer = full_model(tiny_model_dir)
+        expected = [reference_generate(model, tokenizer.encode(p), params) for p in PROMPTS[:2]]
+        handles = [coord.submit(p, params) for p in PROMPTS[:2]]
+        _wait_for_tokens(handles[0], 4)
+        assert coord.spec.stage_drafted > 0, "the exit stage was not drafting when the stage died"
+        os.kill(pids[1], signal.SIGKILL)
+        assert [h.result(timeout_s=120).token_ids for h in handles] == expected
+        assert coord.num_restarts == 1 and coord.failure is None
+        assert coord.sync(10.0) and coord.engine.num_inflight == 0
+    finally:
+        all_pids = {*pids, *session.processes.pids}
+        session.close()
+    assert not [p for p in all_pids if pid_alive(p)]
