@@ -5,9 +5,9 @@ message yields exactly one message downstream (possibly with no items, if all we
 coordinator's in-flight accounting is a plain count; control messages are applied and passed on
 in order with the work (see [Note: in-band squash] in pipeline/engine/stage_executor.py). On stage 0
 as the exit stage, a draft it makes itself runs right after its parent, as a micro-batch of its own
-(its RESULT answers its announcement, not a coordinator send), and CREDITs are read on a reader
-thread so that a chain of such drafts sees them ([Note: stage-local drafting] in
-pipeline/engine/local_draft.py).
+(its RESULT answers its announcement, not a coordinator send), and once the coordinator grants
+such drafts, CREDITs are read on a reader thread so that a chain of them sees each credit at once
+([Note: stage-local drafting] in pipeline/engine/local_draft.py).
 Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
 """
 
@@ -49,9 +49,6 @@ class StageLoop:
 
     def run(self) -> None:
         """Handle messages until SHUTDOWN. Raises ChannelError / ValueError on failure."""
-        if self.drafter is not None:
-            self._inbox = queue.Queue()
-            threading.Thread(target=self._read, name=f"stage-{self.stage_index}-reader", daemon=True).start()
         try:
             while True:
                 msg = self._recv()
@@ -60,6 +57,9 @@ class StageLoop:
                 self.messages_received += 1
                 if msg.kind == MessageKind.FORWARD:
                     self._run_forward(msg)
+                    continue
+                if msg.kind == MessageKind.CREDIT and self.drafter is not None:  # before the reader started
+                    self.drafter.credit(msg.items)
                     continue
                 if msg.kind == MessageKind.RELEASE:
                     self.executor.release([r.seq_id for r in msg.releases], [r.slot for r in msg.releases])
@@ -131,6 +131,10 @@ class StageLoop:
         drafts = []
         if self.drafter is not None:
             self.drafter.observe(msg.items, x, out.items)
+            if self._inbox is None and any(it.draft_upto for it in out.items):
+                # the coordinator drafts here: from now on credits must reach a chain of drafts
+                self._inbox = queue.Queue()
+                threading.Thread(target=self._read, name=f"stage-{self.stage_index}-reader", daemon=True).start()
         if self.executor.exit_layer is not None and any(it.may_precede_draft for it in out.items):
             guesses = {}
             if out.exit_tokens is not None:
