@@ -3,21 +3,28 @@
 Owns the order in which a stage handles messages from its upstream neighbour: every FORWARD
 message yields exactly one message downstream (possibly with no items, if all were stale), so the
 coordinator's in-flight accounting is a plain count; control messages are applied and passed on
-in order with the work (see [Note: in-band squash] in pipeline/engine/stage_executor.py).
-Must not: decide what runs (the coordinator does) or talk gRPC.
+in order with the work (see [Note: in-band squash] in pipeline/engine/stage_executor.py). On stage 0
+as the exit stage, a draft it makes itself runs right after its parent, as a micro-batch of its own
+(its RESULT answers its announcement, not a coordinator send), and once the coordinator grants
+such drafts, CREDITs are read on a reader thread so that a chain of them sees each credit at once
+([Note: stage-local drafting] in pipeline/engine/local_draft.py).
+Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
 import torch
 
+from pipeline.engine.local_draft import StageDrafter
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage
 from pipeline.measure.timeline import StageTiming
+from pipeline.speculation.items import Item
 from workers.channel import Channel, SendQueue
 
 log = logging.getLogger(__name__)
@@ -37,20 +44,27 @@ class StageLoop:
         self.stopped = threading.Event()
         self.retired = False  # set by Rejoin: this loop's group is abandoned; stop at the next message
         self.sends = SendQueue(channel)  # see [Note: background sends] in workers/channel.py
+        self.drafter = StageDrafter() if stage_index == 0 and executor.exit_layer is not None else None
+        self._inbox: queue.Queue | None = None  # the reader thread's messages (stage 0 with a drafter)
 
     def run(self) -> None:
         """Handle messages until SHUTDOWN. Raises ChannelError / ValueError on failure."""
         try:
             while True:
-                msg = self.channel.recv(self.prev_rank)
+                msg = self._recv()
                 if self.retired:
                     return
                 self.messages_received += 1
                 if msg.kind == MessageKind.FORWARD:
-                    self.sends.send(self._forward(msg), self.next_rank)
+                    self._run_forward(msg)
+                    continue
+                if msg.kind == MessageKind.CREDIT and self.drafter is not None:  # before the reader started
+                    self.drafter.credit(msg.items)
                     continue
                 if msg.kind == MessageKind.RELEASE:
                     self.executor.release([r.seq_id for r in msg.releases], [r.slot for r in msg.releases])
+                    if self.drafter is not None:
+                        self.drafter.release([r.seq_id for r in msg.releases])
                 elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
                 self.sends.send(msg, self.next_rank)
@@ -65,11 +79,47 @@ class StageLoop:
         finally:
             self.stopped.set()
 
-    def _forward(self, msg: Message) -> Message:
-        """Run one micro-batch. On the exit stage, first tell the coordinator which items passed the
-        exit layer (EXIT_GUESS, with the exit head's guesses) so it can inject drafts at once. If
-        the message carries a timing list (the coordinator records a timeline), each stage appends
-        the StageTiming of its compute (CLOCK_MONOTONIC)."""
+    def _recv(self) -> Message:
+        """The next message from upstream (via the reader thread on stage 0 with a drafter)."""
+        if self._inbox is None:
+            return self.channel.recv(self.prev_rank)
+        msg = self._inbox.get()
+        if isinstance(msg, BaseException):
+            raise msg
+        return msg
+
+    def _read(self) -> None:
+        """Reader thread: CREDITs go to the drafter at once, everything else to the inbox in order."""
+        while True:
+            try:
+                msg = self.channel.recv(self.prev_rank)
+            except Exception as exc:  # noqa: BLE001 - handed to the loop, which raises it
+                self._inbox.put(exc)
+                return
+            if msg.kind == MessageKind.CREDIT:
+                self.drafter.credit(msg.items)
+                continue
+            self._inbox.put(msg)
+            if msg.kind == MessageKind.SHUTDOWN or self.retired:
+                return
+
+    def _run_forward(self, msg: Message) -> None:
+        """Run a FORWARD, then each draft this stage made after it, each alone and at once."""
+        while msg is not None:
+            out, drafts = self._forward(msg)
+            self.sends.send(out, self.next_rank)
+            msg = None
+            if drafts:
+                x = torch.tensor([t for it in drafts for t in it.token_ids], dtype=torch.int64)
+                msg = Message(MessageKind.FORWARD, [it.without_tokens() for it in drafts], {"x": x},
+                              None if out.timing is None else [])
+
+    def _forward(self, msg: Message) -> tuple[Message, list[Item]]:
+        """Run one micro-batch; returns the message for downstream and the drafts this stage made
+        (stage-local drafting). On the exit stage, first tell the coordinator which items passed the
+        exit layer (EXIT_GUESS, with the exit head's guesses and the drafts made) so it can inject
+        or register drafts at once. If the message carries a timing list (the coordinator records a
+        timeline), each stage appends the StageTiming of its compute (CLOCK_MONOTONIC)."""
         x = msg.tensors.get("x")
         if x is None:
             raise ValueError(f"[Stage {self.stage_index}] FORWARD message without tensor 'x'")
@@ -78,10 +128,22 @@ class StageLoop:
         timing = msg.timing
         if timing is not None:
             timing = [*timing, StageTiming(self.stage_index, start_ns, time.perf_counter_ns())]
+        drafts = []
+        if self.drafter is not None:
+            self.drafter.observe(msg.items, x, out.items)
+            if self._inbox is None and any(it.draft_upto for it in out.items):
+                # the coordinator drafts here: from now on credits must reach a chain of drafts
+                self._inbox = queue.Queue()
+                threading.Thread(target=self._read, name=f"stage-{self.stage_index}-reader", daemon=True).start()
         if self.executor.exit_layer is not None and any(it.may_precede_draft for it in out.items):
             guesses = {}
             if out.exit_tokens is not None:
                 guesses = {"exit_tokens": out.exit_tokens, "exit_probs": out.exit_probs}
+            if self.drafter is not None:
+                drafts, tokens, keys = self.drafter.drafts(out.items, out.exit_tokens, out.exit_probs)
+                if drafts:
+                    guesses["self_drafts"] = torch.tensor(tokens, dtype=torch.int64)
+                    guesses["self_draft_keys"] = torch.tensor(keys, dtype=torch.int64)
             self.sends.send(Message(MessageKind.EXIT_GUESS, out.items, guesses, timing and timing[-1:]),
                             COORDINATOR_RANK)
         if not self.is_last:
@@ -89,10 +151,10 @@ class StageLoop:
             tensors = {"x": hidden}
             if out.pseudo is not None:
                 tensors["pseudo"] = out.pseudo
-            return Message(MessageKind.FORWARD, out.items, tensors, timing)
+            return Message(MessageKind.FORWARD, out.items, tensors, timing), drafts
         tensors = {"token_ids": out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)}
         if out.logits is not None:
             tensors["logits"] = out.logits
         if out.firp_tokens is not None:
             tensors["firp_tokens"], tensors["firp_probs"] = out.firp_tokens, out.firp_probs
-        return Message(MessageKind.RESULT, out.items, tensors, timing)
+        return Message(MessageKind.RESULT, out.items, tensors, timing), drafts

@@ -32,7 +32,7 @@ from launcher.cli.parsing import (
     version_string,
 )
 from launcher.coordinator.coordinator import PipelineError
-from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.pipeline_options import DRAFT_AT, PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
@@ -90,6 +90,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-inflight", type=int, default=0,
                    help="items of one sequence in flight at once (default 0: chosen from the row-cost table and the "
                    "measured acceptance with --row-cost, else the number of stages)")
+    g.add_argument("--draft-at", choices=DRAFT_AT, default=DRAFT_AT[0],
+                   help="who turns the exit guess into a draft: the coordinator, or the exit stage itself when "
+                   "it is stage 0 (no round trip; README 'Stage-local drafting') (default coordinator)")
     g.add_argument("--min-acceptance", default="auto",
                    help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
                    "often; 'auto' = break-even 1/stages, 0 = always draft (default auto)")
@@ -244,7 +247,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,
-        max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance),
+        max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance), draft_at=args.draft_at,
         placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
         firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob)
 

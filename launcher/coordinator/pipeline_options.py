@@ -16,6 +16,8 @@ from launcher.backends.placement import PlacementOptions, node_stages
 from launcher.backends.worker_command import LOG_LEVELS
 from pipeline.run_config import RunConfig
 
+DRAFT_AT = ("coordinator", "stage")  # --draft-at: who makes a draft from an exit guess (first: default)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineOptions(RunConfig):
@@ -28,10 +30,14 @@ class PipelineOptions(RunConfig):
     placement: PlacementOptions = dataclasses.field(default_factory=PlacementOptions)
     log_level: str = "WARNING"  # of the stage processes
     progress: bool = True  # a progress bar while converting a model
+    # "stage": the exit stage drafts itself when it is stage 0 (pipeline/engine/local_draft.py)
+    draft_at: str = DRAFT_AT[0]
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.draft_at not in DRAFT_AT:
+            raise ValueError(f"draft_at must be one of {', '.join(DRAFT_AT)}, got {self.draft_at!r}")
         if self.placement.multi_node:
             node_stages(num_stages=self.num_stages, nnodes=self.placement.nnodes, node_rank=self.placement.node_rank)

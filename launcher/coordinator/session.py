@@ -12,6 +12,7 @@ Must not: parse command lines (launcher/cli/main.py) or format output.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -40,10 +41,13 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
                        master_port: int) -> CoordinatorConfig:
     """The coordinator's view of the run: its limits, the data-plane rendezvous, and the exit stage
     (-1 when the pipeline runs no exit head)."""
+    scheduler = options.scheduler_config(eos_token_ids=tuple(plan.tokenizer.eos_token_ids),
+                                         firp_k=plan.firp.k if plan.firp else 0, row_costs=plan.row_costs,
+                                         firp_pseudo_weight=plan.firp_pseudo_weight)
+    # stage-local drafting needs the exit layer on stage 0 (else: the coordinator drafts, as documented)
+    draft_at_stage = options.draft_at == "stage" and options.needs_exit_head and plan.exit_stage == 0
     return CoordinatorConfig(
-        scheduler=options.scheduler_config(eos_token_ids=tuple(plan.tokenizer.eos_token_ids),
-                                           firp_k=plan.firp.k if plan.firp else 0, row_costs=plan.row_costs,
-                                           firp_pseudo_weight=plan.firp_pseudo_weight),
+        scheduler=dataclasses.replace(scheduler, draft_at_stage=draft_at_stage and scheduler.speculate),
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
         predictor=options.predictor, exit_stage=plan.exit_stage if options.needs_exit_head else -1,
         record_timeline=options.record_timeline)

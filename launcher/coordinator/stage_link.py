@@ -47,10 +47,13 @@ class StageLink:
             raise PipelineError(f"warm-up: expected KEEPALIVE back from the last stage, got {msg.kind.name}")
 
     def send_step(self, out: StepOutput) -> None:
-        """Send the engine's releases (one RELEASE), then each of its micro-batches (FORWARD: the
-        token ids as tensor "x", items without them; a timing list when a timeline is recorded)."""
+        """Send the engine's releases (one RELEASE), its credits (one CREDIT, consumed by stage 0),
+        then each of its micro-batches (FORWARD: the token ids as tensor "x", items without them;
+        a timing list when a timeline is recorded)."""
         if out.releases:
             self.sends.send(Message(MessageKind.RELEASE, releases=list(out.releases)), self.first)
+        if out.credits:
+            self.sends.send(Message(MessageKind.CREDIT, list(out.credits)), self.first)
         for batch in out.sends:
             tokens = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
             self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens},

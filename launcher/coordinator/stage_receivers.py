@@ -22,13 +22,22 @@ class ReceiverError(RuntimeError):
 
 
 def exit_event(msg: Message, *, now_ns: int) -> ExitPassed:
-    """An EXIT_GUESS message as an engine event. Its time: when the exit stage finished the items
-    (its StageTiming) if timed, else `now_ns` (when it arrived)."""
+    """An EXIT_GUESS message as an engine event, with the drafts the exit stage made after its
+    items ("self_drafts" / "self_draft_keys": [num_items] int64, -1 for none; [Note: stage-local
+    drafting] in pipeline/engine/local_draft.py). Its time: when the exit stage finished the items
+    (its StageTiming) if timed, else `now_ns` (when it arrived). Raises ReceiverError when the
+    draft tensors do not match the items."""
     tokens, probs = msg.tensors.get("exit_tokens"), msg.tensors.get("exit_probs")
     guesses = tuple(None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
                     for i in range(len(msg.items)))
     at_ns = msg.timing[-1].end_ns if msg.timing else now_ns
-    return ExitPassed(items=tuple(msg.items), guesses=guesses, at_ns=at_ns)
+    drafts, keys = msg.tensors.get("self_drafts"), msg.tensors.get("self_draft_keys")
+    self_drafts = ()
+    if drafts is not None:
+        if keys is None or drafts.shape != (len(msg.items),) or keys.shape != drafts.shape:
+            raise ReceiverError(f"EXIT_GUESS with {len(msg.items)} items has malformed self_drafts tensors")
+        self_drafts = tuple(zip(drafts.tolist(), keys.tolist(), strict=True))
+    return ExitPassed(items=tuple(msg.items), guesses=guesses, at_ns=at_ns, self_drafts=self_drafts)
 
 
 def result_event(msg: Message, *, now_ns: int) -> Result:
@@ -66,7 +75,11 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queu
         if msg.kind == MessageKind.RESULT and is_last:
             events.put(("event", (generation, result_event(msg, now_ns=time.perf_counter_ns()))))
         elif msg.kind == MessageKind.EXIT_GUESS:
-            events.put(("event", (generation, exit_event(msg, now_ns=time.perf_counter_ns()))))
+            try:
+                events.put(("event", (generation, exit_event(msg, now_ns=time.perf_counter_ns()))))
+            except ReceiverError as exc:
+                events.put(("error", (generation, exc)))
+                return
         elif msg.kind == MessageKind.SHUTDOWN:  # from the last stage, and from the exit stage
             return
         elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE) or not is_last:

@@ -1,7 +1,9 @@
 """The engine: the one object that drives the scheduler. Events in, sends and commits out.
 
 Owns the `Scheduler` (sequences, ledgers, drafts, verify and commit through it), the micro-batches
-in flight (the only copy: the ring is FIFO, so a result answers the oldest), the `Timeline` of
+in flight (the only copy: the ring is FIFO, so a result answers the oldest; a micro-batch the exit
+stage made itself is matched to its announcement instead, in either arrival order: [Note:
+stage-local drafting] in pipeline/engine/local_draft.py), the `Timeline` of
 what each micro-batch was worth, and the commit log. The coordinator (launcher/coordinator/coordinator.py)
 feeds it real events from its channels, the simulator (pipeline/measure/simulator.py) simulated ones, and
 the unit-test fakes scripted ones; none of them touches the scheduler.
@@ -74,6 +76,10 @@ class Engine:
         self.timeline = Timeline(config.num_stages, max_slices=max_slices)
         self.commit_sink = commit_sink
         self.commit_log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=max_commits)
+        # micro-batches the exit stage made ([Note: stage-local drafting] in pipeline/engine/local_draft.py):
+        # announced and unanswered (item keys -> when announced), and results that came first
+        self._local: dict[frozenset[tuple[int, int, int]], int] = {}
+        self._early: list[Result] = []
 
     # -- the interface ------------------------------------------------------------------------------
     def step(self, events: Iterable[Event] = (), now_ns: int = 0) -> StepOutput:
@@ -88,10 +94,11 @@ class Engine:
             self._scheduler.pop(release.seq_id)
             forgotten.append(release.seq_id)
         sends: list[tuple[Item, ...]] = []
-        while (batch := self._scheduler.next_batch(now_ns, num_inflight=len(self._inflight))) is not None:
+        while (batch := self._scheduler.next_batch(now_ns, num_inflight=self.num_inflight)) is not None:
             self._inflight.append(batch)
             sends.append(batch.items)
-        return StepOutput(sends=sends, commits=commits, releases=releases, forgotten=forgotten)
+        credits, self._scheduler.credits = self._scheduler.credits, []
+        return StepOutput(sends=sends, commits=commits, releases=releases, forgotten=forgotten, credits=credits)
 
     def use_row_costs(self, table: RowCostTable) -> None:
         """Price rows with `table` from now on: FIRP chains and the run-ahead depth follow it (a
@@ -106,8 +113,8 @@ class Engine:
 
     @property
     def num_inflight(self) -> int:
-        """Micro-batches sent whose result has not come back."""
-        return len(self._inflight)
+        """Micro-batches in flight: sent, or made and announced by the exit stage, without a result."""
+        return len(self._inflight) + len(self._local)
 
     @property
     def num_sequences(self) -> int:
@@ -142,7 +149,9 @@ class Engine:
         if isinstance(event, Result):
             self._on_result(event, commits)
         elif isinstance(event, ExitPassed):
-            sched.on_exit(event.items, event.guesses, event.at_ns)
+            sched.on_exit(event.items, event.guesses, event.at_ns, event.self_drafts)
+            if any(token >= 0 for token, _ in event.self_drafts):
+                self._announce(event, commits)
         elif isinstance(event, Submit):
             sched.add(event.seq_id, event.prompt_ids, event.params)
         elif isinstance(event, Abort):
@@ -158,14 +167,37 @@ class Engine:
             sched.finish_on_stop_string(event.seq_id)
         elif isinstance(event, ReplayRunning):
             self._inflight.clear()  # their results will never come: the old ring is gone
+            self._local.clear()
+            self._early.clear()
             sched.replay_running()
         else:
             raise TypeError(f"unknown engine event {event!r}")
 
+    def _announce(self, event: ExitPassed, commits: list[Commit]) -> None:
+        """The exit stage made a micro-batch of the drafts in `event.self_drafts`: count it in
+        flight until its result, or apply its result now if that came first."""
+        keys = frozenset((it.seq_id, it.end, it.epoch) for it, (token, _) in zip(event.items, event.self_drafts,
+                                                                                 strict=True) if token >= 0)
+        early = next((r for r in self._early if _keys(r) == keys), None)
+        if early is None:
+            self._local[keys] = event.at_ns
+            return
+        self._early.remove(early)
+        self._apply_result(MicroBatch(items=early.items, drafts_ready_ns=event.at_ns), early, commits)
+
     def _on_result(self, event: Result, commits: list[Commit]) -> None:
+        if event.items and event.items[0].self_made:  # a micro-batch the exit stage made
+            ready_ns = self._local.pop(_keys(event), None)
+            if ready_ns is None:
+                self._early.append(event)  # before its announcement: wait for it
+            else:
+                self._apply_result(MicroBatch(items=event.items, drafts_ready_ns=ready_ns), event, commits)
+            return
         if not self._inflight:
             raise RuntimeError("a result arrived with no micro-batch in flight")
-        batch = self._inflight.popleft()
+        self._apply_result(self._inflight.popleft(), event, commits)
+
+    def _apply_result(self, batch: MicroBatch, event: Result, commits: list[Commit]) -> None:
         new = self._scheduler.on_result(event.items, event.token_ids, event.logits, event.at_ns,
                                         firp_tokens=event.firp_tokens, firp_probs=event.firp_probs)
         self.commit_log.extend((event.at_ns, c.seq_id, t) for c in new for t in c.token_ids)
@@ -184,3 +216,8 @@ class Engine:
         committed = [it.seq_id in committed_seqs and (it.seq_id, it.start, it.epoch) in ran for it in sent]
         self.timeline.record(event.timing, sent, sum(committed) / len(sent) if sent else 0.0,
                              batch.drafts_ready_ns, committed=committed)
+
+
+def _keys(result: Result) -> frozenset[tuple[int, int, int]]:
+    """(seq_id, start, epoch) of a result's items: a self-made micro-batch's identity."""
+    return frozenset((it.seq_id, it.start, it.epoch) for it in result.items)

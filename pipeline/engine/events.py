@@ -44,16 +44,20 @@ class StopStringHit:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExitPassed:
     """Items passed the exit layer (an EXIT_GUESS message): guesses[i] is the exit head's guess at
-    items[i]'s last row, or None (no head, or the head skipped it)."""
+    items[i]'s last row, or None (no head, or the head skipped it). self_drafts: empty, or per item
+    (token, gate key code) of the draft the exit stage made and runs right after it (token -1:
+    none; [Note: stage-local drafting] in pipeline/engine/local_draft.py)."""
 
     items: tuple[Item, ...]
     guesses: tuple[ExitGuess | None, ...]
     at_ns: int = 0
+    self_drafts: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Result:
-    """The last stage's output for the oldest micro-batch in flight (the ring is FIFO).
+    """The last stage's output for the oldest micro-batch in flight (the ring is FIFO), or for a
+    micro-batch the exit stage made (its items are `self_made`: matched to its ExitPassed).
 
     items: the micro-batch's items that ran on every stage (a subset, in order).
     token_ids: [sum of items' num_result_rows] int64 argmax of each result row.
@@ -86,9 +90,11 @@ Event = Submit | Abort | StopStringHit | ExitPassed | Result | ReplayRunning
 class StepOutput:
     """What one `Engine.step` asks the caller to do, in this order: send `releases` down the ring
     (one RELEASE), then each micro-batch of `sends` to stage 0; stream `commits`; forget the
-    sequences in `forgotten` (released, or aborted before they held a slot)."""
+    sequences in `forgotten` (released, or aborted before they held a slot). `credits`: one CREDIT
+    to stage 0, before the sends ([Note: stage-local drafting] in pipeline/engine/local_draft.py)."""
 
     sends: Sequence[tuple[Item, ...]] = ()
     commits: Sequence[Commit] = ()
     releases: Sequence[SlotRelease] = ()
     forgotten: Sequence[int] = ()
+    credits: Sequence[Item] = ()

@@ -43,6 +43,7 @@ class SchedulerConfig:
     row_costs: RowCostTable | None = None  # measured pass costs: chain lengths follow them (pipeline/engine/row_budget.py)
     firp_pseudo_weight: float = 1.0  # a pseudo row's cost in real rows (layers after the FIRP layer / all)
     run_ahead_from_table: bool = False  # max_inflight is a cap; the depth follows row_costs (row_budget.py)
+    draft_at_stage: bool = False  # the exit stage (stage 0) drafts itself: pipeline/engine/local_draft.py
 
     def __post_init__(self) -> None:
         # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)
@@ -131,6 +132,7 @@ class SpecCounters:
     accepted_tokens: int = 0
     squashed_items: int = 0
     gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
+    stage_drafted: int = 0  # drafts the exit stage made itself (pipeline/engine/local_draft.py)
     firp_drafted: int = 0
     firp_verified: int = 0
     firp_accepted: int = 0

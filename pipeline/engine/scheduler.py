@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pipeline.engine import local_draft
 from pipeline.engine.records import (
     Commit,
     FinishReason,
@@ -70,6 +71,7 @@ class Scheduler:
         self.drafting: collections.deque[int] = collections.deque()  # sequences with a pending draft
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.to_release: list[SlotRelease] = []  # slots to free on every stage
+        self.credits: list[Item] = []  # CREDITs for the exit stage ([Note: stage-local drafting])
         self.spec = SpecCounters()
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
         self.rows = RowBudget(max_firp_k=config.firp_k, row_costs=config.row_costs,
@@ -149,6 +151,7 @@ class Scheduler:
                 seq.ledger.add_real(item.token_ids[0], item.token_ids[1:])
                 self.spec.drafted_tokens += item.num_tokens - 1
                 self.spec.firp_drafted += item.num_tokens - 1
+            item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full)
             batch.append(item)
         for item in batch:  # after the batch is formed: one item per sequence per micro-batch
             self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
@@ -212,21 +215,26 @@ class Scheduler:
                                      num_anchors=num_anchors)
 
     # -- exit-layer events (speculation) ------------------------------------------------------------
-    def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None], now_ns: int = 0) -> None:
+    def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None], now_ns: int = 0,
+                self_drafts: Sequence[tuple[int, int]] = ()) -> None:
         """Items passed the exit layer: propose a draft after each chain end (see
         [Note: speculation policy]). guesses: the exit head's output per item (None if no head);
-        now_ns: when they passed it (caller's clock)."""
+        now_ns: when they passed it (caller's clock); self_drafts: per item, (token, gate key code) of
+        the draft the exit stage made after it, token -1 for none ([Note: stage-local drafting])."""
         if not self.config.speculate:
             return
         if self.predictor.needs_exit_head:
             wanted = sum(it.wants_exit_guess for it in items)
             self.spec.exit_rows += wanted
             self.spec.exit_rows_skipped += sum(it.may_precede_draft for it in items) - wanted
-        for item, guess in zip(items, guesses, strict=True):
+        for i, (item, guess) in enumerate(zip(items, guesses, strict=True)):
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.finished:
                 continue
             seq.exit_seen = (item.end - 1, item.epoch, guess)
+            if self_drafts and self_drafts[i][0] >= 0:
+                local_draft.register(self.config, self.gate, self.spec, seq, item, *self_drafts[i])
+                continue
             self._try_draft(seq, now_ns)
 
     def _try_draft(self, seq: SequenceState, now_ns: int) -> None:
@@ -322,6 +330,7 @@ class Scheduler:
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
         self._record_gate(seq, item, tokens)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
+        local_draft.guard_unannounced(seq, item)
         firp_verified = min(len(tokens), own_drafts)
         firp_accepted = min(verdict.num_accepted, firp_verified)
         self.spec.passes += 1
@@ -346,6 +355,8 @@ class Scheduler:
             self._queue_real(seq)
         else:
             self._try_draft(seq, now_ns)  # the accepted chain has room again
+            if (grant := local_draft.credit(self.config, self.gate, seq)) is not None:
+                self.credits.append(grant)
         return Commit(seq.seq_id, tuple(tokens), seq.finish_reason, logprobs=logprobs)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:

@@ -58,7 +58,8 @@ class MessageKind(enum.IntEnum):
     """Data-plane message kinds. FORWARD goes stage to stage; RESULT from the last stage to the
     coordinator; EXIT_GUESS from the exit stage to the coordinator (its items passed the exit
     layer, with the exit head's guesses); the rest are control, forwarded along the ring in order
-    with the work (RELEASE frees KV slots: `Message.releases`)."""
+    with the work (RELEASE frees KV slots: `Message.releases`), except CREDIT, which stage 0
+    consumes (its items carry stage-local drafting grants: pipeline/engine/local_draft.py)."""
 
     FORWARD = 0
     RESULT = 1
@@ -66,6 +67,7 @@ class MessageKind(enum.IntEnum):
     KEEPALIVE = 3
     RELEASE = 4
     SHUTDOWN = 5
+    CREDIT = 6
 
 
 class WireError(ValueError):

@@ -77,8 +77,20 @@ class DraftGate:
 
     def key(self, draft: Draft) -> tuple[str, int]:
         """The bucket of a draft: its source and its confidence bucket."""
-        conf = min(max(draft.confidence, 0.0), 1.0)
-        return draft.source, min(int(conf * self.num_buckets), self.num_buckets - 1)
+        return draft.source, self.bucket(draft.confidence, self.num_buckets)
+
+    @staticmethod
+    def bucket(confidence: float, num_buckets: int) -> int:
+        """The confidence bucket of a confidence (clipped to [0, 1]) among `num_buckets`."""
+        conf = min(max(confidence, 0.0), 1.0)
+        return min(int(conf * num_buckets), num_buckets - 1)
+
+    def would_allow(self, key: tuple[str, int]) -> bool:
+        """Whether `allow` would send a draft of bucket `key` now (counts nothing): the rule the
+        exit stage applies to a draft it makes itself (pipeline/engine/local_draft.py)."""
+        if self.min_acceptance <= 0.0 or self.estimate(key) >= self.min_acceptance:
+            return True
+        return self.buckets.get(key, BucketStats()).refused_since_probe + 1 >= self.explore_every
 
     def estimate(self, key: tuple[str, int]) -> float:
         """Current acceptance estimate of a bucket (the prior when it has no verdicts yet)."""

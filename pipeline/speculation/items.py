@@ -39,6 +39,11 @@ class Item:
     want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
         clears it when no draft made from that guess could be sent ([Note: exit-head skipping] in
         pipeline/engine/row_budget.py); prefill items never get a guess either way (`wants_exit_guess`).
+    draft_upto, draft_cap, draft_gate, draft_with, self_made: stage-local drafting ([Note:
+        stage-local drafting] in pipeline/engine/local_draft.py). draft_upto > 0: the exit stage may
+        draft after this item itself while its last position is < draft_upto (< draft_cap: within
+        the coordinator's own chain cap); draft_gate: the draft gate's open bits; draft_with: which
+        predictor the stage runs; self_made: the exit stage made this draft. Defaults: off.
     """
 
     seq_id: int
@@ -53,6 +58,11 @@ class Item:
     firp_anchors: int = 0
     want_exit: bool = True
     want_prompt_logits: bool = False
+    draft_upto: int = 0
+    draft_cap: int = 0
+    draft_gate: int = 0
+    draft_with: int = 0
+    self_made: bool = False
 
     def __post_init__(self) -> None:
         if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
@@ -126,7 +136,7 @@ class SlotRelease:
 ITEM_WIRE_SCHEMA: dict[str, type] = {
     "seq_id": int, "slot": int, "start": int, "num_tokens": int, "epoch": int, "kind": int,
     "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
-    "want_prompt_logits": bool,
+    "want_prompt_logits": bool, "draft_upto": int, "draft_cap": int, "draft_gate": int, "draft_with": int, "self_made": bool,
 }
 
 

@@ -10,10 +10,11 @@ wasted fraction (stage time spent on squashed work, mean over stages), the contr
 the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5, e = 1), and
 whether the output was token-identical to `none`.
 
-Configurations: MODE[/PREDICTOR][@GATE]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
+Configurations: MODE[/PREDICTOR][@GATE][:stage]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
 `--predictor` name, a trained file (*.safetensors), or `hybrid-untrained` (hybrid with
 `--exit-predictor none`: n-gram + logit lens); `@X` runs with `--min-acceptance X` (0: every draft
-is sent). `--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
+is sent); `:stage` runs with `--draft-at stage` (the exit stage drafts itself).
+`--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
 the head shipped for the exit layer, pipeline/assets/predictors/).
 Held-out sets: `chat` and `code` (chat-templated instructions that `train-predictor --data
 self-distill` holds out) and `speeches` (held-out State of the Union excerpts), as in
@@ -71,12 +72,13 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
             "drafted": spec.drafted_tokens, "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
             "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
-            "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts,
+            "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts, "stage_drafted": spec.stage_drafted,
             "wasted_fraction": statistics.mean(wasted) if wasted else 0.0, **coord.timeline.draft_gap(0)}
 
 
 def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOptions:
-    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE]."""
+    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][:stage]."""
+    config, _, draft_at = config.partition(":")
     body, _, gate = config.partition("@")
     mode, _, pred = body.partition("/")
     pred = pred or "hybrid"
@@ -85,7 +87,7 @@ def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOpt
     return PipelineOptions(num_stages=stages, speculate=mode, threads_per_stage=1, progress=False,
                            predictor="hybrid" if untrained else pred,
                            exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
-                           min_acceptance=float(gate) if gate else None)
+                           min_acceptance=float(gate) if gate else None, draft_at=draft_at or "coordinator")
 
 
 def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
@@ -96,6 +98,7 @@ def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
     firp_verified = sum(r["firp_verified"] for r in rows)
     return {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
             "verified": verified, "drafted": sum(r["drafted"] for r in rows), "gated": sum(r["gated"] for r in rows),
+            "stage_drafted": sum(r["stage_drafted"] for r in rows),
             "firp_acceptance": sum(r["firp_accepted"] for r in rows) / firp_verified if firp_verified else 0.0,
             "tokens_per_verify": statistics.mean(r["tokens_per_pass"] for r in rows),
             "wasted_fraction": statistics.mean(r["wasted_fraction"] for r in rows),

@@ -137,6 +137,8 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir):
     coord = coordinator_config(options, plan, master_addr="127.0.0.1", master_port=1234)
     assert coord.exit_stage == 0 and coord.scheduler == options.scheduler_config(
         eos_token_ids=tuple(plan.tokenizer.eos_token_ids), firp_k=0)
+    staged = dataclasses.replace(options, draft_at="stage")  # the exit layer is on stage 0: the stage drafts
+    assert coordinator_config(staged, plan, master_addr="127.0.0.1", master_port=1234).scheduler.draft_at_stage
     sched = coord.scheduler
     assert (sched.speculate, sched.num_stages, sched.max_num_seqs, sched.max_model_len, sched.min_acceptance) == (
         True, 2, 3, 64, DraftGate.break_even(2))
