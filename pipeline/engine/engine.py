@@ -49,6 +49,7 @@ from pipeline.engine.scheduler import Scheduler
 from pipeline.measure.timeline import Timeline
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import Predictor
+from pipeline.speculation.tree import TreeCounters
 
 CommitSink = Callable[[Commit], bool]
 
@@ -96,6 +97,11 @@ class Engine:
     def spec(self) -> SpecCounters:
         """Speculation totals since the last `reset_stats` (read-only use)."""
         return self._scheduler.spec
+
+    @property
+    def tree(self) -> TreeCounters:
+        """Token-tree totals ([Note: token trees] in pipeline/speculation/tree.py; read-only use)."""
+        return self._scheduler.tree.counters
 
     @property
     def num_inflight(self) -> int:

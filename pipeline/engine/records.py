@@ -42,6 +42,7 @@ class SchedulerConfig:
     firp_min_prob: float = 0.0  # a chain is cut before its first draft less probable than this
     row_costs: RowCostTable | None = None  # measured pass costs: chain lengths follow them (pipeline/engine/row_budget.py)
     firp_pseudo_weight: float = 1.0  # a pseudo row's cost in real rows (layers after the FIRP layer / all)
+    draft_tree: int = 1  # candidates per draft position, siblings included ([Note: token trees]); 1 = off
 
     def __post_init__(self) -> None:
         # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)

@@ -52,6 +52,7 @@ from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.predictors import ExitGuess, Predictor
 from pipeline.speculation.sampling import Sampler, SamplingParams, prompt_logprobs, token_logprob
+from pipeline.speculation.tree import TokenTree
 from pipeline.speculation.verify import verify_result
 
 
@@ -74,6 +75,8 @@ class Scheduler:
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
         self.rows = RowBudget(max_firp_k=config.firp_k, row_costs=config.row_costs,
                               pseudo_weight=config.firp_pseudo_weight)  # [Note: row-cost-driven chains]
+        self.tree = TokenTree(width=config.draft_tree, num_stages=config.num_stages,  # [Note: token trees]
+                              max_inflight=config.max_inflight, row_costs=config.row_costs)
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
@@ -140,7 +143,7 @@ class Scheduler:
             item, seq.pending = seq.pending, None
             item = dataclasses.replace(item, want_exit=self._wants_exit(seq, item, pipeline_full=pipeline_full))
             if item.kind == ItemKind.DRAFT:
-                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key)
+                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids)
                 self.spec.drafted_tokens += 1
                 ready_ns.append(seq.pending_ready_ns)
             elif item.kind == ItemKind.PREFILL:
@@ -176,6 +179,7 @@ class Scheduler:
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
                            epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
                            token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
+                           keep_sibling=self.tree.fixups.pop(seq.seq_id, -1),
                            **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
         seq.firp_drafts = ()
         self.ready.append(seq.seq_id)
@@ -203,6 +207,7 @@ class Scheduler:
             if seq.finished or seq.slot < 0:
                 continue  # finished (its release is harmless on a cleared stage) or still waiting
             self.spec.squashed_items += seq.ledger.finish()  # drop the chain, bump the epoch
+            self.tree.forget(seq.seq_id)
             seq.pending, seq.exit_seen, seq.pending_key = None, None, None
             self._queue_prefill(seq)
 
@@ -233,7 +238,8 @@ class Scheduler:
         """Queue a draft after the sequence's chain end if the ledger allows one and the chain end
         has passed the exit layer (or the predictor needs no exit head). Called on exit events,
         after sends, and when a result frees room in the chain, so a refused draft is retried."""
-        if not self.config.speculate or seq.finished or seq.pending is not None or not seq.ledger.inflight:
+        if (not self.config.speculate or seq.finished or seq.pending is not None or not seq.ledger.inflight
+                or seq.seq_id in self.tree.rescues):  # nothing follows a rescued sibling ([Note: token trees])
             return
         end = seq.ledger.inflight[-1]
         if end.position < seq.ledger.prompt_len:  # the first token after prefill is never drafted
@@ -253,9 +259,12 @@ class Scheduler:
             return
         seq.pending_key = self.gate.key(draft)
         start = end.last_position + 1
+        firp = self._firp_fields(seq, first_anchor=start, num_anchors=1)
+        tree = self.tree.draft_fields(self.predictor, seq.context(), guess, draft, start=start, has_firp=bool(
+            firp.get("firp_k")), greedy_plain=seq.params.is_greedy and not seq.params.needs_logits)
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
                            kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=seq.params.needs_logits,
-                           **self._firp_fields(seq, first_anchor=start, num_anchors=1))
+                           **firp, **tree)
         seq.pending_ready_ns = now_ns
         self.drafting.append(seq.seq_id)
 
@@ -288,6 +297,10 @@ class Scheduler:
                 firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
             row, pseudo_row = row + n, pseudo_row + item.num_pseudo
             seq = self.seqs.get(item.seq_id)
+            siblings, argmax = argmax[item.num_tokens:], argmax[:item.num_tokens]  # [Note: token trees]
+            rescue = self.tree.rescue_of(item.seq_id, item) if seq is not None and not seq.finished else None
+            if rescue is not None:  # the rescued sibling's row is the real next token
+                item, argmax = self.tree.as_real(item, seq.epoch), [siblings[rescue.row - 1]]
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
@@ -320,6 +333,9 @@ class Scheduler:
         if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/sampling.py
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
         self._record_gate(seq, item, tokens)
+        rescue = self.tree.rescue_for(seq.ledger.inflight, item.end, tokens, num_rows=item.num_tokens, room=(
+            (tokens[-1] not in self.config.eos_token_ids or seq.params.ignore_eos)
+            and len(seq.output_ids) + len(tokens) < seq.params.max_new_tokens))
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         firp_verified = min(len(tokens), own_drafts)
         firp_accepted = min(verdict.num_accepted, firp_verified)
@@ -341,6 +357,8 @@ class Scheduler:
             self._finish(seq, FinishReason.EOS)
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
+        elif rescue is not None:
+            self.tree.hold(seq, rescue)  # the draft item lives on as the real one ([Note: token trees])
         elif not seq.ledger.inflight:
             self._queue_real(seq)
         else:
@@ -351,6 +369,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.pending = None
         self.spec.squashed_items += seq.ledger.finish()
+        self.tree.forget(seq.seq_id)
         if seq.slot >= 0:
             self.to_release.append(SlotRelease(seq.seq_id, seq.slot))
             self.free_slots.append(seq.slot)

@@ -49,7 +49,7 @@ class StageOutput:
     """What a stage produced for a micro-batch.
 
     items: the items that ran (stale ones removed), token ids stripped.
-    hidden: [num_tokens, hidden_size] for a non-last stage.
+    hidden: [num_rows, hidden_size] for a non-last stage (`Item.num_rows`: token-tree siblings too).
     pseudo: [num_pseudo, hidden_size] FIRP pseudo rows for the next stage (non-last stage, once
         they exist), in item order.
     token_ids: [sum of items' num_result_rows] int64 argmax of each result row (last stage): the
@@ -105,7 +105,11 @@ class StageExecutor:
         keep = admit_epochs(self.epochs, items)
         for it, current in zip(items, keep, strict=True):
             if current:
+                if it.keep_sibling >= 0:  # a rescued sibling's KV ([Note: token trees] in pipeline/speculation/tree.py)
+                    self.kv.keep_scratch(it.slot, it.keep_sibling, it.start - 1)
                 self.kv.truncate(it.slot, it.start)  # the item starts at the committed length
+                if it.alt_token_ids:
+                    self.kv.ensure_scratch(it.tree_scratch + len(it.alt_token_ids))
         return keep
 
     def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None) -> StageOutput:
@@ -121,7 +125,7 @@ class StageExecutor:
             items = [it for it, k in zip(items, keep, strict=True) if k]
         if not items:
             return StageOutput(items=[])
-        spans = [Span(it.slot, it.start, it.num_tokens, it.firp_anchors, it.firp_k) for it in items]
+        spans, primary = item_spans(items)
         num_pseudo = sum(it.num_pseudo for it in items)
         if not num_pseudo:
             pseudo = None
@@ -142,7 +146,7 @@ class StageExecutor:
                                       firp_layer=self.firp_layer, make_pseudo=make_pseudo)
         result = StageOutput(items=[it.without_tokens() for it in items])
         if use_head:
-            result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden)
+            result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden[primary])
         if self.model.is_last:
             out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
             result.token_ids = out[result_index].argmax(dim=-1).cpu()
@@ -161,7 +165,7 @@ class StageExecutor:
             result.pseudo = fwd.pseudo
         self.counters.busy_ns += time.perf_counter_ns() - start_ns
         self.counters.items_processed += len(items)
-        self.counters.tokens_processed += sum(it.num_tokens for it in items)
+        self.counters.tokens_processed += sum(it.num_rows for it in items)
         return result
 
     def _exit_guesses(self, items: list[Item], exit_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +210,18 @@ def admit_epochs(epochs: dict[int, int], items: list[Item]) -> list[bool]:
     return keep
 
 
-def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_tokens) -> torch.Tensor:
+def item_spans(items: list[Item]) -> tuple[list[Span], list[int]]:
+    """The spans of `items` in packed row order (each item's own span, then one per token-tree
+    sibling: [Note: sibling rows] in pipeline/model/row_layout.py), and each item's own span index."""
+    spans, primary = [], []
+    for it in items:
+        primary.append(len(spans))
+        spans.append(Span(it.slot, it.start, it.num_tokens, it.firp_anchors, it.firp_k))
+        spans.extend(Span(it.slot, it.start, 1, scratch=it.tree_scratch + j) for j in range(len(it.alt_token_ids)))
+    return spans, primary
+
+
+def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_rows) -> torch.Tensor:
     """Packed row indices of the kept items (`rows_of(item)` rows each: real rows by default)."""
     rows, row = [], 0
     for it, k in zip(items, keep, strict=True):
@@ -222,7 +237,7 @@ def _logit_rows(items: list[Item]) -> tuple[list[int], list[int]]:
     `want_prompt_logits` (`Item.num_logit_rows`; its result row is the last of them)."""
     rows, result_index, row = [], [], 0
     for it in items:
-        row += it.num_tokens
+        row += it.num_rows
         rows.extend(range(row - it.num_logit_rows, row))
         result_index.extend(range(len(rows) - it.num_result_rows, len(rows)))
     return rows, result_index

@@ -95,6 +95,15 @@ class KVCache:
             raise ValueError(f"KV scratch position {scratch} out of range [0, {self.num_scratch})")
         return self.max_model_len + scratch
 
+    def ensure_scratch(self, num_scratch: int) -> None:
+        """Grow the scratch area to at least `num_scratch` positions per slot (a one-off copy of the
+        buffers the first time a token tree needs more; call between forwards)."""
+        if num_scratch <= self.num_scratch:
+            return
+        extra = num_scratch - self.num_scratch
+        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:3], extra, t.shape[4])], dim=3)  # noqa: E731
+        self.k, self.v, self.num_scratch = pad(self.k), pad(self.v), num_scratch
+
     def keep_scratch(self, slot: int, scratch: int, position: int) -> None:
         """Copy scratch position `scratch` of `slot` to `position` on every layer (a verified token-tree
         sibling becomes the real entry at `position`; [Note: sibling rows] in pipeline/model/row_layout.py).

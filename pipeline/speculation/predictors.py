@@ -27,10 +27,13 @@ PREDICTOR_FILE_SUFFIX = ".safetensors"  # a --predictor value ending so names a 
 
 @dataclasses.dataclass(frozen=True)
 class ExitGuess:
-    """The exit head's top token for one position and its probability (confidence in [0, 1])."""
+    """The exit head's top token for one position and its probability (confidence in [0, 1]);
+    `alternatives`: its next most likely (token, probability) pairs, best first, when the exit
+    stage was asked for its top-k (token trees, pipeline/speculation/tree.py); else empty."""
 
     token: int
     prob: float
+    alternatives: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +178,14 @@ class LogitLensPredictor:
     def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
         return None if guess is None else Draft(guess.token, guess.prob, self.name)
 
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        """Token-tree candidates, most likely first: the exit head's top-k ([Note: token trees] in
+        pipeline/speculation/tree.py); the caller drops the one it proposed."""
+        if guess is None:
+            return []
+        return [Draft(guess.token, guess.prob, self.name),
+                *(Draft(t, p, self.name) for t, p in guess.alternatives)]
+
 
 class EarlyExitPredictor(LogitLensPredictor):
     """Draft = the argmax of a trained early-exit head (ExitMap before the frozen norm + head); the
@@ -226,6 +237,12 @@ class HybridPredictor:
         if a is None or b is None:
             return a or b
         return a if a.confidence >= b.confidence else b
+
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        """Token-tree candidates, most likely first: the n-gram proposal and the exit head's top-k
+        ([Note: token trees] in pipeline/speculation/tree.py)."""
+        a = self.ngram.propose(context, guess)
+        return sorted([*([a] if a else []), *self.lens.alternatives(context, guess)], key=lambda d: -d.confidence)
 
 
 def is_predictor_file(name: str) -> bool:

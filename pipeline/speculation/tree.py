@@ -1,0 +1,207 @@
+"""Token trees of depth 1: sibling candidates on a SPEED draft, and the rescue when one is right.
+
+Owns which alternative candidates a draft item carries (`TokenTree.siblings`), where their KV goes
+(`scratch_of`), the rescue record kept when the real token turns out to be a sibling, and the
+tree counters. Pure: no torch, no I/O; pipeline/engine/scheduler.py calls it at a few hooks.
+Must not: commit tokens or touch the ledger's chain itself (the scheduler does both).
+
+[Note: token trees]
+EAGLE-2 (arXiv 2406.16858 §3) and SpecPipe (arXiv 2504.04104) draft a tree of candidates instead of
+one guess per position. Here the tree has depth 1: a DRAFT item for position p carries its primary
+guess plus up to W - 1 siblings (`--draft-tree W`): the other predictor's proposal when the hybrid's
+n-gram lookup and exit head disagree, then the exit head's next most likely tokens. Each sibling is
+one extra row at RoPE position p that attends to the committed context [0, p) and to itself only,
+and whose K/V go to a per-slot scratch position ([Note: sibling rows] in
+pipeline/model/row_layout.py). Younger run-ahead drafts continue only from the primary: the tree's
+"children of the likely one" are the primary's chain, siblings have no children.
+
+When the parent's result shows the real token x_p:
+  * x_p == primary: as today (the siblings' rows and scratch are simply ignored);
+  * x_p == sibling j (a *rescue*): commit x_p, squash everything younger (epoch bump, as today),
+    but keep the draft item alive: it is the chain's head again, now real, in the new epoch. Its
+    result (tagged with the old epoch, since it was sent before the squash) carries row j's argmax
+    = the real x_{p+1}: the scheduler commits it and sends the real item at p + 1 with
+    `keep_sibling` = scratch of j, so every stage first copies that scratch entry to position p
+    (in the in-band squash step, [Note: in-band squash] in pipeline/engine/stage_executor.py) and
+    then truncates to p + 1. No draft follows a rescued item until that real item is sent (a draft
+    would attend to the primary's KV at p). The rescue saves the S - 1 stage steps the real token
+    would otherwise spend going through the pipeline again.
+  * x_p is neither: as today (squash, real item at p).
+Exactness: a sibling row computes exactly what a plain 1-row item with its token at p computes
+(tests/unit/test_token_tree_rows.py), so a rescued x_{p+1} is the token plain greedy decoding
+makes there. Greedy only: with temperature > 0 (or penalties / logprobs, which need logits) no
+sibling is sent, because accepting one of several candidates while keeping the output distributed
+exactly as p needs multi-candidate speculative sampling (SpecInfer's, arXiv 2305.09781 §4), which is
+not built.
+
+Scratch: positions p are in flight at most `max_inflight` at once per sequence, and nothing of a
+sequence is sent between a rescue and its fix-up, so sibling j of the draft at p uses scratch
+(p mod (max_inflight + 1)) * (W - 1) + j, never overwritten before its fix-up.
+
+Tree size ([Note: rows worth sending] in pipeline/measure/row_cost.py): sibling of rank r is sent
+when its calibrated probability q_r (the measured rescue rate of rank r, prior 0.25 worth 4 trials)
+times the work a rescue saves, (S - 1) one-row stage steps, beats the extra row's cost on all S
+stages, S * (cost(r + 1) - cost(r)) from the row-cost table. Without a table every candidate up to
+W - 1 is sent (the flag is then the run's fixed choice, as `--firp-k` is for FIRP chains).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pipeline.measure.row_cost import RowCostTable
+from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.predictors import Draft, ExitGuess
+
+MAX_DRAFT_TREE = 8  # --draft-tree cap: candidates per draft position (primary + siblings)
+PRIOR_HIT, PRIOR_TRIALS = 0.25, 4  # a sibling rank's rescue-rate prior and its weight in trials
+
+
+def validate_draft_tree(width: int) -> int:
+    """Return `width` if it is a valid --draft-tree (1 = off .. MAX_DRAFT_TREE), else raise ValueError."""
+    if not 1 <= width <= MAX_DRAFT_TREE:
+        raise ValueError(f"--draft-tree must be between 1 (off) and {MAX_DRAFT_TREE} candidates, got {width}")
+    return width
+
+
+@dataclasses.dataclass(frozen=True)
+class Rescue:
+    """A draft item whose sibling turned out to be the real token at `position`: its result (tagged
+    `old_epoch`) is taken from result row `row` (1 + the sibling's index) and its KV from `scratch`."""
+
+    position: int
+    old_epoch: int
+    row: int
+    scratch: int
+
+
+@dataclasses.dataclass
+class TreeCounters:
+    """Token-tree totals: drafts sent with siblings, sibling rows sent, verified tree drafts, those
+    whose real token was among the candidates (tree acceptance), and rescues (a sibling was right)."""
+
+    tree_drafts: int = 0
+    sibling_rows: int = 0
+    tree_verified: int = 0
+    tree_hits: int = 0
+    rescues: int = 0
+
+    @property
+    def tree_acceptance(self) -> float:
+        """Verified tree drafts whose real token was a candidate (primary or sibling), per verified."""
+        return self.tree_hits / self.tree_verified if self.tree_verified else 0.0
+
+
+class TokenTree:
+    """Sibling choice, rescue records and counters for `--draft-tree width` ([Note: token trees]).
+
+    num_stages: S; max_inflight: a sequence's chain cap; row_costs: the measured table or None.
+    """
+
+    def __init__(self, *, width: int, num_stages: int, max_inflight: int, row_costs: RowCostTable | None) -> None:
+        self.width = validate_draft_tree(width)
+        self.num_stages, self.depth, self.row_costs = num_stages, max_inflight + 1, row_costs
+        self.rescues: dict[int, Rescue] = {}  # seq_id -> rescue waiting for its result
+        self.fixups: dict[int, int] = {}  # seq_id -> scratch the next real item keeps
+        self.trials = [0] * width  # per sibling rank (index 1..): verified, and rescued
+        self.hits = [0] * width
+        self.counters = TreeCounters()
+
+    @property
+    def enabled(self) -> bool:
+        return self.width > 1
+
+    def scratch_of(self, position: int) -> int:
+        """First scratch position of the siblings of the draft at `position`."""
+        return (position % self.depth) * (self.width - 1)
+
+    def probability(self, rank: int) -> float:
+        """Calibrated probability that the sibling of `rank` (1 = first) is the real token."""
+        return (self.hits[rank] + PRIOR_HIT * PRIOR_TRIALS) / (self.trials[rank] + PRIOR_TRIALS)
+
+    def worth_sending(self, rank: int) -> bool:
+        """[Note: token trees], tree size: a rescue's saving against the extra row's cost."""
+        if self.row_costs is None:
+            return True
+        c = self.row_costs
+        extra = self.num_stages * (c.cost_s(rank + 1) - c.cost_s(rank))
+        return self.probability(rank) * (self.num_stages - 1) * c.cost_s(1) > extra
+
+    def siblings(self, predictor, context: Sequence[int], guess: ExitGuess | None, primary: Draft) -> tuple[int, ...]:
+        """Sibling tokens for a draft whose primary is `primary`: the predictor's other candidates
+        (`alternatives(context, guess)`, most likely first; none if it has no such method), without
+        the primary or repeats, while `worth_sending`, at most width - 1."""
+        more = getattr(predictor, "alternatives", None)
+        if not self.enabled or more is None:
+            return ()
+        out: list[int] = []
+        for cand in more(context, guess):
+            if len(out) == self.width - 1 or not self.worth_sending(len(out) + 1):
+                break
+            if cand.token != primary.token and cand.token not in out:
+                out.append(cand.token)
+        return tuple(out)
+
+    def verify(self, *, primary: int, siblings: Sequence[int], real: int) -> int:
+        """Record a verified tree draft whose real token is `real`; returns the rescued sibling's
+        index (0-based) or -1 when the primary was right or no candidate was."""
+        self.counters.tree_verified += 1
+        index = siblings.index(real) if real != primary and real in siblings else -1
+        self.counters.tree_hits += real == primary or index >= 0
+        for rank in range(1, len(siblings) + 1):
+            if real == primary:
+                break  # a sibling is only measured where it could have rescued
+            self.trials[rank] += 1
+            self.hits[rank] += rank == index + 1
+        return index
+
+    def hold(self, seq, rescue: Rescue) -> None:
+        """After the parent's result committed the sibling (seq.output_ids[-1]) and squashed the
+        chain: the rescued draft item becomes the chain's real head in the new epoch."""
+        seq.ledger.add_real(seq.output_ids[-1])
+        self.rescues[seq.seq_id] = rescue
+
+    def rescue_of(self, seq_id: int, item: Item) -> Rescue | None:
+        """The rescue waiting for `item`'s result (the draft at its position, sent in the old epoch),
+        or None. Once taken, the next real item of the sequence carries its KV fix-up (`fixups`)."""
+        r = self.rescues.get(seq_id)
+        if r is None or (item.start, item.epoch) != (r.position, r.old_epoch) or not item.alt_token_ids:
+            return None
+        del self.rescues[seq_id]
+        self.fixups[seq_id] = r.scratch
+        return r
+
+    @staticmethod
+    def as_real(item: Item, epoch: int) -> Item:
+        """The rescued draft item as the real one-token item the ledger now holds at its position."""
+        return dataclasses.replace(item, epoch=epoch, kind=ItemKind.DECODE, token_ids=(), alt_token_ids=(),
+                                   tree_scratch=0)
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence finished or was replayed: drop its rescue and fix-up."""
+        self.rescues.pop(seq_id, None)
+        self.fixups.pop(seq_id, None)
+
+    def draft_fields(self, predictor, context: Sequence[int], guess: ExitGuess | None, draft: Draft, *,
+                     start: int, greedy_plain: bool, has_firp: bool) -> dict:
+        """Item fields (alt_token_ids, tree_scratch) of a draft at `start`: none with temperature,
+        penalties or logprobs (`greedy_plain` False), or FIRP rows ([Note: token trees])."""
+        alts = self.siblings(predictor, context, guess, draft) if greedy_plain and not has_firp else ()
+        if not alts:
+            return {}
+        self.counters.tree_drafts += 1
+        self.counters.sibling_rows += len(alts)
+        return {"alt_token_ids": alts, "tree_scratch": self.scratch_of(start)}
+
+    def rescue_for(self, chain, item_end: int, tokens: Sequence[int], *, num_rows: int, room: bool) -> Rescue | None:
+        """Call with the parent's committed `tokens` before the ledger applies them: when the next
+        in-flight item (chain[1]) is a tree draft at `item_end` whose sibling is the real token
+        there, the rescue to make (None otherwise, or without `room` for one more token)."""
+        if len(chain) < 2 or chain[1].position != item_end or not chain[1].alts or len(tokens) != num_rows:
+            return None
+        index = self.verify(primary=chain[1].token, siblings=chain[1].alts, real=tokens[-1])
+        if index < 0 or not room:
+            return None
+        self.counters.rescues += 1
+        return Rescue(item_end, chain[1].epoch, 1 + index, self.scratch_of(item_end) + index)
