@@ -24,6 +24,7 @@ from pipeline.engine.records import SchedulerConfig
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
+from pipeline.speculation.tree import MAX_DRAFT_TREE
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.registry import DEFAULT_MODEL
 
@@ -64,6 +65,7 @@ class RunConfig:
     firp_file: str | None = None  # None = the shipped file for the model
     firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
     row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
+    draft_tree: int = 1  # candidates per SPEED draft position, siblings included (pipeline/speculation/tree.py); 1 = off
     # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,9 @@ class RunConfig:
             raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
         if not 0.0 <= self.firp_min_prob <= 1.0:
             raise ValueError(f"firp_min_prob must be in [0, 1], got {self.firp_min_prob}")
+        if not 1 <= self.draft_tree <= MAX_DRAFT_TREE or (self.draft_tree > 1 and not self.uses_speed):
+            raise ValueError(f"draft_tree must be between 1 (off) and {MAX_DRAFT_TREE} candidates, with "
+                             f"speculate speed or speed+firp when above 1, got {self.draft_tree}")
         if self.row_cost_file is not None and not self.row_cost_file.endswith(".json"):
             raise ValueError(f"row_cost_file must be a .json report of tests/benchmarks/row_cost.py, "
                              f"got {self.row_cost_file!r}")
@@ -154,7 +159,7 @@ class RunConfig:
             num_stages=self.num_stages, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
             min_acceptance=self.draft_min_acceptance, firp_k=firp_k, firp_min_prob=self.firp_min_prob,
-            row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight)
+            row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight, draft_tree=self.draft_tree)
 
 
 def check_prompt_length(*, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int,

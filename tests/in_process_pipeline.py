@@ -22,7 +22,7 @@ from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.model.stage_model import StageModel
 from pipeline.speculation.items import ItemKind
-from pipeline.speculation.predictors import ExitGuess, ExitHead, Predictor
+from pipeline.speculation.predictors import ExitHead, Predictor, exit_guesses
 from pipeline.speculation.sampling import SamplingParams
 
 
@@ -96,7 +96,7 @@ class InProcessPipeline:
             out = self.executors[j].run(items, x)  # (an all-stale batch still travels on, empty: as stage_loop.py)
             if self.executors[j].exit_layer is not None and any(it.kind != ItemKind.PREFILL for it in out.items):
                 tokens, probs = out.exit_tokens, out.exit_probs
-                guesses = [exit_guess(tokens, probs, i) for i in range(len(out.items))]
+                guesses = exit_guesses(tokens, probs, len(out.items))
                 events.append(ExitPassed(items=tuple(out.items), guesses=tuple(guesses)))
             if j + 1 < len(self.stages):
                 hidden = out.hidden if out.hidden is not None else torch.empty(0)
@@ -105,11 +105,3 @@ class InProcessPipeline:
                 token_ids = out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)
                 events.append(Result(items=tuple(out.items), token_ids=token_ids, logits=out.logits))
         return events
-
-
-def exit_guess(tokens: torch.Tensor | None, probs: torch.Tensor | None, i: int) -> ExitGuess | None:
-    """Item i's guess from the exit stage's tensors ([num_items] or, with a top-k, [num_items, k])."""
-    if tokens is None or int(tokens.reshape(len(tokens), -1)[i, 0]) < 0:
-        return None
-    t, p = tokens.reshape(len(tokens), -1)[i].tolist(), probs.reshape(len(probs), -1)[i].tolist()
-    return ExitGuess(t[0], p[0], tuple(zip(t[1:], p[1:], strict=True)))

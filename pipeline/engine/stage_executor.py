@@ -171,10 +171,11 @@ class StageExecutor:
     def _exit_guesses(self, items: list[Item], exit_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Exit head on the last row of each item that wants a guess (`Item.wants_exit_guess`); the
         others get token -1 / probability 0."""
-        tokens = torch.full((len(items),), -1, dtype=torch.int64)
-        probs = torch.zeros(len(items), dtype=torch.float32)
         rows = [i for i, it in enumerate(items) if it.wants_exit_guess]
-        t, p = self.exit_head(exit_hidden[rows])
+        k = max(items[i].exit_top_k for i in rows)  # token trees want the head's top-k
+        tokens = torch.full((len(items), k) if k > 1 else (len(items),), -1, dtype=torch.int64)
+        probs = torch.zeros(tokens.shape, dtype=torch.float32)
+        t, p = self.exit_head(exit_hidden[rows], top_k=k) if k > 1 else self.exit_head(exit_hidden[rows])
         tokens[rows], probs[rows] = t.cpu(), p.cpu()
         return tokens, probs
 

@@ -46,6 +46,8 @@ class Item:
     keep_sibling: >= 0 on the real item that follows a rescued sibling: before truncating, every
         stage copies KV scratch position `keep_sibling` of the slot to position start - 1 (the
         sibling, verified, becomes the real entry there); -1: no fix-up.
+    exit_top_k: the exit stage returns the exit head's top `exit_top_k` tokens for this item (the
+        token-tree candidates of the draft after it); 1: its top token only.
     """
 
     seq_id: int
@@ -63,12 +65,15 @@ class Item:
     alt_token_ids: tuple[int, ...] = ()
     tree_scratch: int = 0
     keep_sibling: int = -1
+    exit_top_k: int = 1
 
     def __post_init__(self) -> None:
         if self.alt_token_ids and (self.kind != ItemKind.DRAFT or self.num_tokens != 1 or self.firp_k
                                    or self.want_logits or self.tree_scratch < 0):
             raise ValueError(f"item of seq {self.seq_id}: siblings need a one-token draft without FIRP rows "
                              f"or logits, at a scratch position >= 0")
+        if self.exit_top_k < 1:
+            raise ValueError(f"item of seq {self.seq_id} has exit_top_k {self.exit_top_k} < 1")
         if self.keep_sibling >= 0 and self.start < 1:
             raise ValueError(f"item of seq {self.seq_id}: a KV fix-up needs start >= 1")
         if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
@@ -154,6 +159,7 @@ ITEM_WIRE_SCHEMA: dict[str, type] = {
     "seq_id": int, "slot": int, "start": int, "num_tokens": int, "epoch": int, "kind": int,
     "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
     "want_prompt_logits": bool, "alt_token_ids": list, "tree_scratch": int, "keep_sibling": int,
+    "exit_top_k": int,
 }
 
 

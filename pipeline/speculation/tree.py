@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.predictors import Draft, ExitGuess
+from pipeline.speculation.sampling import SamplingParams
 
 MAX_DRAFT_TREE = 8  # --draft-tree cap: candidates per draft position (primary + siblings)
 PRIOR_HIT, PRIOR_TRIALS = 0.25, 4  # a sibling rank's rescue-rate prior and its weight in trials
@@ -183,11 +184,20 @@ class TokenTree:
         self.rescues.pop(seq_id, None)
         self.fixups.pop(seq_id, None)
 
+    def allows(self, params: SamplingParams) -> bool:
+        """Whether a sequence's drafts may carry siblings: trees on, plain greedy (no temperature,
+        penalties or logprobs: [Note: token trees] says why)."""
+        return self.enabled and params.is_greedy and not params.needs_logits
+
+    def exit_top_k(self, params: SamplingParams, want_exit: bool) -> int:
+        """Item.exit_top_k of an item whose exit guess may start a tree draft."""
+        return self.width if want_exit and self.allows(params) else 1
+
     def draft_fields(self, predictor, context: Sequence[int], guess: ExitGuess | None, draft: Draft, *,
-                     start: int, greedy_plain: bool, has_firp: bool) -> dict:
-        """Item fields (alt_token_ids, tree_scratch) of a draft at `start`: none with temperature,
-        penalties or logprobs (`greedy_plain` False), or FIRP rows ([Note: token trees])."""
-        alts = self.siblings(predictor, context, guess, draft) if greedy_plain and not has_firp else ()
+                     start: int, params: SamplingParams, has_firp: bool) -> dict:
+        """Item fields (alt_token_ids, tree_scratch) of a draft at `start`: none unless `allows`
+        the sequence's params, nor on a draft with FIRP rows ([Note: token trees])."""
+        alts = self.siblings(predictor, context, guess, draft) if self.allows(params) and not has_firp else ()
         if not alts:
             return {}
         self.counters.tree_drafts += 1

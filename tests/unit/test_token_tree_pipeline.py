@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 
 from pipeline.model.partition import LayerRange
-from pipeline.speculation.predictors import Draft
+from pipeline.speculation.predictors import Draft, LogitLensPredictor
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.speculation.tree import TreeCounters
 from pipeline.weights.checkpoint import CheckpointReader
@@ -54,6 +54,8 @@ class AlwaysWrongTree(AlwaysWrongPredictor):
 
 
 def _predictor(kind: str, table: ReferenceTable, vocab: int):
+    if kind == "logit-lens":  # the exit head's top-k (Item.exit_top_k) as siblings
+        return LogitLensPredictor()
     if kind == "always-wrong":
         return AlwaysWrongTree(table, vocab_size=vocab)
     if kind == "random-tree":
@@ -61,9 +63,12 @@ def _predictor(kind: str, table: ReferenceTable, vocab: int):
     return SiblingRescuePredictor(table, vocab_size=vocab, seed=1, p_right=0.3)
 
 
-@pytest.mark.parametrize("mode", ["int4", "none"])
+# (the in-process exit head copies a dense LM head: logit-lens in float32 only)
+KINDS = [(k, m) for k in ("always-wrong", "random-tree", "sibling-rescue") for m in ("int4", "none")]
+
+
 @pytest.mark.parametrize("num_stages", [2, 3, 4])
-@pytest.mark.parametrize("kind", ["always-wrong", "random-tree", "sibling-rescue"])
+@pytest.mark.parametrize("kind,mode", [*KINDS, ("logit-lens", "none")])
 def test_tree_drafts_give_the_plain_greedy_tokens(folder, mode, num_stages, kind):
     stages = _stages(folder, num_stages, mode)
     vocab = stages[0].config.vocab_size
@@ -100,3 +105,26 @@ def test_sampling_sends_no_sibling(folder):
                              draft_tree=3)
     pipe.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12, temperature=0.8, seed=1))
     assert pipe.engine.spec.verified_drafts > 0 and pipe.engine.tree.tree_drafts == 0
+
+
+def test_bad_draft_tree_exits_2_with_one_line(capsys):
+    from launcher.cli.main import main
+
+    for value in ("0", "9"):
+        assert main(["launch", "--speculate", "speed", "--draft-tree", value, "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "draft_tree" in err and value in err
+    assert main(["launch", "--draft-tree", "2", "--prompt", "hi"]) == 2  # trees need SPEED drafts
+    assert "speculate speed" in capsys.readouterr().err
+
+
+def test_tree_items_cross_the_wire_with_their_columns():
+    from pipeline.speculation.items import Item, ItemKind, items_from_wire, items_to_wire
+
+    items = [Item(seq_id=3, slot=1, start=9, num_tokens=1, kind=ItemKind.DRAFT, token_ids=(5,), alt_token_ids=(7, 8),
+                  tree_scratch=4, exit_top_k=3),
+             Item(seq_id=4, slot=0, start=6, num_tokens=1, token_ids=(2,), keep_sibling=5)]
+    assert items_from_wire(items_to_wire(items)) == items
+    assert items[0].num_rows == 3 and items[0].input_ids == (5, 7, 8) and items[0].num_result_rows == 3
+    with pytest.raises(ValueError, match="siblings need a one-token draft"):
+        Item(seq_id=3, slot=1, start=9, num_tokens=1, token_ids=(5,), alt_token_ids=(7,))
