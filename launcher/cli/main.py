@@ -328,6 +328,9 @@ def print_report(report: dict, *, streamed: bool) -> None:
         spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
                 f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
                 f"{stats['tokens_per_pass']:.2f} tokens per pass")
+    if stats.get("tree_verified"):
+        spec += (f"; tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
+                 f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
 

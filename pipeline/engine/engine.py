@@ -132,6 +132,7 @@ class Engine:
     def reset_stats(self) -> None:
         """Zero the speculation counters, the timeline and the commit log (call while idle)."""
         self._scheduler.spec = SpecCounters()
+        self._scheduler.tree.counters = TreeCounters()
         self.timeline.reset()
         self.commit_log.clear()
 

@@ -93,6 +93,16 @@ class TreeCounters:
         """Verified tree drafts whose real token was a candidate (primary or sibling), per verified."""
         return self.tree_hits / self.tree_verified if self.tree_verified else 0.0
 
+    @property
+    def rows_per_tree_draft(self) -> float:
+        """Rows a tree draft ran through every stage (1 + its siblings), on average."""
+        return 1 + self.sibling_rows / self.tree_drafts if self.tree_drafts else 0.0
+
+    def to_json(self) -> dict:
+        """The launch report's tree fields (README "Token trees")."""
+        return {**dataclasses.asdict(self), "tree_acceptance": round(self.tree_acceptance, 4),
+                "rows_per_tree_draft": round(self.rows_per_tree_draft, 4)}
+
 
 class TokenTree:
     """Sibling choice, rescue records and counters for `--draft-tree width` ([Note: token trees]).

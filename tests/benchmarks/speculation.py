@@ -10,10 +10,11 @@ wasted fraction (stage time spent on squashed work, mean over stages), the contr
 the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5, e = 1), and
 whether the output was token-identical to `none`.
 
-Configurations: MODE[/PREDICTOR][@GATE]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
+Configurations: MODE[/PREDICTOR][@GATE][#W]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
 `--predictor` name, a trained file (*.safetensors), or `hybrid-untrained` (hybrid with
 `--exit-predictor none`: n-gram + logit lens); `@X` runs with `--min-acceptance X` (0: every draft
-is sent). `--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
+is sent); `#W` with `--draft-tree W` (token trees: tree acceptance, rescues and rows per tree
+draft are reported too). `--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
 the head shipped for the exit layer, pipeline/assets/predictors/).
 Held-out sets: `chat` and `code` (chat-templated instructions that `train-predictor --data
 self-distill` holds out) and `speeches` (held-out State of the Union excerpts), as in
@@ -71,12 +72,13 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
             "drafted": spec.drafted_tokens, "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
             "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
-            "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts,
+            "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts, **coord.tree.to_json(),
             "wasted_fraction": statistics.mean(wasted) if wasted else 0.0, **coord.timeline.draft_gap(0)}
 
 
 def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOptions:
-    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE]."""
+    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][#W]."""
+    config, _, width = config.partition("#")
     body, _, gate = config.partition("@")
     mode, _, pred = body.partition("/")
     pred = pred or "hybrid"
@@ -85,7 +87,7 @@ def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOpt
     return PipelineOptions(num_stages=stages, speculate=mode, threads_per_stage=1, progress=False,
                            predictor="hybrid" if untrained else pred,
                            exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
-                           min_acceptance=float(gate) if gate else None)
+                           min_acceptance=float(gate) if gate else None, draft_tree=int(width or 1))
 
 
 def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
@@ -94,10 +96,15 @@ def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
     verified = sum(r["verified"] for r in rows)
     alpha = sum(r["accepted"] for r in rows) / verified if verified else 0.0
     firp_verified = sum(r["firp_verified"] for r in rows)
+    tree_verified = sum(r["tree_verified"] for r in rows)
+    tree_drafts = sum(r["tree_drafts"] for r in rows)
     return {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
             "verified": verified, "drafted": sum(r["drafted"] for r in rows), "gated": sum(r["gated"] for r in rows),
             "firp_acceptance": sum(r["firp_accepted"] for r in rows) / firp_verified if firp_verified else 0.0,
             "tokens_per_verify": statistics.mean(r["tokens_per_pass"] for r in rows),
+            "tree_acceptance": sum(r["tree_hits"] for r in rows) / tree_verified if tree_verified else 0.0,
+            "rescues": sum(r["rescues"] for r in rows), "tree_verified": tree_verified,
+            "rows_per_tree_draft": 1 + sum(r["sibling_rows"] for r in rows) / tree_drafts if tree_drafts else 0.0,
             "wasted_fraction": statistics.mean(r["wasted_fraction"] for r in rows),
             "draft_gap_share": statistics.mean(r["draft_gap_share"] for r in rows),
             "closed_form": closed_form_speedup(num_stages=stages, alpha=alpha),
@@ -136,12 +143,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(report: dict) -> None:
     print(f"{'set':<9} {'config':<28} {'ratio':>6} {'alpha':>6} {'tok/ver':>7} {'wasted':>6} {'gap':>6} "
-          f"{'c-form':>6} exact")
+          f"{'c-form':>6} {'tree':>5} {'rescue':>6} exact")
     for name, entry in report["sets"].items():
         for c, e in entry["configs"].items():
             print(f"{name:<9} {c[-28:]:<28} {e['ratio_median']:>5.2f}x {e['acceptance_rate']:>6.2f} "
                   f"{e['tokens_per_verify']:>7.2f} {e['wasted_fraction']:>6.1%} {e['draft_gap_share']:>6.1%} "
-                  f"{e['closed_form']:>5.2f}x {e['token_identical']}")
+                  f"{e['closed_form']:>5.2f}x {e['tree_acceptance']:>5.2f} {e['rescues']:>6} {e['token_identical']}")
 
 
 def main(argv: list[str] | None = None) -> int:
