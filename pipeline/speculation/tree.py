@@ -38,11 +38,15 @@ Scratch: positions p are in flight at most `max_inflight` at once per sequence, 
 sequence is sent between a rescue and its fix-up, so sibling j of the draft at p uses scratch
 (p mod (max_inflight + 1)) * (W - 1) + j, never overwritten before its fix-up.
 
-Tree size ([Note: rows worth sending] in pipeline/measure/row_cost.py): sibling of rank r is sent
-when its calibrated probability q_r (the measured rescue rate of rank r, prior 0.25 worth 4 trials)
-times the work a rescue saves, (S - 1) one-row stage steps, beats the extra row's cost on all S
-stages, S * (cost(r + 1) - cost(r)) from the row-cost table. Without a table every candidate up to
-W - 1 is sent (the flag is then the run's fixed choice, as `--firp-k` is for FIRP chains).
+Tree size ([Note: rows worth sending] in pipeline/measure/row_cost.py): the row-cost table holds
+T(n), the seconds of a pass of n rows through the whole model, so a stage step costs about T(n) / S.
+The sibling of rank r is sent when its calibrated probability q_r (the measured rescue rate of
+rank r, prior 0.25 worth 4 trials) times the work a rescue saves, S - 1 one-row stage steps
+(q_r * (S - 1) / S * T(1)), beats what its row costs on all S stages, T(r + 1) - T(r). One tree
+decision in 16 may add one rank more, so a rank the rule cuts keeps being measured. Without a
+table every candidate up to W - 1 is sent (the flag is then the run's fixed choice, as `--firp-k`
+is for FIRP chains). With the measured table of this machine (tests/benchmarks/results/row_cost.json)
+that means: in float32, where a second row costs ~1.7x one, never; in bfloat16 (5 %) from q > 0.1.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from pipeline.speculation.sampling import SamplingParams
 
 MAX_DRAFT_TREE = 8  # --draft-tree cap: candidates per draft position (primary + siblings)
 PRIOR_HIT, PRIOR_TRIALS = 0.25, 4  # a sibling rank's rescue-rate prior and its weight in trials
+EXPLORE_EVERY = 16  # one tree decision in this many may add a rank the cost rule cuts
 
 
 def validate_draft_tree(width: int) -> int:
@@ -116,6 +121,7 @@ class TokenTree:
         self.rescues: dict[int, Rescue] = {}  # seq_id -> rescue waiting for its result
         self.fixups: dict[int, int] = {}  # seq_id -> scratch the next real item keeps
         self.trials = [0] * width  # per sibling rank (index 1..): verified, and rescued
+        self.decisions = 0
         self.hits = [0] * width
         self.counters = TreeCounters()
 
@@ -135,9 +141,8 @@ class TokenTree:
         """[Note: token trees], tree size: a rescue's saving against the extra row's cost."""
         if self.row_costs is None:
             return True
-        c = self.row_costs
-        extra = self.num_stages * (c.cost_s(rank + 1) - c.cost_s(rank))
-        return self.probability(rank) * (self.num_stages - 1) * c.cost_s(1) > extra
+        c, s = self.row_costs, self.num_stages
+        return self.probability(rank) * (s - 1) / s * c.cost_s(1) > c.cost_s(rank + 1) - c.cost_s(rank)
 
     def siblings(self, predictor, context: Sequence[int], guess: ExitGuess | None, primary: Draft) -> tuple[int, ...]:
         """Sibling tokens for a draft whose primary is `primary`: the predictor's other candidates
@@ -146,12 +151,16 @@ class TokenTree:
         more = getattr(predictor, "alternatives", None)
         if not self.enabled or more is None:
             return ()
+        self.decisions += 1
+        explore = self.decisions % EXPLORE_EVERY == 0  # one rank past the rule ([Note: token trees])
+        candidates = list(dict.fromkeys(c.token for c in more(context, guess) if c.token != primary.token))
         out: list[int] = []
-        for cand in more(context, guess):
-            if len(out) == self.width - 1 or not self.worth_sending(len(out) + 1):
-                break
-            if cand.token != primary.token and cand.token not in out:
-                out.append(cand.token)
+        for token in candidates[:self.width - 1]:
+            if not self.worth_sending(len(out) + 1):
+                if not explore:
+                    break
+                explore = False
+            out.append(token)
         return tuple(out)
 
     def verify(self, *, primary: int, siblings: Sequence[int], real: int) -> int:

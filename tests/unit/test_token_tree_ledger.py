@@ -204,3 +204,27 @@ def _run_without_fix_up(self, items):
     import dataclasses
 
     return _original_run(self, [dataclasses.replace(it, keep_sibling=-1) for it in items])
+
+
+def test_tree_size_follows_the_row_cost_table_and_the_measured_rescue_rate():
+    from pipeline.measure.row_cost import RowCostTable
+    from pipeline.speculation.tree import EXPLORE_EVERY, TokenTree
+
+    class Three:
+        def alternatives(self, context, guess):
+            return [Draft(t, 0.5, "x") for t in (1, 2, 3, 4)]
+
+    cheap = RowCostTable(mode="bf16", num_rows=(1, 2, 4), pass_s=(0.05, 0.052, 0.056))  # 2nd row: 4 %
+    dear = RowCostTable(mode="fp32", num_rows=(1, 2, 4), pass_s=(0.05, 0.09, 0.11))  # 2nd row: 80 %
+    primary = Draft(1, 1.0, "x")
+    assert TokenTree(width=3, num_stages=2, max_inflight=2, row_costs=None).siblings(Three(), (), None, primary) == (2, 3)
+    assert TokenTree(width=4, num_stages=4, max_inflight=4, row_costs=cheap).siblings(Three(), (), None, primary) == (2, 3, 4)
+    tree = TokenTree(width=3, num_stages=2, max_inflight=2, row_costs=dear)
+    sent = [tree.siblings(Three(), (), None, primary) for _ in range(2 * EXPLORE_EVERY)]
+    assert sent.count(()) == 2 * EXPLORE_EVERY - 2 and sent.count((2,)) == 2  # only the exploring decisions
+    # a rank that rescues often becomes worth its row even where rows are dear
+    tree.trials[1], tree.hits[1] = 1000, 990
+    assert tree.worth_sending(1) is False  # 0.99 * 1/2 * 0.05 < 0.04
+    tree4 = TokenTree(width=3, num_stages=10, max_inflight=10, row_costs=dear)
+    tree4.trials[1], tree4.hits[1] = 1000, 990
+    assert tree4.worth_sending(1) is True  # 0.99 * 9/10 * 0.05 > 0.04
