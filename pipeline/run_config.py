@@ -110,6 +110,11 @@ class RunConfig:
         if not 1 <= self.draft_tree <= MAX_DRAFT_TREE or (self.draft_tree > 1 and not self.uses_speed):
             raise ValueError(f"draft_tree must be between 1 (off) and {MAX_DRAFT_TREE} candidates, with "
                              f"speculate speed or speed+firp when above 1, got {self.draft_tree}")
+        if self.draft_tree > 1 and self.quantization == "none" and self.dtype != "float32":
+            # [Note: token trees] in pipeline/speculation/tree.py: dense half-precision GEMM rounds a
+            # row of a multi-row pass differently from a 1-row pass, often enough to flip greedy ties
+            raise ValueError(f"draft_tree {self.draft_tree} needs float32 or an int mode (quantization "
+                             f"auto/int8/int4): in dense {self.dtype} tree rows would change greedy output")
         if self.row_cost_file is not None and not self.row_cost_file.endswith(".json"):
             raise ValueError(f"row_cost_file must be a .json report of tests/benchmarks/row_cost.py, "
                              f"got {self.row_cost_file!r}")

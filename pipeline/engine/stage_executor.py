@@ -12,7 +12,10 @@ stage truncates the sequence's KV slot to the item's start (the committed length
 it; any old-epoch item that arrives later (it cannot, on FIFO channels, but a stale draft created
 by an earlier stage may) is dropped. Rollback is carried with the next step (petals' "start from
 position N"). Because every item starts where its slot's valid KV ends, each stage simply
-truncates the slot to `item.start` before running an item.
+truncates the slot to `item.start` before running an item. The real item that follows a rescued
+token-tree sibling also carries a KV fix-up (`Item.keep_sibling`): in the same step, before the
+truncation, the stage copies the sibling's scratch entry to position start - 1 ([Note: token
+trees] in pipeline/speculation/tree.py).
 """
 
 from __future__ import annotations

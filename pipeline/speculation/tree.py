@@ -28,8 +28,13 @@ When the parent's result shows the real token x_p:
     would otherwise spend going through the pipeline again.
   * x_p is neither: as today (squash, real item at p).
 Exactness: a sibling row computes exactly what a plain 1-row item with its token at p computes
-(tests/unit/test_token_tree_rows.py), so a rescued x_{p+1} is the token plain greedy decoding
-makes there. Greedy only: with temperature > 0 (or penalties / logprobs, which need logits) no
+(tests/unit/test_token_tree_rows.py: bitwise in the int modes, whose kernels and the attention
+are batch-invariant), so a rescued x_{p+1} is the token plain greedy decoding makes there. Dense
+GEMM is not batch-invariant ([Note: batch invariance] in pipeline/weights/quant.py): a tree draft's
+rows (primary included) are a 2..W-row pass where plain decoding runs 1 row. In float32 that is
+~1e-9, as for FIRP chains and micro-batching ("within rounding"); in dense bfloat16 it changed
+the greedy output in every held-out set (tests/benchmarks/results/speculation_trees_bf16.json),
+so RunConfig refuses trees there. Greedy only: with temperature > 0 (or penalties / logprobs, which need logits) no
 sibling is sent, because accepting one of several candidates while keeping the output distributed
 exactly as p needs multi-candidate speculative sampling (SpecInfer's, arXiv 2305.09781 §4), which is
 not built.

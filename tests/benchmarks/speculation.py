@@ -22,7 +22,8 @@ launcher/cli/distill_data.py; `sotu` (the opening words of held-out speeches, is
 
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--sets chat,speeches,code] [--prompts 3]
        [--max-new-tokens 64] [--configs none,speed/hybrid,firp,speed+firp/hybrid]
-       [--exit-predictor FILE] [--out tests/benchmarks/results/speculation_heldout.json]
+       [--exit-predictor FILE] [--dtype float32] [--quantization none] [--row-cost-file PATH]
+       [--out tests/benchmarks/results/speculation_heldout.json]
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
             "wasted_fraction": statistics.mean(wasted) if wasted else 0.0, **coord.timeline.draft_gap(0)}
 
 
-def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOptions:
+def options(config: str, stages: int, exit_predictor: str | None, dtype: str = "float32",
+            row_cost_file: str | None = None, quantization: str = "none") -> PipelineOptions:
     """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][#W]."""
     config, _, width = config.partition("#")
     body, _, gate = config.partition("@")
@@ -87,7 +89,8 @@ def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOpt
     return PipelineOptions(num_stages=stages, speculate=mode, threads_per_stage=1, progress=False,
                            predictor="hybrid" if untrained else pred,
                            exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
-                           min_acceptance=float(gate) if gate else None, draft_tree=int(width or 1))
+                           min_acceptance=float(gate) if gate else None, draft_tree=int(width or 1), dtype=dtype,
+                           row_cost_file=row_cost_file, quantization=quantization)
 
 
 def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     rows: dict[str, dict[str, list[dict]]] = {}
     try:
         for c in configs:
-            opts = options(c, args.stages, args.exit_predictor)
+            opts = options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file, args.quantization)
             sessions[c] = PipelineSession(opts, resolve(opts)).__enter__()
         model_dir = sessions["none"].model.model_dir
         for name in args.sets.split(","):
@@ -133,6 +136,7 @@ def run(args: argparse.Namespace) -> dict:
         for s in sessions.values():
             s.close()
     report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
+              "dtype": args.dtype, "quantization": args.quantization, "row_cost_file": args.row_cost_file,
               "exit_predictor": args.exit_predictor, "sets": {}}
     for name, by_config in rows.items():
         base = by_config["none"]
@@ -161,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predictors", help="issue 3's form: speed with each of these predictors (P[@GATE], "
                     "comma-separated); replaces --configs")
     ap.add_argument("--exit-predictor", help="trained early-exit file for early-exit / hybrid (default: shipped)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (every configuration)")
+    ap.add_argument("--quantization", default="none", help="none | auto | int8 | int4 (every configuration)")
+    ap.add_argument("--row-cost-file", help="a row_cost.py report: FIRP chains and token trees follow its table")
     ap.add_argument("--out", default="tests/benchmarks/results/speculation_heldout.json")
     args = ap.parse_args(argv)
     if args.predictors:

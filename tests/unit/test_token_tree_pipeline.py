@@ -116,6 +116,9 @@ def test_bad_draft_tree_exits_2_with_one_line(capsys):
         assert len(err.splitlines()) == 1 and "draft_tree" in err and value in err
     assert main(["launch", "--draft-tree", "2", "--prompt", "hi"]) == 2  # trees need SPEED drafts
     assert "speculate speed" in capsys.readouterr().err
+    # dense bfloat16 is not batch-invariant: tree rows would change greedy output
+    assert main(["launch", "--speculate", "speed", "--draft-tree", "2", "--dtype", "bfloat16", "--prompt", "hi"]) == 2
+    assert "float32 or an int mode" in capsys.readouterr().err
 
 
 def test_tree_items_cross_the_wire_with_their_columns():
