@@ -51,7 +51,8 @@ rank r, prior 0.25 worth 4 trials) times the work a rescue saves, S - 1 one-row 
 decision in 16 may add one rank more, so a rank the rule cuts keeps being measured. Without a
 table every candidate up to W - 1 is sent (the flag is then the run's fixed choice, as `--firp-k`
 is for FIRP chains). With the measured table of this machine (tests/benchmarks/results/row_cost.json)
-that means: in float32, where a second row costs ~1.7x one, never; in bfloat16 (5 %) from q > 0.1.
+on 2 stages that means: in float32, where a second row costs ~1.7x one, never; in `auto` / int4
+(a second row +16-19 %) from q > 0.32-0.37 (q > 0.21 on 4 stages).
 """
 
 from __future__ import annotations
