@@ -107,9 +107,9 @@ class RunConfig:
             raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
         if not 0.0 <= self.firp_min_prob <= 1.0:
             raise ValueError(f"firp_min_prob must be in [0, 1], got {self.firp_min_prob}")
-        if not 1 <= self.draft_tree <= MAX_DRAFT_TREE or (self.draft_tree > 1 and not self.uses_speed):
+        if not 1 <= self.draft_tree <= MAX_DRAFT_TREE or (self.draft_tree > 1 and self.speculate != "speed"):
             raise ValueError(f"draft_tree must be between 1 (off) and {MAX_DRAFT_TREE} candidates, with "
-                             f"speculate speed or speed+firp when above 1, got {self.draft_tree}")
+                             f"speculate speed when above 1, got {self.draft_tree}")
         if self.draft_tree > 1 and self.quantization == "none" and self.dtype != "float32":
             # [Note: token trees] in pipeline/speculation/tree.py: dense half-precision GEMM rounds a
             # row of a multi-row pass differently from a 1-row pass, often enough to flip greedy ties

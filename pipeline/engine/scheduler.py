@@ -25,6 +25,7 @@ are sent only when no real item waits and fewer than `max_inflight_batches` micr
 flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
 acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
 
+Token trees (sibling candidates, rescues): [Note: token trees] in pipeline/speculation/tree.py.
 Exit-head skipping and FIRP chain lengths: [Note: exit-head skipping] and [Note: row-cost-driven
 chains] in pipeline/engine/row_budget.py. FIRP chains: [Note: FIRP policy] in pipeline/speculation/firp.py.
 """

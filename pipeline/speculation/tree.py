@@ -37,7 +37,7 @@ the greedy output in every held-out set (tests/benchmarks/results/speculation_tr
 so RunConfig refuses trees there. Greedy only: with temperature > 0 (or penalties / logprobs, which need logits) no
 sibling is sent, because accepting one of several candidates while keeping the output distributed
 exactly as p needs multi-candidate speculative sampling (SpecInfer's, arXiv 2305.09781 §4), which is
-not built.
+not built. Trees with FIRP chains (`speed+firp`) are not built either: RunConfig refuses them.
 
 Scratch: positions p are in flight at most `max_inflight` at once per sequence, and nothing of a
 sequence is sent between a rescue and its fix-up, so sibling j of the draft at p uses scratch
@@ -186,6 +186,7 @@ class TokenTree:
         """After the parent's result committed the sibling (seq.output_ids[-1]) and squashed the
         chain: the rescued draft item becomes the chain's real head in the new epoch."""
         seq.ledger.add_real(seq.output_ids[-1])
+        seq.firp_drafts = ()  # (FIRP drafts for the position after the parent: one too early now)
         self.rescues[seq.seq_id] = rescue
 
     def rescue_of(self, seq_id: int, item: Item) -> Rescue | None:
