@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.engine.engine import Engine
-from pipeline.engine.events import Result, Submit
+from pipeline.engine.events import ReplayRunning, Result, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.stage_executor import admit_epochs
 from pipeline.speculation.predictors import Draft
@@ -110,7 +110,9 @@ class TokenStage:
             self.kv.pop(s, None)
 
 
-def run(prompts, budgets, *, num_stages, width, seed, p_primary, p_sibling, max_num_seqs):
+def run(prompts, budgets, *, num_stages, width, seed, p_primary, p_sibling, max_num_seqs, replay_at=(), log=None):
+    """Generate under the real Engine; at each step number in `replay_at` every stage loses its KV and
+    the work in flight (a stage restart: ReplayRunning), whatever rescue is pending."""
     refs, truth = {}, {}
     for seq_id, (prompt, n) in enumerate(zip(prompts, budgets, strict=True)):
         full = truth[seq_id] = [*prompt, *reference(prompt, n)]
@@ -135,6 +137,15 @@ def run(prompts, budgets, *, num_stages, width, seed, p_primary, p_sibling, max_
         if not engine.has_unfinished and not any(queues):
             break
         events = []
+        if engine.spec.passes in replay_at and any(queues):
+            replay_at = tuple(r for r in replay_at if r != engine.spec.passes)
+            if log is not None:
+                log["replays_during_rescue"] = log.get("replays_during_rescue", 0) + bool(engine._scheduler.tree.rescues)
+            for q in queues:
+                q.clear()
+            stages = [TokenStage(truth) for _ in range(num_stages)]
+            out = engine.step([ReplayRunning()])
+            continue
         for j in reversed(range(num_stages)):  # lock-step, one micro-batch per stage per step
             if not queues[j]:
                 continue
@@ -159,6 +170,7 @@ scenarios = st.fixed_dictionaries({
     "p_primary": st.floats(0.0, 0.9), "p_sibling": st.floats(0.3, 1.0), "max_num_seqs": st.integers(1, 3),
     "prompts": st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), min_size=1, max_size=3),
     "budget": st.integers(1, 24),
+    "replay_at": st.lists(st.integers(1, 30), max_size=2),
 })
 
 
@@ -169,10 +181,10 @@ def test_rescues_lose_duplicate_or_reorder_no_token_and_kv_holds_only_committed_
     budgets = [max(1, sc["budget"] - 5 * i) for i in range(len(prompts))]
     outputs, engine, stages = run(prompts, budgets, num_stages=sc["num_stages"], width=sc["width"], seed=sc["seed"],
                                   p_primary=sc["p_primary"], p_sibling=sc["p_sibling"],
-                                  max_num_seqs=sc["max_num_seqs"])
+                                  max_num_seqs=sc["max_num_seqs"], replay_at=tuple(sc["replay_at"]))
     for i, (prompt, n) in enumerate(zip(prompts, budgets, strict=True)):
         assert outputs[i] == reference(prompt, n), (i, engine.tree)
-    assert not engine.has_unfinished and all(not s.kv for s in stages)  # every slot released
+    assert not engine.has_unfinished and all(not s.kv for s in stages)  # every slot released (after any replay too)
     tree = engine.tree
     assert tree.rescues <= tree.tree_hits <= tree.tree_verified <= tree.tree_drafts
 
@@ -185,6 +197,16 @@ def test_the_rescue_path_runs_and_every_real_item_finds_the_committed_kv():
     assert engine.tree.rescues >= 5, engine.tree
 
     assert all(s.real_items > 0 for s in stages)  # (each checked its KV against the committed context)
+
+
+def test_a_stage_restart_while_a_rescue_waits_replays_exactly():
+    prompts, log = [(3, 1, 4)], {}
+    for replay in range(2, 20):
+        outputs, engine, _ = run(prompts, [30], num_stages=4, width=3, seed=replay, p_primary=0.2, p_sibling=1.0,
+                                 max_num_seqs=1, replay_at=(replay,), log=log)
+        assert outputs[0] == reference(prompts[0], 30), replay
+        assert not engine._scheduler.tree.rescues and not engine._scheduler.tree.fixups
+    assert log["replays_during_rescue"] >= 3, log  # the case this test is for happened
 
 
 def test_a_missing_fix_up_is_caught(monkeypatch):
