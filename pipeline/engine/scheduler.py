@@ -299,10 +299,7 @@ class Scheduler:
                 firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
             row, pseudo_row = row + n, pseudo_row + item.num_pseudo
             seq = self.seqs.get(item.seq_id)
-            siblings, argmax = argmax[item.num_tokens:], argmax[:item.num_tokens]  # [Note: token trees]
-            rescue = self.tree.rescue_of(item.seq_id, item) if seq is not None and not seq.finished else None
-            if rescue is not None:  # the rescued sibling's row is the real next token
-                item, argmax = self.tree.as_real(item, seq.epoch), [siblings[rescue.row - 1]]
+            item, argmax = self.tree.result_rows(seq, item, argmax)  # [Note: token trees]
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
@@ -335,9 +332,7 @@ class Scheduler:
         if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/sampling.py
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
         self._record_gate(seq, item, tokens)
-        rescue = self.tree.rescue_for(seq.ledger.inflight, item.end, tokens, num_rows=item.num_tokens, room=(
-            (tokens[-1] not in self.config.eos_token_ids or seq.params.ignore_eos)
-            and len(seq.output_ids) + len(tokens) < seq.params.max_new_tokens))
+        rescue = self.tree.rescue_for(seq, item, tokens, eos_token_ids=self.config.eos_token_ids)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         firp_verified = min(len(tokens), own_drafts)
         firp_accepted = min(verdict.num_accepted, firp_verified)

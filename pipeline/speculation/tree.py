@@ -58,7 +58,7 @@ on 2 stages that means: in float32, where a second row costs ~1.7x one, never; i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.items import Item, ItemKind
@@ -230,14 +230,28 @@ class TokenTree:
         self.counters.sibling_rows += len(alts)
         return {"alt_token_ids": alts, "tree_scratch": self.scratch_of(start)}
 
-    def rescue_for(self, chain, item_end: int, tokens: Sequence[int], *, num_rows: int, room: bool) -> Rescue | None:
-        """Call with the parent's committed `tokens` before the ledger applies them: when the next
-        in-flight item (chain[1]) is a tree draft at `item_end` whose sibling is the real token
-        there, the rescue to make (None otherwise, or without `room` for one more token)."""
-        if len(chain) < 2 or chain[1].position != item_end or not chain[1].alts or len(tokens) != num_rows:
+    def rescue_for(self, seq, item: Item, tokens: Sequence[int], *, eos_token_ids: Collection[int]) -> Rescue | None:
+        """Call with the tokens the result of `item` (the chain's head) commits, before the ledger
+        applies them: when the next in-flight item is a tree draft at item.end whose sibling is the
+        real token there, the rescue to make; None otherwise, or when that token ends the sequence
+        (EOS, budget): nothing would follow it."""
+        chain, end = seq.ledger.inflight, item.end
+        if len(chain) < 2 or chain[1].position != end or not chain[1].alts or len(tokens) != item.num_tokens:
             return None
         index = self.verify(primary=chain[1].token, siblings=chain[1].alts, real=tokens[-1])
+        room = ((tokens[-1] not in eos_token_ids or seq.params.ignore_eos)
+                and len(seq.output_ids) + len(tokens) < seq.params.max_new_tokens)
         if index < 0 or not room:
             return None
         self.counters.rescues += 1
-        return Rescue(item_end, chain[1].epoch, 1 + index, self.scratch_of(item_end) + index)
+        return Rescue(end, chain[1].epoch, 1 + index, self.scratch_of(end) + index)
+
+    def result_rows(self, seq, item: Item, argmax: list[int]) -> tuple[Item, list[int]]:
+        """(item, argmax of the rows to verify) of one returned item: a tree draft's own row without
+        its siblings' rows; for the draft a rescue waits for (`seq` live), the rescued item as the
+        real one in the sequence's epoch, with its sibling row's argmax (the real next token)."""
+        own, siblings = argmax[:item.num_tokens], argmax[item.num_tokens:]
+        rescue = self.rescue_of(item.seq_id, item) if seq is not None and not seq.finished else None
+        if rescue is None:
+            return item, own
+        return self.as_real(item, seq.epoch), [siblings[rescue.row - 1]]
