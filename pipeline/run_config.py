@@ -24,6 +24,7 @@ from pipeline.engine.records import SchedulerConfig
 from pipeline.measure.row_cost import RowCostTable, numeric_mode_name
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
+from pipeline.speculation.tree import MAX_DRAFT_TREE
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.registry import DEFAULT_MODEL
 
@@ -64,6 +65,7 @@ class RunConfig:
     firp_file: str | None = None  # None = the shipped file for the model
     firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
     row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
+    draft_tree: int = 1  # candidates per SPEED draft position, siblings included (pipeline/speculation/tree.py); 1 = off
     # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
     row_cost: str = "none"  # where the row-cost table comes from: none | calibrate (every stage times
     # itself at start-up) | file:PATH (= row_cost_file PATH); with a table and max_inflight 0, the
@@ -117,6 +119,14 @@ class RunConfig:
         if path is not None and not path.endswith(".json"):
             what = "row_cost_file" if self.row_cost_file is not None else "row_cost file:PATH"
             raise ValueError(f"{what} must be a .json report of tests/benchmarks/row_cost.py, got {path!r}")
+        if not 1 <= self.draft_tree <= MAX_DRAFT_TREE or (self.draft_tree > 1 and self.speculate != "speed"):
+            raise ValueError(f"draft_tree must be between 1 (off) and {MAX_DRAFT_TREE} candidates, with "
+                             f"speculate speed when above 1, got {self.draft_tree}")
+        if self.draft_tree > 1 and self.quantization == "none" and self.dtype != "float32":
+            # [Note: token trees] in pipeline/speculation/tree.py: dense half-precision GEMM rounds a
+            # row of a multi-row pass differently from a 1-row pass, often enough to flip greedy ties
+            raise ValueError(f"draft_tree {self.draft_tree} needs float32 or an int mode (quantization "
+                             f"auto/int8/int4): in dense {self.dtype} tree rows would change greedy output")
 
     @property
     def uses_speed(self) -> bool:
@@ -173,7 +183,7 @@ class RunConfig:
             num_stages=self.num_stages, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
             min_acceptance=self.draft_min_acceptance, firp_k=firp_k, firp_min_prob=self.firp_min_prob,
-            row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight,
+            row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight, draft_tree=self.draft_tree,
             run_ahead_from_table=self.max_inflight == 0 and (self.calibrates_row_costs or self.row_cost_path is not None))
 
 

@@ -142,3 +142,44 @@ class SwitchablePredictor:
     def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
         with self._lock:
             return self.inner.propose(context, guess)
+
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        with self._lock:
+            more = getattr(self.inner, "alternatives", None)
+            return [] if more is None else more(context, guess)
+
+
+class SiblingRescuePredictor:
+    """Token trees ([Note: token trees] in pipeline/speculation/tree.py): the primary draft is
+    always wrong and the reference's true next token is among its `alternatives` (after a wrong
+    one), so nearly every draft is rescued by a sibling; a fixed token where the reference does not
+    continue. With `p_right` the primary is right instead that share of the time."""
+
+    name = "sibling-rescue"
+
+    def __init__(self, table: ReferenceTable, *, vocab_size: int, seed: int = 0, p_right: float = 0.0,
+                 needs_exit_head: bool = False) -> None:
+        self.table, self.vocab_size, self.p_right = table, vocab_size, p_right
+        self.rng = random.Random(seed)
+        self.needs_exit_head = needs_exit_head
+
+    def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
+        truth = self.table.true_next(context)
+        if truth is not None and self.rng.random() < self.p_right:
+            return Draft(truth, 1.0, self.name)
+        return Draft(0 if truth is None else (truth + 1) % self.vocab_size, 1.0, self.name)
+
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        truth = self.table.true_next(context)
+        if truth is None:
+            return [Draft(1, 0.5, self.name)]
+        return [Draft((truth + 2) % self.vocab_size, 0.5, self.name), Draft(truth, 0.4, self.name)]
+
+
+class RandomTreePredictor(RandomPredictor):
+    """RandomPredictor whose drafts also carry random siblings (token trees)."""
+
+    name = "random-tree"
+
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        return [Draft(self.rng.randrange(self.vocab_size), 0.1, self.name) for _ in range(3)]

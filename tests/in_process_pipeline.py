@@ -22,7 +22,7 @@ from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.model.stage_model import StageModel
 from pipeline.speculation.items import ItemKind
-from pipeline.speculation.predictors import ExitGuess, ExitHead, Predictor
+from pipeline.speculation.predictors import ExitHead, Predictor, exit_guesses
 from pipeline.speculation.sampling import SamplingParams
 
 
@@ -39,12 +39,13 @@ class InProcessPipeline:
     """Generate with `stages` (a split of one model) under the real Engine; see the module docstring."""
 
     def __init__(self, stages: Sequence[StageModel], *, max_model_len: int, max_num_seqs: int = 4,
-                 predictor: Predictor | None = None, exit_layer: int | None = None) -> None:
+                 predictor: Predictor | None = None, exit_layer: int | None = None, draft_tree: int = 1) -> None:
         self.stages = list(stages)
         cfg = stages[0].config
         self.engine = Engine(SchedulerConfig(
             num_stages=len(stages), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            eos_token_ids=cfg.eos_token_ids, speculate=predictor is not None), predictor, record_timeline=False)
+            eos_token_ids=cfg.eos_token_ids, speculate=predictor is not None, draft_tree=draft_tree),
+            predictor, record_timeline=False)
         exit_layer = stages[0].layer_range.stop - 1 if exit_layer is None else exit_layer
         head = exit_head_for(stages[-1]) if predictor is not None and predictor.needs_exit_head else None
         self.executors = []
@@ -75,7 +76,7 @@ class InProcessPipeline:
         if out.releases:
             self.queues[0].append(("release", [(r.seq_id, r.slot) for r in out.releases]))
         for batch in out.sends:
-            x = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
+            x = torch.tensor([t for it in batch for t in it.input_ids], dtype=torch.int64)
             self.queues[0].append(("batch", [it.without_tokens() for it in batch], x))
 
     def _step(self) -> list:
@@ -95,8 +96,7 @@ class InProcessPipeline:
             out = self.executors[j].run(items, x)  # (an all-stale batch still travels on, empty: as stage_loop.py)
             if self.executors[j].exit_layer is not None and any(it.kind != ItemKind.PREFILL for it in out.items):
                 tokens, probs = out.exit_tokens, out.exit_probs
-                guesses = [None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
-                           for i in range(len(out.items))]
+                guesses = exit_guesses(tokens, probs, len(out.items))
                 events.append(ExitPassed(items=tuple(out.items), guesses=tuple(guesses)))
             if j + 1 < len(self.stages):
                 hidden = out.hidden if out.hidden is not None else torch.empty(0)

@@ -70,6 +70,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
                   "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
                   "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
                   "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
+                  **coord.tree.to_json(),
                   "timeline_recorded": coord.record_timeline,
                   **times.draft_gap(0), "stages": stages},
     }

@@ -80,6 +80,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--firp-min-prob", type=float, default=0.0, help="carry a FIRP draft only while its "
                    "probability is at least this (a chain stops at the first less likely draft; default 0)")
     add_row_cost_flag(g)
+    g.add_argument("--draft-tree", type=int, default=1, metavar="W", help="token trees: a SPEED draft carries up to "
+                   "W candidates for its position (greedy only; README 'Token trees'); 1 = off")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")
@@ -249,7 +251,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,
         max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance), draft_at=args.draft_at,
         placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
-        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob)
+        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob, draft_tree=args.draft_tree)
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -335,6 +337,9 @@ def print_report(report: dict, *, streamed: bool) -> None:
         spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
                 f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
                 f"{stats['tokens_per_pass']:.2f} tokens per pass")
+    if stats.get("tree_verified"):
+        spec += (f"; tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
+                 f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
 

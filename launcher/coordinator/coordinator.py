@@ -45,6 +45,7 @@ from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.predictors import Predictor, make_predictor
 from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.tree import TreeCounters
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import ChannelError
@@ -124,6 +125,11 @@ class Coordinator:
     def spec(self) -> SpecCounters:
         """Speculation totals since the last `reset_stats`."""
         return self.engine.spec
+
+    @property
+    def tree(self) -> TreeCounters:
+        """Token-tree totals since the last `reset_stats` (pipeline/speculation/tree.py)."""
+        return self.engine.tree
 
     @property
     def timeline(self) -> Timeline:

@@ -39,5 +39,10 @@ class PipelineOptions(RunConfig):
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.draft_at not in DRAFT_AT:
             raise ValueError(f"draft_at must be one of {', '.join(DRAFT_AT)}, got {self.draft_at!r}")
+        if self.draft_at == "stage" and self.draft_tree > 1:
+            # a stage-made draft carries no siblings and the rescue path assumes the coordinator
+            # drafted (pipeline/speculation/tree.py); the two were not built or tested together
+            raise ValueError(f"draft_tree {self.draft_tree} needs draft_at coordinator: token trees and "
+                             f"stage-local drafting do not combine yet")
         if self.placement.multi_node:
             node_stages(num_stages=self.num_stages, nnodes=self.placement.nnodes, node_rank=self.placement.node_rank)

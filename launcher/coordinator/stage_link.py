@@ -55,7 +55,7 @@ class StageLink:
         if out.credits:
             self.sends.send(Message(MessageKind.CREDIT, list(out.credits)), self.first)
         for batch in out.sends:
-            tokens = torch.tensor([t for it in batch for t in it.token_ids], dtype=torch.int64)
+            tokens = torch.tensor([t for it in batch for t in it.input_ids], dtype=torch.int64)
             self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens},
                                     [] if self.record_timeline else None), self.first)
 

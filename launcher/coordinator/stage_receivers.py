@@ -13,7 +13,7 @@ import time
 
 from pipeline.engine.events import ExitPassed, Result
 from pipeline.engine.wire import Message, MessageKind, rank_name
-from pipeline.speculation.predictors import ExitGuess
+from pipeline.speculation.predictors import exit_guesses
 from workers.channel import Channel, ChannelError
 
 
@@ -28,8 +28,7 @@ def exit_event(msg: Message, *, now_ns: int) -> ExitPassed:
     (its StageTiming) if timed, else `now_ns` (when it arrived). Raises ReceiverError when the
     draft tensors do not match the items."""
     tokens, probs = msg.tensors.get("exit_tokens"), msg.tensors.get("exit_probs")
-    guesses = tuple(None if tokens is None or int(tokens[i]) < 0 else ExitGuess(int(tokens[i]), float(probs[i]))
-                    for i in range(len(msg.items)))
+    guesses = tuple(exit_guesses(tokens, probs, len(msg.items)))
     at_ns = msg.timing[-1].end_ns if msg.timing else now_ns
     drafts, keys = msg.tensors.get("self_drafts"), msg.tensors.get("self_draft_keys")
     self_drafts = ()

@@ -52,6 +52,7 @@ from pipeline.measure.row_cost import RowCostTable
 from pipeline.measure.timeline import Timeline
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import Predictor
+from pipeline.speculation.tree import TreeCounters
 
 CommitSink = Callable[[Commit], bool]
 
@@ -112,6 +113,11 @@ class Engine:
         return self._scheduler.spec
 
     @property
+    def tree(self) -> TreeCounters:
+        """Token-tree totals ([Note: token trees] in pipeline/speculation/tree.py; read-only use)."""
+        return self._scheduler.tree.counters
+
+    @property
     def num_inflight(self) -> int:
         """Micro-batches in flight: sent, or made and announced by the exit stage, without a result."""
         return len(self._inflight) + len(self._local)
@@ -140,6 +146,7 @@ class Engine:
     def reset_stats(self) -> None:
         """Zero the speculation counters, the timeline and the commit log (call while idle)."""
         self._scheduler.spec = SpecCounters()
+        self._scheduler.tree.counters = TreeCounters()
         self.timeline.reset()
         self.commit_log.clear()
 

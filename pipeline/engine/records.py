@@ -44,6 +44,7 @@ class SchedulerConfig:
     firp_pseudo_weight: float = 1.0  # a pseudo row's cost in real rows (layers after the FIRP layer / all)
     run_ahead_from_table: bool = False  # max_inflight is a cap; the depth follows row_costs (row_budget.py)
     draft_at_stage: bool = False  # the exit stage (stage 0) drafts itself: pipeline/engine/local_draft.py
+    draft_tree: int = 1  # candidates per draft position, siblings included ([Note: token trees]); 1 = off
 
     def __post_init__(self) -> None:
         # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)

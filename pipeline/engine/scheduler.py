@@ -25,6 +25,7 @@ are sent only when no real item waits and fewer than `max_inflight_batches` micr
 flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
 acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
 
+Token trees (sibling candidates, rescues): [Note: token trees] in pipeline/speculation/tree.py.
 Exit-head skipping and FIRP chain lengths: [Note: exit-head skipping] and [Note: row-cost-driven
 chains] in pipeline/engine/row_budget.py. FIRP chains: [Note: FIRP policy] in pipeline/speculation/firp.py.
 """
@@ -53,6 +54,7 @@ from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.predictors import ExitGuess, Predictor
 from pipeline.speculation.sampling import Sampler, SamplingParams, prompt_logprobs, token_logprob
+from pipeline.speculation.tree import TokenTree
 from pipeline.speculation.verify import verify_result
 
 
@@ -76,6 +78,8 @@ class Scheduler:
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
         self.rows = RowBudget(max_firp_k=config.firp_k, row_costs=config.row_costs,
                               pseudo_weight=config.firp_pseudo_weight)  # [Note: row-cost-driven chains]
+        self.tree = TokenTree(width=config.draft_tree, num_stages=config.num_stages,  # [Note: token trees]
+                              max_inflight=config.max_inflight, row_costs=config.row_costs)
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
@@ -140,9 +144,10 @@ class Scheduler:
             if seq is None or seq.finished or seq.pending is None:
                 continue
             item, seq.pending = seq.pending, None
-            item = dataclasses.replace(item, want_exit=self._wants_exit(seq, item, pipeline_full=pipeline_full))
+            want = self._wants_exit(seq, item, pipeline_full=pipeline_full)
+            item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(seq.params, want))
             if item.kind == ItemKind.DRAFT:
-                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key)
+                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids)
                 self.spec.drafted_tokens += 1
                 ready_ns.append(seq.pending_ready_ns)
             elif item.kind == ItemKind.PREFILL:
@@ -179,6 +184,7 @@ class Scheduler:
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
                            epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
                            token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
+                           keep_sibling=self.tree.fixups.pop(seq.seq_id, -1),
                            **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
         seq.firp_drafts = ()
         self.ready.append(seq.seq_id)
@@ -206,6 +212,7 @@ class Scheduler:
             if seq.finished or seq.slot < 0:
                 continue  # finished (its release is harmless on a cleared stage) or still waiting
             self.spec.squashed_items += seq.ledger.finish()  # drop the chain, bump the epoch
+            self.tree.forget(seq.seq_id)
             seq.pending, seq.exit_seen, seq.pending_key = None, None, None
             self._queue_prefill(seq)
 
@@ -241,7 +248,8 @@ class Scheduler:
         """Queue a draft after the sequence's chain end if the ledger allows one and the chain end
         has passed the exit layer (or the predictor needs no exit head). Called on exit events,
         after sends, and when a result frees room in the chain, so a refused draft is retried."""
-        if not self.config.speculate or seq.finished or seq.pending is not None or not seq.ledger.inflight:
+        if (not self.config.speculate or seq.finished or seq.pending is not None or not seq.ledger.inflight
+                or seq.seq_id in self.tree.rescues):  # nothing follows a rescued sibling ([Note: token trees])
             return
         end = seq.ledger.inflight[-1]
         if end.position < seq.ledger.prompt_len:  # the first token after prefill is never drafted
@@ -262,9 +270,12 @@ class Scheduler:
             return
         seq.pending_key = self.gate.key(draft)
         start = end.last_position + 1
+        firp = self._firp_fields(seq, first_anchor=start, num_anchors=1)
+        tree = self.tree.draft_fields(self.predictor, seq.context(), guess, draft, start=start, params=seq.params,
+                                      has_firp=bool(firp.get("firp_k")))
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
                            kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=seq.params.needs_logits,
-                           **self._firp_fields(seq, first_anchor=start, num_anchors=1))
+                           **firp, **tree)
         seq.pending_ready_ns = now_ns
         self.drafting.append(seq.seq_id)
 
@@ -297,6 +308,7 @@ class Scheduler:
                 firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
             row, pseudo_row = row + n, pseudo_row + item.num_pseudo
             seq = self.seqs.get(item.seq_id)
+            item, argmax = self.tree.result_rows(seq, item, argmax)  # [Note: token trees]
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
@@ -329,6 +341,7 @@ class Scheduler:
         if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/sampling.py
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
         self._record_gate(seq, item, tokens)
+        rescue = self.tree.rescue_for(seq, item, tokens, eos_token_ids=self.config.eos_token_ids)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         local_draft.guard_unannounced(seq, item)
         firp_verified = min(len(tokens), own_drafts)
@@ -351,6 +364,8 @@ class Scheduler:
             self._finish(seq, FinishReason.EOS)
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
+        elif rescue is not None:
+            self.tree.hold(seq, rescue)  # the draft item lives on as the real one ([Note: token trees])
         elif not seq.ledger.inflight:
             self._queue_real(seq)
         else:
@@ -363,6 +378,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.pending = None
         self.spec.squashed_items += seq.ledger.finish()
+        self.tree.forget(seq.seq_id)
         if seq.slot >= 0:
             self.to_release.append(SlotRelease(seq.seq_id, seq.slot))
             self.free_slots.append(seq.slot)

@@ -12,7 +12,10 @@ stage truncates the sequence's KV slot to the item's start (the committed length
 it; any old-epoch item that arrives later (it cannot, on FIFO channels, but a stale draft created
 by an earlier stage may) is dropped. Rollback is carried with the next step (petals' "start from
 position N"). Because every item starts where its slot's valid KV ends, each stage simply
-truncates the slot to `item.start` before running an item.
+truncates the slot to `item.start` before running an item. The real item that follows a rescued
+token-tree sibling also carries a KV fix-up (`Item.keep_sibling`): in the same step, before the
+truncation, the stage copies the sibling's scratch entry to position start - 1 ([Note: token
+trees] in pipeline/speculation/tree.py).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class StageOutput:
     """What a stage produced for a micro-batch.
 
     items: the items that ran (stale ones removed), token ids stripped.
-    hidden: [num_tokens, hidden_size] for a non-last stage.
+    hidden: [num_rows, hidden_size] for a non-last stage (`Item.num_rows`: token-tree siblings too).
     pseudo: [num_pseudo, hidden_size] FIRP pseudo rows for the next stage (non-last stage, once
         they exist), in item order.
     token_ids: [sum of items' num_result_rows] int64 argmax of each result row (last stage): the
@@ -105,7 +108,11 @@ class StageExecutor:
         keep = admit_epochs(self.epochs, items)
         for it, current in zip(items, keep, strict=True):
             if current:
+                if it.keep_sibling >= 0:  # a rescued sibling's KV ([Note: token trees] in pipeline/speculation/tree.py)
+                    self.kv.keep_scratch(it.slot, it.keep_sibling, it.start - 1)
                 self.kv.truncate(it.slot, it.start)  # the item starts at the committed length
+                if it.alt_token_ids:
+                    self.kv.ensure_scratch(it.tree_scratch + len(it.alt_token_ids))
         return keep
 
     def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None) -> StageOutput:
@@ -121,7 +128,7 @@ class StageExecutor:
             items = [it for it, k in zip(items, keep, strict=True) if k]
         if not items:
             return StageOutput(items=[])
-        spans = [Span(it.slot, it.start, it.num_tokens, it.firp_anchors, it.firp_k) for it in items]
+        spans, primary = item_spans(items)
         num_pseudo = sum(it.num_pseudo for it in items)
         if not num_pseudo:
             pseudo = None
@@ -142,7 +149,7 @@ class StageExecutor:
                                       firp_layer=self.firp_layer, make_pseudo=make_pseudo)
         result = StageOutput(items=[it.without_tokens() for it in items])
         if use_head:
-            result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden)
+            result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden[primary])
         if self.model.is_last:
             out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
             result.token_ids = out[result_index].argmax(dim=-1).cpu()
@@ -161,16 +168,17 @@ class StageExecutor:
             result.pseudo = fwd.pseudo
         self.counters.busy_ns += time.perf_counter_ns() - start_ns
         self.counters.items_processed += len(items)
-        self.counters.tokens_processed += sum(it.num_tokens for it in items)
+        self.counters.tokens_processed += sum(it.num_rows for it in items)
         return result
 
     def _exit_guesses(self, items: list[Item], exit_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Exit head on the last row of each item that wants a guess (`Item.wants_exit_guess`); the
         others get token -1 / probability 0."""
-        tokens = torch.full((len(items),), -1, dtype=torch.int64)
-        probs = torch.zeros(len(items), dtype=torch.float32)
         rows = [i for i, it in enumerate(items) if it.wants_exit_guess]
-        t, p = self.exit_head(exit_hidden[rows])
+        k = max(items[i].exit_top_k for i in rows)  # token trees want the head's top-k
+        tokens = torch.full((len(items), k) if k > 1 else (len(items),), -1, dtype=torch.int64)
+        probs = torch.zeros(tokens.shape, dtype=torch.float32)
+        t, p = self.exit_head(exit_hidden[rows], top_k=k) if k > 1 else self.exit_head(exit_hidden[rows])
         tokens[rows], probs[rows] = t.cpu(), p.cpu()
         return tokens, probs
 
@@ -206,7 +214,18 @@ def admit_epochs(epochs: dict[int, int], items: list[Item]) -> list[bool]:
     return keep
 
 
-def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_tokens) -> torch.Tensor:
+def item_spans(items: list[Item]) -> tuple[list[Span], list[int]]:
+    """The spans of `items` in packed row order (each item's own span, then one per token-tree
+    sibling: [Note: sibling rows] in pipeline/model/row_layout.py), and each item's own span index."""
+    spans, primary = [], []
+    for it in items:
+        primary.append(len(spans))
+        spans.append(Span(it.slot, it.start, it.num_tokens, it.firp_anchors, it.firp_k))
+        spans.extend(Span(it.slot, it.start, 1, scratch=it.tree_scratch + j) for j in range(len(it.alt_token_ids)))
+    return spans, primary
+
+
+def _rows(items: list[Item], keep: list[bool], rows_of=lambda it: it.num_rows) -> torch.Tensor:
     """Packed row indices of the kept items (`rows_of(item)` rows each: real rows by default)."""
     rows, row = [], 0
     for it, k in zip(items, keep, strict=True):
@@ -222,7 +241,7 @@ def _logit_rows(items: list[Item]) -> tuple[list[int], list[int]]:
     `want_prompt_logits` (`Item.num_logit_rows`; its result row is the last of them)."""
     rows, result_index, row = [], [], 0
     for it in items:
-        row += it.num_tokens
+        row += it.num_rows
         rows.extend(range(row - it.num_logit_rows, row))
         result_index.extend(range(len(rows) - it.num_result_rows, len(rows)))
     return rows, result_index

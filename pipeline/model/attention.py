@@ -57,6 +57,9 @@ class AttentionPlan:
     dense_rows: True when the batched queries are exactly the packed rows in order (every item one
         real row, no pseudo rows, no large items): no gather and no scatter.
     src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
+    sibling_batch, sibling_positions, sibling_rows: [num_siblings] batched-item index, position
+        and packed row of every token-tree sibling span, whose own key/value replace the cached
+        ones at its position ([Note: sibling rows] in pipeline/model/row_layout.py); None if none.
     """
 
     spans: Sequence[Span]
@@ -76,6 +79,9 @@ class AttentionPlan:
     src: torch.Tensor | None = None
     dst: torch.Tensor | None = None
     q_positions: torch.Tensor | None = None
+    sibling_batch: torch.Tensor | None = None
+    sibling_positions: torch.Tensor | None = None
+    sibling_rows: torch.Tensor | None = None
     _window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def masked_out_for(self, window: int | None) -> torch.Tensor | None:
@@ -92,12 +98,17 @@ class AttentionPlan:
         return self._window_masks[window]
 
     @classmethod
-    def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device) -> AttentionPlan:
-        """Plan for packed real rows of `spans` (+ pseudo rows of `pseudo`). Pure index maths."""
+    def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device, *,
+              scratch_base: int = 0) -> AttentionPlan:
+        """Plan for packed real rows of `spans` (+ pseudo rows of `pseudo`). Pure index maths.
+        scratch_base: buffer index of scratch position 0 (`KVCache.max_model_len`), where sibling
+        spans write ([Note: sibling rows] in pipeline/model/row_layout.py)."""
         num_real = sum(s.num_tokens for s in spans)
         num_pseudo = sum(s.num_pseudo for s in spans) if pseudo is not None else 0
         slots = torch.tensor([s.slot for s in spans for _ in range(s.num_tokens)], dtype=torch.int64)
-        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans])
+        assert scratch_base > 0 or not any(s.is_sibling for s in spans), "sibling spans need scratch_base"
+        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) if not s.is_sibling
+                               else torch.tensor([scratch_base + s.scratch]) for s in spans])
         small = [i for i, s in enumerate(spans) if s.num_tokens <= SMALL_ITEM_ROWS]
         large = [i for i, s in enumerate(spans) if s.num_tokens > SMALL_ITEM_ROWS]
         plan = cls(spans, pseudo, num_real + num_pseudo, slots.to(device), positions.to(device), small, large,
@@ -143,6 +154,10 @@ class AttentionPlan:
         self.mask, self.masked_out = mask.to(device), (~mask).to(device)
         self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
         self.pseudo_keys = p_index.to(device) if max_p else None
+        siblings = [(b, spans[i].start, row_of[i]) for b, i in enumerate(self.small) if spans[i].is_sibling]
+        if siblings:
+            b_idx, pos, rows = (torch.tensor(c, dtype=torch.int64, device=device) for c in zip(*siblings, strict=True))
+            self.sibling_batch, self.sibling_positions, self.sibling_rows = b_idx, pos, rows
 
 
 def num_real_rows(spans: Sequence[Span]) -> int:
@@ -184,7 +199,7 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     Raises ValueError for FIRP pseudo rows on a sliding-window layer.
     """
     num_real = plan.write_slots.shape[0]
-    if len(plan.spans) == 1:  # one item (a single sequence's decode, verify or prefill): a slice copy
+    if len(plan.spans) == 1 and not plan.spans[0].is_sibling:  # one item (a single sequence's decode, verify or prefill): a slice copy
         span = plan.spans[0]
         kv.write(layer, span.slot, span.start, k[:num_real].transpose(0, 1), v[:num_real].transpose(0, 1))
     else:
@@ -201,6 +216,12 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
             kp = torch.cat([k, k.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
             vp = torch.cat([v, v.new_zeros(1, kvh, d)])[plan.pseudo_keys].transpose(1, 2)
             keys, values = torch.cat([keys, kp.to(keys.dtype)], 2), torch.cat([values, vp.to(values.dtype)], 2)
+        if plan.sibling_rows is not None:  # [Note: sibling rows] in pipeline/model/row_layout.py
+            if len(plan.small) == 1:  # a view of the cache: never write into it
+                keys, values = keys.clone(), values.clone()
+            b, pos, rows = plan.sibling_batch, plan.sibling_positions, plan.sibling_rows
+            keys[b, :, pos] = k[rows].to(keys.dtype)
+            values[b, :, pos] = v[rows].to(values.dtype)
         o = _invariant_attention(qp, keys, values, plan.masked_out_for(window), scale).to(q.dtype)
         if plan.dense_rows:
             return o.reshape(q.shape)

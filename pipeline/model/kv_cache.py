@@ -3,6 +3,9 @@
 Owns the key/value buffers of a stage and each slot's committed length. Writing at positions past a
 slot's length extends it; `truncate` rolls a slot back to any shorter length (the squash primitive:
 see ARCHITECTURE.md §5 and [Note: in-band squash] in pipeline/engine/stage_executor.py).
+Each slot also has `num_scratch` scratch positions past max_model_len, where the keys/values of
+token-tree sibling rows go ([Note: sibling rows] in pipeline/model/row_layout.py); nothing reads
+them but `keep_scratch`, which copies one into a real position (the verified branch).
 Must not: decide which slot a sequence gets (the coordinator does) or know about the wire.
 """
 
@@ -14,19 +17,22 @@ import torch
 class KVCache:
     """Preallocated keys and values for `num_layers` layers and `max_num_seqs` slots.
 
-    Buffers: k, v: [num_layers, max_num_seqs, num_kv_heads, max_model_len, head_dim].
-    Layer indices are local to the stage (0 .. num_layers-1).
+    Buffers: k, v: [num_layers, max_num_seqs, num_kv_heads, max_model_len + num_scratch, head_dim].
+    Layer indices are local to the stage (0 .. num_layers-1). Positions [0, max_model_len) are the
+    sequence's; scratch position j (0 <= j < num_scratch) sits at buffer index max_model_len + j.
     """
 
     def __init__(self, *, num_layers: int, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 num_scratch: int = 0) -> None:
         # Invariants: the run configuration validated both (pipeline/run_config.py).
-        assert max_num_seqs >= 1 and max_model_len >= 2, (max_num_seqs, max_model_len)
-        shape = (num_layers, max_num_seqs, num_kv_heads, max_model_len, head_dim)
+        assert max_num_seqs >= 1 and max_model_len >= 2 and num_scratch >= 0, (max_num_seqs, max_model_len)
+        shape = (num_layers, max_num_seqs, num_kv_heads, max_model_len + num_scratch, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.num_scratch = num_scratch
         self.lengths = [0] * max_num_seqs
 
     @property
@@ -82,6 +88,31 @@ class KVCache:
             return self.k[layer, s:s + 1, :, :length], self.v[layer, s:s + 1, :, :length]
         return (self.k[layer, :, :, :length].index_select(0, slots),
                 self.v[layer, :, :, :length].index_select(0, slots))
+
+    def scratch_index(self, scratch: int) -> int:
+        """Buffer index of scratch position `scratch`. Raises ValueError if out of range."""
+        if not 0 <= scratch < self.num_scratch:
+            raise ValueError(f"KV scratch position {scratch} out of range [0, {self.num_scratch})")
+        return self.max_model_len + scratch
+
+    def ensure_scratch(self, num_scratch: int) -> None:
+        """Grow the scratch area to at least `num_scratch` positions per slot (a one-off copy of the
+        buffers the first time a token tree needs more; call between forwards)."""
+        if num_scratch <= self.num_scratch:
+            return
+        extra = num_scratch - self.num_scratch
+        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:3], extra, t.shape[4])], dim=3)  # noqa: E731
+        self.k, self.v, self.num_scratch = pad(self.k), pad(self.v), num_scratch
+
+    def keep_scratch(self, slot: int, scratch: int, position: int) -> None:
+        """Copy scratch position `scratch` of `slot` to `position` on every layer (a verified token-tree
+        sibling becomes the real entry at `position`; [Note: sibling rows] in pipeline/model/row_layout.py).
+        Raises ValueError if the slot, scratch position or position is out of range."""
+        if not 0 <= slot < self.max_num_seqs or not 0 <= position < self.max_model_len:
+            raise ValueError(f"KV fix-up to slot {slot} position {position} out of range")
+        src = self.scratch_index(scratch)
+        self.k[:, slot, :, position] = self.k[:, slot, :, src]
+        self.v[:, slot, :, position] = self.v[:, slot, :, src]
 
     def set_length(self, slot: int, length: int) -> None:
         """Record that positions [0, length) of `slot` hold valid entries on every layer."""

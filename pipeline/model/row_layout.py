@@ -9,6 +9,17 @@ attends to the cached keys of positions <= p_a (including this pass's real rows 
 and causally to the earlier rows of its own chain; real rows never see pseudo rows. Pseudo rows
 are never written into the KV cache: running them is exactly running the chain as real tokens
 on a copy of the cache truncated after the anchor (tests/unit/test_pseudo_rows.py checks this).
+
+[Note: sibling rows]
+A token-tree sibling (EAGLE-2 arXiv 2406.16858 §3, SpecPipe arXiv 2504.04104: a depth-1 tree of
+alternative candidates for one draft position) is a span of one row with `scratch` >= 0: it sits
+at RoPE position `start` like the primary candidate of its item, attends to the slot's keys
+[0, start) and to its own key only (never to the primary's, which this pass writes at `start`),
+and its keys/values go to scratch position `scratch` of the slot, not to `start`. In the attention
+its own key takes the place of key `start`, so the row computes exactly what a plain 1-row item
+with that token at `start` computes (bitwise on the batch-invariant path,
+tests/unit/test_token_tree_rows.py). `KVCache.keep_scratch` later copies the scratch entry to
+`start` if the sibling turns out to be the real token; otherwise nothing ever reads it.
 """
 
 from __future__ import annotations
@@ -23,13 +34,23 @@ import torch
 class Span:
     """Where one item's rows sit: KV `slot`, first position `start`, `num_tokens` rows; plus its
     FIRP pseudo chains: `chain_len` rows hanging off each of its last `num_anchors` rows
-    (see [Note: pseudo rows])."""
+    (see [Note: pseudo rows]); `scratch` >= 0: a one-row token-tree sibling whose keys/values go
+    to that scratch position of the slot ([Note: sibling rows]); -1: an ordinary span."""
 
     slot: int
     start: int
     num_tokens: int
     num_anchors: int = 0
     chain_len: int = 0
+    scratch: int = -1
+
+    def __post_init__(self) -> None:
+        assert self.scratch < 0 or (self.num_tokens == 1 and not self.num_pseudo), self
+
+    @property
+    def is_sibling(self) -> bool:
+        """A token-tree sibling row ([Note: sibling rows])."""
+        return self.scratch >= 0
 
     @property
     def num_pseudo(self) -> int:

@@ -229,13 +229,13 @@ class StageModel(nn.Module):
             tables[True] = rope_cos_sin(positions, self.inv_freq_local, dtype)
         return {i: tables[local and self.config.is_sliding(i)] for i in self.layer_range}
 
-    def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int) -> KVCache:
-        """A KV cache sized for this stage's layers, in the model's dtype and device."""
+    def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int, num_scratch: int = 0) -> KVCache:
+        """A KV cache sized for this stage's layers, in the model's dtype and device (num_scratch:
+        token-tree scratch positions per slot, [Note: sibling rows] in pipeline/model/row_layout.py)."""
         weight = next(iter(self.parameters()))
-        dtype = weight.dtype
         return KVCache(num_layers=len(self.layer_range), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
-                       dtype=dtype, device=weight.device)
+                       dtype=weight.dtype, device=weight.device, num_scratch=num_scratch)
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,6 +270,8 @@ class StageModel(nn.Module):
         """
         for span in spans:
             kv.check_write(span.slot, span.start, span.num_tokens)
+            if span.is_sibling:  # [Note: sibling rows] in pipeline/model/row_layout.py
+                kv.scratch_index(span.scratch)
         device = x.device
         positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in spans]).to(device)
         last_rows = torch.tensor(list(last_rows_of(spans)), device=device)
@@ -279,7 +281,7 @@ class StageModel(nn.Module):
         if pseudo is not None:
             h, positions, layout = self._add_pseudo(h, positions, pseudo, spans)
         ropes = self.rope_tables(positions, h.dtype)
-        plan = AttentionPlan.build(spans, layout, device)
+        plan = AttentionPlan.build(spans, layout, device, scratch_base=kv.max_model_len)
         exit_hidden = None
         for local, (name, layer) in enumerate(self.layers.items()):
             h = layer(h, *ropes[int(name)], plan, kv, local)
@@ -290,9 +292,10 @@ class StageModel(nn.Module):
                 if len(anchors):
                     h, positions, layout = self._add_pseudo(h, positions, make_pseudo(h[anchors]), spans)
                     ropes = self.rope_tables(positions, h.dtype)
-                    plan = AttentionPlan.build(spans, layout, device)
+                    plan = AttentionPlan.build(spans, layout, device, scratch_base=kv.max_model_len)
         for span in spans:
-            kv.set_length(span.slot, span.start + span.num_tokens)
+            if not span.is_sibling:  # a sibling's key went to scratch
+                kv.set_length(span.slot, span.start + span.num_tokens)
         real, fake = h[:num_real], (h[num_real:] if layout is not None else None)
         if not self.is_last:
             return StageForward(real, fake, exit_hidden)

@@ -44,6 +44,15 @@ class Item:
         draft after this item itself while its last position is < draft_upto (< draft_cap: within
         the coordinator's own chain cap); draft_gate: the draft gate's open bits; draft_with: which
         predictor the stage runs; self_made: the exit stage made this draft. Defaults: off.
+    alt_token_ids: token-tree siblings of a one-token DRAFT item: alternative candidates for
+        position `start`, one extra row each after the item's own row; sibling j's keys/values go
+        to KV scratch position `tree_scratch + j` ([Note: token trees] in pipeline/speculation/tree.py).
+        Unlike token_ids they travel to every stage (each stage needs the row count).
+    keep_sibling: >= 0 on the real item that follows a rescued sibling: before truncating, every
+        stage copies KV scratch position `keep_sibling` of the slot to position start - 1 (the
+        sibling, verified, becomes the real entry there); -1: no fix-up.
+    exit_top_k: the exit stage returns the exit head's top `exit_top_k` tokens for this item (the
+        token-tree candidates of the draft after it); 1: its top token only.
     """
 
     seq_id: int
@@ -63,8 +72,20 @@ class Item:
     draft_gate: int = 0
     draft_with: int = 0
     self_made: bool = False
+    alt_token_ids: tuple[int, ...] = ()
+    tree_scratch: int = 0
+    keep_sibling: int = -1
+    exit_top_k: int = 1
 
     def __post_init__(self) -> None:
+        if self.alt_token_ids and (self.kind != ItemKind.DRAFT or self.num_tokens != 1 or self.firp_k
+                                   or self.want_logits or self.tree_scratch < 0):
+            raise ValueError(f"item of seq {self.seq_id}: siblings need a one-token draft without FIRP rows "
+                             f"or logits, at a scratch position >= 0")
+        if self.exit_top_k < 1:
+            raise ValueError(f"item of seq {self.seq_id} has exit_top_k {self.exit_top_k} < 1")
+        if self.keep_sibling >= 0 and self.start < 1:
+            raise ValueError(f"item of seq {self.seq_id}: a KV fix-up needs start >= 1")
         if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
             raise ValueError(f"item of seq {self.seq_id} has firp_k {self.firp_k} / firp_anchors "
                              f"{self.firp_anchors} outside [0, num_tokens {self.num_tokens}]")
@@ -85,10 +106,21 @@ class Item:
         return self.start + self.num_tokens
 
     @property
+    def num_rows(self) -> int:
+        """Packed real rows of the item: one per position, plus one per token-tree sibling."""
+        return self.num_tokens + len(self.alt_token_ids)
+
+    @property
+    def input_ids(self) -> tuple[int, ...]:
+        """The first stage's input tokens, one per row: token_ids, then the siblings."""
+        return (*self.token_ids, *self.alt_token_ids)
+
+    @property
     def num_result_rows(self) -> int:
         """Rows whose next-token result the last stage returns: the last row of a prefill, every
-        row of any other item (a FIRP chain verifies each of its drafts)."""
-        return 1 if self.kind == ItemKind.PREFILL else self.num_tokens
+        row of any other item (a FIRP chain verifies each of its drafts; a draft's siblings come
+        after its own row)."""
+        return 1 if self.kind == ItemKind.PREFILL else self.num_rows
 
     @property
     def num_logit_rows(self) -> int:
@@ -137,6 +169,7 @@ ITEM_WIRE_SCHEMA: dict[str, type] = {
     "seq_id": int, "slot": int, "start": int, "num_tokens": int, "epoch": int, "kind": int,
     "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
     "want_prompt_logits": bool, "draft_upto": int, "draft_cap": int, "draft_gate": int, "draft_with": int, "self_made": bool,
+    "alt_token_ids": list, "tree_scratch": int, "keep_sibling": int, "exit_top_k": int,
 }
 
 
@@ -146,7 +179,7 @@ def items_to_wire(items: Sequence[Item]) -> dict[str, list[Any]]:
     for it in items:
         for name in ITEM_WIRE_SCHEMA:
             value = getattr(it, name)
-            cols[name].append(int(value) if name == "kind" else list(value) if name == "token_ids" else value)
+            cols[name].append(int(value) if name == "kind" else list(value) if isinstance(value, tuple) else value)
     return cols
 
 
@@ -160,8 +193,9 @@ def items_from_wire(raw: Any) -> list[Item]:
     for name, kind in ITEM_WIRE_SCHEMA.items():
         if any(type(v) is not kind for v in raw[name]):
             raise ValueError(f"malformed item: {name} is not {'an int' if kind is int else 'a ' + kind.__name__}")
-    if any(type(t) is not int for tokens in raw["token_ids"] for t in tokens):
-        raise ValueError("malformed item: token_ids is not a list of ints")
+    for name in ("token_ids", "alt_token_ids"):
+        if any(type(t) is not int for tokens in raw[name] for t in tokens):
+            raise ValueError(f"malformed item: {name} is not a list of ints")
     items = []
     for row in zip(*(raw[name] for name in ITEM_WIRE_SCHEMA), strict=True):
         fields = dict(zip(ITEM_WIRE_SCHEMA, row, strict=True))
@@ -169,6 +203,6 @@ def items_from_wire(raw: Any) -> list[Item]:
             fields["kind"] = ItemKind(fields["kind"])
         except ValueError:
             raise ValueError(f"malformed item: unknown kind {fields['kind']}") from None
-        fields["token_ids"] = tuple(fields["token_ids"])
+        fields["token_ids"], fields["alt_token_ids"] = tuple(fields["token_ids"]), tuple(fields["alt_token_ids"])
         items.append(Item(**fields))
     return items

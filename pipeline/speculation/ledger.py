@@ -49,6 +49,7 @@ class InFlight:
     epoch: int
     drafts: tuple[int, ...] = ()
     gate_key: tuple[str, int] | None = None
+    alts: tuple[int, ...] = ()  # token-tree siblings of a draft ([Note: token trees] in pipeline/speculation/tree.py)
 
     @property
     def last_position(self) -> int:
@@ -127,10 +128,12 @@ class SequenceLedger:
         last_budget_position = self.prompt_len + self.max_new_tokens - 1
         return position + 1 < last_budget_position
 
-    def add_draft(self, token: int, *, gate_key: tuple[str, int] | None = None) -> InFlight:
-        """Record a draft item injected right after the chain's end (gate_key: its DraftGate bucket)."""
+    def add_draft(self, token: int, *, gate_key: tuple[str, int] | None = None, alts: Sequence[int] = ()) -> InFlight:
+        """Record a draft item injected right after the chain's end (gate_key: its DraftGate bucket;
+        alts: its token-tree siblings)."""
         assert self.inflight, "a draft follows an in-flight item"
-        item = InFlight(self.inflight[-1].last_position + 1, token, True, self.epoch, gate_key=gate_key)
+        item = InFlight(self.inflight[-1].last_position + 1, token, True, self.epoch, gate_key=gate_key,
+                        alts=tuple(alts))
         self.inflight.append(item)
         return item
 

@@ -27,10 +27,13 @@ PREDICTOR_FILE_SUFFIX = ".safetensors"  # a --predictor value ending so names a 
 
 @dataclasses.dataclass(frozen=True)
 class ExitGuess:
-    """The exit head's top token for one position and its probability (confidence in [0, 1])."""
+    """The exit head's top token for one position and its probability (confidence in [0, 1]);
+    `alternatives`: its next most likely (token, probability) pairs, best first, when the exit
+    stage was asked for its top-k (token trees, pipeline/speculation/tree.py); else empty."""
 
     token: int
     prob: float
+    alternatives: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,15 +146,28 @@ class ExitHead(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top token and its probability per row: ([rows] int64, [rows] float32); with top_k > 1
+        the top_k best, best first: ([rows, top_k], [rows, top_k]) (token trees)."""
         # Row by row, in the shape of a lone row: a guess never depends on which other rows want one
         # ([Note: batch invariance] in pipeline/weights/quant.py).
         logits = torch.cat([self._logits(row) for row in hidden.split(1)]) if hidden.shape[0] > 1 \
             else self._logits(hidden)
-        probs, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        probs, tokens = probs.max(dim=-1) if top_k == 1 else probs.topk(min(top_k, probs.shape[-1]), dim=-1)
         if self.vocab_ids is not None:
             tokens = self.vocab_ids[tokens]
         return tokens, probs
+
+
+def exit_guesses(tokens: torch.Tensor | None, probs: torch.Tensor | None, num_items: int) -> list[ExitGuess | None]:
+    """The exit stage's tensors as one guess per item: tokens/probs [num_items] (top token) or
+    [num_items, k] (top-k, best first); token -1 (or no tensors): no guess for that item."""
+    if tokens is None:
+        return [None] * num_items
+    tokens, probs = tokens.reshape(num_items, -1).tolist(), probs.reshape(num_items, -1).tolist()
+    return [None if t[0] < 0 else ExitGuess(t[0], p[0], tuple(zip(t[1:], p[1:], strict=True)))
+            for t, p in zip(tokens, probs, strict=True)]
 
 
 class Predictor(Protocol):
@@ -174,6 +190,14 @@ class LogitLensPredictor:
 
     def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
         return None if guess is None else Draft(guess.token, guess.prob, self.name)
+
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        """Token-tree candidates, most likely first: the exit head's top-k ([Note: token trees] in
+        pipeline/speculation/tree.py); the caller drops the one it proposed."""
+        if guess is None:
+            return []
+        return [Draft(guess.token, guess.prob, self.name),
+                *(Draft(t, p, self.name) for t, p in guess.alternatives)]
 
 
 class EarlyExitPredictor(LogitLensPredictor):
@@ -226,6 +250,12 @@ class HybridPredictor:
         if a is None or b is None:
             return a or b
         return a if a.confidence >= b.confidence else b
+
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        """Token-tree candidates, most likely first: the n-gram proposal and the exit head's top-k
+        ([Note: token trees] in pipeline/speculation/tree.py)."""
+        a = self.ngram.propose(context, guess)
+        return sorted([*([a] if a else []), *self.lens.alternatives(context, guess)], key=lambda d: -d.confidence)
 
 
 def is_predictor_file(name: str) -> bool:

@@ -10,10 +10,11 @@ wasted fraction (stage time spent on squashed work, mean over stages), the contr
 the closed-form expectation S / (alpha * e + (1 - alpha) * S) (ARCHITECTURE.md §5, e = 1), and
 whether the output was token-identical to `none`.
 
-Configurations: MODE[/PREDICTOR][@GATE][:stage]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
+Configurations: MODE[/PREDICTOR][@GATE][#W][:stage]; MODE one of none, speed, firp, speed+firp; PREDICTOR a
 `--predictor` name, a trained file (*.safetensors), or `hybrid-untrained` (hybrid with
 `--exit-predictor none`: n-gram + logit lens); `@X` runs with `--min-acceptance X` (0: every draft
-is sent); `:stage` runs with `--draft-at stage` (the exit stage drafts itself).
+is sent); `#W` with `--draft-tree W` (token trees: tree acceptance, rescues and rows per tree
+draft are reported too); `:stage` runs with `--draft-at stage` (the exit stage drafts itself).
 `--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
 the head shipped for the exit layer, pipeline/assets/predictors/).
 Held-out sets: `chat` and `code` (chat-templated instructions that `train-predictor --data
@@ -22,7 +23,8 @@ launcher/cli/distill_data.py; `sotu` (the opening words of held-out speeches, is
 
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--sets chat,speeches,code] [--prompts 3]
        [--max-new-tokens 64] [--configs none,speed/hybrid,firp,speed+firp/hybrid]
-       [--exit-predictor FILE] [--out tests/benchmarks/results/speculation_heldout.json]
+       [--exit-predictor FILE] [--dtype float32] [--quantization none] [--row-cost-file PATH]
+       [--out tests/benchmarks/results/speculation_heldout.json]
 """
 
 from __future__ import annotations
@@ -73,12 +75,15 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
             "drafted": spec.drafted_tokens, "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
             "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
             "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts, "stage_drafted": spec.stage_drafted,
+            **coord.tree.to_json(),
             "wasted_fraction": statistics.mean(wasted) if wasted else 0.0, **coord.timeline.draft_gap(0)}
 
 
-def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOptions:
-    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][:stage]."""
+def options(config: str, stages: int, exit_predictor: str | None, dtype: str = "float32",
+            row_cost_file: str | None = None, quantization: str = "none") -> PipelineOptions:
+    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][#W][:stage]."""
     config, _, draft_at = config.partition(":")
+    config, _, width = config.partition("#")
     body, _, gate = config.partition("@")
     mode, _, pred = body.partition("/")
     pred = pred or "hybrid"
@@ -87,7 +92,8 @@ def options(config: str, stages: int, exit_predictor: str | None) -> PipelineOpt
     return PipelineOptions(num_stages=stages, speculate=mode, threads_per_stage=1, progress=False,
                            predictor="hybrid" if untrained else pred,
                            exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
-                           min_acceptance=float(gate) if gate else None, draft_at=draft_at or "coordinator")
+                           min_acceptance=float(gate) if gate else None, draft_tree=int(width or 1), dtype=dtype,
+                           row_cost_file=row_cost_file, quantization=quantization, draft_at=draft_at or "coordinator")
 
 
 def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
@@ -96,11 +102,16 @@ def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
     verified = sum(r["verified"] for r in rows)
     alpha = sum(r["accepted"] for r in rows) / verified if verified else 0.0
     firp_verified = sum(r["firp_verified"] for r in rows)
+    tree_verified = sum(r["tree_verified"] for r in rows)
+    tree_drafts = sum(r["tree_drafts"] for r in rows)
     return {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
             "verified": verified, "drafted": sum(r["drafted"] for r in rows), "gated": sum(r["gated"] for r in rows),
             "stage_drafted": sum(r["stage_drafted"] for r in rows),
             "firp_acceptance": sum(r["firp_accepted"] for r in rows) / firp_verified if firp_verified else 0.0,
             "tokens_per_verify": statistics.mean(r["tokens_per_pass"] for r in rows),
+            "tree_acceptance": sum(r["tree_hits"] for r in rows) / tree_verified if tree_verified else 0.0,
+            "rescues": sum(r["rescues"] for r in rows), "tree_verified": tree_verified,
+            "rows_per_tree_draft": 1 + sum(r["sibling_rows"] for r in rows) / tree_drafts if tree_drafts else 0.0,
             "wasted_fraction": statistics.mean(r["wasted_fraction"] for r in rows),
             "draft_gap_share": statistics.mean(r["draft_gap_share"] for r in rows),
             "closed_form": closed_form_speedup(num_stages=stages, alpha=alpha),
@@ -114,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     rows: dict[str, dict[str, list[dict]]] = {}
     try:
         for c in configs:
-            opts = options(c, args.stages, args.exit_predictor)
+            opts = options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file, args.quantization)
             sessions[c] = PipelineSession(opts, resolve(opts)).__enter__()
         model_dir = sessions["none"].model.model_dir
         for name in args.sets.split(","):
@@ -129,6 +140,7 @@ def run(args: argparse.Namespace) -> dict:
         for s in sessions.values():
             s.close()
     report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
+              "dtype": args.dtype, "quantization": args.quantization, "row_cost_file": args.row_cost_file,
               "exit_predictor": args.exit_predictor, "sets": {}}
     for name, by_config in rows.items():
         base = by_config["none"]
@@ -139,12 +151,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(report: dict) -> None:
     print(f"{'set':<9} {'config':<28} {'ratio':>6} {'alpha':>6} {'tok/ver':>7} {'wasted':>6} {'gap':>6} "
-          f"{'c-form':>6} exact")
+          f"{'c-form':>6} {'tree':>5} {'rescue':>6} exact")
     for name, entry in report["sets"].items():
         for c, e in entry["configs"].items():
             print(f"{name:<9} {c[-28:]:<28} {e['ratio_median']:>5.2f}x {e['acceptance_rate']:>6.2f} "
                   f"{e['tokens_per_verify']:>7.2f} {e['wasted_fraction']:>6.1%} {e['draft_gap_share']:>6.1%} "
-                  f"{e['closed_form']:>5.2f}x {e['token_identical']}")
+                  f"{e['closed_form']:>5.2f}x {e['tree_acceptance']:>5.2f} {e['rescues']:>6} {e['token_identical']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predictors", help="issue 3's form: speed with each of these predictors (P[@GATE], "
                     "comma-separated); replaces --configs")
     ap.add_argument("--exit-predictor", help="trained early-exit file for early-exit / hybrid (default: shipped)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (every configuration)")
+    ap.add_argument("--quantization", default="none", help="none | auto | int8 | int4 (every configuration)")
+    ap.add_argument("--row-cost-file", help="a row_cost.py report: FIRP chains and token trees follow its table")
     ap.add_argument("--out", default="tests/benchmarks/results/speculation_heldout.json")
     args = ap.parse_args(argv)
     if args.predictors:

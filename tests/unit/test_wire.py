@@ -269,7 +269,8 @@ def _item_wire(**overrides: Any) -> dict[str, list[Any]]:
     """The item columns of one item (see [Note: item wire form]), with `overrides` as its values."""
     base = dict(seq_id=1, slot=0, start=4, num_tokens=2, epoch=0, kind=1, token_ids=[3, 4], want_logits=False,
                 firp_k=0, firp_anchors=0, want_exit=True, want_prompt_logits=False,
-                draft_upto=0, draft_cap=0, draft_gate=0, draft_with=0, self_made=False)
+                draft_upto=0, draft_cap=0, draft_gate=0, draft_with=0, self_made=False,
+                alt_token_ids=[], tree_scratch=0, exit_top_k=1, keep_sibling=-1)
     base.update(overrides)
     return {name: [value] for name, value in base.items()}
 

@@ -1,0 +1,137 @@
+"""Token trees end to end in the in-process pipeline ([Note: token trees] in pipeline/speculation/tree.py).
+
+What breaks when these fail: a rescued sibling commits a token plain greedy decoding would not
+make (its row saw the primary's key, or the KV fix-up kept the wrong entry, so later tokens
+drift); a rescue loses, duplicates or reorders a token; drafts after a rescued item run on the
+primary's KV. Reference: the same stages with `--speculate none`. Predictors: always wrong (no
+sibling ever right), random with random siblings, and one whose true token is always a sibling
+(so the rescue path runs on nearly every token), in the exact int4 mode and float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeline.model.partition import LayerRange
+from pipeline.speculation.predictors import Draft, LogitLensPredictor
+from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.tree import TreeCounters
+from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.quant_load import load_stage_model
+from tests.adversarial_predictors import (
+    AlwaysWrongPredictor,
+    RandomTreePredictor,
+    ReferenceTable,
+    SiblingRescuePredictor,
+)
+from tests.in_process_pipeline import InProcessPipeline
+from tests.tiny_model import write_tiny_model
+
+PROMPTS = [[5, 17, 200, 33, 9, 81, 140, 7, 99], [44, 3, 12], [250, 1, 77, 77, 8, 91]]
+PARAMS = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=4)
+
+
+def _stages(folder, num_stages: int, mode: str):
+    n = CheckpointReader(folder).config.num_hidden_layers
+    bounds = [round(i * n / num_stages) for i in range(num_stages + 1)]
+    return [load_stage_model(str(folder), LayerRange(bounds[i], bounds[i + 1]), is_first=i == 0,
+                             is_last=i == num_stages - 1, quantization=mode) for i in range(num_stages)]
+
+
+class AlwaysWrongTree(AlwaysWrongPredictor):
+    """Always wrong, and so are its siblings."""
+
+    def alternatives(self, context, guess) -> list[Draft]:
+        truth = self.table.true_next(context) or 0
+        return [Draft((truth + k) % self.vocab_size, 0.5, self.name) for k in (1, 2, 3)]
+
+
+def _predictor(kind: str, table: ReferenceTable, vocab: int):
+    if kind == "logit-lens":  # the exit head's top-k (Item.exit_top_k) as siblings
+        return LogitLensPredictor()
+    if kind == "always-wrong":
+        return AlwaysWrongTree(table, vocab_size=vocab)
+    if kind == "random-tree":
+        return RandomTreePredictor(seed=3, vocab_size=vocab)
+    return SiblingRescuePredictor(table, vocab_size=vocab, seed=1, p_right=0.3)
+
+
+# (the in-process exit head copies a dense LM head: logit-lens in float32 only)
+KINDS = [(k, m) for k in ("always-wrong", "random-tree", "sibling-rescue") for m in ("int4", "none")]
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("kind,mode", [*KINDS, ("logit-lens", "none")])
+def test_tree_drafts_give_the_plain_greedy_tokens(folder, mode, num_stages, kind):
+    stages = _stages(folder, num_stages, mode)
+    vocab = stages[0].config.vocab_size
+    plain = [InProcessPipeline(stages, max_model_len=64).generate([p], PARAMS)[0] for p in PROMPTS]
+    table = ReferenceTable(zip(PROMPTS, plain, strict=True))
+    pipes = [InProcessPipeline(stages, max_model_len=64, predictor=_predictor(kind, table, vocab), draft_tree=3)
+             for _ in range(len(PROMPTS) + 1)]
+    for pipe, prompt, want in zip(pipes, PROMPTS, plain, strict=False):  # one at a time: a lone sequence drafts most
+        assert pipe.generate([prompt], PARAMS) == [want]
+    assert pipes[-1].generate(PROMPTS, PARAMS) == plain  # and all at once, sharing micro-batches
+    tree = TreeCounters(*(sum(getattr(p.engine.tree, f.name) for p in pipes) for f in dataclasses.fields(TreeCounters)))
+    assert tree.tree_drafts > 0 and tree.sibling_rows >= tree.tree_drafts and tree.tree_verified > 0
+    if kind == "sibling-rescue":
+        assert tree.rescues > 0.3 * tree.tree_verified, tree  # the rescue path ran on many tokens
+        assert tree.tree_acceptance > 0.9, tree
+    if kind == "always-wrong":
+        assert tree.rescues == 0 and tree.tree_hits == 0, tree
+
+
+def test_draft_tree_1_sends_no_sibling(folder):
+    stages = _stages(folder, 2, "int4")
+    plain = [InProcessPipeline(stages, max_model_len=64).generate([p], PARAMS)[0] for p in PROMPTS]
+    table = ReferenceTable(zip(PROMPTS, plain, strict=True))
+    pipe = InProcessPipeline(stages, max_model_len=64, predictor=SiblingRescuePredictor(table, vocab_size=256))
+    assert pipe.generate(PROMPTS, PARAMS) == plain
+    assert pipe.engine.tree.tree_drafts == 0 and pipe.engine.spec.accepted_tokens == 0
+    assert all(ex.kv.num_scratch == 0 for ex in pipe.executors)  # no scratch grown either
+
+
+def test_sampling_sends_no_sibling(folder):
+    stages = _stages(folder, 2, "int4")
+    table = ReferenceTable([])
+    pipe = InProcessPipeline(stages, max_model_len=64, predictor=SiblingRescuePredictor(table, vocab_size=256),
+                             draft_tree=3)
+    pipe.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12, temperature=0.8, seed=1))
+    assert pipe.engine.spec.verified_drafts > 0 and pipe.engine.tree.tree_drafts == 0
+
+
+def test_bad_draft_tree_exits_2_with_one_line(capsys):
+    from launcher.cli.main import main
+
+    for value in ("0", "9"):
+        assert main(["launch", "--speculate", "speed", "--draft-tree", value, "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "draft_tree" in err and value in err
+    assert main(["launch", "--draft-tree", "2", "--prompt", "hi"]) == 2  # trees need SPEED drafts
+    assert "speculate speed" in capsys.readouterr().err
+    # dense bfloat16 is not batch-invariant: tree rows would change greedy output
+    assert main(["launch", "--speculate", "speed", "--draft-tree", "2", "--dtype", "bfloat16", "--prompt", "hi"]) == 2
+    assert "float32 or an int mode" in capsys.readouterr().err
+    # stage-local drafting makes drafts without siblings: the combination is refused, not half-built
+    assert main(["launch", "--speculate", "speed", "--draft-tree", "2", "--draft-at", "stage", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "draft_at coordinator" in err
+
+
+def test_tree_items_cross_the_wire_with_their_columns():
+    from pipeline.speculation.items import Item, ItemKind, items_from_wire, items_to_wire
+
+    items = [Item(seq_id=3, slot=1, start=9, num_tokens=1, kind=ItemKind.DRAFT, token_ids=(5,), alt_token_ids=(7, 8),
+                  tree_scratch=4, exit_top_k=3),
+             Item(seq_id=4, slot=0, start=6, num_tokens=1, token_ids=(2,), keep_sibling=5)]
+    assert items_from_wire(items_to_wire(items)) == items
+    assert items[0].num_rows == 3 and items[0].input_ids == (5, 7, 8) and items[0].num_result_rows == 3
+    with pytest.raises(ValueError, match="siblings need a one-token draft"):
+        Item(seq_id=3, slot=1, start=9, num_tokens=1, token_ids=(5,), alt_token_ids=(7,))
