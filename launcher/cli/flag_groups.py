@@ -1,0 +1,54 @@
+"""The speculation and sampling flag groups that `launch` and `serve` share.
+
+Owns the flags' names, defaults and help text; launcher/cli/main.py turns them into PipelineOptions
+and SamplingParams. Must not: validate values (RunConfig and SamplingParams do, once).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from launcher.cli.parsing import add_row_cost_flag, unescape
+from launcher.coordinator.pipeline_options import DRAFT_AT
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation (SPEED)")
+    g.add_argument("--speculate", default="none", help="none | speed | firp | speed+firp. speed: inject drafts "
+                   "from the exit layer into stage 0 while the real token is still in later stages; firp: "
+                   "predict future hidden states and verify them as a chain (default none)")
+    g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: the shortest chain within "
+                   "0.02 accepted drafts per pass of the best in the FIRP file's eval)")
+    g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")
+    g.add_argument("--firp-min-prob", type=float, default=0.0, help="carry a FIRP draft only while its "
+                   "probability is at least this (a chain stops at the first less likely draft; default 0)")
+    add_row_cost_flag(g)
+    g.add_argument("--draft-tree", type=int, default=1, metavar="W", help="token trees: a SPEED draft carries up to "
+                   "W candidates for its position (greedy only; README 'Token trees'); 1 = off")
+    g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
+                   "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
+                   "and exit layer (default hybrid)")
+    g.add_argument("--exit-predictor", metavar="FILE", help="trained early-exit head (from `speedpipe "
+                   "train-predictor`) for --predictor early-exit or hybrid, instead of the shipped one; `none` = the untrained logit lens (default: the head shipped for the model and exit layer)")
+    g.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor "
+                   "(default: the last layer of stage 0)")
+    g.add_argument("--max-inflight", type=int, default=0,
+                   help="items of one sequence in flight at once (default 0: chosen from the row-cost table and the "
+                   "measured acceptance with --row-cost, else the number of stages)")
+    g.add_argument("--draft-at", choices=DRAFT_AT, default=DRAFT_AT[0],
+                   help="who turns the exit guess into a draft: the coordinator, or the exit stage itself when "
+                   "it is stage 0 (no round trip; README 'Stage-local drafting') (default coordinator)")
+    g.add_argument("--min-acceptance", default="auto",
+                   help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
+                   "often; 'auto' = break-even 1/stages, 0 = always draft (default auto)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--seed", type=int, help="sampling seed (per prompt: seed + prompt index)")
+    g.add_argument("--stop", action="append", default=[], type=unescape,
+                   help=r"stop string (repeatable); \n, \t, \r and \\ are read as newline, tab, CR, backslash")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
