@@ -220,7 +220,7 @@ class StageDrafter:
                         tokens.extend(ids[row:row + it.num_tokens])
                     if it.draft_upto and not it.self_made:  # a self-made item carries a grant we had
                         self._grant(it)
-                row += it.num_tokens
+                row += it.num_rows  # x also holds a tree draft's sibling tokens after its own
 
     def credit(self, credits: Sequence[Item]) -> None:
         """A CREDIT from the coordinator: raise each sequence's bound and update its gate bits (a
@@ -244,8 +244,8 @@ class StageDrafter:
         made, tokens, keys = [], [-1] * len(ran), [-1] * len(ran)
         for i, it in enumerate(ran):
             guess = None
-            if exit_tokens is not None and int(exit_tokens[i]) >= 0:
-                guess = ExitGuess(int(exit_tokens[i]), float(exit_probs[i]))
+            if exit_tokens is not None and int(exit_tokens[i].view(-1)[0]) >= 0:  # [n] or token trees' [n, k]
+                guess = ExitGuess(int(exit_tokens[i].view(-1)[0]), float(exit_probs[i].view(-1)[0]))
             draft = self._decide(it, guess)
             if draft is None:
                 continue
