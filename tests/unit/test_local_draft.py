@@ -30,6 +30,7 @@ from pipeline.engine.local_draft import (
     NUM_GATE_BUCKETS,
     StageDrafter,
     authorise,
+    credit as local_credit,
     gate_bits,
     predictor_code,
 )
@@ -304,6 +305,7 @@ def test_stage_refuses_a_stale_epoch():
     drafter = StageDrafter()
     newer = Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch + 1, draft_cap=50,
                  draft_upto=50, draft_gate=1 << GATE_OFF_BIT)
+    drafter.observe([prefill], torch.tensor(prefill.token_ids), [prefill.without_tokens()])
     drafter.credit([newer])  # the coordinator squashed meanwhile
     assert _stage_draft(prefill, decode, ExitGuess(3, 0.9), drafter)[0] is None
 
@@ -317,7 +319,8 @@ def test_stage_refuses_when_the_gate_is_closed_and_follows_its_bits():
     for _ in range(6):
         gate.record(key, accepted=False)
     assert not gate.would_allow(key)
-    closed = authorise(sched.config, sched.predictor, gate, sched.seqs[0], decode.without_tokens(), pipeline_full=False)
+    closed = authorise(sched.config, sched.predictor, gate, sched.seqs[0], decode.without_tokens(), pipeline_full=False,
+                       depth=sched.config.max_inflight)
     assert _stage_draft(prefill, Item(**{**closed.__dict__, "token_ids": decode.token_ids}), ExitGuess(3, 0.95))[0] is None
 
 
@@ -373,3 +376,34 @@ def test_nothing_is_authorised_without_the_flag():
     prefill = sched.next_batch(num_inflight=0).items[0]
     sched.on_result([prefill], torch.tensor([4]), None)
     assert sched.next_batch(num_inflight=0).items[0].draft_upto == 0
+
+
+# -- review fixes: the table-driven run-ahead depth bounds the stage too; no grant after a release ------
+def test_stage_grants_follow_the_table_driven_run_ahead_depth():
+    """With `run_ahead_from_table`, the stage's bounds come from the same depth the coordinator's
+    `_try_draft` uses (a table and measured acceptance 0.1 at 4 stages: depth 1), not max_inflight."""
+    from pipeline.measure.row_cost import RowCostTable
+    table = RowCostTable(mode="fp32", num_rows=(1, 2, 4, 8), pass_s=(1.0, 1.7, 3.0, 5.0))
+    config = SchedulerConfig(num_stages=4, max_num_seqs=1, max_model_len=MAX_MODEL_LEN, speculate=True,
+                             row_costs=table, run_ahead_from_table=True, draft_at_stage=True)
+    engine = Engine(config, LogitLensPredictor())
+    sched = engine.scheduler
+    sched.spec.verified_drafts, sched.spec.accepted_tokens = 1000, 100
+    prefill = engine.step([Submit(seq_id=1, prompt_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=50))]).sends[0]
+    item = engine.step([Result(items=prefill, token_ids=torch.tensor([9]))]).sends[0][0]
+    depth = sched.rows.run_ahead(config, sched.spec, shared_rows=0, explore=False)
+    assert depth < config.max_inflight
+    nrp = sched.seqs[1].ledger.next_real_position
+    assert (item.draft_cap, item.draft_upto) == (nrp + depth - 1, nrp + depth)
+    credits = local_credit(config, sched.gate, sched.seqs[1], depth=depth)
+    assert [(c.draft_cap, c.draft_upto) for c in credits] == [(nrp + depth - 1, nrp + depth)]
+
+
+def test_a_credit_after_a_release_creates_no_grant():
+    sched, prefill, decode = _scheduler_at_first_decode([1, 2, 3])
+    drafter = StageDrafter()
+    drafter.observe([decode], torch.tensor(decode.token_ids), [decode.without_tokens()])
+    drafter.release([0])
+    drafter.credit([Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch,
+                         draft_cap=decode.end, draft_upto=decode.end + 1, draft_gate=decode.draft_gate)])
+    assert drafter.grants == {} and drafter.tokens == {}
