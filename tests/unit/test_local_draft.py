@@ -30,9 +30,11 @@ from pipeline.engine.local_draft import (
     NUM_GATE_BUCKETS,
     StageDrafter,
     authorise,
-    credit as local_credit,
     gate_bits,
     predictor_code,
+)
+from pipeline.engine.local_draft import (
+    credit as local_credit,
 )
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.scheduler import Scheduler
