@@ -135,3 +135,21 @@ def test_a_result_token_tensor_survives_the_wire_exactly():
     tokens = torch.tensor([3, 49_999, 17], dtype=torch.int64)
     msg = _over_the_wire(Message(MessageKind.RESULT, [], {"token_ids": tokens}, []))
     assert torch.equal(msg.tensors["token_ids"], tokens) and msg.timing == []
+
+
+def test_a_calibrated_table_prices_the_token_tree_too():
+    """`Engine.use_row_costs` (the `--row-cost calibrate` table, arriving after the engine exists)
+    reaches the token tree's sibling decision, as a table given at construction does."""
+    from pipeline.engine.records import SchedulerConfig
+    from pipeline.measure.row_cost import RowCostTable
+    from pipeline.speculation.predictors import LogitLensPredictor
+
+    table = RowCostTable(mode="fp32", num_rows=(1, 2, 4, 8), pass_s=(1.0, 1.7, 3.0, 5.0))  # a 2nd row: +70 %
+    cfg = SchedulerConfig(num_stages=2, max_num_seqs=2, max_model_len=64, eos_token_ids=(0,), speculate=True,
+                          draft_tree=3)
+    engine = Engine(cfg, LogitLensPredictor())
+    engine.use_row_costs(table)
+    at_start = Engine(dataclasses.replace(cfg, row_costs=table), LogitLensPredictor()).scheduler.tree
+    assert engine.scheduler.tree.row_costs is table
+    assert [engine.scheduler.tree.worth_sending(r) for r in (1, 2)] == [at_start.worth_sending(r) for r in (1, 2)]
+    assert not engine.scheduler.tree.worth_sending(1)  # this table says the sibling row costs more than it saves
