@@ -409,3 +409,12 @@ def test_a_credit_after_a_release_creates_no_grant():
     drafter.credit([Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch,
                          draft_cap=decode.end, draft_upto=decode.end + 1, draft_gate=decode.draft_gate)])
     assert drafter.grants == {} and drafter.tokens == {}
+
+
+def test_the_scheduler_config_refuses_stage_drafting_with_token_trees():
+    """The CLI / PipelineOptions refuse `--draft-at stage` with `--draft-tree` > 1 in one line; the
+    scheduler's config holds it as an invariant (stage-made drafts carry no siblings)."""
+    SchedulerConfig(num_stages=2, speculate=True, draft_at_stage=True, draft_tree=1)
+    SchedulerConfig(num_stages=2, speculate=True, draft_tree=3)
+    with pytest.raises(AssertionError, match="token trees need draft_at coordinator"):
+        SchedulerConfig(num_stages=2, speculate=True, draft_at_stage=True, draft_tree=3)
