@@ -39,7 +39,8 @@ and the exit layer on stage 0 (ARCHITECTURE.md §5.6):
    `guard_unannounced` bumps the epoch first (the draft becomes stale, and a late announcement
    is refused by `register`). The engine matches a self-made micro-batch's result to its
    announcement by its items' (seq, start, epoch) in either arrival order.
-5. Credits and deep drafts. The chain cap (`max_inflight`) moves as results commit, which the
+5. Credits and deep drafts. The chain cap (the coordinator's run-ahead depth, `RowBudget.run_ahead`:
+   `max_inflight`, or the table-driven depth) moves as results commit, which the
    stage does not see: after each result the coordinator sends an in-band CREDIT to stage 0
    with the new bounds and gate bits. In the steady state of one sequence the stage finishes
    draft p+1 when the last stage finishes p: the chain is full, and waiting for p's commit would
