@@ -23,8 +23,8 @@ import torch
 from pipeline.engine.records import SchedulerConfig
 from pipeline.measure.row_cost import RowCostTable, numeric_mode_name
 from pipeline.speculation.draft_gate import DraftGate
-from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
 from pipeline.speculation.items import MAX_TREE_SCRATCH
+from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
 from pipeline.speculation.tree import MAX_DRAFT_TREE, scratch_positions
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.registry import DEFAULT_MODEL
