@@ -251,9 +251,14 @@ class StageDrafter:
                exit_probs: torch.Tensor | None) -> tuple[list[Item], list[int], list[int]]:
         """The draft items to run next (token ids included), and per item of `ran` the draft token
         and gate key code made after it (-1: none). exit_tokens / exit_probs: [len(ran)] the exit
-        head's guesses (token -1: none), or None."""
+        head's guesses (token -1: none), [len(ran), k] its top k (token trees: the top one is
+        the guess), or None."""
         made, tokens, keys = [], [-1] * len(ran), [-1] * len(ran)
+        if exit_tokens is not None and exit_tokens.dim() == 2:
+            exit_tokens, exit_probs = exit_tokens[:, 0], exit_probs[:, 0]
         for i, it in enumerate(ran):
+            if not it.draft_upto:
+                continue  # not authorised (the coordinator drafts after it)
             guess = None
             if exit_tokens is not None and int(exit_tokens[i]) >= 0:
                 guess = ExitGuess(int(exit_tokens[i]), float(exit_probs[i]))

@@ -418,3 +418,19 @@ def test_the_scheduler_config_refuses_stage_drafting_with_token_trees():
     SchedulerConfig(num_stages=2, speculate=True, draft_tree=3)
     with pytest.raises(AssertionError, match="token trees need draft_at coordinator"):
         SchedulerConfig(num_stages=2, speculate=True, draft_at_stage=True, draft_tree=3)
+
+
+def test_the_exit_stage_drafter_takes_top_k_exit_tensors_of_token_trees():
+    """Stage 0 always holds a drafter when it runs the exit head; with --draft-tree the head's
+    tensors are [n, k] (top k), and items without a grant must pass through untouched."""
+    sched, prefill, decode = _scheduler_at_first_decode([1, 2, 1, 2, 1])
+    drafter = StageDrafter()
+    plain = Item(**{**decode.without_tokens().__dict__, "draft_upto": 0, "draft_cap": 0})
+    made, tokens, keys = drafter.drafts([plain], torch.tensor([[3, 4, 5]]), torch.tensor([[0.9, 0.05, 0.01]]))
+    assert (made, tokens, keys) == ([], [-1], [-1])
+    top1 = _stage_draft(prefill, decode, ExitGuess(3, 0.9))
+    drafter = StageDrafter()
+    drafter.observe([prefill], torch.tensor(prefill.token_ids), [prefill.without_tokens()])
+    drafter.observe([decode], torch.tensor(decode.token_ids), [decode.without_tokens()])
+    made, tokens, keys = drafter.drafts([decode.without_tokens()], torch.tensor([[3, 4]]), torch.tensor([[0.9, 0.05]]))
+    assert (tokens[0], keys[0]) == top1[1:] and [d.token_ids for d in made] == [top1[0].token_ids]
