@@ -23,8 +23,9 @@ import torch
 from pipeline.engine.records import SchedulerConfig
 from pipeline.measure.row_cost import RowCostTable, numeric_mode_name
 from pipeline.speculation.draft_gate import DraftGate
+from pipeline.speculation.items import MAX_TREE_SCRATCH
 from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
-from pipeline.speculation.tree import MAX_DRAFT_TREE
+from pipeline.speculation.tree import MAX_DRAFT_TREE, scratch_positions
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.registry import DEFAULT_MODEL
 
@@ -122,6 +123,9 @@ class RunConfig:
         if not 1 <= self.draft_tree <= MAX_DRAFT_TREE or (self.draft_tree > 1 and self.speculate != "speed"):
             raise ValueError(f"draft_tree must be between 1 (off) and {MAX_DRAFT_TREE} candidates, with "
                              f"speculate speed when above 1, got {self.draft_tree}")
+        if scratch_positions(self.draft_tree, self.max_inflight or self.num_stages) > MAX_TREE_SCRATCH:
+            raise ValueError(f"draft_tree {self.draft_tree} with max_inflight {self.max_inflight} needs more than "
+                             f"{MAX_TREE_SCRATCH} KV scratch positions per slot: lower max_inflight")
         if self.draft_tree > 1 and self.quantization == "none" and self.dtype != "float32":
             # [Note: token trees] in pipeline/speculation/tree.py: dense half-precision GEMM rounds a
             # row of a multi-row pass differently from a 1-row pass, often enough to flip greedy ties

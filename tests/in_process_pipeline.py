@@ -24,6 +24,7 @@ from pipeline.model.stage_model import StageModel
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import ExitHead, Predictor, exit_guesses
 from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.tree import scratch_positions
 
 
 def exit_head_for(last: StageModel) -> ExitHead:
@@ -49,11 +50,12 @@ class InProcessPipeline:
         exit_layer = stages[0].layer_range.stop - 1 if exit_layer is None else exit_layer
         head = exit_head_for(stages[-1]) if predictor is not None and predictor.needs_exit_head else None
         self.executors = []
+        max_scratch = scratch_positions(draft_tree, self.engine.scheduler.config.max_inflight)  # as the load spec's
         for m in stages:
             here = predictor is not None and exit_layer in m.layer_range
             self.executors.append(StageExecutor(m, m.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
                                                 exit_layer=exit_layer if here else None,
-                                                exit_head=head if here else None))
+                                                exit_head=head if here else None, max_scratch=max_scratch))
         self.queues: list[collections.deque] = [collections.deque() for _ in stages]
         self.outputs: dict[int, list[int]] = collections.defaultdict(list)
 

@@ -30,7 +30,7 @@ import torch
 
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.measure.row_cost import numeric_mode_name, ratio_line
-from pipeline.measure.stage_calibration import calibrate_stage, time_exit_head
+from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS, calibrate_stage, time_exit_head
 from pipeline.model.stage_assembly import StageLoadSpec, assemble_stage
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
@@ -84,9 +84,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
             start = time.perf_counter()
             try:
                 names = self._load_model(spec)
+                calibration = self._calibrate(spec) if spec.calibrate_max_rows else {}
             except (ValueError, FileNotFoundError, OSError) as exc:
+                self.executor = None  # not loaded: a corrected Load may follow
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.stage_index}: {exc}")
-            calibration = self._calibrate(spec) if spec.calibrate_max_rows else {}
             self._join_data_plane(spec)
             self.spec = spec
             log.info("[Stage %d] loaded layers %s (%.1f MB) in %.2f s", spec.stage_index, spec.layer_range,
@@ -97,7 +98,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     def _calibrate(self, spec: StageLoadSpec) -> dict:
         """Time this stage's passes of 1.. rows (pipeline/measure/stage_calibration.py); the
-        LoadStageResponse fields that report them."""
+        LoadStageResponse fields that report them. Raises ValueError for calibrate_max_rows
+        outside [1, MAX_CALIBRATION_ROWS]."""
+        if not 1 <= spec.calibrate_max_rows <= MAX_CALIBRATION_ROWS:
+            raise ValueError(f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}] (0: no calibration), "
+                             f"got {spec.calibrate_max_rows}")
         start = time.perf_counter()
         mode = numeric_mode_name(dtype=spec.dtype, quantization=spec.quantization)
         table = calibrate_stage(self.executor.model, mode=mode, max_rows=spec.calibrate_max_rows, device=spec.device,

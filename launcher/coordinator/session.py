@@ -30,6 +30,7 @@ from pipeline.measure.row_cost import RowCostTable, combine_stage_tables, firp_p
 from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS
 from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.speculation.predictors import Predictor
+from pipeline.speculation.tree import scratch_positions
 from proto import speedpipe_pb2 as pb
 from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
 
@@ -77,7 +78,8 @@ def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: st
         exit_predictor=plan.exit_predictor if options.needs_exit_head and i == plan.exit_stage else b"",
         firp_layer=firp.layer if firp else -1, firp_k=firp.k if firp else 0,
         firp_file=firp.file_bytes if firp and firp.layer in r else b"", quantization=options.quantization,
-        calibrate_max_rows=calibrate_rows)
+        calibrate_max_rows=calibrate_rows,
+        tree_scratch=scratch_positions(options.draft_tree, options.max_inflight or options.num_stages))
         for i, r in enumerate(plan.ranges)]
 
 

@@ -11,7 +11,10 @@ import queue
 import threading
 import time
 
+import torch
+
 from pipeline.engine.events import ExitPassed, Result
+from pipeline.engine.local_draft import NUM_KEYS
 from pipeline.engine.wire import Message, MessageKind, rank_name
 from pipeline.speculation.predictors import exit_guesses
 from workers.channel import Channel, ChannelError
@@ -26,15 +29,25 @@ def exit_event(msg: Message, *, now_ns: int) -> ExitPassed:
     items ("self_drafts" / "self_draft_keys": [num_items] int64, -1 for none; [Note: stage-local
     drafting] in pipeline/engine/local_draft.py). Its time: when the exit stage finished the items
     (its StageTiming) if timed, else `now_ns` (when it arrived). Raises ReceiverError when the
-    draft tensors do not match the items."""
+    exit or draft tensors do not match the items: exit_tokens int64 and exit_probs floating, both
+    [num_items] or [num_items, k] with k at most the items' `exit_top_k`; self_drafts / self_draft_keys
+    int64, tokens >= -1 and key codes in [-1, NUM_KEYS)."""
+    n = len(msg.items)
     tokens, probs = msg.tensors.get("exit_tokens"), msg.tensors.get("exit_probs")
-    guesses = tuple(exit_guesses(tokens, probs, len(msg.items)))
+    if tokens is not None or probs is not None:
+        if (tokens is None or probs is None or tokens.dtype != torch.int64 or not probs.is_floating_point()
+                or tokens.shape != probs.shape or tokens.shape[:1] != (n,) or tokens.dim() not in (1, 2)
+                or (tokens.dim() == 2 and not 1 <= tokens.shape[1] <= max(it.exit_top_k for it in msg.items))):
+            raise ReceiverError(f"EXIT_GUESS with {n} items has malformed exit_tokens / exit_probs tensors")
+    guesses = tuple(exit_guesses(tokens, probs, n))
     at_ns = msg.timing[-1].end_ns if msg.timing else now_ns
     drafts, keys = msg.tensors.get("self_drafts"), msg.tensors.get("self_draft_keys")
     self_drafts = ()
-    if drafts is not None:
-        if keys is None or drafts.shape != (len(msg.items),) or keys.shape != drafts.shape:
-            raise ReceiverError(f"EXIT_GUESS with {len(msg.items)} items has malformed self_drafts tensors")
+    if drafts is not None or keys is not None:
+        if (drafts is None or keys is None or drafts.shape != (n,) or keys.shape != drafts.shape
+                or drafts.dtype != torch.int64 or keys.dtype != torch.int64
+                or bool((drafts < -1).any()) or bool(((keys < -1) | (keys >= NUM_KEYS)).any())):
+            raise ReceiverError(f"EXIT_GUESS with {n} items has malformed self_drafts / self_draft_keys tensors")
         self_drafts = tuple(zip(drafts.tolist(), keys.tolist(), strict=True))
     return ExitPassed(items=tuple(msg.items), guesses=guesses, at_ns=at_ns, self_drafts=self_drafts)
 
@@ -71,13 +84,14 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queu
             return
         if stopping.is_set():
             return  # a fail-over replaced this ring
-        if msg.kind == MessageKind.RESULT and is_last:
-            events.put(("event", (generation, result_event(msg, now_ns=time.perf_counter_ns()))))
-        elif msg.kind == MessageKind.EXIT_GUESS:
+        decode = {MessageKind.EXIT_GUESS: exit_event, MessageKind.RESULT: result_event if is_last else None}.get(msg.kind)
+        if decode is not None:
             try:
-                events.put(("event", (generation, exit_event(msg, now_ns=time.perf_counter_ns()))))
-            except ReceiverError as exc:
-                events.put(("error", (generation, exc)))
+                events.put(("event", (generation, decode(msg, now_ns=time.perf_counter_ns()))))
+            except Exception as exc:  # any malformed message fences the stage, as a receive error does
+                error = exc if isinstance(exc, ReceiverError) else ReceiverError(
+                    f"malformed {msg.kind.name} from {rank_name(rank)}: {type(exc).__name__}: {exc}")
+                events.put(("error", (generation, error)))
                 return
         elif msg.kind == MessageKind.SHUTDOWN:  # from the last stage, and from the exit stage
             return

@@ -104,8 +104,9 @@ class Engine:
     def use_row_costs(self, table: RowCostTable) -> None:
         """Price rows with `table` from now on: FIRP chains and the run-ahead depth follow it (a
         start-up calibration, `--row-cost calibrate`, arrives after the engine exists; call it
-        before the first Submit)."""
+        before the first Submit); so do the token tree's sibling rows ([Note: token trees])."""
         self._scheduler.rows.use_table(table)
+        self._scheduler.tree.row_costs = table
 
     @property
     def spec(self) -> SpecCounters:

@@ -39,7 +39,8 @@ and the exit layer on stage 0 (ARCHITECTURE.md §5.6):
    `guard_unannounced` bumps the epoch first (the draft becomes stale, and a late announcement
    is refused by `register`). The engine matches a self-made micro-batch's result to its
    announcement by its items' (seq, start, epoch) in either arrival order.
-5. Credits and deep drafts. The chain cap (`max_inflight`) moves as results commit, which the
+5. Credits and deep drafts. The chain cap (the coordinator's run-ahead depth, `RowBudget.run_ahead`:
+   `max_inflight`, or the table-driven depth) moves as results commit, which the
    stage does not see: after each result the coordinator sends an in-band CREDIT to stage 0
    with the new bounds and gate bits. In the steady state of one sequence the stage finishes
    draft p+1 when the last stage finishes p: the chain is full, and waiting for p's commit would
@@ -111,43 +112,50 @@ def gate_bits(gate: DraftGate) -> int:
     return bits
 
 
-def draft_limit(config: SchedulerConfig, seq: SequenceState) -> tuple[int, int]:
+def draft_limit(seq: SequenceState, depth: int) -> tuple[int, int]:
     """(`Item.draft_cap`, `Item.draft_upto`): `SequenceLedger.can_draft_after` as position bounds
     (single-row items: the chain holds the positions next_real_position .. p), with the chain cap
-    max_inflight, and max_inflight + 1 for a deep draft (see the note, 5)."""
+    `depth` (the coordinator's run-ahead depth, `RowBudget.run_ahead`: max_inflight, or the
+    table-driven depth), and depth + 1 for a deep draft (see the note, 5)."""
     ledger = seq.ledger
-    return (min(ledger.next_real_position + config.max_inflight - 1, ledger.last_item_position),
-            min(ledger.next_real_position + config.max_inflight, ledger.last_item_position))
+    return (min(ledger.next_real_position + depth - 1, ledger.last_item_position),
+            min(ledger.next_real_position + depth, ledger.last_item_position))
 
 
 def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, seq: SequenceState, item: Item,
-              *, pipeline_full: bool) -> Item:
+              *, pipeline_full: bool, depth: int) -> Item:
     """`item` (just sent, now the chain's end) with the stage-local drafting fields when the
-    exit stage may draft after it; unchanged otherwise (see the note, 1)."""
+    exit stage may draft after it; unchanged otherwise (see the note, 1). depth: the run-ahead
+    depth (`RowBudget.run_ahead`) the coordinator's own drafts get now."""
     if (not config.draft_at_stage or pipeline_full or not predictor.needs_exit_head or config.firp_k
             or not item.wants_exit_guess or item.kind == ItemKind.FIRP):
         return item
-    cap, upto = draft_limit(config, seq)
+    cap, upto = draft_limit(seq, depth)
     if item.end - 1 >= upto:
         return item
     return dataclasses.replace(item, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate),
                                draft_with=predictor_code(predictor))
 
 
-def credit(config: SchedulerConfig, gate: DraftGate, seq: SequenceState) -> Item | None:
+def credit(config: SchedulerConfig, gate: DraftGate, seq: SequenceState, *, depth: int) -> list[Item]:
     """The CREDIT for a sequence after a result: its new `draft_upto` and gate bits (as an Item
-    of its slot and epoch), or None when no stage-made draft can follow its chain."""
+    of its slot and epoch) under the run-ahead depth `depth` (`RowBudget.run_ahead`), or none
+    when no stage-made draft can follow its chain."""
     if not config.draft_at_stage or not seq.ledger.inflight or seq.finished:
-        return None
-    cap, upto = draft_limit(config, seq)
-    return Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.ledger.next_real_position, num_tokens=1,
-                epoch=seq.epoch, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate))
+        return []
+    cap, upto = draft_limit(seq, depth)
+    return [Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.ledger.next_real_position, num_tokens=1,
+                 epoch=seq.epoch, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate))]
 
 
 def register(config: SchedulerConfig, gate: DraftGate, spec: SpecCounters, seq: SequenceState, item: Item,
              token: int, key_code: int) -> None:
     """The exit stage announced a draft `token` right after `item` (gate key `key_code`, -1: none):
-    record it as if the coordinator had sent it, if it is still current (see the note, 3-4)."""
+    record it as if the coordinator had sent it, if it is still current (see the note, 3-4).
+    The chain bound here is max_inflight + 1, the loosest depth any grant had: the stage keeps
+    to its grant (`draft_limit` at the run-ahead depth), and the depth may fall between the grant
+    and this announcement; refusing a draft of the current epoch would let the coordinator send
+    its own item at the draft's position and epoch. Only a stale draft is refused."""
     if not seq.ledger.can_draft_after(item.end - 1, item.epoch, max_inflight=config.max_inflight + 1):
         return  # stale: a squash or `guard_unannounced` came first; its result will be ignored
     key = None
@@ -224,12 +232,15 @@ class StageDrafter:
 
     def credit(self, credits: Sequence[Item]) -> None:
         """A CREDIT from the coordinator: raise each sequence's bound and update its gate bits (a
-        credit of an older epoch than the grant held is ignored)."""
+        credit of an older epoch than the grant held, or for a sequence this stage does not
+        track, is ignored)."""
         with self._lock:
             for c in credits:
                 self._grant(c)
 
     def _grant(self, item: Item) -> None:
+        if item.seq_id not in self.tokens:
+            return  # released (a CREDIT after the RELEASE) or never run here: nothing to draft for
         grant = self.grants.get(item.seq_id)
         if grant is None:
             self.grants[item.seq_id] = _Grant(item.epoch, item.draft_cap, item.draft_upto, item.draft_gate)
@@ -240,9 +251,14 @@ class StageDrafter:
                exit_probs: torch.Tensor | None) -> tuple[list[Item], list[int], list[int]]:
         """The draft items to run next (token ids included), and per item of `ran` the draft token
         and gate key code made after it (-1: none). exit_tokens / exit_probs: [len(ran)] the exit
-        head's guesses (token -1: none), or None."""
+        head's guesses (token -1: none), [len(ran), k] its top k (token trees: the top one is
+        the guess), or None."""
         made, tokens, keys = [], [-1] * len(ran), [-1] * len(ran)
+        if exit_tokens is not None and exit_tokens.dim() == 2:
+            exit_tokens, exit_probs = exit_tokens[:, 0], exit_probs[:, 0]
         for i, it in enumerate(ran):
+            if not it.draft_upto:
+                continue  # not authorised (the coordinator drafts after it)
             guess = None
             if exit_tokens is not None and int(exit_tokens[i].view(-1)[0]) >= 0:  # [n] or token trees' [n, k]
                 guess = ExitGuess(int(exit_tokens[i].view(-1)[0]), float(exit_probs[i].view(-1)[0]))

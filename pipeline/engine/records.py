@@ -57,6 +57,7 @@ class SchedulerConfig:
         assert self.max_inflight >= 1 and self.firp_k >= 0, self
         assert 0.0 <= self.min_acceptance <= 1.0 and 0.0 <= self.firp_min_prob <= 1.0, self
         assert 0.0 < self.firp_pseudo_weight <= 1.0, self
+        assert not (self.draft_at_stage and self.draft_tree > 1), "token trees need draft_at coordinator"
 
 
 @dataclasses.dataclass

@@ -93,14 +93,16 @@ class RowBudget:
         self.row_costs = row_costs
         self._chosen = self._choose()
 
-    def run_ahead(self, config: SchedulerConfig, spec: SpecCounters, *, shared_rows: int) -> int:
+    def run_ahead(self, config: SchedulerConfig, spec: SpecCounters, *, shared_rows: int, explore: bool = True) -> int:
         """Items of one sequence allowed in flight now ([Note: run-ahead depth] in
         pipeline/measure/row_cost.py): `config.max_inflight`, unless the run asked for a table-driven
         depth and has a table; then `best_run_ahead` at the SPEED acceptance measured so far
         (smoothed toward PRIOR_ACCEPTANCE with RUN_AHEAD_PRIOR_WEIGHT pseudo-trials), at most
         max_inflight. When that is 1 (no run-ahead), every EXPLORE_EVERY-th ask allows 2, so
         acceptance keeps being measured and depth can grow back.
-        shared_rows: rows of other sequences a draft's pass would carry."""
+        shared_rows: rows of other sequences a draft's pass would carry; explore: False for a
+        look that neither counts as an ask nor explores (stage-local drafting's grants, which then
+        never exceed the coordinator's own depth, pipeline/engine/local_draft.py)."""
         if not config.run_ahead_from_table or self.row_costs is None or config.max_inflight < 2:
             return config.max_inflight
         verified = spec.verified_drafts - spec.firp_verified
@@ -108,6 +110,8 @@ class RowBudget:
         alpha = (accepted + PRIOR_ACCEPTANCE * RUN_AHEAD_PRIOR_WEIGHT) / (verified + RUN_AHEAD_PRIOR_WEIGHT)
         depth = best_run_ahead(self.row_costs, min(1.0, max(0.0, alpha)), num_stages=config.num_stages,
                                max_depth=config.max_inflight, shared_rows=shared_rows)
+        if not explore:
+            return depth
         self.run_ahead_depth = depth
         if depth == 1:
             self._asked_run_ahead += 1

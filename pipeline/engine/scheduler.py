@@ -156,7 +156,8 @@ class Scheduler:
                 seq.ledger.add_real(item.token_ids[0], item.token_ids[1:])
                 self.spec.drafted_tokens += item.num_tokens - 1
                 self.spec.firp_drafted += item.num_tokens - 1
-            item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full)
+            item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full,
+                                         depth=self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1, explore=False))
             batch.append(item)
         for item in batch:  # after the batch is formed: one item per sequence per micro-batch
             self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
@@ -370,8 +371,7 @@ class Scheduler:
             self._queue_real(seq)
         else:
             self._try_draft(seq, now_ns)  # the accepted chain has room again
-            if (grant := local_draft.credit(self.config, self.gate, seq)) is not None:
-                self.credits.append(grant)
+            self.credits += local_draft.credit(self.config, self.gate, seq, depth=self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1, explore=False))
         return Commit(seq.seq_id, tuple(tokens), seq.finish_reason, logprobs=logprobs)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:

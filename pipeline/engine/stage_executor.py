@@ -84,11 +84,14 @@ class StageExecutor:
     stage after it can check that pseudo rows arrived); `firp_maps` is held by the stage that has
     that layer, which turns each item's anchors into pseudo rows ([Note: pseudo rows] in
     pipeline/model/row_layout.py).
+    max_scratch: token-tree KV scratch positions per slot an item may use (the load spec's
+    `tree_scratch`); the cache grows to all of them at the first tree item if it has fewer (one
+    growth per run). None: as many as the items name (in-process use).
     """
 
     def __init__(self, model: StageModel, kv: KVCache, *, exit_layer: int | None = None,
                  exit_head: ExitHead | None = None, firp_layer: int | None = None,
-                 firp_maps: FirpMaps | None = None) -> None:
+                 firp_maps: FirpMaps | None = None, max_scratch: int | None = None) -> None:
         if exit_layer is not None and exit_layer not in model.layer_range:
             raise ValueError(f"exit layer {exit_layer} is not in this stage's layers {model.layer_range}")
         if (firp_maps is not None) != (firp_layer is not None and firp_layer in model.layer_range):
@@ -100,11 +103,17 @@ class StageExecutor:
         self.kv = kv
         self.exit_layer = exit_layer
         self.exit_head = exit_head
+        self.max_scratch = max_scratch
         self.epochs: dict[int, int] = {}
         self.counters = StageCounters()
 
     def admit(self, items: list[Item]) -> list[bool]:
-        """Apply epochs and truncation for `items`; returns which of them are current (to run)."""
+        """Apply epochs and truncation for `items`; returns which of them are current (to run).
+        Raises ValueError for an item whose token-tree siblings need scratch past `max_scratch`."""
+        for it in items:
+            if it.alt_token_ids and self.max_scratch is not None and it.tree_scratch + len(it.alt_token_ids) > self.max_scratch:
+                raise ValueError(f"item of seq {it.seq_id}: token-tree scratch {it.tree_scratch} + "
+                                 f"{len(it.alt_token_ids)} siblings past this stage's {self.max_scratch} positions")
         keep = admit_epochs(self.epochs, items)
         for it, current in zip(items, keep, strict=True):
             if current:
@@ -112,7 +121,7 @@ class StageExecutor:
                     self.kv.keep_scratch(it.slot, it.keep_sibling, it.start - 1)
                 self.kv.truncate(it.slot, it.start)  # the item starts at the committed length
                 if it.alt_token_ids:
-                    self.kv.ensure_scratch(it.tree_scratch + len(it.alt_token_ids))
+                    self.kv.ensure_scratch(self.max_scratch or it.tree_scratch + len(it.alt_token_ids))
         return keep
 
     def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None) -> StageOutput:

@@ -18,6 +18,7 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.run_config import MODEL_DTYPES
 from pipeline.speculation.firp import FirpMaps
+from pipeline.speculation.items import MAX_TREE_SCRATCH
 from pipeline.speculation.predictor_file import load_predictor_bytes
 from pipeline.speculation.predictors import ExitHead, ExitMap
 from pipeline.weights.checkpoint import CheckpointReader
@@ -57,6 +58,7 @@ class StageLoadSpec:
     firp_k: int = 0
     firp_file: bytes = b""
     calibrate_max_rows: int = 0  # > 0: time 1..N-row passes after loading (pipeline/measure/stage_calibration.py)
+    tree_scratch: int = 0  # token-tree KV scratch positions per slot, allocated at load (tree.py `scratch_positions`)
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
@@ -66,6 +68,8 @@ class StageLoadSpec:
         validate_quantization(self.quantization)
         if self.stage_timeout_s <= 0:
             raise ValueError(f"stage_timeout_s must be > 0, got {self.stage_timeout_s}")
+        if not 0 <= self.tree_scratch <= MAX_TREE_SCRATCH:
+            raise ValueError(f"tree_scratch must be in [0, {MAX_TREE_SCRATCH}], got {self.tree_scratch}")
         if self.firp_k < 0 or (self.firp_k > 0) != (self.firp_layer >= 0):
             raise ValueError(f"FIRP needs both firp_layer and firp_k (got {self.firp_layer}, {self.firp_k})")
 
@@ -134,7 +138,7 @@ def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
     model = load_stage_model(spec.model_dir, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
                              quantization=spec.quantization, dtype=spec.torch_dtype, device=spec.device,
                              reader=reader)
-    kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
+    kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, num_scratch=spec.tree_scratch)
     exit_head = build_exit_head(config, reader, spec) if spec.holds_exit_head else None
     firp_maps = None
     if spec.holds_firp_maps:
@@ -143,7 +147,7 @@ def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
         firp_maps = FirpMaps.from_predictor(pred, k=spec.firp_k, dtype=spec.activation_dtype, device=spec.device)
     executor = StageExecutor(model, kv, exit_layer=spec.exit_layer if spec.holds_exit_head else None,
                              exit_head=exit_head, firp_layer=spec.firp_layer if spec.firp_k > 0 else None,
-                             firp_maps=firp_maps)
+                             firp_maps=firp_maps, max_scratch=spec.tree_scratch)
     weights = sum(_param_bytes(m) for m in (model, exit_head, firp_maps) if m is not None)
     return AssembledStage(executor, weights, sorted(reader.read_names))
 

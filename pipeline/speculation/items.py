@@ -12,6 +12,12 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+MAX_DRAFT_TREE = 8  # --draft-tree cap: candidates per draft position (primary + siblings), pipeline/speculation/tree.py
+MAX_TREE_SCRATCH = 1 << 16  # token-tree scratch positions per KV slot an item may name (the stage's own
+# bound, from its load spec, is tighter: StageExecutor.max_scratch)
+MAX_DRAFT_WITH = 255  # Item.draft_with: a built-in predictor code, or local_draft.CUSTOM (255)
+MAX_DRAFT_GATE = 1 << 63  # Item.draft_gate: local_draft.gate_bits' bits (61 used) as one int64
+
 
 class ItemKind(enum.IntEnum):
     """What an item is: the prompt pass, a committed-token decode pass, a speculative draft (SPEED),
@@ -82,10 +88,7 @@ class Item:
                                    or self.want_logits or self.tree_scratch < 0):
             raise ValueError(f"item of seq {self.seq_id}: siblings need a one-token draft without FIRP rows "
                              f"or logits, at a scratch position >= 0")
-        if self.exit_top_k < 1:
-            raise ValueError(f"item of seq {self.seq_id} has exit_top_k {self.exit_top_k} < 1")
-        if self.keep_sibling >= 0 and self.start < 1:
-            raise ValueError(f"item of seq {self.seq_id}: a KV fix-up needs start >= 1")
+        self._check_tree_and_draft_fields()
         if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
             raise ValueError(f"item of seq {self.seq_id} has firp_k {self.firp_k} / firp_anchors "
                              f"{self.firp_anchors} outside [0, num_tokens {self.num_tokens}]")
@@ -99,6 +102,23 @@ class Item:
             raise ValueError(
                 f"item of seq {self.seq_id} carries {len(self.token_ids)} token ids for {self.num_tokens} positions"
             )
+
+    def _check_tree_and_draft_fields(self) -> None:
+        """The token-tree and stage-local drafting columns are bounded (they may come off the wire)."""
+        if not 1 <= self.exit_top_k <= MAX_DRAFT_TREE or len(self.alt_token_ids) > MAX_DRAFT_TREE - 1:
+            raise ValueError(f"item of seq {self.seq_id} has exit_top_k {self.exit_top_k} / "
+                             f"{len(self.alt_token_ids)} siblings outside [1, {MAX_DRAFT_TREE}] / [0, {MAX_DRAFT_TREE - 1}]")
+        if not 0 <= self.tree_scratch <= MAX_TREE_SCRATCH or not -1 <= self.keep_sibling < MAX_TREE_SCRATCH:
+            raise ValueError(f"item of seq {self.seq_id} has tree_scratch {self.tree_scratch} / keep_sibling "
+                             f"{self.keep_sibling} outside [0, {MAX_TREE_SCRATCH}] / [-1, {MAX_TREE_SCRATCH})")
+        if self.keep_sibling >= 0 and self.start < 1:
+            raise ValueError(f"item of seq {self.seq_id}: a KV fix-up needs start >= 1")
+        if self.draft_upto < 0 or self.draft_cap < 0 or (self.draft_upto and self.draft_cap > self.draft_upto):
+            raise ValueError(f"item of seq {self.seq_id} has draft_cap {self.draft_cap} / draft_upto "
+                             f"{self.draft_upto}: need 0 <= draft_cap <= draft_upto")
+        if not 0 <= self.draft_with <= MAX_DRAFT_WITH or not 0 <= self.draft_gate < MAX_DRAFT_GATE:
+            raise ValueError(f"item of seq {self.seq_id} has draft_with {self.draft_with} / draft_gate "
+                             f"{self.draft_gate} outside [0, {MAX_DRAFT_WITH}] / [0, 2**63)")
 
     @property
     def end(self) -> int:

@@ -61,13 +61,18 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from pipeline.measure.row_cost import RowCostTable
-from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.items import MAX_DRAFT_TREE, Item, ItemKind
 from pipeline.speculation.predictors import Draft, ExitGuess
 from pipeline.speculation.sampling import SamplingParams
 
-MAX_DRAFT_TREE = 8  # --draft-tree cap: candidates per draft position (primary + siblings)
 PRIOR_HIT, PRIOR_TRIALS = 0.25, 4  # a sibling rank's rescue-rate prior and its weight in trials
 EXPLORE_EVERY = 16  # one tree decision in this many may add a rank the cost rule cuts
+
+
+def scratch_positions(width: int, max_inflight: int) -> int:
+    """KV scratch positions per slot a run of `--draft-tree width` with chain cap `max_inflight`
+    needs: `TokenTree.scratch_of` names (p mod (max_inflight + 1)) * (width - 1) + j, j < width - 1."""
+    return (width - 1) * (max_inflight + 1) if width > 1 else 0
 
 
 def validate_draft_tree(width: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from launcher.coordinator.stage_receivers import exit_event, result_event
@@ -135,3 +136,82 @@ def test_a_result_token_tensor_survives_the_wire_exactly():
     tokens = torch.tensor([3, 49_999, 17], dtype=torch.int64)
     msg = _over_the_wire(Message(MessageKind.RESULT, [], {"token_ids": tokens}, []))
     assert torch.equal(msg.tensors["token_ids"], tokens) and msg.timing == []
+
+
+def test_a_calibrated_table_prices_the_token_tree_too():
+    """`Engine.use_row_costs` (the `--row-cost calibrate` table, arriving after the engine exists)
+    reaches the token tree's sibling decision, as a table given at construction does."""
+    from pipeline.engine.records import SchedulerConfig
+    from pipeline.measure.row_cost import RowCostTable
+    from pipeline.speculation.predictors import LogitLensPredictor
+
+    table = RowCostTable(mode="fp32", num_rows=(1, 2, 4, 8), pass_s=(1.0, 1.7, 3.0, 5.0))  # a 2nd row: +70 %
+    cfg = SchedulerConfig(num_stages=2, max_num_seqs=2, max_model_len=64, eos_token_ids=(0,), speculate=True,
+                          draft_tree=3)
+    engine = Engine(cfg, LogitLensPredictor())
+    engine.use_row_costs(table)
+    at_start = Engine(dataclasses.replace(cfg, row_costs=table), LogitLensPredictor()).scheduler.tree
+    assert engine.scheduler.tree.row_costs is table
+    assert [engine.scheduler.tree.worth_sending(r) for r in (1, 2)] == [at_start.worth_sending(r) for r in (1, 2)]
+    assert not engine.scheduler.tree.worth_sending(1)  # this table says the sibling row costs more than it saves
+
+
+# -- EXIT_GUESS / RESULT decoding in the coordinator's receivers ---------------------------------------
+def _exit_msg(num_items: int, **tensors) -> Message:
+    from pipeline.speculation.items import Item
+    items = [Item(seq_id=i, slot=i, start=5, num_tokens=1, exit_top_k=3) for i in range(num_items)]
+    return Message(MessageKind.EXIT_GUESS, items, tensors, None)
+
+
+GOOD_EXIT = {"exit_tokens": torch.tensor([7, 8]), "exit_probs": torch.tensor([0.5, 0.25])}
+
+
+def test_well_formed_exit_guesses_and_stage_drafts_are_accepted():
+    event = exit_event(_exit_msg(2, **GOOD_EXIT, self_drafts=torch.tensor([7, -1]),
+                                 self_draft_keys=torch.tensor([13, -1])), now_ns=5)
+    assert event.self_drafts == ((7, 13), (-1, -1)) and [g.token for g in event.guesses] == [7, 8]
+    top_k = exit_event(_exit_msg(2, exit_tokens=torch.tensor([[7, 1, 2], [8, 3, -1]]),
+                                 exit_probs=torch.rand(2, 3)), now_ns=5)
+    assert [len(g.alternatives) for g in top_k.guesses] == [2, 2]
+
+
+@pytest.mark.parametrize("tensors", [
+    {**GOOD_EXIT, "self_drafts": torch.tensor([7.0, -1.0]), "self_draft_keys": torch.tensor([3.5, -1.0])},
+    {**GOOD_EXIT, "self_drafts": torch.tensor([7, -1]), "self_draft_keys": torch.tensor([10**6, -1])},
+    {**GOOD_EXIT, "self_drafts": torch.tensor([7, -1]), "self_draft_keys": torch.tensor([-2, -1])},
+    {**GOOD_EXIT, "self_drafts": torch.tensor([-9, -1]), "self_draft_keys": torch.tensor([1, -1])},
+    {**GOOD_EXIT, "self_drafts": torch.tensor([7, -1])},
+    {"exit_tokens": torch.tensor([7, 8, 9]), "exit_probs": torch.tensor([0.5, 0.5, 0.5])},
+    {"exit_tokens": torch.tensor([7, 8]), "exit_probs": torch.tensor([0.5])},
+    {"exit_tokens": torch.tensor([7.0, 8.0]), "exit_probs": torch.tensor([0.5, 0.5])},
+    {"exit_tokens": torch.tensor([7, 8])},
+    {"exit_tokens": torch.zeros(2, 4, dtype=torch.int64), "exit_probs": torch.zeros(2, 4)},  # k past exit_top_k
+    {"exit_tokens": torch.zeros(2, 1, 1, dtype=torch.int64), "exit_probs": torch.zeros(2, 1, 1)},
+])
+def test_malformed_exit_tensors_are_a_receiver_error(tensors):
+    from launcher.coordinator.stage_receivers import ReceiverError
+    with pytest.raises(ReceiverError, match="EXIT_GUESS with 2 items has malformed"):
+        exit_event(_exit_msg(2, **tensors), now_ns=0)
+
+
+@pytest.mark.parametrize("kind,is_last", [(MessageKind.EXIT_GUESS, False), (MessageKind.RESULT, True)])
+def test_any_decode_failure_in_the_receiver_becomes_an_error_event(kind, is_last):
+    """A message the decoder chokes on (here a RESULT without token_ids, or an EXIT_GUESS with
+    mismatched tensors) fences the stage like a receive error; the thread does not die silently."""
+    import queue
+    import threading
+
+    from launcher.coordinator.stage_receivers import ReceiverError, _receive_loop
+
+    bad = _exit_msg(2, exit_tokens=torch.tensor([7, 8, 9]), exit_probs=torch.tensor([0.5, 0.5, 0.5]))
+    msg = bad if kind == MessageKind.EXIT_GUESS else Message(MessageKind.RESULT, bad.items, {}, None)
+
+    class OneMessage:
+        def recv(self, rank):
+            return msg
+
+    events: queue.Queue = queue.Queue()
+    _receive_loop(OneMessage(), 1, is_last, events, threading.Event(), 7)
+    what, (generation, error) = events.get_nowait()
+    assert (what, generation) == ("error", 7) and isinstance(error, ReceiverError), error
+    assert kind.name in str(error) or "EXIT_GUESS" in str(error)

@@ -33,6 +33,9 @@ from pipeline.engine.local_draft import (
     gate_bits,
     predictor_code,
 )
+from pipeline.engine.local_draft import (
+    credit as local_credit,
+)
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.scheduler import Scheduler
 from pipeline.speculation.draft_gate import DraftGate
@@ -304,6 +307,7 @@ def test_stage_refuses_a_stale_epoch():
     drafter = StageDrafter()
     newer = Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch + 1, draft_cap=50,
                  draft_upto=50, draft_gate=1 << GATE_OFF_BIT)
+    drafter.observe([prefill], torch.tensor(prefill.token_ids), [prefill.without_tokens()])
     drafter.credit([newer])  # the coordinator squashed meanwhile
     assert _stage_draft(prefill, decode, ExitGuess(3, 0.9), drafter)[0] is None
 
@@ -317,7 +321,8 @@ def test_stage_refuses_when_the_gate_is_closed_and_follows_its_bits():
     for _ in range(6):
         gate.record(key, accepted=False)
     assert not gate.would_allow(key)
-    closed = authorise(sched.config, sched.predictor, gate, sched.seqs[0], decode.without_tokens(), pipeline_full=False)
+    closed = authorise(sched.config, sched.predictor, gate, sched.seqs[0], decode.without_tokens(), pipeline_full=False,
+                       depth=sched.config.max_inflight)
     assert _stage_draft(prefill, Item(**{**closed.__dict__, "token_ids": decode.token_ids}), ExitGuess(3, 0.95))[0] is None
 
 
@@ -373,3 +378,59 @@ def test_nothing_is_authorised_without_the_flag():
     prefill = sched.next_batch(num_inflight=0).items[0]
     sched.on_result([prefill], torch.tensor([4]), None)
     assert sched.next_batch(num_inflight=0).items[0].draft_upto == 0
+
+
+# -- review fixes: the table-driven run-ahead depth bounds the stage too; no grant after a release ------
+def test_stage_grants_follow_the_table_driven_run_ahead_depth():
+    """With `run_ahead_from_table`, the stage's bounds come from the same depth the coordinator's
+    `_try_draft` uses (a table and measured acceptance 0.1 at 4 stages: depth 1), not max_inflight."""
+    from pipeline.measure.row_cost import RowCostTable
+    table = RowCostTable(mode="fp32", num_rows=(1, 2, 4, 8), pass_s=(1.0, 1.7, 3.0, 5.0))
+    config = SchedulerConfig(num_stages=4, max_num_seqs=1, max_model_len=MAX_MODEL_LEN, speculate=True,
+                             row_costs=table, run_ahead_from_table=True, draft_at_stage=True)
+    engine = Engine(config, LogitLensPredictor())
+    sched = engine.scheduler
+    sched.spec.verified_drafts, sched.spec.accepted_tokens = 1000, 100
+    prefill = engine.step([Submit(seq_id=1, prompt_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=50))]).sends[0]
+    item = engine.step([Result(items=prefill, token_ids=torch.tensor([9]))]).sends[0][0]
+    depth = sched.rows.run_ahead(config, sched.spec, shared_rows=0, explore=False)
+    assert depth < config.max_inflight
+    nrp = sched.seqs[1].ledger.next_real_position
+    assert (item.draft_cap, item.draft_upto) == (nrp + depth - 1, nrp + depth)
+    credits = local_credit(config, sched.gate, sched.seqs[1], depth=depth)
+    assert [(c.draft_cap, c.draft_upto) for c in credits] == [(nrp + depth - 1, nrp + depth)]
+
+
+def test_a_credit_after_a_release_creates_no_grant():
+    sched, prefill, decode = _scheduler_at_first_decode([1, 2, 3])
+    drafter = StageDrafter()
+    drafter.observe([decode], torch.tensor(decode.token_ids), [decode.without_tokens()])
+    drafter.release([0])
+    drafter.credit([Item(seq_id=0, slot=decode.slot, start=0, num_tokens=1, epoch=decode.epoch,
+                         draft_cap=decode.end, draft_upto=decode.end + 1, draft_gate=decode.draft_gate)])
+    assert drafter.grants == {} and drafter.tokens == {}
+
+
+def test_the_scheduler_config_refuses_stage_drafting_with_token_trees():
+    """The CLI / PipelineOptions refuse `--draft-at stage` with `--draft-tree` > 1 in one line; the
+    scheduler's config holds it as an invariant (stage-made drafts carry no siblings)."""
+    SchedulerConfig(num_stages=2, speculate=True, draft_at_stage=True, draft_tree=1)
+    SchedulerConfig(num_stages=2, speculate=True, draft_tree=3)
+    with pytest.raises(AssertionError, match="token trees need draft_at coordinator"):
+        SchedulerConfig(num_stages=2, speculate=True, draft_at_stage=True, draft_tree=3)
+
+
+def test_the_exit_stage_drafter_takes_top_k_exit_tensors_of_token_trees():
+    """Stage 0 always holds a drafter when it runs the exit head; with --draft-tree the head's
+    tensors are [n, k] (top k), and items without a grant must pass through untouched."""
+    sched, prefill, decode = _scheduler_at_first_decode([1, 2, 1, 2, 1])
+    drafter = StageDrafter()
+    plain = Item(**{**decode.without_tokens().__dict__, "draft_upto": 0, "draft_cap": 0})
+    made, tokens, keys = drafter.drafts([plain], torch.tensor([[3, 4, 5]]), torch.tensor([[0.9, 0.05, 0.01]]))
+    assert (made, tokens, keys) == ([], [-1], [-1])
+    top1 = _stage_draft(prefill, decode, ExitGuess(3, 0.9))
+    drafter = StageDrafter()
+    drafter.observe([prefill], torch.tensor(prefill.token_ids), [prefill.without_tokens()])
+    drafter.observe([decode], torch.tensor(decode.token_ids), [decode.without_tokens()])
+    made, tokens, keys = drafter.drafts([decode.without_tokens()], torch.tensor([[3, 4]]), torch.tensor([[0.9, 0.05]]))
+    assert (tokens[0], keys[0]) == top1[1:] and [d.token_ids for d in made] == [top1[0].token_ids]

@@ -168,3 +168,23 @@ def test_session_refuses_a_predictor_override_the_stages_were_not_built_for(tiny
     options = _options(tiny_dir, speculate="speed", predictor="logit-lens")
     with pytest.raises(ValueError, match="needs_exit_head"):
         PipelineSession(options, resolve(options), predictor=NGramPredictor())
+
+
+def test_token_trees_size_every_stages_kv_scratch_in_its_load_spec(tiny_dir):
+    """--draft-tree W: each stage's load spec asks for (W - 1) * (max_inflight + 1) scratch
+    positions per slot (what `TokenTree.scratch_of` can name), through the wire; none without trees."""
+    from pipeline.speculation.tree import TokenTree
+
+    options = dataclasses.replace(_options(tiny_dir, speculate="speed", predictor="logit-lens"), dtype="float32",
+                                  draft_tree=3)
+    plan = resolve(options)
+    specs = stage_load_specs(options, plan, master_addr="127.0.0.1", master_port=1234)
+    tree = TokenTree(width=3, num_stages=2, max_inflight=options.scheduler_config(eos_token_ids=(0,), firp_k=0).max_inflight,
+                     row_costs=None)
+    most = max(tree.scratch_of(p) + 2 for p in range(64))
+    assert [s.tree_scratch for s in specs] == [most, most]
+    assert all(spec_from_proto(spec_to_proto(s)) == s for s in specs)
+    plain = stage_load_specs(_options(tiny_dir), resolve(_options(tiny_dir)), master_addr="127.0.0.1", master_port=1)
+    assert [s.tree_scratch for s in plain] == [0, 0]
+    with pytest.raises(ValueError, match="KV scratch positions per slot: lower max_inflight"):
+        RunConfig(speculate="speed", draft_tree=8, max_inflight=10_000)

@@ -82,8 +82,35 @@ def test_a_trained_exit_head_for_another_layer_is_refused_naming_the_layer(tiny,
     ({"dtype": "int8"}, "dtype must be one of float32, bfloat16, float16, got 'int8'"),
     ({"stage_timeout_s": 0.0}, "stage_timeout_s must be > 0"),
     ({"firp_k": 2}, "FIRP needs both firp_layer and firp_k"),
+    ({"tree_scratch": -1}, "tree_scratch must be in [0, 65536], got -1"),
+    ({"tree_scratch": 10**9}, "tree_scratch must be in [0, 65536], got 1000000000"),
 ])
 def test_load_spec_refuses_inconsistent_fields_naming_them(fields, fragment):
     kwargs = dict(model_dir="m", stage_index=0, num_stages=2, layer_range=LayerRange(0, 2)) | fields
     with pytest.raises(ValueError, match=re.escape(fragment)):
         StageLoadSpec(**kwargs)
+
+
+def test_token_tree_scratch_is_allocated_at_load_and_an_item_past_it_is_refused(tiny):
+    """The load spec's tree_scratch sizes the KV scratch once, at load; an item (off the wire)
+    naming scratch past it is a ValueError, not a giant allocation."""
+    from pipeline.speculation.items import Item, ItemKind
+    from pipeline.speculation.tree import scratch_positions
+
+    model_dir, _ = tiny
+    n = scratch_positions(3, 2)
+    executor = assemble_stage(_spec(model_dir, 0, [LayerRange(0, 4)], tree_scratch=n)).executor
+    assert executor.kv.num_scratch == n and executor.kv.k.shape[3] == 32 + n
+    shape = executor.kv.k.shape
+    executor.admit([Item(seq_id=1, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT, alt_token_ids=(4, 5),
+                         tree_scratch=n - 2)])
+    assert executor.kv.k.shape == shape  # no growth on the hot path
+    huge = Item(seq_id=1, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT, alt_token_ids=(4,),
+                tree_scratch=60_000)
+    with pytest.raises(ValueError, match="token-tree scratch 60000 \\+ 1 siblings past this stage's 6 positions"):
+        executor.admit([huge])
+    assert executor.kv.k.shape == shape
+    off = assemble_stage(_spec(model_dir, 0, [LayerRange(0, 4)])).executor  # token trees off: no scratch at all
+    with pytest.raises(ValueError, match="past this stage's 0 positions"):
+        off.admit([huge])
+    assert off.kv.num_scratch == 0

@@ -98,6 +98,32 @@ def test_draft_tree_1_sends_no_sibling(folder):
     assert all(ex.kv.num_scratch == 0 for ex in pipe.executors)  # no scratch grown either
 
 
+def test_the_kv_scratch_grows_once_per_run_to_what_the_scheduler_can_use(folder, monkeypatch):
+    """The first tree item grows every stage's scratch straight to (W - 1) * (max_inflight + 1)
+    (`scratch_positions`), never again: no repeated buffer copies on the hot path."""
+    from pipeline.model.kv_cache import KVCache
+    from pipeline.speculation.tree import scratch_positions
+
+    growths: list[tuple[int, int]] = []
+    grow = KVCache.ensure_scratch
+
+    def counting(kv, num_scratch):
+        before = kv.num_scratch
+        grow(kv, num_scratch)
+        if kv.num_scratch != before:
+            growths.append((id(kv), kv.num_scratch))
+    monkeypatch.setattr(KVCache, "ensure_scratch", counting)
+    stages = _stages(folder, 3, "int4")
+    plain = [InProcessPipeline(stages, max_model_len=64).generate([p], PARAMS)[0] for p in PROMPTS]
+    table = ReferenceTable(zip(PROMPTS, plain, strict=True))
+    pipe = InProcessPipeline(stages, max_model_len=64, predictor=_predictor("sibling-rescue", table, 256),
+                             draft_tree=3)
+    assert pipe.generate(PROMPTS[:1], PARAMS) == plain[:1]  # a lone sequence drafts most
+    assert pipe.engine.tree.tree_verified > 0
+    want = scratch_positions(3, pipe.engine.scheduler.config.max_inflight)
+    assert sorted(growths) == sorted((id(ex.kv), want) for ex in pipe.executors), growths
+
+
 def test_sampling_sends_no_sibling(folder):
     stages = _stages(folder, 2, "int4")
     table = ReferenceTable([])

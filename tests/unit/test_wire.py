@@ -37,7 +37,14 @@ from pipeline.engine.wire import (
     world_size,
 )
 from pipeline.measure.timeline import StageTiming
-from pipeline.speculation.items import ITEM_WIRE_SCHEMA, Item, ItemKind, SlotRelease, items_to_wire
+from pipeline.speculation.items import (
+    ITEM_WIRE_SCHEMA,
+    MAX_DRAFT_TREE,
+    Item,
+    ItemKind,
+    SlotRelease,
+    items_to_wire,
+)
 
 FRAME = 4096
 LIMIT = 1 << 20
@@ -292,6 +299,19 @@ def _item_wire(**overrides: Any) -> dict[str, list[Any]]:
     (_item_wire(firp_anchors=3), "firp_anchors 3 outside"),
     (_item_wire(firp_k=1.0), "firp_k is not an int"),
     (_item_wire(want_exit=0), "want_exit is not a bool"),
+    (_item_wire(kind=2, num_tokens=1, token_ids=[3], exit_top_k=10**9), "exit_top_k 1000000000"),
+    (_item_wire(exit_top_k=MAX_DRAFT_TREE + 1), f"exit_top_k {MAX_DRAFT_TREE + 1}"),
+    (_item_wire(kind=2, num_tokens=1, token_ids=[3], alt_token_ids=list(range(MAX_DRAFT_TREE))),
+     f"{MAX_DRAFT_TREE} siblings outside"),
+    (_item_wire(kind=2, num_tokens=1, token_ids=[3], alt_token_ids=[4], tree_scratch=10**9), "tree_scratch 1000000000"),
+    (_item_wire(keep_sibling=10**12), "keep_sibling 1000000000000"),
+    (_item_wire(keep_sibling=-2), "keep_sibling -2"),
+    (_item_wire(draft_upto=-5), "draft_upto -5"),
+    (_item_wire(draft_upto=7, draft_cap=8), "draft_cap 8 / draft_upto 7"),
+    (_item_wire(draft_cap=-1), "draft_cap -1"),
+    (_item_wire(draft_with=256), "draft_with 256"),
+    (_item_wire(draft_with=-1), "draft_with -1"),
+    (_item_wire(draft_gate=-1), "draft_gate -1"),
     ({k: v for k, v in _item_wire().items() if k != "want_exit"}, "expected the columns"),
     ({**_item_wire(), "draft_token": [-1]}, "expected the columns"),
     ({**_item_wire(), "slot": [0, 1]}, "columns are not lists of one length"),

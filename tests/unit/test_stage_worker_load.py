@@ -1,0 +1,49 @@
+"""The stage worker's Load handler on bad calibration input (workers/stage_worker.py), without processes.
+
+What breaks when these fail: a Load asking for a calibration the stage cannot run (calibrate_max_rows
+out of range) reaches the client as gRPC UNKNOWN (an unhandled exception) instead of INVALID_ARGUMENT
+naming the field, or leaves the worker "already loaded" so a corrected Load is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS
+from pipeline.model.partition import LayerRange
+from pipeline.model.stage_assembly import StageLoadSpec
+from tests.tiny_model import write_tiny_model
+from workers.load_spec_codec import spec_to_proto
+from workers.stage_worker import StageServicer
+
+
+class Aborted(Exception):
+    """What grpc's `context.abort` raises, standing in for the RPC's end."""
+
+
+class FakeContext:
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+@pytest.mark.parametrize("rows", [-3, MAX_CALIBRATION_ROWS + 1])
+def test_a_calibration_out_of_range_is_invalid_argument_and_leaves_the_stage_unloaded(tmp_path, rows):
+    model_dir = write_tiny_model(tmp_path / "model", seed=4)
+    spec = StageLoadSpec(model_dir=str(model_dir), stage_index=0, num_stages=1, layer_range=LayerRange(0, 4),
+                         max_num_seqs=1, max_model_len=16, calibrate_max_rows=rows)
+    servicer = StageServicer(0, threading.Event())
+    servicer._join_data_plane = lambda spec: pytest.fail("Load went on to join the data plane")
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        servicer.Load(spec_to_proto(spec), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}]" in context.details and str(rows) in context.details
+    assert servicer.executor is None
