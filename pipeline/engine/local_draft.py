@@ -260,8 +260,8 @@ class StageDrafter:
             if not it.draft_upto:
                 continue  # not authorised (the coordinator drafts after it)
             guess = None
-            if exit_tokens is not None and int(exit_tokens[i].view(-1)[0]) >= 0:  # [n] or token trees' [n, k]
-                guess = ExitGuess(int(exit_tokens[i].view(-1)[0]), float(exit_probs[i].view(-1)[0]))
+            if exit_tokens is not None and int(exit_tokens[i]) >= 0:
+                guess = ExitGuess(int(exit_tokens[i]), float(exit_probs[i]))
             draft = self._decide(it, guess)
             if draft is None:
                 continue
