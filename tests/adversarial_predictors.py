@@ -149,7 +149,7 @@ class SwitchablePredictor:
             return [] if more is None else more(context, guess)
 
 
-class SiblingRescuePredictor:
+class SiblingRescuePredictor(SometimesRightPredictor):
     """Token trees ([Note: token trees] in pipeline/speculation/tree.py): the primary draft is
     always wrong and the reference's true next token is among its `alternatives` (after a wrong
     one), so nearly every draft is rescued by a sibling; a fixed token where the reference does not
@@ -159,9 +159,7 @@ class SiblingRescuePredictor:
 
     def __init__(self, table: ReferenceTable, *, vocab_size: int, seed: int = 0, p_right: float = 0.0,
                  needs_exit_head: bool = False) -> None:
-        self.table, self.vocab_size, self.p_right = table, vocab_size, p_right
-        self.rng = random.Random(seed)
-        self.needs_exit_head = needs_exit_head
+        super().__init__(table, seed=seed, vocab_size=vocab_size, p_right=p_right, needs_exit_head=needs_exit_head)
 
     def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
         truth = self.table.true_next(context)
