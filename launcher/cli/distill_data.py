@@ -138,6 +138,40 @@ def _generation(model, tokenizer: Tokenizer, texts: list[str], gen: GenerationCo
     return out.states
 
 
+def _cache_path(cache: Path, identity, *, layer: int, texts: list[str], name: str, gen: GenerationConfig) -> Path:
+    """The cache file of one generation: named by model, layer and set, keyed by everything that
+    changes its contents (cache format version, weights, layer, prompts, generation settings)."""
+    key = json.dumps([CACHE_VERSION, identity.hash, layer, texts, dataclasses.asdict(gen)])
+    return cache / f"{identity.name}-L{layer}-{name.replace(' ', '-')}-" \
+                   f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+def _greedy(spec: DistillSpec) -> GenerationConfig:
+    return GenerationConfig(num_new_tokens=spec.new_tokens, batch_size=spec.batch_size)
+
+
+def distill_sequences(spec: DistillSpec, *, layer: int,
+                      cache_dir: Path | None = None) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """The greedy continuations that `prepare_distill_data(spec, layer=layer)` cached, as token
+    sequences: {"train": [(prompt ids, continuation ids), ...], held-out set name: [...]}, for
+    drafters that attend over whole sequences (tests/benchmarks/drafter_arch.py).
+    Raises FileNotFoundError when `prepare_distill_data` has not cached them yet."""
+    config = ModelConfig.from_model_dir(spec.model_dir)
+    identity = model_identity(spec.model_dir, config)
+    train_texts, eval_texts = prompt_texts(spec, Tokenizer(spec.model_dir))
+    cache = default_cache_dir(cache_dir) / "self-distill"
+    named = {"train": (train_texts, "train greedy"),
+             **{k: (texts, f"held-out {k}") for k, texts in eval_texts.items() if texts}}
+    out = {}
+    for key, (texts, name) in named.items():
+        path = _cache_path(cache, identity, layer=layer, texts=texts, name=name, gen=_greedy(spec))
+        if not path.is_file():
+            raise FileNotFoundError(f"no cached continuations at {path}: run prepare_distill_data first")
+        prompts, generation = load_generation(path)
+        out[key] = list(zip(prompts, generation.continuations, strict=True))
+    return out
+
+
 def prepare_distill_data(spec: DistillSpec, *, layer: int, seed: int = 0, cache_dir: Path | None = None,
                          progress: bool = True) -> DistillData:
     """Generate (or read from `<cache>/self-distill/`) the continuations with their states at
@@ -158,12 +192,10 @@ def prepare_distill_data(spec: DistillSpec, *, layer: int, seed: int = 0, cache_
         return loaded[0]
 
     def run(texts: list[str], name: str, gen: GenerationConfig) -> SequenceStates:
-        key = json.dumps([CACHE_VERSION, identity.hash, layer, texts, dataclasses.asdict(gen)])
-        path = cache / f"{identity.name}-L{layer}-{name.replace(' ', '-')}-" \
-                       f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+        path = _cache_path(cache, identity, layer=layer, texts=texts, name=name, gen=gen)
         return _generation(model, tokenizer, texts, gen, layer=layer, path=path, desc=name, progress=progress)
 
-    greedy = GenerationConfig(num_new_tokens=spec.new_tokens, batch_size=spec.batch_size)
+    greedy = _greedy(spec)
     parts = [run(train_texts, "train greedy", greedy)]
     for i in range(spec.sampled):
         sampled = dataclasses.replace(greedy, temperature=spec.temperature, seed=seed + i)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.cli.distill_data import DistillSpec, prompt_texts
+from launcher.cli.distill_data import DistillSpec, distill_sequences, prepare_distill_data, prompt_texts
 from launcher.cli.main import main
 from launcher.cli.train_predictor import default_exit_layer
 from launcher.coordinator.pipeline_options import PipelineOptions
@@ -55,3 +55,20 @@ def test_default_exit_layer_is_the_one_launch_uses_and_the_reduced_run_writes_a_
     pred = load_predictor(out, expect=model_identity(model_dir), exit_layer=launch_layer, kind="early-exit")
     assert 0 < pred.meta["train_tokens"] <= 3 * 4  # 3 prompts, at most 4 fed tokens each (5 new tokens)
     assert all(r["tokens"] <= 4 for r in pred.meta["eval"]["held_out"].values())
+
+
+def test_distill_sequences_reads_back_the_continuations_whose_states_prepare_cached(tiny, tmp_path):
+    model_dir, corpus, _ = tiny
+    spec = DistillSpec(model_dir=model_dir, corpus=str(corpus), max_prompts=3, max_eval_prompts=1, new_tokens=5,
+                       sampled=0, max_text_prompts=2)
+    with pytest.raises(FileNotFoundError, match="no cached continuations"):
+        distill_sequences(spec, layer=1, cache_dir=tmp_path)
+    data = prepare_distill_data(spec, layer=1, cache_dir=tmp_path, progress=False)
+    seqs = distill_sequences(spec, layer=1, cache_dir=tmp_path)
+    train_texts, eval_texts = prompt_texts(spec, Tokenizer(model_dir))
+    assert set(seqs) == {"train", *[k for k, v in eval_texts.items() if v]}
+    assert [p for p, _ in seqs["train"]] == [Tokenizer(model_dir).encode(t) for t in train_texts]
+    # one state row per fed generated token: every continuation token but the last
+    assert sum(len(c) - 1 for _, c in seqs["train"]) == data.train.num_rows
+    fed = [t for _, c in seqs["train"] for t in c[:-1]]
+    assert fed == data.train.token_ids.tolist()
