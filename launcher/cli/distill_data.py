@@ -150,25 +150,28 @@ def _greedy(spec: DistillSpec) -> GenerationConfig:
     return GenerationConfig(num_new_tokens=spec.new_tokens, batch_size=spec.batch_size)
 
 
-def distill_sequences(spec: DistillSpec, *, layer: int,
+def distill_sequences(spec: DistillSpec, *, layer: int, seed: int = 0,
                       cache_dir: Path | None = None) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """The greedy continuations that `prepare_distill_data(spec, layer=layer)` cached, as token
-    sequences: {"train": [(prompt ids, continuation ids), ...], held-out set name: [...]}, for
-    drafters that attend over whole sequences (tests/benchmarks/drafter_arch.py).
-    Raises FileNotFoundError when `prepare_distill_data` has not cached them yet."""
+    """The continuations that `prepare_distill_data(spec, layer=layer, seed=seed)` cached, as token
+    sequences: {"train": [(prompt ids, continuation ids), ...] (greedy, then each sampled round),
+    held-out set name: [...] (greedy)}, for drafters that attend over whole sequences
+    (pipeline/speculation/layer_drafter.py). Raises FileNotFoundError when they are not cached yet."""
     config = ModelConfig.from_model_dir(spec.model_dir)
     identity = model_identity(spec.model_dir, config)
     train_texts, eval_texts = prompt_texts(spec, Tokenizer(spec.model_dir))
     cache = default_cache_dir(cache_dir) / "self-distill"
-    named = {"train": (train_texts, "train greedy"),
-             **{k: (texts, f"held-out {k}") for k, texts in eval_texts.items() if texts}}
-    out = {}
-    for key, (texts, name) in named.items():
-        path = _cache_path(cache, identity, layer=layer, texts=texts, name=name, gen=_greedy(spec))
+    greedy = _greedy(spec)
+    parts = [("train", train_texts, "train greedy", greedy)]
+    parts += [("train", train_texts, f"train sampled {i + 1}",
+               dataclasses.replace(greedy, temperature=spec.temperature, seed=seed + i)) for i in range(spec.sampled)]
+    parts += [(k, texts, f"held-out {k}", greedy) for k, texts in eval_texts.items() if texts]
+    out: dict[str, list[tuple[list[int], list[int]]]] = {}
+    for key, texts, name, gen in parts:
+        path = _cache_path(cache, identity, layer=layer, texts=texts, name=name, gen=gen)
         if not path.is_file():
             raise FileNotFoundError(f"no cached continuations at {path}: run prepare_distill_data first")
         prompts, generation = load_generation(path)
-        out[key] = list(zip(prompts, generation.continuations, strict=True))
+        out.setdefault(key, []).extend(zip(prompts, generation.continuations, strict=True))
     return out
 
 

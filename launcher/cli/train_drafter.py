@@ -15,11 +15,23 @@ import sys
 
 import torch
 
-from launcher.cli.distill_data import EVAL_SETS, DistillData
+from launcher.cli.distill_data import EVAL_SETS, DistillData, DistillSpec, distill_sequences
+from pipeline.model.config import ModelConfig
+from pipeline.model.rope import config_inv_freq
 from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterTrainConfig, train_drafter_map, validation_split
+from pipeline.speculation.layer_drafter import (
+    NEXT_LAYER_ARCH,
+    LayerDrafterConfig,
+    SequenceDrafter,
+    file_tensors,
+    sequence_top1,
+    train_layer_drafter,
+)
 from pipeline.speculation.predictor_file import load_predictor, shipped_predictor
 from pipeline.speculation.predictors import ExitMap
+from pipeline.training.data import load_full_model
 from pipeline.training.early_exit import ExitTrainConfig, draft_vocabulary, top1_agreement, train_exit_map
+from pipeline.training.self_distill import sequence_states
 
 log = logging.getLogger("speedpipe.train")
 
@@ -173,3 +185,76 @@ def overfit_warnings(train_acc: float, held: dict[str, dict]) -> list[str]:
             f"over-fits; generate more data (--text-prompts, --sampled) or regularise (--dropout, --weight-decay)"
             for name, row in held.items() if train_acc - row["acceptance"] > GAP_WARNING]
 
+
+def _whole_sequence_states(model, layer: int, seqs: dict[str, list], *, progress: bool) -> dict[str, list]:
+    """{set: [(exit states [T, H], targets [T]), ...]} of every cached continuation, one prefill each."""
+    from tqdm import tqdm
+
+    states: dict[str, list] = {}
+    with tqdm(total=sum(map(len, seqs.values())), desc="exit states of whole sequences", disable=not progress,
+              file=sys.stderr) as bar:
+        for name, pairs in seqs.items():
+            states[name] = [sequence_states(model, layer, p, c) for p, c in pairs if len(c) >= 2]
+            bar.update(len(pairs))
+    return states
+
+
+def _next_layer_held_out(drafter: SequenceDrafter, states: dict[str, list], vocab: torch.Tensor | None,
+                         data: DistillData, base: dict[str, dict]) -> dict[str, dict]:
+    """Per held-out set, as `evaluate` reports the row drafters: acceptance over the draft
+    vocabulary, full-vocabulary agreement, the baselines, and the number of draft rows."""
+    full = data.norm_weight[None] * data.lm_head_weight  # [V, H], the norm weight folded in
+    local = None
+    if vocab is not None:
+        local = torch.full((full.shape[0],), -100, dtype=torch.int64)
+        local[vocab] = torch.arange(vocab.numel())
+    held = {}
+    for name in base:
+        seqs = states[name]
+        row = {"acceptance": sequence_top1(drafter, seqs, full if vocab is None else full[vocab], data.rms_norm_eps,
+                                           local),
+               "top1_agreement": sequence_top1(drafter, seqs, full, data.rms_norm_eps), **base[name]}
+        held[name] = {k: round(v, 4) for k, v in row.items()} | {"tokens": sum(int((t >= 0).sum()) for _, t in seqs)}
+    return held
+
+
+def train_next_layer(args: argparse.Namespace, data: DistillData, spec: DistillSpec, identity, *,
+                     progress: bool) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """`--arch next-layer` ([Note: next-layer drafter] in pipeline/speculation/layer_drafter.py):
+    every cached continuation's states by one prefill, a fine-tuned copy of layer exit+1 plus the
+    swiglu map trained on whole sequences (every 10th training sequence validates), evaluated per
+    held-out set like the row drafters. Returns (tensors, metadata, report)."""
+    from tqdm import tqdm
+
+    layer, config = args.exit_layer, ModelConfig.from_model_dir(spec.model_dir)
+    model = load_full_model(spec.model_dir)
+    states = _whole_sequence_states(model, layer, distill_sequences(spec, layer=layer, seed=args.seed,
+                                                                    cache_dir=args.cache_dir), progress=progress)
+    train, val = [s for i, s in enumerate(states["train"]) if i % 10], states["train"][::10]
+    with tqdm(total=args.steps, desc=f"train next-layer @ layer {layer}", disable=not progress, file=sys.stderr) as bar:
+        draft_layer, exit_map = train_layer_drafter(
+            train=train, val=val, init_layer=model.layers[str(layer + 1)], config=config,
+            norm_weight=data.norm_weight, lm_head_weight=data.lm_head_weight,
+            settings=LayerDrafterConfig(steps=args.steps, seed=args.seed), on_step=lambda s, loss: bar.update(1))
+    train_t = torch.cat([t[t >= 0] for _, t in train])
+    vocab = draft_vocabulary(train_t, max_size=args.draft_vocab) if args.draft_vocab else None
+    drafter = SequenceDrafter(draft_layer, exit_map, config_inv_freq(config, local=False))
+    rows = {name: (data.evals[name].hidden, data.evals[name].targets) for name in EVAL_SETS if name in data.evals}
+    head = dict(norm_weight=data.norm_weight, lm_head_weight=data.lm_head_weight, eps=data.rms_norm_eps)
+    held = _next_layer_held_out(drafter, states, vocab, data, baselines(rows, head, _shipped_map(identity, layer)))
+    train_acc = _next_layer_held_out(drafter, {"train": train[:24]}, vocab, data, {"train": {}})["train"]["acceptance"]
+    lines = report_lines(f"eval (held-out; the model's own greedy continuations; {train_t.numel()} training rows "
+                         f"in {len(train)} sequences; layer {layer}; next-layer drafter from layer {layer + 1}):",
+                         [(NEXT_LAYER_ARCH, train_acc, held)], kept=NEXT_LAYER_ARCH)
+    for warning in overfit_warnings(train_acc, held):
+        print(warning, file=sys.stderr)
+    first = held[next(iter(held))] if held else {}
+    meta = {"arch": NEXT_LAYER_ARCH, "data": "self-distill", "steps": args.steps,
+            "eval": {"top1_agreement": first.get("top1_agreement"), "acceptance": first.get("acceptance"),
+                     "train_top1_agreement": train_acc, "eval_tokens": first.get("tokens"), "held_out": held}}
+    if exit_map.early_stop is not None:
+        meta |= {"early_stop_step": exit_map.early_stop[0], "val_agreement": round(exit_map.early_stop[1], 4)}
+    tensors = file_tensors(draft_layer, exit_map)
+    if vocab is not None:
+        tensors["draft_vocab"], meta["draft_vocab_size"] = vocab, int(vocab.numel())
+    return tensors, meta, "\n".join(lines)

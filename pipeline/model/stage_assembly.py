@@ -16,9 +16,12 @@ from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import rank_of_stage, world_size
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
+from pipeline.model.stage_model import StageModel
 from pipeline.run_config import MODEL_DTYPES
+from pipeline.speculation.drafter import DRAFTER_ARCH
 from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.items import MAX_TREE_SCRATCH
+from pipeline.speculation.layer_drafter import NEXT_LAYER_ARCH, build_draft_layer, split_tensors
 from pipeline.speculation.predictor_file import load_predictor_bytes
 from pipeline.speculation.predictors import ExitHead, ExitMap
 from pipeline.weights.checkpoint import CheckpointReader
@@ -138,8 +141,8 @@ def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
     model = load_stage_model(spec.model_dir, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
                              quantization=spec.quantization, dtype=spec.torch_dtype, device=spec.device,
                              reader=reader)
+    exit_head = build_exit_head(config, reader, spec, model=model) if spec.holds_exit_head else None
     kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, num_scratch=spec.tree_scratch)
-    exit_head = build_exit_head(config, reader, spec) if spec.holds_exit_head else None
     firp_maps = None
     if spec.holds_firp_maps:
         pred = load_predictor_bytes(spec.firp_file, kind="firp", exit_layer=spec.firp_layer,
@@ -152,10 +155,12 @@ def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
     return AssembledStage(executor, weights, sorted(reader.read_names))
 
 
-def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec) -> ExitHead:
+def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec, *,
+                    model: StageModel | None = None) -> ExitHead:
     """Copies of the final norm and LM head for the exit head after `spec.exit_layer`, behind the
     trained map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden
-    size), restricted to the file's draft vocabulary when it has one. Raises ValueError."""
+    size), restricted to the file's draft vocabulary when it has one. A next-layer file's draft
+    layer is attached to `model` ([Note: next-layer drafter]). Raises ValueError."""
     norm_name = "model.norm.weight"
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     t = reader.read([norm_name, head_name], dtype=spec.activation_dtype, device=spec.device)
@@ -166,8 +171,11 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
         if pred.meta["model"]["hidden_size"] != config.hidden_size:
             raise ValueError(f"exit predictor has hidden size {pred.meta['model']['hidden_size']}, the model "
                              f"{config.hidden_size}")
-        exit_map = ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine"),
-                                        eps=config.rms_norm_eps).to(device=spec.device, dtype=spec.activation_dtype)
+        arch, tensors = pred.meta.get("arch", "affine"), pred.tensors
+        if arch == NEXT_LAYER_ARCH:
+            arch, tensors = DRAFTER_ARCH, _attach_draft_layer(config, spec, tensors, model)
+        exit_map = ExitMap.from_tensors(tensors, arch=arch, eps=config.rms_norm_eps).to(
+            device=spec.device, dtype=spec.activation_dtype)
         vocab = pred.draft_vocab
     with torch.device("meta"):
         head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
@@ -178,3 +186,17 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
         head.restrict_vocab(vocab)
     return head.eval()
 
+
+
+def _attach_draft_layer(config: ModelConfig, spec: StageLoadSpec, tensors: dict[str, torch.Tensor],
+                        model: StageModel | None) -> dict[str, torch.Tensor]:
+    """Build a next-layer file's draft layer onto `model`; returns the file's swiglu-map tensors."""
+    if model is None:
+        raise ValueError("a next-layer exit predictor needs the exit stage's model")
+    if spec.firp_k > 0:
+        raise ValueError("the next-layer drafter does not run with FIRP (--speculate firp / speed+firp): "
+                         "use a swiglu or affine exit predictor")
+    layer_tensors, rest = split_tensors(tensors)
+    model.attach_draft_layer(build_draft_layer(config, spec.exit_layer, layer_tensors, dtype=spec.activation_dtype,
+                                               device=spec.device), after=spec.exit_layer)
+    return rest

@@ -9,8 +9,7 @@ Tokens of several items (sequences) are packed along one axis ("varlen" layout, 
     x: [num_tokens] token ids (first stage) or [num_tokens, hidden_size] hidden states (others)
     spans: one `Span(slot, start, num_tokens)` per item, in the same order as the packed rows.
 
-FIRP pseudo rows: [Note: pseudo rows] in pipeline/model/row_layout.py.
-Families (q/k norm, Gemma norms, sliding windows, MoE, ...): [Note: model families] in
+FIRP pseudo rows: [Note: pseudo rows] in pipeline/model/row_layout.py. Families: [Note: model families] in
 pipeline/model/config.py; their larger blocks live in pipeline/model/family_blocks.py and pipeline/model/moe.py.
 """
 
@@ -219,6 +218,14 @@ class StageModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
         self.register_buffer("inv_freq", config_inv_freq(config, local=False), persistent=False)
         self.register_buffer("inv_freq_local", config_inv_freq(config, local=True), persistent=False)
+        self.draft_layer, self.draft_after = None, None  # [Note: next-layer drafter], pipeline/speculation/layer_drafter.py
+
+    def attach_draft_layer(self, layer: DecoderLayer, *, after: int) -> None:
+        """Run `layer` after this stage's layer `after` on every row, its KV one extra cache layer (make the
+        cache after this); its last-row output becomes `exit_hidden`. Raises ValueError for a foreign layer."""
+        if after not in self.layer_range:
+            raise ValueError(f"draft layer after layer {after}, outside this stage's layers {self.layer_range}")
+        self.draft_layer, self.draft_after = layer, after
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{absolute layer: (cos, sin) [num_tokens, head_dim]} for this stage's layers at `positions`
@@ -233,9 +240,9 @@ class StageModel(nn.Module):
         """A KV cache sized for this stage's layers, in the model's dtype and device (num_scratch:
         token-tree scratch positions per slot, [Note: sibling rows] in pipeline/model/row_layout.py)."""
         weight = next(iter(self.parameters()))
-        return KVCache(num_layers=len(self.layer_range), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
-                       dtype=weight.dtype, device=weight.device, num_scratch=num_scratch)
+        return KVCache(num_layers=len(self.layer_range) + (self.draft_layer is not None), max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, num_kv_heads=self.config.num_key_value_heads,
+                       head_dim=self.config.head_dim, dtype=weight.dtype, device=weight.device, num_scratch=num_scratch)
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,7 +292,11 @@ class StageModel(nn.Module):
         exit_hidden = None
         for local, (name, layer) in enumerate(self.layers.items()):
             h = layer(h, *ropes[int(name)], plan, kv, local)
-            if exit_layer is not None and int(name) == exit_layer:
+            if int(name) == self.draft_after:
+                drafted = self.draft_layer(h, *ropes[int(name)], plan, kv, len(self.layers))
+                if exit_layer is not None:
+                    exit_hidden = drafted[last_rows]
+            elif exit_layer is not None and int(name) == exit_layer:
                 exit_hidden = h[last_rows]
             if layout is None and make_pseudo is not None and int(name) == firp_layer:
                 anchors = torch.tensor(list(anchor_rows(spans)), dtype=torch.int64, device=device)

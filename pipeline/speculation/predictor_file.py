@@ -10,14 +10,16 @@ value is a JSON object:
     {"format": "speedpipe-predictor/1",
      "kind": "early-exit" | "firp",
      "model": {"name", "hash", "hidden_size", "num_layers", "vocab_size"},
-     "exit_layer": int, "k": int (firp only), "arch": "affine" | "mlp" | "swiglu",
+     "exit_layer": int, "k": int (firp only), "arch": "affine" | "mlp" | "swiglu" | "next-layer",
      "corpus": str, "train_tokens": int,
      "eval": {"top1_agreement" | "accepted_per_pass": float, "eval_tokens": int, ...}}
 
 Tensor names: early-exit "proj.weight" [H, H], "proj.bias" [H] (arch "mlp" adds "mlp.up.weight"
 [M, H], "mlp.up.bias" [M], "mlp.down.weight" [H, M], "mlp.down.bias" [H]; arch "swiglu" adds
 "blocks.{i}.norm.weight" [H], "blocks.{i}.gate.weight" / "blocks.{i}.up.weight" [M, H],
-"blocks.{i}.down.weight" [H, M], see pipeline/speculation/drafter.py; optional
+"blocks.{i}.down.weight" [H, M], see pipeline/speculation/drafter.py; arch "next-layer" adds the draft
+layer's "draft_layer.<DecoderLayer parameter>" tensors, q/k/v and gate/up fused, see
+pipeline/speculation/layer_drafter.py; optional
 "draft_vocab" [V'] int64, the draft vocabulary of pipeline/speculation/predictors.py [Note: draft vocabulary],
 with "draft_vocab_size": V' in the metadata); firp
 "maps.{i}.weight" [H, H], "maps.{i}.bias" [H] for i = 1 .. k.
@@ -44,7 +46,7 @@ from pipeline.weights.gguf_import import SOURCE_FILE, file_sha256
 FORMAT = "speedpipe-predictor/1"
 METADATA_KEY = "speedpipe"
 KINDS = ("early-exit", "firp")
-ARCHS = ("affine", "mlp", "swiglu")
+ARCHS = ("affine", "mlp", "swiglu", "next-layer")
 
 
 class PredictorFileError(ValueError):

@@ -79,6 +79,8 @@ class ExitMap(nn.Module):
         Raises ValueError on a missing or mis-shaped tensor."""
         if arch == DRAFTER_ARCH:
             return DrafterMap.from_tensors(tensors, eps=eps)
+        if arch == "next-layer":  # pipeline/speculation/layer_drafter.py; built by the exit stage
+            raise ValueError("a next-layer drafter runs only at the exit stage, with its draft layer's KV cache")
         tensors = {n: t for n, t in tensors.items() if n != "draft_vocab"}
         hidden_size = tensors["proj.weight"].shape[0]
         mlp_size = tensors["mlp.up.weight"].shape[0] if arch == "mlp" else 512

@@ -235,3 +235,27 @@ def load_generation(path: str | Path) -> tuple[list[list[int]], Generation]:
     conts = _split(t["continuations"].tolist(), t["continuation_lens"].tolist())
     states = SequenceStates(**{f.name: t[f.name] for f in dataclasses.fields(SequenceStates)})
     return prompts, Generation(conts, states)
+
+
+@torch.inference_mode()
+def sequence_states(model: StageModel, layer: int, prompt: Sequence[int],
+                    continuation: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute layer `layer`'s output at every position of prompt + continuation[:-1] (one
+    teacher-forced prefill of the whole `model`; the continuation is the model's own, so these are
+    the states its decode saw) -> (hidden [T, H] float32, targets [T] int64: the next continuation
+    token at each fed generated token, as SequenceStates' rows, and -100 at prompt positions).
+    For drafters that attend over the whole sequence (pipeline/speculation/layer_drafter.py).
+    Raises ValueError for an empty prompt or a continuation shorter than 2 tokens."""
+    if not prompt or len(continuation) < 2:
+        raise ValueError("sequence_states needs a prompt and at least 2 continuation tokens")
+    seen = {}
+    hook = model.layers[str(layer)].register_forward_hook(lambda m, i, o: seen.__setitem__("h", o))
+    try:
+        tokens = list(prompt) + list(continuation[:-1])
+        kv = model.new_kv_cache(max_num_seqs=1, max_model_len=len(tokens) + 1)
+        model(torch.tensor(tokens), [Span(0, 0, len(tokens))], kv)
+    finally:
+        hook.remove()
+    targets = torch.full((len(tokens),), -100, dtype=torch.int64)
+    targets[len(prompt):] = torch.tensor(list(continuation[1:]), dtype=torch.int64)
+    return seen["h"].float().clone(), targets
