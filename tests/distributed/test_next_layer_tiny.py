@@ -55,16 +55,19 @@ def references(tiny_model_dir: Path) -> dict[str, list[int]]:
                                                                               ignore_eos=True)) for p in PROMPTS}
 
 
-@pytest.mark.parametrize("draft_at", ["coordinator", "stage"])
+@pytest.mark.parametrize("mode", ["coordinator", "stage", "tree"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_next_layer_drafter_keeps_greedy_output(tiny_model_dir: Path, next_layer_file: Path, references,
-                                                    shape: str, draft_at: str):
+                                                    shape: str, mode: str):
+    """Drafted by the coordinator, by the exit stage itself, or as token trees (siblings write the
+    draft layer's keys to scratch too, and a rescue copies them on every layer)."""
+    extra = {"draft_at": "stage"} if mode == "stage" else {"draft_tree": 3} if mode == "tree" else {}
     options = session_options(tiny_model_dir, speculate="speed", predictor="hybrid",
-                              exit_predictor=str(next_layer_file), draft_at=draft_at, **SHAPES[shape])
+                              exit_predictor=str(next_layer_file), **extra, **SHAPES[shape])
     with PipelineSession(options, resolve(options)) as session:
         for prompts, budgets in ((PROMPTS[:1], BUDGETS[:1]), (PROMPTS, BUDGETS)):
             params = [SamplingParams(max_new_tokens=b, ignore_eos=True) for b in budgets]
             report = run_launch(session, list(prompts), params)
             for prompt, b, out in zip(prompts, budgets, report["outputs"], strict=True):
-                assert out["token_ids"] == references[prompt][:b], f"{shape}/{draft_at}: output of {prompt!r} changed"
+                assert out["token_ids"] == references[prompt][:b], f"{shape}/{mode}: output of {prompt!r} changed"
             assert report["stats"]["verified_drafts"] > 0, report["stats"]
