@@ -11,6 +11,8 @@ swiglu block agree with the model's greedy token more often than the swiglu draf
 held-out set (chat 31.4 vs 29.6 %, speeches 53.1 vs 39.6 %, code 45.3 vs 41.5 %). The same shape
 trained from scratch (Kangaroo's adapter, arXiv 2404.18911 §3.1) over-fits and loses; starting
 from the next real layer is what pays (EAGLE, arXiv 2401.15077 §3, drafts with a decoder layer).
+In the pipeline it is not faster than the shipped head yet (README "Self-distilled drafter": each
+stage-0 pass pays one more layer), so it is an option (`train-predictor --arch next-layer`), not the default.
 
 At the exit stage the draft layer runs right after the exit layer on every real row of every pass
 (prefills, decodes, drafts, token-tree siblings, whether or not an item wants a guess) and keeps

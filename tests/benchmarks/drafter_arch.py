@@ -1,13 +1,13 @@
 """Benchmark: which drafter architecture at the exit layer agrees best with the model (issue 14, item 1).
 
 Measures held-out top-1 agreement (the share of draft positions where the drafter's argmax equals
-the base model's greedy next token, over the full vocabulary) of four drafters on the same
+the base model's greedy next token, over the full vocabulary) of five drafters on the same
 self-distilled data, the model's own greedy continuations of `train-predictor --data self-distill`'s
 prompts (launcher/cli/distill_data.py; generated once and cached):
 
     logit-lens      the frozen final norm + LM head on the exit hidden state, untrained
-    swiglu          the shipped drafter (pipeline/speculation/drafter.py, [Note: drafter arch]),
-                    trained as `speedpipe train-predictor` trains it by default, on single rows
+    swiglu          the swiglu drafter (pipeline/speculation/drafter.py, [Note: drafter arch];
+                    `train-predictor --arch swiglu`), trained on single rows
     kangaroo        Kangaroo's adapter (arXiv 2404.18911 §3.1): RMSNorm + one multi-head
                     attention layer with RoPE over the sequence's exit states (its own KV in a
                     pipeline), output projection zero-initialised, then the swiglu block
@@ -21,8 +21,8 @@ prompts (launcher/cli/distill_data.py; generated once and cached):
 
 The adapters attend over whole sequences, so every position's exit state is taken by one teacher-
 forced prefill of prompt + continuation (a forward hook on the exit layer); the scored rows are the
-ones SPEED drafts from (each fed generated token, as in pipeline/training/self_distill.py). Both
-adapters train on whole sequences with the candidate-vocabulary loss ([Note: candidate vocabulary]
+ones SPEED drafts from (each fed generated token, as in pipeline/training/self_distill.py). The
+three sequence models (kangaroo, next-layer, fusion) train on whole sequences with the candidate-vocabulary loss ([Note: candidate vocabulary]
 in pipeline/training/early_exit.py) and keep their best state on a validation tenth of the training
 sequences, as the swiglu drafter does ([Note: early stop]).
 Must not: change the shipped drafter; this only measures.
@@ -239,7 +239,7 @@ def train_adapter(adapter: nn.Module, train: list[Seq], head: FrozenHead, *, ste
 
 
 def train_swiglu(train: list[Seq], head: FrozenHead) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The shipped drafter's architecture, trained on the scored rows with `DrafterTrainConfig`'s
+    """The swiglu drafter, trained on the scored rows with `DrafterTrainConfig`'s
     defaults (2000 steps of 512 rows, lr 2e-3, weight decay 0.01, dropout 0.1; on this data 1-7
     points above `train-predictor`'s 1000 steps of 256 rows at lr 3e-3), a tenth of the rows for early stopping."""
     hidden = torch.cat([h[t >= 0, -h.shape[1] // 3:] for h, t in train])
@@ -288,12 +288,14 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model name (default {DEFAULT_MODEL})")
     p.add_argument("--exit-layer", type=int, default=16, help="exit layer (default 16: --stages 2's)")
     p.add_argument("--steps", type=int, default=600, help="adapter training steps of 6 sequences (default 600)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    p.add_argument("--archs", default=",".join(ARCHS), help="drafters to train, besides the logit lens")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "drafter_arch.json"))
+    p.add_argument("--archs", default=",".join(ARCHS),
+                   help=f"comma-separated drafters to train besides the logit lens, of {', '.join(ARCHS)} (default all)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "drafter_arch.json"),
+                   help="JSON report path (default: the committed tests/benchmarks/results/drafter_arch.json)")
     args = p.parse_args()
     unknown = set(args.archs.split(",")) - set(ARCHS)
     if unknown:
