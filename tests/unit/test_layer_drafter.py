@@ -183,7 +183,7 @@ def test_training_starts_from_the_next_layer_and_keeps_its_best_validation_state
     assert exit_map.early_stop is not None and exit_map.early_stop[0] in (10, 20, 30)
     assert not any(p.requires_grad for p in layer.parameters())
     changed = any(not torch.equal(a, b) for a, b in zip(layer.state_dict().values(),
-                                                        full.layers[str(EXIT_LAYER + 1)].state_dict().values()))
+                                                        full.layers[str(EXIT_LAYER + 1)].state_dict().values(), strict=True))
     assert changed  # it trained a copy, and left the model's own layer alone
     with pytest.raises(ValueError, match="needs training rows"):
         train_layer_drafter(train=[], val=[], init_layer=full.layers[str(EXIT_LAYER + 1)], config=config,
