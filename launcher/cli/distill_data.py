@@ -151,10 +151,12 @@ def _greedy(spec: DistillSpec) -> GenerationConfig:
 
 
 def distill_sequences(spec: DistillSpec, *, layer: int, seed: int = 0,
-                      cache_dir: Path | None = None) -> dict[str, list[tuple[list[int], list[int]]]]:
+                      cache_dir: Path | None = None) -> dict[str, list[tuple[list[int], list[int], list[int]]]]:
     """The continuations that `prepare_distill_data(spec, layer=layer, seed=seed)` cached, as token
-    sequences: {"train": [(prompt ids, continuation ids), ...] (greedy, then each sampled round),
-    held-out set name: [...] (greedy)}, for drafters that attend over whole sequences
+    sequences: {"train": [(prompt ids, continuation ids, targets), ...] (greedy, then each sampled
+    round), held-out set name: [...] (greedy)}; targets[j] is the model's greedy next token after
+    continuation[j] (what a draft there must match; a sampled continuation went elsewhere), one
+    per fed token, len(continuation) - 1 of them. For drafters that attend over whole sequences
     (pipeline/speculation/layer_drafter.py). Raises FileNotFoundError when they are not cached yet."""
     config = ModelConfig.from_model_dir(spec.model_dir)
     identity = model_identity(spec.model_dir, config)
@@ -165,13 +167,15 @@ def distill_sequences(spec: DistillSpec, *, layer: int, seed: int = 0,
     parts += [("train", train_texts, f"train sampled {i + 1}",
                dataclasses.replace(greedy, temperature=spec.temperature, seed=seed + i)) for i in range(spec.sampled)]
     parts += [(k, texts, f"held-out {k}", greedy) for k, texts in eval_texts.items() if texts]
-    out: dict[str, list[tuple[list[int], list[int]]]] = {}
+    out: dict[str, list[tuple[list[int], list[int], list[int]]]] = {}
     for key, texts, name, gen in parts:
         path = _cache_path(cache, identity, layer=layer, texts=texts, name=name, gen=gen)
         if not path.is_file():
             raise FileNotFoundError(f"no cached continuations at {path}: run prepare_distill_data first")
         prompts, generation = load_generation(path)
-        out.setdefault(key, []).extend(zip(prompts, generation.continuations, strict=True))
+        targets = generation.states.targets.split([max(len(c) - 1, 0) for c in generation.continuations])
+        out.setdefault(key, []).extend(
+            (p, c, t.tolist()) for p, c, t in zip(prompts, generation.continuations, targets, strict=True))
     return out
 
 

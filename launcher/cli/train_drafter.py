@@ -187,16 +187,26 @@ def overfit_warnings(train_acc: float, held: dict[str, dict]) -> list[str]:
 
 
 def _whole_sequence_states(model, layer: int, seqs: dict[str, list], *, progress: bool) -> dict[str, list]:
-    """{set: [(exit states [T, H], targets [T]), ...]} of every cached continuation, one prefill each."""
+    """{set: [(exit states [T, H], targets [T], prompt), ...]} of every cached continuation
+    (`distill_sequences`' triples), one prefill each."""
     from tqdm import tqdm
 
     states: dict[str, list] = {}
     with tqdm(total=sum(map(len, seqs.values())), desc="exit states of whole sequences", disable=not progress,
               file=sys.stderr) as bar:
-        for name, pairs in seqs.items():
-            states[name] = [sequence_states(model, layer, p, c) for p, c in pairs if len(c) >= 2]
-            bar.update(len(pairs))
+        for name, triples in seqs.items():
+            states[name] = [(*sequence_states(model, layer, p, c, t), tuple(p)) for p, c, t in triples if len(c) >= 2]
+            bar.update(len(triples))
     return states
+
+
+def _split_by_prompt(seqs: list) -> tuple[list, list]:
+    """(training, validation) sequences: every 10th distinct prompt validates, with all of its
+    continuations (a greedy and a sampled continuation of one prompt share their context)."""
+    order = {p: i for i, p in enumerate(dict.fromkeys(s[2] for s in seqs))}
+    val = [s[:2] for s in seqs if order[s[2]] % 10 == 0]
+    train = [s[:2] for s in seqs if order[s[2]] % 10 != 0]
+    return (train, val) if train else (val, [])
 
 
 def _next_layer_held_out(drafter: SequenceDrafter, states: dict[str, list], vocab: torch.Tensor | None,
@@ -222,7 +232,7 @@ def train_next_layer(args: argparse.Namespace, data: DistillData, spec: DistillS
                      progress: bool) -> tuple[dict[str, torch.Tensor], dict, str]:
     """`--arch next-layer` ([Note: next-layer drafter] in pipeline/speculation/layer_drafter.py):
     every cached continuation's states by one prefill, a fine-tuned copy of layer exit+1 plus the
-    swiglu map trained on whole sequences (every 10th training sequence validates), evaluated per
+    swiglu map trained on whole sequences (every 10th training prompt validates), evaluated per
     held-out set like the row drafters. Returns (tensors, metadata, report)."""
     from tqdm import tqdm
 
@@ -230,7 +240,8 @@ def train_next_layer(args: argparse.Namespace, data: DistillData, spec: DistillS
     model = load_full_model(spec.model_dir)
     states = _whole_sequence_states(model, layer, distill_sequences(spec, layer=layer, seed=args.seed,
                                                                     cache_dir=args.cache_dir), progress=progress)
-    train, val = [s for i, s in enumerate(states["train"]) if i % 10], states["train"][::10]
+    train, val = _split_by_prompt(states.pop("train"))
+    states = {name: [s[:2] for s in seqs] for name, seqs in states.items()}
     with tqdm(total=args.steps, desc=f"train next-layer @ layer {layer}", disable=not progress, file=sys.stderr) as bar:
         draft_layer, exit_map = train_layer_drafter(
             train=train, val=val, init_layer=model.layers[str(layer + 1)], config=config,
@@ -249,7 +260,7 @@ def train_next_layer(args: argparse.Namespace, data: DistillData, spec: DistillS
     for warning in overfit_warnings(train_acc, held):
         print(warning, file=sys.stderr)
     first = held[next(iter(held))] if held else {}
-    meta = {"arch": NEXT_LAYER_ARCH, "data": "self-distill", "steps": args.steps,
+    meta = {"arch": NEXT_LAYER_ARCH, "data": "self-distill", "steps": args.steps, "train_tokens": int(train_t.numel()),
             "eval": {"top1_agreement": first.get("top1_agreement"), "acceptance": first.get("acceptance"),
                      "train_top1_agreement": train_acc, "eval_tokens": first.get("tokens"), "held_out": held}}
     if exit_map.early_stop is not None:

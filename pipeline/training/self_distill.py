@@ -238,16 +238,17 @@ def load_generation(path: str | Path) -> tuple[list[list[int]], Generation]:
 
 
 @torch.inference_mode()
-def sequence_states(model: StageModel, layer: int, prompt: Sequence[int],
-                    continuation: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_states(model: StageModel, layer: int, prompt: Sequence[int], continuation: Sequence[int],
+                    targets: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute layer `layer`'s output at every position of prompt + continuation[:-1] (one
     teacher-forced prefill of the whole `model`; the continuation is the model's own, so these are
-    the states its decode saw) -> (hidden [T, H] float32, targets [T] int64: the next continuation
-    token at each fed generated token, as SequenceStates' rows, and -100 at prompt positions).
-    For drafters that attend over the whole sequence (pipeline/speculation/layer_drafter.py).
-    Raises ValueError for an empty prompt or a continuation shorter than 2 tokens."""
-    if not prompt or len(continuation) < 2:
-        raise ValueError("sequence_states needs a prompt and at least 2 continuation tokens")
+    the states its decode saw) -> (hidden [T, H] float32, targets [T] int64: `targets`, the greedy
+    next token after each fed continuation token (SequenceStates.targets' rows of this sequence),
+    at those positions and -100 at prompt positions). For drafters that attend over the whole
+    sequence (pipeline/speculation/layer_drafter.py). Raises ValueError for an empty prompt, a
+    continuation shorter than 2 tokens, or len(targets) != len(continuation) - 1."""
+    if not prompt or len(continuation) < 2 or len(targets) != len(continuation) - 1:
+        raise ValueError("sequence_states needs a prompt, >= 2 continuation tokens and one target per fed token")
     seen = {}
     hook = model.layers[str(layer)].register_forward_hook(lambda m, i, o: seen.__setitem__("h", o))
     try:
@@ -256,6 +257,6 @@ def sequence_states(model: StageModel, layer: int, prompt: Sequence[int],
         model(torch.tensor(tokens), [Span(0, 0, len(tokens))], kv)
     finally:
         hook.remove()
-    targets = torch.full((len(tokens),), -100, dtype=torch.int64)
-    targets[len(prompt):] = torch.tensor(list(continuation[1:]), dtype=torch.int64)
-    return seen["h"].float().clone(), targets
+    rows = torch.full((len(tokens),), -100, dtype=torch.int64)
+    rows[len(prompt):] = torch.tensor(list(targets), dtype=torch.int64)
+    return seen["h"].float().clone(), rows

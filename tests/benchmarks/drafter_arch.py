@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
     config = ModelConfig.from_model_dir(model_dir)
     model = load_full_model(model_dir)
     start = time.perf_counter()
-    states = {name: [exit_states(model, args.exit_layer, p, c) for p, c in seqs if len(c) > 1]
+    states = {name: [exit_states(model, args.exit_layer, p, c) for p, c, _ in seqs if len(c) > 1]
               for name, seqs in sequences.items()}
     print(f"exit states of {sum(map(len, states.values()))} sequences in {time.perf_counter() - start:.0f} s")
     head = FrozenHead(data.norm_weight, data.lm_head_weight, data.rms_norm_eps)

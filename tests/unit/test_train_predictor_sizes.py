@@ -17,6 +17,8 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.predictor_file import load_predictor, model_identity
+from pipeline.training.data import load_full_model
+from pipeline.training.self_distill import sequence_states
 from tests.tiny_model import write_tiny_model
 
 
@@ -67,8 +69,25 @@ def test_distill_sequences_reads_back_the_continuations_whose_states_prepare_cac
     seqs = distill_sequences(spec, layer=1, cache_dir=tmp_path)
     train_texts, eval_texts = prompt_texts(spec, Tokenizer(model_dir))
     assert set(seqs) == {"train", *[k for k, v in eval_texts.items() if v]}
-    assert [p for p, _ in seqs["train"]] == [Tokenizer(model_dir).encode(t) for t in train_texts]
-    # one state row per fed generated token: every continuation token but the last
-    assert sum(len(c) - 1 for _, c in seqs["train"]) == data.train.num_rows
-    fed = [t for _, c in seqs["train"] for t in c[:-1]]
-    assert fed == data.train.token_ids.tolist()
+    assert [p for p, _, _ in seqs["train"]] == [Tokenizer(model_dir).encode(t) for t in train_texts]
+    # one state row per fed generated token: every continuation token but the last, and its greedy target
+    assert all(len(t) == len(c) - 1 for _, c, t in seqs["train"])
+    assert [t for _, c, _ in seqs["train"] for t in c[:-1]] == data.train.token_ids.tolist()
+    assert [x for _, _, t in seqs["train"] for x in t] == data.train.targets.tolist()
+
+
+def test_sampled_continuations_keep_the_greedy_targets_not_the_sampled_tokens(tiny, tmp_path):
+    model_dir, corpus, _ = tiny
+    spec = DistillSpec(model_dir=model_dir, corpus=str(corpus), max_prompts=4, max_eval_prompts=1, new_tokens=8,
+                       sampled=1, temperature=1.5, max_text_prompts=2)
+    prepare_distill_data(spec, layer=1, cache_dir=tmp_path, progress=False)
+    seqs = distill_sequences(spec, layer=1, cache_dir=tmp_path)
+    assert len(seqs["train"]) == 8  # 4 prompts, greedy then sampled
+    greedy, sampled = seqs["train"][:4], seqs["train"][4:]
+    assert all(t == c[1:] for _, c, t in greedy)  # greedy: the next token is the target
+    assert any(t != c[1:] for _, c, t in sampled)  # sampled: the target is the argmax, not the draw
+    model = load_full_model(model_dir)
+    p, c, t = next(x for x in sampled if x[2] != x[1][1:])
+    hidden, rows = sequence_states(model, 1, p, c, t)
+    assert hidden.shape[0] == rows.shape[0] == len(p) + len(c) - 1
+    assert rows[:len(p)].eq(-100).all() and rows[len(p):].tolist() == t
