@@ -19,6 +19,7 @@ import dataclasses
 from pathlib import Path
 
 from pipeline.model.config import ModelConfig
+from pipeline.speculation.layer_drafter import NEXT_LAYER_ARCH
 from pipeline.speculation.predictor_file import (
     SHIPPED_DIR,
     load_predictor,
@@ -49,8 +50,7 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
         raise ValueError(f"--exit-predictor needs --predictor early-exit or hybrid, not {predictor!r}")
     if predictor == "logit-lens" or exit_predictor == "none":
         return ExitPredictorChoice(note="exit head: untrained logit lens")
-    path = Path(predictor) if is_predictor_file(predictor) else None
-    path = Path(exit_predictor) if exit_predictor is not None else path
+    path = given_predictor_file(predictor, exit_predictor)
     name = model_name(model_dir)
     if path is not None:
         identity = model_identity(model_dir, config)
@@ -79,16 +79,61 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
                                note=f"exit head: trained early-exit {path.name}{measured}")
 
 
-def exit_head_rows(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
-                   exit_layer: int, folder: Path = SHIPPED_DIR) -> int:
-    """How many LM-head rows the exit head at `exit_layer` scores under the rules above: the draft
-    vocabulary size (pipeline/speculation/predictors.py [Note: draft vocabulary]) of the trained file that would
-    run there, else the model's vocabulary (also for a given file trained at another layer). Reads
-    file headers only and never raises: choose_exit_predictor reports bad files."""
-    full = config.vocab_size
+@dataclasses.dataclass(frozen=True)
+class ExitHeadShape:
+    """What the exit head at one layer adds to its stage's decode pass, for the split's cost
+    ([Note: partition cost] in pipeline/model/partition.py): `rows` LM-head rows it scores (its draft
+    vocabulary, or the whole vocabulary) and `draft_layers` decoder layers it runs (1 for a next-layer
+    drafter, [Note: next-layer drafter] in pipeline/speculation/layer_drafter.py; else 0)."""
+
+    rows: int
+    draft_layers: int = 0
+
+
+def given_predictor_file(predictor: str, exit_predictor: str | None) -> Path | None:
+    """The predictor file the user named (`--exit-predictor PATH` or `--predictor PATH`), else None."""
+    if exit_predictor == "none" or predictor == "logit-lens":
+        return None
+    if exit_predictor:
+        return Path(exit_predictor)
+    return Path(predictor) if is_predictor_file(predictor) else None
+
+
+def given_exit_layer(*, predictor: str, exit_predictor: str | None) -> int | None:
+    """The exit layer a user-named predictor file was trained at (its header), or None when no file is
+    named or its header cannot be read (choose_exit_predictor reports a bad file). Never raises."""
+    path = given_predictor_file(predictor, exit_predictor)
+    try:
+        layer = read_predictor_meta(path).get("exit_layer") if path is not None else None
+    except (OSError, ValueError):
+        return None
+    return layer if isinstance(layer, int) else None
+
+
+def given_exit_bytes(*, predictor: str, exit_predictor: str | None, kv_layer_bytes: int) -> int:
+    """Memory a user-named predictor file adds to its exit stage: the file's size (its tensors, about),
+    plus `kv_layer_bytes` for a next-layer drafter's own KV cache layer; 0 without a readable file
+    (the shipped heads are under 1 MB; choose_exit_predictor reports a bad file). Never raises."""
+    path = given_predictor_file(predictor, exit_predictor)
+    try:
+        meta = read_predictor_meta(path) if path is not None else None
+        size = path.stat().st_size if path is not None else 0
+    except (OSError, ValueError):
+        return 0
+    return size + (kv_layer_bytes if meta and meta.get("arch") == NEXT_LAYER_ARCH else 0)
+
+
+def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
+                    exit_layer: int, folder: Path = SHIPPED_DIR) -> ExitHeadShape:
+    """The `ExitHeadShape` of the exit head at `exit_layer` under the rules above: the draft
+    vocabulary size (pipeline/speculation/predictors.py [Note: draft vocabulary]) and draft layer of the
+    trained file that would run there, else the whole vocabulary and no layer (also for a given file
+    trained at another layer). Reads file headers only and never raises: choose_exit_predictor
+    reports bad files."""
+    full = ExitHeadShape(rows=config.vocab_size)
     if predictor == "logit-lens" or exit_predictor == "none":
         return full
-    path = Path(exit_predictor) if exit_predictor else (Path(predictor) if is_predictor_file(predictor) else None)
+    path = given_predictor_file(predictor, exit_predictor)
     if path is None:  # the shipped head, found by name only (hashing the model here would cost seconds)
         found = sorted(folder.glob(f"{model_name(model_dir)}-*-early-exit-L{exit_layer}.safetensors"))
         path = found[0] if found else None
@@ -98,4 +143,5 @@ def exit_head_rows(*, predictor: str, exit_predictor: str | None, model_dir: Pat
         return full
     if meta.get("exit_layer") != exit_layer:  # not the head that would run at this layer
         return full
-    return int(meta.get("draft_vocab_size", full))
+    return ExitHeadShape(rows=int(meta.get("draft_vocab_size", config.vocab_size)),
+                         draft_layers=int(meta.get("arch") == NEXT_LAYER_ARCH))

@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_rows
+from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import (
@@ -106,10 +106,12 @@ class RunPlan:
         return next(i for i, r in enumerate(self.ranges) if self.exit_layer in r)
 
 
-def stage_extra_cost(options: RunConfig, config: ModelConfig, *, exit_rows: int | None = None) -> list[float]:
+def stage_extra_cost(options: RunConfig, config: ModelConfig, *, exit_rows: int | None = None,
+                     draft_layers: int = 0) -> list[float]:
     """Per-stage cost beyond its decoder layers, in layer units: the LM head on the last stage, and an
     exit head on stage 0 when speculation uses one there ([Note: partition cost]). exit_rows: the
-    LM-head rows the exit head scores (a trained head's draft vocabulary; default the whole vocabulary)."""
+    LM-head rows the exit head scores (a trained head's draft vocabulary; default the whole vocabulary);
+    draft_layers: decoder layers the exit head runs (`ExitHeadShape`), one layer unit each."""
     h, d = config.hidden_size, config.head_dim
     layer_params = (h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
                     + 3 * h * config.intermediate_size)
@@ -117,7 +119,7 @@ def stage_extra_cost(options: RunConfig, config: ModelConfig, *, exit_rows: int 
     extra = [0.0] * options.num_stages
     extra[-1] += head
     if _stage0_exit_head(options):
-        extra[0] += head * (exit_rows or config.vocab_size) / config.vocab_size
+        extra[0] += head * (exit_rows or config.vocab_size) / config.vocab_size + draft_layers
     return extra
 
 
@@ -127,28 +129,31 @@ def _stage0_exit_head(options: RunConfig) -> bool:
 
 
 def default_split(options: RunConfig, config: ModelConfig, model_dir: Path) -> list[LayerRange]:
-    """The balanced split, costing the exit head by the draft vocabulary of the head it will run.
+    """The balanced split, costing the exit head (its draft vocabulary and draft layer) at the exit
+    layer it ends stage 0 with.
 
-    The exit layer (last layer of stage 0) picks the head and the head's cost moves the split, so
-    every exit layer is tried: a layer is consistent when the split costed with that layer's head
-    ends stage 0 there. The cheapest consistent split wins (ties: the earlier exit layer); without
-    one, the whole-vocabulary split ([Note: partition cost] in pipeline/model/partition.py)."""
-    def split(rows: int) -> tuple[float, list[LayerRange]]:
-        extra = stage_extra_cost(options, config, exit_rows=rows)
-        ranges = balanced_split(config.num_hidden_layers, options.num_stages, extra_cost=extra)
-        return max(len(r) + c for r, c in zip(ranges, extra, strict=True)), ranges
-
-    fallback = split(config.vocab_size)[1]
-    if not _stage0_exit_head(options):
-        return fallback
-    consistent = []
-    for layer in range(config.num_hidden_layers - 1):
-        rows = exit_head_rows(predictor=options.predictor, exit_predictor=options.exit_predictor,
-                              model_dir=model_dir, config=config, exit_layer=layer)
-        cost, ranges = split(rows)
-        if ranges[0].stop - 1 == layer:
-            consistent.append((cost, layer, ranges))
-    return min(consistent, key=lambda c: c[:2])[2] if consistent else fallback
+    Stage 0's last layer is the exit layer, and which head runs there (a shipped or given trained
+    head, or the whole-vocabulary logit lens) sets stage 0's extra cost. So every exit layer is tried:
+    stage 0 is [0, layer], the other stages split the rest by water-filling, and the split whose most
+    expensive stage is cheapest wins (ties: the earlier exit layer). A given predictor file fixes the
+    exit layer to the one it was trained at. Without an exit head on stage 0: plain water-filling
+    ([Note: partition cost] in pipeline/model/partition.py)."""
+    n, stages = config.num_hidden_layers, options.num_stages
+    if not _stage0_exit_head(options) or stages < 2:
+        return balanced_split(n, stages, extra_cost=stage_extra_cost(options, config))
+    given = given_exit_layer(predictor=options.predictor, exit_predictor=options.exit_predictor)
+    layers = [given] if given is not None and 0 <= given <= n - stages else range(n - stages + 1)
+    best = None
+    for layer in layers:
+        shape = exit_head_shape(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                                model_dir=model_dir, config=config, exit_layer=layer)
+        extra = stage_extra_cost(options, config, exit_rows=shape.rows, draft_layers=shape.draft_layers)
+        rest = balanced_split(n - layer - 1, stages - 1, extra_cost=extra[1:])
+        ranges = [LayerRange(0, layer + 1)] + [LayerRange(r.start + layer + 1, r.stop + layer + 1) for r in rest]
+        cost = max(len(r) + c for r, c in zip(ranges, extra, strict=True))
+        if best is None or cost < best[0]:
+            best = (cost, ranges)
+    return best[1]
 
 
 def resolve(options: PipelineOptions) -> RunPlan:

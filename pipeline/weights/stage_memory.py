@@ -48,8 +48,12 @@ def kv_bytes_per_layer(config, *, dtype: torch.dtype, max_num_seqs: int, max_mod
 
 
 def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: torch.dtype, max_num_seqs: int,
-                           max_model_len: int) -> StagePlan:
+                           max_model_len: int, exit_bytes: int = 0, exit_layer: int | None = None) -> StagePlan:
     """The fewest stages (and their split) whose weights + KV each fit `budget_bytes`.
+
+    exit_bytes: what a trained exit head adds to the stage holding `exit_layer` (its file's tensors,
+    plus a next-layer drafter's KV layer); exit_layer None: the default exit layer, stage 0's last, so
+    stage 0 pays it.
 
     Raises ValueError (from `smallest_fitting_split`) when one layer with the embedding or head
     does not fit, and FileNotFoundError / ValueError for a bad model folder.
@@ -59,6 +63,10 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     layer = [reader.nbytes(layer_tensor_names(config, i), dtype=dtype) + kv for i in range(config.num_hidden_layers)]
     first = reader.nbytes([EMBED_TOKENS], dtype=dtype)
+    if exit_layer is not None and 0 <= exit_layer < len(layer):
+        layer[exit_layer] += exit_bytes
+    else:  # the default exit layer (or a bad one, which resolving the run reports)
+        first += exit_bytes
     last = reader.nbytes([FINAL_NORM, head_tensor_name(config)], dtype=dtype)
     ranges = smallest_fitting_split(layer, first_bytes=first, last_bytes=last, budget_bytes=budget_bytes)
     sizes = [sum(layer[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0)

@@ -78,10 +78,12 @@ def test_default_split_costs_the_shipped_head_by_its_draft_vocabulary(smollm2_di
 
 def test_a_given_head_keeps_its_own_exit_layer(smollm2_dir: Path, smollm2_cache: Path, tmp_path: Path):
     """`--predictor FILE` trained at another layer than the draft-vocabulary split's exit: the split
-    ends stage 0 at the file's layer instead (here the whole-vocabulary split, 15,15)."""
+    ends stage 0 at the file's layer instead, and the other stage takes the rest (before, a layer
+    the balance did not reach, such as 12, was refused as a mismatch)."""
     shipped = resolve(_options(2, smollm2_dir, smollm2_cache, "speed"))
     pred = load_predictor_bytes(shipped.exit_predictor)
     assert pred.draft_vocab is not None
-    path = save_predictor(tmp_path / "L14.safetensors", pred.tensors, {**pred.meta, "exit_layer": 14})
-    model = resolve(dataclasses.replace(_options(2, smollm2_dir, smollm2_cache, "speed"), predictor=str(path)))
-    assert model.exit_layer == 14 and [len(r) for r in model.ranges] == [15, 15] and model.exit_predictor
+    for layer, sizes in ((14, [15, 15]), (12, [13, 17])):
+        path = save_predictor(tmp_path / f"L{layer}.safetensors", pred.tensors, {**pred.meta, "exit_layer": layer})
+        model = resolve(dataclasses.replace(_options(2, smollm2_dir, smollm2_cache, "speed"), predictor=str(path)))
+        assert model.exit_layer == layer and [len(r) for r in model.ranges] == sizes and model.exit_predictor

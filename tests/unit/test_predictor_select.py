@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from launcher.cli.main import main
-from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_rows
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
+from launcher.coordinator.run_plan import default_split
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_assembly import StageLoadSpec
@@ -80,7 +82,7 @@ def test_launch_refuses_bad_predictor_before_spawning(tiny, capsys, flags, messa
     assert message in err and err.count("\n") == 1
 
 
-def test_exit_head_rows_reads_the_draft_vocabulary_of_the_head_it_would_use(tiny, tmp_path):
+def test_exit_head_shape_reads_the_draft_vocabulary_of_the_head_it_would_use(tiny, tmp_path):
     model_dir, config, path = tiny
     h = config.hidden_size
     meta = {"kind": "early-exit", "model": model_identity(model_dir).to_dict(), "exit_layer": 2, "arch": "affine",
@@ -92,8 +94,10 @@ def test_exit_head_rows_reads_the_draft_vocabulary_of_the_head_it_would_use(tiny
     explicit = save_predictor(tmp_path / "mine.safetensors", tensors, meta)
 
     def rows(predictor, exit_predictor=None, layer=2):
-        return exit_head_rows(predictor=predictor, exit_predictor=exit_predictor, model_dir=model_dir, config=config,
-                              exit_layer=layer, folder=shipped)
+        shape = exit_head_shape(predictor=predictor, exit_predictor=exit_predictor, model_dir=model_dir,
+                                config=config, exit_layer=layer, folder=shipped)
+        assert shape.draft_layers == 0  # row drafters run no decoder layer
+        return shape.rows
 
     assert rows("hybrid") == rows("early-exit") == rows(str(explicit)) == rows("hybrid", str(explicit)) == 5
     assert rows("hybrid", layer=1) == config.vocab_size  # no head ships at layer 1
@@ -106,3 +110,41 @@ def test_exit_head_rows_reads_the_draft_vocabulary_of_the_head_it_would_use(tiny
     note = choose_exit_predictor(predictor=str(drafted), exit_predictor=None, model_dir=model_dir, config=config,
                                  exit_layer=2).note
     assert "75% over its 5-token draft vocabulary" in note  # what the exit stage runs, not the 50%
+
+
+def _next_layer_file(tiny, tmp_path, layer):
+    model_dir, _, _ = tiny
+    meta = {"kind": "early-exit", "model": model_identity(model_dir).to_dict(), "exit_layer": layer,
+            "arch": "next-layer", "corpus": "self-distill", "train_tokens": 1,
+            "eval": {"top1_agreement": 0.5, "eval_tokens": 1}}  # the header is all the split reads
+    return save_predictor(tmp_path / f"next-L{layer}.safetensors", {"draft_layer.x": torch.zeros(1)}, meta)
+
+
+def test_a_next_layer_file_costs_its_draft_layer_at_its_own_layer_only(tiny, tmp_path):
+    model_dir, config, _ = tiny
+    path = _next_layer_file(tiny, tmp_path, 1)
+    for predictor, exit_predictor in ((str(path), None), ("hybrid", str(path))):
+        def shape(layer, predictor=predictor, exit_predictor=exit_predictor):
+            return exit_head_shape(predictor=predictor, exit_predictor=exit_predictor, model_dir=model_dir,
+                                   config=config, exit_layer=layer, folder=tmp_path / "none")
+        assert (shape(1).rows, shape(1).draft_layers) == (config.vocab_size, 1)
+        assert shape(0).draft_layers == 0  # trained at layer 1: not the head that would run at layer 0
+        assert given_exit_layer(predictor=predictor, exit_predictor=exit_predictor) == 1
+    assert given_exit_layer(predictor="hybrid", exit_predictor=None) is None
+    assert given_exit_layer(predictor=str(tmp_path / "missing.safetensors"), exit_predictor=None) is None
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_a_given_file_ends_stage_0_at_its_own_exit_layer(tiny, tmp_path, layer):
+    """Whatever the balance would prefer, the split ends stage 0 at the layer the given head was
+    trained at (it runs nowhere else), and water-fills the rest; without a file, plain balance."""
+    model_dir, config, _ = tiny
+    path = _next_layer_file(tiny, tmp_path, layer)
+    n = config.num_hidden_layers
+    for stages in (2, 3):
+        if layer + 1 > n - (stages - 1):
+            continue
+        options = PipelineOptions(num_stages=stages, model=str(model_dir), speculate="speed", predictor=str(path))
+        ranges = default_split(options, config, model_dir)
+        assert ranges[0].stop - 1 == layer and len(ranges) == stages and ranges[-1].stop == n, ranges
+        assert all(len(r) >= 1 for r in ranges), ranges

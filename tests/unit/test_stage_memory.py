@@ -82,3 +82,41 @@ def test_cli_stages_auto_sets_stages_and_split(tmp_path):
     with pytest.raises(UsageError, match="--stage-memory-gib"):
         _auto_stages(build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto",
                                                 "--prompt", "x"]), progress=False)
+
+
+def _next_layer_file(folder, path, layer):
+    from pipeline.speculation.predictor_file import model_identity, save_predictor
+    meta = {"kind": "early-exit", "model": model_identity(folder).to_dict(), "exit_layer": layer, "arch": "next-layer",
+            "corpus": "self-distill", "train_tokens": 1, "eval": {"top1_agreement": 0.5, "eval_tokens": 1}}
+    return save_predictor(path, {"draft_layer.x": torch.zeros(4096)}, meta)
+
+
+def test_plan_charges_a_next_layer_drafter_to_the_stage_of_its_exit_layer(tmp_path):
+    """A given next-layer drafter's file and its KV layer count on the stage holding the exit layer
+    (stage 0 by default), so a budget the model alone fits can need one more stage."""
+    folder = write_family_model(tmp_path / "m", "llama3")
+    cfg = CheckpointReader(folder).config
+    kw = {"dtype": torch.float32, "max_num_seqs": 8, "max_model_len": 64}
+    path = _next_layer_file(folder, tmp_path / "next.safetensors", 0)
+    kv = kv_bytes_per_layer(cfg, **kw)
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib", "1",
+                                      "--max-model-len", "64", "--speculate", "speed", "--predictor", str(path),
+                                      "--prompt", "x"])
+    base = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
+    from launcher.coordinator.predictor_select import given_exit_bytes
+    extra = given_exit_bytes(predictor=str(path), exit_predictor=None, kv_layer_bytes=kv)
+    assert extra == path.stat().st_size + kv and extra > kv
+    assert plan_stages_for_budget(folder, budget_bytes=1 << 40, exit_bytes=extra, **kw).stage_bytes == [
+        base.stage_bytes[0] + extra]
+    reader = CheckpointReader(folder)
+    for exit_layer in (None, cfg.num_hidden_layers - 1):
+        plan = plan_stages_for_budget(folder, budget_bytes=int(base.stage_bytes[0] * 0.6), exit_bytes=extra,
+                                      exit_layer=exit_layer, **kw)
+        holder = 0 if exit_layer is None else len(plan.ranges) - 1
+        assert len(plan.ranges) >= 2
+        for i, (r, b) in enumerate(zip(plan.ranges, plan.stage_bytes, strict=True)):
+            names = stage_tensor_names(cfg, r, is_first=i == 0, is_last=i == len(plan.ranges) - 1)
+            assert b == reader.nbytes(names, dtype=torch.float32) + kv * len(r) + (extra if i == holder else 0)
+    args.stage_memory_gib = base.stage_bytes[0] / 2**30  # the model alone fits one stage...
+    assert _auto_stages(args, progress=False)[0] == 2  # ...but not with the drafter
+    assert given_exit_bytes(predictor="hybrid", exit_predictor=None, kv_layer_bytes=kv) == 0
