@@ -47,6 +47,9 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
                                          firp_pseudo_weight=plan.firp_pseudo_weight)
     # stage-local drafting needs the exit layer on stage 0 (else: the coordinator drafts, as documented)
     draft_at_stage = options.draft_at == "stage" and options.needs_exit_head and plan.exit_stage == 0
+    if options.draft_at == "stage" and options.needs_exit_head and plan.exit_stage != 0:
+        log.warning("draft_at stage needs the exit layer on stage 0, but layer %d is on stage %d: the "
+                    "coordinator drafts", plan.exit_layer, plan.exit_stage)
     return CoordinatorConfig(
         scheduler=dataclasses.replace(scheduler, draft_at_stage=draft_at_stage and scheduler.speculate),
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,

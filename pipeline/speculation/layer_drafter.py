@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.rope import apply_rope, config_inv_freq, rope_cos_sin
-from pipeline.model.stage_model import MLP, DecoderLayer
+from pipeline.model.stage_model import MLP, Attention, DecoderLayer
 from pipeline.speculation.drafter import DrafterMap
 
 NEXT_LAYER_ARCH = "next-layer"
@@ -86,13 +86,13 @@ def build_draft_layer(config: ModelConfig, exit_layer: int, tensors: dict[str, t
     return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def train_forward(layer: DecoderLayer, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Differentiable DecoderLayer.forward over whole sequences: x [B, T, H] (each from position 0,
-    right-padded) -> [B, T, H], causal grouped-query attention with RoPE, no KV cache."""
+def sequence_attention(attn: Attention, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Differentiable causal grouped-query attention of `attn` (its projections, RoPE, no KV cache, no
+    q/k norms: `unsupported_reason`) over whole sequences: x [B, T, H] (normed inputs, each sequence
+    from position 0, right-padded) -> o_proj output [B, T, H]."""
     b, t, _ = x.shape
-    attn = layer.self_attn
     h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q, k, v = attn._qkv(layer.input_layernorm(x))
+    q, k, v = attn._qkv(x)
     cos, sin = rope_cos_sin(torch.arange(t, device=x.device), inv_freq, x.dtype)
     cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)
     q = apply_rope(q.reshape(b * t, h, d), cos, sin).reshape(b, t, h, d).transpose(1, 2)
@@ -100,7 +100,13 @@ def train_forward(layer: DecoderLayer, x: torch.Tensor, inv_freq: torch.Tensor) 
     v = v.reshape(b, t, kvh, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1),
                                          is_causal=True)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, h * d))
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, h * d))
+
+
+def train_forward(layer: DecoderLayer, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Differentiable DecoderLayer.forward over whole sequences: x [B, T, H] (each from position 0,
+    right-padded) -> [B, T, H], `sequence_attention` then the MLP, both residual."""
+    x = x + sequence_attention(layer.self_attn, layer.input_layernorm(x), inv_freq)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -166,33 +172,49 @@ def train_layer_drafter(*, train: list[Sequence], val: list[Sequence], init_laye
                         norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, settings: LayerDrafterConfig,
                         on_step: Callable[[int, float], None] | None = None) -> tuple[DecoderLayer, DrafterMap]:
     """Fine-tune a copy of `init_layer` (the model's layer exit+1) plus a swiglu DrafterMap so that
-    argmax(lm_head(norm(map(layer(h))))) matches the targets, over the candidate vocabulary
-    ([Note: candidate vocabulary] in pipeline/training/early_exit.py). Returns both in eval mode,
-    float32, gradients off; the map's `early_stop` holds (step kept, validation agreement).
+    argmax(lm_head(norm(map(layer(h))))) matches the targets (`train_sequence_model`). Returns both in
+    eval mode, float32, gradients off; the map's `early_stop` holds (step kept, validation agreement).
     Raises ValueError for an unsupported family or no training rows."""
     reason = unsupported_reason(config)
     if reason is not None:
         raise ValueError(f"the next-layer drafter does not support {config.model_type} ({reason})")
+    torch.manual_seed(settings.seed)
+    layer = copy.deepcopy(init_layer).float().requires_grad_(True)
+    drafter = SequenceDrafter(layer, DrafterMap(config.hidden_size, eps=config.rms_norm_eps), config_inv_freq(config, local=False))
+    drafter.exit_map.early_stop = train_sequence_model(
+        drafter, train=train, val=val, norm_weight=norm_weight, lm_head_weight=lm_head_weight,
+        eps=config.rms_norm_eps, settings=settings, on_step=on_step)
+    return drafter.layer, drafter.exit_map
+
+
+def train_sequence_model(model: torch.nn.Module, *, train: list[Sequence], val: list[Sequence],
+                         norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, eps: float,
+                         settings: LayerDrafterConfig,
+                         on_step: Callable[[int, float], None] | None = None) -> tuple[int, float] | None:
+    """Train `model` (forward: [B, T, F] states of whole sequences -> [B, T, H]) in place so that
+    argmax(lm_head(norm(model(x)))) matches the targets, over the candidate vocabulary of the
+    training targets ([Note: candidate vocabulary] in pipeline/training/early_exit.py): AdamW,
+    one-cycle schedule, `settings.steps` batches of `batch_size` sequences; the state best on `val`
+    (scored every `val_every` steps, `sequence_top1`) is kept ([Note: early stop] in
+    pipeline/speculation/drafter.py). Leaves `model` in eval mode, gradients off; returns (step kept,
+    validation agreement), or None without `val`. Raises ValueError for no training rows."""
     targets = torch.cat([t[t >= 0] for _, t in train]) if train else torch.empty(0, dtype=torch.int64)
     if not targets.numel():
-        raise ValueError("the next-layer drafter needs training rows")
-    torch.manual_seed(settings.seed)
+        raise ValueError("a sequence drafter needs training rows")
     candidates = torch.unique(targets)
     local = torch.full((lm_head_weight.shape[0],), -100, dtype=torch.int64)
     local[candidates] = torch.arange(candidates.numel())
     head = (lm_head_weight[candidates] * norm_weight[None, :]).float()
-    layer = copy.deepcopy(init_layer).float().requires_grad_(True)
-    drafter = SequenceDrafter(layer, DrafterMap(config.hidden_size, eps=config.rms_norm_eps), config_inv_freq(config, local=False))
-    opt = torch.optim.AdamW(drafter.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
+                            weight_decay=settings.weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=settings.lr, total_steps=settings.steps, pct_start=0.1)
     gen, best = torch.Generator().manual_seed(settings.seed), (-1.0, 0, None)
     for step in range(1, settings.steps + 1):
-        drafter.train()
+        model.train()
         x, tg = _batch(train, torch.randint(0, len(train), (settings.batch_size,), generator=gen).tolist())
         rows = tg >= 0
-        y = drafter(x)[rows]
-        loss = F.cross_entropy((y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)) @ head.T,
-                               local[tg[rows]])
+        y = model(x)[rows]
+        loss = F.cross_entropy((y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)) @ head.T, local[tg[rows]])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -200,15 +222,14 @@ def train_layer_drafter(*, train: list[Sequence], val: list[Sequence], init_laye
         if on_step is not None:
             on_step(step, loss.item())
         if val and (step % settings.val_every == 0 or step == settings.steps):
-            drafter.eval()
-            score = sequence_top1(drafter, val, head, config.rms_norm_eps, local)
+            model.eval()
+            score = sequence_top1(model, val, head, eps, local)
             if score > best[0]:
-                best = (score, step, copy.deepcopy(drafter.state_dict()))
+                best = (score, step, copy.deepcopy(model.state_dict()))
     if best[2] is not None:
-        drafter.load_state_dict(best[2])
-    drafter.eval().requires_grad_(False)
-    drafter.exit_map.early_stop = (best[1], best[0]) if best[2] is not None else None
-    return drafter.layer, drafter.exit_map
+        model.load_state_dict(best[2])
+    model.eval().requires_grad_(False)
+    return (best[1], best[0]) if best[2] is not None else None
 
 
 def file_tensors(layer: DecoderLayer, exit_map: DrafterMap) -> dict[str, torch.Tensor]:

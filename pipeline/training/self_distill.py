@@ -247,16 +247,26 @@ def sequence_states(model: StageModel, layer: int, prompt: Sequence[int], contin
     at those positions and -100 at prompt positions). For drafters that attend over the whole
     sequence (pipeline/speculation/layer_drafter.py). Raises ValueError for an empty prompt, a
     continuation shorter than 2 tokens, or len(targets) != len(continuation) - 1."""
+    (hidden,), rows = sequence_layer_states(model, (layer,), prompt, continuation, targets)
+    return hidden, rows
+
+
+def sequence_layer_states(model: StageModel, layers: Sequence[int], prompt: Sequence[int],
+                          continuation: Sequence[int], targets: Sequence[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`sequence_states` for several absolute `layers` from the same prefill: ([T, H] float32 per
+    layer, in `layers`' order), targets [T]. Raises as `sequence_states` does."""
     if not prompt or len(continuation) < 2 or len(targets) != len(continuation) - 1:
         raise ValueError("sequence_states needs a prompt, >= 2 continuation tokens and one target per fed token")
     seen = {}
-    hook = model.layers[str(layer)].register_forward_hook(lambda m, i, o: seen.__setitem__("h", o))
+    hooks = [model.layers[str(i)].register_forward_hook(lambda m, inp, out, i=i: seen.__setitem__(i, out))
+             for i in layers]
     try:
         tokens = list(prompt) + list(continuation[:-1])
         kv = model.new_kv_cache(max_num_seqs=1, max_model_len=len(tokens) + 1)
         model(torch.tensor(tokens), [Span(0, 0, len(tokens))], kv)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     rows = torch.full((len(tokens),), -100, dtype=torch.int64)
     rows[len(prompt):] = torch.tensor(list(targets), dtype=torch.int64)
-    return seen["h"].float().clone(), rows
+    return [seen[i].float().clone() for i in layers], rows

@@ -28,12 +28,13 @@ from pipeline.speculation.layer_drafter import (
     split_tensors,
     train_forward,
     train_layer_drafter,
+    train_sequence_model,
 )
 from pipeline.speculation.predictor_file import load_predictor, model_identity, predictor_bytes
 from pipeline.speculation.predictors import EarlyExitPredictor, ExitMap
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import load_full_model
-from pipeline.training.self_distill import GenerationConfig, generate
+from pipeline.training.self_distill import GenerationConfig, generate, sequence_layer_states, sequence_states
 from pipeline.weights.checkpoint import CheckpointReader
 from pipeline.weights.quant_load import load_stage_model
 from tests.in_process_pipeline import InProcessPipeline
@@ -189,6 +190,45 @@ def test_training_starts_from_the_next_layer_and_keeps_its_best_validation_state
         train_layer_drafter(train=[], val=[], init_layer=full.layers[str(EXIT_LAYER + 1)], config=config,
                             norm_weight=w["model.norm.weight"], lm_head_weight=w["model.embed_tokens.weight"],
                             settings=LayerDrafterConfig())
+
+
+def test_sequence_layer_states_are_each_layers_output_from_one_prefill(tiny):
+    """Each requested layer's states equal what a stage ending at that layer outputs, in the order
+    asked, and `sequence_states` is the one-layer case; targets sit at the fed generated tokens."""
+    model_dir, config = tiny
+    full = load_full_model(model_dir)
+    prompt, cont, targets = [5, 9, 14], [40, 41, 42, 43], [7, 8, 9]
+    layers = (EXIT_LAYER, 0)
+    states, rows = sequence_layer_states(full, layers, prompt, cont, targets)
+    tokens = torch.tensor(prompt + cont[:-1])
+    for layer, h in zip(layers, states, strict=True):
+        part = load_stage_model(str(model_dir), LayerRange(0, layer + 1), is_first=True, is_last=False)
+        want = part(tokens, [Span(0, 0, len(tokens))], part.new_kv_cache(max_num_seqs=1, max_model_len=16))
+        assert h.shape == (len(tokens), config.hidden_size) and torch.allclose(h, want.float(), atol=1e-6)
+        one, one_rows = sequence_states(full, layer, prompt, cont, targets)
+        assert torch.equal(one, h) and torch.equal(one_rows, rows)
+    assert rows.tolist() == [-100] * len(prompt) + targets
+    with pytest.raises(ValueError, match="one target per fed token"):
+        sequence_layer_states(full, layers, prompt, cont, targets[:-1])
+
+
+def test_the_sequence_trainer_fits_any_module_and_keeps_its_best_validation_state(tiny):
+    """`train_sequence_model` trains a module of another input width (the fusion drafter's shape:
+    [B, T, 2H] -> [B, T, H]) towards the targets, keeps a validation state and leaves it frozen."""
+    model_dir, config = tiny
+    h = config.hidden_size
+    reader = CheckpointReader(model_dir)
+    w = reader.read(["model.norm.weight", "model.embed_tokens.weight"], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(torch.randn(9, 2 * h, generator=gen), torch.randint(0, 6, (9,), generator=gen)) for _ in range(8)]
+    model = torch.nn.Linear(2 * h, h)
+    before = sequence_top1(model, seqs, w["model.embed_tokens.weight"] * w["model.norm.weight"], config.rms_norm_eps)
+    kept = train_sequence_model(model, train=seqs, val=seqs[:2], norm_weight=w["model.norm.weight"],
+                                lm_head_weight=w["model.embed_tokens.weight"], eps=config.rms_norm_eps,
+                                settings=LayerDrafterConfig(steps=40, batch_size=4, lr=1e-2, val_every=10))
+    after = sequence_top1(model, seqs, w["model.embed_tokens.weight"] * w["model.norm.weight"], config.rms_norm_eps)
+    assert kept is not None and kept[0] in (10, 20, 30, 40) and after > before
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
 
 
 def test_the_one_command_trains_a_next_layer_drafter_that_the_pipeline_runs_exactly(tiny, tmp_path, capsys):

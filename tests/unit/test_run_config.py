@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 
 import pytest
@@ -124,7 +125,7 @@ def _options(tiny_dir, **kw) -> PipelineOptions:
                            max_model_len=64, dtype="bfloat16", threads_per_stage=2, **kw)
 
 
-def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir):
+def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir, caplog):
     options = _options(tiny_dir, speculate="speed", predictor="logit-lens")
     plan = resolve(options)
     specs = stage_load_specs(options, plan, master_addr="127.0.0.1", master_port=1234)
@@ -142,6 +143,10 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir):
     sched = coord.scheduler
     assert (sched.speculate, sched.num_stages, sched.max_num_seqs, sched.max_model_len, sched.min_acceptance) == (
         True, 2, 3, 64, DraftGate.break_even(2))
+    later = dataclasses.replace(staged, exit_layer=2)  # on stage 1: the coordinator drafts, and says so
+    with caplog.at_level(logging.WARNING, logger="speedpipe.launch"):
+        assert not coordinator_config(later, resolve(later), master_addr="h", master_port=1).scheduler.draft_at_stage
+    assert "layer 2 is on stage 1: the coordinator drafts" in caplog.text
     assert sched.eos_token_ids == tuple(plan.tokenizer.eos_token_ids) and sched.max_inflight == 2
 
 
