@@ -1,4 +1,4 @@
-"""Benchmark: which drafter architecture at the exit layer agrees best with the model (issue 14, item 1).
+"""Benchmark: which drafter architecture at the exit layer agrees best with the model.
 
 Measures held-out top-1 agreement (the share of draft positions where the drafter's argmax equals
 the base model's greedy next token, over the full vocabulary) of five drafters on the same

@@ -104,6 +104,8 @@ def test_a_stage_broken_mid_generation_is_restarted_and_every_request_completes_
         after = coord.submit(PROMPTS[3], GREEDY).result(timeout_s=60).token_ids  # the new ring serves
         assert after == _references(tiny_model_dir, PROMPTS[3:4], GREEDY)[0]
         assert coord.sync(10)
+        # RELEASE travels in-band after the last result: every slot frees, maybe a little later
+        wait_for(lambda: not any(s.kv_slots_in_use for s in coord.stage_stats()), timeout_s=10.0)
         assert [s.kv_slots_in_use for s in coord.stage_stats()] == [0, 0, 0]
     finally:
         if pid_alive(pids[1]):
@@ -292,6 +294,7 @@ def chaos(model_dir: Path | str, *, num_requests: int, concurrency: int, num_kil
             assert [r.json()["choices"][0]["text"] for r in responses] == [offline[p].text for p in prompts]
             assert coord.num_restarts == len(breaks) and coord.failure is None, back_s
             assert coord.sync(10)
+            wait_for(lambda: not any(st.kv_slots_in_use for st in coord.stage_stats()), timeout_s=10.0)  # in-band RELEASE
             assert [st.kv_slots_in_use for st in coord.stage_stats()] == [0, 0, 0]
             live = [p for p in seen_pids if pid_alive(p)]
             assert sorted(live) == sorted(session.processes.pids)  # every killed or stopped stage was reaped

@@ -162,6 +162,8 @@ def test_a_stage_actor_killed_mid_generation_is_replaced_in_its_bundle_and_reque
         assert [p.pid for p in after[::2]] == [p.pid for p in before[::2]]  # the others kept
         assert not _gone([before[1].pid]), "the killed actor's process is still alive"
         assert coord.sync(10)
+        # RELEASE travels in-band after the last result: every slot frees, maybe a little later
+        wait_for(lambda: not any(s.kv_slots_in_use for s in coord.stage_stats()), timeout_s=10.0)
         assert [s.kv_slots_in_use for s in coord.stage_stats()] == [0, 0, 0]
     assert not _gone([p.pid for p in after]), "stage actors still alive after the session closed"
 
