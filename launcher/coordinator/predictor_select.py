@@ -99,14 +99,21 @@ def given_predictor_file(predictor: str, exit_predictor: str | None) -> Path | N
     return Path(predictor) if is_predictor_file(predictor) else None
 
 
+def _file_meta(path: Path | None) -> dict | None:
+    """The header of predictor file `path`, or None when there is no path or it cannot be read
+    (choose_exit_predictor reports a bad file). Never raises."""
+    if path is None:
+        return None
+    try:
+        return read_predictor_meta(path)
+    except (OSError, ValueError):
+        return None
+
+
 def given_exit_layer(*, predictor: str, exit_predictor: str | None) -> int | None:
     """The exit layer a user-named predictor file was trained at (its header), or None when no file is
     named or its header cannot be read (choose_exit_predictor reports a bad file). Never raises."""
-    path = given_predictor_file(predictor, exit_predictor)
-    try:
-        layer = read_predictor_meta(path).get("exit_layer") if path is not None else None
-    except (OSError, ValueError):
-        return None
+    layer = (_file_meta(given_predictor_file(predictor, exit_predictor)) or {}).get("exit_layer")
     return layer if isinstance(layer, int) else None
 
 
@@ -115,12 +122,10 @@ def given_exit_bytes(*, predictor: str, exit_predictor: str | None, kv_layer_byt
     plus `kv_layer_bytes` for a next-layer drafter's own KV cache layer; 0 without a readable file
     (the shipped heads are under 1 MB; choose_exit_predictor reports a bad file). Never raises."""
     path = given_predictor_file(predictor, exit_predictor)
-    try:
-        meta = read_predictor_meta(path) if path is not None else None
-        size = path.stat().st_size if path is not None else 0
-    except (OSError, ValueError):
+    meta = _file_meta(path)
+    if meta is None:
         return 0
-    return size + (kv_layer_bytes if meta and meta.get("arch") == NEXT_LAYER_ARCH else 0)
+    return path.stat().st_size + (kv_layer_bytes if meta.get("arch") == NEXT_LAYER_ARCH else 0)
 
 
 def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
@@ -137,10 +142,7 @@ def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Pa
     if path is None:  # the shipped head, found by name only (hashing the model here would cost seconds)
         found = sorted(folder.glob(f"{model_name(model_dir)}-*-early-exit-L{exit_layer}.safetensors"))
         path = found[0] if found else None
-    try:
-        meta = read_predictor_meta(path) if path is not None else {}
-    except (OSError, ValueError):
-        return full
+    meta = _file_meta(path) or {}
     if meta.get("exit_layer") != exit_layer:  # not the head that would run at this layer
         return full
     return ExitHeadShape(rows=int(meta.get("draft_vocab_size", config.vocab_size)),

@@ -1,5 +1,5 @@
-"""Smoke tests of tests/benchmarks/core_speed.py and row_cost.py: `--quick` runs end to end and reports
-sound numbers.
+"""Smoke tests of tests/benchmarks/core_speed.py, row_cost.py and stage_handoff.py: a short run goes end
+to end and reports sound numbers.
 
 Checks the report's shape and that every measured number is positive; it asserts no speed ratio
 (ratios on a shared CI machine are for the benchmark's reader, not for a pass/fail test).
@@ -62,3 +62,21 @@ def test_row_cost_quick_prints_every_shape(smollm2_dir: Path, smollm2_cache: Pat
     bad = subprocess.run([sys.executable, "tests/benchmarks/row_cost.py", "--quick", "--firp-layer", "99"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and "--firp-layer 99" in bad.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_stage_handoff_short_run_reports_both_waits(tmp_path: Path, smollm2_dir: Path, smollm2_cache: Path) -> None:
+    env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))
+    out = tmp_path / "stage_handoff.json"
+    proc = subprocess.run([sys.executable, "tests/benchmarks/stage_handoff.py", "--passes", "3", "--repeats", "1",
+                           "--context", "16", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (repeat,) = json.loads(out.read_text())["repeats"]
+    for key in ("one_process_ms", "two_processes_sleep_ms", "two_processes_spin_ms"):
+        assert len(repeat[key]) == 2 and all(t > 0 for t in repeat[key]), repeat
+    assert repeat["ratio_sleep"] > 0 and repeat["ratio_spin"] > 0 and "sleep" in proc.stdout, proc.stdout
+    bad = subprocess.run([sys.executable, "tests/benchmarks/stage_handoff.py", "--cut", "99", "--out", str(out)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 2 and "--cut 99" in bad.stderr
