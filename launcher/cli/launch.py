@@ -2,7 +2,8 @@
 
 Owns the JSON report of `launch --json` (outputs; overall tokens/s, TTFT, TPOT and ITL percentiles,
 acceptance; per stage busy / useful / wasted / idle (bubble) fractions from the timeline, RSS and
-weight memory; the item timeline itself with `timeline=True`).
+weight memory; the handoff latencies (pipeline/measure/handoffs.py); the item timeline itself with
+`timeline=True`).
 Must not: start or stop processes (PipelineSession does).
 """
 
@@ -13,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from launcher.coordinator.session import PipelineSession
+from pipeline.measure.handoffs import handoff_latency
 from pipeline.measure.metrics import inter_token_gaps_s, latency_summary
 from pipeline.speculation.sampling import SamplingParams
 
@@ -74,6 +76,8 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
                   "timeline_recorded": coord.record_timeline,
                   **times.draft_gap(0), "stages": stages},
     }
+    if coord.record_timeline:
+        report["stats"]["handoffs"] = handoff_latency(times.slices, len(stages))
     if timeline:
         report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report

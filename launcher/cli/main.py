@@ -298,6 +298,10 @@ def print_report(report: dict, *, streamed: bool) -> None:
             print(out["text"])
     stats = report["stats"]
     busy = ", ".join(f"{s['stage']}: {s['busy_fraction']:.0%}" for s in stats["stages"])
+    ring = stats.get("handoffs", {}).get("ring_return", {})
+    if ring.get("count"):
+        links = "/".join(f"{h['p50_ms']:.1f}" for h in stats["handoffs"]["stage_handoff"])
+        busy += f" (handoff p50 {links + ' ms, ' if links else ''}ring return {ring['p50_ms']:.1f} ms)"
     spec = ""
     if stats["drafted_tokens"]:
         spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"

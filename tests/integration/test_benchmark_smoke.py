@@ -1,5 +1,5 @@
-"""Smoke tests of tests/benchmarks/core_speed.py, row_cost.py and stage_handoff.py: a short run goes end
-to end and reports sound numbers.
+"""Smoke tests of tests/benchmarks/core_speed.py, row_cost.py, stage_handoff.py and channel_rtt.py: a short
+run goes end to end and reports sound numbers.
 
 Checks the report's shape and that every measured number is positive; it asserts no speed ratio
 (ratios on a shared CI machine are for the benchmark's reader, not for a pass/fail test).
@@ -80,3 +80,17 @@ def test_stage_handoff_short_run_reports_both_waits(tmp_path: Path, smollm2_dir:
     bad = subprocess.run([sys.executable, "tests/benchmarks/stage_handoff.py", "--cut", "99", "--out", str(out)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and "--cut 99" in bad.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_channel_rtt_short_run_times_every_setting(tmp_path: Path) -> None:
+    out = tmp_path / "channel_rtt.json"
+    proc = subprocess.run([sys.executable, "tests/benchmarks/channel_rtt.py", "--round-trips", "5", "--repeats", "1",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    medians = json.loads(out.read_text())["median_us"]
+    assert set(medians) == {"channel", "send-queue", "socket"} and all(v > 0 for v in medians.values()), medians
+    bad = subprocess.run([sys.executable, "tests/benchmarks/channel_rtt.py", "--round-trips", "0", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--round-trips" in bad.stderr

@@ -168,6 +168,9 @@ def test_plain_two_stage_decode_of_one_prompt_never_runs_both_stages_at_once(smo
     stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]
     assert all(s["wasted_fraction"] == 0 for s in stats["stages"])
     assert stats["tpot_ms_p50"] > 0 and stats["ttft_ms_p50"] > 0
+    (link,), ring = stats["handoffs"]["stage_handoff"], stats["handoffs"]["ring_return"]
+    assert link["count"] == 16 and ring["count"] == 15, stats["handoffs"]  # every pass; every decode's input found
+    assert 0 <= ring["p50_ms"] < stats["tpot_ms_p50"] and 0 <= link["p50_ms"] < stats["tpot_ms_p50"]
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     slices = sorted((e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events)
     assert {tid for _, _, tid in slices} == {0, 1}
@@ -185,3 +188,4 @@ def test_launch_without_timeline_reports_busy_and_idle_from_stage_counters(tiny:
     for s in stats["stages"]:
         assert 0 < s["busy_fraction"] <= 1 and s["idle_fraction"] == pytest.approx(1 - s["busy_fraction"], abs=1e-3)
         assert "useful_fraction" not in s
+    assert "handoffs" not in stats
