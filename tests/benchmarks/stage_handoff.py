@@ -32,14 +32,15 @@ from pathlib import Path
 
 import torch
 
-from pipeline.measure.row_cost import decode_pass
-from pipeline.model.partition import LayerRange
-from pipeline.model.row_layout import Span
-from pipeline.weights.quant_load import activation_dtype, load_stage_model
-from pipeline.weights.registry import DEFAULT_MODEL, resolve_model
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
-MODES = {"fp32": ("none", torch.float32), "bf16": ("none", torch.bfloat16), "int8": ("int8", torch.float32),
-         "int4": ("int4", torch.float32), "auto": ("auto", torch.float32)}
+from pipeline.measure.row_cost import decode_pass  # noqa: E402
+from pipeline.model.partition import LayerRange  # noqa: E402
+from pipeline.model.row_layout import Span  # noqa: E402
+from pipeline.weights.quant_load import activation_dtype, load_stage_model  # noqa: E402
+from pipeline.weights.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
+from tests.benchmarks.row_cost import MODES  # noqa: E402  (numeric mode -> (--quantization, dtype))
 
 
 def stage_pass(model_dir: Path, mode: str, layers: LayerRange, num_layers: int, context: int):
