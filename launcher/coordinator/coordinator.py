@@ -36,7 +36,7 @@ from launcher.coordinator.request_handle import (
 from launcher.coordinator.stage_control import load_and_join, shutdown_stages, wait_reachable
 from launcher.coordinator.stage_failover import StageFailover, rejoin_all, stages_to_restart
 from launcher.coordinator.stage_link import StageLink
-from launcher.coordinator.stage_receivers import start_receivers
+from launcher.coordinator.stage_receivers import ReceiverError, start_receivers
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import Abort, ReplayRunning, Submit
 from pipeline.engine.records import Commit, SchedulerConfig, SpecCounters
@@ -55,6 +55,12 @@ from workers.load_spec_codec import StageLoadSpec
 __all__ = ["Coordinator", "CoordinatorConfig", "PipelineError", "RequestHandle", "RequestOutput", "StreamChunk"]
 
 log = logging.getLogger("speedpipe.coordinator")
+DEATH_REPORT_WAIT_S = 3.0  # how long a data-plane failure waits for the report of the stage that died
+
+
+class DataPlaneFailure(PipelineError):
+    """A receive from a stage failed (its peer closed, timed out or sent garbage): the symptom,
+    whose cause may be another stage's death (`Coordinator._fail` waits for that report)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -294,6 +300,8 @@ class Coordinator:
             generation, error = payload
             if generation != self.generation:
                 return []  # about a ring that a fail-over has replaced
+            if isinstance(error, ReceiverError):
+                raise DataPlaneFailure(str(error))
             raise error if isinstance(error, PipelineError) else PipelineError(str(error))
         if kind in ("stop", "sync"):
             (self._stopping if kind == "stop" else payload).set()
@@ -314,9 +322,18 @@ class Coordinator:
         self.events.put(("error", (self.generation if generation is None else generation, error)))
 
     def _fail(self, error: PipelineError) -> None:
-        from launcher.coordinator.stage_heartbeat import blame_hung_stages
+        """Fail every request with `error`, named by its cause: hung stages first; and when a receive
+        failed while some stage's control plane refuses (its process is gone), the backend's report
+        of that death, awaited up to DEATH_REPORT_WAIT_S (the neighbours' broken connections often
+        arrive first). Then stop."""
+        from launcher.coordinator.stage_heartbeat import blame_hung_stages, probe_stages
 
-        error = PipelineError(blame_hung_stages(str(error), self.stubs))  # a timeout may name a victim
+        hung, unreachable = probe_stages(self.stubs)
+        message = blame_hung_stages(str(error), hung)  # a timeout may name a victim
+        if unreachable and not hung and isinstance(error, DataPlaneFailure):  # a death broke this receive?
+            death = self._await_death_report(DEATH_REPORT_WAIT_S)
+            message = message if death is None else f"{death}; {message}"
+        error = PipelineError(message)
         log.error("pipeline failed: %s", error)
         self.failure = error
         self._stopping.set()
@@ -330,6 +347,24 @@ class Coordinator:
                 break
             if kind == "submit":
                 payload[1].finish("error", error)
+
+    def _await_death_report(self, wait_s: float) -> str | None:
+        """The backend's report of a dead stage of this ring, if one arrives within `wait_s` (a
+        stage's death breaks its neighbours' connections too, and those errors can arrive first).
+        Other events are put back, in order."""
+        deadline, later, death = time.monotonic() + wait_s, [], None
+        while death is None and (left := deadline - time.monotonic()) > 0:
+            try:
+                kind, payload = self.events.get(timeout=left)
+            except queue.Empty:
+                break
+            if kind == "error" and payload[0] == self.generation and not isinstance(payload[1], ReceiverError):
+                death = str(payload[1])
+            else:
+                later.append((kind, payload))
+        for event in later:
+            self.events.put(event)
+        return death
 
     def stage_stats(self) -> list[pb.StageStats]:
         """GetStats of every stage, in stage order."""

@@ -104,22 +104,30 @@ class StageHeartbeat:
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
 
-def blame_hung_stages(message: str, stubs: Sequence, *, timeout_s: float = 1.0) -> str:
-    """`message` prefixed with the stages that are hung: those whose `Health` call runs into its
-    `timeout_s` deadline (a dead stage refuses at once and is not blamed here).
-
-    A hung stage makes its neighbours' data-plane waits time out too, so the first timeout to fire
-    may name a stage that is only waiting for it ("timed out ... waiting to receive from stage 2"
-    while stage 1 is stopped); asking every control plane names the one that is silent.
-    """
+def probe_stages(stubs: Sequence, *, timeout_s: float = 1.0) -> tuple[list[int], list[int]]:
+    """(hung, unreachable): the indices of stages whose `Health` call runs into its `timeout_s`
+    deadline, and of those that refuse it (UNAVAILABLE: nothing listens, the process is gone).
+    Every stage is asked at once, so this takes at most `timeout_s`. Never raises."""
     calls = [stub.Health.future(pb.HealthRequest(), timeout=timeout_s) for stub in stubs]
-    hung = []
+    hung, unreachable = [], []
     for i, call in enumerate(calls):
         try:
             call.result()
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 hung.append(i)
+            elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+                unreachable.append(i)
+    return hung, unreachable
+
+
+def blame_hung_stages(message: str, hung: Sequence[int], *, timeout_s: float = 1.0) -> str:
+    """`message` prefixed with the `hung` stages (from `probe_stages(..., timeout_s=timeout_s)`).
+
+    A hung stage makes its neighbours' data-plane waits time out too, so the first timeout to fire
+    may name a stage that is only waiting for it ("timed out ... waiting to receive from stage 2"
+    while stage 1 is stopped); asking every control plane names the one that is silent.
+    """
     if not hung:
         return message
     who = ", ".join(f"stage {i}" for i in hung)
