@@ -120,8 +120,8 @@ def _two_processes(ctx, work: tuple, spin: bool) -> list[float]:
 
 
 def run_repeat(work: tuple, waits: list[str]) -> dict:
-    """One repeat: the one-process setting, then the two-process one per wait; medians in ms, and
-    each two-process sum over the one-process sum."""
+    """One repeat: the one-process setting, then the two-process one per wait; medians in ms as
+    [stage 0's half, stage 1's half], and each two-process sum over the one-process sum."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     p = ctx.Process(target=_one_process, args=(work, theirs))
