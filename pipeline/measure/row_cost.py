@@ -236,9 +236,10 @@ def decode_pass(model, kv, *, context: int, make_pseudo=None, firp_layer: int | 
     """A `run_pass` for `measure_row_costs`: n rows after `context` cached positions of slot 0 of
     `kv` (the context must be cached already); k > 0 adds a FIRP chain of k pseudo rows to every row,
     made by `make_pseudo(anchor_hidden, k)` at `firp_layer`. A first stage gets token ids, any other
-    random hidden states [n, hidden_size] in the model's dtype. all_logits: a last stage scores every
-    row (a verify pass), not only the last; sync: called after the pass (e.g. torch.cuda.synchronize,
-    so that the clock sees the device's work)."""
+    random hidden states [n, hidden_size] in the dtype of its parameters (its activation dtype in
+    every numeric mode: bfloat16 for int weights). all_logits: a last stage scores every row (a
+    verify pass), not only the last; sync: called after the pass (e.g. torch.cuda.synchronize, so
+    that the clock sees the device's work)."""
     weight = next(iter(model.parameters()))
 
     def run(num_rows: int, k: int) -> None:

@@ -54,11 +54,6 @@ def stage_pass(model_dir: Path, mode: str, layers: LayerRange, num_layers: int, 
          else torch.randn(context, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(hidden))
     with torch.inference_mode():
         model.forward_rows(x, [Span(0, 0, context)], kv)
-    if not model.is_first:  # decode_pass would make its rows in the first parameter's dtype
-        def run() -> None:
-            kv.set_length(0, context)
-            model.forward_rows(x[:1], [Span(0, context, 1)], kv)
-        return run
     one = decode_pass(model, kv, context=context)
     return lambda: one(1, 0)
 

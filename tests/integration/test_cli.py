@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,23 @@ def check_report_schema(report: dict, *, num_prompts: int, num_stages: int, max_
     for s in stages:
         assert 0.0 <= s["busy_fraction"] <= 1.0
         assert s["rss_mb"] > s["weights_mb"] > 0
+    documented = readme_stats_names()
+    undocumented = sorted((set(stats) | {k for s in stages for k in s}) - documented - {"stage"})
+    assert not undocumented, f"README's `--json` stats paragraph does not name {undocumented}"
+
+
+def readme_stats_names() -> set[str]:
+    """Every `name` (and both halves of `a/b`-style `x_p50/p99`) in the README paragraph that starts
+    with `--json` stats."""
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    start = text.index("`--json` stats:")
+    names = set()
+    for tok in re.findall(r"`([a-z0-9_/]+)`", text[start:text.index("\n\n", start)]):
+        head, _, tail = tok.partition("/")
+        names.add(head.strip("_"))
+        if tail:  # ttft_ms_p50/p99 -> ttft_ms_p50, ttft_ms_p99
+            names.add(head.rsplit("_", 1)[0] + "_" + tail)
+    return names
 
 
 def test_json_last_stdout_line_has_outputs_and_stage_stats(speedpipe_launch_plain: CliResult):

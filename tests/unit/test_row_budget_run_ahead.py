@@ -32,6 +32,7 @@ from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import build_stage_model
 from pipeline.run_config import RunConfig
 from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names
+from pipeline.weights.quant_load import load_stage_model
 from tests.tiny_model import write_tiny_model
 
 CHEAP = RowCostTable(mode="int4", num_rows=(1, 2, 4, 8), pass_s=(0.010, 0.0101, 0.0102, 0.0105))
@@ -133,3 +134,18 @@ def test_a_stage_calibrates_its_own_passes(tmp_path, stage):
     # monotone-ish: more rows never cost much less than fewer (timer noise allowed), 16 rows not under 1
     assert table.pass_s[-1] >= 0.8 * table.pass_s[0]
     assert RowCostTable.from_json(json.loads(json.dumps(table.to_json()))) == table
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_later_stage_calibrates_in_its_quantised_mode_with_bfloat16_rows(tmp_path, quantization):
+    """A quantised stage's activations are bfloat16 ([Note: numeric modes] in pipeline/weights/quant.py):
+    the calibration pass must feed rows of that dtype (int kernels refuse float32 rows)."""
+    torch.set_num_threads(1)
+    model_dir = write_tiny_model(tmp_path / "model")
+    n = ModelConfig.from_model_dir(model_dir).num_hidden_layers
+    for layers in (LayerRange(1, 3), LayerRange(2, n)):
+        model = load_stage_model(str(model_dir), layers, is_first=False, is_last=layers.stop == n,
+                                 quantization=quantization)
+        assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.bfloat16}
+        table = calibrate_stage(model, mode=quantization, max_rows=4, repeats=1, context=8)
+        assert table.mode == quantization and min(table.pass_s) > 0
