@@ -1,5 +1,5 @@
-"""Smoke tests of tests/benchmarks/core_speed.py, row_cost.py, stage_handoff.py and channel_rtt.py: a short
-run goes end to end and reports sound numbers.
+"""Smoke tests of tests/benchmarks/core_speed.py, row_cost.py, stage_handoff.py, channel_rtt.py and
+core_contention.py: a short run goes end to end and reports sound numbers.
 
 Checks the report's shape and that every measured number is positive; it asserts no speed ratio
 (ratios on a shared CI machine are for the benchmark's reader, not for a pass/fail test).
@@ -94,3 +94,24 @@ def test_channel_rtt_short_run_times_every_setting(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "tests/benchmarks/channel_rtt.py", "--round-trips", "0", "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--round-trips" in bad.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_core_contention_short_run_times_solo_and_together(tmp_path: Path, smollm2_dir: Path,
+                                                           smollm2_cache: Path) -> None:
+    env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))
+    out = tmp_path / "core_contention.json"
+    proc = subprocess.run([sys.executable, "tests/benchmarks/core_contention.py", "--modes", "auto", "--passes", "2",
+                           "--repeats", "1", "--context", "16", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    auto = json.loads(out.read_text())["modes"]["auto"]
+    (repeat,) = auto["repeats"]
+    assert len(repeat["solo_ms"]) == len(repeat["together_ms"]) == 2, repeat
+    assert all(t > 0 for t in repeat["solo_ms"] + repeat["together_ms"]), repeat
+    assert auto["two_prompt_ceiling"] == pytest.approx(2 / auto["median_slowdown"], abs=1e-3)
+    assert "2-prompt ceiling" in proc.stdout, proc.stdout
+    bad = subprocess.run([sys.executable, "tests/benchmarks/core_contention.py", "--modes", "fp64", "--out", str(out)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--modes fp64" in bad.stderr
