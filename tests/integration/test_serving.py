@@ -75,8 +75,24 @@ def kv_slots(stack) -> list[int]:
     return [st.kv_slots_in_use for st in stack.session.coordinator.stage_stats()]
 
 
+def pipeline_idle(stack) -> bool:
+    """True once nothing can take a KV slot any more: no request outstanding, the engine has no
+    micro-batch in flight and no sequence left to release, and every stage's slots are free.
+
+    [Note: a free slot read too early] Reading only the stages' slot counts races with in-flight
+    work: an aborted request's FORWARD may still sit in stage 0's queue (0 slots read), run a moment
+    later (1 slot) and only then meet the RELEASE queued behind it. The engine's counts are read
+    first: with none in flight, every FORWARD sent has run on every stage, so a 0 read after them
+    stays 0."""
+    coordinator = stack.session.coordinator
+    return (coordinator.sync(5.0) and not stack.engine.num_outstanding and not coordinator.engine.num_inflight
+            and not coordinator.engine.num_sequences and not any(kv_slots(stack)))
+
+
 def wait_slots_free(stack, timeout_s: float = 10.0) -> list[int]:
-    wait_for(lambda: not any(kv_slots(stack)), timeout_s=timeout_s)
+    """The stages' KV slots in use once the pipeline is idle ([Note: a free slot read too early]), or
+    as they are when `timeout_s` ran out."""
+    wait_for(lambda: pipeline_idle(stack), timeout_s=timeout_s)
     return kv_slots(stack)
 
 
@@ -252,7 +268,7 @@ def test_full_queue_is_429(server, client):
                 r.close()
     # a queued request notices its closed stream only once it streams its first token, so the 8 that
     # were waiting run briefly before their abort: a generous bound, still a leak check
-    assert wait_for(lambda: not stack.engine.num_outstanding and not any(kv_slots(stack)), timeout_s=60.0), \
+    assert wait_for(lambda: pipeline_idle(stack), timeout_s=60.0), \
         f"requests or KV slots left after the streams closed: {stack.engine.num_outstanding}, {kv_slots(stack)}"
     assert kv_slots(stack) == [0, 0] and stack.engine.num_outstanding == 0
     r = client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1, temperature=0)
