@@ -106,16 +106,21 @@ class RunPlan:
         return next(i for i, r in enumerate(self.ranges) if self.exit_layer in r)
 
 
+def layer_param_count(config: ModelConfig) -> int:
+    """Weights of one decoder layer's linears (q, k, v, o and a dense SwiGLU MLP), the unit of the
+    split's cost ([Note: partition cost] in pipeline/model/partition.py)."""
+    h, d = config.hidden_size, config.head_dim
+    return h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) + 3 * h * config.intermediate_size
+
+
 def stage_extra_cost(options: RunConfig, config: ModelConfig, *, exit_rows: int | None = None,
                      draft_layers: int = 0) -> list[float]:
     """Per-stage cost beyond its decoder layers, in layer units: the LM head on the last stage, and an
     exit head on stage 0 when speculation uses one there ([Note: partition cost]). exit_rows: the
     LM-head rows the exit head scores (a trained head's draft vocabulary; default the whole vocabulary);
     draft_layers: decoder layers the exit head runs (`ExitHeadShape`), one layer unit each."""
-    h, d = config.hidden_size, config.head_dim
-    layer_params = (h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
-                    + 3 * h * config.intermediate_size)
-    head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=h, layer_params=layer_params)
+    head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                            layer_params=layer_param_count(config))
     extra = [0.0] * options.num_stages
     extra[-1] += head
     if _stage0_exit_head(options):

@@ -1,5 +1,6 @@
-"""Smoke tests of tests/benchmarks/core_speed.py, row_cost.py, stage_handoff.py, channel_rtt.py and
-core_contention.py: a short run goes end to end and reports sound numbers.
+"""Smoke tests of tests/benchmarks/core_speed.py, row_cost.py, stage_handoff.py, channel_rtt.py,
+core_contention.py, split_cost.py and split_balance.py: a short run goes end to end and reports sound
+numbers.
 
 Checks the report's shape and that every measured number is positive; it asserts no speed ratio
 (ratios on a shared CI machine are for the benchmark's reader, not for a pass/fail test).
@@ -115,3 +116,36 @@ def test_core_contention_short_run_times_solo_and_together(tmp_path: Path, smoll
     bad = subprocess.run([sys.executable, "tests/benchmarks/core_contention.py", "--modes", "fp64", "--out", str(out)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--modes fp64" in bad.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_split_cost_short_run_prices_the_head_in_layers(tmp_path: Path, smollm2_dir: Path, smollm2_cache: Path) -> None:
+    env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))
+    out = tmp_path / "split_cost.json"
+    proc = subprocess.run([sys.executable, "tests/benchmarks/split_cost.py", "--modes", "auto", "--layers", "2",
+                           "--passes", "2", "--repeats", "1", "--context", "16", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    auto = json.loads(out.read_text())["modes"]["auto"]
+    assert auto["layer_ms"] > 0 and auto["weight_ratio"] == pytest.approx(8.0, abs=0.01), auto
+    assert auto["head_layers"] == pytest.approx(auto["head_ms"] / auto["layer_ms"], rel=0.01)
+    assert auto["efficiency"] == pytest.approx(auto["head_layers"] / auto["weight_ratio"], rel=0.01)
+    bad = subprocess.run([sys.executable, "tests/benchmarks/split_cost.py", "--layers", "99", "--out", str(out)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--layers 99" in bad.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_split_balance_short_run_pairs_the_default_split_with_an_alternative(tmp_path: Path, smollm2_dir: Path,
+                                                                             smollm2_cache: Path) -> None:
+    env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))
+    out = tmp_path / "split_balance.json"
+    proc = subprocess.run([sys.executable, "tests/benchmarks/split_balance.py", "--stages", "2", "--alternatives",
+                           "20,10", "--prompts", "2", "--max-new-tokens", "4", "--repeats", "1", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert [r["split"] for r in report["runs"]["20,10"]] == [[20, 10]]
+    assert report["runs"]["default"][0]["tokens_per_s"] > 0 and report["default_over"]["20,10"] > 0, report
