@@ -55,6 +55,42 @@ def loopback_listener(host: str, port: int) -> int | None:
     return sock.detach()
 
 
+_held_listeners: dict[tuple[str, int], socket.socket] = {}
+_held_lock = threading.Lock()
+
+
+def hold_listener(host: str) -> int:
+    """Listen on a free port of `host` now and hold the socket for this process's next rank-0
+    `DataPlaneGroup` at `host`:port, which then serves on it. Returns the port.
+
+    [Note: held rendezvous port]
+    Probing a free port and binding it later loses races: in between, any process's outgoing
+    connection may take it as its ephemeral source port (EADDRINUSE at the coordinator's join, seen
+    under the full test suite). A held port is never free in between. Stages that connect early
+    wait in the socket's backlog until the store serves. Raises OSError if `host` cannot be bound.
+    """
+    family, socktype, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socktype, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    port = int(sock.getsockname()[1])
+    with _held_lock:
+        _held_listeners[(host, port)] = sock
+    return port
+
+
+def _master_listener(host: str, port: int) -> int | None:
+    """The fd rank 0's TCPStore serves on: the held one ([Note: held rendezvous port]), else a
+    loopback-only listener, else None (torch listens on every interface)."""
+    with _held_lock:
+        held = _held_listeners.pop((host, port), None)
+    return held.detach() if held is not None else loopback_listener(host, port)
+
+
 class DataPlaneGroup:
     """Rendezvous and process groups of one pipeline: gloo always, NCCL too when `device` is CUDA.
 
@@ -71,7 +107,7 @@ class DataPlaneGroup:
         self.store = dist.TCPStore(master_addr, master_port, world_size, rank == 0,
                                    timeout=datetime.timedelta(seconds=max(timeout_s, connect_timeout_s)),
                                    wait_for_workers=True,
-                                   master_listen_fd=loopback_listener(master_addr, master_port) if rank == 0 else None)
+                                   master_listen_fd=_master_listener(master_addr, master_port) if rank == 0 else None)
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, timeout)
         self.nccl = None
         if device.startswith("cuda"):

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TextIO
 
-from launcher.backends.ports import free_port
 from launcher.backends.stage_group import LocalStageProcesses
 from launcher.backends.stage_monitor import StageProcessMonitor
 from launcher.backends.stage_process import describe_returncode
 from launcher.backends.worker_command import LocalLaunchConfig
+from workers.channel import hold_listener
 
 
 class LocalStageBackend:
@@ -37,7 +37,7 @@ class LocalStageBackend:
         return self.processes.start()
 
     def data_port(self) -> int:
-        return free_port(self.master_addr)
+        return hold_listener(self.master_addr)  # [Note: held rendezvous port]
 
     def describe(self, stage_index: int) -> str:
         local = stage_index - self.config.first_stage_index

@@ -44,11 +44,10 @@ import torch.distributed as dist
 
 from launcher.backends.local import LocalStageBackend
 from launcher.backends.placement import PlacementError, PlacementOptions, detect_host_ip, node_stages
-from launcher.backends.ports import free_port
 from launcher.backends.stage_monitor import StageProcessMonitor
 from launcher.backends.stage_process import describe_returncode
 from launcher.backends.worker_command import LocalLaunchConfig
-from workers.channel import loopback_listener
+from workers.channel import hold_listener, loopback_listener
 from workers.control_auth import SECRET_ENV, TlsFiles
 
 log = logging.getLogger("speedpipe.multinode")
@@ -167,9 +166,10 @@ class MultiNodeStages:
 
     def data_port(self) -> int:
         """The data-plane rendezvous is fixed at --master-port + 1, so firewalls can name it; a group
-        re-formed after a fail-over uses a free port instead (the old group may still hold port + 1)."""
+        re-formed after a fail-over uses a free port held until its store serves ([Note: held rendezvous
+        port]; the old group may still hold port + 1)."""
         self._num_groups += 1
-        return self.options.master_port + 1 if self._num_groups == 1 else free_port(self.master_addr)
+        return self.options.master_port + 1 if self._num_groups == 1 else hold_listener(self.master_addr)
 
     def dead_stages(self) -> list[int]:
         """This node's exited stages; a remote stage's death is found by the coordinator's Health probe."""

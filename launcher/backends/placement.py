@@ -200,7 +200,8 @@ class StageBackend(Protocol):
     worker dies before `unwatch()` or `stop()` (the session unwatches before the coordinator shuts the
     stages down, so their exits are expected); `stop()` stops every worker, is idempotent and safe on every exit
     path. `master_addr` is the address of this (the coordinator's) machine that every stage can reach:
-    rank 0 hosts the data-plane rendezvous there. `data_port()` is the port it uses.
+    rank 0 hosts the data-plane rendezvous there. `data_port()` is the port it uses, held by this
+    process until rank 0's store serves on it where it can be ([Note: held rendezvous port]).
     Fail-over ([Note: fail-over] in launcher/coordinator/stage_failover.py): `dead_stages()` are the
     indices of workers that exited; `restart_stage(i)` kills worker i if it runs, starts it again
     (same arguments and session secret) and returns its new gRPC address; `pause_watch()` stops

@@ -53,8 +53,8 @@ from launcher.backends.placement import (
     forwarded_env,
     stage_order,
 )
-from launcher.backends.ports import free_port
 from launcher.backends.worker_command import LOG_LEVELS
+from workers.channel import hold_listener
 
 log = logging.getLogger("speedpipe.ray")
 
@@ -198,7 +198,7 @@ class RayStageActors:
         return [p.address for p in self.placements]
 
     def data_port(self) -> int:
-        return free_port(self.master_addr)
+        return hold_listener(self.master_addr)  # [Note: held rendezvous port]
 
     def describe(self, stage_index: int) -> str:
         if stage_index >= len(self.placements):
