@@ -18,10 +18,18 @@ import statistics
 import sys
 from pathlib import Path
 
-from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes
+from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
 from pipeline.measure.calibrate_tables import run_load_factor
 from pipeline.measure.row_cost import RowCostTable
-from pipeline.measure.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
+from pipeline.measure.simulator import (
+    Bernoulli,
+    CostModel,
+    DraftsAt,
+    FirpReplay,
+    Replay,
+    SimConfig,
+    Simulator,
+)
 from pipeline.run_config import RunConfig
 
 
@@ -45,8 +53,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    "tests/benchmarks/row_cost.py report whose table (--dtype's mode) prices the row counts the "
                    "measured runs did not have (default none: interpolated between them)")
     c.add_argument("--dtype", default="float32", help="with --row-cost: the runs' dtype (default float32)")
-    c.add_argument("--replay", action="store_true", help="with --calibrate: replay each run's recorded draft "
-                   "outcomes instead of Bernoulli draws at its measured acceptance")
+    c.add_argument("--replay", action="store_true", help="with --calibrate: draft at every chance, replaying "
+                   "each run's verified draft outcomes in order (default: draft where the run drafted, as it did)")
     c.add_argument("--model-ms", type=float, default=60.0, help="whole-model compute per token row, ms (default 60)")
     c.add_argument("--stage-overhead-ms", type=float, default=0.5, help="fixed cost per stage per micro-batch, ms")
     c.add_argument("--coordinator-ms", type=float, default=1.0, help="coordinator turnaround per result, ms")
@@ -118,8 +126,9 @@ def row_shape_arg(args: argparse.Namespace) -> RowCostTable | None:
 
 def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int = 0, at_run_load: bool = False) -> float:
     """Simulated tokens/s of one measured run: same stages, prompt lengths (from its prefill items),
-    tokens per sequence, speculation and acceptance (SPEED's, and FIRP's chain length and
-    acceptance); at_run_load: compute costs scaled by the run's own load (`run_load_factor`)."""
+    tokens per sequence, speculation and acceptance (SPEED's drafts where it drafted, right where
+    they were, `DraftsAt`, or with `replay` its verified outcomes in order at every chance; FIRP's
+    chains as recorded, `FirpReplay`); at_run_load: compute costs scaled by the run's own load (`run_load_factor`)."""
     prompt_lens = {}
     for s in run["timeline"]["slices"]:
         for it in s["items"]:
@@ -131,18 +140,24 @@ def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int 
     acceptance = None
     if spec:
         outcomes = draft_outcomes(run["timeline"])
-        acceptance = Replay(outcomes) if replay and outcomes else Bernoulli(stats["acceptance_rate"], seed=seed)
+        if replay:
+            acceptance = Replay(outcomes) if outcomes else Bernoulli(stats["acceptance_rate"], seed=seed)
+        else:  # where it drafted, and whether each was right (DraftsAt)
+            acceptance = DraftsAt(draft_positions(run["timeline"]))
     firp_k = 0
     if "firp" in run["speculate"]:  # the chain length the run used: its longest FIRP item's drafts
         firp_k = max((it["positions"][1] - it["positions"][0] - 1 for s in run["timeline"]["slices"]
                       for it in s["items"] if it["kind"] == "firp"), default=0)
     firp_alpha = stats.get("firp_accepted", 0) / stats["firp_verified"] if stats.get("firp_verified") else 0.0
+    chains = firp_chains(run["timeline"]) if firp_k > 0 else []  # per sequence, in prompt order
     cfg = SimConfig(num_stages=run["num_stages"], prompt_lens=lens, max_new_tokens=max(run["num_tokens"]),
                     speculate=spec, exit_head=run.get("exit_head", True), firp_k=max(0, firp_k), firp_alpha=firp_alpha)
     cost = cal.cost_model(run["num_stages"])
     if at_run_load and cal.stage_tables:
-        cost = cost.scaled(run_load_factor(run["timeline"], cal.stage_tables[run["num_stages"]]))
-    return Simulator(cfg, cost, acceptance=acceptance, record_timeline=False).run().tokens_per_s
+        cost = cost.scaled(run_load_factor(run["timeline"], cal.stage_tables[run["num_stages"]],
+                                           contention=cal.contention))
+    return Simulator(cfg, cost, acceptance=acceptance, firp_replay=FirpReplay(chains) if any(chains) else None,
+                     record_timeline=False).run().tokens_per_s
 
 
 def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = False, seed: int = 0) -> list[dict]:
@@ -158,7 +173,8 @@ def check_calibration(cal: Calibration, runs: list[dict], *, replay: bool = Fals
         predicted = statistics.median(predict_run(cal, r, replay=replay, seed=seed) for r in rs)
         at_load = statistics.median(r["stats"]["tokens_per_s"] / predict_run(cal, r, replay=replay, seed=seed,
                                                                               at_run_load=True) for r in rs)
-        loads = [run_load_factor(r["timeline"], cal.stage_tables[r["num_stages"]]) for r in rs] if cal.stage_tables else [1.0]
+        loads = ([run_load_factor(r["timeline"], cal.stage_tables[r["num_stages"]], contention=cal.contention)
+                  for r in rs] if cal.stage_tables else [1.0])
         rows.append({"config": name, "measured_tokens_per_s": round(measured, 3),
                      "predicted_tokens_per_s": round(predicted, 3), "error": round(predicted / measured - 1, 4),
                      "at_run_load_error": round(1 / at_load - 1, 4), "run_load": round(statistics.median(loads), 3)})

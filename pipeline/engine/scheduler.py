@@ -309,7 +309,7 @@ class Scheduler:
                 firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
             row, pseudo_row = row + n, pseudo_row + item.num_pseudo
             seq = self.seqs.get(item.seq_id)
-            item, argmax = self.tree.result_rows(seq, item, argmax)  # [Note: token trees]
+            item, argmax, rows = self.tree.result_rows(seq, item, argmax, rows)  # [Note: token trees]
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)

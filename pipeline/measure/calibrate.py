@@ -119,6 +119,52 @@ def draft_outcomes(timeline: dict) -> list[bool]:
     return [ok for _, ok in sorted(out)]
 
 
+def draft_positions(timeline: dict) -> list[dict[int, bool]]:
+    """Where a run drafted, per sequence (in sequence-id order): position -> whether a draft item
+    there was committed (a draft squashed behind an earlier wrong one and drafted again in the
+    next epoch counts as right if that one was). The record of
+    `pipeline.measure.sim_acceptance.DraftsAt`."""
+    out: dict[int, dict[int, bool]] = collections.defaultdict(dict)
+    for s in timeline["slices"]:
+        for it in s["items"]:
+            if it["kind"] == "draft":
+                here = out[it["seq_id"]]
+                here[it["positions"][0]] = here.get(it["positions"][0], False) or it["outcome"] == "committed"
+    seqs = sorted({it["seq_id"] for s in timeline["slices"] for it in s["items"]})
+    return [out.get(seq, {}) for seq in seqs]
+
+
+def firp_chains(timeline: dict) -> list[list[tuple[int, int]]]:
+    """A FIRP run's recorded chains, per sequence (in sequence-id order), in position order: for
+    every decode or FIRP item, (drafts it carried, drafts of it accepted), the accepted ones being
+    those its successor starts after, or for the last item, those before the sequence's last token
+    (from the timeline's commits; without them the last item is left out); a decode item: (0, 0).
+    The replay record of `pipeline.measure.simulator.FirpReplay`: item i's pair says what item
+    i - 1's result drafted."""
+    firsts: dict[tuple[int, int, int], dict] = {}
+    for s in timeline["slices"]:
+        if s["stage"] == 0:
+            for it in s["items"]:
+                firsts.setdefault((it["seq_id"], it["epoch"], it["positions"][0]), it)
+    by_seq: dict[int, list[tuple[int, dict]]] = collections.defaultdict(list)
+    for (seq, _, start), it in firsts.items():
+        by_seq[seq].append((start, it))
+    generated = collections.Counter(seq for _, seq, _ in timeline.get("commits", ()))
+    out = []
+    for seq in sorted(by_seq):
+        items = sorted(by_seq[seq], key=lambda x: x[0])
+        prompt = next((it["positions"][1] for _, it in items if it["kind"] == "prefill"), None)
+        last = prompt + generated[seq] - 1 if prompt is not None and generated[seq] else None  # last token's position
+        nexts = [nxt for nxt, _ in items[1:]] + [last]
+        chains = []
+        for (start, it), nxt in zip(items, nexts, strict=True):
+            if it["kind"] in ("decode", "firp") and nxt is not None:
+                length = it["positions"][1] - start - 1 if it["kind"] == "firp" else 0
+                chains.append((length, max(0, min(length, nxt - start - 1))))
+        out.append(chains)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """Costs fitted from a measured sweep: stage fits per measured stage count, hop latency,
@@ -134,6 +180,8 @@ class Calibration:
     pseudo_row_s: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     exit_row_s: float = 0.0
     exit_event_s: float | None = None
+    contention_rows: tuple[tuple[int, float], ...] = ()
+    pass_shapes: dict[int, tuple[tuple[tuple[int, int, float], ...], ...]] = dataclasses.field(default_factory=dict)
 
     def cost_model(self, num_stages: int) -> CostModel:
         """The measured stage costs for a measured stage count; otherwise scaled (see `scaled_fits`,
@@ -149,7 +197,9 @@ class Calibration:
                          stage_per_token_s=tuple(f.per_token_s for f in fits), stage_tables=tables,
                          pseudo_row_s=pseudo, hop_latency_s=self.hop_latency_s, coordinator_s=self.coordinator_s,
                          predictor_s=self.predictor_s, exit_row_s=self.exit_row_s, exit_event_s=self.exit_event_s,
-                         contention=self.contention if measured else 0.0)
+                         contention=self.contention if measured else 0.0,
+                         contention_rows=self.contention_rows if measured else (),
+                         pass_shapes=self.pass_shapes.get(num_stages, ()))
 
     def to_json(self) -> dict:
         return {"stage_fits": {str(k): [dataclasses.asdict(f) for f in v] for k, v in self.stage_fits.items()},
@@ -157,7 +207,9 @@ class Calibration:
                 "predictor_s": self.predictor_s, "contention": self.contention,
                 "stage_tables": {str(k): [t.to_json() for t in v] for k, v in self.stage_tables.items()},
                 "pseudo_row_s": {str(k): v for k, v in self.pseudo_row_s.items()},
-                "exit_row_s": self.exit_row_s, "exit_event_s": self.exit_event_s}
+                "exit_row_s": self.exit_row_s, "exit_event_s": self.exit_event_s,
+                "contention_rows": [list(p) for p in self.contention_rows],
+                "pass_shapes": {str(k): [[list(x) for x in st] for st in v] for k, v in self.pass_shapes.items()}}
 
 
 def scaled_tables(tables: dict[int, list[RowCostTable]], num_stages: int) -> list[RowCostTable]:

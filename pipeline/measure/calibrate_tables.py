@@ -20,6 +20,11 @@ it returns use:
 - the exit event's delay: median gap from stage 0 finishing a chain end to it starting the draft
   after it, in exit-head runs, when stage 0 stayed idle and no result came back in between (a
   result could have been what freed room for the draft), less the send hop;
+- per stage, the time of each FIRP pass shape (real rows, pseudo rows) measured often enough
+  (`fit_pass_shapes`), from one-sequence runs if there are any: a 3-row point taken from the
+  row-cost table's ratios is off by ~5 %, which the pseudo-row cost cannot absorb on every stage;
+- the contention of those shapes (`fit_contention_rows`), from the runs that keep every stage busy:
+  a 9-row FIRP pass slowed by ~14 % with the other stage busy, where a 1-row pass slows by ~2 %;
 - per run, its load (`run_load_factor`): on a machine shared with other jobs one repeat of a
   configuration can run 3x slower than the next, so every fit above divides each run's times by
   it, and `simulate --calibrate` reports the prediction of each run both at the fitted costs and
@@ -57,7 +62,8 @@ def with_tables(cal, runs: Sequence[dict], *, row_shape: RowCostTable | None = N
         first = [shaped(t, row_shape) for t in first]
         tables[s] = [shaped(t, row_shape) for t in fit_stage_tables(
             tls, s, contention=c, primary=primary, loads=[run_load_factor(t, first) for t in tls])]
-    load = {id(r): run_load_factor(r["timeline"], tables[r["num_stages"]]) for r in runs if r["num_stages"] in tables}
+    load = {id(r): run_load_factor(r["timeline"], tables[r["num_stages"]], contention=c)
+            for r in runs if r["num_stages"] in tables}
     pseudo = {}
     for s, ts in tables.items():
         firp = [r for r in runs if r["num_stages"] == s and "firp" in r["speculate"]]
@@ -72,8 +78,60 @@ def with_tables(cal, runs: Sequence[dict], *, row_shape: RowCostTable | None = N
                              count=lambda it, legacy=legacy: it.get("want_exit", legacy and it["kind"] in ("decode", "draft")))
     gaps = [g for r in heads for g in draft_round_trips_s(r["timeline"])]
     exit_event = max(0.0, statistics.fmean(gaps) - cal.hop_latency_s) if gaps else None
+    shapes = {}
+    for s in tables:  # FIRP pass shapes, from one-sequence runs if any: their passes are uncontended
+        firp = sorted((r for r in runs if r["num_stages"] == s and "firp" in r["speculate"]),
+                      key=lambda r: r.get("concurrency", 1) > 1)
+        alone = [r for r in firp if r.get("concurrency", 1) == 1] or firp
+        shapes[s] = fit_pass_shapes([r["timeline"] for r in alone], s, loads=[load[id(r)] for r in alone])
+    full = [r for r in runs if r["num_stages"] in shapes and 2 <= r["num_stages"] <= r.get("concurrency", 1)]
+    rows = fit_contention_rows([r["timeline"] for r in full], [shapes[r["num_stages"]] for r in full],
+                               loads=[load[id(r)] for r in full])
     return dataclasses.replace(cal, predictor_s=0.0 if points else cal.predictor_s, stage_tables=tables,
-                               pseudo_row_s=pseudo, exit_row_s=_through_origin(points), exit_event_s=exit_event)
+                               pseudo_row_s=pseudo, exit_row_s=_through_origin(points), exit_event_s=exit_event,
+                               pass_shapes={s: v for s, v in shapes.items() if any(v)}, contention_rows=rows)
+
+
+MIN_SHAPE_SLICES = 5  # uncontended passes of one (real, pseudo) shape on one stage, for its own cost
+MIN_CONTENTION_SLICES = 8  # contended passes of one row count, for its own contention
+
+
+def _shape(slice_: dict) -> tuple[int, int]:
+    return num_tokens(slice_), sum(it.get("num_pseudo", 0) for it in slice_["items"])
+
+
+def fit_pass_shapes(timelines: Sequence[dict], num_stages: int, *,
+                    loads: Sequence[float]) -> tuple[tuple[tuple[int, int, float], ...], ...]:
+    """Per stage, ((real rows, pseudo rows, seconds), ...): the median time / load of the passes
+    with FIRP pseudo rows and no exit-head item that started while no other stage computed, per
+    shape with at least MIN_SHAPE_SLICES of them ([Note: stage pass cost])."""
+    times: dict[tuple[int, int, int], list[float]] = collections.defaultdict(list)
+    for tl, load in zip(timelines, loads, strict=True):
+        for s, others in zip(tl["slices"], _busy_others(tl), strict=True):
+            n, p = _shape(s)
+            if p and not others and not any(it.get("want_exit") for it in s["items"]):
+                times[(s["stage"], n, p)].append((s["end_ns"] - s["start_ns"]) / 1e9 / load)
+    return tuple(tuple((n, p, statistics.median(v)) for (st, n, p), v in sorted(times.items())
+                       if st == stage and len(v) >= MIN_SHAPE_SLICES) for stage in range(num_stages))
+
+
+def fit_contention_rows(timelines: Sequence[dict], shapes: Sequence[tuple], *,
+                        loads: Sequence[float]) -> tuple[tuple[int, float], ...]:
+    """Contention of the measured multi-row pass shapes ([Note: stage pass cost]): over the passes
+    of a shape of `shapes` (per timeline, `fit_pass_shapes` of its stage count) that started while
+    other stages computed, in runs that keep every stage busy, (time / load / the shape's
+    uncontended time - 1) / the stages computing; per rows = real + pseudo with at least
+    MIN_CONTENTION_SLICES of them, the median, clamped at 0."""
+    by_rows: dict[int, list[float]] = collections.defaultdict(list)
+    for tl, per_stage, load in zip(timelines, shapes, loads, strict=True):
+        known = {(stage, n, p): t for stage, st in enumerate(per_stage) for n, p, t in st}
+        for s, others in zip(tl["slices"], _busy_others(tl), strict=True):
+            n, p = _shape(s)
+            alone = known.get((s["stage"], n, p))
+            if others and alone and not any(it.get("want_exit") for it in s["items"]):
+                by_rows[n + p].append(((s["end_ns"] - s["start_ns"]) / 1e9 / load / alone - 1) / others)
+    return tuple((w, max(0.0, statistics.median(v))) for w, v in sorted(by_rows.items())
+                 if w > 1 and len(v) >= MIN_CONTENTION_SLICES)
 
 
 def _busy_others(timeline: dict) -> list[int]:
@@ -83,6 +141,7 @@ def _busy_others(timeline: dict) -> list[int]:
 
 
 MIN_LOAD_SLICES = 3  # alone slices a run needs for its own load factor
+MIN_CONTENDED_LOAD_SLICES = 16  # or slices in all, de-contended (a FIRP run's few plain ones are too noisy)
 LINE_FROM_ROWS = 16  # above this many rows (prefills) a table's points come from a line fitted through them
 
 
@@ -164,20 +223,31 @@ def _residuals(timeline: dict, stage: int, table: RowCostTable, contention: floa
     return alone or contended
 
 
-def run_load_factor(timeline: dict, tables: Sequence[RowCostTable], *, exit_stage: int = 0) -> float:
+def run_load_factor(timeline: dict, tables: Sequence[RowCostTable], *, exit_stage: int = 0,
+                    contention: float | None = None) -> float:
     """How much slower than `tables` one run's plain passes ran (other jobs on the machine): the
     median, over its slices without FIRP pseudo rows or (on `exit_stage`) exit-head items that ran
-    while no other stage computed at all, of time / the table's cost at their real rows; 1.0 with
-    fewer than MIN_LOAD_SLICES of them (a full pipeline's stages always overlap).
+    while no other stage computed at all, of time / the table's cost at their real rows. With
+    fewer than MIN_LOAD_SLICES of them (a full pipeline's stages always overlap): over all such
+    slices if there are MIN_CONTENDED_LOAD_SLICES, each de-contended as in `fit_stage_tables` (time / (1 + contention x others computing
+    at its start)), when `contention` is given; else 1.0.
     A cost model `scaled` by it predicts that run under its own load ([Note: table calibration])."""
     spans = [(s["stage"], s["start_ns"], s["end_ns"]) for s in timeline["slices"]]
-    ratios = []
-    for s in timeline["slices"]:
+    alone, contended = [], []
+    for s, others in zip(timeline["slices"], _busy_others(timeline), strict=True):
         extra = any(it.get("num_pseudo", 0) or (s["stage"] == exit_stage and it.get("want_exit")) for it in s["items"])
-        overlap = any(st != s["stage"] and a < s["end_ns"] and b > s["start_ns"] for st, a, b in spans)
-        if not extra and not overlap and s["stage"] < len(tables):
-            ratios.append((s["end_ns"] - s["start_ns"]) / 1e9 / tables[s["stage"]].cost_s(max(1, num_tokens(s))))
-    return statistics.median(ratios) if len(ratios) >= MIN_LOAD_SLICES else 1.0
+        if extra or s["stage"] >= len(tables):
+            continue
+        ratio = (s["end_ns"] - s["start_ns"]) / 1e9 / tables[s["stage"]].cost_s(max(1, num_tokens(s)))
+        if any(st != s["stage"] and a < s["end_ns"] and b > s["start_ns"] for st, a, b in spans):
+            contended.append(ratio / (1 + (contention or 0.0) * others))
+        else:
+            alone.append(ratio)
+    if len(alone) >= MIN_LOAD_SLICES:
+        return statistics.median(alone)
+    if contention is not None and len(alone) + len(contended) >= MIN_CONTENDED_LOAD_SLICES:
+        return statistics.median(alone + contended)
+    return 1.0
 
 
 def _through_origin(points: Sequence[tuple[float, float]]) -> float:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import random
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +32,7 @@ from pipeline.engine.events import Event, ExitPassed, Result, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.stage_executor import admit_epochs
 from pipeline.measure.cost_model import CostModel  # noqa: F401 - re-exported: the simulator's cost model
+from pipeline.measure.sim_acceptance import Bernoulli, DraftsAt, FirpReplay, Replay  # noqa: F401 - re-exported
 from pipeline.measure.timeline import StageTiming, Timeline
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import Draft, ExitGuess
@@ -46,51 +46,26 @@ def true_token(seq_id: int, position: int) -> int:
     return 3 + (seq_id * 1_000_003 + position * 7_919) % (SIM_VOCAB - 3)
 
 
-class Bernoulli:
-    """Acceptance process: each draft is right with probability `alpha`, independently (seeded)."""
-
-    def __init__(self, alpha: float, *, seed: int = 0) -> None:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"acceptance alpha must be in [0, 1], got {alpha}")
-        self.alpha = alpha
-        self._rng = random.Random(seed)
-
-    def accept(self) -> bool:
-        return self._rng.random() < self.alpha
-
-
-class Replay:
-    """Acceptance process replaying recorded draft outcomes (True = accepted) in order, cyclically,
-    one per proposal. A draft squashed before it is verified (a rejection earlier in its chain)
-    also uses up an outcome, so with more than one draft in flight per sequence the verified
-    acceptance can differ from the record's. Raises ValueError for an empty record."""
-
-    def __init__(self, outcomes: Sequence[bool]) -> None:
-        if not outcomes:
-            raise ValueError("replayed acceptance needs at least one recorded draft outcome")
-        self.outcomes = list(outcomes)
-        self.alpha = sum(self.outcomes) / len(self.outcomes)
-        self._next = itertools.cycle(self.outcomes)
-
-    def accept(self) -> bool:
-        return next(self._next)
-
-
 class SimPredictor:
     """Exit-head-style predictor of the simulated model (see [Note: simulated model])."""
 
     name = "sim"
     needs_exit_head = True
 
-    def __init__(self, acceptance: Bernoulli | Replay, *, needs_exit_head: bool = True) -> None:
+    def __init__(self, acceptance: Bernoulli | Replay | DraftsAt, *, needs_exit_head: bool = True) -> None:
         self.acceptance = acceptance
         self.needs_exit_head = needs_exit_head  # False: drafts at send time, like the ngram predictor
 
     def propose(self, context: Sequence[int], guess: ExitGuess | None) -> Draft | None:
         seq_id = context[0] - SIM_VOCAB  # the simulator's prompts start with a per-sequence tag token
         truth = true_token(seq_id, len(context))
-        token = truth if self.acceptance.accept() else (truth + 1 - 3) % (SIM_VOCAB - 3) + 3
-        return Draft(token, 1.0, self.name)
+        if isinstance(self.acceptance, DraftsAt):  # only where the recorded run drafted
+            right = self.acceptance.accept_at(seq_id, len(context))
+            if right is None:
+                return None
+        else:
+            right = self.acceptance.accept()
+        return Draft(truth if right else (truth + 1 - 3) % (SIM_VOCAB - 3) + 3, 1.0, self.name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,10 +157,12 @@ class SimResult:
 class Simulator:
     """Runs one SimConfig under a CostModel. See the module docstring."""
 
-    def __init__(self, config: SimConfig, cost: CostModel, *, acceptance: Bernoulli | Replay | None = None,
-                 max_events: int = 50_000_000, record_timeline: bool = True) -> None:
-        """acceptance: needed when config.speculate; record_timeline: keep every stage slice (off:
-        faster, for long sweeps that need only tokens/s). Raises ValueError on a mismatch."""
+    def __init__(self, config: SimConfig, cost: CostModel, *, acceptance: Bernoulli | Replay | DraftsAt | None = None,
+                 firp_replay: FirpReplay | None = None, max_events: int = 50_000_000,
+                 record_timeline: bool = True) -> None:
+        """acceptance: needed when config.speculate; firp_replay: FIRP chains replayed from a run
+        (None: every draft right at config.firp_alpha); record_timeline: keep every stage slice
+        (off: faster, for long sweeps that need only tokens/s). Raises ValueError on a mismatch."""
         if cost.num_stages != config.num_stages:
             raise ValueError(f"cost model has {cost.num_stages} stages, the run {config.num_stages}")
         if config.speculate and acceptance is None:
@@ -195,7 +172,8 @@ class Simulator:
         self.engine = Engine(SchedulerConfig(
             num_stages=config.num_stages, max_num_seqs=config.concurrency,
             max_model_len=max(config.prompt_lens) + config.max_new_tokens + 1, speculate=config.speculate,
-            max_inflight=config.max_inflight, firp_k=config.firp_k), predictor, record_timeline=record_timeline,
+            max_inflight=config.max_inflight, firp_k=config.firp_k,
+            firp_min_prob=FirpReplay.MIN_PROB if firp_replay else 0.0), predictor, record_timeline=record_timeline,
             max_slices=10_000_000,
             max_commits=None)
         self.now_ns = 0
@@ -209,6 +187,7 @@ class Simulator:
         self._first: dict[int, int] = {}  # seq_id -> time of its first commit
         self._done: dict[int, int] = {}  # seq_id -> time of its last commit
         self._firp = Bernoulli(config.firp_alpha, seed=1)  # FIRP drafts' acceptance
+        self._firp_replay = firp_replay
 
     @property
     def timeline(self) -> Timeline:
@@ -281,16 +260,24 @@ class Simulator:
     def _result(self, timing: list[StageTiming], returned: list[Item]) -> Result:
         """The simulated model's result: the true next token after every result row of every returned
         item, and for FIRP items the chain drafts of each anchor row (the last `firp_anchors` rows):
-        anchored at position a, draft j is for position a + 2 + j, right with probability firp_alpha."""
-        tokens, firp = [], []
+        anchored at position a, draft j is for position a + 2 + j, right with probability firp_alpha,
+        or, with a FirpReplay, one recorded chain per item for every anchor (probabilities 1 within
+        its length, 0 after: the scheduler cuts the rest)."""
+        tokens, firp, probs = [], [], []
         for it in returned:
             tokens += [true_token(it.seq_id, p + 1) for p in range(it.end - it.num_result_rows, it.end)]
-            for a in range(it.end - it.firp_anchors, it.end) if it.firp_k else ():
+            if not it.firp_k:
+                continue
+            length, accepted = self._firp_replay.next_chain(it.seq_id) if self._firp_replay else (it.firp_k, -1)
+            for a in range(it.end - it.firp_anchors, it.end):
                 for j in range(it.firp_k):
                     truth = true_token(it.seq_id, a + 2 + j)
-                    firp.append(truth if self._firp.accept() else (truth + 1 - 3) % (SIM_VOCAB - 3) + 3)
+                    right = j < accepted if accepted >= 0 else self._firp.accept()
+                    firp.append(truth if right else (truth + 1 - 3) % (SIM_VOCAB - 3) + 3)
+                    probs.append(1.0 if j < length else 0.0)
         return Result(items=tuple(returned), token_ids=torch.tensor(tokens, dtype=torch.int64), timing=tuple(timing),
-                      at_ns=self.now_ns, firp_tokens=torch.tensor(firp, dtype=torch.int64) if firp else None)
+                      at_ns=self.now_ns, firp_tokens=torch.tensor(firp, dtype=torch.int64) if firp else None,
+                      firp_probs=torch.tensor(probs) if firp and self._firp_replay else None)
 
     # -- stages ----------------------------------------------------------------------------------
     def _start(self, stage: int) -> None:
@@ -303,8 +290,9 @@ class Simulator:
         cost = 0.0
         if kept:  # the exit head runs only on items that want it (StageExecutor)
             exit_rows = sum(it.wants_exit_guess for it in kept) if self._is_exit(stage) else 0
-            cost = self.cost.stage_s(stage, n, num_pseudo=sum(it.num_pseudo for it in kept), exit_rows=exit_rows)
-            cost *= 1.0 + self.cost.contention * sum(self._busy)
+            pseudo = sum(it.num_pseudo for it in kept)
+            cost = self.cost.stage_s(stage, n, num_pseudo=pseudo, exit_rows=exit_rows)
+            cost *= 1.0 + self.cost.contention_at(n + pseudo) * sum(self._busy)
         self._busy[stage] = True
         self._at(cost, "done", (stage, timing, kept, self.now_ns))
 

@@ -85,9 +85,9 @@ class Item:
 
     def __post_init__(self) -> None:
         if self.alt_token_ids and (self.kind != ItemKind.DRAFT or self.num_tokens != 1 or self.firp_k
-                                   or self.want_logits or self.tree_scratch < 0):
-            raise ValueError(f"item of seq {self.seq_id}: siblings need a one-token draft without FIRP rows "
-                             f"or logits, at a scratch position >= 0")
+                                   or self.tree_scratch < 0):
+            raise ValueError(f"item of seq {self.seq_id}: siblings need a one-token draft without FIRP rows, "
+                             f"at a scratch position >= 0")
         self._check_tree_and_draft_fields()
         if self.firp_k < 0 or not 0 <= self.firp_anchors <= self.num_tokens:
             raise ValueError(f"item of seq {self.seq_id} has firp_k {self.firp_k} / firp_anchors "

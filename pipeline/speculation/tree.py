@@ -2,7 +2,7 @@
 
 Owns which alternative candidates a draft item carries (`TokenTree.siblings`), where their KV goes
 (`scratch_of`), the rescue record kept when the real token turns out to be a sibling, and the
-tree counters. Pure: no torch, no I/O; pipeline/engine/scheduler.py calls it at a few hooks.
+tree counters. Pure: no I/O (torch only as a result's logits, sliced); pipeline/engine/scheduler.py calls it at a few hooks.
 Must not: commit tokens or touch the ledger's chain itself (the scheduler does both).
 
 [Note: token trees]
@@ -34,10 +34,20 @@ GEMM is not batch-invariant ([Note: batch invariance] in pipeline/weights/quant.
 rows (primary included) are a 2..W-row pass where plain decoding runs 1 row. In float32 that is
 ~1e-9, as for FIRP chains and micro-batching ("within rounding"); in dense bfloat16 it changed
 the greedy output in every held-out set (tests/benchmarks/results/speculation_trees_bf16.json),
-so RunConfig refuses trees there. Greedy only: with temperature > 0 (or penalties / logprobs, which need logits) no
-sibling is sent, because accepting one of several candidates while keeping the output distributed
-exactly as p needs multi-candidate speculative sampling (SpecInfer's, arXiv 2305.09781 §4), which is
-not built. Trees with FIRP chains (`speed+firp`) are not built either: RunConfig refuses them.
+so RunConfig refuses trees there. Trees with FIRP chains (`speed+firp`) are not built: RunConfig
+refuses them.
+
+Sampling (temperature > 0, top-p, penalties, logprobs: items with `want_logits`): the last stage
+returns the logits of the sibling rows too (after the draft's own row). The token at p is chosen
+as without trees: the primary draft x is accepted with probability p(x), else y is drawn from p
+without x (`verify_draft`, Leviathan et al. arXiv 2211.17192 §2.3), so the committed token is
+distributed as p whatever the siblings are. A rescue only happens when that token *is* sibling j,
+and then takes the token at p + 1 from row j's logits: the model's distribution given that
+token, as a plain pass would compute it. So the output stays distributed exactly as plain
+sampling's. The candidates are then right with probability p(x) + sum over siblings of p(s_j):
+what SpecInfer's multi-round verification (arXiv 2305.09781 §4) gives candidates drawn
+deterministically, as these are, so no other rule is needed. (Token-identical output is a
+greedy guarantee; with sampling the guarantee is the distribution, as for every SPEED draft.)
 
 Scratch: positions p are in flight at most `max_inflight` at once per sequence, and nothing of a
 sequence is sent between a rescue and its fix-up, so sibling j of the draft at p uses scratch
@@ -59,11 +69,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.items import MAX_DRAFT_TREE, Item, ItemKind
 from pipeline.speculation.predictors import Draft, ExitGuess
 from pipeline.speculation.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 PRIOR_HIT, PRIOR_TRIALS = 0.25, 4  # a sibling rank's rescue-rate prior and its weight in trials
 EXPLORE_EVERY = 16  # one tree decision in this many may add a rank the cost rule cuts
@@ -216,9 +230,9 @@ class TokenTree:
         self.fixups.pop(seq_id, None)
 
     def allows(self, params: SamplingParams) -> bool:
-        """Whether a sequence's drafts may carry siblings: trees on, plain greedy (no temperature,
-        penalties or logprobs: [Note: token trees] says why)."""
-        return self.enabled and params.is_greedy and not params.needs_logits
+        """Whether a sequence's drafts may carry siblings: trees on (greedy or sampled alike:
+        [Note: token trees], sampling)."""
+        return self.enabled
 
     def exit_top_k(self, params: SamplingParams, want_exit: bool) -> int:
         """Item.exit_top_k of an item whose exit guess may start a tree draft."""
@@ -251,12 +265,16 @@ class TokenTree:
         self.counters.rescues += 1
         return Rescue(end, chain[1].epoch, 1 + index, self.scratch_of(end) + index)
 
-    def result_rows(self, seq, item: Item, argmax: list[int]) -> tuple[Item, list[int]]:
-        """(item, argmax of the rows to verify) of one returned item: a tree draft's own row without
-        its siblings' rows; for the draft a rescue waits for (`seq` live), the rescued item as the
-        real one in the sequence's epoch, with its sibling row's argmax (the real next token)."""
+    def result_rows(self, seq, item: Item, argmax: list[int],
+                    logits: torch.Tensor | None = None) -> tuple[Item, list[int], torch.Tensor | None]:
+        """(item, argmax of the rows to verify, their logits) of one returned item: a tree draft's
+        own row without its siblings' rows; for the draft a rescue waits for (`seq` live), the
+        rescued item as the real one in the sequence's epoch, with its sibling row's argmax (the
+        real next token under greedy) and logits (the distribution it is sampled from).
+        logits: [num_result_rows, vocab] of an item with want_logits, else None."""
         own, siblings = argmax[:item.num_tokens], argmax[item.num_tokens:]
         rescue = self.rescue_of(item.seq_id, item) if seq is not None and not seq.finished else None
         if rescue is None:
-            return item, own
-        return self.as_real(item, seq.epoch), [siblings[rescue.row - 1]]
+            return item, own, None if logits is None else logits[:item.num_tokens]
+        rows = None if logits is None else logits[rescue.row:rescue.row + 1]
+        return self.as_real(item, seq.epoch), [siblings[rescue.row - 1]], rows

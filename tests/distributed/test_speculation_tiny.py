@@ -45,6 +45,7 @@ from tests.adversarial_predictors import (
     SometimesRightPredictor,
     SwitchablePredictor,
 )
+from tests.chi_square import CHI2_ALPHA, CHI2_CRITICAL, chi_square, top_k_counts, upper_tail
 from tests.distributed.conftest import full_model, reference_generate, session_options
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -227,13 +228,6 @@ def test_exit_head_runs_on_few_rows_when_prompts_fill_the_pipeline(pipeline: Spe
 # -- sampling -------------------------------------------------------------------------------------------
 NUM_SAMPLES = 300
 SAMPLING_PROMPT = PROMPTS[0]
-TOP_K = 5
-# Upper-tail chi-square critical values at alpha = 0.001 (chi2.ppf(0.999, df)), rechecked below with
-# torch.special.gammaincc since scipy is not installed:
-#   df = 5: homogeneity of two samples over TOP_K tokens + "other", (2 - 1) * (TOP_K + 1 - 1);
-#   df = 1: a 2 x 2 table (drafted token emitted or not, in two samples).
-CHI2_ALPHA = 0.001
-CHI2_CRITICAL = {5: 20.515, 1: 10.828}
 
 
 class RecordingPredictor(RandomPredictor):
@@ -249,30 +243,9 @@ class RecordingPredictor(RandomPredictor):
         return draft
 
 
-def _chi_square(table: torch.Tensor) -> float:
-    """Pearson chi-square of a contingency table (rows: samples), columns with no counts dropped."""
-    table = table.double()
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    keep = expected.min(0).values > 0
-    return float(((table - expected) ** 2 / expected)[:, keep].sum())
-
-
-def _top_k_counts(a: list[int], b: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """2 x (TOP_K + 1) counts of two samples over the TOP_K most common tokens of both plus "other"."""
-    top = [t for t, _ in collections.Counter(a + b).most_common(TOP_K)]
-
-    def counts(xs):
-        c = collections.Counter(x if x in top else -1 for x in xs)
-        return [c[t] for t in [*top, -1]]
-
-    return torch.tensor([counts(a), counts(b)]), top
-
-
 def test_chi_square_critical_values_match_alpha():
     for df, critical in CHI2_CRITICAL.items():
-        tail = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                             torch.tensor(critical / 2, dtype=torch.float64)))
-        assert math.isclose(tail, CHI2_ALPHA, rel_tol=0.01), (df, tail)
+        assert math.isclose(upper_tail(critical, df), CHI2_ALPHA, rel_tol=0.01), df
 
 
 def test_sampling_with_drafts_keeps_the_token_distribution(pipeline: SpecPipeline, refs: References):
@@ -297,8 +270,8 @@ def test_sampling_with_drafts_keeps_the_token_distribution(pipeline: SpecPipelin
     rejected = stats["verified_drafts"] - stats["accepted_tokens"]
     assert stats["accepted_tokens"] >= NUM_SAMPLES // 20 and rejected >= NUM_SAMPLES // 4, stats
     for position in (0, 1, 2):
-        table, top = _top_k_counts([o[position] for o in plain], [o[position] for o in spec])
-        stat = _chi_square(table)
+        table, top = top_k_counts([o[position] for o in plain], [o[position] for o in spec])
+        stat = chi_square(table)
         assert stat < CHI2_CRITICAL[5], (f"token {position + 1} is distributed differently with drafts: chi2 {stat:.1f} "
                                          f">= {CHI2_CRITICAL[5]} (df 5, alpha {CHI2_ALPHA}); counts {table.tolist()} "
                                          f"of tokens {top} + other")
@@ -311,7 +284,7 @@ def test_sampling_with_drafts_keeps_the_token_distribution(pipeline: SpecPipelin
     assert len(drafted) >= NUM_SAMPLES // 2
     table = torch.tensor([[sum(t == likely for t in drafted), sum(t != likely for t in drafted)],
                           [sum(o[1] == likely for o in plain), sum(o[1] != likely for o in plain)]])
-    stat = _chi_square(table)
+    stat = chi_square(table)
     assert stat < CHI2_CRITICAL[1], (f"P(token 2 = draft {likely}) differs from plain sampling: {table.tolist()} "
                                      f"(drafted: yes/no; plain: yes/no), chi2 {stat:.1f} >= {CHI2_CRITICAL[1]}")
 

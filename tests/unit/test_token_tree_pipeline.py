@@ -124,13 +124,25 @@ def test_the_kv_scratch_grows_once_per_run_to_what_the_scheduler_can_use(folder,
     assert sorted(growths) == sorted((id(ex.kv), want) for ex in pipe.executors), growths
 
 
-def test_sampling_sends_no_sibling(folder):
+def test_sampled_sequences_send_siblings_and_get_their_logits_back(folder):
+    """Trees under sampling ([Note: token trees], sampling; the distribution test is
+    tests/unit/test_token_tree_sampling.py): the siblings go out, and their rows' logits come back."""
     stages = _stages(folder, 2, "int4")
     table = ReferenceTable([])
     pipe = InProcessPipeline(stages, max_model_len=64, predictor=SiblingRescuePredictor(table, vocab_size=256),
                              draft_tree=3)
-    pipe.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12, temperature=0.8, seed=1))
-    assert pipe.engine.spec.verified_drafts > 0 and pipe.engine.tree.tree_drafts == 0
+    logit_rows = []
+    take = pipe.engine.scheduler.on_result
+
+    def spy(returned, token_ids, logits, *args, **kwargs):
+        logit_rows.append((sum(it.num_logit_rows for it in returned if it.want_logits),
+                           0 if logits is None else logits.shape[0]))
+        return take(returned, token_ids, logits, *args, **kwargs)
+    pipe.engine.scheduler.on_result = spy
+    out = pipe.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12, temperature=0.8, seed=1))
+    assert len(out[0]) == 12 and pipe.engine.tree.tree_drafts > 0
+    assert pipe.engine.tree.sibling_rows >= pipe.engine.tree.tree_drafts
+    assert all(want == got for want, got in logit_rows) and max(want for want, _ in logit_rows) >= 2, logit_rows
 
 
 def test_bad_draft_tree_exits_2_with_one_line(capsys):
