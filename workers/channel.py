@@ -35,17 +35,20 @@ from pipeline.engine.wire import (
 )
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def loopback_listener(host: str, port: int) -> int | None:
     """A listening socket's fd bound to `host`:`port` when `host` is a loopback address, else None.
 
     torch's TCPStore server listens on every interface; handed this fd (`master_listen_fd`, which it
     then owns) it serves on loopback only. A non-loopback `host` (multi-node) keeps torch's default.
     """
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return None
-    if not loopback:
+    if not _is_loopback(host):
         return None
     family, socktype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, socktype, proto)
@@ -67,12 +70,15 @@ def hold_listener(host: str) -> int:
     Probing a free port and binding it later loses races: in between, any process's outgoing
     connection may take it as its ephemeral source port (EADDRINUSE at the coordinator's join, seen
     under the full test suite). A held port is never free in between. Stages that connect early
-    wait in the socket's backlog until the store serves. Raises OSError if `host` cannot be bound.
+    wait in the socket's backlog until the store serves. A loopback `host` is served on loopback
+    only (as `loopback_listener`), any other on every interface of its address family (as torch's
+    own store: `host` may be a name or a NAT address that no interface holds). Whoever holds a
+    port and may not join releases it (`release_listener`). Raises OSError if it cannot bind.
     """
     family, socktype, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, socktype, proto)
     try:
-        sock.bind(addr)
+        sock.bind(addr if _is_loopback(host) else ("::" if family == socket.AF_INET6 else "", 0))
         sock.listen(128)
     except OSError:
         sock.close()
@@ -81,6 +87,15 @@ def hold_listener(host: str) -> int:
     with _held_lock:
         _held_listeners[(host, port)] = sock
     return port
+
+
+def release_listener(host: str, port: int) -> None:
+    """Close the socket `hold_listener(host)` holds at `port`, if no group took it (a start or a
+    fail-over that failed before rank 0 joined). No-op otherwise."""
+    with _held_lock:
+        held = _held_listeners.pop((host, port), None)
+    if held is not None:
+        held.close()
 
 
 def _master_listener(host: str, port: int) -> int | None:

@@ -24,7 +24,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    "probability is at least this (a chain stops at the first less likely draft; default 0)")
     add_row_cost_flag(g)
     g.add_argument("--draft-tree", type=int, default=1, metavar="W", help="token trees: a SPEED draft carries up to "
-                   "W candidates for its position (greedy only; README 'Token trees'); 1 = off")
+                   "W candidates for its position (greedy or sampled; README 'Token trees'); 1 = off")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")

@@ -149,7 +149,9 @@ def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int 
         firp_k = max((it["positions"][1] - it["positions"][0] - 1 for s in run["timeline"]["slices"]
                       for it in s["items"] if it["kind"] == "firp"), default=0)
     firp_alpha = stats.get("firp_accepted", 0) / stats["firp_verified"] if stats.get("firp_verified") else 0.0
-    chains = firp_chains(run["timeline"]) if firp_k > 0 else []  # per sequence, in prompt order
+    # per sequence, in prompt order; FIRP alone: with SPEED drafts in between, an item's successor
+    # need not say how many of its FIRP drafts were accepted
+    chains = firp_chains(run["timeline"]) if firp_k > 0 and run["speculate"] == "firp" else []
     cfg = SimConfig(num_stages=run["num_stages"], prompt_lens=lens, max_new_tokens=max(run["num_tokens"]),
                     speculate=spec, exit_head=run.get("exit_head", True), firp_k=max(0, firp_k), firp_alpha=firp_alpha)
     cost = cal.cost_model(run["num_stages"])

@@ -32,6 +32,7 @@ from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.speculation.predictors import Predictor
 from pipeline.speculation.tree import scratch_positions
 from proto import speedpipe_pb2 as pb
+from workers.channel import release_listener
 from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
 
 log = logging.getLogger("speedpipe.launch")
@@ -126,6 +127,7 @@ class PipelineSession:
         self.load_responses = []
         self.row_costs = model.row_costs  # the table rows are priced with (--row-cost); None: fixed choices
         self.control_secret = new_secret()  # [Note: control-plane secret] in workers/control_auth.py
+        self._data_ports: list[tuple[str, int]] = []  # held rendezvous ports, released at close
 
     def __enter__(self) -> PipelineSession:
         try:
@@ -183,7 +185,7 @@ class PipelineSession:
             log.info("%s", line)
         self.backend = self._make_backend()
         addresses = self.backend.start()
-        master_addr, port = self.backend.master_addr, self.backend.data_port()
+        master_addr, port = self.backend.master_addr, self._data_port()
         self.coordinator = Coordinator(coordinator_config(opt, m, master_addr=master_addr, master_port=port),
                                        m.tokenizer, addresses, predictor=self.predictor,
                                        control_secret=self.control_secret, tls=self.tls)
@@ -205,7 +207,7 @@ class PipelineSession:
         backend, opt, m = self.backend, self.options, self.model
         return StageFailover(
             budget=RestartLedger(self.restart_budget), restart_stage=backend.restart_stage,
-            dead_stages=backend.dead_stages, data_port=backend.data_port,
+            dead_stages=backend.dead_stages, data_port=self._data_port,
             load_specs=lambda port: stage_load_specs(opt, m, master_addr=master_addr, master_port=port),
             pause_watch=backend.pause_watch,
             resume_watch=lambda: backend.watch(self._on_stage_death(self.coordinator.generation)))
@@ -225,8 +227,18 @@ class PipelineSession:
                 self.coordinator.fail(PipelineError(description), generation=generation)
         return died
 
+    def _data_port(self) -> int:
+        """The backend's rendezvous port for the next data-plane group, held until rank 0 joins
+        ([Note: held rendezvous port] in workers/channel.py); `close` releases it if none did."""
+        port = self.backend.data_port()
+        self._data_ports.append((self.backend.master_addr, port))
+        return port
+
     def close(self) -> None:
         """Stop the coordinator and every stage worker; idempotent."""
+        for host, port in self._data_ports:
+            release_listener(host, port)
+        self._data_ports.clear()
         if self.backend is not None:
             self.backend.unwatch()
         if self.coordinator is not None:

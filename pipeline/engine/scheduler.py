@@ -145,7 +145,7 @@ class Scheduler:
                 continue
             item, seq.pending = seq.pending, None
             want = self._wants_exit(seq, item, pipeline_full=pipeline_full)
-            item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(seq.params, want))
+            item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))
             if item.kind == ItemKind.DRAFT:
                 seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids)
                 self.spec.drafted_tokens += 1
@@ -272,7 +272,7 @@ class Scheduler:
         seq.pending_key = self.gate.key(draft)
         start = end.last_position + 1
         firp = self._firp_fields(seq, first_anchor=start, num_anchors=1)
-        tree = self.tree.draft_fields(self.predictor, seq.context(), guess, draft, start=start, params=seq.params,
+        tree = self.tree.draft_fields(self.predictor, seq.context(), guess, draft, start=start,
                                       has_firp=bool(firp.get("firp_k")))
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
                            kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=seq.params.needs_logits,

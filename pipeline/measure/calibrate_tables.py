@@ -80,8 +80,7 @@ def with_tables(cal, runs: Sequence[dict], *, row_shape: RowCostTable | None = N
     exit_event = max(0.0, statistics.fmean(gaps) - cal.hop_latency_s) if gaps else None
     shapes = {}
     for s in tables:  # FIRP pass shapes, from one-sequence runs if any: their passes are uncontended
-        firp = sorted((r for r in runs if r["num_stages"] == s and "firp" in r["speculate"]),
-                      key=lambda r: r.get("concurrency", 1) > 1)
+        firp = [r for r in runs if r["num_stages"] == s and "firp" in r["speculate"]]
         alone = [r for r in firp if r.get("concurrency", 1) == 1] or firp
         shapes[s] = fit_pass_shapes([r["timeline"] for r in alone], s, loads=[load[id(r)] for r in alone])
     full = [r for r in runs if r["num_stages"] in shapes and 2 <= r["num_stages"] <= r.get("concurrency", 1)]

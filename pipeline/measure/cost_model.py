@@ -15,10 +15,10 @@ cost 1.7x a 1-row pass while 8 rows cost 1.8x (the matmul kernels change with th
 line through the 1-row cost and a per-token slope fitted on prefills cannot follow. Without a
 table it is the linear stage_base_s[i] + n * stage_per_token_s[i]. A pass shape (n, p) that a
 calibration measured on stage i (`pass_shapes[i]`: FIRP's 3 real + 6 pseudo rows) costs what it
-measured, in place of rows(i, n) + pseudo_row_s[i] * p. c(w) is the contention of a pass of w
-rows (`contention_at`): `contention` at one row; at the row counts a calibration measured, their
-own (here a FIRP pass of 9 rows slows by ~14 % with the other stage busy, a 1-row pass by ~2 %);
-linear in between, flat beyond.
+measured, in place of rows(i, n) + pseudo_row_s[i] * p. c(w) is the contention of a FIRP pass of w
+rows (`contention_at`): at the row counts a calibration measured, their own (here a pass of 3 real
++ 6 pseudo rows slows by ~14 % with the other stage busy, a 1-row pass by ~2 %), linear from
+`contention` at one row, flat beyond; a pass without pseudo rows keeps `contention`.
 """
 
 from __future__ import annotations
@@ -113,8 +113,12 @@ class CostModel:
         pseudo = num_pseudo * self.pseudo_row_s[stage] if self.pseudo_row_s else 0.0
         return rows + pseudo + exit_head
 
-    def contention_at(self, rows: int) -> float:
-        """Slow-down per busy neighbour of a pass of `rows` rows ([Note: stage pass cost])."""
+    def contention_at(self, rows: int, *, num_pseudo: int = 0) -> float:
+        """Slow-down per busy neighbour of a pass of `rows` rows, `num_pseudo` of them FIRP pseudo
+        rows ([Note: stage pass cost]): `contention_rows` is measured on FIRP passes only, so a
+        pass without pseudo rows (a prefill, a multi-sequence decode) keeps `contention`."""
+        if not num_pseudo:
+            return self.contention
         points = ((1, self.contention), *self.contention_rows)
         for (w0, c0), (w1, c1) in itertools.pairwise(points):
             if rows <= w1:

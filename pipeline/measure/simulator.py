@@ -292,7 +292,7 @@ class Simulator:
             exit_rows = sum(it.wants_exit_guess for it in kept) if self._is_exit(stage) else 0
             pseudo = sum(it.num_pseudo for it in kept)
             cost = self.cost.stage_s(stage, n, num_pseudo=pseudo, exit_rows=exit_rows)
-            cost *= 1.0 + self.cost.contention_at(n + pseudo) * sum(self._busy)
+            cost *= 1.0 + self.cost.contention_at(n + pseudo, num_pseudo=pseudo) * sum(self._busy)
         self._busy[stage] = True
         self._at(cost, "done", (stage, timing, kept, self.now_ns))
 

@@ -48,6 +48,8 @@ sampling's. The candidates are then right with probability p(x) + sum over sibli
 what SpecInfer's multi-round verification (arXiv 2305.09781 §4) gives candidates drawn
 deterministically, as these are, so no other rule is needed. (Token-identical output is a
 greedy guarantee; with sampling the guarantee is the distribution, as for every SPEED draft.)
+Each sibling of a sampled sequence also brings a [vocab] float32 logits row back to the
+coordinator (196 KiB for the default model); the tree-size rule below prices compute rows only.
 
 Scratch: positions p are in flight at most `max_inflight` at once per sequence, and nothing of a
 sequence is sent between a rescue and its fix-up, so sibling j of the draft at p uses scratch
@@ -74,7 +76,6 @@ from typing import TYPE_CHECKING
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.items import MAX_DRAFT_TREE, Item, ItemKind
 from pipeline.speculation.predictors import Draft, ExitGuess
-from pipeline.speculation.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -229,20 +230,16 @@ class TokenTree:
         self.rescues.pop(seq_id, None)
         self.fixups.pop(seq_id, None)
 
-    def allows(self, params: SamplingParams) -> bool:
-        """Whether a sequence's drafts may carry siblings: trees on (greedy or sampled alike:
-        [Note: token trees], sampling)."""
-        return self.enabled
-
-    def exit_top_k(self, params: SamplingParams, want_exit: bool) -> int:
-        """Item.exit_top_k of an item whose exit guess may start a tree draft."""
-        return self.width if want_exit and self.allows(params) else 1
+    def exit_top_k(self, want_exit: bool) -> int:
+        """Item.exit_top_k of an item whose exit guess may start a tree draft (any sampling
+        settings: [Note: token trees], sampling)."""
+        return self.width if want_exit and self.enabled else 1
 
     def draft_fields(self, predictor, context: Sequence[int], guess: ExitGuess | None, draft: Draft, *,
-                     start: int, params: SamplingParams, has_firp: bool) -> dict:
-        """Item fields (alt_token_ids, tree_scratch) of a draft at `start`: none unless `allows`
-        the sequence's params, nor on a draft with FIRP rows ([Note: token trees])."""
-        alts = self.siblings(predictor, context, guess, draft) if self.allows(params) and not has_firp else ()
+                     start: int, has_firp: bool) -> dict:
+        """Item fields (alt_token_ids, tree_scratch) of a draft at `start`: none with trees off,
+        nor on a draft with FIRP rows ([Note: token trees])."""
+        alts = self.siblings(predictor, context, guess, draft) if self.enabled and not has_firp else ()
         if not alts:
             return {}
         self.counters.tree_drafts += 1

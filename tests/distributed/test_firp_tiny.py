@@ -22,15 +22,9 @@ from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.sampling import SamplingParams
+from tests.chi_square import CHI2_CRITICAL, chi_square, top_k_counts
 from tests.distributed.conftest import full_model, reference_generate, session_options
-from tests.distributed.test_speculation_tiny import (
-    CHI2_CRITICAL,
-    NORM_SCALE,
-    NUM_SAMPLES,
-    SAMPLING_PROMPT,
-    _chi_square,
-    _top_k_counts,
-)
+from tests.distributed.test_speculation_tiny import NORM_SCALE, NUM_SAMPLES, SAMPLING_PROMPT
 from tests.tiny_model import write_firp_file, write_tiny_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -131,7 +125,7 @@ def test_sampling_with_firp_chains_keeps_the_token_distribution(repetitive_model
     assert 0 < stats["firp_accepted"] < stats["firp_verified"], f"chains must be both accepted and rejected: {stats}"
     spec = [o["token_ids"] for o in report["outputs"]]
     for position in range(4):
-        table, top = _top_k_counts([o[position] for o in plain], [o[position] for o in spec])
-        stat = _chi_square(table)
+        table, top = top_k_counts([o[position] for o in plain], [o[position] for o in spec])
+        stat = chi_square(table)
         assert stat < CHI2_CRITICAL[5], (f"token {position + 1} is distributed differently with FIRP: chi2 {stat:.1f} "
                                          f">= {CHI2_CRITICAL[5]}; counts {table.tolist()} of tokens {top} + other")

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from workers.channel import DataPlaneGroup, hold_listener
+from workers.channel import DataPlaneGroup, hold_listener, release_listener
 
 
 def _bind(port: int) -> None:
@@ -19,6 +19,22 @@ def test_a_held_port_cannot_be_bound_by_anyone_else():
     with pytest.raises(OSError):
         _bind(port)
     DataPlaneGroup(master_addr="127.0.0.1", master_port=port, rank=0, world_size=1, timeout_s=5).close()
+
+
+def test_a_held_port_accepts_connections_before_any_store_serves_it():
+    port = hold_listener("127.0.0.1")
+    with socket.create_connection(("127.0.0.1", port), timeout=2):  # completes in the listen backlog
+        pass
+    release_listener("127.0.0.1", port)
+    _bind(port)  # released: free again
+    release_listener("127.0.0.1", port)  # a second release is a no-op
+
+
+def test_a_non_loopback_host_is_held_on_every_interface():
+    port = hold_listener("0.0.0.0")
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    release_listener("0.0.0.0", port)
 
 
 def test_rank_0_serves_on_the_held_port_and_a_peer_that_connected_early_joins():

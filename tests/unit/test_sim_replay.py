@@ -1,4 +1,5 @@
-"""FIRP in the calibrated simulator: chains replayed from a recorded run (`firp_chains` in
+"""Replays and FIRP terms of the calibrated simulator: SPEED drafts replayed where a run drafted
+(`draft_positions`, `DraftsAt`), FIRP chains replayed from a recorded run (`firp_chains` in
 pipeline/measure/calibrate.py, `FirpReplay` in pipeline/measure/simulator.py), and the measured
 cost and contention of FIRP's pass shapes (`fit_pass_shapes`, `fit_contention_rows` in
 pipeline/measure/calibrate_tables.py). What breaks when these fail: `simulate --calibrate`
@@ -14,9 +15,9 @@ import dataclasses
 import pytest
 
 from launcher.cli.simulate import predict_run
-from pipeline.measure.calibrate import calibrate, firp_chains
+from pipeline.measure.calibrate import calibrate, draft_positions, firp_chains
 from pipeline.measure.calibrate_tables import fit_contention_rows, fit_pass_shapes
-from pipeline.measure.simulator import CostModel, FirpReplay, SimConfig, Simulator
+from pipeline.measure.simulator import Bernoulli, CostModel, DraftsAt, FirpReplay, SimConfig, Simulator
 
 COST = CostModel(stage_base_s=(0.016, 0.017), stage_per_token_s=(1e-3, 1e-3), pseudo_row_s=(1e-3, 2e-3),
                  hop_latency_s=3e-4, coordinator_s=8e-4)
@@ -98,8 +99,9 @@ SHAPED = dataclasses.replace(COST, contention=0.02, contention_rows=((9, 0.15),)
 def test_a_measured_pass_shape_replaces_rows_plus_pseudo_rows_and_contention_follows_the_rows():
     assert SHAPED.stage_s(0, 3, num_pseudo=6) == 0.050 and SHAPED.stage_s(1, 3, num_pseudo=6, exit_rows=0) == 0.055
     assert SHAPED.stage_s(0, 3, num_pseudo=3) == pytest.approx(COST.stage_s(0, 3, num_pseudo=3))  # not measured
-    assert SHAPED.contention_at(1) == 0.02 and SHAPED.contention_at(9) == 0.15 and SHAPED.contention_at(40) == 0.15
-    assert SHAPED.contention_at(5) == pytest.approx(0.02 + 0.13 / 2)
+    assert SHAPED.contention_at(9, num_pseudo=6) == 0.15 and SHAPED.contention_at(40, num_pseudo=6) == 0.15
+    assert SHAPED.contention_at(5, num_pseudo=2) == pytest.approx(0.02 + 0.13 / 2)
+    assert SHAPED.contention_at(1) == SHAPED.contention_at(40) == 0.02  # no pseudo rows: the one-row contention
     assert SHAPED.scaled(2.0).stage_s(0, 3, num_pseudo=6) == pytest.approx(0.100)
     with pytest.raises(ValueError, match="row counts > 1"):
         dataclasses.replace(COST, contention_rows=((1, 0.1),))
@@ -127,3 +129,23 @@ def test_pass_shapes_and_their_contention_are_recovered_and_predict_the_runs():
         assert predict_run(cal, r) == pytest.approx(r["stats"]["tokens_per_s"], rel=0.03)
     without = dataclasses.replace(cal, pass_shapes={}, contention_rows=())
     assert predict_run(without, runs[3]) > 1.04 * runs[3]["stats"]["tokens_per_s"]  # the terms matter
+
+
+# -- SPEED drafts replayed where the run drafted ----------------------------------------------------
+@pytest.mark.parametrize("num_stages,concurrency", [(2, 1), (3, 2)])  # (2 sequences fill 2 stages: no drafts)
+def test_replaying_where_a_run_drafted_reproduces_it(num_stages, concurrency):
+    cost = COST if num_stages == 2 else CostModel.uniform(num_stages=num_stages, stage_s=0.012, per_token_s=1e-3,
+                                                          hop_latency_s=3e-4, coordinator_s=8e-4)
+    cfg = SimConfig(num_stages=num_stages, prompt_lens=tuple(12 + 5 * i for i in range(concurrency)),
+                    max_new_tokens=24, speculate=True)
+    recorded = Simulator(cfg, cost, acceptance=Bernoulli(0.6, seed=3)).run()
+    timeline = recorded.timeline.to_json(0, round(recorded.wall_s * 1e9), commits=recorded.commits)
+    positions = draft_positions(timeline)
+    assert len(positions) == concurrency and all(positions) and {True, False} <= {v for m in positions for v in m.values()}
+    replayed = Simulator(cfg, cost, acceptance=DraftsAt(positions)).run()
+    assert replayed.tokens_per_s == pytest.approx(recorded.tokens_per_s, rel=1e-9)
+    assert (replayed.verified, replayed.accepted) == (recorded.verified, recorded.accepted)
+    # a run that drafted nowhere replays as plain decoding
+    none = Simulator(cfg, cost, acceptance=DraftsAt([{}] * concurrency)).run()
+    plain = Simulator(dataclasses.replace(cfg, speculate=False), cost).run()
+    assert none.verified == 0 and none.tokens_per_s == pytest.approx(plain.tokens_per_s, rel=0.05)
