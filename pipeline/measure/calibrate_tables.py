@@ -227,9 +227,9 @@ def run_load_factor(timeline: dict, tables: Sequence[RowCostTable], *, exit_stag
     """How much slower than `tables` one run's plain passes ran (other jobs on the machine): the
     median, over its slices without FIRP pseudo rows or (on `exit_stage`) exit-head items that ran
     while no other stage computed at all, of time / the table's cost at their real rows. With
-    fewer than MIN_LOAD_SLICES of them (a full pipeline's stages always overlap): over all such
-    slices if there are MIN_CONTENDED_LOAD_SLICES, each de-contended as in `fit_stage_tables` (time / (1 + contention x others computing
-    at its start)), when `contention` is given; else 1.0.
+    fewer than MIN_LOAD_SLICES of them (a full pipeline's stages always overlap) and `contention`
+    given: over all such slices if there are MIN_CONTENDED_LOAD_SLICES, each de-contended as in
+    `fit_stage_tables` (time / (1 + contention x others computing at its start)); else 1.0.
     A cost model `scaled` by it predicts that run under its own load ([Note: table calibration])."""
     spans = [(s["stage"], s["start_ns"], s["end_ns"]) for s in timeline["slices"]]
     alone, contended = [], []

@@ -2,7 +2,8 @@
 
 Owns which alternative candidates a draft item carries (`TokenTree.siblings`), where their KV goes
 (`scratch_of`), the rescue record kept when the real token turns out to be a sibling, and the
-tree counters. Pure: no I/O (torch only as a result's logits, sliced); pipeline/engine/scheduler.py calls it at a few hooks.
+tree counters. Pure: no I/O (torch only as a result's logits, sliced); pipeline/engine/scheduler.py
+calls it at a few hooks.
 Must not: commit tokens or touch the ledger's chain itself (the scheduler does both).
 
 [Note: token trees]

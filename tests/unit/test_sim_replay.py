@@ -117,7 +117,8 @@ def test_pass_shapes_and_their_contention_are_recovered_and_predict_the_runs():
     shapes = fit_pass_shapes([alone_tl], 2, loads=[1.0])
     assert [[(n, p, pytest.approx(t)) for n, p, t in st] for st in shapes] == [[(3, 6, 0.050)], [(3, 6, 0.055)]]
     assert fit_contention_rows([full_tl], [shapes], loads=[1.0]) == ((9, pytest.approx(0.15)),)
-    runs = [{"num_stages": 2, "speculate": "none", "concurrency": c, "timeline": tl} for c, tl in ((1, plain), (2, plain2))]
+    runs = [{"num_stages": 2, "speculate": "none", "concurrency": c, "timeline": tl}
+            for c, tl in ((1, plain), (2, plain2))]
     for res, tl, c in ((alone, alone_tl, 1), (full, full_tl, 2)):
         pooled = [x for seq in firp_chains(tl) for x in seq]
         runs.append({"num_stages": 2, "speculate": "firp", "concurrency": c, "timeline": tl, "num_tokens": [24] * c,
