@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import queue
 import socket
 import threading
 
@@ -174,16 +173,32 @@ class Channel:
 
     def send(self, msg: Message, dst: int) -> None:
         """Send `msg` to rank `dst`. Raises ChannelError if the peer does not take it in time."""
-        frame, inline = encode_header(msg, frame_bytes=self.frame_bytes)
-        self._wait(self._send(torch.frombuffer(frame, dtype=torch.uint8), dst), "send to", dst)
-        if inline or not msg.tensors:
-            return
         if any(t.device.type != "cpu" for t in msg.tensors.values()):
+            frame, _ = encode_header(msg, frame_bytes=self.frame_bytes)
+            self._wait(self._send(torch.frombuffer(frame, dtype=torch.uint8), dst), "send to", dst)
             for t in msg.tensors.values():
                 self._wait(self._send(t.contiguous(), dst), "send to", dst)
-        else:
-            payload = payload_bytes_of(msg.tensors)
-            self._wait(self._send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst), "send to", dst)
+            return
+        for work, _ in self.post(msg, dst):
+            self.wait_sent(work, dst)
+
+    def post(self, msg: Message, dst: int) -> list[tuple[object, torch.Tensor]]:
+        """Start sending `msg` (CPU tensors only) to rank `dst` and return at once: its frame (and
+        payload, if not inline) are posted to gloo, which sends them in order once `dst` posts the
+        matching receives. Returns (work, buffer) pairs: the buffer must stay alive until
+        `wait_sent(work)` returned ([Note: posted sends] in workers/send_queue.py).
+        Raises ValueError for a tensor on an accelerator, ChannelError after close()."""
+        if any(t.device.type != "cpu" for t in msg.tensors.values()):
+            raise ValueError("only messages of CPU tensors can be posted; send() moves device tensors")
+        frame, inline = encode_header(msg, frame_bytes=self.frame_bytes)
+        bufs = [torch.frombuffer(frame, dtype=torch.uint8)]
+        if not inline and msg.tensors:
+            bufs.append(torch.frombuffer(bytearray(payload_bytes_of(msg.tensors)), dtype=torch.uint8))
+        return [(self._send(b, dst), b) for b in bufs]
+
+    def wait_sent(self, work, dst: int) -> None:
+        """Wait until a posted send to rank `dst` completed. Raises ChannelError on timeout or failure."""
+        self._wait(work, "send to", dst)
 
     def recv(self, src: int) -> Message:
         """Receive the next message from rank `src`; the header is validated before the payload.
@@ -232,64 +247,3 @@ class Channel:
                     f"(--stage-timeout-s); is that process alive?"
                 ) from None
             raise ChannelError(f"{self.label}failed to {verb} {rank_name(peer)}: {text.splitlines()[0]}") from None
-
-
-class SendQueue:
-    """Ordered background sends over a `Channel`: one thread and FIFO per destination rank.
-
-    [Note: background sends]
-    A gloo send completes only once the receiver has posted the matching receive. A stage that
-    sends its output inline therefore cannot post its own next receive until its downstream
-    neighbour is free, and the item waiting upstream (e.g. a draft the coordinator just injected)
-    sits on the critical path. Handing sends to a per-destination thread lets the stage loop post
-    its next receive at once, while messages to each destination keep their order (in-band squash
-    relies on that). At most `max_queued` messages wait per destination (backpressure, not an
-    unbounded queue). A send failure is re-raised (as ChannelError) by the next `send` or `flush`.
-    """
-
-    def __init__(self, channel: Channel, *, max_queued: int = 8) -> None:
-        self.channel = channel
-        self.max_queued = max_queued
-        self._queues: dict[int, queue.Queue] = {}
-        self._threads: list[threading.Thread] = []
-        self._error: ChannelError | None = None
-
-    def send(self, msg: Message, dst: int) -> None:
-        """Queue `msg` for rank `dst`. Raises ChannelError if an earlier send failed or the queue
-        stays full for the channel's deadline."""
-        self._raise_if_failed()
-        q = self._queues.get(dst)
-        if q is None:
-            q = self._queues[dst] = queue.Queue(maxsize=self.max_queued)
-            t = threading.Thread(target=self._drain, args=(q, dst), name=f"send-to-{dst}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        try:
-            q.put(msg, timeout=self.channel.timeout_s)
-        except queue.Full:
-            raise ChannelError(f"{self.channel.label}send queue to {rank_name(dst)} stayed full for "
-                               f"{self.channel.timeout_s:g} s (--stage-timeout-s)") from None
-
-    def flush(self) -> None:
-        """Wait until every queued message was sent (at most the channel's deadline per message).
-        Raises ChannelError if a send failed."""
-        for q in self._queues.values():
-            q.put(None)
-        for t in self._threads:
-            t.join(timeout=self.channel.timeout_s * (self.max_queued + 1))
-        self._queues.clear()
-        self._threads.clear()
-        self._raise_if_failed()
-
-    def _drain(self, q: queue.Queue, dst: int) -> None:
-        while (msg := q.get()) is not None:
-            if self._error is not None:
-                continue  # keep draining so producers never block on a dead destination
-            try:
-                self.channel.send(msg, dst)
-            except ChannelError as exc:
-                self._error = exc
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error

@@ -25,7 +25,8 @@ from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage
 from pipeline.measure.timeline import StageTiming
 from pipeline.speculation.items import Item
-from workers.channel import Channel, SendQueue
+from workers.channel import Channel
+from workers.send_queue import SendQueue
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class StageLoop:
         self.messages_received = 0
         self.stopped = threading.Event()
         self.retired = False  # set by Rejoin: this loop's group is abandoned; stop at the next message
-        self.sends = SendQueue(channel)  # see [Note: background sends] in workers/channel.py
+        self.sends = SendQueue(channel)  # see [Note: background sends] in workers/send_queue.py
         self.drafter = StageDrafter() if stage_index == 0 and executor.exit_layer is not None else None
         self._inbox: queue.Queue | None = None  # the reader thread's messages (stage 0 with a drafter)
 

@@ -43,6 +43,7 @@ from workers.control_auth import (
     TlsFiles,
     take_secret_from_env,
 )
+from workers.heap import freeze_startup_heap
 from workers.load_spec_codec import spec_from_proto
 from workers.parent_death import arm_parent_death_signal
 from workers.stage_loop import StageLoop
@@ -68,6 +69,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.weights_bytes = 0
         self.failure: str | None = None
         self._lock = threading.Lock()
+        self._heap_frozen = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def Load(self, request, context):
@@ -137,6 +139,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.loop = StageLoop(executor=self.executor, channel=channel, stage_index=spec.stage_index,
                               num_stages=spec.num_stages)
         self._rejoined = threading.Event()
+        if not self._heap_frozen:  # once: a rejoin's old loop must stay collectable
+            self._heap_frozen = freeze_startup_heap() > 0  # [Note: the collector on the per-token path]
         threading.Thread(target=self._run_loop, args=(self.loop, self._rejoined), name="data-plane",
                          daemon=True).start()
 
@@ -197,6 +201,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             if old is not None:
                 old.retired = True
                 old.stopped.wait(timeout=1.0)  # a loop in the middle of a step finishes it first
+                old.sends.abandon()  # nothing may hold the old group ([Note: posted sends])
                 old.channel.group.close()  # its sockets: no leaked port per fail-over
             self._rejoined.set()
             self.executor.clear()

@@ -25,6 +25,7 @@ from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from pipeline.measure.trace import chrome_trace
 from pipeline.speculation.sampling import SamplingParams
+from workers.heap import freeze_startup_heap
 
 
 def serve(options_json: str) -> int:
@@ -33,6 +34,7 @@ def serve(options_json: str) -> int:
     torch.set_num_threads(1)
     options = PipelineOptions(**json.loads(options_json), progress=False)
     with PipelineSession(options, resolve(options)) as session:
+        freeze_startup_heap()  # as launch does: [Note: the collector on the per-token path] in workers/heap.py
         return serve_requests(replies, lambda request: run_request(session, request))
 
 

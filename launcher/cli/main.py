@@ -40,6 +40,7 @@ from pipeline.run_config import check_prompt_length
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
+from workers.heap import freeze_startup_heap
 
 PROG = "speedpipe"
 
@@ -255,6 +256,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 + (f"; exit head {head_ms:.2f} ms a row" if head_ms else ""))
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
+        freeze_startup_heap()  # [Note: the collector on the per-token path] in workers/heap.py
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
         if args.trace:
             write_trace(session, args.trace)

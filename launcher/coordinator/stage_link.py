@@ -12,7 +12,8 @@ import torch
 from launcher.coordinator.request_handle import PipelineError
 from pipeline.engine.events import StepOutput
 from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage, world_size
-from workers.channel import Channel, DataPlaneGroup, SendQueue
+from workers.channel import Channel, DataPlaneGroup
+from workers.send_queue import SendQueue
 
 
 class StageLink:
@@ -36,6 +37,8 @@ class StageLink:
 
     def close(self) -> None:
         """Close this ring's data-plane group (after a fail-over replaced it): its sockets close."""
+        if self.sends is not None:
+            self.sends.abandon()  # nothing may hold the group ([Note: posted sends] in workers/send_queue.py)
         if self.channel is not None:
             self.channel.group.close()
 

@@ -27,6 +27,7 @@ from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession
 from launcher.coordinator.stage_restarts import RestartBudget
 from workers.control_auth import TlsFiles
+from workers.heap import freeze_startup_heap
 
 log = logging.getLogger("speedpipe.serve")
 
@@ -295,6 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")
+        freeze_startup_heap()  # [Note: the collector on the per-token path] in workers/heap.py
         with DrainSignals() as signals:
             serve_until_stopped(session, stack, signals)
     say("server stopped")

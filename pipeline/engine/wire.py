@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import struct
 from typing import Any
 
@@ -101,7 +102,7 @@ class TensorSpec:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +163,7 @@ def decode_header(frame: bytes | bytearray | memoryview, *, max_payload_bytes: i
         raw = msgpack.unpackb(bytes(frame[PREFIX.size:PREFIX.size + length]), strict_map_key=True)
     except Exception as exc:  # msgpack raises several types
         raise WireError(f"undecodable header: {exc}") from None
-    if not isinstance(raw, dict) or set(raw) != set(HEADER_SCHEMA):
+    if type(raw) is not dict or raw.keys() != HEADER_SCHEMA.keys():
         raise WireError("header has missing or unknown keys")
     for name, kind in HEADER_SCHEMA.items():
         if type(raw[name]) is not kind and not (name == "timing" and raw[name] is None):
@@ -223,15 +224,20 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def records_to_wire(records: list, cls: type) -> dict[str, list[int]]:
     """Columns {field: [int per record]} of `records`, frozen dataclasses of int fields (`cls`)."""
-    return {f.name: [getattr(r, f.name) for r in records] for f in dataclasses.fields(cls)}
+    return {name: [getattr(r, name) for r in records] for name in _field_names(cls)}
 
 
 def records_from_wire(raw: Any, cls: type) -> list:
     """Parse the columns of `cls` records (int fields only). Raises ValueError if malformed."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    if not isinstance(raw, dict) or sorted(raw) != sorted(names):
+    names = _field_names(cls)
+    if type(raw) is not dict or raw.keys() != set(names):
         raise ValueError(f"malformed {cls.__name__} columns: expected {names}")
     cols = [raw[n] for n in names]
     if any(not isinstance(c, list) or any(type(v) is not int for v in c) for c in cols) or len(set(map(len, cols))) > 1:

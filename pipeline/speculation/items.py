@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -191,33 +192,36 @@ ITEM_WIRE_SCHEMA: dict[str, type] = {
     "want_prompt_logits": bool, "draft_upto": int, "draft_cap": int, "draft_gate": int, "draft_with": int, "self_made": bool,
     "alt_token_ids": list, "tree_scratch": int, "keep_sibling": int, "exit_top_k": int,
 }
+_ITEM_FIELDS = operator.attrgetter(*ITEM_WIRE_SCHEMA)  # one item's values, in column order
 
 
 def items_to_wire(items: Sequence[Item]) -> dict[str, list[Any]]:
-    """The msgpack-able columns of `items` (see [Note: item wire form])."""
-    cols: dict[str, list[Any]] = {name: [] for name in ITEM_WIRE_SCHEMA}
-    for it in items:
-        for name in ITEM_WIRE_SCHEMA:
-            value = getattr(it, name)
-            cols[name].append(int(value) if name == "kind" else list(value) if isinstance(value, tuple) else value)
+    """The msgpack-able columns of `items` (see [Note: item wire form]), of the types
+    `items_from_wire` accepts."""
+    if not items:
+        return {name: [] for name in ITEM_WIRE_SCHEMA}
+    cols = dict(zip(ITEM_WIRE_SCHEMA, map(list, zip(*map(_ITEM_FIELDS, items), strict=True)), strict=True))
+    cols["kind"] = [int(k) for k in cols["kind"]]
+    cols["token_ids"] = [list(t) for t in cols["token_ids"]]
+    cols["alt_token_ids"] = [list(t) for t in cols["alt_token_ids"]]
     return cols
 
 
 def items_from_wire(raw: Any) -> list[Item]:
     """Parse and validate item columns. Raises ValueError naming the first malformed field."""
-    if not isinstance(raw, dict) or set(raw) != set(ITEM_WIRE_SCHEMA):
+    if type(raw) is not dict or raw.keys() != ITEM_WIRE_SCHEMA.keys():
         raise ValueError(f"malformed items: expected the columns {sorted(ITEM_WIRE_SCHEMA)}")
-    lengths = {len(col) if isinstance(col, list) else -1 for col in raw.values()}
-    if len(lengths) != 1 or -1 in lengths:
+    cols = [raw[name] for name in ITEM_WIRE_SCHEMA]
+    if any(type(col) is not list for col in cols) or len(set(map(len, cols))) != 1:
         raise ValueError("malformed items: columns are not lists of one length")
-    for name, kind in ITEM_WIRE_SCHEMA.items():
-        if any(type(v) is not kind for v in raw[name]):
-            raise ValueError(f"malformed item: {name} is not {'an int' if kind is int else 'a ' + kind.__name__}")
-    for name in ("token_ids", "alt_token_ids"):
-        if any(type(t) is not int for tokens in raw[name] for t in tokens):
-            raise ValueError(f"malformed item: {name} is not a list of ints")
+    for (name, kind), col in zip(ITEM_WIRE_SCHEMA.items(), cols, strict=True):
+        for v in col:
+            if type(v) is not kind:
+                raise ValueError(f"malformed item: {name} is not {'an int' if kind is int else 'a ' + kind.__name__}")
+            if kind is list and any(type(t) is not int for t in v):
+                raise ValueError(f"malformed item: {name} is not a list of ints")
     items = []
-    for row in zip(*(raw[name] for name in ITEM_WIRE_SCHEMA), strict=True):
+    for row in zip(*cols, strict=True):
         fields = dict(zip(ITEM_WIRE_SCHEMA, row, strict=True))
         try:
             fields["kind"] = ItemKind(fields["kind"])

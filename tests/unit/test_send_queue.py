@@ -1,0 +1,134 @@
+"""`SendQueue` (workers/send_queue.py): messages to a rank arrive in the order they were queued,
+whole, in both modes (posted gloo sends with a reaper thread, and the send thread); the caller never
+waits for its receiver up to `max_queued` messages; a full queue and a dead receiver are
+ChannelErrors naming the peer ([Note: background sends], [Note: posted sends]).
+
+What breaks when these fail: in-band squash relies on per-destination order (a stale draft
+overtaking its squash corrupts a stage's KV cache), a stage that blocks on a busy neighbour puts
+the next draft on the critical path, and a dead stage hangs the coordinator instead of failing.
+Two ranks of one gloo group live in one process here (a thread per rank).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pipeline.engine.wire import Message, MessageKind
+from pipeline.speculation.items import Item, ItemKind
+from workers.channel import Channel, ChannelError, DataPlaneGroup, hold_listener
+from workers.send_queue import SendQueue
+
+FRAME = 4096  # small frames: the big messages below need their separate payload message
+
+
+def _pair(timeout_s: float) -> tuple[Channel, Channel]:
+    """Channels of rank 0 and rank 1 of one fresh 2-rank group on loopback."""
+    port = hold_listener("127.0.0.1")
+    groups: dict[int, DataPlaneGroup] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = DataPlaneGroup(master_addr="127.0.0.1", master_port=port, rank=rank, world_size=2,
+                                      timeout_s=timeout_s, connect_timeout_s=20)
+
+    threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert set(groups) == {0, 1}, "rendezvous failed"
+    return tuple(Channel(groups[r], timeout_s=timeout_s, frame_bytes=FRAME) for r in (0, 1))
+
+
+def _message(i: int) -> Message:
+    """Message i: a decode item at position i; every third one too big for its frame."""
+    rows = 8 if i % 3 == 0 else 1
+    item = Item(seq_id=i, slot=0, start=i, num_tokens=1, kind=ItemKind.DECODE)
+    return Message(MessageKind.FORWARD, [item], {"x": torch.full((rows, 300), float(i))})
+
+
+@pytest.fixture(params=[True, False], ids=["posted", "send-thread"])
+def posted(request) -> bool:
+    return request.param
+
+
+@pytest.mark.timeout(60)
+def test_messages_arrive_in_order_and_whole_while_the_receiver_starts_late(posted):
+    sender, receiver = _pair(timeout_s=20)
+    queue = SendQueue(sender, max_queued=4, posted=posted)
+    got: list[Message] = []
+    started = threading.Event()
+
+    def receive() -> None:
+        started.wait(10)
+        got.extend(receiver.recv(0) for _ in range(30))
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    for i in range(4):  # up to max_queued: queued without a receiver
+        queue.send(_message(i), 1)
+    started.set()
+    for i in range(4, 30):
+        queue.send(_message(i), 1)
+    queue.flush()
+    thread.join(timeout=30)
+    assert [m.items[0].start for m in got] == list(range(30))
+    for i, m in enumerate(got):
+        assert torch.equal(m.tensors["x"], _message(i).tensors["x"])
+    sender.group.close()
+    receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_full_queue_is_a_channel_error_naming_the_peer_after_the_deadline(posted):
+    sender, receiver = _pair(timeout_s=1.5)
+    queue = SendQueue(sender, max_queued=2, posted=posted)
+    queue.send(_message(1), 1)
+    queue.send(_message(2), 1)  # nobody receives: both wait
+    with pytest.raises(ChannelError, match="stage 0|send queue to|timed out"):
+        queue.send(_message(4), 1)
+    sender.group.close()
+    receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_never_takes_the_message_fails_the_next_send_or_flush(posted):
+    sender, receiver = _pair(timeout_s=1.5)
+    queue = SendQueue(sender, max_queued=4, posted=posted)
+    queue.send(_message(1), 1)  # returns at once; the send itself times out in the background
+    with pytest.raises(ChannelError, match="stage 0"):
+        queue.flush()
+    with pytest.raises(ChannelError):
+        queue.send(_message(2), 1)
+    sender.group.close()
+    receiver.group.close()
+
+
+def test_posting_refuses_tensors_on_an_accelerator():
+    class FakeDevice:
+        type = "cuda"
+
+    class FakeTensor:
+        device = FakeDevice()
+
+    channel = Channel.__new__(Channel)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        channel.post(Message(MessageKind.FORWARD, [], {"x": FakeTensor()}), 1)
+
+
+@pytest.mark.timeout(60)
+def test_abandon_drops_every_posted_send_and_fails_later_sends():
+    sender, receiver = _pair(timeout_s=20)
+    queue = SendQueue(sender, max_queued=4, posted=True)
+    for i in range(3):  # nobody receives: all three stay posted
+        queue.send(_message(i), 1)
+    assert sum(len(lane.pending) for lane in queue._lanes.values()) == 3
+    lanes = list(queue._lanes.values())
+    queue.abandon()
+    assert all(not lane.pending for lane in lanes)  # no work keeps the group alive
+    with pytest.raises(ChannelError, match="abandoned"):
+        queue.send(_message(3), 1)
+    sender.group.close()
+    receiver.group.close()

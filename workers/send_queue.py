@@ -1,0 +1,178 @@
+"""Ordered sends that never block the caller on its receiver: posted gloo sends, or a send thread.
+
+Owns `SendQueue`, the one way the stage loop and the coordinator send on the data plane: per
+destination rank, messages leave in the order they were queued, at most `max_queued` wait, and a
+failure is re-raised by the next `send` or `flush`. Must not: interpret messages (the stage loop and
+the coordinator do) or frame them (workers/channel.py and pipeline/engine/wire.py do).
+
+[Note: background sends]
+A gloo send completes only once the receiver has posted the matching receive. A stage that
+sends its output inline therefore cannot post its own next receive until its downstream
+neighbour is free, and the item waiting upstream (e.g. a draft the coordinator just injected)
+sits on the critical path. So no caller waits for its sends: messages to each destination keep
+their order (in-band squash relies on that), at most `max_queued` wait per destination
+(backpressure, not an unbounded queue), and a send failure is re-raised (as ChannelError) by the
+next `send` or `flush`.
+
+[Note: posted sends]
+On a CPU channel the caller posts the message to gloo itself (`Channel.post`: frame and payload
+handed to gloo, which queues sends per peer in order and writes each once the peer's receive is
+posted) and returns; the message leaves the process at once. Handing it to a send thread instead
+costs a thread wake-up and a GIL hand-over before the first byte moves: 107 µs median of the 2.15
+ms from the last stage's end to stage 0's next start at `--stages 1`, measured on 2 vCPUs
+(`tests/benchmarks/channel_rtt.py` compares the two). Each destination keeps its last
+`max_queued` posted sends (work and buffers); the caller waits for the oldest only to make room
+(long done, in the steady state) or in `flush`, so no thread waits on them. A gloo wait cannot be
+interrupted: aborting the sender's own group does not end it (measured: it runs to its deadline),
+so a thread blocked on a send would keep a replaced group and its ports alive until then.
+`abandon` drops the kept sends before a fail-over closes the group. On a CUDA channel a message's
+hidden states travel over NCCL after its gloo header, so there the send thread (`Channel.send`,
+waiting for each piece in turn) stays.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from pipeline.engine.wire import Message, rank_name
+from workers.channel import Channel, ChannelError
+
+
+class SendQueue:
+    """Ordered, non-blocking sends over `channel`, per destination rank ([Note: background sends]).
+
+    posted: post CPU messages straight to gloo ([Note: posted sends]); default: whenever the
+    channel's device is the CPU. Otherwise one send thread and FIFO per destination.
+    """
+
+    def __init__(self, channel: Channel, *, max_queued: int = 8, posted: bool | None = None) -> None:
+        self.channel = channel
+        self.max_queued = max_queued
+        self.posted = channel.device.type == "cpu" if posted is None else posted
+        self._lanes: dict[int, _Lane] = {}
+        self._lanes_lock = threading.Lock()
+        self._error: ChannelError | None = None
+
+    def send(self, msg: Message, dst: int) -> None:
+        """Queue `msg` for rank `dst`. Raises ChannelError if an earlier send failed or `max_queued`
+        messages to `dst` stay unsent for the channel's deadline."""
+        self._raise_if_failed()
+        lane = self._lane(dst)
+        with lane.cond:
+            if self.posted:
+                while len(lane.pending) >= self.max_queued:
+                    self._wait_oldest(lane, dst)
+                lane.pending.append(self.channel.post(msg, dst))  # in order: gloo keeps it per peer
+                return
+            if not lane.cond.wait_for(lambda: len(lane.pending) < self.max_queued or self._error is not None,
+                                      timeout=self.channel.timeout_s):
+                raise ChannelError(f"{self.channel.label}send queue to {rank_name(dst)} stayed full for "
+                                   f"{self.channel.timeout_s:g} s (--stage-timeout-s)")
+            self._raise_if_failed()
+            lane.pending.append(msg)
+            lane.cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every queued message was sent (at most the channel's deadline per message).
+        Raises ChannelError if a send failed."""
+        with self._lanes_lock:
+            lanes, self._lanes = dict(self._lanes), {}
+        for dst, lane in lanes.items():
+            with lane.cond:
+                if self.posted:
+                    while lane.pending:
+                        self._wait_oldest(lane, dst)
+                lane.closing = True
+                lane.cond.notify_all()
+        for lane in lanes.values():
+            if lane.thread is not None:
+                lane.thread.join(timeout=self.channel.timeout_s * (self.max_queued + 1))
+        self._raise_if_failed()
+
+    def abandon(self) -> None:
+        """Drop every unsent message and posted send, and fail later sends (before the group is
+        closed in a fail-over: nothing then holds it, [Note: posted sends]). A send thread blocked
+        in a transfer ends at its deadline."""
+        if self._error is None:
+            self._error = ChannelError(f"{self.channel.label}send queue abandoned (its data-plane group was replaced)")
+        with self._lanes_lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            with lane.cond:
+                lane.pending.clear()
+                lane.closing = True
+                lane.cond.notify_all()
+
+    def _lane(self, dst: int) -> _Lane:
+        with self._lanes_lock:
+            lane = self._lanes.get(dst)
+            if lane is None:
+                lane = self._lanes[dst] = _Lane()
+                if not self.posted:
+                    lane.thread = threading.Thread(target=self._drain, args=(lane, dst), daemon=True,
+                                                   name=f"send-to-{dst}")
+                    lane.thread.start()
+            return lane
+
+    def _wait_oldest(self, lane: _Lane, dst: int) -> None:
+        """Wait for the oldest posted send to `dst` (lane.cond held). Raises ChannelError, which
+        holds no frame that holds a work (the stored error must not keep the group alive)."""
+        posted = lane.pending[0]
+        try:
+            for work, _buffer in posted:
+                self.channel.wait_sent(work, dst)
+        except ChannelError as exc:
+            error = exc.with_traceback(None)
+        else:
+            lane.pending.popleft()
+            return
+        del posted, work, _buffer
+        self._fail(lane, error)
+        raise error
+
+    def _drain(self, lane: _Lane, dst: int) -> None:
+        """Send each queued message to `dst` in order (the send-thread mode)."""
+        while (msg := lane.next()) is not None:
+            try:
+                self.channel.send(msg, dst)
+            except ChannelError as exc:
+                with lane.cond:
+                    self._fail(lane, exc)
+                return
+            lane.done()
+
+    def _fail(self, lane: _Lane, exc: ChannelError) -> None:
+        """Keep the first failure for the callers; drop what waits (lane.cond held): a dead
+        destination never takes it, and a fail-over frees the group only once nothing holds it."""
+        if self._error is None:
+            self._error = exc
+        lane.pending.clear()
+        lane.cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+class _Lane:
+    """One destination's FIFO of queued messages (send-thread mode) or posted sends (posted mode)."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.closing = False
+        self.thread: threading.Thread | None = None
+
+    def next(self):
+        """The oldest message, left in place until `done`; None once closing and empty."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.pending or self.closing)
+            return self.pending[0] if self.pending else None
+
+    def done(self) -> None:
+        """The oldest message was sent: drop it and wake a sender waiting for room."""
+        with self.cond:
+            if self.pending:
+                self.pending.popleft()
+            self.cond.notify_all()
