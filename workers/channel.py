@@ -187,14 +187,24 @@ class Channel:
         payload, if not inline) are posted to gloo, which sends them in order once `dst` posts the
         matching receives. Returns (work, buffer) pairs: the buffer must stay alive until
         `wait_sent(work)` returned ([Note: posted sends] in workers/send_queue.py).
-        Raises ValueError for a tensor on an accelerator, ChannelError after close()."""
+        Raises ValueError for a tensor on an accelerator, ChannelError after close() or when gloo
+        refuses the send (its connection to `dst` already failed)."""
         if any(t.device.type != "cpu" for t in msg.tensors.values()):
             raise ValueError("only messages of CPU tensors can be posted; send() moves device tensors")
         frame, inline = encode_header(msg, frame_bytes=self.frame_bytes)
         bufs = [torch.frombuffer(frame, dtype=torch.uint8)]
         if not inline and msg.tensors:
             bufs.append(torch.frombuffer(bytearray(payload_bytes_of(msg.tensors)), dtype=torch.uint8))
-        return [(self._send(b, dst), b) for b in bufs]
+        posted = []
+        for b in bufs:
+            error = None
+            try:
+                posted.append((self._send(b, dst), b))
+            except RuntimeError as exc:
+                error = self._error_text(str(exc), "send to", dst)
+            if error is not None:  # raised outside the handler: no context that could hold a work
+                raise ChannelError(error)
+        return posted
 
     def wait_sent(self, work, dst: int) -> None:
         """Wait until a posted send to rank `dst` completed. Raises ChannelError on timeout or failure."""
@@ -234,16 +244,21 @@ class Channel:
         return self.group.group_for(t).recv([t], src, 0)
 
     def _wait(self, work, verb: str, peer: int) -> None:
+        error = None
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as exc:
-            # A stored ChannelError (SendQueue keeps one) holds this frame: without `work` in it, a
-            # group a fail-over replaced is freed, and its sockets close (no leaked port).
+            error = self._error_text(str(exc), verb, peer)
+        if error is not None:
+            # Raised outside the handler, with `work` gone: an error someone keeps (SendQueue does)
+            # then holds no frame or context that holds a work, so a group a fail-over replaced is
+            # freed and its sockets close (no leaked port).
             del work
-            text = str(exc)
-            if "Timed out" in text or "timeout" in text.lower():
-                raise ChannelError(
-                    f"{self.label}timed out after {self.timeout_s:g} s waiting to {verb} {rank_name(peer)} "
-                    f"(--stage-timeout-s); is that process alive?"
-                ) from None
-            raise ChannelError(f"{self.label}failed to {verb} {rank_name(peer)}: {text.splitlines()[0]}") from None
+            raise ChannelError(error)
+
+    def _error_text(self, text: str, verb: str, peer: int) -> str:
+        """The one-line ChannelError message of a failed gloo transfer."""
+        if "Timed out" in text or "timeout" in text.lower():
+            return (f"{self.label}timed out after {self.timeout_s:g} s waiting to {verb} {rank_name(peer)} "
+                    f"(--stage-timeout-s); is that process alive?")
+        return f"{self.label}failed to {verb} {rank_name(peer)}: {text.splitlines()[0]}"

@@ -13,7 +13,9 @@ start-up heap. Measured on the coordinator's engine alone (2000 decode steps, on
 µs a step with the collector, 58–77 µs without. `gc.freeze()` moves everything alive at the end of
 start-up into the permanent generation, which no collection scans (what CPython documents for
 forking servers, and what long-running inference servers do after loading); cycles made later are
-still collected.
+still collected. Freeze after the heavy start-up (imports, tokenizer, a stage's model) and before
+the pipeline's own objects exist (data-plane groups, loops, links): a fail-over replaces those, and
+frozen ones that became cyclic garbage would never be freed.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import gc
 
 def freeze_startup_heap() -> int:
     """Collect once, then exclude every object alive now from later collections ([Note: the
-    collector on the per-token path]). Call at the end of a process's start-up. Returns the
-    number of objects frozen."""
+    collector on the per-token path]). Call once per process, after its heavy start-up and before
+    its pipeline objects exist. Returns the number of objects frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -17,10 +17,10 @@ next `send` or `flush`.
 [Note: posted sends]
 On a CPU channel the caller posts the message to gloo itself (`Channel.post`: frame and payload
 handed to gloo, which queues sends per peer in order and writes each once the peer's receive is
-posted) and returns; the message leaves the process at once. Handing it to a send thread instead
+posted, at once when the peer already waits) and returns. Handing it to a send thread instead
 costs a thread wake-up and a GIL hand-over before the first byte moves: 107 µs median of the 2.15
 ms from the last stage's end to stage 0's next start at `--stages 1`, measured on 2 vCPUs
-(`tests/benchmarks/channel_rtt.py` compares the two). Each destination keeps its last
+(`tests/benchmarks/channel_rtt.py` and `checkout_ab.py` measure it). Each destination keeps its last
 `max_queued` posted sends (work and buffers); the caller waits for the oldest only to make room
 (long done, in the steady state) or in `flush`, so no thread waits on them. A gloo wait cannot be
 interrupted: aborting the sender's own group does not end it (measured: it runs to its deadline),
@@ -52,7 +52,9 @@ class SendQueue:
         self.posted = channel.device.type == "cpu" if posted is None else posted
         self._lanes: dict[int, _Lane] = {}
         self._lanes_lock = threading.Lock()
-        self._error: ChannelError | None = None
+        # The first failure, as text: a kept exception would hold frames, and through them a work
+        # and its group ([Note: posted sends]); each caller gets a fresh ChannelError.
+        self._error: str | None = None
 
     def send(self, msg: Message, dst: int) -> None:
         """Queue `msg` for rank `dst`. Raises ChannelError if an earlier send failed or `max_queued`
@@ -63,7 +65,12 @@ class SendQueue:
             if self.posted:
                 while len(lane.pending) >= self.max_queued:
                     self._wait_oldest(lane, dst)
-                lane.pending.append(self.channel.post(msg, dst))  # in order: gloo keeps it per peer
+                self._raise_if_failed()  # abandoned meanwhile
+                try:
+                    lane.pending.append(self.channel.post(msg, dst))  # in order: gloo keeps it per peer
+                except ChannelError as exc:
+                    self._fail(lane, str(exc))
+                self._raise_if_failed()
                 return
             if not lane.cond.wait_for(lambda: len(lane.pending) < self.max_queued or self._error is not None,
                                       timeout=self.channel.timeout_s):
@@ -80,9 +87,8 @@ class SendQueue:
             lanes, self._lanes = dict(self._lanes), {}
         for dst, lane in lanes.items():
             with lane.cond:
-                if self.posted:
-                    while lane.pending:
-                        self._wait_oldest(lane, dst)
+                while self.posted and lane.pending and self._error is None:
+                    self._wait_oldest(lane, dst)
                 lane.closing = True
                 lane.cond.notify_all()
         for lane in lanes.values():
@@ -92,17 +98,18 @@ class SendQueue:
 
     def abandon(self) -> None:
         """Drop every unsent message and posted send, and fail later sends (before the group is
-        closed in a fail-over: nothing then holds it, [Note: posted sends]). A send thread blocked
-        in a transfer ends at its deadline."""
+        closed in a fail-over: nothing then holds it, [Note: posted sends]). Never waits for a
+        sender blocked in a transfer (that one ends at its deadline)."""
         if self._error is None:
-            self._error = ChannelError(f"{self.channel.label}send queue abandoned (its data-plane group was replaced)")
+            self._error = f"{self.channel.label}send queue abandoned (its data-plane group was replaced)"
         with self._lanes_lock:
             lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
-            with lane.cond:
-                lane.pending.clear()
-                lane.closing = True
+            lane.closing = True
+            lane.pending.clear()  # without lane.cond: a posted-mode waiter may hold it for a deadline
+            if lane.cond.acquire(timeout=1.0):  # wake a send thread waiting for work
                 lane.cond.notify_all()
+                lane.cond.release()
 
     def _lane(self, dst: int) -> _Lane:
         with self._lanes_lock:
@@ -116,20 +123,14 @@ class SendQueue:
             return lane
 
     def _wait_oldest(self, lane: _Lane, dst: int) -> None:
-        """Wait for the oldest posted send to `dst` (lane.cond held). Raises ChannelError, which
-        holds no frame that holds a work (the stored error must not keep the group alive)."""
-        posted = lane.pending[0]
-        try:
-            for work, _buffer in posted:
-                self.channel.wait_sent(work, dst)
-        except ChannelError as exc:
-            error = exc.with_traceback(None)
-        else:
+        """Wait for the oldest posted send to `dst` (lane.cond held). Raises ChannelError."""
+        oldest = id(lane.pending[0])
+        error = _wait_all(self.channel, lane.pending[0], dst)
+        if error is not None:
+            self._fail(lane, error)
+        if lane.pending and id(lane.pending[0]) == oldest:  # abandon() may have dropped it meanwhile
             lane.pending.popleft()
-            return
-        del posted, work, _buffer
-        self._fail(lane, error)
-        raise error
+        self._raise_if_failed()
 
     def _drain(self, lane: _Lane, dst: int) -> None:
         """Send each queued message to `dst` in order (the send-thread mode)."""
@@ -138,21 +139,32 @@ class SendQueue:
                 self.channel.send(msg, dst)
             except ChannelError as exc:
                 with lane.cond:
-                    self._fail(lane, exc)
+                    self._fail(lane, str(exc))
                 return
             lane.done()
 
-    def _fail(self, lane: _Lane, exc: ChannelError) -> None:
+    def _fail(self, lane: _Lane, error: str) -> None:
         """Keep the first failure for the callers; drop what waits (lane.cond held): a dead
         destination never takes it, and a fail-over frees the group only once nothing holds it."""
         if self._error is None:
-            self._error = exc
+            self._error = error
         lane.pending.clear()
         lane.cond.notify_all()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise ChannelError(self._error)
+
+
+def _wait_all(channel: Channel, posted: list, dst: int) -> str | None:
+    """Wait for one message's posted (work, buffer) pairs; the ChannelError's text, or None. A
+    function of its own: once it returns, no frame holds the works."""
+    try:
+        for work, _buffer in posted:
+            channel.wait_sent(work, dst)
+    except ChannelError as exc:
+        return str(exc)
+    return None
 
 
 class _Lane:

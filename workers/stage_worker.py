@@ -125,6 +125,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
             torch.set_num_threads(spec.num_threads)
         stage = assemble_stage(spec)
         self.executor, self.weights_bytes = stage.executor, stage.weights_bytes
+        if not self._heap_frozen:  # once, before any data-plane object exists: those must stay collectable
+            self._heap_frozen = freeze_startup_heap() > 0  # [Note: the collector on the per-token path]
         return stage.tensor_names
 
     def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = 600.0) -> None:
@@ -139,8 +141,6 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.loop = StageLoop(executor=self.executor, channel=channel, stage_index=spec.stage_index,
                               num_stages=spec.num_stages)
         self._rejoined = threading.Event()
-        if not self._heap_frozen:  # once: a rejoin's old loop must stay collectable
-            self._heap_frozen = freeze_startup_heap() > 0  # [Note: the collector on the per-token path]
         threading.Thread(target=self._run_loop, args=(self.loop, self._rejoined), name="data-plane",
                          daemon=True).start()
 

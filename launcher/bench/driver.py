@@ -33,8 +33,9 @@ def serve(options_json: str) -> int:
     replies = take_stdout_for_replies()
     torch.set_num_threads(1)
     options = PipelineOptions(**json.loads(options_json), progress=False)
-    with PipelineSession(options, resolve(options)) as session:
-        freeze_startup_heap()  # as launch does: [Note: the collector on the per-token path] in workers/heap.py
+    model = resolve(options)
+    freeze_startup_heap()  # as launch does: [Note: the collector on the per-token path] in workers/heap.py
+    with PipelineSession(options, model) as session:
         return serve_requests(replies, lambda request: run_request(session, request))
 
 

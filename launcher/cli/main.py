@@ -243,6 +243,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
                             max_model_len=options.max_model_len, what=f"prompt {i}")
+    freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
@@ -256,7 +257,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 + (f"; exit head {head_ms:.2f} ms a row" if head_ms else ""))
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
-        freeze_startup_heap()  # [Note: the collector on the per-token path] in workers/heap.py
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
         if args.trace:
             write_trace(session, args.trace)

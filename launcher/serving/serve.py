@@ -291,12 +291,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve.check_ports()
     model = resolve(options)
     _show_stats_lines()
+    freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,
           ServingStack(session, serve) as stack):
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")
-        freeze_startup_heap()  # [Note: the collector on the per-token path] in workers/heap.py
         with DrainSignals() as signals:
             serve_until_stopped(session, stack, signals)
     say("server stopped")

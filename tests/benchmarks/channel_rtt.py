@@ -9,7 +9,8 @@ pipeline/measure/handoffs.py). Per repeat, three settings, each in a fresh pair 
 - `send-queue`: the same, sent through `SendQueue` in its send-thread mode (a background thread
   per destination sends and waits; what CPU stages did before posted sends);
 - `posted`: the same through `SendQueue` as the stages and the coordinator send on CPU: posted to
-  gloo by the caller, a reaper thread waits ([Note: posted sends] in workers/send_queue.py);
+  gloo by the caller, which waits for old sends only to make room ([Note: posted sends] in
+  workers/send_queue.py);
 - `socket`: the same 16 KB frame over a TCP_NODELAY socket on 127.0.0.1, no framing code.
 
     python tests/benchmarks/channel_rtt.py [--round-trips 400] [--repeats 3] [--hidden 576] [--gap-ms 0]
