@@ -20,12 +20,13 @@ handed to gloo, which queues sends per peer in order and writes each once the pe
 posted, at once when the peer already waits) and returns. Handing it to a send thread instead
 costs a thread wake-up and a GIL hand-over before the first byte moves: 107 µs median of the 2.15
 ms from the last stage's end to stage 0's next start at `--stages 1`, measured on 2 vCPUs
-(`tests/benchmarks/channel_rtt.py` and `checkout_ab.py` measure it). Each destination keeps its last
-`max_queued` posted sends (work and buffers); the caller waits for the oldest only to make room
-(long done, in the steady state) or in `flush`, so no thread waits on them. A gloo wait cannot be
-interrupted: aborting the sender's own group does not end it (measured: it runs to its deadline),
-so a thread blocked on a send would keep a replaced group and its ports alive until then.
-`abandon` drops the kept sends before a fail-over closes the group. On a CUDA channel a message's
+(`tests/benchmarks/channel_rtt.py` and `checkout_ab.py` measure it). Each destination keeps its
+last `max_queued` posted sends (work and buffers, at most MAX_KEPT_BYTES of them); the caller waits
+for the oldest only to make room (long done, in the steady state) or in `flush`, so no thread waits
+on them. A gloo wait cannot be interrupted: aborting the sender's own group does not end it
+(measured: it runs to its deadline), so a thread blocked on a send would keep a replaced group and
+its ports alive until then. `abandon` drops the kept sends before a fail-over closes the group, and
+a failure is kept as text (an exception's frames would hold a work). On a CUDA channel a message's
 hidden states travel over NCCL after its gloo header, so there the send thread (`Channel.send`,
 waiting for each piece in turn) stays.
 """
@@ -37,6 +38,10 @@ import threading
 
 from pipeline.engine.wire import Message, rank_name
 from workers.channel import Channel, ChannelError
+
+# Posted mode keeps a sent message's buffers until it waits for it; past this many bytes kept per
+# destination it waits before posting more (a prefill's prompt logits can be hundreds of MB).
+MAX_KEPT_BYTES = 64 << 20
 
 
 class SendQueue:
@@ -63,11 +68,13 @@ class SendQueue:
         lane = self._lane(dst)
         with lane.cond:
             if self.posted:
-                while len(lane.pending) >= self.max_queued:
+                while len(lane.pending) >= self.max_queued or (lane.pending and lane.kept_bytes > MAX_KEPT_BYTES):
                     self._wait_oldest(lane, dst)
                 self._raise_if_failed()  # abandoned meanwhile
                 try:
-                    lane.pending.append(self.channel.post(msg, dst))  # in order: gloo keeps it per peer
+                    posted = self.channel.post(msg, dst)  # in order: gloo keeps it per peer
+                    lane.pending.append(posted)
+                    lane.kept_bytes += _nbytes(posted)
                 except ChannelError as exc:
                     self._fail(lane, str(exc))
                 self._raise_if_failed()
@@ -107,6 +114,7 @@ class SendQueue:
         for lane in lanes:
             lane.closing = True
             lane.pending.clear()  # without lane.cond: a posted-mode waiter may hold it for a deadline
+            lane.kept_bytes = 0
             if lane.cond.acquire(timeout=1.0):  # wake a send thread waiting for work
                 lane.cond.notify_all()
                 lane.cond.release()
@@ -129,7 +137,7 @@ class SendQueue:
         if error is not None:
             self._fail(lane, error)
         if lane.pending and id(lane.pending[0]) == oldest:  # abandon() may have dropped it meanwhile
-            lane.pending.popleft()
+            lane.kept_bytes -= _nbytes(lane.pending.popleft())
         self._raise_if_failed()
 
     def _drain(self, lane: _Lane, dst: int) -> None:
@@ -149,11 +157,17 @@ class SendQueue:
         if self._error is None:
             self._error = error
         lane.pending.clear()
+        lane.kept_bytes = 0
         lane.cond.notify_all()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise ChannelError(self._error)
+
+
+def _nbytes(posted: list) -> int:
+    """Bytes of one message's posted buffers."""
+    return sum(buffer.numel() * buffer.element_size() for _, buffer in posted)
 
 
 def _wait_all(channel: Channel, posted: list, dst: int) -> str | None:
@@ -172,6 +186,7 @@ class _Lane:
 
     def __init__(self) -> None:
         self.pending: collections.deque = collections.deque()
+        self.kept_bytes = 0  # posted mode: bytes of the buffers in `pending`
         self.cond = threading.Condition()
         self.closing = False
         self.thread: threading.Thread | None = None

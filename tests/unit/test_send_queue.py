@@ -136,3 +136,15 @@ def test_abandon_drops_every_posted_send_and_fails_later_sends():
         queue.send(_message(3), 1)
     sender.group.close()
     receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_posted_sends_keep_at_most_max_kept_bytes_of_buffers(monkeypatch):
+    monkeypatch.setattr("workers.send_queue.MAX_KEPT_BYTES", 10_000)
+    sender, receiver = _pair(timeout_s=1.5)
+    queue = SendQueue(sender, max_queued=8, posted=True)
+    queue.send(_message(0), 1)  # 8 x 300 float32 rows: a 9.6 KB payload after its frame, kept
+    with pytest.raises(ChannelError, match="stage 0"):  # over the byte bound: waits for it, in vain
+        queue.send(_message(3), 1)
+    sender.group.close()
+    receiver.group.close()
