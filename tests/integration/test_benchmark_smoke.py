@@ -88,13 +88,36 @@ def test_stage_handoff_short_run_reports_both_waits(tmp_path: Path, smollm2_dir:
 def test_channel_rtt_short_run_times_every_setting(tmp_path: Path) -> None:
     out = tmp_path / "channel_rtt.json"
     proc = subprocess.run([sys.executable, "tests/benchmarks/channel_rtt.py", "--round-trips", "5", "--repeats", "1",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+                           "--gap-ms", "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    medians = json.loads(out.read_text())["median_us"]
-    assert set(medians) == {"channel", "send-queue", "socket"} and all(v > 0 for v in medians.values()), medians
-    bad = subprocess.run([sys.executable, "tests/benchmarks/channel_rtt.py", "--round-trips", "0", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--round-trips" in bad.stderr
+    report = json.loads(out.read_text())
+    medians = report["median_us"]
+    assert set(medians) == {"channel", "send-queue", "posted", "socket"}, medians
+    assert all(v > 0 for v in medians.values()), medians
+    assert report["gap_ms"] == 1.0
+    for flags, named in ((["--round-trips", "0"], "--round-trips"), (["--gap-ms", "-1"], "--gap-ms")):
+        bad = subprocess.run([sys.executable, "tests/benchmarks/channel_rtt.py", *flags, "--out", str(out)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and named in bad.stderr, bad.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_checkout_ab_short_run_compares_two_checkouts(tmp_path: Path, smollm2_dir: Path, smollm2_cache: Path) -> None:
+    env = dict(os.environ, SPEEDPIPE_CACHE_DIR=str(smollm2_cache))
+    out = tmp_path / "checkout_ab.json"
+    proc = subprocess.run([sys.executable, "tests/benchmarks/checkout_ab.py", "--a", str(REPO), "--b", str(REPO),
+                           "--stages", "1", "--repeats", "1", "--max-new-tokens", "4", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one = json.loads(out.read_text())["stages"]["1"]
+    assert len(one["runs"]["a"]) == len(one["runs"]["b"]) == 1
+    assert one["medians"]["a"]["tokens_per_s"] > 0 and one["medians"]["b"]["ring_return_ms"] > 0, one
+    assert one["tokens_per_s_b_over_a"] == pytest.approx(
+        one["runs"]["b"][0]["tokens_per_s"] / one["runs"]["a"][0]["tokens_per_s"], abs=1e-3)
+    bad = subprocess.run([sys.executable, "tests/benchmarks/checkout_ab.py", "--a", str(tmp_path), "--b", str(REPO)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "not a speedpipe checkout" in bad.stderr
 
 
 @pytest.mark.integration
