@@ -26,6 +26,7 @@ from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.items import MAX_TREE_SCRATCH
 from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
 from pipeline.speculation.tree import MAX_DRAFT_TREE, scratch_positions
+from pipeline.weights.dense_layout import validate_dense_layout
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.registry import DEFAULT_MODEL
 
@@ -50,6 +51,7 @@ class RunConfig:
     layer_split: str | None = None  # layers per stage, e.g. "8,8,7,7"; None = balanced
     dtype: str = "float32"  # a key of MODEL_DTYPES
     quantization: str = "none"  # weights: auto | none | int8 | int4 (pipeline/weights/quant.py [Note: numeric modes])
+    dense_layout: str = "reference"  # float32 dense weights: reference | fast ([Note: dense layout] in pipeline/weights/dense_layout.py)
     device: str = "cpu"
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     max_num_seqs: int = 8  # KV-cache slots: sequences decoded at once
@@ -87,6 +89,7 @@ class RunConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for, but torch sees no CUDA device on this machine")
+        validate_dense_layout(self.dense_layout, quantization=self.quantization, dtype=self.dtype, device=self.device)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:

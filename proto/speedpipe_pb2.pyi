@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("model_dir", "stage_index", "num_stages", "layer_start", "layer_stop", "dtype", "device", "max_num_seqs", "max_model_len", "num_threads", "dist_rank", "dist_world_size", "dist_master_addr", "dist_master_port", "stage_timeout_s", "exit_layer", "exit_predictor", "firp_layer", "firp_k", "firp_file", "quantization", "calibrate_max_rows", "tree_scratch")
+    __slots__ = ("model_dir", "stage_index", "num_stages", "layer_start", "layer_stop", "dtype", "device", "max_num_seqs", "max_model_len", "num_threads", "dist_rank", "dist_world_size", "dist_master_addr", "dist_master_port", "stage_timeout_s", "exit_layer", "exit_predictor", "firp_layer", "firp_k", "firp_file", "quantization", "calibrate_max_rows", "tree_scratch", "dense_layout")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class LoadStageRequest(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     CALIBRATE_MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     TREE_SCRATCH_FIELD_NUMBER: _ClassVar[int]
+    DENSE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     stage_index: int
     num_stages: int
@@ -55,7 +56,8 @@ class LoadStageRequest(_message.Message):
     quantization: str
     calibrate_max_rows: int
     tree_scratch: int
-    def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., exit_predictor: _Optional[bytes] = ..., firp_layer: _Optional[int] = ..., firp_k: _Optional[int] = ..., firp_file: _Optional[bytes] = ..., quantization: _Optional[str] = ..., calibrate_max_rows: _Optional[int] = ..., tree_scratch: _Optional[int] = ...) -> None: ...
+    dense_layout: str
+    def __init__(self, model_dir: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_threads: _Optional[int] = ..., dist_rank: _Optional[int] = ..., dist_world_size: _Optional[int] = ..., dist_master_addr: _Optional[str] = ..., dist_master_port: _Optional[int] = ..., stage_timeout_s: _Optional[float] = ..., exit_layer: _Optional[int] = ..., exit_predictor: _Optional[bytes] = ..., firp_layer: _Optional[int] = ..., firp_k: _Optional[int] = ..., firp_file: _Optional[bytes] = ..., quantization: _Optional[str] = ..., calibrate_max_rows: _Optional[int] = ..., tree_scratch: _Optional[int] = ..., dense_layout: _Optional[str] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("weights_bytes", "num_parameters", "load_s", "tensor_names", "row_costs", "row_cost_mode", "calibrate_s", "exit_head_row_s")

@@ -21,7 +21,7 @@ def spec_to_proto(spec: StageLoadSpec) -> pb.LoadStageRequest:
         dist_master_addr=spec.dist_master_addr, dist_master_port=spec.dist_master_port,
         stage_timeout_s=spec.stage_timeout_s, exit_layer=spec.exit_layer, exit_predictor=spec.exit_predictor,
         firp_layer=spec.firp_layer, firp_k=spec.firp_k, firp_file=spec.firp_file, quantization=spec.quantization,
-        calibrate_max_rows=spec.calibrate_max_rows, tree_scratch=spec.tree_scratch,
+        calibrate_max_rows=spec.calibrate_max_rows, tree_scratch=spec.tree_scratch, dense_layout=spec.dense_layout,
     )
 
 
@@ -35,6 +35,7 @@ def spec_from_proto(req: pb.LoadStageRequest) -> StageLoadSpec:
         stage_timeout_s=req.stage_timeout_s, exit_layer=req.exit_layer, exit_predictor=req.exit_predictor,
         firp_layer=req.firp_layer, firp_k=req.firp_k, firp_file=req.firp_file, quantization=req.quantization or "none",
         calibrate_max_rows=req.calibrate_max_rows, tree_scratch=req.tree_scratch,
+        dense_layout=req.dense_layout or "reference",
     )
     if (req.dist_rank, req.dist_world_size) != (spec.dist_rank, spec.dist_world_size):
         raise ValueError(f"dist rank/world {req.dist_rank}/{req.dist_world_size} disagree with stage "

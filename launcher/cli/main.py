@@ -38,6 +38,7 @@ from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
 from pipeline.measure.row_cost import ratio_line
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.sampling import SamplingParams
+from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
 from workers.heap import freeze_startup_heap
@@ -59,6 +60,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per stage; default cpu)")
     g.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
                    help="weights: auto (a GGUF's own Q4/Q8 blocks) | none (dense --dtype) | int8 | int4 (default none)")
+    g.add_argument("--dense-layout", default=DENSE_LAYOUTS[0], choices=DENSE_LAYOUTS,
+                   help="float32 dense weights on CPU: reference (transformers' op order, default) | fast (wide "
+                   "weights stored transposed: faster one-row decode, last-bit differences in the logits)")
     g.add_argument("--max-model-len", type=int, default=2048, help="max prompt + generated tokens per sequence")
     g.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots: sequences decoded at once")
     g.add_argument("--threads-per-stage", type=int, default=1, help="torch threads in each stage process")
@@ -212,7 +216,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
     num_stages, layer_split = _auto_stages(args, progress)
     return PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
-        quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
+        quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,

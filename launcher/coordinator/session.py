@@ -82,7 +82,7 @@ def stage_load_specs(options: PipelineOptions, plan: RunPlan, *, master_addr: st
         exit_predictor=plan.exit_predictor if options.needs_exit_head and i == plan.exit_stage else b"",
         firp_layer=firp.layer if firp else -1, firp_k=firp.k if firp else 0,
         firp_file=firp.file_bytes if firp and firp.layer in r else b"", quantization=options.quantization,
-        calibrate_max_rows=calibrate_rows,
+        dense_layout=options.dense_layout, calibrate_max_rows=calibrate_rows,
         tree_scratch=scratch_positions(options.draft_tree, options.max_inflight or options.num_stages))
         for i, r in enumerate(plan.ranges)]
 

@@ -25,6 +25,7 @@ from pipeline.speculation.layer_drafter import NEXT_LAYER_ARCH, build_draft_laye
 from pipeline.speculation.predictor_file import load_predictor_bytes
 from pipeline.speculation.predictors import ExitHead, ExitMap
 from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.dense_layout import validate_dense_layout
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.quant_load import activation_dtype, load_stage_model
 
@@ -48,6 +49,7 @@ class StageLoadSpec:
     layer_range: LayerRange
     dtype: str = "float32"
     quantization: str = "none"  # pipeline/weights/quant.py [Note: numeric modes]
+    dense_layout: str = "reference"  # pipeline/weights/dense_layout.py [Note: dense layout]
     device: str = "cpu"
     max_num_seqs: int = 8
     max_model_len: int = 2048
@@ -69,6 +71,7 @@ class StageLoadSpec:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         validate_quantization(self.quantization)
+        validate_dense_layout(self.dense_layout, quantization=self.quantization, dtype=self.dtype, device=self.device)
         if self.stage_timeout_s <= 0:
             raise ValueError(f"stage_timeout_s must be > 0, got {self.stage_timeout_s}")
         if not 0 <= self.tree_scratch <= MAX_TREE_SCRATCH:
@@ -140,7 +143,7 @@ def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
     reader = CheckpointReader(spec.model_dir)
     model = load_stage_model(spec.model_dir, spec.layer_range, is_first=spec.is_first, is_last=spec.is_last,
                              quantization=spec.quantization, dtype=spec.torch_dtype, device=spec.device,
-                             reader=reader)
+                             reader=reader, dense_layout=spec.dense_layout)
     exit_head = build_exit_head(config, reader, spec, model=model) if spec.holds_exit_head else None
     kv = model.new_kv_cache(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, num_scratch=spec.tree_scratch)
     firp_maps = None

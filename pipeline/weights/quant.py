@@ -8,7 +8,8 @@ for float32 heads (`RowwiseLinear`), and `quantize_stage_model`, which swaps a b
 pipeline/weights/checkpoint.py a folder's dense tensors) or change the model's structure beyond the swap.
 
 [Note: numeric modes]
-- `none`: dense weights in `--dtype` (float32: the exact reference, token-identical to transformers).
+- `none`: dense weights in `--dtype` (float32: the exact reference, token-identical to transformers;
+  `--dense-layout fast` stores the wide ones transposed, [Note: dense layout] in pipeline/weights/dense_layout.py).
 - `int4`: every projection and the LM head as int4, groups of 32 along the input dimension,
   asymmetric (w = q * scale + minimum, q in 0..15), requantised from the dense weights.
 - `int8`: every projection and the LM head as int8, one symmetric scale per output row.

@@ -14,6 +14,7 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import StageModel, build_stage_model, checkpoint_name, set_rope_buffers
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
+from pipeline.weights.dense_layout import apply_dense_layout, validate_dense_layout
 from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
 from pipeline.weights.quant import (
     ACTIVATION_DTYPE,
@@ -109,21 +110,27 @@ def build_quantized_stage_model(config: ModelConfig, layer_range: LayerRange, *,
 
 def load_stage_model(model_dir: str, layer_range: LayerRange, *, is_first: bool, is_last: bool,
                      quantization: str = "none", dtype: torch.dtype = torch.float32,
-                     device: str = "cpu", reader: CheckpointReader | None = None) -> StageModel:
+                     device: str = "cpu", reader: CheckpointReader | None = None,
+                     dense_layout: str = "reference") -> StageModel:
     """Build one stage of the model in `model_dir` in numeric mode `quantization`.
 
-    `none`: dense in `dtype` on `device` (the previous path). Other modes: see
-    `build_quantized_stage_model`; `dtype` is then bfloat16. Raises ValueError for an unknown mode,
-    a quantised mode on a non-CPU device, or a missing tensor.
+    `none`: dense in `dtype` on `device` (the previous path), its wide linears transposed when
+    `dense_layout` is "fast" ([Note: dense layout] in pipeline/weights/dense_layout.py). Other
+    modes: see `build_quantized_stage_model`; `dtype` is then bfloat16. Raises ValueError for an
+    unknown mode or layout, a quantised mode on a non-CPU device, `fast` outside float32 on CPU,
+    or a missing tensor.
     """
     reader = reader or CheckpointReader(model_dir)
     config = reader.config
     mode = effective_mode(quantization, str(model_dir), str(device))
+    validate_dense_layout(dense_layout, quantization=mode, dtype=dtype, device=str(device))
     if mode == "none":
         names = stage_tensor_names(config, layer_range, is_first=is_first, is_last=is_last)
         tensors = reader.read(names, dtype=dtype, device=device)
-        return build_stage_model(config, layer_range, is_first=is_first, is_last=is_last, tensors=tensors,
-                                 dtype=dtype, device=device, consume=True)  # fusing frees the unfused copies
+        model = build_stage_model(config, layer_range, is_first=is_first, is_last=is_last, tensors=tensors,
+                                  dtype=dtype, device=device, consume=True)  # fusing frees the unfused copies
+        apply_dense_layout(model, dense_layout)
+        return model
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantization {quantization} runs torch's CPU int kernels only; on device {device} "
                          "use none")

@@ -2,14 +2,17 @@
 
 Owns the measurement of these configurations of the default model (smollm2-135m, CPU, one torch
 thread per process doing model work), compared side by side in ONE run, with a numeric-mode axis
-(`--modes none,auto`: speedpipe's `--quantization`, [Note: numeric modes] in pipeline/weights/quant.py):
+(`--modes none,auto`: speedpipe's `--quantization`, [Note: numeric modes] in pipeline/weights/quant.py;
+`none-fast` is `--quantization none --dense-layout fast`, [Note: dense layout] in
+pipeline/weights/dense_layout.py):
 
     a        hf          transformers `generate`, float32, greedy, one prompt (subprocess, 1 thread)
     b[:m]    sp1         speedpipe --stages 1 --quantization m, one prompt (no suffix: m = none)
     c[:m]    sp2         speedpipe --stages 2 --quantization m, one prompt
     d[:m]    sp2x2       speedpipe --stages 2 --quantization m, two prompts submitted together (aggregate)
 
-and the target ratios of issue 13: b/a >= 1.25 (float32 speedpipe vs HF generate), b:m/a >= 2.5 for
+and the target ratios of issue 13: b/a >= 1.25 (float32 speedpipe vs HF generate; b:none-fast/a too
+when measured), b:m/a >= 2.5 for
 the last (fastest) mode m, and per mode c/b >= 0.95 (a second stage costs at most 5 %) and
 d/c >= 1.9 (two sequences fill a two-stage pipeline).
 Must not: tune or patch the runtime, or assert absolute times (only ratios within one run mean
@@ -97,6 +100,16 @@ class BenchConfig:
 
 
 DEFAULT_MODES = "none,auto"  # --quantization values measured; the last one is "the fastest mode"
+FAST_LAYOUT_MODE = "none-fast"  # --quantization none --dense-layout fast (pipeline/weights/dense_layout.py)
+
+
+def mode_flags(mode: str) -> tuple[str, str]:
+    """A benchmark mode -> (--quantization, --dense-layout): a --quantization value, or none-fast."""
+    return ("none", "fast") if mode == FAST_LAYOUT_MODE else (mode, "reference")
+
+
+def _mode_label(mode: str) -> str:
+    return " --dense-layout fast" if mode == FAST_LAYOUT_MODE else f" --quantization {mode}"
 
 
 def configs_for(modes: Sequence[str]) -> tuple[BenchConfig, ...]:
@@ -105,7 +118,7 @@ def configs_for(modes: Sequence[str]) -> tuple[BenchConfig, ...]:
                        num_prompts=1)]
     for mode in modes:
         sfx = "" if mode == "none" else f":{mode}"
-        q = f" --quantization {mode}"
+        q = _mode_label(mode)
         out += [BenchConfig(key=f"b{sfx}", label=f"speedpipe --stages 1{q}, 1 thread, 1 prompt", driver=f"sp1{sfx}",
                             num_prompts=1),
                 BenchConfig(key=f"c{sfx}", label=f"speedpipe --stages 2{q}, 1 thread/stage, 1 prompt",
@@ -134,9 +147,10 @@ def targets_for(modes: Sequence[str]) -> tuple[Target, ...]:
     out = []
     for mode in modes:
         sfx = "" if mode == "none" else f":{mode}"
-        if mode == "none":
-            out.append(Target(num="b", den="a", minimum=1.25, claim="float32 speedpipe --stages 1 vs HF generate"))
-        if mode == modes[-1] and mode != "none":
+        if mode in ("none", FAST_LAYOUT_MODE):
+            out.append(Target(num=f"b{sfx}", den="a", minimum=1.25,
+                              claim=f"float32 speedpipe --stages 1{_mode_label(mode)} vs HF generate"))
+        elif mode == modes[-1]:
             out.append(Target(num=f"b{sfx}", den="a", minimum=2.5,
                               claim=f"--quantization {mode} --stages 1 vs HF generate float32"))
         out += [Target(num=f"c{sfx}", den=f"b{sfx}", minimum=0.95, claim=f"{mode}: a 2nd stage costs <= 5%"),
@@ -234,7 +248,8 @@ def hf_driver(model_dir: str) -> int:
 
 def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = None,
                      quantization: str = "none") -> int:
-    """Serve a speedpipe session with `num_stages` stages (1 thread each) of the converted model folder.
+    """Serve a speedpipe session with `num_stages` stages (1 thread each) of the converted model folder,
+    in benchmark mode `quantization` (`mode_flags`).
 
     layer_split: `--layer-split` of a multi-stage session (None: the runtime's default split).
     """
@@ -247,8 +262,10 @@ def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = 
     from pipeline.speculation.sampling import SamplingParams
 
     torch.set_num_threads(1)
+    quantization, dense_layout = mode_flags(quantization)
     options = PipelineOptions(num_stages=num_stages, model=model_dir, threads_per_stage=1, progress=False,
-                              layer_split=layer_split if num_stages > 1 else None, quantization=quantization)
+                              layer_split=layer_split if num_stages > 1 else None, quantization=quantization,
+                              dense_layout=dense_layout)
     with PipelineSession(options, resolve(options)) as session:
         coord = session.coordinator
         procs = [psutil.Process(), *(psutil.Process(pid) for pid in session.processes.pids)]
@@ -456,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-split", help="--layer-split of the 2-stage configurations c and d, e.g. 19,11 "
                    "(default: the runtime's split); for diagnosis, the targets assume the default")
     p.add_argument("--modes", default=None,
-                   help=f"comma-separated --quantization modes to measure (default {DEFAULT_MODES}, with --quick "
-                   "none; the last is held to the fastest-mode target)")
+                   help=f"comma-separated --quantization modes (or {FAST_LAYOUT_MODE}) to measure (default "
+                   f"{DEFAULT_MODES}, with --quick none; the last is held to the fastest-mode target)")
     p.add_argument("--driver", choices=("hf", "sp1", "sp2"), help=argparse.SUPPRESS)
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -572,6 +589,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.max_new_tokens < 2 or args.retries < 0 or args.max_foreign <= 0:
         print("core_speed: error: need --repeats >= 1, --max-new-tokens >= 2, --retries >= 0, --max-foreign > 0",
               file=sys.stderr)
+        return 2
+    from pipeline.weights.quant import QUANTIZATION_CHOICES
+    known = (*QUANTIZATION_CHOICES, FAST_LAYOUT_MODE)
+    bad = [m for m in (m.strip() for m in args.modes.split(",")) if m and m not in known]
+    if bad:
+        print(f"core_speed: error: --modes {bad[0]!r} is not one of {', '.join(known)}", file=sys.stderr)
         return 2
     try:
         report = run_benchmark(args)

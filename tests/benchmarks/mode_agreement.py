@@ -1,6 +1,7 @@
 """Greedy agreement of each numeric mode with Hugging Face transformers (float32, dequantised weights).
 
-Owns the held-out agreement numbers of issue 13: for every `--quantization` mode, over held-out
+Owns the held-out agreement numbers of issue 13: for every `--quantization` mode (and `none-fast`,
+float32 with `--dense-layout fast`), over held-out
 prompts (State of the Union openings, never used to train or tune anything here), the share of
 prompts whose first `--max-new-tokens` greedy tokens equal transformers' greedy tokens, and the mean
 length of the matching prefix. Reference: `AutoModelForCausalLM.generate(do_sample=False)` on the
@@ -11,7 +12,7 @@ tests/unit/test_numeric_modes.py). Also reports the CPU time per generated token
 `time.thread_time`, prefill included) of each mode against transformers: on a machine shared with
 other jobs wall time mostly measures waiting for a core. Must not: tune the runtime or assert anything.
 
-    python tests/benchmarks/mode_agreement.py [--modes none,auto,int8,int4] [--num-prompts 16]
+    python tests/benchmarks/mode_agreement.py [--modes none,none-fast,auto,int8,int4] [--num-prompts 16]
         [--max-new-tokens 64] [--out tests/benchmarks/results/mode_agreement.json]
 """
 
@@ -34,7 +35,7 @@ from pipeline.model.row_layout import Span  # noqa: E402
 from pipeline.model.tokenizer import Tokenizer  # noqa: E402
 from pipeline.weights.quant_load import load_stage_model  # noqa: E402
 from pipeline.weights.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
-from tests.benchmarks.core_speed import sotu_prompts  # noqa: E402
+from tests.benchmarks.core_speed import FAST_LAYOUT_MODE, mode_flags, sotu_prompts  # noqa: E402
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
@@ -61,7 +62,9 @@ def speedpipe_greedy(model_dir: Path, mode: str, prompts: list[list[int]], max_n
     """speedpipe greedy tokens in numeric `mode`, EOS masked like min_new_tokens does, and the CPU
     seconds of this thread spent generating (prefill included)."""
     n = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    model = load_stage_model(str(model_dir), LayerRange(0, n), is_first=True, is_last=True, quantization=mode)
+    quantization, dense_layout = mode_flags(mode)
+    model = load_stage_model(str(model_dir), LayerRange(0, n), is_first=True, is_last=True, quantization=quantization,
+                             dense_layout=dense_layout)
     out, cpu_s = [], 0.0
     for ids in prompts:
         start = time.thread_time()
@@ -90,7 +93,7 @@ def prefix_len(a: list[int], b: list[int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="none,auto,int8,int4")
+    p.add_argument("--modes", default=f"none,{FAST_LAYOUT_MODE},auto,int8,int4")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default=str(REPO / "tests/benchmarks/results/mode_agreement.json"))
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_matching_prefix": sum(prefixes) / len(prompts), "prefixes": prefixes,
             "cpu_ms_per_token": round(cpu_s / num_tokens * 1e3, 2), "speed_vs_hf_cpu": round(hf_cpu_s / cpu_s, 3)}
         r = report["modes"][mode]
-        print(f"{mode:>5}: {r['all_tokens_match_share']:.0%} of {len(prompts)} prompts match all "
+        print(f"{mode:>9}: {r['all_tokens_match_share']:.0%} of {len(prompts)} prompts match all "
               f"{args.max_new_tokens} tokens; mean matching prefix {r['mean_matching_prefix']:.1f}  {prefixes}; "
               f"CPU {r['cpu_ms_per_token']:.1f} ms/token = {r['speed_vs_hf_cpu']:.2f}x HF "
               f"({report['hf_cpu_ms_per_token']:.1f} ms/token)")

@@ -51,6 +51,20 @@ def test_core_speed_quick_writes_report_with_positive_numbers(tmp_path: Path, sm
         assert name in proc.stdout, f"ratio {name} missing from the printed table:\n{proc.stdout}"
 
 
+def test_core_speed_measures_the_fast_layout_as_a_mode_and_refuses_an_unknown_one() -> None:
+    sys.path.insert(0, str(REPO))
+    from tests.benchmarks.core_speed import configs_for, mode_flags, targets_for
+
+    assert mode_flags("none-fast") == ("none", "fast") and mode_flags("auto") == ("auto", "reference")
+    keys = [c.key for c in configs_for(["none", "none-fast", "auto"])]
+    assert keys == ["a", "b", "c", "d", "b:none-fast", "c:none-fast", "d:none-fast", "b:auto", "c:auto", "d:auto"]
+    minimums = {(t.num, t.den): t.minimum for t in targets_for(["none", "none-fast", "auto"])}
+    assert minimums[("b:none-fast", "a")] == 1.25 and minimums[("b:auto", "a")] == 2.5
+    proc = subprocess.run([sys.executable, "tests/benchmarks/core_speed.py", "--modes", "none,fp64"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--modes 'fp64' is not one of" in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_row_cost_quick_prints_every_shape(smollm2_dir: Path, smollm2_cache: Path) -> None:

@@ -1,6 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct) through the pipeline, checked against transformers.
 
-Greedy token ids of 8 varied prompts must be identical on 1, 2, 3 and 5 stages (8 prompts at once
+Greedy token ids of 8 varied prompts must be identical on 1, 2, 3 and 5 stages, and on 3 stages
+with `--dense-layout fast` (pipeline/weights/dense_layout.py) (8 prompts at once
 on several stages, one at a time on one stage: "8 prompts in one launch = 8 separate runs") and
 identical to Hugging Face transformers' greedy `generate` on the same converted folder; the last
 stage's logits must match transformers' to 1e-4; a 2-stage split must hold exactly its share of
@@ -44,8 +45,10 @@ PROMPTS = (
     "to pump water out of mines, soon powered factories, ships and railways. Cities grew quickly as people "
     "left the countryside to work in the new mills, and",
 )
-# name: (stages, prompts submitted all at once?)
-RUNS = {"1-stage-one-at-a-time": (1, False), "2-stage": (2, True), "3-stage": (3, True), "5-stage": (5, True)}
+# name: (stages, prompts submitted all at once?, --dense-layout)
+RUNS = {"1-stage-one-at-a-time": (1, False, "reference"), "2-stage": (2, True, "reference"),
+        "3-stage": (3, True, "reference"), "5-stage": (5, True, "reference"),
+        "3-stage-fast-layout": (3, True, "fast")}
 
 
 
@@ -117,9 +120,10 @@ def pipeline_run(smollm2_dir: Path):
 
     def run(name: str) -> PipelineRun:
         if name not in done:
-            num_stages, concurrent = RUNS[name]
+            num_stages, concurrent, layout = RUNS[name]
             options = PipelineOptions(num_stages=num_stages, model=str(smollm2_dir), progress=False,
-                                      max_model_len=512, max_num_seqs=len(PROMPTS), stage_timeout_s=120.0)
+                                      max_model_len=512, max_num_seqs=len(PROMPTS), stage_timeout_s=120.0,
+                                      dense_layout=layout)
             params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
             with PipelineSession(options, resolve(options)) as session:
                 coordinator = session.coordinator

@@ -25,7 +25,7 @@ from tests.tiny_model import write_tiny_model
 from tests.unit.test_gguf_import_tiny import tiny as gguf_tiny_config
 from tests.unit.test_gguf_import_tiny import write_gguf
 
-MODES = ["none", "int8", "int4"]
+MODES = ["none", "none-fast", "int8", "int4"]  # none-fast: float32 with --dense-layout fast
 PROMPTS = [[5, 17, 200, 33, 9, 81, 140, 7, 99], [44, 3, 12], [250, 1, 77, 77, 8, 91]]
 NUM_DECODE = 6
 
@@ -35,9 +35,15 @@ def folder(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=4)
 
 
+def _load(folder, mode, layers: LayerRange, *, is_first: bool, is_last: bool):
+    quantization, layout = ("none", "fast") if mode == "none-fast" else (mode, "reference")
+    return load_stage_model(str(folder), layers, is_first=is_first, is_last=is_last, quantization=quantization,
+                            dense_layout=layout)
+
+
 def _full(folder, mode):
     n = CheckpointReader(folder).config.num_hidden_layers
-    return load_stage_model(str(folder), LayerRange(0, n), is_first=True, is_last=True, quantization=mode)
+    return _load(folder, mode, LayerRange(0, n), is_first=True, is_last=True)
 
 
 def _greedy_rows(model, prompt, num_new):
@@ -53,7 +59,7 @@ def _greedy_rows(model, prompt, num_new):
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, mode: str) -> None:
-    if mode == "none":  # float32 dense GEMM: only within rounding ([Note: batch invariance])
+    if mode in ("none", "none-fast"):  # float32 dense GEMM: only within rounding ([Note: batch invariance])
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(a, b), f"{mode}: max diff {(a - b).abs().max().item()}"
@@ -98,8 +104,8 @@ def test_batching_with_other_sequences_and_pseudo_rows_changes_no_row(folder, mo
 def test_a_stage_split_changes_no_number(folder, mode):
     full = _full(folder, mode)
     n = full.config.num_hidden_layers
-    first = load_stage_model(str(folder), LayerRange(0, 1), is_first=True, is_last=False, quantization=mode)
-    rest = load_stage_model(str(folder), LayerRange(1, n), is_first=False, is_last=True, quantization=mode)
+    first = _load(folder, mode, LayerRange(0, 1), is_first=True, is_last=False)
+    rest = _load(folder, mode, LayerRange(1, n), is_first=False, is_last=True)
     prompt = PROMPTS[2]
     spans = [Span(0, 0, len(prompt))]
     kv_full = full.new_kv_cache(max_num_seqs=1, max_model_len=32)

@@ -38,6 +38,10 @@ BAD_VALUES = [
     ({"min_acceptance": 1.5}, "min_acceptance must be 'auto' or in [0, 1], got 1.5", "--min-acceptance must be"),
     ({"firp_k": 0}, "firp_k must be >= 1, got 0", "--firp-k must be >= 1, got 0"),
     ({"firp_min_prob": 2.0}, "firp_min_prob must be in [0, 1], got 2.0", "--firp-min-prob must be in [0, 1]"),
+    ({"dense_layout": "packed"}, "dense_layout must be one of reference, fast, got 'packed'",
+     "--dense-layout must be one of"),
+    ({"dense_layout": "fast", "quantization": "auto"}, "dense_layout fast needs quantization none, dtype float32 "
+     "and a CPU device (got auto, float32, cpu)", "--dense-layout fast needs quantization none"),
 ]
 
 
