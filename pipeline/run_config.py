@@ -51,7 +51,7 @@ class RunConfig:
     layer_split: str | None = None  # layers per stage, e.g. "8,8,7,7"; None = balanced
     dtype: str = "float32"  # a key of MODEL_DTYPES
     quantization: str = "none"  # weights: auto | none | int8 | int4 (pipeline/weights/quant.py [Note: numeric modes])
-    dense_layout: str = "reference"  # float32 dense weights: reference | fast ([Note: dense layout] in pipeline/weights/dense_layout.py)
+    dense_layout: str = "reference"  # float32 dense: reference | fast (pipeline/weights/dense_layout.py)
     device: str = "cpu"
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     max_num_seqs: int = 8  # KV-cache slots: sequences decoded at once
@@ -171,9 +171,9 @@ class RunConfig:
 
     @property
     def row_cost_mode(self) -> str:
-        """The numeric mode's name in a row_cost.py report: fp32 / bf16 / fp16 for dense weights,
-        else the quantization (int8, int4, auto)."""
-        return numeric_mode_name(dtype=self.dtype, quantization=self.quantization)
+        """The numeric mode's name in a row_cost.py report: fp32 / bf16 / fp16 for dense weights
+        (fp32-fast with the fast layout), else the quantization (int8, int4, auto)."""
+        return numeric_mode_name(dtype=self.dtype, quantization=self.quantization, dense_layout=self.dense_layout)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -106,7 +106,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             raise ValueError(f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}] (0: no calibration), "
                              f"got {spec.calibrate_max_rows}")
         start = time.perf_counter()
-        mode = numeric_mode_name(dtype=spec.dtype, quantization=spec.quantization)
+        mode = numeric_mode_name(dtype=spec.dtype, quantization=spec.quantization, dense_layout=spec.dense_layout)
         table = calibrate_stage(self.executor.model, mode=mode, max_rows=spec.calibrate_max_rows, device=spec.device,
                                 num_threads=spec.num_threads)
         head = self.executor.exit_head

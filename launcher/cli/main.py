@@ -216,7 +216,8 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
     num_stages, layer_split = _auto_stages(args, progress)
     return PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
-        quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
+        quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,

@@ -112,12 +112,14 @@ class RowCostTable:
         raise ValueError(f"{path} has no row-cost table for mode {mode!r} (has {[t['mode'] for t in tables]})")
 
 
-def numeric_mode_name(*, dtype: str, quantization: str) -> str:
+def numeric_mode_name(*, dtype: str, quantization: str, dense_layout: str = "reference") -> str:
     """A numeric mode's name in row-cost tables: fp32 / bf16 / fp16 for dense weights in that dtype
-    ("float32", "bfloat16", "float16"), else the quantization (int8, int4, auto)."""
+    ("float32", "bfloat16", "float16"), fp32-fast for float32 with `--dense-layout fast` (its
+    passes cost differently: [Note: dense layout]), else the quantization (int8, int4, auto)."""
     if quantization != "none":
         return quantization
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    return f"{name}-fast" if dense_layout == "fast" else name
 
 
 def ratio_line(table: RowCostTable, rows: tuple[int, ...] = (1, 2, 4, 8)) -> str:

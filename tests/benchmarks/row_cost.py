@@ -8,13 +8,14 @@ one-row pass, interleaved repeat by repeat so drift hits every shape alike. A FI
 k drafts has 1 + k real rows and (1 + k) x k pseudo rows from the FIRP layer on
 ([Note: pseudo rows] in pipeline/model/stage_model.py); its break-even is accepted tokens per pass >= ratio - 1.
 
-Numeric modes (`--modes fp32,bf16,int8,int4,auto`): fp32 / bf16 are `--quantization none` with
-that dtype, the others `--quantization int8|int4|auto` ([Note: numeric modes] in pipeline/weights/quant.py).
+Numeric modes (`--modes fp32,fp32-fast,bf16,int8,int4,auto`): fp32 / bf16 are `--quantization none`
+with that dtype (fp32-fast: float32 with `--dense-layout fast`), the others
+`--quantization int8|int4|auto` ([Note: numeric modes] in pipeline/weights/quant.py).
 The JSON report holds one `RowCostTable` per mode (pipeline/measure/row_cost.py), which the scheduler and
 predictors can load to choose how many draft / tree / FIRP rows to send ([Note: rows worth sending]).
 
     python tests/benchmarks/row_cost.py [--model smollm2-135m] [--context 200] [--repeats 15]
-        [--modes fp32,bf16,int8,int4,auto] [--firp-layer 16]
+        [--modes fp32,fp32-fast,bf16,int8,int4,auto] [--firp-layer 16]
         [--out tests/benchmarks/results/row_cost.json] [--quick]
 
 Ratios only, from a quiet machine; --quick is a smoke run (fp32 only, few repeats, nothing written).
@@ -41,8 +42,8 @@ from pipeline.weights.registry import DEFAULT_MODEL, resolve_model
 # (real rows, FIRP chain length k): plain decode, SPEED/verify/tree passes of n rows, FIRP verify
 # passes (a FIRP k verify pass has 1 + k real rows, each anchoring k pseudo rows: (4, 3) for k = 3)
 SHAPES = [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (8, 0), (16, 0), (1, 2), (3, 2), (4, 3), (1, 4), (5, 4)]
-MODES = {"fp32": ("none", torch.float32), "bf16": ("none", torch.bfloat16), "int8": ("int8", torch.float32),
-         "int4": ("int4", torch.float32), "auto": ("auto", torch.float32)}
+MODES = {"fp32": ("none", torch.float32), "fp32-fast": ("none", torch.float32), "bf16": ("none", torch.bfloat16),
+         "int8": ("int8", torch.float32), "int4": ("int4", torch.float32), "auto": ("auto", torch.float32)}
 
 
 def load_mode(model_dir: Path, mode: str) -> StageModel:
@@ -50,7 +51,8 @@ def load_mode(model_dir: Path, mode: str) -> StageModel:
     quantization, dtype = MODES[mode]
     n = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     return load_stage_model(str(model_dir), LayerRange(0, n), is_first=True, is_last=True,
-                            quantization=quantization, dtype=dtype)
+                            quantization=quantization, dtype=dtype,
+                            dense_layout="fast" if mode.endswith("-fast") else "reference")
 
 
 def measure(model: StageModel, *, context: int, repeats: int, firp_layer: int, clock=None) -> list[dict]:

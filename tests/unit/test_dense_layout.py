@@ -8,7 +8,9 @@ half precision, a GPU) instead of exiting with a one-line error.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.measure.row_cost import numeric_mode_name
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import Span
 from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.model.stage_model import StageModel
-from pipeline.weights.dense_layout import TransposedLinear, apply_dense_layout, validate_dense_layout
+from pipeline.run_config import RunConfig
+from pipeline.weights.dense_layout import (
+    TransposedLinear,
+    apply_dense_layout,
+    release_freed_heap,
+    validate_dense_layout,
+)
 from pipeline.weights.quant_load import load_stage_model
 from tests.tiny_model import write_tiny_model
 from workers.load_spec_codec import spec_from_proto, spec_to_proto
@@ -128,3 +137,18 @@ def test_the_layout_survives_the_load_request_and_an_empty_field_means_reference
     with pytest.raises(ValueError, match="dense_layout fast needs"):
         StageLoadSpec(model_dir=str(tiny_dir), stage_index=0, num_stages=2, layer_range=LayerRange(0, 2),
                       dense_layout="fast", quantization="int4")
+
+
+def test_swapping_drops_each_old_weight_and_names_the_layout_in_row_cost_tables():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 8))
+    old = weakref.ref(model[0])
+    assert apply_dense_layout(model, "fast") == ["0"]
+    gc.collect()
+    assert old() is None, "the untransposed linear must not outlive the swap"
+    assert "in_features=8, out_features=32, bias=True" in repr(model[0])
+    assert isinstance(release_freed_heap(), bool)
+    assert numeric_mode_name(dtype="float32", quantization="none", dense_layout="fast") == "fp32-fast"
+    assert numeric_mode_name(dtype="float32", quantization="none") == "fp32"
+    assert RunConfig(dense_layout="fast").row_cost_mode == "fp32-fast"
+    assert RunConfig().row_cost_mode == "fp32"
