@@ -29,6 +29,8 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from pipeline.run_config import SPECULATE_MODES, check_prompt_length
 from pipeline.speculation.predictors import PREDICTORS
+from pipeline.weights.dense_layout import DENSE_LAYOUTS
+from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
 
 SOTU_NUM_PROMPTS = 8
@@ -57,6 +59,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("pipeline")
     m.add_argument("--model", default=DEFAULT_MODEL, help=f"model of every configuration (default {DEFAULT_MODEL})")
     m.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    m.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="weights of every configuration: auto | none | int8 | int4 (default none)")
+    m.add_argument("--dense-layout", default=DENSE_LAYOUTS[0], choices=DENSE_LAYOUTS,
+                   help="float32 dense weights on CPU: reference | fast (default reference)")
     m.add_argument("--max-model-len", type=int, default=1024, help="max prompt + generated tokens (default 1024)")
     m.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage (default 1)")
     m.add_argument("--stage-timeout-s", type=float, default=120.0, help="data-plane deadline (default 120)")
@@ -248,7 +254,8 @@ def _session_options(args: argparse.Namespace, configs: list[BenchConfig], promp
     Raises ValueError for options a session rejects, or when the longest prompt plus
     --max-new-tokens exceeds --max-model-len.
     """
-    base = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    base = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, dense_layout=args.dense_layout,
+                max_model_len=args.max_model_len,
                 threads_per_stage=args.threads_per_stage, stage_timeout_s=args.stage_timeout_s,
                 log_level=args.log_level.upper(), cache_dir=args.cache_dir)
     options = {}
@@ -306,7 +313,8 @@ def _write_results(args: argparse.Namespace, configs: list[BenchConfig], runs: d
     title = f"{Path(args.model).name}, {args.max_new_tokens} tokens"
     plots = [] if args.no_plots else write_plots(rows, out, title=title)
     settings = {k: getattr(args, k) for k in ("stages", "speculate", "predictor", "concurrency", "prompts",
-                                              "max_new_tokens", "repeats", "model", "dtype", "threads_per_stage")}
+                                              "max_new_tokens", "repeats", "model", "dtype", "quantization", "dense_layout",
+                                              "threads_per_stage")}
     (out / "results.json").write_text(json.dumps({"settings": settings, "code": _code_version(), "notes": notes,
                                                   "configs": rows, "plots": plots}, indent=1))
     write_csv(rows, out / "results.csv")

@@ -136,6 +136,7 @@ def test_simulate_runs_calibrated_on_the_bench_output(bench_out: Path):
     (["bench", "--repeats", "0"], "--repeats"),
     (["bench", "--prompts", "/nonexistent/prompts.txt"], "--prompts"),
     (["bench", "--predictor", "oracle"], "--predictor"),
+    (["bench", "--dense-layout", "fast", "--quantization", "int8"], "--dense-layout"),
     (["simulate", "--alpha", "1.5"], "--alpha"),
     (["simulate", "--stages", "0"], "--stages"),
     (["simulate", "--calibrate", "/nonexistent/results.json"], "--calibrate"),
