@@ -70,22 +70,26 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.bench.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: its sibling modules import as tests.benchmarks.*
+
+from tests.benchmarks.core_speed_drivers import (  # noqa: E402
+    CpuMeter,
+    Driver,
+    hf_driver,
+    speedpipe_driver,
+)
+from tests.benchmarks.core_speed_report import format_report, measurement, summarize  # noqa: E402
 
 DEFAULT_OUT = "tests/benchmarks/results/core_speed.json"  # relative to REPO
 SOTU_NUM_PROMPTS = 4
 SOTU_PROMPT_WORDS = 60
-DRIVER_START_TIMEOUT_S = 600.0
-REQUEST_TIMEOUT_S = 900.0
 WARMUP_NEW_TOKENS = 8
 
 
@@ -191,271 +195,6 @@ def read_prompts(spec: str) -> list[str]:
     return prompts
 
 
-# -- drivers (child processes) ---------------------------------------------------------------------
-def _serve(handle_request) -> int:
-    """Line protocol of a driver (launcher/bench/driver_protocol.py) with this benchmark's requests.
-
-    A request is {"prompt_ids": [[int, ...], ...], "max_new_tokens": int}; the reply is
-    {"requests": [{"num_tokens", "submit_s", "first_token_s", "finish_s", "token_ids"}], "stages": [...]}
-    (times in seconds on the driver's perf_counter) or {"error": str}. Stdin EOF ends the driver.
-    Everything else the driver or its libraries print goes to stderr.
-    """
-    return serve_requests(take_stdout_for_replies(),
-                          lambda request: handle_request(request["prompt_ids"], int(request["max_new_tokens"])))
-
-
-def hf_driver(model_dir: str) -> int:
-    """Serve HF `generate` (greedy, float32, 1 thread) of the converted model folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
-
-    class TokenClock(BaseStreamer):
-        """Records when each `put` happens: once with the prompt, then once per generated token."""
-
-        def __init__(self) -> None:
-            self.times_s: list[float] = []
-
-        def put(self, value) -> None:
-            self.times_s.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = model.config.eos_token_id
-
-    def handle(prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
-        if len(prompt_ids) != 1:
-            raise ValueError(f"the HF driver runs one prompt at a time, got {len(prompt_ids)}")
-        ids = torch.tensor([prompt_ids[0]], dtype=torch.int64)
-        clock = TokenClock()
-        submit_s = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 pad_token_id=eos, streamer=clock)
-        finish_s = time.perf_counter()
-        token_ids = out[0, ids.shape[1]:].tolist()
-        if len(clock.times_s) != len(token_ids) + 1:
-            raise RuntimeError(f"streamer saw {len(clock.times_s)} puts for {len(token_ids)} tokens + the prompt")
-        return {"requests": [{"num_tokens": len(token_ids), "submit_s": submit_s, "first_token_s": clock.times_s[1],
-                              "finish_s": finish_s, "token_ids": token_ids}], "stages": []}
-
-    return _serve(handle)
-
-
-def speedpipe_driver(model_dir: str, num_stages: int, layer_split: str | None = None,
-                     quantization: str = "none") -> int:
-    """Serve a speedpipe session with `num_stages` stages (1 thread each) of the converted model folder,
-    in benchmark mode `quantization` (`mode_flags`).
-
-    layer_split: `--layer-split` of a multi-stage session (None: the runtime's default split).
-    """
-    import psutil
-    import torch
-
-    from launcher.coordinator.pipeline_options import PipelineOptions
-    from launcher.coordinator.run_plan import resolve
-    from launcher.coordinator.session import PipelineSession
-    from pipeline.speculation.sampling import SamplingParams
-
-    torch.set_num_threads(1)
-    quantization, dense_layout = mode_flags(quantization)
-    options = PipelineOptions(num_stages=num_stages, model=model_dir, threads_per_stage=1, progress=False,
-                              layer_split=layer_split if num_stages > 1 else None, quantization=quantization,
-                              dense_layout=dense_layout)
-    with PipelineSession(options, resolve(options)) as session:
-        coord = session.coordinator
-        procs = [psutil.Process(), *(psutil.Process(pid) for pid in session.processes.pids)]
-
-        def cpu_s() -> list[float]:  # user + system seconds of [coordinator, stage 0, stage 1, ...]
-            return [sum(p.cpu_times()[:2]) for p in procs]
-
-        def handle(prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
-            params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-            coord.reset_stats()
-            cpu0 = cpu_s()
-            handles = [coord.submit(ids, params) for ids in prompt_ids]
-            for h in handles:
-                h.result(timeout_s=REQUEST_TIMEOUT_S)
-            cpu = [b - a for a, b in zip(cpu0, cpu_s(), strict=True)]
-            stages = [{"busy_ns": st.busy_ns, "wall_ns": st.wall_ns, "items_processed": st.items_processed,
-                       "tokens_processed": st.tokens_processed, "cpu_s": cpu[i + 1]}
-                      for i, st in enumerate(coord.stage_stats())]
-            return {"requests": [{"num_tokens": len(h.token_ids), "submit_s": h.submitted_at,
-                                  "first_token_s": h.first_token_at, "finish_s": h.finished_at,
-                                  "token_ids": list(h.token_ids)} for h in handles], "stages": stages,
-                    "coordinator_cpu_s": cpu[0]}
-
-        return _serve(handle)
-
-
-class Driver(DriverProcess):
-    """Parent side of one driver process. Raises RuntimeError if it fails, dies or times out."""
-
-    def __init__(self, name: str, model_dir: Path, *, layer_split: str | None = None) -> None:
-        kind, _, mode = name.partition(":")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--driver", kind, "--model-dir",
-               str(model_dir), "--quantization", mode or "none"]
-        if layer_split:
-            cmd += ["--layer-split", layer_split]
-        super().__init__(cmd, name=f"driver {name}")
-
-    def wait_ready(self) -> None:
-        self.reply(DRIVER_START_TIMEOUT_S)
-
-    def run(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
-        return self.request({"prompt_ids": [list(p) for p in prompt_ids], "max_new_tokens": max_new_tokens},
-                            REQUEST_TIMEOUT_S)
-
-
-class CpuMeter:
-    """CPU time the rest of the machine used while a measurement ran ([Note: foreign load]).
-
-    [Note: foreign load]
-    On a shared machine other jobs steal cores from the measured configuration. For every
-    measurement the benchmark records foreign_cpu_fraction = (busy CPU seconds of the whole machine,
-    hypervisor steal included, minus those of this benchmark's own processes) / (wall seconds * cores).
-    0 means the machine was otherwise quiet; 0.5 on 2 cores means another job held a whole core.
-    """
-
-    def __init__(self) -> None:
-        import psutil
-
-        self._psutil = psutil
-        self._start: tuple[float, float, float] | None = None
-
-    def _machine_busy_s(self) -> float:
-        t = self._psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-
-    def _ours_s(self) -> float:
-        me = self._psutil.Process()
-        total = 0.0
-        for proc in [me, *me.children(recursive=True)]:
-            with contextlib.suppress(self._psutil.Error):
-                t = proc.cpu_times()
-                total += t.user + t.system
-        return total
-
-    def start(self) -> None:
-        self._start = (time.perf_counter(), self._machine_busy_s(), self._ours_s())
-
-    def foreign_fraction(self) -> float:
-        """Foreign CPU fraction since `start`."""
-        wall0, machine0, ours0 = self._start
-        wall_s = time.perf_counter() - wall0
-        foreign_s = (self._machine_busy_s() - machine0) - (self._ours_s() - ours0)
-        return max(0.0, foreign_s / (wall_s * (os.cpu_count() or 1)))
-
-    def wait_quiet(self, max_fraction: float, timeout_s: float, *, window_s: float = 1.0) -> float:
-        """Sleep in `window_s` windows until one has foreign load <= max_fraction, or timeout_s passed.
-
-        Returns the seconds waited. Between measurements the benchmark's own processes are idle.
-        """
-        started = time.perf_counter()
-        while time.perf_counter() - started < timeout_s:
-            self.start()
-            time.sleep(window_s)
-            if self.foreign_fraction() <= max_fraction:
-                break
-        return time.perf_counter() - started
-
-
-# -- statistics ------------------------------------------------------------------------------------
-def measurement(reply: dict) -> dict:
-    """Tokens/s of one measurement (see [Note: how the numbers are taken])."""
-    reqs = reply["requests"]
-    tokens = sum(r["num_tokens"] for r in reqs)
-    decode_s = max(r["finish_s"] for r in reqs) - min(r["first_token_s"] for r in reqs)
-    e2e_s = max(r["finish_s"] for r in reqs) - min(r["submit_s"] for r in reqs)
-    out = {
-        "decode_tokens_per_s": (tokens - len(reqs)) / decode_s,
-        "e2e_tokens_per_s": tokens / e2e_s,
-        "ttft_s": max(r["first_token_s"] - r["submit_s"] for r in reqs),
-        "generated_tokens": tokens,
-        "per_request_decode_tokens_per_s": [(r["num_tokens"] - 1) / (r["finish_s"] - r["first_token_s"])
-                                            for r in reqs],
-    }
-    if reply["stages"]:  # speedpipe: per-stage forward time and CPU use of every process, over e2e_s
-        out["stages"] = [{"busy_fraction": s["busy_ns"] / s["wall_ns"] if s["wall_ns"] else 0.0,
-                          "busy_ms_per_item": s["busy_ns"] / 1e6 / max(1, s["items_processed"]),
-                          "cpu_fraction": s["cpu_s"] / e2e_s, "items_processed": s["items_processed"]}
-                         for s in reply["stages"]]
-        out["coordinator_cpu_fraction"] = reply["coordinator_cpu_s"] / e2e_s
-    return out
-
-
-def spread(samples: Sequence[float]) -> dict:
-    """median, min, max and the samples, rounded for the report."""
-    return {"median": round(statistics.median(samples), 4), "min": round(min(samples), 4),
-            "max": round(max(samples), 4), "samples": [round(s, 4) for s in samples]}
-
-
-def summarize(runs: dict[str, list[dict]], bench_configs: Sequence[BenchConfig] = CONFIGS,
-              targets: Sequence[Target] = TARGETS) -> tuple[dict, dict]:
-    """Per-configuration spreads and the target ratios ([Note: which ratio decides])."""
-    configs = {}
-    for cfg in bench_configs:
-        ms = runs[cfg.key]
-        entry = {"label": cfg.label, "num_prompts": cfg.num_prompts,
-                 "decode_tokens_per_s": spread([m["decode_tokens_per_s"] for m in ms]),
-                 "e2e_tokens_per_s": spread([m["e2e_tokens_per_s"] for m in ms]),
-                 "ttft_s": spread([m["ttft_s"] for m in ms]),
-                 "foreign_cpu_fraction": spread([m["foreign_cpu_fraction"] for m in ms]),
-                 "discarded_attempts": sum(m["attempts"] - 1 for m in ms)}
-        if "stages" in ms[0]:
-            entry["stages"] = [{k: spread([m["stages"][i][k] for m in ms])
-                                for k in ("busy_fraction", "busy_ms_per_item", "cpu_fraction")}
-                               for i in range(len(ms[0]["stages"]))]
-            entry["coordinator_cpu_fraction"] = spread([m["coordinator_cpu_fraction"] for m in ms])
-        configs[cfg.key] = entry
-    def paired(t: Target, metric: str) -> list[float]:
-        return [n[metric] / d[metric] for n, d in zip(runs[t.num], runs[t.den], strict=True)]
-
-    ratios = {}
-    for t in targets:
-        decode = paired(t, "decode_tokens_per_s")
-        value = statistics.median(decode)
-        of_medians = configs[t.num]["decode_tokens_per_s"]["median"] / configs[t.den]["decode_tokens_per_s"]["median"]
-        ratios[f"{t.num}/{t.den}"] = {
-            "claim": t.claim, "value": round(value, 4), "target": t.minimum, "pass": value >= t.minimum,
-            "paired": [round(p, 4) for p in decode], "ratio_of_medians": round(of_medians, 4),
-            "e2e_value": round(statistics.median(paired(t, "e2e_tokens_per_s")), 4)}
-    return configs, ratios
-
-
-def format_report(configs: dict, ratios: dict, *, max_new_tokens: int, repeats: int, max_foreign: float) -> str:
-    """The stdout table: per-configuration medians [min-max], target ratios, per-stage busy time."""
-    lines = [f"core_speed: {max_new_tokens} new tokens, {repeats} repeat(s), medians [min-max]",
-             f"{'cfg':<8}{'decode tok/s':>26}{'e2e tok/s':>26}{'TTFT ms':>10}{'foreign':>9}  configuration"]
-    for key, c in configs.items():
-        d, e = c["decode_tokens_per_s"], c["e2e_tokens_per_s"]
-        lines.append(f"{key:<8}{d['median']:>9.2f} [{d['min']:>6.2f}-{d['max']:>6.2f}]"
-                     f"{e['median']:>9.2f} [{e['min']:>6.2f}-{e['max']:>6.2f}]"
-                     f"{c['ttft_s']['median'] * 1e3:>10.0f}{c['foreign_cpu_fraction']['max']:>9.0%}  {c['label']}")
-    lines.append("target ratios: median over repeats of the paired decode tokens/s ratio [per repeat]; "
-                 "ratio of the medians; same for e2e")
-    for name, r in ratios.items():
-        paired = ", ".join(f"{p:.3f}" for p in r["paired"])
-        lines.append(f"  {name}  {r['value']:.3f} >= {r['target']:.2f}  {'PASS' if r['pass'] else 'FAIL'}"
-                     f"  [{paired}]  of medians {r['ratio_of_medians']:.3f}  e2e {r['e2e_value']:.3f}  ({r['claim']})")
-    lines.append("speedpipe processes (medians): forward busy share of stage wall, ms per forward, CPU share of e2e")
-    for key, c in configs.items():
-        if "stages" in c:
-            busy = ", ".join(f"stage {i}: busy {s['busy_fraction']['median']:.0%}, "
-                             f"{s['busy_ms_per_item']['median']:.1f} ms/item, CPU {s['cpu_fraction']['median']:.0%}"
-                             for i, s in enumerate(c["stages"]))
-            lines.append(f"  {key}: {busy}; coordinator CPU {c['coordinator_cpu_fraction']['median']:.0%}")
-    worst = max(c["foreign_cpu_fraction"]["max"] for c in configs.values())
-    if worst > max_foreign:
-        lines.append(f"WARNING: other jobs used up to {worst:.0%} of the machine's CPU during a measurement "
-                     f"('foreign' column, max over repeats): ratios are unreliable; rerun on a quiet machine")
-    return "\n".join(lines)
-
-
 # -- main ------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -486,7 +225,8 @@ def measure(driver: Driver, cfg: BenchConfig, prompt_ids: list[list[int]], args:
     """One measurement of `cfg`, retried (up to --retries) while other jobs loaded the machine.
 
     Before each attempt, waits (up to --quiet-wait-s) for the machine to be quiet; an attempt during
-    which other jobs took more than --max-foreign of the CPU is discarded ([Note: foreign load]).
+    which other jobs took more than --max-foreign of the CPU is discarded
+    ([Note: foreign load] in core_speed_drivers.py).
     The last attempt is kept whatever its load, and its load is reported. Raises RuntimeError if a
     configuration did not generate exactly --max-new-tokens per prompt.
     """
@@ -580,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.driver == "hf":
         return hf_driver(args.model_dir)
     if args.driver in ("sp1", "sp2"):
+        quantization, dense_layout = mode_flags(args.quantization)
         return speedpipe_driver(args.model_dir, num_stages=int(args.driver[-1]), layer_split=args.layer_split,
-                                quantization=args.quantization)
+                                quantization=quantization, dense_layout=dense_layout)
     if args.modes is None:
         args.modes = "none" if args.quick else DEFAULT_MODES
     if args.quick:
