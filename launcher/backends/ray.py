@@ -59,6 +59,7 @@ from workers.channel import hold_listener
 log = logging.getLogger("speedpipe.ray")
 
 STOP_JOIN_TIMEOUT_S = 10.0
+STOP_GRACE_S = 10.0  # stop(): how long told stages get to stop their own servers before ray.kill
 
 
 class StageActor:
@@ -95,8 +96,13 @@ class StageActor:
         from workers.stage_worker import stop_server
 
         self.stop_event.wait()
-        if self.server is not None:
-            stop_server(self.server, self.servicer)
+        server, servicer = self.server, self.servicer
+        self.server = self.servicer = None
+        if server is not None:
+            stop_server(server, servicer)
+        # Drop the last references here, so grpc's Server.__del__ runs now, in this call, and not
+        # later while Ray's SIGTERM handler (ray.kill) interrupts it ("Exception ignored in __del__").
+        del server, servicer
         return 0
 
 
@@ -253,6 +259,8 @@ class RayStageActors:
         """Kill every actor, remove the placement group, shut down Ray if this object started it."""
         with self._lock:
             self._stopping.set()
+            if self._unwatched.is_set():  # the coordinator told the stages to shut down (Session.close)
+                self._await_stopped(STOP_GRACE_S)
             for actor in self._actors:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
@@ -266,6 +274,14 @@ class RayStageActors:
             if self._started_ray:
                 ray.shutdown()
                 self._started_ray = False
+
+    def _await_stopped(self, timeout_s: float) -> None:
+        """Give stages already told to shut down (the coordinator's Shutdown RPC) up to `timeout_s`
+        to stop their own servers before `ray.kill`; a hung stage costs the full wait once."""
+        refs = list(self._stopped_refs) if self._actors else []
+        if refs:
+            with contextlib.suppress(Exception):
+                ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def __enter__(self) -> RayStageActors:
         return self

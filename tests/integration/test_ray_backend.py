@@ -6,7 +6,8 @@ started once for the module. On it: 2 and 3 stages give the local backend's gree
 real default model, with stages spread over nodes in the deterministic order (driver node first, then
 by IP); with fail-over on, a stage actor killed (`ray.kill`) mid-generation is replaced by a new actor
 in the same placement-group bundle (same node) and every request completes with the tokens of an
-undisturbed run (tiny model, 3 stages); an unsatisfiable placement fails within --placement-timeout-s
+undisturbed run (tiny model, 3 stages), and closing the session lets every actor stop its own gRPC
+server before it is killed (no grpc `__del__` cut short by Ray's SIGTERM); an unsatisfiable placement fails within --placement-timeout-s
 saying what was asked and what the cluster has; without fail-over, a killed stage actor is reported
 by stage index and node. Then the CLI starts its
 own Ray instance (`ray.init(num_cpus=...)`), asks for GPUs this machine lacks, exits 2 in time and
@@ -165,7 +166,10 @@ def test_a_stage_actor_killed_mid_generation_is_replaced_in_its_bundle_and_reque
         # RELEASE travels in-band after the last result: every slot frees, maybe a little later
         wait_for(lambda: not any(s.kv_slots_in_use for s in coord.stage_stats()), timeout_s=10.0)
         assert [s.kv_slots_in_use for s in coord.stage_stats()] == [0, 0, 0]
+        exits = list(backend._stopped_refs)  # each actor's wait_stopped() call, the new stage 1's included
     assert not _gone([p.pid for p in after]), "stage actors still alive after the session closed"
+    # closing waited for every stage to stop its own gRPC server (returning 0) before ray.kill
+    assert ray.get(exits, timeout=10) == [0, 0, 0]
 
 
 def test_ray_3_stages_one_per_node_give_the_local_backends_tokens_in_rank_order(three_stage_session, local_backend_tokens):
