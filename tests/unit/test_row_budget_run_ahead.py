@@ -97,8 +97,27 @@ def test_row_cost_sources_are_validated_and_the_old_flag_is_an_alias():
         RunConfig(row_cost="measure")
     with pytest.raises(ValueError, match="both"):
         RunConfig(row_cost="calibrate", row_cost_file="costs.json")
+    with pytest.raises(ValueError, match="both"):
+        RunConfig(row_cost="file:a.json", row_cost_file="costs.json")
     with pytest.raises(ValueError, match="json"):
         RunConfig(row_cost="file:costs.txt")
+
+
+def test_the_default_row_cost_calibrates_exactly_when_firp_is_on_and_no_table_is_named():
+    """`auto` (the default): FIRP runs size their chains from a start-up calibration (fixed chains
+    lose where a multi-row pass is dear); every other run keeps the fixed behaviour."""
+    assert RunConfig().row_cost == "auto"
+    for speculate in ("firp", "speed+firp"):
+        config = RunConfig(speculate=speculate, num_stages=2)
+        assert config.calibrates_row_costs
+        assert config.scheduler_config(eos_token_ids=(), firp_k=2).run_ahead_from_table
+        assert not RunConfig(speculate=speculate, num_stages=2, row_cost="none").calibrates_row_costs
+        named = RunConfig(speculate=speculate, num_stages=2, row_cost_file="costs.json")
+        assert not named.calibrates_row_costs and named.row_cost_path == "costs.json"
+    for speculate in ("none", "speed"):
+        config = RunConfig(speculate=speculate, num_stages=2)
+        assert not config.calibrates_row_costs and config.row_cost_path is None
+        assert not config.scheduler_config(eos_token_ids=(), firp_k=0).run_ahead_from_table
 
 
 def test_stage_tables_combine_into_the_pipeline_pass_cost():
