@@ -6,17 +6,21 @@ coordinator's in-flight accounting is a plain count; control messages are applie
 in order with the work (see [Note: in-band squash] in pipeline/engine/stage_executor.py). On stage 0
 as the exit stage, a draft it makes itself runs right after its parent, as a micro-batch of its own
 (its RESULT answers its announcement, not a coordinator send), and once the coordinator grants
-such drafts, CREDITs are read on a reader thread so that a chain of them sees each credit at once
-([Note: stage-local drafting] in pipeline/engine/local_draft.py).
+such drafts, CREDITs are read on a reader thread so that a chain of them sees each credit at once,
+and a self-made draft is stopped between two layers, and WITHDRAWN to the coordinator instead of
+sent on, once a newer epoch of its sequence has arrived ([Note: stage-local drafting] 6 in
+pipeline/engine/local_draft.py).
 Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -24,11 +28,13 @@ from pipeline.engine.local_draft import StageDrafter
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage
 from pipeline.measure.timeline import StageTiming
+from pipeline.model.row_layout import PassInterrupted
 from pipeline.speculation.items import Item
 from workers.channel import Channel
 from workers.send_queue import SendQueue
 
 log = logging.getLogger(__name__)
+RELEASED = 1 << 62  # `StageLoop._newest` of a released sequence: newer than any epoch
 
 
 class StageLoop:
@@ -47,6 +53,7 @@ class StageLoop:
         self.sends = SendQueue(channel)  # see [Note: background sends] in workers/send_queue.py
         self.drafter = StageDrafter() if stage_index == 0 and executor.exit_layer is not None else None
         self._inbox: queue.Queue | None = None  # the reader thread's messages (stage 0 with a drafter)
+        self._newest: dict[int, int] = {}  # seq -> newest epoch the reader thread has received (released: RELEASED)
 
     def run(self) -> None:
         """Handle messages until SHUTDOWN. Raises ChannelError / ValueError on failure."""
@@ -100,35 +107,55 @@ class StageLoop:
             if msg.kind == MessageKind.CREDIT:
                 self.drafter.credit(msg.items)
                 continue
+            for it in msg.items if msg.kind == MessageKind.FORWARD else ():
+                self._newest[it.seq_id] = max(it.epoch, self._newest.get(it.seq_id, -1))
+            for release in msg.releases if msg.kind == MessageKind.RELEASE else ():
+                self._newest[release.seq_id] = RELEASED
             self._inbox.put(msg)
             if msg.kind == MessageKind.SHUTDOWN or self.retired:
                 return
 
     def _run_forward(self, msg: Message) -> None:
-        """Run a FORWARD, then each draft this stage made after it, each alone and at once."""
+        """Run a FORWARD, then each draft this stage made after it, each alone and at once; a draft
+        whose sequences all have a newer epoch upstream stops and is withdrawn."""
+        interrupt = None
         while msg is not None:
-            out, drafts = self._forward(msg)
-            self.sends.send(out, self.next_rank)
+            out, drafts = self._forward(msg, interrupt)
+            # a draft follows: it starts now, its parent's output is posted meanwhile ([Note: deferred posts])
+            self.sends.send(out, COORDINATOR_RANK if out.kind == MessageKind.WITHDRAWN else self.next_rank,
+                            defer=bool(drafts))
             msg = None
             if drafts:
                 x = torch.tensor([t for it in drafts for t in it.token_ids], dtype=torch.int64)
                 msg = Message(MessageKind.FORWARD, [it.without_tokens() for it in drafts], {"x": x},
                               None if out.timing is None else [])
+                interrupt = functools.partial(self._superseded, drafts)
 
-    def _forward(self, msg: Message) -> tuple[Message, list[Item]]:
+    def _superseded(self, drafts: Sequence[Item]) -> bool:
+        """Whether every sequence of `drafts` has a newer epoch (or a release) on its way here: the
+        coordinator squashed after them, so their results would be stale."""
+        return all(self._newest.get(it.seq_id, -1) > it.epoch for it in drafts)
+
+    def _forward(self, msg: Message, interrupt=None) -> tuple[Message, list[Item]]:
         """Run one micro-batch; returns the message for downstream and the drafts this stage made
         (stage-local drafting). On the exit stage, first tell the coordinator which items passed the
         exit layer (EXIT_GUESS, with the exit head's guesses and the drafts made) so it can inject
         or register drafts at once. If the message carries a timing list (the coordinator records a
-        timeline), each stage appends the StageTiming of its compute (CLOCK_MONOTONIC)."""
+        timeline), each stage appends the StageTiming of its compute (CLOCK_MONOTONIC). When
+        `interrupt()` stops the pass, returns the WITHDRAWN message for the coordinator instead."""
         x = msg.tensors.get("x")
         if x is None:
             raise ValueError(f"[Stage {self.stage_index}] FORWARD message without tensor 'x'")
         start_ns = time.perf_counter_ns()
-        out = self.executor.run(msg.items, x, msg.tensors.get("pseudo"))
+        try:
+            out = self.executor.run(msg.items, x, msg.tensors.get("pseudo"), interrupt=interrupt)
+        except PassInterrupted:
+            out = None
         timing = msg.timing
         if timing is not None:
             timing = [*timing, StageTiming(self.stage_index, start_ns, time.perf_counter_ns())]
+        if out is None:
+            return Message(MessageKind.WITHDRAWN, list(msg.items), {}, timing), []
         drafts = []
         if self.drafter is not None:
             self.drafter.observe(msg.items, x, out.items)
@@ -146,7 +173,7 @@ class StageLoop:
                     guesses["self_drafts"] = torch.tensor(tokens, dtype=torch.int64)
                     guesses["self_draft_keys"] = torch.tensor(keys, dtype=torch.int64)
             self.sends.send(Message(MessageKind.EXIT_GUESS, out.items, guesses, timing and timing[-1:]),
-                            COORDINATOR_RANK)
+                            COORDINATOR_RANK, defer=bool(drafts))  # [Note: deferred posts] in workers/send_queue.py
         if not self.is_last:
             hidden = out.hidden if out.hidden is not None else torch.empty(0)
             tensors = {"x": hidden}

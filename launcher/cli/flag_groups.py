@@ -10,6 +10,7 @@ import argparse
 
 from launcher.cli.parsing import add_row_cost_flag, unescape
 from launcher.coordinator.pipeline_options import DRAFT_AT
+from pipeline.engine.records import DEEP_ACCEPTANCE
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +39,10 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-at", choices=DRAFT_AT, default=DRAFT_AT[0],
                    help="who turns the exit guess into a draft: the coordinator, or the exit stage itself when "
                    "it is stage 0 (no round trip; README 'Stage-local drafting') (default coordinator)")
+    g.add_argument("--deep-draft-min-acceptance", type=float, default=DEEP_ACCEPTANCE, metavar="P",
+                   help="with --draft-at stage: the exit stage drafts one past the run-ahead depth only after "
+                   f"its own draft from a gate bucket right at least this often (default {DEEP_ACCEPTANCE}; "
+                   "1 = never)")
     g.add_argument("--min-acceptance", default="auto",
                    help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
                    "often; 'auto' = break-even 1/stages, 0 = always draft (default auto)")

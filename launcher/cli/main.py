@@ -222,6 +222,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,
         max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance), draft_at=args.draft_at,
+        deep_draft_min_acceptance=args.deep_draft_min_acceptance,
         placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
         firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob, draft_tree=args.draft_tree)
 

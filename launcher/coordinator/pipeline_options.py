@@ -14,6 +14,7 @@ import dataclasses
 
 from launcher.backends.placement import PlacementOptions, node_stages
 from launcher.backends.worker_command import LOG_LEVELS
+from pipeline.engine.records import DEEP_ACCEPTANCE
 from pipeline.run_config import RunConfig
 
 DRAFT_AT = ("coordinator", "stage")  # --draft-at: who makes a draft from an exit guess (first: default)
@@ -32,6 +33,8 @@ class PipelineOptions(RunConfig):
     progress: bool = True  # a progress bar while converting a model
     # "stage": the exit stage drafts itself when it is stage 0 (pipeline/engine/local_draft.py)
     draft_at: str = DRAFT_AT[0]
+    # with draft_at "stage": a deep draft's parent bucket must be right this often (local_draft.py, 5-6)
+    deep_draft_min_acceptance: float = DEEP_ACCEPTANCE
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,6 +42,8 @@ class PipelineOptions(RunConfig):
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.draft_at not in DRAFT_AT:
             raise ValueError(f"draft_at must be one of {', '.join(DRAFT_AT)}, got {self.draft_at!r}")
+        if not 0.0 <= self.deep_draft_min_acceptance <= 1.0:
+            raise ValueError(f"deep_draft_min_acceptance must be in [0, 1], got {self.deep_draft_min_acceptance}")
         if self.draft_at == "stage" and self.draft_tree > 1:
             # a stage-made draft carries no siblings and the rescue path assumes the coordinator
             # drafted (pipeline/speculation/tree.py); the two were not built or tested together

@@ -52,7 +52,8 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
         log.warning("draft_at stage needs the exit layer on stage 0, but layer %d is on stage %d: the "
                     "coordinator drafts", plan.exit_layer, plan.exit_stage)
     return CoordinatorConfig(
-        scheduler=dataclasses.replace(scheduler, draft_at_stage=draft_at_stage and scheduler.speculate),
+        scheduler=dataclasses.replace(scheduler, draft_at_stage=draft_at_stage and scheduler.speculate,
+                                      deep_acceptance=options.deep_draft_min_acceptance),
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
         predictor=options.predictor, exit_stage=plan.exit_stage if options.needs_exit_head else -1,
         record_timeline=options.record_timeline)

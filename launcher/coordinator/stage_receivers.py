@@ -1,6 +1,6 @@
 """Stage receivers: the coordinator's threads that block on data-plane receives from the stages.
 
-Owns turning what arrives from the last stage (RESULT) and from the exit stage (EXIT_GUESS) into
+Owns turning what arrives from the last stage (RESULT) and from the exit stage (EXIT_GUESS, WITHDRAWN) into
 engine events (pipeline/engine/events.py), and ending on the in-band SHUTDOWN each of those
 stages sends. Must not: touch the engine (only the coordinator's engine thread does), or send.
 """
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from pipeline.engine.events import ExitPassed, Result
+from pipeline.engine.events import ExitPassed, Result, Withdrawn
 from pipeline.engine.local_draft import NUM_KEYS
 from pipeline.engine.wire import Message, MessageKind, rank_name
 from pipeline.speculation.predictors import exit_guesses
@@ -52,6 +52,14 @@ def exit_event(msg: Message, *, now_ns: int) -> ExitPassed:
     return ExitPassed(items=tuple(msg.items), guesses=guesses, at_ns=at_ns, self_drafts=self_drafts)
 
 
+def withdrawn_event(msg: Message, *, now_ns: int) -> Withdrawn:
+    """A WITHDRAWN message (self-made drafts the exit stage stopped) as an engine event. Raises
+    ReceiverError when it names no item, or one the exit stage did not make."""
+    if not msg.items or not all(it.self_made for it in msg.items):
+        raise ReceiverError(f"WITHDRAWN names {len(msg.items)} items, not all made by the exit stage")
+    return Withdrawn(items=tuple(msg.items), timing=tuple(msg.timing or ()), at_ns=now_ns)
+
+
 def result_event(msg: Message, *, now_ns: int) -> Result:
     """A RESULT message as an engine event, stamped `now_ns` (when it arrived)."""
     return Result(items=tuple(msg.items), token_ids=msg.tensors["token_ids"], logits=msg.tensors.get("logits"),
@@ -84,7 +92,8 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queu
             return
         if stopping.is_set():
             return  # a fail-over replaced this ring
-        decode = {MessageKind.EXIT_GUESS: exit_event, MessageKind.RESULT: result_event if is_last else None}.get(msg.kind)
+        decode = {MessageKind.EXIT_GUESS: exit_event, MessageKind.WITHDRAWN: withdrawn_event,
+                  MessageKind.RESULT: result_event if is_last else None}.get(msg.kind)
         if decode is not None:
             try:
                 events.put(("event", (generation, decode(msg, now_ns=time.perf_counter_ns()))))

@@ -45,6 +45,7 @@ from pipeline.engine.events import (
     StepOutput,
     StopStringHit,
     Submit,
+    Withdrawn,
 )
 from pipeline.engine.records import Commit, MicroBatch, SchedulerConfig, SpecCounters
 from pipeline.engine.scheduler import Scheduler
@@ -95,7 +96,7 @@ class Engine:
             self._scheduler.pop(release.seq_id)
             forgotten.append(release.seq_id)
         sends: list[tuple[Item, ...]] = []
-        while (batch := self._scheduler.next_batch(now_ns, num_inflight=self.num_inflight)) is not None:
+        while (batch := self._scheduler.next_batch(now_ns, num_inflight=self._live_inflight())) is not None:
             self._inflight.append(batch)
             sends.append(batch.items)
         credits, self._scheduler.credits = self._scheduler.credits, []
@@ -122,6 +123,19 @@ class Engine:
     def num_inflight(self) -> int:
         """Micro-batches in flight: sent, or made and announced by the exit stage, without a result."""
         return len(self._inflight) + len(self._local)
+
+    def _live_inflight(self) -> int:
+        """Micro-batches in flight that fill the pipeline: every one the coordinator sent, and each
+        the exit stage made that still holds a current item. A self-made one whose every item a
+        squash made stale (an older epoch, or a finished sequence) will be withdrawn or dropped, so
+        it does not hold back the real item the squash queued; counted, it made that item wait for
+        the stale results and the withdrawal never came ([Note: stage-local drafting] 6)."""
+        seqs = self._scheduler.seqs
+
+        def live(keys) -> bool:
+            return any((s := seqs.get(seq_id)) is not None and not s.finished and s.epoch == epoch
+                       for seq_id, _, epoch in keys)
+        return len(self._inflight) + sum(live(keys) for keys in self._local)
 
     @property
     def num_sequences(self) -> int:
@@ -160,6 +174,8 @@ class Engine:
             sched.on_exit(event.items, event.guesses, event.at_ns, event.self_drafts)
             if any(token >= 0 for token, _ in event.self_drafts):
                 self._announce(event, commits)
+        elif isinstance(event, Withdrawn):
+            self._withdraw(event)
         elif isinstance(event, Submit):
             sched.add(event.seq_id, event.prompt_ids, event.params)
         elif isinstance(event, Abort):
@@ -192,6 +208,17 @@ class Engine:
             return
         self._early.remove(early)
         self._apply_result(MicroBatch(items=early.items, drafts_ready_ns=event.at_ns), early, commits)
+
+    def _withdraw(self, event: Withdrawn) -> None:
+        """The exit stage stopped a micro-batch it made (its announcement came first: both travel
+        on the exit stage's channel, in order): nothing of it is in flight any more. Its drafts are
+        stale, so the scheduler has dropped them already; the stage time it took is wasted."""
+        keys = frozenset((it.seq_id, it.start, it.epoch) for it in event.items)
+        if self._local.pop(keys, None) is None:
+            return  # a replay forgot it already (ReplayRunning clears every announced micro-batch)
+        self._scheduler.spec.withdrawn_drafts += len(event.items)
+        if self.record_timeline and event.timing:
+            self.timeline.record(event.timing, event.items, 0.0, committed=[False] * len(event.items))
 
     def _on_result(self, event: Result, commits: list[Commit]) -> None:
         if event.items and event.items[0].self_made:  # a micro-batch the exit stage made

@@ -76,6 +76,19 @@ class Result:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Withdrawn:
+    """The exit stage stopped a micro-batch of drafts it made itself (a WITHDRAWN message) before
+    sending it on: a newer epoch of every one of its sequences had reached the stage, so its
+    result would have been stale ([Note: stage-local drafting] 6 in pipeline/engine/local_draft.py).
+    No result will come for `items`; `timing`: the stage's StageTiming up to the stop (empty when
+    not recorded), which the timeline counts as wasted work."""
+
+    items: tuple[Item, ...]
+    timing: tuple[StageTiming, ...] = ()
+    at_ns: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayRunning:
     """The pipeline lost its in-flight work and every stage's KV cache (a stage was restarted:
     launcher/coordinator/stage_failover.py): drop every micro-batch in flight and turn each running sequence
@@ -83,7 +96,7 @@ class ReplayRunning:
     See [Note: replay] in pipeline/engine/scheduler.py."""
 
 
-Event = Submit | Abort | StopStringHit | ExitPassed | Result | ReplayRunning
+Event = Submit | Abort | StopStringHit | ExitPassed | Result | Withdrawn | ReplayRunning
 
 
 @dataclasses.dataclass(frozen=True)

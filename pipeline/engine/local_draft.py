@@ -48,10 +48,28 @@ and the exit layer on stage 0 (ARCHITECTURE.md §5.6):
    holds max_inflight + 1 items, one of them with its result on the way), but such a draft
    costs about a stage step when p+1 turns out wrong (stage 0 is busy with it when the real
    token arrives) and saves only the round trip g when p+1 is right: it pays when p+1's
-   acceptance exceeds 1 - g / T (measured g / T ≈ 0.1 at --stages 2). So a deep draft needs its
-   parent to be a draft this stage made whose gate bucket's acceptance estimate is at least
-   DEEP_ACCEPTANCE (the deep bits); otherwise the stage leaves it to the coordinator, which
-   drafts when the result frees room, as without this mode.
+   acceptance exceeds 1 - g / T (measured g / T ≈ 0.1 at --stages 2). With 6 a wrong parent costs
+   much less, and the bar is `SchedulerConfig.deep_acceptance` (`--deep-draft-min-acceptance`,
+   default DEEP_ACCEPTANCE; the deep bits: the parent must be a draft this stage made, from a gate
+   bucket right at least that often); otherwise the stage leaves the draft to the coordinator,
+   which drafts when the result frees room, as without this mode.
+6. Withdrawal. A squash that makes a running self-made draft stale is seen by stage 0's reader
+   thread (a FORWARD of a newer epoch, or a RELEASE, of its sequence) while the draft runs. The
+   stage checks between layers (`StageModel.forward_rows(interrupt=...)`), stops the pass
+   (PassInterrupted: KV lengths are unchanged, the rows written past them are overwritten by the
+   next item), sends nothing on, and tells the coordinator (a WITHDRAWN message, behind the
+   draft's announcement on the same channel), which stops counting the micro-batch in flight
+   (`Engine`: `Withdrawn`). For the squash's real item to reach the stage while the draft runs,
+   the engine counts only self-made micro-batches that still hold a current item as filling the
+   pipeline (`Engine._live_inflight`); counting the stale ones made the real item wait for their
+   results, and the withdrawal never came. So a deep draft after a wrong parent costs stage 0 the
+   time until the squash arrives (which it would have idled) plus at most one layer, instead of a
+   whole step: it pays when its parent is right more often than (one layer) / (g + one layer),
+   under the gate's own bar; the default bar is the gate's break-even at --stages 2 (0.5), not the
+   1 - g / T (0.9) uninterruptible deep drafts needed. What this leaves out: a stage that runs
+   ahead computes at the same time as the next one more often, and on a CPU whose stages share
+   cores and memory that slows both (measured in the README: `draft_gap_share` fell from 5-13 % to
+   1.5-7 % while speed stayed within the noise of coordinator drafting).
 Committed tokens never depend on any of this: every draft is verified (ARCHITECTURE.md §5.3).
 """
 
@@ -63,7 +81,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.engine.records import SchedulerConfig, SequenceState, SpecCounters
+from pipeline.engine.records import DEEP_ACCEPTANCE, SchedulerConfig, SequenceState, SpecCounters
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.predictors import (
@@ -81,7 +99,6 @@ GATE_SOURCES = ("ngram", "logit-lens", "early-exit")  # draft sources the gate b
 NUM_GATE_BUCKETS = 10  # DraftGate's default number of confidence buckets
 NUM_KEYS = len(GATE_SOURCES) * NUM_GATE_BUCKETS  # gate bits 0..29: open; 30..59: deep; 60: gate off
 GATE_OFF_BIT = 2 * NUM_KEYS
-DEEP_ACCEPTANCE = 0.9  # a deep draft's parent must be accepted at least this often (see the note, 5)
 STAGE_PREDICTORS = {1: "ngram", 2: "logit-lens", 3: "early-exit", 4: "hybrid"}  # Item.draft_with
 CUSTOM = 255  # Item.draft_with of a predictor object the stage was handed (in-process tests)
 _TYPES = {NGramPredictor: 1, LogitLensPredictor: 2, EarlyExitPredictor: 3, HybridPredictor: 4}
@@ -99,16 +116,16 @@ def predictor_code(predictor: Predictor) -> int:
     return code
 
 
-def gate_bits(gate: DraftGate) -> int:
+def gate_bits(gate: DraftGate, deep: float = DEEP_ACCEPTANCE) -> int:
     """`Item.draft_gate` of `gate`: for key k = i * NUM_GATE_BUCKETS + b (GATE_SOURCES[i], bucket
     b), bit k is set when `DraftGate.would_allow` it, bit NUM_KEYS + k when its acceptance
-    estimate is at least DEEP_ACCEPTANCE; bit GATE_OFF_BIT when the gate is off (any source)."""
+    estimate is at least `deep` (SchedulerConfig.deep_acceptance); bit GATE_OFF_BIT when the gate is off (any source)."""
     assert gate.num_buckets == NUM_GATE_BUCKETS, gate.num_buckets
     bits = 1 << GATE_OFF_BIT if gate.min_acceptance <= 0.0 else 0
     for i, source in enumerate(GATE_SOURCES):
         for b in range(NUM_GATE_BUCKETS):
             k = i * NUM_GATE_BUCKETS + b
-            bits |= gate.would_allow((source, b)) << k | (gate.estimate((source, b)) >= DEEP_ACCEPTANCE) << NUM_KEYS + k
+            bits |= gate.would_allow((source, b)) << k | (gate.estimate((source, b)) >= deep) << NUM_KEYS + k
     return bits
 
 
@@ -133,7 +150,7 @@ def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, se
     cap, upto = draft_limit(seq, depth)
     if item.end - 1 >= upto:
         return item
-    return dataclasses.replace(item, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate),
+    return dataclasses.replace(item, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate, config.deep_acceptance),
                                draft_with=predictor_code(predictor))
 
 
@@ -145,7 +162,8 @@ def credit(config: SchedulerConfig, gate: DraftGate, seq: SequenceState, *, dept
         return []
     cap, upto = draft_limit(seq, depth)
     return [Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.ledger.next_real_position, num_tokens=1,
-                 epoch=seq.epoch, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate))]
+                 epoch=seq.epoch, draft_cap=cap, draft_upto=upto,
+                 draft_gate=gate_bits(gate, config.deep_acceptance))]
 
 
 def register(config: SchedulerConfig, gate: DraftGate, spec: SpecCounters, seq: SequenceState, item: Item,

@@ -24,6 +24,12 @@ class FinishReason(enum.Enum):
     ABORTED = "aborted"
 
 
+# A deep draft (one past the run-ahead depth) made by the exit stage needs its parent's draft-gate
+# bucket to be right at least this often ([Note: stage-local drafting] 5-6 in pipeline/engine/local_draft.py;
+# `--deep-draft-min-acceptance`).
+DEEP_ACCEPTANCE = 0.5
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Limits of the pipeline the scheduler feeds: a view of the run configuration
@@ -44,6 +50,7 @@ class SchedulerConfig:
     firp_pseudo_weight: float = 1.0  # a pseudo row's cost in real rows (layers after the FIRP layer / all)
     run_ahead_from_table: bool = False  # max_inflight is a cap; the depth follows row_costs (row_budget.py)
     draft_at_stage: bool = False  # the exit stage (stage 0) drafts itself: pipeline/engine/local_draft.py
+    deep_acceptance: float = DEEP_ACCEPTANCE  # see DEEP_ACCEPTANCE
     draft_tree: int = 1  # candidates per draft position, siblings included ([Note: token trees]); 1 = off
 
     def __post_init__(self) -> None:
@@ -56,7 +63,7 @@ class SchedulerConfig:
         assert self.num_stages >= 1 and self.max_num_seqs >= 1 and self.max_model_len >= 2, self
         assert self.max_inflight >= 1 and self.firp_k >= 0, self
         assert 0.0 <= self.min_acceptance <= 1.0 and 0.0 <= self.firp_min_prob <= 1.0, self
-        assert 0.0 < self.firp_pseudo_weight <= 1.0, self
+        assert 0.0 < self.firp_pseudo_weight <= 1.0 and 0.0 <= self.deep_acceptance <= 1.0, self
         assert not (self.draft_at_stage and self.draft_tree > 1), "token trees need draft_at coordinator"
 
 
@@ -135,6 +142,7 @@ class SpecCounters:
     squashed_items: int = 0
     gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
     stage_drafted: int = 0  # drafts the exit stage made itself (pipeline/engine/local_draft.py)
+    withdrawn_drafts: int = 0  # of those, stopped on the exit stage by a squash (local_draft.py, note 6)
     firp_drafted: int = 0
     firp_verified: int = 0
     firp_accepted: int = 0

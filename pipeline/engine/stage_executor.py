@@ -124,10 +124,12 @@ class StageExecutor:
                     self.kv.ensure_scratch(self.max_scratch or it.tree_scratch + len(it.alt_token_ids))
         return keep
 
-    def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None) -> StageOutput:
+    def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None, *,
+            interrupt=None) -> StageOutput:
         """Run a micro-batch. x: [num_tokens] token ids (first stage) or [num_tokens, hidden];
-        pseudo: [num_pseudo, hidden] FIRP pseudo rows from the previous stage, or None.
-        Raises ValueError if pseudo rows are missing on a stage after the FIRP layer."""
+        pseudo: [num_pseudo, hidden] FIRP pseudo rows from the previous stage, or None;
+        interrupt: checked between layers (`StageModel.forward_rows`). Raises ValueError if pseudo
+        rows are missing on a stage after the FIRP layer, PassInterrupted when `interrupt()` stopped it."""
         start_ns = time.perf_counter_ns()
         keep = self.admit(items)
         if not all(keep):
@@ -155,7 +157,7 @@ class StageExecutor:
         fwd = self.model.forward_rows(x.to(self._device), spans, self.kv, logit_rows=logit_rows,
                                       exit_layer=self.exit_layer if use_head else None,
                                       pseudo=None if pseudo is None else pseudo.to(self._device),
-                                      firp_layer=self.firp_layer, make_pseudo=make_pseudo)
+                                      firp_layer=self.firp_layer, make_pseudo=make_pseudo, interrupt=interrupt)
         result = StageOutput(items=[it.without_tokens() for it in items])
         if use_head:
             result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden[primary])

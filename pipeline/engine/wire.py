@@ -60,7 +60,9 @@ class MessageKind(enum.IntEnum):
     coordinator; EXIT_GUESS from the exit stage to the coordinator (its items passed the exit
     layer, with the exit head's guesses); the rest are control, forwarded along the ring in order
     with the work (RELEASE frees KV slots: `Message.releases`), except CREDIT, which stage 0
-    consumes (its items carry stage-local drafting grants: pipeline/engine/local_draft.py)."""
+    consumes (its items carry stage-local drafting grants: pipeline/engine/local_draft.py), and
+    WITHDRAWN, from the exit stage to the coordinator: drafts it made itself and stopped, because
+    a squash made them stale before they were sent on (local_draft.py, note 6)."""
 
     FORWARD = 0
     RESULT = 1
@@ -69,6 +71,7 @@ class MessageKind(enum.IntEnum):
     RELEASE = 4
     SHUTDOWN = 5
     CREDIT = 6
+    WITHDRAWN = 7
 
 
 class WireError(ValueError):

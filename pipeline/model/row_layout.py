@@ -114,3 +114,16 @@ def anchor_rows(spans: Sequence[Span]):
         if span.num_pseudo:
             yield from range(row + span.num_tokens - span.num_anchors, row + span.num_tokens)
         row += span.num_tokens
+
+
+class PassInterrupted(Exception):
+    """`StageModel.forward_rows` stopped between two layers because its `interrupt()` said so.
+
+    The pass's rows were written into the KV cache for the layers already run, at positions past
+    every span's committed length (the lengths move only when a pass completes), so the next item
+    of the sequence overwrites them; nothing else changed. Used for drafts a squash made stale
+    ([Note: stage-local drafting] 6 in pipeline/engine/local_draft.py)."""
+
+    def __init__(self, layers_run: int) -> None:
+        super().__init__(f"pass interrupted after {layers_run} layers")
+        self.layers_run = layers_run

@@ -9,8 +9,8 @@ Tokens of several items (sequences) are packed along one axis ("varlen" layout, 
     x: [num_tokens] token ids (first stage) or [num_tokens, hidden_size] hidden states (others)
     spans: one `Span(slot, start, num_tokens)` per item, in the same order as the packed rows.
 
-FIRP pseudo rows: [Note: pseudo rows] in pipeline/model/row_layout.py. Families: [Note: model families] in
-pipeline/model/config.py; their larger blocks live in pipeline/model/family_blocks.py and pipeline/model/moe.py.
+FIRP pseudo rows: [Note: pseudo rows] in pipeline/model/row_layout.py. Families: [Note: model families]
+in pipeline/model/config.py (larger blocks: pipeline/model/family_blocks.py, pipeline/model/moe.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pipeline.model.kv_cache import KVCache
 from pipeline.model.moe import SparseMoE
 from pipeline.model.partition import LayerRange
 from pipeline.model.rope import apply_rope, config_inv_freq, rope_cos_sin
-from pipeline.model.row_layout import PseudoLayout, Span, anchor_rows, last_rows_of
+from pipeline.model.row_layout import PassInterrupted, PseudoLayout, Span, anchor_rows, last_rows_of
 from pipeline.weights.checkpoint import family_tensor_name
 
 
@@ -262,7 +262,7 @@ class StageModel(nn.Module):
     def forward_rows(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                      logit_rows: torch.Tensor | None = None, exit_layer: int | None = None,
                      pseudo: torch.Tensor | None = None, firp_layer: int | None = None,
-                     make_pseudo=None) -> StageForward:
+                     make_pseudo=None, interrupt=None) -> StageForward:
         """Run this stage on packed real rows and FIRP pseudo rows ([Note: pseudo rows] in pipeline/model/row_layout.py).
 
         x, spans, logit_rows: as in `forward`.
@@ -273,6 +273,7 @@ class StageModel(nn.Module):
             stage, after it `make_pseudo(anchor_hidden [num_anchor_rows, hidden])` returns the
             pseudo rows [sum num_pseudo, hidden] (anchors in span order; chains in anchor order).
         Without either, spans' pseudo chains are ignored (a stage before the FIRP layer).
+        interrupt: called after each layer; True raises PassInterrupted (KV lengths unchanged).
         Returns a StageForward; the last stage turns every pseudo row into logits.
         """
         for span in spans:
@@ -291,6 +292,8 @@ class StageModel(nn.Module):
         plan = AttentionPlan.build(spans, layout, device, scratch_base=kv.max_model_len)
         exit_hidden = None
         for local, (name, layer) in enumerate(self.layers.items()):
+            if interrupt is not None and interrupt():
+                raise PassInterrupted(local)
             h = layer(h, *ropes[int(name)], plan, kv, local)
             if int(name) == self.draft_after:
                 drafted = self.draft_layer(h, *ropes[int(name)], plan, kv, len(self.layers))
@@ -304,9 +307,8 @@ class StageModel(nn.Module):
                     h, positions, layout = self._add_pseudo(h, positions, make_pseudo(h[anchors]), spans)
                     ropes = self.rope_tables(positions, h.dtype)
                     plan = AttentionPlan.build(spans, layout, device, scratch_base=kv.max_model_len)
-        for span in spans:
-            if not span.is_sibling:  # a sibling's key went to scratch
-                kv.set_length(span.slot, span.start + span.num_tokens)
+        for span in (s for s in spans if not s.is_sibling):  # a sibling's key went to scratch
+            kv.set_length(span.slot, span.start + span.num_tokens)
         real, fake = h[:num_real], (h[num_real:] if layout is not None else None)
         if not self.is_last:
             return StageForward(real, fake, exit_hidden)
@@ -334,8 +336,7 @@ class StageModel(nn.Module):
 
 def set_rope_buffers(model: StageModel, config: ModelConfig, device: torch.device | str = "cpu") -> None:
     """Fill a meta-built model's RoPE frequency buffers (global, and local for Gemma 3's sliding layers)."""
-    model.inv_freq = config_inv_freq(config, local=False).to(device)
-    model.inv_freq_local = config_inv_freq(config, local=True).to(device)
+    model.inv_freq, model.inv_freq_local = (config_inv_freq(config, local=loc).to(device) for loc in (False, True))
 
 
 def checkpoint_name(param_name: str, config: ModelConfig) -> str:
@@ -386,9 +387,8 @@ def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first:
             raise ValueError(f"checkpoint tensor {ckpt!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
         state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
-    if consume:
-        for name in state:
-            tensors.pop(checkpoint_name(name, config), None)
+    for name in state if consume else ():
+        tensors.pop(checkpoint_name(name, config), None)
     del state
     if is_first and is_last and config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one tensor, as in the checkpoint

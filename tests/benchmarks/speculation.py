@@ -14,7 +14,8 @@ Configurations: MODE[/PREDICTOR][@GATE][#W][:stage]; MODE one of none, speed, fi
 `--predictor` name, a trained file (*.safetensors), or `hybrid-untrained` (hybrid with
 `--exit-predictor none`: n-gram + logit lens); `@X` runs with `--min-acceptance X` (0: every draft
 is sent); `#W` with `--draft-tree W` (token trees: tree acceptance, rescues and rows per tree
-draft are reported too); `:stage` runs with `--draft-at stage` (the exit stage drafts itself).
+draft are reported too); `:stage` runs with `--draft-at stage` (the exit stage drafts itself), and
+`:stage!P` with `--deep-draft-min-acceptance P` as well.
 `--exit-predictor FILE` gives the trained head that `early-exit` and `hybrid` use (default:
 the head shipped for the exit layer, pipeline/assets/predictors/).
 Held-out sets: `chat` and `code` (chat-templated instructions that `train-predictor --data
@@ -41,6 +42,7 @@ from pathlib import Path
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
+from pipeline.engine.records import DEEP_ACCEPTANCE
 from pipeline.measure.simulator import closed_form_speedup
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import held_out_prompts
@@ -76,13 +78,15 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
             "drafted": spec.drafted_tokens, "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
             "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
             "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts, "stage_drafted": spec.stage_drafted,
-            **coord.tree.to_json(),
+            "withdrawn": spec.withdrawn_drafts, **coord.tree.to_json(),
             "wasted_fraction": statistics.mean(wasted) if wasted else 0.0, **coord.timeline.draft_gap(0)}
 
 
 def options(config: str, stages: int, exit_predictor: str | None, dtype: str = "float32",
             row_cost_file: str | None = None, quantization: str = "none", row_cost: str = "auto") -> PipelineOptions:
-    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][#W][:stage]."""
+    """PipelineOptions of one configuration string MODE[/PREDICTOR][@GATE][#W][:stage[!DEEP]] (DEEP:
+    --deep-draft-min-acceptance)."""
+    config, _, deep = config.partition("!")
     config, _, draft_at = config.partition(":")
     config, _, width = config.partition("#")
     body, _, gate = config.partition("@")
@@ -95,7 +99,8 @@ def options(config: str, stages: int, exit_predictor: str | None, dtype: str = "
                            exit_predictor="none" if untrained else (exit_predictor if trained_head else None),
                            min_acceptance=float(gate) if gate else None, draft_tree=int(width or 1), dtype=dtype,
                            row_cost_file=row_cost_file, row_cost=row_cost, quantization=quantization,
-                           draft_at=draft_at or "coordinator")
+                           draft_at=draft_at or "coordinator",
+                           deep_draft_min_acceptance=float(deep) if deep else DEEP_ACCEPTANCE)
 
 
 def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
@@ -108,7 +113,7 @@ def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
     tree_drafts = sum(r["tree_drafts"] for r in rows)
     return {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
             "verified": verified, "drafted": sum(r["drafted"] for r in rows), "gated": sum(r["gated"] for r in rows),
-            "stage_drafted": sum(r["stage_drafted"] for r in rows),
+            "stage_drafted": sum(r["stage_drafted"] for r in rows), "withdrawn": sum(r["withdrawn"] for r in rows),
             "firp_acceptance": sum(r["firp_accepted"] for r in rows) / firp_verified if firp_verified else 0.0,
             "tokens_per_verify": statistics.mean(r["tokens_per_pass"] for r in rows),
             "tree_acceptance": sum(r["tree_hits"] for r in rows) / tree_verified if tree_verified else 0.0,

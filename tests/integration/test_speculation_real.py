@@ -17,6 +17,7 @@ transformers is not installed.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,28 @@ def test_speculative_greedy_equals_transformers_for_8_concurrent_prompts(spec_se
         assert not wrong, (f"{stages} stages, {predictor_name}: prompts {wrong} differ from transformers, e.g. "
                            f"{results[wrong[0]].token_ids} vs {transformers_greedy[wrong[0]]}" if wrong else "")
         assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
+
+
+def test_stage_drafting_with_deep_drafts_equals_transformers(smollm2_dir: Path, smollm2_cache: Path, prompt_ids,
+                                                            transformers_greedy):
+    """`--draft-at stage` with a deep draft after every stage-made draft (deep bar 0): stage 0 runs
+    ahead of every result, a squash reaches it while a stale draft is running, and it withdraws
+    that draft between two layers ([Note: stage-local drafting] 6 in pipeline/engine/local_draft.py).
+    Every prompt alone, on 2 stages, must still give transformers' greedy tokens."""
+    options = PipelineOptions(num_stages=2, model=str(smollm2_dir), cache_dir=str(smollm2_cache), progress=False,
+                              max_model_len=512, max_num_seqs=1, stage_timeout_s=120.0, speculate="speed",
+                              predictor="hybrid", min_acceptance=0.0, draft_at="stage", deep_draft_min_acceptance=0.0)
+    stage_drafted = withdrawn = 0
+    with PipelineSession(options, resolve(options)) as session:
+        for prompt, reference in zip(PROMPTS, transformers_greedy, strict=True):
+            session.coordinator.reset_stats()
+            out = session.coordinator.submit(prompt, GREEDY).result(RESULT_TIMEOUT_S)
+            assert out.token_ids == reference, f"stage drafting changed the output of {prompt[:40]!r}"
+            stage_drafted += session.coordinator.spec.stage_drafted
+            withdrawn += session.coordinator.spec.withdrawn_drafts
+        deadline = time.monotonic() + 30  # stale micro-batches of the last run may still be on their way back
+        while session.coordinator.engine.num_inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert session.coordinator.engine.num_inflight == 0, "a withdrawn or stale micro-batch stayed in flight"
+    assert stage_drafted > 0, "stage 0 never drafted"
+    print(f"stage-made drafts {stage_drafted}, withdrawn {withdrawn}")  # how often the squash came in time

@@ -4,7 +4,8 @@ What breaks when these fail: the exit stage drafts something the coordinator's `
 not (another token, past the ledger's limit, through a closed gate, at a stale epoch); a
 self-made draft's result is lost, counted twice, or applied before its announcement; a
 self-made draft left in flight by a squash or an unannounced parent corrupts greedy output; the
-engine's in-flight count leaks.
+engine's in-flight count leaks, or a self-made draft the stage withdrew (a squash reached stage 0
+before it ran: [Note: stage-local drafting] 6) stays counted in flight.
 
 The fake pipeline is tests/unit/test_speculation_scheduler.py's (lock-step stages, a hash "model"),
 with stage 0 running the real `StageDrafter` as workers/stage_loop.py does: a draft it makes runs
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from pipeline.engine.engine import Engine
-from pipeline.engine.events import ExitPassed, ReplayRunning, Result, Submit
+from pipeline.engine.events import ExitPassed, ReplayRunning, Result, Submit, Withdrawn
 from pipeline.engine.local_draft import (
     CUSTOM,
     GATE_OFF_BIT,
@@ -59,8 +61,11 @@ class LocalFakePipeline(FakePipeline):
     delivered `delay()` steps late, each channel in order."""
 
     def __init__(self, engine: Engine, submits, *, predictor, seed: int = 0, max_delay: tuple[int, int] = (0, 0),
-                 lens_offset: int = 0, replay_at: int | None = None) -> None:
+                 lens_offset: int = 0, replay_at: int | None = None, withdraw: bool = False) -> None:
         super().__init__(engine, submits, exit_stage=0, lens_offset=lens_offset)
+        self.withdraw = withdraw  # stage 0 withdraws self-made drafts a queued squash made stale
+        self.withdrawn = 0
+        self.withdrawn_by_squash = 0  # of those, superseded by a newer epoch rather than a release
         self.drafter = StageDrafter(custom=predictor)
         self.rng = random.Random(seed)
         self.max_delay = max_delay  # (announcements, results): up to this many steps late
@@ -105,6 +110,11 @@ class LocalFakePipeline(FakePipeline):
                 self.queues[j + 1].append(entry)
             return
         _, sent, items = entry
+        if j == 0 and self.withdraw and items and all(it.self_made for it in items) and self._superseded(items):
+            self.withdrawn += len(items)  # workers/stage_loop.py: stopped, and WITHDRAWN to the coordinator
+            self.withdrawn_by_squash += sum(it.seq_id in self.engine.scheduler.seqs for it in items)
+            self._send("exit", Withdrawn(items=tuple(items)))
+            return
         kept = self._run_stage(j, items)
         if j == 0:
             x = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64)
@@ -116,6 +126,18 @@ class LocalFakePipeline(FakePipeline):
         else:
             tokens = [self.next_fn(self.contents[j][it.slot][:it.end]) for it in kept]
             self._send("result", Result(items=tuple(kept), token_ids=torch.tensor(tokens, dtype=torch.int64)))
+
+    def _superseded(self, drafts: list[Item]) -> bool:
+        """Whether stage 0's queue holds a newer epoch (or a release) of every draft's sequence:
+        what the stage's reader thread would have seen (workers/stage_loop.py `_superseded`)."""
+        newest: dict[int, int] = {}
+        for entry in self.queues[0]:
+            if entry[0] == "release":
+                newest.update((seq_id, 1 << 62) for seq_id, _ in entry[1])
+            else:
+                for it in entry[2]:
+                    newest[it.seq_id] = max(it.epoch, newest.get(it.seq_id, -1))
+        return all(newest.get(it.seq_id, -1) > it.epoch for it in drafts)
 
     def _exit(self, kept: list[Item]) -> None:
         guesses = [None if it.kind == ItemKind.PREFILL or not it.want_exit else
@@ -194,7 +216,7 @@ def _predictor(kind: str, prompts, references, seed: int):
 
 
 def _run(num_stages: int, kind: str, num_seqs: int, *, seed: int = 0, max_delay=(0, 0), lens_offset: int = 0,
-         min_acceptance: float = 0.0, replay_at: int | None = None):
+         min_acceptance: float = 0.0, replay_at: int | None = None, withdraw: bool = False):
     prompts = PROMPTS[:num_seqs]
     params = [SamplingParams(max_new_tokens=b, ignore_eos=True) for b in BUDGETS[:num_seqs]]
     refs = [greedy_reference(p, sp.max_new_tokens) for p, sp in zip(prompts, params, strict=True)]
@@ -203,7 +225,7 @@ def _run(num_stages: int, kind: str, num_seqs: int, *, seed: int = 0, max_delay=
     fake = LocalFakePipeline(engine, [Submit(seq_id=i, prompt_ids=tuple(p), params=sp) for i, (p, sp) in
                                       enumerate(zip(prompts, params, strict=True))],
                              predictor=predictor, seed=seed, max_delay=max_delay, lens_offset=lens_offset,
-                             replay_at=replay_at)
+                             replay_at=replay_at, withdraw=withdraw)
     outputs = fake.run()
     assert [outputs.get(i, []) for i in range(num_seqs)] == refs, "stage-local drafting changed greedy output"
     assert engine.num_inflight == 0 and not engine._early, "a self-made micro-batch was never matched"
@@ -223,6 +245,56 @@ def test_stage_made_drafts_keep_greedy_output_and_every_result_matched(num_stage
         assert engine.spec.drafted_tokens >= engine.spec.verified_drafts > 0
         if kind == "always-wrong":
             assert engine.spec.accepted_tokens == 0 and engine.spec.squashed_items > 0
+
+
+@pytest.mark.parametrize("max_delay", [(0, 0), (3, 0), (0, 3), (4, 4)], ids=["prompt", "late-exit", "late-result", "both"])
+@pytest.mark.parametrize("kind", ["always-wrong", "random", "sometimes-right", "hybrid"])
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_withdrawn_self_made_drafts_keep_greedy_output_and_leave_nothing_in_flight(num_stages, kind, max_delay):
+    """Stage 0 withdraws a self-made draft whose sequence a queued squash (or release) made stale
+    ([Note: stage-local drafting] 6): output stays the reference's (`_run`), the engine stops
+    counting it in flight (`_run`: num_inflight == 0 at the end), and counts it once."""
+    by_squash = 0
+    for seed in range(3):
+        for num_seqs in (1, 4):
+            engine, fake = _run(num_stages, kind, num_seqs, seed=seed, max_delay=max_delay, withdraw=True,
+                                lens_offset=1 if kind == "hybrid" else 0)
+            assert engine.spec.withdrawn_drafts == fake.withdrawn
+            by_squash += fake.withdrawn_by_squash
+    if kind == "hybrid":  # a wrong exit head beside a right n-gram: deep drafts after wrong parents
+        assert by_squash > 0, "no self-made draft was ever superseded by a squash before it ran"
+
+
+def test_a_squash_sends_the_real_item_at_once_past_stale_self_made_drafts():
+    """Two self-made drafts in flight (the second a deep one) when the result shows the first
+    wrong: they are stale, so the real item goes out at once (the stage can then withdraw the deep
+    draft); counted as in flight they held it back until their stale results came."""
+    engine = Engine(_config(2), LogitLensPredictor())
+    out = engine.step([Submit(seq_id=0, prompt_ids=(5, 6, 7), params=SamplingParams(max_new_tokens=20,
+                                                                                    ignore_eos=True))])
+    prefill = out.sends[0][0].without_tokens()
+    decode = engine.step([Result(items=(prefill,), token_ids=torch.tensor([8]))]).sends[0][0].without_tokens()
+    assert decode.draft_upto > 0, "the decode item was not authorised for stage drafting"
+    d1 = Item(seq_id=0, slot=decode.slot, start=decode.end, num_tokens=1, epoch=decode.epoch, kind=ItemKind.DRAFT,
+              self_made=True)
+    d2 = dataclasses.replace(d1, start=d1.end)
+    engine.step([ExitPassed(items=(decode,), guesses=(ExitGuess(9, 0.9),), self_drafts=((9, -1),))])
+    engine.step([ExitPassed(items=(d1,), guesses=(ExitGuess(10, 0.9),), self_drafts=((10, -1),))])
+    assert engine.spec.drafted_tokens == 2 and engine.num_inflight == 3
+    out = engine.step([Result(items=(decode,), token_ids=torch.tensor([11]))])  # the real token is 11, not 9
+    sent = [(it.kind, it.start, it.epoch > decode.epoch) for batch in out.sends for it in batch]
+    assert sent == [(ItemKind.DECODE, d1.start, True)], sent
+    engine.step([Withdrawn(items=(d2,)), Result(items=(d1,), token_ids=torch.tensor([12]))])
+    assert engine.num_inflight == 1 and engine.spec.withdrawn_drafts == 1
+
+
+def test_a_withdrawal_after_a_replay_is_ignored():
+    """A replay forgets every announced micro-batch; a withdrawal of one of them changes nothing."""
+    engine = Engine(_config(2), NGramPredictor())
+    engine.step([ReplayRunning()])
+    draft = Item(seq_id=0, slot=0, start=3, num_tokens=1, epoch=0, kind=ItemKind.DRAFT, self_made=True)
+    engine.step([Withdrawn(items=(draft,))])
+    assert engine.num_inflight == 0 and engine.spec.withdrawn_drafts == 0
 
 
 def test_a_result_before_its_announcement_is_buffered_then_applied():

@@ -148,3 +148,63 @@ def test_posted_sends_keep_at_most_max_kept_bytes_of_buffers(monkeypatch):
         queue.send(_message(3), 1)
     sender.group.close()
     receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_deferred_and_direct_sends_to_one_rank_arrive_in_the_order_they_were_queued():
+    """[Note: deferred posts]: a deferred message is posted by the destination's post thread; a
+    direct send queued after it must not overtake it (in-band squash relies on the order)."""
+    sender, receiver = _pair(timeout_s=20)
+    queue = SendQueue(sender, max_queued=4, posted=True)
+    got: list[Message] = []
+    thread = threading.Thread(target=lambda: got.extend(receiver.recv(0) for _ in range(40)), daemon=True)
+    thread.start()
+    for i in range(40):
+        queue.send(_message(i), 1, defer=i % 5 in (0, 1, 3))  # runs of deferred and direct sends
+    queue.flush()
+    thread.join(timeout=30)
+    assert [m.items[0].start for m in got] == list(range(40))
+    for i, m in enumerate(got):
+        assert torch.equal(m.tensors["x"], _message(i).tensors["x"])
+    assert all(not lane.deferred for lane in queue._lanes.values())
+    sender.group.close()
+    receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_deferred_send_returns_before_it_is_posted_and_flush_waits_for_it():
+    sender, receiver = _pair(timeout_s=20)
+    queue = SendQueue(sender, max_queued=4, posted=True)
+    lane = queue._lane(1)
+    with lane.cond:  # the post thread cannot take the lock: the message stays deferred
+        queue.send(_message(1), 1, defer=True)
+        assert [m.items[0].start for m in lane.deferred] == [1] and not lane.pending
+    got = []
+    thread = threading.Thread(target=lambda: got.append(receiver.recv(0)), daemon=True)
+    thread.start()
+    queue.flush()
+    thread.join(timeout=30)
+    assert [m.items[0].start for m in got] == [1]
+    sender.group.close()
+    receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_abandon_drops_deferred_messages_and_stops_the_post_thread():
+    sender, receiver = _pair(timeout_s=20)
+    queue = SendQueue(sender, max_queued=4, posted=True)
+    lane = queue._lane(1)
+    with lane.cond:
+        for i in range(3):
+            queue.send(_message(i), 1, defer=True)
+    for _ in range(200):  # nobody receives: posted, they stay pending
+        if not lane.deferred:
+            break
+        threading.Event().wait(0.01)
+    queue.abandon()
+    lane.thread.join(timeout=5)
+    assert not lane.thread.is_alive() and not lane.deferred and not lane.pending
+    with pytest.raises(ChannelError, match="abandoned"):
+        queue.send(_message(3), 1, defer=True)
+    sender.group.close()
+    receiver.group.close()

@@ -151,7 +151,7 @@ def test_bad_draft_tree_exits_2_with_one_line(capsys):
     for value in ("0", "9"):
         assert main(["launch", "--speculate", "speed", "--draft-tree", value, "--prompt", "hi"]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "draft_tree" in err and value in err
+        assert len(err.splitlines()) == 1 and "--draft-tree" in err and value in err
     assert main(["launch", "--draft-tree", "2", "--prompt", "hi"]) == 2  # trees need SPEED drafts
     assert "speculate speed" in capsys.readouterr().err
     # dense bfloat16 is not batch-invariant: tree rows would change greedy output
@@ -160,7 +160,7 @@ def test_bad_draft_tree_exits_2_with_one_line(capsys):
     # stage-local drafting makes drafts without siblings: the combination is refused, not half-built
     assert main(["launch", "--speculate", "speed", "--draft-tree", "2", "--draft-at", "stage", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "draft_at coordinator" in err
+    assert len(err.splitlines()) == 1 and "--draft-at coordinator" in err
 
 
 def test_tree_items_cross_the_wire_with_their_columns():
