@@ -129,6 +129,9 @@ class SendQueue:
                     self._post(lane, lane.deferred[0], dst)
                 except ChannelError:
                     pass  # kept in self._error: the caller's next send or flush raises it
+                except Exception as exc:  # noqa: BLE001 - e.g. a header too big for its frame: fail, never hang
+                    self._fail(lane, f"{self.channel.label}deferred send to {rank_name(dst)} failed: "
+                                     f"{type(exc).__name__}: {exc}")
                 if lane.deferred:  # abandon() may have cleared it meanwhile
                     lane.deferred.popleft()
                 lane.cond.notify_all()

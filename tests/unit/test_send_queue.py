@@ -208,3 +208,20 @@ def test_abandon_drops_deferred_messages_and_stops_the_post_thread():
         queue.send(_message(3), 1, defer=True)
     sender.group.close()
     receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_deferred_message_that_cannot_be_framed_fails_the_next_send_instead_of_hanging():
+    sender, receiver = _pair(timeout_s=5)
+    queue = SendQueue(sender, max_queued=4, posted=True)
+    too_many = [Item(seq_id=i, slot=0, start=i, num_tokens=1, kind=ItemKind.DECODE) for i in range(2000)]
+    queue.send(Message(MessageKind.FORWARD, too_many, {}), 1, defer=True)  # its header outgrows the frame
+    for _ in range(500):  # the post thread fails it at once
+        if queue._error is not None:
+            break
+        threading.Event().wait(0.01)
+    assert queue._error is not None and not queue._lanes[1].deferred
+    with pytest.raises(ChannelError, match="deferred send"):
+        queue.send(_message(1), 1)
+    sender.group.close()
+    receiver.group.close()
