@@ -86,25 +86,24 @@ class SendQueue:
                     lane.thread = threading.Thread(target=self._post_deferred, args=(lane, dst), daemon=True,
                                                    name=f"post-to-{dst}")
                     lane.thread.start()
-                if not lane.cond.wait_for(lambda: len(lane.deferred) < self.max_queued or self._error is not None,
-                                          timeout=self.channel.timeout_s):
-                    raise ChannelError(f"{self.channel.label}deferred sends to {rank_name(dst)} stayed queued for "
-                                       f"{self.channel.timeout_s:g} s (--stage-timeout-s)")
-                self._raise_if_failed()
-                lane.deferred.append(msg)
-                lane.cond.notify_all()
+                self._enqueue(lane, lane.deferred, msg, dst)
                 return
             if self.posted:
                 self._post(lane, msg, dst)
                 self._raise_if_failed()
                 return
-            if not lane.cond.wait_for(lambda: len(lane.pending) < self.max_queued or self._error is not None,
-                                      timeout=self.channel.timeout_s):
-                raise ChannelError(f"{self.channel.label}send queue to {rank_name(dst)} stayed full for "
-                                   f"{self.channel.timeout_s:g} s (--stage-timeout-s)")
-            self._raise_if_failed()
-            lane.pending.append(msg)
-            lane.cond.notify_all()
+            self._enqueue(lane, lane.pending, msg, dst)
+
+    def _enqueue(self, lane: _Lane, fifo: collections.deque, msg: Message, dst: int) -> None:
+        """Append `msg` to a lane's `fifo` (for its send or post thread) once it holds fewer than
+        `max_queued` (lane.cond held). Raises ChannelError if it stays full for the deadline."""
+        if not lane.cond.wait_for(lambda: len(fifo) < self.max_queued or self._error is not None,
+                                  timeout=self.channel.timeout_s):
+            raise ChannelError(f"{self.channel.label}send queue to {rank_name(dst)} stayed full for "
+                               f"{self.channel.timeout_s:g} s (--stage-timeout-s)")
+        self._raise_if_failed()
+        fifo.append(msg)
+        lane.cond.notify_all()
 
     def _post(self, lane: _Lane, msg: Message, dst: int) -> None:
         """Post `msg` to gloo after the lane's earlier posts (lane.cond held); a failure is kept."""
