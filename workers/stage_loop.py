@@ -8,7 +8,7 @@ as the exit stage, a draft it makes itself runs right after its parent, as a mic
 (its RESULT answers its announcement, not a coordinator send), and once the coordinator grants
 such drafts, CREDITs are read on a reader thread so that a chain of them sees each credit at once,
 and a self-made draft is stopped between two layers, and WITHDRAWN to the coordinator instead of
-sent on, once a newer epoch of its sequence has arrived ([Note: stage-local drafting] 6 in
+sent on, once a newer epoch (or a release) of every sequence in it has arrived ([Note: stage-local drafting] 6 in
 pipeline/engine/local_draft.py).
 Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
 """
@@ -73,6 +73,8 @@ class StageLoop:
                     self.executor.release([r.seq_id for r in msg.releases], [r.slot for r in msg.releases])
                     if self.drafter is not None:
                         self.drafter.release([r.seq_id for r in msg.releases])
+                    for r in msg.releases:  # nothing of a released sequence follows its RELEASE
+                        self._newest.pop(r.seq_id, None)
                 elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
                 self.sends.send(msg, self.next_rank)
@@ -101,19 +103,23 @@ class StageLoop:
         while True:
             try:
                 msg = self.channel.recv(self.prev_rank)
+                if msg.kind == MessageKind.CREDIT:
+                    self.drafter.credit(msg.items)
+                    continue
+                self._note_newest(msg)
             except Exception as exc:  # noqa: BLE001 - handed to the loop, which raises it
                 self._inbox.put(exc)
                 return
-            if msg.kind == MessageKind.CREDIT:
-                self.drafter.credit(msg.items)
-                continue
-            for it in msg.items if msg.kind == MessageKind.FORWARD else ():
-                self._newest[it.seq_id] = max(it.epoch, self._newest.get(it.seq_id, -1))
-            for release in msg.releases if msg.kind == MessageKind.RELEASE else ():
-                self._newest[release.seq_id] = RELEASED
             self._inbox.put(msg)
             if msg.kind == MessageKind.SHUTDOWN or self.retired:
                 return
+
+    def _note_newest(self, msg: Message) -> None:
+        """Record the newest epoch (or the release) of each sequence `msg` names, as it arrives."""
+        for it in msg.items if msg.kind == MessageKind.FORWARD else ():
+            self._newest[it.seq_id] = max(it.epoch, self._newest.get(it.seq_id, -1))
+        for release in msg.releases if msg.kind == MessageKind.RELEASE else ():
+            self._newest[release.seq_id] = RELEASED
 
     def _run_forward(self, msg: Message) -> None:
         """Run a FORWARD, then each draft this stage made after it, each alone and at once; a draft

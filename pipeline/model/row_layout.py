@@ -121,7 +121,7 @@ class PassInterrupted(Exception):
 
     The pass's rows were written into the KV cache for the layers already run, at positions past
     every span's committed length (the lengths move only when a pass completes), so the next item
-    of the sequence overwrites them; nothing else changed. Used for drafts a squash made stale
+    of the sequence overwrites them; the model changed nothing else. Used for drafts a squash made stale
     ([Note: stage-local drafting] 6 in pipeline/engine/local_draft.py)."""
 
     def __init__(self, layers_run: int) -> None:

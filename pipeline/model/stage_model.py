@@ -273,7 +273,7 @@ class StageModel(nn.Module):
             stage, after it `make_pseudo(anchor_hidden [num_anchor_rows, hidden])` returns the
             pseudo rows [sum num_pseudo, hidden] (anchors in span order; chains in anchor order).
         Without either, spans' pseudo chains are ignored (a stage before the FIRP layer).
-        interrupt: called after each layer; True raises PassInterrupted (KV lengths unchanged).
+        interrupt: called before each layer; True raises PassInterrupted (KV lengths unchanged).
         Returns a StageForward; the last stage turns every pseudo row into logits.
         """
         for span in spans:

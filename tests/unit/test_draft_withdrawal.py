@@ -85,6 +85,9 @@ class _Recorder:
         self.sent.append((msg.kind, dst, msg))
         self.deferred.append(defer)
 
+    def flush(self) -> None:
+        pass
+
 
 def _loop(weights, *, squash_after_layers: int | None):
     """Stage 0 of 2 (exit layer 0) with the prompt cached, and a drafter that makes one draft
@@ -185,3 +188,25 @@ def test_a_deep_draft_bar_outside_0_1_exits_2_naming_the_flag(capsys):
                  "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--deep-draft-min-acceptance must be in [0, 1]" in err, err
+
+
+def test_the_reader_thread_records_newer_epochs_and_releases_and_the_loop_forgets_released_ones(weights):
+    """What `_superseded` reads is filled by the reader thread from the messages it receives."""
+    from pipeline.speculation.items import SlotRelease
+
+    loop, _ = _loop(weights, squash_after_layers=None)
+    draft = Item(seq_id=7, slot=0, start=4, num_tokens=1, epoch=0, kind=ItemKind.DRAFT, self_made=True)
+    other = Item(seq_id=8, slot=1, start=2, num_tokens=1, epoch=0, kind=ItemKind.DRAFT, self_made=True)
+    incoming = [Message(MessageKind.FORWARD, [Item(seq_id=7, slot=0, start=4, num_tokens=1, epoch=2)],
+                        {"x": torch.tensor([1])}),
+                Message(MessageKind.RELEASE, [], {}, None, [SlotRelease(seq_id=8, slot=1)]),
+                Message(MessageKind.SHUTDOWN)]
+    loop.channel = types.SimpleNamespace(recv=lambda rank: incoming.pop(0))
+    loop._inbox = __import__("queue").Queue()
+    loop._read()
+    assert loop._superseded([draft]) and loop._superseded([other]) and loop._superseded([draft, other])
+    assert [loop._inbox.get().kind for _ in range(3)] == [MessageKind.FORWARD, MessageKind.RELEASE, MessageKind.SHUTDOWN]
+    loop._inbox.put(Message(MessageKind.RELEASE, [], {}, None, [SlotRelease(seq_id=8, slot=1)]))
+    loop._inbox.put(Message(MessageKind.SHUTDOWN))
+    loop.run()
+    assert 8 not in loop._newest, "a released sequence stays in the reader's table for ever"
