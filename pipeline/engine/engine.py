@@ -214,11 +214,12 @@ class Engine:
         on the exit stage's channel, in order): nothing of it is in flight any more. Its drafts are
         stale, so the scheduler has dropped them already; the stage time it took is wasted."""
         keys = frozenset((it.seq_id, it.start, it.epoch) for it in event.items)
-        if self._local.pop(keys, None) is None:
+        ready_ns = self._local.pop(keys, None)
+        if ready_ns is None:
             return  # a replay forgot it already (ReplayRunning clears every announced micro-batch)
         self._scheduler.spec.withdrawn_drafts += len(event.items)
-        if self.record_timeline and event.timing:
-            self.timeline.record(event.timing, event.items, 0.0, committed=[False] * len(event.items))
+        if self.record_timeline and event.timing:  # its wait before starting counts in draft_gap too
+            self.timeline.record(event.timing, event.items, 0.0, ready_ns, committed=[False] * len(event.items))
 
     def _on_result(self, event: Result, commits: list[Commit]) -> None:
         if event.items and event.items[0].self_made:  # a micro-batch the exit stage made

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from pipeline.engine.engine import Engine
+from pipeline.measure.timeline import StageTiming
 from pipeline.engine.events import ExitPassed, ReplayRunning, Result, Submit, Withdrawn
 from pipeline.engine.local_draft import (
     CUSTOM,
@@ -286,6 +287,26 @@ def test_a_squash_sends_the_real_item_at_once_past_stale_self_made_drafts():
     assert sent == [(ItemKind.DECODE, d1.start, True)], sent
     engine.step([Withdrawn(items=(d2,)), Result(items=(d1,), token_ids=torch.tensor([12]))])
     assert engine.num_inflight == 1 and engine.spec.withdrawn_drafts == 1
+
+
+def test_a_withdrawn_draft_counts_its_wait_in_draft_gap_and_its_time_as_wasted():
+    """A withdrawn self-made draft waited like any other before it started: its gap (start - max(the
+    announcement, the stage's previous end)) enters draft_gap, and its partial pass is wasted time."""
+    engine = Engine(_config(2), LogitLensPredictor())
+    out = engine.step([Submit(seq_id=0, prompt_ids=(5, 6, 7), params=SamplingParams(max_new_tokens=20,
+                                                                                    ignore_eos=True))])
+    prefill = out.sends[0][0].without_tokens()
+    decode = engine.step([Result(items=(prefill,), token_ids=torch.tensor([8]),
+                                 timing=(StageTiming(0, 0, 1_000), StageTiming(1, 1_000, 2_000)))]
+                         ).sends[0][0].without_tokens()
+    draft = Item(seq_id=0, slot=decode.slot, start=decode.end, num_tokens=1, epoch=decode.epoch,
+                 kind=ItemKind.DRAFT, self_made=True)
+    engine.step([ExitPassed(items=(decode,), guesses=(ExitGuess(9, 0.9),), self_drafts=((9, -1),), at_ns=3_000)])
+    engine.step([Result(items=(decode,), token_ids=torch.tensor([11]))])  # 9 was wrong: the draft is stale
+    engine.step([Withdrawn(items=(draft,), timing=(StageTiming(0, 3_400, 3_600),))])
+    assert engine.spec.withdrawn_drafts == 1
+    assert list(engine.timeline.draft_gaps_ns) == [400]
+    assert engine.timeline.wasted_ns[0] == 200
 
 
 def test_a_withdrawal_after_a_replay_is_ignored():
