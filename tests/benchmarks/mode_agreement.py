@@ -65,6 +65,13 @@ def speedpipe_greedy(model_dir: Path, mode: str, prompts: list[list[int]], max_n
     quantization, dense_layout = mode_flags(mode)
     model = load_stage_model(str(model_dir), LayerRange(0, n), is_first=True, is_last=True, quantization=quantization,
                              dense_layout=dense_layout)
+    return greedy_tokens(model, prompts, max_new_tokens, eos_ids)
+
+
+def greedy_tokens(model, prompts: list[list[int]], max_new_tokens: int,
+                  eos_ids: tuple[int, ...]) -> tuple[list[list[int]], float]:
+    """Greedy tokens of a whole-model StageModel, EOS masked, one 1-row item per token, and the CPU
+    seconds of this thread spent generating (prefill included)."""
     out, cpu_s = [], 0.0
     for ids in prompts:
         start = time.thread_time()
