@@ -5,11 +5,16 @@ break-even acceptance below which a draft costs more than it saves. Pure: no I/O
 
 [Note: adaptive drafting]
 A draft that is accepted saves the S − e stage-steps the real token would have waited for
-(ARCHITECTURE.md §5: speed-up S / (α·e + (1−α)·S)); a rejected one is not free in a real pipeline:
-later stages run the stale item before the in-band squash reaches them, and the real token waits
-behind it, about one stage-step (measured: untrained predictors at α ≈ 0.15–0.35 ran 0.77–0.89×
-plain decode at --stages 2). Drafting a token with acceptance probability a therefore pays when
-a·(S − e) > (1 − a)·r with r ≈ 1 stage-step, i.e. a > r / (S − e + r) = 1/S for e = r = 1.
+(ARCHITECTURE.md §5: speed-up S / (α·e + (1−α)·S)); a rejected one costs r stage-steps: the real
+token may wait behind the stale item, and the stale pass shares the machine with the real one.
+Drafting a token with acceptance probability a pays when a·(S − e) > (1 − a)·r, i.e.
+a > r / (S − e + r). r was about one stage-step in the first pipeline (untrained predictors at
+α ≈ 0.15–0.35 ran 0.77–0.89× plain decode at --stages 2). Since in-band squashes, stale items that
+no longer count as in flight and withdrawal, it is far smaller: on 2026-12-05 (Intel, --stages 2,
+tests/benchmarks/results/speculation_intel_gate_*.json) sending every draft (α 0.31–0.85) beat the
+1/S gate on all three held-out sets in float32, bfloat16 and `auto` (e.g. float32 code 1.37× against
+1.28×). REJECTION_COST = 0.1 keeps the gate for predictors that are almost never right (break-even
+0.09 at S = 2) and sends nearly every other draft.
 Predictors report a confidence; how well it predicts acceptance differs per predictor and model,
 so the gate learns it: drafts are grouped by (source, confidence bucket), each bucket keeps an
 acceptance estimate (successes + prior · w) / (trials + w), and a draft is sent only when its
@@ -34,6 +39,7 @@ import dataclasses
 from pipeline.speculation.predictors import Draft
 
 OPTIMISTIC_PRIOR = 0.6  # the lowest prior acceptance of a new bucket (see the note)
+REJECTION_COST = 0.1  # stage-steps a rejected draft costs, measured (see the note)
 
 
 @dataclasses.dataclass
@@ -70,7 +76,7 @@ class DraftGate:
         self.num_refused = 0
 
     @staticmethod
-    def break_even(num_stages: int, *, draft_lag: float = 1.0, rejection_cost: float = 1.0) -> float:
+    def break_even(num_stages: int, *, draft_lag: float = 1.0, rejection_cost: float = REJECTION_COST) -> float:
         """Acceptance at which a draft neither gains nor loses: r / (S − e + r), in stage-steps."""
         gain = max(num_stages - draft_lag, 0.0)
         return rejection_cost / (gain + rejection_cost) if gain + rejection_cost > 0 else 1.0

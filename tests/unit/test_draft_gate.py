@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import Submit
 from pipeline.engine.records import SchedulerConfig
-from pipeline.speculation.draft_gate import DraftGate
+from pipeline.speculation.draft_gate import REJECTION_COST, DraftGate
 from pipeline.speculation.predictors import Draft
 from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, PerfectPredictor, ReferenceTable
@@ -23,7 +23,8 @@ from tests.unit.test_speculation_scheduler import PROMPTS, FakePipeline, greedy_
 
 def test_break_even_is_one_over_stages_for_unit_lag_and_cost():
     for s in (2, 3, 4, 8):
-        assert DraftGate.break_even(s) == pytest.approx(1 / s)
+        assert DraftGate.break_even(s, rejection_cost=1.0) == pytest.approx(1 / s)
+        assert DraftGate.break_even(s) == pytest.approx(REJECTION_COST / (s - 1 + REJECTION_COST))
     assert DraftGate.break_even(1) == 1.0  # one stage: a draft never fills an idle stage
 
 
@@ -116,7 +117,8 @@ def test_gate_cuts_the_drafts_of_an_always_wrong_predictor_without_changing_outp
     refs = [greedy_reference(p, 40) for p in ONE]
     table = ReferenceTable(zip(ONE, refs, strict=True))
     ungated, s0 = _run(AlwaysWrongPredictor(table, vocab_size=64), 0.0, num_stages)
-    gated, s1 = _run(AlwaysWrongPredictor(table, vocab_size=64), DraftGate.break_even(num_stages), num_stages)
+    gated, s1 = _run(AlwaysWrongPredictor(table, vocab_size=64), DraftGate.break_even(num_stages, rejection_cost=1.0),
+                     num_stages)
     assert gated == ungated == refs
     assert s1.spec.gated_drafts > 0
     assert s1.spec.drafted_tokens < s0.spec.drafted_tokens / 3, (s1.spec, s0.spec)
