@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from pipeline.engine.engine import Engine
-from pipeline.measure.timeline import StageTiming
 from pipeline.engine.events import ExitPassed, ReplayRunning, Result, Submit, Withdrawn
 from pipeline.engine.local_draft import (
     CUSTOM,
@@ -41,6 +40,7 @@ from pipeline.engine.local_draft import (
 )
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.scheduler import Scheduler
+from pipeline.measure.timeline import StageTiming
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.predictors import ExitGuess, HybridPredictor, LogitLensPredictor, NGramPredictor
