@@ -27,7 +27,7 @@ pass on every stage by cost(r + 1) - cost(r) (S of them per draft). A draft alon
 in stage time the real item leaves idle and costs no wall time beyond the squash. `best_run_ahead`
 picks the d in 1..max_depth with the most expected tokens per second; with a = 0 or costly shared
 rows it is 1, with a high a and cheap rows it is max_depth. d = 2 beats d = 1 alone in the pipeline
-when a > 1 / (S + 1), close to the draft gate's break-even 1 / S
+when a > 1 / (S + 1), close to 1 / S, the draft gate's break-even if a rejection cost one stage-step
 ([Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
 
 [Note: combining stage tables]
