@@ -194,6 +194,13 @@ def test_a_corrupt_shard_of_the_last_stage_fails_load_naming_that_stage_promptly
 
 # -- the CLI interrupted or killed --------------------------------------------------------------------
 
+def _terminal_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground job has it. A test run started in
+    the background (`pytest &`, nohup) ignores SIGINT, and an ignored signal stays ignored across exec,
+    so the launcher would never see the Ctrl-C this file sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class CliRun:
     """`launch` on the tiny model in its own session (process group), streaming one long prompt."""
 
@@ -205,7 +212,7 @@ class CliRun:
             [*command, "--model", str(model_dir), "--stages", "2", "--prompt", "Once upon a time",
              "--max-new-tokens", "4000", "--max-model-len", str(LONG_MODEL_LEN), "--ignore-eos"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-            env=env_with_tag(TAG_ENV, self.tag))
+            env=env_with_tag(TAG_ENV, self.tag), preexec_fn=_terminal_sigint)
         self.stdout, self.stderr = bytearray(), bytearray()
         self._readers = [threading.Thread(target=self._read, args=(s, b), daemon=True)
                          for s, b in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr))]
