@@ -21,7 +21,8 @@ acceptance estimate (successes + prior · w) / (trials + w), and a draft is sent
 bucket's estimate reaches `min_acceptance`. The prior of a bucket is the predictor's own claim, the
 bucket's mid-point confidence, but never below an optimistic floor of 0.6 (OPTIMISTIC_PRIOR), worth
 w = 2 verdicts: a trained head that says 0.95 and is right 70 % of the time keeps its bucket open
-through an early miss, and one that is always wrong closes it after 2 misses at break-even 0.5. (A
+through an early miss, and one that is always wrong closes it after 2 misses at break-even 0.5
+(after 12–20 misses, prior 0.6–0.95, at the default 0.09, where a miss costs a tenth as much). (A
 flat prior of 0.6 closed every bucket on its first miss at break-even 0.5, and a closed bucket is
 only probed every 16th draft: that is what held a self-distilled drafter at α 0.08 over 12 of 92
 drafts in a launch whose ungated α was 0.30, the same as its offline held-out acceptance.) The
