@@ -11,6 +11,7 @@ whose sequence is still current is withdrawn.
 
 from __future__ import annotations
 
+import queue
 import types
 
 import pytest
@@ -22,7 +23,7 @@ from pipeline.model.config import tiny_config
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import PassInterrupted, Span
 from pipeline.model.stage_model import build_stage_model, random_state_dict
-from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from workers.stage_loop import RELEASED, StageLoop
 
 PROMPT = [11, 22, 33]
@@ -192,8 +193,6 @@ def test_a_deep_draft_bar_outside_0_1_exits_2_naming_the_flag(capsys):
 
 def test_the_reader_thread_records_newer_epochs_and_releases_and_the_loop_forgets_released_ones(weights):
     """What `_superseded` reads is filled by the reader thread from the messages it receives."""
-    from pipeline.speculation.items import SlotRelease
-
     loop, _ = _loop(weights, squash_after_layers=None)
     draft = Item(seq_id=7, slot=0, start=4, num_tokens=1, epoch=0, kind=ItemKind.DRAFT, self_made=True)
     other = Item(seq_id=8, slot=1, start=2, num_tokens=1, epoch=0, kind=ItemKind.DRAFT, self_made=True)
@@ -202,7 +201,7 @@ def test_the_reader_thread_records_newer_epochs_and_releases_and_the_loop_forget
                 Message(MessageKind.RELEASE, [], {}, None, [SlotRelease(seq_id=8, slot=1)]),
                 Message(MessageKind.SHUTDOWN)]
     loop.channel = types.SimpleNamespace(recv=lambda rank: incoming.pop(0))
-    loop._inbox = __import__("queue").Queue()
+    loop._inbox = queue.Queue()
     loop._read()
     assert loop._superseded([draft]) and loop._superseded([other]) and loop._superseded([draft, other])
     assert [loop._inbox.get().kind for _ in range(3)] == [MessageKind.FORWARD, MessageKind.RELEASE, MessageKind.SHUTDOWN]
