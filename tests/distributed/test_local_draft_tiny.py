@@ -61,7 +61,10 @@ def test_stage_drafting_keeps_greedy_output(tiny_model_dir: Path, references, sh
             if "exit-in-stage-1" in shape:
                 assert stats["stage_drafted"] == 0, "an exit stage other than stage 0 must not draft itself"
             else:
-                assert stats["stage_drafted"] > 0, f"the exit stage never drafted itself: {stats}"
+                # a self-made draft a squash made stale before its announcement is not registered
+                # (stage_drafted) but is still withdrawn: both are drafts the stage made itself
+                made = stats["stage_drafted"] + stats["withdrawn_drafts"]
+                assert made > 0, f"the exit stage never drafted itself: {stats}"
         assert session.coordinator.sync(10.0)
         assert session.coordinator.engine.num_inflight == 0, "a self-made micro-batch was never matched"
 
