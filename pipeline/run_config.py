@@ -63,7 +63,7 @@ class RunConfig:
     exit_predictor: str | None = None  # trained early-exit file for early-exit / hybrid (default: shipped)
     exit_layer: int | None = None  # None = last layer of stage 0
     max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
-    min_acceptance: float | None = None  # adaptive drafting threshold; None = break-even for num_stages
+    min_acceptance: float | None = None  # adaptive drafting threshold; None = the break-even (draft_min_acceptance)
     record_timeline: bool = True  # per-item stage timings (off: measure the recording overhead)
     firp_k: int | None = None  # FIRP drafts per chain; None = chosen from the FIRP file's eval
     firp_file: str | None = None  # None = the shipped file for the model
@@ -153,11 +153,13 @@ class RunConfig:
         drafts from the exit hidden state (ngram drafts from the context alone, at send time)."""
         return self.uses_speed and make_predictor(self.predictor).needs_exit_head
 
-    @property
-    def draft_min_acceptance(self) -> float:
-        """The adaptive-drafting threshold in force: `min_acceptance`, or the break-even acceptance
-        for `num_stages` when it is None (pipeline/speculation/draft_gate.py)."""
-        return DraftGate.break_even(self.num_stages) if self.min_acceptance is None else self.min_acceptance
+    def draft_min_acceptance(self, parallel_stages: int | None = None) -> float:
+        """The adaptive-drafting threshold in force: `min_acceptance`, or when it is None the
+        break-even acceptance for `num_stages` of which `parallel_stages` can compute at once (None:
+        all; pipeline/speculation/draft_gate.py)."""
+        if self.min_acceptance is not None:
+            return self.min_acceptance
+        return DraftGate.break_even(self.num_stages, parallel_stages=parallel_stages)
 
     @property
     def row_cost_path(self) -> str | None:
@@ -188,15 +190,16 @@ class RunConfig:
         return MODEL_DTYPES[self.dtype]
 
     def scheduler_config(self, *, eos_token_ids: tuple[int, ...], firp_k: int, row_costs: RowCostTable | None = None,
-                         firp_pseudo_weight: float = 1.0) -> SchedulerConfig:
+                         firp_pseudo_weight: float = 1.0, parallel_stages: int | None = None) -> SchedulerConfig:
         """The scheduler's view of this run (its limits are validated here, not again there).
         eos_token_ids: the tokenizer's; firp_k: the FIRP chain length the run plan chose (0 = off);
         row_costs: the table loaded from `row_cost_file` (None: fixed chains); firp_pseudo_weight:
-        the share of the model's layers a pseudo row runs through."""
+        the share of the model's layers a pseudo row runs through; parallel_stages: how many stages
+        can compute at once (None: all), for the draft gate's break-even."""
         return SchedulerConfig(
             num_stages=self.num_stages, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
-            min_acceptance=self.draft_min_acceptance, firp_k=firp_k, firp_min_prob=self.firp_min_prob,
+            min_acceptance=self.draft_min_acceptance(parallel_stages), firp_k=firp_k, firp_min_prob=self.firp_min_prob,
             row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight, draft_tree=self.draft_tree,
             run_ahead_from_table=self.max_inflight == 0 and (self.calibrates_row_costs or self.row_cost_path is not None))
 

@@ -3,7 +3,8 @@
 Owns the placement options of a pipeline (`--backend local|ray`, the Ray flags, the torchrun-style
 multi-node flags), the `StageBackend` role every placement backend plays for `PipelineSession`, and
 the pure placement rules: the deterministic stage order of Ray bundles, which stages a node runs in
-the multi-node mode, the environment forwarded to remote workers, and interface detection.
+the multi-node mode, how many stages can compute at once, the environment forwarded to remote
+workers, and interface detection.
 Must not: import ray (launcher/backends/ray.py is the only module that does), spawn processes, or
 talk to stages.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -161,6 +163,22 @@ def node_stages(*, num_stages: int, nnodes: int, node_rank: int) -> range:
     base, extra = divmod(num_stages, nnodes)
     start = node_rank * base + min(node_rank, extra)
     return range(start, start + base + (1 if node_rank < extra else 0))
+
+
+def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str, threads_per_stage: int,
+                    cpus: int | None = None) -> int:
+    """How many of `num_stages` stages can compute at the same time, in [1, num_stages]: what the
+    draft gate's break-even needs ([Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
+
+    Local processes on CPU share this machine's CPUs: `cpus` (default: the CPUs this process may run
+    on) // threads_per_stage, e.g. 2 of 4 stages on 2 CPUs at one thread each. Everywhere else every
+    stage counts as its own: Ray bundles and multi-node ranks reserve their own resources, and a CUDA
+    stage computes on its device (stages sharing one GPU are not counted; not measured)."""
+    if placement.backend != "local" or placement.multi_node or device != "cpu":
+        return num_stages
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(num_stages, cpus // max(1, threads_per_stage)))
 
 
 def detect_host_ip(peer_host: str, peer_port: int) -> str:

@@ -233,6 +233,18 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
                           ignore_eos=args.ignore_eos)
 
 
+def draft_gate_note(options: PipelineOptions) -> str:
+    """The `--min-acceptance auto` threshold in force and why ([Note: adaptive drafting] in
+    pipeline/speculation/draft_gate.py)."""
+    from launcher.coordinator.session import stage_parallelism
+
+    parallel = stage_parallelism(options)
+    why = (f"{parallel} of {options.num_stages} stages compute at once on this machine's CPUs"
+           if parallel < options.num_stages else f"{options.num_stages} stages, each on its own cores")
+    return (f"draft gate: drafts sent while drafts like them are accepted >= "
+            f"{options.draft_min_acceptance(parallel):.0%} ({why}; --min-acceptance sets it)")
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.cli.launch import run_launch  # keeps `speedpipe --help` fast
 
@@ -255,6 +267,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
         if model.predictor_note:
             say(model.predictor_note)
+        if options.uses_speed and options.min_acceptance is None:
+            say(draft_gate_note(options))
     start = time.perf_counter()
     with session:
         if session.row_costs is not None and options.calibrates_row_costs:  # stderr, so also with --json

@@ -15,6 +15,17 @@ tests/benchmarks/results/speculation_intel_gate_*.json) sending every draft (α 
 1/S gate on all three held-out sets in float32, bfloat16 and `auto` (e.g. float32 code 1.37× against
 1.28×). REJECTION_COST = 0.1 keeps the gate for predictors that are almost never right (break-even
 0.09 at S = 2) and sends nearly every other draft.
+That holds while every stage computes on its own device or cores, so a stale pass runs where the
+pipeline would have idled. When the stages share fewer cores than there are stages (P stages can
+compute at once, P < S: --stages 3 or 4 on this 2-CPU machine), a stale pass takes a core from a
+real one, and a right draft can only fill the P − 1 idle cores: r ≈ 1 stage-step
+(SHARED_REJECTION_COST) and the gain is P − e. Measured 2026-12-05 (float32, held-out chat /
+speeches / code, tests/benchmarks/results/speculation_intel_gate_sweep_s{3,4}.json and, after
+the change, ..._shared_s{3,4}.json): at --stages 4 the per-core price (break-even 0.03) ran
+0.60 / 1.22 / 0.58× plain decode, the old 1/S (0.25) 0.79 / 1.42 / 0.95×, and this rule (0.5 at
+P = 2) 0.99 / 1.41 / 1.03×; at --stages 3, 0.72 / 1.25 / 0.70× against 1.01 / 1.41 / 1.00×.
+With P = 1 no draft can gain (break-even 1). The launcher counts P (launcher/backends/placement.py
+`parallel_stages`).
 Predictors report a confidence; how well it predicts acceptance differs per predictor and model,
 so the gate learns it: drafts are grouped by (source, confidence bucket), each bucket keeps an
 acceptance estimate (successes + prior · w) / (trials + w), and a draft is sent only when its
@@ -40,7 +51,8 @@ import dataclasses
 from pipeline.speculation.predictors import Draft
 
 OPTIMISTIC_PRIOR = 0.6  # the lowest prior acceptance of a new bucket (see the note)
-REJECTION_COST = 0.1  # stage-steps a rejected draft costs, measured (see the note)
+REJECTION_COST = 0.1  # stage-steps a rejected draft costs, every stage on its own cores (see the note)
+SHARED_REJECTION_COST = 1.0  # the same when the stages share fewer cores than there are stages (see the note)
 
 
 @dataclasses.dataclass
@@ -77,10 +89,21 @@ class DraftGate:
         self.num_refused = 0
 
     @staticmethod
-    def break_even(num_stages: int, *, draft_lag: float = 1.0, rejection_cost: float = REJECTION_COST) -> float:
-        """Acceptance at which a draft neither gains nor loses: r / (S − e + r), in stage-steps."""
-        gain = max(num_stages - draft_lag, 0.0)
-        return rejection_cost / (gain + rejection_cost) if gain + rejection_cost > 0 else 1.0
+    def break_even(num_stages: int, *, parallel_stages: int | None = None, draft_lag: float = 1.0,
+                   rejection_cost: float | None = None) -> float:
+        """Acceptance at which a draft neither gains nor loses: r / (G + r), in stage-steps.
+
+        parallel_stages: how many stages can compute at the same time (None or >= num_stages: all,
+        one device or core set each). With all of them the gain of a right draft is G = S − e and a
+        rejected one costs REJECTION_COST; with P < S stages at once, G = P − e and
+        SHARED_REJECTION_COST ([Note: adaptive drafting]). rejection_cost overrides r. Returns a
+        value in [0, 1]; 1 when no draft can gain (G <= 0: one stage at a time)."""
+        stages = num_stages if parallel_stages is None else max(1, min(num_stages, parallel_stages))
+        shared = stages < num_stages
+        if rejection_cost is None:
+            rejection_cost = SHARED_REJECTION_COST if shared else REJECTION_COST
+        gain = stages - draft_lag
+        return rejection_cost / (gain + rejection_cost) if gain > 0 else 1.0
 
     def key(self, draft: Draft) -> tuple[str, int]:
         """The bucket of a draft: its source and its confidence bucket."""

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import Submit
 from pipeline.engine.records import SchedulerConfig
-from pipeline.speculation.draft_gate import REJECTION_COST, DraftGate
+from pipeline.speculation.draft_gate import REJECTION_COST, SHARED_REJECTION_COST, DraftGate
 from pipeline.speculation.predictors import Draft
 from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, PerfectPredictor, ReferenceTable
@@ -26,6 +26,21 @@ def test_break_even_is_one_over_stages_for_unit_lag_and_cost():
         assert DraftGate.break_even(s, rejection_cost=1.0) == pytest.approx(1 / s)
         assert DraftGate.break_even(s) == pytest.approx(REJECTION_COST / (s - 1 + REJECTION_COST))
     assert DraftGate.break_even(1) == 1.0  # one stage: a draft never fills an idle stage
+
+
+def test_break_even_with_fewer_parallel_stages_prices_a_rejection_at_a_stage_step():
+    """Stages sharing fewer cores than there are stages: a stale pass takes a real pass's core, and a
+    right draft can fill only the P - 1 idle cores (measured at --stages 3 and 4 on 2 CPUs)."""
+    assert SHARED_REJECTION_COST == 1.0
+    assert DraftGate.break_even(4, parallel_stages=2) == pytest.approx(0.5)  # 1 / (2 - 1 + 1)
+    assert DraftGate.break_even(3, parallel_stages=2) == pytest.approx(0.5)
+    assert DraftGate.break_even(8, parallel_stages=3) == pytest.approx(1 / 3)
+    assert DraftGate.break_even(4, parallel_stages=1) == 1.0  # one stage at a time: no draft can gain
+    assert DraftGate.break_even(4, parallel_stages=0) == 1.0  # clamped to one
+    for p in (None, 2, 3):  # enough cores for every stage: the per-core price
+        assert DraftGate.break_even(2, parallel_stages=p) == DraftGate.break_even(2) == pytest.approx(
+            REJECTION_COST / (1 + REJECTION_COST))
+    assert DraftGate.break_even(4, parallel_stages=2, rejection_cost=0.0) == 0.0  # an explicit price wins
 
 
 def test_gate_refuses_a_bucket_whose_drafts_are_rejected_and_keeps_a_good_one():

@@ -15,6 +15,7 @@ from launcher.backends.placement import (
     detect_host_ip,
     forwarded_env,
     node_stages,
+    parallel_stages,
     parse_stage_resources,
     stage_order,
 )
@@ -85,6 +86,18 @@ def test_default_bundle_is_one_cpu_or_one_gpu():
     assert PlacementOptions().bundle("cpu") == {"CPU": 1.0}
     assert PlacementOptions().bundle("cuda") == {"GPU": 1.0}
     assert PlacementOptions(stage_resources={"CPU": 2}).bundle("cuda") == {"CPU": 2}
+
+
+def test_parallel_stages_counts_shared_cpus_only_for_local_cpu_stages():
+    local = PlacementOptions()
+    assert parallel_stages(local, num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 2
+    assert parallel_stages(local, num_stages=2, device="cpu", threads_per_stage=1, cpus=16) == 2  # capped
+    assert parallel_stages(local, num_stages=4, device="cpu", threads_per_stage=2, cpus=6) == 3
+    assert parallel_stages(local, num_stages=3, device="cpu", threads_per_stage=4, cpus=2) == 1  # at least one
+    assert parallel_stages(local, num_stages=4, device="cuda", threads_per_stage=1, cpus=2) == 4
+    assert parallel_stages(PlacementOptions(backend="ray"), num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
+    assert parallel_stages(PlacementOptions(nnodes=2), num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
+    assert 1 <= parallel_stages(local, num_stages=8, device="cpu", threads_per_stage=1) <= 8  # this machine's CPUs
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -16,7 +16,12 @@ from launcher.cli.main import build_parser
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.request_handle import encode_prompt
 from launcher.coordinator.run_plan import resolve
-from launcher.coordinator.session import PipelineSession, coordinator_config, stage_load_specs
+from launcher.coordinator.session import (
+    PipelineSession,
+    coordinator_config,
+    stage_load_specs,
+    stage_parallelism,
+)
 from pipeline.run_config import RunConfig, check_prompt_length
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.predictors import NGramPredictor
@@ -106,8 +111,11 @@ def test_needs_exit_head_is_decided_by_mode_and_predictor(speculate, predictor, 
 
 
 def test_draft_threshold_defaults_to_the_break_even_of_the_stage_count():
-    assert RunConfig(num_stages=4).draft_min_acceptance == DraftGate.break_even(4)
-    assert RunConfig(num_stages=4, min_acceptance=0.0).draft_min_acceptance == 0.0
+    assert RunConfig(num_stages=4).draft_min_acceptance() == DraftGate.break_even(4)
+    assert RunConfig(num_stages=4).draft_min_acceptance(2) == DraftGate.break_even(4, parallel_stages=2) == 0.5
+    assert RunConfig(num_stages=4, min_acceptance=0.0).draft_min_acceptance(2) == 0.0
+    sched = RunConfig(num_stages=4, speculate="speed").scheduler_config(eos_token_ids=(0,), firp_k=0, parallel_stages=2)
+    assert sched.min_acceptance == 0.5
 
 
 def test_prompt_length_rule_names_the_parameters_and_allows_the_exact_fit():
@@ -141,12 +149,12 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir, c
         assert spec_from_proto(spec_to_proto(s)) == s
     coord = coordinator_config(options, plan, master_addr="127.0.0.1", master_port=1234)
     assert coord.exit_stage == 0 and coord.scheduler == options.scheduler_config(
-        eos_token_ids=tuple(plan.tokenizer.eos_token_ids), firp_k=0)
+        eos_token_ids=tuple(plan.tokenizer.eos_token_ids), firp_k=0, parallel_stages=stage_parallelism(options))
     staged = dataclasses.replace(options, draft_at="stage")  # the exit layer is on stage 0: the stage drafts
     assert coordinator_config(staged, plan, master_addr="127.0.0.1", master_port=1234).scheduler.draft_at_stage
     sched = coord.scheduler
     assert (sched.speculate, sched.num_stages, sched.max_num_seqs, sched.max_model_len, sched.min_acceptance) == (
-        True, 2, 3, 64, DraftGate.break_even(2))
+        True, 2, 3, 64, DraftGate.break_even(2, parallel_stages=stage_parallelism(options)))
     later = dataclasses.replace(staged, exit_layer=2)  # on stage 1: the coordinator drafts, and says so
     with caplog.at_level(logging.WARNING, logger="speedpipe.launch"):
         assert not coordinator_config(later, resolve(later), master_addr="h", master_port=1).scheduler.draft_at_stage
