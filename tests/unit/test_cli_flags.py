@@ -145,3 +145,17 @@ def test_the_readme_flag_tables_match_launch_help_and_help_all(parser):
     assert not unknown, f"README names flags `launch` does not have: {unknown}"
     assert not [f for f in everyday if dest_of[f] in ADVANCED_DESTS], "an advanced flag in the everyday table"
     assert not [f for f in advanced if dest_of[f] not in ADVANCED_DESTS], "an everyday flag in the advanced table"
+
+
+def test_launch_says_which_draft_threshold_it_uses_and_why(monkeypatch):
+    """The `--min-acceptance auto` line `launch` prints: 0.5 where 4 local CPU stages share 2 CPUs,
+    the per-core break-even where every stage has its own (Ray bundles here)."""
+    from launcher.backends.placement import PlacementOptions
+    from launcher.cli.main import draft_gate_note
+    from launcher.coordinator.pipeline_options import PipelineOptions
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    shared = draft_gate_note(PipelineOptions(num_stages=4, speculate="speed"))
+    assert ">= 50%" in shared and "2 of 4 stages compute at once" in shared
+    own = draft_gate_note(PipelineOptions(num_stages=2, speculate="speed", placement=PlacementOptions(backend="ray")))
+    assert ">= 9%" in own and "2 stages, each on its own cores" in own
