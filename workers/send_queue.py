@@ -142,10 +142,12 @@ class SendQueue:
             lanes, self._lanes = dict(self._lanes), {}
         for dst, lane in lanes.items():
             with lane.cond:
-                if not lane.cond.wait_for(lambda: not lane.deferred or self._error is not None,  # noqa: B023
-                                          timeout=self.channel.timeout_s):
-                    raise ChannelError(f"{self.channel.label}deferred sends to {rank_name(dst)} were not "
-                                       f"posted within {self.channel.timeout_s:g} s (--stage-timeout-s)")
+                while lane.deferred and self._error is None:  # each deferred message gets one deadline
+                    left = len(lane.deferred)
+                    if not lane.cond.wait_for(lambda: len(lane.deferred) < left or self._error is not None,  # noqa: B023
+                                              timeout=self.channel.timeout_s):
+                        raise ChannelError(f"{self.channel.label}deferred sends to {rank_name(dst)} were not "
+                                           f"posted within {self.channel.timeout_s:g} s (--stage-timeout-s)")
                 while self.posted and lane.pending and self._error is None:
                     self._wait_oldest(lane, dst)
                 lane.closing = True

@@ -169,13 +169,14 @@ class Coordinator:
 
     def _start_receivers(self) -> None:
         """This generation's receivers: the last stage's results, the exit stage's guesses."""
-        sources = {self.link.last}
+        sources, exit_rank = {self.link.last}, -1
         if self.config.scheduler.speculate and self.config.exit_stage >= 0:
-            sources.add(rank_of_stage(self.config.exit_stage))
+            exit_rank = rank_of_stage(self.config.exit_stage)
+            sources.add(exit_rank)
         self._receivers_stopping = threading.Event()
         self._receivers = start_receivers(self.link.channel, sorted(sources), last_rank=self.link.last,
                                           events=self.events, stopping=self._receivers_stopping,
-                                          generation=self.generation)
+                                          generation=self.generation, exit_rank=exit_rank)
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestHandle:

@@ -68,12 +68,14 @@ def result_event(msg: Message, *, now_ns: int) -> Result:
 
 
 def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, events: queue.Queue,
-                    stopping: threading.Event, generation: int = 0) -> list[threading.Thread]:
+                    stopping: threading.Event, generation: int = 0, exit_rank: int = -1) -> list[threading.Thread]:
     """One daemon thread per rank in `ranks`, each putting ("event", (generation, engine event)) or
     ("error", (generation, ReceiverError)) on `events`; a channel error while `stopping` is set ends
-    the thread quietly. generation: the coordinator's data-plane generation (fail-over drops old ones)."""
+    the thread quietly. generation: the coordinator's data-plane generation (fail-over drops old ones);
+    exit_rank: the exit stage's rank, the only one whose EXIT_GUESS and WITHDRAWN are taken (-1: none)."""
     threads = [threading.Thread(target=_receive_loop,
                                 args=(channel, rank, rank == last_rank, events, stopping, generation),
+                                kwargs={"is_exit": rank == exit_rank},
                                 name=f"receiver-{rank}", daemon=True) for rank in ranks]
     for t in threads:
         t.start()
@@ -81,8 +83,9 @@ def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, event
 
 
 def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queue, stopping: threading.Event,
-                  generation: int) -> None:
-    """Blocking receives from `rank` (the last stage, or the exit stage's EXIT_GUESS messages)."""
+                  generation: int, *, is_exit: bool = False) -> None:
+    """Blocking receives from `rank`: RESULTs if it is the last stage, EXIT_GUESS and WITHDRAWN if it
+    is the exit stage; any other kind from it is an error event."""
     while True:
         try:
             msg = channel.recv(rank)
@@ -92,7 +95,8 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queu
             return
         if stopping.is_set():
             return  # a fail-over replaced this ring
-        decode = {MessageKind.EXIT_GUESS: exit_event, MessageKind.WITHDRAWN: withdrawn_event,
+        decode = {MessageKind.EXIT_GUESS: exit_event if is_exit else None,
+                  MessageKind.WITHDRAWN: withdrawn_event if is_exit else None,
                   MessageKind.RESULT: result_event if is_last else None}.get(msg.kind)
         if decode is not None:
             try:

@@ -211,7 +211,30 @@ def test_any_decode_failure_in_the_receiver_becomes_an_error_event(kind, is_last
             return msg
 
     events: queue.Queue = queue.Queue()
-    _receive_loop(OneMessage(), 1, is_last, events, threading.Event(), 7)
+    _receive_loop(OneMessage(), 1, is_last, events, threading.Event(), 7, is_exit=not is_last)
     what, (generation, error) = events.get_nowait()
     assert (what, generation) == ("error", 7) and isinstance(error, ReceiverError), error
     assert kind.name in str(error) or "EXIT_GUESS" in str(error)
+
+
+@pytest.mark.parametrize("kind", [MessageKind.EXIT_GUESS, MessageKind.WITHDRAWN])
+def test_exit_messages_are_taken_only_from_the_exit_stage(kind):
+    """An EXIT_GUESS or WITHDRAWN from a rank that is not the exit stage (here the last stage, whose
+    RESULTs the receiver reads) is an error event, not a draft event: only the exit stage drafts."""
+    import queue
+    import threading
+
+    from launcher.coordinator.stage_receivers import ReceiverError, _receive_loop
+
+    good = _exit_msg(2)
+    msg = good if kind == MessageKind.EXIT_GUESS else Message(MessageKind.WITHDRAWN, good.items, {}, None)
+
+    class OneMessage:
+        def recv(self, rank):
+            return msg
+
+    events: queue.Queue = queue.Queue()
+    _receive_loop(OneMessage(), 2, True, events, threading.Event(), 3, is_exit=False)
+    what, (generation, error) = events.get_nowait()
+    assert (what, generation) == ("error", 3) and isinstance(error, ReceiverError)
+    assert f"unexpected {kind.name} from" in str(error)

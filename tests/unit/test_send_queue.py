@@ -225,3 +225,28 @@ def test_a_deferred_message_that_cannot_be_framed_fails_the_next_send_instead_of
         queue.send(_message(1), 1)
     sender.group.close()
     receiver.group.close()
+
+
+@pytest.mark.timeout(60)
+def test_flush_gives_each_deferred_message_its_own_deadline():
+    """Five deferred messages, each posted 0.4 s after the last, with a 1.2 s channel deadline: the
+    FIFO drains in 2 s, yet no message waited longer than its deadline, so flush succeeds (one
+    deadline for the whole FIFO raised here)."""
+    sender, receiver = _pair(timeout_s=20)
+    queue = SendQueue(sender, max_queued=8, posted=True)
+    sender.timeout_s = 1.2
+    lane = queue._lane(1)
+    posted_starts = []
+
+    def slow_post(lane_, msg, dst):  # lets go of the lane while "posting", as a gloo post waiting would
+        lane_.cond.wait(0.4)
+        posted_starts.append(msg.items[0].start)
+
+    queue._post = slow_post
+    with lane.cond:
+        for i in (1, 2, 4, 5, 7):
+            queue.send(_message(i), 1, defer=True)
+    queue.flush()
+    assert posted_starts == [1, 2, 4, 5, 7] and not lane.deferred
+    sender.group.close()
+    receiver.group.close()
