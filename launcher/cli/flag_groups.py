@@ -11,13 +11,15 @@ import argparse
 from launcher.cli.parsing import add_row_cost_flag, unescape
 from launcher.coordinator.pipeline_options import DRAFT_AT
 from pipeline.engine.records import DEEP_ACCEPTANCE
+from pipeline.run_config import SPECULATE_MODES
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (SPEED)")
-    g.add_argument("--speculate", default="none", help="none | speed | firp | speed+firp. speed: inject drafts "
-                   "from the exit layer into stage 0 while the real token is still in later stages; firp: "
-                   "predict future hidden states and verify them as a chain (default none)")
+    g.add_argument("--speculate", default="auto", choices=("auto", *SPECULATE_MODES), metavar="MODE",
+                   help="auto | none | speed | firp | speed+firp. speed: drafts from the exit layer run ahead in "
+                   "stage 0; firp: predicted future hidden states verified as a chain; auto: speed with 2+ "
+                   "stages each on its own cores and a trained exit head, else none (default auto)")
     g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: the shortest chain within "
                    "0.02 accepted drafts per pass of the best in the FIRP file's eval)")
     g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")

@@ -30,6 +30,7 @@ from launcher.cli.parsing import (
     shorten_help,
     version_string,
 )
+from launcher.cli.speculation_defaults import auto_speculate, draft_gate_note
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
@@ -195,7 +196,7 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
         raise UsageError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {args.dtype!r}")
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=progress)
     exit_bytes = 0
-    if args.speculate in ("speed", "speed+firp"):  # a trained exit head's file and a draft layer's KV
+    if args.speculate in ("speed", "speed+firp", "auto"):  # a trained exit head's file and a draft layer's KV
         from launcher.coordinator.predictor_select import given_exit_bytes
         from pipeline.model.config import ModelConfig
         from pipeline.weights.stage_memory import kv_bytes_per_layer
@@ -212,14 +213,26 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
     return len(plan.ranges), plan.layer_split()
 
 
+def speculation_choice(args: argparse.Namespace, num_stages: int) -> tuple[str, str]:
+    """(the --speculate mode, why: "" unless `auto` chose it; [Note: speculation default] in
+    launcher/cli/speculation_defaults.py)."""
+    if args.speculate != "auto":
+        return args.speculate, ""
+    return auto_speculate(model=args.model, num_stages=num_stages, placement=placement_from_args(args),
+                          device=args.device, threads_per_stage=args.threads_per_stage, predictor=args.predictor,
+                          exit_predictor=args.exit_predictor)
+
+
 def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
+    """PipelineOptions from launch's / serve's flags (`--speculate auto` decided: speculation_choice)."""
     num_stages, layer_split = _auto_stages(args, progress)
+    speculate = speculation_choice(args, num_stages)[0]
     return PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
-        progress=progress, speculate=args.speculate, predictor=args.predictor, exit_layer=args.exit_layer,
+        progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,
         max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance), draft_at=args.draft_at,
         deep_draft_min_acceptance=args.deep_draft_min_acceptance,
@@ -231,18 +244,6 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           seed=None if args.seed is None else args.seed + index, stop=tuple(args.stop),
                           ignore_eos=args.ignore_eos)
-
-
-def draft_gate_note(options: PipelineOptions) -> str:
-    """The `--min-acceptance auto` threshold in force and why ([Note: adaptive drafting] in
-    pipeline/speculation/draft_gate.py)."""
-    from launcher.coordinator.session import stage_parallelism
-
-    parallel = stage_parallelism(options)
-    why = (f"{parallel} of {options.num_stages} stages compute at once on this machine's CPUs"
-           if parallel < options.num_stages else f"{options.num_stages} stages, each on its own cores")
-    return (f"draft gate: drafts sent while drafts like them are accepted >= "
-            f"{options.draft_min_acceptance(parallel):.0%} ({why}; --min-acceptance sets it)")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -264,6 +265,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:
+        if args.speculate == "auto":
+            say(f"speculation: {options.speculate} (--speculate auto: {speculation_choice(args, options.num_stages)[1]})")
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
         if model.predictor_note:
             say(model.predictor_note)

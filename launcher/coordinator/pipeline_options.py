@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from launcher.backends.placement import PlacementOptions, node_stages
+from launcher.backends.placement import PlacementOptions, node_stages, parallel_stages
 from launcher.backends.worker_command import LOG_LEVELS
 from pipeline.engine.records import DEEP_ACCEPTANCE
 from pipeline.run_config import RunConfig
@@ -51,3 +51,10 @@ class PipelineOptions(RunConfig):
                              f"stage-local drafting do not combine yet")
         if self.placement.multi_node:
             node_stages(num_stages=self.num_stages, nnodes=self.placement.nnodes, node_rank=self.placement.node_rank)
+
+    @property
+    def parallel_stages(self) -> int:
+        """How many of the stages can compute at the same time, for the draft gate's break-even
+        (launcher/backends/placement.py `parallel_stages`: reads this machine's CPUs for local CPU stages)."""
+        return parallel_stages(self.placement, num_stages=self.num_stages, device=self.device,
+                               threads_per_stage=self.threads_per_stage)

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 
 from launcher.backends.local import LocalStageBackend
-from launcher.backends.placement import StageBackend, parallel_stages
+from launcher.backends.placement import StageBackend
 from launcher.backends.stage_group import LocalStageProcesses
 from launcher.backends.worker_command import LocalLaunchConfig
 from launcher.coordinator.coordinator import Coordinator, CoordinatorConfig, PipelineError
@@ -46,7 +46,7 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
     scheduler = options.scheduler_config(eos_token_ids=tuple(plan.tokenizer.eos_token_ids),
                                          firp_k=plan.firp.k if plan.firp else 0, row_costs=plan.row_costs,
                                          firp_pseudo_weight=plan.firp_pseudo_weight,
-                                         parallel_stages=stage_parallelism(options))
+                                         parallel_stages=options.parallel_stages)
     # stage-local drafting needs the exit layer on stage 0 (else: the coordinator drafts, as documented)
     draft_at_stage = options.draft_at == "stage" and options.needs_exit_head and plan.exit_stage == 0
     if options.draft_at == "stage" and options.needs_exit_head and plan.exit_stage != 0:
@@ -58,12 +58,6 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
         predictor=options.predictor, exit_stage=plan.exit_stage if options.needs_exit_head else -1,
         record_timeline=options.record_timeline)
-
-
-def stage_parallelism(options: PipelineOptions) -> int:
-    """How many of the run's stages can compute at once (launcher/backends/placement.py `parallel_stages`)."""
-    return parallel_stages(options.placement, num_stages=options.num_stages, device=options.device,
-                           threads_per_stage=options.threads_per_stage)
 
 
 def calibration_max_rows(options: PipelineOptions, plan: RunPlan) -> int:

@@ -278,7 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM / Ctrl-C, then drain. Exit 2 for bad flags (nothing spawned), 1 if start-up
     fails, 0 after a drain (launcher/serving/drain.py)."""
     from launcher.backends.multinode import run_member_node
-    from launcher.cli.main import pipeline_options, say
+    from launcher.cli.main import pipeline_options, say, speculation_choice
     from launcher.coordinator.run_plan import resolve
     from launcher.serving.drain import DrainSignals, serve_until_stopped
 
@@ -297,6 +297,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")
+        if args.speculate == "auto":
+            say(f"speculation: {options.speculate} (--speculate auto: {speculation_choice(args, options.num_stages)[1]})")
         with DrainSignals() as signals:
             serve_until_stopped(session, stack, signals)
     say("server stopped")

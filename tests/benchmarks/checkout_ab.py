@@ -32,7 +32,8 @@ PROMPT = "Once upon a time"
 def run_launch(checkout: Path, stages: int, args: argparse.Namespace) -> dict:
     """`launch --json` from `checkout`; returns its stats. Raises RuntimeError if it fails."""
     cmd = [sys.executable, "-m", "launcher.cli.main", "launch", "--stages", str(stages), "--quantization",
-           args.quantization, "--max-new-tokens", str(args.max_new_tokens), "--ignore-eos", "--prompt", PROMPT, "--json"]
+           args.quantization, "--max-new-tokens", str(args.max_new_tokens), "--ignore-eos", "--prompt", PROMPT, "--json",
+           "--speculate", "none"]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

@@ -29,7 +29,7 @@ WORDS = ("river", "castle", "robot", "garden", "winter", "music", "ocean", "mark
 def run_launch(*, stages: int, quantization: str, split: str | None, prompts: int, max_new_tokens: int) -> dict:
     """One `launch --json` run; its report (the last stdout line). Raises RuntimeError if it fails."""
     cmd = [sys.executable, "-m", "launcher.cli.main", "launch", "--stages", str(stages), "--quantization", quantization,
-           "--max-new-tokens", str(max_new_tokens), "--ignore-eos", "--json"]
+           "--max-new-tokens", str(max_new_tokens), "--ignore-eos", "--json", "--speculate", "none"]
     for word in (WORDS * (prompts // len(WORDS) + 1))[:prompts]:
         cmd += ["--prompt", f"A short story about a {word}:"]
     if split:

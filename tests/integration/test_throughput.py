@@ -162,7 +162,7 @@ def test_plain_two_stage_decode_of_one_prompt_never_runs_both_stages_at_once(smo
     stages take turns. Checked as an ordering property of the recorded slices (the idle fraction
     itself is timing: tests/benchmarks/bubble_fraction.py measures it against 0.5)."""
     trace = tmp_path / "plain.trace.json"
-    proc = speedpipe("launch", "--model", str(smollm2_dir), "--stages", "2", "--prompt",
+    proc = speedpipe("launch", "--model", str(smollm2_dir), "--stages", "2", "--speculate", "none", "--prompt",
                      "The history of the printing press begins in", "--max-new-tokens", "16", "--ignore-eos",
                      "--json", "--trace", str(trace), timeout_s=540)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -151,7 +151,7 @@ def test_launch_says_which_draft_threshold_it_uses_and_why(monkeypatch):
     """The `--min-acceptance auto` line `launch` prints: 0.5 where 4 local CPU stages share 2 CPUs,
     the per-core break-even where every stage has its own (Ray bundles here)."""
     from launcher.backends.placement import PlacementOptions
-    from launcher.cli.main import draft_gate_note
+    from launcher.cli.speculation_defaults import draft_gate_note
     from launcher.coordinator.pipeline_options import PipelineOptions
 
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)

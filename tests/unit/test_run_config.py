@@ -20,7 +20,6 @@ from launcher.coordinator.session import (
     PipelineSession,
     coordinator_config,
     stage_load_specs,
-    stage_parallelism,
 )
 from pipeline.run_config import RunConfig, check_prompt_length
 from pipeline.speculation.draft_gate import DraftGate
@@ -149,12 +148,12 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir, c
         assert spec_from_proto(spec_to_proto(s)) == s
     coord = coordinator_config(options, plan, master_addr="127.0.0.1", master_port=1234)
     assert coord.exit_stage == 0 and coord.scheduler == options.scheduler_config(
-        eos_token_ids=tuple(plan.tokenizer.eos_token_ids), firp_k=0, parallel_stages=stage_parallelism(options))
+        eos_token_ids=tuple(plan.tokenizer.eos_token_ids), firp_k=0, parallel_stages=options.parallel_stages)
     staged = dataclasses.replace(options, draft_at="stage")  # the exit layer is on stage 0: the stage drafts
     assert coordinator_config(staged, plan, master_addr="127.0.0.1", master_port=1234).scheduler.draft_at_stage
     sched = coord.scheduler
     assert (sched.speculate, sched.num_stages, sched.max_num_seqs, sched.max_model_len, sched.min_acceptance) == (
-        True, 2, 3, 64, DraftGate.break_even(2, parallel_stages=stage_parallelism(options)))
+        True, 2, 3, 64, DraftGate.break_even(2, parallel_stages=options.parallel_stages))
     later = dataclasses.replace(staged, exit_layer=2)  # on stage 1: the coordinator drafts, and says so
     with caplog.at_level(logging.WARNING, logger="speedpipe.launch"):
         assert not coordinator_config(later, resolve(later), master_addr="h", master_port=1).scheduler.draft_at_stage

@@ -152,7 +152,7 @@ def test_bad_draft_tree_exits_2_with_one_line(capsys):
         assert main(["launch", "--speculate", "speed", "--draft-tree", value, "--prompt", "hi"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "--draft-tree" in err and value in err
-    assert main(["launch", "--draft-tree", "2", "--prompt", "hi"]) == 2  # trees need SPEED drafts
+    assert main(["launch", "--speculate", "none", "--draft-tree", "2", "--prompt", "hi"]) == 2  # trees need SPEED drafts
     assert "speculate speed" in capsys.readouterr().err
     # dense bfloat16 is not batch-invariant: tree rows would change greedy output
     assert main(["launch", "--speculate", "speed", "--draft-tree", "2", "--dtype", "bfloat16", "--prompt", "hi"]) == 2

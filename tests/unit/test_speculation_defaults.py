@@ -1,0 +1,72 @@
+"""`--speculate auto`, the CLI default (launcher/cli/speculation_defaults.py, [Note:
+speculation default]): `speed` only with 2+ stages that each compute on their own cores or device
+and a trained exit head for the model; `none` otherwise, with a reason the user sees.
+
+What breaks when these fail: a default launch speculates where it was measured to lose (more local
+CPU stages than CPUs, one stage, an untrained head), or never speculates where it pays.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.backends.placement import PlacementOptions
+from launcher.cli.main import build_parser, pipeline_options, speculation_choice
+from launcher.cli.speculation_defaults import auto_speculate, model_family_name
+
+LOCAL, RAY = PlacementOptions(), PlacementOptions(backend="ray")
+
+
+@pytest.fixture
+def two_cpus(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+
+
+def _auto(model="smollm2-135m", *, stages=2, placement=LOCAL, device="cpu", threads=1, predictor="hybrid",
+          exit_predictor=None):
+    return auto_speculate(model=model, num_stages=stages, placement=placement, device=device, threads_per_stage=threads,
+                          predictor=predictor, exit_predictor=exit_predictor)
+
+
+def test_speed_where_every_stage_has_its_own_cpu_and_a_head_ships(two_cpus):
+    mode, why = _auto(stages=2)
+    assert mode == "speed" and "each on its own cores" in why
+    assert _auto(stages=4, placement=RAY)[0] == "speed"  # Ray bundles reserve their own CPUs
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"stages": 1}, "one stage"),
+    ({"stages": 3}, "2 of 3 stages compute at once"),
+    ({"stages": 2, "threads": 2}, "1 of 2 stages compute at once"),
+    ({"model": "qwen2.5-coder-1.5b"}, "no trained exit head ships for qwen2.5-coder-1.5b"),
+    ({"model": "/tmp/some/tiny-model"}, "no trained exit head ships for tiny-model"),
+])
+def test_none_where_speculation_was_not_measured_to_pay(two_cpus, kwargs, reason):
+    mode, why = _auto(**kwargs)
+    assert mode == "none" and reason in why, why
+
+
+def test_a_head_the_user_names_counts_as_trained(two_cpus):
+    assert _auto(model="/tmp/tiny", predictor="/tmp/head.safetensors")[0] == "speed"
+    assert _auto(model="/tmp/tiny", exit_predictor="/tmp/head.safetensors")[0] == "speed"
+    assert _auto(model="/tmp/tiny", exit_predictor="none")[0] == "none"
+
+
+def test_model_family_names_match_the_shipped_files_without_resolving():
+    assert model_family_name("smollm2-135m") == "smollm2-135m"
+    assert model_family_name("/models/SmolLM2-135M-Instruct-Q4.gguf") == "SmolLM2-135M-Instruct-Q4"
+    assert model_family_name("/models/my-model") == "my-model"
+
+
+def test_the_cli_default_is_auto_and_it_is_decided_before_the_options_exist(two_cpus):
+    parser = build_parser()
+    args = parser.parse_args(["launch", "--stages", "2", "--prompt", "x"])
+    assert args.speculate == "auto"
+    assert pipeline_options(args, progress=False).speculate == "speed"
+    mode, why = speculation_choice(args, 2)
+    assert mode == "speed" and "2 stages, each on its own cores" in why
+    four = parser.parse_args(["launch", "--stages", "4", "--prompt", "x"])
+    assert pipeline_options(four, progress=False).speculate == "none"
+    explicit = parser.parse_args(["launch", "--stages", "4", "--speculate", "speed", "--prompt", "x"])
+    assert pipeline_options(explicit, progress=False).speculate == "speed"
+    assert speculation_choice(explicit, 4) == ("speed", "")  # the user's choice needs no reason
