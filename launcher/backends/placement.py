@@ -170,15 +170,18 @@ def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str
     """How many of `num_stages` stages can compute at the same time, in [1, num_stages]: what the
     draft gate's break-even needs ([Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
 
-    Local processes on CPU share this machine's CPUs: `cpus` (default: the CPUs this process may run
-    on) // threads_per_stage, e.g. 2 of 4 stages on 2 CPUs at one thread each. Everywhere else every
-    stage counts as its own: Ray bundles and multi-node ranks reserve their own resources, and a CUDA
-    stage computes on its device (stages sharing one GPU are not counted; not measured)."""
-    if placement.backend != "local" or placement.multi_node or device != "cpu":
+    CPU stages started by `launch` share their node's CPUs: `cpus` (default: the CPUs this process
+    may run on; a cgroup CPU quota is not seen) // threads_per_stage per node, e.g. 2 of 4 stages on
+    2 CPUs at one thread each. In the multi-node mode every node is assumed to have as many CPUs as
+    this one and runs its block of stages (`node_stages`). Ray bundles reserve their own resources,
+    and CUDA stages count as one each (stages sharing one GPU: not measured)."""
+    if placement.backend != "local" or device != "cpu":
         return num_stages
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(num_stages, cpus // max(1, threads_per_stage)))
+    per_node = max(1, cpus // max(1, threads_per_stage))
+    nodes = [node_stages(num_stages=num_stages, nnodes=placement.nnodes, node_rank=r) for r in range(placement.nnodes)]
+    return max(1, min(num_stages, sum(min(len(stages), per_node) for stages in nodes)))
 
 
 def detect_host_ip(peer_host: str, peer_port: int) -> str:

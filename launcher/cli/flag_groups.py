@@ -19,7 +19,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculate", default="auto", choices=("auto", *SPECULATE_MODES), metavar="MODE",
                    help="auto | none | speed | firp | speed+firp. speed: drafts from the exit layer run ahead in "
                    "stage 0; firp: predicted future hidden states verified as a chain; auto: speed with 2+ "
-                   "stages each on its own cores and a trained exit head, else none (default auto)")
+                   "CPU stages each on its own cores and a trained exit head, else none (default auto)")
     g.add_argument("--firp-k", type=int, help="FIRP drafts per pass (default: the shortest chain within "
                    "0.02 accepted drafts per pass of the best in the FIRP file's eval)")
     g.add_argument("--firp-file", help="trained FIRP maps (default: the file shipped for the model)")

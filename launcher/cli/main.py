@@ -30,7 +30,7 @@ from launcher.cli.parsing import (
     shorten_help,
     version_string,
 )
-from launcher.cli.speculation_defaults import auto_speculate, draft_gate_note
+from launcher.cli.speculation_defaults import auto_speculate, draft_gate_note, settle_auto
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
@@ -258,15 +258,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return run_member(options)
     prompts = read_prompts(args)
     params = [sampling_params(args, i) for i in range(len(prompts))]
-    model = resolve(options)
+    options, model, why = settle_auto(options, resolve(options), speculation_choice(args, options.num_stages)[1])
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
                             max_model_len=options.max_model_len, what=f"prompt {i}")
     freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:
-        if args.speculate == "auto":
-            say(f"speculation: {options.speculate} (--speculate auto: {speculation_choice(args, options.num_stages)[1]})")
+        if why:
+            say(f"speculation: {options.speculate} (--speculate auto: {why})")
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
         if model.predictor_note:
             say(model.predictor_note)

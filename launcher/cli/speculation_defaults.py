@@ -18,32 +18,38 @@ stages outnumber the CPUs it is about even (0.95–1.10× on chat and code at `-
 logit lens was not measured as a default. So `auto` means `speed` when
 - there are at least 2 stages and every one computes on its own cores or device
   (launcher/backends/placement.py `parallel_stages` == num_stages), and
-- a trained exit head ships for the model (pipeline/assets/predictors/), or the user named one
-  (`--predictor FILE.safetensors`, `--exit-predictor FILE`);
-and `none` otherwise. Greedy output is the same either way (ARCHITECTURE.md §5).
+- the stages run on CPUs (SPEED was never measured on a GPU here), and
+- a trained exit head ships for the model at the exit layer the split puts it (pipeline/assets/
+  predictors/), or the user named one (`--predictor FILE.safetensors`, `--exit-predictor FILE`);
+  `--predictor logit-lens` or `ngram` alone are untrained;
+and `none` otherwise. The last rule is settled after the run plan is resolved (`settle_auto`): only
+the plan knows the exit layer (no head ships for smollm2-135m at --stages 5 or 6). Greedy output is
+the same either way (ARCHITECTURE.md §5).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from launcher.backends.placement import PlacementOptions, parallel_stages
 from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import RunPlan, resolve
 from pipeline.speculation.predictor_file import ships_predictors_for
 from pipeline.speculation.predictors import is_predictor_file
-from pipeline.weights.registry import CHUNKED_REGISTRY, REGISTRY
+from pipeline.weights.registry import CHUNKED_REGISTRY, REGISTRY, _slug
 
 AUTO = "auto"
 
 
 def model_family_name(model: str) -> str:
     """The name shipped predictor files start with, from a `--model` value without resolving it:
-    a registered name as is, a `.gguf` file's stem (its converted folder's name less the hash), else
-    the folder's name (pipeline/speculation/predictor_file.py `model_name`)."""
+    a registered name as is, a `.gguf` file's stem as its converted folder is named (less the hash;
+    pipeline/weights/registry.py), else the folder's name (predictor_file.py `model_name`)."""
     if model in REGISTRY or model in CHUNKED_REGISTRY:
         return model
     path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name
+    return _slug(path.stem) if path.suffix.lower() == ".gguf" else path.name
 
 
 def auto_speculate(*, model: str, num_stages: int, placement: PlacementOptions, device: str, threads_per_stage: int,
@@ -52,13 +58,28 @@ def auto_speculate(*, model: str, num_stages: int, placement: PlacementOptions, 
     parallel = parallel_stages(placement, num_stages=num_stages, device=device, threads_per_stage=threads_per_stage)
     if num_stages < 2:
         return "none", "one stage: nothing to run ahead"
+    if device != "cpu":
+        return "none", "speculation was measured on CPU stages only (pass --speculate speed to try it)"
     if parallel < num_stages:
         return "none", (f"{parallel} of {num_stages} stages compute at once on this machine's CPUs, where "
                         f"speculation was measured to break about even")
-    named = is_predictor_file(predictor) or (exit_predictor not in (None, "none"))
+    if predictor in ("logit-lens", "ngram") or exit_predictor == "none":
+        return "none", f"--predictor {predictor} without a trained exit head was not measured as a default"
+    named = is_predictor_file(predictor) or exit_predictor is not None
     if not named and not ships_predictors_for(model_family_name(model)):
         return "none", f"no trained exit head ships for {model_family_name(model)} (pass --speculate speed to try one)"
     return "speed", f"{num_stages} stages, each on its own cores, with a trained exit head"
+
+
+def settle_auto(options: PipelineOptions, plan: RunPlan, why: str) -> tuple[PipelineOptions, RunPlan, str]:
+    """`auto`'s last rule, once the plan knows the exit layer: if it chose speed and no trained head
+    serves that layer (the plan's exit head is the untrained logit lens), run `none` instead, with
+    the plan resolved again (the split prices the exit head). why: auto's reason, "" when the user
+    chose the mode (then nothing changes). Returns (options, plan, why)."""
+    if not why or not options.uses_speed or plan.exit_predictor:
+        return options, plan, why
+    options = dataclasses.replace(options, speculate="none")
+    return options, resolve(options), f"no trained exit head ships for exit layer {plan.exit_layer} of this split"
 
 
 def draft_gate_note(options: PipelineOptions) -> str:

@@ -279,6 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     fails, 0 after a drain (launcher/serving/drain.py)."""
     from launcher.backends.multinode import run_member_node
     from launcher.cli.main import pipeline_options, say, speculation_choice
+    from launcher.cli.speculation_defaults import settle_auto
     from launcher.coordinator.run_plan import resolve
     from launcher.serving.drain import DrainSignals, serve_until_stopped
 
@@ -289,7 +290,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
                                threads_per_stage=options.threads_per_stage, say=say, tls=tls)
     serve.check_ports()
-    model = resolve(options)
+    options, model, why = settle_auto(options, resolve(options), speculation_choice(args, options.num_stages)[1])
     _show_stats_lines()
     freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,
@@ -297,8 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
         say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")
-        if args.speculate == "auto":
-            say(f"speculation: {options.speculate} (--speculate auto: {speculation_choice(args, options.num_stages)[1]})")
+        if why:
+            say(f"speculation: {options.speculate} (--speculate auto: {why})")
         with DrainSignals() as signals:
             serve_until_stopped(session, stack, signals)
     say("server stopped")

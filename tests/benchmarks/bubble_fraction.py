@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predictor", default="hybrid")
     p.add_argument("--out", default="tests/benchmarks/results/bubble_fraction.json")
     args = p.parse_args(argv)
-    plain = launch_json(args.model, args.max_new_tokens)["stats"]
+    plain = launch_json(args.model, args.max_new_tokens, "--speculate", "none")["stats"]
     spec = launch_json(args.model, args.max_new_tokens, "--speculate", "speed", "--predictor", args.predictor)["stats"]
     idle = [s["idle_fraction"] for s in plain["stages"]]
     bubble_ok = all(abs(x - 0.5) <= 0.1 for x in idle)

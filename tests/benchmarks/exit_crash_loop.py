@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     crashes, failures, start = 0, 0, time.perf_counter()
     for i in range(args.runs):
         proc = subprocess.run([launch, "--stages", str(args.stages), "--max-new-tokens", str(args.max_new_tokens),
-                               "--prompt", "Once upon a time"], capture_output=True, text=True, env=env,
+                               "--speculate", "none", "--prompt", "Once upon a time"], capture_output=True, text=True, env=env,
                               timeout=args.timeout_s, stdin=subprocess.DEVNULL)
         markers = [m for m in CRASH_MARKERS if m in proc.stderr]
         crashes += bool(markers)

@@ -42,7 +42,8 @@ def start_server(model: str, stages: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli.main", "serve", "--model", model, "--stages", str(stages),
                              "--port", str(port), "--grpc-port", "-1", "--max-model-len", "256",
-                             "--served-model-name", "soak", "--stats-interval-s", "0"],
+                             "--served-model-name", "soak", "--stats-interval-s", "0",
+                             "--speculate", "none"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -160,3 +160,17 @@ def test_stage_drafting_with_deep_drafts_equals_transformers(smollm2_dir: Path, 
         assert session.coordinator.engine.num_inflight == 0, "a withdrawn or stale micro-batch stayed in flight"
     assert stage_drafted > 0, "stage 0 never drafted"
     print(f"stage-made drafts {stage_drafted}, withdrawn {withdrawn}")  # how often the squash came in time
+
+
+def test_auto_falls_back_to_none_where_no_trained_head_serves_the_split(smollm2_dir: Path):
+    """The shipped heads serve 2, 3 and 4 stages of smollm2-135m; at 6 stages the exit layer is one
+    no head was trained for, so auto runs plain decode (the plan resolved again, without an exit head)."""
+    from launcher.cli.speculation_defaults import settle_auto
+
+    six = PipelineOptions(num_stages=6, model=str(smollm2_dir), speculate="speed", progress=False)
+    options, plan, why = settle_auto(six, resolve(six), "6 stages, each on its own cores, with a trained exit head")
+    assert options.speculate == "none" and not plan.exit_predictor and "exit layer" in why
+    two = PipelineOptions(num_stages=2, model=str(smollm2_dir), speculate="speed", progress=False)
+    options, plan, why = settle_auto(two, resolve(two), "auto's reason")
+    assert options.speculate == "speed" and plan.exit_predictor and why == "auto's reason"
+    assert settle_auto(six, resolve(six), "")[0].speculate == "speed"  # the user's own choice stays

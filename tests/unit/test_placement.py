@@ -96,8 +96,10 @@ def test_parallel_stages_counts_shared_cpus_only_for_local_cpu_stages():
     assert parallel_stages(local, num_stages=3, device="cpu", threads_per_stage=4, cpus=2) == 1  # at least one
     assert parallel_stages(local, num_stages=4, device="cuda", threads_per_stage=1, cpus=2) == 4
     assert parallel_stages(PlacementOptions(backend="ray"), num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
-    assert parallel_stages(PlacementOptions(nnodes=2), num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
-    assert 1 <= parallel_stages(local, num_stages=8, device="cpu", threads_per_stage=1) <= 8  # this machine's CPUs
+    two_nodes = PlacementOptions(nnodes=2)  # stages 0-1 on node 0, 2-3 on node 1 (2 CPUs each, as this one)
+    assert parallel_stages(two_nodes, num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
+    assert parallel_stages(two_nodes, num_stages=6, device="cpu", threads_per_stage=1, cpus=2) == 4
+    assert parallel_stages(two_nodes, num_stages=5, device="cpu", threads_per_stage=2, cpus=2) == 2
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

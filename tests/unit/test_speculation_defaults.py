@@ -40,6 +40,11 @@ def test_speed_where_every_stage_has_its_own_cpu_and_a_head_ships(two_cpus):
     ({"stages": 2, "threads": 2}, "1 of 2 stages compute at once"),
     ({"model": "qwen2.5-coder-1.5b"}, "no trained exit head ships for qwen2.5-coder-1.5b"),
     ({"model": "/tmp/some/tiny-model"}, "no trained exit head ships for tiny-model"),
+    ({"device": "cuda"}, "measured on CPU stages only"),
+    ({"placement": RAY, "device": "cuda"}, "measured on CPU stages only"),
+    ({"predictor": "logit-lens"}, "--predictor logit-lens without a trained exit head"),
+    ({"predictor": "ngram"}, "--predictor ngram without a trained exit head"),
+    ({"exit_predictor": "none"}, "without a trained exit head"),
 ])
 def test_none_where_speculation_was_not_measured_to_pay(two_cpus, kwargs, reason):
     mode, why = _auto(**kwargs)
@@ -54,7 +59,7 @@ def test_a_head_the_user_names_counts_as_trained(two_cpus):
 
 def test_model_family_names_match_the_shipped_files_without_resolving():
     assert model_family_name("smollm2-135m") == "smollm2-135m"
-    assert model_family_name("/models/SmolLM2-135M-Instruct-Q4.gguf") == "SmolLM2-135M-Instruct-Q4"
+    assert model_family_name("/models/SmolLM2-135M Instruct.GGUF") == "smollm2-135m-instruct"  # as converted
     assert model_family_name("/models/my-model") == "my-model"
 
 
@@ -70,3 +75,4 @@ def test_the_cli_default_is_auto_and_it_is_decided_before_the_options_exist(two_
     explicit = parser.parse_args(["launch", "--stages", "4", "--speculate", "speed", "--prompt", "x"])
     assert pipeline_options(explicit, progress=False).speculate == "speed"
     assert speculation_choice(explicit, 4) == ("speed", "")  # the user's choice needs no reason
+
