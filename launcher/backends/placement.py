@@ -180,8 +180,9 @@ def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_node = max(1, cpus // max(1, threads_per_stage))
-    nodes = [node_stages(num_stages=num_stages, nnodes=placement.nnodes, node_rank=r) for r in range(placement.nnodes)]
-    return max(1, min(num_stages, sum(min(len(stages), per_node) for stages in nodes)))
+    sizes = [len(node_stages(num_stages=num_stages, nnodes=placement.nnodes, node_rank=r))
+             for r in range(placement.nnodes)] if placement.multi_node else [num_stages]
+    return max(1, min(num_stages, sum(min(size, per_node) for size in sizes)))
 
 
 def detect_host_ip(peer_host: str, peer_port: int) -> str:

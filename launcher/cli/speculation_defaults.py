@@ -55,9 +55,9 @@ def model_family_name(model: str) -> str:
 def auto_speculate(*, model: str, num_stages: int, placement: PlacementOptions, device: str, threads_per_stage: int,
                    predictor: str, exit_predictor: str | None) -> tuple[str, str]:
     """(`speed` or `none`, why) for `--speculate auto` ([Note: speculation default])."""
-    parallel = parallel_stages(placement, num_stages=num_stages, device=device, threads_per_stage=threads_per_stage)
-    if num_stages < 2:
+    if num_stages < 2:  # (0 and below: RunConfig's error comes next)
         return "none", "one stage: nothing to run ahead"
+    parallel = parallel_stages(placement, num_stages=num_stages, device=device, threads_per_stage=threads_per_stage)
     if device != "cpu":
         return "none", "speculation was measured on CPU stages only (pass --speculate speed to try it)"
     if parallel < num_stages:

@@ -186,7 +186,8 @@ def _wait_healthy(url: str, timeout_s: float) -> float:
 
 def _listening_ports(session: PipelineSession, *, front_end: set[int]) -> dict[str, list[int]]:
     """Listening TCP ports of the server's process tree (this process, "coordinator", and each live
-    stage worker, "stage i"), without the front end's `front_end` ports."""
+    stage worker, "stage i"), without the `front_end` ports (the front end's, and this process's
+    listeners from before the session)."""
     pids = dict(enumerate(session.processes.pids))
     roles = {os.getpid(): "coordinator", **{pid: f"stage {i}" for i, pid in pids.items()}}
     found = {}
@@ -274,6 +275,9 @@ def chaos(model_dir: Path | str, *, num_requests: int, concurrency: int, num_kil
     breaks = rng.sample([signal.SIGKILL] * num_kills + [signal.SIGSTOP] * num_stops, num_kills + num_stops)
     options = session_options(model_dir, 3, max_model_len=1024, max_num_seqs=concurrency)
     policy = RestartBudget(max_restarts=max(1, len(breaks)), window_s=600)
+    # Listeners this (pytest) process held before the session: earlier tests' groups, closed whenever
+    # the collector frees them, so they may vanish mid-run; they are not the server's and are not counted.
+    earlier = {c.laddr.port for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
     session = PipelineSession(options, resolve(options), restart_budget=policy).__enter__()
     seen_pids, signals, loop = set(session.processes.pids), DrainSignals(), None
     try:
@@ -281,7 +285,7 @@ def chaos(model_dir: Path | str, *, num_requests: int, concurrency: int, num_kil
         offline = _offline(coord, prompts, params, concurrency)  # undisturbed
         if check_reference:
             assert [offline[p].token_ids for p in PROMPTS] == _references(model_dir, PROMPTS, params)
-        ports_before = _listening_ports(session, front_end=set())
+        ports_before = _listening_ports(session, front_end=earlier)
         recovered = []
         coord.recovery_listeners.append(lambda phase, _why: phase == "done" and recovered.append(phase))
         serve = ServeOptions(port=0, grpc_port=-1, stats_interval_s=0, stage_heartbeat_timeout_s=5.0)
@@ -298,9 +302,9 @@ def chaos(model_dir: Path | str, *, num_requests: int, concurrency: int, num_kil
             assert [st.kv_slots_in_use for st in coord.stage_stats()] == [0, 0, 0]
             live = [p for p in seen_pids if pid_alive(p)]
             assert sorted(live) == sorted(session.processes.pids)  # every killed or stopped stage was reaped
-            wait_for(lambda: _same_counts(ports_before, _listening_ports(session, front_end={stack.http_port})),
+            wait_for(lambda: _same_counts(ports_before, _listening_ports(session, front_end={stack.http_port, *earlier})),
                      timeout_s=15, step_s=0.2)  # a replaced ring's sockets close as its peers' do
-            _check_no_leaked_port(ports_before, _listening_ports(session, front_end={stack.http_port}), session)
+            _check_no_leaked_port(ports_before, _listening_ports(session, front_end={stack.http_port, *earlier}), session)
             signals.request()
             loop.join(timeout=60)
             assert not loop.is_alive()
