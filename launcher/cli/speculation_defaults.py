@@ -1,11 +1,11 @@
 """What a launch speculates with when the user does not say: `--speculate auto`, and the draft
 threshold it reports.
 
-Owns the rule that turns the CLI's default `--speculate auto` into `speed` or `none` (before any
-RunConfig exists: RunConfig never sees `auto`), and the one-line notes `launch` prints about it
-and about the draft gate's threshold.
-Must not: resolve or load models (the rule only looks for shipped predictor files by name), or
-start processes.
+Owns the rule that turns the CLI's default `--speculate auto` into `speed` or `none` (first from
+the flags, before any RunConfig exists: RunConfig never sees `auto`; then, in `settle_auto`, from
+the resolved run plan's exit head), and the one-line notes `launch` prints about it and about the
+draft gate's threshold.
+Must not: load models into stages or start processes (launcher/coordinator/session.py does).
 
 [Note: speculation default]
 Issue 14: once a mode is faster than plain decode on every held-out set, `--speculate` defaults
@@ -38,8 +38,6 @@ from launcher.coordinator.run_plan import RunPlan, resolve
 from pipeline.speculation.predictor_file import ships_predictors_for
 from pipeline.speculation.predictors import is_predictor_file
 from pipeline.weights.registry import CHUNKED_REGISTRY, REGISTRY, _slug
-
-AUTO = "auto"
 
 
 def model_family_name(model: str) -> str:
