@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import math
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 BACKENDS = ("local", "ray")
@@ -170,19 +172,66 @@ def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str
     """How many of `num_stages` stages can compute at the same time, in [1, num_stages]: what the
     draft gate's break-even needs ([Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
 
-    CPU stages started by `launch` share their node's CPUs: `cpus` (default: the CPUs this process
-    may run on; a cgroup CPU quota is not seen) // threads_per_stage per node, e.g. 2 of 4 stages on
+    CPU stages started by `launch` share their node's CPUs: `cpus` (default: `usable_cpus()`, which
+    sees the affinity mask and a container's CPU quota) // threads_per_stage per node, e.g. 2 of 4 stages on
     2 CPUs at one thread each. In the multi-node mode every node is assumed to have as many CPUs as
     this one and runs its block of stages (`node_stages`). Ray bundles reserve their own resources,
     and CUDA stages count as one each (stages sharing one GPU: not measured)."""
     if placement.backend != "local" or device != "cpu":
         return num_stages
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cpus()
     per_node = max(1, cpus // max(1, threads_per_stage))
     sizes = [len(node_stages(num_stages=num_stages, nnodes=placement.nnodes, node_rank=r))
              for r in range(placement.nnodes)] if placement.multi_node else [num_stages]
     return max(1, min(num_stages, sum(min(size, per_node) for size in sizes)))
+
+
+def usable_cpus(*, cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """CPUs this process can keep busy at once: the affinity mask (taskset, cpuset), capped by a
+    cgroup CPU quota (a container's `--cpus`; v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`),
+    rounded up as the JVM and Go runtimes round it. At least 1. Unreadable cgroup files mean no quota."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota(cgroup_root=cgroup_root, proc_cgroup=proc_cgroup)
+    return max(1, min(cpus, math.ceil(quota)) if quota is not None else cpus)
+
+
+def cgroup_cpu_quota(*, cgroup_root: str, proc_cgroup: str) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (quota / period), or None where there is none
+    (`max`, -1, no cpu controller, files unreadable)."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # "0::/path" (v2) or "4:cpu,cpuacct:/path" (v1)
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":
+            candidates = [(Path(cgroup_root, rel, "cpu.max"), None), (Path(cgroup_root, "cpu.max"), None)]
+        elif "cpu" in controllers.split(","):
+            base = Path(cgroup_root, controllers) if Path(cgroup_root, controllers).is_dir() else Path(cgroup_root, "cpu")
+            candidates = [(base / rel / "cpu.cfs_quota_us", base / rel / "cpu.cfs_period_us"),
+                          (base / "cpu.cfs_quota_us", base / "cpu.cfs_period_us")]
+        else:
+            continue
+        for quota_file, period_file in candidates:
+            quota = _read_quota(quota_file, period_file)
+            if quota is not None:
+                return quota
+    return None
+
+
+def _read_quota(quota_file: Path, period_file: Path | None) -> float | None:
+    try:
+        if period_file is None:  # v2: "max 100000" or "150000 100000"
+            quota, period = quota_file.read_text().split()[:2]
+        else:
+            quota, period = quota_file.read_text().strip(), period_file.read_text().strip()
+    except (OSError, ValueError):
+        return None
+    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:
+        return None
+    return int(quota) / int(period) if int(quota) > 0 else None
 
 
 def detect_host_ip(peer_host: str, peer_port: int) -> str:

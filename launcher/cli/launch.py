@@ -9,9 +9,11 @@ Must not: start or stop processes (PipelineSession does).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from launcher.coordinator.session import PipelineSession
 from pipeline.measure.handoffs import handoff_latency
@@ -26,10 +28,13 @@ def openai_finish_reason(reason) -> str:
 
 
 def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Sequence[int]],
-               params: Sequence[SamplingParams], *, stream: bool = False, timeline: bool = False) -> dict:
+               params: Sequence[SamplingParams], *, stream: bool = False, timeline: bool = False,
+               speculate: tuple[str, str] | None = None) -> dict:
     """Run all prompts concurrently; returns {"outputs": [...], "stats": {...}} (see README).
     prompts: texts or token-id lists; timeline: also return the recorded slices under "timeline"
-    (stage, start/end ns relative to the run's start, items with seq, positions, epoch, kind, outcome)."""
+    (stage, start/end ns relative to the run's start, items with seq, positions, epoch, kind, outcome);
+    speculate: (the speculation mode in force, why `--speculate auto` chose it or ""), reported as
+    stats "speculate" and "speculate_reason" (null when the user chose the mode)."""
     coord = session.coordinator
     coord.reset_stats()
     start_ns = time.perf_counter_ns()
@@ -63,7 +68,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
         "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
                      "finish_reason": openai_finish_reason(r.finish_reason),
                      "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4)} for r in results],
-        "stats": {"wall_s": round(wall_s, 4), **summary,
+        "stats": {"wall_s": round(wall_s, 4), **summary, **_speculate_json(speculate),
                   "bubble_fraction": round(sum(idle) / len(idle), 4),
                   "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
                   "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
@@ -81,3 +86,48 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     if timeline:
         report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report
+
+
+def _speculate_json(speculate: tuple[str, str] | None) -> dict:
+    if speculate is None:
+        return {}
+    mode, why = speculate
+    return {"speculate": mode, "speculate_reason": why or None}
+
+
+def write_trace(session: PipelineSession, path: str) -> None:
+    """Write the session's stage timeline as Chrome trace-event JSON."""
+    from pipeline.measure.trace import chrome_trace
+
+    coord = session.coordinator
+    trace = chrome_trace(coord.timeline, commits=list(coord.commit_events))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(trace))
+
+
+def plural(n: int, word: str) -> str:
+    """`1 item`, `2 items`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def print_report(report: dict, *, streamed: bool) -> None:
+    if not streamed:
+        for i, out in enumerate(report["outputs"]):
+            print(f"=== [{i}] {out['prompt']}")
+            print(out["text"])
+    stats = report["stats"]
+    busy = ", ".join(f"{s['stage']}: {s['busy_fraction']:.0%}" for s in stats["stages"])
+    ring = stats.get("handoffs", {}).get("ring_return", {})
+    if ring.get("count"):
+        links = "/".join(f"{h['p50_ms']:.1f}" for h in stats["handoffs"]["stage_handoff"])
+        busy += f" (handoff p50 {links + ' ms, ' if links else ''}ring return {ring['p50_ms']:.1f} ms)"
+    spec = ""
+    if stats["drafted_tokens"]:
+        spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
+                f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
+                f"{stats['tokens_per_pass']:.2f} tokens per pass")
+    if stats.get("tree_verified"):
+        spec += (f"; tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
+                 f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")
+    print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
+          f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)

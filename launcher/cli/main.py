@@ -12,7 +12,6 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 
 from launcher.backends.placement_options import add_placement_args, placement_from_args
 from launcher.backends.stage_group import StageStartupError
@@ -30,7 +29,7 @@ from launcher.cli.parsing import (
     shorten_help,
     version_string,
 )
-from launcher.cli.speculation_defaults import auto_speculate, draft_gate_note, settle_auto
+from launcher.cli.speculation_defaults import auto_speculate, check_auto_flags, draft_gate_note, settle_auto
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
@@ -226,18 +225,20 @@ def speculation_choice(args: argparse.Namespace, num_stages: int) -> tuple[str, 
 def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
     """PipelineOptions from launch's / serve's flags (`--speculate auto` decided: speculation_choice)."""
     num_stages, layer_split = _auto_stages(args, progress)
-    speculate = speculation_choice(args, num_stages)[0]
+    speculate, why = speculation_choice(args, num_stages)
+    tuning = dict(max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance),
+                  draft_at=args.draft_at, deep_draft_min_acceptance=args.deep_draft_min_acceptance,
+                  firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob,
+                  draft_tree=args.draft_tree)
+    check_auto_flags(tuning, speculate=speculate, why=why)
     return PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
-        exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost,
-        max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance), draft_at=args.draft_at,
-        deep_draft_min_acceptance=args.deep_draft_min_acceptance,
-        placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False),
-        firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob, draft_tree=args.draft_tree)
+        exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
+        placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False))
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -247,7 +248,7 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from launcher.cli.launch import run_launch  # keeps `speedpipe --help` fast
+    from launcher.cli.launch import print_report, run_launch, write_trace  # keeps `speedpipe --help` fast
 
     if args.serve:
         return cmd_serve(args)
@@ -280,7 +281,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 + (f"; exit head {head_ms:.2f} ms a row" if head_ms else ""))
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
-        report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1)
+        report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1,
+                            speculate=(options.speculate, why))
         if args.trace:
             write_trace(session, args.trace)
             if not args.json:
@@ -299,44 +301,6 @@ def run_member(options: PipelineOptions) -> int:
     resolve(options)  # the model and split are valid here too, before anything starts
     return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
                            threads_per_stage=options.threads_per_stage, say=say)
-
-
-def write_trace(session: PipelineSession, path: str) -> None:
-    """Write the session's stage timeline as Chrome trace-event JSON."""
-    from pipeline.measure.trace import chrome_trace
-
-    coord = session.coordinator
-    trace = chrome_trace(coord.timeline, commits=list(coord.commit_events))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(trace))
-
-
-def plural(n: int, word: str) -> str:
-    """`1 item`, `2 items`."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def print_report(report: dict, *, streamed: bool) -> None:
-    if not streamed:
-        for i, out in enumerate(report["outputs"]):
-            print(f"=== [{i}] {out['prompt']}")
-            print(out["text"])
-    stats = report["stats"]
-    busy = ", ".join(f"{s['stage']}: {s['busy_fraction']:.0%}" for s in stats["stages"])
-    ring = stats.get("handoffs", {}).get("ring_return", {})
-    if ring.get("count"):
-        links = "/".join(f"{h['p50_ms']:.1f}" for h in stats["handoffs"]["stage_handoff"])
-        busy += f" (handoff p50 {links + ' ms, ' if links else ''}ring return {ring['p50_ms']:.1f} ms)"
-    spec = ""
-    if stats["drafted_tokens"]:
-        spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
-                f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
-                f"{stats['tokens_per_pass']:.2f} tokens per pass")
-    if stats.get("tree_verified"):
-        spec += (f"; tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
-                 f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")
-    print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
-          f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)
 
 
 def say(text: str) -> None:

@@ -30,9 +30,11 @@ the same either way (ARCHITECTURE.md §5).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 from launcher.backends.placement import PlacementOptions, parallel_stages
+from launcher.cli.parsing import UsageError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import RunPlan, resolve
 from pipeline.speculation.predictor_file import ships_predictors_for
@@ -69,15 +71,53 @@ def auto_speculate(*, model: str, num_stages: int, placement: PlacementOptions, 
     return "speed", f"{num_stages} stages, each on its own cores, with a trained exit head"
 
 
+# Flags that only tune speculation, by PipelineOptions field: `auto` refuses them where they would
+# do nothing (check_auto_flags), instead of ignoring them or failing on RunConfig's rule for `none`.
+SPEED_TUNING = {"draft_tree": "--draft-tree", "draft_at": "--draft-at", "min_acceptance": "--min-acceptance",
+                "deep_draft_min_acceptance": "--deep-draft-min-acceptance", "max_inflight": "--max-inflight"}
+FIRP_TUNING = {"firp_k": "--firp-k", "firp_file": "--firp-file", "firp_min_prob": "--firp-min-prob"}
+
+
+def tuned_flags(values: Mapping[str, object], flags: Mapping[str, str]) -> list[str]:
+    """The flags of `flags` (field -> flag) whose value in `values` (field -> value, as
+    PipelineOptions takes it) differs from PipelineOptions' default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
+    return [flag for field, flag in flags.items() if values[field] != defaults[field]]
+
+
+def check_auto_flags(values: Mapping[str, object], *, speculate: str, why: str) -> None:
+    """Raise UsageError when `--speculate auto` (why != "") chose a mode that a given tuning flag
+    does not apply to: FIRP flags always (auto never chooses FIRP), SPEED flags when it chose none.
+    values: PipelineOptions field -> value for the fields of SPEED_TUNING and FIRP_TUNING."""
+    if not why:
+        return
+    firp = tuned_flags(values, FIRP_TUNING)
+    if firp:
+        raise UsageError(f"{', '.join(firp)} {_tune(firp)} FIRP, which --speculate auto never chooses: pass --speculate firp "
+                         f"or speed+firp")
+    speed = tuned_flags(values, SPEED_TUNING) if speculate == "none" else []
+    if speed:
+        raise UsageError(f"{', '.join(speed)} {_tune(speed)} SPEED drafts, but --speculate auto chose none here ({why}): "
+                         f"pass --speculate speed to use {'it' if len(speed) == 1 else 'them'}")
+
+
+def _tune(flags: list[str]) -> str:
+    return "tunes" if len(flags) == 1 else "tune"
+
+
 def settle_auto(options: PipelineOptions, plan: RunPlan, why: str) -> tuple[PipelineOptions, RunPlan, str]:
     """`auto`'s last rule, once the plan knows the exit layer: if it chose speed and no trained head
     serves that layer (the plan's exit head is the untrained logit lens), run `none` instead, with
     the plan resolved again (the split prices the exit head). why: auto's reason, "" when the user
-    chose the mode (then nothing changes). Returns (options, plan, why)."""
+    chose the mode (then nothing changes). Returns (options, plan, why). Raises UsageError where a
+    SPEED tuning flag was given (check_auto_flags)."""
     if not why or not options.uses_speed or plan.exit_predictor:
         return options, plan, why
+    why = f"no trained exit head ships for exit layer {plan.exit_layer} of this split"
+    check_auto_flags({field: getattr(options, field) for field in (*SPEED_TUNING, *FIRP_TUNING)},
+                     speculate="none", why=why)
     options = dataclasses.replace(options, speculate="none")
-    return options, resolve(options), f"no trained exit head ships for exit layer {plan.exit_layer} of this split"
+    return options, resolve(options), why
 
 
 def draft_gate_note(options: PipelineOptions) -> str:

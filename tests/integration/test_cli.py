@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launcher.backends.placement import usable_cpus
 from tests.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -151,6 +152,9 @@ def test_json_last_stdout_line_has_outputs_and_stage_stats(speedpipe_launch_plai
     report = speedpipe_launch_plain.report()
     check_report_schema(report, num_prompts=2, num_stages=2, max_new_tokens=6)
     assert report["stats"]["stages"][-1]["layers"][1] == 4
+    # the default --speculate auto, and why it chose none: nothing trained ships for a tiny model
+    assert report["stats"]["speculate"] == "none"
+    assert report["stats"]["speculate_reason"].startswith("no trained exit head ships for"), report["stats"]
     assert speedpipe_launch_plain.workers_left == []
 
 
@@ -178,6 +182,8 @@ def test_real_model_json_run(smollm2_dir: Path, smollm2_cache: Path):
     assert report["stats"]["stages"][-1]["layers"][1] == 30
     assert report["outputs"][0]["text"].strip()
     assert sum(s["weights_mb"] for s in report["stats"]["stages"]) > 400  # 134.5 M float32 parameters
+    own_cpus = usable_cpus() >= 2  # auto speculates where each stage has its own CPU
+    assert report["stats"]["speculate"] == ("speed" if own_cpus else "none"), report["stats"]["speculate_reason"]
     assert result.workers_left == []
 
 
@@ -228,6 +234,9 @@ def bad_inputs(tiny_dir: Path, tmp: Path) -> dict[str, BadInput]:
         "firp-without-a-file": BadInput(("--speculate", "firp"), ("--speculate firp", "--firp-file", "no FIRP maps are shipped")),
         "firp-file-missing": BadInput(("--speculate", "firp", "--firp-file", str(missing_file)),
                                       (str(missing_file), "does not exist")),
+        "draft-tree-where-auto-chose-none": BadInput(("--draft-tree", "3"),
+                                                     ("--draft-tree", "auto chose none", "--speculate speed")),
+        "firp-k-under-auto": BadInput(("--firp-k", "2"), ("--firp-k", "FIRP", "--speculate firp")),
     }
 
 
@@ -237,6 +246,7 @@ BAD_INPUT_NAMES = [  # test ids, in the order of bad_inputs()
     "max-new-tokens-0", "temperature-negative", "top-p-0", "top-p-1.5", "prompts-file-missing",
     "prompts-file-bad-jsonl-line", "prompts-file-jsonl-without-prompt", "min-acceptance-1.5", "stage-resources-not-json",
     "nnodes-with-ray", "nnodes-over-stages", "firp-k-0", "firp-without-a-file", "firp-file-missing",
+    "draft-tree-where-auto-chose-none", "firp-k-under-auto",
 ]
 
 

@@ -17,12 +17,14 @@ transformers is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from launcher.cli.parsing import UsageError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
@@ -174,3 +176,6 @@ def test_auto_falls_back_to_none_where_no_trained_head_serves_the_split(smollm2_
     options, plan, why = settle_auto(two, resolve(two), "auto's reason")
     assert options.speculate == "speed" and plan.exit_predictor and why == "auto's reason"
     assert settle_auto(six, resolve(six), "")[0].speculate == "speed"  # the user's own choice stays
+    staged = dataclasses.replace(six, draft_at="stage")  # a SPEED flag that would do nothing under none
+    with pytest.raises(UsageError, match="--draft-at tunes SPEED drafts.*exit layer"):
+        settle_auto(staged, resolve(staged), "6 stages, each on its own cores, with a trained exit head")

@@ -11,7 +11,8 @@ import argparse
 import pytest
 
 from launcher.bench.plots import percent_label
-from launcher.cli.main import UsageError, _parse, build_parser, main, plural, read_prompts_file
+from launcher.cli.launch import plural
+from launcher.cli.main import UsageError, _parse, build_parser, main, read_prompts_file
 from launcher.cli.parsing import DefaultsFormatter, unescape, version_string
 
 pytestmark = pytest.mark.timeout(60)
@@ -154,7 +155,7 @@ def test_launch_says_which_draft_threshold_it_uses_and_why(monkeypatch):
     from launcher.cli.speculation_defaults import draft_gate_note
     from launcher.coordinator.pipeline_options import PipelineOptions
 
-    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    monkeypatch.setattr("launcher.backends.placement.usable_cpus", lambda: 2)
     shared = draft_gate_note(PipelineOptions(num_stages=4, speculate="speed"))
     assert ">= 50%" in shared and "2 of 4 stages compute at once" in shared
     own = draft_gate_note(PipelineOptions(num_stages=2, speculate="speed", placement=PlacementOptions(backend="ray")))

@@ -12,12 +12,14 @@ from launcher.backends.placement import (
     BundleNode,
     PlacementError,
     PlacementOptions,
+    cgroup_cpu_quota,
     detect_host_ip,
     forwarded_env,
     node_stages,
     parallel_stages,
     parse_stage_resources,
     stage_order,
+    usable_cpus,
 )
 from launcher.backends.placement_options import add_placement_args, placement_from_args
 
@@ -100,6 +102,36 @@ def test_parallel_stages_counts_shared_cpus_only_for_local_cpu_stages():
     assert parallel_stages(two_nodes, num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
     assert parallel_stages(two_nodes, num_stages=6, device="cpu", threads_per_stage=1, cpus=2) == 4
     assert parallel_stages(two_nodes, num_stages=5, device="cpu", threads_per_stage=2, cpus=2) == 2
+
+
+def _cgroup(tmp_path, proc: str, files: dict[str, str]) -> dict[str, str]:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "self-cgroup").write_text(proc)
+    return {"cgroup_root": str(tmp_path / "fs"), "proc_cgroup": str(tmp_path / "self-cgroup")}
+
+
+@pytest.mark.parametrize(("proc", "files", "want"), [
+    ("0::/docker/abc\n", {"fs/docker/abc/cpu.max": "150000 100000\n"}, 1.5),  # v2, own cgroup
+    ("0::/\n", {"fs/cpu.max": "100000 100000\n"}, 1.0),  # v2, container's namespace root
+    ("0::/\n", {"fs/cpu.max": "max 100000\n"}, None),
+    ("4:cpu,cpuacct:/k8s/pod\n1:name=systemd:/\n",
+     {"fs/cpu,cpuacct/k8s/pod/cpu.cfs_quota_us": "300000", "fs/cpu,cpuacct/k8s/pod/cpu.cfs_period_us": "100000"}, 3.0),
+    ("1:cpu:/\n", {"fs/cpu/cpu.cfs_quota_us": "-1", "fs/cpu/cpu.cfs_period_us": "100000"}, None),  # v1, no quota
+    ("1:memory:/x\n", {}, None),  # no cpu controller
+    ("0::/\n", {"fs/cpu.max": "garbage"}, None),
+])
+def test_cgroup_cpu_quota_reads_v1_and_v2(tmp_path, proc, files, want):
+    assert cgroup_cpu_quota(**_cgroup(tmp_path, proc, files)) == want
+
+
+def test_usable_cpus_caps_the_affinity_mask_by_the_quota_rounded_up(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
+    assert usable_cpus(**_cgroup(tmp_path / "a", "0::/\n", {"fs/cpu.max": "150000 100000"})) == 2
+    assert usable_cpus(**_cgroup(tmp_path / "b", "0::/\n", {"fs/cpu.max": "800000 100000"})) == 4  # the mask caps
+    assert usable_cpus(**_cgroup(tmp_path / "c", "0::/\n", {"fs/cpu.max": "20000 100000"})) == 1  # at least one
+    assert usable_cpus(cgroup_root=str(tmp_path / "none"), proc_cgroup=str(tmp_path / "missing")) == 4
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

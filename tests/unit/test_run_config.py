@@ -137,7 +137,7 @@ def _options(tiny_dir, **kw) -> PipelineOptions:
 
 
 def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir, caplog, monkeypatch):
-    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)  # 2 stages x 2 threads fit
+    monkeypatch.setattr("launcher.backends.placement.usable_cpus", lambda: 4)  # 2 stages x 2 threads fit
     options = _options(tiny_dir, speculate="speed", predictor="logit-lens")
     plan = resolve(options)
     specs = stage_load_specs(options, plan, master_addr="127.0.0.1", master_port=1234)
@@ -155,7 +155,7 @@ def test_stage_views_carry_the_exit_head_only_where_the_plan_puts_it(tiny_dir, c
     sched = coord.scheduler
     assert (sched.speculate, sched.num_stages, sched.max_num_seqs, sched.max_model_len, sched.min_acceptance) == (
         True, 2, 3, 64, DraftGate.break_even(2))
-    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)  # now only one stage at a time
+    monkeypatch.setattr("launcher.backends.placement.usable_cpus", lambda: 2)  # now only one stage at a time
     assert coordinator_config(options, plan, master_addr="h", master_port=1).scheduler.min_acceptance == 1.0
     later = dataclasses.replace(staged, exit_layer=2)  # on stage 1: the coordinator drafts, and says so
     with caplog.at_level(logging.WARNING, logger="speedpipe.launch"):

@@ -12,14 +12,22 @@ import pytest
 
 from launcher.backends.placement import PlacementOptions
 from launcher.cli.main import build_parser, pipeline_options, speculation_choice
-from launcher.cli.speculation_defaults import auto_speculate, model_family_name
+from launcher.cli.parsing import UsageError, min_acceptance_arg
+from launcher.cli.speculation_defaults import (
+    FIRP_TUNING,
+    SPEED_TUNING,
+    auto_speculate,
+    check_auto_flags,
+    model_family_name,
+    tuned_flags,
+)
 
 LOCAL, RAY = PlacementOptions(), PlacementOptions(backend="ray")
 
 
 @pytest.fixture
 def two_cpus(monkeypatch):
-    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    monkeypatch.setattr("launcher.backends.placement.usable_cpus", lambda: 2)
 
 
 def _auto(model="smollm2-135m", *, stages=2, placement=LOCAL, device="cpu", threads=1, predictor="hybrid",
@@ -76,3 +84,41 @@ def test_the_cli_default_is_auto_and_it_is_decided_before_the_options_exist(two_
     assert pipeline_options(explicit, progress=False).speculate == "speed"
     assert speculation_choice(explicit, 4) == ("speed", "")  # the user's choice needs no reason
 
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--draft-tree", "3"], "--draft-tree tunes SPEED drafts"),
+    (["--draft-at", "stage"], "--draft-at tunes SPEED drafts"),
+    (["--min-acceptance", "0.2", "--max-inflight", "2"], "--min-acceptance, --max-inflight tune SPEED drafts"),
+    (["--deep-draft-min-acceptance", "0.9"], "--deep-draft-min-acceptance tunes"),
+])
+def test_auto_refuses_speed_flags_where_it_chose_none(two_cpus, flags, named):
+    """A flag that only tunes drafts does nothing under `none`: auto says so (exit 2 in the CLI)
+    instead of ignoring it, or failing on RunConfig's `draft_tree needs speculate speed`."""
+    parser = build_parser()
+    with pytest.raises(UsageError) as err:
+        pipeline_options(parser.parse_args(["launch", "--stages", "4", *flags, "--prompt", "x"]), progress=False)
+    message = str(err.value)
+    assert named in message and "--speculate auto chose none here (2 of 4 stages" in message, message
+    assert "pass --speculate speed" in message
+    two = pipeline_options(parser.parse_args(["launch", "--stages", "2", *flags, "--prompt", "x"]), progress=False)
+    assert two.speculate == "speed"  # where auto chooses speed the flags apply
+    mine = parser.parse_args(["launch", "--stages", "4", "--speculate", "speed", *flags, "--prompt", "x"])
+    assert pipeline_options(mine, progress=False).speculate == "speed"
+
+
+def test_auto_refuses_firp_flags_since_it_never_chooses_firp(two_cpus):
+    parser = build_parser()
+    for flags in (["--firp-k", "2"], ["--firp-min-prob", "0.3"], ["--firp-file", "/tmp/maps.safetensors"]):
+        with pytest.raises(UsageError, match=f"{flags[0]} tunes FIRP.*--speculate firp or speed\\+firp"):
+            pipeline_options(parser.parse_args(["launch", "--stages", "2", *flags, "--prompt", "x"]), progress=False)
+
+
+def test_flag_defaults_match_the_options_defaults_so_untouched_flags_pass():
+    """tuned_flags compares against PipelineOptions' defaults: the CLI's own defaults must equal them,
+    or every default launch would be refused."""
+    args = build_parser().parse_args(["launch", "--prompt", "x"])
+    values = {field: getattr(args, field) for field in (*SPEED_TUNING, *FIRP_TUNING)}
+    values["min_acceptance"] = min_acceptance_arg(values["min_acceptance"])
+    assert tuned_flags(values, {**SPEED_TUNING, **FIRP_TUNING}) == []
+    check_auto_flags(values | {"draft_tree": 3}, speculate="none", why="")  # the user's own mode: not auto's business
