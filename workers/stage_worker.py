@@ -86,7 +86,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             start = time.perf_counter()
             try:
                 names = self._load_model(spec)
-                calibration = self._calibrate(spec) if spec.calibrate_max_rows else {}
+                calibration = self._calibrate(spec) if spec.calibrate_max_rows else self._time_exit_head(spec)
             except (ValueError, FileNotFoundError, OSError) as exc:
                 self.executor = None  # not loaded: a corrected Load may follow
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.stage_index}: {exc}")
@@ -109,15 +109,23 @@ class StageServicer(pb_grpc.StageServiceServicer):
         mode = numeric_mode_name(dtype=spec.dtype, quantization=spec.quantization, dense_layout=spec.dense_layout)
         table = calibrate_stage(self.executor.model, mode=mode, max_rows=spec.calibrate_max_rows, device=spec.device,
                                 num_threads=spec.num_threads)
-        head = self.executor.exit_head
-        head_s = 0.0 if head is None else time_exit_head(head, hidden_size=self.executor.model.config.hidden_size,
-                                                         dtype=next(iter(head.parameters())).dtype,
-                                                         device=spec.device, num_threads=spec.num_threads)
+        head_s = self._time_exit_head(spec).get("exit_head_row_s", 0.0)
         took = time.perf_counter() - start
         log.info("[Stage %d] row costs in %.2f s: %s; exit head %.2f ms a row", spec.stage_index, took,
                  ratio_line(table), head_s * 1e3)
         return {"row_costs": [pb.RowCost(num_rows=n, pass_s=s) for n, s in zip(table.num_rows, table.pass_s, strict=True)],
                 "row_cost_mode": mode, "calibrate_s": took, "exit_head_row_s": head_s}
+
+    def _time_exit_head(self, spec: StageLoadSpec) -> dict:
+        """{"exit_head_row_s": seconds the exit head takes on one row} where this stage has one, else {}:
+        what `launch`'s speed-up estimate takes off a pass that ran it ([Note: plain decode estimate] in
+        pipeline/measure/handoffs.py). A few ms at load."""
+        head = self.executor.exit_head
+        if head is None:
+            return {}
+        return {"exit_head_row_s": time_exit_head(head, hidden_size=self.executor.model.config.hidden_size,
+                                                  dtype=next(iter(head.parameters())).dtype, device=spec.device,
+                                                  num_threads=spec.num_threads)}
 
     def _load_model(self, spec: StageLoadSpec) -> list[str]:
         """Build this stage from its spec (pipeline/model/stage_assembly.py); returns the tensor names read."""

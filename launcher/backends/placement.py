@@ -188,37 +188,48 @@ def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str
 
 
 def usable_cpus(*, cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
-    """CPUs this process can keep busy at once: the affinity mask (taskset, cpuset), capped by a
-    cgroup CPU quota (a container's `--cpus`; v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`),
-    rounded up as the JVM and Go runtimes round it. At least 1. Unreadable cgroup files mean no quota."""
+    """CPUs this process can keep busy at once: the affinity mask (taskset, cpuset), capped by the
+    tightest cgroup CPU quota on the way to the root (a container's `--cpus`, a systemd slice's
+    CPUQuota; v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded down: a stage
+    needs a whole CPU to compute without waiting (1.5 CPUs run one stage at a time and a half).
+    At least 1. Unreadable cgroup files count as no quota."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = cgroup_cpu_quota(cgroup_root=cgroup_root, proc_cgroup=proc_cgroup)
-    return max(1, min(cpus, math.ceil(quota)) if quota is not None else cpus)
+    return max(1, min(cpus, math.floor(quota)) if quota is not None else cpus)
 
 
 def cgroup_cpu_quota(*, cgroup_root: str, proc_cgroup: str) -> float | None:
-    """The CPU quota of this process's cgroup in CPUs (quota / period), or None where there is none
-    (`max`, -1, no cpu controller, files unreadable)."""
+    """The tightest CPU quota (quota / period, in CPUs) of this process's cgroup and its ancestors,
+    v1 and v2, or None where there is none (`max`, -1, no cpu controller, files unreadable). Inside
+    a container without a cgroup namespace the listed path may not exist below `cgroup_root`; its
+    ancestors that do, and the root, are read."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
         return None
+    quotas = []
     for line in lines:  # "0::/path" (v2) or "4:cpu,cpuacct:/path" (v1)
-        _, controllers, path = line.split(":", 2)
-        rel = path.lstrip("/")
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":
-            candidates = [(Path(cgroup_root, rel, "cpu.max"), None), (Path(cgroup_root, "cpu.max"), None)]
+            bases, files = [Path(cgroup_root)], ("cpu.max", None)
         elif "cpu" in controllers.split(","):
-            base = Path(cgroup_root, controllers) if Path(cgroup_root, controllers).is_dir() else Path(cgroup_root, "cpu")
-            candidates = [(base / rel / "cpu.cfs_quota_us", base / rel / "cpu.cfs_period_us"),
-                          (base / "cpu.cfs_quota_us", base / "cpu.cfs_period_us")]
+            names = (controllers, ",".join(sorted(controllers.split(","))), "cpu")
+            bases, files = [Path(cgroup_root, n) for n in names], ("cpu.cfs_quota_us", "cpu.cfs_period_us")
         else:
             continue
-        for quota_file, period_file in candidates:
-            quota = _read_quota(quota_file, period_file)
+        base = next((b for b in bases if b.is_dir()), None)
+        if base is None:
+            continue
+        rel = [p for p in path.split("/") if p]
+        for depth in range(len(rel), -1, -1):  # the cgroup itself, then each ancestor, then the root
+            here = base.joinpath(*rel[:depth])
+            quota = _read_quota(here / files[0], None if files[1] is None else here / files[1])
             if quota is not None:
-                return quota
-    return None
+                quotas.append(quota)
+    return min(quotas) if quotas else None
 
 
 def _read_quota(quota_file: Path, period_file: Path | None) -> float | None:

@@ -10,13 +10,15 @@ Must not: start or stop processes (PipelineSession does).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from launcher.backends.placement import usable_cpus
 from launcher.coordinator.session import PipelineSession
-from pipeline.measure.handoffs import handoff_latency
+from pipeline.measure.handoffs import handoff_latency, plain_decode_estimate
 from pipeline.measure.metrics import inter_token_gaps_s, latency_summary
 from pipeline.speculation.sampling import SamplingParams
 
@@ -83,9 +85,38 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     }
     if coord.record_timeline:
         report["stats"]["handoffs"] = handoff_latency(times.slices, len(stages))
+    report["stats"].update(_speedup_estimate(session, results))
     if timeline:
         report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report
+
+
+def _speedup_estimate(session: PipelineSession, results) -> dict:
+    """`plain_tpot_ms_estimate`, `speedup_estimate` (over it) and `estimate_includes_exit_head` of a
+    single speculative sequence, from the timeline; {} where [Note: plain decode estimate] (in
+    pipeline/measure/handoffs.py) says it would mislead: stages sharing CPUs, several nodes, a
+    host busier than its CPUs (1-minute load average above the CPUs + 1), several sequences."""
+    options, coord = session.options, session.coordinator
+    if (options.speculate == "none" or len(results) != 1 or not coord.record_timeline
+            or len(results[0].token_ids) < 2 or options.placement.multi_node
+            or options.parallel_stages < options.num_stages or _host_busy()):
+        return {}
+    exit_stage = session.model.exit_stage if options.needs_exit_head else None
+    head_ms = max((r.exit_head_row_s for r in session.load_responses), default=0.0) * 1e3
+    est = plain_decode_estimate(coord.timeline.slices, len(session.model.ranges), exit_stage=exit_stage,
+                                exit_head_ms=head_ms)
+    tpot_ms = (results[0].e2e_s - results[0].ttft_s) / (len(results[0].token_ids) - 1) * 1e3
+    if est is None or tpot_ms <= 0:
+        return {}
+    return {"plain_tpot_ms_estimate": est["plain_tpot_ms"], "speedup_estimate": round(est["plain_tpot_ms"] / tpot_ms, 3),
+            "estimate_includes_exit_head": est["exit_head_included"]}
+
+
+def _host_busy() -> bool:
+    """Whether other work competed for this host's CPUs (load average over 1 minute > CPUs + 1)."""
+    if not hasattr(os, "getloadavg"):
+        return False
+    return os.getloadavg()[0] > usable_cpus() + 1
 
 
 def _speculate_json(speculate: tuple[str, str] | None) -> dict:
@@ -111,6 +142,8 @@ def plural(n: int, word: str) -> str:
 
 
 def print_report(report: dict, *, streamed: bool) -> None:
+    """The outputs (unless one was streamed) on stdout, then the one-line summary on stderr: tokens,
+    tokens/s, stage busy fractions and handoffs, acceptance, the speed-up estimate, token trees."""
     if not streamed:
         for i, out in enumerate(report["outputs"]):
             print(f"=== [{i}] {out['prompt']}")
@@ -126,6 +159,9 @@ def print_report(report: dict, *, streamed: bool) -> None:
         spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
                 f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
                 f"{stats['tokens_per_pass']:.2f} tokens per pass")
+    if stats.get("speedup_estimate"):
+        head = ", exit head included" if stats["estimate_includes_exit_head"] else ""
+        spec += f"; about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})"
     if stats.get("tree_verified"):
         spec += (f"; tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
                  f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")

@@ -230,7 +230,9 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
                   draft_at=args.draft_at, deep_draft_min_acceptance=args.deep_draft_min_acceptance,
                   firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob,
                   draft_tree=args.draft_tree)
-    check_auto_flags(tuning, speculate=speculate, why=why)
+    placement = placement_from_args(args)
+    if num_stages >= 1 and not (placement.multi_node and placement.node_rank > 0):  # RunConfig names bad counts;
+        check_auto_flags(tuning, speculate=speculate, why=why)  # members run node 0's choice, not their own
     return PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
@@ -238,7 +240,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
-        placement=placement_from_args(args), record_timeline=not getattr(args, "no_timeline", False))
+        placement=placement, record_timeline=not getattr(args, "no_timeline", False))
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:

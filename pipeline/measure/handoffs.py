@@ -17,6 +17,20 @@ minus ready (clipped at 0):
   items' inputs. Drafts and prefills have no such input and are not counted.
 In a single-stream decode with S stages, the time per token is the sum of the stage slices plus the
 S - 1 handoffs and the ring return.
+
+[Note: plain decode estimate]
+That sum, taken from a speculative run's own timeline, estimates what the same run would have cost
+per token without speculation (`plain_decode_estimate`): per stage the median of its one-row
+slices (a DECODE or draft item alone, no token-tree siblings, no FIRP pseudo rows: the shape of a
+plain decode pass), on the exit stage only those without the exit head where at least
+MIN_HEAD_FREE_SLICES ran without it, else all of them less the head's cost per row that the exit
+stage timed at load (without that cost, all of them, and the estimate says it includes the head),
+plus the median handoffs and ring return. It assumes every stage computes on its own cores: passes timed
+while stages or other processes compete for the same CPUs are slower than a plain run's would be,
+and the estimate then reads high (at --stages 4 on 2 loaded CPUs it said 1.17x for a run at 0.61x). So
+`launch` makes none where local stages share CPUs, across nodes (each host has its own clock), or on
+a host busier than its CPUs. Only a single sequence decodes like this: with several, plain decode
+pipelines them too, and no estimate is made.
 """
 
 from __future__ import annotations
@@ -91,3 +105,44 @@ def _ring_returns(per_stage: dict[int, list[Slice]], prev: dict[int, int], num_s
         if inputs:
             pairs.append((s.start_ns, max(max(inputs), prev[id(s)])))
     return pairs
+
+
+MIN_HEAD_FREE_SLICES = 3  # exit-stage slices without the exit head that the estimate needs to leave the head out
+
+
+def _plain_shape(s: Slice) -> bool:
+    """A one-row pass of one DECODE or DRAFT item: the shape of a plain decode pass."""
+    if len(s.items) != 1:
+        return False
+    it = s.items[0]
+    return it.num_tokens == 1 and not it.siblings and not it.num_pseudo and it.kind in (ItemKind.DECODE, ItemKind.DRAFT)
+
+
+def plain_decode_estimate(slices: Iterable[Slice], num_stages: int, *, exit_stage: int | None,
+                          exit_head_ms: float = 0.0) -> dict | None:
+    """[Note: plain decode estimate]: {"plain_tpot_ms": estimated time per token without speculation,
+    "exit_head_included": True where the exit stage had fewer than MIN_HEAD_FREE_SLICES one-row
+    slices without the exit head and no head cost was given (the estimate then includes the head)},
+    or None when a stage has no one-row slice (nothing to estimate from).
+    exit_stage: the stage that runs the exit head (None: no head ran); exit_head_ms: the head's
+    measured cost per row (the stages' start-up calibration; 0 = unknown), taken off where the exit
+    stage's term had to include it. Raises ValueError for num_stages < 1."""
+    slices = list(slices)
+    hops = handoff_latency(slices, num_stages)
+    total_ms, with_head = 0.0, False
+    for stage in range(num_stages):
+        rows = [s for s in slices if s.stage == stage and _plain_shape(s)]
+        if not rows:
+            return None
+        head_ms = 0.0
+        if stage == exit_stage:
+            free = [s for s in rows if not s.items[0].want_exit]
+            if len(free) >= MIN_HEAD_FREE_SLICES:
+                rows = free
+            elif exit_head_ms > 0:
+                head_ms = exit_head_ms
+            else:
+                with_head = True
+        total_ms += statistics.median(s.duration_ns for s in rows) / 1e6 - head_ms
+    total_ms += sum(h["p50_ms"] for h in hops["stage_handoff"]) + hops["ring_return"]["p50_ms"]
+    return {"plain_tpot_ms": round(total_ms, 3), "exit_head_included": with_head}

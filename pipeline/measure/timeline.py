@@ -32,7 +32,8 @@ class ItemRecord:
     """One item of a micro-batch as the timeline keeps it: positions [start, start + num_tokens)
     of `seq_id` at `epoch`, its kind, and whether its result was committed (False: squashed,
     stale or dropped); the FIRP pseudo rows it carried and whether the exit stage ran its head on
-    it (what the simulator's cost model prices, pipeline/measure/calibrate.py)."""
+    it (what the simulator's cost model prices, pipeline/measure/calibrate.py), and its token-tree
+    sibling rows."""
 
     seq_id: int
     start: int
@@ -42,6 +43,7 @@ class ItemRecord:
     committed: bool
     num_pseudo: int = 0
     want_exit: bool = False
+    siblings: int = 0  # token-tree sibling rows after the item's own (Item.alt_token_ids)
 
     def to_json(self) -> dict:
         out = {"seq_id": self.seq_id, "positions": [self.start, self.start + self.num_tokens], "epoch": self.epoch,
@@ -50,6 +52,8 @@ class ItemRecord:
             out["num_pseudo"] = self.num_pseudo
         if self.want_exit:
             out["want_exit"] = True
+        if self.siblings:
+            out["siblings"] = self.siblings
         return out
 
 
@@ -123,7 +127,7 @@ class Timeline:
         if committed is None:
             committed = [useful_share >= 1.0] * len(items)
         records = tuple(ItemRecord(it.seq_id, it.start, it.num_tokens, it.epoch, it.kind, bool(c), it.num_pseudo,
-                                   it.wants_exit_guess)
+                                   it.wants_exit_guess, it.num_rows - it.num_tokens)
                         for it, c in zip(items, committed, strict=True))
         if timing and draft_ready_ns and self._last_end_ns[timing[0].stage]:
             first = timing[0]

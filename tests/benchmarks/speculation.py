@@ -43,6 +43,7 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from pipeline.engine.records import DEEP_ACCEPTANCE
+from pipeline.measure.handoffs import plain_decode_estimate
 from pipeline.measure.simulator import closed_form_speedup
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import held_out_prompts
@@ -74,7 +75,14 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     decode_s = out.e2e_s - out.ttft_s
     spec = coord.spec
     wasted = [f.wasted for f in coord.timeline.fractions(start_ns, end_ns)] if coord.record_timeline else []
+    exit_stage = session.model.exit_stage if session.options.needs_exit_head else None
+    head_ms = max((r.exit_head_row_s for r in session.load_responses), default=0.0) * 1e3
+    est = plain_decode_estimate(coord.timeline.slices, len(session.model.ranges), exit_stage=exit_stage,
+                                exit_head_ms=head_ms)  # as `launch` makes it (launcher/cli/launch.py)
+    tpot_ms = decode_s / (len(out.token_ids) - 1) * 1e3
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
+            "estimated_speedup": est["plain_tpot_ms"] / tpot_ms if est else None,
+            "estimate_includes_exit_head": bool(est and est["exit_head_included"]),
             "drafted": spec.drafted_tokens, "verified": spec.verified_drafts, "accepted": spec.accepted_tokens,
             "firp_verified": spec.firp_verified, "firp_accepted": spec.firp_accepted,
             "tokens_per_pass": spec.tokens_per_pass, "gated": spec.gated_drafts, "stage_drafted": spec.stage_drafted,
@@ -111,7 +119,10 @@ def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
     firp_verified = sum(r["firp_verified"] for r in rows)
     tree_verified = sum(r["tree_verified"] for r in rows)
     tree_drafts = sum(r["tree_drafts"] for r in rows)
+    estimates = [r["estimated_speedup"] for r in rows if r["estimated_speedup"] is not None]
     return {"ratio_median": statistics.median(ratios), "ratios": ratios, "acceptance_rate": alpha,
+            # [Note: plain decode estimate] in pipeline/measure/handoffs.py: what `launch` prints, against the ratio
+            "estimated_speedups": estimates,
             "verified": verified, "drafted": sum(r["drafted"] for r in rows), "gated": sum(r["gated"] for r in rows),
             "stage_drafted": sum(r["stage_drafted"] for r in rows), "withdrawn": sum(r["withdrawn"] for r in rows),
             "firp_acceptance": sum(r["firp_accepted"] for r in rows) / firp_verified if firp_verified else 0.0,
@@ -153,17 +164,21 @@ def run(args: argparse.Namespace) -> dict:
               "exit_predictor": args.exit_predictor, "sets": {}}
     for name, by_config in rows.items():
         base = by_config["none"]
+        own = [r["estimated_speedup"] for r in base if r["estimated_speedup"] is not None]
         report["sets"][name] = {"none_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in base),
+                                # the estimate on plain decode itself: 1.0 if the sum of its parts were exact
+                                "none_estimated_speedup": statistics.median(own) if own else None,
                                 "configs": {c: summarise(by_config[c], base, args.stages) for c in configs[1:]}}
     return report
 
 
 def print_table(report: dict) -> None:
-    print(f"{'set':<9} {'config':<28} {'ratio':>6} {'alpha':>6} {'tok/ver':>7} {'wasted':>6} {'gap':>6} "
+    print(f"{'set':<9} {'config':<28} {'ratio':>6} {'est':>6} {'alpha':>6} {'tok/ver':>7} {'wasted':>6} {'gap':>6} "
           f"{'c-form':>6} {'tree':>5} {'rescue':>6} exact")
     for name, entry in report["sets"].items():
         for c, e in entry["configs"].items():
-            print(f"{name:<9} {c[-28:]:<28} {e['ratio_median']:>5.2f}x {e['acceptance_rate']:>6.2f} "
+            est = statistics.median(e["estimated_speedups"]) if e["estimated_speedups"] else float("nan")
+            print(f"{name:<9} {c[-28:]:<28} {e['ratio_median']:>5.2f}x {est:>5.2f}x {e['acceptance_rate']:>6.2f} "
                   f"{e['tokens_per_verify']:>7.2f} {e['wasted_fraction']:>6.1%} {e['draft_gap_share']:>6.1%} "
                   f"{e['closed_form']:>5.2f}x {e['tree_acceptance']:>5.2f} {e['rescues']:>6} {e['token_identical']}")
 

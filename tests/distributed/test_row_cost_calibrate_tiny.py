@@ -39,7 +39,7 @@ def test_calibrated_row_costs_give_the_tokens_of_no_table(tiny_model_dir: Path, 
                  for p in PROMPTS]
     split = {2: "2,2", 3: "1,2,1"}[num_stages]
     common = dict(layer_split=split, speculate="speed", predictor="logit-lens")
-    plain, _ = _tokens(session_options(tiny_model_dir, num_stages, row_cost="none", **common), PROMPTS[:1])
+    plain, uncalibrated = _tokens(session_options(tiny_model_dir, num_stages, row_cost="none", **common), PROMPTS[:1])
     calibrated, session = _tokens(session_options(tiny_model_dir, num_stages, row_cost="calibrate", **common), PROMPTS)
     assert plain[0] == calibrated[0] == reference[0], "row-cost calibration changed greedy output"
     assert calibrated == reference
@@ -49,6 +49,8 @@ def test_calibrated_row_costs_give_the_tokens_of_no_table(tiny_model_dir: Path, 
     # the exit stage (stage 0: the logit lens after its last layer) also timed its exit head; no other stage has one
     assert session.load_responses[0].exit_head_row_s > 0
     assert all(r.exit_head_row_s == 0 for r in session.load_responses[1:])
+    # without calibration the exit head is still timed: launch's speed-up estimate takes it off
+    assert not uncalibrated.load_responses[0].row_costs and uncalibrated.load_responses[0].exit_head_row_s > 0
     # the pipeline's table is the sum of the stages' (pipeline/measure/row_cost.py [Note: combining stage tables])
     one_row = sum(r.row_costs[0].pass_s for r in session.load_responses)
     assert table.pass_s[0] == pytest.approx(one_row)

@@ -116,21 +116,33 @@ def _cgroup(tmp_path, proc: str, files: dict[str, str]) -> dict[str, str]:
     ("0::/docker/abc\n", {"fs/docker/abc/cpu.max": "150000 100000\n"}, 1.5),  # v2, own cgroup
     ("0::/\n", {"fs/cpu.max": "100000 100000\n"}, 1.0),  # v2, container's namespace root
     ("0::/\n", {"fs/cpu.max": "max 100000\n"}, None),
+    ("0::/system.slice/app.service\n",  # a parent slice's CPUQuota is tighter than the service's own
+     {"fs/system.slice/cpu.max": "200000 100000", "fs/system.slice/app.service/cpu.max": "max 100000"}, 2.0),
+    ("0::/system.slice/app.service\n",  # the tightest of the chain wins
+     {"fs/system.slice/cpu.max": "400000 100000", "fs/system.slice/app.service/cpu.max": "300000 100000"}, 3.0),
+    ("0::/docker/abc\n", {"fs/cpu.max": "250000 100000"}, 2.5),  # no cgroup namespace: the path is not mounted
     ("4:cpu,cpuacct:/k8s/pod\n1:name=systemd:/\n",
      {"fs/cpu,cpuacct/k8s/pod/cpu.cfs_quota_us": "300000", "fs/cpu,cpuacct/k8s/pod/cpu.cfs_period_us": "100000"}, 3.0),
+    ("4:cpuacct,cpu:/k8s\n",  # the line lists the controllers in another order than the directory
+     {"fs/cpu,cpuacct/k8s/cpu.cfs_quota_us": "50000", "fs/cpu,cpuacct/k8s/cpu.cfs_period_us": "100000"}, 0.5),
     ("1:cpu:/\n", {"fs/cpu/cpu.cfs_quota_us": "-1", "fs/cpu/cpu.cfs_period_us": "100000"}, None),  # v1, no quota
+    ("0::/\n1:cpu:/\n", {"fs/cpu/cpu.cfs_quota_us": "100000", "fs/cpu/cpu.cfs_period_us": "100000"}, 1.0),  # hybrid
     ("1:memory:/x\n", {}, None),  # no cpu controller
     ("0::/\n", {"fs/cpu.max": "garbage"}, None),
+    ("0::/\n", {"fs/cpu.max": "100000 0"}, None),  # period 0
+    ("not a cgroup line\n0::/\n", {"fs/cpu.max": "100000 100000"}, 1.0),  # a malformed line is skipped
 ])
 def test_cgroup_cpu_quota_reads_v1_and_v2(tmp_path, proc, files, want):
     assert cgroup_cpu_quota(**_cgroup(tmp_path, proc, files)) == want
 
 
-def test_usable_cpus_caps_the_affinity_mask_by_the_quota_rounded_up(tmp_path, monkeypatch):
+def test_usable_cpus_caps_the_affinity_mask_by_the_quota_rounded_down(tmp_path, monkeypatch):
+    """A stage needs a whole CPU to compute without waiting: 1.5 CPUs run one stage at a time."""
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
-    assert usable_cpus(**_cgroup(tmp_path / "a", "0::/\n", {"fs/cpu.max": "150000 100000"})) == 2
-    assert usable_cpus(**_cgroup(tmp_path / "b", "0::/\n", {"fs/cpu.max": "800000 100000"})) == 4  # the mask caps
-    assert usable_cpus(**_cgroup(tmp_path / "c", "0::/\n", {"fs/cpu.max": "20000 100000"})) == 1  # at least one
+    assert usable_cpus(**_cgroup(tmp_path / "a", "0::/\n", {"fs/cpu.max": "150000 100000"})) == 1
+    assert usable_cpus(**_cgroup(tmp_path / "b", "0::/\n", {"fs/cpu.max": "250000 100000"})) == 2
+    assert usable_cpus(**_cgroup(tmp_path / "c", "0::/\n", {"fs/cpu.max": "800000 100000"})) == 4  # the mask caps
+    assert usable_cpus(**_cgroup(tmp_path / "d", "0::/\n", {"fs/cpu.max": "20000 100000"})) == 1  # at least one
     assert usable_cpus(cgroup_root=str(tmp_path / "none"), proc_cgroup=str(tmp_path / "missing")) == 4
 
 

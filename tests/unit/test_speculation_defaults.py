@@ -122,3 +122,22 @@ def test_flag_defaults_match_the_options_defaults_so_untouched_flags_pass():
     values["min_acceptance"] = min_acceptance_arg(values["min_acceptance"])
     assert tuned_flags(values, {**SPEED_TUNING, **FIRP_TUNING}) == []
     check_auto_flags(values | {"draft_tree": 3}, speculate="none", why="")  # the user's own mode: not auto's business
+
+
+def test_a_bad_stage_count_gets_its_own_error_before_the_flag_check(two_cpus):
+    args = build_parser().parse_args(["launch", "--stages", "0", "--draft-tree", "3", "--prompt", "x"])
+    with pytest.raises(ValueError, match="num_stages must be >= 1") as err:
+        pipeline_options(args, progress=False)
+    assert not isinstance(err.value, UsageError)  # RunConfig's message, not auto's
+
+
+def test_a_multi_node_member_runs_node_0s_choice_and_does_not_judge_the_flags(two_cpus):
+    """A member (--node-rank > 0) only runs its stages; node 0 decides the mode and checks the flags."""
+    parser = build_parser()
+    def node(rank: int) -> list[str]:  # 2 threads a stage on 2 CPUs a node: 2 of 4 stages compute at once
+        return ["launch", "--stages", "4", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                "--threads-per-stage", "2", "--draft-at", "stage", "--prompt", "x"]
+
+    assert pipeline_options(parser.parse_args(node(1)), progress=False).num_stages == 4
+    with pytest.raises(UsageError, match="--draft-at tunes SPEED drafts.*2 of 4 stages"):
+        pipeline_options(parser.parse_args(node(0)), progress=False)

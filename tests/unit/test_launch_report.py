@@ -1,0 +1,77 @@
+"""When `launch` prints a speed-up estimate (launcher/cli/launch.py `_speedup_estimate`; [Note: plain
+decode estimate] in pipeline/measure/handoffs.py), and what it reports.
+
+What breaks when these fail: `launch` tells a user their run was faster than plain decode where the
+estimate is known to read high (stages sharing CPUs, a busy host, several nodes), or estimates a
+multi-prompt run as if it were one stream.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from launcher.cli import launch
+from pipeline.measure.timeline import StageTiming, Timeline
+from pipeline.speculation.items import Item, ItemKind
+
+MS = 1_000_000
+
+
+def _session(*, speculate="speed", parallel=2, multi_node=False, head_s=0.0, record=True) -> types.SimpleNamespace:
+    """A finished 2-stage single-stream run: 4 one-row passes of 10 + 6 ms, no waits, 3 of them
+    without the exit head; the exit head is on stage 0."""
+    tl = Timeline(2)
+    for pos in range(4):
+        item = Item(seq_id=0, slot=0, start=5 + pos, num_tokens=1, epoch=0, kind=ItemKind.DECODE, want_exit=pos == 0)
+        t = pos * 16 * MS
+        tl.record([StageTiming(0, t, t + 10 * MS), StageTiming(1, t + 10 * MS, t + 16 * MS)], [item], 1.0)
+    options = types.SimpleNamespace(speculate=speculate, parallel_stages=parallel, num_stages=2, needs_exit_head=True,
+                                    placement=types.SimpleNamespace(multi_node=multi_node))
+    return types.SimpleNamespace(options=options, coordinator=types.SimpleNamespace(record_timeline=record, timeline=tl),
+                                 model=types.SimpleNamespace(exit_stage=0, ranges=[range(0, 15), range(15, 30)]),
+                                 load_responses=[types.SimpleNamespace(exit_head_row_s=head_s)])
+
+
+def _result(tokens=33, decode_s=0.4):  # 32 decode steps of 12.5 ms
+    return types.SimpleNamespace(token_ids=list(range(tokens)), ttft_s=0.1, e2e_s=0.1 + decode_s)
+
+
+@pytest.fixture
+def quiet_host(monkeypatch):
+    monkeypatch.setattr(launch, "_host_busy", lambda: False)
+
+
+def test_one_stream_on_own_cores_gets_the_estimate_and_its_ratio(quiet_host):
+    out = launch._speedup_estimate(_session(), [_result()])
+    assert out == {"plain_tpot_ms_estimate": 16.0, "speedup_estimate": pytest.approx(16 / 12.5, abs=1e-3),
+                   "estimate_includes_exit_head": False}
+
+
+@pytest.mark.parametrize(("session", "results"), [
+    (dict(speculate="none"), 1),  # plain decode: nothing to compare
+    (dict(parallel=1), 1),  # stages share CPUs: the passes are slower than plain decode's
+    (dict(multi_node=True), 1),  # each host its own clock
+    (dict(record=False), 1),  # --no-timeline
+    ({}, 2),  # two streams: plain decode pipelines them too
+])
+def test_no_estimate_where_it_would_mislead(quiet_host, session, results):
+    assert launch._speedup_estimate(_session(**session), [_result()] * results) == {}
+
+
+def test_a_busy_host_gets_no_estimate(monkeypatch):
+    monkeypatch.setattr(launch.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    assert launch._host_busy()
+    assert launch._speedup_estimate(_session(), [_result()]) == {}
+    monkeypatch.setattr(launch.os, "getloadavg", lambda: (2.5, 2.0, 2.0))  # its own 2 stages: not busy
+    assert not launch._host_busy()
+
+
+def test_the_summary_line_says_it_is_an_estimate(capsys):
+    stats = {"generated_tokens": 33, "wall_s": 0.5, "tokens_per_s": 66.0, "drafted_tokens": 0,
+             "stages": [{"stage": 0, "busy_fraction": 0.9}], "speedup_estimate": 1.28,
+             "estimate_includes_exit_head": True}
+    launch.print_report({"outputs": [], "stats": stats}, streamed=True)
+    assert "about 1.28x plain decode (estimated from this run's passes, exit head included)" in capsys.readouterr().err
