@@ -96,6 +96,15 @@ def linear_shapes(model) -> list[tuple[str, int, int, bool]]:
     return shapes
 
 
+def gemv_counts(model) -> dict[tuple[int, int, bool], int]:
+    """(in, out, stored transposed) -> GEMVs of that shape in one one-row pass of `model` (every
+    linear once, the LM head included: a tied head is a module of its own on the last stage)."""
+    counts: dict[tuple[int, int, bool], int] = {}
+    for _, k, n, t in linear_shapes(model):
+        counts[(k, n, t)] = counts.get((k, n, t), 0) + 1
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="fp32-fast", choices=("fp32-fast", "fp32"))
@@ -111,13 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         wall = pass_wall_ms(run, args.repeats)
         ops = profile_ops(run)
-    counts: dict[tuple[int, int, bool], int] = {}
-    for _, k, n, t in linear_shapes(model):
-        counts[(k, n, t)] = counts.get((k, n, t), 0) + 1
-    if not model.is_last or not any(n == model.config.vocab_size for _, _, n, _ in linear_shapes(model)):
-        counts[(model.config.hidden_size, model.config.vocab_size, args.mode == "fp32-fast")] = 1  # a tied head
     gemvs = []
-    for (k, n, t), count in sorted(counts.items()):
+    for (k, n, t), count in sorted(gemv_counts(model).items()):
         us = gemv_us(k, n, transposed=t)
         gemvs.append({"in": k, "out": n, "transposed": t, "per_pass": count, "us": round(us, 1),
                       "gb_per_s": round(k * n * 4 / us / 1e3, 1)})
