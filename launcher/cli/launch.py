@@ -102,9 +102,8 @@ def _speedup_estimate(session: PipelineSession, results) -> dict:
             or options.parallel_stages < options.num_stages or _host_busy()):
         return {}
     exit_stage = session.model.exit_stage if options.needs_exit_head else None
-    head_ms = max((r.exit_head_row_s for r in session.load_responses), default=0.0) * 1e3
     est = plain_decode_estimate(coord.timeline.slices, len(session.model.ranges), exit_stage=exit_stage,
-                                exit_head_ms=head_ms)
+                                exit_head_ms=session.exit_head_ms)
     tpot_ms = (results[0].e2e_s - results[0].ttft_s) / (len(results[0].token_ids) - 1) * 1e3
     if est is None or tpot_ms <= 0:
         return {}

@@ -278,7 +278,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with session:
         if session.row_costs is not None and options.calibrates_row_costs:  # stderr, so also with --json
-            head_ms = max((r.exit_head_row_s for r in session.load_responses), default=0.0) * 1e3
+            head_ms = session.exit_head_ms
             say(f"row costs calibrated at start-up (sum of {options.num_stages} stages): {ratio_line(session.row_costs)}"
                 + (f"; exit head {head_ms:.2f} ms a row" if head_ms else ""))
         if not args.json:

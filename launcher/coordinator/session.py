@@ -156,6 +156,12 @@ class PipelineSession:
         return lines
 
     @property
+    def exit_head_ms(self) -> float:
+        """Milliseconds the exit stage's exit head takes on one row, as the stage timed it at load
+        (workers/stage_worker.py); 0 where no stage runs an exit head or before start."""
+        return max((r.exit_head_row_s for r in self.load_responses), default=0.0) * 1e3
+
+    @property
     def processes(self) -> LocalStageProcesses | None:
         """The local stage processes (local backend only; None otherwise)."""
         return self.backend.processes if isinstance(self.backend, LocalStageBackend) else None

@@ -76,9 +76,8 @@ def measure(session: PipelineSession, prompt: str, max_new_tokens: int) -> dict:
     spec = coord.spec
     wasted = [f.wasted for f in coord.timeline.fractions(start_ns, end_ns)] if coord.record_timeline else []
     exit_stage = session.model.exit_stage if session.options.needs_exit_head else None
-    head_ms = max((r.exit_head_row_s for r in session.load_responses), default=0.0) * 1e3
     est = plain_decode_estimate(coord.timeline.slices, len(session.model.ranges), exit_stage=exit_stage,
-                                exit_head_ms=head_ms)  # as `launch` makes it (launcher/cli/launch.py)
+                                exit_head_ms=session.exit_head_ms)  # as `launch` makes it (launcher/cli/launch.py)
     tpot_ms = decode_s / (len(out.token_ids) - 1) * 1e3
     return {"decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s, "token_ids": out.token_ids,
             "estimated_speedup": est["plain_tpot_ms"] / tpot_ms if est else None,

@@ -31,7 +31,7 @@ def _session(*, speculate="speed", parallel=2, multi_node=False, head_s=0.0, rec
                                     placement=types.SimpleNamespace(multi_node=multi_node))
     return types.SimpleNamespace(options=options, coordinator=types.SimpleNamespace(record_timeline=record, timeline=tl),
                                  model=types.SimpleNamespace(exit_stage=0, ranges=[range(0, 15), range(15, 30)]),
-                                 load_responses=[types.SimpleNamespace(exit_head_row_s=head_s)])
+                                 exit_head_ms=head_s * 1e3)
 
 
 def _result(tokens=33, decode_s=0.4):  # 32 decode steps of 12.5 ms
