@@ -31,12 +31,12 @@ def openai_finish_reason(reason) -> str:
 
 def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Sequence[int]],
                params: Sequence[SamplingParams], *, stream: bool = False, timeline: bool = False,
-               speculate: tuple[str, str] | None = None) -> dict:
+               speculate_reason: str = "") -> dict:
     """Run all prompts concurrently; returns {"outputs": [...], "stats": {...}} (see README).
     prompts: texts or token-id lists; timeline: also return the recorded slices under "timeline"
     (stage, start/end ns relative to the run's start, items with seq, positions, epoch, kind, outcome);
-    speculate: (the speculation mode in force, why `--speculate auto` chose it or ""), reported as
-    stats "speculate" and "speculate_reason" (null when the user chose the mode)."""
+    speculate_reason: why `--speculate auto` chose the session's mode ("" when the user chose it);
+    stats "speculate" is the mode in force, "speculate_reason" this reason (null when "")."""
     coord = session.coordinator
     coord.reset_stats()
     start_ns = time.perf_counter_ns()
@@ -50,18 +50,8 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     results = [h.result() for h in handles]
     end_ns = time.perf_counter_ns()
     wall_s = (end_ns - start_ns) / 1e9
-    stage_stats = coord.stage_stats()
     times, spec = coord.timeline, coord.spec
-    fractions = times.fractions(start_ns, end_ns) if coord.record_timeline else None
-    stages = []
-    for i, (st, r) in enumerate(zip(stage_stats, session.model.ranges, strict=True)):
-        if fractions is not None:
-            row = fractions[i].to_json()
-        else:  # no timeline: busy from the stage's own counters, no useful/wasted split
-            busy = st.busy_ns / (st.wall_ns or 1)
-            row = {"stage": i, "busy_fraction": round(busy, 4), "idle_fraction": round(1 - busy, 4)}
-        stages.append({**row, "layers": [r.start, r.stop], "rss_mb": round(st.rss_bytes / 2**20, 1),
-                       "weights_mb": round(st.weights_bytes / 2**20, 2)})
+    stages = _stage_rows(session, times.fractions(start_ns, end_ns) if coord.record_timeline else None)
     idle = [s["idle_fraction"] for s in stages]
     summary = latency_summary(num_tokens=[len(r.token_ids) for r in results], ttft_s=[r.ttft_s for r in results],
                               e2e_s=[r.e2e_s for r in results], wall_s=wall_s,
@@ -70,7 +60,8 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
         "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
                      "finish_reason": openai_finish_reason(r.finish_reason),
                      "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4)} for r in results],
-        "stats": {"wall_s": round(wall_s, 4), **summary, **_speculate_json(speculate),
+        "stats": {"wall_s": round(wall_s, 4), **summary, "speculate": session.options.speculate,
+                  "speculate_reason": speculate_reason or None,
                   "bubble_fraction": round(sum(idle) / len(idle), 4),
                   "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
                   "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
@@ -89,6 +80,21 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     if timeline:
         report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report
+
+
+def _stage_rows(session: PipelineSession, fractions) -> list[dict]:
+    """Per stage: busy / useful / wasted / idle fractions (from the timeline's `fractions`, or, with
+    none, busy from the stage's own counters), its layers, RSS and weight memory."""
+    rows = []
+    for i, (st, r) in enumerate(zip(session.coordinator.stage_stats(), session.model.ranges, strict=True)):
+        if fractions is not None:
+            row = fractions[i].to_json()
+        else:  # no timeline: busy from the stage's own counters, no useful/wasted split
+            busy = st.busy_ns / (st.wall_ns or 1)
+            row = {"stage": i, "busy_fraction": round(busy, 4), "idle_fraction": round(1 - busy, 4)}
+        rows.append({**row, "layers": [r.start, r.stop], "rss_mb": round(st.rss_bytes / 2**20, 1),
+                     "weights_mb": round(st.weights_bytes / 2**20, 2)})
+    return rows
 
 
 def _speedup_estimate(session: PipelineSession, results) -> dict:
@@ -116,13 +122,6 @@ def _host_busy() -> bool:
     if not hasattr(os, "getloadavg"):
         return False
     return os.getloadavg()[0] > usable_cpus() + 1
-
-
-def _speculate_json(speculate: tuple[str, str] | None) -> dict:
-    if speculate is None:
-        return {}
-    mode, why = speculate
-    return {"speculate": mode, "speculate_reason": why or None}
 
 
 def write_trace(session: PipelineSession, path: str) -> None:

@@ -224,6 +224,12 @@ def speculation_choice(args: argparse.Namespace, num_stages: int) -> tuple[str, 
 
 def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
     """PipelineOptions from launch's / serve's flags (`--speculate auto` decided: speculation_choice)."""
+    return options_and_reason(args, progress=progress)[0]
+
+
+def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tuple[PipelineOptions, str]:
+    """(PipelineOptions from launch's / serve's flags, why `--speculate auto` chose the mode: "" when
+    the flag named it). Raises UsageError, or ValueError naming the parameter (RunConfig)."""
     num_stages, layer_split = _auto_stages(args, progress)
     speculate, why = speculation_choice(args, num_stages)
     tuning = dict(max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance),
@@ -233,7 +239,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
     placement = placement_from_args(args)
     if num_stages >= 1 and not (placement.multi_node and placement.node_rank > 0):  # RunConfig names bad counts;
         check_auto_flags(tuning, speculate=speculate, why=why)  # members run node 0's choice, not their own
-    return PipelineOptions(
+    options = PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
@@ -241,6 +247,7 @@ def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> Pipe
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
         placement=placement, record_timeline=not getattr(args, "no_timeline", False))
+    return options, why
 
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
@@ -256,12 +263,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return cmd_serve(args)
     if args.trace and args.no_timeline:
         raise UsageError("--trace needs the timeline: drop --no-timeline")
-    options = pipeline_options(args, progress=not args.no_progress and not args.json)
+    options, why = options_and_reason(args, progress=not args.no_progress and not args.json)
     if options.placement.multi_node and options.placement.node_rank > 0:
         return run_member(options)
     prompts = read_prompts(args)
     params = [sampling_params(args, i) for i in range(len(prompts))]
-    options, model, why = settle_auto(options, resolve(options), speculation_choice(args, options.num_stages)[1])
+    options, model, why = settle_auto(options, resolve(options), why)
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
                             max_model_len=options.max_model_len, what=f"prompt {i}")
@@ -284,7 +291,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1,
-                            speculate=(options.speculate, why))
+                            speculate_reason=why)
         if args.trace:
             write_trace(session, args.trace)
             if not args.json:

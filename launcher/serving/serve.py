@@ -278,19 +278,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM / Ctrl-C, then drain. Exit 2 for bad flags (nothing spawned), 1 if start-up
     fails, 0 after a drain (launcher/serving/drain.py)."""
     from launcher.backends.multinode import run_member_node
-    from launcher.cli.main import pipeline_options, say, speculation_choice
+    from launcher.cli.main import options_and_reason, say
     from launcher.cli.speculation_defaults import settle_auto
     from launcher.coordinator.run_plan import resolve
     from launcher.serving.drain import DrainSignals, serve_until_stopped
 
     serve, tls, restarts = serve_options(args), tls_files(args), restart_budget(args)
-    options = pipeline_options(args, progress=not getattr(args, "no_progress", False))
+    options, why = options_and_reason(args, progress=not getattr(args, "no_progress", False))
     if options.placement.multi_node and options.placement.node_rank > 0:  # only runs its stages; node 0 serves
         resolve(options)
         return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
                                threads_per_stage=options.threads_per_stage, say=say, tls=tls)
     serve.check_ports()
-    options, model, why = settle_auto(options, resolve(options), speculation_choice(args, options.num_stages)[1])
+    options, model, why = settle_auto(options, resolve(options), why)
     _show_stats_lines()
     freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,
