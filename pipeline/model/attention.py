@@ -182,9 +182,9 @@ def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     # expanded, cast and made contiguous in one copy (a view when every item has one float32 row)
     kk = keys[:, None].expand(b, nq, kvh, length, d).float().reshape(-1, length, d)
     vv = values[:, None].expand(b, nq, kvh, length, d).float().reshape(-1, length, d)
-    scores = torch.bmm(qq, kk.transpose(1, 2)).view(b, nq, kvh, g, length) * scale
+    scores = torch.bmm(qq, kk.transpose(1, 2)).view(b, nq, kvh, g, length).mul_(scale)  # in place: our own tensor
     if masked_out is not None:
-        scores = scores.masked_fill(masked_out[:, :, None, None, :], float("-inf"))
+        scores.masked_fill_(masked_out[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs.view(-1, g, length), vv).view(b, nq, kvh, g, d)
 
@@ -204,7 +204,7 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
         kv.write(layer, span.slot, span.start, k[:num_real].transpose(0, 1), v[:num_real].transpose(0, 1))
     else:
         kv.write_rows(layer, plan.write_slots, plan.write_positions, k[:num_real], v[:num_real])
-    out = torch.empty_like(q)
+    out = None if plan.dense_rows else torch.empty_like(q)
     if plan.small:
         h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
         if plan.dense_rows:

@@ -1,6 +1,6 @@
 """Small per-family building blocks of the decoder, chosen by ModelConfig ([Note: model families]).
 
-Owns the norm factory (Llama's RMSNorm or Gemma's (1 + w) variant), the embedding with a scale
+Owns the RMSNorm, the norm factory (Llama's RMSNorm or Gemma's (1 + w) variant), the embedding with a scale
 (Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
 tanh-approximate GELU), final logit soft-capping, and the sliding-window causal mask.
 Must not: read files or know about stages, KV slots or processes.
@@ -13,6 +13,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (arXiv 1910.07467), computed in float32 and cast back before the
+    weight multiplies it, as transformers' LlamaRMSNorm does. x: [..., dim] -> same shape and dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, dim]
+        dtype = x.dtype
+        if dtype == torch.float32:  # the same maths without the two casts (no-ops here, but dispatched)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -33,8 +52,6 @@ class GemmaRMSNorm(nn.Module):
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     """The RMSNorm this family uses over `dim` features (plain, or Gemma's when norm_weight_offset)."""
-    from pipeline.model.stage_model import RMSNorm  # model.py imports this module
-
     if config.norm_weight_offset:
         return GemmaRMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
     return RMSNorm(dim, config.rms_norm_eps)

@@ -17,23 +17,31 @@ import torch
 class KVCache:
     """Preallocated keys and values for `num_layers` layers and `max_num_seqs` slots.
 
-    Buffers: k, v: [num_layers, max_num_seqs, num_kv_heads, max_model_len + num_scratch, head_dim].
+    Buffers: k, v: [num_layers, max_num_seqs, num_kv_heads, num_positions, head_dim].
     Layer indices are local to the stage (0 .. num_layers-1). Positions [0, max_model_len) are the
     sequence's; scratch position j (0 <= j < num_scratch) sits at buffer index max_model_len + j.
+    num_positions is max_model_len + num_scratch, rounded up to a multiple of `read_block`: a reader
+    that reads keys in whole blocks (pipeline/model/attention.py KEY_BLOCK) then always gets views,
+    never a padded copy, however close a sequence is to max_model_len. The extra positions are never
+    written as a sequence's; readers mask them like any position past a slot's length.
     """
 
     def __init__(self, *, num_layers: int, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 num_scratch: int = 0) -> None:
+                 num_scratch: int = 0, read_block: int = 1) -> None:
         # Invariants: the run configuration validated both (pipeline/run_config.py).
         assert max_num_seqs >= 1 and max_model_len >= 2 and num_scratch >= 0, (max_num_seqs, max_model_len)
-        shape = (num_layers, max_num_seqs, num_kv_heads, max_model_len + num_scratch, head_dim)
+        self.read_block = read_block
+        shape = (num_layers, max_num_seqs, num_kv_heads, self._positions(max_model_len + num_scratch), head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.num_scratch = num_scratch
         self.lengths = [0] * max_num_seqs
+
+    def _positions(self, needed: int) -> int:
+        return -(-needed // self.read_block) * self.read_block
 
     @property
     def nbytes(self) -> int:
@@ -78,10 +86,11 @@ class KVCache:
     def gather(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, length) of `slots` [num_items]: two
         [num_items, num_kv_heads, length, head_dim] tensors (views for a single slot, else copies).
-        Positions past max_model_len read as zeros; past a slot's length they hold stale entries."""
-        if length > self.max_model_len:
-            k, v = self.gather(layer, slots, self.max_model_len)
-            pad = (0, 0, 0, length - self.max_model_len)
+        Positions past a slot's length hold stale entries, scratch entries or zeros (mask them);
+        past the buffer's positions they read as zeros (a padded copy)."""
+        if length > self.k.shape[3]:
+            k, v = self.gather(layer, slots, self.k.shape[3])
+            pad = (0, 0, 0, length - self.k.shape[3])
             return torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
         if slots.shape[0] == 1:
             s = int(slots[0])
@@ -100,9 +109,11 @@ class KVCache:
         buffers the first time a token tree needs more; call between forwards)."""
         if num_scratch <= self.num_scratch:
             return
-        extra = num_scratch - self.num_scratch
-        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:3], extra, t.shape[4])], dim=3)  # noqa: E731
-        self.k, self.v, self.num_scratch = pad(self.k), pad(self.v), num_scratch
+        extra = self._positions(self.max_model_len + num_scratch) - self.k.shape[3]
+        if extra > 0:
+            pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:3], extra, t.shape[4])], dim=3)  # noqa: E731
+            self.k, self.v = pad(self.k), pad(self.v)
+        self.num_scratch = num_scratch
 
     def keep_scratch(self, slot: int, scratch: int, position: int) -> None:
         """Copy scratch position `scratch` of `slot` to `position` on every layer (a verified token-tree

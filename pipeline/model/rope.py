@@ -43,11 +43,25 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables `rotate` takes, built once per forward from cos/sin [num_tokens, head_dim]: cos as
+    [num_tokens, 1, head_dim], and sin with its first half negated, [num_tokens, 1, head_dim]."""
+    half = sin.shape[-1] // 2
+    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: [num_tokens, num_heads, head_dim] by the `rotation_tables` of its rows (half-split layout).
+
+    The same numbers as x * cos + cat(-x2, x1) * sin (RoFormer, arXiv 2104.09864 §3.4.2), bit for bit:
+    negating sin instead of x is exact, and one `roll` replaces two slices, a negation and a cat
+    (three fewer ops per layer on the decode path)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x: [num_tokens, num_heads, head_dim] by cos/sin: [num_tokens, head_dim] (half-split layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return rotate(x, *rotation_tables(cos, sin))
 
 
 def config_inv_freq(config: ModelConfig, *, local: bool) -> torch.Tensor:

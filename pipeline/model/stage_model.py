@@ -1,6 +1,6 @@
 """The decoder of every supported family, cut into stages.
 
-Owns the torch modules (RMSNorm, RoPE, grouped-query attention, gated MLP, decoder layer) and
+Owns the torch modules (grouped-query attention with RoPE, gated MLP, decoder layer) and
 `StageModel`, the part of the model one pipeline stage runs: the layers of one `LayerRange`, plus
 the token embedding on the first stage and the final norm + LM head on the last.
 Must not: read files (pipeline/weights/checkpoint.py does), talk to other processes, or pick KV slots.
@@ -8,6 +8,9 @@ Must not: read files (pipeline/weights/checkpoint.py does), talk to other proces
 Tokens of several items (sequences) are packed along one axis ("varlen" layout, as in vLLM):
     x: [num_tokens] token ids (first stage) or [num_tokens, hidden_size] hidden states (others)
     spans: one `Span(slot, start, num_tokens)` per item, in the same order as the packed rows.
+
+Inside a layer, modules call their children's `forward` directly, skipping `nn.Module.__call__`'s
+hook machinery (~10 calls a layer a pass); hooks on a DecoderLayer still run: StageModel calls it.
 
 FIRP pseudo rows: [Note: pseudo rows] in pipeline/model/row_layout.py. Families: [Note: model families]
 in pipeline/model/config.py (larger blocks: pipeline/model/family_blocks.py, pipeline/model/moe.py).
@@ -21,13 +24,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipeline.model.attention import AttentionPlan, span_attention
+from pipeline.model.attention import KEY_BLOCK, AttentionPlan, span_attention
 from pipeline.model.config import ModelConfig
-from pipeline.model.family_blocks import ACTIVATION_FNS, make_embedding, make_norm, soft_cap
+from pipeline.model.family_blocks import ACTIVATION_FNS, RMSNorm, make_embedding, make_norm, soft_cap  # noqa: F401
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.moe import SparseMoE
 from pipeline.model.partition import LayerRange
-from pipeline.model.rope import apply_rope, config_inv_freq, rope_cos_sin
+from pipeline.model.rope import config_inv_freq, rope_cos_sin, rotate, rotation_tables
 from pipeline.model.row_layout import PassInterrupted, PseudoLayout, Span, anchor_rows, last_rows_of
 from pipeline.weights.checkpoint import family_tensor_name
 
@@ -45,22 +48,6 @@ class StageForward:
     out: torch.Tensor
     pseudo: torch.Tensor | None = None
     exit_hidden: torch.Tensor | None = None
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 (as Hugging Face Llama does)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, dim]
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 class Attention(nn.Module):
@@ -103,25 +90,30 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.q_proj.forward(x), self.k_proj.forward(x), self.v_proj.forward(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        return self.qkv_proj.forward(x).split([q_size, kv_size, kv_size], dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan | Sequence[Span],
                 kv: KVCache, layer: int) -> torch.Tensor:
-        # x: [num_tokens (+ num_pseudo), hidden]; cos/sin: the same rows x [head_dim]
+        # x: [num_tokens (+ num_pseudo), hidden]; cos/sin: the same rows' `rotation_tables` (pipeline/model/rope.py)
         # plan: built once per forward by StageModel.forward_rows; plain spans (no pseudo rows) also do
         if not isinstance(plan, AttentionPlan):
             plan = AttentionPlan.build(plan, None, x.device)
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self._qkv(x)
-        q, k = q.reshape(t, h, d), k.reshape(t, kvh, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # one rotation for q and k
+        if self.qkv_proj is not None and self.q_norm is None:  # q and k are adjacent columns: rotate them as one view
+            qkv = self.qkv_proj.forward(x)
+            qk, v = qkv[:, :(h + kvh) * d].reshape(t, h + kvh, d), qkv[:, (h + kvh) * d:]
+        else:
+            q, k, v = self._qkv(x)
+            q, k = q.reshape(t, h, d), k.reshape(t, kvh, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+            qk = torch.cat([q, k], dim=1)
+        qk = rotate(qk, cos, sin)  # one rotation for q and k
         out = span_attention(qk[:, :h], qk[:, h:], v.reshape(t, kvh, d), plan, kv, layer, window=self.window,
                              scale=self.scale)
-        return self.o_proj(out.reshape(t, h * d))
+        return self.o_proj.forward(out.reshape(t, h * d))
 
 
 class MLP(nn.Module):
@@ -155,9 +147,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+            return self.down_proj.forward(self.act_fn(self.gate_proj.forward(x)) * self.up_proj.forward(x))
+        gate_up = self.gate_up_proj.forward(x)
+        inter = gate_up.shape[-1] // 2
+        return self.down_proj.forward(self.act_fn(gate_up[..., :inter]) * gate_up[..., inter:])
 
 
 def _feed_forward(config: ModelConfig, layer: int) -> nn.Module:
@@ -188,12 +181,13 @@ class DecoderLayer(nn.Module):
         self.mlp = _feed_forward(config, layer)
 
     def forward(self, x, cos, sin, plan, kv, layer):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, plan, kv, layer)
+        attn = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, plan, kv, layer)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + self.post_attention_layernorm.forward(attn)
+            ff = self.mlp.forward(self.pre_feedforward_layernorm.forward(x))
+            return x + self.post_feedforward_layernorm.forward(ff)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class StageModel(nn.Module):
@@ -228,21 +222,24 @@ class StageModel(nn.Module):
         self.draft_layer, self.draft_after = layer, after
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """{absolute layer: (cos, sin) [num_tokens, head_dim]} for this stage's layers at `positions`
-        (sliding layers of a family with its own local RoPE base get the local tables)."""
-        tables = {False: rope_cos_sin(positions, self.inv_freq, dtype)}
+        """{absolute layer: (cos, signed sin) [num_tokens, 1, head_dim]} for this stage's layers at `positions`,
+        the `rotation_tables` of pipeline/model/rope.py (sliding layers of a family with its own local RoPE
+        base get the local tables)."""
+        tables = {False: rotation_tables(*rope_cos_sin(positions, self.inv_freq, dtype))}
         local = self.config.rope_local_theta is not None
         if local and any(self.config.is_sliding(i) for i in self.layer_range):
-            tables[True] = rope_cos_sin(positions, self.inv_freq_local, dtype)
+            tables[True] = rotation_tables(*rope_cos_sin(positions, self.inv_freq_local, dtype))
         return {i: tables[local and self.config.is_sliding(i)] for i in self.layer_range}
 
     def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int, num_scratch: int = 0) -> KVCache:
         """A KV cache sized for this stage's layers, in the model's dtype and device (num_scratch:
-        token-tree scratch positions per slot, [Note: sibling rows] in pipeline/model/row_layout.py)."""
+        token-tree scratch positions per slot, [Note: sibling rows] in pipeline/model/row_layout.py),
+        with room for whole blocks of KEY_BLOCK keys (read as views, pipeline/model/attention.py)."""
         weight = next(iter(self.parameters()))
         return KVCache(num_layers=len(self.layer_range) + (self.draft_layer is not None), max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, num_kv_heads=self.config.num_key_value_heads,
-                       head_dim=self.config.head_dim, dtype=weight.dtype, device=weight.device, num_scratch=num_scratch)
+                       head_dim=self.config.head_dim, dtype=weight.dtype, device=weight.device, num_scratch=num_scratch,
+                       read_block=KEY_BLOCK)
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], kv: KVCache, *,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,7 +317,7 @@ class StageModel(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and the family's soft-cap: [rows, hidden] -> float32 [rows, vocab]."""
-        return soft_cap(self.lm_head(self.norm(h)).float(), self.config.final_logit_softcapping)
+        return soft_cap(self.lm_head.forward(self.norm.forward(h)).float(), self.config.final_logit_softcapping)
 
     @staticmethod
     def _add_pseudo(h: torch.Tensor, positions: torch.Tensor, pseudo: torch.Tensor,

@@ -125,3 +125,29 @@ def test_check_write_rejects_a_slot_out_of_range(slot):
     kv = _cache(max_num_seqs=3)
     with pytest.raises(ValueError, match=rf"KV slot {slot} out of range \[0, 3\)"):
         kv.check_write(slot, 0, 1)
+
+
+def test_read_block_rounds_the_positions_up_so_block_reads_are_views():
+    # a sequence near max_model_len 40 is read in blocks of 32 keys: 64 positions, one view, no padded copy
+    kv = KVCache(num_layers=1, max_num_seqs=2, max_model_len=40, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                 dtype=torch.float32, read_block=32)
+    assert kv.k.shape[3] == 64
+    kv.write(0, 1, 0, *_kv(39, 0.0))
+    kv.set_length(1, 39)
+    keys, values = kv.gather(0, torch.tensor([1]), 64)
+    assert keys.shape == (1, NUM_KV_HEADS, 64, HEAD_DIM)
+    assert keys.data_ptr() == kv.k[0, 1].data_ptr() and values.data_ptr() == kv.v[0, 1].data_ptr()
+    with pytest.raises(ValueError, match="max_model_len 40"):  # the extra positions are not the sequence's
+        kv.check_write(1, 39, 2)
+
+
+def test_scratch_fits_in_the_rounding_or_grows_the_buffers():
+    kv = KVCache(num_layers=1, max_num_seqs=1, max_model_len=40, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                 dtype=torch.float32, num_scratch=2, read_block=32)
+    assert kv.k.shape[3] == 64 and kv.scratch_index(1) == 41
+    kv.ensure_scratch(20)  # 40 + 20 still fits in 64 positions
+    assert kv.k.shape[3] == 64 and kv.scratch_index(19) == 59
+    kv.write(0, 0, 0, *_kv(3, 5.0))
+    kv.ensure_scratch(30)  # 70 positions, rounded to 96; what was written stays
+    assert kv.k.shape[3] == 96 and kv.scratch_index(29) == 69
+    assert torch.equal(kv.view(0, 0, 3)[0], _kv(3, 5.0)[0])

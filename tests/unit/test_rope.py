@@ -1,0 +1,60 @@
+"""RoPE's rotation and the RMSNorm's float32 path: the op-saving forms give the textbook numbers bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.model.family_blocks import RMSNorm
+from pipeline.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate, rotation_tables
+
+
+def textbook_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, as transformers' apply_rotary_pos_emb writes it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+def test_rotate_equals_the_textbook_rotation_bitwise(dtype, num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    positions = torch.arange(num_tokens) * 37 + 5
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(64, 10000.0, None), dtype)
+    x = (torch.randn(num_tokens, 12, 64, generator=gen) * 3).to(dtype)
+    expected = textbook_rope(x, cos, sin)
+    assert torch.equal(rotate(x, *rotation_tables(cos, sin)), expected)
+    assert torch.equal(apply_rope(x, cos, sin), expected)
+
+
+def test_rotate_reads_a_strided_view_of_fused_qkv_columns():
+    # Attention rotates q and k as one view of the fused projection's output, without a copy
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=gen)
+    qk = qkv[:, :6 * 16].reshape(5, 6, 16)
+    assert not qk.is_contiguous()
+    cos, sin = rope_cos_sin(torch.arange(5) + 100, rope_inv_freq(16, 10000.0, None), torch.float32)
+    assert torch.equal(rotate(qk, *rotation_tables(cos, sin)), textbook_rope(qk.contiguous(), cos, sin))
+
+
+def test_rotation_tables_shapes_and_sign():
+    cos, sin = rope_cos_sin(torch.arange(3), rope_inv_freq(8, 10000.0, None), torch.float32)
+    c, s = rotation_tables(cos, sin)
+    assert c.shape == s.shape == (3, 1, 8)
+    assert torch.equal(s[:, 0, :4], -sin[:, :4]) and torch.equal(s[:, 0, 4:], sin[:, 4:])
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 9])
+def test_rms_norm_float32_path_equals_the_cast_formula_bitwise(num_rows):
+    gen = torch.Generator().manual_seed(num_rows)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=gen)
+    x = torch.randn(num_rows, 576, generator=gen) * 4
+    x32 = x.float()
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), expected)
+        bf = x.to(torch.bfloat16)
+        norm_bf = RMSNorm(576, 1e-5).to(torch.bfloat16)
+        assert norm_bf(bf).dtype == torch.bfloat16
