@@ -4,8 +4,9 @@ Owns the key/value buffers of a stage and each slot's committed length. Writing 
 slot's length extends it; `truncate` rolls a slot back to any shorter length (the squash primitive:
 see ARCHITECTURE.md §5 and [Note: in-band squash] in pipeline/engine/stage_executor.py).
 Each slot also has `num_scratch` scratch positions past max_model_len, where the keys/values of
-token-tree sibling rows go ([Note: sibling rows] in pipeline/model/row_layout.py); nothing reads
-them but `keep_scratch`, which copies one into a real position (the verified branch).
+token-tree sibling rows go ([Note: sibling rows] in pipeline/model/row_layout.py); `keep_scratch`
+copies one into a real position (the verified branch). A block read of keys near max_model_len also
+covers them, as masked keys (zero weight: their values only need to be finite).
 Must not: decide which slot a sequence gets (the coordinator does) or know about the wire.
 """
 

@@ -19,7 +19,8 @@ and its keys/values go to scratch position `scratch` of the slot, not to `start`
 its own key takes the place of key `start`, so the row computes exactly what a plain 1-row item
 with that token at `start` computes (bitwise on the batch-invariant path,
 tests/unit/test_token_tree_rows.py). `KVCache.keep_scratch` later copies the scratch entry to
-`start` if the sibling turns out to be the real token; otherwise nothing ever reads it.
+`start` if the sibling turns out to be the real token; otherwise it is only ever read as a masked
+key (a block read near max_model_len, pipeline/model/kv_cache.py).
 """
 
 from __future__ import annotations

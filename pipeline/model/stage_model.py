@@ -26,7 +26,7 @@ from torch import nn
 
 from pipeline.model.attention import KEY_BLOCK, AttentionPlan, span_attention
 from pipeline.model.config import ModelConfig
-from pipeline.model.family_blocks import ACTIVATION_FNS, RMSNorm, make_embedding, make_norm, soft_cap  # noqa: F401
+from pipeline.model.family_blocks import ACTIVATION_FNS, make_embedding, make_norm, soft_cap
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.moe import SparseMoE
 from pipeline.model.partition import LayerRange
@@ -89,14 +89,17 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v: [..., heads * d], [..., kv_heads * d] x 2, as separate tensors (for q/k norms and the
+        next-layer drafter's training; `forward` rotates the fused output's q and k as one view instead)."""
         if self.qkv_proj is None:
             return self.q_proj.forward(x), self.k_proj.forward(x), self.v_proj.forward(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return self.qkv_proj.forward(x).split([q_size, kv_size, kv_size], dim=-1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan | Sequence[Span],
-                kv: KVCache, layer: int) -> torch.Tensor:
-        # x: [num_tokens (+ num_pseudo), hidden]; cos/sin: the same rows' `rotation_tables` (pipeline/model/rope.py)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                plan: AttentionPlan | Sequence[Span], kv: KVCache, layer: int) -> torch.Tensor:
+        # x: [num_tokens (+ num_pseudo), hidden]; cos, signed_sin: the same rows' `rotation_tables`
+        # (pipeline/model/rope.py; a plain sin would rotate the wrong way)
         # plan: built once per forward by StageModel.forward_rows; plain spans (no pseudo rows) also do
         if not isinstance(plan, AttentionPlan):
             plan = AttentionPlan.build(plan, None, x.device)
@@ -110,7 +113,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm.forward(q), self.k_norm.forward(k)
             qk = torch.cat([q, k], dim=1)
-        qk = rotate(qk, cos, sin)  # one rotation for q and k
+        qk = rotate(qk, cos, signed_sin)  # one rotation for q and k
         out = span_attention(qk[:, :h], qk[:, h:], v.reshape(t, kvh, d), plan, kv, layer, window=self.window,
                              scale=self.scale)
         return self.o_proj.forward(out.reshape(t, h * d))
@@ -180,8 +183,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
         self.mlp = _feed_forward(config, layer)
 
-    def forward(self, x, cos, sin, plan, kv, layer):
-        attn = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, plan, kv, layer)
+    def forward(self, x, cos, signed_sin, plan, kv, layer):
+        attn = self.self_attn.forward(self.input_layernorm.forward(x), cos, signed_sin, plan, kv, layer)
         if self.sandwich:
             x = x + self.post_attention_layernorm.forward(attn)
             ff = self.mlp.forward(self.pre_feedforward_layernorm.forward(x))

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.stage_model import RMSNorm
+from pipeline.model.family_blocks import RMSNorm
 
 DRAFTER_ARCH = "swiglu"
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.rope import apply_rope, config_inv_freq, rope_cos_sin
+from pipeline.model.rope import config_inv_freq, rope_cos_sin, rotate, rotation_tables
 from pipeline.model.stage_model import MLP, Attention, DecoderLayer
 from pipeline.speculation.drafter import DrafterMap
 
@@ -94,9 +94,9 @@ def sequence_attention(attn: Attention, x: torch.Tensor, inv_freq: torch.Tensor)
     h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q, k, v = attn._qkv(x)
     cos, sin = rope_cos_sin(torch.arange(t, device=x.device), inv_freq, x.dtype)
-    cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)
-    q = apply_rope(q.reshape(b * t, h, d), cos, sin).reshape(b, t, h, d).transpose(1, 2)
-    k = apply_rope(k.reshape(b * t, kvh, d), cos, sin).reshape(b, t, kvh, d).transpose(1, 2)
+    cos, signed_sin = rotation_tables(cos.repeat(b, 1), sin.repeat(b, 1))
+    q = rotate(q.reshape(b * t, h, d), cos, signed_sin).reshape(b, t, h, d).transpose(1, 2)
+    k = rotate(k.reshape(b * t, kvh, d), cos, signed_sin).reshape(b, t, kvh, d).transpose(1, 2)
     v = v.reshape(b, t, kvh, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1),
                                          is_causal=True)

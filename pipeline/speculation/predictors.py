@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.stage_model import RMSNorm
+from pipeline.model.family_blocks import RMSNorm
 from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterMap
 
 PREDICTORS = ("logit-lens", "early-exit", "ngram", "hybrid")

@@ -45,8 +45,9 @@ from torch import nn
 
 from launcher.cli.distill_data import DistillSpec, distill_sequences, prepare_distill_data
 from pipeline.model.config import ModelConfig
+from pipeline.model.family_blocks import RMSNorm
 from pipeline.model.rope import config_inv_freq
-from pipeline.model.stage_model import Attention, RMSNorm, StageModel
+from pipeline.model.stage_model import Attention, StageModel
 from pipeline.speculation.drafter import DrafterTrainConfig, SwiGLUBlock, train_drafter_map, validation_split
 from pipeline.speculation.layer_drafter import (
     LayerDrafterConfig,

@@ -151,3 +151,28 @@ def test_scratch_fits_in_the_rounding_or_grows_the_buffers():
     kv.ensure_scratch(30)  # 70 positions, rounded to 96; what was written stays
     assert kv.k.shape[3] == 96 and kv.scratch_index(29) == 69
     assert torch.equal(kv.view(0, 0, 3)[0], _kv(3, 5.0)[0])
+
+
+def test_a_block_read_over_filled_scratch_positions_gives_the_padded_reads_logits_bitwise():
+    # near max_model_len the batched attention's 32-key block covers the scratch positions: with the
+    # rounded buffer they are read (masked) where a cache without rounding pads zeros
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.row_layout import Span
+    from pipeline.model.stage_model import build_stage_model, random_state_dict
+
+    cfg = tiny_config()
+    model = build_stage_model(cfg, LayerRange(0, 4), is_first=True, is_last=True, tensors=random_state_dict(cfg))
+    rounded = model.new_kv_cache(max_num_seqs=1, max_model_len=40, num_scratch=2)
+    padded = KVCache(num_layers=4, max_num_seqs=1, max_model_len=40, num_kv_heads=cfg.num_key_value_heads,
+                     head_dim=cfg.head_dim, dtype=torch.float32, num_scratch=2)
+    assert rounded.k.shape[3] == 64 and padded.k.shape[3] == 42
+    gen = torch.Generator().manual_seed(0)
+    logits = []
+    for kv in (rounded, padded):
+        model.forward_rows(torch.arange(38) + 3, [Span(0, 0, 38)], kv)
+        kv.k[:, :, :, 40:] = 1e3 * torch.randn(kv.k[:, :, :, 40:].shape, generator=gen)  # stale sibling keys
+        kv.v[:, :, :, 40:] = 1e3 * torch.randn(kv.v[:, :, :, 40:].shape, generator=gen)
+        gen.manual_seed(0)
+        logits.append(model.forward_rows(torch.tensor([7]), [Span(0, 38, 1)], kv).out)
+    assert torch.equal(logits[0], logits[1])

@@ -55,6 +55,9 @@ def test_rms_norm_float32_path_equals_the_cast_formula_bitwise(num_rows):
     expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
     with torch.inference_mode():
         assert torch.equal(norm(x), expected)
-        bf = x.to(torch.bfloat16)
-        norm_bf = RMSNorm(576, 1e-5).to(torch.bfloat16)
-        assert norm_bf(bf).dtype == torch.bfloat16
+        norm_bf, bf = RMSNorm(576, 1e-5).to(torch.bfloat16), x.to(torch.bfloat16)
+        norm_bf.weight.data = norm.weight.data.to(torch.bfloat16)
+        bf32 = bf.float()  # the bfloat16 path: normalise in float32, cast back, then the weight
+        expected_bf = norm_bf.weight * (bf32 * torch.rsqrt(bf32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+        out = norm_bf(bf)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected_bf)

@@ -94,13 +94,14 @@ def test_load_spec_refuses_inconsistent_fields_naming_them(fields, fragment):
 def test_token_tree_scratch_is_allocated_at_load_and_an_item_past_it_is_refused(tiny):
     """The load spec's tree_scratch sizes the KV scratch once, at load; an item (off the wire)
     naming scratch past it is a ValueError, not a giant allocation."""
+    from pipeline.model.attention import KEY_BLOCK
     from pipeline.speculation.items import Item, ItemKind
     from pipeline.speculation.tree import scratch_positions
 
     model_dir, _ = tiny
     n = scratch_positions(3, 2)
     executor = assemble_stage(_spec(model_dir, 0, [LayerRange(0, 4)], tree_scratch=n)).executor
-    assert executor.kv.num_scratch == n and executor.kv.k.shape[3] >= 32 + n  # rounded up to whole key blocks
+    assert executor.kv.num_scratch == n and executor.kv.k.shape[3] == -(-(32 + n) // KEY_BLOCK) * KEY_BLOCK
     assert executor.kv.scratch_index(n - 1) == 32 + n - 1
     shape = executor.kv.k.shape
     executor.admit([Item(seq_id=1, slot=0, start=0, num_tokens=1, kind=ItemKind.DRAFT, alt_token_ids=(4, 5),

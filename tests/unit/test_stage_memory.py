@@ -120,3 +120,16 @@ def test_plan_charges_a_next_layer_drafter_to_the_stage_of_its_exit_layer(tmp_pa
     args.stage_memory_gib = base.stage_bytes[0] / 2**30  # the model alone fits one stage...
     assert _auto_stages(args, progress=False)[0] == 2  # ...but not with the drafter
     assert given_exit_bytes(predictor="hybrid", exit_predictor=None, kv_layer_bytes=kv) == 0
+
+
+@pytest.mark.parametrize("max_model_len", [40, 64, 100])
+def test_kv_bytes_per_layer_is_what_a_stage_allocates(max_model_len):
+    # the cache rounds its positions up to whole key blocks; the budget must count them
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.stage_model import StageModel
+
+    cfg = tiny_config()
+    model = StageModel(cfg, LayerRange(0, 2), is_first=False, is_last=False)
+    kv = model.new_kv_cache(max_num_seqs=3, max_model_len=max_model_len)
+    assert kv_bytes_per_layer(cfg, dtype=torch.float32, max_num_seqs=3, max_model_len=max_model_len) * 2 == kv.nbytes
