@@ -15,6 +15,11 @@ from __future__ import annotations
 import torch
 
 
+def buffer_positions(needed: int, read_block: int) -> int:
+    """Positions a KV buffer holds for `needed` of them: rounded up to a multiple of `read_block`."""
+    return -(-needed // read_block) * read_block
+
+
 class KVCache:
     """Preallocated keys and values for `num_layers` layers and `max_num_seqs` slots.
 
@@ -33,16 +38,14 @@ class KVCache:
         # Invariants: the run configuration validated both (pipeline/run_config.py).
         assert max_num_seqs >= 1 and max_model_len >= 2 and num_scratch >= 0, (max_num_seqs, max_model_len)
         self.read_block = read_block
-        shape = (num_layers, max_num_seqs, num_kv_heads, self._positions(max_model_len + num_scratch), head_dim)
+        shape = (num_layers, max_num_seqs, num_kv_heads, buffer_positions(max_model_len + num_scratch, read_block),
+                 head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.num_scratch = num_scratch
         self.lengths = [0] * max_num_seqs
-
-    def _positions(self, needed: int) -> int:
-        return -(-needed // self.read_block) * self.read_block
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +113,7 @@ class KVCache:
         buffers the first time a token tree needs more; call between forwards)."""
         if num_scratch <= self.num_scratch:
             return
-        extra = self._positions(self.max_model_len + num_scratch) - self.k.shape[3]
+        extra = buffer_positions(self.max_model_len + num_scratch, self.read_block) - self.k.shape[3]
         if extra > 0:
             pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:3], extra, t.shape[4])], dim=3)  # noqa: E731
             self.k, self.v = pad(self.k), pad(self.v)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pipeline.model.attention import KEY_BLOCK
+from pipeline.model.kv_cache import buffer_positions
 from pipeline.model.partition import LayerRange, smallest_fitting_split
 from pipeline.weights.checkpoint import (
     EMBED_TOKENS,
@@ -47,7 +48,7 @@ def kv_bytes_per_layer(config, *, dtype: torch.dtype, max_num_seqs: int, max_mod
     """K and V of one layer for every slot: 2 x seqs x positions x kv_heads x head_dim x itemsize, where
     positions is max_model_len rounded up to whole key blocks, as the cache holds it
     (pipeline/model/kv_cache.py; token-tree scratch positions, a few per slot, are not counted)."""
-    positions = -(-max_model_len // KEY_BLOCK) * KEY_BLOCK
+    positions = buffer_positions(max_model_len, KEY_BLOCK)
     return 2 * max_num_seqs * positions * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
