@@ -70,4 +70,7 @@ def test_the_next_layer_drafter_keeps_greedy_output(tiny_model_dir: Path, next_l
             report = run_launch(session, list(prompts), params)
             for prompt, b, out in zip(prompts, budgets, report["outputs"], strict=True):
                 assert out["token_ids"] == references[prompt][:b], f"{shape}/{mode}: output of {prompt!r} changed"
-            assert report["stats"]["verified_drafts"] > 0, report["stats"]
+            if len(prompts) == 1:  # one sequence leaves the pipeline idle slots on every step: drafts must run.
+                # Three sequences on 2-3 stages fill it; whether the short tail after two finish verifies a
+                # draft depends on timing (a CI run under load verified none), so there only the output is checked.
+                assert report["stats"]["verified_drafts"] > 0, report["stats"]
