@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.stage_model import random_state_dict
-from tests.tiny_model import byte_tokenizer
+from tests.tiny_model import byte_tokenizer, random_state_dict
 
 _COMMON: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

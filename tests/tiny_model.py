@@ -19,14 +19,33 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+import torch
 from safetensors.torch import save_file
 from tokenizers import decoders, models, pre_tokenizers
 
 from pipeline.model.config import ModelConfig, tiny_config
-from pipeline.model.stage_model import random_state_dict
+from pipeline.model.partition import LayerRange
+from pipeline.model.stage_model import StageModel, checkpoint_name
 
 TINY_EOS_ID = 2
 NUM_BYTE_TOKENS = 256
+
+
+def random_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
+    """A full random checkpoint of `config` with Hugging Face names: {tensor name: float32 tensor}, norm
+    weights around 1 (Gemma: around 0), the rest N(0, std²); seeded, so the same every call."""
+    full = StageModel(config, LayerRange(0, config.num_hidden_layers), is_first=True, is_last=True)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, param in full.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("norm.weight"):  # layer norms, q/k norms, final norm: around 1 (Gemma: w + 1)
+            t = 1.0 - config.norm_weight_offset + 0.1 * torch.randn(param.shape, generator=gen)
+        else:
+            t = std * torch.randn(param.shape, generator=gen)
+        out[checkpoint_name(name, config)] = t
+    return out
 
 
 def byte_alphabet() -> list[str]:

@@ -59,8 +59,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        h, d = config.num_attention_heads, config.head_dim
-        kv = config.num_key_value_heads
+        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.qkv_proj: nn.Linear | None = None
         if config.model_type == "phi3":
@@ -345,22 +344,6 @@ def checkpoint_name(param_name: str, config: ModelConfig) -> str:
     if param_name == "lm_head.weight":
         return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     return family_tensor_name("model." + param_name, config)
-
-
-def random_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
-    """A full random checkpoint with Hugging Face names (for tests and tiny models)."""
-    full = StageModel(config, LayerRange(0, config.num_hidden_layers), is_first=True, is_last=True)
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, param in full.named_parameters():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if name.endswith("norm.weight"):  # layer norms, q/k norms, final norm: around 1 (Gemma: w + 1)
-            t = 1.0 - config.norm_weight_offset + 0.1 * torch.randn(param.shape, generator=gen)
-        else:
-            t = std * torch.randn(param.shape, generator=gen)
-        out[checkpoint_name(name, config)] = t
-    return out
 
 
 def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first: bool, is_last: bool,

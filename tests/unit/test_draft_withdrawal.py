@@ -22,8 +22,9 @@ from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import PassInterrupted, Span
-from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.model.stage_model import build_stage_model
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
+from tests.tiny_model import random_state_dict
 from workers.stage_loop import RELEASED, StageLoop
 
 PROMPT = [11, 22, 33]

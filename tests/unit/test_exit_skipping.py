@@ -21,10 +21,11 @@ from pipeline.engine.stage_executor import StageExecutor
 from pipeline.measure.simulator import Bernoulli, CostModel, SimConfig, Simulator
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import balanced_split
-from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.model.stage_model import build_stage_model
 from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.predictors import ExitGuess, ExitHead, LogitLensPredictor, NGramPredictor
 from pipeline.speculation.sampling import SamplingParams
+from tests.tiny_model import random_state_dict
 from tests.unit.test_speculation_scheduler import PROMPTS, _generate, greedy_reference
 
 

@@ -14,10 +14,11 @@ import torch
 from launcher.coordinator.run_plan import default_firp_k, shipped_firp_file
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.model.stage_model import build_stage_model
 from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.predictor_file import ModelIdentity, PredictorFile, PredictorFileError
 from pipeline.training.firp import SKIP_FIRST, chain_drafts, firp_acceptance, fit_firp_maps
+from tests.tiny_model import random_state_dict
 
 
 def _pred(maps: FirpMaps, k: int) -> PredictorFile:

@@ -24,13 +24,13 @@ import torch
 from safetensors import safe_open
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.stage_model import random_state_dict
 from pipeline.weights import model_chunks
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.gguf_families import hf_tensor_blocks
 from pipeline.weights.gguf_import import convert_gguf, open_gguf
 from pipeline.weights.safetensors_stream import write_streaming
 from tests.family_models import family_config
+from tests.tiny_model import random_state_dict
 from tests.unit.test_gguf_import_tiny import MERGES, SPECIALS, vocabulary
 
 # HF layer tensor -> llama.cpp name, per architecture (written out independently of the converter).

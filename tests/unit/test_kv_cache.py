@@ -159,7 +159,8 @@ def test_a_block_read_over_filled_scratch_positions_gives_the_padded_reads_logit
     from pipeline.model.config import tiny_config
     from pipeline.model.partition import LayerRange
     from pipeline.model.row_layout import Span
-    from pipeline.model.stage_model import build_stage_model, random_state_dict
+    from pipeline.model.stage_model import build_stage_model
+    from tests.tiny_model import random_state_dict
 
     cfg = tiny_config()
     model = build_stage_model(cfg, LayerRange(0, 4), is_first=True, is_last=True, tensors=random_state_dict(cfg))

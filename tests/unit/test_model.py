@@ -16,10 +16,10 @@ import transformers
 from pipeline.model.config import ModelConfig, RopeScaling, tiny_config
 from pipeline.model.partition import LayerRange, balanced_split, split_from_sizes
 from pipeline.model.row_layout import Span
-from pipeline.model.stage_model import StageModel, build_stage_model, random_state_dict
+from pipeline.model.stage_model import StageModel, build_stage_model
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
-from tests.tiny_model import TINY_EOS_ID, write_tiny_model
+from tests.tiny_model import TINY_EOS_ID, random_state_dict, write_tiny_model
 
 # Weights std 0.2 (not the 0.05 default) so logits are spread out and greedy output varies: with
 # near-uniform logits a wrong RoPE or mask can hide under the tolerance and greedy decoding repeats

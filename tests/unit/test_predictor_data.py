@@ -8,7 +8,7 @@ import torch
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import Span
-from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.model.stage_model import build_stage_model
 from pipeline.training.data import (
     Corpus,
     Document,
@@ -17,6 +17,7 @@ from pipeline.training.data import (
     split_documents,
     token_windows,
 )
+from tests.tiny_model import random_state_dict
 
 
 def _byte_encode(text: str) -> list[int]:

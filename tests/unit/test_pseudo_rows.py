@@ -15,7 +15,8 @@ import torch
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import Span
-from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.model.stage_model import build_stage_model
+from tests.tiny_model import random_state_dict
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 PROMPT = [5, 17, 200, 33, 9, 81, 140, 7, 99]

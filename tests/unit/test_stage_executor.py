@@ -13,8 +13,9 @@ import torch
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import balanced_split
-from pipeline.model.stage_model import build_stage_model, random_state_dict
+from pipeline.model.stage_model import build_stage_model
 from pipeline.speculation.items import Item, ItemKind
+from tests.tiny_model import random_state_dict
 
 MAX_MODEL_LEN = 32
 GOOD = [11, 22, 33, 44, 55, 66]
