@@ -204,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in args.sets.split(",") if s not in SETS]
     if bad:
         ap.error(f"--sets: {bad[0]!r} is not one of {', '.join(SETS)}")
+    for c in args.configs.split(","):  # every configuration checked before any pipeline starts
+        try:
+            options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file, args.quantization,
+                    args.row_cost)
+        except ValueError as e:
+            ap.error(f"--configs: {c!r}: {e}")
     report = run(args)
     print_table(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
