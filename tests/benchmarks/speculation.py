@@ -135,15 +135,13 @@ def summarise(rows: list[dict], base: list[dict], stages: int) -> dict:
             "token_identical": all(r["token_ids"] == b["token_ids"] for r, b in zip(rows, base, strict=True))}
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Start one session per configuration, measure every set's prompts in alternation, summarise."""
-    configs = ["none"] + [c for c in args.configs.split(",") if c != "none"]
+def run(args: argparse.Namespace, configs: dict[str, PipelineOptions]) -> dict:
+    """Start one session per configuration ({config string: its options}, `none` first), measure every
+    set's prompts in alternation, summarise."""
     sessions: dict[str, PipelineSession] = {}
     rows: dict[str, dict[str, list[dict]]] = {}
     try:
-        for c in configs:
-            opts = options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file, args.quantization,
-                           args.row_cost)
+        for c, opts in configs.items():
             sessions[c] = PipelineSession(opts, resolve(opts)).__enter__()
         model_dir = sessions["none"].model.model_dir
         for name in args.sets.split(","):
@@ -167,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
         report["sets"][name] = {"none_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in base),
                                 # the estimate on plain decode itself: 1.0 if the sum of its parts were exact
                                 "none_estimated_speedup": statistics.median(own) if own else None,
-                                "configs": {c: summarise(by_config[c], base, args.stages) for c in configs[1:]}}
+                                "configs": {c: summarise(by_config[c], base, args.stages) for c in list(configs)[1:]}}
     return report
 
 
@@ -204,13 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in args.sets.split(",") if s not in SETS]
     if bad:
         ap.error(f"--sets: {bad[0]!r} is not one of {', '.join(SETS)}")
-    for c in args.configs.split(","):  # every configuration checked before any pipeline starts
+    configs: dict[str, PipelineOptions] = {}
+    for c in ["none"] + [c for c in args.configs.split(",") if c != "none"]:  # all checked before any pipeline starts
         try:
-            options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file, args.quantization,
-                    args.row_cost)
+            configs[c] = options(c, args.stages, args.exit_predictor, args.dtype, args.row_cost_file,
+                                 args.quantization, args.row_cost)
         except ValueError as e:
             ap.error(f"--configs: {c!r}: {e}")
-    report = run(args)
+    report = run(args, configs)
     print_table(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
