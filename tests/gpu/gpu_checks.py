@@ -64,13 +64,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a registered name, a model folder or a .gguf file "
+                   f"(default {DEFAULT_MODEL})")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("gpu_checks: error: torch sees no CUDA device", file=sys.stderr)
         return 2
     from transformers import AutoModelForCausalLM
 
-    model_dir = resolve_model(DEFAULT_MODEL, progress=False)
+    model_dir = resolve_model(args.model, progress=False)
     tok = Tokenizer(model_dir)
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtypes": {}}
     for dtype in (torch.float32, torch.bfloat16):
