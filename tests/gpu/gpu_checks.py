@@ -80,6 +80,7 @@ def main() -> int:
         sp = load_stage_model(str(model_dir), LayerRange(0, 30), is_first=True, is_last=True, dtype=dtype,
                               device="cuda")
         rows = []
+        sp_greedy(sp, tok.encode(PROMPTS[0]), 4)  # warm-up (CUDA context, cuBLAS handles), as hf_greedy has
         for text in PROMPTS:
             ids = tok.encode(text)
             sp_tokens, sp_first, sp_s = sp_greedy(sp, ids, args.new_tokens)
