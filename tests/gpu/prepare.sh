@@ -22,30 +22,35 @@ PY=${PYTHON:-.venv/bin/python}
 LIMIT=$((60 * 1024 * 1024))  # under the 64 MiB a call may carry, with a margin
 fail() { echo "prepare.sh: error: $*" >&2; exit 2; }
 
-gguf=$("$PY" -c "from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path as p; print(p(DEFAULT_MODEL))") \
-  || fail "the default model's GGUF was not found: run the README's setup command first"
-rm -rf .gpu && mkdir -p .gpu/call1 .gpu/call2/wheels
-grpcio=$("$PY" -c "import grpc; print(grpc.__version__)")
-protobuf=$("$PY" -c "import google.protobuf as p; print(p.__version__)")
-gguf_pkg=$("$PY" -c "from importlib.metadata import version; print(version('gguf'))")
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d .gpu/call2/wheels "gguf==$gguf_pkg" "protobuf==$protobuf" "grpcio==$grpcio" 2>/dev/null \
-  || fail "pip could not download gguf==$gguf_pkg, protobuf==$protobuf, grpcio==$grpcio for CPython 3.12"
+gguf=$("$PY" -c "from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path as p; print(p(DEFAULT_MODEL))" 2>/dev/null) \
+  || fail "the default model's GGUF was not found with $PY: run the README's setup command first"
+versions=$("$PY" -c "import grpc, google.protobuf as pb; from importlib.metadata import version; print(grpc.__version__, pb.__version__, version('gguf'))" 2>/dev/null) \
+  || fail "$PY lacks grpcio, protobuf or gguf: run the README's setup command first"
+read -r grpcio protobuf gguf_pkg <<< "$versions"
+rm -rf .gpu.new && mkdir -p .gpu.new/call1 .gpu.new/call2/wheels  # replaces .gpu/ only when complete
+trap 'rm -rf .gpu.new' EXIT
+if ! log=$("$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu.new/call2/wheels "gguf==$gguf_pkg" "protobuf==$protobuf" "grpcio==$grpcio" 2>&1); then
+  fail "pip could not download gguf==$gguf_pkg, protobuf==$protobuf, grpcio==$grpcio for CPython 3.12: $(grep -v '^WARNING' <<< "$log" | tail -n 1)"
+fi
 
-tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- | tail -n 1 | cut -f1)
+# what travels besides the carried folder: tracked and untracked-not-ignored files that exist
+tree=$(git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+  if [ -f "$f" ]; then stat -c %s "$f"; fi; done | awk '{s += $1} END {print s + 0}')
 size=$(stat -c %s "$gguf")
-wheels=$(du -cb .gpu/call2/wheels | tail -n 1 | cut -f1)
+wheels=$(du -cbl .gpu.new/call2/wheels | tail -n 1 | cut -f1)
 first=$((LIMIT - tree))
 [ "$first" -gt 0 ] || fail "the working tree alone ($tree bytes) is over $LIMIT bytes"
 [ $((size - first + wheels + tree)) -le "$LIMIT" ] || fail "the GGUF ($size bytes) does not fit in two calls"
-head -c "$first" "$gguf" > .gpu/call1/model.part0
-tail -c +$((first + 1)) "$gguf" > .gpu/call2/model.part1
-basename "$gguf" > .gpu/call2/model.name
-sha256sum "$gguf" | cut -d' ' -f1 > .gpu/call2/model.sha256
-cat .gpu/call1/model.part0 .gpu/call2/model.part1 | sha256sum | cut -d' ' -f1 | cmp -s - .gpu/call2/model.sha256 \
+head -c "$first" "$gguf" > .gpu.new/call1/model.part0
+tail -c +$((first + 1)) "$gguf" > .gpu.new/call2/model.part1
+basename "$gguf" > .gpu.new/call2/model.name
+sha256sum "$gguf" | cut -d' ' -f1 > .gpu.new/call2/model.sha256
+cat .gpu.new/call1/model.part0 .gpu.new/call2/model.part1 | sha256sum | cut -d' ' -f1 | cmp -s - .gpu.new/call2/model.sha256 \
   || fail "the two parts do not join back into $gguf"
+rm -rf .gpu && mv .gpu.new .gpu
 echo "prepared .gpu/: call 1 carries $(du -sh .gpu/call1 | cut -f1), call 2 $(du -sh .gpu/call2 | cut -f1) (working tree $((tree / 1024 / 1024)) MiB)"
-echo "now, back to back:"
+echo "now, back to back (within ~30 s: the machine is given back when idle, and call 1's folder with it):"
 echo "  run  carry=[\".gpu/call1\"]  command='nvidia-smi -L && ls -l .gpu/call1'  timeout_s=120"
-echo "  run  carry=[\".gpu/call2\"]  command='bash tests/gpu/run.sh'  timeout_s=600"
+echo "  run  carry=[\".gpu/call2\"]  command='bash tests/gpu/run.sh'  timeout_s=450"
