@@ -59,11 +59,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [num_tokens, num_heads, head_dim] by cos/sin: [num_tokens, head_dim] (half-split layout)."""
-    return rotate(x, *rotation_tables(cos, sin))
-
-
 def config_inv_freq(config: ModelConfig, *, local: bool) -> torch.Tensor:
     """Global RoPE frequencies, or those of sliding layers with their own unscaled base (Gemma 3)."""
     if local and config.rope_local_theta is not None:
