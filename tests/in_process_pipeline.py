@@ -20,6 +20,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.events import ExitPassed, Result, StepOutput, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.stage_executor import StageExecutor
+from pipeline.engine.wire import forward_tensors
 from pipeline.model.stage_model import StageModel
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import ExitHead, Predictor, exit_guesses
@@ -78,8 +79,9 @@ class InProcessPipeline:
         if out.releases:
             self.queues[0].append(("release", [(r.seq_id, r.slot) for r in out.releases]))
         for batch in out.sends:
-            x = torch.tensor([t for it in batch for t in it.input_ids], dtype=torch.int64)
-            self.queues[0].append(("batch", [it.without_tokens() for it in batch], x))
+            tensors = forward_tensors(batch)
+            self.queues[0].append(("batch", [it.without_tokens() for it in batch], tensors["x"],
+                                   tensors.get("prompt_next")))
 
     def _step(self) -> list:
         """Every stage runs the head of its queue (last stage first); returns the engine events."""
@@ -94,16 +96,18 @@ class InProcessPipeline:
                 if j + 1 < len(self.stages):
                     self.queues[j + 1].append(entry)
                 continue
-            _, items, x = entry
-            out = self.executors[j].run(items, x)  # (an all-stale batch still travels on, empty: as stage_loop.py)
+            _, items, x, prompt_next = entry
+            # (an all-stale batch still travels on, empty: as stage_loop.py)
+            out = self.executors[j].run(items, x, prompt_next=prompt_next)
             if self.executors[j].exit_layer is not None and any(it.kind != ItemKind.PREFILL for it in out.items):
                 tokens, probs = out.exit_tokens, out.exit_probs
                 guesses = exit_guesses(tokens, probs, len(out.items))
                 events.append(ExitPassed(items=tuple(out.items), guesses=tuple(guesses)))
             if j + 1 < len(self.stages):
                 hidden = out.hidden if out.hidden is not None else torch.empty(0)
-                self.queues[j + 1].append(("batch", out.items, hidden))
+                self.queues[j + 1].append(("batch", out.items, hidden, out.prompt_next))
             else:
                 token_ids = out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)
-                events.append(Result(items=tuple(out.items), token_ids=token_ids, logits=out.logits))
+                events.append(Result(items=tuple(out.items), token_ids=token_ids, logits=out.logits,
+                                     prompt_logprobs=out.prompt_logprobs))
         return events

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 import socket
 import threading
 
@@ -261,4 +262,12 @@ class Channel:
         if "Timed out" in text or "timeout" in text.lower():
             return (f"{self.label}timed out after {self.timeout_s:g} s waiting to {verb} {rank_name(peer)} "
                     f"(--stage-timeout-s); is that process alive?")
-        return f"{self.label}failed to {verb} {rank_name(peer)}: {text.splitlines()[0]}"
+        return f"{self.label}failed to {verb} {rank_name(peer)}: {_gloo_reason(text)}"
+
+
+def _gloo_reason(text: str) -> str:
+    """The reason in a gloo error, without its source location or advice: "[/path/pair.cc:553]
+    Connection closed by peer [127.0.0.1]:12451. This is typically caused by ..." -> "Connection
+    closed by peer [127.0.0.1]:12451"."""
+    line = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[0] if text else "")
+    return line.split(". This is typically caused", 1)[0].rstrip(".") or "unknown error"

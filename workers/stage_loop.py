@@ -26,7 +26,7 @@ import torch
 
 from pipeline.engine.local_draft import StageDrafter
 from pipeline.engine.stage_executor import StageExecutor
-from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage
+from pipeline.engine.wire import COORDINATOR_RANK, PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_of_stage
 from pipeline.measure.timeline import StageTiming
 from pipeline.model.row_layout import PassInterrupted
 from pipeline.speculation.items import Item
@@ -154,7 +154,8 @@ class StageLoop:
             raise ValueError(f"[Stage {self.stage_index}] FORWARD message without tensor 'x'")
         start_ns = time.perf_counter_ns()
         try:
-            out = self.executor.run(msg.items, x, msg.tensors.get("pseudo"), interrupt=interrupt)
+            out = self.executor.run(msg.items, x, msg.tensors.get("pseudo"), interrupt=interrupt,
+                                    prompt_next=msg.tensors.get("prompt_next"))
         except PassInterrupted:
             out = None
         timing = msg.timing
@@ -185,10 +186,14 @@ class StageLoop:
             tensors = {"x": hidden}
             if out.pseudo is not None:
                 tensors["pseudo"] = out.pseudo
+            if out.prompt_next is not None:
+                tensors["prompt_next"] = out.prompt_next
             return Message(MessageKind.FORWARD, out.items, tensors, timing), drafts
         tensors = {"token_ids": out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)}
         if out.logits is not None:
             tensors["logits"] = out.logits
+        if out.prompt_logprobs is not None:
+            tensors.update(zip(PROMPT_LOGPROB_TENSORS, out.prompt_logprobs, strict=True))
         if out.firp_tokens is not None:
             tensors["firp_tokens"], tensors["firp_probs"] = out.firp_tokens, out.firp_probs
         return Message(MessageKind.RESULT, out.items, tensors, timing), drafts

@@ -56,6 +56,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p x the top token's probability, in [0, 1] (0 = off)")
     g.add_argument("--seed", type=int, help="sampling seed (per prompt: seed + prompt index)")
     g.add_argument("--stop", action="append", default=[], type=unescape,
                    help=r"stop string (repeatable); \n, \t, \r and \\ are read as newline, tab, CR, backslash")

@@ -252,7 +252,7 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
 
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          seed=None if args.seed is None else args.seed + index, stop=tuple(args.stop),
+                          top_k=args.top_k, min_p=args.min_p, seed=None if args.seed is None else args.seed + index, stop=tuple(args.stop),
                           ignore_eos=args.ignore_eos)
 
 

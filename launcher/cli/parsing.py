@@ -33,7 +33,7 @@ ADVANCED_DESTS = frozenset({
     "deep_draft_min_acceptance",
     "draft_tree",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
-    "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout",
+    "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p",
 })
 
 

@@ -7,11 +7,16 @@ messages (RELEASE, FORWARD), keepalives and the in-band SHUTDOWN. Must not: deci
 
 from __future__ import annotations
 
-import torch
-
 from launcher.coordinator.request_handle import PipelineError
 from pipeline.engine.events import StepOutput
-from pipeline.engine.wire import COORDINATOR_RANK, Message, MessageKind, rank_of_stage, world_size
+from pipeline.engine.wire import (
+    COORDINATOR_RANK,
+    Message,
+    MessageKind,
+    forward_tensors,
+    rank_of_stage,
+    world_size,
+)
 from workers.channel import Channel, DataPlaneGroup
 from workers.send_queue import SendQueue
 
@@ -52,14 +57,13 @@ class StageLink:
     def send_step(self, out: StepOutput) -> None:
         """Send the engine's releases (one RELEASE), its credits (one CREDIT, consumed by stage 0),
         then each of its micro-batches (FORWARD: the token ids as tensor "x", items without them;
-        a timing list when a timeline is recorded)."""
+        "prompt_next" for items that want prompt logprobs; a timing list when a timeline is recorded)."""
         if out.releases:
             self.sends.send(Message(MessageKind.RELEASE, releases=list(out.releases)), self.first)
         if out.credits:
             self.sends.send(Message(MessageKind.CREDIT, list(out.credits)), self.first)
         for batch in out.sends:
-            tokens = torch.tensor([t for it in batch for t in it.input_ids], dtype=torch.int64)
-            self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], {"x": tokens},
+            self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in batch], forward_tensors(batch),
                                     [] if self.record_timeline else None), self.first)
 
     def keepalive(self) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.engine.events import ExitPassed, Result, Withdrawn
 from pipeline.engine.local_draft import NUM_KEYS
-from pipeline.engine.wire import Message, MessageKind, rank_name
+from pipeline.engine.wire import PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_name
 from pipeline.speculation.predictors import exit_guesses
 from workers.channel import Channel, ChannelError
 
@@ -61,10 +61,19 @@ def withdrawn_event(msg: Message, *, now_ns: int) -> Withdrawn:
 
 
 def result_event(msg: Message, *, now_ns: int) -> Result:
-    """A RESULT message as an engine event, stamped `now_ns` (when it arrived)."""
+    """A RESULT message as an engine event, stamped `now_ns` (when it arrived). Raises
+    ReceiverError when its prompt-logprob tensors do not match its items."""
+    prompt = None
+    rows = sum(it.num_prompt_rows for it in msg.items if it.want_logits)
+    if rows or any(name in msg.tensors for name in PROMPT_LOGPROB_TENSORS):
+        prompt = tuple(msg.tensors.get(name) for name in PROMPT_LOGPROB_TENSORS)
+        chosen, ids, values = prompt
+        if (chosen is None or ids is None or values is None or chosen.shape != (rows,) or ids.dim() != 2
+                or ids.shape[0] != rows or values.shape != ids.shape):
+            raise ReceiverError(f"RESULT for {rows} prompt rows has malformed {'/'.join(PROMPT_LOGPROB_TENSORS)} tensors")
     return Result(items=tuple(msg.items), token_ids=msg.tensors["token_ids"], logits=msg.tensors.get("logits"),
                   firp_tokens=msg.tensors.get("firp_tokens"), firp_probs=msg.tensors.get("firp_probs"),
-                  timing=tuple(msg.timing or ()), at_ns=now_ns)
+                  prompt_logprobs=prompt, timing=tuple(msg.timing or ()), at_ns=now_ns)
 
 
 def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, events: queue.Queue,

@@ -20,6 +20,7 @@ import grpc
 
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving.serving_engine import (
+    MAX_TEMPERATURE,
     InvalidRequestError,
     QueueFullError,
     ServingEngine,
@@ -49,13 +50,17 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if req.max_new_tokens < 1:
         raise InvalidRequestError(f"'max_new_tokens' must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
     engine.check_prompt(ids, req.max_new_tokens, prompt_field=which)
+    if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range
+        raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}",
+                                  "temperature")
     try:
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed if req.HasField("seed") else None,
                                 stop=tuple(req.stop), ignore_eos=req.ignore_eos,
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
-                                logprobs=req.logprobs if req.HasField("logprobs") else None)
+                                logprobs=req.logprobs if req.HasField("logprobs") else None,
+                                top_k=req.top_k, min_p=req.min_p)
     except ValueError as exc:  # the message names the parameter: "top_p must be ..." -> field 'top_p'
         field = str(exc).split()[0].lstrip("-").replace("-", "_")
         raise InvalidRequestError(str(exc).replace(str(exc).split()[0], f"'{field}'", 1), field) from None

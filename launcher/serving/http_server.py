@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP front end (FastAPI on uvicorn).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
-server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (200, or 503 with the
+server-sent events ending in `data: [DONE]`), `GET /v1/models` (and `/v1/models/{id}`), `GET /health` (200, or 503 with the
 reason while the pipeline or any stage is unhealthy) and `GET /metrics` (Prometheus text).
 Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting) → 400, wrong or missing
 `Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
@@ -28,9 +28,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol
+from launcher.serving.choice_streams import ChoiceStreams, merged
 from launcher.serving.openai_logprobs import LogprobFormatter
 from launcher.serving.serving_engine import (
     InvalidRequestError,
@@ -84,47 +86,6 @@ def _error(status: int, message: str, param: str | None = None, type_: str = "in
     return JSONResponse(openai_protocol.error_body(message, param, type_=type_, code=status), status_code=status)
 
 
-class _ChoiceStreams(list):
-    """The n RequestStreams of one request (choice i is element i; see `ParsedRequest.choice_params`)."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__()
-        self.request_id = request_id
-
-    def cancel(self) -> None:
-        """Abort every choice still running."""
-        for stream in self:
-            stream.cancel()
-
-
-async def _merged(streams: _ChoiceStreams):
-    """(choice index, chunk) of every choice's stream as they arrive; raises what a stream raises."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for chunk in stream:
-                queue.put_nowait((index, chunk, None))
-            queue.put_nowait((index, None, None))
-        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
-            queue.put_nowait((index, None, exc))
-
-    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            index, chunk, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if chunk is None:
-                left -= 1
-            else:
-                yield index, chunk
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -145,14 +106,16 @@ class _AbortingStreamingResponse(StreamingResponse):
 
 
 def _refused(request: Request, api_key: str | None) -> JSONResponse | None:
-    """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`); else a 401."""
-    if api_key is None or secret_matches(request.headers.get("authorization"), f"Bearer {api_key}"):
+    """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`, the scheme in
+    any case as RFC 9110 §11.1 says); else a 401."""
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if api_key is None or (scheme.lower() == "bearer" and secret_matches(token.strip(), api_key)):
         return None
     return JSONResponse(openai_protocol.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
                                          None, code="invalid_api_key"), status_code=401)
 
 
-def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protocol.ParsedRequest, _ChoiceStreams]:
+def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protocol.ParsedRequest, ChoiceStreams]:
     """Decode, validate, tokenise and submit one request body (in a worker thread): n choices are n
     independent sequences, seeds derived per choice (`ParsedRequest.choice_params`).
     Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
@@ -167,7 +130,7 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     if parsed.n > engine.max_num_seqs + engine.max_queue:
         raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
                                   f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")
-    streams = _ChoiceStreams(openai_protocol.new_id("chatcmpl" if chat else "cmpl"))
+    streams = ChoiceStreams(openai_protocol.new_id("chatcmpl" if chat else "cmpl"))
     try:
         for i, params in enumerate(parsed.choice_params()):
             rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
@@ -218,7 +181,7 @@ def _admission_error(exc: Exception) -> JSONResponse:
     return _error(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
 
 
-async def _collect(request: Request, stream: _ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,
+async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,
                    engine: ServingEngine, formatter: LogprobFormatter, chat: bool) -> Response:
     """The whole answer of a non-streaming request (every choice); a client gone before it is ready aborts it."""
     tokenizer, model = engine.tokenizer, engine.model_name
@@ -260,7 +223,7 @@ async def _collect(request: Request, stream: _ChoiceStreams, parsed: openai_prot
     return JSONResponse(body)
 
 
-async def _stream(stream: _ChoiceStreams, parsed: openai_protocol.ParsedRequest, *, engine: ServingEngine,
+async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, *, engine: ServingEngine,
                   formatter: LogprobFormatter, chat: bool):
     """Server-sent events of a streaming request (choices interleaved as they come), ending in
     `data: [DONE]`, after an error event if the pipeline fails mid-way."""
@@ -274,7 +237,7 @@ async def _stream(stream: _ChoiceStreams, parsed: openai_protocol.ParsedRequest,
                 yield _sse(openai_protocol.completion_body(request_id=rid, model=model, text="", token_ids=None,
                                                  finish_reason=None, final=None, chunk=True, chat=True,
                                                  role=True, index=index))
-        async for index, chunk in _merged(stream):
+        async for index, chunk in merged(stream):
             if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                 continue
             text = chunk.text if index in started else _echo_text(tokenizer, parsed) + chunk.text
@@ -326,6 +289,9 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
             return denied
         try:
             parsed, stream = await _in_thread(_admit, engine, await _read_body(request, max_request_bytes), chat)
+        except ClientDisconnect:  # gone before its body arrived: nothing was admitted, nobody to answer
+            log.debug("client disconnected while sending its request body")
+            return Response(status_code=400)
         except (_BodyTooLarge, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
             return _admission_error(exc)  # InvalidRequestError is a ValueError
         if parsed.stream:
@@ -333,13 +299,22 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
                                               stream=stream, media_type="text/event-stream")
         return await _collect(request, stream, parsed, engine=engine, formatter=formatter, chat=chat)
 
+    card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "speedpipe",
+            "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if (denied := _refused(request, api_key)) is not None:
             return denied
-        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "speedpipe",
-                "max_model_len": engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        if (denied := _refused(request, api_key)) is not None:
+            return denied
+        if model_id != engine.model_name:
+            return _error(404, f"The model '{model_id}' does not exist", "model", type_="not_found_error")
+        return JSONResponse(card)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

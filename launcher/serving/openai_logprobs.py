@@ -7,8 +7,9 @@ reference: for /v1/completions `{"tokens", "token_logprobs", "top_logprobs", "te
 /v1/chat/completions `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 Token strings are each token decoded alone (a byte-level token that is part of a multi-byte
 character decodes to U+FFFD, as in vLLM). `top_logprobs` lists the k most likely alternatives of
-each position (k = the request's `logprobs` / `top_logprobs`); the chosen token is reported in
-`tokens` / `token` whether or not it is among them.
+each position (k = the request's `logprobs` / `top_logprobs`); in the completions form the chosen
+token comes first in that map whether or not it is among them (up to k + 1 entries, as the OpenAI
+reference and vLLM give), in the chat form it is reported in `token` only.
 Must not: do I/O, validate requests (launcher/serving/openai_protocol.py) or know about the coordinator.
 """
 
@@ -46,7 +47,8 @@ class LogprobFormatter:
             offsets.append(text_offset)
             text_offset += len(tokens[-1])
             logprobs.append(None if entry is None else entry.logprob)
-            tops.append(None if entry is None else {self.token_text(i): lp for i, lp in entry.top})
+            tops.append(None if entry is None else {tokens[-1]: entry.logprob,
+                                                    **{self.token_text(i): lp for i, lp in entry.top}})
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def chat(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob]) -> dict[str, Any]:

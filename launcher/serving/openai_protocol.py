@@ -22,7 +22,8 @@ import time
 import uuid
 from typing import Any
 
-from launcher.serving.serving_engine import FinalInfo, InvalidRequestError
+from launcher.serving.prometheus import FINISH_REASONS
+from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -32,9 +33,8 @@ MAX_STOP_STRINGS = 4
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
 # value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
 # Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
-UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "logit_bias")
+UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "logit_bias", "chat_template")
 MAX_N = 16  # most choices one request may ask for (each is a sequence in its own KV slot)
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,25 +142,30 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise InvalidRequestError(f"'response_format' = {fmt!r} is not supported (only text)", "response_format")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _int({field: max_tokens}, field, max_tokens_default, lo=1)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise InvalidRequestError("'stream_options' must be an object", "stream_options")
+    # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, field, max_tokens_default, lo=1)
     for flag in ("stream", "ignore_eos", "return_token_ids", "echo"):
-        if not isinstance(body.get(flag, False), bool):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise InvalidRequestError(f"'{flag}' must be true or false, got {body[flag]!r}", flag)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise InvalidRequestError("'stream_options' must be an object", "stream_options")
+    if stream_options is not None and not body.get("stream"):
+        raise InvalidRequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
+    stream_options = stream_options or {}
     return {
         "max_new_tokens": max_tokens,
-        "temperature": _number(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        "temperature": _number(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
         "top_p": _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        "top_k": _int(body, "top_k", 0, lo=-1),
+        "min_p": _number(body, "min_p", 0.0, lo=0.0, hi=1.0),
         "seed": _int(body, "seed", None, lo=0, hi=2**63),
         "stop": _stop(body),
-        "ignore_eos": bool(body.get("ignore_eos", False)),
-        "stream": bool(body.get("stream", False)),
+        "ignore_eos": bool(body.get("ignore_eos")),
+        "stream": bool(body.get("stream")),
         "include_usage": bool(stream_options.get("include_usage", False)),
-        "return_token_ids": bool(body.get("return_token_ids", False)),
+        "return_token_ids": bool(body.get("return_token_ids")),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -172,7 +177,7 @@ def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
     """Completions: `logprobs` (null or 0..MAX_LOGPROBS alternatives) and `echo` (prompt logprobs too)."""
     lp = {"logprobs": None if body.get("logprobs") is False else body.get("logprobs")}  # false: none, as null
     kw["logprobs"] = _int(lp, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
-    kw["echo"] = bool(body.get("echo", False))
+    kw["echo"] = bool(body.get("echo"))
     if kw["echo"] and kw["logprobs"] is not None:
         kw["prompt_logprobs"] = kw["logprobs"]
 
@@ -232,10 +237,34 @@ def _compiled_template(source: str):
     return env.from_string(source)
 
 
-def render_chat(messages: Any, *, tokenizer: Tokenizer) -> str:
-    """The prompt text of `messages` under the model's chat template, ending with the assistant's
-    generation prompt. Raises InvalidRequestError ('messages') for malformed messages or a model
-    without a chat template."""
+def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of `messages` under the model's chat template, as Hugging Face's
+    `apply_chat_template`: ending with the assistant's generation prompt (`add_generation_prompt`),
+    or cut right after the last message's content so the model continues it
+    (`continue_final_message`). template_kwargs: extra variables of the template (vLLM's
+    `chat_template_kwargs`, e.g. {"enable_thinking": false}). Raises InvalidRequestError
+    ('messages', or the field) for malformed messages, or a model without a chat template."""
+    clean = _clean_messages(messages)
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+    bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
+    eos = tokenizer.decode([tokenizer.eos_token_ids[0]], skip_special_tokens=False) if tokenizer.eos_token_ids else ""
+    text = _compiled_template(tokenizer.chat_template).render(
+        **(template_kwargs or {}), messages=clean, add_generation_prompt=add_generation_prompt and not continue_final_message,
+        bos_token=bos, eos_token=eos)
+    if continue_final_message:
+        final = clean[-1]["content"].strip()
+        if not final or final not in text:
+            raise InvalidRequestError("'continue_final_message' needs a last message with content the chat template "
+                                      "keeps", "continue_final_message")
+        text = text[:text.rindex(final) + len(final)]
+    return text
+
+
+def _clean_messages(messages: Any) -> list[dict[str, str]]:
+    """[{role, content}] with content a string: text parts joined; an assistant's null content (a
+    message that only carried tool calls) becomes "". Raises InvalidRequestError naming the field."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
     clean = []
@@ -249,15 +278,34 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer) -> str:
                 raise InvalidRequestError(f"'messages[{i}].content' parts must all be of type 'text'",
                                           f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
+        if content is None and m["role"] == "assistant":
+            content = ""
         if not isinstance(content, str):
             raise InvalidRequestError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
         clean.append({"role": m["role"], "content": content})
-    if not tokenizer.chat_template:
-        raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
-    bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
-    eos = tokenizer.decode([tokenizer.eos_token_ids[0]], skip_special_tokens=False) if tokenizer.eos_token_ids else ""
-    return _compiled_template(tokenizer.chat_template).render(messages=clean, add_generation_prompt=True,
-                                                              bos_token=bos, eos_token=eos)
+    return clean
+
+
+def _chat_options(body: dict) -> dict[str, Any]:
+    """The template options of a chat body: add_generation_prompt (default true),
+    continue_final_message (default false; not both) and chat_template_kwargs (an object)."""
+    options = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequestError(f"'{name}' must be true or false, got {value!r}", name)
+        options[name] = default if value is None else value
+    if body.get("add_generation_prompt") is True and options["continue_final_message"]:
+        raise InvalidRequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                                  "continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs or ())
+    if reserved:
+        raise InvalidRequestError(f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs")
+    options["template_kwargs"] = kwargs
+    return options
 
 
 def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> ParsedRequest:
@@ -265,7 +313,7 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     Raises InvalidRequestError naming the field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
-    text = render_chat(body.get("messages"), tokenizer=tokenizer)
+    text = render_chat(body.get("messages"), tokenizer=tokenizer, **_chat_options(body))
     ids = tokenizer.encode(text)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
@@ -273,6 +321,8 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
 
 
 # -- responses ---------------------------------------------------------------------------------------
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -25,6 +25,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# The OpenAI / vLLM name of each finish reason of the pipeline (FinishReason values): responses
+# (launcher/serving/openai_protocol.py) and the request_success label use these.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort"}
+
+
 if TYPE_CHECKING:
     from launcher.coordinator.coordinator import Coordinator
 
@@ -140,8 +145,10 @@ class ServingMetrics:
             self.generation_tokens += n
 
     def observe_finish(self, reason: str, e2e_s: float) -> None:
+        """A finished request; reason: the pipeline's (eos, stop, length, aborted), labelled as
+        vLLM labels it (stop, length, abort)."""
         self._e2e.observe(e2e_s)
-        self._success.labels(self.model_name, reason).inc()
+        self._success.labels(self.model_name, FINISH_REASONS.get(reason, reason)).inc()
         with self._lock:
             self.finished_requests += 1
 

@@ -43,6 +43,9 @@ class UnavailableError(RuntimeError):
     """The server takes no new requests (draining, or fenced after a stage failure): HTTP 503."""
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's upper bound of a request's sampling temperature (HTTP and gRPC)
+
+
 class InvalidRequestError(ValueError):
     """A request field is invalid; `param` names the field (OpenAI `error.param`)."""
 

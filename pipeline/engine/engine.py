@@ -235,7 +235,8 @@ class Engine:
 
     def _apply_result(self, batch: MicroBatch, event: Result, commits: list[Commit]) -> None:
         new = self._scheduler.on_result(event.items, event.token_ids, event.logits, event.at_ns,
-                                        firp_tokens=event.firp_tokens, firp_probs=event.firp_probs)
+                                        firp_tokens=event.firp_tokens, firp_probs=event.firp_probs,
+                                        prompt_logprobs=event.prompt_logprobs)
         self.commit_log.extend((event.at_ns, c.seq_id, t) for c in new for t in c.token_ids)
         if self.record_timeline:
             self._record(batch, event, {c.seq_id for c in new})

@@ -1,11 +1,10 @@
 """Scheduler: which items enter stage 0 next, and what the last stage's results commit.
 
 Owns every sequence's state (prompt, committed tokens, KV slot, epoch, finish reason), admission
-into KV slots, micro-batch formation, and turning results into committed tokens.
-Pure, and driven only by `pipeline.engine.engine.Engine` (which the coordinator, the simulator and the
-test fakes all use); the engine owns the micro-batches in flight. Must not: do I/O, know about
-ranks or tokenizers, or read a clock (callers pass `now_ns`, real or simulated, used only for
-overhead measurements).
+into KV slots, micro-batch formation, and turning results into committed tokens. Pure, and driven
+only by `pipeline.engine.engine.Engine` (the coordinator's, the simulator's and the test fakes'),
+which owns the micro-batches in flight. Must not: do I/O, know about ranks or tokenizers, or read
+a clock (callers pass `now_ns`, real or simulated, used only for overhead measurements).
 
 [Note: micro-batching]
 With S stages, at most `max_inflight_batches` (default S) micro-batches are in the pipeline at
@@ -53,7 +52,7 @@ from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.predictors import ExitGuess, Predictor
-from pipeline.speculation.sampling import Sampler, SamplingParams, prompt_logprobs, token_logprob
+from pipeline.speculation.sampling import Sampler, SamplingParams, prompt_token_logprobs, token_logprob
 from pipeline.speculation.tree import TokenTree
 from pipeline.speculation.verify import verify_result
 
@@ -283,26 +282,27 @@ class Scheduler:
     # -- results ----------------------------------------------------------------------------------
     def on_result(self, returned: Sequence[Item], token_ids: torch.Tensor, logits: torch.Tensor | None,
                   now_ns: int = 0, *, firp_tokens: torch.Tensor | None = None,
-                  firp_probs: torch.Tensor | None = None) -> list[Commit]:
+                  firp_probs: torch.Tensor | None = None, prompt_logprobs=None) -> list[Commit]:
         """Verify and commit the last stage's output for one micro-batch (see [Note: verify] and
         [Note: chain verify]).
 
         returned: the items of the micro-batch that ran on every stage (a subset, in order); token_ids: [sum of returned items' num_result_rows] argmax of each result row;
-        logits: [`num_logit_rows` of returned items with want_logits, vocab] float32 in item order
-        (a prefill with want_prompt_logits also brings its prompt rows: `Commit.prompt_logprobs`);
+        logits: [`num_result_rows` of returned items with want_logits, vocab] float32 in item order;
         firp_tokens: [sum of returned items' num_pseudo] FIRP drafts (pseudo-row argmax), or None;
-        firp_probs: the same shape, each draft's probability (None: no confidence cut).
-        Results of finished sequences or older epochs are ignored.
+        firp_probs: the same shape, each draft's probability (None: no confidence cut);
+        prompt_logprobs: `Result.prompt_logprobs` (-> `Commit.prompt_logprobs`). Results of finished
+        sequences or older epochs are ignored.
         """
-        commits, row, logit_row, pseudo_row = [], 0, 0, 0
+        commits, row, logit_row, pseudo_row, prompt_row = [], 0, 0, 0, 0
         for item in returned:
             n = item.num_result_rows
             argmax = [int(t) for t in token_ids[row:row + n]]
-            rows = prompt_rows = None
+            rows = prompt = None
             if item.want_logits:
-                rows, logit_row = logits[logit_row:logit_row + item.num_logit_rows], logit_row + item.num_logit_rows
-                if item.want_prompt_logits:
-                    prompt_rows, rows = rows[:-1], rows[-1:]
+                rows, logit_row = logits[logit_row:logit_row + n], logit_row + n
+            if item.num_prompt_rows:
+                prompt = [t[prompt_row:prompt_row + item.num_prompt_rows] for t in prompt_logprobs]
+                prompt_row += item.num_prompt_rows
             firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + item.num_pseudo]]
             if firp and firp_probs is not None and self.config.firp_min_prob > 0:
                 probs = firp_probs[pseudo_row:pseudo_row + item.num_pseudo].tolist()
@@ -313,9 +313,9 @@ class Scheduler:
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
-            if prompt_rows is not None:
-                commit = dataclasses.replace(commit, prompt_logprobs=prompt_logprobs(
-                    seq.prompt_ids, prompt_rows, seq.params.prompt_logprobs or 0))
+            if prompt is not None:
+                commit = dataclasses.replace(commit, prompt_logprobs=prompt_token_logprobs(
+                    seq.prompt_ids, *prompt, seq.params.prompt_logprobs or 0))
             commits.append(commit)
         return commits
 

@@ -31,6 +31,7 @@ from pipeline.model.stage_model import StageModel
 from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import ExitHead
+from pipeline.speculation.sampling import reduce_prompt_rows
 
 
 @dataclasses.dataclass
@@ -57,7 +58,11 @@ class StageOutput:
         they exist), in item order.
     token_ids: [sum of items' num_result_rows] int64 argmax of each result row (last stage): the
         last row of a prefill, every row of any other item.
-    logits: [`num_logit_rows` of each item with want_logits, summed, vocab_size] float32 (last stage).
+    logits: [`num_result_rows` of each item with want_logits, summed, vocab_size] float32 (last stage).
+    prompt_next: [sum of items' `num_prompt_rows`] int64, the next prompt token of each prompt row
+        (non-last stage: passed on as it arrived, rows of stale items removed).
+    prompt_logprobs: (chosen [P], top_ids [P, k], top_logprobs [P, k]) of those P prompt rows
+        (last stage; `reduce_prompt_rows`), or None when no item wants them.
     firp_tokens: [num_pseudo] int64 argmax of every pseudo row (last stage; the FIRP drafts).
     firp_probs: [num_pseudo] float32 softmax probability of each FIRP draft (its confidence).
     exit_tokens, exit_probs: [num_items] the exit head's top token and its probability at each
@@ -72,6 +77,8 @@ class StageOutput:
     firp_tokens: torch.Tensor | None = None
     firp_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    prompt_next: torch.Tensor | None = None
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     exit_tokens: torch.Tensor | None = None
     exit_probs: torch.Tensor | None = None
 
@@ -125,17 +132,21 @@ class StageExecutor:
         return keep
 
     def run(self, items: list[Item], x: torch.Tensor, pseudo: torch.Tensor | None = None, *,
-            interrupt=None) -> StageOutput:
+            interrupt=None, prompt_next: torch.Tensor | None = None) -> StageOutput:
         """Run a micro-batch. x: [num_tokens] token ids (first stage) or [num_tokens, hidden];
         pseudo: [num_pseudo, hidden] FIRP pseudo rows from the previous stage, or None;
+        prompt_next: [sum of items' num_prompt_rows] int64 (`StageOutput.prompt_next`), or None;
         interrupt: checked between layers (`StageModel.forward_rows`). Raises ValueError if pseudo
-        rows are missing on a stage after the FIRP layer, PassInterrupted when `interrupt()` stopped it."""
+        rows are missing on a stage after the FIRP layer, or the last stage's prompt_next does not
+        match its items, PassInterrupted when `interrupt()` stopped it."""
         start_ns = time.perf_counter_ns()
         keep = self.admit(items)
         if not all(keep):
             x = x[_rows(items, keep)]
             if pseudo is not None:
                 pseudo = pseudo[_rows(items, keep, rows_of=lambda it: it.num_pseudo)]
+            if prompt_next is not None:
+                prompt_next = prompt_next[_rows(items, keep, rows_of=lambda it: it.num_prompt_rows)]
             items = [it for it, k in zip(items, keep, strict=True) if k]
         if not items:
             return StageOutput(items=[])
@@ -164,19 +175,14 @@ class StageExecutor:
         if self.model.is_last:
             out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
             result.token_ids = out[result_index].argmax(dim=-1).cpu()
-            want, row = [], 0
-            for it in items:
-                if it.want_logits:
-                    want.extend(range(row, row + it.num_logit_rows))
-                row += it.num_logit_rows
-            if want:
-                result.logits = out[want].cpu()
+            result.logits, result.prompt_logprobs = _returned_logits(items, out, prompt_next)
             if fwd.pseudo is not None:
                 probs, tokens = torch.softmax(fwd.pseudo, dim=-1).max(dim=-1)
                 result.firp_tokens, result.firp_probs = tokens.cpu(), probs.cpu()
         else:
             result.hidden = fwd.out
             result.pseudo = fwd.pseudo
+            result.prompt_next = prompt_next
         self.counters.busy_ns += time.perf_counter_ns() - start_ns
         self.counters.items_processed += len(items)
         self.counters.tokens_processed += sum(it.num_rows for it in items)
@@ -256,3 +262,22 @@ def _logit_rows(items: list[Item]) -> tuple[list[int], list[int]]:
         rows.extend(range(row - it.num_logit_rows, row))
         result_index.extend(range(len(rows) - it.num_result_rows, len(rows)))
     return rows, result_index
+
+
+def _returned_logits(items: list[Item], out: torch.Tensor, prompt_next: torch.Tensor | None):
+    """(logits of the result rows of items with want_logits, or None; prompt logprobs of the
+    prompt rows of items with want_prompt_logits, or None), from the last stage's `out`: [logit
+    rows of `_logit_rows(items)`, vocab]. Raises ValueError if prompt_next does not match."""
+    want, prompt, row = [], [], 0
+    for it in items:
+        if it.want_logits:
+            prompt.extend(range(row, row + it.num_prompt_rows))
+            want.extend(range(row + it.num_prompt_rows, row + it.num_logit_rows))
+        row += it.num_logit_rows
+    reduced = None
+    if prompt:
+        if prompt_next is None or prompt_next.shape != (len(prompt),):
+            got = None if prompt_next is None else tuple(prompt_next.shape)
+            raise ValueError(f"items want the logprobs of {len(prompt)} prompt rows, but prompt_next is {got}")
+        reduced = tuple(t.cpu() for t in reduce_prompt_rows(out[prompt], prompt_next))
+    return (out[want].cpu() if want else None), reduced

@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import functools
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -53,6 +54,10 @@ DEFAULT_FRAME_BYTES = 16 * 1024
 # Tensors on the wire: activations in any model dtype, plus the int types of token ids and masks.
 DTYPES: dict[str, torch.dtype] = {**MODEL_DTYPES, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# A RESULT's prompt logprobs (OpenAI echo), `reduce_prompt_rows` in pipeline/speculation/sampling.py:
+# [P] float32, [P, k] int64, [P, k] float32. A FORWARD carries their rows' next prompt tokens as
+# "prompt_next" ([P] int64) from the coordinator to the last stage.
+PROMPT_LOGPROB_TENSORS = ("prompt_logprob", "prompt_top_ids", "prompt_top_logprobs")
 
 
 class MessageKind(enum.IntEnum):
@@ -257,6 +262,17 @@ def _spec(raw: Any) -> TensorSpec:
 
 # [Note: ranks] The data plane has S + 1 ranks: 0 is the coordinator, stage i is rank i + 1.
 COORDINATOR_RANK = 0
+
+
+def forward_tensors(batch: Sequence[Item]) -> dict[str, torch.Tensor]:
+    """The tensors of a micro-batch's FORWARD to stage 0: "x", every item's input token ids, and,
+    when an item wants prompt logprobs, "prompt_next": the prompt token after each of its prompt
+    rows (`Item.num_prompt_rows`), which the stages pass on to the last one."""
+    tensors = {"x": torch.tensor([t for it in batch for t in it.input_ids], dtype=torch.int64)}
+    if any(it.num_prompt_rows for it in batch):
+        tensors["prompt_next"] = torch.tensor([t for it in batch if it.num_prompt_rows for t in it.token_ids[1:]],
+                                              dtype=torch.int64)
+    return tensors
 
 
 def rank_of_stage(stage_index: int) -> int:

@@ -38,9 +38,10 @@ class Item:
         stage's input tensor "x", and items carry none).
     want_logits: the last stage returns float32 logits for this item's result rows (sampling,
         penalties and logprobs need them); otherwise only the argmax ids.
-    want_prompt_logits: (prefill items with want_logits) the last stage returns logits for every
-        row of the item, not only its result row (prompt logprobs, OpenAI `echo`); see
-        `num_logit_rows`.
+    want_prompt_logits: (prefill items with want_logits) the last stage also runs its LM head on
+        every prompt row and returns their logprobs (OpenAI `echo`): each row's next prompt token
+        travels along the ring as tensor "prompt_next" (`num_prompt_rows` per item), see
+        `pipeline.speculation.sampling.reduce_prompt_rows`.
     firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
         `firp_anchors` rows (see [Note: pseudo rows] in pipeline/model/row_layout.py); 0 = none.
     want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
@@ -145,9 +146,15 @@ class Item:
 
     @property
     def num_logit_rows(self) -> int:
-        """Rows whose logits the last stage returns when `want_logits`: every row with
-        `want_prompt_logits` (the result row is the last of them), else the result rows."""
+        """Rows the last stage runs its LM head on: every row with `want_prompt_logits` (the result
+        row is the last of them), else the result rows."""
         return self.num_tokens if self.want_prompt_logits else self.num_result_rows
+
+    @property
+    def num_prompt_rows(self) -> int:
+        """Prompt rows whose logprobs the last stage returns (`want_prompt_logits`: all rows but the
+        last, whose next token is the first generated one), else 0."""
+        return self.num_tokens - 1 if self.want_prompt_logits else 0
 
     @property
     def may_precede_draft(self) -> bool:

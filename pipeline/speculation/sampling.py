@@ -1,8 +1,9 @@
 """Sampling: turning one position's final logits into a token, and the speculative accept rule.
 
-Owns the per-request sampling settings (`SamplingParams`), the per-sequence `Sampler` (greedy or
-temperature + nucleus sampling with its own seeded `torch.Generator`), `verify_draft`, the
-distribution-exact accept/resample rule for a drafted token (ARCHITECTURE.md §5.4), and the
+Owns the per-request sampling settings (`SamplingParams`), the per-sequence `Sampler` (greedy, or
+temperature with min-p / top-k / top-p filters, each draw keyed by the sequence's seed and the
+token's position: [Note: position-keyed draws]), `verify_draft`, the distribution-exact
+accept/resample rule for a drafted token (ARCHITECTURE.md §5.4), and the
 OpenAI / vLLM logit processors: repetition / presence / frequency penalties (`apply_penalties`) and
 the log-probabilities reported to clients (`token_logprob`). See [Note: logprobs and penalties].
 Must not: do I/O, know about stages, processes or torch.distributed, or decide when to stop a
@@ -38,6 +39,20 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM'
 # temperature (vLLM's default `raw_logprobs` mode), so they are comparable across requests; the
 # reported token is the one committed (penalised / sampled), whatever its raw rank.
 
+# [Note: position-keyed draws]
+# Every random draw of a sequence uses a generator seeded from (seed, position of the token it
+# chooses), `draw_seed`, never a stream consumed draw by draw. So the token at position i is a
+# function of the seed and the logits there alone: how many drafts were verified before it, how
+# the requests were batched, whether a stage failed and the sequence was replayed, change nothing.
+# A seeded request gives the same tokens with and without speculation (plain decoding samples
+# position i with the same generator state) and alone or beside others (vLLM's per-request seeds
+# promise the same). Verify of a deterministic draft x (every built-in predictor's: q one-hot at
+# x) then draws the real token y ~ p at that position and accepts iff y = x: accepted with
+# probability p(x), and a rejected draft commits y ~ p restricted to y != x, renormalised, which
+# is the standard speculative rule for one-hot q (Leviathan et al. 2023, arXiv 2211.17192 §2.3),
+# so acceptance and the output distribution are unchanged. A draft drawn from a distribution q
+# (`verify(..., q=...)`) keeps the general accept/resample rule, with the position's generator.
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -48,6 +63,11 @@ class SamplingParams:
     top_p: nucleus sampling; keep the smallest set of most likely tokens whose probability sums to
         at least `top_p` (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration", §3.1).
         1.0 keeps every token. Ignored when greedy.
+    top_k: keep the k most likely tokens (ties at the k-th probability kept, as vLLM); 0 or -1
+        keeps every token (vLLM's "off"). Ignored when greedy.
+    min_p: keep tokens whose probability is at least min_p times the most likely one's (Nguyen et
+        al. 2024, "Min P Sampling", arXiv 2407.01082 §3); 0 keeps every token. Ignored when greedy.
+        Filters apply in vLLM's order: temperature, min-p, top-k, top-p.
     seed: seeds the sequence's generator; None draws a fresh random seed, so runs differ.
     stop: strings that end generation when they appear in the output (applied by the scheduler).
     ignore_eos: keep generating past EOS until `max_new_tokens` (benchmarks).
@@ -64,6 +84,8 @@ class SamplingParams:
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -84,6 +106,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # also rejects NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:  # also rejects NaN
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
@@ -165,35 +191,43 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, *, prompt_ids:
     return out
 
 
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of the draw that chooses the token at `position` (0 = the first generated
+    token) of a sequence seeded with `seed`: SplitMix64 (Steele et al. 2014, "Fast splittable
+    pseudorandom number generators", OOPSLA) of the two, in [0, 2**64). [Note: position-keyed draws]"""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) % _SEED_LIMIT
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % _SEED_LIMIT
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % _SEED_LIMIT
+    return z ^ (z >> 31)
+
+
 class Sampler:
     """Chooses the next token of one sequence from its final logits, and verifies drafts.
 
-    Owns the sequence's `torch.Generator` (on `device`, which must be where the logits live), seeded
-    from `params.seed`, or from a fresh non-deterministic seed when it is None; `seed` reports the seed
-    used so a run can be reproduced. One Sampler per sequence: draws are reproducible per sequence
-    regardless of how sequences are batched or interleaved.
+    Owns the sequence's seed (`params.seed`, or a fresh non-deterministic one when it is None;
+    `seed` reports it so a run can be reproduced) and one `torch.Generator` on `device` (where the
+    logits live), re-seeded for every draw from (seed, position) ([Note: position-keyed draws]).
+    So the token at a position depends only on the seed and the logits there, however the
+    sequence was batched, speculated or replayed.
     """
 
     def __init__(self, params: SamplingParams, *, device: torch.device | str = "cpu") -> None:
         self.params = params
         self._generator = torch.Generator(device=device)
-        if params.seed is None:
-            self.seed = self._generator.seed()  # non-deterministic (std::random_device / time)
-        else:
-            self.seed = params.seed
-            self._generator.manual_seed(params.seed)
+        self.seed = self._generator.seed() if params.seed is None else params.seed  # seed(): random_device / time
 
-    @property
-    def generator(self) -> torch.Generator:
-        """The sequence's generator (for callers that draw on its behalf, e.g. a sampled draft)."""
-        return self._generator
+    def _at(self, position: int) -> torch.Generator:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        return self._generator.manual_seed(draw_seed(self.seed, position))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The exact distribution `sample` draws from.
 
         logits: [vocab_size] float. Returns p: [vocab_size] float32 summing to 1: one-hot at the
-        argmax when greedy; otherwise softmax(logits / temperature), restricted to the top-p nucleus
-        and renormalised. Within the nucleus, ties at the boundary keep the lower token index.
+        argmax when greedy; otherwise softmax(logits / temperature), restricted by min-p, top-k and
+        the top-p nucleus (in that order, vLLM's) and renormalised. Within the nucleus, ties at the
+        boundary keep the lower token index.
         """
         assert logits.dim() == 1, f"logits must be [vocab_size], got shape {tuple(logits.shape)}"
         logits = logits.float()
@@ -204,32 +238,48 @@ class Sampler:
         # Subtract the max before dividing so a tiny temperature gives -inf, never +inf / NaN.
         scaled = (logits - logits.max()) / self.params.temperature
         p = torch.softmax(scaled, dim=-1)
+        if self.params.min_p > 0.0:
+            p = _renormalised(torch.where(p >= self.params.min_p * p.max(), p, torch.zeros_like(p)))
+        if 0 < self.params.top_k < p.shape[-1]:
+            kth = torch.topk(p, self.params.top_k).values[-1]
+            p = _renormalised(torch.where(p >= kth, p, torch.zeros_like(p)))
         if self.params.top_p < 1.0:
             p = _top_p_filter(p, self.params.top_p)
         return p
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """Next token id from logits: [vocab_size]. Greedy: argmax (ties -> lowest index)."""
+    def sample(self, logits: torch.Tensor, position: int) -> int:
+        """The token at `position` (0 = first generated) from logits: [vocab_size]. Greedy: argmax
+        (ties -> lowest index). Raises ValueError for a negative position."""
         if self.params.is_greedy:
             return int(torch.argmax(logits))
-        return int(torch.multinomial(self.probs(logits), 1, generator=self._generator))
+        return int(torch.multinomial(self.probs(logits), 1, generator=self._at(position)))
 
     def verify(
-        self, logits: torch.Tensor, draft_token: int, q: torch.Tensor | None = None
+        self, logits: torch.Tensor, draft_token: int, position: int, q: torch.Tensor | None = None
     ) -> tuple[bool, int]:
-        """Decide a drafted token against the target model's logits at the same position.
+        """Decide a drafted token for `position` against the target model's logits there.
 
         logits: [vocab_size], the final logits of the token before the draft. q: [vocab_size], the
         predictor's distribution the draft was drawn from, or None for a deterministic predictor.
         Returns (accepted, token): token is the draft when accepted, else the corrected token to commit.
         Greedy: accepted iff the draft equals the argmax, and the token is always the argmax (so greedy
         output with speculation is token-identical to greedy output without it, ARCHITECTURE.md §5.3).
-        Sampling: `verify_draft` with p = `probs(logits)` and this sequence's generator.
+        Sampling, q None: the token is `sample(logits, position)`, accepted iff it is the draft, so
+        seeded output with speculation is token-identical to seeded output without it ([Note:
+        position-keyed draws]). Sampling with q: `verify_draft` with p = `probs(logits)` and the
+        position's generator.
         """
         if self.params.is_greedy:
             token = int(torch.argmax(logits))
             return token == draft_token, token
-        return verify_draft(self.probs(logits), draft_token, q, self._generator)
+        if q is None:
+            token = self.sample(logits, position)
+            return token == draft_token, token
+        return verify_draft(self.probs(logits), draft_token, q, self._at(position))
+
+
+def _renormalised(p: torch.Tensor) -> torch.Tensor:
+    return p / p.sum()
 
 
 def _top_p_filter(p: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -243,8 +293,7 @@ def _top_p_filter(p: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep_sorted = mass_before < top_p
     keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
-    filtered = torch.where(keep, p, torch.zeros_like(p))
-    return filtered / filtered.sum()
+    return _renormalised(torch.where(keep, p, torch.zeros_like(p)))
 
 
 def verify_draft(
@@ -293,8 +342,39 @@ def verify_draft(
     return False, int(torch.multinomial(residual, 1, generator=generator))
 
 
-def prompt_logprobs(prompt_ids: Sequence[int], prompt_rows: torch.Tensor, k: int) -> tuple[TokenLogprob | None, ...]:
+def reduce_prompt_rows(logits: torch.Tensor, next_ids: torch.Tensor, k: int = MAX_LOGPROBS,
+                       chunk_rows: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last stage's half of prompt logprobs (OpenAI `echo`): per prompt row, the log-probability
+    of the prompt token that follows it and the k most likely tokens. A RESULT then carries 2k + 1
+    numbers per prompt row instead of a vocab-size row of logits (196 KiB for the default model),
+    so a long echoed prompt fits the data plane's message limit (as vLLM computes logprobs in
+    its workers).
+
+    logits: [P, vocab] raw final logits of prompt rows 0 .. P-1; next_ids: [P] int64, the prompt
+    token after each row. Returns (chosen [P] float32, top_ids [P, k'] int64, top_logprobs [P, k']
+    float32), k' = min(k, vocab), most likely first, ties by lower token id (as `token_logprob`).
+    Works on `chunk_rows` rows at a time, so it needs little memory beyond `logits`.
+    """
+    k = min(k, logits.shape[-1])
+    chosen, top_ids, top_lp = [], [], []
+    for lo in range(0, logits.shape[0], chunk_rows):
+        logp = torch.log_softmax(logits[lo:lo + chunk_rows].float(), dim=-1)
+        chosen.append(logp.gather(1, next_ids[lo:lo + chunk_rows, None].to(logp.device)).squeeze(1))
+        values, ids = torch.topk(logp, k, dim=-1)
+        ids, order = torch.sort(ids, dim=-1)  # ties: lower id first, then a stable sort by value
+        values, order = torch.sort(values.gather(1, order), dim=-1, descending=True, stable=True)
+        top_ids.append(ids.gather(1, order))
+        top_lp.append(values)
+    if not chosen:
+        return torch.zeros(0), torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k)
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lp)
+
+
+def prompt_token_logprobs(prompt_ids: Sequence[int], chosen: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                    k: int) -> tuple[TokenLogprob | None, ...]:
     """Logprob of each prompt token given the ones before it (None for the first), with `k`
-    alternatives (echo's prompt logprobs). prompt_rows: [len(prompt_ids) - 1, vocab] raw logits of
-    rows 0 .. n-2 of the prefill."""
-    return (None, *(token_logprob(prompt_rows[j], t, k) for j, t in enumerate(prompt_ids[1:])))
+    alternatives (echo's prompt logprobs), from `reduce_prompt_rows` of prompt rows 0 .. n-2:
+    chosen [n-1], top_ids / top_logprobs [n-1, >= k]."""
+    chosen, ids, values = chosen.tolist(), top_ids[:, :k].tolist(), top_logprobs[:, :k].tolist()
+    return (None, *(TokenLogprob(t, chosen[j], tuple(zip(ids[j], values[j], strict=True)))
+                    for j, t in enumerate(prompt_ids[1:])))

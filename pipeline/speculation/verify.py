@@ -28,7 +28,8 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         had none.
     logits: [num_result_rows, vocab_size] float32 when the sequence needs them
         (`SamplingParams.needs_logits`: sampling, penalties or logprobs), None otherwise.
-    sampler: the sequence's sampler (its params and seeded generator); used only with logits.
+    sampler: the sequence's sampler (its params and seed); used only with logits. Row i chooses the
+        token at position len(output_ids) + i (the key of its random draw).
     prompt_ids / output_ids: the sequence's prompt and committed output before this result; with
         penalties, row i is penalised with output_ids + the tokens this result committed before it,
         exactly the history plain decoding has at that position ([Note: logprobs and penalties] in
@@ -54,15 +55,14 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
             token = top
         elif draft is None:
             # No draft followed this row: sample the real next token from p = softmax(logits / T).
-            token = sampler.sample(row)
+            token = sampler.sample(row, len(output_ids) + len(out))
         else:
-            # Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192 §2.3; SPEED §3):
-            # accept the draft x with probability min(1, p(x) / q(x)), q = the predictor's
-            # distribution (one-hot for our deterministic predictors, so accept w.p. p(x));
-            # otherwise commit y ~ normalise(max(0, p - q)). Either way the token is distributed
-            # exactly as p (`pipeline.speculation.sampling.verify_draft` does the arithmetic, with the
-            # sequence's top-p filter and seeded generator).
-            token = sampler.verify(row, draft)[1]
+            # Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192 §2.3; SPEED §3): our
+            # predictors are deterministic (q one-hot at the draft x), so the draft is accepted
+            # with probability p(x), else y ~ p without x is committed; the token is distributed
+            # exactly as p. The draw is keyed by the token's position, so it is the token plain
+            # decoding samples there ([Note: position-keyed draws] in pipeline/speculation/sampling.py).
+            token = sampler.verify(row, draft, len(output_ids) + len(out))[1]
         out.append(token)
         if token in eos_token_ids and not ignore_eos:
             break  # never commit past EOS (§5.5)

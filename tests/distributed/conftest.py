@@ -106,8 +106,8 @@ def reference_generate(model: StageModel, prompt_ids: Sequence[int], params: Sam
                        *, eos_token_ids: Sequence[int] = ()) -> list[int]:
     """Single-process generation with a KV cache: the oracle the pipeline must reproduce.
 
-    Greedy or seeded sampling through `pipeline.speculation.sampling.Sampler` (one generator per sequence,
-    as the coordinator does). Stops at EOS unless `params.ignore_eos`, else after max_new_tokens.
+    Greedy or seeded sampling through `pipeline.speculation.sampling.Sampler` (the draw of output
+    position i keyed by (seed, i), as the coordinator's). Stops at EOS unless `params.ignore_eos`, else after max_new_tokens.
     """
     sampler = Sampler(params)
     kv = model.new_kv_cache(max_num_seqs=1, max_model_len=len(prompt_ids) + params.max_new_tokens)
@@ -115,7 +115,7 @@ def reference_generate(model: StageModel, prompt_ids: Sequence[int], params: Sam
     logits = model(torch.tensor(ids), [Span(0, 0, len(ids))], kv)[0]  # [vocab]
     out: list[int] = []
     while True:
-        token = sampler.sample(logits)
+        token = sampler.sample(logits, len(out))
         out.append(token)
         if (token in eos_token_ids and not params.ignore_eos) or len(out) == params.max_new_tokens:
             return out

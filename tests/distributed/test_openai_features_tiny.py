@@ -102,6 +102,11 @@ def _top(tok: Tokenizer, logp: torch.Tensor, k: int) -> dict[str, float]:
     return {tok.decode([i], skip_special_tokens=False): v for i, v in pairs}
 
 
+def _top_with_chosen(tok: Tokenizer, logp: torch.Tensor, token: int, k: int) -> dict[str, float]:
+    """The completions form: the chosen token's logprob, then the k most likely (OpenAI: up to k + 1)."""
+    return {tok.decode([token], skip_special_tokens=False): float(logp[token]), **_top(tok, logp, k)}
+
+
 def _assert_top(got: dict[str, float], want: dict[str, float]) -> None:
     assert set(got) == set(want)
     for key, value in want.items():
@@ -119,7 +124,10 @@ def test_completion_logprobs_and_top_logprobs_match_transformers(server, client,
     assert lp.token_logprobs == pytest.approx([float(logps[i][t]) for i, t in enumerate(ref)], abs=TOL)
     assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref]
     for i, top in enumerate(lp.top_logprobs):
-        _assert_top(top, _top(tok, logps[i], 3))
+        _assert_top(top, _top_with_chosen(tok, logps[i], ref[i], 3))
+    r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, logprobs=0, **GREEDY)
+    for i, top in enumerate(choice_of(r).logprobs.top_logprobs):  # logprobs 0: the chosen token alone
+        _assert_top(top, {lp.tokens[i]: lp.token_logprobs[i]})
 
 
 def choice_of(response, index: int = 0):
@@ -138,7 +146,7 @@ def test_echo_returns_prompt_logprobs(server, client, hf_model):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:n] == pytest.approx([float(prompt_logp[j - 1][ids[j]]) for j in range(1, n)], abs=TOL)
     for j in range(1, n):
-        _assert_top(lp.top_logprobs[j], _top(tok, prompt_logp[j - 1], 2))
+        _assert_top(lp.top_logprobs[j], _top_with_chosen(tok, prompt_logp[j - 1], ids[j], 2))
     assert len(lp.tokens) == n + NUM_TOKENS and lp.text_offset[0] == 0
 
 

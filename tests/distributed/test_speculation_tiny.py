@@ -252,8 +252,8 @@ def test_sampling_with_drafts_keeps_the_token_distribution(pipeline: SpecPipelin
     """Temperature 1, 3 tokens. The 2nd token is verified against a draft (accepted with
     probability p(draft), else resampled without it), the 3rd computed after an accepted draft or
     after a squash: all three are distributed as without speculation, and the 2nd does not depend on
-    the draft. Plain side: the single-process sampler, which is what `--speculate none` produces
-    (test_pipeline_tiny.py). One KV slot, so sequences run one after the other and every one drafts."""
+    the draft, and with the same seed every token is the one plain sampling draws. Plain side: the
+    single-process sampler, which is what `--speculate none` produces (test_pipeline_tiny.py). One KV slot, so sequences run one after the other and every one drafts."""
     if pipeline.name != "2-stage-1-slot":
         pytest.skip("one shape is enough (and it must leave idle places for drafts)")
     ids = refs.prompt_ids[SAMPLING_PROMPT]
@@ -266,6 +266,8 @@ def test_sampling_with_drafts_keeps_the_token_distribution(pipeline: SpecPipelin
               for i in range(NUM_SAMPLES)]
     report = pipeline.launch(predictor, [SAMPLING_PROMPT] * NUM_SAMPLES, params)
     spec = [o["token_ids"] for o in report["outputs"]]
+    # Each draw is keyed by (seed, position): the same seeds give plain sampling's very tokens.
+    assert spec == [reference_generate(refs.model, ids, p) for p in params]
     stats = report["stats"]
     rejected = stats["verified_drafts"] - stats["accepted_tokens"]
     assert stats["accepted_tokens"] >= NUM_SAMPLES // 20 and rejected >= NUM_SAMPLES // 4, stats

@@ -115,16 +115,19 @@ def test_tree_speculation_gives_the_plain_greedy_tokens(session, refs: Refs, kin
         assert stats["rescues"] == 0 and stats["accepted_tokens"] == 0, stats
 
 
-def test_sampled_tree_drafts_cross_the_wire_with_their_siblings_logits(session, refs: Refs):
+def test_sampled_tree_drafts_cross_the_wire_with_their_siblings_logits(session, refs: Refs, model_dir: Path):
     """Sampling ([Note: token trees], sampling): the last stage process returns the sibling rows'
     logits and the coordinator rescues from them (the distribution test against plain sampling is
-    tests/unit/test_token_tree_sampling.py). At temperature 0.05 the sharpened model mostly samples
-    its greedy token, which the predictor puts among the siblings."""
+    tests/unit/test_token_tree_sampling.py). Each draw is keyed by (seed, position) ([Note:
+    position-keyed draws] in pipeline/speculation/sampling.py), so the output is the single-process
+    sampled reference, and the predictor puts that reference's next token among the siblings."""
     s, switch = session
-    switch.use(SiblingRescuePredictor(refs.table, vocab_size=VOCAB, seed=2))
     prompt = PROMPTS[0]
-    params = [SamplingParams(max_new_tokens=NUM_NEW_TOKENS, temperature=0.05, seed=7, ignore_eos=True)]
-    report = run_launch(s, [refs.ids[prompt]], params)
+    params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
+    want = reference_generate(full_model(model_dir)[0], refs.ids[prompt], params)
+    assert want != refs.greedy[prompt]  # really sampled
+    switch.use(SiblingRescuePredictor(ReferenceTable([(refs.ids[prompt], want)]), vocab_size=VOCAB, seed=2))
+    report = run_launch(s, [refs.ids[prompt]], [params])
     stats = report["stats"]
-    assert len(report["outputs"][0]["token_ids"]) == NUM_NEW_TOKENS
+    assert report["outputs"][0]["token_ids"] == want
     assert stats["tree_drafts"] > 0 and stats["rescues"] > 0, stats

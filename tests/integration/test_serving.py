@@ -158,6 +158,12 @@ def test_chat_template_matches_transformers(server):
     for m in (CHAT, messages):
         want = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
         assert render_chat(m, tokenizer=stack.engine.tokenizer) == want
+        want = tok.apply_chat_template(m, add_generation_prompt=False, tokenize=False)
+        assert render_chat(m, tokenizer=stack.engine.tokenizer, add_generation_prompt=False) == want
+    prefill = [*messages, {"role": "assistant", "content": "The answer is"}]
+    want = tok.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
+    assert render_chat(prefill, tokenizer=stack.engine.tokenizer, continue_final_message=True) == want
+    assert want.endswith("The answer is")
 
 
 def test_chat_streamed_and_not(server, client):
@@ -203,7 +209,7 @@ def test_cancel_mid_stream_frees_slot_and_later_request_is_unaffected(server, cl
     assert freed_after_s < 5.0
     assert wait_outstanding_zero(stack) == 0
     metrics = httpx.get(base_url(stack) + "/metrics").text
-    assert 'speedpipe:request_success_total{finished_reason="aborted",model_name="smollm2-135m"} 1.0' in metrics
+    assert 'speedpipe:request_success_total{finished_reason="abort",model_name="smollm2-135m"} 1.0' in metrics
     r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=NUM_TOKENS, **GREEDY)
     assert r.choices[0].token_ids == offline[PROMPTS[2]]
 

@@ -151,7 +151,8 @@ def test_no_token_is_lost_repeated_or_reordered_across_replays(speculate):
 
 
 def test_a_seeded_sampled_request_gives_the_same_tokens_after_a_replay_without_speculation():
-    """The sampler state is kept across a replay: the next draw continues the sequence's stream."""
+    """Each draw is keyed by the token's position ([Note: position-keyed draws] in
+    pipeline/speculation/sampling.py), so a replay changes no sampled token."""
     params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=7)
     undisturbed = _run(PROMPTS[:3], params, speculate=False)
     assert undisturbed[0] != _run(PROMPTS[:3], SamplingParams(max_new_tokens=12, temperature=0.8, seed=8),

@@ -10,7 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.speculation.sampling import Sampler, SamplingParams, verify_draft
+from pipeline.speculation.sampling import (
+    Sampler,
+    SamplingParams,
+    prompt_token_logprobs,
+    reduce_prompt_rows,
+    token_logprob,
+    verify_draft,
+)
+from pipeline.speculation.verify import verify_result
 
 # Hand-built target p and draft q on a vocab of 8: q is above p on some tokens and below on others,
 # so both branches of the rule (certain accept, probabilistic accept + residual resample) are used.
@@ -64,6 +72,10 @@ def _assert_distributed_as(tokens: list[int], p: torch.Tensor) -> None:
         ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
         ({"top_p": float("nan")}, "top_p must be in (0, 1], got nan"),
         ({"seed": -1}, "seed must be in [0, 2**64), got -1"),
+        ({"top_k": -2}, "top_k must be an integer >= -1 (0 or -1: off), got -2"),
+        ({"top_k": 2.0}, "top_k must be an integer >= -1 (0 or -1: off), got 2.0"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"min_p": float("nan")}, "min_p must be in [0, 1], got nan"),
         ({"stop": ("ok", "")}, "stop must hold non-empty strings, got ''"),
         ({"stop": "\n"}, "stop must be a tuple of strings, got str '\\n'"),
     ],
@@ -91,11 +103,11 @@ def test_sampling_params_defaults_are_valid_greedy_and_keyword_only():
 def test_greedy_sample_is_argmax_with_ties_to_lowest_index():
     sampler = Sampler(SamplingParams())
     logits = torch.tensor([0.1, 2.0, -1.0, 2.0, 0.5])
-    assert sampler.sample(logits) == 1
+    assert sampler.sample(logits, 0) == 1
     assert sampler.probs(logits).tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
     for _ in range(5):
         logits = torch.randn(100)
-        assert sampler.sample(logits) == int(torch.argmax(logits))
+        assert sampler.sample(logits, 0) == int(torch.argmax(logits))
 
 
 def test_seeded_sampling_is_reproducible_and_different_seeds_differ():
@@ -103,7 +115,7 @@ def test_seeded_sampling_is_reproducible_and_different_seeds_differ():
 
     def run(seed: int | None) -> list[int]:
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
-        return [sampler.sample(logits) for _ in range(50)]
+        return [sampler.sample(logits, i) for i in range(50)]
 
     assert run(1234) == run(1234)
     assert run(1234) != run(1235)
@@ -113,9 +125,9 @@ def test_seeded_sampling_is_reproducible_and_different_seeds_differ():
 def test_unseeded_sampler_reports_the_seed_that_reproduces_it():
     logits = torch.zeros(1000)
     first = Sampler(SamplingParams(temperature=1.0))
-    tokens = [first.sample(logits) for _ in range(20)]
+    tokens = [first.sample(logits, i) for i in range(20)]
     again = Sampler(SamplingParams(temperature=1.0, seed=first.seed))
-    assert [again.sample(logits) for _ in range(20)] == tokens
+    assert [again.sample(logits, i) for i in range(20)] == tokens
 
 
 def test_top_p_keeps_smallest_set_reaching_top_p():
@@ -143,7 +155,7 @@ def test_top_p_keeps_smallest_set_reaching_top_p():
 def test_top_p_sampling_never_draws_outside_the_nucleus():
     logits = torch.tensor([0.2, 0.4, 0.1, 0.3]).log()
     sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=0))
-    assert {sampler.sample(logits) for _ in range(300)} == {1, 3}
+    assert {sampler.sample(logits, i) for i in range(300)} == {1, 3}
 
 
 def test_temperature_scales_logits_and_small_temperature_approaches_greedy():
@@ -156,7 +168,7 @@ def test_temperature_scales_logits_and_small_temperature_approaches_greedy():
         gaps.append(float((p - torch.tensor([0.0, 1.0, 0.0, 0.0])).abs().sum()))
     assert gaps == sorted(gaps, reverse=True) and gaps[-1] < 1e-6, gaps
     tiny = Sampler(SamplingParams(temperature=1e-40, seed=0))  # logits / 1e-40 would overflow to inf
-    assert [tiny.sample(logits) for _ in range(20)] == [1] * 20
+    assert [tiny.sample(logits, i) for i in range(20)] == [1] * 20
 
 
 def test_sample_draws_from_probs():
@@ -164,7 +176,89 @@ def test_sample_draws_from_probs():
     sampler = Sampler(SamplingParams(temperature=2.0, seed=7))
     p = sampler.probs(logits)
     torch.testing.assert_close(p, P_TARGET)
-    _assert_distributed_as([sampler.sample(logits) for _ in range(NUM_DRAWS)], p)
+    _assert_distributed_as([sampler.sample(logits, i) for i in range(NUM_DRAWS)], p)
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_one():
+    logits = P_TARGET.log()  # temperature 1: probs are P_TARGET, top 0.30
+    p = Sampler(SamplingParams(temperature=1.0, min_p=0.5)).probs(logits)  # keep p >= 0.15
+    kept = P_TARGET[:3] / P_TARGET[:3].sum()
+    torch.testing.assert_close(p, torch.cat([kept, torch.zeros(5)]))
+    assert torch.equal(Sampler(SamplingParams(temperature=1.0, min_p=0.0)).probs(logits) > 0, P_TARGET > 0)
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 8, 100])
+def test_top_k_off_keeps_every_token(top_k):
+    p = Sampler(SamplingParams(temperature=1.0, top_k=top_k)).probs(P_TARGET.log())
+    torch.testing.assert_close(p, P_TARGET)
+
+
+def test_top_k_keeps_the_k_most_likely_and_ties_at_the_kth():
+    p = Sampler(SamplingParams(temperature=1.0, top_k=2)).probs(P_TARGET.log())
+    torch.testing.assert_close(p, torch.tensor([0.6, 0.4, 0, 0, 0, 0, 0, 0]))
+    tied = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.1]).log()
+    p = Sampler(SamplingParams(temperature=1.0, top_k=2)).probs(tied)
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.25, 0.25, 0.0, 0.0]))
+
+
+def test_filters_apply_in_vllm_order_min_p_then_top_k_then_top_p():
+    # min_p 0.3 keeps 0.30, 0.20, 0.15, 0.12, 0.10 (>= 0.09); top_k 4 drops 0.10; top_p 0.6 over
+    # the renormalised 0.30/0.77, 0.20/0.77, ... keeps the first two (0.39 + 0.26 >= 0.6).
+    params = SamplingParams(temperature=1.0, min_p=0.3, top_k=4, top_p=0.6)
+    p = Sampler(params).probs(P_TARGET.log())
+    torch.testing.assert_close(p, torch.tensor([0.6, 0.4, 0, 0, 0, 0, 0, 0]))
+
+
+def test_a_draw_depends_on_the_seed_and_position_only():
+    """[Note: position-keyed draws]: the token at a position does not depend on the draws before it."""
+    logits = torch.zeros(1000)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=5))
+    forward = [sampler.sample(logits, i) for i in range(30)]
+    other = Sampler(SamplingParams(temperature=1.0, seed=5))
+    assert [other.sample(logits, i) for i in reversed(range(30))] == forward[::-1]
+    assert len(set(forward)) > 20  # positions are not one draw repeated
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        sampler.sample(logits, -1)
+
+
+def test_sampled_verify_of_a_deterministic_draft_commits_what_plain_sampling_commits():
+    """With q None the verified token is the plain sample at that position, whatever the draft, so
+    seeded output with speculation is token-identical to seeded output without it."""
+    logits = P_TARGET.log()
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=11))
+    for position in range(200):
+        plain = sampler.sample(logits, position)
+        for draft in range(8):
+            assert sampler.verify(logits, draft, position) == (draft == plain, plain)
+
+
+def test_verify_result_commits_the_plain_samples_whatever_the_drafts():
+    """A sampled sequence's result rows commit the tokens plain decoding samples at their positions
+    (the committed output before them sets the positions), as far as the drafts were right."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    plain = [sampler.sample(logits[i], 5 + i) for i in range(4)]
+    shifted = [sampler.sample(logits[i], 6 + i) for i in range(4)]
+    assert plain != shifted  # the position matters
+
+    def verify(drafts):
+        return verify_result(argmax=logits.argmax(-1).tolist(), drafts=drafts, logits=logits, sampler=sampler,
+                             eos_token_ids=(), ignore_eos=False, budget_left=10, output_ids=[1] * 5)
+
+    assert verify(plain[:3]) == plain
+    assert verify([(plain[0] + 1) % 50, *plain[1:3]]) == plain[:1]
+    assert verify([plain[0], (plain[1] + 1) % 50, plain[2]]) == plain[:2]
+
+
+@pytest.mark.parametrize("draft_token", [0, 7], ids=["likely-draft", "unlikely-draft"])
+def test_position_keyed_verify_accepts_with_p_x_and_outputs_exactly_p(draft_token):
+    """The standard rule's statistics for a one-hot q: acceptance p(x), output distributed as p."""
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=100 + draft_token))
+    results = [sampler.verify(P_TARGET.log(), draft_token, i) for i in range(NUM_DRAWS)]
+    _assert_distributed_as([token for _, token in results], P_TARGET)
+    p_x = float(P_TARGET[draft_token])
+    num_accepted = sum(accepted for accepted, _ in results)
+    assert abs(num_accepted / NUM_DRAWS - p_x) < 5 * (p_x * (1 - p_x) / NUM_DRAWS) ** 0.5
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,9 +354,9 @@ def test_verify_draft_never_returns_a_token_with_zero_target_probability(data, s
 def test_greedy_verify_accepts_only_the_argmax_and_always_returns_it():
     sampler = Sampler(SamplingParams())
     logits = torch.tensor([0.0, 5.0, 4.9, 1.0])
-    assert sampler.verify(logits, 1) == (True, 1)
-    assert sampler.verify(logits, 2) == (False, 1)
-    assert sampler.verify(logits, 2, q=torch.tensor([0.0, 0.0, 1.0, 0.0])) == (False, 1)
+    assert sampler.verify(logits, 1, 0) == (True, 1)
+    assert sampler.verify(logits, 2, 0) == (False, 1)
+    assert sampler.verify(logits, 2, 0, q=torch.tensor([0.0, 0.0, 1.0, 0.0])) == (False, 1)
 
 
 def test_sampled_verify_is_seeded_and_respects_top_p():
@@ -271,7 +365,7 @@ def test_sampled_verify_is_seeded_and_respects_top_p():
 
     def run() -> list[tuple[bool, int]]:
         sampler = Sampler(params)
-        return [sampler.verify(logits, draft) for draft in (0, 1, 2, 3) * 50]
+        return [sampler.verify(logits, draft, i) for i, draft in enumerate((0, 1, 2, 3) * 50)]
 
     results = run()
     assert results == run()
@@ -283,3 +377,27 @@ def test_sampled_verify_is_seeded_and_respects_top_p():
     )
     assert {token for _, token in results} == {1, 3}
     assert any(accepted for accepted, _ in results)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt logprobs (the last stage's reduction)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_reduced_prompt_rows_give_what_token_logprob_gives_on_the_full_rows():
+    """reduce_prompt_rows (last stage) + prompt_token_logprobs (coordinator) == token_logprob on
+    the full logits, including tied logits (lower id first) and chunks smaller than the rows."""
+    logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(4))
+    logits[2, [3, 9, 17]] = 5.0  # a three-way tie at the top
+    prompt = [1, 4, 9, 0, 17, 3, 29, 8]
+    reduced = reduce_prompt_rows(logits, torch.tensor(prompt[1:]), chunk_rows=3)
+    got = prompt_token_logprobs(prompt, *reduced, k=5)
+    assert got[0] is None and len(got) == len(prompt)
+    for j, entry in enumerate(got[1:]):
+        want = token_logprob(logits[j], prompt[j + 1], 5)
+        assert entry.token_id == want.token_id and entry.logprob == pytest.approx(want.logprob, abs=1e-6)
+        assert [t for t, _ in entry.top] == [t for t, _ in want.top]
+        assert [v for _, v in entry.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
+    assert [t for t, _ in got[3].top[:3]] == [3, 9, 17]
+    chosen, ids, values = reduce_prompt_rows(logits[:2, :4], torch.tensor([0, 1]))  # k above the vocab
+    assert ids.shape == values.shape == (2, 4) and chosen.shape == (2,)

@@ -140,7 +140,9 @@ def test_queue_bound_is_429_and_abort_on_disconnect(served):
             r.close()
     wait_for(lambda: len(coord.aborted) >= 3 and not engine.num_outstanding, timeout_s=5)
     assert len(coord.aborted) == 3 and engine.num_outstanding == 0
-    assert 'speedpipe:request_rejected_total{model_name="tiny",reason="queue_full"} 1.0' in httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text
+    assert 'speedpipe:request_rejected_total{model_name="tiny",reason="queue_full"} 1.0' in metrics
+    assert 'speedpipe:request_success_total{finished_reason="abort",model_name="tiny"} 3.0' in metrics  # vLLM's label
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -153,6 +155,10 @@ def test_queue_bound_is_429_and_abort_on_disconnect(served):
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 2.1}, "repetition_penalty"),
     ({"best_of": 3}, "best_of"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"min_p": "0.1"}, "min_p"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": False, "stream_options": {}}, "stream_options"), ({"chat_template": "{{ x }}"}, "chat_template"),
+    ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"),
 ])
 def test_parse_completion_names_the_bad_field(tokenizer, body, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -184,6 +190,43 @@ def test_parse_completion_and_chat(tokenizer):
         with pytest.raises(InvalidRequestError) as info:
             parse_chat({"messages": messages, **body}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
         assert info.value.param == param
+
+
+def test_null_means_the_default_and_vllm_sampling_fields_are_read(tokenizer):
+    """OpenAI allows null for optional fields: max_completion_tokens null falls back to max_tokens
+    (vLLM's rule), stream / echo null are false; top_k and min_p reach SamplingParams."""
+    p = parse_completion({"prompt": "Hi", "max_completion_tokens": None, "max_tokens": 5, "stream": None,
+                          "echo": None, "top_k": 40, "min_p": 0.05}, tokenizer=tokenizer, model_name="tiny")
+    assert (p.params.max_new_tokens, p.stream, p.echo, p.params.top_k, p.params.min_p) == (5, False, False, 40, 0.05)
+    p = parse_completion({"prompt": "Hi", "max_completion_tokens": 3, "max_tokens": 5, "stream": True,
+                          "stream_options": {"include_usage": True}}, tokenizer=tokenizer, model_name="tiny")
+    assert (p.params.max_new_tokens, p.stream, p.include_usage) == (3, True, True)
+
+
+def test_chat_template_options(tokenizer):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs, as Hugging Face's
+    apply_chat_template (tests/integration/test_serving.py compares with transformers)."""
+    def chat(messages, **body):
+        return parse_chat({"messages": messages, **body}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+
+    user = [{"role": "user", "content": "Hi"}]
+    assert render_chat(user, tokenizer=tokenizer, add_generation_prompt=False) == "<user>Hi\n"
+    assert chat(user, add_generation_prompt=False).prompt_ids == tokenizer.encode("<user>Hi\n")
+    prefill = [*user, {"role": "assistant", "content": "Sure"}]
+    assert chat(prefill, continue_final_message=True).prompt_ids == tokenizer.encode("<user>Hi\n<assistant>Sure")
+    tool_turn = [*user, {"role": "assistant", "content": None, "tool_calls": []}, *user]
+    assert chat(tool_turn).prompt_ids == tokenizer.encode("<user>Hi\n<assistant>\n<user>Hi\n<assistant>")
+    assert chat(user, chat_template_kwargs={"enable_thinking": False}).prompt_ids == chat(user).prompt_ids
+    for body, param in (({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+                        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+        with pytest.raises(InvalidRequestError) as info:
+            chat(prefill, **body)
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError) as info:
+        chat([{"role": "user", "content": None}])
+    assert info.value.param == "messages[0].content"
 
 
 def test_too_long_prompt_names_prompt_or_max_tokens(served):
@@ -313,7 +356,18 @@ def test_api_key_is_required_on_v1_routes_only(guarded):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(url + "/v1/models", headers=headers).status_code == 401
     assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "bearer k3y"}).status_code == 200  # RFC 9110
+    assert httpx.get(url + "/v1/models/tiny", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+
+
+def test_one_model_card_by_id(served):
+    """GET /v1/models/{id} (the openai client's models.retrieve); an unknown id is 404."""
+    _, _, url = served
+    card = httpx.get(url + "/v1/models/tiny").json()
+    assert card == httpx.get(url + "/v1/models").json()["data"][0] and card["id"] == "tiny"
+    r = httpx.get(url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_requests_complete_while_a_large_body_is_uploaded_and_parsed(served):
@@ -459,3 +513,32 @@ def test_n_choices_are_independent_requests_merged_in_one_response(served):
     r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "n": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert engine.num_outstanding == 0
+
+
+def test_a_client_gone_mid_body_is_not_an_application_error(served, caplog):
+    """A client that closes its connection before its body arrives is logged at debug level, not
+    as an ASGI exception with a traceback (a flood of them would bury the real errors)."""
+    _, _, url = served
+    host, port = url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)
+    assert httpx.get(url + "/health").status_code == 200
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+
+
+def test_grpc_request_params_check_the_http_ranges(tokenizer):
+    """gRPC refuses what HTTP refuses (temperature above 2), and reads top_k / min_p."""
+    from launcher.serving.grpc_generate import request_params
+
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    for bad, param in (({"temperature": 5.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+                       ({"top_k": -3}, "top_k"), ({"min_p": 1.5}, "min_p")):
+        with pytest.raises(InvalidRequestError) as info:
+            request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, **bad), engine)
+        assert info.value.param == param, info.value
+    _, params = request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, temperature=2.0, top_k=5,
+                                                  min_p=0.25), engine)
+    assert (params.temperature, params.top_k, params.min_p) == (2.0, 5, 0.25)

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from pipeline.engine.stage_executor import StageExecutor
+from pipeline.engine.wire import forward_tensors
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import balanced_split
 from pipeline.model.stage_model import build_stage_model
 from pipeline.speculation.items import Item, ItemKind
+from pipeline.speculation.sampling import MAX_LOGPROBS, token_logprob
 from tests.tiny_model import random_state_dict
 
 MAX_MODEL_LEN = 32
@@ -60,12 +62,14 @@ def _ids(items: list[Item]) -> torch.Tensor:
 
 
 def _run(executors: list[StageExecutor], items: list[Item]):
-    """Run a micro-batch through every stage; returns the list of StageOutputs, first to last."""
-    outs, x = [], _ids(items)
+    """Run a micro-batch through every stage (with the tensors a FORWARD carries); returns the list
+    of StageOutputs, first to last."""
+    outs, tensors = [], forward_tensors(items)
+    x, prompt_next = tensors["x"], tensors.get("prompt_next")
     for ex in executors:
-        out = ex.run(items, x)
+        out = ex.run(items, x, prompt_next=prompt_next)
         outs.append(out)
-        items, x = out.items, out.hidden
+        items, x, prompt_next = out.items, out.hidden, out.prompt_next
     return outs
 
 
@@ -209,19 +213,35 @@ def test_an_item_past_its_kv_slot_is_a_value_error(weights):
         first.run([_item([1], start=4)], torch.tensor([1]))
 
 
-def test_prompt_logits_items_return_every_row_and_the_same_result_token(weights):
-    """A prefill with want_prompt_logits (OpenAI echo + logprobs) returns logits for all its rows, in
-    item order beside other items' result rows; its argmax is still that of its last row."""
+def test_prompt_logits_items_return_prompt_logprobs_and_the_same_result_row(weights):
+    """A prefill with want_prompt_logits (OpenAI echo + logprobs) returns, per prompt row, the
+    logprob of the next prompt token and the top MAX_LOGPROBS (not a vocab-size row), beside other
+    items' result rows; its result row's logits and argmax are those of a plain prefill."""
     cfg, _ = weights
     echo = Item(seq_id=1, slot=0, start=0, num_tokens=4, kind=ItemKind.PREFILL, token_ids=(5, 6, 7, 8),
                 want_logits=True, want_prompt_logits=True)
     other = _item([9, 10, 11], seq_id=2, slot=1, want_logits=True)
     outs = _run(_pipeline(weights), [echo, other])
     last = outs[-1]
-    assert last.logits.shape == (4 + 1, cfg.vocab_size) and last.token_ids.shape == (2,)
+    assert outs[0].prompt_next.tolist() == [6, 7, 8]  # passed on by the first stage
+    assert last.logits.shape == (2, cfg.vocab_size) and last.token_ids.shape == (2,)
     plain = _run(_pipeline(weights), [_item([5, 6, 7, 8], want_logits=True), other])[-1]
-    torch.testing.assert_close(last.logits[3], plain.logits[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(last.logits[4], plain.logits[1], rtol=1e-5, atol=1e-5)
-    assert last.token_ids.tolist() == [int(last.logits[3].argmax()), int(last.logits[4].argmax())]
-    prefix = _run(_pipeline(weights), [_item([5, 6], want_logits=True)])[-1]  # row 1 = the logits after [5, 6]
-    torch.testing.assert_close(last.logits[1], prefix.logits[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    assert last.token_ids.tolist() == [int(last.logits[0].argmax()), int(last.logits[1].argmax())]
+    chosen, top_ids, top_lp = last.prompt_logprobs
+    assert chosen.shape == (3,) and top_ids.shape == top_lp.shape == (3, MAX_LOGPROBS)
+    for j, prefix in enumerate(([5], [5, 6], [5, 6, 7])):  # row j: the logits after the first j + 1 tokens
+        logits = _run(_pipeline(weights), [_item(prefix, want_logits=True)])[-1].logits[0]
+        want = token_logprob(logits, (6, 7, 8)[j], MAX_LOGPROBS)
+        assert float(chosen[j]) == pytest.approx(want.logprob, abs=1e-5)
+        assert top_ids[j].tolist() == [t for t, _ in want.top]
+        assert top_lp[j].tolist() == pytest.approx([v for _, v in want.top], abs=1e-5)
+
+
+def test_a_last_stage_without_the_next_prompt_tokens_refuses_the_item(weights):
+    echo = Item(seq_id=1, slot=0, start=0, num_tokens=3, kind=ItemKind.PREFILL, token_ids=(5, 6, 7),
+                want_logits=True, want_prompt_logits=True)
+    first, last = _pipeline(weights)
+    hidden = first.run([echo], torch.tensor([5, 6, 7])).hidden
+    with pytest.raises(ValueError, match="prompt rows, but prompt_next is None"):
+        last.run([echo.without_tokens()], hidden)

@@ -433,3 +433,15 @@ def test_ranks_put_the_coordinator_first_and_every_stage_after_it():
     assert COORDINATOR_RANK == 0 and world_size(4) == 5
     assert [rank_of_stage(i) for i in range(4)] == [1, 2, 3, 4]
     assert [rank_name(r) for r in range(world_size(2))] == ["coordinator", "stage 0", "stage 1"]
+
+
+def test_a_gloo_failure_is_reported_by_its_reason_alone():
+    """Error messages (logs, HTTP 503 bodies) carry gloo's reason, not its source path and advice."""
+    from workers.channel import _gloo_reason
+
+    raw = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+           "[127.0.0.1]:12451. This is typically caused by a remote worker crashing. Check the logs of the remote "
+           "worker before reporting an error. GLHF!\nsecond line")
+    assert _gloo_reason(raw) == "Connection closed by peer [127.0.0.1]:12451"
+    assert _gloo_reason("Connection reset by peer") == "Connection reset by peer"
+    assert _gloo_reason("") == "unknown error"
