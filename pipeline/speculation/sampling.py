@@ -252,7 +252,7 @@ class Sampler:
         (ties -> lowest index). Raises ValueError for a negative position."""
         if self.params.is_greedy:
             return int(torch.argmax(logits))
-        return int(torch.multinomial(self.probs(logits), 1, generator=self._at(position)))
+        return _inverse_cdf(self.probs(logits), self._at(position))
 
     def verify(
         self, logits: torch.Tensor, draft_token: int, position: int, q: torch.Tensor | None = None
@@ -283,17 +283,38 @@ def _renormalised(p: torch.Tensor) -> torch.Tensor:
 
 
 def _top_p_filter(p: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest prefix of tokens (by descending p) whose mass is >= top_p; renormalise.
+    """Keep the smallest prefix of tokens (by descending p, ties lower index first) whose mass is
+    >= top_p; renormalise.
 
-    p: [vocab_size] probabilities. Returns [vocab_size]. The top token is always kept.
+    p: [vocab_size] probabilities. Returns [vocab_size]. The top token is always kept. Sorts only
+    the 64 (then 1024) most likely tokens when they hold top_p and no token outside them ties the
+    least of them, so the prefix is the one a full stable sort gives; else sorts everything (a
+    full sort of a 49k vocabulary costs ~5 ms a token on one CPU thread, the first try ~0.5 ms).
     """
-    sorted_p, order = torch.sort(p, descending=True, stable=True)  # stable: ties keep lower index first
+    values, ids = torch.sort(p, descending=True, stable=True) if p.shape[-1] <= 64 else (None, None)
+    for k in (64, 1024):
+        if values is None and k < p.shape[-1]:
+            top, top_ids = torch.topk(p, k)
+            if float(top.sum()) >= top_p and int((p >= top[-1]).sum()) == k:
+                top_ids, order = torch.sort(top_ids)  # ties: lower index first, then a stable sort by value
+                values, order = torch.sort(top[order], descending=True, stable=True)
+                ids = top_ids[order]
+    if values is None:
+        values, ids = torch.sort(p, descending=True, stable=True)
     # A token is kept iff the mass strictly before it is < top_p: this is the smallest prefix whose
     # cumulative mass reaches top_p, and the first token (mass before it = 0 < top_p) is always kept.
-    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    keep_sorted = mass_before < top_p
-    keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
-    return _renormalised(torch.where(keep, p, torch.zeros_like(p)))
+    keep = ids[torch.cumsum(values, dim=-1) - values < top_p]
+    return _renormalised(torch.zeros_like(p).index_put_((keep,), p[keep]))
+
+
+def _inverse_cdf(p: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from p: [vocab_size] (non-negative, not all zero) by inverse transform sampling:
+    the first token whose cumulative mass (float64) exceeds u * total, u ~ U[0, 1) from
+    `generator`. A zero-probability token is never drawn (its cumulative mass equals the one
+    before it). ~0.1 ms for a 49k vocabulary where torch.multinomial takes ~1 ms on one CPU thread."""
+    cdf = torch.cumsum(p.double(), dim=-1)
+    u = torch.rand((), generator=generator, device=p.device, dtype=torch.float64)
+    return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), p.shape[-1] - 1)
 
 
 def verify_draft(

@@ -401,3 +401,27 @@ def test_reduced_prompt_rows_give_what_token_logprob_gives_on_the_full_rows():
     assert [t for t, _ in got[3].top[:3]] == [3, 9, 17]
     chosen, ids, values = reduce_prompt_rows(logits[:2, :4], torch.tensor([0, 1]))  # k above the vocab
     assert ids.shape == values.shape == (2, 4) and chosen.shape == (2,)
+
+
+@pytest.mark.parametrize("vocab", [10, 64, 100, 2000, 49152])
+def test_top_p_keeps_what_a_full_stable_sort_keeps(vocab):
+    """The partial sort (top 64, then 1024) keeps exactly the prefix a full stable sort keeps,
+    including ties at the boundary (lower index first) and nuclei larger than 1024 tokens."""
+    from pipeline.speculation.sampling import _top_p_filter
+
+    def full_sort(p, top_p):
+        values, order = torch.sort(p, descending=True, stable=True)
+        keep = torch.zeros(p.shape, dtype=torch.bool)
+        keep[order[torch.cumsum(values, -1) - values < top_p]] = True
+        return keep
+
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(24):
+        p = torch.softmax(torch.randn(vocab, generator=g) * (0.5, 3.0, 10.0)[trial % 3], -1)
+        if trial % 4 == 0:  # coarse probabilities: many ties
+            p = torch.round(p * 40) + 1.0
+            p = p / p.sum()
+        top_p = (0.1, 0.5, 0.9, 0.99)[trial % 4]
+        kept = _top_p_filter(p, top_p)
+        assert torch.equal(kept > 0, full_sort(p, top_p)), (trial, top_p)
+        torch.testing.assert_close(kept.sum(), torch.tensor(1.0))
