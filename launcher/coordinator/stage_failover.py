@@ -27,13 +27,17 @@ place while new requests queue behind it (clients see a pause, not an error):
 4. warm the ring up, start new receivers, and step the engine with `ReplayRunning`: every running
    sequence is prefilled again from prompt + committed tokens ([Note: replay] in pipeline/engine/engine.py).
 A failure during these steps counts as another restart. Past the budget the coordinator fails
-every request as before (serve: /health 503, the server keeps answering).
+every request as before (serve: /health 503, the server keeps answering). A stage that dies while
+the server drains, or up to SHUTDOWN_SIGNAL_GRACE_S before its shutdown signal arrives (systemd,
+`timeout` and `kill -- -PGID` signal every process of the server at once), is not restarted: the
+requests it held end with an error event and the drain goes on (`StageFailover.shutting_down`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -49,6 +53,9 @@ from workers.load_spec_codec import spec_to_proto
 log = logging.getLogger("speedpipe.failover")
 
 HUNG_PROBE_S = 2.0  # a stage whose Health call does not answer within this is hung: restart it
+# A stage that dies this close before the server's own SIGTERM / SIGINT (systemd, `timeout` and
+# `kill -- -PGID` signal every process at once) died of the shutdown: it is not restarted.
+SHUTDOWN_SIGNAL_GRACE_S = 0.3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +67,7 @@ class StageFailover:
     dead_stages() -> indices of stages whose process has exited.
     data_port() -> a free port for the next rendezvous; load_specs(port): every stage's Load spec.
     pause_watch / resume_watch: stop and restart the process monitor around the restarts.
+    shutting_down: set when the server starts draining (a shutdown signal): no restart from then on.
     """
 
     budget: RestartLedger
@@ -69,6 +77,12 @@ class StageFailover:
     load_specs: Callable[[int], Sequence[StageLoadSpec]]
     pause_watch: Callable[[], None] = lambda: None
     resume_watch: Callable[[], None] = lambda: None
+    shutting_down: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def may_restart(self) -> bool:
+        """False once the server is shutting down, or when it starts to within
+        SHUTDOWN_SIGNAL_GRACE_S (the stage then died of the same signal); else True."""
+        return not self.shutting_down.wait(SHUTDOWN_SIGNAL_GRACE_S)
 
 
 def stages_to_restart(stubs: Sequence, dead: Sequence[int], *, probe_s: float = HUNG_PROBE_S) -> list[int]:

@@ -21,6 +21,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from launcher.serving.serving_engine import UnavailableError
@@ -40,13 +41,16 @@ class DrainSignals:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, on_drain: Callable[[], None] | None = None) -> None:
         self.drain = threading.Event()
         self.abort = threading.Event()
+        self._on_drain = on_drain  # e.g. stop restarting stages: they may have had the same signal
         self._previous: dict[int, object] = {}
 
     def request(self, signum: int = signal.SIGTERM, frame=None) -> None:
         """What a signal does (also callable from tests): drain first, abort on the second call."""
+        if self._on_drain is not None:
+            self._on_drain()
         if self.drain.is_set():
             self.abort.set()
         self.drain.set()

@@ -300,7 +300,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")
         if why:
             say(f"speculation: {options.speculate} (--speculate auto: {why})")
-        with DrainSignals() as signals:
+        failover = session.coordinator.failover
+        with DrainSignals(on_drain=None if failover is None else failover.shutting_down.set) as signals:
             serve_until_stopped(session, stack, signals)
     say("server stopped")
     return 0

@@ -208,6 +208,18 @@ def test_serve_cli_survives_kill_9_of_a_stage_and_exits_0_on_sigterm(tiny_model_
     assert "Traceback" not in cli.stderr, cli.stderr[-3000:]
 
 
+def test_sigterm_to_every_process_at_once_stops_without_restarting_stages(tiny_model_dir: Path):
+    """systemd, `timeout` and `kill -- -PGID` signal the stages with the server: a stage that dies
+    of that signal is part of the shutdown, not a failure to restart (it was restarted, twice)."""
+    cli = ServeCli(tiny_model_dir)
+    cli.wait_healthy()
+    for w in cli.workers():
+        os.kill(w.pid, signal.SIGTERM)
+    cli.proc.send_signal(signal.SIGTERM)
+    assert cli.finish() == 0, cli.stderr[-3000:]
+    assert "restarting" not in cli.stderr and "Traceback" not in cli.stderr, cli.stderr[-3000:]
+
+
 def test_sigterm_drains_in_flight_streams_and_a_second_sigterm_ends_the_rest(tiny_model_dir: Path):
     cli = ServeCli(tiny_model_dir, "--shutdown-grace-s", "120")
     cli.wait_healthy()
