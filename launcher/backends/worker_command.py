@@ -22,6 +22,14 @@ READY_LINE_RE = re.compile(r"^SPEEDPIPE_STAGE_READY port=(\d+)$")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def default_startup_timeout_s(num_stages: int, cpus: int | None = None) -> float:
+    """Seconds all `num_stages` local stages get to report ready: 60, plus 4 per stage beyond the
+    machine's CPUs (each stage imports torch and loads its layers, ~2 CPU-seconds on this 2-core
+    machine; 30 stages missed a flat 60 s deadline)."""
+    cpus = cpus or os.cpu_count() or 1
+    return 60.0 + 4.0 * max(0, num_stages - cpus)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LocalLaunchConfig:
     """How to spawn the local stage processes.
@@ -31,13 +39,15 @@ class LocalLaunchConfig:
     node runs stages first_stage_index .. first_stage_index + num_stages - 1); messages and log
     prefixes use pipeline stage indices, the methods of LocalStageProcesses local ones (0-based).
     `env` adds or overrides environment variables of every child. `extra_args` is appended to every
-    worker command line.
+    worker command line. `startup_timeout_s`: the deadline for every stage's ready line; None =
+    `default_startup_timeout_s(num_stages)` (stages start at once, and more stages than CPUs
+    import torch by turns).
     """
 
     num_stages: int
     host: str = "127.0.0.1"
     log_level: str = "WARNING"
-    startup_timeout_s: float = 60.0
+    startup_timeout_s: float | None = None
     python: str = sys.executable
     worker_module: str = "workers.stage_worker"
     env: Mapping[str, str] | None = None
@@ -52,6 +62,8 @@ class LocalLaunchConfig:
             raise ValueError("host must be a non-empty host name or address, got ''")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.startup_timeout_s is None:
+            object.__setattr__(self, "startup_timeout_s", default_startup_timeout_s(self.num_stages))
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
         if not self.python:

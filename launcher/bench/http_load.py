@@ -237,8 +237,10 @@ def cmd_http_bench(args: argparse.Namespace) -> int:
     check_args(args)
     metrics, percentiles = parse_metric_list(args.percentile_metrics), parse_percentiles(args.metric_percentiles)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    model = args.model or first_model(base_url)
-    dataset = random_dataset(args, model) if args.dataset_name == "random" else prompts_file_dataset(args)
+    dataset = prompts_file_dataset(args) if args.dataset_name != "random" else None  # a bad file: before any request
+    served = first_model(base_url)  # also with --model: an unreachable server is exit 2, not a report of zeros
+    model = args.model or served
+    dataset = dataset if dataset is not None else random_dataset(args, model)
     outputs, duration = asyncio.run(run_benchmark(args, base_url + args.endpoint, model, dataset))
     result = summarize(outputs, duration_s=duration, metrics=metrics, percentiles=percentiles)
     print(format_block(result, metrics=metrics, percentiles=percentiles, request_rate=args.request_rate,

@@ -29,7 +29,15 @@ from launcher.cli.parsing import (
     shorten_help,
     version_string,
 )
-from launcher.cli.speculation_defaults import auto_speculate, check_auto_flags, draft_gate_note, settle_auto
+from launcher.cli.speculation_defaults import (
+    FIRP_TUNING,
+    SPEED_TUNING,
+    auto_speculate,
+    check_auto_flags,
+    draft_gate_note,
+    settle_auto,
+    tuned_flags,
+)
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
@@ -239,6 +247,9 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
     placement = placement_from_args(args)
     if num_stages >= 1 and not (placement.multi_node and placement.node_rank > 0):  # RunConfig names bad counts;
         check_auto_flags(tuning, speculate=speculate, why=why)  # members run node 0's choice, not their own
+    idle = tuned_flags(tuning, SPEED_TUNING | FIRP_TUNING) if speculate == "none" and not why else []
+    if idle:
+        say(f"note: {', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect with --speculate none")
     options = PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
@@ -260,6 +271,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.cli.launch import print_report, run_launch, write_trace  # keeps `speedpipe --help` fast
 
     if args.serve:
+        given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file),
+                                          ("--json", args.json), ("--trace", args.trace)) if value]
+        if given:
+            raise UsageError(f"{', '.join(given)} cannot be used with --serve: the server takes its prompts over "
+                             f"HTTP/gRPC (drop --serve to run the prompts)")
         return cmd_serve(args)
     if args.trace and args.no_timeline:
         raise UsageError("--trace needs the timeline: drop --no-timeline")

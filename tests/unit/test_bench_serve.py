@@ -97,3 +97,15 @@ def test_bad_flags_exit_2_before_sending(capsys):
         assert err.startswith("speedpipe bench serve: error: ") and needle in err, err
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9"]) == 2  # nothing answers /v1/models
     assert "--base-url" in capsys.readouterr().err
+
+
+def test_an_unreachable_server_is_exit_2_with_model_given_and_a_missing_file_is_named_first(capsys, tmp_path):
+    """With --model the reachability check was skipped: a report of zeros, then exit 1."""
+    for base in ("http://127.0.0.1:9", "notaurl"):
+        assert main(["bench", "serve", "--base-url", base, "--model", "m", "--num-prompts", "1"]) == 2
+        out, err = capsys.readouterr()
+        assert "no OpenAI-compatible server answers /v1/models" in err and "Serving Benchmark Result" not in out
+    missing = str(tmp_path / "missing.jsonl")
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset-name", "prompts-file",
+                 "--dataset-path", missing]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err

@@ -160,3 +160,20 @@ def test_launch_says_which_draft_threshold_it_uses_and_why(monkeypatch):
     assert ">= 50%" in shared and "2 of 4 stages compute at once" in shared
     own = draft_gate_note(PipelineOptions(num_stages=2, speculate="speed", placement=PlacementOptions(backend="ray")))
     assert ">= 9%" in own and "2 stages, each on its own cores" in own
+
+
+def test_serve_refuses_the_flags_of_a_prompt_run(capsys):
+    """`launch --serve --prompt ... --json` started a server and ignored both: exit 2 instead."""
+    assert main(["launch", "--serve", "--prompt", "hi", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt, --json cannot be used with --serve" in err and len(err.strip().splitlines()) == 1
+
+
+def test_speculation_flags_without_speculation_are_named(capsys):
+    """`--speculate none --draft-at stage` runs plain decoding: the flag is named as doing nothing."""
+    from launcher.cli.main import options_and_reason
+
+    args = _parse(build_parser(), ["launch", "--stages", "2", "--speculate", "none", "--draft-at", "stage",
+                                   "--firp-k", "3"])
+    options_and_reason(args, progress=False)
+    assert "note: --draft-at, --firp-k have no effect with --speculate none" in capsys.readouterr().err

@@ -49,3 +49,13 @@ def test_free_port_returns_a_bindable_port():
 
 
 # -- start / stop ---------------------------------------------------------------------------------
+
+
+def test_the_start_up_deadline_grows_with_stages_beyond_the_cpus():
+    """30 stages on 2 CPUs missed a flat 60 s deadline: each stage beyond the CPUs gets 4 s more."""
+    from launcher.backends.worker_command import default_startup_timeout_s
+
+    assert default_startup_timeout_s(2, cpus=2) == default_startup_timeout_s(1, cpus=16) == 60.0
+    assert default_startup_timeout_s(30, cpus=2) == 60.0 + 4.0 * 28
+    assert LocalLaunchConfig(num_stages=2).startup_timeout_s >= 60.0
+    assert LocalLaunchConfig(num_stages=2, startup_timeout_s=5.0).startup_timeout_s == 5.0
