@@ -47,8 +47,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    "1 = never)")
     g.add_argument("--min-acceptance", default="auto",
                    help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
-                   "often; 'auto' = the measured break-even: 0.09 when every stage has its own cores, 0.5 when 3 or 4 "
-                   "stages share 2 CPUs; 0 = always draft (default auto)")
+                   "often; 'auto' = the measured break-even: 0.1 / (S - 0.9) for S stages each on its own cores "
+                   "(0.09 at 2), 0.5 when 3 or 4 stages share 2 CPUs; 0 = always draft (default auto)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -58,8 +58,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that starts a pipeline."""
     g = p.add_argument_group("pipeline")
     g.add_argument("--stages", "-pp", "--pipeline-parallel-size", type=_stages_arg, default=2, metavar="N",
-                   help="number of pipeline stages (worker processes; vLLM's -pp), or 'auto': the fewest whose "
-                   "weights + KV each fit --stage-memory-gib")
+                   help="number of pipeline stages (worker processes; vLLM's -pp; default 2), or 'auto': the fewest "
+                   "whose weights + KV each fit --stage-memory-gib, which auto needs")
     g.add_argument("--stage-memory-gib", type=float, help="per-stage memory budget for --stages auto (GiB)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")

@@ -47,11 +47,12 @@ def version_string() -> str:
 
 class DefaultsFormatter(argparse.HelpFormatter):
     """Appends ` (default: X)` to every flag whose help text does not already state its default.
-    Flags that are off by default (store_true) and empty repeatable lists show nothing."""
+    Flags that are off by default (store_true), required ones and empty repeatable lists show nothing."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+        if ("default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings
+                or action.required):
             return text
         if isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction, argparse._VersionAction)):
             return text

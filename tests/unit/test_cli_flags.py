@@ -74,7 +74,7 @@ def test_every_flag_of_every_command_shows_its_default(parser):
     for name, sub in [*subparsers.items(), *(("bench " + k, v) for k, v in bench.items())]:
         for action in sub._actions:  # noqa: SLF001
             if (not action.option_strings or action.nargs == 0 or action.default in ([], ())
-                    or action.help == argparse.SUPPRESS):
+                    or action.help == argparse.SUPPRESS or action.required):  # required: no default to show
                 continue
             if "default" not in formatter._get_help_string(action).lower():  # noqa: SLF001
                 missing.append(f"{name} {action.option_strings[0]}")
