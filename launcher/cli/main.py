@@ -64,7 +64,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
     g.add_argument("--layer-split", help="layers per stage, e.g. 8,8,7,7 (default: balanced)")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--dtype", default="float32", type=_dtype_arg,
+                   help="float32 | bfloat16 | float16 (default float32)")
     g.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per stage; default cpu)")
     g.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
                    help="weights: auto (a GGUF's own Q4/Q8 blocks) | none (dense --dtype) | int8 | int4 (default none)")
@@ -175,6 +176,15 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if not p.strip():
             raise UsageError(f"prompt {i} is empty")
     return prompts
+
+
+# vLLM's --dtype spellings: `auto` is this project's exact default (float32), `half` / `float` as vLLM.
+DTYPE_ALIASES = {"auto": "float32", "half": "float16", "float": "float32"}
+
+
+def _dtype_arg(text: str) -> str:
+    """--dtype: a model dtype name, or one of vLLM's spellings (DTYPE_ALIASES); RunConfig checks it."""
+    return DTYPE_ALIASES.get(text, text)
 
 
 def _stages_arg(text: str) -> int | str:

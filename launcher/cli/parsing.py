@@ -145,7 +145,8 @@ def unescape(text: str) -> str:
 
 
 def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
-    """Prompts of a file: one per line (blank lines skipped), or JSONL objects with a string 'prompt'.
+    """Prompts of a file: one per line (blank lines skipped), or JSONL objects with a string 'prompt'
+    (a .jsonl file, or one whose first prompt line starts with "{").
     Raises UsageError naming `flag` and the file: missing, a directory, not UTF-8 text, bad JSON."""
     path = Path(name)
     if path.is_dir():
@@ -157,11 +158,13 @@ def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
     except UnicodeDecodeError as exc:
         raise UsageError(f"{flag} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                          f"{exc.start}): give one prompt per line or JSONL") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    # JSONL is a property of the file (its name, or its first prompt line), not of each line: a
+    # plain-text prompt may start with "{".
+    jsonl = path.suffix == ".jsonl" or (bool(lines) and lines[0][1].lstrip().startswith("{"))
     prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl" or line.lstrip().startswith("{"):
+    for n, line in lines:
+        if jsonl:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -115,6 +115,18 @@ def test_prompts_file_errors_name_the_file(tmp_path):
         read_prompts_file(str(tmp_path / "empty.txt"))
 
 
+def test_a_plain_text_prompt_may_start_with_a_brace_and_jsonl_is_read_whole(tmp_path):
+    plain = tmp_path / "prompts.txt"
+    plain.write_text('Write a haiku.\n\n{"a": 1} as YAML, please\n')
+    assert read_prompts_file(str(plain)) == ["Write a haiku.", '{"a": 1} as YAML, please']
+    jsonl = tmp_path / "prompts.txt"
+    jsonl.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    assert read_prompts_file(str(jsonl)) == ["one", "two"]
+    jsonl.write_text('{"prompt": "one"}\nplain\n')
+    with pytest.raises(UsageError, match=r"prompts.txt:2: invalid JSON"):
+        read_prompts_file(str(jsonl))
+
+
 def test_counts_and_percent_labels_read_well():
     assert (plural(1, "item"), plural(0, "item"), plural(3, "item")) == ("1 item", "0 items", "3 items")
     assert (percent_label(-0.001), percent_label(0.126), percent_label(-0.05)) == ("0%", "+13%", "-5%")
@@ -177,3 +189,8 @@ def test_speculation_flags_without_speculation_are_named(capsys):
                                    "--firp-k", "3"])
     options_and_reason(args, progress=False)
     assert "note: --draft-at, --firp-k have no effect with --speculate none" in capsys.readouterr().err
+
+
+def test_vllm_dtype_spellings_are_accepted():
+    assert [_parse(build_parser(), ["launch", "--dtype", d]).dtype for d in ("auto", "half", "float", "bfloat16")] == [
+        "float32", "float16", "float32", "bfloat16"]
