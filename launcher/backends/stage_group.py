@@ -314,8 +314,7 @@ class LocalStageProcesses:
         if bad_port is not None:
             what = f"reported invalid port {bad_port} in its ready line"
         elif timed_out:
-            what = (f"did not report ready within {timeout_s:g} s (the start-up deadline: 60 s, plus 4 s per stage "
-                    f"beyond this machine's CPUs)")
+            what = f"did not report ready within {timeout_s:g} s (the start-up deadline)"
         elif returncode is None:
             what = "closed stdout before its ready line"
         else:

@@ -26,7 +26,9 @@ def default_startup_timeout_s(num_stages: int, cpus: int | None = None) -> float
     """Seconds all `num_stages` local stages get to report ready: 60, plus 4 per stage beyond the
     machine's CPUs (each stage imports torch and loads its layers, ~2 CPU-seconds on this 2-core
     machine; 30 stages missed a flat 60 s deadline)."""
-    cpus = cpus or os.cpu_count() or 1
+    from launcher.backends.placement import usable_cpus  # cgroup / affinity aware (a --cpus 2 container)
+
+    cpus = cpus or usable_cpus()
     return 60.0 + 4.0 * max(0, num_stages - cpus)
 
 

@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from pipeline.engine.records import Commit
 from pipeline.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.run_config import check_prompt_length
-from pipeline.speculation.sampling import SamplingParams, TokenLogprob
+from pipeline.speculation.logprobs import TokenLogprob
+from pipeline.speculation.sampling import SamplingParams
 
 
 class PipelineError(RuntimeError):

@@ -26,7 +26,8 @@ from launcher.serving.serving_engine import (
     ServingEngine,
     UnavailableError,
 )
-from pipeline.speculation.sampling import SamplingParams, TokenLogprob
+from pipeline.speculation.logprobs import TokenLogprob
+from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor

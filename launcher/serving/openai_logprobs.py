@@ -1,6 +1,6 @@
 """OpenAI-style `logprobs` objects of responses: completions' legacy form and chat's `content` list.
 
-Owns turning the pipeline's `TokenLogprob` records (pipeline/speculation/sampling.py: raw-model log-probabilities,
+Owns turning the pipeline's `TokenLogprob` records (pipeline/speculation/logprobs.py: raw-model log-probabilities,
 natural log, see [Note: logprobs and penalties] there) into the JSON shapes of the OpenAI API
 reference: for /v1/completions `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (with
 `echo`, the prompt's tokens come first, the very first one with logprob null), for
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.speculation.sampling import TokenLogprob
+from pipeline.speculation.logprobs import TokenLogprob
 
 
 class LogprobFormatter:

@@ -11,8 +11,9 @@ import enum
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.items import Item
 from pipeline.speculation.ledger import SequenceLedger
+from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.predictors import ExitGuess
-from pipeline.speculation.sampling import Sampler, SamplingParams, TokenLogprob
+from pipeline.speculation.sampling import Sampler, SamplingParams
 
 
 class FinishReason(enum.Enum):

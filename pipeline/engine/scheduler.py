@@ -51,8 +51,9 @@ from pipeline.engine.row_budget import RowBudget, next_firp_drafts, wants_exit
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
+from pipeline.speculation.logprobs import prompt_token_logprobs, token_logprob
 from pipeline.speculation.predictors import ExitGuess, Predictor
-from pipeline.speculation.sampling import Sampler, SamplingParams, prompt_token_logprobs, token_logprob
+from pipeline.speculation.sampling import Sampler, SamplingParams
 from pipeline.speculation.tree import TokenTree
 from pipeline.speculation.verify import verify_result
 
@@ -313,9 +314,9 @@ class Scheduler:
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
-            if prompt is not None:
+            if item.want_prompt_logits:  # (a one-token prompt has no prompt row: prompt is None)
                 commit = dataclasses.replace(commit, prompt_logprobs=prompt_token_logprobs(
-                    seq.prompt_ids, *prompt, seq.params.prompt_logprobs or 0))
+                    seq.prompt_ids, prompt, seq.params.prompt_logprobs or 0))
             commits.append(commit)
         return commits
 
@@ -339,7 +340,7 @@ class Scheduler:
                                budget_left=seq.params.max_new_tokens - len(seq.output_ids),
                                prompt_ids=seq.prompt_ids, output_ids=seq.output_ids)
         logprobs = None
-        if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/sampling.py
+        if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/logprobs.py
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
         self._record_gate(seq, item, tokens)
         rescue = self.tree.rescue_for(seq, item, tokens, eos_token_ids=self.config.eos_token_ids)

@@ -30,8 +30,8 @@ from pipeline.model.row_layout import Span
 from pipeline.model.stage_model import StageModel
 from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.items import Item
+from pipeline.speculation.logprobs import reduce_prompt_rows
 from pipeline.speculation.predictors import ExitHead
-from pipeline.speculation.sampling import reduce_prompt_rows
 
 
 @dataclasses.dataclass

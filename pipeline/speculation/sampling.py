@@ -3,9 +3,8 @@
 Owns the per-request sampling settings (`SamplingParams`), the per-sequence `Sampler` (greedy, or
 temperature with min-p / top-k / top-p filters, each draw keyed by the sequence's seed and the
 token's position: [Note: position-keyed draws]), `verify_draft`, the distribution-exact
-accept/resample rule for a drafted token (ARCHITECTURE.md §5.4), and the
-OpenAI / vLLM logit processors: repetition / presence / frequency penalties (`apply_penalties`) and
-the log-probabilities reported to clients (`token_logprob`). See [Note: logprobs and penalties].
+accept/resample rule for a drafted token (ARCHITECTURE.md §5.4). Penalties and the logprobs
+reported to clients: pipeline/speculation/logprobs.py.
 Must not: do I/O, know about stages, processes or torch.distributed, or decide when to stop a
 sequence (EOS, budget and stop strings are the scheduler's job; this module only carries the settings).
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import torch
 
@@ -22,26 +20,9 @@ import torch
 _SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)
 
-# [Note: logprobs and penalties]
-# Where: on the coordinator side, where the scheduler turns a result row into a token. A request that
-# asks for logprobs or a penalty sets `needs_logits`, so its items carry `Item.want_logits` and the
-# last stage returns float32 logits for each of their result rows (greedy requests without either
-# pay nothing: the last stage returns only argmax ids for them). One place decides both the token
-# and its logprob, so a draft's verify uses exactly what plain decoding uses at that position.
-# Penalties (vLLM's definitions, vllm/model_executor/layers/utils.py `apply_penalties`; OpenAI API
-# reference for presence/frequency): with c(t) = how often t occurs in the tokens *generated so far*
-# (for a verify row: committed output plus the drafts accepted before that row in the same result),
-#     logits[t] -= frequency_penalty * c(t) + presence_penalty * [c(t) > 0],
-# and, first, for every t in the prompt or the output, repetition_penalty r (CTRL, Keskar et al.
-# 2019, arXiv 1909.05858 §4.1): logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r.
-# Greedy then takes the argmax of the penalised logits; sampling applies temperature / top-p to them.
-# Logprobs are those of the raw model distribution, log_softmax(logits) before penalties and
-# temperature (vLLM's default `raw_logprobs` mode), so they are comparable across requests; the
-# reported token is the one committed (penalised / sampled), whatever its raw rank.
-
 # [Note: position-keyed draws]
 # Every random draw of a sequence uses a generator seeded from (seed, position of the token it
-# chooses), `draw_seed`, never a stream consumed draw by draw. So the token at position i is a
+# chooses), `draw_key`, never a stream consumed draw by draw. So the token at position i is a
 # function of the seed and the logits there alone: how many drafts were verified before it, how
 # the requests were batched, whether a stage failed and the sequence was replayed, change nothing.
 # A seeded request gives the same tokens with and without speculation (plain decoding samples
@@ -72,7 +53,7 @@ class SamplingParams:
     stop: strings that end generation when they appear in the output (applied by the scheduler).
     ignore_eos: keep generating past EOS until `max_new_tokens` (benchmarks).
     logprobs: None, or report each generated token's logprob plus this many (0..MAX_LOGPROBS) most
-        likely alternatives per position ([Note: logprobs and penalties]).
+        likely alternatives per position ([Note: logprobs and penalties] in pipeline/speculation/logprobs.py).
     prompt_logprobs: None, or report the logprob of every prompt token after the first (given the
         tokens before it) plus this many alternatives (OpenAI completions `echo` + `logprobs`).
     presence_penalty, frequency_penalty: in [-2, 2], OpenAI's; repetition_penalty: in (0, 2], vLLM's
@@ -148,53 +129,13 @@ class SamplingParams:
         return not self.is_greedy or self.logprobs is not None or self.has_penalties
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """One position's reported log-probabilities: the chosen token's, and the `top` alternatives
-    as (token id, logprob) pairs, most likely first (natural log, raw model distribution)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
-    """logits: [vocab_size] raw final logits of a position; token_id: the token reported there;
-    num_top: alternatives to list (0..MAX_LOGPROBS). Ties keep the lower token id first."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top: tuple[tuple[int, float], ...] = ()
-    if num_top > 0:
-        values, ids = torch.sort(logp, descending=True, stable=True)
-        top = tuple(zip(ids[:num_top].tolist(), values[:num_top].tolist(), strict=True))
-    return TokenLogprob(token_id, float(logp[token_id]), top)
-
-
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, *, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> torch.Tensor:
-    """The penalised logits of one position ([Note: logprobs and penalties]); a new tensor.
-
-    logits: [vocab_size] float; prompt_ids: the sequence's prompt; output_ids: every token generated
-    before this position. Returns [vocab_size] float32 (`logits` itself when no penalty is set).
-    """
-    if not params.has_penalties:
-        return logits
-    out = logits.float().clone()
-    vocab = out.shape[-1]
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor([*prompt_ids, *output_ids], dtype=torch.int64)] = True
-        r = params.repetition_penalty
-        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-    if output_ids and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
-        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64), minlength=vocab)[:vocab].float()
-        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-    return out
-
-
-def draw_seed(seed: int, position: int) -> int:
-    """The generator seed of the draw that chooses the token at `position` (0 = the first generated
+def draw_key(seed: int, position: int) -> int:
+    """The 64-bit key of the draw that chooses the token at `position` (0 = the first generated
     token) of a sequence seeded with `seed`: SplitMix64 (Steele et al. 2014, "Fast splittable
-    pseudorandom number generators", OOPSLA) of the two, in [0, 2**64). [Note: position-keyed draws]"""
+    pseudorandom number generators", OOPSLA) of the two, in [0, 2**64). [Note: position-keyed draws]
+    Raises ValueError for a negative position."""
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
     z = (seed + (position + 1) * 0x9E3779B97F4A7C15) % _SEED_LIMIT
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % _SEED_LIMIT
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % _SEED_LIMIT
@@ -205,10 +146,10 @@ class Sampler:
     """Chooses the next token of one sequence from its final logits, and verifies drafts.
 
     Owns the sequence's seed (`params.seed`, or a fresh non-deterministic one when it is None;
-    `seed` reports it so a run can be reproduced) and one `torch.Generator` on `device` (where the
-    logits live), re-seeded for every draw from (seed, position) ([Note: position-keyed draws]).
-    So the token at a position depends only on the seed and the logits there, however the
-    sequence was batched, speculated or replayed.
+    `seed` reports it so a run can be reproduced). A draw is u = the top 53 bits of `draw_key(seed,
+    position)` / 2**53, the same on every device ([Note: position-keyed draws]); only `verify` with
+    a draft distribution q uses a `torch.Generator` (on `device`, seeded from that key; a CPU
+    generator keeps its low 32 bits).
     """
 
     def __init__(self, params: SamplingParams, *, device: torch.device | str = "cpu") -> None:
@@ -217,9 +158,7 @@ class Sampler:
         self.seed = self._generator.seed() if params.seed is None else params.seed  # seed(): random_device / time
 
     def _at(self, position: int) -> torch.Generator:
-        if position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
-        return self._generator.manual_seed(draw_seed(self.seed, position))
+        return self._generator.manual_seed(draw_key(self.seed, position))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The exact distribution `sample` draws from.
@@ -252,7 +191,7 @@ class Sampler:
         (ties -> lowest index). Raises ValueError for a negative position."""
         if self.params.is_greedy:
             return int(torch.argmax(logits))
-        return _inverse_cdf(self.probs(logits), self._at(position))
+        return _inverse_cdf(self.probs(logits), (draw_key(self.seed, position) >> 11) / 2**53)
 
     def verify(
         self, logits: torch.Tensor, draft_token: int, position: int, q: torch.Tensor | None = None
@@ -287,18 +226,18 @@ def _top_p_filter(p: torch.Tensor, top_p: float) -> torch.Tensor:
     >= top_p; renormalise.
 
     p: [vocab_size] probabilities. Returns [vocab_size]. The top token is always kept. Sorts only
-    the 64 (then 1024) most likely tokens when they hold top_p and no token outside them ties the
-    least of them, so the prefix is the one a full stable sort gives; else sorts everything (a
-    full sort of a 49k vocabulary costs ~5 ms a token on one CPU thread, the first try ~0.5 ms).
+    the 64 (then 1024) most likely tokens when the kept prefix ends inside them and no token
+    outside them ties the least of them (or that is 0), so the prefix is a full stable sort's;
+    else sorts everything (~5 ms for a 49k vocabulary on one CPU thread, the first try ~0.5 ms).
     """
-    values, ids = torch.sort(p, descending=True, stable=True) if p.shape[-1] <= 64 else (None, None)
+    values = ids = None
     for k in (64, 1024):
         if values is None and k < p.shape[-1]:
-            top, top_ids = torch.topk(p, k)
-            if float(top.sum()) >= top_p and int((p >= top[-1]).sum()) == k:
-                top_ids, order = torch.sort(top_ids)  # ties: lower index first, then a stable sort by value
-                values, order = torch.sort(top[order], descending=True, stable=True)
-                ids = top_ids[order]
+            top, top_ids = stable_top(p, k)
+            if float(top[-1]) == 0.0 or int((p >= top[-1]).sum()) == k:
+                values, ids = top, top_ids
+                if float((torch.cumsum(values, -1) - values)[-1]) < top_p:  # the prefix may go on: look further
+                    values = None
     if values is None:
         values, ids = torch.sort(p, descending=True, stable=True)
     # A token is kept iff the mass strictly before it is < top_p: this is the smallest prefix whose
@@ -307,14 +246,27 @@ def _top_p_filter(p: torch.Tensor, top_p: float) -> torch.Tensor:
     return _renormalised(torch.zeros_like(p).index_put_((keep,), p[keep]))
 
 
-def _inverse_cdf(p: torch.Tensor, generator: torch.Generator) -> int:
-    """One draw from p: [vocab_size] (non-negative, not all zero) by inverse transform sampling:
-    the first token whose cumulative mass (float64) exceeds u * total, u ~ U[0, 1) from
-    `generator`. A zero-probability token is never drawn (its cumulative mass equals the one
-    before it). ~0.1 ms for a 49k vocabulary where torch.multinomial takes ~1 ms on one CPU thread."""
+def stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest entries along the last dim of x: [..., n], most first, ties
+    by lower id among the ones `torch.topk` picked (a full stable sort's order when no entry
+    outside them ties the k-th, which callers check)."""
+    values, ids = torch.topk(x, k, dim=-1)
+    ids, order = torch.sort(ids, dim=-1)
+    values, order = torch.sort(values.gather(-1, order), dim=-1, descending=True, stable=True)
+    return values, ids.gather(-1, order)
+
+
+def _inverse_cdf(p: torch.Tensor, u: float) -> int:
+    """The token of p: [vocab_size] (non-negative) at u in [0, 1) by inverse transform sampling:
+    the first whose cumulative mass (float64) exceeds u * total, never a zero-probability one
+    (~0.1 ms for a 49k vocabulary; torch.multinomial takes ~1 ms on one CPU thread). Raises
+    ValueError when p has no finite positive mass (NaN or infinite logits)."""
     cdf = torch.cumsum(p.double(), dim=-1)
-    u = torch.rand((), generator=generator, device=p.device, dtype=torch.float64)
-    return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), p.shape[-1] - 1)
+    total = cdf[-1]
+    if not bool(torch.isfinite(total) and total > 0):
+        raise ValueError(f"cannot sample: the probabilities sum to {float(total)} (NaN or infinite logits?)")
+    last = int(torch.searchsorted(cdf, total))  # the last token with p > 0
+    return min(int(torch.searchsorted(cdf, u * total, right=True)), last)
 
 
 def verify_draft(
@@ -361,41 +313,3 @@ def verify_draft(
         residual = p
     # torch.multinomial normalises its weights, which is the normalise() above.
     return False, int(torch.multinomial(residual, 1, generator=generator))
-
-
-def reduce_prompt_rows(logits: torch.Tensor, next_ids: torch.Tensor, k: int = MAX_LOGPROBS,
-                       chunk_rows: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The last stage's half of prompt logprobs (OpenAI `echo`): per prompt row, the log-probability
-    of the prompt token that follows it and the k most likely tokens. A RESULT then carries 2k + 1
-    numbers per prompt row instead of a vocab-size row of logits (196 KiB for the default model),
-    so a long echoed prompt fits the data plane's message limit (as vLLM computes logprobs in
-    its workers).
-
-    logits: [P, vocab] raw final logits of prompt rows 0 .. P-1; next_ids: [P] int64, the prompt
-    token after each row. Returns (chosen [P] float32, top_ids [P, k'] int64, top_logprobs [P, k']
-    float32), k' = min(k, vocab), most likely first, ties by lower token id (as `token_logprob`).
-    Works on `chunk_rows` rows at a time, so it needs little memory beyond `logits`.
-    """
-    k = min(k, logits.shape[-1])
-    chosen, top_ids, top_lp = [], [], []
-    for lo in range(0, logits.shape[0], chunk_rows):
-        logp = torch.log_softmax(logits[lo:lo + chunk_rows].float(), dim=-1)
-        chosen.append(logp.gather(1, next_ids[lo:lo + chunk_rows, None].to(logp.device)).squeeze(1))
-        values, ids = torch.topk(logp, k, dim=-1)
-        ids, order = torch.sort(ids, dim=-1)  # ties: lower id first, then a stable sort by value
-        values, order = torch.sort(values.gather(1, order), dim=-1, descending=True, stable=True)
-        top_ids.append(ids.gather(1, order))
-        top_lp.append(values)
-    if not chosen:
-        return torch.zeros(0), torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k)
-    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lp)
-
-
-def prompt_token_logprobs(prompt_ids: Sequence[int], chosen: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
-                    k: int) -> tuple[TokenLogprob | None, ...]:
-    """Logprob of each prompt token given the ones before it (None for the first), with `k`
-    alternatives (echo's prompt logprobs), from `reduce_prompt_rows` of prompt rows 0 .. n-2:
-    chosen [n-1], top_ids / top_logprobs [n-1, >= k]."""
-    chosen, ids, values = chosen.tolist(), top_ids[:, :k].tolist(), top_logprobs[:, :k].tolist()
-    return (None, *(TokenLogprob(t, chosen[j], tuple(zip(ids[j], values[j], strict=True)))
-                    for j, t in enumerate(prompt_ids[1:])))

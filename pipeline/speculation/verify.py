@@ -12,7 +12,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from pipeline.speculation.sampling import Sampler, apply_penalties
+from pipeline.speculation.logprobs import apply_penalties
+from pipeline.speculation.sampling import Sampler
 
 
 def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch.Tensor | None,
@@ -33,7 +34,7 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
     prompt_ids / output_ids: the sequence's prompt and committed output before this result; with
         penalties, row i is penalised with output_ids + the tokens this result committed before it,
         exactly the history plain decoding has at that position ([Note: logprobs and penalties] in
-        pipeline/speculation/sampling.py).
+        pipeline/speculation/logprobs.py).
     eos_token_ids / ignore_eos: the sequence's stop tokens; budget_left: tokens it may still
         commit (>= 1).
     Returns 1..num_result_rows tokens; every token but the last equals its draft.

@@ -14,9 +14,17 @@ import pytest
 import torch
 
 from pipeline.engine.engine import Engine
+from pipeline.engine.events import Result, Submit
 from pipeline.engine.records import SchedulerConfig
+from pipeline.engine.wire import forward_tensors
 from pipeline.speculation.items import Item, ItemKind
-from pipeline.speculation.sampling import Sampler, SamplingParams, apply_penalties, token_logprob
+from pipeline.speculation.logprobs import (
+    apply_penalties,
+    prompt_token_logprobs,
+    reduce_prompt_rows,
+    token_logprob,
+)
+from pipeline.speculation.sampling import Sampler, SamplingParams
 from pipeline.speculation.verify import verify_result
 from tests.unit.test_speculation_scheduler import (
     MAX_MODEL_LEN,
@@ -141,3 +149,54 @@ def test_only_requests_that_need_them_ask_the_last_stage_for_logits():
     prefill = Item(seq_id=0, slot=0, start=0, num_tokens=5, kind=ItemKind.PREFILL, want_logits=True,
                    want_prompt_logits=True)
     assert (prefill.num_logit_rows, prefill.num_result_rows) == (5, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt logprobs (the last stage's reduction)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_reduced_prompt_rows_give_what_token_logprob_gives_on_the_full_rows():
+    """reduce_prompt_rows (last stage) + prompt_token_logprobs (coordinator) == token_logprob on
+    the full logits, including tied logits (lower id first) and chunks smaller than the rows."""
+    logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(4))
+    logits[2, [3, 9, 17]] = 5.0  # a three-way tie at the top
+    prompt = [1, 4, 9, 0, 17, 3, 29, 8]
+    reduced = reduce_prompt_rows(logits, torch.tensor(prompt[1:]), chunk_rows=3)
+    got = prompt_token_logprobs(prompt, reduced, k=5)
+    assert got[0] is None and len(got) == len(prompt)
+    for j, entry in enumerate(got[1:]):
+        want = token_logprob(logits[j], prompt[j + 1], 5)
+        assert entry.token_id == want.token_id and entry.logprob == pytest.approx(want.logprob, abs=1e-6)
+        assert [t for t, _ in entry.top] == [t for t, _ in want.top]
+        assert [v for _, v in entry.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
+    assert [t for t, _ in got[3].top[:3]] == [3, 9, 17]
+    chosen, ids, values = reduce_prompt_rows(logits[:2, :4], torch.tensor([0, 1]))  # k above the vocab
+    assert ids.shape == values.shape == (2, 4) and chosen.shape == (2,)
+
+
+def test_prompt_alternatives_tied_across_the_kth_place_follow_the_stable_order():
+    """bf16 or quantised logits tie often: the top-k must be the full stable sort's (lower id first),
+    also where the tie group straddles the k-th place, as token_logprob reports generated tokens."""
+    logits = torch.round(torch.randn(40, 3000, generator=torch.Generator().manual_seed(1)) * 4) / 4
+    next_ids = torch.arange(40)
+    _, ids, values = reduce_prompt_rows(logits, next_ids, k=20)
+    for j in range(40):
+        want = token_logprob(logits[j], j, 20)
+        assert ids[j].tolist() == [t for t, _ in want.top], j
+        assert values[j].tolist() == pytest.approx([v for _, v in want.top], abs=1e-6)
+
+
+def test_a_one_token_prompt_echoes_with_its_one_none_entry():
+    """A one-token prompt has no prompt row (nothing before its token): its echo logprobs are
+    (None,), not missing (the reduction made them disappear once)."""
+    for prompt in ([5], [5, 6, 7]):
+        engine = Engine(SchedulerConfig(num_stages=1, max_num_seqs=4, max_model_len=MAX_MODEL_LEN))
+        submit = Submit(seq_id=0, prompt_ids=tuple(prompt), params=SamplingParams(max_new_tokens=2, prompt_logprobs=2))
+        [batch] = engine.step([submit]).sends
+        tensors, logits = forward_tensors(batch), torch.randn(len(prompt), 64)
+        reduced = tuple(reduce_prompt_rows(logits[:-1], tensors["prompt_next"])) if len(prompt) > 1 else None
+        result = Result(items=(batch[0].without_tokens(),), token_ids=torch.tensor([9]), logits=logits[-1:],
+                        prompt_logprobs=reduced)
+        [commit] = engine.step([result]).commits
+        assert len(commit.prompt_logprobs) == len(prompt) and commit.prompt_logprobs[0] is None

@@ -10,14 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.speculation.sampling import (
-    Sampler,
-    SamplingParams,
-    prompt_token_logprobs,
-    reduce_prompt_rows,
-    token_logprob,
-    verify_draft,
-)
+from pipeline.speculation.sampling import Sampler, SamplingParams, verify_draft
 from pipeline.speculation.verify import verify_result
 
 # Hand-built target p and draft q on a vocab of 8: q is above p on some tokens and below on others,
@@ -177,36 +170,6 @@ def test_sample_draws_from_probs():
     p = sampler.probs(logits)
     torch.testing.assert_close(p, P_TARGET)
     _assert_distributed_as([sampler.sample(logits, i) for i in range(NUM_DRAWS)], p)
-
-
-def test_min_p_keeps_tokens_at_least_min_p_times_the_top_one():
-    logits = P_TARGET.log()  # temperature 1: probs are P_TARGET, top 0.30
-    p = Sampler(SamplingParams(temperature=1.0, min_p=0.5)).probs(logits)  # keep p >= 0.15
-    kept = P_TARGET[:3] / P_TARGET[:3].sum()
-    torch.testing.assert_close(p, torch.cat([kept, torch.zeros(5)]))
-    assert torch.equal(Sampler(SamplingParams(temperature=1.0, min_p=0.0)).probs(logits) > 0, P_TARGET > 0)
-
-
-@pytest.mark.parametrize("top_k", [0, -1, 8, 100])
-def test_top_k_off_keeps_every_token(top_k):
-    p = Sampler(SamplingParams(temperature=1.0, top_k=top_k)).probs(P_TARGET.log())
-    torch.testing.assert_close(p, P_TARGET)
-
-
-def test_top_k_keeps_the_k_most_likely_and_ties_at_the_kth():
-    p = Sampler(SamplingParams(temperature=1.0, top_k=2)).probs(P_TARGET.log())
-    torch.testing.assert_close(p, torch.tensor([0.6, 0.4, 0, 0, 0, 0, 0, 0]))
-    tied = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.1]).log()
-    p = Sampler(SamplingParams(temperature=1.0, top_k=2)).probs(tied)
-    torch.testing.assert_close(p, torch.tensor([0.5, 0.25, 0.25, 0.0, 0.0]))
-
-
-def test_filters_apply_in_vllm_order_min_p_then_top_k_then_top_p():
-    # min_p 0.3 keeps 0.30, 0.20, 0.15, 0.12, 0.10 (>= 0.09); top_k 4 drops 0.10; top_p 0.6 over
-    # the renormalised 0.30/0.77, 0.20/0.77, ... keeps the first two (0.39 + 0.26 >= 0.6).
-    params = SamplingParams(temperature=1.0, min_p=0.3, top_k=4, top_p=0.6)
-    p = Sampler(params).probs(P_TARGET.log())
-    torch.testing.assert_close(p, torch.tensor([0.6, 0.4, 0, 0, 0, 0, 0, 0]))
 
 
 def test_a_draw_depends_on_the_seed_and_position_only():
@@ -377,51 +340,3 @@ def test_sampled_verify_is_seeded_and_respects_top_p():
     )
     assert {token for _, token in results} == {1, 3}
     assert any(accepted for accepted, _ in results)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Prompt logprobs (the last stage's reduction)
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_reduced_prompt_rows_give_what_token_logprob_gives_on_the_full_rows():
-    """reduce_prompt_rows (last stage) + prompt_token_logprobs (coordinator) == token_logprob on
-    the full logits, including tied logits (lower id first) and chunks smaller than the rows."""
-    logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(4))
-    logits[2, [3, 9, 17]] = 5.0  # a three-way tie at the top
-    prompt = [1, 4, 9, 0, 17, 3, 29, 8]
-    reduced = reduce_prompt_rows(logits, torch.tensor(prompt[1:]), chunk_rows=3)
-    got = prompt_token_logprobs(prompt, *reduced, k=5)
-    assert got[0] is None and len(got) == len(prompt)
-    for j, entry in enumerate(got[1:]):
-        want = token_logprob(logits[j], prompt[j + 1], 5)
-        assert entry.token_id == want.token_id and entry.logprob == pytest.approx(want.logprob, abs=1e-6)
-        assert [t for t, _ in entry.top] == [t for t, _ in want.top]
-        assert [v for _, v in entry.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
-    assert [t for t, _ in got[3].top[:3]] == [3, 9, 17]
-    chosen, ids, values = reduce_prompt_rows(logits[:2, :4], torch.tensor([0, 1]))  # k above the vocab
-    assert ids.shape == values.shape == (2, 4) and chosen.shape == (2,)
-
-
-@pytest.mark.parametrize("vocab", [10, 64, 100, 2000, 49152])
-def test_top_p_keeps_what_a_full_stable_sort_keeps(vocab):
-    """The partial sort (top 64, then 1024) keeps exactly the prefix a full stable sort keeps,
-    including ties at the boundary (lower index first) and nuclei larger than 1024 tokens."""
-    from pipeline.speculation.sampling import _top_p_filter
-
-    def full_sort(p, top_p):
-        values, order = torch.sort(p, descending=True, stable=True)
-        keep = torch.zeros(p.shape, dtype=torch.bool)
-        keep[order[torch.cumsum(values, -1) - values < top_p]] = True
-        return keep
-
-    g = torch.Generator().manual_seed(vocab)
-    for trial in range(24):
-        p = torch.softmax(torch.randn(vocab, generator=g) * (0.5, 3.0, 10.0)[trial % 3], -1)
-        if trial % 4 == 0:  # coarse probabilities: many ties
-            p = torch.round(p * 40) + 1.0
-            p = p / p.sum()
-        top_p = (0.1, 0.5, 0.9, 0.99)[trial % 4]
-        kept = _top_p_filter(p, top_p)
-        assert torch.equal(kept > 0, full_sort(p, top_p)), (trial, top_p)
-        torch.testing.assert_close(kept.sum(), torch.tensor(1.0))

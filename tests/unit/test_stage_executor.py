@@ -16,7 +16,8 @@ from pipeline.model.config import tiny_config
 from pipeline.model.partition import balanced_split
 from pipeline.model.stage_model import build_stage_model
 from pipeline.speculation.items import Item, ItemKind
-from pipeline.speculation.sampling import MAX_LOGPROBS, token_logprob
+from pipeline.speculation.logprobs import token_logprob
+from pipeline.speculation.sampling import MAX_LOGPROBS
 from tests.tiny_model import random_state_dict
 
 MAX_MODEL_LEN = 32

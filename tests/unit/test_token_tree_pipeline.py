@@ -135,7 +135,7 @@ def test_sampled_sequences_send_siblings_and_get_their_logits_back(folder):
     take = pipe.engine.scheduler.on_result
 
     def spy(returned, token_ids, logits, *args, **kwargs):
-        logit_rows.append((sum(it.num_logit_rows for it in returned if it.want_logits),
+        logit_rows.append((sum(it.num_result_rows for it in returned if it.want_logits),
                            0 if logits is None else logits.shape[0]))
         return take(returned, token_ids, logits, *args, **kwargs)
     pipe.engine.scheduler.on_result = spy

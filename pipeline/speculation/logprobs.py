@@ -1,0 +1,118 @@
+"""Logprobs and penalties: the OpenAI / vLLM logit processors around sampling.
+
+Owns the repetition / presence / frequency penalties (`apply_penalties`), the log-probabilities
+reported to clients (`TokenLogprob`, `token_logprob`), and echo's prompt logprobs: their reduction
+on the last stage (`reduce_prompt_rows`) and their records on the coordinator
+(`prompt_token_logprobs`). See [Note: logprobs and penalties].
+Must not: choose tokens (pipeline/speculation/sampling.py), do I/O, or know about stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams, stable_top
+
+# [Note: logprobs and penalties]
+# Where: on the coordinator side, where the scheduler turns a result row into a token. A request that
+# asks for logprobs or a penalty sets `needs_logits`, so its items carry `Item.want_logits` and the
+# last stage returns float32 logits for each of their result rows (greedy requests without either
+# pay nothing: the last stage returns only argmax ids for them). One place decides both the token
+# and its logprob, so a draft's verify uses exactly what plain decoding uses at that position.
+# Penalties (vLLM's definitions, vllm/model_executor/layers/utils.py `apply_penalties`; OpenAI API
+# reference for presence/frequency): with c(t) = how often t occurs in the tokens *generated so far*
+# (for a verify row: committed output plus the drafts accepted before that row in the same result),
+#     logits[t] -= frequency_penalty * c(t) + presence_penalty * [c(t) > 0],
+# and, first, for every t in the prompt or the output, repetition_penalty r (CTRL, Keskar et al.
+# 2019, arXiv 1909.05858 §4.1): logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r.
+# Greedy then takes the argmax of the penalised logits; sampling applies temperature / top-p to them.
+# Logprobs are those of the raw model distribution, log_softmax(logits) before penalties and
+# temperature (vLLM's default `raw_logprobs` mode), so they are comparable across requests; the
+# reported token is the one committed (penalised / sampled), whatever its raw rank.
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One position's reported log-probabilities: the chosen token's, and the `top` alternatives
+    as (token id, logprob) pairs, most likely first (natural log, raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    """logits: [vocab_size] raw final logits of a position; token_id: the token reported there;
+    num_top: alternatives to list (0..MAX_LOGPROBS). Ties keep the lower token id first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0:
+        values, ids = torch.sort(logp, descending=True, stable=True)
+        top = tuple(zip(ids[:num_top].tolist(), values[:num_top].tolist(), strict=True))
+    return TokenLogprob(token_id, float(logp[token_id]), top)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, *, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """The penalised logits of one position ([Note: logprobs and penalties]); a new tensor.
+
+    logits: [vocab_size] float; prompt_ids: the sequence's prompt; output_ids: every token generated
+    before this position. Returns [vocab_size] float32 (`logits` itself when no penalty is set).
+    """
+    if not params.has_penalties:
+        return logits
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor([*prompt_ids, *output_ids], dtype=torch.int64)] = True
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if output_ids and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64), minlength=vocab)[:vocab].float()
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def reduce_prompt_rows(logits: torch.Tensor, next_ids: torch.Tensor, k: int = MAX_LOGPROBS,
+                       chunk_rows: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last stage's half of prompt logprobs (OpenAI `echo`): per prompt row, the log-probability
+    of the prompt token that follows it and the k most likely tokens. A RESULT then carries 2k + 1
+    numbers per prompt row instead of a vocab-size row of logits (196 KiB for the default model),
+    so a long echoed prompt fits the data plane's message limit (as vLLM computes logprobs in
+    its workers).
+
+    logits: [P, vocab] raw final logits of prompt rows 0 .. P-1; next_ids: [P] int64, the prompt
+    token after each row. Returns (chosen [P] float32, top_ids [P, k'] int64, top_logprobs [P, k']
+    float32), k' = min(k, vocab), most likely first, ties by lower token id (as `token_logprob`).
+    Works on `chunk_rows` rows at a time, so it needs little memory beyond `logits`.
+    """
+    k = min(k, logits.shape[-1])
+    chosen, top_ids, top_lp = [], [], []
+    for lo in range(0, logits.shape[0], chunk_rows):
+        logp = torch.log_softmax(logits[lo:lo + chunk_rows].float(), dim=-1)
+        chosen.append(logp.gather(1, next_ids[lo:lo + chunk_rows, None].to(logp.device)).squeeze(1))
+        values, ids = stable_top(logp, k)
+        tied = ((logp >= values[:, -1:]).sum(-1) > k).nonzero().flatten()  # a tie across the k-th place
+        if len(tied):
+            values[tied], ids[tied] = (t[:, :k] for t in torch.sort(logp[tied], dim=-1, descending=True, stable=True))
+        top_ids.append(ids)
+        top_lp.append(values)
+    if not chosen:
+        return torch.zeros(0), torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k)
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lp)
+
+
+def prompt_token_logprobs(prompt_ids: Sequence[int], reduced: Sequence[torch.Tensor] | None,
+                          k: int) -> tuple[TokenLogprob | None, ...]:
+    """Logprob of each prompt token given the ones before it (None for the first), with `k`
+    alternatives (echo's prompt logprobs), from `reduce_prompt_rows` of prompt rows 0 .. n-2:
+    reduced = (chosen [n-1], top_ids [n-1, >= k], top_logprobs [n-1, >= k]); None for n = 1."""
+    if reduced is None:
+        return (None,)
+    chosen, ids, values = reduced[0].tolist(), reduced[1][:, :k].tolist(), reduced[2][:, :k].tolist()
+    return (None, *(TokenLogprob(t, chosen[j], tuple(zip(ids[j], values[j], strict=True)))
+                    for j, t in enumerate(prompt_ids[1:])))
