@@ -232,7 +232,7 @@ class Coordinator:
         """Restart the failed stages and replay every running sequence ([Note: fail-over]); None once
         recovered, else the error to fail every request with (no fail-over, or its budget spent)."""
         fo = self.failover
-        while fo is not None and not self._stopping.is_set() and fo.may_restart():
+        while fo is not None and not self._stopping.is_set() and fo.may_restart(error):
             if not fo.budget.allows(time.monotonic()):
                 b = fo.budget.budget
                 return PipelineError(f"{error} (stage restarts exhausted: --max-stage-restarts {b.max_restarts} "

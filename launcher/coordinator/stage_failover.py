@@ -28,8 +28,8 @@ place while new requests queue behind it (clients see a pause, not an error):
    sequence is prefilled again from prompt + committed tokens ([Note: replay] in pipeline/engine/engine.py).
 A failure during these steps counts as another restart. Past the budget the coordinator fails
 every request as before (serve: /health 503, the server keeps answering). A stage that dies while
-the server drains, or up to SHUTDOWN_SIGNAL_GRACE_S before its shutdown signal arrives (systemd,
-`timeout` and `kill -- -PGID` signal every process of the server at once), is not restarted: the
+the server drains, or of SIGTERM / SIGINT up to SHUTDOWN_SIGNAL_GRACE_S before the server's own
+(systemd, `timeout` and `kill -- -PGID` signal every process of the server at once), is not restarted: the
 requests it held end with an error event and the drain goes on (`StageFailover.shutting_down`).
 """
 
@@ -53,9 +53,12 @@ from workers.load_spec_codec import spec_to_proto
 log = logging.getLogger("speedpipe.failover")
 
 HUNG_PROBE_S = 2.0  # a stage whose Health call does not answer within this is hung: restart it
-# A stage that dies this close before the server's own SIGTERM / SIGINT (systemd, `timeout` and
-# `kill -- -PGID` signal every process at once) died of the shutdown: it is not restarted.
-SHUTDOWN_SIGNAL_GRACE_S = 0.3
+# A stage killed by SIGTERM / SIGINT this long before the server's own shutdown signal arrives
+# (systemd, `timeout` and `kill -- -PGID` signal every process at once; under load the server's
+# handler can run a second later) died of the shutdown: it is not restarted. Other deaths (SIGKILL,
+# a crash, a hang) are restarted at once.
+SHUTDOWN_SIGNAL_GRACE_S = 2.0
+SHUTDOWN_SIGNALS = ("SIGTERM", "SIGINT")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,10 +82,12 @@ class StageFailover:
     resume_watch: Callable[[], None] = lambda: None
     shutting_down: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-    def may_restart(self) -> bool:
-        """False once the server is shutting down, or when it starts to within
-        SHUTDOWN_SIGNAL_GRACE_S (the stage then died of the same signal); else True."""
-        return not self.shutting_down.wait(SHUTDOWN_SIGNAL_GRACE_S)
+    def may_restart(self, error: Exception | None = None) -> bool:
+        """False once the server is shutting down, or, for a stage that `error` says was killed by
+        a shutdown signal ("killed by signal SIGTERM", `describe_returncode`), when the shutdown
+        starts within SHUTDOWN_SIGNAL_GRACE_S; else True."""
+        by_signal = error is not None and any(f"signal {name}" in str(error) for name in SHUTDOWN_SIGNALS)
+        return not self.shutting_down.wait(SHUTDOWN_SIGNAL_GRACE_S if by_signal else 0.0)
 
 
 def stages_to_restart(stubs: Sequence, dead: Sequence[int], *, probe_s: float = HUNG_PROBE_S) -> list[int]:

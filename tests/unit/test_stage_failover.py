@@ -1,0 +1,38 @@
+"""`StageFailover.may_restart`: a stage that died of the server's own shutdown signal is not restarted.
+
+What breaks when these fail: `serve` under systemd / `timeout` / `kill -- -PGID` (every process gets
+SIGTERM) restarts the stages it is stopping, or a stage killed any other way waits for nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from launcher.coordinator.request_handle import PipelineError
+from launcher.coordinator.stage_failover import SHUTDOWN_SIGNAL_GRACE_S, StageFailover
+
+
+def _failover() -> StageFailover:
+    return StageFailover(budget=None, restart_stage=lambda i: "", dead_stages=lambda: [], data_port=lambda: 0,
+                         load_specs=lambda port: [])
+
+
+def _death(how: str) -> PipelineError:
+    return PipelineError(f"stage 1 (pid 42) exited unexpectedly with {how}")
+
+
+def test_a_stage_killed_by_sigterm_waits_for_the_servers_own_signal():
+    fo = _failover()
+    threading.Timer(0.2, fo.shutting_down.set).start()  # the server's handler runs a moment later
+    assert not fo.may_restart(_death("killed by signal SIGTERM (exit code -15)"))
+
+
+def test_other_deaths_restart_at_once_and_nothing_restarts_while_draining():
+    fo = _failover()
+    start = time.monotonic()
+    assert fo.may_restart(_death("killed by signal SIGKILL (exit code -9)"))
+    assert fo.may_restart(_death("exit code 3")) and fo.may_restart(None)
+    assert time.monotonic() - start < SHUTDOWN_SIGNAL_GRACE_S / 2
+    fo.shutting_down.set()
+    assert not fo.may_restart(_death("killed by signal SIGKILL (exit code -9)"))
