@@ -41,7 +41,7 @@ class Item:
     want_prompt_logits: (prefill items with want_logits) the last stage also runs its LM head on
         every prompt row and returns their logprobs (OpenAI `echo`): each row's next prompt token
         travels along the ring as tensor "prompt_next" (`num_prompt_rows` per item), see
-        `pipeline.speculation.sampling.reduce_prompt_rows`.
+        `pipeline.speculation.logprobs.reduce_prompt_rows`.
     firp_k, firp_anchors: FIRP pseudo chains of `firp_k` rows hang off the item's last
         `firp_anchors` rows (see [Note: pseudo rows] in pipeline/model/row_layout.py); 0 = none.
     want_exit: the exit stage runs its exit head on this item's last row (SPEED). The scheduler
