@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP front end (FastAPI on uvicorn).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
-server-sent events ending in `data: [DONE]`), `GET /v1/models` (and `/v1/models/{id}`), `GET /health` (200, or 503 with the
-reason while the pipeline or any stage is unhealthy) and `GET /metrics` (Prometheus text).
+server-sent events ending in `data: [DONE]`), `GET /v1/models` (and `/v1/models/{id}`), vLLM's
+`POST /tokenize` and `POST /detokenize` (launcher/serving/tokenize_api.py; behind --api-key
+like /v1/*), `GET /health` (200, or 503 with the reason while the pipeline or any stage is
+unhealthy), `GET /version` and `GET /metrics` (Prometheus text).
 Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting) → 400, wrong or missing
 `Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
 --max-request-bytes → 413, full queue → 429, failed, fenced or draining server → 503, each with an
@@ -23,6 +25,7 @@ import json
 import logging
 import threading
 import time
+from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from launcher.coordinator.coordinator import PipelineError
-from launcher.serving import openai_protocol
+from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
 from launcher.serving.openai_logprobs import LogprobFormatter
 from launcher.serving.serving_engine import (
@@ -263,7 +266,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
 
 
 def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
-    """Unauthenticated routes: /health, /metrics, and the error body of unknown routes."""
+    """Unauthenticated routes: /health, /version, /metrics, and the error body of unknown routes."""
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else
@@ -273,6 +276,13 @@ def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
     async def health() -> Response:
         ok, why = await asyncio.to_thread(engine.healthy)
         return Response(status_code=200) if ok else _error(503, why, type_="service_unavailable")
+
+    @app.get("/version")
+    async def version() -> Response:
+        try:
+            return JSONResponse({"version": metadata.version("speedpipe")})
+        except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            return JSONResponse({"version": "unknown"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -325,12 +335,38 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
         return await generate(request, chat=True)
 
 
+def _add_tokenizer_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | None, max_request_bytes: int) -> None:
+    """vLLM's /tokenize and /detokenize (launcher/serving/tokenize_api.py), behind the API key like /v1/*."""
+    async def tokenizer_call(request: Request, answer) -> Response:  # /tokenize, /detokenize
+        if (denied := _refused(request, api_key)) is not None:
+            return denied
+        try:
+            raw = await _read_body(request, max_request_bytes)
+            return JSONResponse(await asyncio.to_thread(lambda: answer(openai_protocol.decode_body(raw))))
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except (_BodyTooLarge, ValueError) as exc:  # InvalidRequestError is a ValueError
+            return _admission_error(exc)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokenizer_call(request, lambda body: tokenize_api.tokenize_body(
+            body, tokenizer=engine.tokenizer, model_name=engine.model_name, max_model_len=engine.max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokenizer_call(request, lambda body: tokenize_api.detokenize_body(
+            body, tokenizer=engine.tokenizer, model_name=engine.model_name))
+
+
 def build_app(engine: ServingEngine, *, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI application serving `engine`; /v1/* need `Authorization: Bearer api_key` if set."""
+    """The FastAPI application serving `engine`; /v1/*, /tokenize and /detokenize need
+    `Authorization: Bearer api_key` if set."""
     app = FastAPI(title="speedpipe", docs_url=None, redoc_url=None, openapi_url=None)
     _add_ops_routes(app, engine)
     _add_openai_routes(app, engine, api_key=api_key, max_request_bytes=max_request_bytes)
+    _add_tokenizer_routes(app, engine, api_key=api_key, max_request_bytes=max_request_bytes)
     return app
 
 

@@ -286,7 +286,7 @@ def _clean_messages(messages: Any) -> list[dict[str, str]]:
     return clean
 
 
-def _chat_options(body: dict) -> dict[str, Any]:
+def chat_options(body: dict) -> dict[str, Any]:
     """The template options of a chat body: add_generation_prompt (default true),
     continue_final_message (default false; not both) and chat_template_kwargs (an object)."""
     options = {}
@@ -313,7 +313,7 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     Raises InvalidRequestError naming the field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
-    text = render_chat(body.get("messages"), tokenizer=tokenizer, **_chat_options(body))
+    text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body))
     ids = tokenizer.encode(text)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)

@@ -96,6 +96,14 @@ class Tokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if self.add_bos_token else ids
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary entry of each id ([num_tokens]; byte-level BPE spells a space "Ġ"), as
+        Hugging Face's `convert_ids_to_tokens`. Raises ValueError for an id outside the vocabulary."""
+        strs = [self._tok.id_to_token(i) for i in ids]
+        if None in strs:
+            raise ValueError(f"token id {ids[strs.index(None)]} is not in the vocabulary")
+        return strs
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids` ([num_tokens]); special tokens dropped unless `skip_special_tokens=False`."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
