@@ -314,7 +314,7 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
     text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body))
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, add_special_tokens=False)  # the template spells its own BOS (HF, vLLM)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
     return _finish(kw, ids, "messages")

@@ -10,8 +10,9 @@ OpenAI-compatible server; the shapes are vLLM's (`TokenizeCompletionRequest`,
   `chat_template_kwargs`); either may ask for `"return_token_strs": true`. The answer is
   `{"count", "max_model_len", "tokens", "token_strs"}`, and `tokens` are exactly the prompt ids
   the generation endpoint would run for the same prompt or messages (so `count` is its
-  `usage.prompt_tokens`); `add_special_tokens: false` leaves out the BOS token that a model whose
-  tokenizer_config says `add_bos_token` gets.
+  `usage.prompt_tokens`). `add_special_tokens` (default true for a prompt, false for messages,
+  whose template spells its own BOS, as vLLM) adds the BOS token of a model whose
+  tokenizer_config says `add_bos_token`.
 - `/detokenize` with `{"tokens": [ids]}` answers `{"prompt": text}`, special tokens kept (as
   Hugging Face's `decode` and vLLM do).
 
@@ -54,16 +55,14 @@ def tokenize_body(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model
     chat = "messages" in body
     if chat and "prompt" in body:
         raise InvalidRequestError("give either 'prompt' or 'messages', not both", "prompt")
-    add_special = _flag(body, "add_special_tokens", True)
+    add_special = _flag(body, "add_special_tokens", not chat)
     if chat:
         text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body))
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
             raise InvalidRequestError("'prompt' must be a string (or send 'messages')", "prompt")
-    ids = tokenizer.encode(text)
-    if not add_special and tokenizer.add_bos_token:
-        ids = ids[1:]
+    ids = tokenizer.encode(text, add_special_tokens=add_special)
     strs = tokenizer.token_strings(ids) if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 

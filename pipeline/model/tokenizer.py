@@ -90,11 +90,13 @@ class Tokenizer:
         """Id of a vocabulary entry spelled exactly `token` (e.g. "<|im_end|>"), or None."""
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`: [num_tokens]. Special-token text such as "<|im_start|>" maps to its id;
-        BOS is prepended only when the model's tokenizer_config says add_bos_token."""
+        BOS is prepended only when the model's tokenizer_config says add_bos_token and
+        `add_special_tokens` (False for text a chat template rendered, which spells its own BOS:
+        Hugging Face's `apply_chat_template` tokenises it so)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_token_id, *ids] if self.add_bos_token else ids
+        return [self.bos_token_id, *ids] if self.add_bos_token and add_special_tokens else ids
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary entry of each id ([num_tokens]; byte-level BPE spells a space "Ġ"), as

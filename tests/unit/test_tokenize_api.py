@@ -64,19 +64,38 @@ def test_token_strings_and_detokenize_agree_with_transformers(tokenizer):  # noq
     assert answer["prompt"] != tokenizer.decode(with_eos)  # which generation output skips
 
 
-def test_add_special_tokens_false_drops_the_bos_a_model_adds(tmp_path, tokenizer):  # noqa: F811
+@pytest.fixture()
+def bos_tokenizer(tmp_path, tokenizer) -> Tokenizer:  # noqa: F811
+    """The tiny tokenizer with add_bos_token set and a chat template that spells the BOS (as Llama's)."""
     folder = tmp_path / "bos"
     folder.mkdir()
     for f in tokenizer.model_dir.iterdir():
         if f.is_file():
             (folder / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True, "bos_token": "\u0101"}))
-    bos_tok = Tokenizer(folder)
-    with_bos = tokenize_body({"prompt": "ab"}, tokenizer=bos_tok, model_name="tiny", max_model_len=64)
-    without = tokenize_body({"prompt": "ab", "add_special_tokens": False}, tokenizer=bos_tok, model_name="tiny",
-                            max_model_len=64)
-    assert with_bos["tokens"] == [bos_tok.bos_token_id, *without["tokens"]] and without["tokens"] == [97, 98]
+    cfg.update(add_bos_token=True, bos_token="\u0101", chat_template="{{ bos_token }}" + cfg["chat_template"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return Tokenizer(folder)
+
+
+def test_add_special_tokens_adds_the_bos_of_a_model_that_wants_one(bos_tokenizer):
+    with_bos = tokenize_body({"prompt": "ab"}, tokenizer=bos_tokenizer, model_name="tiny", max_model_len=64)
+    without = tokenize_body({"prompt": "ab", "add_special_tokens": False}, tokenizer=bos_tokenizer,
+                            model_name="tiny", max_model_len=64)
+    assert with_bos["tokens"] == [bos_tokenizer.bos_token_id, *without["tokens"]] and without["tokens"] == [97, 98]
+
+
+def test_a_chat_template_that_spells_the_bos_gets_it_once(bos_tokenizer):
+    """As Hugging Face's apply_chat_template (and vLLM): the rendered text is tokenised without
+    adding special tokens, so a template that writes `{{ bos_token }}` does not get a second BOS."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(str(bos_tokenizer.model_dir))
+    expected = list(reference.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))
+    parsed = parse_chat({"messages": MESSAGES}, tokenizer=bos_tokenizer, model_name="tiny", max_model_len=64)
+    assert parsed.prompt_ids == expected and expected.count(bos_tokenizer.bos_token_id) == 1
+    answer = tokenize_body({"messages": MESSAGES}, tokenizer=bos_tokenizer, model_name="tiny", max_model_len=64)
+    assert answer["tokens"] == expected
 
 
 @pytest.mark.parametrize(("fn", "body", "param"), [
