@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -172,8 +173,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         prompts += read_prompts_file(args.prompts_file)
     if not prompts:
         raise UsageError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
-    for i, p in enumerate(prompts):
-        if not p.strip():
+    for i, p in enumerate(prompts):  # whitespace is text to a tokenizer (the server takes it too)
+        if not p:
             raise UsageError(f"prompt {i} is empty")
     return prompts
 
@@ -201,9 +202,11 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
     """(--stages, --layer-split) from the flags; for --stages auto, the fewest stages that fit the
     budget (pipeline/weights/stage_memory.py), printing each stage's need against it. Raises UsageError."""
     if args.stages != "auto":
+        if args.stage_memory_gib is not None:
+            say("note: --stage-memory-gib has no effect without --stages auto")
         return args.stages, args.layer_split
-    if args.stage_memory_gib is None or args.stage_memory_gib <= 0 or args.layer_split:
-        raise UsageError("--stages auto needs --stage-memory-gib > 0 (and no --layer-split)")
+    if args.stage_memory_gib is None or not 0 < args.stage_memory_gib < math.inf or args.layer_split:
+        raise UsageError("--stages auto needs a finite --stage-memory-gib > 0 (and no --layer-split)")
     from pipeline.run_config import MODEL_DTYPES
     from pipeline.weights.registry import resolve_model
     from pipeline.weights.stage_memory import plan_stages_for_budget
@@ -268,6 +271,8 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
         placement=placement, record_timeline=not getattr(args, "no_timeline", False))
+    if args.dtype != "float32" and args.quantization in ("int8", "int4"):
+        say(f"note: --quantization {args.quantization} computes in bfloat16 whatever --dtype says")
     return options, why
 
 

@@ -147,14 +147,17 @@ def unescape(text: str) -> str:
 def read_prompts_file(name: str, *, flag: str = "--prompts-file") -> list[str]:
     """Prompts of a file: one per line (blank lines skipped), or JSONL objects with a string 'prompt'
     (a .jsonl file, or one whose first prompt line starts with "{").
-    Raises UsageError naming `flag` and the file: missing, a directory, not UTF-8 text, bad JSON."""
+    A leading UTF-8 byte-order mark is dropped. Raises UsageError naming `flag` and the file:
+    missing, a directory or other non-regular file, not UTF-8 text, bad JSON."""
     path = Path(name)
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory, not a file of prompts")
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"{flag} {path} does not exist")
+    if not path.is_file():
+        raise UsageError(f"{flag} {path} is not a regular file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not prompt text
     except UnicodeDecodeError as exc:
         raise UsageError(f"{flag} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                          f"{exc.start}): give one prompt per line or JSONL") from None

@@ -12,6 +12,8 @@ Must not: start processes or hold torch modules.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from pathlib import Path
 
 from launcher.coordinator.pipeline_options import PipelineOptions
@@ -25,11 +27,16 @@ from pipeline.model.partition import (
     parse_layer_split,
     split_from_sizes,
 )
+from pipeline.model.stage_model import checkpoint_shapes
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.run_config import RunConfig
+from pipeline.run_config import MODEL_DTYPES, RunConfig
 from pipeline.speculation.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.registry import resolve_model
+from pipeline.weights.stage_memory import kv_bytes_per_layer
+
+log = logging.getLogger(__name__)
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +168,60 @@ def default_split(options: RunConfig, config: ModelConfig, model_dir: Path) -> l
     return best[1]
 
 
+def check_checkpoint(reader: CheckpointReader, config: ModelConfig, ranges: list[LayerRange]) -> None:
+    """Before any stage starts: every stage's tensors exist with the shapes its model needs (from
+    the safetensors headers). Raises ValueError naming the first missing or mis-shaped tensor.
+    Logs a warning for decoder-layer tensors past config.json's `num_hidden_layers`: the weights
+    then hold more layers than the config runs (transformers warns of unused weights too)."""
+    for i, r in enumerate(ranges):
+        first, last = i == 0, i == len(ranges) - 1
+        found = reader.shapes(stage_tensor_names(config, r, is_first=first, is_last=last))
+        for name, shape in checkpoint_shapes(config, r, is_first=first, is_last=last).items():
+            if found.get(name, shape) != shape:
+                raise ValueError(f"checkpoint tensor {name!r} in {reader.model_dir} has shape {found[name]}, "
+                                 f"but config.json asks for {shape}")
+    extra = sorted(n for n in reader.tensor_names
+                   if (m := _LAYER_TENSOR.match(n)) and int(m.group(1)) >= config.num_hidden_layers)
+    if extra:
+        log.warning("%s holds %d tensors of decoder layers past config.json's num_hidden_layers = %d (e.g. %s); "
+                    "they are not used, so the output is likely wrong", reader.model_dir, len(extra),
+                    config.num_hidden_layers, extra[0])
+
+
+def host_memory_available() -> int | None:
+    """Bytes of memory this machine can still give (MemAvailable in /proc/meminfo), or None where
+    that is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_lengths(options: PipelineOptions, config: ModelConfig, *, available: int | None = None) -> None:
+    """Refuse limits the model or this machine cannot hold, before any stage allocates its KV cache:
+    `max_model_len` above the model's `max_position_embeddings` (as vLLM), and, for CPU stages all
+    on this machine, a KV cache for `max_num_seqs` x `max_model_len` that is larger than the
+    memory available here (it would fail, or set off the kernel's out-of-memory killer, only after
+    the stages start). available: bytes (default: `host_memory_available()`). Raises ValueError."""
+    if options.max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {options.max_model_len} is more than the model's max_position_embeddings "
+                         f"{config.max_position_embeddings} (config.json)")
+    placement = options.placement
+    if options.device != "cpu" or placement.backend != "local" or placement.multi_node:
+        return  # stage memory is on other machines or devices: each stage reports its own failure
+    kv = kv_bytes_per_layer(config, dtype=MODEL_DTYPES[options.dtype], max_num_seqs=options.max_num_seqs,
+                            max_model_len=options.max_model_len) * config.num_hidden_layers
+    available = host_memory_available() if available is None else available
+    if available is not None and kv > available:
+        raise ValueError(f"max_num_seqs {options.max_num_seqs} x max_model_len {options.max_model_len} needs "
+                         f"{kv / 2**30:.2f} GiB of KV cache, more than the {available / 2**30:.2f} GiB of memory "
+                         f"available on this machine; lower max_model_len or max_num_seqs")
+
+
 def resolve(options: PipelineOptions) -> RunPlan:
     """Resolve and validate the model, split, exit head and FIRP file. Raises ValueError /
     FileNotFoundError (user errors, naming the parameter)."""
@@ -173,9 +234,8 @@ def resolve(options: PipelineOptions) -> RunPlan:
                              f"{options.num_stages}")
     else:
         ranges = default_split(options, config, model_dir)
-    reader = CheckpointReader(model_dir)
-    for i, r in enumerate(ranges):  # every stage's tensors exist and the files' headers are sound
-        reader.nbytes(stage_tensor_names(config, r, is_first=i == 0, is_last=i == len(ranges) - 1))
+    check_checkpoint(CheckpointReader(model_dir), config, ranges)
+    check_lengths(options, config)
     exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
     if options.uses_speed:
         if options.num_stages < 2:

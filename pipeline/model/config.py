@@ -149,6 +149,7 @@ class ModelConfig:
         naming the model_type or field and what is supported."""
         from pipeline.model.family_config import family_fields, rope_fields
 
+        _check_required_fields(d)
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported "
@@ -179,7 +180,14 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {model_dir}")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        try:
+            return cls.from_hf_dict(d)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face `config.json` form (loadable by transformers' config class of the family)."""
@@ -236,12 +244,30 @@ def _check_family_fields(c: ModelConfig) -> None:
             raise ValueError(f"{name} must be > 0, got {getattr(c, name)}")
 
 
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _check_required_fields(d: Any) -> None:
+    """Raise ValueError naming the field when a config.json dict lacks a required size or holds a
+    size that is not an integer (the checks of its values come after, in `_validate`)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
+    for name in _REQUIRED_INTS:
+        if name not in d:
+            raise ValueError(f"config.json has no {name!r}")
+    for name in _REQUIRED_INTS + _OPTIONAL_INTS:
+        value = d.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"config.json field {name!r} must be an integer, got {value!r}")
+
+
 def tiny_config(**overrides: Any) -> ModelConfig:
     """A tiny random-weight Llama config for unit tests (4 layers, hidden 64, GQA 4/2, vocab 256)."""
     base: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, max_position_embeddings=512, eos_token_ids=(2,),
+        tie_word_embeddings=True, max_position_embeddings=2048, eos_token_ids=(2,),
     )
     base.update(overrides)
     return ModelConfig(**base)

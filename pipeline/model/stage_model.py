@@ -346,6 +346,15 @@ def checkpoint_name(param_name: str, config: ModelConfig) -> str:
     return family_tensor_name("model." + param_name, config)
 
 
+def checkpoint_shapes(config: ModelConfig, layer_range: LayerRange, *, is_first: bool,
+                      is_last: bool) -> dict[str, tuple[int, ...]]:
+    """{checkpoint tensor name: the shape one stage's model needs} (built on the meta device: no
+    memory), to check a checkpoint's headers before any stage starts."""
+    with torch.device("meta"):
+        model = StageModel(config, layer_range, is_first=is_first, is_last=is_last)
+    return {checkpoint_name(n, config): tuple(p.shape) for n, p in model.named_parameters()}
+
+
 def build_stage_model(config: ModelConfig, layer_range: LayerRange, *, is_first: bool, is_last: bool,
                       tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu", fuse: bool = True, consume: bool = False) -> StageModel:

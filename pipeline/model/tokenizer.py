@@ -18,8 +18,17 @@ import tokenizers
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, or {} when the file does not exist."""
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object from `path`, or {} when the file does not exist. Raises ValueError naming the
+    file when it is not a JSON object."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _token_text(value: Any) -> str | None:
@@ -52,7 +61,8 @@ class Tokenizer:
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included; the model's
     embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json,
     then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`,
-    `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json.
+    `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
+    ValueError for a tokenizer.json the tokenizers library cannot read.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -60,7 +70,10 @@ class Tokenizer:
         path = self.model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in model folder {self.model_dir}")
-        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises a bare Exception for any unreadable file
+            raise ValueError(f"{path} is not a tokenizer file the tokenizers library can read: {exc}") from None
         tok_config = _read_json(self.model_dir / "tokenizer_config.json")
         model_config = _read_json(self.model_dir / "config.json")
         gen_config = _read_json(self.model_dir / "generation_config.json")

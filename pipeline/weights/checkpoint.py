@@ -230,6 +230,15 @@ class CheckpointReader:
         self.read_names.update(names)
         return {name: tensors[name] for name in names}
 
+    def shapes(self, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        """{name: shape as stored} of `names`, from the headers only. Raises ValueError for a missing
+        name or a corrupt file."""
+        out: dict[str, tuple[int, ...]] = {}
+        for path, group in self._files_for(list(dict.fromkeys(names))).items():
+            with _open_safetensors(path) as f:
+                out.update((name, tuple(f.get_slice(name).get_shape())) for name in group)
+        return out
+
     def nbytes(self, names: Iterable[str], *, dtype: torch.dtype | None = None) -> int:
         """Bytes the tensors `names` take: as stored on disk, or once read as `dtype` when given.
 

@@ -90,6 +90,8 @@ def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: b
     Raises ValueError for an unknown spec or a missing model package, FileNotFoundError for a
     folder without config.json or a missing .gguf file.
     """
+    if not spec.strip():
+        raise ValueError("model is empty: give a registered name, a model folder or a .gguf file")
     cache = default_cache_dir(cache_dir)
     if spec in CHUNKED_REGISTRY:
         path = assemble(CHUNKED_REGISTRY[spec], cache, progress=progress)

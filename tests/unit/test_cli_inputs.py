@@ -1,0 +1,51 @@
+"""Odd but plausible inputs to `launch` that a reviewer found mishandled: a prompts file with a
+byte-order mark or that is a device, a whitespace prompt, an empty --model, a non-finite memory
+budget, and flags that do nothing in the mode asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.cli.main import UsageError, _parse, build_parser, main, options_and_reason, read_prompts, read_prompts_file
+
+
+def test_a_byte_order_mark_is_not_prompt_text(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffHello there\r\nSecond\r\n".encode())
+    assert read_prompts_file(str(path)) == ["Hello there", "Second"]
+    path.write_bytes('\ufeff{"prompt": "one"}\n'.encode())
+    assert read_prompts_file(str(path)) == ["one"]
+
+
+def test_a_device_is_not_called_missing():
+    with pytest.raises(UsageError, match="--prompts-file /dev/null is not a regular file"):
+        read_prompts_file("/dev/null")
+    with pytest.raises(UsageError, match="/no/such/file does not exist"):
+        read_prompts_file("/no/such/file")
+
+
+def test_a_whitespace_prompt_is_text_and_an_empty_one_is_refused():
+    assert read_prompts(_parse(build_parser(), ["launch", "--prompt", "   "])) == ["   "]
+    with pytest.raises(UsageError, match="prompt 1 is empty"):
+        read_prompts(_parse(build_parser(), ["launch", "--prompt", "a", "--prompt", ""]))
+
+
+@pytest.mark.parametrize("budget", ["inf", "nan", "0"])
+def test_a_memory_budget_must_be_finite_and_positive(capsys, budget):
+    assert main(["launch", "--stages", "auto", "--stage-memory-gib", budget, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a finite --stage-memory-gib > 0" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_an_empty_model_is_refused(capsys):
+    assert main(["launch", "--model", "", "--prompt", "hi"]) == 2
+    assert "model is empty" in capsys.readouterr().err
+
+
+def test_flags_that_do_nothing_here_are_named(capsys):
+    args = _parse(build_parser(), ["launch", "--stages", "2", "--speculate", "none", "--stage-memory-gib", "4",
+                                   "--quantization", "int4", "--dtype", "float16"])
+    options_and_reason(args, progress=False)
+    err = capsys.readouterr().err
+    assert "note: --stage-memory-gib has no effect without --stages auto" in err
+    assert "note: --quantization int4 computes in bfloat16 whatever --dtype says" in err

@@ -1,0 +1,114 @@
+"""What `resolve` (launcher/coordinator/run_plan.py) refuses before any stage starts: malformed
+config.json or tokenizer.json, tensors of the wrong shape, a context longer than the model's, a KV
+cache larger than this machine's memory; and the warning for weights of layers the config leaves out.
+
+Each case used to surface only after the stages started (exit 1), as a traceback, or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from launcher.backends.placement import PlacementOptions
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import check_lengths, resolve
+from pipeline.model.config import ModelConfig, tiny_config
+from pipeline.model.tokenizer import Tokenizer
+from tests.tiny_model import write_tiny_model
+
+
+def _options(model_dir, **kw) -> PipelineOptions:
+    return PipelineOptions(model=str(model_dir), num_stages=2, progress=False, speculate="none", **kw)
+
+
+def _edit_config(model_dir, **changes) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{\"hidden_size\": ", "is not valid JSON"),
+    ("[1, 2]", "must hold a JSON object, got list"),
+    (None, "has no 'hidden_size'"),
+    ({"hidden_size": "abc"}, "field 'hidden_size' must be an integer, got 'abc'"),
+    ({"num_key_value_heads": 1.5}, "field 'num_key_value_heads' must be an integer"),
+])
+def test_a_malformed_config_json_is_named(tmp_path, content, message):
+    model_dir = write_tiny_model(tmp_path / "m")
+    path = model_dir / "config.json"
+    if content is None:
+        d = json.loads(path.read_text())
+        del d["hidden_size"]
+        path.write_text(json.dumps(d))
+    elif isinstance(content, dict):
+        _edit_config(model_dir, **content)
+    else:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        ModelConfig.from_model_dir(model_dir)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("content", ["garbage", "", "[1]"])
+def test_an_unreadable_tokenizer_json_is_a_value_error_naming_it(tmp_path, content):
+    model_dir = write_tiny_model(tmp_path / "m")
+    (model_dir / "tokenizer.json").write_text(content)
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer file"):
+        Tokenizer(model_dir)
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_named(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m")
+    (model_dir / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(ValueError, match="tokenizer_config.json must hold a JSON object"):
+        Tokenizer(model_dir)
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_before_any_stage_starts(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m")
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.layers.3.self_attn.k_proj.weight"] = weights["model.layers.3.self_attn.k_proj.weight"][:7].clone()
+    save_file(weights, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model.layers.3.self_attn.k_proj.weight' .* has shape \(7, 64\), but "
+                                         r"config.json asks for \(32, 64\)"):
+        resolve(_options(model_dir))
+    _edit_config(write_tiny_model(tmp_path / "h"), hidden_size=96)  # weights of hidden 64
+    with pytest.raises(ValueError, match="has shape"):
+        resolve(_options(tmp_path / "h"))
+
+
+def test_weights_of_layers_past_the_config_are_warned_of(tmp_path, caplog):
+    model_dir = write_tiny_model(tmp_path / "m")
+    with caplog.at_level(logging.WARNING):
+        resolve(_options(model_dir))
+    assert "num_hidden_layers" not in caplog.text
+    _edit_config(model_dir, num_hidden_layers=3)  # the file still holds layer 3
+    with caplog.at_level(logging.WARNING):
+        plan = resolve(_options(model_dir))
+    assert plan.config.num_hidden_layers == 3
+    assert "decoder layers past config.json's num_hidden_layers = 3 (e.g. model.layers.3." in caplog.text
+
+
+def test_max_model_len_beyond_the_models_context_is_refused(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m", max_position_embeddings=128)
+    resolve(_options(model_dir, max_model_len=128))
+    with pytest.raises(ValueError, match="max_model_len 129 is more than the model's max_position_embeddings 128"):
+        resolve(_options(model_dir, max_model_len=129))
+
+
+def test_a_kv_cache_larger_than_the_memory_available_is_refused():
+    config = tiny_config()  # 4 layers, 2 KV heads of 16 dims: 256 B of float32 K and V per position and layer
+    options = PipelineOptions(model="unused", num_stages=2, max_num_seqs=4, max_model_len=2048, speculate="none")
+    need = 4 * 4 * 2048 * 2 * 2 * 16 * torch.float32.itemsize  # layers x seqs x positions x (K, V) x heads x dim
+    check_lengths(options, config, available=need)
+    with pytest.raises(ValueError, match=r"max_num_seqs 4 x max_model_len 2048 needs 0.01 GiB of KV cache, more "
+                                         r"than the 0.01 GiB of memory available on this machine"):
+        check_lengths(options, config, available=need - 1)
+    elsewhere = dataclasses.replace(options, placement=PlacementOptions(backend="ray"))
+    check_lengths(elsewhere, config, available=1)  # Ray stages: their memory is not this machine's
