@@ -20,6 +20,7 @@ bundle index. The same placement always gives the same ranks.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import json
 import math
@@ -88,6 +89,8 @@ class PlacementOptions:
                                  f"got {self.master_port}")
         if not self.master_addr:
             raise PlacementError("--master-addr must be a host name or address, got ''")
+        if self.backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise PlacementError("--backend ray needs the ray package: pip install 'speedpipe[ray]' (ray==2.60.0)")
         if self.nnodes > 1 and self.backend != "local":
             raise PlacementError("--nnodes > 1 is the torchrun-style mode without Ray; drop --backend ray "
                                  "(Ray places stages across its own nodes)")
@@ -175,9 +178,10 @@ def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str
     CPU stages started by `launch` share their node's CPUs: `cpus` (default: `usable_cpus()`, which
     sees the affinity mask and a container's CPU quota) // threads_per_stage per node, e.g. 2 of 4 stages on
     2 CPUs at one thread each. In the multi-node mode every node is assumed to have as many CPUs as
-    this one and runs its block of stages (`node_stages`). Ray bundles reserve their own resources,
-    and CUDA stages count as one each (stages sharing one GPU: not measured)."""
-    if placement.backend != "local" or device != "cpu":
+    this one and runs its block of stages (`node_stages`). A private Ray instance (no
+    `ray_address`) runs on this machine, so it counts as local; the bundles of a Ray cluster reserve
+    their own resources, and CUDA stages count as one each (stages sharing one GPU: not measured)."""
+    if (placement.backend != "local" and placement.ray_address is not None) or device != "cpu":
         return num_stages
     if cpus is None:
         cpus = usable_cpus()

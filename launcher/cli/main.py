@@ -271,6 +271,10 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
         placement=placement, record_timeline=not getattr(args, "no_timeline", False))
+    ray_only = [flag for flag, given in (("--ray-address", args.ray_address), ("--stage-resources", args.stage_resources),
+                                         ("--placement-strategy", args.placement_strategy != "PACK")) if given]
+    if ray_only and args.backend != "ray":
+        say(f"note: {', '.join(ray_only)} {'has' if len(ray_only) == 1 else 'have'} no effect without --backend ray")
     if args.dtype != "float32" and args.quantization in ("int8", "int4"):
         say(f"note: --quantization {args.quantization} computes in bfloat16 whatever --dtype says")
     return options, why

@@ -170,7 +170,7 @@ def test_launch_says_which_draft_threshold_it_uses_and_why(monkeypatch):
     monkeypatch.setattr("launcher.backends.placement.usable_cpus", lambda: 2)
     shared = draft_gate_note(PipelineOptions(num_stages=4, speculate="speed"))
     assert ">= 50%" in shared and "2 of 4 stages compute at once" in shared
-    own = draft_gate_note(PipelineOptions(num_stages=2, speculate="speed", placement=PlacementOptions(backend="ray")))
+    own = draft_gate_note(PipelineOptions(num_stages=2, speculate="speed", placement=PlacementOptions(backend="ray", ray_address="10.0.0.10:6379")))
     assert ">= 9%" in own and "2 stages, each on its own cores" in own
 
 

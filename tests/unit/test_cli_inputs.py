@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.cli.main import UsageError, _parse, build_parser, main, options_and_reason, read_prompts, read_prompts_file
+from launcher.cli.main import (
+    UsageError,
+    _parse,
+    build_parser,
+    main,
+    options_and_reason,
+    read_prompts,
+    read_prompts_file,
+)
 
 
 def test_a_byte_order_mark_is_not_prompt_text(tmp_path):
@@ -49,3 +57,40 @@ def test_flags_that_do_nothing_here_are_named(capsys):
     err = capsys.readouterr().err
     assert "note: --stage-memory-gib has no effect without --stages auto" in err
     assert "note: --quantization int4 computes in bfloat16 whatever --dtype says" in err
+
+
+def test_ray_only_flags_without_ray_are_named(capsys):
+    args = _parse(build_parser(), ["launch", "--stages", "2", "--speculate", "none", "--ray-address", "10.0.0.1:6379",
+                                   "--placement-strategy", "SPREAD"])
+    options_and_reason(args, progress=False)
+    assert "note: --ray-address, --placement-strategy have no effect without --backend ray" in capsys.readouterr().err
+
+
+def test_ray_backend_without_ray_installed_is_a_one_line_error(monkeypatch):
+    import importlib.util
+
+    from launcher.backends.placement import PlacementError, PlacementOptions
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(PlacementError, match=r"--backend ray needs the ray package: pip install 'speedpipe\[ray\]'"):
+        PlacementOptions(backend="ray")
+
+
+def test_an_unreachable_or_malformed_ray_address_fails_fast():
+    import socket
+    import time
+
+    from launcher.backends.placement import PlacementError
+    from launcher.backends.ray import _probe_cluster
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=f"--ray-address 127.0.0.1:{port}: no Ray cluster reachable there"):
+        _probe_cluster(f"127.0.0.1:{port}", timeout_s=5)
+    assert time.monotonic() - start < 5
+    with pytest.raises(PlacementError, match="--ray-address must be HOST:PORT"):
+        _probe_cluster("garbage", timeout_s=1)
+    _probe_cluster("auto", timeout_s=1)  # left to Ray

@@ -97,7 +97,10 @@ def test_parallel_stages_counts_shared_cpus_only_for_local_cpu_stages():
     assert parallel_stages(local, num_stages=4, device="cpu", threads_per_stage=2, cpus=6) == 3
     assert parallel_stages(local, num_stages=3, device="cpu", threads_per_stage=4, cpus=2) == 1  # at least one
     assert parallel_stages(local, num_stages=4, device="cuda", threads_per_stage=1, cpus=2) == 4
-    assert parallel_stages(PlacementOptions(backend="ray"), num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
+    cluster = PlacementOptions(backend="ray", ray_address="10.0.0.10:6379")  # bundles reserve their own CPUs
+    assert parallel_stages(cluster, num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
+    private = PlacementOptions(backend="ray")  # a Ray instance started on this machine shares its CPUs
+    assert parallel_stages(private, num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 2
     two_nodes = PlacementOptions(nnodes=2)  # stages 0-1 on node 0, 2-3 on node 1 (2 CPUs each, as this one)
     assert parallel_stages(two_nodes, num_stages=4, device="cpu", threads_per_stage=1, cpus=2) == 4
     assert parallel_stages(two_nodes, num_stages=6, device="cpu", threads_per_stage=1, cpus=2) == 4

@@ -22,7 +22,7 @@ from launcher.cli.speculation_defaults import (
     tuned_flags,
 )
 
-LOCAL, RAY = PlacementOptions(), PlacementOptions(backend="ray")
+LOCAL, RAY = PlacementOptions(), PlacementOptions(backend="ray", ray_address="10.0.0.10:6379")  # a cluster
 
 
 @pytest.fixture
@@ -39,7 +39,9 @@ def _auto(model="smollm2-135m", *, stages=2, placement=LOCAL, device="cpu", thre
 def test_speed_where_every_stage_has_its_own_cpu_and_a_head_ships(two_cpus):
     mode, why = _auto(stages=2)
     assert mode == "speed" and "each on its own cores" in why
-    assert _auto(stages=4, placement=RAY)[0] == "speed"  # Ray bundles reserve their own CPUs
+    assert _auto(stages=4, placement=RAY)[0] == "speed"  # a Ray cluster's bundles reserve their own CPUs
+    private = PlacementOptions(backend="ray")  # a Ray instance of its own, on this machine's 2 CPUs
+    assert _auto(stages=4, placement=private) == _auto(stages=4) and _auto(stages=4)[0] == "none"
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
