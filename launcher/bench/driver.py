@@ -5,7 +5,7 @@ process. Line protocol (launcher/bench/driver_protocol.py): the driver prints {"
 session is up, then for each JSON request line {"prompts": [str], "max_new_tokens": int, "trace":
 path|null, "timeline": path|null} runs the prompts concurrently (greedy, ignore_eos), writes the Chrome trace and the
 timeline JSON where asked, and prints one reply line: the `launch --json` stats, or {"error": str}.
-Stdin EOF stops the session and ends the driver. Anything else printed goes to stderr.
+Stdin EOF stops the session and ends the driver; so does Ctrl-C (SIGINT), quietly, with exit code 130. Anything else printed goes to stderr.
 Usage (by launcher/bench/sweep.py only): python -m launcher.bench.driver OPTIONS_JSON
 Must not: decide what to measure (launcher/bench/sweep.py does).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.bench.driver_protocol import serve_requests, take_stdout_for_replies
+from launcher.bench.driver_protocol import driver_main, serve_requests, take_stdout_for_replies
 from launcher.cli.launch import run_launch
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
@@ -55,4 +55,4 @@ def run_request(session: PipelineSession, request: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1]))
+    sys.exit(driver_main(lambda: serve(sys.argv[1])))

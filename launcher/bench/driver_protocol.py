@@ -37,6 +37,19 @@ def take_stdout_for_replies() -> TextIO:
     return replies
 
 
+def driver_main(serve: Callable[[], int]) -> int:
+    """Run a driver's `serve()` and return its exit code; Ctrl-C ends it quietly with 130.
+
+    Ctrl-C in a terminal sends SIGINT to the whole process group, the drivers included: the parent
+    reports the interruption (and what it kept), so a driver stops its work (`with` blocks close
+    their sessions as the KeyboardInterrupt unwinds) without a traceback of its own.
+    """
+    try:
+        return serve()
+    except KeyboardInterrupt:
+        return 130
+
+
 def serve_requests(replies: TextIO, handle_request: Callable[[dict], dict]) -> int:
     """Print the ready line, then answer every JSON request line on stdin until EOF; returns 0.
 

@@ -36,6 +36,7 @@ from launcher.bench.serve_report import (
     parse_percentiles,
     summarize,
 )
+from launcher.cli.output_paths import dumps_strict
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -255,7 +256,7 @@ def cmd_http_bench(args: argparse.Namespace) -> int:
         name = args.result_filename or f"bench-serve-{Path(model).name}-{date}.json"
         path = Path(args.result_dir) / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**settings, **result}, indent=1))
+        path.write_text(dumps_strict({**settings, **result}, indent=1))
         print(f"[speedpipe] result written to {path}", file=sys.stderr)
     failed = [o.error for o in outputs if not o.ok]
     if failed:

@@ -3,8 +3,9 @@
 Owns the sweep: the configurations (stages x speculate x predictor x concurrency), their order
 (every repeat runs every configuration once, A B C A B C ..., so drift of a shared machine hits all
 alike), pairing (ratios are taken within a repeat, then summarised by their median), and the
-outputs under --out: results.json, results.csv (one row per configuration: medians and min/max
-over repeats), runs/<config>_r<k>.trace.json (Chrome trace) and .timeline.json, and plots/*.png.
+outputs under --out: runs/<config>_r<k>.trace.json (Chrome trace) and .timeline.json per run, then
+(launcher/bench/sweep_report.py) results.json, results.csv (one row per configuration: medians
+and min/max over repeats) and plots/*.png. Ctrl-C keeps the repeats that completed (write_partial).
 Each session lives in its own child process (launcher/bench/driver.py); all stay loaded for the
 whole sweep, and only the one being measured computes.
 Must not: hold pipeline logic or metric definitions (pipeline/measure/metrics.py, pipeline/measure/timeline.py).
@@ -13,22 +14,21 @@ Must not: hold pipeline logic or metric definitions (pipeline/measure/metrics.py
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import importlib.util
 import itertools
 import json
-import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.bench.driver_protocol import DriverProcess
+from launcher.bench.sweep_report import predictor_label, write_partial, write_results
+from launcher.cli.output_paths import check_output_dir
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from pipeline.run_config import SPECULATE_MODES, check_prompt_length
-from pipeline.speculation.predictors import PREDICTORS
+from pipeline.speculation.predictors import PREDICTORS, is_predictor_file
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
@@ -37,7 +37,6 @@ SOTU_NUM_PROMPTS = 8
 SOTU_PROMPT_WORDS = 48
 DRIVER_START_TIMEOUT_S = 900.0
 RUN_TIMEOUT_S = 900.0
-METRICS = ("tokens_per_s", "bubble_fraction", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99", "acceptance_rate")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +84,7 @@ class BenchConfig:
 
     @property
     def name(self) -> str:
-        spec = {"none": "none", "firp": "firp"}.get(self.speculate, f"{self.speculate}-{self.predictor}")
+        spec = {"none": "none", "firp": "firp"}.get(self.speculate, f"{self.speculate}-{predictor_label(self.predictor)}")
         return f"s{self.stages}-{spec}-c{self.concurrency}"
 
 
@@ -108,11 +107,31 @@ def _name_list(flag: str, text: str, allowed: Sequence[str]) -> list[str]:
     return values
 
 
+def _predictor_list(text: str) -> list[str]:
+    """--predictor: built-in predictor names and trained predictor files (*.safetensors, as `launch
+    --predictor FILE` takes; each must exist, and no two may share a file stem, which labels them)."""
+    values = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    files = [v for v in values if is_predictor_file(v)]
+    bad = [v for v in values if v not in files and v not in PREDICTORS]
+    if not values or bad:
+        raise ValueError(f"--predictor {text!r}: {', '.join(bad) or 'empty'} not supported by this pipeline "
+                         f"(choose from {', '.join(PREDICTORS)}, or a trained predictor file *.safetensors)")
+    for f in files:
+        if not Path(f).is_file():
+            raise ValueError(f"--predictor {f}: no such predictor file")
+    stems = [Path(f).stem for f in files]
+    clash = sorted({st for st in stems if stems.count(st) > 1 or st in PREDICTORS})
+    if clash:
+        raise ValueError(f"--predictor {text!r}: predictor files label configurations by file stem, and "
+                         f"{', '.join(clash)} is used twice (rename a file)")
+    return values
+
+
 def sweep_configs(args: argparse.Namespace) -> tuple[list[BenchConfig], list[str]]:
     """(configurations in run order, notes on skipped combinations). Raises ValueError for bad flags."""
     stages = _int_list("--stages", args.stages)
     modes = _name_list("--speculate", args.speculate, SPECULATE_MODES)
-    predictors = _name_list("--predictor", args.predictor, PREDICTORS)
+    predictors = _predictor_list(args.predictor)
     concurrency = _int_list("--concurrency", args.concurrency)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -156,84 +175,10 @@ def start_driver(options: dict) -> DriverProcess:
     return DriverProcess([sys.executable, "-m", "launcher.bench.driver", json.dumps(options)], name="bench driver")
 
 
-def spread(values: Sequence[float]) -> dict:
-    """Median, min, max of the repeats."""
-    if not values:
-        return {"median": 0.0, "min": 0.0, "max": 0.0, "samples": []}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": list(values)}
-
-
-def summarise(configs: list[BenchConfig], runs: dict[str, list[dict]]) -> list[dict]:
-    """Per configuration: medians and spread of METRICS, per-stage fractions, and paired ratios of
-    tokens/s (within a repeat) over the first configuration and over its plain counterpart
-    (same stages and concurrency, --speculate none)."""
-    base = configs[0].name
-    out = []
-    for cfg in configs:
-        rs = runs[cfg.name]
-        row = {"name": cfg.name, **dataclasses.asdict(cfg), "repeats": len(rs),
-               "summary": {m: spread([r["stats"][m] for r in rs]) for m in METRICS},
-               "stages_fractions": [{k: statistics.median(r["stats"]["stages"][i][k] for r in rs)
-                                     for k in ("busy_fraction", "useful_fraction", "wasted_fraction", "idle_fraction")
-                                     if k in rs[0]["stats"]["stages"][i]} for i in range(cfg.stages)],
-               "runs": rs}
-        pairs = {"vs_first": base}
-        plain = BenchConfig(cfg.stages, "none", "-", cfg.concurrency).name
-        if cfg.speculate != "none" and plain in runs:
-            pairs["vs_plain"] = plain
-        for key, other in pairs.items():
-            ratios = [a["stats"]["tokens_per_s"] / b["stats"]["tokens_per_s"]
-                      for a, b in zip(rs, runs[other], strict=True) if b["stats"]["tokens_per_s"] > 0]
-            row[f"ratio_{key}"] = {"of": other, **spread(ratios)}
-        out.append(row)
-    return out
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    """One line per configuration: identity, repeats, median/min/max of every metric, ratios."""
-    header = ["name", "stages", "speculate", "predictor", "concurrency", "repeats"]
-    header += [f"{m}_{k}" for m in METRICS for k in ("median", "min", "max")]
-    header += ["ratio_vs_first_median", "ratio_vs_plain_median"]
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        for r in rows:
-            w.writerow([r["name"], r["stages"], r["speculate"], r["predictor"], r["concurrency"], r["repeats"]]
-                       + [round(r["summary"][m][k], 6) for m in METRICS for k in ("median", "min", "max")]
-                       + [round(r[k]["median"], 4) if k in r else "" for k in ("ratio_vs_first", "ratio_vs_plain")])
-
-
-def write_plots(rows: list[dict], out: Path, *, title: str) -> list[str]:
-    """Gantt chart per configuration (its first repeat), summary bars, acceptance per predictor."""
-    from launcher.bench import plots
-
-    made = []
-    for r in rows:
-        timeline = json.loads(Path(out / r["runs"][0]["timeline"]).read_text())
-        made.append(plots.gantt(timeline, out / "plots" / f"gantt_{r['name']}.png",
-                                title=f"{r['name']}: {title}, repeat 0"))
-    made.append(plots.summary_bars(rows, out / "plots" / "summary.png", title=title))
-    by_pred: dict[str, list[float]] = {}
-    for r in rows:  # runs that verified no draft have no acceptance rate: they are left out, not counted as 0
-        if r["speculate"] != "none":
-            by_pred.setdefault(r["predictor"], []).extend(
-                run["stats"]["acceptance_rate"] for run in r["runs"] if run["stats"]["verified_drafts"] > 0)
-    by_pred = {k: v for k, v in by_pred.items() if v}
-    made.append(plots.acceptance_bars({k: spread(v) for k, v in by_pred.items()}, out / "plots" / "acceptance.png"))
-    return [str(Path(p).relative_to(out)) for p in made]
-
-
-def _code_version() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the sweep; returns 0. Raises ValueError (exit 2) for bad flags before anything starts."""
     configs, notes = sweep_configs(args)
+    check_output_dir("--out", args.out)
     prompts = read_bench_prompts(args.prompts)
     if not args.no_plots:
         from launcher.bench.plots import _pyplot
@@ -243,8 +188,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for note in notes:
         print(f"[speedpipe] bench: {note}", file=sys.stderr)
-    runs = _run_sweep(args, configs, options, prompts, out)
-    _write_results(args, configs, runs, notes, out)
+    runs, interrupted = _run_sweep(args, configs, options, prompts, out)
+    if interrupted:
+        write_partial(args, configs, runs, notes, out)
+        raise KeyboardInterrupt  # `speedpipe` reports it: exit code 130
+    write_results(args, configs, runs, notes, out)
     return 0
 
 
@@ -270,10 +218,11 @@ def _session_options(args: argparse.Namespace, configs: list[BenchConfig], promp
 
 
 def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: dict[tuple, dict],
-               prompts: list[str], out: Path) -> dict[str, list[dict]]:
+               prompts: list[str], out: Path) -> tuple[dict[str, list[dict]], bool]:
     """Start one driver per session group, warm each up, then run every repeat A B C A B C ...
 
-    Returns the runs by configuration name; every driver is closed on every exit path.
+    Returns (the runs by configuration name, whether Ctrl-C stopped the sweep: then the runs are
+    those completed); every driver is closed on every exit path.
     """
     from tqdm import tqdm
 
@@ -300,38 +249,11 @@ def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: di
                     runs[cfg.name].append({"repeat": r, "stats": reply["stats"], "num_tokens": reply["num_tokens"],
                                            "trace": f"{stem}.trace.json", "timeline": f"{stem}.timeline.json"})
                     bar.update()
+    except KeyboardInterrupt:
+        return runs, True
     finally:
         for d in drivers.values():
             d.close()
-    return runs
+    return runs, False
 
 
-def _write_results(args: argparse.Namespace, configs: list[BenchConfig], runs: dict[str, list[dict]],
-                   notes: list[str], out: Path) -> None:
-    """results.json, results.csv and the plots under `out`; the table on stdout."""
-    rows = summarise(configs, runs)
-    title = f"{Path(args.model).name}, {args.max_new_tokens} tokens"
-    plots = [] if args.no_plots else write_plots(rows, out, title=title)
-    settings = {k: getattr(args, k) for k in ("stages", "speculate", "predictor", "concurrency", "prompts",
-                                              "max_new_tokens", "repeats", "model", "dtype", "quantization", "dense_layout",
-                                              "threads_per_stage")}
-    (out / "results.json").write_text(json.dumps({"settings": settings, "code": _code_version(), "notes": notes,
-                                                  "configs": rows, "plots": plots}, indent=1))
-    write_csv(rows, out / "results.csv")
-    print(format_table(rows))
-    print(f"[speedpipe] bench: results in {out}/results.json, results.csv" + (", plots/*.png" if plots else ""),
-          file=sys.stderr)
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = [f"{'configuration':<24} {'tokens/s':>22} {'bubble':>7} {'TTFT ms':>8} {'TPOT ms':>8} {'accept':>7} "
-             f"paired tokens/s ratio"]
-    for r in rows:
-        s = r["summary"]
-        tps = s["tokens_per_s"]
-        ratio = r.get("ratio_vs_plain") or r["ratio_vs_first"]
-        lines.append(f"{r['name']:<24} {tps['median']:8.2f} [{tps['min']:5.1f}-{tps['max']:5.1f}] "
-                     f"{s['bubble_fraction']['median']:7.2f} {s['ttft_ms_p50']['median']:8.1f} "
-                     f"{s['tpot_ms_p50']['median']:8.1f} {s['acceptance_rate']['median']:7.2f} "
-                     f"{ratio['median']:6.3f} vs {ratio['of']}")
-    return "\n".join(lines)

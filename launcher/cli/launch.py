@@ -1,8 +1,8 @@
 """The `launch` job: submit prompts to a running session, stream or collect, and report stats.
 
 Owns the JSON report of `launch --json` (outputs; overall tokens/s, TTFT, TPOT and ITL percentiles,
-acceptance; per stage busy / useful / wasted / idle (bubble) fractions from the timeline, RSS and
-weight memory; the handoff latencies (pipeline/measure/handoffs.py); the item timeline itself with
+acceptance (null when no draft was verified); per stage busy / useful / wasted / idle (bubble)
+fractions from the timeline, RSS and weight memory; the handoff latencies (pipeline/measure/handoffs.py); the item timeline itself with
 `timeline=True`).
 Must not: start or stop processes (PipelineSession does).
 """
@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.backends.placement import usable_cpus
+from launcher.cli.parsing import UsageError
 from launcher.coordinator.session import PipelineSession
+from pipeline.engine.records import SpecCounters
 from pipeline.measure.handoffs import handoff_latency, plain_decode_estimate
 from pipeline.measure.metrics import inter_token_gaps_s, latency_summary
 from pipeline.speculation.sampling import SamplingParams
@@ -65,13 +67,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
         "stats": {"wall_s": round(wall_s, 4), **summary, "speculate": session.options.speculate,
                   "speculate_reason": speculate_reason or None,
                   "bubble_fraction": round(sum(idle) / len(idle), 4),
-                  "acceptance_rate": round(spec.acceptance_rate, 4), "drafted_tokens": spec.drafted_tokens,
-                  "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
-                  "squashed_items": spec.squashed_items, "gated_drafts": spec.gated_drafts,
-                  "stage_drafted": spec.stage_drafted, "withdrawn_drafts": spec.withdrawn_drafts,
-                  "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
-                  "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
-                  "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
+                  **speculation_stats(spec),
                   **coord.tree.to_json(),
                   "timeline_recorded": coord.record_timeline,
                   **times.draft_gap(0), "stages": stages},
@@ -82,6 +78,21 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     if timeline:
         report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report
+
+
+def speculation_stats(spec: SpecCounters) -> dict:
+    """The speculation counters of a run as `launch --json` reports them. `acceptance_rate` is
+    accepted / verified drafts, rounded, and null (None) when no draft was verified (plain decode, or
+    every draft gated or squashed before its check): such a run has no rate, and a 0.0 would be
+    averaged in as "every draft rejected" (vLLM's spec-decode metrics leave it out too)."""
+    return {"acceptance_rate": round(spec.acceptance_rate, 4) if spec.verified_drafts else None,
+            "drafted_tokens": spec.drafted_tokens,
+            "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
+            "squashed_items": spec.squashed_items, "gated_drafts": spec.gated_drafts,
+            "stage_drafted": spec.stage_drafted, "withdrawn_drafts": spec.withdrawn_drafts,
+            "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
+            "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
+            "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped}
 
 
 def _stage_rows(session: PipelineSession, fractions) -> list[dict]:
@@ -129,14 +140,24 @@ def _host_busy() -> bool:
     return os.getloadavg()[0] > usable_cpus() + BUSY_SLACK
 
 
-def write_trace(session: PipelineSession, path: str) -> None:
-    """Write the session's stage timeline as Chrome trace-event JSON."""
+def trace_events(session: PipelineSession) -> dict:
+    """The session's stage timeline as Chrome trace-event JSON (pipeline/measure/trace.py)."""
     from pipeline.measure.trace import chrome_trace
 
     coord = session.coordinator
-    trace = chrome_trace(coord.timeline, commits=list(coord.commit_events))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(trace))
+    return chrome_trace(coord.timeline, commits=list(coord.commit_events))
+
+
+def write_trace(trace: dict, path: str) -> None:
+    """Write `trace` (trace_events) to `path`, creating its folder. `launch` calls it after the
+    results are printed, so that a failed write loses no output. Raises UsageError (one line naming
+    --trace) when the file cannot be written (the path was checked before the run: a full disk, a
+    folder removed meanwhile)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(trace))
+    except OSError as exc:
+        raise UsageError(f"--trace {path}: the trace could not be written ({exc.strerror or exc})") from None
 
 
 def plural(n: int, word: str) -> str:
@@ -159,7 +180,8 @@ def print_report(report: dict, *, streamed: bool) -> None:
         busy += f" (handoff p50 {links + ' ms, ' if links else ''}ring return {ring['p50_ms']:.1f} ms)"
     spec = ""
     if stats["drafted_tokens"]:
-        spec = (f"; acceptance {stats['acceptance_rate']:.0%} ({stats['accepted_tokens']}/"
+        rate = stats["acceptance_rate"]  # None: no draft was verified
+        spec = (f"; acceptance {'-' if rate is None else f'{rate:.0%}'} ({stats['accepted_tokens']}/"
                 f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
                 f"{stats['tokens_per_pass']:.2f} tokens per pass")
     if stats.get("speedup_estimate"):

@@ -31,13 +31,11 @@ from launcher.cli.parsing import (
     version_string,
 )
 from launcher.cli.speculation_defaults import (
-    FIRP_TUNING,
-    SPEED_TUNING,
     auto_speculate,
     check_auto_flags,
     draft_gate_note,
+    idle_speculation_flags,
     settle_auto,
-    tuned_flags,
 )
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
@@ -260,7 +258,7 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
     placement = placement_from_args(args)
     if num_stages >= 1 and not (placement.multi_node and placement.node_rank > 0):  # RunConfig names bad counts;
         check_auto_flags(tuning, speculate=speculate, why=why)  # members run node 0's choice, not their own
-    idle = tuned_flags(tuning, SPEED_TUNING | FIRP_TUNING) if speculate == "none" and not why else []
+    idle = idle_speculation_flags({**tuning, "predictor": args.predictor, "exit_predictor": args.exit_predictor}) if speculate == "none" and not why else []
     if idle:
         say(f"note: {', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect with --speculate none")
     options = PipelineOptions(
@@ -287,7 +285,8 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from launcher.cli.launch import print_report, run_launch, write_trace  # keeps `speedpipe --help` fast
+    from launcher.cli.launch import print_report, run_launch, trace_events, write_trace  # keeps --help fast
+    from launcher.cli.output_paths import check_output_file
 
     if args.serve:
         given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file),
@@ -298,6 +297,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return cmd_serve(args)
     if args.trace and args.no_timeline:
         raise UsageError("--trace needs the timeline: drop --no-timeline")
+    if args.trace:
+        check_output_file("--trace", args.trace)
     options, why = options_and_reason(args, progress=not args.no_progress and not args.json)
     if options.placement.multi_node and options.placement.node_rank > 0:
         return run_member(options)
@@ -327,14 +328,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1,
                             speculate_reason=why)
-        if args.trace:
-            write_trace(session, args.trace)
-            if not args.json:
-                say(f"trace written to {args.trace}")
+        trace = trace_events(session) if args.trace else None
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report), flush=True)
     else:
         print_report(report, streamed=len(prompts) == 1)
+    if trace is not None:  # after the results: a failed write loses none of them
+        write_trace(trace, args.trace)
+        if not args.json:
+            say(f"trace written to {args.trace}")
     return 0
 
 

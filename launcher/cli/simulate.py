@@ -2,9 +2,10 @@
 
 Owns the command: flags, the sweep (stages x acceptance x concurrency x link latency), the check of
 a calibrated cost model against every measured configuration of a `bench` results.json
-(predicted vs measured tokens/s), and the outputs under --out: simulate.json, simulate.csv and
-plots (useful/busy utilisation and tokens/s over stages, tokens/s over link latency, predicted vs
-measured). The simulation itself is pipeline/measure/simulator.py; the fit is pipeline/measure/calibrate.py.
+(predicted vs measured tokens/s), and the outputs under --out: simulate.json (strict JSON: an
+unlimited --link-bandwidth-bytes-per-s is null, and so is the acceptance of a configuration that
+verified no draft), simulate.csv and plots (useful/busy utilisation and tokens/s over stages;
+tokens/s over link latency when several are swept; predicted vs measured with --calibrate). The simulation itself is pipeline/measure/simulator.py; the fit is pipeline/measure/calibrate.py.
 Must not: start pipelines.
 """
 
@@ -18,6 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from launcher.cli.output_paths import check_output_dir, dumps_strict
 from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
 from pipeline.measure.calibrate_tables import run_load_factor
 from pipeline.measure.row_cost import RowCostTable
@@ -46,24 +48,32 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default 16)")
     g.add_argument("--out", default="simulate-out", help="output folder (default ./simulate-out)")
     g.add_argument("--no-plots", action="store_true", help="write no PNG plots")
-    c = p.add_argument_group("cost model (without --calibrate)")
-    c.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
+    g.add_argument("--seed", type=int, default=0, help="seed of the Bernoulli acceptance draws")
+    k = p.add_argument_group("calibration (a measured cost model instead of the synthetic one)")
+    k.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
                    "and report predicted vs measured tokens/s of each of its configurations")
-    c.add_argument("--row-cost", default="none", metavar="none|file:PATH", help="with --calibrate: a "
+    k.add_argument("--row-cost", default="none", metavar="none|file:PATH", help="with --calibrate: a "
                    "tests/benchmarks/row_cost.py report whose table (--dtype's mode) prices the row counts the "
                    "measured runs did not have (default none: interpolated between them)")
-    c.add_argument("--dtype", default="float32", help="with --row-cost: the runs' dtype (default float32)")
-    c.add_argument("--replay", action="store_true", help="with --calibrate: draft at every chance, replaying "
+    k.add_argument("--dtype", default="float32", help="with --row-cost: the runs' dtype (default float32)")
+    k.add_argument("--replay", action="store_true", help="with --calibrate: draft at every chance, replaying "
                    "each run's verified draft outcomes in order (default: draft where the run drafted, as it did)")
+    c = p.add_argument_group("synthetic cost model (without --calibrate; --model-ms, --stage-overhead-ms or --coordinator-ms > 0)")
     c.add_argument("--model-ms", type=float, default=60.0, help="whole-model compute per token row, ms (default 60)")
     c.add_argument("--stage-overhead-ms", type=float, default=0.5, help="fixed cost per stage per micro-batch, ms")
     c.add_argument("--coordinator-ms", type=float, default=1.0, help="coordinator turnaround per result, ms")
     c.add_argument("--predictor-ms", type=float, default=0.0, help="exit head cost on stage 0, ms")
-    c.add_argument("--link-bandwidth-bytes-per-s", type=float, default=float("inf"),
-                   help="per-hop bandwidth for hidden states (default: unlimited)")
-    c.add_argument("--bytes-per-token", type=int, default=576 * 4,
+    h = p.add_argument_group("links (with or without --calibrate)")
+    h.add_argument("--link-bandwidth-bytes-per-s", type=float, default=float("inf"),
+                   help="per-hop bandwidth for hidden states (default: unlimited; null in simulate.json)")
+    h.add_argument("--bytes-per-token", type=int, default=576 * 4,
                    help="hidden-state bytes per token row on a hop (default 2304: SmolLM2-135M, float32)")
-    c.add_argument("--seed", type=int, default=0, help="seed of the Bernoulli acceptance draws")
+
+
+# The flags of `simulate` by their argparse dest, as simulate.json's "settings" records them.
+SETTINGS = ("stages", "alpha", "concurrency", "link_latency_s", "max_new_tokens", "prompt_len", "out", "no_plots",
+            "seed", "calibrate", "row_cost", "dtype", "replay", "model_ms", "stage_overhead_ms", "coordinator_ms",
+            "predictor_ms", "link_bandwidth_bytes_per_s", "bytes_per_token")
 
 
 def _list(flag: str, text: str, cast, *, lo: float, hi: float = float("inf"), allow=()) -> list:
@@ -104,6 +114,9 @@ def load_bench_runs(path: str | Path) -> list[dict]:
                              "exit_head": exit_head,
                              "concurrency": cfg["concurrency"], "stats": run["stats"],
                              "num_tokens": run["num_tokens"], "timeline": tl})
+    except UnicodeDecodeError:
+        raise ValueError(f"--calibrate {path}: not a speedpipe bench results.json (it, or a timeline file of "
+                         f"its runs/ folder, is not UTF-8 text)") from None
     except (json.JSONDecodeError, KeyError, TypeError, OSError) as exc:
         raise ValueError(f"--calibrate {path}: not a speedpipe bench results.json with its runs/ folder ({exc})") from None
     if not runs:
@@ -141,7 +154,8 @@ def predict_run(cal: Calibration, run: dict, *, replay: bool = False, seed: int 
     if spec:
         outcomes = draft_outcomes(run["timeline"])
         if replay:
-            acceptance = Replay(outcomes) if outcomes else Bernoulli(stats["acceptance_rate"], seed=seed)
+            # no recorded outcomes: the run's rate (null when it verified no draft: none accepted)
+            acceptance = Replay(outcomes) if outcomes else Bernoulli(stats["acceptance_rate"] or 0.0, seed=seed)
         else:  # where it drafted, and whether each was right (DraftsAt)
             acceptance = DraftsAt(draft_positions(run["timeline"]))
     firp_k = 0
@@ -194,7 +208,8 @@ def synthetic_cost(args: argparse.Namespace, num_stages: int, latency_s: float) 
 def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_stages: int, alpha: float | str,
                    concurrency: int, latency_s: float) -> dict:
     """One simulated configuration of the sweep (alpha "none" = plain decode): tokens/s, mean busy,
-    useful and bubble fractions over the stages, realised acceptance."""
+    useful and bubble fractions over the stages, realised acceptance (None where no draft was verified,
+    as `launch --json` reports it)."""
     cost = cal.cost_model(num_stages) if cal else synthetic_cost(args, num_stages, latency_s)
     if cal and latency_s:  # extra link latency on top of the measured hand-over
         cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + latency_s)
@@ -209,7 +224,7 @@ def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_sta
             "busy_fraction": round(statistics.mean(f.busy for f in fr), 4),
             "useful_fraction": round(statistics.mean(f.useful for f in fr), 4),
             "bubble_fraction": round(statistics.mean(f.idle for f in fr), 4),
-            "acceptance_rate": round(res.acceptance_rate, 4)}
+            "acceptance_rate": round(res.acceptance_rate, 4) if res.verified else None}
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -222,24 +237,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens and --prompt-len must be >= 1")
     if args.link_bandwidth_bytes_per_s <= 0 or args.bytes_per_token < 0:
         raise ValueError("--link-bandwidth-bytes-per-s must be > 0 and --bytes-per-token >= 0")
-    if min(args.model_ms, args.stage_overhead_ms, args.coordinator_ms, args.predictor_ms) < 0:
+    costs = (args.model_ms, args.stage_overhead_ms, args.coordinator_ms, args.predictor_ms)
+    if min(costs) < 0:
         raise ValueError("--model-ms, --stage-overhead-ms, --coordinator-ms and --predictor-ms must be >= 0")
+    if not args.calibrate and max(costs[:3]) == 0:  # (--predictor-ms prices drafts only)
+        raise ValueError("--model-ms, --stage-overhead-ms and --coordinator-ms are all 0: a pipeline whose passes "
+                         "cost no time has no tokens/s (give one of them > 0)")
+    row_shape = row_shape_arg(args)  # checked with or without --calibrate
+    if not args.calibrate and (args.replay or row_shape is not None):
+        flag = "--replay" if args.replay else "--row-cost"
+        raise ValueError(f"{flag} needs --calibrate RESULTS_JSON (it applies to the measured runs)")
+    check_output_dir("--out", args.out)
     cal, checks = None, []
     if args.calibrate:
         runs = load_bench_runs(args.calibrate)
-        cal = calibrate(runs, row_shape=row_shape_arg(args))
+        cal = calibrate(runs, row_shape=row_shape)
         checks = check_calibration(cal, runs, replay=args.replay, seed=args.seed)
-    elif args.replay:
-        raise ValueError("--replay needs --calibrate RESULTS_JSON (the recorded draft outcomes)")
     rows = [simulate_point(args, cal, num_stages=st, alpha=a, concurrency=c, latency_s=lat)
             for st in stages for a in alphas if a == "none" or st >= 2 for c in concurrency for lat in latencies]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = [] if args.no_plots else write_sim_plots(rows, checks, out)
-    settings = {k: v for k, v in vars(args).items() if k != "func"}
-    (out / "simulate.json").write_text(json.dumps({"settings": settings, "calibration": cal.to_json() if cal else None,
-                                                   "calibration_check": checks, "sweep": rows, "plots": plots},
-                                                  indent=1, default=str))
+    settings = {k: getattr(args, k) for k in SETTINGS}  # unlimited bandwidth (inf) is written as null
+    (out / "simulate.json").write_text(dumps_strict({"settings": settings, "calibration": cal.to_json() if cal else None,
+                                                     "calibration_check": checks, "sweep": rows, "plots": plots},
+                                                    indent=1, default=str))
     with (out / "simulate.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

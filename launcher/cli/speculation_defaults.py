@@ -3,8 +3,8 @@ threshold it reports.
 
 Owns the rule that turns the CLI's default `--speculate auto` into `speed` or `none` (first from
 the flags, before any RunConfig exists: RunConfig never sees `auto`; then, in `settle_auto`, from
-the resolved run plan's exit head), and the one-line notes `launch` prints about it and about the
-draft gate's threshold.
+the resolved run plan's exit head), and the one-line notes `launch` prints about it, about the
+draft gate's threshold and about speculation flags that `--speculate none` ignores.
 Must not: load models into stages or start processes (launcher/coordinator/session.py does).
 
 [Note: speculation default]
@@ -37,7 +37,7 @@ from launcher.backends.placement import PlacementOptions, parallel_stages
 from launcher.cli.parsing import UsageError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import RunPlan, resolve
-from pipeline.speculation.predictor_file import ships_predictors_for
+from pipeline.speculation.predictor_file import read_predictor_meta, ships_predictors_for
 from pipeline.speculation.predictors import is_predictor_file
 from pipeline.weights.registry import CHUNKED_REGISTRY, REGISTRY, _slug
 
@@ -83,6 +83,26 @@ def tuned_flags(values: Mapping[str, object], flags: Mapping[str, str]) -> list[
     PipelineOptions takes it) differs from PipelineOptions' default."""
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
     return [flag for field, flag in flags.items() if values[field] != defaults[field]]
+
+
+# The predictor choice, by PipelineOptions field: like the tuning flags, it does nothing with --speculate none.
+PREDICTOR_CHOICE = {"predictor": "--predictor", "exit_predictor": "--exit-predictor"}
+
+
+def idle_speculation_flags(values: Mapping[str, object]) -> list[str]:
+    """The speculation flags given that have no effect with `--speculate none` (the user's choice),
+    for launch's note: the tuning flags (SPEED_TUNING, FIRP_TUNING) and the predictor choice
+    (PREDICTOR_CHOICE). A predictor file they name is still read (its header only), so that a
+    wrong path fails now rather than when speculation is turned on. values: PipelineOptions field ->
+    value for those fields. Raises UsageError naming the flag for a missing or unreadable file."""
+    for field, flag in PREDICTOR_CHOICE.items():
+        path = values[field]
+        if isinstance(path, str) and (is_predictor_file(path) or (field == "exit_predictor" and path != "none")):
+            try:
+                read_predictor_meta(path)
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"{flag} {path}: {exc}") from None
+    return tuned_flags(values, SPEED_TUNING | FIRP_TUNING | PREDICTOR_CHOICE)
 
 
 def check_auto_flags(values: Mapping[str, object], *, speculate: str, why: str) -> None:

@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = launch_json(args.model, args.max_new_tokens, "--speculate", "speed", "--predictor", args.predictor)["stats"]
     idle = [s["idle_fraction"] for s in plain["stages"]]
     bubble_ok = all(abs(x - 0.5) <= 0.1 for x in idle)
-    alpha = spec["acceptance_rate"]
-    predicted = closed_form_speedup(num_stages=STAGES, alpha=alpha)
+    alpha = spec["acceptance_rate"]  # null when the run verified no draft: nothing to predict from
+    predicted = closed_form_speedup(num_stages=STAGES, alpha=alpha) if alpha is not None else None
     useful_ratio = [b["useful_fraction"] / a["useful_fraction"] for a, b in zip(plain["stages"], spec["stages"],
                                                                                   strict=True)]
     report = {"settings": vars(args), "plain": plain, "speculating": spec, "plain_idle_fractions": idle,
@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"plain, 2 stages, 1 prompt: idle fraction per stage {idle} (expected 0.5 +- 0.1): "
           f"{'PASS' if bubble_ok else 'FAIL'}")
-    print(f"SPEED ({args.predictor}): acceptance {alpha:.3f}; useful fraction x{[round(r, 3) for r in useful_ratio]} "
-          f"per stage, tokens/s x{report['measured_tokens_per_s_ratio']:.3f}; closed form predicts x{predicted:.3f}")
+    closed = "no draft was verified" if predicted is None else f"closed form predicts x{predicted:.3f}"
+    print(f"SPEED ({args.predictor}): acceptance {'-' if alpha is None else f'{alpha:.3f}'}; useful fraction "
+          f"x{[round(r, 3) for r in useful_ratio]} per stage, tokens/s x{report['measured_tokens_per_s_ratio']:.3f}; "
+          f"{closed}")
     return 0 if bubble_ok else 1
 
 

@@ -74,3 +74,25 @@ def test_close_ends_the_driver_on_stdin_eof(driver):
     driver.reply(10.0)
     driver.close()
     assert driver.proc.returncode == 0
+
+
+def test_ctrl_c_ends_a_driver_quietly_with_code_130(monkeypatch):
+    """Ctrl-C reaches every driver of `bench sweep` (one process group): none may print a traceback."""
+    import signal
+    import subprocess
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    code = textwrap.dedent(
+        """
+        import sys
+        from launcher.bench.driver_protocol import driver_main, serve_requests, take_stdout_for_replies
+
+        sys.exit(driver_main(lambda: serve_requests(take_stdout_for_replies(), lambda request: request)))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == '{"ready": true}'  # now blocked reading stdin
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "Traceback" not in err, err

@@ -77,3 +77,29 @@ def test_the_summary_line_says_it_is_an_estimate(capsys):
              "estimate_includes_exit_head": True}
     launch.print_report({"outputs": [], "stats": stats}, streamed=True)
     assert "about 1.28x plain decode (estimated from this run's passes, exit head included)" in capsys.readouterr().err
+
+
+def test_acceptance_is_null_when_no_draft_was_verified():
+    from pipeline.engine.records import SpecCounters
+    assert launch.speculation_stats(SpecCounters())["acceptance_rate"] is None  # plain decode
+    assert launch.speculation_stats(SpecCounters(drafted_tokens=3))["acceptance_rate"] is None  # none verified
+    rejected = launch.speculation_stats(SpecCounters(drafted_tokens=3, verified_drafts=3))
+    assert rejected["acceptance_rate"] == 0.0 and rejected["verified_drafts"] == 3
+    assert launch.speculation_stats(SpecCounters(verified_drafts=3, accepted_tokens=1))["acceptance_rate"] == 0.3333
+
+
+def test_the_summary_line_survives_drafts_that_were_never_verified(capsys):
+    stats = {"generated_tokens": 4, "wall_s": 0.5, "tokens_per_s": 8.0, "drafted_tokens": 2, "verified_drafts": 0,
+             "accepted_tokens": 0, "acceptance_rate": None, "squashed_items": 0, "tokens_per_pass": 1.0,
+             "stages": [{"stage": 0, "busy_fraction": 0.9}]}
+    launch.print_report({"outputs": [], "stats": stats}, streamed=True)
+    assert "acceptance - (0/0 drafts)" in capsys.readouterr().err
+
+
+def test_a_trace_that_cannot_be_written_is_a_one_line_error_naming_the_flag(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(launch.UsageError, match=rf"--trace {blocker}/t.json: the trace could not be written"):
+        launch.write_trace({"traceEvents": []}, str(blocker / "t.json"))
+    launch.write_trace({"traceEvents": []}, str(tmp_path / "sub" / "t.json"))
+    assert (tmp_path / "sub" / "t.json").read_text() == '{"traceEvents": []}'

@@ -143,3 +143,23 @@ def test_a_multi_node_member_runs_node_0s_choice_and_does_not_judge_the_flags(tw
     assert pipeline_options(parser.parse_args(node(1)), progress=False).num_stages == 4
     with pytest.raises(UsageError, match="--draft-at tunes SPEED drafts.*2 of 4 stages"):
         pipeline_options(parser.parse_args(node(0)), progress=False)
+
+
+def test_speculate_none_notes_the_predictor_flags_and_still_checks_a_named_file(two_cpus, tmp_path, capsys):
+    """`--speculate none --predictor FILE` must neither run a typo unnoticed nor stay silent about
+    flags that have no effect (as it says for the tuning flags)."""
+    parser = build_parser()
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    args = parser.parse_args(["launch", "--speculate", "none", "--predictor", str(garbage), "--prompt", "x"])
+    with pytest.raises(UsageError, match=rf"--predictor {garbage}: .*not a safetensors file"):
+        pipeline_options(args, progress=False)
+    missing = parser.parse_args(["launch", "--speculate", "none", "--exit-predictor", str(tmp_path / "no.safetensors"),
+                                 "--prompt", "x"])
+    with pytest.raises(UsageError, match="--exit-predictor .*no.safetensors: .*does not exist"):
+        pipeline_options(missing, progress=False)
+    capsys.readouterr()
+    named = parser.parse_args(["launch", "--speculate", "none", "--predictor", "ngram", "--firp-k", "2",
+                               "--prompt", "x"])
+    assert pipeline_options(named, progress=False).speculate == "none"
+    assert "note: --firp-k, --predictor have no effect with --speculate none" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""`bench sweep`'s summary and flags, in process (no driver is started): acceptance aggregated only
+over runs that verified drafts, strict results.json, partial results after Ctrl-C, trained predictor
+files as sweep configurations, --out checked before anything runs.
+
+What breaks when these fail: the table and results.csv average a run that drafted nothing in as
+"every draft rejected" (0.2 and 0.0 -> 0.10 while the plot says 0.20); a Ctrl-C loses every completed
+run; a trained head cannot be benchmarked; a mistyped --out is a traceback after the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+
+import pytest
+
+from launcher.bench import sweep_report
+from launcher.bench.sweep import BenchConfig, add_bench_args, sweep_configs
+from launcher.cli.main import main
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = BenchConfig(2, "speed", "hybrid", 1)
+PLAIN = BenchConfig(2, "none", "-", 1)
+
+
+def _run(repeat: int, *, tps: float, acceptance: float | None, verified: int) -> dict:
+    stats = {"tokens_per_s": tps, "bubble_fraction": 0.5, "ttft_ms_p50": 10.0, "tpot_ms_p50": 20.0,
+             "tpot_ms_p99": 30.0, "acceptance_rate": acceptance, "verified_drafts": verified,
+             "stages": [{"busy_fraction": 0.5, "idle_fraction": 0.5}] * 2}
+    return {"repeat": repeat, "stats": stats, "num_tokens": [4], "trace": "t", "timeline": "tl"}
+
+
+def _runs() -> dict[str, list[dict]]:
+    # the reviewer's case: one repeat verified drafts (0.2), the other verified none
+    return {PLAIN.name: [_run(0, tps=10.0, acceptance=None, verified=0), _run(1, tps=10.0, acceptance=None, verified=0)],
+            SPEC.name: [_run(0, tps=12.0, acceptance=0.2, verified=5), _run(1, tps=11.0, acceptance=0.0, verified=0)]}
+
+
+def _args(tmp_path, **kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    return p.parse_args(["--out", str(tmp_path / "out"), "--no-plots", "--repeats", "2", *kw.get("argv", [])])
+
+
+def test_acceptance_is_aggregated_only_over_runs_that_verified_drafts():
+    rows = {r["name"]: r for r in sweep_report.summarise([PLAIN, SPEC], _runs())}
+    assert rows[SPEC.name]["summary"]["acceptance_rate"]["median"] == pytest.approx(0.2)
+    assert rows[SPEC.name]["summary"]["acceptance_rate"]["samples"] == [0.2]
+    assert rows[PLAIN.name]["summary"]["acceptance_rate"]["median"] is None
+    table = sweep_report.format_table(list(rows.values())).splitlines()
+    plain_line, spec_line = (next(line for line in table if line.startswith(n)) for n in (PLAIN.name, SPEC.name))
+    assert " 0.20 " in spec_line and " 0.10 " not in spec_line
+    assert re.search(r" 20\.0 +- +1\.000 vs", plain_line), plain_line  # TPOT, acceptance "-", ratio
+
+
+def test_results_json_is_strict_and_csv_has_empty_acceptance_without_drafts(tmp_path, capsys):
+    args = _args(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = _runs()
+    runs[SPEC.name][0]["stats"]["tpot_ms_p99"] = float("inf")  # a non-finite value must not become Infinity
+    sweep_report.write_results(args, [PLAIN, SPEC], runs, [], out)
+    text = (out / "results.json").read_text()
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
+    assert data["partial"] is False
+    rows = {r["name"]: r for r in csv.DictReader((out / "results.csv").open())}
+    assert rows[PLAIN.name]["acceptance_rate_median"] == ""
+    assert float(rows[SPEC.name]["acceptance_rate_median"]) == pytest.approx(0.2)
+
+
+def test_ctrl_c_keeps_the_completed_repeats_as_partial_results(tmp_path, capsys):
+    args = _args(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = _runs()
+    runs[SPEC.name].pop()  # repeat 1 was interrupted after the plain run
+    sweep_report.write_partial(args, [PLAIN, SPEC], runs, [], out)
+    data = json.loads((out / "results.json").read_text())
+    assert data["partial"] is True and all(r["repeats"] == 1 for r in data["configs"])
+    assert "1 of 2 completed repeat(s)" in capsys.readouterr().err
+    (out / "results.json").unlink()
+    sweep_report.write_partial(args, [PLAIN, SPEC], {PLAIN.name: runs[PLAIN.name][:1], SPEC.name: []}, [], out)
+    assert not (out / "results.json").exists()
+    assert "no results written" in capsys.readouterr().err
+
+
+def test_a_trained_predictor_file_is_a_sweep_configuration_named_by_its_stem(tmp_path):
+    head = tmp_path / "h1.safetensors"
+    head.write_bytes(b"")
+    args = _args(tmp_path, argv=["--speculate", "speed", "--predictor", f"hybrid,{head}"])
+    configs, _ = sweep_configs(args)
+    assert [c.name for c in configs] == ["s2-speed-hybrid-c1", "s2-speed-h1-c1"]
+    assert configs[1].predictor == str(head)
+    args = _args(tmp_path, argv=["--speculate", "speed", "--predictor", str(tmp_path / "missing.safetensors")])
+    with pytest.raises(ValueError, match="--predictor .*missing.safetensors: no such predictor file"):
+        sweep_configs(args)
+    args = _args(tmp_path, argv=["--speculate", "speed", "--predictor", "bogus"])
+    with pytest.raises(ValueError, match="bogus not supported"):
+        sweep_configs(args)
+
+
+def test_out_that_is_a_file_is_a_one_line_error_before_anything_starts(tmp_path, capsys, monkeypatch):
+    target = tmp_path / "results"
+    target.write_text("")
+    monkeypatch.setattr("launcher.bench.sweep.read_bench_prompts", lambda spec: pytest.fail("prompts were read"))
+    assert main(["bench", "sweep", "--out", str(target), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"speedpipe bench sweep: error: --out {target}: exists and is not a directory (give a folder)"

@@ -1,0 +1,77 @@
+"""`speedpipe simulate`'s flags and simulate.json, in process: every bad flag is one line with exit
+code 2 before anything is simulated, and simulate.json is strict JSON with only the real settings.
+
+What breaks when these fail: `--row-cost bogus` or an all-zero cost model is silently accepted
+(tokens/s 0.0, bubble 1.0), a binary --calibrate file gives an error that names no file, an existing
+file as --out is a traceback, and `jq` or a browser rejects simulate.json (`Infinity`, argparse reprs).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.cli.main import main
+from launcher.cli.simulate import SETTINGS
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = ["--stages", "1,2", "--alpha", "none,0.5", "--max-new-tokens", "4", "--no-plots"]
+
+
+def test_simulate_json_is_strict_with_only_the_flags_as_settings(tmp_path, capsys):
+    assert main(["simulate", "--out", str(tmp_path / "o"), *FAST]) == 0
+    text = (tmp_path / "o" / "simulate.json").read_text()
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"simulate.json holds {c}"))
+    assert sorted(data["settings"]) == sorted(SETTINGS)
+    assert data["settings"]["link_bandwidth_bytes_per_s"] is None  # unlimited
+    plain = next(r for r in data["sweep"] if r["alpha"] == "none")
+    assert plain["acceptance_rate"] is None  # plain decode verified no draft
+
+
+def test_settings_are_the_flags_of_simulate():
+    from launcher.cli.main import build_parser
+    sub = build_parser()._subparsers._group_actions[0].choices["simulate"]  # noqa: SLF001
+    dests = {a.dest for a in sub._actions if a.option_strings and a.dest != "help"}  # noqa: SLF001
+    assert dests == set(SETTINGS)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--row-cost", "bogus"], "--row-cost must be none or file:PATH, got 'bogus'"),
+    (["--row-cost", "file:/nonexistent/table.json"], "--row-cost file:/nonexistent/table.json: "),
+    (["--model-ms", "0", "--stage-overhead-ms", "0", "--coordinator-ms", "0"], "are all 0"),
+    (["--replay"], "--replay needs --calibrate"),
+])
+def test_bad_cost_flags_are_one_line_errors_without_calibrate(tmp_path, capsys, argv, needle):
+    assert main(["simulate", "--out", str(tmp_path / "o"), *FAST, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_binary_calibrate_file_is_named(tmp_path, capsys):
+    binary = tmp_path / "results.json"
+    binary.write_bytes(b"\x8a\x00\xff\xfe")
+    assert main(["simulate", "--out", str(tmp_path / "o"), "--calibrate", str(binary)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"speedpipe simulate: error: --calibrate {binary}: ") and "UTF-8" in err, err
+
+
+def test_an_existing_file_as_out_is_a_one_line_error(tmp_path, capsys):
+    target = tmp_path / "o"
+    target.write_text("")
+    assert main(["simulate", "--out", str(target), *FAST]) == 2
+    assert capsys.readouterr().err.strip() == (f"speedpipe simulate: error: --out {target}: exists and is not a "
+                                               f"directory (give a folder)")
+
+
+def test_calibration_flags_are_not_in_the_synthetic_cost_group(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = capsys.readouterr().out
+    synthetic = text[text.index("synthetic cost model"):]
+    synthetic = synthetic[:synthetic.index("\n\n")]
+    flags = [line.split()[0] for line in synthetic.splitlines() if line.startswith("  --")]
+    assert "--model-ms" in flags
+    assert not [f for f in ("--calibrate", "--replay", "--row-cost") if f in flags], flags
