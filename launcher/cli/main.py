@@ -19,6 +19,7 @@ from launcher.backends.stage_group import StageStartupError
 from launcher.bench.http_load import add_http_bench_args, cmd_http_bench
 from launcher.cli.errors import flag_message
 from launcher.cli.flag_groups import add_sampling_args, add_speculation_args
+from launcher.cli.flag_notes import idle_flag_notes
 from launcher.cli.parsing import (
     CliParser,
     UsageError,
@@ -34,7 +35,6 @@ from launcher.cli.speculation_defaults import (
     auto_speculate,
     check_auto_flags,
     draft_gate_note,
-    idle_speculation_flags,
     settle_auto,
 )
 from launcher.coordinator.coordinator import PipelineError
@@ -200,8 +200,6 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
     """(--stages, --layer-split) from the flags; for --stages auto, the fewest stages that fit the
     budget (pipeline/weights/stage_memory.py), printing each stage's need against it. Raises UsageError."""
     if args.stages != "auto":
-        if args.stage_memory_gib is not None:
-            say("note: --stage-memory-gib has no effect without --stages auto")
         return args.stages, args.layer_split
     if args.stage_memory_gib is None or not 0 < args.stage_memory_gib < math.inf or args.layer_split:
         raise UsageError("--stages auto needs a finite --stage-memory-gib > 0 (and no --layer-split)")
@@ -258,9 +256,8 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
     placement = placement_from_args(args)
     if num_stages >= 1 and not (placement.multi_node and placement.node_rank > 0):  # RunConfig names bad counts;
         check_auto_flags(tuning, speculate=speculate, why=why)  # members run node 0's choice, not their own
-    idle = idle_speculation_flags({**tuning, "predictor": args.predictor, "exit_predictor": args.exit_predictor}) if speculate == "none" and not why else []
-    if idle:
-        say(f"note: {', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect with --speculate none")
+    for note in idle_flag_notes(args, tuning, speculate=speculate, why=why):
+        say(note)
     options = PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
@@ -269,12 +266,6 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
         placement=placement, record_timeline=not getattr(args, "no_timeline", False))
-    ray_only = [flag for flag, given in (("--ray-address", args.ray_address), ("--stage-resources", args.stage_resources),
-                                         ("--placement-strategy", args.placement_strategy != "PACK")) if given]
-    if ray_only and args.backend != "ray":
-        say(f"note: {', '.join(ray_only)} {'has' if len(ray_only) == 1 else 'have'} no effect without --backend ray")
-    if args.dtype != "float32" and args.quantization in ("int8", "int4"):
-        say(f"note: --quantization {args.quantization} computes in bfloat16 whatever --dtype says")
     return options, why
 
 

@@ -1,0 +1,38 @@
+"""Notes for flags that a run accepts but that do nothing in the mode it runs in.
+
+Owns `idle_flag_notes`: speculation tuning with `--speculate none`, `--stage-memory-gib` without
+`--stages auto`, Ray's placement flags without `--backend ray`, and `--dtype` under the int
+kernels (which compute in bfloat16). A user who sets one of these expects it to act; saying it
+does not is better than silently ignoring it, and it is only a note (vLLM warns the same way).
+Must not: refuse anything (launcher/cli/main.py and RunConfig do that).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from launcher.cli.speculation_defaults import idle_speculation_flags
+
+
+def _note(flags: list[str], what: str) -> list[str]:
+    return [f"note: {', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect {what}"] if flags else []
+
+
+def idle_flag_notes(args: argparse.Namespace, tuning: dict, *, speculate: str, why: str) -> list[str]:
+    """One line per group of `launch` / `serve` flags in `args` that do nothing in this run.
+    tuning: the speculation tuning values as RunConfig takes them; speculate: the mode chosen
+    (why: "" when `--speculate` named it, else why `auto` chose it: flags are then not idle by choice)."""
+    notes = []
+    if speculate == "none" and not why:
+        idle = idle_speculation_flags({**tuning, "predictor": args.predictor, "exit_predictor": args.exit_predictor})
+        notes += _note(idle, "with --speculate none")
+    if args.stages != "auto" and args.stage_memory_gib is not None:
+        notes += _note(["--stage-memory-gib"], "without --stages auto")
+    if args.backend != "ray":
+        notes += _note([flag for flag, given in (("--ray-address", args.ray_address),
+                                                 ("--stage-resources", args.stage_resources),
+                                                 ("--placement-strategy", args.placement_strategy != "PACK")) if given],
+                       "without --backend ray")
+    if args.dtype != "float32" and args.quantization in ("int8", "int4"):
+        notes.append(f"note: --quantization {args.quantization} computes in bfloat16 whatever --dtype says")
+    return notes
