@@ -136,6 +136,8 @@ def _check_meta(meta: dict[str, Any]) -> None:
         raise PredictorFileError("predictor metadata has no integer 'exit_layer'")
     if meta["kind"] == "firp" and not (isinstance(meta.get("k"), int) and meta["k"] >= 1):
         raise PredictorFileError("firp predictor metadata needs an integer 'k' >= 1")
+    if meta["kind"] == "early-exit" and meta.get("arch", "affine") not in ARCHS:
+        raise PredictorFileError(f"predictor arch {meta.get('arch')!r} is not one of {', '.join(ARCHS)}")
 
 
 def predictor_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
