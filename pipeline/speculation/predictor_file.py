@@ -238,10 +238,12 @@ def check_predictor(pred: PredictorFile, *, expect: ModelIdentity | None = None,
                 raise PredictorFileError(f"{where} has model {field.replace('_', ' ')} {model[field]}, but the "
                                          f"running model's is {getattr(expect, field)}")
     num_layers = model["num_layers"]
-    if isinstance(num_layers, int) and not 0 <= meta["exit_layer"] < num_layers - 1:
-        raise PredictorFileError(f"{where} claims exit layer {meta['exit_layer']}, outside its model's layers before "
-                                 f"the last (0 to {num_layers - 2} of {num_layers}): the file is damaged or was "
-                                 f"written for another model")
+    top = num_layers - 1 if meta["kind"] == "early-exit" else num_layers  # FIRP maps may follow the last layer
+    if isinstance(num_layers, int) and not 0 <= meta["exit_layer"] < top:
+        which = "layers before the last" if meta["kind"] == "early-exit" else "layers"
+        raise PredictorFileError(f"{where} claims exit layer {meta['exit_layer']}, outside its model's {which} "
+                                 f"(0 to {top - 1} of {num_layers}): the file is damaged or was written for "
+                                 f"another model")
     if exit_layer is not None and meta["exit_layer"] != exit_layer:
         raise PredictorFileError(f"{where} was trained at exit layer {meta['exit_layer']}, but this pipeline's exit "
                                  f"layer is {exit_layer} (exit_layer; default: the last layer of stage 0): pass "

@@ -43,6 +43,12 @@ def test_exit_layer_outside_the_model_blames_the_file_not_the_flag(layer):
     assert "--exit-layer" not in message
 
 
+def test_firp_maps_may_follow_the_last_layer_but_not_beyond():
+    assert load_predictor_bytes(_file(kind="firp", exit_layer=29)).exit_layer == 29
+    with pytest.raises(ValueError, match="claims exit layer 30, outside its model's layers \\(0 to 29 of 30\\)"):
+        load_predictor_bytes(_file(kind="firp", exit_layer=30))
+
+
 def test_a_layer_inside_the_model_still_suggests_the_flag():
     with pytest.raises(ValueError, match="pass exit_layer 3"):
         load_predictor_bytes(_file(exit_layer=3), exit_layer=14)
