@@ -32,8 +32,10 @@ _ANY_VALUE = ("corpus", "quantization")
 # ("device", "predictor") is the parameter only as the subject that opens the message, followed by
 # "must" or by a value of it ("dtype must be ...", "speculate firp needs ...", "device cuda was ..."):
 # "predictor file X does not exist" names a file, not the flag.
-_IDENTIFIERS = re.compile(r"(?<![\w/.-])(" + "|".join(sorted((n for n in _ALL_FLAGS if "_" in n), key=len,
-                                                           reverse=True)) + r")(?![\w/-])")
+# A name in single quotes ("tensor 'draft_vocab'", "no integer 'exit_layer'") is a tensor or metadata
+# field of a file, not a parameter: it is matched whole and left as it is.
+_UNDERSCORED = "|".join(sorted((n for n in _ALL_FLAGS if "_" in n), key=len, reverse=True))
+_IDENTIFIERS = re.compile(r"'(?:" + _UNDERSCORED + r")'|(?<![\w/.-])(" + _UNDERSCORED + r")(?![\w/-])")
 _SUBJECT = re.compile(r"^(" + "|".join(n for n in _ALL_FLAGS if "_" not in n)
                       + r")(?= (must|cuda|none|speed|firp|speed\+firp) )|^(" + "|".join(_ANY_VALUE) + ")(?= )")
 
@@ -41,6 +43,7 @@ _SUBJECT = re.compile(r"^(" + "|".join(n for n in _ALL_FLAGS if "_" not in n)
 def flag_message(message: str) -> str:
     """`message` with every parameter name it cites replaced by its flag, e.g.
     "num_stages must be >= 1, got 0" -> "--stages must be >= 1, got 0". Text that already names
-    flags, or no parameter, is returned unchanged."""
-    message = _IDENTIFIERS.sub(lambda m: _ALL_FLAGS[m.group(1)], message)
+    flags, or no parameter, is returned unchanged, and so is a name in single quotes (a file's
+    tensor or metadata field: "tensor 'draft_vocab' must hold ...")."""
+    message = _IDENTIFIERS.sub(lambda m: _ALL_FLAGS[m.group(1)] if m.group(1) else m.group(0), message)
     return _SUBJECT.sub(lambda m: _ALL_FLAGS[m.group(1) or m.group(3)], message)

@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {command}: pipeline failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"{PROG} {command}: interrupted; all stages stopped", file=sys.stderr)
+        stages = command not in ("train-predictor", "bench serve")  # these start no stages
+        print(f"{PROG} {command}: interrupted" + ("; all stages stopped" if stages else ""), file=sys.stderr)
         return 130
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from launcher.cli.train_checks import check_out_path, check_training_flags
 from pipeline.model.config import ModelConfig
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.predictor_file import ARCHS, KINDS, model_identity
@@ -212,9 +213,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {args.kind!r}")
     if args.kind == "firp" and firp_trainer() is None:
         raise ValueError("--kind firp is not available in this build (the FIRP trainer is not installed)")
-    out = Path(args.out)
-    if out.is_dir() or out.suffix != ".safetensors":
-        raise ValueError(f"--out {out} must be a file path ending in .safetensors")
+    check_out_path(Path(args.out))
+    check_training_flags(args)
     archs = args.arch.split(",")
     if not all(a in ARCHS for a in archs) or len(set(archs)) != len(archs):
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)} (or a comma-separated list to compare), "
@@ -297,7 +297,10 @@ def _write(args: argparse.Namespace, model_dir: Path, tensors: dict[str, torch.T
     out = Path(args.out)
     meta = {"kind": args.kind, "model": model_identity(model_dir).to_dict(), "exit_layer": args.exit_layer,
             "arch": args.arch, "corpus": args.corpus if args.corpus == "sotu" else Path(args.corpus).name, **meta}
-    save_predictor(out, tensors, meta)
+    try:
+        save_predictor(out, tensors, meta)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write the predictor file ({exc.strerror or exc})") from None
     print(line)
     print(f"[speedpipe] wrote {out} ({out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
     return 0

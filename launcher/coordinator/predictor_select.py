@@ -10,7 +10,8 @@ Rules (speculation on, predictor that needs an exit head):
   --predictor early-exit            the shipped head for this model and exit layer; error if none
   --predictor hybrid (default)      the shipped head when one exists, else the logit lens (with a note)
   --predictor logit-lens            never a trained head (nor --exit-predictor none)
-Every file is checked against the running model (hash, shapes) and the exit layer.
+Every file is checked against the running model (hash, every tensor's name and shape for its arch)
+and the exit layer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 from pathlib import Path
 
 from pipeline.model.config import ModelConfig
+from pipeline.speculation.exit_tensors import check_exit_tensors
 from pipeline.speculation.layer_drafter import NEXT_LAYER_ARCH
 from pipeline.speculation.predictor_file import (
     SHIPPED_DIR,
@@ -66,6 +68,7 @@ def choose_exit_predictor(*, predictor: str, exit_predictor: str | None, model_d
             return ExitPredictorChoice(note=f"no trained early-exit head for {name} at exit layer {exit_layer}; "
                                             f"{predictor} uses the untrained logit lens")
     pred = load_predictor(path, expect=identity, exit_layer=exit_layer, kind="early-exit")
+    check_exit_tensors(pred, config=config, where=f"predictor file {path}")  # before any stage loads it
     evals = pred.meta.get("eval", {})
     agreement, drafted = evals.get("top1_agreement"), evals.get("draft_vocab_top1_agreement")
     held = evals.get("held_out")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.family_blocks import RMSNorm
+from pipeline.training.schedule import one_cycle
 
 DRAFTER_ARCH = "swiglu"
 
@@ -210,7 +211,7 @@ def _optimiser(drafter: DrafterMap, config: DrafterTrainConfig):
     rest = [p for n, p in drafter.named_parameters() if not (n.startswith("blocks.") and p.dim() == 2)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=config.lr)
-    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=config.steps, pct_start=0.1)
+    return opt, one_cycle(opt, max_lr=config.lr, steps=config.steps)
 
 
 class _EarlyStop:

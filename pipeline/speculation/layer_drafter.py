@@ -39,6 +39,7 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.rope import config_inv_freq, rope_cos_sin, rotate, rotation_tables
 from pipeline.model.stage_model import MLP, Attention, DecoderLayer
 from pipeline.speculation.drafter import DrafterMap
+from pipeline.training.schedule import one_cycle
 
 NEXT_LAYER_ARCH = "next-layer"
 DRAFT_LAYER_PREFIX = "draft_layer."
@@ -207,7 +208,7 @@ def train_sequence_model(model: torch.nn.Module, *, train: list[Sequence], val: 
     head = (lm_head_weight[candidates] * norm_weight[None, :]).float()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
                             weight_decay=settings.weight_decay)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=settings.lr, total_steps=settings.steps, pct_start=0.1)
+    sched = one_cycle(opt, max_lr=settings.lr, steps=settings.steps)
     gen, best = torch.Generator().manual_seed(settings.seed), (-1.0, 0, None)
     for step in range(1, settings.steps + 1):
         model.train()

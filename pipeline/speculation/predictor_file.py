@@ -136,6 +136,8 @@ def _check_meta(meta: dict[str, Any]) -> None:
         raise PredictorFileError("predictor metadata has no integer 'exit_layer'")
     if meta["kind"] == "firp" and not (isinstance(meta.get("k"), int) and meta["k"] >= 1):
         raise PredictorFileError("firp predictor metadata needs an integer 'k' >= 1")
+    if meta["kind"] == "early-exit" and meta.get("arch", "affine") not in ARCHS:
+        raise PredictorFileError(f"predictor arch {meta.get('arch')!r} is not one of {', '.join(ARCHS)}")
 
 
 def predictor_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
@@ -225,7 +227,8 @@ def check_predictor(pred: PredictorFile, *, expect: ModelIdentity | None = None,
     """Validate a loaded predictor against the running model; see `load_predictor` for the errors."""
     meta, model = pred.meta, pred.meta["model"]
     if kind is not None and meta["kind"] != kind:
-        raise PredictorFileError(f"{where} is a {meta['kind']!r} predictor, but a {kind!r} one is needed")
+        raise PredictorFileError(f"{where} is {_a(meta['kind'])} {meta['kind']!r} predictor, but {_a(kind)} "
+                                 f"{kind!r} one is needed")
     if expect is not None:
         if model["hash"] != expect.hash:
             raise PredictorFileError(f"{where} was trained for model {model['name']!r} (hash {model['hash'][:12]}), "
@@ -234,12 +237,24 @@ def check_predictor(pred: PredictorFile, *, expect: ModelIdentity | None = None,
             if model[field] != getattr(expect, field):
                 raise PredictorFileError(f"{where} has model {field.replace('_', ' ')} {model[field]}, but the "
                                          f"running model's is {getattr(expect, field)}")
+    num_layers = model["num_layers"]
+    top = num_layers - 1 if meta["kind"] == "early-exit" else num_layers  # FIRP maps may follow the last layer
+    if isinstance(num_layers, int) and not 0 <= meta["exit_layer"] < top:
+        which = "layers before the last" if meta["kind"] == "early-exit" else "layers"
+        raise PredictorFileError(f"{where} claims exit layer {meta['exit_layer']}, outside its model's {which} "
+                                 f"(0 to {top - 1} of {num_layers}): the file is damaged or was written for "
+                                 f"another model")
     if exit_layer is not None and meta["exit_layer"] != exit_layer:
         raise PredictorFileError(f"{where} was trained at exit layer {meta['exit_layer']}, but this pipeline's exit "
                                  f"layer is {exit_layer} (exit_layer; default: the last layer of stage 0): pass "
                                  f"exit_layer {meta['exit_layer']}, or train a head for layer {exit_layer} "
                                  f"(train-predictor with exit_layer {exit_layer})")
     _check_shapes(pred, where)
+
+
+def _a(word: str) -> str:
+    """The indefinite article for `word` ("an 'early-exit'", "a 'firp'")."""
+    return "an" if word[:1].lower() in ("a", "e", "i", "o", "u") else "a"
 
 
 def _check_shapes(pred: PredictorFile, where: str) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pipeline.model.attention import AttentionPlan
@@ -212,14 +212,19 @@ def save_hidden_states(path: str | Path, data: HiddenStates, *, meta: dict[str, 
 
 def load_hidden_states(path: str | Path, *, layers: Sequence[int] | None = None) -> tuple[HiddenStates, dict[str, str]]:
     """Read a cache written by `save_hidden_states` (only `layers` when given). Returns (data, meta).
-    Raises KeyError for a layer the cache does not hold."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        names = set(f.keys())
-        wanted = layers if layers is not None else [int(n.split(".")[1]) for n in names if n.startswith("hidden.")]
-        for layer in wanted:
-            if f"hidden.{layer}" not in names:
-                raise KeyError(f"hidden-state cache {path} has no layer {layer}")
-        data = HiddenStates(token_ids=f.get_tensor("token_ids"), targets=f.get_tensor("targets"),
-                            hidden={layer: f.get_tensor(f"hidden.{layer}") for layer in sorted(wanted)})
+    Raises KeyError for a layer the cache does not hold, ValueError naming the file when it cannot be
+    read (truncated or damaged: delete it and it is computed again)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            wanted = layers if layers is not None else [int(n.split(".")[1]) for n in names if n.startswith("hidden.")]
+            for layer in wanted:
+                if f"hidden.{layer}" not in names:
+                    raise KeyError(f"hidden-state cache {path} has no layer {layer}")
+            data = HiddenStates(token_ids=f.get_tensor("token_ids"), targets=f.get_tensor("targets"),
+                                hidden={layer: f.get_tensor(f"hidden.{layer}") for layer in sorted(wanted)})
+    except SafetensorError as exc:
+        raise ValueError(f"cache file {path} cannot be read ({str(exc).splitlines()[0]}): it is truncated or "
+                         f"damaged; delete it and run again") from None
     return data, meta

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.speculation.predictors import ExitMap
+from pipeline.training.schedule import one_cycle
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,7 +90,7 @@ def train_exit_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: 
 
     params = [*factors, exit_map.proj.bias] + ([] if exit_map.mlp is None else list(exit_map.mlp.parameters()))
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=config.steps, pct_start=0.1)
+    sched = one_cycle(opt, max_lr=config.lr, steps=config.steps)
     exit_map.proj.weight.requires_grad_(False)
     eye = torch.eye(h_size)
     for step in range(config.steps):

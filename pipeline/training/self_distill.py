@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pipeline.model.row_layout import Span
@@ -228,9 +228,17 @@ def _split(flat: list[int], lengths: list[int]) -> list[list[int]]:
 
 
 def load_generation(path: str | Path) -> tuple[list[list[int]], Generation]:
-    """Read a cache written by `save_generation`: (prompts, generation)."""
-    with safe_open(str(path), framework="pt") as f:
-        t = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    """Read a cache written by `save_generation`: (prompts, generation). Raises ValueError naming
+    the file when it cannot be read (truncated or damaged: delete it and it is generated again)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            t = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    except SafetensorError as exc:
+        raise ValueError(f"cache file {path} cannot be read ({str(exc).splitlines()[0]}): it is truncated or "
+                         f"damaged; delete it and run again") from None
+    missing = [name for name in ("prompts", "prompt_lens", "continuations", "continuation_lens") if name not in t]
+    if missing:
+        raise ValueError(f"cache file {path} has no tensor {missing[0]!r}: delete it and run again")
     prompts = _split(t["prompts"].tolist(), t["prompt_lens"].tolist())
     conts = _split(t["continuations"].tolist(), t["continuation_lens"].tolist())
     states = SequenceStates(**{f.name: t[f.name] for f in dataclasses.fields(SequenceStates)})
