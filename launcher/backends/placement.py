@@ -313,3 +313,19 @@ class StageBackend(Protocol):
     def pause_watch(self) -> None: ...
 
     def stop(self) -> None: ...
+
+
+def probe_ray_address(address: str, *, timeout_s: float) -> None:
+    """Raise PlacementError unless a TCP connection to a `HOST:PORT` Ray address opens within
+    `timeout_s`: `ray.init` itself retries an unreachable GCS without any deadline. `auto` and
+    `ray://` client addresses are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise PlacementError(f"--ray-address must be HOST:PORT, auto or ray://HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise PlacementError(f"--ray-address {address}: no Ray cluster reachable there within {timeout_s:g} s "
+                             f"({exc.strerror or exc}); start one with `ray start --head` or check the address") from None

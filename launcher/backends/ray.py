@@ -51,6 +51,7 @@ from launcher.backends.placement import (
     PlacementError,
     PlacementOptions,
     forwarded_env,
+    probe_ray_address,
     stage_order,
 )
 from launcher.backends.worker_command import LOG_LEVELS
@@ -61,22 +62,6 @@ log = logging.getLogger("speedpipe.ray")
 STOP_JOIN_TIMEOUT_S = 10.0
 STOP_GRACE_S = 10.0  # stop(): how long told stages get to stop their own servers before ray.kill
 PROBE_TIMEOUT_S = 10.0  # at most this long (and --placement-timeout-s) to reach a HOST:PORT cluster
-
-
-def _probe_cluster(address: str, *, timeout_s: float) -> None:
-    """Raise PlacementError unless a TCP connection to a `HOST:PORT` Ray address opens within
-    `timeout_s`: `ray.init` itself retries an unreachable GCS without any deadline. `auto` and
-    `ray://` client addresses are left to Ray."""
-    if address == "auto" or "://" in address:
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise PlacementError(f"--ray-address must be HOST:PORT, auto or ray://HOST:PORT, got {address!r}")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        raise PlacementError(f"--ray-address {address}: no Ray cluster reachable there within {timeout_s:g} s "
-                             f"({exc.strerror or exc}); start one with `ray start --head` or check the address") from None
 
 
 class StageActor:
@@ -315,7 +300,7 @@ class RayStageActors:
             num_cpus = max(1, math.ceil(self.bundle.get("CPU", 0) * self.num_stages))
             ray.init(address="local", num_cpus=num_cpus, **common)  # "local": never join a running one
         else:
-            _probe_cluster(self.options.ray_address, timeout_s=min(PROBE_TIMEOUT_S, self.options.placement_timeout_s))
+            probe_ray_address(self.options.ray_address, timeout_s=min(PROBE_TIMEOUT_S, self.options.placement_timeout_s))
             try:
                 ray.init(address=self.options.ray_address, **common)
             except ConnectionError as exc:

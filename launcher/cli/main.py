@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="discrete-event simulation of the pipeline (optionally calibrated)")
     add_simulate_args(simulate)
     simulate.set_defaults(func=cmd_simulate)
-    from launcher.cli.train_predictor import add_train_args, cmd_train
+    from launcher.cli.training.train_predictor import add_train_args, cmd_train
 
     train = sub.add_parser("train-predictor", help="train an early-exit head or FIRP maps for a model (frozen)",
                            description="Self-distil a predictor from the base model's own outputs on a corpus.")

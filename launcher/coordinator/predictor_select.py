@@ -20,8 +20,8 @@ import dataclasses
 from pathlib import Path
 
 from pipeline.model.config import ModelConfig
-from pipeline.speculation.exit_tensors import check_exit_tensors
-from pipeline.speculation.layer_drafter import NEXT_LAYER_ARCH
+from pipeline.speculation.drafting.exit_tensors import check_exit_tensors
+from pipeline.speculation.drafting.layer_drafter import NEXT_LAYER_ARCH
 from pipeline.speculation.predictor_file import (
     SHIPPED_DIR,
     load_predictor,
@@ -87,7 +87,7 @@ class ExitHeadShape:
     """What the exit head at one layer adds to its stage's decode pass, for the split's cost
     ([Note: partition cost] in pipeline/model/partition.py): `rows` LM-head rows it scores (its draft
     vocabulary, or the whole vocabulary) and `draft_layers` decoder layers it runs (1 for a next-layer
-    drafter, [Note: next-layer drafter] in pipeline/speculation/layer_drafter.py; else 0)."""
+    drafter, [Note: next-layer drafter] in pipeline/speculation/drafting/layer_drafter.py; else 0)."""
 
     rows: int
     draft_layers: int = 0

@@ -18,10 +18,10 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import StageModel
 from pipeline.run_config import MODEL_DTYPES
-from pipeline.speculation.drafter import DRAFTER_ARCH
+from pipeline.speculation.drafting.drafter import DRAFTER_ARCH
+from pipeline.speculation.drafting.layer_drafter import NEXT_LAYER_ARCH, build_draft_layer, split_tensors
 from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.items import MAX_TREE_SCRATCH
-from pipeline.speculation.layer_drafter import NEXT_LAYER_ARCH, build_draft_layer, split_tensors
 from pipeline.speculation.predictor_file import load_predictor_bytes
 from pipeline.speculation.predictors import ExitHead, ExitMap
 from pipeline.weights.checkpoint import CheckpointReader

@@ -214,7 +214,7 @@ class StageModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
         self.register_buffer("inv_freq", config_inv_freq(config, local=False), persistent=False)
         self.register_buffer("inv_freq_local", config_inv_freq(config, local=True), persistent=False)
-        self.draft_layer, self.draft_after = None, None  # [Note: next-layer drafter], pipeline/speculation/layer_drafter.py
+        self.draft_layer, self.draft_after = None, None  # [Note: next-layer drafter], pipeline/speculation/drafting/layer_drafter.py
 
     def attach_draft_layer(self, layer: DecoderLayer, *, after: int) -> None:
         """Run `layer` after this stage's layer `after` on every row, its KV one extra cache layer (make the

@@ -17,9 +17,9 @@ value is a JSON object:
 Tensor names: early-exit "proj.weight" [H, H], "proj.bias" [H] (arch "mlp" adds "mlp.up.weight"
 [M, H], "mlp.up.bias" [M], "mlp.down.weight" [H, M], "mlp.down.bias" [H]; arch "swiglu" adds
 "blocks.{i}.norm.weight" [H], "blocks.{i}.gate.weight" / "blocks.{i}.up.weight" [M, H],
-"blocks.{i}.down.weight" [H, M], see pipeline/speculation/drafter.py; arch "next-layer" adds the draft
+"blocks.{i}.down.weight" [H, M], see pipeline/speculation/drafting/drafter.py; arch "next-layer" adds the draft
 layer's "draft_layer.<DecoderLayer parameter>" tensors, q/k/v and gate/up fused, see
-pipeline/speculation/layer_drafter.py; optional
+pipeline/speculation/drafting/layer_drafter.py; optional
 "draft_vocab" [V'] int64, the draft vocabulary of pipeline/speculation/predictors.py [Note: draft vocabulary],
 with "draft_vocab_size": V' in the metadata); firp
 "maps.{i}.weight" [H, H], "maps.{i}.bias" [H] for i = 1 .. k.

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.family_blocks import RMSNorm
-from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterMap
+from pipeline.speculation.drafting.drafter import DRAFTER_ARCH, DrafterMap
 
 PREDICTORS = ("logit-lens", "early-exit", "ngram", "hybrid")
 PREDICTOR_FILE_SUFFIX = ".safetensors"  # a --predictor value ending so names a trained early-exit file
@@ -76,11 +76,11 @@ class ExitMap(nn.Module):
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> nn.Module:
         """Build from predictor-file tensors ("proj.weight" [H, H], ...; a "draft_vocab" is the
-        ExitHead's, not the map's, and is skipped); arch "swiglu" is the drafter of pipeline/speculation/drafter.py.
+        ExitHead's, not the map's, and is skipped); arch "swiglu" is the drafter of pipeline/speculation/drafting/drafter.py.
         Raises ValueError on a missing or mis-shaped tensor."""
         if arch == DRAFTER_ARCH:
             return DrafterMap.from_tensors(tensors, eps=eps)
-        if arch == "next-layer":  # pipeline/speculation/layer_drafter.py; built by the exit stage
+        if arch == "next-layer":  # pipeline/speculation/drafting/layer_drafter.py; built by the exit stage
             raise ValueError("a next-layer drafter runs only at the exit stage, with its draft layer's KV cache")
         tensors = {n: t for n, t in tensors.items() if n != "draft_vocab"}
         hidden_size = tensors["proj.weight"].shape[0]

@@ -1,8 +1,8 @@
 """The learning-rate schedule every trainer here uses: one cycle, valid for any number of steps.
 
 Owns `one_cycle`, the single place that builds the schedule of the early-exit map
-(pipeline/training/early_exit.py), the swiglu drafter (pipeline/speculation/drafter.py) and the
-next-layer drafter (pipeline/speculation/layer_drafter.py). Pure torch: no files, no CLI.
+(pipeline/training/early_exit.py), the swiglu drafter (pipeline/speculation/drafting/drafter.py) and the
+next-layer drafter (pipeline/speculation/drafting/layer_drafter.py). Pure torch: no files, no CLI.
 
 [Note: short one-cycle runs]
 torch's OneCycleLR ends its warm-up phase at step `pct_start * total_steps - 1` and divides by that

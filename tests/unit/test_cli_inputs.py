@@ -82,7 +82,7 @@ def test_an_unreachable_or_malformed_ray_address_fails_fast():
     import time
 
     from launcher.backends.placement import PlacementError
-    from launcher.backends.ray import _probe_cluster
+    from launcher.backends.placement import probe_ray_address as _probe_cluster
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -10,11 +10,16 @@ import pytest
 import torch
 
 from launcher.cli.main import main
-from launcher.cli.train_drafter import overfit_warnings
+from launcher.cli.training.train_drafter import overfit_warnings
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
-from pipeline.speculation.drafter import DrafterMap, DrafterTrainConfig, train_drafter_map, validation_split
+from pipeline.speculation.drafting.drafter import (
+    DrafterMap,
+    DrafterTrainConfig,
+    train_drafter_map,
+    validation_split,
+)
 from pipeline.speculation.predictor_file import (
     load_predictor,
     load_predictor_bytes,

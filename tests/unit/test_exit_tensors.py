@@ -9,8 +9,8 @@ import torch
 from launcher.cli.main import main
 from launcher.coordinator.predictor_select import choose_exit_predictor
 from pipeline.model.config import ModelConfig
-from pipeline.speculation.drafter import DrafterMap
-from pipeline.speculation.layer_drafter import DRAFT_LAYER_PREFIX, fused_layer
+from pipeline.speculation.drafting.drafter import DrafterMap
+from pipeline.speculation.drafting.layer_drafter import DRAFT_LAYER_PREFIX, fused_layer
 from pipeline.speculation.predictor_file import model_identity, save_predictor
 from tests.tiny_model import write_tiny_model
 

@@ -1,4 +1,4 @@
-"""The next-layer drafter ([Note: next-layer drafter] in pipeline/speculation/layer_drafter.py) on
+"""The next-layer drafter ([Note: next-layer drafter] in pipeline/speculation/drafting/layer_drafter.py) on
 the tiny model: its KV at the exit stage stays in step with the stage's own through prefill, decode
 and a squash, its file round-trips, it trains, and its offline acceptance is its in-pipeline α.
 
@@ -19,8 +19,8 @@ from pipeline.model.partition import LayerRange
 from pipeline.model.rope import config_inv_freq
 from pipeline.model.row_layout import Span
 from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
-from pipeline.speculation.drafter import DrafterMap
-from pipeline.speculation.layer_drafter import (
+from pipeline.speculation.drafting.drafter import DrafterMap
+from pipeline.speculation.drafting.layer_drafter import (
     LayerDrafterConfig,
     build_draft_layer,
     file_tensors,

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pipeline.speculation.drafter import DrafterTrainConfig, train_drafter_map
-from pipeline.speculation.layer_drafter import LayerDrafterConfig, train_sequence_model
+from pipeline.speculation.drafting.drafter import DrafterTrainConfig, train_drafter_map
+from pipeline.speculation.drafting.layer_drafter import LayerDrafterConfig, train_sequence_model
 from pipeline.training.early_exit import ExitTrainConfig, train_exit_map
 from pipeline.training.schedule import one_cycle
 

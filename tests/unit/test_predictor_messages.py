@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.cli import train_predictor
 from launcher.cli.errors import flag_message
 from launcher.cli.main import main
+from launcher.cli.training import train_predictor
 from pipeline.speculation.predictor_file import ModelIdentity, load_predictor_bytes, predictor_bytes
 
 H = 8

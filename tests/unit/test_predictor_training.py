@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from launcher.cli.main import main
-from launcher.cli.train_predictor import DataSpec, prepare_data
+from launcher.cli.training.train_predictor import DataSpec, prepare_data
 from pipeline.speculation.predictor_file import load_predictor, model_identity
 from pipeline.speculation.predictors import ExitHead, ExitMap
 from pipeline.training.early_exit import ExitTrainConfig, draft_vocabulary, top1_agreement, train_exit_map

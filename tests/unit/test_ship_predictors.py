@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.cli.ship_predictors import ship_heads, training_data
+from launcher.cli.training.ship_predictors import ship_heads, training_data
 from pipeline.model.config import tiny_config
 from pipeline.speculation.predictor_file import ModelIdentity, read_predictor_meta, save_predictor
 

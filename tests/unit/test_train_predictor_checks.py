@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.cli import train_predictor
 from launcher.cli.main import main
-from launcher.cli.train_predictor import add_train_args, cmd_train
+from launcher.cli.training import train_predictor
+from launcher.cli.training.train_predictor import add_train_args, cmd_train
 from pipeline.training.data import HiddenStates, load_hidden_states, save_hidden_states
 from pipeline.training.self_distill import Generation, SequenceStates, load_generation, save_generation
 from tests.tiny_model import write_tiny_model
@@ -35,7 +35,7 @@ def test_unwritable_out_is_refused_before_the_model_is_read(out, words):
 
 
 def test_out_in_a_new_folder_under_a_writable_one_passes_the_check(tmp_path):
-    from launcher.cli.train_checks import check_out_path
+    from launcher.cli.training.train_checks import check_out_path
 
     check_out_path(tmp_path / "new" / "sub" / "p.safetensors")
     assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []  # the probe leaves nothing

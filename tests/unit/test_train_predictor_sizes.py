@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.cli.distill_data import DistillSpec, distill_sequences, prepare_distill_data, prompt_texts
 from launcher.cli.main import main
-from launcher.cli.train_predictor import default_exit_layer
+from launcher.cli.training.distill_data import (
+    DistillSpec,
+    distill_sequences,
+    prepare_distill_data,
+    prompt_texts,
+)
+from launcher.cli.training.train_predictor import default_exit_layer
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from pipeline.model.tokenizer import Tokenizer

@@ -1,6 +1,6 @@
 """`speedpipe train-predictor --kind firp`: fit FIRP maps and report accepted drafts per pass.
 
-Called by launcher/cli/train_predictor.py (`firp_trainer()`), which prepares the data (hidden states
+Called by launcher/cli/training/train_predictor.py (`firp_trainer()`), which prepares the data (hidden states
 of the frozen model over the corpus, document-level split) and writes the file. Owns the FIRP
 progress output, the held-out evaluation (greedy continuations of held-out windows, real
 pseudo-row forward; pipeline/training/firp.py) and the file's FIRP metadata.
@@ -24,7 +24,7 @@ EVAL_SEQUENCES = 8
 def train_firp(args: argparse.Namespace, data, identity) -> tuple[dict[str, torch.Tensor], dict, str]:
     """Fit args.firp_k maps at args.exit_layer on data.train, evaluate on data.eval.
 
-    data: launcher.cli.train_predictor.TrainingSet; identity: the model's ModelIdentity.
+    data: launcher.cli.training.train_predictor.TrainingSet; identity: the model's ModelIdentity.
     Returns (tensors "maps.{i}.weight"/"maps.{i}.bias", metadata {"k", "eval", ...}, eval line).
     """
     from tqdm import tqdm

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.cli.train_checks import check_out_path, check_training_flags
+from launcher.cli.training.train_checks import check_out_path, check_training_flags
 from pipeline.model.config import ModelConfig
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.predictor_file import ARCHS, KINDS, model_identity
@@ -199,7 +199,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 def firp_trainer():
     """The FIRP trainer, when this build has one (provided by the FIRP work; None until merged)."""
     try:
-        from launcher.cli import train_firp  # noqa: PLC0415
+        from launcher.cli.training import train_firp  # noqa: PLC0415
     except ImportError:
         return None
     return train_firp.train_firp
@@ -265,7 +265,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _check_next_layer(config: ModelConfig, args: argparse.Namespace) -> None:
     """Refuse --arch next-layer for a family it does not support or a file over the control-plane limit."""
-    from pipeline.speculation.layer_drafter import unsupported_reason
+    from pipeline.speculation.drafting.layer_drafter import unsupported_reason
 
     reason = unsupported_reason(config)
     if reason is not None:
@@ -308,8 +308,8 @@ def _write(args: argparse.Namespace, model_dir: Path, tensors: dict[str, torch.T
 
 def train_distilled(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str, torch.Tensor], dict, str]:
     """`--data self-distill`: generate (or read cached) continuations, train, evaluate held out."""
-    from launcher.cli.distill_data import DistillSpec, prepare_distill_data
-    from launcher.cli.train_drafter import train_self_distilled
+    from launcher.cli.training.distill_data import DistillSpec, prepare_distill_data
+    from launcher.cli.training.train_drafter import train_self_distilled
 
     spec = DistillSpec(model_dir=model_dir, corpus=args.corpus, new_tokens=args.new_tokens, sampled=args.sampled,
                        temperature=args.temperature, max_text_prompts=args.text_prompts,
@@ -318,7 +318,7 @@ def train_distilled(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str
     data = prepare_distill_data(spec, layer=args.exit_layer, seed=args.seed, cache_dir=args.cache_dir,
                                 progress=not args.no_progress)
     if args.arch == "next-layer":
-        from launcher.cli.train_drafter import train_next_layer
+        from launcher.cli.training.train_drafter import train_next_layer
 
         tensors, meta, line = train_next_layer(args, data, spec, model_identity(model_dir), progress=not args.no_progress)
     else:

@@ -1,8 +1,8 @@
 """Whether an early-exit predictor file holds exactly the tensors its arch needs, checked up front.
 
 Owns `check_exit_tensors`: the module the file's metadata arch describes (ExitMap of
-pipeline/speculation/predictors.py, DrafterMap of pipeline/speculation/drafter.py, the next-layer
-draft layer of pipeline/speculation/layer_drafter.py) is built on the meta device (no memory, no
+pipeline/speculation/predictors.py, DrafterMap of pipeline/speculation/drafting/drafter.py, the next-layer
+draft layer of pipeline/speculation/drafting/layer_drafter.py) is built on the meta device (no memory, no
 weights) and its state dict's names and shapes are compared with the file's tensors, so that a
 broken file is refused with one line naming the first bad tensor before any stage starts rather
 than when the exit stage loads it. Sizes the file chooses (the mlp and swiglu widths, the number of
@@ -15,8 +15,13 @@ import torch
 from torch import nn
 
 from pipeline.model.config import ModelConfig
-from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterMap
-from pipeline.speculation.layer_drafter import NEXT_LAYER_ARCH, fused_layer, split_tensors, unsupported_reason
+from pipeline.speculation.drafting.drafter import DRAFTER_ARCH, DrafterMap
+from pipeline.speculation.drafting.layer_drafter import (
+    NEXT_LAYER_ARCH,
+    fused_layer,
+    split_tensors,
+    unsupported_reason,
+)
 from pipeline.speculation.predictor_file import PredictorFile, PredictorFileError
 from pipeline.speculation.predictors import ExitMap
 

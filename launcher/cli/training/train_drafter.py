@@ -1,7 +1,7 @@
 """`train-predictor --data self-distill`: fit an early-exit head on self-distilled data and measure it.
 
 Owns fitting the chosen arch (affine | mlp: pipeline/training/early_exit.py; swiglu: the drafter of
-pipeline/speculation/drafter.py) on the training states, the held-out evaluation on each held-out set (top-1
+pipeline/speculation/drafting/drafter.py) on the training states, the held-out evaluation on each held-out set (top-1
 chain acceptance on the model's own greedy continuations, over the full and the draft vocabulary,
 beside the logit lens and the shipped head for the same layer), the over-fitting warning, and the
 metadata that goes into the predictor file. Must not: generate data or write files.
@@ -15,11 +15,16 @@ import sys
 
 import torch
 
-from launcher.cli.distill_data import EVAL_SETS, DistillData, DistillSpec, distill_sequences
+from launcher.cli.training.distill_data import EVAL_SETS, DistillData, DistillSpec, distill_sequences
 from pipeline.model.config import ModelConfig
 from pipeline.model.rope import config_inv_freq
-from pipeline.speculation.drafter import DRAFTER_ARCH, DrafterTrainConfig, train_drafter_map, validation_split
-from pipeline.speculation.layer_drafter import (
+from pipeline.speculation.drafting.drafter import (
+    DRAFTER_ARCH,
+    DrafterTrainConfig,
+    train_drafter_map,
+    validation_split,
+)
+from pipeline.speculation.drafting.layer_drafter import (
     NEXT_LAYER_ARCH,
     LayerDrafterConfig,
     SequenceDrafter,
@@ -230,7 +235,7 @@ def _next_layer_held_out(drafter: SequenceDrafter, states: dict[str, list], voca
 
 def train_next_layer(args: argparse.Namespace, data: DistillData, spec: DistillSpec, identity, *,
                      progress: bool) -> tuple[dict[str, torch.Tensor], dict, str]:
-    """`--arch next-layer` ([Note: next-layer drafter] in pipeline/speculation/layer_drafter.py):
+    """`--arch next-layer` ([Note: next-layer drafter] in pipeline/speculation/drafting/layer_drafter.py):
     every cached continuation's states by one prefill, a fine-tuned copy of layer exit+1 plus the
     swiglu map trained on whole sequences (every 10th training prompt validates), evaluated per
     held-out set like the row drafters. Returns (tensors, metadata, report)."""

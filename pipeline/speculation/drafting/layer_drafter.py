@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from pipeline.model.config import ModelConfig
 from pipeline.model.rope import config_inv_freq, rope_cos_sin, rotate, rotation_tables
 from pipeline.model.stage_model import MLP, Attention, DecoderLayer
-from pipeline.speculation.drafter import DrafterMap
+from pipeline.speculation.drafting.drafter import DrafterMap
 from pipeline.training.schedule import one_cycle
 
 NEXT_LAYER_ARCH = "next-layer"
@@ -115,7 +115,7 @@ def train_forward(layer: DecoderLayer, x: torch.Tensor, inv_freq: torch.Tensor) 
 class LayerDrafterConfig:
     """AdamW, one-cycle schedule: `steps` batches of `batch_size` whole sequences at peak `lr`,
     `weight_decay`, `seed`; the state best on the validation sequences, scored every `val_every`
-    steps, is kept ([Note: early stop] in pipeline/speculation/drafter.py)."""
+    steps, is kept ([Note: early stop] in pipeline/speculation/drafting/drafter.py)."""
 
     steps: int = 600
     batch_size: int = 6
@@ -197,7 +197,7 @@ def train_sequence_model(model: torch.nn.Module, *, train: list[Sequence], val: 
     training targets ([Note: candidate vocabulary] in pipeline/training/early_exit.py): AdamW,
     one-cycle schedule, `settings.steps` batches of `batch_size` sequences; the state best on `val`
     (scored every `val_every` steps, `sequence_top1`) is kept ([Note: early stop] in
-    pipeline/speculation/drafter.py). Leaves `model` in eval mode, gradients off; returns (step kept,
+    pipeline/speculation/drafting/drafter.py). Leaves `model` in eval mode, gradients off; returns (step kept,
     validation agreement), or None without `val`. Raises ValueError for no training rows."""
     targets = torch.cat([t[t >= 0] for _, t in train]) if train else torch.empty(0, dtype=torch.int64)
     if not targets.numel():

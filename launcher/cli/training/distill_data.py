@@ -5,7 +5,7 @@ the corpus's training documents; held out: the instruction files' held-out lines
 held-out documents), generating the base model's greedy and sampled continuations of them with a
 progress bar, caching those sequences on disk, and the prefill that turns them into exit-layer
 states and targets. The maths lives in pipeline/training/self_distill.py ([Note: self-distilled data]).
-Must not: train anything or write predictor files (launcher/cli/train_predictor.py).
+Must not: train anything or write predictor files (launcher/cli/training/train_predictor.py).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def distill_sequences(spec: DistillSpec, *, layer: int, seed: int = 0,
     round), held-out set name: [...] (greedy)}; targets[j] is the model's greedy next token after
     continuation[j] (what a draft there must match; a sampled continuation went elsewhere), one
     per fed token, len(continuation) - 1 of them. For drafters that attend over whole sequences
-    (pipeline/speculation/layer_drafter.py). Raises FileNotFoundError when they are not cached yet."""
+    (pipeline/speculation/drafting/layer_drafter.py). Raises FileNotFoundError when they are not cached yet."""
     config = ModelConfig.from_model_dir(spec.model_dir)
     identity = model_identity(spec.model_dir, config)
     train_texts, eval_texts = prompt_texts(spec, Tokenizer(spec.model_dir))
