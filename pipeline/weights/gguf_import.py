@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -103,9 +104,31 @@ def describe_source(gguf_path: str | Path) -> GgufSource:
     return GgufSource(path=str(path.resolve()), size_bytes=path.stat().st_size, sha256=file_sha256(path))
 
 
+def _whole_safetensors(path: Path) -> bool:
+    """True when `path`'s size is what its safetensors header says (header only: cheap)."""
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return path.stat().st_size == 8 + header_len + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
+
+
+def _remove_stale_builds(out_dir: Path) -> None:
+    """Remove the build folders of `out_dir` that a killed conversion left behind. Called with the
+    lock held: no live process builds one then (builds only happen under the lock)."""
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):  # see `_publish`
+        for stale in out_dir.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def is_converted(out_dir: Path, source: GgufSource) -> bool:
-    """True when `out_dir` is a complete conversion of `source` by this converter version."""
-    if not all((out_dir / name).is_file() for name in OUTPUT_FILES):
+    """True when `out_dir` is a complete conversion of `source` by this converter version (a
+    weights file cut short, e.g. by a full disk after the folder was published, is not: the
+    next run converts again instead of failing on it)."""
+    if not all((out_dir / name).is_file() for name in OUTPUT_FILES) or not _whole_safetensors(out_dir / SINGLE_FILE):
         return False
     try:
         stored = GgufSource(**json.loads((out_dir / SOURCE_FILE).read_text()))
@@ -298,6 +321,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     with path_lock(out_dir):  # the atomic rename in `_publish` keeps readers safe
         if is_converted(out_dir, source):  # another process finished while we waited
             return out_dir
+        _remove_stale_builds(out_dir)
         reader = open_gguf(gguf_path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared

@@ -223,6 +223,21 @@ def test_existing_conversion_is_reused_and_stale_one_replaced(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "m.gguf", "out"]
 
 
+def test_a_cut_short_conversion_is_converted_again_and_a_killed_build_is_cleaned_up(tmp_path):
+    """A cached model.safetensors cut short (a full disk, a copy interrupted) made every run fail on
+    it; a conversion killed mid-way left its build folder (100+ MB for the default model) for good."""
+    write_gguf(tmp_path / "m.gguf", tiny(), seed=1)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    whole = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(whole[:-100])
+    stale = tmp_path / ".out.tmp-killed"  # what `kill -9` during a conversion leaves
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    assert convert_gguf(tmp_path / "m.gguf", out, progress=False) == out
+    assert (out / "model.safetensors").read_bytes() == whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "m.gguf", "out"]
+
+
 def test_a_moved_gguf_is_recorded_so_auto_still_finds_its_blocks(tmp_path):
     """A cached conversion whose GGUF moved (a re-created venv) is reused, and its source record
     names the new path: otherwise `--quantization auto` silently fell back to dense weights."""
