@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,26 @@ def test_ray_manifests_start_ray_on_the_ports_the_docs_name_and_run_a_valid_laun
 
 def cluster_comment() -> str:
     return "\n".join(line for line in (DEPLOY / "ray-cluster.yaml").read_text().splitlines() if line.startswith("#"))
+
+
+def test_ray_login_shells_find_ray_and_speedpipe_and_kuberay_probes_have_wget(tmp_path):
+    """KubeRay (`bash -lc`) and `ray up` (`bash --login`) start Ray in login shells, where
+    /etc/profile resets PATH; the image's /etc/profile.d file must put the venv back, before USER."""
+    dockerfile = _dockerfile()
+    written = re.search(r"^RUN echo '(export PATH=\S+)' > (/etc/profile\.d/\S+\.sh)$", dockerfile, re.M)
+    assert written, "deploy/Dockerfile writes no /etc/profile.d file exporting the venv's PATH"
+    assert dockerfile.index(written.group(0)) < dockerfile.index("USER speedpipe")  # root writes /etc
+    venv_bin = re.search(r"^ENV PATH=(\S+):\$PATH$", dockerfile, re.M).group(1)
+    assert f'"{venv_bin}:$PATH"' in written.group(1)
+    assert re.search(r"^RUN apt-get .*install -y --no-install-recommends .*\bwget\b", dockerfile, re.M)
+    # the profile line, run as a login shell runs it: /etc/profile first, then profile.d
+    fake_bin = tmp_path / "venv" / "bin"
+    fake_bin.mkdir(parents=True)
+    (fake_bin / "ray").write_text("#!/bin/sh\necho ray-ok\n")
+    (fake_bin / "ray").chmod(0o755)
+    profile_d = tmp_path / "speedpipe.sh"
+    profile_d.write_text(written.group(1).replace(venv_bin, str(fake_bin)) + "\n")
+    etc_profile = "/etc/profile" if Path("/etc/profile").exists() else "/dev/null"
+    result = subprocess.run(["env", "-i", f"HOME={tmp_path}", f"PATH={fake_bin}:/usr/bin:/bin", "/bin/bash", "-c",
+                             f". {etc_profile}; . {profile_d}; ray"], capture_output=True, text=True, timeout=30)
+    assert result.stdout.strip() == "ray-ok", result.stderr
