@@ -4,7 +4,8 @@ Owns the Ray side of placement: joining (or starting) a Ray instance, one placem
 bundle per stage, waiting for it at most `placement_timeout_s` and explaining a placement that cannot
 be satisfied, one `StageActor` per bundle in the deterministic stage order of
 `launcher.backends.placement.stage_order`, the forwarded environment, noticing a dead actor or node, and
-stopping everything it started. The only module of the project that imports ray.
+stopping everything it started. With launcher/backends/ray_messages.py (Ray's driver output on
+stderr, death and connection messages), the only modules of the project that import ray.
 Must not: know about models, the control-plane RPCs or the data plane beyond handing out the stages'
 gRPC addresses (the same role as launcher/backends/local.py).
 
@@ -36,7 +37,6 @@ import contextlib
 import logging
 import math
 import os
-import re
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -53,6 +53,12 @@ from launcher.backends.placement import (
     forwarded_env,
     probe_ray_address,
     stage_order,
+)
+from launcher.backends.ray_messages import (
+    connect_failure,
+    death_cause,
+    format_resources,
+    route_ray_output_to_stderr,
 )
 from launcher.backends.worker_command import LOG_LEVELS
 from workers.channel import hold_listener
@@ -120,21 +126,12 @@ class StagePlacement:
     address: str = ""
 
 
-_HIDDEN_RESOURCE = re.compile(r"^(node:|object_store_memory$|memory$|accelerator_type:|bundle_group_)|_group_")
-
-
-def _format_resources(resources: Mapping[str, float]) -> str:
-    """`{CPU: 2, GPU: 1}`: the resources a user asks for, without Ray's bookkeeping (node:, *_group_*)."""
-    shown = {k: v for k, v in sorted(resources.items()) if not _HIDDEN_RESOURCE.search(k)}
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in shown.items()) + "}"
-
-
-def _death_cause(exc: BaseException) -> str:
-    """One line from Ray's multi-line actor-death message: its headline plus why (node died, exit code)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    why = [line for line in lines[1:] if line.startswith(("The actor is dead because", "The actor died because"))]
-    text = " ".join(lines[:1] + why) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+def _node_alive(node_id: str) -> bool:
+    """Whether the GCS lists node `node_id` as alive (True when it cannot tell)."""
+    try:
+        return next((bool(n.get("Alive")) for n in ray.nodes() if n.get("NodeID") == node_id), True)
+    except Exception:  # noqa: BLE001 - a description must not fail
+        return True
 
 
 def _actor_options(bundle: Mapping[str, float]) -> dict:
@@ -293,6 +290,7 @@ class RayStageActors:
 
     # -- internals --------------------------------------------------------------------------------
     def _init_ray(self) -> None:
+        route_ray_output_to_stderr()  # stdout carries only model output ([Note: Ray's driver output])
         if ray.is_initialized():  # an embedding program (or a test) already joined a cluster
             return
         common = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
@@ -303,9 +301,8 @@ class RayStageActors:
             probe_ray_address(self.options.ray_address, timeout_s=min(PROBE_TIMEOUT_S, self.options.placement_timeout_s))
             try:
                 ray.init(address=self.options.ray_address, **common)
-            except ConnectionError as exc:
-                raise PlacementError(f"--ray-address {self.options.ray_address}: no Ray cluster there ({exc}); "
-                                     f"start one with `ray start --head` or check the address") from None
+            except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+                raise PlacementError(connect_failure(self.options.ray_address, exc)) from None
         self._started_ray = True
 
     def _place(self) -> list[BundleNode]:
@@ -324,17 +321,17 @@ class RayStageActors:
     def _unsatisfiable_message(self) -> str:
         opt = self.options
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        per_node = "; ".join(f"{n['NodeManagerAddress']} {_format_resources(n['Resources'])}" for n in nodes)
+        per_node = "; ".join(f"{n['NodeManagerAddress']} {format_resources(n['Resources'])}" for n in nodes)
         hint = ""
         if opt.placement_strategy == "STRICT_SPREAD" and len(nodes) < self.num_stages:
-            hint = f" STRICT_SPREAD needs {self.num_stages} nodes, one per stage;"
+            hint = f" STRICT_SPREAD needs {self.num_stages} nodes, one per stage."
         elif opt.placement_strategy == "STRICT_PACK":
-            hint = " STRICT_PACK needs every bundle on one node;"
+            hint = " STRICT_PACK needs every bundle on one node."
         return (f"Ray placement not satisfied within {opt.placement_timeout_s:g} s (--placement-timeout-s): asked "
-                f"for {self.num_stages} bundle(s) of {_format_resources(self.bundle)} (--stages {self.num_stages}, "
+                f"for {self.num_stages} bundle(s) of {format_resources(self.bundle)} (--stages {self.num_stages}, "
                 f"--stage-resources), strategy {opt.placement_strategy}; the cluster has {len(nodes)} node(s): "
-                f"{per_node}; total {_format_resources(ray.cluster_resources())}, available now "
-                f"{_format_resources(ray.available_resources())}.{hint} Check --stage-resources against the "
+                f"{per_node}; total {format_resources(ray.cluster_resources())}, available now "
+                f"{format_resources(ray.available_resources())}.{hint} Check --stage-resources against the "
                 f"nodes' resources, --placement-strategy, that every node joined (`ray status`), and that no "
                 f"other job holds the resources.")
 
@@ -391,7 +388,8 @@ class RayStageActors:
                 ray.get(ready[0])
                 cause = "stopped on its own"
             except ray.exceptions.RayError as exc:
-                cause = _death_cause(exc)
+                node = self.placements[stage_index]
+                cause = death_cause(exc, node_ip=node.node_ip, node_alive=_node_alive(node.node_id))
             if self._stopping.is_set() or unwatched.is_set():
                 return
             log.error("%s died: %s", self.describe(stage_index), cause)
