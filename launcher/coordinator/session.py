@@ -242,6 +242,13 @@ class PipelineSession:
         self._data_ports.append((self.backend.master_addr, port))
         return port
 
+    def stop_stages(self) -> None:
+        """Stop every stage worker now, for any backend, and keep the coordinator (a fenced server
+        answers 503 until it is stopped): local processes are killed; Ray actors are killed and their
+        placement group removed, freeing the cluster's resources. `close` still runs the rest."""
+        if self.backend is not None:
+            self.backend.stop()
+
     def close(self) -> None:
         """Stop the coordinator and every stage worker; idempotent."""
         for host, port in self._data_ports:

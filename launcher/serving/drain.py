@@ -78,8 +78,7 @@ def serve_until_stopped(session: PipelineSession, stack: ServingStack, signals: 
         if failure is not None and not stages_stopped:
             log.error("pipeline failed (%s); stopping the stages, answering 503 until stopped", failure)
             stack.on_pipeline_failure(failure)
-            if session.processes is not None:
-                session.processes.stop()
+            session.stop_stages()
             stages_stopped = True
     drain(stack, signals, grace_s=grace_s)
 
