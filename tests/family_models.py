@@ -21,7 +21,7 @@ from pipeline.model.config import ModelConfig
 from tests.tiny_model import byte_tokenizer, random_state_dict
 
 _COMMON: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                                eos_token_id=2, bos_token_id=1, pad_token_id=0)
 
 # family name -> (transformers config class name, overrides). Windows of 5-6 tokens are shorter than

@@ -267,7 +267,7 @@ def tiny_config(**overrides: Any) -> ModelConfig:
     base: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, max_position_embeddings=2048, eos_token_ids=(2,),
+        tie_word_embeddings=True, max_position_embeddings=8192, eos_token_ids=(2,),
     )
     base.update(overrides)
     return ModelConfig(**base)
