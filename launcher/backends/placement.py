@@ -170,6 +170,33 @@ def node_stages(*, num_stages: int, nnodes: int, node_rank: int) -> range:
     return range(start, start + base + (1 if node_rank < extra else 0))
 
 
+def stages_on_this_machine(placement: PlacementOptions) -> bool:
+    """True when every stage runs on this machine: local processes (not the multi-node mode), or
+    the actors of a private Ray instance (no `ray_address`). The one rule for what shares this
+    machine's CPUs (`parallel_stages`) and memory (run_plan's `check_lengths`)."""
+    if placement.backend == "local":
+        return not placement.multi_node
+    return placement.ray_address is None
+
+
+def available_memory_bytes(*, cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """Bytes this process's stages can still allocate: the kernel's estimate of available memory
+    (psutil), capped by this process's cgroup v2 limit (`memory.max` - `memory.current`: a
+    container's `--memory`), which the machine-wide figure does not see."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    try:
+        path = next(line[3:] for line in Path(proc_cgroup).read_text().splitlines() if line.startswith("0::"))
+        here = Path(cgroup_root, *[p for p in path.split("/") if p])
+        limit = (here / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, max(0, int(limit) - int((here / "memory.current").read_text())))
+    except (OSError, ValueError, StopIteration):
+        pass  # no cgroup v2 limit readable: the machine's figure stands
+    return available
+
+
 def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str, threads_per_stage: int,
                     cpus: int | None = None) -> int:
     """How many of `num_stages` stages can compute at the same time, in [1, num_stages]: what the
@@ -181,7 +208,7 @@ def parallel_stages(placement: PlacementOptions, *, num_stages: int, device: str
     this one and runs its block of stages (`node_stages`). A private Ray instance (no
     `ray_address`) runs on this machine, so it counts as local; the bundles of a Ray cluster reserve
     their own resources, and CUDA stages count as one each (stages sharing one GPU: not measured)."""
-    if (placement.backend != "local" and placement.ray_address is not None) or device != "cpu":
+    if (placement.backend != "local" and not stages_on_this_machine(placement)) or device != "cpu":
         return num_stages
     if cpus is None:
         cpus = usable_cpus()

@@ -120,7 +120,11 @@ def _predictor_list(text: str) -> list[str]:
         if not Path(f).is_file():
             raise ValueError(f"--predictor {f}: no such predictor file")
     stems = [Path(f).stem for f in files]
-    clash = sorted({st for st in stems if stems.count(st) > 1 or st in PREDICTORS})
+    shadow = sorted({st for st in stems if st in PREDICTORS})
+    if shadow:
+        raise ValueError(f"--predictor {text!r}: predictor files label configurations by file stem, and "
+                         f"{', '.join(shadow)} is the name of a built-in predictor (rename the file)")
+    clash = sorted({st for st in stems if stems.count(st) > 1})
     if clash:
         raise ValueError(f"--predictor {text!r}: predictor files label configurations by file stem, and "
                          f"{', '.join(clash)} is used twice (rename a file)")

@@ -256,8 +256,8 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
     placement = placement_from_args(args)
     if num_stages >= 1 and not (placement.multi_node and placement.node_rank > 0):  # RunConfig names bad counts;
         check_auto_flags(tuning, speculate=speculate, why=why)  # members run node 0's choice, not their own
-    for note in idle_flag_notes(args, tuning, speculate=speculate, why=why):
-        say(note)
+        for note in idle_flag_notes(args, tuning, speculate=speculate, why=why):
+            say(note)
     options = PipelineOptions(
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {command}: pipeline failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        stages = command not in ("train-predictor", "bench serve")  # these start no stages
+        stages = command not in ("train-predictor", "bench serve", "simulate")  # these start no stages
         print(f"{PROG} {command}: interrupted" + ("; all stages stopped" if stages else ""), file=sys.stderr)
         return 130
 

@@ -6,7 +6,8 @@ output *folder* must not be a regular file nor sit under one. Both raise UsageEr
 naming the flag) so that a mistake costs nothing, instead of a traceback after a long run. Also
 `dumps_strict`: the results' JSON as RFC 8259 allows it (no Infinity or NaN, which Python's json
 writes by default and strict readers such as `jq` and browsers reject).
-Must not: create, truncate or delete anything (the commands write their outputs themselves).
+Must not: create, truncate or delete anything but its own probe file (the commands write their
+outputs themselves).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from launcher.cli.parsing import UsageError
@@ -48,11 +50,18 @@ def check_output_dir(flag: str, path: str | Path) -> None:
 
 
 def _check_parent(flag: str, path: str | Path, p: Path) -> None:
+    """The nearest existing parent must be a directory that takes a new file: probed by creating
+    and removing one, which also catches read-only and pseudo file systems (/sys, /proc) where the
+    permission bits say yes (for root they always do)."""
     parent = _existing_ancestor(p)
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: {parent} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".speedpipe-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write in {parent} ({exc.strerror or exc})") from None
 
 
 def _finite(value):

@@ -16,6 +16,7 @@ import logging
 import re
 from pathlib import Path
 
+from launcher.backends.placement import available_memory_bytes, stages_on_this_machine
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from pipeline.measure.row_cost import RowCostTable
@@ -32,6 +33,7 @@ from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import MODEL_DTYPES, RunConfig
 from pipeline.speculation.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
+from pipeline.weights.quant_load import activation_dtype
 from pipeline.weights.registry import resolve_model
 from pipeline.weights.stage_memory import kv_bytes_per_layer
 
@@ -188,42 +190,37 @@ def check_checkpoint(reader: CheckpointReader, config: ModelConfig, ranges: list
                     config.num_hidden_layers, extra[0])
 
 
-def host_memory_available() -> int | None:
-    """Bytes of memory this machine can still give (MemAvailable in /proc/meminfo), or None where
-    that is not known."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def check_lengths(options: PipelineOptions, config: ModelConfig, *, available: int | None = None) -> None:
+def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path, *,
+                  available: int | None = None) -> None:
     """Refuse limits the model or this machine cannot hold, before any stage allocates its KV cache:
     `max_model_len` above the model's `max_position_embeddings` (as vLLM), and, for CPU stages all
-    on this machine, a KV cache for `max_num_seqs` x `max_model_len` that is larger than the
-    memory available here (it would fail, or set off the kernel's out-of-memory killer, only after
-    the stages start). available: bytes (default: `host_memory_available()`). Raises ValueError."""
+    on this machine (`stages_on_this_machine`), a KV cache for `max_num_seqs` x `max_model_len` in
+    the stages' activation dtype that is larger than the memory available here (it would fail, or
+    set off the kernel's out-of-memory killer, only after the stages start). available: bytes
+    (default: `available_memory_bytes()`). Raises ValueError."""
     if options.max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {options.max_model_len} is more than the model's max_position_embeddings "
-                         f"{config.max_position_embeddings} (config.json)")
-    placement = options.placement
-    if options.device != "cpu" or placement.backend != "local" or placement.multi_node:
+                         f"{config.max_position_embeddings} (config.json); lower max_model_len")
+    if options.device != "cpu" or not stages_on_this_machine(options.placement):
         return  # stage memory is on other machines or devices: each stage reports its own failure
-    kv = kv_bytes_per_layer(config, dtype=MODEL_DTYPES[options.dtype], max_num_seqs=options.max_num_seqs,
+    dtype = activation_dtype(options.quantization, str(model_dir), MODEL_DTYPES[options.dtype], options.device)
+    kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs,
                             max_model_len=options.max_model_len) * config.num_hidden_layers
-    available = host_memory_available() if available is None else available
-    if available is not None and kv > available:
+    available = available_memory_bytes() if available is None else available
+    if kv > available:
         raise ValueError(f"max_num_seqs {options.max_num_seqs} x max_model_len {options.max_model_len} needs "
-                         f"{kv / 2**30:.2f} GiB of KV cache, more than the {available / 2**30:.2f} GiB of memory "
-                         f"available on this machine; lower max_model_len or max_num_seqs")
+                         f"{_size(kv)} of KV cache, more than the {_size(available)} of memory available on this "
+                         f"machine; lower max_model_len or max_num_seqs")
 
 
-def resolve(options: PipelineOptions) -> RunPlan:
-    """Resolve and validate the model, split, exit head and FIRP file. Raises ValueError /
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def resolve(options: PipelineOptions, *, check_limits: bool = True) -> RunPlan:
+    """Resolve and validate the model, split, exit head and FIRP file; with `check_limits`, also
+    the context length and KV-cache memory (`check_lengths`: off for callers that only want the
+    plan, such as the training commands' default exit layer). Raises ValueError /
     FileNotFoundError (user errors, naming the parameter)."""
     model_dir = resolve_model(options.model, cache_dir=options.cache_dir, progress=options.progress)
     config = ModelConfig.from_model_dir(model_dir)
@@ -235,7 +232,8 @@ def resolve(options: PipelineOptions) -> RunPlan:
     else:
         ranges = default_split(options, config, model_dir)
     check_checkpoint(CheckpointReader(model_dir), config, ranges)
-    check_lengths(options, config)
+    if check_limits:
+        check_lengths(options, config, model_dir)
     exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
     if options.uses_speed:
         if options.num_stages < 2:

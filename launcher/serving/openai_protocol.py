@@ -130,11 +130,24 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str, Any]:
-    """Validate the fields both endpoints share; returns keyword arguments of SamplingParams + options."""
+def check_model(body: dict, model_name: str) -> None:
+    """Raise InvalidRequestError ('model') unless the body names no model or this server's."""
     model = body.get("model")
     if model is not None and model != model_name:
         raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
+
+
+def bool_field(body: dict, name: str, default: bool) -> bool:
+    """The true/false field `name` (null or absent: `default`). Raises InvalidRequestError naming it."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(f"'{name}' must be true or false, got {value!r}", name)
+    return default if value is None else value
+
+
+def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str, Any]:
+    """Validate the fields both endpoints share; returns keyword arguments of SamplingParams + options."""
+    check_model(body, model_name)
     for name in UNSUPPORTED:
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
@@ -289,12 +302,8 @@ def _clean_messages(messages: Any) -> list[dict[str, str]]:
 def chat_options(body: dict) -> dict[str, Any]:
     """The template options of a chat body: add_generation_prompt (default true),
     continue_final_message (default false; not both) and chat_template_kwargs (an object)."""
-    options = {}
-    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = body.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise InvalidRequestError(f"'{name}' must be true or false, got {value!r}", name)
-        options[name] = default if value is None else value
+    options = {name: bool_field(body, name, default)
+               for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
     if body.get("add_generation_prompt") is True and options["continue_final_message"]:
         raise InvalidRequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                                   "continue_final_message")

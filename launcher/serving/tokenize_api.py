@@ -24,26 +24,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.serving.openai_protocol import chat_options, render_chat
+from launcher.serving.openai_protocol import bool_field, chat_options, check_model, render_chat
 from launcher.serving.serving_engine import InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
 
 MAX_DETOKENIZE_TOKENS = 1 << 20  # longest id list /detokenize takes (far beyond any context)
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise InvalidRequestError(f"'{name}' must be true or false, got {value!r}", name)
-    return default if value is None else value
-
-
-def _check_model(body: Any, model_name: str) -> dict:
+def _object(body: Any, model_name: str) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
+    check_model(body, model_name)
     return body
 
 
@@ -51,11 +42,11 @@ def tokenize_body(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model
     """The `/tokenize` answer for a decoded JSON `body` (a prompt or chat messages, see the module
     docstring): {"count": int, "max_model_len": int, "tokens": [count] ids, "token_strs": [count]
     vocabulary strings or None}. Raises InvalidRequestError naming the bad field."""
-    body = _check_model(body, model_name)
+    body = _object(body, model_name)
     chat = "messages" in body
     if chat and "prompt" in body:
         raise InvalidRequestError("give either 'prompt' or 'messages', not both", "prompt")
-    add_special = _flag(body, "add_special_tokens", not chat)
+    add_special = bool_field(body, "add_special_tokens", not chat)
     if chat:
         text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body))
     else:
@@ -63,7 +54,7 @@ def tokenize_body(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model
         if not isinstance(text, str):
             raise InvalidRequestError("'prompt' must be a string (or send 'messages')", "prompt")
     ids = tokenizer.encode(text, add_special_tokens=add_special)
-    strs = tokenizer.token_strings(ids) if _flag(body, "return_token_strs", False) else None
+    strs = tokenizer.token_strings(ids) if bool_field(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
@@ -71,7 +62,7 @@ def detokenize_body(body: Any, *, tokenizer: Tokenizer, model_name: str) -> dict
     """The `/detokenize` answer for a decoded JSON `body` {"tokens": [ids]}: {"prompt": text}.
     Raises InvalidRequestError ('tokens') for a missing list, a non-integer, or an id outside the
     vocabulary."""
-    body = _check_model(body, model_name)
+    body = _object(body, model_name)
     ids = body.get("tokens")
     if not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE_TOKENS:
         raise InvalidRequestError(f"'tokens' must be a list of at most {MAX_DETOKENIZE_TOKENS} token ids", "tokens")

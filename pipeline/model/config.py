@@ -149,11 +149,13 @@ class ModelConfig:
         naming the model_type or field and what is supported."""
         from pipeline.model.family_config import family_fields, rope_fields
 
-        _check_required_fields(d)
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        _check_required_fields(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         fields: dict[str, Any] = dict(
@@ -248,11 +250,9 @@ _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def _check_required_fields(d: Any) -> None:
+def _check_required_fields(d: dict[str, Any]) -> None:
     """Raise ValueError naming the field when a config.json dict lacks a required size or holds a
     size that is not an integer (the checks of its values come after, in `_validate`)."""
-    if not isinstance(d, dict):
-        raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
     for name in _REQUIRED_INTS:
         if name not in d:
             raise ValueError(f"config.json has no {name!r}")

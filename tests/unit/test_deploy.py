@@ -162,6 +162,8 @@ def test_ray_login_shells_find_ray_and_speedpipe_and_kuberay_probes_have_wget(tm
     profile_d = tmp_path / "speedpipe.sh"
     profile_d.write_text(written.group(1).replace(venv_bin, str(fake_bin)) + "\n")
     etc_profile = "/etc/profile" if Path("/etc/profile").exists() else "/dev/null"
-    result = subprocess.run(["env", "-i", f"HOME={tmp_path}", f"PATH={fake_bin}:/usr/bin:/bin", "/bin/bash", "-c",
-                             f". {etc_profile}; . {profile_d}; ray"], capture_output=True, text=True, timeout=30)
-    assert result.stdout.strip() == "ray-ok", result.stderr
+    run = [f"env -i HOME={tmp_path} PATH=/usr/bin:/bin /bin/bash -c '. {etc_profile}; {{}} command -v ray'"]
+    found = subprocess.run(run[0].format(f". {profile_d};"), shell=True, capture_output=True, text=True, timeout=30)
+    assert found.stdout.strip() == str(fake_bin / "ray"), found.stderr  # only the profile.d line puts it there
+    without = subprocess.run(run[0].format(""), shell=True, capture_output=True, text=True, timeout=30)
+    assert str(fake_bin) not in without.stdout

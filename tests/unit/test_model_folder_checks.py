@@ -102,13 +102,28 @@ def test_max_model_len_beyond_the_models_context_is_refused(tmp_path):
         resolve(_options(model_dir, max_model_len=129))
 
 
-def test_a_kv_cache_larger_than_the_memory_available_is_refused():
+def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m")
     config = tiny_config()  # 4 layers, 2 KV heads of 16 dims: 256 B of float32 K and V per position and layer
     options = PipelineOptions(model="unused", num_stages=2, max_num_seqs=4, max_model_len=2048, speculate="none")
     need = 4 * 4 * 2048 * 2 * 2 * 16 * torch.float32.itemsize  # layers x seqs x positions x (K, V) x heads x dim
-    check_lengths(options, config, available=need)
-    with pytest.raises(ValueError, match=r"max_num_seqs 4 x max_model_len 2048 needs 0.01 GiB of KV cache, more "
-                                         r"than the 0.01 GiB of memory available on this machine"):
-        check_lengths(options, config, available=need - 1)
-    elsewhere = dataclasses.replace(options, placement=PlacementOptions(backend="ray"))
-    check_lengths(elsewhere, config, available=1)  # Ray stages: their memory is not this machine's
+    check_lengths(options, config, model_dir, available=need)
+    with pytest.raises(ValueError, match=r"max_num_seqs 4 x max_model_len 2048 needs 8.0 MiB of KV cache, more "
+                                         r"than the 8.0 MiB of memory available on this machine"):
+        check_lengths(options, config, model_dir, available=need - 1)
+    int8 = dataclasses.replace(options, quantization="int8")  # the int kernels keep K and V in bfloat16
+    check_lengths(int8, config, model_dir, available=need // 2)
+    private = dataclasses.replace(options, placement=PlacementOptions(backend="ray"))  # actors on this machine
+    with pytest.raises(ValueError, match="needs 8.0 MiB of KV cache"):
+        check_lengths(private, config, model_dir, available=need - 1)
+    cluster = dataclasses.replace(options, placement=PlacementOptions(backend="ray", ray_address="10.0.0.10:6379"))
+    check_lengths(cluster, config, model_dir, available=1)  # its stages' memory is not this machine's
+
+
+def test_the_training_commands_plan_without_the_serving_limits(tmp_path):
+    """train-predictor and ship_predictors resolve a default plan only for its exit layer: a model
+    with a context under the default max_model_len must not be refused for a flag they lack."""
+    model_dir = write_tiny_model(tmp_path / "m", max_position_embeddings=1024)
+    assert resolve(_options(model_dir), check_limits=False).config.max_position_embeddings == 1024
+    with pytest.raises(ValueError, match="max_model_len 2048 is more than"):
+        resolve(_options(model_dir))

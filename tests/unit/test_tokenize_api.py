@@ -131,3 +131,11 @@ def test_http_routes(server):
     assert httpx.post(url + "/tokenize", content=b"{", headers=auth).status_code == 400
     version = httpx.get(url + "/version")  # unauthenticated, like /health
     assert version.status_code == 200 and version.json()["version"]
+
+
+def test_self_distilled_chat_prompts_get_one_bos_as_serving_sends(bos_tokenizer):
+    from launcher.cli.training.distill_data import chat_prompt
+
+    served = parse_chat({"messages": [{"role": "user", "content": "Hi there"}]}, tokenizer=bos_tokenizer,
+                        model_name="tiny", max_model_len=64).prompt_ids
+    assert bos_tokenizer.encode(chat_prompt(bos_tokenizer, "Hi there")) == served

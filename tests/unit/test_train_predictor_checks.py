@@ -24,7 +24,7 @@ def _args(*flags: str, out: str = "/tmp/speedpipe-test-out.safetensors") -> argp
     return parser.parse_args(["--model", NO_MODEL, "--out", out, "--no-progress", *flags])
 
 
-@pytest.mark.parametrize("out, words", [("/etc/passwd/x.safetensors", "is not a folder"),
+@pytest.mark.parametrize("out, words", [("/etc/passwd/x.safetensors", "is not a directory"),
                                         ("/proc/x.safetensors", "cannot write"),
                                         ("/sys/x.safetensors", "cannot write")])
 def test_unwritable_out_is_refused_before_the_model_is_read(out, words):

@@ -97,7 +97,11 @@ def chat_prompt(tokenizer: Tokenizer, instruction: str) -> str:
     model without one, such as the tiny test model)."""
     if not tokenizer.chat_template:
         return f"User: {instruction}\nAssistant:"
-    return render_chat([{"role": "user", "content": instruction}], tokenizer=tokenizer)
+    text = render_chat([{"role": "user", "content": instruction}], tokenizer=tokenizer)
+    bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
+    if tokenizer.add_bos_token and bos and text.startswith(bos):  # `encode` adds it back: one BOS, as serving
+        text = text[len(bos):]  # sends (openai_protocol.parse_chat) and apply_chat_template makes
+    return text
 
 
 def prompt_texts(spec: DistillSpec, tokenizer: Tokenizer) -> tuple[list[str], dict[str, list[str]]]:

@@ -50,7 +50,7 @@ def _options(model: str, num_stages: int) -> PipelineOptions:
 
 def _default_exit_layer(model: str, num_stages: int) -> int:
     """The exit layer `launch --stages N --speculate speed` picks with the heads shipped right now."""
-    return resolve(_options(model, num_stages)).exit_layer
+    return resolve(_options(model, num_stages), check_limits=False).exit_layer
 
 
 def _split_exit_layer(model: str, config: ModelConfig, num_stages: int, exit_rows: int) -> int:

@@ -10,29 +10,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 from pathlib import Path
+
+from launcher.cli.output_paths import check_output_file
 
 
 def check_out_path(out: Path) -> None:
-    """Refuse an `--out` the predictor file cannot be written to: not a .safetensors file path, a
-    folder, or a path whose nearest existing ancestor is not a folder or refuses a new file (probed by
-    creating and removing a temporary file there, which also catches read-only and pseudo file
-    systems such as /sys and /proc, even for root). Raises ValueError naming --out."""
+    """Refuse an `--out` the predictor file cannot be written to: not a .safetensors file path, or a
+    place `check_output_file` (launcher/cli/output_paths.py) refuses. Raises ValueError naming --out."""
     if out.is_dir() or out.suffix != ".safetensors":
         raise ValueError(f"--out {out} must be a file path ending in .safetensors")
-    parent = out.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent  # save_predictor creates the missing folders below it
-    if not parent.is_dir():
-        raise ValueError(f"--out {out}: {parent} is not a folder")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".speedpipe-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ValueError(f"--out {out}: cannot write in {parent} ({exc.strerror or exc})") from None
+    check_output_file("--out", out)
 
 
 def check_training_flags(args: argparse.Namespace) -> None:

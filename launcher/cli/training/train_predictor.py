@@ -287,7 +287,7 @@ def default_exit_layer(model_dir: Path, num_stages: int = 2) -> int:
 
     options = PipelineOptions(num_stages=num_stages, model=str(model_dir), speculate="speed", predictor="logit-lens",
                               progress=False)
-    return resolve(options).exit_layer
+    return resolve(options, check_limits=False).exit_layer
 
 
 def _write(args: argparse.Namespace, model_dir: Path, tensors: dict[str, torch.Tensor], meta: dict, line: str) -> int:
