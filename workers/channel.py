@@ -62,9 +62,9 @@ _held_listeners: dict[tuple[str, int], socket.socket] = {}
 _held_lock = threading.Lock()
 
 
-def hold_listener(host: str) -> int:
-    """Listen on a free port of `host` now and hold the socket for this process's next rank-0
-    `DataPlaneGroup` at `host`:port, which then serves on it. Returns the port.
+def hold_listener(host: str, port: int = 0) -> int:
+    """Listen on `port` of `host` (0: a free one) now and hold the socket for this process's next
+    rank-0 `DataPlaneGroup` at `host`:port, which then serves on it. Returns the port.
 
     [Note: held rendezvous port]
     Probing a free port and binding it later loses races: in between, any process's outgoing
@@ -75,10 +75,12 @@ def hold_listener(host: str) -> int:
     own store: `host` may be a name or a NAT address that no interface holds). Whoever holds a
     port and may not join releases it (`release_listener`). Raises OSError if it cannot bind.
     """
-    family, socktype, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    family, socktype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, socktype, proto)
     try:
-        sock.bind(addr if _is_loopback(host) else ("::" if family == socket.AF_INET6 else "", 0))
+        if port:  # a fixed port may still have connections in TIME_WAIT from the last run
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr if _is_loopback(host) else ("::" if family == socket.AF_INET6 else "", port))
         sock.listen(128)
     except OSError:
         sock.close()

@@ -5,14 +5,16 @@ node 0's launcher hosts a TCPStore at HOST:P; every node starts its own block of
 processes (launcher/backends/local.py) bound to its host IP and publishes their gRPC addresses there;
 node 0 collects all of them, runs the coordinator (rank 0 of the data plane, whose rendezvous is
 HOST:P+1) and drives every stage; the other nodes only keep their stages alive until node 0 says
-it is done, node 0 goes away, or one of their stages dies.
+it is done (and whether it failed), node 0 goes away or stays silent for --placement-timeout-s
+([Note: node 0 silent] in launcher/backends/launch_store.py), or one of their stages dies.
 Must not: know about models or requests (PipelineSession and the coordinator do).
 
 Store keys: `control_secret` = the session secret every stage's control plane checks (set by node 0;
 [Note: control-plane secret] in workers/control_auth.py); `rejoin_wait_s` = how long a stage whose
 data plane broke waits for a Rejoin (> 0: fail-over is on); `stage/<i>` = gRPC address of stage i;
 `done` = node 0 is shutting the pipeline down
-(stage exits are expected from now on); `left/<r>` = node r saw `done` (node 0 waits for these so
+(stage exits are expected from now on): `ok`, or `failed: why` (its launch or serve failed, so
+every node exits non-zero); `left/<r>` = node r saw `done` (node 0 waits for these so
 that its store outlives their last read); `restart/<r>/<n>` = node 0's n-th request (n = 1, 2, ...)
 to node r: restart stage <value> (`end`: no more requests); `respawned/<r>/<n>` = node r's answer:
 the new gRPC address, or `error: why`.
@@ -34,72 +36,32 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from launcher.backends.launch_store import (
+    DONE_OK,
+    Node0Watch,
+    check_master_addr_is_local,
+    hold_data_port,
+    open_store,
+)
 from launcher.backends.local import LocalStageBackend
 from launcher.backends.placement import PlacementError, PlacementOptions, detect_host_ip, node_stages
 from launcher.backends.stage_monitor import StageProcessMonitor
 from launcher.backends.stage_process import describe_returncode
 from launcher.backends.worker_command import LocalLaunchConfig
-from workers.channel import hold_listener, loopback_listener
+from workers.channel import hold_listener, release_listener
 from workers.control_auth import SECRET_ENV, TlsFiles
 
 log = logging.getLogger("speedpipe.multinode")
 
 LEFT_WAIT_S = 10.0
-CONNECT_RETRY_S = 0.5
 STAGE_EXIT_WAIT_S = 30.0
 FOREVER = datetime.timedelta(days=365)
-
-
-def _wait_listening(host: str, port: int, *, timeout_s: float) -> bool:
-    """True once something accepts TCP connections at host:port, False after `timeout_s`.
-
-    torch's TCPStore client retries a refused connection with a random back-off that can overrun its
-    own timeout by as much again, so nodes R > 0 wait here first, against the placement deadline.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(CONNECT_RETRY_S)
-
-
-def _store(options: PlacementOptions) -> dist.TCPStore:
-    """Node 0 hosts the launch store; other nodes connect to it (retrying until the placement timeout)."""
-    start = time.monotonic()
-    is_master = options.node_rank == 0
-    if not is_master and not _wait_listening(options.master_addr, options.master_port,
-                                             timeout_s=options.placement_timeout_s):
-        raise PlacementError(
-            f"node {options.node_rank}: cannot reach node 0 at {options.master_addr}:{options.master_port} within "
-            f"{options.placement_timeout_s:g} s (--placement-timeout-s); check that node 0 runs `launch --nnodes "
-            f"{options.nnodes} --node-rank 0 ...` with the same --master-addr/--master-port, and that the port is "
-            f"open")
-    remaining_s = max(1.0, options.placement_timeout_s - (time.monotonic() - start))
-    timeout = datetime.timedelta(seconds=remaining_s)
-    try:
-        return dist.TCPStore(options.master_addr, options.master_port, None, is_master, timeout=timeout,
-                             wait_for_workers=False,
-                             master_listen_fd=loopback_listener(options.master_addr, options.master_port)
-                             if is_master else None)
-    except (RuntimeError, OSError) as exc:  # torch raises DistNetworkError / DistStoreError (RuntimeErrors)
-        what = (f"cannot listen on port {options.master_port}" if is_master else
-                f"cannot reach node 0 at {options.master_addr}:{options.master_port} within "
-                f"{options.placement_timeout_s:g} s (--placement-timeout-s)")
-        raise PlacementError(f"node {options.node_rank}: {what}: {str(exc).splitlines()[0]}; check that node 0 "
-                             f"runs `launch --nnodes {options.nnodes} --node-rank 0 ...` with the same "
-                             f"--master-addr/--master-port, and that the port is open") from None
 
 
 def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
@@ -140,9 +102,14 @@ class MultiNodeStages:
         self.addresses: list[str] = []
         self._num_groups = 0  # data-plane groups handed out (data_port)
         self._missed: dict[int, str] = {}  # node rank -> why it is not asked to restart a stage again
+        self._failure = ""  # why node 0 failed, for `done`
 
     def start(self) -> list[str]:
-        self.store = _store(self.options)
+        """Check --master-addr and hold --master-port + 1 (nothing started yet), host the launch store,
+        start this node's stages and collect every node's. Raises PlacementError naming the flag."""
+        check_master_addr_is_local(self.master_addr)
+        hold_data_port(self.options)
+        self.store = open_store(self.options)
         self.store.set("rejoin_wait_s", f"{self.rejoin_wait_s:g}")  # before the secret: members read it first
         self.store.set("control_secret", self.control_secret)
         for i, address in zip(self.stages, self.local.start(), strict=True):
@@ -219,11 +186,15 @@ class MultiNodeStages:
         self.local.unwatch()
         self._say_done()
 
+    def mark_failed(self, why: str) -> None:
+        """Node 0's launch or serve failed: `done` says so, and every node exits non-zero."""
+        self._failure = self._failure or (why.splitlines()[0] if why.strip() else "interrupted")
+
     def _say_done(self) -> None:
-        """`done`, and an `end` request to every node that answers restart requests."""
+        """`done` (`ok` or `failed: why`), and an `end` request to every node that answers restart requests."""
         if self.store is None or self.store.check(["done"]):
             return
-        self.store.set("done", "1")
+        self.store.set("done", f"failed: {self._failure}" if self._failure else DONE_OK)
         if self.rejoin_wait_s > 0:
             for rank in range(1, self.options.nnodes):
                 self.store.set(f"restart/{rank}/{self.store.add(f'restarts/{rank}', 1)}", "end")
@@ -231,6 +202,7 @@ class MultiNodeStages:
     def stop(self) -> None:
         self._say_done()
         self.local.stop()
+        release_listener(self.master_addr, self.options.master_port + 1)  # held but never taken: start failed
         if self.store is not None and self.addresses:  # every node joined: let them read `done` first
             try:
                 self.store.wait([f"left/{r}" for r in range(1, self.options.nnodes)],
@@ -243,7 +215,7 @@ class MultiNodeStages:
 class _MemberWatch:
     """A member node's watch over its stages: the death monitor, and (fail-over on) the thread that
     answers node 0's restart requests ([Note: multi-node restart]) on its own store connection (a
-    TCPStore client runs one blocking call at a time, and another thread waits for `done`)."""
+    TCPStore client runs one blocking call at a time, and Node0Watch polls `done` on the other)."""
 
     def __init__(self, placement: PlacementOptions, backend: LocalStageBackend,
                  died: Callable[[int, int], None]) -> None:
@@ -261,7 +233,7 @@ class _MemberWatch:
         """Serve `restart/<r>/<n>` for n = 1, 2, ... until node 0 goes away (daemon thread)."""
         rank = self.placement.node_rank
         try:
-            store = _store(self.placement)
+            store = open_store(self.placement)
             for n in itertools.count(1):
                 store.wait([f"restart/{rank}/{n}"], FOREVER)
                 request = store.get(f"restart/{rank}/{n}").decode()
@@ -299,37 +271,44 @@ def _member_death(stage: str, returncode: int, *, fail_over: bool) -> tuple[str,
     return "error", f"{stage} exited unexpectedly with {describe_returncode(returncode)}"
 
 
+def _member_outcome(node0: Node0Watch, stage_decided: threading.Event,
+                    stage_verdict: dict[str, str]) -> tuple[str, str]:
+    """What ends a member node: node 0's outcome (Node0Watch.wait), or a local stage's verdict
+    (`_member_death`). A stage that exited 0 obeyed node 0's Shutdown: `done`, with node 0's status,
+    is on its way; past LEFT_WAIT_S without it, an error."""
+    outcome = node0.wait(stage_decided)
+    if outcome is not None:
+        return outcome
+    kind, why = next(iter(stage_verdict.items()))
+    if kind != "done":
+        return kind, why
+    return node0.wait(threading.Event(), timeout_s=LEFT_WAIT_S) or (
+        "error", f"a stage was shut down but {node0.where} did not say `done` within {LEFT_WAIT_S:g} s")
+
+
 def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
                     say: Callable[[str], None], tls: TlsFiles | None = None) -> int:
     """Node R > 0: start this node's stages, publish them, keep them until node 0 is done; with
     fail-over on (node 0's `rejoin_wait_s`), respawn a stage when node 0 asks ([Note: multi-node restart]).
 
-    Returns 0 when node 0 shut the pipeline down, 1 when a local stage died (fail-over off) or node 0
-    went away. Raises PlacementError when node 0 is not reachable within the placement timeout.
+    Returns 0 when node 0 finished; 1 when node 0 failed, went away or stayed silent for
+    --placement-timeout-s ([Note: node 0 silent] in launch_store.py), or a local stage died
+    (fail-over off). Raises PlacementError when node 0 is not reachable within the placement timeout.
     """
-    store = _store(placement)
+    store = open_store(placement)
     rejoin_wait_s = float(store.get("rejoin_wait_s").decode())
     backend, stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
                                      threads_per_stage=threads_per_stage,
                                      control_secret=store.get("control_secret").decode(), tls=tls,
                                      rejoin_wait_s=rejoin_wait_s)
-    outcome: dict[str, str] = {}
-    finished = threading.Event()
-
-    def wait_done() -> None:
-        try:
-            store.wait(["done"], FOREVER)
-            outcome.setdefault("done", "")
-        except RuntimeError as exc:
-            outcome.setdefault("error", f"node 0 at {placement.master_addr}:{placement.master_port} went away "
-                                        f"({str(exc).splitlines()[0]})")
-        finished.set()
+    stage_verdict: dict[str, str] = {}
+    stage_decided = threading.Event()
 
     def died(local_index: int, returncode: int) -> None:
         verdict = _member_death(backend.describe(stages.start + local_index), returncode, fail_over=rejoin_wait_s > 0)
         if verdict is not None:
-            outcome.setdefault(*verdict)
-            finished.set()
+            stage_verdict.setdefault(*verdict)
+            stage_decided.set()
 
     try:
         addresses = backend.start()
@@ -342,17 +321,17 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         if rejoin_wait_s > 0:
             restarts = threading.Thread(target=watch.answer_restarts, name="speedpipe-restarts", daemon=True)
             restarts.start()
-        threading.Thread(target=wait_done, name="speedpipe-wait-done", daemon=True).start()
-        finished.wait()
-        watch.stop(restarts if "error" not in outcome else None)
-        if "error" not in outcome:
+        kind, why = _member_outcome(Node0Watch(store, placement).start(), stage_decided, stage_verdict)
+        watch.stop(restarts if kind != "error" else None)
+        if kind != "error":  # node 0's store still answers (and its Node0Watch thread has ended)
             store.set(f"left/{placement.node_rank}", "1")
             # node 0's coordinator is sending Shutdown to our stages: let them drain and exit on their own
             backend.processes.wait_exited(STAGE_EXIT_WAIT_S)
     finally:
         backend.stop()
-    if "error" in outcome:
-        print(f"node {placement.node_rank}: pipeline failed: {outcome['error']}", file=sys.stderr)
+    if kind != "done":
+        print(f"node {placement.node_rank}: pipeline failed: {'node 0 failed: ' if kind == 'failed' else ''}{why}",
+              file=sys.stderr)
         return 1
     say(f"node {placement.node_rank}: node 0 finished; stages stopped")
     return 0

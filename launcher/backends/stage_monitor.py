@@ -21,9 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 class StageProcessMonitor:
-    """Calls `on_stage_death(stage_index, returncode)` once, when the first stage dies unexpectedly.
+    """Calls `on_stage_death(local_index, returncode)` once, when the first stage dies unexpectedly.
 
-    "Unexpectedly" means before `LocalStageProcesses.stop()` began; deaths during a stop are not
+    `local_index` counts the processes of `processes` from 0; the log line names the pipeline stage
+    index (`config.first_stage_index` + local index: in multi-node mode, node R's first process is
+    not stage 0). "Unexpectedly" means before `LocalStageProcesses.stop()` began; deaths during a stop are not
     reported. If several stages are found dead at once, the lowest stage index is reported. The
     callback runs on the monitor thread and may call `processes.stop()` and `monitor.stop()`.
     On Linux it sleeps in select() on pidfds (no polling); elsewhere it polls every `poll_s`.
@@ -89,12 +91,12 @@ class StageProcessMonitor:
                     continue
                 if self._processes.stopping:
                     return
-                stage_index, returncode = dead[0]
+                local_index, returncode = dead[0]
                 logger.error("[Stage %d] process died unexpectedly (%s)",
-                             stage_index, describe_returncode(returncode))
+                             self._processes.config.first_stage_index + local_index, describe_returncode(returncode))
                 self.fired.set()
                 try:
-                    self._on_stage_death(stage_index, returncode)
+                    self._on_stage_death(local_index, returncode)
                 except Exception:
                     logger.exception("stage-death callback failed")
                 return

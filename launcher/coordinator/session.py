@@ -134,13 +134,13 @@ class PipelineSession:
     def __enter__(self) -> PipelineSession:
         try:
             self._start()
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(failure=exc)
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(failure=exc)
 
     def placement(self) -> list[str]:
         """One line per stage: which layers (and which extra modules) it holds."""
@@ -249,11 +249,14 @@ class PipelineSession:
         if self.backend is not None:
             self.backend.stop()
 
-    def close(self) -> None:
-        """Stop the coordinator and every stage worker; idempotent."""
+    def close(self, *, failure: BaseException | None = None) -> None:
+        """Stop the coordinator and every stage worker; idempotent. `failure`: why the run ended
+        badly (multi-node: the other nodes then exit non-zero too)."""
         for host, port in self._data_ports:
             release_listener(host, port)
         self._data_ports.clear()
+        if failure is not None and self.options.placement.multi_node and self.backend is not None:
+            self.backend.mark_failed(str(failure) or type(failure).__name__)  # MultiNodeStages
         if self.backend is not None:
             self.backend.unwatch()
         if self.coordinator is not None:

@@ -177,6 +177,16 @@ def test_monitor_reports_the_stage_that_died_with_its_exit_code():
     assert deaths == [(2, 7)]
 
 
+def test_monitor_logs_the_pipeline_stage_index_of_a_node_whose_first_stage_is_not_0(caplog):
+    fired = threading.Event()
+    config = fake_config(1, "--die-after", "3", "--die-after-s", "0.5", "--exit-code", "3", first_stage_index=3)
+    with LocalStageProcesses(config, log_stream=io.StringIO()) as procs, caplog.at_level("ERROR"):
+        procs.start()
+        with StageProcessMonitor(procs, lambda i, rc: fired.set()):
+            assert fired.wait(8.0), "monitor did not report the dead stage"
+    assert "[Stage 3] process died unexpectedly" in caplog.text, caplog.text
+
+
 def test_monitor_is_silent_on_intentional_stop_and_ends_by_itself():
     deaths: list[tuple[int, int]] = []
     procs = LocalStageProcesses(fake_config(2), log_stream=io.StringIO())

@@ -3,6 +3,9 @@ loopback) give the local backend's greedy token ids on the real default model an
 leaving no stage process; node 0 without its peer, and node 1 without node 0, fail within
 --placement-timeout-s (exit 2).
 
+Node 0 checks --master-addr and the data-plane port before it starts anything; node 1 exits
+non-zero when node 0 freezes (within --placement-timeout-s) or fails.
+
 Fail-over across nodes ([Note: multi-node restart] in launcher/backends/multinode.py), tiny model:
 node 1's stage killed mid-generation is respawned by node 1's launcher and node 0 prints the same
 text as an undisturbed local run; when node 1's launcher cannot answer (stopped), node 0 gives up
@@ -217,3 +220,76 @@ def test_node_0_fences_when_node_1_does_not_respawn_its_stage_within_the_placeme
     assert "stage restarts exhausted" in err0, err0[-3000:]
     assert elapsed < 8 + 60, f"took {elapsed:.0f} s"
     assert wait_for(lambda: not _tagged_workers(tag), timeout_s=30), "stage workers left running"
+
+
+def test_node_0_with_a_master_addr_of_another_machine_fails_in_one_line(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    node0 = _launch("--stages", "2", "--model", str(model_dir), "--nnodes", "2", "--node-rank", "0",
+                    "--master-addr", "192.0.2.1", "--master-port", str(port), "--prompt", "Hi", tag=tag)
+    _, err = node0.communicate(timeout=120)
+    assert node0.returncode == 2, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("speedpipe launch: error: --master-addr 192.0.2.1 is not an address of "
+                                            "this machine (node 0 listens on it): give node 0 its own address, as "
+                                            "the other nodes reach it"), err[-3000:]
+    assert "frame #" not in err and "Traceback" not in err and len(err.strip().splitlines()) < 5, err[-3000:]
+    assert not _tagged_workers(tag), "stage workers left running"
+
+
+def test_node_0_with_a_busy_data_plane_port_fails_before_starting_stages(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port + 1))
+        busy.listen()
+        start = time.monotonic()
+        node0 = _launch("--stages", "2", "--model", str(model_dir), "--nnodes", "2", "--node-rank", "0",
+                        "--master-addr", "127.0.0.1", "--master-port", str(port), "--placement-timeout-s", "30",
+                        "--prompt", "Hi", tag=tag)
+        _, err = node0.communicate(timeout=120)
+        elapsed = time.monotonic() - start
+    assert node0.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"speedpipe launch: error: node 0: data-plane port {port + 1} (--master-port {port} + 1) "
+                           "cannot be used on 127.0.0.1"), err[-3000:]
+    assert elapsed < 30, f"took {elapsed:.0f} s: it waited for node 1 instead"
+    assert not _tagged_workers(tag), "stage workers left running"
+
+
+def test_node_1_exits_non_zero_naming_node_0_when_node_0_freezes(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    node0, node1 = _two_nodes(model_dir, port, tag, "--placement-timeout-s", "8")
+    try:
+        _streamed(node0, len(LONG_PROMPT) + 16)
+        for proc in [*_stage_workers_of(node0.pid), psutil.Process(node0.pid)]:
+            proc.send_signal(signal.SIGSTOP)  # no reset reaches node 1: a deleted pod, a partition
+        start = time.monotonic()
+        _, err1 = node1.communicate(timeout=RUN_TIMEOUT_S)
+        elapsed = time.monotonic() - start
+    finally:
+        for proc in _stage_workers_of(node0.pid):
+            proc.kill()
+        _kill_all(node0, node1)
+    assert node1.returncode == 1, err1[-3000:]
+    assert (f"node 1: pipeline failed: node 0 at 127.0.0.1:{port} has not answered for 8 s (--placement-timeout-s)"
+            in err1), err1[-3000:]
+    assert elapsed < 8 + 30, f"took {elapsed:.0f} s"
+    assert wait_for(lambda: not _tagged_workers(tag), timeout_s=30), "stage workers left running"
+
+
+def test_node_1_exits_non_zero_when_node_0_is_interrupted(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port, tag = _free_port_pair(), uuid.uuid4().hex
+    node0, node1 = _two_nodes(model_dir, port, tag)
+    try:
+        _streamed(node0, len(LONG_PROMPT) + 16)
+        node0.send_signal(signal.SIGTERM)  # node 0's launch fails: the job must not look successful
+        _, err0 = node0.communicate(timeout=RUN_TIMEOUT_S)
+        _, err1 = node1.communicate(timeout=60)
+    finally:
+        _kill_all(node0, node1)
+    assert node0.returncode != 0, err0[-3000:]
+    assert node1.returncode == 1, err1[-3000:]
+    assert "node 1: pipeline failed: node 0 failed: KeyboardInterrupt" in err1, err1[-3000:]
+    assert not _tagged_workers(tag), "stage workers left running"

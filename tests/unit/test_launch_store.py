@@ -1,0 +1,93 @@
+"""The launch store of the torchrun-style mode (launcher/backends/launch_store.py): node 0's checks
+before anything starts (--master-addr is its own, --master-port + 1 is free), and a member node's
+Node0Watch, which reads node 0's outcome from `done` and gives up on a frozen node 0 within
+--placement-timeout-s ([Note: node 0 silent])."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from launcher.backends.launch_store import Node0Watch, check_master_addr_is_local, hold_data_port
+from launcher.backends.placement import PlacementError, PlacementOptions
+from workers.channel import release_listener
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _options(port: int, *, placement_timeout_s: float = 60.0, node_rank: int = 1) -> PlacementOptions:
+    return PlacementOptions(nnodes=2, node_rank=node_rank, master_addr="127.0.0.1", master_port=port,
+                            placement_timeout_s=placement_timeout_s)
+
+
+def test_a_master_addr_of_another_machine_is_one_line_naming_the_flag():
+    with pytest.raises(PlacementError) as info:
+        check_master_addr_is_local("192.0.2.1")  # TEST-NET-1: never an address of this machine
+    assert str(info.value).startswith("--master-addr 192.0.2.1 is not an address of this machine")
+    check_master_addr_is_local("127.0.0.1")
+    check_master_addr_is_local("localhost")
+
+
+def test_a_busy_data_plane_port_names_the_port_and_master_port():
+    port = _free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port + 1))
+        busy.listen()
+        with pytest.raises(PlacementError) as info:
+            hold_data_port(_options(port, node_rank=0))
+    assert f"data-plane port {port + 1} (--master-port {port} + 1)" in str(info.value)
+    assert hold_data_port(_options(port, node_rank=0)) == port + 1  # free again: held for the data plane
+    release_listener("127.0.0.1", port + 1)
+
+
+@pytest.mark.parametrize(("done", "expected"), [("ok", ("done", "")), ("failed: coordinator failed to load",
+                                                                      ("failed", "coordinator failed to load"))])
+def test_node0_watch_reads_node_0s_outcome_from_done(done, expected):
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
+    watch = Node0Watch(client, _options(port)).start()
+    assert watch.wait(threading.Event(), timeout_s=1.5) is None  # not done yet: no outcome
+    master.set("done", done)
+    assert watch.wait(threading.Event(), timeout_s=10) == expected
+
+
+def test_node0_watch_gives_up_on_a_frozen_node_0_within_the_placement_timeout():
+    port = _free_port()
+    node0 = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import datetime, time, torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", {port}, None, True, timeout=datetime.timedelta(seconds=30),
+                              wait_for_workers=False)
+        print("ready", flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert node0.stdout.readline().strip() == "ready"
+        client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
+        watch = Node0Watch(client, _options(port, placement_timeout_s=2)).start()
+        os.kill(node0.pid, signal.SIGSTOP)  # its store accepts nothing more, and resets nothing
+        start = time.monotonic()
+        outcome = watch.wait(threading.Event())
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(node0.pid, signal.SIGKILL)
+        node0.wait()
+    assert outcome == ("error", f"node 0 at 127.0.0.1:{port} has not answered for 2 s (--placement-timeout-s): "
+                                f"it is frozen or unreachable")
+    assert elapsed < 6, f"took {elapsed:.1f} s with --placement-timeout-s 2"
