@@ -21,6 +21,9 @@ import pytest
 
 T = TypeVar("T")
 
+# Before any test module imports torch, as the launcher does: [Note: torch's C++ warnings].
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 # Substrings of command lines of session-long helper processes that are not leaks.
 ALLOWED_CHILD_CMDLINE_MARKERS = (
     "multiprocessing.resource_tracker",

@@ -91,3 +91,42 @@ def test_node0_watch_gives_up_on_a_frozen_node_0_within_the_placement_timeout():
     assert outcome == ("error", f"node 0 at 127.0.0.1:{port} has not answered for 2 s (--placement-timeout-s): "
                                 f"it is frozen or unreachable")
     assert elapsed < 6, f"took {elapsed:.1f} s with --placement-timeout-s 2"
+
+
+@pytest.mark.parametrize(("cpp_log_level", "frames_expected"), [(None, False), ("WARNING", True)])
+def test_a_member_whose_node_0_dies_prints_no_cpp_frames_unless_asked(cpp_log_level, frames_expected):
+    """[Note: torch's C++ warnings] in launcher/__init__.py: node 0 killed under a member's watch gives
+    one outcome line, not torch's 20-line "recvValue failed" warning, unless TORCH_CPP_LOG_LEVEL asks."""
+    port = _free_port()
+    node0 = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import datetime, time, torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", {port}, None, True, timeout=datetime.timedelta(seconds=30),
+                              wait_for_workers=False)
+        print("ready", flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    if cpp_log_level is not None:
+        env["TORCH_CPP_LOG_LEVEL"] = cpp_log_level
+    member_code = textwrap.dedent(f"""
+        import datetime, threading
+        from launcher.backends.launch_store import Node0Watch
+        from launcher.backends.placement import PlacementOptions
+        import torch.distributed as dist
+        options = PlacementOptions(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port={port},
+                                   placement_timeout_s=20)
+        store = dist.TCPStore("127.0.0.1", {port}, None, False, timeout=datetime.timedelta(seconds=10))
+        watch = Node0Watch(store, options).start()
+        print("watching", flush=True)
+        print(watch.wait(threading.Event()), flush=True)""")
+    try:
+        assert node0.stdout.readline().strip() == "ready"
+        member = subprocess.Popen([sys.executable, "-c", member_code], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+        assert member.stdout.readline().strip() == "watching"
+        node0.kill()
+        out, err = member.communicate(timeout=30)
+    finally:
+        node0.kill()
+        node0.wait()
+    assert out.startswith(f"('error', 'node 0 at 127.0.0.1:{port} went away"), (out, err)
+    assert ("frame #" in err) == frames_expected, err
