@@ -20,7 +20,8 @@ Fail-over ([Note: fail-over] in launcher/coordinator/stage_failover.py): `restar
 i's actor (a hung one too) and starts a new one in the same placement-group bundle, so it gets the
 same resources on the same node; the coordinator then `Load`s it and `Rejoin`s the others, as for
 local processes. The actors' `rejoin_wait_s` keeps a surviving stage whose data plane broke alive
-until that `Rejoin` (without it the worker exits, and with it the actor).
+until that `Rejoin` (without it the worker exits, and with it the actor). After a node loss the bundle
+moves to a live node first ([Note: node loss] in launcher/backends/ray_nodes.py).
 
 [Note: rendezvous address]
 The data plane's TCPStore is hosted by rank 0, the coordinator, which runs in the driver; so the
@@ -60,6 +61,7 @@ from launcher.backends.ray_messages import (
     format_resources,
     route_ray_output_to_stderr,
 )
+from launcher.backends.ray_nodes import await_node_declared_dead, node_alive, raylet_answers
 from launcher.backends.worker_command import LOG_LEVELS
 from workers.channel import hold_listener
 
@@ -124,14 +126,6 @@ class StagePlacement:
     node_ip: str
     pid: int = 0
     address: str = ""
-
-
-def _node_alive(node_id: str) -> bool:
-    """Whether the GCS lists node `node_id` as alive (True when it cannot tell)."""
-    try:
-        return next((bool(n.get("Alive")) for n in ray.nodes() if n.get("NodeID") == node_id), True)
-    except Exception:  # noqa: BLE001 - a description must not fail
-        return True
 
 
 def _actor_options(bundle: Mapping[str, float]) -> dict:
@@ -235,7 +229,7 @@ class RayStageActors:
 
     def restart_stage(self, stage_index: int) -> str:
         """Kill stage `stage_index`'s actor if it still runs and start a new one in the same bundle
-        (same resources and node), with the same secret; returns its new gRPC address. The
+        (same resources; same node unless that node was lost: [Note: node loss]), with the same secret; returns its new gRPC address. The
         coordinator loads it ([Note: fail-over]). Raises RuntimeError if it does not start within
         `startup_timeout_s`, or if the stages are stopping."""
         with self._lock:
@@ -245,6 +239,11 @@ class RayStageActors:
             with contextlib.suppress(Exception):
                 ray.kill(self._actors[stage_index], no_restart=True)
             where = BundleNode(bundle_index=old.bundle_index, node_id=old.node_id, node_ip=old.node_ip)
+            if not raylet_answers(old.node_id):  # [Note: node loss]
+                log.warning("%s: its node does not answer; waiting for Ray to declare it dead and move its "
+                            "bundle", self.describe(stage_index))
+                await_node_declared_dead(old.node_id, timeout_s=self.options.placement_timeout_s)
+                where = BundleNode(bundle_index=old.bundle_index, node_id="", node_ip="(its bundle's new node)")
             actor = self._new_actor(stage_index, where)
             self._actors[stage_index] = actor
             placement = self._started(stage_index, where, actor.start.remote(*self._start_args()))
@@ -389,7 +388,7 @@ class RayStageActors:
                 cause = "stopped on its own"
             except ray.exceptions.RayError as exc:
                 node = self.placements[stage_index]
-                cause = death_cause(exc, node_ip=node.node_ip, node_alive=_node_alive(node.node_id))
+                cause = death_cause(exc, node_ip=node.node_ip, node_alive=node_alive(node.node_id))
             if self._stopping.is_set() or unwatched.is_set():
                 return
             log.error("%s died: %s", self.describe(stage_index), cause)

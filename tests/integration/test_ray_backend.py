@@ -7,7 +7,9 @@ real default model, with stages spread over nodes in the deterministic order (dr
 by IP); with fail-over on, a stage actor killed (`ray.kill`) mid-generation is replaced by a new actor
 in the same placement-group bundle (same node) and every request completes with the tokens of an
 undisturbed run (tiny model, 3 stages), and closing the session lets every actor stop its own gRPC
-server before it is killed (no grpc `__del__` cut short by Ray's SIGTERM); an unsatisfiable placement fails within --placement-timeout-s
+server before it is killed (no grpc `__del__` cut short by Ray's SIGTERM); a lost node (three extra
+nodes, one removed mid-generation) costs one restart, into its bundle moved to a live node; an
+unsatisfiable placement fails within --placement-timeout-s
 saying what was asked and what the cluster has; without fail-over, a killed stage actor is reported
 by stage index and node. Then the CLI starts its
 own Ray instance (`ray.init(num_cpus=...)`), asks for GPUs this machine lacks, exits 2 in time and
@@ -170,6 +172,45 @@ def test_a_stage_actor_killed_mid_generation_is_replaced_in_its_bundle_and_reque
     assert not _gone([p.pid for p in after]), "stage actors still alive after the session closed"
     # closing waited for every stage to stop its own gRPC server (returning 0) before ray.kill
     assert ray.get(exits, timeout=10) == [0, 0, 0]
+
+
+def test_a_lost_node_costs_one_restart_and_its_stage_moves_to_a_live_node(cluster, tmp_path):
+    """[Note: node loss] in launcher/backends/ray_nodes.py: the data plane notices a dead node before Ray
+    does; the restart waits for Ray to move the bundle instead of starting an actor on the dead node
+    (on the old code: 2 restarts). Three extra nodes with their own resource, so the module's nodes are
+    left as they were."""
+    extra = [cluster.add_node(num_cpus=1, node_ip_address=ip, resources={"nodeloss": 1})
+             for ip in ("127.0.0.4", "127.0.0.5", "127.0.0.6")]
+    cluster.wait_for_nodes()
+    model_dir = sharpen_weights(write_tiny_model(tmp_path / "tiny"))
+    placement = PlacementOptions(backend="ray", placement_strategy="STRICT_SPREAD", placement_timeout_s=60,
+                                 stage_resources={"CPU": 1, "nodeloss": 1})
+    options = PipelineOptions(num_stages=2, model=str(model_dir), progress=False, max_model_len=256,
+                              max_num_seqs=2, stage_timeout_s=60.0, placement=placement)
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    removed = []
+    try:
+        with PipelineSession(options, resolve(options), restart_budget=RestartBudget(max_restarts=3)) as session:
+            coord, backend = session.coordinator, session.backend
+            undisturbed = coord.submit("Once upon a time", params).result(timeout_s=RESULT_TIMEOUT_S).token_ids
+            handle = coord.submit("Once upon a time", params)
+            wait_for(lambda: len(handle.token_ids) >= 4 or handle.error is not None, timeout_s=60, step_s=0.01)
+            before = list(backend.placements)
+            victim = next(n for n in extra if n.node_ip_address == before[1].node_ip)
+            os.kill(before[1].pid, signal.SIGSTOP)  # the request cannot finish before the node is gone
+            cluster.remove_node(victim, allow_graceful=False)
+            removed.append(victim)
+            os.kill(before[1].pid, signal.SIGKILL)  # as the machine's loss would
+            assert handle.result(timeout_s=RESULT_TIMEOUT_S).token_ids == undisturbed
+            after = list(backend.placements)
+            assert coord.num_restarts == 1 and coord.failure is None
+        assert after[1].node_ip not in (before[0].node_ip, before[1].node_ip), after
+        assert after[1].bundle_index == before[1].bundle_index
+        assert not _gone([p.pid for p in after]), "stage actors still alive after the session closed"
+    finally:
+        for node in extra:
+            if node not in removed:
+                cluster.remove_node(node)
 
 
 def test_ray_3_stages_one_per_node_give_the_local_backends_tokens_in_rank_order(three_stage_session, local_backend_tokens):
