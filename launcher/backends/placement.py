@@ -5,7 +5,7 @@ multi-node flags), the `StageBackend` role every placement backend plays for `Pi
 the pure placement rules: the deterministic stage order of Ray bundles, which stages a node runs in
 the multi-node mode, how many stages can compute at once, the environment forwarded to remote
 workers, and interface detection.
-Must not: import ray (launcher/backends/ray.py is the only module that does), spawn processes, or
+Must not: import ray (only launcher/backends/ray_cluster/ does), spawn processes, or
 talk to stages.
 
 [Note: stage order]

@@ -171,7 +171,9 @@ class PipelineSession:
         # a stage whose data plane broke waits to be rejoined ([Note: fail-over]):
         rejoin_wait_s = REJOIN_WAIT_S if self.restart_budget.max_restarts else 0
         if opt.placement.backend == "ray":
-            from launcher.backends.ray import RayStageActors  # ray is imported only there
+            from launcher.backends.ray_cluster.stage_actors import (
+                RayStageActors,  # ray is imported only there
+            )
 
             return RayStageActors(num_stages=opt.num_stages, placement=opt.placement, device=opt.device,
                                   log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,

@@ -7,7 +7,7 @@ hung ones: a `Health` call that runs into its deadline), and the control round t
 stage into a fresh data-plane group (`Load` for a restarted stage, `Rejoin` for the others).
 Must not: touch the engine or the requests (launcher/coordinator/coordinator.py replays them), or spawn
 processes itself (the placement backend's `restart_stage` does: a new process, launcher/backends/local.py;
-a new actor in the same bundle, launcher/backends/ray.py; a respawn by the stage's node launcher,
+a new actor in the same bundle, launcher/backends/ray_cluster/stage_actors.py; a respawn by the stage's node launcher,
 [Note: multi-node restart] in launcher/backends/multinode.py).
 
 [Note: fail-over]

@@ -40,7 +40,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from launcher.backends.placement import PlacementError, PlacementOptions  # noqa: E402
-from launcher.backends.ray import RayStageActors  # noqa: E402
+from launcher.backends.ray_cluster.stage_actors import RayStageActors  # noqa: E402
 from launcher.coordinator.coordinator import PipelineError  # noqa: E402
 from launcher.coordinator.pipeline_options import PipelineOptions  # noqa: E402
 from launcher.coordinator.run_plan import resolve  # noqa: E402
@@ -175,7 +175,7 @@ def test_a_stage_actor_killed_mid_generation_is_replaced_in_its_bundle_and_reque
 
 
 def test_a_lost_node_costs_one_restart_and_its_stage_moves_to_a_live_node(cluster, tmp_path):
-    """[Note: node loss] in launcher/backends/ray_nodes.py: the data plane notices a dead node before Ray
+    """[Note: node loss] in launcher/backends/ray_cluster/nodes.py: the data plane notices a dead node before Ray
     does; the restart waits for Ray to move the bundle instead of starting an actor on the dead node
     (on the old code: 2 restarts). Three extra nodes with their own resource, so the module's nodes are
     left as they were."""

@@ -1,4 +1,4 @@
-"""launcher/backends/ray_messages.py and the Ray backend's use of it, without a Ray cluster: Ray's
+"""launcher/backends/ray_cluster/messages.py and the Ray backend's use of it, without a Ray cluster: Ray's
 driver output goes to stderr (never into the generated text on stdout), a token-auth failure is named
 as such, a dead node is named in a stage's death, and a fenced server stops the stages of any backend."""
 
@@ -12,9 +12,9 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray._private import worker as ray_worker  # noqa: E402
 
-from launcher.backends import ray as ray_backend  # noqa: E402
 from launcher.backends.placement import PlacementError, PlacementOptions  # noqa: E402
-from launcher.backends.ray_messages import connect_failure, death_cause  # noqa: E402
+from launcher.backends.ray_cluster import stage_actors as ray_backend  # noqa: E402
+from launcher.backends.ray_cluster.messages import connect_failure, death_cause  # noqa: E402
 from launcher.serving import drain as drain_module  # noqa: E402
 
 RAYLET_NOTICE = {"lines": ["A worker died or was killed while executing a task (test-notice-4711)"],

@@ -4,8 +4,8 @@ Owns the Ray side of placement: joining (or starting) a Ray instance, one placem
 bundle per stage, waiting for it at most `placement_timeout_s` and explaining a placement that cannot
 be satisfied, one `StageActor` per bundle in the deterministic stage order of
 `launcher.backends.placement.stage_order`, the forwarded environment, noticing a dead actor or node, and
-stopping everything it started. With launcher/backends/ray_messages.py (Ray's driver output on
-stderr, death and connection messages), the only modules of the project that import ray.
+stopping everything it started. With messages.py (Ray's driver output on stderr, death and connection
+messages) and nodes.py (node liveness) beside it, the only modules of the project that import ray.
 Must not: know about models, the control-plane RPCs or the data plane beyond handing out the stages'
 gRPC addresses (the same role as launcher/backends/local.py).
 
@@ -21,7 +21,7 @@ i's actor (a hung one too) and starts a new one in the same placement-group bund
 same resources on the same node; the coordinator then `Load`s it and `Rejoin`s the others, as for
 local processes. The actors' `rejoin_wait_s` keeps a surviving stage whose data plane broke alive
 until that `Rejoin` (without it the worker exits, and with it the actor). After a node loss the bundle
-moves to a live node first ([Note: node loss] in launcher/backends/ray_nodes.py).
+moves to a live node first ([Note: node loss] in launcher/backends/ray_cluster/nodes.py).
 
 [Note: rendezvous address]
 The data plane's TCPStore is hosted by rank 0, the coordinator, which runs in the driver; so the
@@ -55,13 +55,13 @@ from launcher.backends.placement import (
     probe_ray_address,
     stage_order,
 )
-from launcher.backends.ray_messages import (
+from launcher.backends.ray_cluster.messages import (
     connect_failure,
     death_cause,
     format_resources,
     route_ray_output_to_stderr,
 )
-from launcher.backends.ray_nodes import await_node_declared_dead, node_alive, raylet_answers
+from launcher.backends.ray_cluster.nodes import await_node_declared_dead, node_alive, raylet_answers
 from launcher.backends.worker_command import LOG_LEVELS
 from workers.channel import hold_listener
 

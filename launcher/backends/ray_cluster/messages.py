@@ -1,4 +1,4 @@
-"""What Ray tells the user, in speedpipe's words and on the right stream (used by launcher/backends/ray.py).
+"""What Ray tells the user, in speedpipe's words and on the right stream (used by launcher/backends/ray_cluster/stage_actors.py).
 
 Owns: routing every line Ray forwards to the driver (the stage actors' own logs, and Ray's "(raylet)"
 error notices such as "A worker died or was killed") to stderr, so stdout carries only model output;

@@ -1,7 +1,7 @@
 """Whether a Ray node is alive: the GCS's word, the node's raylet answering, and waiting for a node
 loss to be declared.
 
-Owns the liveness questions `launcher/backends/ray.py` asks about a dead stage's node (its death
+Owns the liveness questions `launcher/backends/ray_cluster/stage_actors.py` asks about a dead stage's node (its death
 message, and where its restart goes). Must not start or kill actors.
 
 [Note: node loss]
