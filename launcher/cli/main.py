@@ -27,7 +27,7 @@ from launcher.cli.parsing import (
     check_vllm_args,
     mark_model_given,
     min_acceptance_arg,
-    read_prompts_file,
+    read_prompts,
     shorten_help,
     version_string,
 )
@@ -39,6 +39,7 @@ from launcher.cli.speculation_defaults import (
 )
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.request_handle import RequestError
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
@@ -162,19 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     parser.set_defaults(subparsers={**commands, "simulate": simulate, "train-predictor": train})
     return parser
-
-
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """Prompts from --prompt and --prompts-file, in order. Raises UsageError."""
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        prompts += read_prompts_file(args.prompts_file)
-    if not prompts:
-        raise UsageError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
-    for i, p in enumerate(prompts):  # whitespace is text to a tokenizer (the server takes it too)
-        if not p:
-            raise UsageError(f"prompt {i} is empty")
-    return prompts
 
 
 # vLLM's --dtype spellings: `auto` is this project's exact default (float32), `half` / `float` as vLLM.
@@ -382,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"{PROG} {command}: error: {flag_message(str(exc))}", file=sys.stderr)
         return 2
-    except (PipelineError, StageStartupError) as exc:
-        print(f"{PROG} {command}: pipeline failed: {exc}", file=sys.stderr)
+    except (PipelineError, StageStartupError) as exc:  # a RequestError: one request's logits were not finite
+        print(f"{PROG} {command}: {'request' if isinstance(exc, RequestError) else 'pipeline'} failed: {exc}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         stages = command not in ("train-predictor", "bench serve", "simulate")  # these start no stages

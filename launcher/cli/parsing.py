@@ -208,3 +208,16 @@ def min_acceptance_arg(text: str) -> float | None:
     if not 0.0 <= value <= 1.0:
         raise UsageError(f"--min-acceptance must be 'auto' or a number in [0, 1], got {text!r}")
     return value
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt and --prompts-file, in order. Raises UsageError."""
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts_file(args.prompts_file)
+    if not prompts:
+        raise UsageError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
+    for i, p in enumerate(prompts):  # whitespace is text to a tokenizer (the server takes it too)
+        if not p:
+            raise UsageError(f"prompt {i} is empty")
+    return prompts

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from pipeline.engine.records import Commit
+from pipeline.engine.records import Commit, FinishReason
 from pipeline.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.logprobs import TokenLogprob
@@ -23,6 +23,17 @@ from pipeline.speculation.sampling import SamplingParams
 
 class PipelineError(RuntimeError):
     """The pipeline failed (a stage died, timed out or refused to load); every request fails."""
+
+
+class RequestError(PipelineError):
+    """One request failed while the pipeline stays up: its logits were not finite ([Note: non-finite
+    logits] in pipeline/engine/records.py). A PipelineError, so every caller that handles a failed
+    pipeline handles it; servers answer it as an internal error of that request (HTTP 500, gRPC
+    INTERNAL), not as an unavailable server."""
+
+    NON_FINITE = ("the model's logits are not finite (NaN or inf) at output token {position}: the weights hold "
+                  "NaN or inf values, or the activations overflowed the numeric mode (float16 overflows "
+                  "easily; try --dtype bfloat16 or float32)")
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: SamplingParams, *,
@@ -108,6 +119,9 @@ class RequestHandle:
     def emit(self, commit: Commit) -> bool:
         """Record newly committed tokens and stream their text; returns True if one of the
         request's stop strings ended it (the coordinator then finishes the sequence)."""
+        if commit.finish_reason is FinishReason.ERROR:
+            self.finish("error", RequestError(RequestError.NON_FINITE.format(position=len(self.token_ids))))
+            return False
         stop = self.params.stop
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()

@@ -19,6 +19,7 @@ import uuid
 import grpc
 
 from launcher.coordinator.coordinator import PipelineError
+from launcher.coordinator.request_handle import RequestError
 from launcher.serving.serving_engine import (
     MAX_TEMPERATURE,
     InvalidRequestError,
@@ -107,6 +108,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 yield msg
         except UnavailableError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RequestError as exc:  # this request alone failed; the server stays up
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except PipelineError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
 

@@ -7,9 +7,10 @@ like /v1/*), `GET /health` (200, or 503 with the reason while the pipeline or an
 unhealthy), `GET /version` and `GET /metrics` (Prometheus text).
 Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting) → 400, wrong or missing
 `Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
---max-request-bytes → 413, full queue → 429, failed, fenced or draining server → 503, each with an
-OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; the server keeps serving. A
-stream that fails mid-way ends with an error event and `data: [DONE]`.
+--max-request-bytes → 413, full queue → 429, a request whose logits were not finite → 500 (that
+request alone), failed, fenced or draining server → 503, each with an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}` (launcher/serving/http_errors.py); the server keeps
+serving. A stream that fails mid-way ends with an error event and `data: [DONE]`.
 Body decoding, validation and tokenisation run in a worker thread, so /health and the running
 streams are served while a large body is handled.
 A client that disconnects (or stops reading a stream) has its request aborted at once, which
@@ -36,6 +37,15 @@ from starlette.requests import ClientDisconnect
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
+from launcher.serving.http_errors import (
+    BodyTooLarge,
+    admission_error,
+    error_response,
+    failure,
+    read_body,
+    refused,
+    unavailable,
+)
 from launcher.serving.openai_logprobs import LogprobFormatter
 from launcher.serving.serving_engine import (
     InvalidRequestError,
@@ -44,30 +54,10 @@ from launcher.serving.serving_engine import (
     ServingEngine,
     UnavailableError,
 )
-from workers.control_auth import secret_matches
 
 log = logging.getLogger("speedpipe.serve")
 DISCONNECT_POLL_S = 0.2
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-
-
-class _BodyTooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"request body is larger than {limit} bytes (--max-request-bytes)")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body; raises _BodyTooLarge as soon as it is known to exceed `limit` bytes."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise _BodyTooLarge(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _in_thread(fn, *args) -> Any:
@@ -83,10 +73,6 @@ async def _in_thread(fn, *args) -> Any:
 
         task.add_done_callback(cancel_stream)
         raise
-
-
-def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(openai_protocol.error_body(message, param, type_=type_, code=status), status_code=status)
 
 
 def _sse(obj: Any) -> str:
@@ -106,16 +92,6 @@ class _AbortingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._request_stream.cancel()
-
-
-def _refused(request: Request, api_key: str | None) -> JSONResponse | None:
-    """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`, the scheme in
-    any case as RFC 9110 §11.1 says); else a 401."""
-    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-    if api_key is None or (scheme.lower() == "bearer" and secret_matches(token.strip(), api_key)):
-        return None
-    return JSONResponse(openai_protocol.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
-                                         None, code="invalid_api_key"), status_code=401)
 
 
 def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protocol.ParsedRequest, ChoiceStreams]:
@@ -162,28 +138,6 @@ def _echo_text(tokenizer, parsed: openai_protocol.ParsedRequest) -> str:
     return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
 
 
-def _failure_message(exc: PipelineError | UnavailableError) -> str:
-    return str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}"
-
-
-def _unavailable(exc: PipelineError | UnavailableError) -> JSONResponse:
-    """503 for a fenced or draining server, or a failed pipeline."""
-    return _error(503, _failure_message(exc), None, type_="service_unavailable")
-
-
-def _admission_error(exc: Exception) -> JSONResponse:
-    """The response for an exception raised while admitting a request (see the module docstring)."""
-    if isinstance(exc, _BodyTooLarge):
-        return _error(413, str(exc), None)
-    if isinstance(exc, InvalidRequestError):
-        return _error(400, str(exc), exc.param)
-    if isinstance(exc, QueueFullError):
-        return _error(429, str(exc), None, type_="rate_limit_error")
-    if isinstance(exc, (UnavailableError, PipelineError)):
-        return _unavailable(exc)
-    return _error(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
-
-
 async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,
                    engine: ServingEngine, formatter: LogprobFormatter, chat: bool) -> Response:
     """The whole answer of a non-streaming request (every choice); a client gone before it is ready aborts it."""
@@ -214,7 +168,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
                 chunk=False, chat=chat, index=index,
                 logprobs=_choice_logprobs(formatter, parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
     except (UnavailableError, PipelineError) as exc:
-        return _unavailable(exc)
+        return unavailable(exc)
     finally:
         done.set()
         watcher.cancel()
@@ -259,7 +213,8 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
             yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))
         yield "data: [DONE]\n\n"
     except (PipelineError, UnavailableError) as exc:  # the stream ends with an error event, then [DONE]
-        yield _sse(openai_protocol.error_body(_failure_message(exc), None, type_="service_unavailable", code=503))
+        code, message, type_ = failure(exc)
+        yield _sse(openai_protocol.error_body(message, None, type_=type_, code=code))
         yield "data: [DONE]\n\n"
     finally:  # also on client disconnect (the generator is cancelled / closed)
         stream.cancel()
@@ -269,13 +224,13 @@ def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
     """Unauthenticated routes: /health, /version, /metrics, and the error body of unknown routes."""
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else
+        return error_response(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else
                       "invalid_request_error")
 
     @app.get("/health")
     async def health() -> Response:
         ok, why = await asyncio.to_thread(engine.healthy)
-        return Response(status_code=200) if ok else _error(503, why, type_="service_unavailable")
+        return Response(status_code=200) if ok else error_response(503, why, type_="service_unavailable")
 
     @app.get("/version")
     async def version() -> Response:
@@ -295,15 +250,15 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
     formatter = LogprobFormatter(engine.tokenizer)
 
     async def generate(request: Request, *, chat: bool) -> Response:
-        if (denied := _refused(request, api_key)) is not None:
+        if (denied := refused(request, api_key)) is not None:
             return denied
         try:
-            parsed, stream = await _in_thread(_admit, engine, await _read_body(request, max_request_bytes), chat)
+            parsed, stream = await _in_thread(_admit, engine, await read_body(request, max_request_bytes), chat)
         except ClientDisconnect:  # gone before its body arrived: nothing was admitted, nobody to answer
             log.debug("client disconnected while sending its request body")
             return Response(status_code=400)
-        except (_BodyTooLarge, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
-            return _admission_error(exc)  # InvalidRequestError is a ValueError
+        except (BodyTooLarge, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
+            return admission_error(exc)  # InvalidRequestError is a ValueError
         if parsed.stream:
             return _AbortingStreamingResponse(_stream(stream, parsed, engine=engine, formatter=formatter, chat=chat),
                                               stream=stream, media_type="text/event-stream")
@@ -314,16 +269,16 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        if (denied := _refused(request, api_key)) is not None:
+        if (denied := refused(request, api_key)) is not None:
             return denied
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
-        if (denied := _refused(request, api_key)) is not None:
+        if (denied := refused(request, api_key)) is not None:
             return denied
         if model_id != engine.model_name:
-            return _error(404, f"The model '{model_id}' does not exist", "model", type_="not_found_error")
+            return error_response(404, f"The model '{model_id}' does not exist", "model", type_="not_found_error")
         return JSONResponse(card)
 
     @app.post("/v1/completions")
@@ -338,15 +293,15 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
 def _add_tokenizer_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | None, max_request_bytes: int) -> None:
     """vLLM's /tokenize and /detokenize (launcher/serving/tokenize_api.py), behind the API key like /v1/*."""
     async def tokenizer_call(request: Request, answer) -> Response:  # /tokenize, /detokenize
-        if (denied := _refused(request, api_key)) is not None:
+        if (denied := refused(request, api_key)) is not None:
             return denied
         try:
-            raw = await _read_body(request, max_request_bytes)
+            raw = await read_body(request, max_request_bytes)
             return JSONResponse(await asyncio.to_thread(lambda: answer(openai_protocol.decode_body(raw))))
         except ClientDisconnect:
             return Response(status_code=400)
-        except (_BodyTooLarge, ValueError) as exc:  # InvalidRequestError is a ValueError
-            return _admission_error(exc)
+        except (BodyTooLarge, ValueError) as exc:  # InvalidRequestError is a ValueError
+            return admission_error(exc)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -17,12 +17,24 @@ from pipeline.speculation.sampling import Sampler, SamplingParams
 
 
 class FinishReason(enum.Enum):
-    """Why a sequence stopped: token budget, end-of-sequence token, stop string, or aborted."""
+    """Why a sequence stopped: token budget, end-of-sequence token, stop string, aborted, or its
+    logits were not finite (ERROR: [Note: non-finite logits])."""
 
     LENGTH = "length"
     EOS = "eos"
     STOP = "stop"
     ABORTED = "aborted"
+    ERROR = "error"
+
+
+# [Note: non-finite logits]
+# A logits row holding NaN or inf (weights with NaN, or activations past float16's range) has no
+# meaningful argmax: torch would pick the NaN's index and decode garbage without a word. The last
+# stage marks such a row's token NON_FINITE_TOKEN (pipeline/engine/stage_executor.py); the scheduler
+# then ends that sequence alone with FinishReason.ERROR and no tokens, and frees its KV slot (its
+# cache may hold the NaNs); the coordinator fails only that request, naming the likely cause. The
+# other sequences of the micro-batch are untouched (rows do not mix), and the pipeline stays up.
+NON_FINITE_TOKEN = -1
 
 
 # A deep draft (one past the run-ahead depth) made by the exit stage needs its parent's draft-gate

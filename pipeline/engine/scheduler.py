@@ -40,6 +40,7 @@ import torch
 
 from pipeline.engine import local_draft
 from pipeline.engine.records import (
+    NON_FINITE_TOKEN,
     Commit,
     FinishReason,
     MicroBatch,
@@ -313,24 +314,16 @@ class Scheduler:
             item, argmax, rows = self.tree.result_rows(seq, item, argmax, rows)  # [Note: token trees]
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
+            if NON_FINITE_TOKEN in argmax:  # [Note: non-finite logits] in pipeline/engine/records.py
+                self._finish(seq, FinishReason.ERROR)
+                commits.append(Commit(seq.seq_id, (), FinishReason.ERROR))
+                continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
             if item.want_prompt_logits:  # (a one-token prompt has no prompt row: prompt is None)
                 commit = dataclasses.replace(commit, prompt_logprobs=prompt_token_logprobs(
                     seq.prompt_ids, prompt, seq.params.prompt_logprobs or 0))
             commits.append(commit)
         return commits
-
-    def _record_gate(self, seq: SequenceState, item: Item, tokens: list[int]) -> None:
-        """Tell the draft gate whether the run-ahead draft that followed `item` (the chain's second
-        in-flight item, still there: call before the ledger applies the result) was right. The real
-        token at position item.end is tokens[num_result_rows - 1] when the chain got that far; a
-        draft behind a broken chain was never verified."""
-        chain = seq.ledger.inflight
-        if len(chain) < 2 or chain[1].position != item.end or chain[1].gate_key is None:
-            return
-        i = item.num_result_rows - 1
-        if i < len(tokens):
-            self.gate.record(chain[1].gate_key, accepted=tokens[i] == chain[1].token)
 
     def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: list[int], rows: torch.Tensor | None,
                            firp: list[int], now_ns: int) -> Commit:
@@ -342,7 +335,7 @@ class Scheduler:
         logprobs = None
         if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/logprobs.py
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
-        self._record_gate(seq, item, tokens)
+        self.gate.record_run_ahead(seq.ledger.inflight, item, tokens)
         rescue = self.tree.rescue_for(seq, item, tokens, eos_token_ids=self.config.eos_token_ids)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         local_draft.guard_unannounced(seq, item)

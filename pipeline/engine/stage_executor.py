@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from pipeline.engine.records import NON_FINITE_TOKEN
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.row_layout import Span
 from pipeline.model.stage_model import StageModel
@@ -174,7 +175,7 @@ class StageExecutor:
             result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden[primary])
         if self.model.is_last:
             out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
-            result.token_ids = out[result_index].argmax(dim=-1).cpu()
+            result.token_ids = _argmax_or_non_finite(out[result_index]).cpu()
             result.logits, result.prompt_logprobs = _returned_logits(items, out, prompt_next)
             if fwd.pseudo is not None:
                 probs, tokens = torch.softmax(fwd.pseudo, dim=-1).max(dim=-1)
@@ -281,3 +282,11 @@ def _returned_logits(items: list[Item], out: torch.Tensor, prompt_next: torch.Te
             raise ValueError(f"items want the logprobs of {len(prompt)} prompt rows, but prompt_next is {got}")
         reduced = tuple(t.cpu() for t in reduce_prompt_rows(out[prompt], prompt_next))
     return (out[want].cpu() if want else None), reduced
+
+
+def _argmax_or_non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] logits -> [rows] int64 argmax, NON_FINITE_TOKEN where a row holds NaN or inf
+    ([Note: non-finite logits] in pipeline/engine/records.py)."""
+    tokens = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits).all(dim=-1)
+    return tokens if bool(finite.all()) else torch.where(finite, tokens, NON_FINITE_TOKEN)

@@ -47,7 +47,10 @@ runs are reproducible). Gating only decides whether to draft; committed tokens n
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
+from pipeline.speculation.items import Item
+from pipeline.speculation.ledger import InFlight
 from pipeline.speculation.predictors import Draft
 
 OPTIMISTIC_PRIOR = 0.6  # the lowest prior acceptance of a new bucket (see the note)
@@ -151,3 +154,14 @@ class DraftGate:
         stats = self.buckets.setdefault(key, BucketStats())
         stats.verified += 1
         stats.accepted += int(accepted)
+
+    def record_run_ahead(self, chain: Sequence[InFlight], item: Item, tokens: Sequence[int]) -> None:
+        """Record whether the run-ahead draft that followed `item` (chain[1] of the sequence's
+        in-flight chain, before the ledger applies the result) was right. The real token at
+        position item.end is tokens[num_result_rows - 1] when the chain got that far; a draft
+        behind a broken chain was never verified."""
+        if len(chain) < 2 or chain[1].position != item.end or chain[1].gate_key is None:
+            return
+        i = item.num_result_rows - 1
+        if i < len(tokens):
+            self.record(chain[1].gate_key, accepted=tokens[i] == chain[1].token)

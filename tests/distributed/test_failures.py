@@ -297,3 +297,35 @@ def test_sigkill_of_launch_makes_its_stage_processes_exit_within_10_s(tiny_model
         assert wait_until_dead(pids, 10.0) == []
     finally:
         run.kill()  # orphans are no longer our children: the leak fixture would not see them
+
+
+# -- non-finite logits ----------------------------------------------------------------------------------
+
+def test_nan_weights_fail_each_request_with_one_line_and_the_pipeline_stays_up(tiny_model_dir: Path, tmp_path: Path,
+                                                                               capsys):
+    """[Note: non-finite logits] in pipeline/engine/records.py: NaN in a layer of the last stage gives
+    each request a RequestError naming the cause (it used to decode token 0 without a word); no stage
+    is restarted and the pipeline keeps answering; `launch` exits 1 with one line."""
+    from safetensors.torch import load_file, save_file
+
+    from launcher.cli.main import main
+    from launcher.coordinator.request_handle import RequestError
+
+    model_dir = tmp_path / "nan-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    for path in model_dir.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        tensors = {name: t.fill_(float("nan")) if name.startswith("model.layers.3.mlp.down_proj") else t
+                   for name, t in tensors.items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    with started_session(session_options(model_dir, 2)) as session:
+        coord = session.coordinator
+        for prompt in ("Once upon a time", "abc"):
+            with pytest.raises(RequestError, match=r"not finite \(NaN or inf\) at output token 0"):
+                coord.submit(prompt, SamplingParams(max_new_tokens=8)).result(timeout_s=60)
+        assert coord.failure is None and coord.num_restarts == 0
+    assert main(["launch", "--model", str(model_dir), "--stages", "2", "--max-new-tokens", "4",
+                 "--prompt", "hi", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("speedpipe launch: request failed: the model's logits are not finite"), err[-3:]
+    assert not any("Traceback" in line for line in err)

@@ -12,8 +12,8 @@ import pytest
 
 from launcher.bench.plots import percent_label
 from launcher.cli.launch import plural
-from launcher.cli.main import UsageError, _parse, build_parser, main, read_prompts_file
-from launcher.cli.parsing import DefaultsFormatter, unescape, version_string
+from launcher.cli.main import UsageError, _parse, build_parser, main
+from launcher.cli.parsing import DefaultsFormatter, read_prompts_file, unescape, version_string
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,9 +12,8 @@ from launcher.cli.main import (
     build_parser,
     main,
     options_and_reason,
-    read_prompts,
-    read_prompts_file,
 )
+from launcher.cli.parsing import read_prompts, read_prompts_file
 
 
 def test_a_byte_order_mark_is_not_prompt_text(tmp_path):

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import Abort, Result, StopStringHit, Submit
-from pipeline.engine.records import FinishReason, SchedulerConfig
+from pipeline.engine.records import NON_FINITE_TOKEN, FinishReason, SchedulerConfig
 from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.sampling import SamplingParams
 
@@ -225,6 +225,20 @@ def test_eos_stops_a_sequence_and_is_its_last_token():
     pipe.run()
     assert pipe.outputs[1] == [*expected_output(1, 3), EOS] and pipe.reasons[1] is FinishReason.EOS
     assert pipe.outputs[0] == expected_output(0, 8) and pipe.outputs[2] == expected_output(2, 8)
+
+
+def test_a_non_finite_result_ends_that_sequence_alone_with_error_and_frees_its_slot():
+    """[Note: non-finite logits] in pipeline/engine/records.py: the last stage's NON_FINITE_TOKEN
+    ends the sequence with FinishReason.ERROR and no token; the others run to their budget, and the
+    fake's slot model sees the slot released and reused cleanly."""
+    n = len(prompt_of(1))
+    pipe = _pipeline(num_stages=2, num_seqs=4, max_new_tokens=8, max_num_seqs=2)
+    plain_token = pipe.token
+    pipe.token = lambda it: NON_FINITE_TOKEN if (it.seq_id, it.end) == (1, n + 3) else plain_token(it)
+    pipe.run()
+    assert pipe.outputs[1] == expected_output(1, 3) and pipe.reasons[1] is FinishReason.ERROR
+    assert all(pipe.outputs[i] == expected_output(i, 8) and pipe.reasons[i] is FinishReason.LENGTH for i in (0, 2, 3))
+    assert sorted(seq for seq, _ in pipe.trace.releases) == [0, 1, 2, 3]
 
 
 def test_eos_as_the_first_token_after_prefill_finishes_at_once():

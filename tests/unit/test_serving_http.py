@@ -55,6 +55,7 @@ class FakeCoordinator:
         self.spec = SpecCounters()
         self.timeline = Timeline(2)
         self.aborted: list[str] = []
+        self.error_at: int | None = None  # this output position's logits are not finite (FinishReason.ERROR)
         self._n = 0
 
     def submit(self, prompt, params: SamplingParams, *, request_id=None) -> RequestHandle:
@@ -70,6 +71,9 @@ class FakeCoordinator:
         for i in range(h.params.max_new_tokens):
             time.sleep(self.step_s)
             if h.finish_reason is not None:
+                return
+            if i == self.error_at:  # as the scheduler: no tokens, the sequence ends ([Note: non-finite logits])
+                h.emit(Commit(0, (), FinishReason.ERROR))
                 return
             last = i == h.params.max_new_tokens - 1
             if h.emit(Commit(0, (h.prompt_ids[i % len(h.prompt_ids)],), FinishReason.LENGTH if last else None)):
@@ -469,7 +473,7 @@ def test_serve_buffers_are_windows(tokenizer):
     assert engine.timeline.num_batches == 4999  # totals stay exact
 
 
-def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
+def test_grpc_generate_needs_the_api_key_health_does_not_and_non_finite_logits_are_internal(tokenizer):
     import grpc
 
     from launcher.serving.grpc_generate import GrpcServer
@@ -490,6 +494,12 @@ def test_grpc_generate_needs_the_api_key_and_health_does_not(tokenizer):
             replies = list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
             assert sum(len(r.token_ids) for r in replies) == 3
             assert stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
+            coord.error_at = 1  # [Note: non-finite logits]: that request alone fails, INTERNAL
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
+            assert info.value.code() == grpc.StatusCode.INTERNAL and "not finite" in info.value.details()
+            assert stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
+            coord.error_at = None
             engine.fence("draining: the server is shutting down")
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
@@ -542,3 +552,26 @@ def test_grpc_request_params_check_the_http_ranges(tokenizer):
     _, params = request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, temperature=2.0, top_k=5,
                                                   min_p=0.25), engine)
     assert (params.temperature, params.top_k, params.min_p) == (2.0, 5, 0.25)
+
+
+def test_a_request_with_non_finite_logits_fails_alone_with_500_and_the_server_stays_up(served):
+    """[Note: non-finite logits] in pipeline/engine/records.py: that request gets a 500 (an error event
+    mid-stream) naming the cause; /health stays 200 and the next request is served."""
+    coord, engine, url = served
+    coord.error_at = 3
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 8}, timeout=10)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["type"] == "internal_server_error" and error["code"] == 500
+    assert "not finite (NaN or inf) at output token 3" in error["message"] and "--dtype" in error["message"]
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=10,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    last = json.loads(events[-2])["error"]
+    assert last["code"] == 500 and "not finite" in last["message"], events
+    assert httpx.get(url + "/health").status_code == 200
+    coord.error_at = None
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert engine.wait_idle(5) and engine.num_outstanding == 0

@@ -31,7 +31,7 @@ import torch
 
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import ExitPassed, Result, Submit
-from pipeline.engine.records import FinishReason, SchedulerConfig, SpecCounters
+from pipeline.engine.records import NON_FINITE_TOKEN, FinishReason, SchedulerConfig, SpecCounters
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.partition import LayerRange
@@ -447,6 +447,25 @@ def test_no_commit_past_eos_or_the_token_budget(num_stages, kind):
         expected = FinishReason.EOS if out[-1] == EOS else FinishReason.LENGTH
         assert fake.states[i].finish_reason == expected
     assert fake.stats.drafts_sent, "no drafts: nothing was tested"  # their positions: see _generate
+
+
+@pytest.mark.parametrize("kind", ["always-wrong", "perfect", "random"])
+def test_a_non_finite_result_with_drafts_in_flight_ends_only_its_sequence(kind):
+    """[Note: non-finite logits]: from output token 5 on, sequence 4's rows come back NON_FINITE_TOKEN
+    (as NaN in its KV cache would make them); it ends with ERROR after exactly the 5 tokens before, its
+    drafts are dropped, and every other sequence is exactly the greedy reference."""
+    prompts = [[p, p + 1] for p in range(3, 11)]
+    params = SamplingParams(max_new_tokens=12)
+    references = [greedy_reference(p, params.max_new_tokens) for p in prompts]
+
+    def next_fn(prefix):
+        return NON_FINITE_TOKEN if prefix[0] == prompts[4][0] and len(prefix) >= 2 + 5 else fake_next(prefix)
+
+    out, _, fake = _generate(3, prompts, params, predictor=_predictor(kind, prompts, references),
+                             max_num_seqs=2, next_fn=next_fn)  # fewer slots than stages: drafts run
+    assert out[4] == references[4][:5] and fake.states[4].finish_reason is FinishReason.ERROR
+    assert [o for i, o in enumerate(out) if i != 4] == [r for i, r in enumerate(references) if i != 4]
+    assert fake.stats.drafts_sent, "no drafts: nothing was tested"
 
 
 def test_more_sequences_than_kv_slots_reuse_slots_without_stale_work():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.engine.records import NON_FINITE_TOKEN
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import forward_tensors
 from pipeline.model.config import tiny_config
@@ -201,6 +202,22 @@ def test_last_stage_returns_argmax_token_ids_and_logits_only_for_want_logits_ite
         assert int(last.token_ids[i]) == int(alone.logits[0].argmax())
         if it.want_logits:
             torch.testing.assert_close(last.logits[0], alone.logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_whose_logits_are_not_finite_gets_the_non_finite_token_and_its_neighbours_do_not(weights):
+    """[Note: non-finite logits] in pipeline/engine/records.py: NaN in one sequence's KV cache (as NaN
+    weights or a float16 overflow leave it) marks that sequence's result NON_FINITE_TOKEN; the other
+    sequence of the same micro-batch keeps its argmax."""
+    executors = _pipeline(weights)
+    _run(executors, [_item([1, 2, 3], seq_id=1, slot=0), _item([4, 5, 6], seq_id=2, slot=1)])
+    reference = _pipeline(weights)
+    _run(reference, [_item([1, 2, 3], seq_id=1, slot=0), _item([4, 5, 6], seq_id=2, slot=1)])
+    last_kv = executors[-1].kv
+    last_kv.k[:, 1] = float("nan")  # [layers, slots, ...]: slot 1 only
+    decode = [_item([7], seq_id=1, slot=0, start=3), _item([8], seq_id=2, slot=1, start=3)]
+    tokens = _run(executors, decode)[-1].token_ids
+    expected = _run(reference, decode)[-1].token_ids
+    assert int(tokens[1]) == NON_FINITE_TOKEN and int(tokens[0]) == int(expected[0]) != NON_FINITE_TOKEN
 
 
 def test_last_stage_without_want_logits_items_returns_no_logits(weights):

@@ -1,0 +1,82 @@
+"""HTTP error responses of the OpenAI-compatible server, and the request-body limit.
+
+Owns the OpenAI-style error body of every refused or failed request (`error_response`), the status of
+each failure (400 bad input, 401 wrong key, 413 body over --max-request-bytes, 429 full queue, 500 a
+request that failed alone while the server stays up, 503 failed, fenced or draining server), and
+reading a body within its limit. Must not: route requests (launcher/serving/http_server.py does).
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from launcher.coordinator.coordinator import PipelineError
+from launcher.coordinator.request_handle import RequestError
+from launcher.serving import openai_protocol
+from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError
+from workers.control_auth import secret_matches
+
+
+class BodyTooLarge(Exception):
+    """A request body over --max-request-bytes (413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than {limit} bytes (--max-request-bytes)")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; raises BodyTooLarge as soon as it is known to exceed `limit` bytes."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> JSONResponse:
+    """An OpenAI-style error body `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+    return JSONResponse(openai_protocol.error_body(message, param, type_=type_, code=status), status_code=status)
+
+
+def refused(request: Request, api_key: str | None) -> JSONResponse | None:
+    """None if `request` may use /v1/* (no --api-key, or `Authorization: Bearer KEY`, the scheme in
+    any case as RFC 9110 §11.1 says); else a 401."""
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if api_key is None or (scheme.lower() == "bearer" and secret_matches(token.strip(), api_key)):
+        return None
+    return JSONResponse(openai_protocol.error_body("missing or incorrect API key (send `Authorization: Bearer KEY`)",
+                                         None, code="invalid_api_key"), status_code=401)
+
+
+def failure(exc: PipelineError | UnavailableError) -> tuple[int, str, str]:
+    """(status, message, error type) of a failure after admission: 500 for a request that failed alone
+    while the server stays up (RequestError: its logits were not finite); 503 for a fenced or draining
+    server, or a failed pipeline."""
+    if isinstance(exc, RequestError):
+        return 500, str(exc), "internal_server_error"
+    return 503, str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}", "service_unavailable"
+
+
+def unavailable(exc: PipelineError | UnavailableError) -> JSONResponse:
+    """The response for `failure(exc)`."""
+    code, message, type_ = failure(exc)
+    return error_response(code, message, None, type_=type_)
+
+
+def admission_error(exc: Exception) -> JSONResponse:
+    """The response for an exception raised while admitting a request (see the module docstring)."""
+    if isinstance(exc, BodyTooLarge):
+        return error_response(413, str(exc), None)
+    if isinstance(exc, InvalidRequestError):
+        return error_response(400, str(exc), exc.param)
+    if isinstance(exc, QueueFullError):
+        return error_response(429, str(exc), None, type_="rate_limit_error")
+    if isinstance(exc, (UnavailableError, PipelineError)):
+        return unavailable(exc)
+    return error_response(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
