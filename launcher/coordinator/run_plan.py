@@ -16,6 +16,8 @@ import logging
 import re
 from pathlib import Path
 
+import torch
+
 from launcher.backends.placement import available_memory_bytes, stages_on_this_machine
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
@@ -32,8 +34,9 @@ from pipeline.model.stage_model import checkpoint_shapes
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import MODEL_DTYPES, RunConfig
 from pipeline.speculation.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
-from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
-from pipeline.weights.quant_load import activation_dtype
+from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
+from pipeline.weights.gguf_blocks import gguf_source_of, requantised_linears
+from pipeline.weights.quant_load import activation_dtype, effective_mode
 from pipeline.weights.registry import resolve_model
 from pipeline.weights.stage_memory import kv_bytes_per_layer
 
@@ -196,7 +199,8 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     `max_model_len` above the model's `max_position_embeddings` (as vLLM), and, for CPU stages all
     on this machine (`stages_on_this_machine`), a KV cache for `max_num_seqs` x `max_model_len` in
     the stages' activation dtype that is larger than the memory available here (it would fail, or
-    set off the kernel's out-of-memory killer, only after the stages start). available: bytes
+    set off the kernel's out-of-memory killer, only after the stages start), plus the weights (in
+    that dtype when dense, at 4 bits a weight when quantised: a lower bound). available: bytes
     (default: `available_memory_bytes()`). Raises ValueError."""
     if options.max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {options.max_model_len} is more than the model's max_position_embeddings "
@@ -206,11 +210,28 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     dtype = activation_dtype(options.quantization, str(model_dir), MODEL_DTYPES[options.dtype], options.device)
     kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs,
                             max_model_len=options.max_model_len) * config.num_hidden_layers
+    reader = CheckpointReader(model_dir)  # weights: in `dtype` when dense; quantised, at least 4 bits a weight
+    dense = effective_mode(options.quantization, str(model_dir), options.device) == "none"
+    weights = reader.nbytes(all_tensor_names(config), dtype=dtype if dense else torch.uint8) // (1 if dense else 2)
     available = available_memory_bytes() if available is None else available
-    if kv > available:
+    if kv + weights > available:
         raise ValueError(f"max_num_seqs {options.max_num_seqs} x max_model_len {options.max_model_len} needs "
-                         f"{_size(kv)} of KV cache, more than the {_size(available)} of memory available on this "
-                         f"machine; lower max_model_len or max_num_seqs")
+                         f"{_size(kv)} of KV cache, plus {'' if dense else 'at least '}{_size(weights)} of weights: "
+                         f"more than the {_size(available)} of memory available on this machine; lower "
+                         f"max_model_len or max_num_seqs")
+
+
+def note_requantised_blocks(options: PipelineOptions, config: ModelConfig, model_dir: Path) -> None:
+    """Warn when `--quantization auto` runs some of the GGUF's projections requantised to int4 groups
+    (types without a kernel here, e.g. Qwen2.5-Coder's 29 Q6_K tensors): less precise than the file."""
+    if effective_mode(options.quantization, str(model_dir), options.device) != "gguf":
+        return
+    counts = requantised_linears(gguf_source_of(model_dir), config)
+    if counts:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        log.warning("--quantization auto: the GGUF's %s weights have no int kernel here and run requantised to int4 "
+                    "groups of 32, less precise than the file (its Q4_0/Q4_1/Q4_K/Q8_0 weights run as they are); "
+                    "--quantization int8 keeps more of their precision, none all of it", kinds)
 
 
 def _size(num_bytes: int) -> str:
@@ -234,6 +255,7 @@ def resolve(options: PipelineOptions, *, check_limits: bool = True) -> RunPlan:
     check_checkpoint(CheckpointReader(model_dir), config, ranges)
     if check_limits:
         check_lengths(options, config, model_dir)
+        note_requantised_blocks(options, config, model_dir)
     exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
     if options.uses_speed:
         if options.num_stages < 2:

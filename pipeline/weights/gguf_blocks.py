@@ -9,6 +9,13 @@ Block layouts (ggml-common.h), 32 weights per block along the input dimension:
     Q4_0: f16 d, u8 qs[16]          w = d * (q - 8)         q = low nibbles (0..15), then high nibbles
     Q4_1: f16 d, f16 m, u8 qs[16]   w = d * q + m
     Q8_0: f16 d, i8 qs[32]          w = d * q
+and the K-quant super-block of 256 weights (8 sub-blocks of 32):
+    Q4_K: f16 d, f16 dmin, u8 scales[12] (6-bit sc[8], m[8]; unpacked by gguf's own
+          `Q4_K.get_scale_min`), u8 qs[128]: w = (d * sc[j]) * q - dmin * m[j] in sub-block j,
+          whose q are the low nibbles of 32 bytes (even j) or their high nibbles (odd j)
+so Q4_K is exactly int4 groups of 32 with scale d * sc[j] and minimum -dmin * m[j].
+Other types (Q5_*, Q6_K, Q2_K, Q3_K, ...) have no torch kernel: they are dequantised to float32 here
+and requantised by the caller (int4 groups of 32, [Note: numeric modes] in pipeline/weights/quant.py).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from pipeline.weights.gguf_import import SOURCE_FILE, open_gguf, unpermute_qk
 from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
 BLOCK = 32
-INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
+INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K}
+Q4_K_BYTES = 144  # bytes of one 256-weight Q4_K super-block
 INT8_TYPES = {gguf.GGMLQuantizationType.Q8_0}
 
 
@@ -61,6 +69,22 @@ def decode_int4(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> Int4Groups
                       minimum=torch.from_numpy(np.ascontiguousarray(minimum)), group_size=BLOCK)
 
 
+def decode_q4_k(data: np.ndarray) -> Int4Groups:
+    """Q4_K bytes [rows, row_bytes] -> Int4Groups (group 32) with the file's own q, and each
+    sub-block's scale d * sc and minimum -dmin * m: dequantises to exactly gguf's float32 values."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(-1, Q4_K_BYTES)  # [rows * super-blocks, 144]
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(rows, -1)  # sub-block j: low nibbles (even j) / high nibbles (odd j) of 32 bytes
+    scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, -1)
+    minimum = -(dmin[:, None] * m.astype(np.float32)).reshape(rows, -1)
+    return Int4Groups(q=torch.from_numpy(q.astype(np.uint8)), scale=torch.from_numpy(np.ascontiguousarray(scale)),
+                      minimum=torch.from_numpy(np.ascontiguousarray(minimum)), group_size=BLOCK)
+
+
 def decode_q8_0(data: np.ndarray) -> torch.Tensor:
     """Q8_0 bytes [rows, row_bytes] -> the exact float32 weight [rows, in]."""
     blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, 34)
@@ -78,7 +102,7 @@ def _unpermute(w: QuantWeight, num_heads: int) -> QuantWeight:
 class GgufBlockReader:
     """Reads named tensors of a GGUF file as quantised records or dense float32 tensors.
 
-    `read(names)` returns {HF name: Int4Groups | Int8Rows | float32 tensor}: Q4_0/Q4_1 → Int4Groups
+    `read(names)` returns {HF name: Int4Groups | Int8Rows | float32 tensor}: Q4_0/Q4_1/Q4_K → Int4Groups
     (exact), Q8_0 → Int8Rows when `int8_for_q8` (re-scaled per row, see [Note: numeric modes] in
     pipeline/weights/quant.py) else its exact float32 values, anything else → float32 through `gguf`.
     A stacked expert tensor ([num_experts, out, in]) answers for each expert's HF name with its slice.
@@ -109,8 +133,10 @@ class GgufBlockReader:
         shape = tuple(reversed(t.shape.tolist()))
         if expert is not None:
             data, shape = data[expert], shape[1:]
-        if t.tensor_type in INT4_TYPES:
-            out: QuantWeight | torch.Tensor = decode_int4(data, t.tensor_type)
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_K:
+            out: QuantWeight | torch.Tensor = decode_q4_k(data)
+        elif t.tensor_type in INT4_TYPES:
+            out = decode_int4(data, t.tensor_type)
         elif t.tensor_type in INT8_TYPES:
             dense = decode_q8_0(data)
             out = int8_rows_from_float(dense) if int8_for_q8 else dense
@@ -124,3 +150,16 @@ class GgufBlockReader:
             heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
             out = torch.from_numpy(unpermute_qk(out.numpy(), heads).copy())
         return out
+
+
+def requantised_linears(path: str | Path, config: ModelConfig) -> dict[str, int]:
+    """GGML type name -> how many of the GGUF's projection / LM-head weights of that type
+    `--quantization auto` requantises to int4 groups (types without a kernel here: not
+    Q4_0/Q4_1/Q4_K/Q8_0), e.g. {"Q6_K": 29} for Qwen2.5-Coder's Q4_K_M file. Reads only the header."""
+    reader = GgufBlockReader(path, config)
+    counts: dict[str, int] = {}
+    for name, (t, _) in reader.tensors.items():
+        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        if linear and t.tensor_type not in INT4_TYPES | INT8_TYPES:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return counts

@@ -13,10 +13,13 @@ pipeline/weights/checkpoint.py a folder's dense tensors) or change the model's s
 - `int4`: every projection and the LM head as int4, groups of 32 along the input dimension,
   asymmetric (w = q * scale + minimum, q in 0..15), requantised from the dense weights.
 - `int8`: every projection and the LM head as int8, one symmetric scale per output row.
-- `auto`: the checkpoint's own blocks where a kernel exists: GGUF Q4_0/Q4_1 → int4 groups of 32
+- `auto`: the checkpoint's own blocks where a kernel exists: GGUF Q4_0/Q4_1/Q4_K → int4 groups of 32
   (exact: the same q, scale and minimum as the file, scales rounded to bfloat16 by the kernel),
   Q8_0 → int8 rows (re-scaled: a row's block scales are merged into one; error <= half a step of
-  the row's largest block), F32/F16/BF16 → dense bfloat16; a Hugging Face folder stays dense (`none`).
+  the row's largest block). Projections and heads of other types (Q5_*, Q6_K, Q2_K, F32, ...) have no
+  kernel here: they are requantised to int4 groups of 32, and `launch` names them in a warning
+  (Qwen2.5-Coder's Q4_K_M file: 29 Q6_K tensors, the head among them). Embeddings, norms and biases
+  are dense bfloat16; a Hugging Face folder stays dense (`none`).
 The int modes run bfloat16 activations and KV (the kernels are 10-20x slower with float32 input).
 
 [Note: batch invariance]

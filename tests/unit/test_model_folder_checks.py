@@ -106,15 +106,19 @@ def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
     model_dir = write_tiny_model(tmp_path / "m")
     config = tiny_config()  # 4 layers, 2 KV heads of 16 dims: 256 B of float32 K and V per position and layer
     options = PipelineOptions(model="unused", num_stages=2, max_num_seqs=4, max_model_len=2048, speculate="none")
-    need = 4 * 4 * 2048 * 2 * 2 * 16 * torch.float32.itemsize  # layers x seqs x positions x (K, V) x heads x dim
+    kv = 4 * 4 * 2048 * 2 * 2 * 16 * torch.float32.itemsize  # layers x seqs x positions x (K, V) x heads x dim
+    params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+    need = kv + params * torch.float32.itemsize  # and the weights, which the stages hold too
     check_lengths(options, config, model_dir, available=need)
-    with pytest.raises(ValueError, match=r"max_num_seqs 4 x max_model_len 2048 needs 8.0 MiB of KV cache, more "
-                                         r"than the 8.0 MiB of memory available on this machine"):
+    with pytest.raises(ValueError, match=r"max_num_seqs 4 x max_model_len 2048 needs 8.0 MiB of KV cache, plus "
+                                         r"0.\d MiB of weights: more than the 8.\d MiB of memory available"):
         check_lengths(options, config, model_dir, available=need - 1)
-    int8 = dataclasses.replace(options, quantization="int8")  # the int kernels keep K and V in bfloat16
-    check_lengths(int8, config, model_dir, available=need // 2)
+    int8 = dataclasses.replace(options, quantization="int8")  # bfloat16 K and V; weights at least 4 bits each
+    check_lengths(int8, config, model_dir, available=kv // 2 + params // 2)
+    with pytest.raises(ValueError, match=r"plus at least 0.\d MiB of weights"):
+        check_lengths(int8, config, model_dir, available=kv // 2 + params // 2 - 1)
     private = dataclasses.replace(options, placement=PlacementOptions(backend="ray"))  # actors on this machine
-    with pytest.raises(ValueError, match="needs 8.0 MiB of KV cache"):
+    with pytest.raises(ValueError, match="needs 8.0 MiB of KV cache, plus"):
         check_lengths(private, config, model_dir, available=need - 1)
     cluster = dataclasses.replace(options, placement=PlacementOptions(backend="ray", ray_address="10.0.0.10:6379"))
     check_lengths(cluster, config, model_dir, available=1)  # its stages' memory is not this machine's
@@ -127,3 +131,29 @@ def test_the_training_commands_plan_without_the_serving_limits(tmp_path):
     assert resolve(_options(model_dir), check_limits=False).config.max_position_embeddings == 1024
     with pytest.raises(ValueError, match="max_model_len 2048 is more than"):
         resolve(_options(model_dir))
+
+
+@pytest.mark.parametrize(("proj_type", "expected"), [("Q4_1", None), ("Q5_0", "Q5_0"), (None, "F32")])
+def test_auto_names_the_gguf_weights_it_requantises(tmp_path, caplog, proj_type, expected):
+    """`--quantization auto` runs Q4_0/Q4_1/Q4_K/Q8_0 blocks as they are and requantises other types
+    to int4 groups (Qwen2.5-Coder's Q6_K): a warning names the types and counts, none when all fit."""
+    import gguf
+
+    from pipeline.weights.gguf_blocks import requantised_linears
+    from pipeline.weights.gguf_import import convert_gguf
+    from tests.unit.test_gguf_import_tiny import tiny, write_gguf
+
+    config = tiny(tie_word_embeddings=True)
+    kind = None if proj_type is None else getattr(gguf.GGMLQuantizationType, proj_type)
+    write_gguf(tmp_path / "m.gguf", config, proj_type=kind)
+    model_dir = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    projections = 7 * config.num_hidden_layers  # q, k, v, o, gate, up, down; the head is the Q8_0 embedding
+    assert requantised_linears(tmp_path / "m.gguf", config) == ({} if expected is None else {expected: projections})
+    with caplog.at_level("WARNING"):
+        resolve(_options(model_dir, quantization="auto", max_model_len=256))
+        resolve(_options(model_dir, quantization="int8", max_model_len=256))
+    notes = [r.getMessage() for r in caplog.records if "--quantization auto" in r.getMessage()]
+    if expected is None:
+        assert not notes
+    else:
+        assert len(notes) == 1 and f"GGUF's {projections} {expected} weights have no int kernel" in notes[0]

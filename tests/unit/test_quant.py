@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.speculation.predictors import ExitHead
-from pipeline.weights.gguf_blocks import _unpermute, decode_int4, decode_q8_0
+from pipeline.weights.gguf_blocks import _unpermute, decode_int4, decode_q4_k, decode_q8_0
 from pipeline.weights.gguf_import import unpermute_qk
 from pipeline.weights.quant import (
     ACTIVATION_DTYPE,
@@ -95,6 +95,22 @@ def test_gguf_int4_blocks_decode_to_the_files_own_values(kind):
     ref = gguf.quants.dequantize(blocks, ggml).reshape(w.shape)
     got = decode_int4(blocks, ggml).dequantize().numpy()
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-7)
+
+
+def test_gguf_q4_k_super_blocks_decode_to_the_files_own_values_as_int4_groups():
+    """Q4_K (Qwen2.5-Coder's GGUF; gguf-py cannot quantise to it): random super-blocks with sane
+    f16 d/dmin, every 6-bit scale and minimum pattern; equal to gguf's own dequantisation, bit for bit."""
+    rng = np.random.default_rng(3)
+    rows, supers = 6, 2
+    blocks = rng.integers(0, 256, size=(rows, supers, 144), dtype=np.uint8)
+    for offset in (0, 2):  # d, dmin
+        halves = rng.uniform(1e-3, 1e-2, size=(rows, supers)).astype(np.float16)
+        blocks[..., offset:offset + 2] = halves.view(np.uint8).reshape(rows, supers, 2)
+    data = blocks.reshape(rows, supers * 144)
+    ref = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_K).reshape(rows, supers * 256)
+    groups = decode_q4_k(data)
+    assert groups.group_size == 32 and groups.scale.shape == (rows, supers * 8)
+    np.testing.assert_array_equal(groups.dequantize().numpy(), ref)
 
 
 def test_gguf_q8_0_blocks_decode_to_the_files_own_values():
