@@ -297,9 +297,13 @@ def serve(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-    # Ctrl-C in a terminal reaches the whole process group; the launcher owns shutdown (it closes our
-    # stdin, and PR_SET_PDEATHSIG covers a killed launcher), so a stage never dies of SIGINT itself.
+    # Ctrl-C in a terminal reaches the whole process group, and systemd (KillMode=control-group),
+    # `timeout` and `kill -- -PGID` send SIGTERM to every process: the launcher owns shutdown (it drains,
+    # then closes our stdin; PR_SET_PDEATHSIG covers a killed launcher), so a stage watching its stdin
+    # dies of neither signal itself (its in-flight requests would end in an error instead of draining).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not args.no_stdin_watch:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stop_event = threading.Event()
     secret = take_secret_from_env()
     if secret is None:

@@ -41,6 +41,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
     """(text, token ids) of a request's prompt, given as text or token ids. Raises ValueError for
     an empty prompt, a token id outside the vocabulary, or prompt + max new tokens > max_model_len."""
     if isinstance(prompt, str):
+        tokenizer.check_fits(prompt, max_model_len)
         text, ids = prompt, tokenizer.encode(prompt) if prompt else []
     else:
         ids = [int(t) for t in prompt]

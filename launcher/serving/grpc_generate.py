@@ -46,6 +46,10 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if which == "prompt":
         if not req.prompt:
             raise InvalidRequestError("'prompt' is empty", "prompt")
+        try:
+            engine.tokenizer.check_fits(req.prompt, engine.max_model_len, what="'prompt'")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "prompt") from None
         ids = engine.tokenizer.encode(req.prompt)
     else:
         ids = list(req.prompt_token_ids.ids)
@@ -129,9 +133,13 @@ class GrpcServer:
             exempt=("/speedpipe.v1.GenerateService/Health",))]
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                                         thread_name_prefix="grpc-generate"),
-                                  maximum_concurrent_rpcs=workers, interceptors=interceptors)
+                                  maximum_concurrent_rpcs=workers, interceptors=interceptors,
+                                  options=[("grpc.so_reuseport", 0)])  # grpc's default 1 lets 2 servers share a port
         pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine), self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # newer grpc raises on a failed bind; older returned 0
+            self.port = 0
         if self.port == 0:
             raise RuntimeError(f"cannot listen for gRPC on {host}:{port}")
 

@@ -104,7 +104,8 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
         parsed = openai_protocol.parse_chat(body, tokenizer=tokenizer, model_name=model,
                                             max_model_len=engine.max_model_len)
     else:
-        parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model)
+        parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model,
+                                                  max_model_len=engine.max_model_len)
     engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
     if parsed.n > engine.max_num_seqs + engine.max_queue:
         raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "

@@ -213,8 +213,9 @@ def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> Par
     return ParsedRequest(prompt_ids, SamplingParams(**kw), prompt_field=prompt_field, **options)
 
 
-def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str) -> ParsedRequest:
-    """A /v1/completions body. prompt: a string, a list of one string, or a list of token ids.
+def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int | None = None) -> ParsedRequest:
+    """A /v1/completions body. prompt: a string, a list of one string, or a list of token ids; a
+    string certainly longer than `max_model_len` tokens is refused before it is tokenised.
     Raises InvalidRequestError naming the field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
@@ -226,6 +227,7 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str) -> Par
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("'prompt' is empty", "prompt")
+        _check_fits(tokenizer, prompt, max_model_len, "prompt")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
@@ -323,10 +325,20 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
     text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body))
+    _check_fits(tokenizer, text, max_model_len, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)  # the template spells its own BOS (HF, vLLM)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
     return _finish(kw, ids, "messages")
+
+
+def _check_fits(tokenizer: Tokenizer, text: str, max_model_len: int | None, field: str) -> None:
+    """InvalidRequestError naming `field` when `text` cannot fit `max_model_len` tokens (`Tokenizer.check_fits`)."""
+    if max_model_len is not None:
+        try:
+            tokenizer.check_fits(text, max_model_len, what=f"'{field}'")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), field) from None
 
 
 # -- responses ---------------------------------------------------------------------------------------

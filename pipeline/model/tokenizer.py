@@ -9,6 +9,7 @@ check stop strings (the coordinator does that on the streamed text).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -103,12 +104,29 @@ class Tokenizer:
         """Id of a vocabulary entry spelled exactly `token` (e.g. "<|im_end|>"), or None."""
         return self._tok.token_to_id(token)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for, bounded above by the longest vocabulary
+        entry as spelled (byte-level BPE spells each byte as one character of one or two bytes)."""
+        return max(len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True))
+
+    def check_fits(self, text: str, max_tokens: int, *, what: str = "prompt") -> None:
+        """Raise ValueError when `text` is certainly more than `max_tokens` tokens long, from its size
+        alone (twice the most a token can spell, a margin for normalisers), before any tokenising:
+        a server must not spend seconds of its one interpreter on megabytes that cannot fit."""
+        limit = 2 * max_tokens * self.max_token_bytes
+        if len(text) > limit // 4 and (size := len(text.encode("utf-8", "surrogatepass"))) > limit:
+            raise ValueError(f"{what} is {size} bytes long: more than {max_tokens} tokens of this vocabulary "
+                             f"(max_model_len), whose longest token spells {self.max_token_bytes} bytes")
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`: [num_tokens]. Special-token text such as "<|im_start|>" maps to its id;
         BOS is prepended only when the model's tokenizer_config says add_bos_token and
         `add_special_tokens` (False for text a chat template rendered, which spells its own BOS:
-        Hugging Face's `apply_chat_template` tokenises it so)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        Hugging Face's `apply_chat_template` tokenises it so). Runs without holding Python's GIL
+        (the library's `encode_batch`; its `encode` holds it, ~0.5 s for 660 KB of text), so a
+        server's other threads (heartbeats, streams) go on while a long prompt is tokenised."""
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_token_id, *ids] if self.add_bos_token and add_special_tokens else ids
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:

@@ -575,3 +575,40 @@ def test_a_request_with_non_finite_logits_fails_alone_with_500_and_the_server_st
     r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert engine.wait_idle(5) and engine.num_outstanding == 0
+
+
+def test_a_prompt_too_big_to_fit_is_refused_before_it_is_tokenised(served, tokenizer, monkeypatch):
+    """A body under --max-request-bytes whose prompt cannot fit max_model_len tokens, even at the
+    longest token of the vocabulary, is a 400 found from its size: the server never tokenises it (a
+    flood of such prompts once starved the heartbeat thread and got a healthy stage restarted)."""
+    _, engine, url = served
+    big = "hello " * (engine.max_model_len * tokenizer.max_token_bytes)  # 6x the bytes that could fit
+    encoded = []
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or [1])
+    for path, body, field in (("/v1/completions", {"prompt": big, "max_tokens": 2}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}],
+                                                        "max_tokens": 2}, "messages")):
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and "bytes long: more than 64 tokens" in error["message"], error
+    assert not any(n >= len(big) for n in encoded), "the oversized prompt was tokenised"
+    with pytest.raises(ValueError, match="prompt is .* bytes long"):
+        tokenizer.check_fits(big, engine.max_model_len)
+    tokenizer.check_fits("hello " * 10, engine.max_model_len)  # small text: no error
+
+
+def test_a_second_grpc_server_cannot_share_the_port(tokenizer):
+    """grpc turns SO_REUSEPORT on by default: two servers started at once both listened on one
+    --grpc-port and split its calls between them. The second must fail to bind."""
+    from launcher.serving.grpc_generate import GrpcServer
+
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
+                           max_model_len=64)
+    first = GrpcServer(engine, host="127.0.0.1", port=0)
+    first.start()
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot listen for gRPC on 127.0.0.1:{first.port}"):
+            GrpcServer(engine, host="127.0.0.1", port=first.port)
+    finally:
+        first.stop()
