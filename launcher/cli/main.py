@@ -60,7 +60,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stages", "-pp", "--pipeline-parallel-size", type=_stages_arg, default=2, metavar="N",
                    help="number of pipeline stages (worker processes; vLLM's -pp; default 2), or 'auto': the fewest "
                    "whose weights + KV each fit --stage-memory-gib, which auto needs")
-    g.add_argument("--stage-memory-gib", type=float, help="per-stage memory budget for --stages auto (GiB)")
+    g.add_argument("--stage-memory-gib", type=float,
+                   help="per-stage budget of weights + KV cache for --stages auto (GiB; each stage process adds "
+                   "0.25-0.35 GiB of its own)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
     g.add_argument("--layer-split", help="layers per stage, e.g. 8,8,7,7 (default: balanced)")

@@ -33,7 +33,6 @@ from typing import Any
 import gguf
 import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from tqdm import tqdm
 
 from pipeline.model.config import ModelConfig
 from pipeline.weights.checkpoint import SINGLE_FILE, all_tensor_names
@@ -47,7 +46,7 @@ from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_ten
     tensor_targets,
     unpermute_qk,
 )
-from pipeline.weights.model_chunks import path_lock
+from pipeline.weights.model_chunks import path_lock, progress_bar
 from pipeline.weights.safetensors_stream import write_streaming
 
 CONVERTER_VERSION = 2  # 2: families, streamed tensors, qwen2 pre-tokenizer
@@ -196,7 +195,9 @@ def write_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path, *, p
     """
     arch = field(reader, "general.architecture")
     plan = _tensor_plan(reader, config)
-    bar = tqdm(total=len(plan), desc="converting GGUF", unit="tensor", disable=None if progress else True)
+    source = Path(getattr(reader.data, "filename", "") or "").name
+    bar = progress_bar(total=len(plan), desc=f"converting GGUF {source}".rstrip(), progress=progress,
+                       unit="tensor")
     with bar:
         write_streaming(path, [(name, shape) for name, shape, _, _ in plan],
                         lambda i: hf_tensor_blocks(plan[i][2], config, arch, expert=plan[i][3]),

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,11 +112,20 @@ def assemble(chunked: ChunkedGguf, cache_dir: Path, *, progress: bool = True) ->
     return out
 
 
+def progress_bar(*, total: int, desc: str, progress: bool, **kwargs) -> tqdm:
+    """A tqdm bar on stderr when `progress` and stderr is a terminal; when it is not (a log file, a
+    pipe, CI), one line saying what is being done instead of a silent wait (tens of seconds for a
+    1.5B model's first run)."""
+    if progress and not sys.stderr.isatty():
+        print(f"[speedpipe] {desc} (once; later runs reuse the result) ...", file=sys.stderr, flush=True)
+    return tqdm(total=total, desc=desc, disable=None if progress else True, **kwargs)
+
+
 def _concatenate(paths: list[Path], out: Path, total: int, progress: bool) -> str:
     """Write the chunks into `out` in order; return the sha256 of what was written."""
     digest = hashlib.sha256()
-    bar = tqdm(total=total, desc=f"assembling {out.name.split('.tmp-')[0].lstrip('.')}", unit="B",
-               unit_scale=True, disable=None if progress else True)
+    bar = progress_bar(total=total, desc=f"assembling {out.name.split('.tmp-')[0].lstrip('.')}", progress=progress,
+                       unit="B", unit_scale=True)
     with bar, open(out, "wb") as dst:
         for path in paths:
             with open(path, "rb") as src:

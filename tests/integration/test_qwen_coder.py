@@ -19,7 +19,9 @@ import gc
 import importlib.util
 import os
 import re
+import shutil
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -66,9 +68,16 @@ def _tokenizer_strings() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    """$SPEEDPIPE_CACHE_DIR when set (reuse a conversion), else a session-private folder."""
-    return default_cache_dir() if os.environ.get(CACHE_ENV) else tmp_path_factory.mktemp("speedpipe-cache")
+def cache_dir(tmp_path_factory) -> Iterator[Path]:
+    """$SPEEDPIPE_CACHE_DIR when set (reuse a conversion), else a session-private folder, removed
+    after the module: the assembled GGUF and its float32 conversion take 7.7 GB, and pytest keeps
+    the temporary folders of its last 3 runs."""
+    if os.environ.get(CACHE_ENV):
+        yield default_cache_dir()
+        return
+    private = tmp_path_factory.mktemp("speedpipe-cache")
+    yield private
+    shutil.rmtree(private, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -344,3 +344,15 @@ def test_default_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
     assert models.default_cache_dir() == tmp_path
     assert models.default_cache_dir(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_a_conversion_says_what_it_does_in_one_line_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    """tqdm shows nothing off a terminal: a first run under CI, nohup or a pipe used to wait in
+    silence (35-50 s for Qwen2.5-Coder). One line says what is converted; nothing with progress off."""
+    config = tiny()
+    write_gguf(tmp_path / "m.gguf", config)
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "quiet", progress=False)
+    assert "converting" not in capsys.readouterr().err
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "said", progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "converting GGUF" in line]
+    assert lines[:1] == ["[speedpipe] converting GGUF m.gguf (once; later runs reuse the result) ..."], lines
