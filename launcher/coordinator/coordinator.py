@@ -101,8 +101,7 @@ class Coordinator:
         tls: the control plane's TLS files (None: plain TCP)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
-        self.config = config
-        self.tokenizer = tokenizer
+        self.config, self.tokenizer = config, tokenizer
         self._control_secret, self._tls = control_secret, tls
         self.channels = [self._control_channel(a) for a in stage_addresses]
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
@@ -115,7 +114,7 @@ class Coordinator:
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}
         self.failure: PipelineError | None = None
-        self._ids = itertools.count()
+        self._ids, self.num_restarts = itertools.count(), 0
         self._engine_thread: threading.Thread | None = None
         self._receivers: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -123,7 +122,6 @@ class Coordinator:
         self.generation = 0  # bumped by each fail-over: one data-plane group per generation
         self.failover: StageFailover | None = None  # set by the session to recover from stage failures
         self.recovering: str | None = None  # why a fail-over is in progress (health reports it)
-        self.num_restarts = 0
         self._unloaded: set[int] = set()  # restarted stages not loaded yet
         self.recovery_listeners: list = []  # called (phase "start" | "done", reason) on the engine thread
 
@@ -258,15 +256,19 @@ class Coordinator:
         self.generation += 1  # from now on, events of the old ring are dropped
         fo.pause_watch()
         try:
-            for i in stages_to_restart(self.stubs, fo.dead_stages()):
-                address = fo.restart_stage(i)
-                self.channels[i].close()
-                self.channels[i] = self._control_channel(address)
-                self.stubs[i] = pb_grpc.StageServiceStub(with_secret(self.channels[i], self._control_secret))
-                self._unloaded.add(i)  # until a Load succeeds (an attempt may fail half-way)
+            todo, restarted = stages_to_restart(self.stubs, fo.dead_stages()), set()
+            while todo:  # a stage that died while others restarted joins this attempt, not a second one
+                for i in todo:
+                    address = fo.restart_stage(i)
+                    self.channels[i].close()
+                    self.channels[i] = self._control_channel(address)
+                    self.stubs[i] = pb_grpc.StageServiceStub(with_secret(self.channels[i], self._control_secret))
+                    self._unloaded.add(i)  # until a Load succeeds (an attempt may fail half-way)
+                restarted.update(todo)
+                todo = [i for i in fo.dead_stages() if i not in restarted]
         finally:
             fo.resume_watch()
-        wait_reachable(self.channels)
+        wait_reachable(self.channels, dead=fo.dead_stages)
         port = fo.data_port()
         self.link.close()  # the old ring's store and gloo listeners
         self.link = self._new_link(port)

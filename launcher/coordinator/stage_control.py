@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -17,6 +18,8 @@ from launcher.coordinator.request_handle import PipelineError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.load_spec_codec import StageLoadSpec, spec_to_proto
+
+DEAD_POLL_S = 0.5  # wait_reachable: how often it asks whether a stage it waits for has died
 
 
 def in_daemon_thread(fn, *args, **kwargs) -> concurrent.futures.Future:
@@ -33,13 +36,23 @@ def in_daemon_thread(fn, *args, **kwargs) -> concurrent.futures.Future:
     return fut
 
 
-def wait_reachable(channels: Sequence[grpc.Channel], *, timeout_s: float = 30.0) -> None:
-    """Wait for every stage's control plane. Raises PipelineError naming the first unreachable one."""
+def wait_reachable(channels: Sequence[grpc.Channel], *, timeout_s: float = 30.0,
+                   dead: Callable[[], Sequence[int]] = tuple) -> None:
+    """Wait for every stage's control plane, at most `timeout_s` in all. `dead()`: indices of stages
+    whose process has exited, asked twice a second, so a stage that died meanwhile fails the wait
+    at once instead of after the timeout. Raises PipelineError naming the first such stage."""
+    deadline = time.monotonic() + timeout_s
     for i, channel in enumerate(channels):
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            raise PipelineError(f"stage {i} control plane is not reachable") from None
+        ready = grpc.channel_ready_future(channel)
+        while True:
+            try:
+                ready.result(timeout=max(0.0, min(DEAD_POLL_S, deadline - time.monotonic())))
+                break
+            except grpc.FutureTimeoutError:
+                if i in dead():
+                    raise PipelineError(f"stage {i} died while the pipeline was being restored") from None
+                if time.monotonic() >= deadline:
+                    raise PipelineError(f"stage {i} control plane is not reachable") from None
 
 
 def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[StageLoadSpec],

@@ -1,4 +1,5 @@
-"""`StageFailover.may_restart`: a stage that died of the server's own shutdown signal is not restarted.
+"""`StageFailover.may_restart`: a stage that died of the server's own shutdown signal is not restarted; and
+`wait_reachable` gives up on a stage that died while the others restarted.
 
 What breaks when these fail: `serve` under systemd / `timeout` / `kill -- -PGID` (every process gets
 SIGTERM) restarts the stages it is stopping, or a stage killed any other way waits for nothing.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
+
+import pytest
 
 from launcher.coordinator.request_handle import PipelineError
 from launcher.coordinator.stage_failover import SHUTDOWN_SIGNAL_GRACE_S, StageFailover
@@ -36,3 +39,25 @@ def test_other_deaths_restart_at_once_and_nothing_restarts_while_draining():
     assert time.monotonic() - start < SHUTDOWN_SIGNAL_GRACE_S / 2
     fo.shutting_down.set()
     assert not fo.may_restart(_death("killed by signal SIGKILL (exit code -9)"))
+
+
+def test_waiting_for_a_control_plane_ends_at_once_when_its_stage_died():
+    """A stage that dies while the others restart (kill -9 of stage 2, then of stage 0) used to cost
+    the 30 s wait_reachable timeout and a second restart; now the wait names it as soon as its
+    process is seen dead."""
+    import grpc
+
+    from launcher.backends.ports import free_port
+    from launcher.coordinator.request_handle import PipelineError
+    from launcher.coordinator.stage_control import wait_reachable
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{free_port()}")  # nothing listens: never ready
+    try:
+        asked = []
+        with pytest.raises(PipelineError, match="stage 0 died while the pipeline was being restored"):
+            wait_reachable([channel], timeout_s=600.0, dead=lambda: asked.append(1) or [0])
+        assert len(asked) == 1  # found at the first poll, not after the timeout
+        with pytest.raises(PipelineError, match="stage 0 control plane is not reachable"):
+            wait_reachable([channel], timeout_s=0.2)
+    finally:
+        channel.close()
