@@ -369,9 +369,10 @@ class Coordinator:
             self.events.put(event)
         return death
 
-    def stage_stats(self) -> list[pb.StageStats]:
-        """GetStats of every stage, in stage order."""
-        return [stub.GetStats(pb.GetStatsRequest(), timeout=10) for stub in self.stubs]
+    def stage_stats(self, timeout_s: float = 10.0) -> list[pb.StageStats]:
+        """GetStats of every stage, in stage order, asked at once (at most `timeout_s` in all)."""
+        calls = [stub.GetStats.future(pb.GetStatsRequest(), timeout=timeout_s) for stub in self.stubs]
+        return [call.result() for call in calls]
 
     def reset_stats(self) -> None:
         """Zero every stage's counters and the engine's speculation / timeline totals.

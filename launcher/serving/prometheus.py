@@ -37,6 +37,7 @@ log = logging.getLogger("speedpipe.stats")
 disable_created_metrics()  # no `*_created` series (as vLLM): they double the exposition for nothing
 
 PREFIX = "speedpipe:"
+SCRAPE_STATS_TIMEOUT_S = 2.0  # per-stage counters a scrape waits for (Prometheus' own timeout is 10 s)
 # Buckets (seconds) as vLLM's: CPU pipelines are slower, so the tails reach further.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
@@ -69,10 +70,11 @@ class _PipelineCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
-        if getattr(self.engine, "fenced", None) is not None:
+        heartbeat = getattr(self.engine, "heartbeat", None)  # a silent stage would hold every scrape
+        if getattr(self.engine, "fenced", None) is not None or (heartbeat is not None and not heartbeat.healthy()[0]):
             return
         try:
-            stats = self.coordinator.stage_stats()
+            stats = self.coordinator.stage_stats(timeout_s=SCRAPE_STATS_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a dead stage shows up in /health, not as a failed scrape
             return
         timeline, recorded = self.coordinator.timeline, getattr(self.coordinator, "record_timeline", True)
