@@ -20,6 +20,7 @@ import grpc
 
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
+from launcher.serving.openai_protocol import MAX_STOP_STRINGS
 from launcher.serving.serving_engine import (
     MAX_TEMPERATURE,
     InvalidRequestError,
@@ -34,12 +35,16 @@ from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
 
 log = logging.getLogger("speedpipe.serve")
+MAX_REQUEST_ID_CHARS = 256  # it is logged and echoed in every response
 FINISH = {"length": pb.GenerateResponse.LENGTH, "stop": pb.GenerateResponse.STOP, "eos": pb.GenerateResponse.EOS,
           "aborted": pb.GenerateResponse.ABORTED}
 
 
 def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list[int], SamplingParams]:
     """Prompt ids and sampling parameters of a GenerateRequest. Raises InvalidRequestError naming the field."""
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(f"'request_id' has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}",
+                                  "request_id")
     which = req.WhichOneof("input")
     if which is None:
         raise InvalidRequestError("exactly one of 'prompt' or 'prompt_token_ids' must be set", "prompt")
@@ -56,6 +61,10 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if req.max_new_tokens < 1:
         raise InvalidRequestError(f"'max_new_tokens' must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
     engine.check_prompt(ids, req.max_new_tokens, prompt_field=which)
+    if len(req.stop) > MAX_STOP_STRINGS or not all(req.stop):  # HTTP's rules (OpenAI: up to 4)
+        raise InvalidRequestError(f"'stop' has {len(req.stop)} strings; at most {MAX_STOP_STRINGS}, none empty", "stop")
+    if req.HasField("seed") and req.seed >= 2**63:  # HTTP's range (torch seeds are signed 64-bit)
+        raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {req.seed}", "seed")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range
         raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}",
                                   "temperature")

@@ -9,6 +9,7 @@ tests/integration/test_serving.py.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -623,3 +624,22 @@ def test_a_scrape_skips_the_per_stage_counters_while_a_stage_is_silent(served, m
     monkeypatch.setattr(engine, "heartbeat", silent)
     metrics = httpx.get(url + "/metrics", timeout=10)
     assert metrics.status_code == 200 and "generation_tokens_total" in metrics.text and asked == [2.0]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": ["a", ""]}, "stop", "none empty"),
+    ({"seed": 2**63}, "seed", "[0, 2**63)"),
+    ({"request_id": "r" * 257}, "request_id", "at most 256"),
+])
+def test_grpc_refuses_what_http_refuses(tokenizer, fields, param, message):
+    """gRPC accepted 10 stop strings, seeds from 2**63 and megabyte request ids, all refused over HTTP."""
+    from launcher.serving.grpc_generate import request_params
+
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
+                           max_model_len=64)
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
+        request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, **fields), engine)
+    assert info.value.param == param
+    assert request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, stop=["a"] * 4, seed=2**63 - 1,
+                                             request_id="r" * 256), engine)[1].seed == 2**63 - 1
