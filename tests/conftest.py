@@ -19,10 +19,10 @@ from typing import TypeVar
 import psutil
 import pytest
 
+import launcher  # noqa: F401 - first, before torch: its [Note: torch's C++ warnings] holds for the tests too
+
 T = TypeVar("T")
 
-# Before any test module imports torch, as the launcher does: [Note: torch's C++ warnings].
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 # Substrings of command lines of session-long helper processes that are not leaks.
 ALLOWED_CHILD_CMDLINE_MARKERS = (

@@ -10,7 +10,9 @@ invoked is in launcher/backends/worker_command.py, one child's pipes in launcher
 A stage process must never outlive the launcher (ARCHITECTURE.md §9). Three independent mechanisms:
 
 1. `LocalStageProcesses.stop()` closes every stdin, waits `grace_s`, sends SIGTERM, waits
-   `term_grace_s`, sends SIGKILL and reaps every child. It is idempotent, runs from `__exit__` and from
+   `term_grace_s`, sends SIGKILL and reaps every child (a worker watching its stdin ignores SIGTERM,
+   as it ignores SIGINT, so that a signal to the whole group lets the launcher drain first: for it the
+   SIGTERM step only costs `term_grace_s` before the SIGKILL; it stops a `--no-stdin-watch` worker). It is idempotent, runs from `__exit__` and from
    an `atexit` hook, and if it is itself interrupted (Ctrl-C) it SIGKILLs and reaps what is left.
 2. If the launcher dies without running Python code (SIGKILL, crash), the kernel closes its end of the
    stdin pipes and the workers exit on EOF.
@@ -18,7 +20,8 @@ A stage process must never outlive the launcher (ARCHITECTURE.md §9). Three ind
    reads stdin. The kernel ties this to the *thread* that spawned the child: call `start()` from a
    thread that lives as long as the stages (normally the main thread).
 
-Children stay in the launcher's process group, so a Ctrl-C in the terminal reaches them too.
+Children stay in the launcher's process group, so a Ctrl-C in the terminal, or a SIGTERM to the
+group (systemd, `timeout`, `kill -- -PGID`), reaches them too; they ignore both (workers/stage_worker.py).
 """
 
 from __future__ import annotations

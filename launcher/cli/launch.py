@@ -51,7 +51,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
-    results = [h.result() for h in handles]
+    results = [h.result(raise_request_error=False) for h in handles]  # one failed request: the others still count
     end_ns = time.perf_counter_ns()
     wall_s = (end_ns - start_ns) / 1e9
     times, spec = coord.timeline, coord.spec
@@ -63,7 +63,9 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     report = {
         "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
                      "finish_reason": openai_finish_reason(r.finish_reason),
-                     "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4)} for r in results],
+                     "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
+                     **({"error": str(h.error)} if h.error is not None else {})}
+                    for r, h in zip(results, handles, strict=True)],
         "stats": {"wall_s": round(wall_s, 4), **summary, "speculate": session.options.speculate,
                   "speculate_reason": speculate_reason or None,
                   "bubble_fraction": round(sum(idle) / len(idle), 4),

@@ -318,7 +318,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         write_trace(trace, args.trace)
         if not args.json:
             say(f"trace written to {args.trace}")
-    return 0
+    failed = [(i, o["error"]) for i, o in enumerate(report["outputs"]) if "error" in o]
+    for i, error in failed:  # [Note: non-finite logits]: the others were printed above
+        print(f"{PROG} launch: request failed: prompt {i}: {error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def run_member(options: PipelineOptions) -> int:

@@ -34,7 +34,7 @@ from launcher.coordinator.request_handle import (
     encode_prompt,
 )
 from launcher.coordinator.stage_control import load_and_join, shutdown_stages, wait_reachable
-from launcher.coordinator.stage_failover import StageFailover, rejoin_all, stages_to_restart
+from launcher.coordinator.stage_failover import StageFailover, rejoin_all, restart_dead_stages
 from launcher.coordinator.stage_link import StageLink
 from launcher.coordinator.stage_receivers import ReceiverError, start_receivers
 from pipeline.engine.engine import Engine
@@ -256,16 +256,7 @@ class Coordinator:
         self.generation += 1  # from now on, events of the old ring are dropped
         fo.pause_watch()
         try:
-            todo, restarted = stages_to_restart(self.stubs, fo.dead_stages()), set()
-            while todo:  # a stage that died while others restarted joins this attempt, not a second one
-                for i in todo:
-                    address = fo.restart_stage(i)
-                    self.channels[i].close()
-                    self.channels[i] = self._control_channel(address)
-                    self.stubs[i] = pb_grpc.StageServiceStub(with_secret(self.channels[i], self._control_secret))
-                    self._unloaded.add(i)  # until a Load succeeds (an attempt may fail half-way)
-                restarted.update(todo)
-                todo = [i for i in fo.dead_stages() if i not in restarted]
+            restart_dead_stages(fo, self.stubs, self._reconnect)
         finally:
             fo.resume_watch()
         wait_reachable(self.channels, dead=fo.dead_stages)
@@ -278,6 +269,13 @@ class Coordinator:
         self._start_receivers()
         out = self.engine.step([ReplayRunning()], now_ns=time.perf_counter_ns())
         self.link.send_step(out)
+
+    def _reconnect(self, i: int, address: str) -> None:
+        """Stage `i` restarted at `address`: a new control channel; unloaded until a Load succeeds."""
+        self.channels[i].close()
+        self.channels[i] = self._control_channel(address)
+        self.stubs[i] = pb_grpc.StageServiceStub(with_secret(self.channels[i], self._control_secret))
+        self._unloaded.add(i)
 
     def _notify_recovery(self, phase: str) -> None:
         for listener in self.recovery_listeners:

@@ -106,11 +106,13 @@ class RequestHandle:
             if chunk.finish_reason is not None:
                 return
 
-    def result(self, timeout_s: float | None = None) -> RequestOutput:
-        """Block until finished. Raises PipelineError if the pipeline failed, TimeoutError on timeout."""
+    def result(self, timeout_s: float | None = None, *, raise_request_error: bool = True) -> RequestOutput:
+        """Block until finished. Raises PipelineError if the pipeline failed, TimeoutError on timeout,
+        and RequestError if this request alone failed, unless `raise_request_error` is False (then the
+        output so far, finish reason "error", for the caller to report beside the others)."""
         if not self._done.wait(timeout_s):
             raise TimeoutError(f"request {self.request_id} not finished within {timeout_s} s")
-        if self.error is not None:
+        if self.error is not None and (raise_request_error or not isinstance(self.error, RequestError)):
             raise self.error
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, list(self.token_ids), self.text,
                              self.finish_reason or "", (self.first_token_at or self.finished_at) - self.submitted_at,

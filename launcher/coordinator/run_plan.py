@@ -215,10 +215,11 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     weights = reader.nbytes(all_tensor_names(config), dtype=dtype if dense else torch.uint8) // (1 if dense else 2)
     available = available_memory_bytes() if available is None else available
     if kv + weights > available:
+        remedy = ("lower max_model_len or max_num_seqs" if weights < available else
+                  "the weights alone do not fit: quantise them (--quantization) or place stages on more machines")
         raise ValueError(f"max_num_seqs {options.max_num_seqs} x max_model_len {options.max_model_len} needs "
                          f"{_size(kv)} of KV cache, plus {'' if dense else 'at least '}{_size(weights)} of weights: "
-                         f"more than the {_size(available)} of memory available on this machine; lower "
-                         f"max_model_len or max_num_seqs")
+                         f"more than the {_size(available)} of memory available on this machine; {remedy}")
 
 
 def note_requantised_blocks(options: PipelineOptions, config: ModelConfig, model_dir: Path) -> None:

@@ -28,9 +28,11 @@ place while new requests queue behind it (clients see a pause, not an error):
    sequence is prefilled again from prompt + committed tokens ([Note: replay] in pipeline/engine/engine.py).
 A failure during these steps counts as another restart. Past the budget the coordinator fails
 every request as before (serve: /health 503, the server keeps answering). A stage that dies while
-the server drains, or of SIGTERM / SIGINT up to SHUTDOWN_SIGNAL_GRACE_S before the server's own
-(systemd, `timeout` and `kill -- -PGID` signal every process of the server at once), is not restarted: the
-requests it held end with an error event and the drain goes on (`StageFailover.shutting_down`).
+the server drains, or of SIGTERM / SIGINT up to SHUTDOWN_SIGNAL_GRACE_S before the server's own, is
+not restarted: the requests it held end with an error event and the drain goes on
+(`StageFailover.shutting_down`). Local stage workers ignore both signals (systemd, `timeout` and
+`kill -- -PGID` signal every process at once: the server drains and stops them), so this covers
+stages that do not: a `--no-stdin-watch` worker, or one signalled on its own.
 """
 
 from __future__ import annotations
@@ -101,6 +103,19 @@ def stages_to_restart(stubs: Sequence, dead: Sequence[int], *, probe_s: float = 
         except grpc.RpcError:
             silent.append(i)
     return sorted({*dead, *silent})
+
+
+def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[[int, str], None]) -> set[int]:
+    """Restart the dead and hung stages (`stages_to_restart`), then those that died meanwhile, each
+    once, in this one fail-over attempt (a stage killed a second after another used to cost a second
+    restart and a 30 s wait); `reconnect(i, address)` after each. Returns the restarted indices."""
+    todo, restarted = stages_to_restart(stubs, fo.dead_stages()), set()
+    while todo:
+        for i in todo:
+            reconnect(i, fo.restart_stage(i))
+        restarted.update(todo)
+        todo = [i for i in fo.dead_stages() if i not in restarted]
+    return restarted
 
 
 def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[int], join: Callable[[], None],

@@ -61,8 +61,10 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if req.max_new_tokens < 1:
         raise InvalidRequestError(f"'max_new_tokens' must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
     engine.check_prompt(ids, req.max_new_tokens, prompt_field=which)
-    if len(req.stop) > MAX_STOP_STRINGS or not all(req.stop):  # HTTP's rules (OpenAI: up to 4)
-        raise InvalidRequestError(f"'stop' has {len(req.stop)} strings; at most {MAX_STOP_STRINGS}, none empty", "stop")
+    if len(req.stop) > MAX_STOP_STRINGS:  # HTTP's rules (OpenAI: up to 4, none empty)
+        raise InvalidRequestError(f"'stop' has {len(req.stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    if not all(req.stop):
+        raise InvalidRequestError("'stop' strings must not be empty", "stop")
     if req.HasField("seed") and req.seed >= 2**63:  # HTTP's range (torch seeds are signed 64-bit)
         raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {req.seed}", "seed")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range

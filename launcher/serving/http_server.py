@@ -340,14 +340,22 @@ class HttpServer:
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                      access_log=False, lifespan="off", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(self.config)
-        self._thread = threading.Thread(target=self.server.run, name="http-server", daemon=True)
+        self._error: BaseException | None = None  # why the server thread ended (a failed bind: OSError)
+        self._thread = threading.Thread(target=self._run, name="http-server", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by start(), not as a thread traceback
+            self._error = exc
 
     def start(self, timeout_s: float = 30.0) -> None:
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"HTTP server did not start on {self.config.host}:{self.config.port}")
+                why = f" ({self._error})" if isinstance(self._error, OSError) else ""
+                raise RuntimeError(f"HTTP server did not start on {self.config.host}:{self.config.port}{why}")
             time.sleep(0.02)
 
     def stop(self) -> None:

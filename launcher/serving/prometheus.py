@@ -70,8 +70,8 @@ class _PipelineCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
-        heartbeat = getattr(self.engine, "heartbeat", None)  # a silent stage would hold every scrape
-        if getattr(self.engine, "fenced", None) is not None or (heartbeat is not None and not heartbeat.healthy()[0]):
+        heartbeat = getattr(self.engine, "heartbeat", None)  # a silent or restarting stage would hold every scrape
+        if getattr(self.engine, "fenced", None) is not None or (heartbeat is not None and not self.engine.healthy()[0]):
             return
         try:
             stats = self.coordinator.stage_stats(timeout_s=SCRAPE_STATS_TIMEOUT_S)

@@ -133,8 +133,8 @@ class ServeOptions:
 class ServingStack:
     """Engine + HTTP + gRPC + stats logger + stage heartbeat on a started session; a context manager.
 
-    `http_port` / `grpc_port` are the bound ports (useful with port 0). Raises RuntimeError if a
-    server cannot listen. `on_pipeline_failure()` fences the engine and ends every request.
+    `http_port` / `grpc_port` are the bound ports (useful with port 0). Raises ValueError naming the
+    flag if a server cannot listen (a port taken after `ServeOptions.check_ports`). `on_pipeline_failure()` fences the engine and ends every request.
     """
 
     def __init__(self, session: PipelineSession, options: ServeOptions) -> None:
@@ -152,8 +152,11 @@ class ServingStack:
                                     max_model_len=opt.max_model_len)
         self.http = HttpServer(self.engine, host=options.host, port=options.port, log_level=options.http_log_level,
                                api_key=options.api_key, max_request_bytes=options.max_request_bytes)
-        self.grpc = (GrpcServer(self.engine, host=options.host, port=options.grpc_port, api_key=options.api_key)
-                     if options.grpc_port >= 0 else None)
+        try:  # the ports were free at start-up (`check_ports`); something may have taken one since
+            self.grpc = (GrpcServer(self.engine, host=options.host, port=options.grpc_port, api_key=options.api_key)
+                         if options.grpc_port >= 0 else None)
+        except RuntimeError as exc:
+            raise ValueError(f"--grpc-port {options.grpc_port}: {exc} (taken while the model loaded?)") from None
         self.stats = StatsLogger(coord, self.engine.metrics, self.engine, interval_s=options.stats_interval_s)
         self.heartbeat = StageHeartbeat(coord.stubs, timeout_s=options.stage_heartbeat_timeout_s,
                                         on_hung=self._on_hung)
@@ -176,7 +179,10 @@ class ServingStack:
         try:
             if self.grpc is not None:
                 self.grpc.start()
-            self.http.start()
+            try:
+                self.http.start()
+            except RuntimeError as exc:  # as for gRPC above: exit 2 with one line, the stages stopped
+                raise ValueError(f"--port {self.options.port}: {exc} (taken while the model loaded?)") from None
             self.stats.start()
             self.heartbeat.start()
         except BaseException:

@@ -46,6 +46,7 @@ class KVCache:
         self.max_model_len = max_model_len
         self.num_scratch = num_scratch
         self.lengths = [0] * max_num_seqs
+        self._written = [0] * max_num_seqs  # positions [0, n) of each slot written since it was last freed
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +63,7 @@ class KVCache:
             raise ValueError(f"KV slot {slot} out of range [0, {self.max_num_seqs})")
         if start > self.lengths[slot]:
             raise ValueError(f"KV slot {slot}: write at position {start} leaves a gap after length {self.lengths[slot]}")
+        self._written[slot] = max(self._written[slot], min(start + num_tokens, self.max_model_len))
         if start + num_tokens > self.max_model_len:
             raise ValueError(
                 f"KV slot {slot}: positions up to {start + num_tokens} exceed max_model_len {self.max_model_len}"
@@ -126,6 +128,7 @@ class KVCache:
         if not 0 <= slot < self.max_num_seqs or not 0 <= position < self.max_model_len:
             raise ValueError(f"KV fix-up to slot {slot} position {position} out of range")
         src = self.scratch_index(scratch)
+        self._written[slot] = max(self._written[slot], position + 1)
         self.k[:, slot, :, position] = self.k[:, slot, :, src]
         self.v[:, slot, :, position] = self.v[:, slot, :, src]
 
@@ -143,8 +146,15 @@ class KVCache:
             self.lengths[slot] = length
 
     def free(self, slot: int) -> None:
-        """Release a slot (its length becomes 0)."""
+        """Release a slot (its length becomes 0) and zero what it held: attention reads whole key
+        blocks, so a later occupant reads positions past its length with weight 0, and 0 x NaN is
+        NaN ([Note: non-finite logits] in pipeline/engine/records.py: a request that ended with NaN
+        in its cache must not fail the next one in its slot). Costs about what its writes cost."""
         self.lengths[slot] = 0
+        written, self._written[slot] = self._written[slot], 0
+        for buf in (self.k, self.v):
+            buf[:, slot, :, :written].zero_()
+            buf[:, slot, :, self.max_model_len:].zero_()  # the token-tree scratch positions
 
     def slots_in_use(self) -> int:
         """Number of slots holding at least one position."""

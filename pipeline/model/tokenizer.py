@@ -111,13 +111,15 @@ class Tokenizer:
         return max(len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True))
 
     def check_fits(self, text: str, max_tokens: int, *, what: str = "prompt") -> None:
-        """Raise ValueError when `text` is certainly more than `max_tokens` tokens long, from its size
-        alone (twice the most a token can spell, a margin for normalisers), before any tokenising:
-        a server must not spend seconds of its one interpreter on megabytes that cannot fit."""
+        """Raise ValueError when `text` cannot be `max_tokens` tokens or fewer, from its size alone,
+        before any tokenising: a server must not spend seconds on megabytes that cannot fit. The
+        bound is twice the most a token spells (`max_token_bytes`); it holds while normalisers shrink
+        text at most 2x and unknown characters are not merged into one token (true of byte-level BPE,
+        whose tokens average a few bytes against a longest of 100-260)."""
         limit = 2 * max_tokens * self.max_token_bytes
         if len(text) > limit // 4 and (size := len(text.encode("utf-8", "surrogatepass"))) > limit:
-            raise ValueError(f"{what} is {size} bytes long: more than {max_tokens} tokens of this vocabulary "
-                             f"(max_model_len), whose longest token spells {self.max_token_bytes} bytes")
+            raise ValueError(f"{what} is {size} bytes: it cannot fit max_model_len {max_tokens} tokens (no token "
+                             f"of this vocabulary spells more than {self.max_token_bytes} bytes)")
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`: [num_tokens]. Special-token text such as "<|im_start|>" maps to its id;

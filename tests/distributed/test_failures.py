@@ -6,6 +6,7 @@ the stage, within a bounded time, and leave no stage process behind.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -329,3 +330,10 @@ def test_nan_weights_fail_each_request_with_one_line_and_the_pipeline_stays_up(t
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("speedpipe launch: request failed: the model's logits are not finite"), err[-3:]
     assert not any("Traceback" in line for line in err)
+    # several prompts: every output is printed (the failed ones with their error), then exit 1
+    assert main(["launch", "--model", str(model_dir), "--stages", "2", "--max-new-tokens", "4", "--json",
+                 "--prompt", "hi", "--prompt", "abc", "--no-progress"]) == 1
+    out, err = capsys.readouterr()
+    outputs = json.loads(out.strip().splitlines()[-1])["outputs"]
+    assert [o["finish_reason"] for o in outputs] == ["error", "error"] and all("not finite" in o["error"] for o in outputs)
+    assert [line.split(": ")[2] for line in err.strip().splitlines()[-2:]] == ["prompt 0", "prompt 1"], err[-500:]

@@ -115,8 +115,10 @@ def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
         check_lengths(options, config, model_dir, available=need - 1)
     int8 = dataclasses.replace(options, quantization="int8")  # bfloat16 K and V; weights at least 4 bits each
     check_lengths(int8, config, model_dir, available=kv // 2 + params // 2)
-    with pytest.raises(ValueError, match=r"plus at least 0.\d MiB of weights"):
+    with pytest.raises(ValueError, match=r"plus at least 0.\d MiB of weights.*lower max_model_len"):
         check_lengths(int8, config, model_dir, available=kv // 2 + params // 2 - 1)
+    with pytest.raises(ValueError, match="the weights alone do not fit: quantise them"):
+        check_lengths(options, config, model_dir, available=params)
     private = dataclasses.replace(options, placement=PlacementOptions(backend="ray"))  # actors on this machine
     with pytest.raises(ValueError, match="needs 8.0 MiB of KV cache, plus"):
         check_lengths(private, config, model_dir, available=need - 1)

@@ -399,7 +399,7 @@ def test_requests_complete_while_a_large_body_is_uploaded_and_parsed(served):
     finally:
         release.set()
         uploader.join(60)
-    assert outcome["big"].status_code == 400 and "bytes long" in outcome["big"].json()["error"]["message"]
+    assert outcome["big"].status_code == 400 and "cannot fit max_model_len" in outcome["big"].json()["error"]["message"]
     assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
@@ -589,9 +589,9 @@ def test_a_prompt_too_big_to_fit_is_refused_before_it_is_tokenised(served, token
         r = httpx.post(url + path, json=body, timeout=30)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["param"] == field and "bytes long: more than 64 tokens" in error["message"], error
+        assert error["param"] == field and "bytes: it cannot fit max_model_len 64 tokens" in error["message"], error
     assert not any(n >= len(big) for n in encoded), "the oversized prompt was tokenised"
-    with pytest.raises(ValueError, match="prompt is .* bytes long"):
+    with pytest.raises(ValueError, match="prompt is .* bytes: it cannot fit"):
         tokenizer.check_fits(big, engine.max_model_len)
     tokenizer.check_fits("hello " * 10, engine.max_model_len)  # small text: no error
 
@@ -628,12 +628,13 @@ def test_a_scrape_skips_the_per_stage_counters_while_a_stage_is_silent(served, m
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-    ({"stop": ["a", ""]}, "stop", "none empty"),
+    ({"stop": ["a", ""]}, "stop", "must not be empty"),
     ({"seed": 2**63}, "seed", "[0, 2**63)"),
     ({"request_id": "r" * 257}, "request_id", "at most 256"),
 ])
 def test_grpc_refuses_what_http_refuses(tokenizer, fields, param, message):
-    """gRPC accepted 10 stop strings, seeds from 2**63 and megabyte request ids, all refused over HTTP."""
+    """gRPC accepted 10 stop strings, empty ones and seeds from 2**63, which HTTP refuses, and
+    megabyte request ids (logged and echoed in every response)."""
     from launcher.serving.grpc_generate import request_params
 
     engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
@@ -643,3 +644,26 @@ def test_grpc_refuses_what_http_refuses(tokenizer, fields, param, message):
     assert info.value.param == param
     assert request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, stop=["a"] * 4, seed=2**63 - 1,
                                              request_id="r" * 256), engine)[1].seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("taken", ["--port", "--grpc-port"])
+def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(tokenizer, taken):
+    """The ports are checked before the stages start; one taken after that (while a model loads for
+    minutes) used to end `serve` with a traceback and exit 1: now a ValueError naming the flag (exit 2)."""
+    import types
+
+    from launcher.serving.serve import ServeOptions, ServingStack
+
+    coord = FakeCoordinator(tokenizer)
+    coord.stubs, coord.recovery_listeners = [], []
+    coord.engine = types.SimpleNamespace(window_buffers=lambda n: None)
+    session = types.SimpleNamespace(coordinator=coord, options=types.SimpleNamespace(max_num_seqs=2, max_model_len=64))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ports = {"port": port, "grpc_port": -1} if taken == "--port" else {"port": 0, "grpc_port": port}
+        options = ServeOptions(model_name="tiny", stats_interval_s=0, **ports)
+        with pytest.raises(ValueError, match=f"^{taken} {port}: .*taken while the model loaded"):
+            with ServingStack(session, options):
+                pass

@@ -220,6 +220,23 @@ def test_a_row_whose_logits_are_not_finite_gets_the_non_finite_token_and_its_nei
     assert int(tokens[1]) == NON_FINITE_TOKEN and int(tokens[0]) == int(expected[0]) != NON_FINITE_TOKEN
 
 
+def test_a_released_slot_that_held_nan_does_not_fail_its_next_sequence(weights):
+    """Attention reads whole key blocks (and up to the longest item of a micro-batch), so a new
+    sequence reads its slot's old positions with weight 0, and 0 x NaN is NaN: releasing a slot zeroes
+    what it held, and the next sequence in it is finite, alone or beside a longer one."""
+    executors = _pipeline(weights)
+    _run(executors, [_item(list(range(1, 11)), seq_id=1, slot=1)])  # 10 positions written in slot 1
+    for ex in executors:
+        ex.kv.v[:, 1, :, :10] = float("nan")  # as NaN weights or a float16 overflow leave them
+        ex.release([1], [1])
+    batched = _run(executors, [_item(list(range(1, 9)), seq_id=5, slot=0), _item([4, 5], seq_id=6, slot=1)])
+    assert NON_FINITE_TOKEN not in batched[-1].token_ids.tolist()
+    for ex in executors:
+        ex.release([5, 6], [0, 1])
+    alone = _run(executors, [_item([4, 5, 6], seq_id=7, slot=1)])
+    assert NON_FINITE_TOKEN not in alone[-1].token_ids.tolist()
+
+
 def test_last_stage_without_want_logits_items_returns_no_logits(weights):
     outs = _run(_pipeline(weights), [_item([1, 2]), _item([3], seq_id=2, slot=1)])
     assert outs[1].logits is None and outs[1].token_ids.shape == (2,)

@@ -61,3 +61,28 @@ def test_waiting_for_a_control_plane_ends_at_once_when_its_stage_died():
             wait_reachable([channel], timeout_s=0.2)
     finally:
         channel.close()
+
+
+def test_a_stage_that_dies_while_another_restarts_joins_the_same_restart():
+    """kill -9 of stage 2, then of stage 0 while stage 2 restarts: both restart once, in one pass
+    (stage 0 used to be found only by the next, failing, step: a second restart from the budget)."""
+    import types
+
+    from launcher.coordinator.stage_failover import restart_dead_stages
+
+    answering = types.SimpleNamespace(Health=types.SimpleNamespace(
+        future=lambda request, timeout: types.SimpleNamespace(result=lambda: None)))
+    dead, restarts, reconnected = {2}, [], []
+
+    def restart_stage(i: int) -> str:
+        restarts.append(i)
+        dead.discard(i)
+        if i == 2:
+            dead.add(0)  # stage 0 dies while stage 2 restarts
+        return f"127.0.0.1:{9000 + i}"
+
+    fo = StageFailover(budget=None, restart_stage=restart_stage, dead_stages=lambda: sorted(dead),
+                       data_port=lambda: 0, load_specs=lambda port: [])
+    restarted = restart_dead_stages(fo, [answering] * 3, lambda i, address: reconnected.append((i, address)))
+    assert restarted == {0, 2} and restarts == [2, 0] and not dead
+    assert reconnected == [(2, "127.0.0.1:9002"), (0, "127.0.0.1:9000")]

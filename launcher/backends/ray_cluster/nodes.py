@@ -1,8 +1,8 @@
 """Whether a Ray node is alive: the GCS's word, the node's raylet answering, and waiting for a node
 loss to be declared.
 
-Owns the liveness questions `launcher/backends/ray_cluster/stage_actors.py` asks about a dead stage's node (its death
-message, and where its restart goes). Must not start or kill actors.
+Owns the liveness questions stage_actors.py asks about a dead stage's node (its death message, and
+where its restart goes). Must not start or kill actors.
 
 [Note: node loss]
 When a node dies, the data plane usually notices first (a peer's gloo socket closes), seconds before
@@ -18,10 +18,14 @@ one restart. A node that answers (only the actor died) is not waited for.
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 import time
 
 import ray
+
+log = logging.getLogger("speedpipe.ray")
 
 RAYLET_PROBE_S = 2.0  # a raylet that accepts no connection this fast: its node is lost
 NODE_DEATH_POLL_S = 0.5
@@ -62,11 +66,27 @@ def raylet_answers(node_id: str, *, timeout_s: float = RAYLET_PROBE_S) -> bool:
         return False
 
 
-def await_node_declared_dead(node_id: str, *, timeout_s: float) -> bool:
-    """Wait until the GCS lists node `node_id` as dead, at most `timeout_s` seconds; True if it did."""
+def await_node_declared_dead(node_id: str, *, timeout_s: float, stopping: threading.Event | None = None) -> bool:
+    """Wait until the GCS lists node `node_id` as dead, at most `timeout_s` seconds, or until
+    `stopping` is set; True if the node was declared dead."""
     deadline = time.monotonic() + timeout_s
     while node_alive(node_id):
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or (stopping is not None and stopping.is_set()):
             return False
         time.sleep(NODE_DEATH_POLL_S)
+    return True
+
+
+def wait_for_lost_node(node_id: str, *, what: str, timeout_s: float, stopping: threading.Event) -> bool:
+    """[Note: node loss]: False when node `node_id`'s raylet answers (only the actor died: nothing to
+    wait for); True once the GCS has declared the node dead. `what` names the stage in messages.
+    Raises RuntimeError when Ray does not declare it dead within `timeout_s` (--placement-timeout-s),
+    or when `stopping` is set meanwhile."""
+    if raylet_answers(node_id):
+        return False
+    log.warning("%s: its node does not answer; waiting for Ray to declare it dead and move its bundle", what)
+    if not await_node_declared_dead(node_id, timeout_s=timeout_s, stopping=stopping):
+        raise RuntimeError("the stages are being stopped" if stopping.is_set() else
+                           f"{what}: its node does not answer, and Ray did not declare it dead within "
+                           f"{timeout_s:g} s (--placement-timeout-s)")
     return True

@@ -61,7 +61,7 @@ from launcher.backends.ray_cluster.messages import (
     format_resources,
     route_ray_output_to_stderr,
 )
-from launcher.backends.ray_cluster.nodes import await_node_declared_dead, node_alive, raylet_answers
+from launcher.backends.ray_cluster.nodes import node_alive, wait_for_lost_node
 from launcher.backends.worker_command import LOG_LEVELS
 from workers.channel import hold_listener
 
@@ -239,10 +239,8 @@ class RayStageActors:
             with contextlib.suppress(Exception):
                 ray.kill(self._actors[stage_index], no_restart=True)
             where = BundleNode(bundle_index=old.bundle_index, node_id=old.node_id, node_ip=old.node_ip)
-            if not raylet_answers(old.node_id):  # [Note: node loss]
-                log.warning("%s: its node does not answer; waiting for Ray to declare it dead and move its "
-                            "bundle", self.describe(stage_index))
-                await_node_declared_dead(old.node_id, timeout_s=self.options.placement_timeout_s)
+            if wait_for_lost_node(old.node_id, what=self.describe(stage_index), stopping=self._stopping,
+                                  timeout_s=self.options.placement_timeout_s):  # [Note: node loss]
                 where = BundleNode(bundle_index=old.bundle_index, node_id="", node_ip="(its bundle's new node)")
             actor = self._new_actor(stage_index, where)
             self._actors[stage_index] = actor
@@ -255,8 +253,8 @@ class RayStageActors:
 
     def stop(self) -> None:
         """Kill every actor, remove the placement group, shut down Ray if this object started it."""
+        self._stopping.set()  # before the lock: a restart waiting for a lost node gives up at once
         with self._lock:
-            self._stopping.set()
             if self._unwatched.is_set():  # the coordinator told the stages to shut down (Session.close)
                 self._await_stopped(STOP_GRACE_S)
             for actor in self._actors:
