@@ -136,6 +136,12 @@ class RunConfig:
             # row of a multi-row pass differently from a 1-row pass, often enough to flip greedy ties
             raise ValueError(f"draft_tree {self.draft_tree} needs float32 or an int mode (quantization "
                              f"auto/int8/int4): in dense {self.dtype} tree rows would change greedy output")
+        if self.uses_firp and self.quantization == "none" and self.dtype != "float32":
+            # the same for a FIRP chain's k + 1-row verify pass: a bfloat16 story prompt whose two best
+            # logits are one bfloat16 step apart changed at its second token with --firp-k 4
+            raise ValueError(f"speculate {self.speculate} needs float32 or an int mode (quantization "
+                             f"auto/int8/int4): in dense {self.dtype} its multi-row verify passes would change "
+                             f"greedy output")
 
     @property
     def uses_speed(self) -> bool:

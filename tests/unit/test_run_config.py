@@ -46,6 +46,10 @@ BAD_VALUES = [
      "--dense-layout must be one of"),
     ({"dense_layout": "fast", "quantization": "auto"}, "dense_layout fast needs quantization none, dtype float32 "
      "and a CPU device (got auto, float32, cpu)", "--dense-layout fast needs quantization none"),
+    ({"speculate": "firp", "dtype": "bfloat16"}, "speculate firp needs float32 or an int mode (quantization "
+     "auto/int8/int4): in dense bfloat16", "--speculate firp needs float32 or an int mode"),
+    ({"speculate": "speed+firp", "dtype": "float16", "num_stages": 2}, "speculate speed+firp needs float32 or an "
+     "int mode", "--speculate speed+firp needs float32"),
 ]
 
 
@@ -56,7 +60,8 @@ def test_launcher_options_refuse_an_unknown_log_level_naming_it():
     assert flag_message(str(err.value)).startswith("--log-level must be one of")
 
 
-@pytest.mark.parametrize(("fields", "message", "cli_message"), BAD_VALUES, ids=[next(iter(f)) for f, _, _ in BAD_VALUES])
+@pytest.mark.parametrize(("fields", "message", "cli_message"), BAD_VALUES,
+                         ids=[f"{next(iter(f))}-{i}" for i, (f, _, _) in enumerate(BAD_VALUES)])
 def test_bad_value_names_the_parameter_and_the_cli_rewrites_it_to_the_flag(fields, message, cli_message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         RunConfig(**fields)
@@ -207,3 +212,10 @@ def test_token_trees_size_every_stages_kv_scratch_in_its_load_spec(tiny_dir):
     assert [s.tree_scratch for s in plain] == [0, 0]
     with pytest.raises(ValueError, match="KV scratch positions per slot: lower max_inflight"):
         RunConfig(speculate="speed", draft_tree=8, max_inflight=10_000)
+
+
+def test_firp_in_an_int_mode_or_float32_is_allowed():
+    """Only dense half precision refuses FIRP: the int kernels and the attention are batch-invariant,
+    and float32 `none` agrees within rounding as everywhere (README, Numeric modes)."""
+    for fields in ({"dtype": "bfloat16", "quantization": "int4"}, {"dtype": "float32"}, {"quantization": "auto"}):
+        assert RunConfig(speculate="speed+firp", num_stages=2, **fields).uses_firp
