@@ -36,6 +36,7 @@ from pipeline.run_config import MODEL_DTYPES, RunConfig
 from pipeline.speculation.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
 from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
 from pipeline.weights.gguf_blocks import gguf_source_of, requantised_linears
+from pipeline.weights.gguf_import import SOURCE_FILE
 from pipeline.weights.quant_load import activation_dtype, effective_mode
 from pipeline.weights.registry import resolve_model
 from pipeline.weights.stage_memory import kv_bytes_per_layer
@@ -224,7 +225,13 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
 
 def note_requantised_blocks(options: PipelineOptions, config: ModelConfig, model_dir: Path) -> None:
     """Warn when `--quantization auto` runs some of the GGUF's projections requantised to int4 groups
-    (types without a kernel here, e.g. Qwen2.5-Coder's 29 Q6_K tensors): less precise than the file."""
+    (types without a kernel here, e.g. Qwen2.5-Coder's 29 Q6_K tensors): less precise than the file;
+    or runs dense because the GGUF a converted folder came from is gone (other tokens, silently)."""
+    if options.quantization == "auto" and options.device == "cpu" and (model_dir / SOURCE_FILE).is_file() \
+            and gguf_source_of(model_dir) is None:
+        log.warning("--quantization auto: the GGUF file %s was converted from is gone (%s), so its blocks cannot be "
+                    "used: the weights run dense (as --quantization none); give the registered model name or the "
+                    ".gguf file to use them", model_dir, SOURCE_FILE)
     if effective_mode(options.quantization, str(model_dir), options.device) != "gguf":
         return
     counts = requantised_linears(gguf_source_of(model_dir), config)

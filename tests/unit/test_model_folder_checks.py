@@ -159,3 +159,22 @@ def test_auto_names_the_gguf_weights_it_requantises(tmp_path, caplog, proj_type,
         assert not notes
     else:
         assert len(notes) == 1 and f"GGUF's {projections} {expected} weights have no int kernel" in notes[0]
+
+
+def test_auto_says_so_when_the_gguf_a_folder_came_from_is_gone(tmp_path, caplog):
+    """A converted folder whose GGUF was deleted (its venv removed) ran `auto` dense without a word,
+    giving other tokens than the same model by its registered name."""
+    from pipeline.weights.gguf_import import convert_gguf
+    from tests.unit.test_gguf_import_tiny import tiny, write_gguf
+
+    write_gguf(tmp_path / "m.gguf", tiny(tie_word_embeddings=True))
+    model_dir = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    with caplog.at_level("WARNING"):
+        resolve(_options(model_dir, quantization="auto", max_model_len=256))
+    assert "is gone" not in caplog.text
+    (tmp_path / "m.gguf").unlink()
+    with caplog.at_level("WARNING"):
+        resolve(_options(model_dir, quantization="auto", max_model_len=256))
+        resolve(_options(model_dir, quantization="none", max_model_len=256))
+    notes = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+    assert len(notes) == 1 and "the weights run dense (as --quantization none)" in notes[0], notes
