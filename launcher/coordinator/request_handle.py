@@ -70,13 +70,16 @@ class RequestOutput:
 @dataclasses.dataclass(frozen=True)
 class StreamChunk:
     """Newly committed tokens of one request and their text; `finish_reason` set on the last chunk.
-    logprobs / prompt_logprobs: as `Commit`'s (None unless the request asked)."""
+    logprobs / prompt_logprobs: as `Commit`'s (None unless the request asked). `stop_reason`: the
+    stop string that ended the request (on the last chunk; None otherwise, and after EOS or length,
+    as vLLM's `stop_reason`)."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_reason: str | None = None
 
 
 class RequestHandle:
@@ -90,6 +93,7 @@ class RequestHandle:
         self.text = ""
         self._held = ""  # decoded text not streamed yet: it may be the start of a stop string
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None  # the stop string that ended it, if one did
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
@@ -136,9 +140,10 @@ class RequestHandle:
         # one (as vLLM does), so no chunk ever streams part of a stop string.
         pending, hit = self._held + delta, False
         if stop:
-            cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                pending, hit = pending[:cut], True
+            found = [(i, n) for n, i in enumerate(pending.find(s) for s in stop) if i >= 0]
+            if found:  # the earliest match ends it (the first listed where two start together)
+                cut, which = min(found)
+                pending, hit, self.stop_reason = pending[:cut], True, stop[which]
         keep = max((len(s) for s in stop), default=1) - 1
         if hit or commit.finish_reason is not None or keep == 0:
             delta, self._held = pending, ""
@@ -146,7 +151,8 @@ class RequestHandle:
             delta, self._held = pending[:max(0, len(pending) - keep)], pending[max(0, len(pending) - keep):]
         self.text += delta
         reason = "stop" if hit else (commit.finish_reason.value if commit.finish_reason else None)
-        self._chunks.put(StreamChunk(commit.token_ids, delta, reason, commit.logprobs, commit.prompt_logprobs))
+        self._chunks.put(StreamChunk(commit.token_ids, delta, reason, commit.logprobs, commit.prompt_logprobs,
+                                     self.stop_reason))
         if reason is not None:
             self.finish(reason)
         return hit

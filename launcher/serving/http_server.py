@@ -157,16 +157,17 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
     try:
         for index, choice in enumerate(stream):
             text, ids, reason, entries, prompt_entries = [_echo_text(tokenizer, parsed)], [], None, [], None
+            stop_reason = None
             async for chunk in choice:
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
                 entries.extend(chunk.logprobs or ())
                 prompt_entries = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_entries
-                reason = chunk.finish_reason or reason
+                reason, stop_reason = chunk.finish_reason or reason, chunk.stop_reason or stop_reason
             choices.append(openai_protocol.completion_body(
                 request_id=stream.request_id, model=model, text="".join(text),
                 token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
-                chunk=False, chat=chat, index=index,
+                chunk=False, chat=chat, index=index, stop_reason=stop_reason,
                 logprobs=_choice_logprobs(formatter, parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
     except (UnavailableError, PipelineError) as exc:
         return unavailable(exc)
@@ -208,7 +209,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
             yield _sse(openai_protocol.completion_body(
                 request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
                 finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
-                logprobs=logprobs))
+                logprobs=logprobs, stop_reason=chunk.stop_reason))
         final = openai_protocol.merged_final([s.final for s in stream])
         if parsed.include_usage and final is not None:
             yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))

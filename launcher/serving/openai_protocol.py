@@ -361,17 +361,19 @@ def error_body(message: str, param: str | None, *, type_: str = "invalid_request
 
 def completion_body(*, request_id: str, model: str, text: str, token_ids: list[int] | None, finish_reason: str | None,
                     final: FinalInfo | None, chunk: bool, chat: bool, role: bool = False, index: int = 0,
-                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                    logprobs: dict[str, Any] | None = None, stop_reason: str | None = None) -> dict[str, Any]:
     """A response (chunk=False) or stream chunk (chunk=True) of either endpoint, one choice
-    (number `index`; `logprobs` from launcher/serving/openai_logprobs.py or None)."""
+    (number `index`; `logprobs` from launcher/serving/openai_logprobs.py or None). `stop_reason`:
+    the stop string that ended the choice, null otherwise (vLLM's field of that name)."""
     reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
     if chat:
         content = {"role": "assistant", "content": text} if (role or not chunk) else {"content": text}
         choice = {"index": index, ("delta" if chunk else "message"): content, "logprobs": logprobs,
-                  "finish_reason": reason}
+                  "finish_reason": reason, "stop_reason": stop_reason}
         obj = "chat.completion.chunk" if chunk else "chat.completion"
     else:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                  "stop_reason": stop_reason}
         obj = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids

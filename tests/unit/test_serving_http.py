@@ -261,13 +261,15 @@ def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
     assert "--base-url" in capsys.readouterr().err  # bench serve's own checks: tests/unit/test_bench_serve.py
 
 
-@pytest.mark.parametrize(("text", "stop", "want"), [
-    ("abcXYZdef", ("XYZ",), "abc"), ("abXYqXYZ", ("XYZ",), "abXYq"), ("abXYq", ("XYZ",), "abXYq"),
-    ("hello world", ("o w", "ld"), "hell"), ("aXb", ("X",), "a"), ("Xab", ("X",), ""),
+@pytest.mark.parametrize(("text", "stop", "want", "matched"), [
+    ("abcXYZdef", ("XYZ",), "abc", "XYZ"), ("abXYqXYZ", ("XYZ",), "abXYq", "XYZ"), ("abXYq", ("XYZ",), "abXYq", None),
+    ("hello world", ("ld", "o w"), "hell", "o w"), ("aXb", ("X",), "a", "X"), ("Xab", ("X",), "", "X"),
+    ("abcd", ("bcd", "bc"), "a", "bc"),  # the first to appear ends it
 ])
-def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want):
+def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want, matched):
     """The coordinator's RequestHandle holds back text that may start a stop string (tiny byte
-    tokenizer: one token per character)."""
+    tokenizer: one token per character), and names the stop string that ended it (vLLM's
+    `stop_reason`; None after length)."""
     ids = tokenizer.encode(text)
     params = SamplingParams(max_new_tokens=len(ids), stop=stop)
     h = RequestHandle("r", "p", [1], params, tokenizer.detokenizer(prompt_ids=[1]))
@@ -278,6 +280,34 @@ def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want):
     chunks = list(h)
     assert "".join(c.text for c in chunks) == want == h.result(1).text
     assert h.finish_reason == ("stop" if want != text else "length")
+    assert h.stop_reason == chunks[-1].stop_reason == matched
+    assert all(c.stop_reason is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_choices_name_the_stop_string_that_ended_them(served, stream, chat):
+    """`stop_reason` (vLLM's field): the matched stop string on the last choice or chunk, null on the
+    others and when the length limit ended the choice."""
+    _, _, url = served
+    body = {"max_tokens": 25, "stream": stream, "n": 2}
+    if chat:
+        body |= {"messages": [{"role": "user", "content": "say: hello world"}], "stop": ["zz", "o w"]}
+    else:
+        body |= {"prompt": "hello world", "stop": ["zz", "o w"]}
+    r = httpx.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, timeout=10)
+    assert r.status_code == 200
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        choices = [c for e in events for c in e["choices"]]
+        last = [c for c in choices if c["finish_reason"] is not None]
+        assert all(c["stop_reason"] is None for c in choices if c["finish_reason"] is None)
+    else:
+        last = r.json()["choices"]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in last] == [("stop", "o w")] * 2
+    r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2, "stop": ["zz"]}, timeout=10)
+    assert [(c["finish_reason"], c["stop_reason"]) for c in r.json()["choices"]] == [("length", None)]
 
 
 def test_stats_log_line(tokenizer):
