@@ -50,6 +50,10 @@ _GEMMA3_LAYER_TENSORS = _LAYER_TENSORS | {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _MISSING = object()
+# Qwen's chat models end a turn with <|im_end|> (the GGUF's eos) but also stop on <|endoftext|>:
+# their generation_config.json lists both ([151645, 151643] in Qwen2.5 and Qwen3), the GGUF only one.
+_QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+_QWEN_END_OF_TEXT = "<|endoftext|>"
 _UNSUPPORTED_TENSORS = {"rope_freqs": "Llama 3.1 RoPE scaling", "rope_factors_long": "Phi-3 LongRoPE",
                         "rope_factors_short": "Phi-3 LongRoPE"}
 
@@ -150,8 +154,10 @@ def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
         return field(reader, f"{arch}.{key}", default)
 
     eos = [field(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
-    eos = list(dict.fromkeys(i for i in eos if i is not None))
     model_type = model_type_of(reader)
+    if model_type in _QWEN_TYPES and _QWEN_END_OF_TEXT in (tokens := field(reader, "tokenizer.ggml.tokens", [])):
+        eos.append(tokens.index(_QWEN_END_OF_TEXT))
+    eos = list(dict.fromkeys(i for i in eos if i is not None))
     d: dict[str, Any] = {
         "model_type": model_type,
         "vocab_size": meta("vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),

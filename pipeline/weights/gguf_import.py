@@ -49,7 +49,7 @@ from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_ten
 from pipeline.weights.model_chunks import path_lock, progress_bar
 from pipeline.weights.safetensors_stream import write_streaming
 
-CONVERTER_VERSION = 2  # 2: families, streamed tensors, qwen2 pre-tokenizer
+CONVERTER_VERSION = 3  # 2: families, streamed tensors, qwen2 pre-tokenizer; 3: Qwen stops on <|endoftext|>
 SOURCE_FILE = "speedpipe_source.json"
 OUTPUT_FILES = ("config.json", SINGLE_FILE, "tokenizer.json", "tokenizer_config.json",
                 "generation_config.json", SOURCE_FILE)

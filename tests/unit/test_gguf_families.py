@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.model.config import ModelConfig
+from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights import model_chunks
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.gguf_families import hf_tensor_blocks
@@ -109,6 +110,9 @@ def test_family_gguf_converts_back_to_the_source_tensors_and_config(tmp_path, ar
     out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
     got = ModelConfig.from_model_dir(out)
     assert got.model_type == family and got.qk_norm
+    # Qwen stops on <|endoftext|> as well as the GGUF's eos (<|im_end|>), as its generation_config.json
+    assert got.eos_token_ids == ((2, SPECIALS.index("<|endoftext|>")) if arch == "qwen3" else (2,))
+    assert Tokenizer(out).eos_token_ids == got.eos_token_ids
     if arch == "gemma3":
         assert (got.norm_weight_offset, got.sandwich_norms, got.embedding_scale) == (1.0, True, 16.0)
         assert got.sliding_window == config.sliding_window and got.query_pre_attn_scalar == 64

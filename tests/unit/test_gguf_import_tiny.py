@@ -150,7 +150,8 @@ def test_unpermute_inverts_llama_cpp_permute():
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", dict(tie_word_embeddings=False)),
     ("llama", dict(attention_bias=True)),
-    ("qwen2", dict(model_type="qwen2", attention_bias=True)),
+    # Qwen: <|endoftext|> (id 0 here) is an EOS beside the GGUF's <|im_end|>, as in Qwen's generation_config.json
+    ("qwen2", dict(model_type="qwen2", attention_bias=True, eos_token_ids=(2, 0))),
 ])
 def test_converted_tensors_and_config_equal_the_source(tmp_path, arch, overrides):
     config = tiny(**overrides)
