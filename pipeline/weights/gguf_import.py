@@ -20,8 +20,6 @@ Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Phi-3 GGUFs keep HF's layout (Phi-3's fused
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +34,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from pipeline.model.config import ModelConfig
 from pipeline.weights.checkpoint import SINGLE_FILE, all_tensor_names
+from pipeline.weights.file_digest import file_sha256
 from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_tensor_name: re-exported)
     SUPPORTED_ARCHITECTURES,
     check_tensor_types,
@@ -79,28 +78,23 @@ class GgufSource:
             other.size_bytes, other.sha256, other.converter_version)
 
 
-@functools.lru_cache(maxsize=16)
-def _sha256_cached(path: str, size_bytes: int, mtime_ns: int) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file (about 0.1 s per 100 MB); cached per (path, size, mtime) in-process."""
-    st = Path(path).stat()
-    return _sha256_cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
-
-
-def describe_source(gguf_path: str | Path) -> GgufSource:
-    """Size and sha256 of a GGUF file. Raises FileNotFoundError, or ValueError when not GGUF."""
-    path = Path(gguf_path)
+def _check_gguf_file(path: Path) -> None:
+    """Raises FileNotFoundError, or ValueError when `path` does not start with GGUF's magic."""
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    return GgufSource(path=str(path.resolve()), size_bytes=path.stat().st_size, sha256=file_sha256(path))
+
+
+def describe_source(gguf_path: str | Path, *, sha256_memo: Path | None = None) -> GgufSource:
+    """Size and sha256 of a GGUF file (`sha256_memo`: see file_digest.file_sha256). Raises
+    FileNotFoundError, or ValueError when not GGUF."""
+    path = Path(gguf_path)
+    _check_gguf_file(path)
+    return GgufSource(path=str(path.resolve()), size_bytes=path.stat().st_size,
+                      sha256=file_sha256(path, memo=sha256_memo))
 
 
 def _whole_safetensors(path: Path) -> bool:
@@ -152,7 +146,7 @@ def open_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
     """Open (memory-map) a GGUF file. Raises FileNotFoundError, or ValueError naming the path when
     the file is not GGUF, is truncated or corrupt, or its architecture is not supported."""
     path = Path(gguf_path)
-    describe_source(path)
+    _check_gguf_file(path)  # no hash: each stage opens the file, and it may be tens of GB
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as err:
@@ -299,7 +293,8 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     os.replace(tmp, out_dir)
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True,
+                 sha256_memo: Path | None = None) -> Path:
     """Convert a GGUF file into a Hugging Face folder at `out_dir` and return `out_dir`.
 
     Writes config.json, model.safetensors (float32, HF names and [out, in] layout, Q/K
@@ -307,12 +302,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     generation_config.json and speedpipe_source.json (source path, size, sha256, converter
     version). Reuses `out_dir` when it already holds a complete conversion of the same bytes.
     The folder is built next to `out_dir` and renamed into place, so concurrent processes never
-    see it half-written. `progress` shows a tqdm bar over tensors (on a TTY).
+    see it half-written. `progress` shows a tqdm bar over tensors (on a TTY). `sha256_memo`: a
+    file remembering the GGUF's sha256 per (size, mtime, inode), so a later run need not read it all.
     Raises FileNotFoundError (missing file), ValueError (not GGUF, truncated, unsupported
     architecture/tokenizer, or `out_dir` is an existing folder that is not a speedpipe conversion).
     """
     out_dir = Path(out_dir)
-    source = describe_source(gguf_path)
+    source = describe_source(gguf_path, sha256_memo=sha256_memo)
     if is_converted(out_dir, source):
         _repoint_source(out_dir, source)
         return out_dir

@@ -15,7 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.weights.gguf_import import convert_gguf, file_sha256
+from pipeline.weights.file_digest import MEMO_FILE, file_sha256
+from pipeline.weights.gguf_import import convert_gguf
 from pipeline.weights.model_chunks import ChunkedGguf, assemble
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -73,8 +74,18 @@ def registered_gguf_path(name: str) -> Path:
 
 
 def converted_dir(gguf_path: Path, *, name: str, cache_dir: Path) -> Path:
-    """`<cache>/models/<name>-<first 12 hex of the file's sha256>`: one folder per content."""
-    return cache_dir / "models" / f"{name}-{file_sha256(gguf_path)[:12]}"
+    """`<cache>/models/<name>-<first 12 hex of the file's sha256>`: one folder per content. The
+    sha256 is remembered in `<cache>/models/.sha256-memo.json` (see file_digest.file_sha256)."""
+    return cache_dir / "models" / f"{name}-{file_sha256(gguf_path, memo=_memo(cache_dir))[:12]}"
+
+
+def _memo(cache_dir: Path) -> Path:
+    return cache_dir / "models" / MEMO_FILE
+
+
+def _convert(path: Path, name: str, cache: Path, progress: bool) -> Path:
+    return convert_gguf(path, converted_dir(path, name=name, cache_dir=cache), progress=progress,
+                        sha256_memo=_memo(cache))
 
 
 def _slug(stem: str) -> str:
@@ -94,11 +105,9 @@ def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: b
         raise ValueError("model is empty: give a registered name, a model folder or a .gguf file")
     cache = default_cache_dir(cache_dir)
     if spec in CHUNKED_REGISTRY:
-        path = assemble(CHUNKED_REGISTRY[spec], cache, progress=progress)
-        return convert_gguf(path, converted_dir(path, name=spec, cache_dir=cache), progress=progress)
+        return _convert(assemble(CHUNKED_REGISTRY[spec], cache, progress=progress), spec, cache, progress)
     if spec in REGISTRY:
-        path = registered_gguf_path(spec)
-        return convert_gguf(path, converted_dir(path, name=spec, cache_dir=cache), progress=progress)
+        return _convert(registered_gguf_path(spec), spec, cache, progress)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -107,6 +116,6 @@ def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: b
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return convert_gguf(path, converted_dir(path, name=_slug(path.stem), cache_dir=cache), progress=progress)
+        return _convert(path, _slug(path.stem), cache, progress)
     raise ValueError(f"unknown model {spec!r}: not a registered name ({', '.join([*REGISTRY, *CHUNKED_REGISTRY])}) "
                      "nor a path to a model folder or .gguf file")

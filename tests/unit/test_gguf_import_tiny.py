@@ -21,6 +21,7 @@ from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights import gguf_import
 from pipeline.weights import registry as models
 from pipeline.weights.checkpoint import all_tensor_names
+from pipeline.weights.file_digest import file_sha256
 from pipeline.weights.gguf_blocks import gguf_source_of
 from pipeline.weights.gguf_import import SOURCE_FILE, convert_gguf, unpermute_qk
 from pipeline.weights.quant_load import effective_mode
@@ -170,7 +171,7 @@ def test_tied_conversion_writes_no_lm_head_and_records_source(converted):
     out, _, config = converted
     assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
     source = json.loads((out / SOURCE_FILE).read_text())
-    assert source["sha256"] == gguf_import.file_sha256(Path(source["path"]))
+    assert source["sha256"] == file_sha256(Path(source["path"]))
     assert source["converter_version"] == gguf_import.CONVERTER_VERSION
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_config["eos_token"] == "<|im_end|>" and tok_config["add_bos_token"] is False
@@ -304,7 +305,7 @@ def test_resolve_gguf_path_into_cache_from_env_at_call_time(tmp_path, monkeypatc
     write_gguf(tmp_path / "My Model.gguf", tiny())
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
     out = models.resolve_model(str(tmp_path / "My Model.gguf"), progress=False)
-    sha = gguf_import.file_sha256(tmp_path / "My Model.gguf")
+    sha = file_sha256(tmp_path / "My Model.gguf")
     assert out == tmp_path / "cache" / "models" / f"my-model-{sha[:12]}"
     assert models.resolve_model(str(out)) == out  # a folder with config.json is used as is
 
@@ -357,3 +358,37 @@ def test_a_conversion_says_what_it_does_in_one_line_when_stderr_is_not_a_termina
     convert_gguf(tmp_path / "m.gguf", tmp_path / "said", progress=True)
     lines = [line for line in capsys.readouterr().err.splitlines() if "converting GGUF" in line]
     assert lines[:1] == ["[speedpipe] converting GGUF m.gguf (once; later runs reuse the result) ..."], lines
+
+
+def test_a_later_resolve_takes_the_sha256_from_the_memo_and_a_rewritten_file_is_hashed_again(tmp_path, monkeypatch):
+    """Each launch resolved the model by hashing the whole GGUF (1.1 GB: ~1 s; a 40 GB file: a
+    minute). The memo in the cache keeps the digest per (size, mtime, inode); a changed file is
+    hashed again, and the stages open the GGUF without hashing it."""
+    from pipeline.weights import file_digest
+
+    gguf_path = tmp_path / "m.gguf"
+    write_gguf(gguf_path, tiny())
+    out = models.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", progress=False)
+    assert (tmp_path / "cache" / "models" / file_digest.MEMO_FILE).is_file()
+    reads = []
+    real = file_digest._sha256_cached.__wrapped__
+    monkeypatch.setattr(file_digest, "_sha256_cached", lambda *key: reads.append(key) or real(*key))
+    assert models.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", progress=False) == out
+    gguf_import.open_gguf(gguf_path)
+    assert reads == []  # a new process (no in-process cache) reads nothing
+    write_gguf(gguf_path, tiny(), seed=1)  # other weights: other bytes, other digest
+    other = models.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", progress=False)
+    assert len(reads) == 1 and other != out and other.name.endswith(file_digest.file_sha256(gguf_path)[:12])
+
+
+def test_an_unreadable_or_unwritable_memo_only_costs_the_hash(tmp_path):
+    from pipeline.weights import file_digest
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"abc" * 1000)
+    want = file_digest.file_sha256(path)
+    (tmp_path / "memo.json").write_text("{not json")
+    assert file_digest.file_sha256(path, memo=tmp_path / "memo.json") == want
+    assert json.loads((tmp_path / "memo.json").read_text())[str(path.resolve())]["sha256"] == want
+    (tmp_path / "file").write_text("")
+    assert file_digest.file_sha256(path, memo=tmp_path / "file" / "memo.json") == want  # parent is a file
