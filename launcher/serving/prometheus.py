@@ -70,6 +70,7 @@ class _PipelineCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
+        yield from self._failover_families()
         heartbeat = getattr(self.engine, "heartbeat", None)  # a silent or restarting stage would hold every scrape
         if getattr(self.engine, "fenced", None) is not None or (heartbeat is not None and not self.engine.healthy()[0]):
             return
@@ -102,6 +103,32 @@ class _PipelineCollector:
             slots.add_metric(label, st.kv_slots_in_use)
         yield from families.values()
         yield slots
+
+
+    def _failover_families(self):
+        """Restarts so far, restarts left in the budget's window, a fail-over in progress, and
+        whether new requests are admitted (launcher/coordinator/stage_failover.py)."""
+        lab, coord = [self.model_name], self.coordinator
+        restarts = CounterMetricFamily(PREFIX + "stage_restarts", "Stage restarts (fail-overs) so far.",
+                                       labels=["model_name"])
+        restarts.add_metric(lab, getattr(coord, "num_restarts", 0))
+        yield restarts
+        ledger = getattr(getattr(coord, "failover", None), "budget", None)
+        if ledger is not None:
+            left = GaugeMetricFamily(PREFIX + "stage_restarts_left", "Restarts --max-stage-restarts still allows "
+                                     "within --restart-window-s (0: the next stage failure fences the server).",
+                                     labels=["model_name"])
+            left.add_metric(lab, max(0, ledger.budget.max_restarts - ledger.used(time.monotonic())))
+            yield left
+        for name, doc, value in (
+            ("stage_recovering", "1 while failed stages are restarted and running requests replayed.",
+             getattr(coord, "recovering", None) is not None),
+            ("accepting_requests", "1 while new requests are admitted; 0 when draining or fenced after a "
+             "failure (HTTP 503, gRPC UNAVAILABLE).", getattr(self.engine, "fenced", None) is None),
+        ):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(lab, int(value))
+            yield g
 
 
 class ServingMetrics:

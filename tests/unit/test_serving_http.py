@@ -457,6 +457,31 @@ def test_a_fenced_engine_refuses_at_once_and_fail_all_ends_streams_with_an_error
     assert "generation_tokens_total" in metrics.text
 
 
+def _gauge(text: str, name: str) -> float:
+    return float(re.search(rf'^speedpipe:{name}{{model_name="tiny"}} (\S+)$', text, re.M).group(1))
+
+
+def test_metrics_show_restarts_the_budget_left_a_recovery_and_a_fence(served):
+    """An operator's alert needs to see a fail-over coming before the server fences: restarts so far,
+    restarts left in the window, a recovery in progress, and whether requests are admitted."""
+    from launcher.coordinator.stage_restarts import RestartBudget, RestartLedger
+
+    coord, engine, url = served
+    text = httpx.get(url + "/metrics").text
+    assert _gauge(text, "stage_restarts_total") == 0 and "stage_restarts_left" not in text  # no fail-over
+    assert _gauge(text, "stage_recovering") == 0 and _gauge(text, "accepting_requests") == 1
+    ledger = RestartLedger(RestartBudget(max_restarts=3, window_s=600))
+    ledger.record(time.monotonic())
+    coord.failover, coord.num_restarts = SimpleNamespace(budget=ledger), 1
+    coord.recovering = "restarting after a stage failure: stage 1 exited"
+    text = httpx.get(url + "/metrics").text
+    assert _gauge(text, "stage_restarts_total") == 1 and _gauge(text, "stage_restarts_left") == 2
+    assert _gauge(text, "stage_recovering") == 1
+    coord.recovering = None
+    engine.fence("pipeline failed: stage restarts exhausted")
+    assert _gauge(httpx.get(url + "/metrics").text, "accepting_requests") == 0
+
+
 def test_same_port_for_http_and_grpc_is_exit_2_before_any_stage_starts(capsys, monkeypatch):
     import launcher.serving.serve
 
