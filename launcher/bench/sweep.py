@@ -193,9 +193,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"[speedpipe] bench: {note}", file=sys.stderr)
     runs, interrupted = _run_sweep(args, configs, options, prompts, out)
-    if interrupted:
+    if interrupted is not None:
         write_partial(args, configs, runs, notes, out)
-        raise KeyboardInterrupt  # `speedpipe` reports it: exit code 130
+        raise interrupted  # `speedpipe` reports it: exit code 130 (Ctrl-C) or 143 (SIGTERM)
     write_results(args, configs, runs, notes, out)
     return 0
 
@@ -222,11 +222,11 @@ def _session_options(args: argparse.Namespace, configs: list[BenchConfig], promp
 
 
 def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: dict[tuple, dict],
-               prompts: list[str], out: Path) -> tuple[dict[str, list[dict]], bool]:
+               prompts: list[str], out: Path) -> tuple[dict[str, list[dict]], KeyboardInterrupt | None]:
     """Start one driver per session group, warm each up, then run every repeat A B C A B C ...
 
-    Returns (the runs by configuration name, whether Ctrl-C stopped the sweep: then the runs are
-    those completed); every driver is closed on every exit path.
+    Returns (the runs by configuration name, the Ctrl-C or SIGTERM that stopped the sweep, if one
+    did: then the runs are those completed); every driver is closed on every exit path.
     """
     from tqdm import tqdm
 
@@ -253,11 +253,11 @@ def _run_sweep(args: argparse.Namespace, configs: list[BenchConfig], options: di
                     runs[cfg.name].append({"repeat": r, "stats": reply["stats"], "num_tokens": reply["num_tokens"],
                                            "trace": f"{stem}.trace.json", "timeline": f"{stem}.timeline.json"})
                     bar.update()
-    except KeyboardInterrupt:
-        return runs, True
+    except KeyboardInterrupt as exc:
+        return runs, exc
     finally:
         for d in drivers.values():
             d.close()
-    return runs, False
+    return runs, None
 
 

@@ -1,7 +1,7 @@
 """Command line: `speedpipe <command>` and its short form `launch`.
 
 Owns argument parsing, mapping errors to exit codes (2 for bad input, 1 for a pipeline failure,
-130 for Ctrl-C), logging set-up, and printing results. Must not hold pipeline logic.
+130 for Ctrl-C, 143 for SIGTERM), logging set-up, and printing results. Must not hold pipeline logic.
 """
 
 from __future__ import annotations
@@ -338,8 +338,13 @@ def say(text: str) -> None:
     print(f"[speedpipe] {text}", file=sys.stderr, flush=True)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds as Ctrl-C does (every stage stopped);
+    the command then exits 143 (128 + SIGTERM), as a process killed by it would, not Ctrl-C's 130."""
+
+
 def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctrl-C
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -379,10 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {command}: {'request' if isinstance(exc, RequestError) else 'pipeline'} failed: {exc}",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         stages = command not in ("train-predictor", "bench serve", "simulate")  # these start no stages
-        print(f"{PROG} {command}: interrupted" + ("; all stages stopped" if stages else ""), file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, Terminated)
+        print(f"{PROG} {command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
+              + ("; all stages stopped" if stages else ""), file=sys.stderr)
+        return 143 if terminated else 130
 
 
 def launch_main() -> int:

@@ -287,6 +287,25 @@ def test_ctrl_c_of_launch_prints_no_traceback(ctrl_c_cli: InterruptedCli):
     assert "Traceback" not in ctrl_c_cli.stderr, ctrl_c_cli.stderr[-3000:]
 
 
+def test_sigterm_of_launch_exits_143_and_leaves_no_stage_process(tiny_model_dir: Path):
+    """SIGTERM to the CLI alone (systemd's default KillMode sends it to the main process first):
+    the same teardown as Ctrl-C, reported as SIGTERM, with SIGTERM's conventional status 143
+    (it exited 130, Ctrl-C's)."""
+    run = CliRun(tiny_model_dir)
+    run.wait_for_generation()
+    pids = [w.pid for w in run.workers()]
+    assert len(pids) == 2
+    run.proc.send_signal(signal.SIGTERM)
+    try:
+        returncode = run.wait(timeout_s=30)
+        left = wait_until_dead(pids, 5.0)
+    finally:
+        run.kill()
+    stderr = run.stderr.decode(errors="replace")
+    assert returncode == 143 and "terminated (SIGTERM); all stages stopped" in stderr, stderr[-3000:]
+    assert left == [] and "Traceback" not in stderr
+
+
 def test_sigkill_of_launch_makes_its_stage_processes_exit_within_10_s(tiny_model_dir: Path):
     run = CliRun(tiny_model_dir)
     run.wait_for_generation()
