@@ -339,8 +339,7 @@ def say(text: str) -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that it unwinds as Ctrl-C does (every stage stopped);
-    the command then exits 143 (128 + SIGTERM), as a process killed by it would, not Ctrl-C's 130."""
+    """SIGTERM: unwinds as Ctrl-C does (every stage stopped), then exit 143 (128 + SIGTERM)."""
 
 
 def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctrl-C

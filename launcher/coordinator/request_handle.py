@@ -126,7 +126,9 @@ class RequestHandle:
     def emit(self, commit: Commit) -> bool:
         """Record newly committed tokens and stream their text; returns True if one of the
         request's stop strings ended it (the coordinator then finishes the sequence)."""
-        if commit.finish_reason is FinishReason.ERROR:
+        if commit.finish_reason is FinishReason.ERROR:  # after the tokens committed before the failing row
+            if commit.token_ids and self.emit(dataclasses.replace(commit, finish_reason=None)):
+                return True  # a stop string among them ended the request first
             self.finish("error", RequestError(RequestError.NON_FINITE.format(position=len(self.token_ids))))
             return False
         stop = self.params.stop

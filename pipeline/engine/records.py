@@ -14,6 +14,7 @@ from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.predictors import ExitGuess
 from pipeline.speculation.sampling import Sampler, SamplingParams
+from pipeline.speculation.verify import NON_FINITE_TOKEN  # noqa: F401 (re-exported)
 
 
 class FinishReason(enum.Enum):
@@ -34,7 +35,9 @@ class FinishReason(enum.Enum):
 # then ends that sequence alone with FinishReason.ERROR and no tokens, and frees its KV slot (its
 # cache may hold the NaNs); the coordinator fails only that request, naming the likely cause. The
 # other sequences of the micro-batch are untouched (rows do not mix), and the pipeline stays up.
-NON_FINITE_TOKEN = -1
+# Only a row the sequence uses counts (pipeline/speculation/verify.py): rows after a rejected draft
+# are never read, as plain decoding never computes them, and the accepted tokens before the
+# non-finite row are committed first, as plain decoding commits them.
 
 
 # A deep draft (one past the run-ahead depth) made by the exit stage needs its parent's draft-gate
@@ -135,7 +138,8 @@ class Commit:
     """Tokens newly committed for one sequence by one result, and its finish reason if it ended.
     logprobs: one per token when the request asks (`SamplingParams.logprobs`), else None;
     prompt_logprobs: on the prefill's commit, one per prompt token (None for the first) when the
-    request asks (`SamplingParams.prompt_logprobs`), else None."""
+    request asks (`SamplingParams.prompt_logprobs`), else None. With FinishReason.ERROR, token_ids
+    are the tokens committed before the non-finite row ([Note: non-finite logits]), often none."""
 
     seq_id: int
     token_ids: tuple[int, ...]

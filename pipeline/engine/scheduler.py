@@ -314,10 +314,6 @@ class Scheduler:
             item, argmax, rows = self.tree.result_rows(seq, item, argmax, rows)  # [Note: token trees]
             if seq is None or seq.finished or item.epoch != seq.epoch:
                 continue
-            if NON_FINITE_TOKEN in argmax:  # [Note: non-finite logits] in pipeline/engine/records.py
-                self._finish(seq, FinishReason.ERROR)
-                commits.append(Commit(seq.seq_id, (), FinishReason.ERROR))
-                continue
             commit = self._verify_and_commit(seq, item, argmax, rows, firp, now_ns)
             if item.want_prompt_logits:  # (a one-token prompt has no prompt row: prompt is None)
                 commit = dataclasses.replace(commit, prompt_logprobs=prompt_token_logprobs(
@@ -334,7 +330,12 @@ class Scheduler:
                                prompt_ids=seq.prompt_ids, output_ids=seq.output_ids)
         logprobs = None
         if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/logprobs.py
-            logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens))
+            logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens)
+                             if t != NON_FINITE_TOKEN)
+        if tokens[-1] == NON_FINITE_TOKEN:  # [Note: non-finite logits] in pipeline/engine/records.py
+            seq.output_ids.extend(tokens[:-1])
+            self._finish(seq, FinishReason.ERROR)
+            return Commit(seq.seq_id, tuple(tokens[:-1]), FinishReason.ERROR, logprobs=logprobs)
         self.gate.record_run_ahead(seq.ledger.inflight, item, tokens)
         rescue = self.tree.rescue_for(seq, item, tokens, eos_token_ids=self.config.eos_token_ids)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)

@@ -15,6 +15,10 @@ import torch
 from pipeline.speculation.logprobs import apply_penalties
 from pipeline.speculation.sampling import Sampler
 
+# The last stage's token for a logits row holding NaN or inf ([Note: non-finite logits] in
+# pipeline/engine/records.py).
+NON_FINITE_TOKEN = -1
+
 
 def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch.Tensor | None,
                   sampler: Sampler | None, eos_token_ids: Collection[int], ignore_eos: bool,
@@ -37,10 +41,14 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         pipeline/speculation/logprobs.py).
     eos_token_ids / ignore_eos: the sequence's stop tokens; budget_left: tokens it may still
         commit (>= 1).
-    Returns 1..num_result_rows tokens; every token but the last equals its draft.
+    Returns 1..num_result_rows tokens; every token but the last equals its draft. The last is
+    NON_FINITE_TOKEN where a row it reads is not finite (rows after a rejected draft are never read).
     """
     out: list[int] = []
     for i, top in enumerate(argmax):
+        if top == NON_FINITE_TOKEN:
+            out.append(NON_FINITE_TOKEN)
+            break
         draft = drafts[i] if i < len(drafts) else None
         row = None
         if logits is not None:

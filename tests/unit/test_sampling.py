@@ -340,3 +340,22 @@ def test_sampled_verify_is_seeded_and_respects_top_p():
     )
     assert {token for _, token in results} == {1, 3}
     assert any(accepted for accepted, _ in results)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_non_finite_row_counts_only_where_plain_decoding_reads_it(sampled):
+    """[Note: non-finite logits]: the first row verify needs that is non-finite ends the result with
+    NON_FINITE_TOKEN after the tokens accepted before it; one after a rejected draft is never read
+    (and a NaN row never reaches the sampler, which would raise)."""
+    from pipeline.speculation.verify import NON_FINITE_TOKEN as NF
+
+    logits = torch.full((4, 8), -30.0)
+    for i, hot in enumerate([5, 6, 7, 1]):  # row i all but certainly gives `hot`, sampled or greedy
+        logits[i, hot] = 30.0
+    logits[2] = float("nan")
+    params = SamplingParams(max_new_tokens=9, temperature=0.7 if sampled else 0.0, seed=3)
+    kwargs = dict(argmax=[5, 6, NF, 1], logits=logits if sampled else None,
+                  sampler=Sampler(params) if sampled else None, eos_token_ids=(), ignore_eos=False, budget_left=9)
+    assert verify_result(drafts=[5, 6, 7], **kwargs) == [5, 6, NF]  # drafts 5, 6 accepted: row 2 is read
+    assert verify_result(drafts=[5, 4, 7], **kwargs) == [5, 6]  # draft 4 rejected at row 1
+    assert verify_result(drafts=[2, 6, 7], **kwargs) == [5]

@@ -284,6 +284,22 @@ def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want, matched
     assert all(c.stop_reason is None for c in chunks[:-1])
 
 
+def test_tokens_committed_with_a_non_finite_row_stream_before_the_error(tokenizer):
+    """A speculative result can accept drafts and then meet a non-finite row: the accepted tokens are
+    what plain decoding streamed before failing there, so they stream first and the error names the
+    position after them."""
+    from launcher.coordinator.request_handle import RequestError
+
+    ids = tokenizer.encode("ab")
+    h = RequestHandle("r", "p", [1], SamplingParams(max_new_tokens=8), tokenizer.detokenizer(prompt_ids=[1]))
+    assert h.emit(Commit(0, tuple(ids), FinishReason.ERROR)) is False
+    chunks = iter(h)
+    assert next(chunks).token_ids == tuple(ids)
+    with pytest.raises(RequestError, match=f"at output token {len(ids)}:"):
+        next(chunks)
+    assert h.finish_reason == "error" and h.token_ids == ids
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("chat", [False, True])
 def test_choices_name_the_stop_string_that_ended_them(served, stream, chat):

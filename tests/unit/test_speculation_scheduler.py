@@ -468,6 +468,25 @@ def test_a_non_finite_result_with_drafts_in_flight_ends_only_its_sequence(kind):
     assert fake.stats.drafts_sent, "no drafts: nothing was tested"
 
 
+@pytest.mark.parametrize(("rows", "want"), [
+    ((11, NON_FINITE_TOKEN, NON_FINITE_TOKEN), ((11,), None)),  # FIRP draft 20 rejected: rows 1, 2 never read
+    ((20, 21, NON_FINITE_TOKEN), ((20, 21), FinishReason.ERROR)),  # both accepted: row 2 is read
+    ((NON_FINITE_TOKEN, 21, 5), ((), FinishReason.ERROR)),
+])
+def test_a_non_finite_row_of_a_firp_item_fails_the_sequence_only_where_plain_decoding_reads_it(rows, want):
+    """[Note: non-finite logits]: an item carrying FIRP drafts [real, 20, 21] returns one row per
+    token. Rows after a rejected draft saw a context plain decoding never computes, so a non-finite
+    one must not fail the sequence; where the drafts before it were accepted, those tokens commit
+    first, then the error."""
+    engine = Engine(SchedulerConfig(num_stages=1, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, firp_k=2))
+    [[prefill]] = engine.step([Submit(seq_id=0, prompt_ids=(5, 6, 7), params=SamplingParams(max_new_tokens=8))]).sends
+    out = engine.step([Result(items=(prefill,), token_ids=torch.tensor([10]), firp_tokens=torch.tensor([20, 21]))])
+    [[item]] = out.sends
+    assert item.token_ids == (10, 20, 21) and item.num_result_rows == 3  # the FIRP chain rides along
+    [commit] = engine.step([Result(items=(item,), token_ids=torch.tensor(rows), firp_tokens=torch.tensor([20, 21] * 3))]).commits
+    assert (commit.token_ids, commit.finish_reason) == want
+
+
 def test_more_sequences_than_kv_slots_reuse_slots_without_stale_work():
     """Finished sequences free their slot in-band; a new sequence in the slot never sees the old
     sequence's squashed drafts (which are still in flight when it ends on EOS)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from pipeline.model.partition import LayerRange
 from pipeline.speculation.predictors import Draft, LogitLensPredictor
@@ -173,3 +174,37 @@ def test_tree_items_cross_the_wire_with_their_columns():
     assert items[0].num_rows == 3 and items[0].input_ids == (5, 7, 8) and items[0].num_result_rows == 3
     with pytest.raises(ValueError, match="siblings need a one-token draft"):
         Item(seq_id=3, slot=1, start=9, num_tokens=1, token_ids=(5,), alt_token_ids=(7,))
+
+
+class PoisonDrafts(AlwaysWrongPredictor):
+    """Drafts (and tree siblings) the one token whose embedding row holds NaN."""
+
+    def __init__(self, table: ReferenceTable, *, vocab_size: int, poison: int) -> None:
+        super().__init__(table, vocab_size=vocab_size)
+        self.poison = poison
+
+    def propose(self, context, guess) -> Draft:
+        return Draft(self.poison, 1.0, self.name)
+
+    def alternatives(self, context, guess) -> list[Draft]:
+        truth = self.table.true_next(context) or 0
+        return [Draft(self.poison, 0.5, self.name), Draft((truth + 1) % self.vocab_size, 0.5, self.name)]
+
+
+@pytest.mark.parametrize("draft_tree", [1, 3])
+def test_non_finite_rows_only_a_rejected_draft_reached_do_not_fail_the_sequence(folder, draft_tree):
+    """[Note: non-finite logits]: a token whose embedding row is NaN makes every row at or after it
+    non-finite. Plain decoding never makes that token here, so it never meets the NaN; drafts of it
+    are always rejected, so the rows they reach are never used and the output must still be plain
+    decoding's, not an error."""
+    stages = _stages(folder, 2, "none")
+    plain = [InProcessPipeline(stages, max_model_len=64).generate([p], PARAMS)[0] for p in PROMPTS]
+    poison = next(t for t in range(stages[0].config.vocab_size) if all(t not in p + o for p, o in zip(PROMPTS, plain, strict=False)))
+    table = ReferenceTable(zip(PROMPTS, plain, strict=True))
+    with torch.no_grad():
+        stages[0].embed_tokens.weight[poison] = float("nan")
+    predictor = PoisonDrafts(table, vocab_size=stages[0].config.vocab_size, poison=poison)
+    pipes = [InProcessPipeline(stages, max_model_len=64, draft_tree=draft_tree, predictor=predictor) for _ in PROMPTS]
+    assert [pipe.generate([p], PARAMS)[0] for pipe, p in zip(pipes, PROMPTS, strict=False)] == plain  # alone: drafts run
+    assert sum(p.engine.spec.verified_drafts for p in pipes) > 0
+    assert sum(p.engine.spec.accepted_tokens for p in pipes) == 0
