@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/speedpipe.proto\x12\x0cspeedpipe.v1\"\xb7\x04\n\x10LoadStageRequest\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\x05\x12\x12\n\nnum_stages\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x12\n\nlayer_stop\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x13\n\x0bnum_threads\x18\n \x01(\x05\x12\x11\n\tdist_rank\x18\x0b \x01(\x05\x12\x17\n\x0f\x64ist_world_size\x18\x0c \x01(\x05\x12\x18\n\x10\x64ist_master_addr\x18\r \x01(\t\x12\x18\n\x10\x64ist_master_port\x18\x0e \x01(\x05\x12\x17\n\x0fstage_timeout_s\x18\x10 \x01(\x01\x12\x12\n\nexit_layer\x18\x11 \x01(\x05\x12\x16\n\x0e\x65xit_predictor\x18( \x01(\x0c\x12\x12\n\nfirp_layer\x18\x32 \x01(\x05\x12\x0e\n\x06\x66irp_k\x18\x33 \x01(\x05\x12\x11\n\tfirp_file\x18\x34 \x01(\x0c\x12\x14\n\x0cquantization\x18< \x01(\t\x12\x1a\n\x12\x63\x61librate_max_rows\x18= \x01(\x05\x12\x14\n\x0ctree_scratch\x18> \x01(\x05\x12\x14\n\x0c\x64\x65nse_layout\x18? \x01(\tJ\x04\x08\x0f\x10\x10J\x04\x08\x12\x10\x13R\x0c\x64ist_backendR\tpredictor\"\xd7\x01\n\x11LoadStageResponse\x12\x15\n\rweights_bytes\x18\x01 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x02 \x01(\x03\x12\x0e\n\x06load_s\x18\x03 \x01(\x01\x12\x14\n\x0ctensor_names\x18\x04 \x03(\t\x12(\n\trow_costs\x18\x05 \x03(\x0b\x32\x15.speedpipe.v1.RowCost\x12\x15\n\rrow_cost_mode\x18\x06 \x01(\t\x12\x13\n\x0b\x63\x61librate_s\x18\x07 \x01(\x01\x12\x17\n\x0f\x65xit_head_row_s\x18\x08 \x01(\x01\"+\n\x07RowCost\x12\x10\n\x08num_rows\x18\x01 \x01(\x05\x12\x0e\n\x06pass_s\x18\x02 \x01(\x01\"\x0f\n\rHealthRequest\"\xa4\x01\n\x0eHealthResponse\x12\x33\n\x06status\x18\x01 \x01(\x0e\x32#.speedpipe.v1.HealthResponse.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\"L\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0e\n\nNOT_LOADED\x10\x02\x12\r\n\tUNHEALTHY\x10\x03\"\x11\n\x0fGetStatsRequest\"\xf9\x01\n\nStageStats\x12\x0f\n\x07wall_ns\x18\x01 \x01(\x03\x12\x0f\n\x07\x62usy_ns\x18\x02 \x01(\x03\x12\x17\n\x0fitems_processed\x18\x05 \x01(\x03\x12\x18\n\x10tokens_processed\x18\x06 \x01(\x03\x12\x19\n\x11messages_received\x18\x07 \x01(\x03\x12\x11\n\trss_bytes\x18\x08 \x01(\x03\x12\x15\n\rweights_bytes\x18\t \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\n \x01(\x03\x12\x17\n\x0fkv_slots_in_use\x18\x0b \x01(\x05J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\tuseful_nsR\twasted_ns\";\n\x0cResetRequest\x12\x13\n\x0breset_stats\x18\x01 \x01(\x08\x12\x16\n\x0e\x63lear_kv_cache\x18\x02 \x01(\x08\"\x0f\n\rResetResponse\"A\n\rRejoinRequest\x12\x18\n\x10\x64ist_master_port\x18\x01 \x01(\x05\x12\x16\n\x0ejoin_timeout_s\x18\x02 \x01(\x02\"\x10\n\x0eRejoinResponse\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x12\n\x10ShutdownResponse\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbb\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.speedpipe.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x05\x88\x01\x01\x42\x07\n\x05inputB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_top_kB\x08\n\x06_min_p\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.speedpipe.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\'\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\"\xde\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x42\n\rfinish_reason\x18\x04 \x01(\x0e\x32+.speedpipe.v1.GenerateResponse.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.speedpipe.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.speedpipe.v1.Timing\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.speedpipe.v1.TokenLogprob\"Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x32\xb3\x03\n\x0cStageService\x12G\n\x04Load\x12\x1e.speedpipe.v1.LoadStageRequest\x1a\x1f.speedpipe.v1.LoadStageResponse\x12\x43\n\x06Health\x12\x1b.speedpipe.v1.HealthRequest\x1a\x1c.speedpipe.v1.HealthResponse\x12\x43\n\x08GetStats\x12\x1d.speedpipe.v1.GetStatsRequest\x1a\x18.speedpipe.v1.StageStats\x12@\n\x05Reset\x12\x1a.speedpipe.v1.ResetRequest\x1a\x1b.speedpipe.v1.ResetResponse\x12I\n\x08Shutdown\x12\x1d.speedpipe.v1.ShutdownRequest\x1a\x1e.speedpipe.v1.ShutdownResponse\x12\x43\n\x06Rejoin\x12\x1b.speedpipe.v1.RejoinRequest\x1a\x1c.speedpipe.v1.RejoinResponse2\xa3\x01\n\x0fGenerateService\x12K\n\x08Generate\x12\x1d.speedpipe.v1.GenerateRequest\x1a\x1e.speedpipe.v1.GenerateResponse0\x01\x12\x43\n\x06Health\x12\x1b.speedpipe.v1.HealthRequest\x1a\x1c.speedpipe.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/speedpipe.proto\x12\x0cspeedpipe.v1\"\xb7\x04\n\x10LoadStageRequest\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\x05\x12\x12\n\nnum_stages\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x12\n\nlayer_stop\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x13\n\x0bnum_threads\x18\n \x01(\x05\x12\x11\n\tdist_rank\x18\x0b \x01(\x05\x12\x17\n\x0f\x64ist_world_size\x18\x0c \x01(\x05\x12\x18\n\x10\x64ist_master_addr\x18\r \x01(\t\x12\x18\n\x10\x64ist_master_port\x18\x0e \x01(\x05\x12\x17\n\x0fstage_timeout_s\x18\x10 \x01(\x01\x12\x12\n\nexit_layer\x18\x11 \x01(\x05\x12\x16\n\x0e\x65xit_predictor\x18( \x01(\x0c\x12\x12\n\nfirp_layer\x18\x32 \x01(\x05\x12\x0e\n\x06\x66irp_k\x18\x33 \x01(\x05\x12\x11\n\tfirp_file\x18\x34 \x01(\x0c\x12\x14\n\x0cquantization\x18< \x01(\t\x12\x1a\n\x12\x63\x61librate_max_rows\x18= \x01(\x05\x12\x14\n\x0ctree_scratch\x18> \x01(\x05\x12\x14\n\x0c\x64\x65nse_layout\x18? \x01(\tJ\x04\x08\x0f\x10\x10J\x04\x08\x12\x10\x13R\x0c\x64ist_backendR\tpredictor\"\xd7\x01\n\x11LoadStageResponse\x12\x15\n\rweights_bytes\x18\x01 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x02 \x01(\x03\x12\x0e\n\x06load_s\x18\x03 \x01(\x01\x12\x14\n\x0ctensor_names\x18\x04 \x03(\t\x12(\n\trow_costs\x18\x05 \x03(\x0b\x32\x15.speedpipe.v1.RowCost\x12\x15\n\rrow_cost_mode\x18\x06 \x01(\t\x12\x13\n\x0b\x63\x61librate_s\x18\x07 \x01(\x01\x12\x17\n\x0f\x65xit_head_row_s\x18\x08 \x01(\x01\"+\n\x07RowCost\x12\x10\n\x08num_rows\x18\x01 \x01(\x05\x12\x0e\n\x06pass_s\x18\x02 \x01(\x01\"\x0f\n\rHealthRequest\"\xb5\x01\n\x0eHealthResponse\x12\x33\n\x06status\x18\x01 \x01(\x0e\x32#.speedpipe.v1.HealthResponse.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\"]\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0e\n\nNOT_LOADED\x10\x02\x12\r\n\tUNHEALTHY\x10\x03\x12\x0f\n\x0bNOT_SERVING\x10\x04\"\x11\n\x0fGetStatsRequest\"\xf9\x01\n\nStageStats\x12\x0f\n\x07wall_ns\x18\x01 \x01(\x03\x12\x0f\n\x07\x62usy_ns\x18\x02 \x01(\x03\x12\x17\n\x0fitems_processed\x18\x05 \x01(\x03\x12\x18\n\x10tokens_processed\x18\x06 \x01(\x03\x12\x19\n\x11messages_received\x18\x07 \x01(\x03\x12\x11\n\trss_bytes\x18\x08 \x01(\x03\x12\x15\n\rweights_bytes\x18\t \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\n \x01(\x03\x12\x17\n\x0fkv_slots_in_use\x18\x0b \x01(\x05J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\tuseful_nsR\twasted_ns\";\n\x0cResetRequest\x12\x13\n\x0breset_stats\x18\x01 \x01(\x08\x12\x16\n\x0e\x63lear_kv_cache\x18\x02 \x01(\x08\"\x0f\n\rResetResponse\"A\n\rRejoinRequest\x12\x18\n\x10\x64ist_master_port\x18\x01 \x01(\x05\x12\x16\n\x0ejoin_timeout_s\x18\x02 \x01(\x02\"\x10\n\x0eRejoinResponse\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x12\n\x10ShutdownResponse\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbb\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.speedpipe.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x05\x88\x01\x01\x42\x07\n\x05inputB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_top_kB\x08\n\x06_min_p\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.speedpipe.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\'\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\"\xf3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x42\n\rfinish_reason\x18\x04 \x01(\x0e\x32+.speedpipe.v1.GenerateResponse.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.speedpipe.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.speedpipe.v1.Timing\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.speedpipe.v1.TokenLogprob\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\"Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x32\xb3\x03\n\x0cStageService\x12G\n\x04Load\x12\x1e.speedpipe.v1.LoadStageRequest\x1a\x1f.speedpipe.v1.LoadStageResponse\x12\x43\n\x06Health\x12\x1b.speedpipe.v1.HealthRequest\x1a\x1c.speedpipe.v1.HealthResponse\x12\x43\n\x08GetStats\x12\x1d.speedpipe.v1.GetStatsRequest\x1a\x18.speedpipe.v1.StageStats\x12@\n\x05Reset\x12\x1a.speedpipe.v1.ResetRequest\x1a\x1b.speedpipe.v1.ResetResponse\x12I\n\x08Shutdown\x12\x1d.speedpipe.v1.ShutdownRequest\x1a\x1e.speedpipe.v1.ShutdownResponse\x12\x43\n\x06Rejoin\x12\x1b.speedpipe.v1.RejoinRequest\x1a\x1c.speedpipe.v1.RejoinResponse2\xa3\x01\n\x0fGenerateService\x12K\n\x08Generate\x12\x1d.speedpipe.v1.GenerateRequest\x1a\x1e.speedpipe.v1.GenerateResponse0\x01\x12\x43\n\x06Health\x12\x1b.speedpipe.v1.HealthRequest\x1a\x1c.speedpipe.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,43 +40,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_start=872
   _globals['_HEALTHREQUEST']._serialized_end=887
   _globals['_HEALTHRESPONSE']._serialized_start=890
-  _globals['_HEALTHRESPONSE']._serialized_end=1054
+  _globals['_HEALTHRESPONSE']._serialized_end=1071
   _globals['_HEALTHRESPONSE_STATUS']._serialized_start=978
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1054
-  _globals['_GETSTATSREQUEST']._serialized_start=1056
-  _globals['_GETSTATSREQUEST']._serialized_end=1073
-  _globals['_STAGESTATS']._serialized_start=1076
-  _globals['_STAGESTATS']._serialized_end=1325
-  _globals['_RESETREQUEST']._serialized_start=1327
-  _globals['_RESETREQUEST']._serialized_end=1386
-  _globals['_RESETRESPONSE']._serialized_start=1388
-  _globals['_RESETRESPONSE']._serialized_end=1403
-  _globals['_REJOINREQUEST']._serialized_start=1405
-  _globals['_REJOINREQUEST']._serialized_end=1470
-  _globals['_REJOINRESPONSE']._serialized_start=1472
-  _globals['_REJOINRESPONSE']._serialized_end=1488
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1490
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1523
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1525
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1543
-  _globals['_TOKENIDS']._serialized_start=1545
-  _globals['_TOKENIDS']._serialized_end=1568
-  _globals['_GENERATEREQUEST']._serialized_start=1571
-  _globals['_GENERATEREQUEST']._serialized_end=2014
-  _globals['_TOPLOGPROB']._serialized_start=2016
-  _globals['_TOPLOGPROB']._serialized_end=2063
-  _globals['_TOKENLOGPROB']._serialized_start=2065
-  _globals['_TOKENLOGPROB']._serialized_end=2153
-  _globals['_USAGE']._serialized_start=2155
-  _globals['_USAGE']._serialized_end=2212
-  _globals['_TIMING']._serialized_start=2214
-  _globals['_TIMING']._serialized_end=2253
-  _globals['_GENERATERESPONSE']._serialized_start=2256
-  _globals['_GENERATERESPONSE']._serialized_end=2606
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=2517
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=2606
-  _globals['_STAGESERVICE']._serialized_start=2609
-  _globals['_STAGESERVICE']._serialized_end=3044
-  _globals['_GENERATESERVICE']._serialized_start=3047
-  _globals['_GENERATESERVICE']._serialized_end=3210
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1071
+  _globals['_GETSTATSREQUEST']._serialized_start=1073
+  _globals['_GETSTATSREQUEST']._serialized_end=1090
+  _globals['_STAGESTATS']._serialized_start=1093
+  _globals['_STAGESTATS']._serialized_end=1342
+  _globals['_RESETREQUEST']._serialized_start=1344
+  _globals['_RESETREQUEST']._serialized_end=1403
+  _globals['_RESETRESPONSE']._serialized_start=1405
+  _globals['_RESETRESPONSE']._serialized_end=1420
+  _globals['_REJOINREQUEST']._serialized_start=1422
+  _globals['_REJOINREQUEST']._serialized_end=1487
+  _globals['_REJOINRESPONSE']._serialized_start=1489
+  _globals['_REJOINRESPONSE']._serialized_end=1505
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1507
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1540
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=1542
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=1560
+  _globals['_TOKENIDS']._serialized_start=1562
+  _globals['_TOKENIDS']._serialized_end=1585
+  _globals['_GENERATEREQUEST']._serialized_start=1588
+  _globals['_GENERATEREQUEST']._serialized_end=2031
+  _globals['_TOPLOGPROB']._serialized_start=2033
+  _globals['_TOPLOGPROB']._serialized_end=2080
+  _globals['_TOKENLOGPROB']._serialized_start=2082
+  _globals['_TOKENLOGPROB']._serialized_end=2170
+  _globals['_USAGE']._serialized_start=2172
+  _globals['_USAGE']._serialized_end=2229
+  _globals['_TIMING']._serialized_start=2231
+  _globals['_TIMING']._serialized_end=2270
+  _globals['_GENERATERESPONSE']._serialized_start=2273
+  _globals['_GENERATERESPONSE']._serialized_end=2644
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=2555
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=2644
+  _globals['_STAGESERVICE']._serialized_start=2647
+  _globals['_STAGESERVICE']._serialized_end=3082
+  _globals['_GENERATESERVICE']._serialized_start=3085
+  _globals['_GENERATESERVICE']._serialized_end=3248
 # @@protoc_insertion_point(module_scope)

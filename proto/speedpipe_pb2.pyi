@@ -99,10 +99,12 @@ class HealthResponse(_message.Message):
         SERVING: _ClassVar[HealthResponse.Status]
         NOT_LOADED: _ClassVar[HealthResponse.Status]
         UNHEALTHY: _ClassVar[HealthResponse.Status]
+        NOT_SERVING: _ClassVar[HealthResponse.Status]
     STATUS_UNSPECIFIED: HealthResponse.Status
     SERVING: HealthResponse.Status
     NOT_LOADED: HealthResponse.Status
     UNHEALTHY: HealthResponse.Status
+    NOT_SERVING: HealthResponse.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     status: HealthResponse.Status
@@ -244,7 +246,7 @@ class Timing(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing", "logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing", "logprobs", "stop_reason")
     class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FINISH_REASON_UNSPECIFIED: _ClassVar[GenerateResponse.FinishReason]
@@ -264,6 +266,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -271,4 +274,5 @@ class GenerateResponse(_message.Message):
     usage: Usage
     timing: Timing
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    stop_reason: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_reason: _Optional[str] = ...) -> None: ...

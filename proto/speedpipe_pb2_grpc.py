@@ -360,7 +360,9 @@ class GenerateServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Report whether the coordinator can serve: SERVING only once every stage is loaded and healthy.
+        """Report whether the coordinator can serve: SERVING only once every stage is loaded and healthy;
+        NOT_SERVING while draining or restarting a stage; UNHEALTHY once it has failed for good. (The
+        standard grpc.health.v1.Health service says the same for load balancers and probes.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

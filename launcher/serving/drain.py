@@ -87,7 +87,7 @@ def drain(stack: ServingStack, signals: DrainSignals, *, grace_s: float) -> bool
     """Stop admitting, wait for in-flight requests up to `grace_s` (or `signals.abort`), end the rest
     with an error event. Returns True if every request finished by itself."""
     engine = stack.engine
-    engine.fence("draining: the server is shutting down")
+    engine.fence("draining: the server is shutting down", draining=True)
     failed = stack.failure is not None or engine.coordinator.failure is not None
     if failed:
         grace_s = 0.0  # every request already ended with the failure's error event

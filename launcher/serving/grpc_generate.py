@@ -6,7 +6,8 @@ when the queue is full, UNAVAILABLE when the pipeline failed or the server is fe
 (also mid-stream), UNAUTHENTICATED for Generate without `authorization: Bearer KEY` metadata when
 the server has --api-key (Health stays open, as HTTP /health). A cancelled RPC (client gone,
 deadline passed) aborts the request, freeing its KV slot on every stage. `Health` is SERVING only
-while the coordinator and every stage are.
+while the coordinator and every stage are, NOT_SERVING while draining or restarting a stage, and
+UNHEALTHY after a failure for good; grpc.health.v1 and reflection: launcher/serving/grpc_health.py.
 Must not: hold generation logic (launcher/serving/serving_engine.py).
 """
 
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import uuid
 
 import grpc
 
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
+from launcher.serving.grpc_health import MAX_WATCHES, OPEN_METHODS, enable_standard_services
 from launcher.serving.openai_protocol import MAX_STOP_STRINGS
 from launcher.serving.serving_engine import (
     MAX_TEMPERATURE,
@@ -29,13 +32,16 @@ from launcher.serving.serving_engine import (
     UnavailableError,
 )
 from pipeline.speculation.logprobs import TokenLogprob
-from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
 
 log = logging.getLogger("speedpipe.serve")
 MAX_REQUEST_ID_CHARS = 256  # it is logged and echoed in every response
+_FLOAT32 = re.compile(r"-?\d+\.\d{9,}(?:e-?\d+)?")  # a float32 field printed as a double
+HEALTH = {"serving": pb.HealthResponse.SERVING, "not_serving": pb.HealthResponse.NOT_SERVING,
+          "unhealthy": pb.HealthResponse.UNHEALTHY}
 FINISH = {"length": pb.GenerateResponse.LENGTH, "stop": pb.GenerateResponse.STOP, "eos": pb.GenerateResponse.EOS,
           "aborted": pb.GenerateResponse.ABORTED}
 
@@ -60,7 +66,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
         ids = list(req.prompt_token_ids.ids)
     if req.max_new_tokens < 1:
         raise InvalidRequestError(f"'max_new_tokens' must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
-    engine.check_prompt(ids, req.max_new_tokens, prompt_field=which)
+    engine.check_prompt(ids, req.max_new_tokens, prompt_field=which, budget_field="max_new_tokens")
     if len(req.stop) > MAX_STOP_STRINGS:  # HTTP's rules (OpenAI: up to 4, none empty)
         raise InvalidRequestError(f"'stop' has {len(req.stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
     if not all(req.stop):
@@ -68,8 +74,10 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if req.HasField("seed") and req.seed >= 2**63:  # HTTP's range (torch seeds are signed 64-bit)
         raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {req.seed}", "seed")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range
-        raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}",
+        raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.7g}",
                                   "temperature")
+    if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_LOGPROBS:  # SamplingParams says "None or ..."
+        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}] when set, got {req.logprobs}", "logprobs")
     try:
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed if req.HasField("seed") else None,
@@ -80,7 +88,8 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 top_k=req.top_k, min_p=req.min_p)
     except ValueError as exc:  # the message names the parameter: "top_p must be ..." -> field 'top_p'
         field = str(exc).split()[0].lstrip("-").replace("-", "_")
-        raise InvalidRequestError(str(exc).replace(str(exc).split()[0], f"'{field}'", 1), field) from None
+        message = _FLOAT32.sub(lambda m: f"{float(m.group()):.7g}", str(exc))  # -0.10000000149011612 -> -0.1
+        raise InvalidRequestError(message.replace(str(exc).split()[0], f"'{field}'", 1), field) from None
     return ids, params
 
 
@@ -110,13 +119,18 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PipelineError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
-        context.add_callback(stream.cancel)  # runs when the RPC ends: a no-op unless it was cancelled
+        # Runs when the RPC ends (a no-op unless it was cancelled). grpc refuses it (False) when the RPC
+        # ended already (deadline passed or client gone while the request was admitted): cancel now.
+        if not context.add_callback(stream.cancel):
+            stream.cancel()
+            return
         try:
             for chunk in stream:
                 msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
                                           logprobs=[_token_logprob(e) for e in chunk.logprobs or ()])
                 if chunk.finish_reason is not None:
                     msg.finish_reason = FINISH.get(chunk.finish_reason, pb.GenerateResponse.ABORTED)
+                    msg.stop_reason = chunk.stop_reason or ""
                     final = stream.final
                     msg.usage.prompt_tokens, msg.usage.completion_tokens = final.prompt_tokens, final.completion_tokens
                     msg.timing.ttft_s, msg.timing.e2e_s = final.ttft_s, final.e2e_s
@@ -129,8 +143,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:  # noqa: N802
-        ok, why = self.engine.healthy()
-        return pb.HealthResponse(status=pb.HealthResponse.SERVING if ok else pb.HealthResponse.UNHEALTHY, message=why)
+        state, why = self.engine.health_status()
+        return pb.HealthResponse(status=HEALTH[state], message=why)
 
 
 class GrpcServer:
@@ -138,15 +152,17 @@ class GrpcServer:
     Generate needs `authorization: Bearer api_key` metadata when api_key is set."""
 
     def __init__(self, engine: ServingEngine, *, host: str, port: int, api_key: str | None = None) -> None:
-        workers = engine.max_num_seqs + engine.max_queue + 4  # one thread per stream, plus refusals
+        # one thread per stream, plus refusals and health Watch streams
+        workers = engine.max_num_seqs + engine.max_queue + 4 + MAX_WATCHES
         interceptors = [] if api_key is None else [SecretCheckInterceptor(
             key=API_KEY_METADATA_KEY, expected=f"Bearer {api_key}", what="API key (`authorization: Bearer KEY`)",
-            exempt=("/speedpipe.v1.GenerateService/Health",))]
+            exempt=("/speedpipe.v1.GenerateService/Health", *OPEN_METHODS))]
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                                         thread_name_prefix="grpc-generate"),
                                   maximum_concurrent_rpcs=workers, interceptors=interceptors,
                                   options=[("grpc.so_reuseport", 0)])  # grpc's default 1 lets 2 servers share a port
         pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine), self.server)
+        enable_standard_services(self.server, engine.health_status)
         try:
             self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:  # newer grpc raises on a failed bind; older returned 0

@@ -210,6 +210,7 @@ class ServingEngine:
         self._streams: set[RequestStream] = set()
         self._outstanding = 0
         self._fence: str | None = None  # why new requests are refused (draining, stage failure)
+        self._draining = False  # the fence is a shutdown's, not a failure's
         self.metrics = ServingMetrics(coordinator, model_name=model_name, engine=self)
 
     @property
@@ -229,11 +230,12 @@ class ServingEngine:
         """Why new requests are refused (e.g. "draining: ..."), or None while admitting."""
         return self._fence
 
-    def fence(self, reason: str) -> None:
-        """Refuse every new request from now on with UnavailableError(reason); the first reason stays."""
+    def fence(self, reason: str, *, draining: bool = False) -> None:
+        """Refuse every new request from now on with UnavailableError(reason); the first reason stays.
+        `draining`: for a shutdown (health NOT_SERVING), not a failure (UNHEALTHY)."""
         with self._lock:
             if self._fence is None:
-                self._fence = reason
+                self._fence, self._draining = reason, draining
                 log.warning("no new requests: %s", reason)
 
     def fail_all(self, error: BaseException) -> int:
@@ -268,19 +270,30 @@ class ServingEngine:
             if r.status != r.SERVING:
                 return False, f"stage {i} is {r.Status.Name(r.status)}" + (f": {r.message}" if r.message else "")
         return True, ""
-    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int, *, prompt_field: str) -> None:
+
+    def health_status(self) -> tuple[str, str]:
+        """("serving", ""), ("not_serving", why) while draining or restarting a failed stage (it
+        recovers, or exits, by itself), or ("unhealthy", why) once it cannot serve without a restart."""
+        ok, why = self.healthy()
+        if ok:
+            return "serving", ""
+        temporary = self._draining if self._fence is not None else self.coordinator.recovering is not None
+        return ("not_serving" if temporary else "unhealthy"), why
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int, *, prompt_field: str,
+                     budget_field: str = "max_tokens") -> None:
         """Raise InvalidRequestError if a token id is outside the vocabulary, or the prompt breaks
         the length rule (`check_prompt_length`); the error names the prompt's field, or
-        'max_tokens' when the prompt alone fits."""
+        `budget_field` (HTTP's 'max_tokens', gRPC's 'max_new_tokens') when the prompt alone fits."""
         for t in prompt_ids:
             if not 0 <= t < self.tokenizer.vocab_size:
                 raise InvalidRequestError(f"'{prompt_field}' token id {t} is outside the vocabulary "
                                           f"[0, {self.tokenizer.vocab_size})", prompt_field)
         try:
             check_prompt_length(num_prompt_tokens=len(prompt_ids), max_new_tokens=max_tokens,
-                                max_model_len=self.max_model_len, what=f"'{prompt_field}'", budget="'max_tokens'")
+                                max_model_len=self.max_model_len, what=f"'{prompt_field}'", budget=f"'{budget_field}'")
         except ValueError as exc:
-            field = prompt_field if not prompt_ids or len(prompt_ids) >= self.max_model_len else "max_tokens"
+            field = prompt_field if not prompt_ids or len(prompt_ids) >= self.max_model_len else budget_field
             raise InvalidRequestError(str(exc), field) from None
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:

@@ -1,0 +1,135 @@
+"""The gRPC front end as a client sees it, over the fake coordinator of test_serving_http.py:
+health (speedpipe's own and grpc.health.v1), reflection, the last chunk's stop_reason, error
+messages in gRPC's field names, and a request whose RPC ended before it was admitted."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from launcher.serving.grpc_generate import GenerateServicer, GrpcServer, request_params
+from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
+from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.timeout(60)
+KEY = [("authorization", "Bearer k3y")]
+
+
+@pytest.fixture()
+def grpc_server(tokenizer):  # noqa: F811 (the fixture imported above)
+    coord = FakeCoordinator(tokenizer)
+    engine = ServingEngine(coord, model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    server = GrpcServer(engine, host="127.0.0.1", port=0, api_key="k3y")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield coord, engine, channel
+    channel.close()
+    server.stop()
+
+
+def test_health_is_not_serving_while_draining_or_restarting_and_unhealthy_after_a_failure(grpc_server):
+    """The proto's UNHEALTHY means "restart the process": an orchestrator must not be told so while
+    the server drains for shutdown or restarts a stage (it recovers by itself). grpc.health.v1
+    (probes, load balancers; no API key needed) says SERVING or NOT_SERVING alike."""
+    coord, engine, channel = grpc_server
+    own, std = pb_grpc.GenerateServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+
+    def states():
+        return (own.Health(pb.HealthRequest(), timeout=10).status,
+                std.Check(health_pb2.HealthCheckRequest(), timeout=10).status,
+                std.Check(health_pb2.HealthCheckRequest(service="speedpipe.v1.GenerateService"), timeout=10).status)
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert states() == (pb.HealthResponse.SERVING, serving, serving)
+    coord.recovering = "restarting after a stage failure: stage 1 exited"
+    assert states() == (pb.HealthResponse.NOT_SERVING, not_serving, not_serving)
+    coord.recovering = None
+    engine.fence("draining: the server is shutting down", draining=True)
+    assert states() == (pb.HealthResponse.NOT_SERVING, not_serving, not_serving)
+    engine._fence, engine._draining = None, False
+    engine.fence("pipeline failed: stage restarts exhausted")
+    assert states() == (pb.HealthResponse.UNHEALTHY, not_serving, not_serving)
+    with pytest.raises(grpc.RpcError) as info:
+        std.Check(health_pb2.HealthCheckRequest(service="other.Service"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = std.List(health_pb2.HealthListRequest(), timeout=10).statuses
+    assert {name: s.status for name, s in listed.items()} == {"": not_serving,
+                                                              "speedpipe.v1.GenerateService": not_serving}
+
+
+def test_health_watch_streams_each_change(grpc_server):
+    coord, _, channel = grpc_server
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=20)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    coord.recovering = "restarting"
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    coord.recovering = None
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+    unknown = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="x"), timeout=10)
+    assert [r.status for r in unknown] == [health_pb2.HealthCheckResponse.SERVICE_UNKNOWN]
+
+
+def test_reflection_lists_the_services_without_the_api_key(grpc_server):
+    _, _, channel = grpc_server
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    [reply] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"speedpipe.v1.GenerateService", "grpc.health.v1.Health"} <= names
+
+
+def test_the_last_chunk_names_the_stop_string(grpc_server):
+    _, _, channel = grpc_server
+    stub = pb_grpc.GenerateServiceStub(channel)
+    replies = list(stub.Generate(pb.GenerateRequest(prompt="hello world", max_new_tokens=11, stop=["zz", "o w"]),
+                                 metadata=KEY, timeout=10))
+    assert (replies[-1].finish_reason, replies[-1].stop_reason) == (pb.GenerateResponse.STOP, "o w")
+    assert "".join(r.text for r in replies) == "hell" and all(not r.stop_reason for r in replies[:-1])
+    replies = list(stub.Generate(pb.GenerateRequest(prompt="abc", max_new_tokens=2), metadata=KEY, timeout=10))
+    assert (replies[-1].finish_reason, replies[-1].stop_reason) == (pb.GenerateResponse.LENGTH, "")
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"max_new_tokens": 70}, "max_new_tokens", "'prompt' (2 tokens) + 'max_new_tokens' (70) = 72 exceeds max_model_len 64"),
+    ({"min_p": -0.1}, "min_p", "'min_p' must be in [0, 1], got -0.1"),
+    ({"repetition_penalty": 2.3}, "repetition_penalty", "'repetition_penalty' must be in (0, 2], got 2.3"),
+    ({"logprobs": 21}, "logprobs", "'logprobs' must be in [0, 20] when set, got 21"),
+])
+def test_errors_name_the_grpc_field_and_print_floats_as_sent(tokenizer, fields, param, message):  # noqa: F811
+    """They named HTTP's 'max_tokens', said "None" (a Python word), and printed float32 fields as
+    doubles (-0.10000000149011612)."""
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
+                           max_model_len=64)
+    with pytest.raises(InvalidRequestError) as info:
+        request_params(pb.GenerateRequest(**{"prompt": "Hi", "max_new_tokens": 3} | fields), engine)
+    assert info.value.param == param and str(info.value).endswith(message), info.value
+
+
+class _EndedContext:
+    """A ServicerContext whose RPC ended (deadline passed, client gone) before the request was
+    admitted: grpc then refuses callbacks (add_callback returns False) and never runs them."""
+
+    def add_callback(self, callback) -> bool:
+        return False
+
+    def abort(self, code, details):
+        raise AssertionError(f"unexpected abort {code}: {details}")
+
+
+def test_a_request_whose_rpc_ended_before_admission_is_cancelled_at_once(tokenizer):  # noqa: F811
+    """The callback that aborts a cancelled request was added after the request started; when the
+    RPC had ended by then grpc dropped it, and the request ran to its length holding a KV slot."""
+    coord = FakeCoordinator(tokenizer, step_s=0.05)
+    engine = ServingEngine(coord, model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    replies = list(GenerateServicer(engine).Generate(pb.GenerateRequest(prompt="Hi", max_new_tokens=40),
+                                                     _EndedContext()))
+    assert replies == []
+    wait_for(lambda: engine.num_outstanding == 0 and coord.aborted, timeout_s=5)
+    assert len(coord.aborted) == 1 and threading.active_count() < 50
