@@ -69,16 +69,27 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
     # others would only time out later waiting for it to join the data plane.
     done, pending = concurrent.futures.wait([*loads, joined], timeout=timeout_s,
                                             return_when=concurrent.futures.FIRST_EXCEPTION)
+    loading = sorted(loads[f] for f in pending if f in loads)  # stages whose Load has not returned
     if pending and not any(f.exception() for f in done):
-        raise PipelineError(f"stages did not load and join the data plane within {timeout_s:g} s")
+        if loading:
+            raise PipelineError(f"{_stages(loading)} did not finish loading within {timeout_s:g} s "
+                                "(hung, or too slow: see that stage's log)")
+        raise PipelineError(f"every stage loaded, but the data plane was not joined within {timeout_s:g} s")
     failed = sorted((loads.get(f, len(specs)), f) for f in done if f.exception() is not None)
     if failed:
         index, fut = failed[0]
         exc = fut.exception()
         detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
         who = f"stage {index}" if index < len(specs) else "coordinator"
-        raise PipelineError(f"{who} failed to load: {detail}")
+        # A stage hung in its Load makes its neighbours fail their rendezvous with it: name it too.
+        others = [i for i in loading if i != index]
+        hint = f" ({_stages(others)} {'was' if len(others) == 1 else 'were'} still loading then)" if others else ""
+        raise PipelineError(f"{who} failed to load: {detail}{hint}")
     return [f.result() for f in sorted(loads, key=loads.get)]
+
+
+def _stages(indices: Sequence[int]) -> str:
+    return f"stage {indices[0]}" if len(indices) == 1 else f"stages {', '.join(map(str, indices))}"
 
 
 def shutdown_stages(stubs: Sequence[pb_grpc.StageServiceStub], channels: Sequence[grpc.Channel], *,

@@ -1,0 +1,66 @@
+"""Which stage a failed or timed-out start-up names (launcher/coordinator/stage_control.load_and_join).
+
+A stage hung in its Load (a stuck disk, SIGSTOP) made the message say only "stages did not load
+... within N s", or name a neighbour whose rendezvous with the hung stage failed first."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from launcher.coordinator import stage_control
+from launcher.coordinator.coordinator import PipelineError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Stub:
+    def __init__(self, behaviour: str, release: threading.Event) -> None:
+        self.behaviour, self.release = behaviour, release
+
+    def Load(self, request, timeout):  # noqa: N802 - gRPC name
+        if self.behaviour == "hang":
+            self.release.wait(30)  # past any deadline here: released when the test ends
+            raise TimeoutError("released")
+        if self.behaviour == "fail":
+            raise RuntimeError("data plane rendezvous with stage 2 timed out")
+        return f"loaded {request}"
+
+
+@pytest.fixture()
+def release():
+    event = threading.Event()
+    yield event
+    event.set()  # let the hung daemon threads end
+
+
+def _load(behaviours, release, *, join=lambda: None, timeout_s=0.5):
+    stubs = [_Stub(b, release) for b in behaviours]
+    return stage_control.load_and_join(stubs, list(range(len(stubs))), join, timeout_s=timeout_s)
+
+
+@pytest.fixture(autouse=True)
+def _plain_specs(monkeypatch):
+    monkeypatch.setattr(stage_control, "spec_to_proto", lambda spec: spec)
+
+
+def test_every_stage_loads(release):
+    assert _load(["ok", "ok", "ok"], release) == ["loaded 0", "loaded 1", "loaded 2"]
+
+
+def test_a_timeout_names_the_stages_still_loading(release):
+    with pytest.raises(PipelineError, match=r"^stage 2 did not finish loading within 0.5 s"):
+        _load(["ok", "ok", "hang"], release)
+    with pytest.raises(PipelineError, match=r"^stages 0, 2 did not finish loading"):
+        _load(["hang", "ok", "hang"], release)
+    with pytest.raises(PipelineError, match=r"^every stage loaded, but the data plane was not joined"):
+        _load(["ok", "ok"], release, join=lambda: release.wait(5))
+
+
+def test_a_failure_beside_a_hung_stage_names_both(release):
+    with pytest.raises(PipelineError, match=r"^stage 1 failed to load: data plane rendezvous with stage 2 timed "
+                                            r"out \(stage 2 was still loading then\)$"):
+        _load(["ok", "fail", "hang"], release)
+    with pytest.raises(PipelineError, match=r"^stage 1 failed to load: .* timed out$"):
+        _load(["ok", "fail", "ok"], release)
