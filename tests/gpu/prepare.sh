@@ -6,11 +6,12 @@
 #
 # The lent machine (/work/.library/device/KINDS.md) has a CUDA PyTorch in its `python3` (3.12) and
 # most of the project's dependencies, but not gguf, nor the grpcio/protobuf versions that
-# proto/*_pb2*.py were generated for, nor the default model: its GGUF (98 MB) is larger than one
+# proto/*_pb2*.py were generated for (nor grpcio's health and reflection packages), nor the default model: its GGUF (98 MB) is larger than one
 # call may carry. So this writes, under .gpu/ (git-ignored):
 #   .gpu/call1/model.part0          the GGUF's first bytes
 #   .gpu/call2/model.part1          the rest, plus model.name and model.sha256 (to check the join)
-#   .gpu/call2/wheels/*.whl         gguf, protobuf and grpcio for CPython 3.12, manylinux x86_64
+#   .gpu/call2/wheels/*.whl         gguf, protobuf, grpcio, grpcio-health-checking and grpcio-reflection
+#                                   for CPython 3.12, manylinux x86_64
 # and prints the two `run` calls to make, back to back (the machine is given back after about 30 s
 # idle, and the first call's folder must still be there for the second): the first carries
 # .gpu/call1 and only checks the GPU; the second carries .gpu/call2 and runs tests/gpu/run.sh,
@@ -24,15 +25,16 @@ fail() { echo "prepare.sh: error: $*" >&2; exit 2; }
 
 gguf=$("$PY" -c "from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path as p; print(p(DEFAULT_MODEL))" 2>/dev/null) \
   || fail "the default model's GGUF was not found with $PY: run the README's setup command first"
-versions=$("$PY" -c "import grpc, google.protobuf as pb; from importlib.metadata import version; print(grpc.__version__, pb.__version__, version('gguf'))" 2>/dev/null) \
-  || fail "$PY lacks grpcio, protobuf or gguf: run the README's setup command first"
-read -r grpcio protobuf gguf_pkg <<< "$versions"
+versions=$("$PY" -c "import grpc, google.protobuf as pb; from importlib.metadata import version as v; print(grpc.__version__, pb.__version__, v('gguf'), v('grpcio-health-checking'), v('grpcio-reflection'))" 2>/dev/null) \
+  || fail "$PY lacks grpcio, protobuf, gguf, grpcio-health-checking or grpcio-reflection: run the README's setup command first"
+read -r grpcio protobuf gguf_pkg health reflection <<< "$versions"
 rm -rf .gpu.new && mkdir -p .gpu.new/call1 .gpu.new/call2/wheels  # replaces .gpu/ only when complete
 trap 'rm -rf .gpu.new' EXIT
 if ! log=$("$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .gpu.new/call2/wheels "gguf==$gguf_pkg" "protobuf==$protobuf" "grpcio==$grpcio" 2>&1); then
-  fail "pip could not download gguf==$gguf_pkg, protobuf==$protobuf, grpcio==$grpcio for CPython 3.12: $(grep -v '^WARNING' <<< "$log" | tail -n 1)"
+    -d .gpu.new/call2/wheels "gguf==$gguf_pkg" "protobuf==$protobuf" "grpcio==$grpcio" \
+    "grpcio-health-checking==$health" "grpcio-reflection==$reflection" 2>&1); then
+  fail "pip could not download gguf==$gguf_pkg, protobuf==$protobuf, grpcio==$grpcio, grpcio-health-checking==$health, grpcio-reflection==$reflection for CPython 3.12: $(grep -v '^WARNING' <<< "$log" | tail -n 1)"
 fi
 
 # what travels besides the carried folder: tracked and untracked-not-ignored files that exist

@@ -39,7 +39,7 @@ if [ -d .gpu/call2 ] && ! "$PY" -c "import gguf" 2>/dev/null; then  # a lent mac
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 echo "python: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1)); model: $MODEL" | tee -a "$OUT_DIR/summary.txt"
-"$PY" -c 'import grpc, google.protobuf as pb, gguf; print("grpc", grpc.__version__, grpc.__file__); print("protobuf", pb.__version__, pb.__file__); print("gguf", gguf.__file__)' 2>&1 | tee -a "$OUT_DIR/summary.txt"
+"$PY" -c 'import grpc, google.protobuf as pb, gguf, grpc_health.v1.health, grpc_reflection.v1alpha.reflection; print("grpc", grpc.__version__, grpc.__file__); print("protobuf", pb.__version__, pb.__file__); print("gguf", gguf.__file__)' 2>&1 | tee -a "$OUT_DIR/summary.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT_DIR/gpu.txt" 2>&1 || true
 timeout -k 10 200 "$PY" tests/gpu/gpu_checks.py --model "$MODEL" --out "$OUT_DIR/gpu_checks.json" > "$OUT_DIR/gpu_checks.log" 2>&1
 echo "gpu_checks rc=$?" | tee -a "$OUT_DIR/summary.txt"
