@@ -234,7 +234,7 @@ def note_requantised_blocks(options: PipelineOptions, config: ModelConfig, model
                     ".gguf file to use them", model_dir, SOURCE_FILE)
     if effective_mode(options.quantization, str(model_dir), options.device) != "gguf":
         return
-    counts = requantised_linears(gguf_source_of(model_dir), config)
+    counts = requantised_linears(gguf_source_of(model_dir), config, model_dir=model_dir)
     if counts:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
         log.warning("--quantization auto: the GGUF's %s weights have no int kernel here and run requantised to int4 "

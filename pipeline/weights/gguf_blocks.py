@@ -30,6 +30,7 @@ import torch
 from pipeline.model.config import ModelConfig
 from pipeline.weights.gguf_families import PERMUTED_ARCHITECTURES, field, tensor_targets
 from pipeline.weights.gguf_import import SOURCE_FILE, open_gguf, unpermute_qk
+from pipeline.weights.gguf_index import load_index
 from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
 BLOCK = 32
@@ -109,13 +110,17 @@ class GgufBlockReader:
     Raises ValueError naming a tensor the file lacks.
     """
 
-    def __init__(self, path: str | Path, config: ModelConfig) -> None:
-        self.reader = open_gguf(path)
+    def __init__(self, path: str | Path, config: ModelConfig, *, model_dir: str | Path | None = None) -> None:
+        """`model_dir`: the folder converted from `path`; its tensor table (pipeline/weights/gguf_index.py)
+        spares parsing the file's metadata, which takes seconds. Raises ValueError for an unreadable file."""
+        indexed = load_index(model_dir, path) if model_dir is not None else None
+        if indexed is None:
+            reader = open_gguf(path)
+            indexed = field(reader, "general.architecture"), reader.tensors
+        arch, tensors = indexed
         self.config = config
-        arch = field(self.reader, "general.architecture")
         self.permuted = arch in PERMUTED_ARCHITECTURES
-        self.tensors = {name: (t, expert) for t in self.reader.tensors
-                        for name, expert in tensor_targets(t.name, arch, config)}
+        self.tensors = {name: (t, expert) for t in tensors for name, expert in tensor_targets(t.name, arch, config)}
 
     def kind(self, name: str) -> gguf.GGMLQuantizationType:
         """The GGML type of HF-named tensor `name`."""
@@ -152,11 +157,12 @@ class GgufBlockReader:
         return out
 
 
-def requantised_linears(path: str | Path, config: ModelConfig) -> dict[str, int]:
+def requantised_linears(path: str | Path, config: ModelConfig, *, model_dir: str | Path | None = None) -> dict[str, int]:
     """GGML type name -> how many of the GGUF's projection / LM-head weights of that type
     `--quantization auto` requantises to int4 groups (types without a kernel here: not
-    Q4_0/Q4_1/Q4_K/Q8_0), e.g. {"Q6_K": 29} for Qwen2.5-Coder's Q4_K_M file. Reads only the header."""
-    reader = GgufBlockReader(path, config)
+    Q4_0/Q4_1/Q4_K/Q8_0), e.g. {"Q6_K": 29} for Qwen2.5-Coder's Q4_K_M file. Reads only the header
+    (or `model_dir`'s tensor table)."""
+    reader = GgufBlockReader(path, config, model_dir=model_dir)
     counts: dict[str, int] = {}
     for name, (t, _) in reader.tensors.items():
         linear = name.endswith("_proj.weight") or name == "lm_head.weight"

@@ -45,13 +45,14 @@ from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_ten
     tensor_targets,
     unpermute_qk,
 )
+from pipeline.weights.gguf_index import INDEX_FILE, restamp_index, write_index
 from pipeline.weights.model_chunks import path_lock, progress_bar
 from pipeline.weights.safetensors_stream import write_streaming
 
 CONVERTER_VERSION = 3  # 2: families, streamed tensors, qwen2 pre-tokenizer; 3: Qwen stops on <|endoftext|>
 SOURCE_FILE = "speedpipe_source.json"
 OUTPUT_FILES = ("config.json", SINGLE_FILE, "tokenizer.json", "tokenizer_config.json",
-                "generation_config.json", SOURCE_FILE)
+                "generation_config.json", INDEX_FILE, SOURCE_FILE)
 # tokenizer.ggml.pre -> pre-tokenizer of the model's own tokenizer.json. The smollm family (also
 # StarCoder, Refact) isolates every digit, then applies GPT-2's byte-level regex to the rest.
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact")
@@ -281,6 +282,7 @@ def _write_folder(reader: gguf.GGUFReader, folder: Path, source: GgufSource, pro
     _write_json(folder / "config.json", config.to_hf_dict())
     _write_json(folder / "tokenizer_config.json", _tokenizer_config(reader, config))
     _write_json(folder / "generation_config.json", _generation_config(reader, config))
+    write_index(reader, source.path, folder, field(reader, "general.architecture"))
     _write_json(folder / SOURCE_FILE, dataclasses.asdict(source))  # last: marks the folder complete
 
 
@@ -311,6 +313,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     source = describe_source(gguf_path, sha256_memo=sha256_memo)
     if is_converted(out_dir, source):
         _repoint_source(out_dir, source)
+        restamp_index(out_dir, source.path)  # the same bytes (sha256 checked), maybe a new mtime
         return out_dir
     if out_dir.exists() and not (out_dir / SOURCE_FILE).is_file() and any(out_dir.iterdir()):
         raise ValueError(f"refusing to overwrite {out_dir}: it is not a speedpipe GGUF conversion")

@@ -87,7 +87,7 @@ def build_quantized_stage_model(config: ModelConfig, layer_range: LayerRange, *,
     dense_names = [n for n in names if n not in linear_names or (is_first and n == "model.embed_tokens.weight")]
     blocks = None
     if mode == "gguf":
-        blocks = GgufBlockReader(gguf_source_of(reader.model_dir), config)
+        blocks = GgufBlockReader(gguf_source_of(reader.model_dir), config, model_dir=reader.model_dir)
     dense = reader.read(dense_names, dtype=ACTIVATION_DTYPE)
     with torch.device("meta"):
         model = StageModel(config, layer_range, is_first=is_first, is_last=is_last)

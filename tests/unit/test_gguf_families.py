@@ -329,12 +329,14 @@ def test_block_reader_gives_each_expert_its_slice_under_the_checkpoint_name(hf_f
 
     _, converted = hf_family_ggufs[family]
     reader = CheckpointReader(converted)
-    blocks = GgufBlockReader(gguf_source_of(converted), reader.config)
+    parsed = GgufBlockReader(gguf_source_of(converted), reader.config)
+    indexed = GgufBlockReader(gguf_source_of(converted), reader.config, model_dir=converted)  # the folder's table
     names = [n for n in sorted(reader.tensor_names) if ".experts." in n or "qkv" in n or "gate_up" in n][:8]
     assert names
     for name in names:
-        torch.testing.assert_close(blocks.read_one(name), reader.read([name], dtype=torch.float32)[name],
-                                   rtol=0, atol=0, msg=name)
+        for blocks in (parsed, indexed):
+            torch.testing.assert_close(blocks.read_one(name), reader.read([name], dtype=torch.float32)[name],
+                                       rtol=0, atol=0, msg=name)
 
 
 def test_qwen3moe_dense_layers_and_default_renormalisation_come_from_the_gguf(tmp_path):
