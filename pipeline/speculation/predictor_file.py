@@ -41,7 +41,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pipeline.model.config import ModelConfig
-from pipeline.weights.file_digest import file_sha256
+from pipeline.weights.file_memo import file_sha256
 from pipeline.weights.gguf_import import SOURCE_FILE
 
 FORMAT = "speedpipe-predictor/1"

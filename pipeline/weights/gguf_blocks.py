@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from pipeline.model.config import ModelConfig
+from pipeline.weights.file_memo import load_index
 from pipeline.weights.gguf_families import PERMUTED_ARCHITECTURES, field, tensor_targets
 from pipeline.weights.gguf_import import SOURCE_FILE, open_gguf, unpermute_qk
-from pipeline.weights.gguf_index import load_index
 from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
 BLOCK = 32
@@ -111,7 +111,7 @@ class GgufBlockReader:
     """
 
     def __init__(self, path: str | Path, config: ModelConfig, *, model_dir: str | Path | None = None) -> None:
-        """`model_dir`: the folder converted from `path`; its tensor table (pipeline/weights/gguf_index.py)
+        """`model_dir`: the folder converted from `path`; its tensor table (pipeline/weights/file_memo.py)
         spares parsing the file's metadata, which takes seconds. Raises ValueError for an unreadable file."""
         indexed = load_index(model_dir, path) if model_dir is not None else None
         if indexed is None:

@@ -34,7 +34,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from pipeline.model.config import ModelConfig
 from pipeline.weights.checkpoint import SINGLE_FILE, all_tensor_names
-from pipeline.weights.file_digest import file_sha256
+from pipeline.weights.file_memo import INDEX_FILE, file_sha256, restamp_index, write_index
 from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_tensor_name: re-exported)
     SUPPORTED_ARCHITECTURES,
     check_tensor_types,
@@ -45,7 +45,6 @@ from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_ten
     tensor_targets,
     unpermute_qk,
 )
-from pipeline.weights.gguf_index import INDEX_FILE, restamp_index, write_index
 from pipeline.weights.model_chunks import path_lock, progress_bar
 from pipeline.weights.safetensors_stream import write_streaming
 
@@ -90,7 +89,7 @@ def _check_gguf_file(path: Path) -> None:
 
 
 def describe_source(gguf_path: str | Path, *, sha256_memo: Path | None = None) -> GgufSource:
-    """Size and sha256 of a GGUF file (`sha256_memo`: see file_digest.file_sha256). Raises
+    """Size and sha256 of a GGUF file (`sha256_memo`: see file_memo.file_sha256). Raises
     FileNotFoundError, or ValueError when not GGUF."""
     path = Path(gguf_path)
     _check_gguf_file(path)

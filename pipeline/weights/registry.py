@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.weights.file_digest import MEMO_FILE, file_sha256
+from pipeline.weights.file_memo import MEMO_FILE, file_sha256
 from pipeline.weights.gguf_import import convert_gguf
 from pipeline.weights.model_chunks import ChunkedGguf, assemble
 
@@ -75,7 +75,7 @@ def registered_gguf_path(name: str) -> Path:
 
 def converted_dir(gguf_path: Path, *, name: str, cache_dir: Path) -> Path:
     """`<cache>/models/<name>-<first 12 hex of the file's sha256>`: one folder per content. The
-    sha256 is remembered in `<cache>/models/.sha256-memo.json` (see file_digest.file_sha256)."""
+    sha256 is remembered in `<cache>/models/.sha256-memo.json` (see file_memo.file_sha256)."""
     return cache_dir / "models" / f"{name}-{file_sha256(gguf_path, memo=_memo(cache_dir))[:12]}"
 
 

@@ -22,7 +22,7 @@ from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights import gguf_import
 from pipeline.weights import registry as models
 from pipeline.weights.checkpoint import all_tensor_names
-from pipeline.weights.file_digest import file_sha256
+from pipeline.weights.file_memo import file_sha256
 from pipeline.weights.gguf_blocks import gguf_source_of
 from pipeline.weights.gguf_import import SOURCE_FILE, convert_gguf, unpermute_qk
 from pipeline.weights.quant_load import effective_mode
@@ -365,34 +365,34 @@ def test_a_later_resolve_takes_the_sha256_from_the_memo_and_a_rewritten_file_is_
     """Each launch resolved the model by hashing the whole GGUF (1.1 GB: ~1 s; a 40 GB file: a
     minute). The memo in the cache keeps the digest per (size, mtime, inode); a changed file is
     hashed again, and the stages open the GGUF without hashing it."""
-    from pipeline.weights import file_digest
+    from pipeline.weights import file_memo
 
     gguf_path = tmp_path / "m.gguf"
     write_gguf(gguf_path, tiny())
     out = models.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", progress=False)
-    assert (tmp_path / "cache" / "models" / file_digest.MEMO_FILE).is_file()
+    assert (tmp_path / "cache" / "models" / file_memo.MEMO_FILE).is_file()
     reads = []
-    real = file_digest._sha256_cached.__wrapped__
-    monkeypatch.setattr(file_digest, "_sha256_cached", lambda *key: reads.append(key) or real(*key))
+    real = file_memo._sha256_cached.__wrapped__
+    monkeypatch.setattr(file_memo, "_sha256_cached", lambda *key: reads.append(key) or real(*key))
     assert models.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", progress=False) == out
     gguf_import.open_gguf(gguf_path)
     assert reads == []  # a new process (no in-process cache) reads nothing
     write_gguf(gguf_path, tiny(), seed=1)  # other weights: other bytes, other digest
     other = models.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", progress=False)
-    assert len(reads) == 1 and other != out and other.name.endswith(file_digest.file_sha256(gguf_path)[:12])
+    assert len(reads) == 1 and other != out and other.name.endswith(file_memo.file_sha256(gguf_path)[:12])
 
 
 def test_an_unreadable_or_unwritable_memo_only_costs_the_hash(tmp_path):
-    from pipeline.weights import file_digest
+    from pipeline.weights import file_memo
 
     path = tmp_path / "f.bin"
     path.write_bytes(b"abc" * 1000)
-    want = file_digest.file_sha256(path)
+    want = file_memo.file_sha256(path)
     (tmp_path / "memo.json").write_text("{not json")
-    assert file_digest.file_sha256(path, memo=tmp_path / "memo.json") == want
+    assert file_memo.file_sha256(path, memo=tmp_path / "memo.json") == want
     assert json.loads((tmp_path / "memo.json").read_text())[str(path.resolve())]["sha256"] == want
     (tmp_path / "file").write_text("")
-    assert file_digest.file_sha256(path, memo=tmp_path / "file" / "memo.json") == want  # parent is a file
+    assert file_memo.file_sha256(path, memo=tmp_path / "file" / "memo.json") == want  # parent is a file
 
 
 def test_stages_read_blocks_from_the_folders_tensor_table_without_parsing_the_file(tmp_path, monkeypatch):
@@ -403,7 +403,7 @@ def test_stages_read_blocks_from_the_folders_tensor_table_without_parsing_the_fi
     import os
 
     from pipeline.weights import gguf_blocks
-    from pipeline.weights.gguf_index import INDEX_FILE, load_index
+    from pipeline.weights.file_memo import INDEX_FILE, load_index
 
     write_gguf(tmp_path / "m.gguf", tiny(), seed=2)
     out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
@@ -417,7 +417,7 @@ def test_stages_read_blocks_from_the_folders_tensor_table_without_parsing_the_fi
     assert opened == [] and set(indexed.tensors) == set(parsed.tensors)
     for name in parsed.tensors:
         a, b = parsed.read_one(name), indexed.read_one(name)
-        for x, y in ([(a, b)] if isinstance(a, torch.Tensor) else zip(dataclasses.astuple(a), dataclasses.astuple(b))):
+        for x, y in ([(a, b)] if isinstance(a, torch.Tensor) else zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True)):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, name
     st = (tmp_path / "m.gguf").stat()
     os.utime(tmp_path / "m.gguf", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: same bytes

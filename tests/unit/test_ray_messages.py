@@ -97,7 +97,7 @@ def test_a_fenced_server_stops_the_stages_of_every_backend_not_only_local_proces
         stopped.set()
         signals.drain.set()
 
-    engine = SimpleNamespace(fence=lambda reason: None, num_outstanding=0,
+    engine = SimpleNamespace(fence=lambda reason, draining=False: None, num_outstanding=0,
                              coordinator=SimpleNamespace(failure=RuntimeError("stage 1 died")))
     session = SimpleNamespace(coordinator=engine.coordinator, processes=None,  # a Ray (or multi-node) session
                               stop_stages=stop_stages)
