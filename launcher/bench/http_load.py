@@ -36,7 +36,7 @@ from launcher.bench.serve_report import (
     parse_percentiles,
     summarize,
 )
-from launcher.cli.output_paths import dumps_strict
+from launcher.cli.output_paths import check_output_dir, dumps_strict
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -95,6 +95,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.dataset_name == "prompts-file" and not args.dataset_path:
         raise ValueError("--dataset-name prompts-file needs --dataset-path FILE")
+    if not 0 < args.request_timeout_s < math.inf:
+        raise ValueError(f"--request-timeout-s must be a positive number of seconds, got {args.request_timeout_s}")
+    if args.save_result:  # found now, not after the whole run (its results would be lost)
+        check_output_dir("--result-dir", args.result_dir)
 
 
 def arrival_offsets_s(num: int, *, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -159,16 +163,22 @@ def request_body(args: argparse.Namespace, model: str, prompt: list[int] | str, 
 async def send_one(client, url: str, body: dict, prompt_len: int) -> RequestOutput:
     """Send one streaming request and time it (see launcher/bench/serve_report.py)."""
     out = RequestOutput(ok=False, sent_s=time.perf_counter(), prompt_len=prompt_len)
-    last, texts, chunks = out.sent_s, [], 0
+    last, texts, chunks, done = out.sent_s, [], 0, False
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return out
             async for line in resp.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                if line.strip() == "data: [DONE]":
+                    done = True
+                if not line.startswith("data:") or done:
                     continue
                 obj = json.loads(line[5:])
+                if obj.get("error"):  # the server failed mid-stream (an error event, then [DONE])
+                    error = obj["error"]
+                    out.error = f"error event: {error.get('message', error) if isinstance(error, dict) else error}"
+                    return out
                 if obj.get("usage"):
                     out.prompt_len = obj["usage"].get("prompt_tokens", out.prompt_len)
                     out.output_len = obj["usage"].get("completion_tokens", 0)
@@ -184,6 +194,9 @@ async def send_one(client, url: str, body: dict, prompt_len: int) -> RequestOutp
                         texts.append(text)
     except Exception as exc:  # noqa: BLE001 - counted as a failed request
         out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    if not done:
+        out.error = "the stream ended without data: [DONE] (cut off)"
         return out
     out.latency_s = time.perf_counter() - out.sent_s
     out.output_len = out.output_len or chunks

@@ -2,8 +2,9 @@
 
 What breaks if these fail: the vLLM-style summary block or its JSON fields, the arrival process
 (`--request-rate` must give Poisson arrivals at that rate, and the client must keep to the
-schedule), `--max-concurrency`, or the flag checks. The real-model run is
-tests/integration/test_bench_serve_real.py.
+schedule), `--max-concurrency`, failed requests (HTTP errors, error events mid-stream, cut-off
+streams) or the flag checks. The serving stack with a real model is tested in
+tests/integration/test_serving.py; bench serve needs only an OpenAI-compatible server.
 """
 
 from __future__ import annotations
@@ -109,3 +110,29 @@ def test_an_unreachable_server_is_exit_2_with_model_given_and_a_missing_file_is_
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset-name", "prompts-file",
                  "--dataset-path", missing]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_a_stream_that_ends_with_an_error_event_is_a_failed_request(served, tokenizer, tmp_path, capsys):  # noqa: F811
+    """A server that fails mid-stream answers 200, then an error event and [DONE]: bench serve
+    counted such requests as successful (with their cut-off token counts in TPOT and throughput)."""
+    coord, _, url = served
+    coord.error_at = 1  # every request's second token fails ([Note: non-finite logits])
+    code, result = _bench(url, tokenizer, tmp_path, "--num-prompts", "3", "--max-concurrency", "3")
+    assert code == 1 and result["completed"] == 0 and result["failed"] == 3, result
+    assert "error event: the model's logits are not finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--result-dir", "FILE"], "--result-dir"),  # a regular file: found after the whole run before
+    (["--request-timeout-s", "0"], "--request-timeout-s"),
+    (["--request-timeout-s", "-1"], "--request-timeout-s"),
+])
+def test_output_and_timeout_flags_are_checked_before_any_request(served, tokenizer, tmp_path, capsys,  # noqa: F811
+                                                                 flags, needle):
+    coord, _, url = served
+    (tmp_path / "FILE").write_text("")
+    flags = [str(tmp_path / "FILE") if f == "FILE" else f for f in flags]
+    code = main(["bench", "serve", "--base-url", url, "--tokenizer", str(tokenizer.model_dir), "--disable-tqdm",
+                 "--num-prompts", "2", "--save-result", *flags])
+    out, err = capsys.readouterr()
+    assert code == 2 and needle in err and "Serving Benchmark Result" not in out, err
