@@ -114,12 +114,14 @@ def percent_label(fraction: float) -> str:
 
 
 def acceptance_bars(by_predictor: dict[str, dict], path: str | Path) -> Path:
-    """Acceptance rate per predictor: {predictor: {"median", "min", "max", "samples"}} (0..1), over
-    the runs that verified at least one draft (a run that drafted nothing has no acceptance rate)."""
+    """Acceptance rate per predictor: {predictor: {"pooled", "median", "min", "max", "samples"}} (0..1):
+    bars at the pooled rate (accepted / verified drafts of all its runs; the median where no pooled
+    rate is given), whiskers from the lowest to the highest run, over the runs that verified at
+    least one draft (a run that drafted nothing has no acceptance rate)."""
     plt = _pyplot()
     fig, ax = plt.subplots()
     names = list(by_predictor) or ["(no speculation)"]
-    med = [by_predictor[n]["median"] for n in by_predictor] or [0.0]
+    med = [by_predictor[n].get("pooled", by_predictor[n]["median"]) for n in by_predictor] or [0.0]
     lo = [m - by_predictor[n]["min"] for m, n in zip(med, by_predictor, strict=False)] or [0.0]
     hi = [by_predictor[n]["max"] - m for m, n in zip(med, by_predictor, strict=False)] or [0.0]
     several = [len(by_predictor[n].get("samples", [0, 0])) > 1 for n in by_predictor] or [False]

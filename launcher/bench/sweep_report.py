@@ -49,13 +49,22 @@ def acceptance_samples(runs: Sequence[dict]) -> list[float]:
             if r["stats"].get("verified_drafts", 0) > 0 and r["stats"]["acceptance_rate"] is not None]
 
 
+def pooled_acceptance(runs: Sequence[dict]) -> float | None:
+    """α of a set of runs as ARCHITECTURE.md §1 defines it: all their accepted drafts over all their
+    verified drafts (a median of per-run rates gives a run that verified 1 draft the weight of one
+    that verified 400); None when no run verified a draft."""
+    verified = sum(r["stats"].get("verified_drafts", 0) for r in runs)
+    return sum(r["stats"].get("accepted_tokens", 0) for r in runs) / verified if verified else None
+
+
 def _metric_spread(metric: str, runs: Sequence[dict]) -> dict:
     """spread() of one METRICS entry over the runs; acceptance over acceptance_samples only, with
-    median/min/max None where no run verified a draft."""
+    median/min/max None where no run verified a draft, plus `pooled` (pooled_acceptance)."""
     if metric != "acceptance_rate":
         return spread([r["stats"][metric] for r in runs])
     samples = acceptance_samples(runs)
-    return spread(samples) if samples else {"median": None, "min": None, "max": None, "samples": []}
+    per_run = spread(samples) if samples else {"median": None, "min": None, "max": None, "samples": []}
+    return {**per_run, "pooled": pooled_acceptance(runs)}
 
 
 def summarise(configs: list[BenchConfig], runs: dict[str, list[dict]]) -> list[dict]:
@@ -89,13 +98,14 @@ def write_csv(rows: list[dict], path: Path) -> None:
     configuration has none: acceptance without a verified draft), ratios."""
     header = ["name", "stages", "speculate", "predictor", "concurrency", "repeats"]
     header += [f"{m}_{k}" for m in METRICS for k in ("median", "min", "max")]
-    header += ["ratio_vs_first_median", "ratio_vs_plain_median"]
+    header += ["acceptance_rate_pooled", "ratio_vs_first_median", "ratio_vs_plain_median"]
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(header)
         for r in rows:
             w.writerow([r["name"], r["stages"], r["speculate"], r["predictor"], r["concurrency"], r["repeats"]]
                        + [_cell(r["summary"][m][k]) for m in METRICS for k in ("median", "min", "max")]
+                       + [_cell(r["summary"]["acceptance_rate"]["pooled"])]
                        + [round(r[k]["median"], 4) if k in r else "" for k in ("ratio_vs_first", "ratio_vs_plain")])
 
 
@@ -114,12 +124,13 @@ def write_plots(rows: list[dict], out: Path, *, title: str) -> list[str]:
         made.append(plots.gantt(timeline, out / "plots" / f"gantt_{r['name']}.png",
                                 title=f"{r['name']}: {title}, repeat 0"))
     made.append(plots.summary_bars(rows, out / "plots" / "summary.png", title=title))
-    by_pred: dict[str, list[float]] = {}
+    runs_by_pred: dict[str, list[dict]] = {}
     for r in rows:  # runs that verified no draft have no acceptance rate: left out (acceptance_samples)
         if r["speculate"] != "none":
-            by_pred.setdefault(predictor_label(r["predictor"]), []).extend(acceptance_samples(r["runs"]))
-    by_pred = {k: v for k, v in by_pred.items() if v}
-    made.append(plots.acceptance_bars({k: spread(v) for k, v in by_pred.items()}, out / "plots" / "acceptance.png"))
+            runs_by_pred.setdefault(predictor_label(r["predictor"]), []).extend(r["runs"])
+    by_pred = {k: {**spread(acceptance_samples(v)), "pooled": pooled_acceptance(v)}
+               for k, v in runs_by_pred.items() if acceptance_samples(v)}
+    made.append(plots.acceptance_bars(by_pred, out / "plots" / "acceptance.png"))
     return [str(Path(p).relative_to(out)) for p in made]
 
 
@@ -173,7 +184,7 @@ def format_table(rows: list[dict]) -> str:
         s = r["summary"]
         tps = s["tokens_per_s"]
         ratio = r.get("ratio_vs_plain") or r["ratio_vs_first"]
-        accept = s["acceptance_rate"]["median"]  # None: no run verified a draft
+        accept = s["acceptance_rate"]["pooled"]  # None: no run verified a draft
         lines.append(f"{r['name']:<24} {tps['median']:8.2f} [{tps['min']:5.1f}-{tps['max']:5.1f}] "
                      f"{s['bubble_fraction']['median']:7.2f} {s['ttft_ms_p50']['median']:8.1f} "
                      f"{s['tpot_ms_p50']['median']:8.1f} {'-' if accept is None else f'{accept:.2f}':>7} "

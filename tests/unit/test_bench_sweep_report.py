@@ -29,6 +29,7 @@ PLAIN = BenchConfig(2, "none", "-", 1)
 def _run(repeat: int, *, tps: float, acceptance: float | None, verified: int) -> dict:
     stats = {"tokens_per_s": tps, "bubble_fraction": 0.5, "ttft_ms_p50": 10.0, "tpot_ms_p50": 20.0,
              "tpot_ms_p99": 30.0, "acceptance_rate": acceptance, "verified_drafts": verified,
+             "accepted_tokens": round((acceptance or 0.0) * verified),
              "stages": [{"busy_fraction": 0.5, "idle_fraction": 0.5}] * 2}
     return {"repeat": repeat, "stats": stats, "num_tokens": [4], "trace": "t", "timeline": "tl"}
 
@@ -67,8 +68,19 @@ def test_results_json_is_strict_and_csv_has_empty_acceptance_without_drafts(tmp_
     data = json.loads(text, parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
     assert data["partial"] is False
     rows = {r["name"]: r for r in csv.DictReader((out / "results.csv").open())}
-    assert rows[PLAIN.name]["acceptance_rate_median"] == ""
+    assert rows[PLAIN.name]["acceptance_rate_median"] == "" == rows[PLAIN.name]["acceptance_rate_pooled"]
     assert float(rows[SPEC.name]["acceptance_rate_median"]) == pytest.approx(0.2)
+    assert float(rows[SPEC.name]["acceptance_rate_pooled"]) == pytest.approx(0.2)
+
+
+def test_the_table_reports_acceptance_pooled_over_drafts_not_a_median_of_runs():
+    """α is accepted / verified drafts (ARCHITECTURE.md §1): runs that accepted 1 of 4 and 1 of 1
+    have α 0.40; the median of their rates (0.625) gave the 1-draft run the weight of the other."""
+    runs = {SPEC.name: [_run(0, tps=12.0, acceptance=0.25, verified=4), _run(1, tps=11.0, acceptance=1.0, verified=1)]}
+    [row] = sweep_report.summarise([SPEC], runs)
+    acceptance = row["summary"]["acceptance_rate"]
+    assert acceptance["pooled"] == pytest.approx(0.4) and acceptance["median"] == pytest.approx(0.625)
+    assert " 0.40 " in sweep_report.format_table([row]).splitlines()[1]
 
 
 def test_ctrl_c_keeps_the_completed_repeats_as_partial_results(tmp_path, capsys):
