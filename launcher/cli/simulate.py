@@ -15,6 +15,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -70,6 +71,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="hidden-state bytes per token row on a hop (default 2304: SmolLM2-135M, float32)")
 
 
+MAX_SIM_TOKENS = 1_000_000  # per sequence; --max-new-tokens and --prompt-len
 # The flags of `simulate` by their argparse dest, as simulate.json's "settings" records them.
 SETTINGS = ("stages", "alpha", "concurrency", "link_latency_s", "max_new_tokens", "prompt_len", "out", "no_plots",
             "seed", "calibrate", "row_cost", "dtype", "replay", "model_ms", "stage_overhead_ms", "coordinator_ms",
@@ -233,13 +235,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     alphas = _list("--alpha", args.alpha, float, lo=0.0, hi=1.0, allow=("none",))
     concurrency = _list("--concurrency", args.concurrency, int, lo=1, hi=1024)
     latencies = _list("--link-latency-s", args.link_latency_s, float, lo=0.0, hi=60.0)
-    if args.max_new_tokens < 1 or args.prompt_len < 1:
-        raise ValueError("--max-new-tokens and --prompt-len must be >= 1")
-    if args.link_bandwidth_bytes_per_s <= 0 or args.bytes_per_token < 0:
-        raise ValueError("--link-bandwidth-bytes-per-s must be > 0 and --bytes-per-token >= 0")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--prompt-len", args.prompt_len)):
+        if not 1 <= value <= MAX_SIM_TOKENS:  # each token is simulated: 10^8 ran for minutes
+            raise ValueError(f"{flag} must be in [1, {MAX_SIM_TOKENS}], got {value}")
+    if not args.link_bandwidth_bytes_per_s > 0 or not args.bytes_per_token >= 0:  # also NaN (inf: no limit)
+        raise ValueError(f"--link-bandwidth-bytes-per-s must be a number > 0 (got {args.link_bandwidth_bytes_per_s:g}) "
+                         f"and --bytes-per-token >= 0 (got {args.bytes_per_token:g})")
+    for flag in ("--model-ms", "--stage-overhead-ms", "--coordinator-ms", "--predictor-ms"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not 0 <= value < math.inf:  # also NaN
+            raise ValueError(f"{flag} must be a number of milliseconds >= 0, got {value:g}")
     costs = (args.model_ms, args.stage_overhead_ms, args.coordinator_ms, args.predictor_ms)
-    if min(costs) < 0:
-        raise ValueError("--model-ms, --stage-overhead-ms, --coordinator-ms and --predictor-ms must be >= 0")
     if not args.calibrate and max(costs[:3]) == 0:  # (--predictor-ms prices drafts only)
         raise ValueError("--model-ms, --stage-overhead-ms and --coordinator-ms are all 0: a pipeline whose passes "
                          "cost no time has no tokens/s (give one of them > 0)")

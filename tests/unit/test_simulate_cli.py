@@ -42,6 +42,10 @@ def test_settings_are_the_flags_of_simulate():
     (["--row-cost", "file:/nonexistent/table.json"], "--row-cost file:/nonexistent/table.json: "),
     (["--model-ms", "0", "--stage-overhead-ms", "0", "--coordinator-ms", "0"], "are all 0"),
     (["--replay"], "--replay needs --calibrate"),
+    (["--model-ms", "inf"], "--model-ms must be a number of milliseconds >= 0, got inf"),  # was a traceback
+    (["--coordinator-ms", "nan"], "--coordinator-ms must be a number of milliseconds >= 0, got nan"),
+    (["--link-bandwidth-bytes-per-s", "nan"], "--link-bandwidth-bytes-per-s must be a number > 0 (got nan)"),
+    (["--max-new-tokens", "100000000"], "--max-new-tokens must be in [1, 1000000], got 100000000"),
 ])
 def test_bad_cost_flags_are_one_line_errors_without_calibrate(tmp_path, capsys, argv, needle):
     assert main(["simulate", "--out", str(tmp_path / "o"), *FAST, *argv]) == 2
