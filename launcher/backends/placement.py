@@ -32,7 +32,7 @@ from typing import Protocol
 
 BACKENDS = ("local", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-# Environment forwarded to every remote stage worker ([Note: forwarded environment] in README/deploy).
+# Environment forwarded to every remote stage worker (the table in deploy/README.md).
 FORWARDED_ENV_PREFIXES = ("NCCL_", "MASTER_", "SPEEDPIPE_")
 FORWARDED_ENV_NAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")
 LOG_LEVEL_ENV = "SPEEDPIPE_LOG_LEVEL"
@@ -295,7 +295,8 @@ def detect_host_ip(peer_host: str, peer_port: int) -> str:
 def forwarded_env(environ: Mapping[str, str], *, log_level: str) -> dict[str, str]:
     """The allow-listed variables of `environ` for remote workers, plus SPEEDPIPE_LOG_LEVEL.
 
-    Allow-list: NCCL_*, MASTER_*, SPEEDPIPE_*, GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME, LOG_LEVEL.
+    Allow-list: NCCL_*, MASTER_*, SPEEDPIPE_*, GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME, LOG_LEVEL,
+    TORCH_CPP_LOG_LEVEL.
     Anything else (credentials, PATH of the driver's machine) stays on the driver.
     """
     env = {k: v for k, v in environ.items()
