@@ -23,7 +23,7 @@ import grpc
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
 from launcher.serving.grpc_health import MAX_WATCHES, OPEN_METHODS, enable_standard_services
-from launcher.serving.openai_protocol import MAX_STOP_STRINGS
+from launcher.serving.openai_protocol import API_SEED_LIMIT, MAX_STOP_STRINGS
 from launcher.serving.serving_engine import (
     MAX_TEMPERATURE,
     InvalidRequestError,
@@ -71,7 +71,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
         raise InvalidRequestError(f"'stop' has {len(req.stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
     if not all(req.stop):
         raise InvalidRequestError("'stop' strings must not be empty", "stop")
-    if req.HasField("seed") and req.seed >= 2**63:  # HTTP's range (torch seeds are signed 64-bit)
+    if req.HasField("seed") and req.seed >= API_SEED_LIMIT:  # HTTP's range (vLLM's: a signed 64-bit seed)
         raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {req.seed}", "seed")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range
         raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.7g}",

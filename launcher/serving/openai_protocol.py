@@ -30,6 +30,7 @@ from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
 MAX_STOP_STRINGS = 4
+API_SEED_LIMIT = 2**63  # seeds in [0, 2**63): vLLM's API takes a signed 64-bit seed (torch.long)
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
 # value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
 # Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
@@ -55,7 +56,7 @@ class ParsedRequest:
         choice i when a seed is given (so choices differ yet the request stays reproducible)."""
         if self.params.seed is None:
             return [self.params] * self.n
-        return [dataclasses.replace(self.params, seed=(self.params.seed + i) % 2**63) for i in range(self.n)]
+        return [dataclasses.replace(self.params, seed=(self.params.seed + i) % API_SEED_LIMIT) for i in range(self.n)]
 
 
 def decode_body(raw: bytes) -> Any:
@@ -173,7 +174,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "top_p": _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         "top_k": _int(body, "top_k", 0, lo=-1),
         "min_p": _number(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        "seed": _int(body, "seed", None, lo=0, hi=2**63),
+        "seed": _int(body, "seed", None, lo=0, hi=API_SEED_LIMIT),
         "stop": _stop(body),
         "ignore_eos": bool(body.get("ignore_eos")),
         "stream": bool(body.get("stream")),
