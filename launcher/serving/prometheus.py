@@ -49,6 +49,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class _EngineCounts(Protocol):
     num_running: int
     num_waiting: int
+    fenced: str | None  # why new requests are refused, None while admitting
+    heartbeat: object | None  # launcher/coordinator/stage_heartbeat.py, or None
+
+    def healthy(self) -> tuple[bool, str]: ...
 
 
 class _PipelineCollector:
@@ -71,8 +75,8 @@ class _PipelineCollector:
             c.add_metric([self.model_name], value)
             yield c
         yield from self._failover_families()
-        heartbeat = getattr(self.engine, "heartbeat", None)  # a silent or restarting stage would hold every scrape
-        if getattr(self.engine, "fenced", None) is not None or (heartbeat is not None and not self.engine.healthy()[0]):
+        # a silent or restarting stage would hold every scrape
+        if self.engine.fenced is not None or (self.engine.heartbeat is not None and not self.engine.healthy()[0]):
             return
         try:
             stats = self.coordinator.stage_stats(timeout_s=SCRAPE_STATS_TIMEOUT_S)
@@ -104,17 +108,16 @@ class _PipelineCollector:
         yield from families.values()
         yield slots
 
-
     def _failover_families(self):
         """Restarts so far, restarts left in the budget's window, a fail-over in progress, and
         whether new requests are admitted (launcher/coordinator/stage_failover.py)."""
         lab, coord = [self.model_name], self.coordinator
         restarts = CounterMetricFamily(PREFIX + "stage_restarts", "Stage restarts (fail-overs) so far.",
                                        labels=["model_name"])
-        restarts.add_metric(lab, getattr(coord, "num_restarts", 0))
+        restarts.add_metric(lab, coord.num_restarts)
         yield restarts
-        ledger = getattr(getattr(coord, "failover", None), "budget", None)
-        if ledger is not None:
+        if coord.failover is not None:
+            ledger = coord.failover.budget
             left = GaugeMetricFamily(PREFIX + "stage_restarts_left", "Restarts --max-stage-restarts still allows "
                                      "within --restart-window-s (0: the next stage failure fences the server).",
                                      labels=["model_name"])
@@ -122,9 +125,9 @@ class _PipelineCollector:
             yield left
         for name, doc, value in (
             ("stage_recovering", "1 while failed stages are restarted and running requests replayed.",
-             getattr(coord, "recovering", None) is not None),
+             coord.recovering is not None),
             ("accepting_requests", "1 while new requests are admitted; 0 when draining or fenced after a "
-             "failure (HTTP 503, gRPC UNAVAILABLE).", getattr(self.engine, "fenced", None) is None),
+             "failure (HTTP 503, gRPC UNAVAILABLE).", self.engine.fenced is None),
         ):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric(lab, int(value))

@@ -2,8 +2,7 @@
 
 Owns the quantised weight records (`Int4Groups`, `Int8Rows`), their packing into the layouts of
 torch's CPU kernels (`torch._weight_int4pack_mm_for_cpu`, `torch._weight_int8pack_mm`, the kernels
-gpt-fast uses), the modules that run them (`Int4Linear`, `Int8Linear`), a fixed-shape dense linear
-for float32 heads (`RowwiseLinear`), and `quantize_stage_model`, which swaps a built StageModel's
+gpt-fast uses), the modules that run them (`Int4Linear`, `Int8Linear`), and `quantize_stage_model`, which swaps a built StageModel's
 `nn.Linear`s for them. Must not: read files (pipeline/weights/gguf_blocks.py reads a GGUF's own blocks,
 pipeline/weights/checkpoint.py a folder's dense tensors) or change the model's structure beyond the swap.
 
@@ -28,8 +27,8 @@ int8 CPU kernels compute each output row with the same reduction order whatever 
 rows (tests/unit/test_quant.py checks it bitwise), so in the int modes speculation is exact by
 construction. Dense float32 GEMM (MKL/oneDNN) is not: the blocking depends on M, and a row's
 result differs by ~1e-9 between a 2-row and a 3-row pass. Where float32 rows must not depend on
-their neighbours (the exit head, whose skipped rows change the row count), `RowwiseLinear` runs
-every row in the shape of a lone row.
+their neighbours (the exit head, whose skipped rows change the row count), `ExitHead.forward`
+(pipeline/speculation/predictors.py) runs every row in the shape of a lone row.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
@@ -188,22 +186,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int8pack_mm(x, self.q, self.scale)
         return y if self.bias is None else y + self.bias
-
-
-class RowwiseLinear(nn.Module):
-    """A dense linear that computes every row as a 1-row product: batch-invariant by construction
-    ([Note: batch invariance]). x: [num_rows, in] → [num_rows, out], in the weight's dtype."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return F.linear(x, self.weight, self.bias)
-        return torch.cat([F.linear(row, self.weight, self.bias) for row in x.split(1)])
 
 
 def quant_linear(weight: QuantWeight, bias: torch.Tensor | None = None) -> nn.Module:

@@ -57,6 +57,7 @@ class FakeCoordinator:
         self.timeline = Timeline(2)
         self.aborted: list[str] = []
         self.error_at: int | None = None  # this output position's logits are not finite (FinishReason.ERROR)
+        self.num_restarts = 0
         self._n = 0
 
     def submit(self, prompt, params: SamplingParams, *, request_id=None) -> RequestHandle:
