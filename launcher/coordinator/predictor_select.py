@@ -32,6 +32,7 @@ from pipeline.speculation.predictor_file import (
     ships_predictors_for,
 )
 from pipeline.speculation.predictors import is_predictor_file
+from pipeline.weights.gguf_import import SOURCE_FILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +143,11 @@ def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Pa
     if predictor == "logit-lens" or exit_predictor == "none":
         return full
     path = given_predictor_file(predictor, exit_predictor)
-    if path is None:  # the shipped head, found by name only (hashing the model here would cost seconds)
-        found = sorted(folder.glob(f"{model_name(model_dir)}-*-early-exit-L{exit_layer}.safetensors"))
+    if path is None:  # the shipped head: a converted folder's hash is on record (cheap); a plain folder
+        # would be hashed (seconds), so there the name alone finds it
+        cheap = (model_dir / SOURCE_FILE).is_file()
+        digest = model_identity(model_dir, config).hash[:12] if cheap else "*"
+        found = sorted(folder.glob(f"{model_name(model_dir)}-{digest}-early-exit-L{exit_layer}.safetensors"))
         path = found[0] if found else None
     meta = _file_meta(path) or {}
     if meta.get("exit_layer") != exit_layer:  # not the head that would run at this layer

@@ -148,3 +148,31 @@ def test_a_given_file_ends_stage_0_at_its_own_exit_layer(tiny, tmp_path, layer):
         ranges = default_split(options, config, model_dir)
         assert ranges[0].stop - 1 == layer and len(ranges) == stages and ranges[-1].stop == n, ranges
         assert all(len(r) >= 1 for r in ranges), ranges
+
+
+def test_a_shipped_head_of_another_checkpoint_with_the_same_name_does_not_size_the_exit_head(tmp_path):
+    """Shipped heads are named `<model>-<hash12>-early-exit-L<n>`: a converted folder's hash is on
+    record, so a head trained on other weights of the same name (another quantisation of it) is not
+    the one that runs; the name alone picked the first such file."""
+    from pipeline.weights.gguf_import import convert_gguf
+    from tests.unit.test_gguf_import_tiny import tiny as tiny_gguf_config
+    from tests.unit.test_gguf_import_tiny import write_gguf
+
+    write_gguf(tmp_path / "m.gguf", tiny_gguf_config())
+    model_dir = convert_gguf(tmp_path / "m.gguf", tmp_path / "m-0123", progress=False)
+    config = ModelConfig.from_model_dir(model_dir)
+    identity = model_identity(model_dir)
+    h = config.hidden_size
+    tensors = {"proj.weight": torch.eye(h), "proj.bias": torch.zeros(h), "draft_vocab": torch.arange(5)}
+    shipped = tmp_path / "shipped"
+    meta = {"kind": "early-exit", "model": identity.to_dict(), "exit_layer": 1, "arch": "affine", "corpus": "x",
+            "train_tokens": 1, "eval": {"top1_agreement": 0.5, "eval_tokens": 1}, "draft_vocab_size": 5}
+    save_predictor(shipped / f"{identity.name}-000000000000-early-exit-L1.safetensors", tensors, meta)
+
+    def rows():
+        return exit_head_shape(predictor="hybrid", exit_predictor=None, model_dir=model_dir, config=config,
+                               exit_layer=1, folder=shipped).rows
+
+    assert rows() == config.vocab_size
+    save_predictor(shipped / f"{identity.name}-{identity.hash[:12]}-early-exit-L1.safetensors", tensors, meta)
+    assert rows() == 5
