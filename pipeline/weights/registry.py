@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from pipeline.weights.file_memo import MEMO_FILE, file_sha256
-from pipeline.weights.gguf_import import convert_gguf
+from pipeline.weights.gguf_import import CONVERTER_VERSION, convert_gguf
 from pipeline.weights.model_chunks import ChunkedGguf, assemble
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -74,9 +74,12 @@ def registered_gguf_path(name: str) -> Path:
 
 
 def converted_dir(gguf_path: Path, *, name: str, cache_dir: Path) -> Path:
-    """`<cache>/models/<name>-<first 12 hex of the file's sha256>`: one folder per content. The
+    """`<cache>/models/v<converter version>/<name>-<first 12 hex of the file's sha256>`: one folder
+    per content and converter (two speedpipe versions sharing a cache, e.g. during a rolling upgrade
+    on shared storage, must not convert the same folder back and forth under running stages). The
     sha256 is remembered in `<cache>/models/.sha256-memo.json` (see file_memo.file_sha256)."""
-    return cache_dir / "models" / f"{name}-{file_sha256(gguf_path, memo=_memo(cache_dir))[:12]}"
+    digest = file_sha256(gguf_path, memo=_memo(cache_dir))[:12]
+    return cache_dir / "models" / f"v{CONVERTER_VERSION}" / f"{name}-{digest}"
 
 
 def _memo(cache_dir: Path) -> Path:

@@ -77,7 +77,7 @@ def test_conversion_is_quick_and_cached(smollm2_conversion, smollm2_cache, smoll
     start = time.perf_counter()
     assert resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache, progress=False) == model_dir
     assert time.perf_counter() - start < 1.0
-    assert model_dir.parent == smollm2_cache / "models" and model_dir.name.startswith("smollm2-135m-")
+    assert model_dir.parent.parent == smollm2_cache / "models" and model_dir.name.startswith("smollm2-135m-")
     source = json.loads((model_dir / "speedpipe_source.json").read_text())
     assert source["size_bytes"] == smollm2_gguf.stat().st_size and model_dir.name.endswith(source["sha256"][:12])
 

@@ -307,7 +307,7 @@ def test_resolve_gguf_path_into_cache_from_env_at_call_time(tmp_path, monkeypatc
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
     out = models.resolve_model(str(tmp_path / "My Model.gguf"), progress=False)
     sha = file_sha256(tmp_path / "My Model.gguf")
-    assert out == tmp_path / "cache" / "models" / f"my-model-{sha[:12]}"
+    assert out == tmp_path / "cache" / "models" / f"v{gguf_import.CONVERTER_VERSION}" / f"my-model-{sha[:12]}"
     assert models.resolve_model(str(out)) == out  # a folder with config.json is used as is
 
 
@@ -320,7 +320,8 @@ def test_registered_model_is_located_never_imported(tmp_path, monkeypatch):
     monkeypatch.setitem(models.REGISTRY, "tiny", models.RegisteredModel(
         name="tiny", package="fake_model_pkg", pip_requirement="fake-model-pkg==1", gguf_file="tiny.gguf"))
     out = models.resolve_model("tiny", cache_dir=tmp_path / "cache", progress=False)
-    assert out.parent == tmp_path / "cache" / "models" and out.name.startswith("tiny-")
+    assert out.parent == tmp_path / "cache" / "models" / f"v{gguf_import.CONVERTER_VERSION}"
+    assert out.name.startswith("tiny-")
     assert Tokenizer(out).encode(" the") == [vocabulary().index("Ġthe")]
 
 
