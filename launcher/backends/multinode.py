@@ -61,7 +61,7 @@ log = logging.getLogger("speedpipe.multinode")
 
 LEFT_WAIT_S = 10.0
 STAGE_EXIT_WAIT_S = 30.0
-FOREVER = datetime.timedelta(days=365)
+RESTART_POLL_S = 0.2  # how often a member's restart thread looks for node 0's next request
 
 
 def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
@@ -222,6 +222,7 @@ class _MemberWatch:
         self.placement, self.backend, self.died = placement, backend, died
         self.lock = threading.Lock()
         self.monitor = StageProcessMonitor(backend.processes, died).start()
+        self.leaving = threading.Event()  # this launcher was interrupted: refuse restarts, end the thread
 
     def stop(self, restarts: threading.Thread | None) -> None:
         """Stop the monitor; wait for the `restarts` thread (node 0 ends it with `end` after `done`)."""
@@ -230,12 +231,20 @@ class _MemberWatch:
         if restarts is not None:
             restarts.join(LEFT_WAIT_S)  # a thread left inside a store call would abort the interpreter
     def answer_restarts(self) -> None:
-        """Serve `restart/<r>/<n>` for n = 1, 2, ... until node 0 goes away (daemon thread)."""
+        """Serve `restart/<r>/<n>` for n = 1, 2, ... until node 0 goes away or `leaving` is set
+        (daemon thread). It polls rather than blocking in a store call: a thread left inside one
+        when the interpreter exits aborts it (exit 134 on SIGTERM). On `leaving` it answers node 0's
+        next request before it is made, so node 0 fails at once instead of waiting
+        --placement-timeout-s for a node that is gone."""
         rank = self.placement.node_rank
         try:
             store = open_store(self.placement)
             for n in itertools.count(1):
-                store.wait([f"restart/{rank}/{n}"], FOREVER)
+                while not store.check([f"restart/{rank}/{n}"]):
+                    if self.leaving.wait(RESTART_POLL_S):
+                        store.set(f"respawned/{rank}/{n}", f"error: node {rank}'s launcher was stopped "
+                                  "(Ctrl-C or SIGTERM)")
+                        return
                 request = store.get(f"restart/{rank}/{n}").decode()
                 if request == "end":
                     return
@@ -321,7 +330,12 @@ def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: 
         if rejoin_wait_s > 0:
             restarts = threading.Thread(target=watch.answer_restarts, name="speedpipe-restarts", daemon=True)
             restarts.start()
-        kind, why = _member_outcome(Node0Watch(store, placement).start(), stage_decided, stage_verdict)
+        try:
+            kind, why = _member_outcome(Node0Watch(store, placement).start(), stage_decided, stage_verdict)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: refuse node 0's restarts, end the thread, go
+            watch.leaving.set()
+            watch.stop(restarts)
+            raise
         watch.stop(restarts if kind != "error" else None)
         if kind != "error":  # node 0's store still answers (and its Node0Watch thread has ended)
             store.set(f"left/{placement.node_rank}", "1")

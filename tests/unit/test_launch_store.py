@@ -130,3 +130,29 @@ def test_a_member_whose_node_0_dies_prints_no_cpp_frames_unless_asked(cpp_log_le
         node0.wait()
     assert out.startswith(f"('error', 'node 0 at 127.0.0.1:{port} went away"), (out, err)
     assert ("frame #" in err) == frames_expected, err
+
+
+def test_an_interrupted_member_refuses_node_0s_next_restart_at_once_and_ends_its_restart_thread():
+    """SIGTERM to a member node's launcher: its restart thread sat in a blocking store call (the
+    interpreter then aborted, exit 134), and node 0 waited --placement-timeout-s for a respawn that
+    could not come. Now the thread polls, and on leaving answers node 0's next request in advance."""
+    from types import SimpleNamespace
+
+    from launcher.backends import multinode
+
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    watch = multinode._MemberWatch.__new__(multinode._MemberWatch)  # no stages: only the restart thread
+    watch.placement, watch.leaving, watch.lock = _options(port), threading.Event(), threading.Lock()
+    watch.monitor = SimpleNamespace(stop=lambda: None)
+    thread = threading.Thread(target=watch.answer_restarts, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive()  # waiting for node 0's requests
+    watch.leaving.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    n = master.add("restarts/1", 1)  # node 0's restart_stage, after the member left
+    assert n == 1 and master.check([f"respawned/1/{n}"])
+    assert master.get(f"respawned/1/{n}").decode() == "error: node 1's launcher was stopped (Ctrl-C or SIGTERM)"
