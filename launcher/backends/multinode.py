@@ -62,6 +62,7 @@ log = logging.getLogger("speedpipe.multinode")
 LEFT_WAIT_S = 10.0
 STAGE_EXIT_WAIT_S = 30.0
 RESTART_POLL_S = 0.2  # how often a member's restart thread looks for node 0's next request
+GONE = "gone: "  # a member's answer to a restart request once its launcher was stopped
 
 
 def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
@@ -161,6 +162,9 @@ class MultiNodeStages:
                                   f"(--placement-timeout-s)")
             raise RuntimeError(self._missed[rank]) from None
         answer = self.store.get(f"respawned/{rank}/{n}").decode()
+        if answer.startswith(GONE):  # no later request will be answered either
+            self._missed[rank] = f"node {rank} could not respawn stage {stage_index}: {answer[len(GONE):]}"
+            raise RuntimeError(self._missed[rank])
         if answer.startswith("error:"):
             raise RuntimeError(f"node {rank} could not respawn stage {stage_index}:{answer[len('error:'):]}")
         self.addresses[stage_index] = answer
@@ -242,7 +246,7 @@ class _MemberWatch:
             for n in itertools.count(1):
                 while not store.check([f"restart/{rank}/{n}"]):
                     if self.leaving.wait(RESTART_POLL_S):
-                        store.set(f"respawned/{rank}/{n}", f"error: node {rank}'s launcher was stopped "
+                        store.set(f"respawned/{rank}/{n}", f"{GONE}node {rank}'s launcher was stopped "
                                   "(Ctrl-C or SIGTERM)")
                         return
                 request = store.get(f"restart/{rank}/{n}").decode()

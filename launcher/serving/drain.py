@@ -66,6 +66,16 @@ class DrainSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def reinstall(self) -> None:
+        """Put the handlers back where a library replaced them: `ray.shutdown()` restores the default
+        SIGTERM action, so a fenced Ray server died of SIGTERM instead of draining. Main thread only
+        (elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) != self.request:
+                signal.signal(sig, self.request)
+
 
 def serve_until_stopped(session: PipelineSession, stack: ServingStack, signals: DrainSignals,
                         *, grace_s: float | None = None) -> None:
@@ -79,6 +89,7 @@ def serve_until_stopped(session: PipelineSession, stack: ServingStack, signals: 
             log.error("pipeline failed (%s); stopping the stages, answering 503 until stopped", failure)
             stack.on_pipeline_failure(failure)
             session.stop_stages()
+            signals.reinstall()  # stopping Ray's actors reset SIGTERM to its default
             stages_stopped = True
     drain(stack, signals, grace_s=grace_s)
 

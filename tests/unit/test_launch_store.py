@@ -155,4 +155,15 @@ def test_an_interrupted_member_refuses_node_0s_next_restart_at_once_and_ends_its
     assert not thread.is_alive()
     n = master.add("restarts/1", 1)  # node 0's restart_stage, after the member left
     assert n == 1 and master.check([f"respawned/1/{n}"])
-    assert master.get(f"respawned/1/{n}").decode() == "error: node 1's launcher was stopped (Ctrl-C or SIGTERM)"
+    assert master.get(f"respawned/1/{n}").decode() == "gone: node 1's launcher was stopped (Ctrl-C or SIGTERM)"
+
+    # node 0's side: the answer fails this restart and every later one for that node at once
+    node0 = multinode.MultiNodeStages.__new__(multinode.MultiNodeStages)
+    node0.num_stages, node0.options, node0.stages = 2, _options(port, node_rank=0), range(0, 1)
+    node0.store, node0._missed, node0.addresses = master, {}, ["a", "b"]
+    master.set("restarts/1", "0")  # as before the member answered
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="node 1 could not respawn stage 1: node 1's launcher was stopped"):
+            node0.restart_stage(1)
+        assert time.monotonic() - started < 5  # not --placement-timeout-s (60 s)

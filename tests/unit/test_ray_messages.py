@@ -108,3 +108,34 @@ def test_a_fenced_server_stops_the_stages_of_every_backend_not_only_local_proces
     loop.join(5)
     signals.drain.set()
     assert stopped.is_set(), "the serve loop fenced but left the Ray actors and placement group running"
+
+
+def test_a_fenced_server_still_drains_on_sigterm_after_its_stages_were_stopped():
+    """Stopping a Ray backend calls ray.shutdown(), which puts SIGTERM back to its default action:
+    the fenced server then died of SIGTERM (exit 143, no drain) instead of draining and exiting 0.
+    Run in a child process: on the old code the signal kills it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent('''
+        import os, signal, threading
+        from types import SimpleNamespace
+        from launcher.serving import drain as d
+        d.WATCH_S = 0.01
+
+        def stop_stages():  # as RayStageActors.stop(): ray.shutdown() restores SIGTERM's default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+        engine = SimpleNamespace(fence=lambda reason, draining=False: None, num_outstanding=0,
+                                 coordinator=SimpleNamespace(failure=RuntimeError("stage 1 died")))
+        session = SimpleNamespace(coordinator=engine.coordinator, processes=None, stop_stages=stop_stages)
+        stack = SimpleNamespace(failure=None, engine=engine, on_pipeline_failure=lambda failure: None,
+                                options=SimpleNamespace(shutdown_grace_s=0.0))
+        with d.DrainSignals() as signals:
+            d.serve_until_stopped(session, stack, signals)
+        print("drained")
+    ''')
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "drained" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
