@@ -153,7 +153,9 @@ def test_ray_login_shells_find_ray_and_speedpipe_and_kuberay_probes_have_wget(tm
     assert dockerfile.index(written.group(0)) < dockerfile.index("USER speedpipe")  # root writes /etc
     venv_bin = re.search(r"^ENV PATH=(\S+):\$PATH$", dockerfile, re.M).group(1)
     assert f'"{venv_bin}:$PATH"' in written.group(1)
-    assert re.search(r"^RUN apt-get .*install -y --no-install-recommends .*\bwget\b", dockerfile, re.M)
+    assert re.search(r"^RUN apt-get .*install -y --no-install-recommends .*\bwget\b.*\brsync\b", dockerfile, re.M)
+    # KubeRay's probes ask the dashboard (/api/gcs_healthz, /api/local_raylet_healthz): not in minimal ray
+    assert re.search(r"^RUN \.venv/bin/pip install 'ray\[default\]==", dockerfile, re.M)
     # the profile line, run as a login shell runs it: /etc/profile first, then profile.d
     fake_bin = tmp_path / "venv" / "bin"
     fake_bin.mkdir(parents=True)
