@@ -50,7 +50,13 @@ from launcher.backends.launch_store import (
     open_store,
 )
 from launcher.backends.local import LocalStageBackend
-from launcher.backends.placement import PlacementError, PlacementOptions, detect_host_ip, node_stages
+from launcher.backends.placement import (
+    PlacementError,
+    PlacementOptions,
+    StageGone,
+    detect_host_ip,
+    node_stages,
+)
 from launcher.backends.stage_monitor import StageProcessMonitor
 from launcher.backends.stage_process import describe_returncode
 from launcher.backends.worker_command import LocalLaunchConfig
@@ -151,7 +157,7 @@ class MultiNodeStages:
             return self.local.restart_stage(stage_index)
         rank = _node_of_stage(stage_index, num_stages=self.num_stages, nnodes=self.options.nnodes)
         if rank in self._missed:
-            raise RuntimeError(self._missed[rank])
+            raise StageGone(self._missed[rank])
         n = self.store.add(f"restarts/{rank}", 1)
         self.store.set(f"restart/{rank}/{n}", str(stage_index))
         timeout_s = self.options.placement_timeout_s
@@ -164,7 +170,7 @@ class MultiNodeStages:
         answer = self.store.get(f"respawned/{rank}/{n}").decode()
         if answer.startswith(GONE):  # no later request will be answered either
             self._missed[rank] = f"node {rank} could not respawn stage {stage_index}: {answer[len(GONE):]}"
-            raise RuntimeError(self._missed[rank])
+            raise StageGone(self._missed[rank])
         if answer.startswith("error:"):
             raise RuntimeError(f"node {rank} could not respawn stage {stage_index}:{answer[len('error:'):]}")
         self.addresses[stage_index] = answer

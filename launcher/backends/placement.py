@@ -38,6 +38,11 @@ FORWARDED_ENV_NAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "LOG_LEVEL", "T
 LOG_LEVEL_ENV = "SPEEDPIPE_LOG_LEVEL"
 
 
+class StageGone(RuntimeError):
+    """A stage that cannot be restarted at all (its node's launcher was stopped): the coordinator
+    fails at once instead of spending its restart budget on attempts that cannot succeed."""
+
+
 class PlacementError(ValueError):
     """The requested placement cannot be satisfied (bad flags, or not enough cluster resources).
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from launcher.backends.placement import StageGone
 from launcher.coordinator.request_handle import (
     PipelineError,
     RequestHandle,
@@ -242,6 +243,8 @@ class Coordinator:
             self._notify_recovery("start")
             try:
                 self._restart_and_replay(fo)
+            except StageGone as exc:  # cannot come back: more attempts would only spend the budget
+                return PipelineError(f"stage restart failed: {exc}")
             except Exception as exc:  # noqa: BLE001 - a failed attempt spends another restart
                 error = PipelineError(f"stage restart failed: {exc}")
                 continue

@@ -86,3 +86,32 @@ def test_a_stage_that_dies_while_another_restarts_joins_the_same_restart():
     restarted = restart_dead_stages(fo, [answering] * 3, lambda i, address: reconnected.append((i, address)))
     assert restarted == {0, 2} and restarts == [2, 0] and not dead
     assert reconnected == [(2, "127.0.0.1:9002"), (0, "127.0.0.1:9000")]
+
+
+def test_a_stage_that_cannot_come_back_fails_at_once_without_spending_the_restart_budget():
+    """A member node whose launcher was stopped answers node 0's restart with StageGone: the
+    coordinator burnt its whole budget in milliseconds on attempts that could not succeed, then
+    said "stage restarts exhausted", pointing at the wrong remedy."""
+    import threading
+    from types import SimpleNamespace
+
+    from launcher.backends.placement import StageGone
+    from launcher.coordinator.coordinator import Coordinator, PipelineError
+    from launcher.coordinator.stage_restarts import RestartBudget, RestartLedger
+
+    coord = Coordinator.__new__(Coordinator)
+    ledger = RestartLedger(RestartBudget(max_restarts=3, window_s=600))
+    coord.failover = SimpleNamespace(may_restart=lambda error: True, budget=ledger)
+    coord._stopping, coord.num_restarts, coord.recovering = threading.Event(), 0, None
+    coord._notify_recovery = lambda phase: None
+    attempts = []
+
+    def restart(fo):
+        attempts.append(1)
+        raise StageGone("node 1 could not respawn stage 1: node 1's launcher was stopped (Ctrl-C or SIGTERM)")
+
+    coord._restart_and_replay = restart
+    error = coord._recover(PipelineError("stage 1 exited"))
+    assert str(error) == ("stage restart failed: node 1 could not respawn stage 1: node 1's launcher was stopped "
+                          "(Ctrl-C or SIGTERM)")
+    assert len(attempts) == 1 and coord.num_restarts == 1
