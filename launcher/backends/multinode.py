@@ -17,7 +17,8 @@ data plane broke waits for a Rejoin (> 0: fail-over is on); `stage/<i>` = gRPC a
 every node exits non-zero); `left/<r>` = node r saw `done` (node 0 waits for these so
 that its store outlives their last read); `restart/<r>/<n>` = node 0's n-th request (n = 1, 2, ...)
 to node r: restart stage <value> (`end`: no more requests); `respawned/<r>/<n>` = node r's answer:
-the new gRPC address, or `error: why`.
+the new gRPC address, `error: why`, or `gone: why` (its launcher was stopped: it answers no more);
+`run` = node 0's --stages and model (a member given others refuses: `refused/<r>` = why).
 
 [Note: multi-node restart]
 With fail-over on ([Note: fail-over] in launcher/coordinator/stage_failover.py), a dead or hung stage
@@ -26,8 +27,9 @@ times out). Node 0's `restart_stage(i)` posts `restart/<r>/<n>`; node r's launch
 these on its own store connection, kills the stage if it still runs, respawns it with the same
 arguments and session secret and posts `respawned/<r>/<n>`; node 0 waits for that at most
 `--placement-timeout-s`, then Loads the new stage and Rejoins the others. A node that misses that
-deadline is not asked again: every later restart of its stages fails at once, so the coordinator's
-budget runs out and it fences as without fail-over. With fail-over on, a member node no longer
+deadline, or answers `gone`, is not asked again: the restart fails with StageGone and the
+coordinator fences at once, as without fail-over, without spending its restart budget on attempts
+that cannot succeed. With fail-over on, a member node no longer
 gives up when one of its stages dies: node 0 decides (restart, or fence and say `done`).
 """
 
@@ -35,9 +37,11 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -69,6 +73,7 @@ LEFT_WAIT_S = 10.0
 STAGE_EXIT_WAIT_S = 30.0
 RESTART_POLL_S = 0.2  # how often a member's restart thread looks for node 0's next request
 GONE = "gone: "  # a member's answer to a restart request once its launcher was stopped
+JOIN_POLL_S = 0.2  # node 0, waiting for the members' stages: how often it looks
 
 
 def _local_backend(options: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
@@ -95,9 +100,10 @@ class MultiNodeStages:
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, control_secret: str,
                  log_level: str = "WARNING", threads_per_stage: int = 1, tls: TlsFiles | None = None,
-                 rejoin_wait_s: float = 0.0) -> None:
+                 rejoin_wait_s: float = 0.0, model: str = "") -> None:
         assert placement.node_rank == 0, "only node 0 runs the coordinator"
-        self.num_stages = num_stages
+        self.num_stages, self.model = num_stages, model  # model: the converted folder's name, for the members'
+        # check that they were given the same one
         self.options = placement
         self.master_addr = placement.master_addr
         self.control_secret = control_secret
@@ -117,14 +123,19 @@ class MultiNodeStages:
         check_master_addr_is_local(self.master_addr)
         hold_data_port(self.options)
         self.store = open_store(self.options)
+        self.store.set("run", json.dumps({"num_stages": self.num_stages, "model": self.model}))  # members check it
         self.store.set("rejoin_wait_s", f"{self.rejoin_wait_s:g}")  # before the secret: members read it first
         self.store.set("control_secret", self.control_secret)
         for i, address in zip(self.stages, self.local.start(), strict=True):
             self.store.set(f"stage/{i}", address)
         keys = [f"stage/{i}" for i in range(self.num_stages)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.options.placement_timeout_s))
-        except RuntimeError:
+        deadline = time.monotonic() + self.options.placement_timeout_s
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            for rank in range(1, self.options.nnodes):  # a member given other --stages or --model says so
+                if self.store.check([f"refused/{rank}"]):
+                    raise PlacementError(f"node {rank} refused to join: {self.store.get(f'refused/{rank}').decode()}")
+            time.sleep(JOIN_POLL_S)
+        if not self.store.check(keys):
             missing = [r for r in range(1, self.options.nnodes) if not self.store.check(
                 [f"stage/{i}" for i in node_stages(num_stages=self.num_stages, nnodes=self.options.nnodes,
                                                    node_rank=r)])]
@@ -133,7 +144,7 @@ class MultiNodeStages:
                 f"stages within {self.options.placement_timeout_s:g} s (--placement-timeout-s); check that each "
                 f"runs `launch --nnodes {self.options.nnodes} --node-rank R --master-addr "
                 f"{self.options.master_addr} --master-port {self.options.master_port}` with the same --stages "
-                f"and --model, and can reach {self.options.master_addr}:{self.options.master_port}") from None
+                f"and --model, and can reach {self.options.master_addr}:{self.options.master_port}")
         self.addresses = [self.store.get(k).decode() for k in keys]
         log.info("stages: %s", ", ".join(f"{i}: {a}" for i, a in enumerate(self.addresses)))
         return list(self.addresses)
@@ -152,7 +163,8 @@ class MultiNodeStages:
     def restart_stage(self, stage_index: int) -> str:
         """Restart stage `stage_index`: here, or by asking its node's launcher and waiting at most
         --placement-timeout-s for the new address ([Note: multi-node restart]). Raises RuntimeError
-        naming the node when it answers with an error, misses the deadline or missed one before."""
+        naming the node when it answers with an error (another attempt may succeed), StageGone when
+        it misses the deadline, missed one before, or its launcher was stopped."""
         if stage_index in self.stages:
             return self.local.restart_stage(stage_index)
         rank = _node_of_stage(stage_index, num_stages=self.num_stages, nnodes=self.options.nnodes)
@@ -166,7 +178,7 @@ class MultiNodeStages:
         except RuntimeError:
             self._missed[rank] = (f"node {rank} did not respawn stage {stage_index} within {timeout_s:g} s "
                                   f"(--placement-timeout-s)")
-            raise RuntimeError(self._missed[rank]) from None
+            raise StageGone(self._missed[rank]) from None  # asking again could only wait as long
         answer = self.store.get(f"respawned/{rank}/{n}").decode()
         if answer.startswith(GONE):  # no later request will be answered either
             self._missed[rank] = f"node {rank} could not respawn stage {stage_index}: {answer[len(GONE):]}"
@@ -305,16 +317,34 @@ def _member_outcome(node0: Node0Watch, stage_decided: threading.Event,
         "error", f"a stage was shut down but {node0.where} did not say `done` within {LEFT_WAIT_S:g} s")
 
 
+def _check_same_run(store: dist.TCPStore, placement: PlacementOptions, *, num_stages: int, model: str) -> None:
+    """Raise PlacementError (and tell node 0, which then fails at once too) when this node was given
+    other --stages or another --model than node 0: it would wait for stages that never come, or
+    serve node 0's model without a word."""
+    run = json.loads(store.get("run").decode())
+    problems = []
+    if run["num_stages"] != num_stages:
+        problems.append(f"--stages {num_stages} here, {run['num_stages']} on node 0")
+    if model and run["model"] and run["model"] != model:
+        problems.append(f"--model resolves to {model} here, {run['model']} on node 0")
+    if problems:
+        why = f"{'; '.join(problems)}: give every node the same --stages and --model"
+        store.set(f"refused/{placement.node_rank}", why)
+        raise PlacementError(f"node {placement.node_rank}: {why}")
+
+
 def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
-                    say: Callable[[str], None], tls: TlsFiles | None = None) -> int:
+                    say: Callable[[str], None], tls: TlsFiles | None = None, model: str = "") -> int:
     """Node R > 0: start this node's stages, publish them, keep them until node 0 is done; with
     fail-over on (node 0's `rejoin_wait_s`), respawn a stage when node 0 asks ([Note: multi-node restart]).
 
     Returns 0 when node 0 finished; 1 when node 0 failed, went away or stayed silent for
     --placement-timeout-s ([Note: node 0 silent] in launch_store.py), or a local stage died
-    (fail-over off). Raises PlacementError when node 0 is not reachable within the placement timeout.
+    (fail-over off). Raises PlacementError when node 0 is not reachable within the placement timeout,
+    or runs another --stages or --model (`model`: this node's converted folder name; "" skips that check).
     """
     store = open_store(placement)
+    _check_same_run(store, placement, num_stages=num_stages, model=model)
     rejoin_wait_s = float(store.get("rejoin_wait_s").decode())
     backend, stages = _local_backend(placement, num_stages=num_stages, log_level=log_level,
                                      threads_per_stage=threads_per_stage,

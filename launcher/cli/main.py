@@ -328,9 +328,9 @@ def run_member(options: PipelineOptions) -> int:
     """`launch --nnodes N --node-rank R` with R > 0: run this node's stages for node 0 (no prompts)."""
     from launcher.backends.multinode import run_member_node
 
-    resolve(options)  # the model and split are valid here too, before anything starts
+    plan = resolve(options)  # the model and split are valid here too, before anything starts
     return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
-                           threads_per_stage=options.threads_per_stage, say=say)
+                           threads_per_stage=options.threads_per_stage, say=say, model=plan.model_dir.name)
 
 
 def say(text: str) -> None:
@@ -343,7 +343,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _sigterm(signum, frame):  # turn SIGTERM into the same clean teardown as Ctrl-C
-    raise Terminated
+    raise Terminated("terminated (SIGTERM)")
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

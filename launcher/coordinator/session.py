@@ -183,7 +183,7 @@ class PipelineSession:
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
                                    threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret,
-                                   tls=self.tls, rejoin_wait_s=rejoin_wait_s)
+                                   tls=self.tls, rejoin_wait_s=rejoin_wait_s, model=self.model.model_dir.name)
         return LocalStageBackend(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
             env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})},
@@ -258,7 +258,9 @@ class PipelineSession:
             release_listener(host, port)
         self._data_ports.clear()
         if failure is not None and self.options.placement.multi_node and self.backend is not None:
-            self.backend.mark_failed(str(failure) or type(failure).__name__)  # MultiNodeStages
+            why = str(failure) or ("interrupted (Ctrl-C)" if isinstance(failure, KeyboardInterrupt)
+                                   else type(failure).__name__)
+            self.backend.mark_failed(why)  # MultiNodeStages
         if self.backend is not None:
             self.backend.unwatch()
         if self.coordinator is not None:

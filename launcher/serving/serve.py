@@ -292,9 +292,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve, tls, restarts = serve_options(args), tls_files(args), restart_budget(args)
     options, why = options_and_reason(args, progress=not getattr(args, "no_progress", False))
     if options.placement.multi_node and options.placement.node_rank > 0:  # only runs its stages; node 0 serves
-        resolve(options)
+        plan = resolve(options)
         return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
-                               threads_per_stage=options.threads_per_stage, say=say, tls=tls)
+                               threads_per_stage=options.threads_per_stage, say=say, tls=tls,
+                               model=plan.model_dir.name)
     serve.check_ports()
     options, model, why = settle_auto(options, resolve(options), why)
     _show_stats_lines()
