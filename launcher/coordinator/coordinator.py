@@ -106,8 +106,7 @@ class Coordinator:
         self._control_secret, self._tls = control_secret, tls
         self.channels = [self._control_channel(a) for a in stage_addresses]
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
-        # Per-micro-batch stage timings; off: measure the overhead (tests/benchmarks/timeline_overhead.py)
-        self.record_timeline = config.record_timeline
+        self.record_timeline = config.record_timeline  # stage timings (overhead: tests/benchmarks/timeline_overhead.py)
         speculate = config.scheduler.speculate
         self.engine = Engine(config.scheduler, (predictor or make_predictor(config.predictor)) if speculate else None,
                              record_timeline=config.record_timeline, commit_sink=self._emit)
@@ -228,8 +227,8 @@ class Coordinator:
 
     # -- fail-over (launcher/coordinator/stage_failover.py) ---------------------------------------------------
     def _recover(self, error: PipelineError) -> PipelineError | None:
-        """Restart the failed stages and replay every running sequence ([Note: fail-over]); None once
-        recovered, else the error to fail every request with (no fail-over, or its budget spent)."""
+        """Restart the failed stages, replay every running sequence ([Note: fail-over]); None once recovered,
+        else the error to fail every request with (no fail-over, its budget spent, or StageGone)."""
         fo = self.failover
         while fo is not None and not self._stopping.is_set() and fo.may_restart(error):
             if not fo.budget.allows(time.monotonic()):
