@@ -92,8 +92,10 @@ class StageProcessMonitor:
                 if self._processes.stopping:
                     return
                 local_index, returncode = dead[0]
-                logger.error("[Stage %d] process died unexpectedly (%s)",
-                             self._processes.config.first_stage_index + local_index, describe_returncode(returncode))
+                # exit code 0: the stage obeyed a Shutdown RPC (on a member node, node 0's; not an error)
+                logger.log(logging.INFO if returncode == 0 else logging.ERROR, "[Stage %d] process %s (%s)",
+                           self._processes.config.first_stage_index + local_index,
+                           "exited" if returncode == 0 else "died unexpectedly", describe_returncode(returncode))
                 self.fired.set()
                 try:
                     self._on_stage_death(local_index, returncode)
