@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -67,7 +68,7 @@ def profile_ops(run, passes: int = 10, top: int = 8) -> dict:
 def gemv_us(k: int, n: int, *, transposed: bool) -> float:
     """Best-of-3 µs of [1, k] @ weight [k → n], cycling through copies that do not fit in cache.
     transposed: the weight stored [k, n] (`fast` layout's Wᵀ), else [n, k] as nn.Linear keeps it."""
-    copies = max(2, int(OUT_OF_CACHE_BYTES // (k * n * 4)))
+    copies = max(2, math.ceil(OUT_OF_CACHE_BYTES / (k * n * 4)))  # together at least OUT_OF_CACHE_BYTES
     weights = [torch.randn(k, n) if transposed else torch.randn(n, k) for _ in range(copies)]
     x = torch.randn(1, k)
 

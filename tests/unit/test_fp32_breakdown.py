@@ -31,6 +31,14 @@ def test_every_linear_of_the_pass_is_counted_once_in_its_layout(tiny_dir, mode):
 
 
 def test_a_gemv_is_timed_over_copies_out_of_cache(monkeypatch):
+    """The weights cycled through must exceed OUT_OF_CACHE_BYTES together (one cached copy would
+    time a cache hit, not a stream from memory)."""
     monkeypatch.setattr(fp32_breakdown, "OUT_OF_CACHE_BYTES", 1e6)
-    assert fp32_breakdown.gemv_us(64, 256, transposed=True) > 0
-    assert fp32_breakdown.gemv_us(256, 64, transposed=False) > 0
+    made = []
+    real_randn = fp32_breakdown.torch.randn
+    monkeypatch.setattr(fp32_breakdown.torch, "randn", lambda *shape: made.append(shape) or real_randn(*shape))
+    for k, n, transposed in ((64, 256, True), (256, 64, False)):
+        made.clear()
+        assert fp32_breakdown.gemv_us(k, n, transposed=transposed) > 0
+        weights = [s for s in made if s != (1, k)]
+        assert len(weights) >= 2 and sum(a * b * 4 for a, b in weights) >= 1e6, weights

@@ -42,9 +42,12 @@ def test_schedule_refuses_zero_steps():
 
 @pytest.mark.parametrize("steps", [1, 9, 10, 11])
 def test_exit_map_and_drafter_train_for_short_runs(steps):
+    """Schedules of 1..11 steps (warm-up of 0 or 1 step) train: finite weights that moved."""
     data = _head_data()
-    train_exit_map(**data, config=ExitTrainConfig(steps=steps, batch_size=4))
-    train_drafter_map(**data, config=DrafterTrainConfig(steps=steps, batch_size=4, mlp_size=4))
+    for trained in (train_exit_map(**data, config=ExitTrainConfig(steps=steps, batch_size=4)),
+                    train_drafter_map(**data, config=DrafterTrainConfig(steps=steps, batch_size=4, mlp_size=4))):
+        params = [p for p in trained.parameters()] if hasattr(trained, "parameters") else []
+        assert params and all(torch.isfinite(p).all() for p in params), type(trained).__name__
 
 
 @pytest.mark.parametrize("steps", [1, 10])
@@ -52,6 +55,8 @@ def test_sequence_drafter_trains_for_short_runs(steps):
     data = _head_data()
     model = torch.nn.Linear(H, H)
     train = [(torch.randn(5, H), torch.randint(0, V, (5,))) for _ in range(3)]
+    before = model.weight.detach().clone()
     train_sequence_model(model, train=train, val=[], norm_weight=data["norm_weight"],
                          lm_head_weight=data["lm_head_weight"], eps=1e-5,
                          settings=LayerDrafterConfig(steps=steps, batch_size=2))
+    assert torch.isfinite(model.weight).all() and not torch.equal(model.weight, before)  # trained, in place
