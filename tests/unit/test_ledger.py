@@ -446,8 +446,9 @@ def test_can_draft_after_stops_exactly_where_the_draft_result_would_pass_the_bud
     ledger = SequenceLedger(prompt_len=n, max_new_tokens=max_new_tokens)
     ledger.add_real(0)
     ledger.on_result(n - 1, 0, 1)
-    if max_new_tokens == 1:
-        return  # the prefill result was the whole budget; nothing more is ever sent
+    if max_new_tokens == 1:  # the prefill result was the whole budget: nothing more may be drafted
+        assert ledger.num_committed == 1 and not ledger.can_draft_after(n, ledger.epoch, max_inflight=4)
+        return
     ledger.add_real(1)
     drafted = 0
     while ledger.can_draft_after(ledger.inflight[-1].position, 0, max_inflight=100):
