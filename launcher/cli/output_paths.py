@@ -40,7 +40,10 @@ def check_output_file(flag: str, path: str | Path) -> None:
 
 def check_output_dir(flag: str, path: str | Path) -> None:
     """Raise UsageError unless `path` can be used as an output folder: it is a directory already, or
-    it does not exist and its nearest existing parent is a writable directory."""
+    it does not exist and its nearest existing parent is a writable directory; not empty (Path("")
+    is the current folder: `--out ""` wrote results there without a word)."""
+    if not str(path).strip():
+        raise UsageError(f"{flag} is empty (give a folder; . for the current one)")
     p = Path(path)
     if p.is_dir():
         return

@@ -32,6 +32,9 @@ def test_output_file_and_folder_checks(tmp_path):
         check_output_file("--trace", tmp_path / "f" / "t.json")
     with pytest.raises(UsageError, match=r"--out .*f/x: .*f is not a directory"):
         check_output_dir("--out", tmp_path / "f" / "x")
+    for empty in ("", "  "):  # Path("") is the current folder: results landed there without a word
+        with pytest.raises(UsageError, match=r"--out is empty \(give a folder; \. for the current one\)"):
+            check_output_dir("--out", empty)
 
 
 def test_dumps_strict_writes_null_for_non_finite_floats():
