@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from launcher.bench.cpu_meter import MAX_FOREIGN
 from launcher.cli.output_paths import dumps_strict
 from pipeline.speculation.predictors import is_predictor_file
 
@@ -156,6 +157,11 @@ def write_results(args: argparse.Namespace, configs: list[BenchConfig], runs: di
                                                     "partial": partial, "configs": rows, "plots": plots}, indent=1))
     write_csv(rows, out / "results.csv")
     print(format_table(rows))
+    busy = busy_runs(rows)
+    if busy:
+        print(f"[speedpipe] bench: {len(busy)} run(s) shared the CPU with other work (foreign_cpu_fraction above "
+              f"{MAX_FOREIGN:.0%}, e.g. {busy[0]}): their times and ratios are suspect; rerun on a quiet host",
+              file=sys.stderr)
     print(f"[speedpipe] bench: results in {out}/results.json, results.csv" + (", plots/*.png" if plots else ""),
           file=sys.stderr)
 
@@ -174,6 +180,13 @@ def write_partial(args: argparse.Namespace, configs: list[BenchConfig], runs: di
     print(f"[speedpipe] bench: interrupted; writing the {done} of {args.repeats} completed repeat(s) as partial "
           f"results (no plots)", file=sys.stderr)
     write_results(args, configs, kept, notes, out, partial=True)
+
+
+def busy_runs(rows: list[dict]) -> list[str]:
+    """`<config> repeat <r>: <fraction>` for each run during which other work took more than
+    MAX_FOREIGN of the CPU (launcher/bench/cpu_meter.py; runs without the field are not judged)."""
+    return [f"{r['name']} repeat {run['repeat']}: {run['stats']['foreign_cpu_fraction']:.0%}" for r in rows
+            for run in r["runs"] if (run["stats"].get("foreign_cpu_fraction") or 0.0) > MAX_FOREIGN]
 
 
 def format_table(rows: list[dict]) -> str:

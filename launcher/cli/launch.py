@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.backends.placement import usable_cpus
+from launcher.bench.cpu_meter import MAX_FOREIGN, CpuMeter
 from launcher.cli.parsing import UsageError
 from launcher.coordinator.session import PipelineSession
 from pipeline.engine.records import SpecCounters
@@ -43,6 +44,8 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     stats "speculate" is the mode in force, "speculate_reason" this reason (null when "")."""
     coord = session.coordinator
     coord.reset_stats()
+    meter = CpuMeter()  # [Note: foreign load]: other work on this host during the run
+    meter.start()
     start_ns = time.perf_counter_ns()
     handles = [coord.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
     if stream:
@@ -53,6 +56,7 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
         sys.stdout.write("\n")
     results = [h.result(raise_request_error=False) for h in handles]  # one failed request: the others still count
     end_ns = time.perf_counter_ns()
+    foreign = meter.foreign_fraction() if session.processes is not None else None  # local stages only
     wall_s = (end_ns - start_ns) / 1e9
     times, spec = coord.timeline, coord.spec
     stages = _stage_rows(session, times.fractions(start_ns, end_ns) if coord.record_timeline else None)
@@ -72,11 +76,12 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
                   **speculation_stats(spec),
                   **coord.tree.to_json(),
                   "timeline_recorded": coord.record_timeline,
+                  "foreign_cpu_fraction": None if foreign is None else round(foreign, 3),
                   **times.draft_gap(0), "stages": stages},
     }
     if coord.record_timeline:
         report["stats"]["handoffs"] = handoff_latency(times.slices, len(stages))
-    report["stats"].update(_speedup_estimate(session, results))
+    report["stats"].update(_speedup_estimate(session, results, foreign))
     if timeline:
         report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report
@@ -112,15 +117,17 @@ def _stage_rows(session: PipelineSession, fractions) -> list[dict]:
     return rows
 
 
-def _speedup_estimate(session: PipelineSession, results) -> dict:
+def _speedup_estimate(session: PipelineSession, results, foreign: float | None) -> dict:
     """`plain_tpot_ms_estimate`, `speedup_estimate` (over it) and `estimate_includes_exit_head` of a
     single speculative sequence, from the timeline; {} where [Note: plain decode estimate] (in
-    pipeline/measure/handoffs.py) says it would mislead: stages sharing CPUs, several nodes, a
-    host busier than its CPUs (`_host_busy`), several sequences."""
+    pipeline/measure/handoffs.py) says it would mislead: stages sharing CPUs, several nodes, a busy
+    host (other work took more than MAX_FOREIGN of the CPU during the run, `foreign`, or the load
+    average is above the CPUs: `_host_busy`), several sequences."""
     options, coord = session.options, session.coordinator
     if (options.speculate == "none" or len(results) != 1 or not coord.record_timeline
             or len(results[0].token_ids) < 2 or options.placement.multi_node
-            or options.parallel_stages < options.num_stages or _host_busy()):
+            or options.parallel_stages < options.num_stages or foreign is None or foreign > MAX_FOREIGN
+            or _host_busy()):
         return {}
     exit_stage = session.model.exit_stage if options.needs_exit_head else None
     est = plain_decode_estimate(coord.timeline.slices, len(session.model.ranges), exit_stage=exit_stage,

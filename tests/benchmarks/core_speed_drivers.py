@@ -2,19 +2,19 @@
 
 Owns the drivers ([Note: one long-lived driver per configuration] in core_speed.py): `hf_driver`
 (transformers `generate`), `speedpipe_driver` (a PipelineSession), the `Driver` handle that starts
-one as `core_speed.py --driver ...`, and `CpuMeter` ([Note: foreign load]). Must not: compute
+one as `core_speed.py --driver ...` (`CpuMeter`, [Note: foreign load], lives in
+launcher/bench/cpu_meter.py). Must not: compute
 ratios or write reports (core_speed_report.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from launcher.bench.cpu_meter import CpuMeter  # noqa: F401 (core_speed.py imports it from here)
 from launcher.bench.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies
 
 CORE_SPEED_SCRIPT = Path(__file__).resolve().with_name("core_speed.py")  # the script that serves --driver
@@ -139,56 +139,3 @@ class Driver(DriverProcess):
     def run(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
         return self.request({"prompt_ids": [list(p) for p in prompt_ids], "max_new_tokens": max_new_tokens},
                             REQUEST_TIMEOUT_S)
-
-
-class CpuMeter:
-    """CPU time the rest of the machine used while a measurement ran ([Note: foreign load]).
-
-    [Note: foreign load]
-    On a shared machine other jobs steal cores from the measured configuration. For every
-    measurement the benchmark records foreign_cpu_fraction = (busy CPU seconds of the whole machine,
-    hypervisor steal included, minus those of this benchmark's own processes) / (wall seconds * cores).
-    0 means the machine was otherwise quiet; 0.5 on 2 cores means another job held a whole core.
-    """
-
-    def __init__(self) -> None:
-        import psutil
-
-        self._psutil = psutil
-        self._start: tuple[float, float, float] | None = None
-
-    def _machine_busy_s(self) -> float:
-        t = self._psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-
-    def _ours_s(self) -> float:
-        me = self._psutil.Process()
-        total = 0.0
-        for proc in [me, *me.children(recursive=True)]:
-            with contextlib.suppress(self._psutil.Error):
-                t = proc.cpu_times()
-                total += t.user + t.system
-        return total
-
-    def start(self) -> None:
-        self._start = (time.perf_counter(), self._machine_busy_s(), self._ours_s())
-
-    def foreign_fraction(self) -> float:
-        """Foreign CPU fraction since `start`."""
-        wall0, machine0, ours0 = self._start
-        wall_s = time.perf_counter() - wall0
-        foreign_s = (self._machine_busy_s() - machine0) - (self._ours_s() - ours0)
-        return max(0.0, foreign_s / (wall_s * (os.cpu_count() or 1)))
-
-    def wait_quiet(self, max_fraction: float, timeout_s: float, *, window_s: float = 1.0) -> float:
-        """Sleep in `window_s` windows until one has foreign load <= max_fraction, or timeout_s passed.
-
-        Returns the seconds waited. Between measurements the benchmark's own processes are idle.
-        """
-        started = time.perf_counter()
-        while time.perf_counter() - started < timeout_s:
-            self.start()
-            time.sleep(window_s)
-            if self.foreign_fraction() <= max_fraction:
-                break
-        return time.perf_counter() - started
