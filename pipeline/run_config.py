@@ -109,7 +109,7 @@ class RunConfig:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)} or a trained predictor file "
                              f"(*.safetensors), got {self.predictor!r}")
         if self.max_inflight < 0:
-            raise ValueError(f"max_inflight must be >= 0 (0: as many as stages), got {self.max_inflight}")
+            raise ValueError(f"max_inflight must be >= 0 (0: chosen for you), got {self.max_inflight}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be 'auto' or in [0, 1], got {self.min_acceptance}")
         if self.firp_k is not None and self.firp_k < 1:

@@ -100,10 +100,10 @@ class MultiNodeStages:
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, control_secret: str,
                  log_level: str = "WARNING", threads_per_stage: int = 1, tls: TlsFiles | None = None,
-                 rejoin_wait_s: float = 0.0, model: str = "") -> None:
+                 rejoin_wait_s: float = 0.0, model: tuple[str, str] = ("", "")) -> None:
         assert placement.node_rank == 0, "only node 0 runs the coordinator"
-        self.num_stages, self.model = num_stages, model  # model: the converted folder's name, for the members'
-        # check that they were given the same one
+        # model: (registry.model_key, folder name) of the resolved model, for the members' check
+        self.num_stages, self.model = num_stages, model
         self.options = placement
         self.master_addr = placement.master_addr
         self.control_secret = control_secret
@@ -123,7 +123,7 @@ class MultiNodeStages:
         check_master_addr_is_local(self.master_addr)
         hold_data_port(self.options)
         self.store = open_store(self.options)
-        self.store.set("run", json.dumps({"num_stages": self.num_stages, "model": self.model}))  # members check it
+        self.store.set("run", json.dumps({"num_stages": self.num_stages, "model": list(self.model)}))  # members check
         self.store.set("rejoin_wait_s", f"{self.rejoin_wait_s:g}")  # before the secret: members read it first
         self.store.set("control_secret", self.control_secret)
         for i, address in zip(self.stages, self.local.start(), strict=True):
@@ -252,6 +252,7 @@ class _MemberWatch:
             self.monitor.stop()
         if restarts is not None:
             restarts.join(LEFT_WAIT_S)  # a thread left inside a store call would abort the interpreter
+
     def answer_restarts(self) -> None:
         """Serve `restart/<r>/<n>` for n = 1, 2, ... until node 0 goes away or `leaving` is set
         (daemon thread). It polls rather than blocking in a store call: a thread left inside one
@@ -317,7 +318,8 @@ def _member_outcome(node0: Node0Watch, stage_decided: threading.Event,
         "error", f"a stage was shut down but {node0.where} did not say `done` within {LEFT_WAIT_S:g} s")
 
 
-def _check_same_run(store: dist.TCPStore, placement: PlacementOptions, *, num_stages: int, model: str) -> None:
+def _check_same_run(store: dist.TCPStore, placement: PlacementOptions, *, num_stages: int,
+                    model: tuple[str, str]) -> None:
     """Raise PlacementError (and tell node 0, which then fails at once too) when this node was given
     other --stages or another --model than node 0: it would wait for stages that never come, or
     serve node 0's model without a word."""
@@ -325,8 +327,9 @@ def _check_same_run(store: dist.TCPStore, placement: PlacementOptions, *, num_st
     problems = []
     if run["num_stages"] != num_stages:
         problems.append(f"--stages {num_stages} here, {run['num_stages']} on node 0")
-    if model and run["model"] and run["model"] != model:
-        problems.append(f"--model resolves to {model} here, {run['model']} on node 0")
+    (key, name), (key0, name0) = model, run["model"]
+    if key and key0 and key != key0:
+        problems.append(f"--model resolves to {name} here, {name0} on node 0")
     if problems:
         why = f"{'; '.join(problems)}: give every node the same --stages and --model"
         store.set(f"refused/{placement.node_rank}", why)
@@ -334,14 +337,16 @@ def _check_same_run(store: dist.TCPStore, placement: PlacementOptions, *, num_st
 
 
 def run_member_node(placement: PlacementOptions, *, num_stages: int, log_level: str, threads_per_stage: int,
-                    say: Callable[[str], None], tls: TlsFiles | None = None, model: str = "") -> int:
+                    say: Callable[[str], None], tls: TlsFiles | None = None,
+                    model: tuple[str, str] = ("", "")) -> int:
     """Node R > 0: start this node's stages, publish them, keep them until node 0 is done; with
     fail-over on (node 0's `rejoin_wait_s`), respawn a stage when node 0 asks ([Note: multi-node restart]).
 
     Returns 0 when node 0 finished; 1 when node 0 failed, went away or stayed silent for
     --placement-timeout-s ([Note: node 0 silent] in launch_store.py), or a local stage died
     (fail-over off). Raises PlacementError when node 0 is not reachable within the placement timeout,
-    or runs another --stages or --model (`model`: this node's converted folder name; "" skips that check).
+    or runs another --stages or --model (`model`: (registry.model_key, folder name) of this node's;
+    an empty key skips that check).
     """
     store = open_store(placement)
     _check_same_run(store, placement, num_stages=num_stages, model=model)

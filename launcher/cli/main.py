@@ -48,7 +48,7 @@ from pipeline.run_config import check_prompt_length
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
-from pipeline.weights.registry import DEFAULT_MODEL
+from pipeline.weights.registry import DEFAULT_MODEL, model_key
 from workers.heap import freeze_startup_heap
 
 PROG = "speedpipe"
@@ -328,9 +328,9 @@ def run_member(options: PipelineOptions) -> int:
     """`launch --nnodes N --node-rank R` with R > 0: run this node's stages for node 0 (no prompts)."""
     from launcher.backends.multinode import run_member_node
 
-    plan = resolve(options)  # the model and split are valid here too, before anything starts
+    folder = resolve(options).model_dir  # the model and split are valid here too, before anything starts
     return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
-                           threads_per_stage=options.threads_per_stage, say=say, model=plan.model_dir.name)
+                           threads_per_stage=options.threads_per_stage, say=say, model=(model_key(folder), folder.name))
 
 
 def say(text: str) -> None:

@@ -1,11 +1,10 @@
 """Coordinator: rank 0 of the pipeline; the single authority on committed tokens. Thin I/O.
 
-Owns the control-plane clients of every stage (load, health, stats, shutdown), the data-plane
-link to stage 0 and from the last stage, the engine thread that feeds the pure
-`pipeline.engine.engine.Engine` real events and carries out its output (sends, releases), and the
-request handles (detokenisation, stop strings, streaming: launcher/coordinator/request_handle.py).
-Must not: decide what runs or what commits (the engine does), run model layers, or spawn
-processes (launcher/backends/local.py places the workers).
+Owns the control-plane clients of every stage (load, health, stats, shutdown), the data-plane link to
+stage 0 and from the last stage, the engine thread that feeds the pure `pipeline.engine.engine.Engine`
+real events and carries out its output (sends, releases), and the request handles (detokenisation,
+stop strings, streaming: launcher/coordinator/request_handle.py). Must not: decide what runs or what
+commits (the engine does), run model layers, or spawn processes (launcher/backends/local.py places them).
 
 Threads: the caller's (submit, results), the engine thread (the only one that touches the engine
 and sends), the receivers (launcher/coordinator/stage_receivers.py). They meet in one event queue: no polling.
@@ -107,8 +106,8 @@ class Coordinator:
         self.channels = [self._control_channel(a) for a in stage_addresses]
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         self.record_timeline = config.record_timeline  # stage timings (overhead: tests/benchmarks/timeline_overhead.py)
-        speculate = config.scheduler.speculate
-        self.engine = Engine(config.scheduler, (predictor or make_predictor(config.predictor)) if speculate else None,
+        self.engine = Engine(config.scheduler, (predictor or make_predictor(config.predictor))
+                             if config.scheduler.speculate else None,
                              record_timeline=config.record_timeline, commit_sink=self._emit)
         self.link = self._new_link(config.dist_master_port)
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -208,6 +207,7 @@ class Coordinator:
                 error = exc if isinstance(exc, PipelineError) else PipelineError(str(exc))
                 error = error if self._stopping.is_set() else self._recover(error)
                 if error is not None:
+                    self.recovering = None  # a failed recovery is over too (health: UNHEALTHY, not restarting)
                     self._fail(error)
                     return
 

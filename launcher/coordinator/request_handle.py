@@ -142,9 +142,11 @@ class RequestHandle:
         # one (as vLLM does), so no chunk ever streams part of a stop string.
         pending, hit = self._held + delta, False
         if stop:
-            found = [(i, n) for n, i in enumerate(pending.find(s) for s in stop) if i >= 0]
-            if found:  # the earliest match ends it (the first listed where two start together)
-                cut, which = min(found)
+            # The match that is complete first ends it (the first listed where two end together), cut at
+            # its start: what token-by-token decoding finds, however many tokens one commit brings.
+            found = [(i + len(s), n, i) for n, (s, i) in enumerate((s, pending.find(s)) for s in stop) if i >= 0]
+            if found:
+                _, which, cut = min(found)
                 pending, hit, self.stop_reason = pending[:cut], True, stop[which]
         keep = max((len(s) for s in stop), default=1) - 1
         if hit or commit.finish_reason is not None or keep == 0:

@@ -31,6 +31,7 @@ from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS
 from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.speculation.predictors import Predictor
 from pipeline.speculation.tree import scratch_positions
+from pipeline.weights.registry import model_key
 from proto import speedpipe_pb2 as pb
 from workers.channel import release_listener
 from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
@@ -183,7 +184,7 @@ class PipelineSession:
 
             return MultiNodeStages(num_stages=opt.num_stages, placement=opt.placement, log_level=opt.log_level,
                                    threads_per_stage=opt.threads_per_stage, control_secret=self.control_secret,
-                                   tls=self.tls, rejoin_wait_s=rejoin_wait_s, model=self.model.model_dir.name)
+                                   tls=self.tls, rejoin_wait_s=rejoin_wait_s, model=(model_key(self.model.model_dir), self.model.model_dir.name))
         return LocalStageBackend(LocalLaunchConfig(
             num_stages=opt.num_stages, log_level=opt.log_level, threads_per_stage=opt.threads_per_stage,
             env={SECRET_ENV: self.control_secret, **(self.tls.env() if self.tls else {})},

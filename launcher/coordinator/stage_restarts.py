@@ -52,6 +52,12 @@ class RestartLedger:
                                f"{self.budget.window_s:g} s (--max-stage-restarts, --restart-window-s)")
         self._times.append(now_s)
 
+    def left(self, now_s: float) -> int:
+        """Restarts the budget still allows at `now_s`. Read-only: safe from another thread (a
+        /metrics scrape) while the engine thread records restarts."""
+        recent = sum(1 for t in tuple(self._times) if t > now_s - self.budget.window_s)
+        return max(0, self.budget.max_restarts - recent)
+
     def used(self, now_s: float) -> int:
         """Restarts counted in the window that ends at `now_s`."""
         self._forget(now_s)

@@ -3,7 +3,8 @@
 Owns `StandardHealth`: Check, Watch and List answered live from ServingEngine.health_status(), so
 `grpc_health_probe`, Kubernetes gRPC probes and Envoy see what speedpipe's own Health reports
 (SERVING, else NOT_SERVING), for the server as a whole ("") and for `speedpipe.v1.GenerateService`;
-another service name is NOT_FOUND (Check) or SERVICE_UNKNOWN (Watch), as the protocol says.
+another service name is NOT_FOUND (Check) or SERVICE_UNKNOWN (Watch, which stays open), as the
+protocol says. Watch polls the state once a second (the state has no change events to wait on).
 `enable_reflection` registers server reflection (grpcurl without the .proto). The messages and
 stubs come from grpcio-health-checking and grpcio-reflection.
 Must not: decide health itself (launcher/serving/serving_engine.py does), or block a Watch stream
@@ -49,16 +50,14 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
 
     def Watch(self, request: health_pb2.HealthCheckRequest,  # noqa: N802 - gRPC name
               context: grpc.ServicerContext) -> Iterator[health_pb2.HealthCheckResponse]:
-        if request.service not in ("", GENERATE_SERVICE):
-            yield health_pb2.HealthCheckResponse(status=_Status.SERVICE_UNKNOWN)
-            return
         if not self._watches.acquire(blocking=False):  # they would take the threads Generate needs
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHES} Watch streams at once; "
                           "use Check")
+        known = request.service in ("", GENERATE_SERVICE)  # unknown: SERVICE_UNKNOWN, the call kept open
         try:
             last = None
             while context.is_active():
-                now = self._current()
+                now = self._current() if known else _Status.SERVICE_UNKNOWN
                 if now != last:
                     last = now
                     yield health_pb2.HealthCheckResponse(status=now)

@@ -121,7 +121,7 @@ class _PipelineCollector:
             left = GaugeMetricFamily(PREFIX + "stage_restarts_left", "Restarts --max-stage-restarts still allows "
                                      "within --restart-window-s (0: the next stage failure fences the server).",
                                      labels=["model_name"])
-            left.add_metric(lab, max(0, ledger.budget.max_restarts - ledger.used(time.monotonic())))
+            left.add_metric(lab, ledger.left(time.monotonic()))
             yield left
         for name, doc, value in (
             ("stage_recovering", "1 while failed stages are restarted and running requests replayed.",

@@ -288,6 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from launcher.cli.speculation_defaults import settle_auto
     from launcher.coordinator.run_plan import resolve
     from launcher.serving.drain import DrainSignals, serve_until_stopped
+    from pipeline.weights.registry import model_key
 
     serve, tls, restarts = serve_options(args), tls_files(args), restart_budget(args)
     options, why = options_and_reason(args, progress=not getattr(args, "no_progress", False))
@@ -295,7 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         plan = resolve(options)
         return run_member_node(options.placement, num_stages=options.num_stages, log_level=options.log_level,
                                threads_per_stage=options.threads_per_stage, say=say, tls=tls,
-                               model=plan.model_dir.name)
+                               model=(model_key(plan.model_dir), plan.model_dir.name))
     serve.check_ports()
     options, model, why = settle_auto(options, resolve(options), why)
     _show_stats_lines()

@@ -234,8 +234,9 @@ class ServingEngine:
         """Refuse every new request from now on with UnavailableError(reason); the first reason stays.
         `draining`: for a shutdown (health NOT_SERVING), not a failure (UNHEALTHY)."""
         with self._lock:
-            if self._fence is None:
-                self._fence, self._draining = reason, draining
+            if self._fence is None:  # _draining first: health_status reads both without the lock
+                self._draining = draining
+                self._fence = reason
                 log.warning("no new requests: %s", reason)
 
     def fail_all(self, error: BaseException) -> int:
@@ -277,7 +278,10 @@ class ServingEngine:
         ok, why = self.healthy()
         if ok:
             return "serving", ""
-        temporary = self._draining if self._fence is not None else self.coordinator.recovering is not None
+        if self._fence is not None:
+            temporary = self._draining
+        else:
+            temporary = self.coordinator.failure is None and self.coordinator.recovering is not None
         return ("not_serving" if temporary else "unhealthy"), why
 
     def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int, *, prompt_field: str,

@@ -32,7 +32,8 @@ class FinishReason(enum.Enum):
 # A logits row holding NaN or inf (weights with NaN, or activations past float16's range) has no
 # meaningful argmax: torch would pick the NaN's index and decode garbage without a word. The last
 # stage marks such a row's token NON_FINITE_TOKEN (pipeline/engine/stage_executor.py); the scheduler
-# then ends that sequence alone with FinishReason.ERROR and no tokens, and frees its KV slot (its
+# then ends that sequence alone with FinishReason.ERROR (after the tokens it commits before that
+# row, usually none), and frees its KV slot (its
 # cache may hold the NaNs); the coordinator fails only that request, naming the likely cause. The
 # other sequences of the micro-batch are untouched (rows do not mix), and the pipeline stays up.
 # Only a row the sequence uses counts (pipeline/speculation/verify.py): rows after a rejected draft

@@ -1,6 +1,7 @@
 """What speedpipe remembers about large model files, so that a run does not read them again.
 
-Owns two memos, each trusted only while the file keeps the size and mtime (and inode) it had:
+Owns two memos, each trusted only while the file keeps the size and mtime it had (the sha256 memo
+checks its inode too):
 - `file_sha256`: a file's sha256, cached in-process and, when given a memo file, on disk, so a launch
   of a model it has seen does not hash the whole GGUF again (1.1 GB takes about 1 s; a 40 GB file a
   minute).

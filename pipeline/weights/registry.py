@@ -9,14 +9,16 @@ default's `__init__` imports llama_cpp), or read settings from the environment a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
 
 from pipeline.weights.file_memo import MEMO_FILE, file_sha256
-from pipeline.weights.gguf_import import CONVERTER_VERSION, convert_gguf
+from pipeline.weights.gguf_import import CONVERTER_VERSION, SOURCE_FILE, convert_gguf
 from pipeline.weights.model_chunks import ChunkedGguf, assemble
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -99,7 +101,7 @@ def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: b
     """Resolve `spec` to a Hugging Face-format model folder (with config.json), converting once.
 
     `spec` is a registered name (e.g. "smollm2-135m", "qwen2.5-coder-1.5b"), a folder holding config.json (returned as
-    is), or a `.gguf` file (converted into `<cache>/models/<stem>-<sha12>/` on first use). See
+    is), or a `.gguf` file (converted into `<cache>/models/v<converter>/<stem>-<sha12>/` on first use). See
     `default_cache_dir` for the cache location. Conversion is atomic and safe across processes.
     Raises ValueError for an unknown spec or a missing model package, FileNotFoundError for a
     folder without config.json or a missing .gguf file.
@@ -122,3 +124,14 @@ def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: b
         return _convert(path, _slug(path.stem), cache, progress)
     raise ValueError(f"unknown model {spec!r}: not a registered name ({', '.join([*REGISTRY, *CHUNKED_REGISTRY])}) "
                      "nor a path to a model folder or .gguf file")
+
+
+def model_key(model_dir: str | Path) -> str:
+    """What makes two resolved model folders the same model, cheaply: the GGUF's sha256 for a
+    converted folder (however the model was named: `smollm2-135m` or the .gguf's path), else the
+    folder's name (a Hugging Face folder is not hashed: that reads every weight)."""
+    source = Path(model_dir) / SOURCE_FILE
+    if source.is_file():
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            return "sha256:" + json.loads(source.read_text())["sha256"]
+    return "folder:" + Path(model_dir).name

@@ -132,7 +132,8 @@ def test_output_and_timeout_flags_are_checked_before_any_request(served, tokeniz
     coord, _, url = served
     (tmp_path / "FILE").write_text("")
     flags = [str(tmp_path / "FILE") if f == "FILE" else f for f in flags]
+    dirs = [] if "--result-dir" in flags else ["--result-dir", str(tmp_path)]  # never the working folder
     code = main(["bench", "serve", "--base-url", url, "--tokenizer", str(tokenizer.model_dir), "--disable-tqdm",
-                 "--num-prompts", "2", "--save-result", *flags])
+                 "--num-prompts", "2", "--save-result", *dirs, *flags])
     out, err = capsys.readouterr()
     assert code == 2 and needle in err and "Serving Benchmark Result" not in out, err

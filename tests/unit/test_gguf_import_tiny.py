@@ -427,3 +427,16 @@ def test_stages_read_blocks_from_the_folders_tensor_table_without_parsing_the_fi
     assert len(opened) == 1  # parsed, as the table may be stale
     assert convert_gguf(tmp_path / "m.gguf", out, progress=False) == out  # sha256 equal: table restamped
     assert load_index(out, tmp_path / "m.gguf") is not None
+
+
+def test_model_key_is_the_gguf_content_however_the_folder_is_named(tmp_path):
+    """Multi-node nodes compare their models by this key: `--model NAME` on one node and the same
+    GGUF's path on another are the same model; other bytes are not."""
+    write_gguf(tmp_path / "m.gguf", tiny())
+    write_gguf(tmp_path / "other.gguf", tiny(), seed=3)
+    a = convert_gguf(tmp_path / "m.gguf", tmp_path / "name-a", progress=False)
+    b = convert_gguf(tmp_path / "m.gguf", tmp_path / "path-b", progress=False)
+    c = convert_gguf(tmp_path / "other.gguf", tmp_path / "name-a-too", progress=False)
+    assert models.model_key(a) == models.model_key(b) == "sha256:" + file_sha256(tmp_path / "m.gguf")
+    assert models.model_key(c) != models.model_key(a)
+    assert models.model_key(tmp_path / "hf-folder") == "folder:hf-folder"  # not hashed: its name

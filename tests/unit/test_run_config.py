@@ -38,7 +38,7 @@ BAD_VALUES = [
     ({"stage_timeout_s": 0.0}, "stage_timeout_s must be > 0, got 0.0", "--stage-timeout-s must be > 0"),
     ({"speculate": "maybe"}, "speculate must be one of none, speed, firp, speed+firp", "--speculate must be one of"),
     ({"predictor": "medusa"}, "predictor must be one of logit-lens", "--predictor must be one of"),
-    ({"max_inflight": -1}, "max_inflight must be >= 0 (0: as many as stages), got -1", "--max-inflight must be >= 0"),
+    ({"max_inflight": -1}, "max_inflight must be >= 0 (0: chosen for you), got -1", "--max-inflight must be >= 0"),
     ({"min_acceptance": 1.5}, "min_acceptance must be 'auto' or in [0, 1], got 1.5", "--min-acceptance must be"),
     ({"firp_k": 0}, "firp_k must be >= 1, got 0", "--firp-k must be >= 1, got 0"),
     ({"firp_min_prob": 2.0}, "firp_min_prob must be in [0, 1], got 2.0", "--firp-min-prob must be in [0, 1]"),

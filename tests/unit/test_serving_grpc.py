@@ -54,6 +54,9 @@ def test_health_is_not_serving_while_draining_or_restarting_and_unhealthy_after_
     engine.fence("draining: the server is shutting down", draining=True)
     assert states() == (pb.HealthResponse.NOT_SERVING, not_serving, not_serving)
     engine._fence, engine._draining = None, False
+    coord.recovering, coord.failure = "restarting after a stage failure", RuntimeError("stage gone")
+    assert states()[0] == pb.HealthResponse.UNHEALTHY  # a failure outranks a recovery still marked
+    coord.recovering, coord.failure = None, None
     engine.fence("pipeline failed: stage restarts exhausted")
     assert states() == (pb.HealthResponse.UNHEALTHY, not_serving, not_serving)
     with pytest.raises(grpc.RpcError) as info:
@@ -74,7 +77,8 @@ def test_health_watch_streams_each_change(grpc_server):
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
     watch.cancel()
     unknown = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="x"), timeout=10)
-    assert [r.status for r in unknown] == [health_pb2.HealthCheckResponse.SERVICE_UNKNOWN]
+    assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN  # and the call stays open
+    unknown.cancel()
 
 
 def test_reflection_lists_the_services_without_the_api_key(grpc_server):

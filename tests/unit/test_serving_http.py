@@ -265,7 +265,8 @@ def test_cli_rejects_bad_serve_and_bench_flags_before_spawning(capsys):
 @pytest.mark.parametrize(("text", "stop", "want", "matched"), [
     ("abcXYZdef", ("XYZ",), "abc", "XYZ"), ("abXYqXYZ", ("XYZ",), "abXYq", "XYZ"), ("abXYq", ("XYZ",), "abXYq", None),
     ("hello world", ("ld", "o w"), "hell", "o w"), ("aXb", ("X",), "a", "X"), ("Xab", ("X",), "", "X"),
-    ("abcd", ("bcd", "bc"), "a", "bc"),  # the first to appear ends it
+    ("abcd", ("bcd", "bc"), "a", "bc"),  # the first to be complete ends it
+    ("xabcd", ("abcd", "bc"), "xa", "bc"),
 ])
 def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want, matched):
     """The coordinator's RequestHandle holds back text that may start a stop string (tiny byte
@@ -283,6 +284,10 @@ def test_stop_string_text_is_never_streamed(tokenizer, text, stop, want, matched
     assert h.finish_reason == ("stop" if want != text else "length")
     assert h.stop_reason == chunks[-1].stop_reason == matched
     assert all(c.stop_reason is None for c in chunks[:-1])
+    # all the tokens in one commit (a speculative result): the same text and stop string
+    at_once = RequestHandle("r", "p", [1], params, tokenizer.detokenizer(prompt_ids=[1]))
+    at_once.emit(Commit(0, tuple(ids), FinishReason.LENGTH))
+    assert (at_once.result(1).text, at_once.stop_reason) == (want, matched)
 
 
 def test_tokens_committed_with_a_non_finite_row_stream_before_the_error(tokenizer):

@@ -115,3 +115,38 @@ def test_a_stage_that_cannot_come_back_fails_at_once_without_spending_the_restar
     assert str(error) == ("stage restart failed: node 1 could not respawn stage 1: node 1's launcher was stopped "
                           "(Ctrl-C or SIGTERM)")
     assert len(attempts) == 1 and coord.num_restarts == 1
+
+
+def test_a_failed_recovery_is_over_too():
+    """`recovering` stayed set after a recovery failed: /metrics said stage_recovering 1 forever on a
+    fenced server, and health said NOT_SERVING (recovers by itself) instead of UNHEALTHY."""
+    import threading
+
+    from launcher.coordinator.coordinator import Coordinator, PipelineError
+
+    coord = Coordinator.__new__(Coordinator)
+    coord._stopping, failed = threading.Event(), []
+
+    def pump():
+        raise PipelineError("stage 1 exited")
+
+    def recover(error):
+        coord.recovering = "restarting after a stage failure: stage 1 exited"
+        return PipelineError("stage restart failed: node 1 is gone")
+
+    coord._pump, coord._recover, coord._fail = pump, recover, failed.append
+    coord._engine_loop()
+    assert [str(e) for e in failed] == ["stage restart failed: node 1 is gone"] and coord.recovering is None
+
+
+def test_restarts_left_is_read_without_changing_the_ledger():
+    """/metrics reads restarts left from its own thread: `used` drops expired entries from the deque
+    the engine thread appends to; `left` only reads."""
+    from launcher.coordinator.stage_restarts import RestartBudget, RestartLedger
+
+    ledger = RestartLedger(RestartBudget(max_restarts=3, window_s=10))
+    ledger.record(0.0)
+    ledger.record(5.0)
+    assert ledger.left(6.0) == 1 and ledger.left(12.0) == 2 and ledger.left(20.0) == 3
+    assert len(ledger._times) == 2  # nothing was dropped by reading
+    assert ledger.used(12.0) == 1 and ledger.left(12.0) == 2
