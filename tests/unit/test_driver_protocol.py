@@ -90,8 +90,12 @@ def test_ctrl_c_ends_a_driver_quietly_with_code_130(monkeypatch):
         sys.exit(driver_main(lambda: serve_requests(take_stdout_for_replies(), lambda request: request)))
         """
     )
+    # SIGINT as a terminal's foreground job has it: a test run started in the background (nohup,
+    # `pytest &`) ignores SIGINT, and an ignored signal stays ignored across exec (the driver then
+    # read stdin to its end and exited 0)
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().strip() == '{"ready": true}'  # now blocked reading stdin
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)
