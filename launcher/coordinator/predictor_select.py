@@ -32,7 +32,7 @@ from pipeline.speculation.predictor_file import (
     ships_predictors_for,
 )
 from pipeline.speculation.predictors import is_predictor_file
-from pipeline.weights.gguf_import import SOURCE_FILE
+from pipeline.weights.registry import model_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +143,10 @@ def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Pa
     if predictor == "logit-lens" or exit_predictor == "none":
         return full
     path = given_predictor_file(predictor, exit_predictor)
-    if path is None:  # the shipped head: a converted folder's hash is on record (cheap); a plain folder
-        # would be hashed (seconds), so there the name alone finds it
-        cheap = (model_dir / SOURCE_FILE).is_file()
-        digest = model_identity(model_dir, config).hash[:12] if cheap else "*"
+    if path is None:  # the shipped head: by the converted GGUF's hash too (cheap, model_key); a plain
+        # folder would have to be hashed (seconds), so there the name alone finds it
+        key = model_key(model_dir)
+        digest = key.removeprefix("sha256:")[:12] if key.startswith("sha256:") else "*"
         found = sorted(folder.glob(f"{model_name(model_dir)}-{digest}-early-exit-L{exit_layer}.safetensors"))
         path = found[0] if found else None
     meta = _file_meta(path) or {}

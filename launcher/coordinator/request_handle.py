@@ -144,7 +144,7 @@ class RequestHandle:
         if stop:
             # The match that is complete first ends it (the first listed where two end together), cut at
             # its start: what token-by-token decoding finds, however many tokens one commit brings.
-            found = [(i + len(s), n, i) for n, (s, i) in enumerate((s, pending.find(s)) for s in stop) if i >= 0]
+            found = [(i + len(s), n, i) for n, s in enumerate(stop) if (i := pending.find(s)) >= 0]
             if found:
                 _, which, cut = min(found)
                 pending, hit, self.stop_reason = pending[:cut], True, stop[which]

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from proto import speedpipe_pb2 as pb
 
 GENERATE_SERVICE = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+SERVICES = ("", GENERATE_SERVICE)  # the names health answers for: the server as a whole, and Generate
 WATCH_POLL_S = 1.0  # how often a Watch stream looks for a change
 MAX_WATCHES = 4  # Watch streams at once: each holds a server thread (GrpcServer adds this many)
 # RPCs that need no API key, as speedpipe's own Health (probes carry no secrets)
@@ -44,7 +45,7 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
         return _Status.SERVING if self._status()[0] == "serving" else _Status.NOT_SERVING
 
     def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext):  # noqa: N802 - gRPC name
-        if request.service not in ("", GENERATE_SERVICE):
+        if request.service not in SERVICES:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=self._current())
 
@@ -53,7 +54,7 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
         if not self._watches.acquire(blocking=False):  # they would take the threads Generate needs
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHES} Watch streams at once; "
                           "use Check")
-        known = request.service in ("", GENERATE_SERVICE)  # unknown: SERVICE_UNKNOWN, the call kept open
+        known = request.service in SERVICES  # unknown: SERVICE_UNKNOWN, the call kept open
         try:
             last = None
             while context.is_active():
@@ -67,7 +68,7 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
 
     def List(self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext):  # noqa: N802 - gRPC name
         status = health_pb2.HealthCheckResponse(status=self._current())
-        return health_pb2.HealthListResponse(statuses={"": status, GENERATE_SERVICE: status})
+        return health_pb2.HealthListResponse(statuses=dict.fromkeys(SERVICES, status))
 
 
 def enable_standard_services(server: grpc.Server, status: Callable[[], tuple[str, str]]) -> None:
