@@ -4,10 +4,12 @@ messages in gRPC's field names, and a request whose RPC ended before it was admi
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -137,3 +139,68 @@ def test_a_request_whose_rpc_ended_before_admission_is_cancelled_at_once(tokeniz
     assert replies == []
     wait_for(lambda: engine.num_outstanding == 0 and coord.aborted, timeout_s=5)
     assert len(coord.aborted) == 1 and threading.active_count() < 50
+
+
+def _rpcs() -> list[tuple[str, object]]:
+    """(full method name, method descriptor) of every RPC the server answers."""
+    services = [pb.DESCRIPTOR.services_by_name["GenerateService"], health_pb2.DESCRIPTOR.services_by_name["Health"],
+                reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]]
+    return [(f"/{s.full_name}/{m.name}", m) for s in services for m in s.methods]
+
+
+def _raw_call(channel: grpc.Channel, method: str, descriptor, payload: bytes, metadata=()):
+    """Send `payload` as the request bytes of `method` (no serializer) and read the whole answer."""
+    kind = ("stream" if descriptor.client_streaming else "unary") + "_" + \
+           ("stream" if descriptor.server_streaming else "unary")
+    answer = getattr(channel, kind)(method)(iter([payload]) if descriptor.client_streaming else payload,
+                                            metadata=metadata, timeout=10)
+    return list(answer) if descriptor.server_streaming else answer
+
+
+@pytest.mark.parametrize(("method", "descriptor"), _rpcs(), ids=[name for name, _ in _rpcs()])
+def test_bytes_that_are_not_the_request_type_are_invalid_argument_naming_the_rpc(grpc_server, method, descriptor):
+    """grpcio answered INTERNAL "Exception deserializing request!" (a server error, retried by
+    clients and alerting operators) to a client with a mismatched .proto or no protobuf at all."""
+    _, _, channel = grpc_server
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, b"\xff\xff\xff", metadata=KEY)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith(f"{method}: the request could not be parsed as "
+                                           f"{descriptor.input_type.full_name} ("), info.value.details()
+
+
+def test_a_field_sent_with_another_wire_type_is_invalid_argument_naming_it(grpc_server):
+    """A client whose .proto has `double temperature = 5` sends field 5 as 8 bytes: protobuf kept
+    it as an unknown field, so the request ran greedy without a word."""
+    _, _, channel = grpc_server
+    method, descriptor = next(r for r in _rpcs() if r[0].endswith("/Generate"))
+    good = pb.GenerateRequest(prompt="hi", max_new_tokens=2).SerializeToString()
+    assert len(_raw_call(channel, method, descriptor, good, metadata=KEY)) == 2
+    as_double = b"\x29" + struct.pack("<d", 0.7)  # field 5, wire type 1 (fixed64)
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, good + as_double, metadata=KEY)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'temperature' (field 5) arrived with another wire type" in info.value.details()
+    nested = pb.GenerateRequest(max_new_tokens=2).SerializeToString() + b"\x1a\x05\x0d" + bytes(4)  # ids as fixed32
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, nested, metadata=KEY)
+    assert "'prompt_token_ids.ids' (field 1)" in info.value.details()
+
+
+def test_the_api_key_is_checked_before_the_request_is_parsed(grpc_server):
+    _, _, channel = grpc_server
+    method, descriptor = next(r for r in _rpcs() if r[0].endswith("/Generate"))
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, b"\xff\xff\xff")
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_reflection_still_describes_the_real_request_types(grpc_server):
+    _, _, channel = grpc_server
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="speedpipe.v1.GenerateService")
+    [reply] = stub.ServerReflectionInfo(iter([request]), timeout=10)
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in reply.file_descriptor_response.file_descriptor_proto]
+    [service] = [s for f in files for s in f.service if s.name == "GenerateService"]
+    assert {m.name: m.input_type for m in service.method}["Generate"] == ".speedpipe.v1.GenerateRequest"
