@@ -276,3 +276,55 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     stop_reason: str
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "pipeline", "limits")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    pipeline: PipelineInfo
+    limits: RequestLimits
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pipeline: _Optional[_Union[PipelineInfo, _Mapping]] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+
+class PipelineInfo(_message.Message):
+    __slots__ = ("num_stages", "dtype", "quantization", "speculate")
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    num_stages: int
+    dtype: str
+    quantization: str
+    speculate: str
+    def __init__(self, num_stages: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculate: _Optional[str] = ...) -> None: ...
+
+class RequestLimits(_message.Message):
+    __slots__ = ("max_num_seqs", "max_queue", "max_temperature", "max_logprobs", "max_stop_strings", "max_request_id_chars", "max_seed")
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEED_FIELD_NUMBER: _ClassVar[int]
+    max_num_seqs: int
+    max_queue: int
+    max_temperature: float
+    max_logprobs: int
+    max_stop_strings: int
+    max_request_id_chars: int
+    max_seed: int
+    def __init__(self, max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_temperature: _Optional[float] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_seed: _Optional[int] = ...) -> None: ...

@@ -345,6 +345,11 @@ class GenerateServiceStub:
                 request_serializer=proto_dot_speedpipe__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_speedpipe__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/speedpipe.v1.GenerateService/GetModelInfo',
+                request_serializer=proto_dot_speedpipe__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_speedpipe__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -368,6 +373,15 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """Describe what is served: the model, how the pipeline runs it, and the limits request validation
+        enforces, so that a client can size and check its requests before sending them (HTTP's
+        GET /v1/models gives the same model_id and max_model_len). Needs the API key, as Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -380,6 +394,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=proto_dot_speedpipe__pb2.HealthRequest.FromString,
                     response_serializer=proto_dot_speedpipe__pb2.HealthResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=proto_dot_speedpipe__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=proto_dot_speedpipe__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,6 +456,33 @@ class GenerateService:
             '/speedpipe.v1.GenerateService/Health',
             proto_dot_speedpipe__pb2.HealthRequest.SerializeToString,
             proto_dot_speedpipe__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speedpipe.v1.GenerateService/GetModelInfo',
+            proto_dot_speedpipe__pb2.GetModelInfoRequest.SerializeToString,
+            proto_dot_speedpipe__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

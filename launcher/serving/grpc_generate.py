@@ -1,20 +1,23 @@
 """gRPC front end: `GenerateService` of proto/speedpipe.proto, served by the coordinator's process.
 
 `Generate` streams one `GenerateResponse` per commit; the last has finish_reason, usage and timing.
-Status codes: INVALID_ARGUMENT for bad input (the message names the field), RESOURCE_EXHAUSTED
-when the queue is full, UNAVAILABLE when the pipeline failed or the server is fenced or draining
-(also mid-stream), UNAUTHENTICATED for Generate without `authorization: Bearer KEY` metadata when
-the server has --api-key (Health stays open, as HTTP /health), INVALID_ARGUMENT naming the RPC for a
-request that does not parse as its type (`RequestParseInterceptor`; grpcio's default is INTERNAL). A cancelled RPC (client gone,
-deadline passed) aborts the request, freeing its KV slot on every stage. `Health` is SERVING only
-while the coordinator and every stage are, NOT_SERVING while draining or restarting a stage, and
-UNHEALTHY after a failure for good; grpc.health.v1 and reflection: launcher/serving/grpc_health.py.
+`GetModelInfo` describes the model, the pipeline and the request limits (`model_info`).
+Status codes: INVALID_ARGUMENT for bad input (the message names the field) and for a request that
+does not parse as its RPC's type (`RequestParseInterceptor`; grpcio's own answer is INTERNAL),
+RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when the pipeline failed or the server is
+fenced or draining (also mid-stream), UNAUTHENTICATED for Generate and GetModelInfo without
+`authorization: Bearer KEY` metadata when the server has --api-key (Health stays open, as HTTP
+/health). A cancelled RPC (client gone, deadline passed) aborts the request, freeing its KV slot on
+every stage. `Health` is SERVING only while the coordinator and every stage are, NOT_SERVING while
+draining or restarting a stage, and UNHEALTHY after a failure for good; grpc.health.v1 and
+reflection: launcher/serving/grpc_health.py.
 Must not: hold generation logic (launcher/serving/serving_engine.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import re
 import uuid
@@ -96,6 +99,22 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     return ids, params
 
 
+def model_info(engine: ServingEngine) -> pb.ModelInfo:
+    """GetModelInfo's answer: what HTTP's /v1/models says (the engine's model name and max_model_len),
+    the tokenizer's vocabulary and special tokens, the engine's pipeline description and the limits
+    `request_params` and admission enforce."""
+    tok = engine.tokenizer
+    info = pb.ModelInfo(model_id=engine.model_name, max_model_len=engine.max_model_len, vocab_size=tok.vocab_size,
+                        eos_token_ids=tok.eos_token_ids, bos_token_id=tok.bos_token_id,
+                        limits=pb.RequestLimits(max_num_seqs=engine.max_num_seqs, max_queue=engine.max_queue,
+                                                max_temperature=MAX_TEMPERATURE, max_logprobs=MAX_LOGPROBS,
+                                                max_stop_strings=MAX_STOP_STRINGS,
+                                                max_request_id_chars=MAX_REQUEST_ID_CHARS, max_seed=API_SEED_LIMIT - 1))
+    if engine.pipeline is not None:
+        info.pipeline.CopyFrom(pb.PipelineInfo(**dataclasses.asdict(engine.pipeline)))
+    return info
+
+
 def _token_logprob(entry: TokenLogprob) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
@@ -148,6 +167,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:  # noqa: N802
         state, why = self.engine.health_status()
         return pb.HealthResponse(status=HEALTH[state], message=why)
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest,  # noqa: N802 - gRPC name
+                     context: grpc.ServicerContext) -> pb.ModelInfo:
+        return model_info(self.engine)
 
 
 def misread_fields(message: Message, prefix: str = "") -> list[str]:

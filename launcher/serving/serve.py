@@ -22,12 +22,16 @@ import logging
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession
 from launcher.coordinator.stage_restarts import RestartBudget
 from workers.control_auth import TlsFiles
 from workers.heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from launcher.serving.serving_engine import ServedPipeline
 
 log = logging.getLogger("speedpipe.serve")
 
@@ -149,7 +153,7 @@ class ServingStack:
         window_serving_buffers(coord, SERVE_WINDOW)
         self.engine = ServingEngine(coord, model_name=options.model_name or default_model_name(session),
                                     max_num_seqs=opt.max_num_seqs, max_queue=options.max_queue,
-                                    max_model_len=opt.max_model_len)
+                                    max_model_len=opt.max_model_len, pipeline=served_pipeline(session))
         self.http = HttpServer(self.engine, host=options.host, port=options.port, log_level=options.http_log_level,
                                api_key=options.api_key, max_request_bytes=options.max_request_bytes)
         try:  # the ports were free at start-up (`check_ports`); something may have taken one since
@@ -239,6 +243,18 @@ def window_serving_buffers(coord: Coordinator, max_entries: int) -> None:
     totals) are plain numbers and stay exact. Called before the server admits requests.
     """
     coord.engine.window_buffers(max_entries)
+
+
+def served_pipeline(session: PipelineSession) -> ServedPipeline:
+    """How `session` runs its model, as GetModelInfo tells clients: the dtype and numeric mode the
+    stages load in (`--quantization auto` settled to gguf or none, as the stages settle it)."""
+    from launcher.serving.serving_engine import ServedPipeline
+    from pipeline.weights.quant_load import activation_dtype, effective_mode
+
+    opt, model_dir = session.options, str(session.model.model_dir)
+    dtype = activation_dtype(opt.quantization, model_dir, opt.torch_dtype, opt.device)
+    return ServedPipeline(num_stages=opt.num_stages, dtype=str(dtype).removeprefix("torch."),
+                          quantization=effective_mode(opt.quantization, model_dir, opt.device), speculate=opt.speculate)
 
 
 def default_model_name(session: PipelineSession) -> str:

@@ -65,6 +65,18 @@ class FinalInfo:
     e2e_s: float
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServedPipeline:
+    """How the served pipeline runs its model, as clients are told (gRPC GetModelInfo): stages,
+    activation dtype name, the weights' effective numeric mode (none | gguf | int8 | int4) and the
+    speculation mode (none | speed | firp | speed+firp)."""
+
+    num_stages: int
+    dtype: str
+    quantization: str
+    speculate: str
+
+
 _EMPTY = object()
 
 
@@ -193,17 +205,18 @@ class ServingEngine:
     slot beyond those. Counts for `num_running` / `num_waiting` are derived from the outstanding
     requests (the scheduler admits whenever a slot is free). `heartbeat`: when set (serve mode,
     launcher/coordinator/stage_heartbeat.py), `healthy()` answers from its latest beats instead of asking every
-    stage, so /health never waits on a hung stage.
+    stage, so /health never waits on a hung stage. `pipeline`: how the pipeline runs (None: not told,
+    e.g. an engine over a test double).
     """
 
     def __init__(self, coordinator: Coordinator, *, model_name: str, max_num_seqs: int, max_queue: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, pipeline: ServedPipeline | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
         self.coordinator = coordinator
         self.tokenizer = coordinator.tokenizer
         self.model_name, self.max_num_seqs, self.max_queue = model_name, max_num_seqs, max_queue
-        self.max_model_len = max_model_len
+        self.max_model_len, self.pipeline = max_model_len, pipeline
         self.heartbeat = None  # a StageHeartbeat, set by the serving stack
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)

@@ -5,7 +5,8 @@ speculation mode: `none`, `speed` (n-gram drafts) and `speed+firp` (untrained FI
 of several rows are verified in one result and both accepted and rejected), every draft sent. Every check compares with
 a reference computed here from transformers' logits for the same prompt (greedy decoding, float32,
 to 1e-4): `logprobs` / `top_logprobs` on completions and chat, `echo` with prompt logprobs, `n` = 3,
-presence / frequency / repetition penalties, and gRPC Generate's logprobs and penalties; all modes must match the same reference, so the
+presence / frequency / repetition penalties, gRPC Generate's logprobs and penalties, and gRPC
+GetModelInfo's description of the session; all modes must match the same reference, so the
 verify pass gives the logprobs plain decoding gives. Bad values answer 400 naming the field.
 What breaks when these fail: logprobs of the wrong row or distribution, prompt rows lost, penalties
 that differ from vLLM's formula or that ignore accepted drafts, choices that share a sequence.
@@ -259,6 +260,19 @@ def test_grpc_generate_logprobs_and_penalties_match_transformers(server, hf_mode
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(req))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+
+
+def test_grpc_model_info_describes_the_running_session(server):
+    """GetModelInfo against a real session: the pipeline the stages run, the EOS ids the scheduler
+    stops at, and the model id and max_model_len that GET /v1/models lists."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        info = pb_grpc.GenerateServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    options, coordinator = server.session.options, server.session.coordinator
+    assert (info.pipeline.num_stages, info.pipeline.speculate) == (options.num_stages, options.speculate)
+    assert (info.pipeline.dtype, info.pipeline.quantization) == ("float32", "none")  # the tiny model, float32 dense
+    assert list(info.eos_token_ids) == list(coordinator.config.scheduler.eos_token_ids)
+    [card] = httpx.get(f"http://127.0.0.1:{server.http_port}/v1/models").json()["data"]
+    assert (info.model_id, info.max_model_len) == (card["id"], card["max_model_len"])
 
 
 def test_speculation_verified_drafts(server, client):

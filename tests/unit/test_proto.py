@@ -200,9 +200,10 @@ def test_services_expose_the_documented_rpcs():
         "Shutdown",
         "Rejoin",
     ]
-    assert [m.name for m in services["GenerateService"].methods] == ["Generate", "Health"]
+    assert [m.name for m in services["GenerateService"].methods] == ["Generate", "Health", "GetModelInfo"]
     generate_rpc = services["GenerateService"].methods_by_name["Generate"]
     assert generate_rpc.output_type.name == "GenerateResponse"
+    assert services["GenerateService"].methods_by_name["GetModelInfo"].output_type.name == "ModelInfo"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import struct
 import threading
+from types import SimpleNamespace
 
 import grpc
+import httpx
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from launcher.serving.grpc_generate import GenerateServicer, GrpcServer, request_params
-from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
+from launcher.serving.http_server import HttpServer
+from launcher.serving.serve import served_pipeline
+from launcher.serving.serving_engine import InvalidRequestError, ServedPipeline, ServingEngine
+from pipeline.run_config import RunConfig
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
+from tests.tiny_model import write_tiny_model
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -204,3 +210,83 @@ def test_reflection_still_describes_the_real_request_types(grpc_server):
              for b in reply.file_descriptor_response.file_descriptor_proto]
     [service] = [s for f in files for s in f.service if s.name == "GenerateService"]
     assert {m.name: m.input_type for m in service.method}["Generate"] == ".speedpipe.v1.GenerateRequest"
+
+
+def _accepted(engine: ServingEngine, **fields) -> bool:
+    """Whether `request_params` accepts a GenerateRequest with `fields` (prompt "hi" and 2 new tokens by default)."""
+    try:
+        request_params(pb.GenerateRequest(**{"prompt": "hi", "max_new_tokens": 2} | fields), engine)
+    except InvalidRequestError:
+        return False
+    return True
+
+
+def test_model_info_reports_the_limits_validation_enforces(grpc_server, tokenizer):  # noqa: F811
+    """There was no RPC a client could learn the served model or the server's limits from."""
+    _, engine, channel = grpc_server
+    info = pb_grpc.GenerateServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), metadata=KEY, timeout=10)
+    lim = info.limits
+    assert info.model_id == engine.model_name and not info.HasField("pipeline")  # the engine was told no pipeline
+    assert list(info.eos_token_ids) == list(tokenizer.eos_token_ids) and info.eos_token_ids
+    assert info.HasField("bos_token_id") == (tokenizer.bos_token_id is not None)
+    two = len(tokenizer.encode("hi"))
+    for at_limit, past_limit in (
+        ({"max_new_tokens": info.max_model_len - two}, {"max_new_tokens": info.max_model_len - two + 1}),
+        ({"prompt_token_ids": pb.TokenIds(ids=[info.vocab_size - 1])}, {"prompt_token_ids": pb.TokenIds(ids=[info.vocab_size])}),
+        ({"temperature": lim.max_temperature}, {"temperature": lim.max_temperature + 0.01}),
+        ({"logprobs": lim.max_logprobs}, {"logprobs": lim.max_logprobs + 1}),
+        ({"stop": ["x"] * lim.max_stop_strings}, {"stop": ["x"] * (lim.max_stop_strings + 1)}),
+        ({"request_id": "r" * lim.max_request_id_chars}, {"request_id": "r" * (lim.max_request_id_chars + 1)}),
+        ({"seed": lim.max_seed}, {"seed": lim.max_seed + 1}),
+    ):
+        assert _accepted(engine, **at_limit) and not _accepted(engine, **past_limit), (at_limit, past_limit)
+    assert (lim.max_num_seqs, lim.max_queue) == (engine.max_num_seqs, engine.max_queue)
+
+
+def test_model_info_needs_the_api_key_and_describes_the_pipeline(tokenizer):  # noqa: F811
+    pipeline = ServedPipeline(num_stages=3, dtype="bfloat16", quantization="int8", speculate="speed")
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
+                           max_model_len=64, pipeline=pipeline)
+    server = GrpcServer(engine, host="127.0.0.1", port=0, api_key="k3y")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            described = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=KEY, timeout=10).pipeline
+    finally:
+        server.stop()
+    assert (described.num_stages, described.dtype, described.quantization, described.speculate) == \
+        (pipeline.num_stages, pipeline.dtype, pipeline.quantization, pipeline.speculate)
+
+
+def test_model_info_names_the_model_as_http_does(tokenizer):  # noqa: F811
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    http, server = HttpServer(engine, host="127.0.0.1", port=0), GrpcServer(engine, host="127.0.0.1", port=0)
+    http.start()
+    server.start()
+    try:
+        [card] = httpx.get(f"http://127.0.0.1:{http.server.servers[0].sockets[0].getsockname()[1]}/v1/models",
+                           timeout=10).json()["data"]
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            info = pb_grpc.GenerateServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    finally:
+        server.stop()
+        http.stop()
+    assert (info.model_id, info.max_model_len) == (card["id"], card["max_model_len"])
+
+
+@pytest.mark.parametrize(("quantization", "dtype", "expected"), [
+    ("none", "float32", ("float32", "none")),
+    ("none", "bfloat16", ("bfloat16", "none")),
+    ("int8", "float32", ("bfloat16", "int8")),  # the int kernels compute in bfloat16 whatever --dtype says
+    ("auto", "float32", ("float32", "none")),  # a folder not converted from a GGUF: dense
+])
+def test_served_pipeline_says_what_the_stages_load(tmp_path, quantization, dtype, expected):
+    options = RunConfig(num_stages=3, quantization=quantization, dtype=dtype, speculate="speed", predictor="ngram")
+    session = SimpleNamespace(options=options, model=SimpleNamespace(model_dir=write_tiny_model(tmp_path)))
+    served = served_pipeline(session)
+    assert (served.dtype, served.quantization) == expected
+    assert (served.num_stages, served.speculate) == (3, "speed")

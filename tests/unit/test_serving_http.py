@@ -26,6 +26,7 @@ from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
 from pipeline.engine.records import Commit, FinishReason, SpecCounters
 from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.run_config import RunConfig
 from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
@@ -724,7 +725,7 @@ def test_grpc_refuses_what_http_refuses(tokenizer, fields, param, message):
 
 
 @pytest.mark.parametrize("taken", ["--port", "--grpc-port"])
-def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(tokenizer, taken):
+def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(tokenizer, taken, tmp_path):
     """The ports are checked before the stages start; one taken after that (while a model loads for
     minutes) used to end `serve` with a traceback and exit 1: now a ValueError naming the flag (exit 2)."""
     import types
@@ -734,7 +735,8 @@ def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(
     coord = FakeCoordinator(tokenizer)
     coord.stubs, coord.recovery_listeners = [], []
     coord.engine = types.SimpleNamespace(window_buffers=lambda n: None)
-    session = types.SimpleNamespace(coordinator=coord, options=types.SimpleNamespace(max_num_seqs=2, max_model_len=64))
+    session = types.SimpleNamespace(coordinator=coord, options=RunConfig(max_num_seqs=2, max_model_len=64),
+                                    model=types.SimpleNamespace(model_dir=tmp_path))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
