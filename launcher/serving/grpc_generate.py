@@ -86,7 +86,8 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
         raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}] when set, got {req.logprobs}", "logprobs")
     try:
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-                                top_p=req.top_p or 1.0, seed=req.seed if req.HasField("seed") else None,
+                                top_p=req.top_p if req.HasField("top_p") else 1.0,
+                                seed=req.seed if req.HasField("seed") else None,
                                 stop=tuple(req.stop), ignore_eos=req.ignore_eos,
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,

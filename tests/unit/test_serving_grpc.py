@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import httpx
 import pytest
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -113,6 +113,7 @@ def test_the_last_chunk_names_the_stop_string(grpc_server):
     ({"min_p": -0.1}, "min_p", "'min_p' must be in [0, 1], got -0.1"),
     ({"repetition_penalty": 2.3}, "repetition_penalty", "'repetition_penalty' must be in (0, 2], got 2.3"),
     ({"logprobs": 21}, "logprobs", "'logprobs' must be in [0, 20] when set, got 21"),
+    ({"top_p": 0.0}, "top_p", "'top_p' must be in (0, 1], got 0.0"),  # was taken as 1; HTTP: 400
 ])
 def test_errors_name_the_grpc_field_and_print_floats_as_sent(tokenizer, fields, param, message):  # noqa: F811
     """They named HTTP's 'max_tokens', said "None" (a Python word), and printed float32 fields as
@@ -290,3 +291,41 @@ def test_served_pipeline_says_what_the_stages_load(tmp_path, quantization, dtype
     served = served_pipeline(session)
     assert (served.dtype, served.quantization) == expected
     assert (served.num_stages, served.speculate) == (3, "speed")
+
+
+def _generate_request_before_top_p_had_presence():
+    """GenerateRequest as the .proto declared it before (`float top_p = 6`, no presence), in a
+    descriptor pool of its own: what clients built from that .proto send."""
+    file = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(file)
+    message = next(m for m in file.message_type if m.name == "GenerateRequest")
+    field = next(f for f in message.field if f.name == "top_p")
+    synthetic = field.oneof_index  # proto3 `optional` is a one-field oneof
+    field.ClearField("proto3_optional")
+    field.ClearField("oneof_index")
+    del message.oneof_decl[synthetic]
+    for f in message.field:
+        if f.HasField("oneof_index") and f.oneof_index > synthetic:
+            f.oneof_index -= 1
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("speedpipe.v1.GenerateRequest"))
+
+
+def test_top_p_zero_is_invalid_argument_but_unset_and_old_clients_mean_1(grpc_server, tokenizer):  # noqa: F811
+    """gRPC took top_p = 0 as 1 where HTTP answers 400; with presence an explicit 0 is refused,
+    while a request without the field (unset, or a 0 from stubs of the old .proto, which proto3
+    does not send) still means 1."""
+    _, engine, channel = grpc_server
+    with pytest.raises(grpc.RpcError) as info:
+        list(pb_grpc.GenerateServiceStub(channel).Generate(
+            pb.GenerateRequest(prompt="hi", max_new_tokens=2, top_p=0.0), metadata=KEY, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'top_p'" in info.value.details()
+    old = _generate_request_before_top_p_had_presence()
+    assert not old.DESCRIPTOR.fields_by_name["top_p"].has_presence
+    for top_p in (0.0, 0.5):
+        wire = old(prompt="hi", max_new_tokens=2, top_p=top_p).SerializeToString()
+        _, params = request_params(pb.GenerateRequest.FromString(wire), engine)
+        assert params.top_p == (top_p or 1.0)
+    _, params = request_params(pb.GenerateRequest(prompt="hi", max_new_tokens=2), engine)
+    assert params.top_p == 1.0
