@@ -70,8 +70,9 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
         ids = engine.tokenizer.encode(req.prompt)
     else:
         ids = list(req.prompt_token_ids.ids)
-    if req.max_new_tokens < 1:
-        raise InvalidRequestError(f"'max_new_tokens' must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
+    if req.max_new_tokens < 1:  # proto3 sends no 0: unset and 0 look the same
+        raise InvalidRequestError("'max_new_tokens' is unset or 0; it is required, at least 1 (no default, unlike "
+                                  "HTTP's max_tokens)", "max_new_tokens")
     engine.check_prompt(ids, req.max_new_tokens, prompt_field=which, budget_field="max_new_tokens")
     if len(req.stop) > MAX_STOP_STRINGS:  # HTTP's rules (OpenAI: up to 4, none empty)
         raise InvalidRequestError(f"'stop' has {len(req.stop)} strings; at most {MAX_STOP_STRINGS}", "stop")

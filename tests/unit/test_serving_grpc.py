@@ -28,6 +28,7 @@ from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F40
 
 pytestmark = pytest.mark.timeout(60)
 KEY = [("authorization", "Bearer k3y")]
+UNSET_BUDGET = "'max_new_tokens' is unset or 0; it is required, at least 1 (no default, unlike HTTP's max_tokens)"
 
 
 @pytest.fixture()
@@ -114,6 +115,7 @@ def test_the_last_chunk_names_the_stop_string(grpc_server):
     ({"repetition_penalty": 2.3}, "repetition_penalty", "'repetition_penalty' must be in (0, 2], got 2.3"),
     ({"logprobs": 21}, "logprobs", "'logprobs' must be in [0, 20] when set, got 21"),
     ({"top_p": 0.0}, "top_p", "'top_p' must be in (0, 1], got 0.0"),  # was taken as 1; HTTP: 400
+    *[({"max_new_tokens": value}, "max_new_tokens", UNSET_BUDGET) for value in (None, 0)],  # said "got 0" when unset
 ])
 def test_errors_name_the_grpc_field_and_print_floats_as_sent(tokenizer, fields, param, message):  # noqa: F811
     """They named HTTP's 'max_tokens', said "None" (a Python word), and printed float32 fields as
