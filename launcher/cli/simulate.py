@@ -5,7 +5,7 @@ a calibrated cost model against every measured configuration of a `bench` result
 (predicted vs measured tokens/s), and the outputs under --out: simulate.json (strict JSON: an
 unlimited --link-bandwidth-bytes-per-s is null, and so is the acceptance of a configuration that
 verified no draft), simulate.csv and plots (useful/busy utilisation and tokens/s over stages;
-tokens/s over link latency when several are swept; predicted vs measured with --calibrate). The simulation itself is pipeline/measure/simulator.py; the fit is pipeline/measure/calibrate.py.
+tokens/s over link latency when several are swept; predicted vs measured with --calibrate). The simulation itself is pipeline/measure/simulator.py; the fit is pipeline/measure/calibrate.py; a results.json's runs are read by launcher/bench/run_records.py.
 Must not: start pipelines.
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
+from launcher.bench.run_records import load_bench_runs
 from launcher.cli.output_paths import check_output_dir, dumps_strict
 from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
 from pipeline.measure.calibrate_tables import run_load_factor
@@ -52,6 +52,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the Bernoulli acceptance draws")
     k = p.add_argument_group("calibration (a measured cost model instead of the synthetic one)")
     k.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
+                   "(its runs' timelines from the timelines.json beside it, else from its runs/ folder) "
                    "and report predicted vs measured tokens/s of each of its configurations")
     k.add_argument("--row-cost", default="none", metavar="none|file:PATH", help="with --calibrate: a "
                    "tests/benchmarks/row_cost.py report whose table (--dtype's mode) prices the row counts the "
@@ -96,34 +97,6 @@ def _list(flag: str, text: str, cast, *, lo: float, hi: float = float("inf"), al
     if not out:
         raise ValueError(f"{flag} is empty")
     return out
-
-
-def load_bench_runs(path: str | Path) -> list[dict]:
-    """Every measured run of a bench results.json with its timeline. Raises ValueError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--calibrate {path}: no such file")
-    try:
-        results = json.loads(path.read_text())
-        runs = []
-        for cfg in results["configs"]:
-            for run in cfg["runs"]:
-                tl = json.loads((path.parent / run["timeline"]).read_text())
-                exit_head = (cfg["speculate"] != "none"  # a run without speculation records predictor "-"
-                             and RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"] if cfg["predictor"] != "-"
-                                           else "hybrid").needs_exit_head)
-                runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
-                             "exit_head": exit_head,
-                             "concurrency": cfg["concurrency"], "stats": run["stats"],
-                             "num_tokens": run["num_tokens"], "timeline": tl})
-    except UnicodeDecodeError:
-        raise ValueError(f"--calibrate {path}: not a speedpipe bench results.json (it, or a timeline file of "
-                         f"its runs/ folder, is not UTF-8 text)") from None
-    except (json.JSONDecodeError, KeyError, TypeError, OSError) as exc:
-        raise ValueError(f"--calibrate {path}: not a speedpipe bench results.json with its runs/ folder ({exc})") from None
-    if not runs:
-        raise ValueError(f"--calibrate {path}: no measured runs")
-    return runs
 
 
 def row_shape_arg(args: argparse.Namespace) -> RowCostTable | None:
