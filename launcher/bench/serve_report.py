@@ -8,7 +8,9 @@ Definitions (as vLLM's benchmarks/serve): TTFT = request sent -> first generated
 gaps between successive streamed chunks of one request (all requests pooled); TPOT = (E2EL - TTFT)
 / (output tokens - 1), per request with more than one output token; E2EL = request sent -> stream
 closed. Output tokens: the usage chunk's `completion_tokens`, else the number of text chunks.
-Percentiles: numpy's linear interpolation; median = the 50th percentile.
+Percentiles: numpy's linear interpolation; median = the 50th percentile. `launch --json`, `bench
+sweep` and the server's histograms use the same definitions ([Note: latency metrics] in
+pipeline/measure/metrics.py).
 """
 
 from __future__ import annotations

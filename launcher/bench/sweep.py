@@ -4,6 +4,7 @@ Owns the sweep: the configurations (stages x speculate x predictor x concurrency
 (every repeat runs every configuration once, A B C A B C ..., so drift of a shared machine hits all
 alike), pairing (ratios are taken within a repeat, then summarised by their median), and the
 outputs under --out: runs/<config>_r<k>.trace.json (Chrome trace) and .timeline.json per run, then
+timelines.json (every run's timeline, compact: launcher/bench/run_records.py), and
 (launcher/bench/sweep_report.py) results.json, results.csv (one row per configuration: medians
 and min/max over repeats) and plots/*.png. Ctrl-C keeps the repeats that completed (write_partial).
 Each session lives in its own child process (launcher/bench/driver.py); all stay loaded for the
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.bench.driver_protocol import DriverProcess
+from launcher.bench.run_records import write_records
 from launcher.bench.sweep_report import predictor_label, write_partial, write_results
 from launcher.cli.output_paths import check_output_dir
 from launcher.coordinator.pipeline_options import PipelineOptions
@@ -193,6 +195,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"[speedpipe] bench: {note}", file=sys.stderr)
     runs, interrupted = _run_sweep(args, configs, options, prompts, out)
+    done = [run for rs in runs.values() for run in rs]
+    if done:  # the runs' timelines, compact, beside results.json ([Note: timeline record])
+        write_records(done, out)
     if interrupted is not None:
         write_partial(args, configs, runs, notes, out)
         raise interrupted  # `speedpipe` reports it: exit code 130 (Ctrl-C) or 143 (SIGTERM)

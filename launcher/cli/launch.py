@@ -82,6 +82,8 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     if coord.record_timeline:
         report["stats"]["handoffs"] = handoff_latency(times.slices, len(stages))
     report["stats"].update(_speedup_estimate(session, results, foreign))
+    report["stats"]["speculation"] = speculation_summary(report["stats"],
+                                                         notes=speculation_notes(session, speculate_reason))
     if timeline:
         report["timeline"] = times.to_json(start_ns, end_ns, commits=coord.commit_events)
     return report
@@ -100,6 +102,56 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
             "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
             "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped}
+
+
+def speculation_notes(session: PipelineSession, speculate_reason: str = "") -> list[str]:
+    """The notes on speculation that `launch` prints on stderr before a run without --json (why
+    `--speculate auto` chose the mode, what the exit head is, the draft gate in force), in that order."""
+    from launcher.cli.speculation_defaults import draft_gate_note
+
+    options, notes = session.options, []
+    if speculate_reason:
+        notes.append(f"speculation: {options.speculate} (--speculate auto: {speculate_reason})")
+    if session.model.predictor_note:
+        notes.append(session.model.predictor_note)
+    if options.uses_speed and options.min_acceptance is None:
+        notes.append(draft_gate_note(options))
+    return notes
+
+
+def speculation_text(stats: dict) -> str:
+    """The speculation part of the summary line (acceptance, squashes, tokens per pass; the speed-up
+    estimate; token trees), parts joined by "; "; "" when the run drafted nothing and has no estimate.
+    stats: `launch --json`'s."""
+    parts = []
+    if stats["drafted_tokens"]:
+        rate = stats["acceptance_rate"]  # None: no draft was verified
+        parts.append(f"acceptance {'-' if rate is None else f'{rate:.0%}'} ({stats['accepted_tokens']}/"
+                     f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
+                     f"{stats['tokens_per_pass']:.2f} tokens per pass")
+    if stats.get("speedup_estimate"):
+        head = ", exit head included" if stats["estimate_includes_exit_head"] else ""
+        parts.append(f"about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})")
+    if stats.get("tree_verified"):
+        parts.append(f"tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
+                     f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")
+    return "; ".join(parts)
+
+
+def speculation_summary(stats: dict, *, notes: Sequence[str] = ()) -> dict:
+    """`launch --json`'s stats["speculation"]: what the human output says about speculation, as data.
+    mode; acceptance_rate (accepted / verified drafts; null when none was verified); drafts_sent,
+    drafts_verified, drafts_committed (accepted), drafts_rejected (verified, not accepted);
+    items_squashed; tokens_per_pass (committed tokens per verifying result); speedup_estimate
+    (null where none is given, `_speedup_estimate`); summary (`speculation_text`, null when empty);
+    notes (`speculation_notes`)."""
+    return {"mode": stats.get("speculate"), "acceptance_rate": stats["acceptance_rate"],
+            "drafts_sent": stats["drafted_tokens"], "drafts_verified": stats["verified_drafts"],
+            "drafts_committed": stats["accepted_tokens"],
+            "drafts_rejected": stats["verified_drafts"] - stats["accepted_tokens"],
+            "items_squashed": stats["squashed_items"], "tokens_per_pass": stats["tokens_per_pass"],
+            "speedup_estimate": stats.get("speedup_estimate"), "summary": speculation_text(stats) or None,
+            "notes": list(notes)}
 
 
 def _stage_rows(session: PipelineSession, fractions) -> list[dict]:
@@ -187,17 +239,7 @@ def print_report(report: dict, *, streamed: bool) -> None:
     if ring.get("count"):
         links = "/".join(f"{h['p50_ms']:.1f}" for h in stats["handoffs"]["stage_handoff"])
         busy += f" (handoff p50 {links + ' ms, ' if links else ''}ring return {ring['p50_ms']:.1f} ms)"
-    spec = ""
-    if stats["drafted_tokens"]:
-        rate = stats["acceptance_rate"]  # None: no draft was verified
-        spec = (f"; acceptance {'-' if rate is None else f'{rate:.0%}'} ({stats['accepted_tokens']}/"
-                f"{stats['verified_drafts']} drafts), {plural(stats['squashed_items'], 'item')} squashed, "
-                f"{stats['tokens_per_pass']:.2f} tokens per pass")
-    if stats.get("speedup_estimate"):
-        head = ", exit head included" if stats["estimate_includes_exit_head"] else ""
-        spec += f"; about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})"
-    if stats.get("tree_verified"):
-        spec += (f"; tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
-                 f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")
+    spec = speculation_text(stats)
+    spec = f"; {spec}" if spec else ""
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s); stage busy {busy}{spec}", file=sys.stderr)

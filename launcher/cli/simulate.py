@@ -3,10 +3,26 @@
 Owns the command: flags, the sweep (stages x acceptance x concurrency x link latency), the check of
 a calibrated cost model against every measured configuration of a `bench` results.json
 (predicted vs measured tokens/s), and the outputs under --out: simulate.json (strict JSON: an
-unlimited --link-bandwidth-bytes-per-s is null, and so is the acceptance of a configuration that
-verified no draft), simulate.csv and plots (useful/busy utilisation and tokens/s over stages;
-tokens/s over link latency when several are swept; predicted vs measured with --calibrate). The simulation itself is pipeline/measure/simulator.py; the fit is pipeline/measure/calibrate.py.
+unlimited --link-bandwidth-bytes-per-s is null, and so is the realised acceptance of a
+configuration that verified no draft), simulate.csv and plots (useful/busy utilisation and tokens/s
+over stages; tokens/s over link latency when several are swept; predicted vs measured with
+--calibrate). The simulation itself is pipeline/measure/simulator.py; the fit is
+pipeline/measure/calibrate.py; a results.json's runs are read by launcher/bench/run_records.py.
 Must not: start pipelines.
+
+[Note: requested and realised alpha]
+`--alpha A` is the probability of the Bernoulli draw that makes each proposed draft right
+(pipeline/measure/sim_acceptance.py). The acceptance α of ARCHITECTURE.md §1 is accepted / verified
+drafts, and a run's realised α differs from A by chance: a run of 128 tokens on 2 stages verifies
+126 drafts, so one standard deviation is 0.045 at A = 0.5, and seed 0 realises 0.39 there (49 of
+126; over seeds 0..39 the mean is 0.51: the draws are unbiased). A draft squashed behind an
+earlier wrong one uses up a draw without being verified, which changes which draws count. Every
+configuration draws from the same seed, so their deviations are alike. Every output says which is
+which: simulate.json's and simulate.csv's `alpha_requested` (A) and `alpha_realised` (with
+`accepted_drafts` / `verified_drafts`), simulate.json's `alpha_realised` per A (pooled over its
+configurations: `realised_alpha`), a line per A on stderr, and the plots' legends ("α requested
+0.5, realised 0.44 (pooled; 0.39-0.50 per point)": over the curve's points). Compare the
+closed form S / (α·e + (1−α)·S) at the realised α.
 """
 
 from __future__ import annotations
@@ -14,12 +30,12 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
+from launcher.bench.run_records import load_bench_runs
 from launcher.cli.output_paths import check_output_dir, dumps_strict
 from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
 from pipeline.measure.calibrate_tables import run_load_factor
@@ -40,8 +56,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     """Flags of `speedpipe simulate`."""
     g = p.add_argument_group("sweep")
     g.add_argument("--stages", default="1,2,4,8,16,32,64", help="comma list of stage counts (default 1..64)")
-    g.add_argument("--alpha", default="none,0.5,0.9,1", help="comma list of acceptance rates in [0, 1] for "
-                   "speculating runs; 'none' = plain decode (default none,0.5,0.9,1)")
+    g.add_argument("--alpha", default="none,0.5,0.9,1", help="comma list of requested acceptance rates in [0, 1] "
+                   "for speculating runs: each draft is right with this probability, and the α a run realises "
+                   "(accepted / verified drafts) is reported beside it; 'none' = plain decode (default none,0.5,0.9,1)")
     g.add_argument("--concurrency", default="1", help="comma list of sequences run at once (default 1)")
     g.add_argument("--link-latency-s", default="0", help="comma list of per-hop latencies in seconds; with --calibrate, added to the measured "
                    "hand-over time (default 0)")
@@ -52,6 +69,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the Bernoulli acceptance draws")
     k = p.add_argument_group("calibration (a measured cost model instead of the synthetic one)")
     k.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
+                   "(its runs' timelines from the timelines.json beside it, else from its runs/ folder) "
                    "and report predicted vs measured tokens/s of each of its configurations")
     k.add_argument("--row-cost", default="none", metavar="none|file:PATH", help="with --calibrate: a "
                    "tests/benchmarks/row_cost.py report whose table (--dtype's mode) prices the row counts the "
@@ -96,34 +114,6 @@ def _list(flag: str, text: str, cast, *, lo: float, hi: float = float("inf"), al
     if not out:
         raise ValueError(f"{flag} is empty")
     return out
-
-
-def load_bench_runs(path: str | Path) -> list[dict]:
-    """Every measured run of a bench results.json with its timeline. Raises ValueError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--calibrate {path}: no such file")
-    try:
-        results = json.loads(path.read_text())
-        runs = []
-        for cfg in results["configs"]:
-            for run in cfg["runs"]:
-                tl = json.loads((path.parent / run["timeline"]).read_text())
-                exit_head = (cfg["speculate"] != "none"  # a run without speculation records predictor "-"
-                             and RunConfig(speculate=cfg["speculate"], predictor=cfg["predictor"] if cfg["predictor"] != "-"
-                                           else "hybrid").needs_exit_head)
-                runs.append({"config": cfg["name"], "num_stages": cfg["stages"], "speculate": cfg["speculate"],
-                             "exit_head": exit_head,
-                             "concurrency": cfg["concurrency"], "stats": run["stats"],
-                             "num_tokens": run["num_tokens"], "timeline": tl})
-    except UnicodeDecodeError:
-        raise ValueError(f"--calibrate {path}: not a speedpipe bench results.json (it, or a timeline file of "
-                         f"its runs/ folder, is not UTF-8 text)") from None
-    except (json.JSONDecodeError, KeyError, TypeError, OSError) as exc:
-        raise ValueError(f"--calibrate {path}: not a speedpipe bench results.json with its runs/ folder ({exc})") from None
-    if not runs:
-        raise ValueError(f"--calibrate {path}: no measured runs")
-    return runs
 
 
 def row_shape_arg(args: argparse.Namespace) -> RowCostTable | None:
@@ -210,8 +200,10 @@ def synthetic_cost(args: argparse.Namespace, num_stages: int, latency_s: float) 
 def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_stages: int, alpha: float | str,
                    concurrency: int, latency_s: float) -> dict:
     """One simulated configuration of the sweep (alpha "none" = plain decode): tokens/s, mean busy,
-    useful and bubble fractions over the stages, realised acceptance (None where no draft was verified,
-    as `launch --json` reports it)."""
+    useful and bubble fractions over the stages, and [Note: requested and realised alpha]:
+    `alpha_requested` (the Bernoulli draw's probability, "none" for plain decode) beside
+    `alpha_realised` (accepted / verified drafts of the simulated run; None where no draft was
+    verified, as `launch --json` reports its acceptance) and the two counts it is made of."""
     cost = cal.cost_model(num_stages) if cal else synthetic_cost(args, num_stages, latency_s)
     if cal and latency_s:  # extra link latency on top of the measured hand-over
         cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + latency_s)
@@ -221,12 +213,39 @@ def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_sta
                     max_new_tokens=args.max_new_tokens, speculate=alpha != "none")
     res = Simulator(cfg, cost, acceptance=None if alpha == "none" else Bernoulli(alpha, seed=args.seed)).run()
     fr = res.timeline.fractions(0, round(res.wall_s * 1e9))
-    return {"stages": num_stages, "alpha": alpha, "concurrency": concurrency, "link_latency_s": latency_s,
+    return {"stages": num_stages, "alpha_requested": alpha, "concurrency": concurrency, "link_latency_s": latency_s,
             "tokens_per_s": round(res.tokens_per_s, 3),
             "busy_fraction": round(statistics.mean(f.busy for f in fr), 4),
             "useful_fraction": round(statistics.mean(f.useful for f in fr), 4),
             "bubble_fraction": round(statistics.mean(f.idle for f in fr), 4),
-            "acceptance_rate": round(res.acceptance_rate, 4) if res.verified else None}
+            "alpha_realised": round(res.acceptance_rate, 4) if res.verified else None,
+            "accepted_drafts": res.accepted, "verified_drafts": res.verified}
+
+
+def realised_alpha(rows: list[dict]) -> dict:
+    """Per requested acceptance of the speculating `rows` (simulate_point's): the realised α pooled
+    over them (all accepted over all verified drafts; None without a verified draft) and the
+    lowest and highest realised α of a single row. {requested: {"pooled", "min", "max", "rows"}}."""
+    out = {}
+    for a in dict.fromkeys(r["alpha_requested"] for r in rows if r["alpha_requested"] != "none"):
+        mine = [r for r in rows if r["alpha_requested"] == a]
+        verified = sum(r["verified_drafts"] for r in mine)
+        each = [r["alpha_realised"] for r in mine if r["alpha_realised"] is not None]
+        out[a] = {"pooled": round(sum(r["accepted_drafts"] for r in mine) / verified, 4) if verified else None,
+                  "min": min(each, default=None), "max": max(each, default=None), "rows": len(mine)}
+    return out
+
+
+def alpha_label(alpha: float | str, realised: dict) -> str:
+    """A sweep curve's name: the requested α and, beside it, the realised α pooled over the curve's
+    points (`realised_alpha` of those rows) with their range."""
+    if alpha == "none":
+        return "plain (no speculation)"
+    r = realised[alpha]
+    if r["pooled"] is None:
+        return f"SPEED, α requested {alpha:g} (no draft verified)"
+    spread = f"; {r['min']:.2f}-{r['max']:.2f} per point" if r["rows"] > 1 and r["min"] != r["max"] else ""
+    return f"SPEED, α requested {alpha:g}, realised {r['pooled']:.2f} (pooled{spread})"
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -265,9 +284,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plots = [] if args.no_plots else write_sim_plots(rows, checks, out)
     settings = {k: getattr(args, k) for k in SETTINGS}  # unlimited bandwidth (inf) is written as null
+    realised = {f"{a:g}": r for a, r in realised_alpha(rows).items()}  # JSON keys: "0.5", "1"
     (out / "simulate.json").write_text(dumps_strict({"settings": settings, "calibration": cal.to_json() if cal else None,
-                                                     "calibration_check": checks, "sweep": rows, "plots": plots},
-                                                    indent=1, default=str))
+                                                     "calibration_check": checks, "alpha_realised": realised,
+                                                     "sweep": rows, "plots": plots}, indent=1, default=str))
     with (out / "simulate.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -276,6 +296,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"{row['config']:<24} measured {row['measured_tokens_per_s']:8.2f} tokens/s, predicted "
               f"{row['predicted_tokens_per_s']:8.2f} ({row['error']:+.1%}); at each run's load "
               f"(median {row['run_load']:.2f}x) {row['at_run_load_error']:+.1%}")
+    for a, r in realised.items():  # [Note: requested and realised alpha]
+        print(f"[speedpipe] simulate: α requested {a}, realised {'-' if r['pooled'] is None else r['pooled']} "
+              f"(accepted / verified drafts of its {r['rows']} configurations; {r['min']}..{r['max']} in one)",
+              file=sys.stderr)
     print(f"[speedpipe] simulate: {len(rows)} simulated configurations in {out}/simulate.json, simulate.csv"
           + (", plots/*.png" if plots else ""), file=sys.stderr)
     return 0
@@ -289,14 +313,13 @@ def write_sim_plots(rows: list[dict], checks: list[dict], out: Path) -> list[str
     made = []
     c0, l0 = rows[0]["concurrency"], rows[0]["link_latency_s"]
     base = [r for r in rows if r["concurrency"] == c0 and r["link_latency_s"] == l0]
-    alphas = list(dict.fromkeys(r["alpha"] for r in base))
+    alphas = list(dict.fromkeys(r["alpha_requested"] for r in base))
 
-    def label(a) -> str:
-        return "plain (no speculation)" if a == "none" else f"SPEED, acceptance {a:g}"
-
-    def series(rs, key, x="stages"):
-        return {label(a): ([r[x] for r in rs if r["alpha"] == a], [r[key] for r in rs if r["alpha"] == a])
-                for a in alphas}
+    def series(rs, key, x="stages"):  # one curve per requested α, named with its realised α over rs
+        realised = realised_alpha(rs)
+        return {alpha_label(a, realised): ([r[x] for r in rs if r["alpha_requested"] == a],
+                                           [r[key] for r in rs if r["alpha_requested"] == a])
+                for a in alphas if any(r["alpha_requested"] == a for r in rs)}
 
     made.append(plots.sweep_lines(series(base, "useful_fraction"), out / "plots" / "sim_utilisation.png",
                                   xlabel="stages", ylabel="useful fraction (mean over stages)", logx=True,

@@ -143,7 +143,8 @@ class ServingMetrics:
         lab = ["model_name"]
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", lab,
                                buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self._itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.", lab,
+        self._itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between successive output chunks "
+                              "of a request (the tokens committed together are one chunk).", lab,
                               buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.", lab,
                               buckets=E2E_BUCKETS, registry=r).labels(model_name)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import shutil
 from pathlib import Path
@@ -185,6 +186,27 @@ def test_launch_report_counts_speculation_and_splits_busy_time_into_useful_and_w
         assert 0.0 < busy <= 1.0 and useful >= 0.0, st
         assert abs(useful + wasted - busy) <= 0.05, f"useful + wasted != busy on stage {st['stage']}: {st}"
         assert wasted > 0.0, f"squashed drafts ran on stage {st['stage']} but no time was counted as wasted: {st}"
+
+
+def test_launch_json_has_the_speculation_summary_of_the_human_output(pipeline: SpecPipeline, refs: References,
+                                                                     capsys):
+    """`launch --json` (run_launch's report) carries stats["speculation"]: the counters the summary
+    line states, its text, and the notes printed before a run without --json."""
+    if pipeline.name != "2-stage-1-slot":
+        pytest.skip("one shape is enough")
+    from launcher.cli.launch import print_report, speculation_notes
+
+    report = pipeline.launch(make_predictor("sometimes-right@exit", refs, seed=11), PROMPTS[:1], [greedy()])
+    stats = report["stats"]
+    spec = stats["speculation"]
+    assert spec["mode"] == "speed" and spec["acceptance_rate"] == stats["acceptance_rate"]
+    assert (spec["drafts_sent"], spec["drafts_verified"], spec["drafts_committed"], spec["items_squashed"]) == (
+        stats["drafted_tokens"], stats["verified_drafts"], stats["accepted_tokens"], stats["squashed_items"])
+    assert spec["drafts_rejected"] == stats["verified_drafts"] - stats["accepted_tokens"] > 0
+    assert spec["tokens_per_pass"] == stats["tokens_per_pass"]
+    print_report(report, streamed=True)
+    assert spec["summary"].startswith("acceptance ") and f"; {spec['summary']}" in capsys.readouterr().err
+    assert spec["notes"] == speculation_notes(pipeline.session) and json.loads(json.dumps(spec)) == spec
 
 
 def test_coordinator_forgets_finished_sequences(pipeline: SpecPipeline, refs: References):

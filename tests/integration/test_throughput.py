@@ -1,7 +1,8 @@
 """Throughput studies as a user runs them: `speedpipe bench` and `speedpipe simulate` subprocesses.
 
 On the tiny model (fast): bench writes results.json / results.csv (one row per configuration,
-ratios paired per repeat), a valid Chrome trace and timeline per run, and PNG plots of the
+ratios paired per repeat), a valid Chrome trace and timeline per run, timelines.json (every run's
+timeline, compact, enough to calibrate without runs/), and PNG plots of the
 documented size; simulate runs calibrated on that bench output; bad input exits 2 with a one-line
 error before anything starts. On the real default model: plain decode of one prompt on 2 stages
 never runs both stages at once (why its bubble is 1/2; the fraction itself is a timing, measured by
@@ -100,6 +101,24 @@ def test_bench_trace_of_every_run_has_stage_tracks_ordered_slices_and_commits(be
             assert sum(1 for e in events if e["ph"] == "i") == MAX_NEW_TOKENS
             timeline = json.loads((bench_out / run["timeline"]).read_text())
             assert timeline["num_stages"] == c["stages"] and timeline["slices"]
+
+
+def test_bench_keeps_every_run_timeline_as_a_record_that_calibrates_without_runs(bench_out: Path, tmp_path: Path):
+    """timelines.json ([Note: timeline record] in launcher/bench/run_records.py): a study commits
+    results.json and timelines.json, not runs/, and is re-calibrated from them alone."""
+    import shutil
+
+    from launcher.bench.run_records import expand_timeline, load_bench_runs, read_records
+
+    results = json.loads((bench_out / "results.json").read_text())
+    records = read_records(bench_out)
+    runs = [run for c in results["configs"] for run in c["runs"]]
+    assert set(records) == {run["timeline"] for run in runs}
+    for run in runs:
+        assert expand_timeline(records[run["timeline"]]) == json.loads((bench_out / run["timeline"]).read_text())
+    for name in ("results.json", "timelines.json"):
+        shutil.copy(bench_out / name, tmp_path / name)
+    assert load_bench_runs(tmp_path / "results.json") == load_bench_runs(bench_out / "results.json")
 
 
 def test_bench_plots_are_pngs_of_the_documented_size(bench_out: Path):

@@ -128,3 +128,41 @@ def test_a_trace_that_cannot_be_written_is_a_one_line_error_naming_the_flag(tmp_
         launch.write_trace({"traceEvents": []}, str(blocker / "t.json"))
     launch.write_trace({"traceEvents": []}, str(tmp_path / "sub" / "t.json"))
     assert (tmp_path / "sub" / "t.json").read_text() == '{"traceEvents": []}'
+
+
+SPEC_STATS = {"generated_tokens": 12, "wall_s": 1.0, "tokens_per_s": 12.0, "speculate": "speed", "drafted_tokens": 10,
+              "verified_drafts": 10, "accepted_tokens": 2, "acceptance_rate": 0.2, "squashed_items": 8,
+              "tokens_per_pass": 1.0, "stages": [{"stage": 0, "busy_fraction": 0.8}], "speedup_estimate": 1.25,
+              "estimate_includes_exit_head": False, "tree_verified": 0}
+
+
+def test_launch_json_states_the_speculation_facts_of_the_summary_line(capsys):
+    """`launch --json` printed no speculation summary: the acceptance, squash and speed-up sentence
+    of the human output, and the notes printed before the run, were in no field."""
+    summary = launch.speculation_summary(SPEC_STATS, notes=["draft gate: ..."])
+    launch.print_report({"outputs": [], "stats": SPEC_STATS}, streamed=True)
+    line = capsys.readouterr().err
+    assert summary["summary"] and f"; {summary['summary']}" in line
+    assert summary["summary"].startswith("acceptance 20% (2/10 drafts), 8 items squashed, 1.00 tokens per pass; about 1.25x")
+    assert summary == {"mode": "speed", "acceptance_rate": 0.2, "drafts_sent": 10, "drafts_verified": 10,
+                       "drafts_committed": 2, "drafts_rejected": 8, "items_squashed": 8, "tokens_per_pass": 1.0,
+                       "speedup_estimate": 1.25, "summary": summary["summary"], "notes": ["draft gate: ..."]}
+    plain = {**SPEC_STATS, "speculate": "none", "drafted_tokens": 0, "verified_drafts": 0, "accepted_tokens": 0,
+             "acceptance_rate": None, "squashed_items": 0}
+    del plain["speedup_estimate"]
+    out = launch.speculation_summary(plain)
+    assert out["summary"] is None and out["acceptance_rate"] is None and out["speedup_estimate"] is None
+    assert out["notes"] == [] and out["drafts_rejected"] == 0
+
+
+def test_speculation_notes_are_the_lines_launch_prints_before_a_run():
+    from launcher.cli.speculation_defaults import draft_gate_note
+
+    options = types.SimpleNamespace(speculate="speed", uses_speed=True, min_acceptance=None, parallel_stages=2,
+                                    num_stages=2, draft_min_acceptance=lambda parallel: 0.09)
+    session = types.SimpleNamespace(options=options, model=types.SimpleNamespace(predictor_note="exit head: trained"))
+    assert launch.speculation_notes(session, "one stream on 2 stages") == [
+        "speculation: speed (--speculate auto: one stream on 2 stages)", "exit head: trained", draft_gate_note(options)]
+    options.min_acceptance = 0.3  # --min-acceptance given: no gate note, as on stderr
+    session.model.predictor_note = ""
+    assert launch.speculation_notes(session) == []
