@@ -4,8 +4,9 @@ Owns the Ray side of placement: joining (or starting) a Ray instance, one placem
 bundle per stage, waiting for it at most `placement_timeout_s` and explaining a placement that cannot
 be satisfied, one `StageActor` per bundle in the deterministic stage order of
 `launcher.backends.placement.stage_order`, the forwarded environment, noticing a dead actor or node, and
-stopping everything it started. With messages.py (Ray's driver output on stderr, death and connection
-messages) and nodes.py (node liveness) beside it, the only modules of the project that import ray.
+stopping everything it started. With connect.py (joining a cluster), messages.py (Ray's driver output on
+stderr, death and connection messages) and nodes.py (node liveness) beside it, the only modules of
+the project that import ray.
 Must not: know about models, the control-plane RPCs or the data plane beyond handing out the stages'
 gRPC addresses (the same role as launcher/backends/local.py).
 
@@ -52,15 +53,10 @@ from launcher.backends.placement import (
     PlacementError,
     PlacementOptions,
     forwarded_env,
-    probe_ray_address,
     stage_order,
 )
-from launcher.backends.ray_cluster.messages import (
-    connect_failure,
-    death_cause,
-    format_resources,
-    route_ray_output_to_stderr,
-)
+from launcher.backends.ray_cluster.connect import join_ray
+from launcher.backends.ray_cluster.messages import death_cause, format_resources
 from launcher.backends.ray_cluster.nodes import node_alive, wait_for_lost_node
 from launcher.backends.worker_command import LOG_LEVELS
 from workers.channel import hold_listener
@@ -287,20 +283,9 @@ class RayStageActors:
 
     # -- internals --------------------------------------------------------------------------------
     def _init_ray(self) -> None:
-        route_ray_output_to_stderr()  # stdout carries only model output ([Note: Ray's driver output])
-        if ray.is_initialized():  # an embedding program (or a test) already joined a cluster
-            return
-        common = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
-        if self.options.ray_address is None:
-            num_cpus = max(1, math.ceil(self.bundle.get("CPU", 0) * self.num_stages))
-            ray.init(address="local", num_cpus=num_cpus, **common)  # "local": never join a running one
-        else:
-            probe_ray_address(self.options.ray_address, timeout_s=min(PROBE_TIMEOUT_S, self.options.placement_timeout_s))
-            try:
-                ray.init(address=self.options.ray_address, **common)
-            except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
-                raise PlacementError(connect_failure(self.options.ray_address, exc)) from None
-        self._started_ray = True
+        num_cpus = max(1, math.ceil(self.bundle.get("CPU", 0) * self.num_stages))
+        probe_s = min(PROBE_TIMEOUT_S, self.options.placement_timeout_s)
+        self._started_ray = join_ray(self.options.ray_address, num_cpus=num_cpus, probe_timeout_s=probe_s)
 
     def _place(self) -> list[BundleNode]:
         bundles = [dict(self.bundle) for _ in range(self.num_stages)]
