@@ -58,8 +58,8 @@ from launcher.backends.placement import (
 from launcher.backends.ray_cluster.connect import join_ray
 from launcher.backends.ray_cluster.messages import death_cause, format_resources
 from launcher.backends.ray_cluster.nodes import node_alive, wait_for_lost_node
-from launcher.backends.worker_command import LOG_LEVELS
 from workers.channel import hold_listener
+from workers.log_config import LOG_LEVELS, configure_logging, default_log_level
 
 log = logging.getLogger("speedpipe.ray")
 
@@ -80,15 +80,15 @@ class StageActor:
     def __repr__(self) -> str:  # Ray prefixes forwarded log lines with it: "(Stage1 pid=...)"
         return f"Stage{self.stage_index}"
 
-    def start(self, log_level: str, control_secret: str | None = None, tls=None, rejoin_wait_s: float = 0.0) -> dict:
+    def start(self, control_secret: str | None = None, tls=None, rejoin_wait_s: float = 0.0) -> dict:
         """Start the StageService on this node's IP (checking `control_secret` on every call, see
-        workers/control_auth.py; waiting `rejoin_wait_s` for a Rejoin after a data-plane failure);
-        returns where it runs."""
+        workers/control_auth.py; waiting `rejoin_wait_s` for a Rejoin after a data-plane failure),
+        logging at the driver's level (SPEEDPIPE_LOG_LEVEL in the actor's environment); returns where it runs."""
         import torch
 
         from workers.stage_worker import start_server  # the worker code, imported in the actor only
 
-        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(message)s")
+        configure_logging()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         host = ray.util.get_node_ip_address()
         self.server, self.servicer, port = start_server(stage_index=self.stage_index, host=host, port=0,
@@ -146,12 +146,14 @@ class RayStageActors:
     Raises PlacementError (a ValueError: exit code 2) if the placement cannot be satisfied within
     `placement.placement_timeout_s`; RuntimeError if an actor fails to start (naming stage and node).
     rejoin_wait_s: how long a stage whose data plane broke waits for the coordinator's Rejoin (fail-over).
+    log_level: the actors' (None: $SPEEDPIPE_LOG_LEVEL, else WARNING), sent as their SPEEDPIPE_LOG_LEVEL.
     """
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, device: str = "cpu",
-                 log_level: str = "WARNING", threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
+                 log_level: str | None = None, threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
                  environ: Mapping[str, str] | None = None, control_secret: str | None = None,
                  tls=None, rejoin_wait_s: float = 0.0) -> None:
+        log_level = default_log_level() if log_level is None else log_level
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         self.num_stages = num_stages
@@ -332,7 +334,7 @@ class RayStageActors:
         ).remote(stage_index)
 
     def _start_args(self) -> tuple:
-        return self.log_level, self.control_secret, self.tls, self.rejoin_wait_s
+        return self.control_secret, self.tls, self.rejoin_wait_s
 
     def _started(self, stage_index: int, where: BundleNode, ref, *, timeout_s: float | None = None) -> StagePlacement:
         """Where stage `stage_index` runs once its `start` call `ref` returned. Raises RuntimeError
