@@ -45,6 +45,7 @@ from workers.control_auth import (
 )
 from workers.heap import freeze_startup_heap
 from workers.load_spec_codec import spec_from_proto
+from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 from workers.parent_death import arm_parent_death_signal
 from workers.stage_loop import StageLoop
 
@@ -288,14 +289,17 @@ def serve(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-index", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="control-plane bind address (default loopback)")
     parser.add_argument("--port", type=int, default=0, help="control-plane port (0 = pick a free one)")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", help=f"{' | '.join(LOG_LEVELS)} (default: ${LOG_LEVEL_ENV}, else WARNING)")
     parser.add_argument("--no-stdin-watch", action="store_true", help="do not exit on stdin EOF")
     parser.add_argument("--rejoin-wait-s", type=float, default=0.0,
                         help="after a data-plane failure, wait this long for a Rejoin before exiting (default 0)")
     args = parser.parse_args(argv)
     arm_parent_death_signal()  # a SIGKILLed launcher takes its stages with it
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        configure_logging(args.log_level)
+    except ValueError as exc:
+        print(f"stage worker: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     # Ctrl-C in a terminal reaches the whole process group, and systemd (KillMode=control-group),
     # `timeout` and `kill -- -PGID` send SIGTERM to every process: the launcher owns shutdown (it drains,

@@ -30,12 +30,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from workers.log_config import LOG_LEVEL_ENV
+
 BACKENDS = ("local", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Environment forwarded to every remote stage worker (the table in deploy/README.md).
 FORWARDED_ENV_PREFIXES = ("NCCL_", "MASTER_", "SPEEDPIPE_")
 FORWARDED_ENV_NAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")
-LOG_LEVEL_ENV = "SPEEDPIPE_LOG_LEVEL"
 
 
 class StageGone(RuntimeError):

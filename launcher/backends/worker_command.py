@@ -18,8 +18,9 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from workers.log_config import LOG_LEVELS, default_log_level
+
 READY_LINE_RE = re.compile(r"^SPEEDPIPE_STAGE_READY port=(\d+)$")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def default_startup_timeout_s(num_stages: int, cpus: int | None = None) -> float:
@@ -48,7 +49,7 @@ class LocalLaunchConfig:
 
     num_stages: int
     host: str = "127.0.0.1"
-    log_level: str = "WARNING"
+    log_level: str = field(default_factory=default_log_level)  # $SPEEDPIPE_LOG_LEVEL, else WARNING
     startup_timeout_s: float | None = None
     python: str = sys.executable
     worker_module: str = "workers.stage_worker"

@@ -50,6 +50,7 @@ from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL, model_key
 from workers.heap import freeze_startup_heap
+from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging, resolve_log_level
 
 PROG = "speedpipe"
 
@@ -80,7 +81,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stage-timeout-s", type=float, default=120.0,
                    help="deadline for any data-plane wait; a stage silent this long is a failure")
     g.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
-    g.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+    g.add_argument("--log-level", metavar="LEVEL", help=f"{' | '.join(LOG_LEVELS[:4])} (default: ${LOG_LEVEL_ENV}, "
+                   "else WARNING)")
     add_vllm_aliases(g)
 
 
@@ -252,7 +254,7 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         num_stages=num_stages, model=args.model, layer_split=layer_split, dtype=args.dtype, device=args.device,
         quantization=args.quantization, dense_layout=args.dense_layout, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads_per_stage,
-        stage_timeout_s=args.stage_timeout_s, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
+        stage_timeout_s=args.stage_timeout_s, log_level=resolve_log_level(args.log_level), cache_dir=args.cache_dir,
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
         placement=placement, record_timeline=not getattr(args, "no_timeline", False))
@@ -368,12 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     """`speedpipe` entry point. Returns the process exit code."""
     parser = build_parser()
     args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
-    level = getattr(args, "log_level", "WARNING").upper()
-    logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _sigterm)
     command = args.label
     try:
+        args.log_level = configure_logging(getattr(args, "log_level", None))  # --log-level, $SPEEDPIPE_LOG_LEVEL
         check_vllm_args(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from launcher.backends.placement import PlacementOptions, node_stages, parallel_stages
-from launcher.backends.worker_command import LOG_LEVELS
 from pipeline.engine.records import DEEP_ACCEPTANCE
 from pipeline.run_config import RunConfig
+from workers.log_config import LOG_LEVELS, default_log_level
 
 DRAFT_AT = ("coordinator", "stage")  # --draft-at: who makes a draft from an exit guess (first: default)
 
@@ -29,7 +29,7 @@ class PipelineOptions(RunConfig):
     """
 
     placement: PlacementOptions = dataclasses.field(default_factory=PlacementOptions)
-    log_level: str = "WARNING"  # of the stage processes
+    log_level: str = dataclasses.field(default_factory=default_log_level)  # of the stage processes
     progress: bool = True  # a progress bar while converting a model
     # "stage": the exit stage drafts itself when it is stage 0 (pipeline/engine/local_draft.py)
     draft_at: str = DRAFT_AT[0]

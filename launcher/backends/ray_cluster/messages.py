@@ -25,7 +25,7 @@ from collections.abc import Mapping
 log = logging.getLogger("speedpipe.ray")
 
 _HIDDEN_RESOURCE = re.compile(r"^(node:|object_store_memory$|memory$|accelerator_type:|bundle_group_)|_group_")
-_AUTH_FAILURE = re.compile(r"InvalidAuthToken|UNAUTHENTICATED|authenticat|auth[ _-]?token", re.I)
+_AUTH_FAILURE = re.compile(r"AuthenticationError|InvalidAuthToken|UNAUTHENTICATED|authenticat|auth[ _-]?token", re.I)
 
 
 def route_ray_output_to_stderr() -> None:
@@ -67,11 +67,17 @@ def death_cause(exc: BaseException, *, node_ip: str = "", node_alive: bool = Tru
 
 def connect_failure(address: str, exc: BaseException) -> str:
     """The one-line PlacementError message for a `ray.init(address=...)` that failed with `exc`:
-    authentication (a token-auth cluster, and no or a wrong token here) or no cluster there."""
-    if type(exc).__name__ == "AuthenticationError" or _AUTH_FAILURE.search(str(exc)):
-        return (f"--ray-address {address}: Ray authentication failed (the cluster uses token authentication); "
-                f"set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH) "
-                f"for this process")
+    authentication (a token-auth cluster, and no or a wrong token here) or no cluster there. `exc`'s
+    causes are read too: Ray wraps a refused token in a ConnectionError whose cause's text holds the
+    AuthenticationError ([Note: Ray token authentication] in connect.py)."""
+    chain, link = [], exc
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    if any(type(e).__name__ == "AuthenticationError" or _AUTH_FAILURE.search(str(e)) for e in chain):
+        return (f"--ray-address {address}: Ray authentication failed: the cluster uses token authentication "
+                f"and this process's token is missing or wrong; set RAY_AUTH_MODE=token and the cluster's "
+                f"token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) for this process")
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     return (f"--ray-address {address}: no Ray cluster there ({first}); start one with `ray start --head` "
             f"or check the address")

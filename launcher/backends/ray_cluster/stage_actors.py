@@ -4,8 +4,9 @@ Owns the Ray side of placement: joining (or starting) a Ray instance, one placem
 bundle per stage, waiting for it at most `placement_timeout_s` and explaining a placement that cannot
 be satisfied, one `StageActor` per bundle in the deterministic stage order of
 `launcher.backends.placement.stage_order`, the forwarded environment, noticing a dead actor or node, and
-stopping everything it started. With messages.py (Ray's driver output on stderr, death and connection
-messages) and nodes.py (node liveness) beside it, the only modules of the project that import ray.
+stopping everything it started. With connect.py (joining a cluster), messages.py (Ray's driver output on
+stderr, death and connection messages) and nodes.py (node liveness) beside it, the only modules of
+the project that import ray.
 Must not: know about models, the control-plane RPCs or the data plane beyond handing out the stages'
 gRPC addresses (the same role as launcher/backends/local.py).
 
@@ -52,18 +53,13 @@ from launcher.backends.placement import (
     PlacementError,
     PlacementOptions,
     forwarded_env,
-    probe_ray_address,
     stage_order,
 )
-from launcher.backends.ray_cluster.messages import (
-    connect_failure,
-    death_cause,
-    format_resources,
-    route_ray_output_to_stderr,
-)
+from launcher.backends.ray_cluster.connect import join_ray
+from launcher.backends.ray_cluster.messages import death_cause, format_resources
 from launcher.backends.ray_cluster.nodes import node_alive, wait_for_lost_node
-from launcher.backends.worker_command import LOG_LEVELS
 from workers.channel import hold_listener
+from workers.log_config import LOG_LEVELS, configure_logging, default_log_level
 
 log = logging.getLogger("speedpipe.ray")
 
@@ -84,15 +80,15 @@ class StageActor:
     def __repr__(self) -> str:  # Ray prefixes forwarded log lines with it: "(Stage1 pid=...)"
         return f"Stage{self.stage_index}"
 
-    def start(self, log_level: str, control_secret: str | None = None, tls=None, rejoin_wait_s: float = 0.0) -> dict:
+    def start(self, control_secret: str | None = None, tls=None, rejoin_wait_s: float = 0.0) -> dict:
         """Start the StageService on this node's IP (checking `control_secret` on every call, see
-        workers/control_auth.py; waiting `rejoin_wait_s` for a Rejoin after a data-plane failure);
-        returns where it runs."""
+        workers/control_auth.py; waiting `rejoin_wait_s` for a Rejoin after a data-plane failure),
+        logging at the driver's level (SPEEDPIPE_LOG_LEVEL in the actor's environment); returns where it runs."""
         import torch
 
         from workers.stage_worker import start_server  # the worker code, imported in the actor only
 
-        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(message)s")
+        configure_logging()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         host = ray.util.get_node_ip_address()
         self.server, self.servicer, port = start_server(stage_index=self.stage_index, host=host, port=0,
@@ -150,12 +146,14 @@ class RayStageActors:
     Raises PlacementError (a ValueError: exit code 2) if the placement cannot be satisfied within
     `placement.placement_timeout_s`; RuntimeError if an actor fails to start (naming stage and node).
     rejoin_wait_s: how long a stage whose data plane broke waits for the coordinator's Rejoin (fail-over).
+    log_level: the actors' (None: $SPEEDPIPE_LOG_LEVEL, else WARNING), sent as their SPEEDPIPE_LOG_LEVEL.
     """
 
     def __init__(self, *, num_stages: int, placement: PlacementOptions, device: str = "cpu",
-                 log_level: str = "WARNING", threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
+                 log_level: str | None = None, threads_per_stage: int = 1, startup_timeout_s: float = 120.0,
                  environ: Mapping[str, str] | None = None, control_secret: str | None = None,
                  tls=None, rejoin_wait_s: float = 0.0) -> None:
+        log_level = default_log_level() if log_level is None else log_level
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         self.num_stages = num_stages
@@ -287,20 +285,9 @@ class RayStageActors:
 
     # -- internals --------------------------------------------------------------------------------
     def _init_ray(self) -> None:
-        route_ray_output_to_stderr()  # stdout carries only model output ([Note: Ray's driver output])
-        if ray.is_initialized():  # an embedding program (or a test) already joined a cluster
-            return
-        common = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
-        if self.options.ray_address is None:
-            num_cpus = max(1, math.ceil(self.bundle.get("CPU", 0) * self.num_stages))
-            ray.init(address="local", num_cpus=num_cpus, **common)  # "local": never join a running one
-        else:
-            probe_ray_address(self.options.ray_address, timeout_s=min(PROBE_TIMEOUT_S, self.options.placement_timeout_s))
-            try:
-                ray.init(address=self.options.ray_address, **common)
-            except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
-                raise PlacementError(connect_failure(self.options.ray_address, exc)) from None
-        self._started_ray = True
+        num_cpus = max(1, math.ceil(self.bundle.get("CPU", 0) * self.num_stages))
+        probe_s = min(PROBE_TIMEOUT_S, self.options.placement_timeout_s)
+        self._started_ray = join_ray(self.options.ray_address, num_cpus=num_cpus, probe_timeout_s=probe_s)
 
     def _place(self) -> list[BundleNode]:
         bundles = [dict(self.bundle) for _ in range(self.num_stages)]
@@ -347,7 +334,7 @@ class RayStageActors:
         ).remote(stage_index)
 
     def _start_args(self) -> tuple:
-        return self.log_level, self.control_secret, self.tls, self.rejoin_wait_s
+        return self.control_secret, self.tls, self.rejoin_wait_s
 
     def _started(self, stage_index: int, where: BundleNode, ref, *, timeout_s: float | None = None) -> StagePlacement:
         """Where stage `stage_index` runs once its `start` call `ref` returned. Raises RuntimeError
