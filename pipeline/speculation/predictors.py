@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.family_blocks import RMSNorm
+from pipeline.model.family_blocks import RMSNorm, rms_normalize
 from pipeline.speculation.drafting.drafter import DRAFTER_ARCH, DrafterMap
 
 PREDICTORS = ("logit-lens", "early-exit", "ngram", "hybrid")
@@ -95,8 +95,7 @@ class ExitMap(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.proj(x.to(self.proj.weight.dtype))
         if self.mlp is not None:
-            x32 = x.float()
-            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(y.dtype)
+            normed = rms_normalize(x.float(), self.eps).to(y.dtype)
             y = y + self.mlp["down"](F.silu(self.mlp["up"](normed)))
         return y.to(x.dtype)
 
