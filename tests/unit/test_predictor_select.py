@@ -103,6 +103,9 @@ def test_exit_head_shape_reads_the_draft_vocabulary_of_the_head_it_would_use(tin
     assert rows("hybrid", layer=1) == config.vocab_size  # no head ships at layer 1
     assert rows(str(explicit), layer=1) == config.vocab_size  # the given file was trained at layer 2
     assert rows("logit-lens") == rows("hybrid", "none") == config.vocab_size
+    other = save_predictor(shipped / f"{model_dir.name}-extra-abc-early-exit-L3.safetensors", tensors,
+                           meta | {"exit_layer": 3})  # model `<name>-extra`'s head, not this model's
+    assert rows("hybrid", layer=3) == config.vocab_size, other.name
     assert rows(str(path), layer=1) == config.vocab_size  # a trained head without a draft vocabulary
     assert rows(str(tmp_path / "missing.safetensors")) == config.vocab_size  # reported later by choose_*
     meta["eval"] |= {"draft_vocab_top1_agreement": 0.75}
