@@ -11,9 +11,9 @@ import torch
 
 from launcher.cli.main import main
 from launcher.cli.training.train_drafter import overfit_warnings
+from pipeline.engine.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.speculation.drafting.drafter import (
     DrafterMap,
     DrafterTrainConfig,

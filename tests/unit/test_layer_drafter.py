@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from launcher.cli.main import main
+from pipeline.engine.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.rope import config_inv_freq
 from pipeline.model.row_layout import Span
-from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.speculation.drafting.drafter import DrafterMap
 from pipeline.speculation.drafting.layer_drafter import (
     LayerDrafterConfig,

@@ -10,9 +10,9 @@ from launcher.cli.main import main
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from launcher.coordinator.run_plan import default_split
+from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.speculation.predictor_file import load_predictor_bytes, model_identity, save_predictor
 from pipeline.speculation.predictors import EarlyExitPredictor, make_predictor
 from tests.tiny_model import write_tiny_model
