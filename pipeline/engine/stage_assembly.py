@@ -24,7 +24,7 @@ from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.items import MAX_TREE_SCRATCH
 from pipeline.speculation.predictor_file import load_predictor_bytes
 from pipeline.speculation.predictors import ExitHead, ExitMap
-from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.dense_layout import validate_dense_layout
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.quant_load import activation_dtype, load_stage_model
@@ -164,9 +164,7 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
     trained map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden
     size), restricted to the file's draft vocabulary when it has one. A next-layer file's draft
     layer is attached to `model` ([Note: next-layer drafter]). Raises ValueError."""
-    norm_name = "model.norm.weight"
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    t = reader.read([norm_name, head_name], dtype=spec.activation_dtype, device=spec.device)
+    norm, lm_head = read_norm_and_head(reader, config, dtype=spec.activation_dtype, device=spec.device)
     exit_map, vocab = None, None
     if spec.exit_predictor:
         pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
@@ -182,8 +180,7 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
         vocab = pred.draft_vocab
     with torch.device("meta"):
         head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
-    norm = t[norm_name] + config.norm_weight_offset  # Gemma's (1 + w) norm as a plain RMSNorm weight
-    head.load_state_dict({"norm.weight": norm, "lm_head.weight": t[head_name]}, assign=True)
+    head.load_state_dict({"norm.weight": norm, "lm_head.weight": lm_head}, assign=True)
     head.exit_map = exit_map
     if vocab is not None:  # [Note: draft vocabulary] in pipeline/speculation/predictors.py
         head.restrict_vocab(vocab)

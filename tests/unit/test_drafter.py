@@ -38,7 +38,7 @@ from pipeline.training.self_distill import (
     load_instructions,
     split_texts,
 )
-from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.quant_load import load_stage_model
 from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import write_tiny_model
@@ -256,11 +256,10 @@ def test_offline_acceptance_of_a_file_is_its_in_pipeline_alpha(tiny):
     file_bytes = predictor_bytes(dict(drafter.state_dict()) | {"draft_vocab": vocab}, meta, dtype=torch.float32)
     pred = load_predictor_bytes(file_bytes)
     reader = CheckpointReader(model_dir)
-    w = reader.read(["model.norm.weight", "model.embed_tokens.weight" if config.tie_word_embeddings
-                     else "lm_head.weight"], dtype=torch.float32)
+    norm, lm_head = read_norm_and_head(reader, config, dtype=torch.float32)
     offline = top1_agreement(hidden=gen.states.hidden, targets=gen.states.targets,
                              exit_map=ExitMap.from_tensors(pred.tensors, arch="swiglu"), vocab_ids=pred.draft_vocab,
-                             norm_weight=w["model.norm.weight"], lm_head_weight=w[next(k for k in w if "norm" not in k)],
+                             norm_weight=norm, lm_head_weight=lm_head,
                              eps=config.rms_norm_eps)
     assert 0.1 < offline < 0.9, offline  # a test that can tell the two apart
     ranges = [LayerRange(0, EXIT_LAYER + 1), LayerRange(EXIT_LAYER + 1, config.num_hidden_layers)]
