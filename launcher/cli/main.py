@@ -229,11 +229,6 @@ def speculation_choice(args: argparse.Namespace, num_stages: int) -> tuple[str, 
                           exit_predictor=args.exit_predictor)
 
 
-def pipeline_options(args: argparse.Namespace, *, progress: bool = True) -> PipelineOptions:
-    """PipelineOptions from launch's / serve's flags (`--speculate auto` decided: speculation_choice)."""
-    return options_and_reason(args, progress=progress)[0]
-
-
 def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tuple[PipelineOptions, str]:
     """(PipelineOptions from launch's / serve's flags, why `--speculate auto` chose the mode: "" when
     the flag named it). Raises UsageError, or ValueError naming the parameter (RunConfig)."""
