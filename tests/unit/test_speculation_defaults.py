@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.backends.placement import PlacementOptions
-from launcher.cli.main import build_parser, options_and_reason, speculation_choice
+from launcher.cli.main import build_parser
+from launcher.cli.options import options_and_reason, speculation_choice
 from launcher.cli.parsing import UsageError, min_acceptance_arg
 from launcher.cli.speculation_defaults import (
     FIRP_TUNING,
