@@ -80,7 +80,7 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
         return args.stages, args.layer_split
     if args.stage_memory_gib is None or not 0 < args.stage_memory_gib < math.inf or args.layer_split:
         raise UsageError("--stages auto needs a finite --stage-memory-gib > 0 (and no --layer-split)")
-    from pipeline.run_config import MODEL_DTYPES
+    from pipeline.model.config import MODEL_DTYPES
     from pipeline.weights.registry import resolve_model
     from pipeline.weights.stage_memory import plan_stages_for_budget
 

@@ -22,7 +22,7 @@ from launcher.backends.placement import available_memory_bytes, stages_on_this_m
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from pipeline.measure.row_cost import RowCostTable
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import MODEL_DTYPES, ModelConfig
 from pipeline.model.partition import (
     LayerRange,
     balanced_split,
@@ -32,7 +32,7 @@ from pipeline.model.partition import (
 )
 from pipeline.model.stage_model import checkpoint_shapes
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.run_config import MODEL_DTYPES, RunConfig
+from pipeline.run_config import RunConfig
 from pipeline.speculation.predictor_file import (
     SHIPPED_DIR,
     ModelIdentity,

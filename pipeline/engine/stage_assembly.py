@@ -14,10 +14,9 @@ import torch
 
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import rank_of_stage, world_size
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import MODEL_DTYPES, ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import StageModel
-from pipeline.run_config import MODEL_DTYPES
 from pipeline.speculation.drafting.drafter import DRAFTER_ARCH
 from pipeline.speculation.drafting.layer_drafter import NEXT_LAYER_ARCH, build_draft_layer, split_tensors
 from pipeline.speculation.firp import FirpMaps
