@@ -5,7 +5,7 @@ a calibrated cost model against every measured configuration of a `bench` result
 (predicted vs measured tokens/s), and the outputs under --out: simulate.json (strict JSON: an
 unlimited --link-bandwidth-bytes-per-s is null, and so is the acceptance of a configuration that
 verified no draft), simulate.csv and plots (useful/busy utilisation and tokens/s over stages;
-tokens/s over link latency when several are swept; predicted vs measured with --calibrate). The simulation itself is pipeline/measure/simulator.py; the fit is pipeline/measure/calibrate.py.
+tokens/s over link latency when several are swept; predicted vs measured with --calibrate). The simulation itself is pipeline/engine/simulator.py; the fit is pipeline/measure/calibrate.py.
 Must not: start pipelines.
 """
 
@@ -21,10 +21,7 @@ import sys
 from pathlib import Path
 
 from launcher.cli.output_paths import check_output_dir, dumps_strict
-from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
-from pipeline.measure.calibrate_tables import run_load_factor
-from pipeline.measure.row_cost import RowCostTable
-from pipeline.measure.simulator import (
+from pipeline.engine.simulator import (
     Bernoulli,
     CostModel,
     DraftsAt,
@@ -33,6 +30,9 @@ from pipeline.measure.simulator import (
     SimConfig,
     Simulator,
 )
+from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
+from pipeline.measure.calibrate_tables import run_load_factor
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.run_config import RunConfig
 
 
