@@ -18,11 +18,12 @@ from pipeline.model.config import MODEL_DTYPES, ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import StageModel
 from pipeline.speculation.drafting.drafter import DRAFTER_ARCH
+from pipeline.speculation.drafting.exit_tensors import exit_map_from_tensors
 from pipeline.speculation.drafting.layer_drafter import NEXT_LAYER_ARCH, build_draft_layer, split_tensors
 from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.items import MAX_TREE_SCRATCH
 from pipeline.speculation.predictor_file import load_predictor_bytes
-from pipeline.speculation.predictors import ExitHead, ExitMap
+from pipeline.speculation.predictors import ExitHead
 from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.dense_layout import validate_dense_layout
 from pipeline.weights.quant import validate_quantization
@@ -174,7 +175,7 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
         arch, tensors = pred.meta.get("arch", "affine"), pred.tensors
         if arch == NEXT_LAYER_ARCH:
             arch, tensors = DRAFTER_ARCH, _attach_draft_layer(config, spec, tensors, model)
-        exit_map = ExitMap.from_tensors(tensors, arch=arch, eps=config.rms_norm_eps).to(
+        exit_map = exit_map_from_tensors(tensors, arch=arch, eps=config.rms_norm_eps).to(
             device=spec.device, dtype=spec.activation_dtype)
         vocab = pred.draft_vocab
     with torch.device("meta"):

@@ -20,13 +20,14 @@ from pipeline.speculation.drafting.drafter import (
     train_drafter_map,
     validation_split,
 )
+from pipeline.speculation.drafting.exit_tensors import exit_map_from_tensors
 from pipeline.speculation.predictor_file import (
     load_predictor,
     load_predictor_bytes,
     model_identity,
     predictor_bytes,
 )
-from pipeline.speculation.predictors import EarlyExitPredictor, ExitMap
+from pipeline.speculation.predictors import EarlyExitPredictor
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import collect_hidden_states, load_full_model
 from pipeline.training.early_exit import top1_agreement
@@ -153,13 +154,13 @@ def test_drafter_file_round_trips_and_rejects_bad_tensors():
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.1)
     tensors = dict(drafter.state_dict())
-    loaded = ExitMap.from_tensors(tensors, arch="swiglu")
+    loaded = exit_map_from_tensors(tensors, arch="swiglu")
     x = torch.randn(5, 8)
     assert isinstance(loaded, DrafterMap) and len(loaded.blocks) == 2
     torch.testing.assert_close(loaded(x), drafter(x))
     del tensors["blocks.1.down.weight"]
     with pytest.raises(ValueError, match="swiglu"):
-        ExitMap.from_tensors(tensors, arch="swiglu")
+        exit_map_from_tensors(tensors, arch="swiglu")
 
 
 def _speculative_matches_plain(model_dir, file_bytes: bytes) -> None:
@@ -258,7 +259,7 @@ def test_offline_acceptance_of_a_file_is_its_in_pipeline_alpha(tiny):
     reader = CheckpointReader(model_dir)
     norm, lm_head = read_norm_and_head(reader, config, dtype=torch.float32)
     offline = top1_agreement(hidden=gen.states.hidden, targets=gen.states.targets,
-                             exit_map=ExitMap.from_tensors(pred.tensors, arch="swiglu"), vocab_ids=pred.draft_vocab,
+                             exit_map=exit_map_from_tensors(pred.tensors, arch="swiglu"), vocab_ids=pred.draft_vocab,
                              norm_weight=norm, lm_head_weight=lm_head,
                              eps=config.rms_norm_eps)
     assert 0.1 < offline < 0.9, offline  # a test that can tell the two apart

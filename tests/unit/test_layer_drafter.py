@@ -20,6 +20,7 @@ from pipeline.model.partition import LayerRange
 from pipeline.model.rope import config_inv_freq
 from pipeline.model.row_layout import Span
 from pipeline.speculation.drafting.drafter import DrafterMap
+from pipeline.speculation.drafting.exit_tensors import exit_map_from_tensors
 from pipeline.speculation.drafting.layer_drafter import (
     LayerDrafterConfig,
     build_draft_layer,
@@ -31,7 +32,7 @@ from pipeline.speculation.drafting.layer_drafter import (
     train_sequence_model,
 )
 from pipeline.speculation.predictor_file import load_predictor, model_identity, predictor_bytes
-from pipeline.speculation.predictors import EarlyExitPredictor, ExitMap
+from pipeline.speculation.predictors import EarlyExitPredictor
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import load_full_model
 from pipeline.training.self_distill import GenerationConfig, generate, sequence_layer_states, sequence_states
@@ -114,7 +115,7 @@ def test_a_next_layer_file_round_trips_and_other_readers_refuse_it(tiny):
         build_draft_layer(config, EXIT_LAYER, {k: v for k, v in layer_tensors.items() if "o_proj" not in k},
                           dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="only at the exit stage"):
-        ExitMap.from_tensors(tensors, arch="next-layer")
+        exit_map_from_tensors(tensors, arch="next-layer")
 
 
 def _drafter_file(model_dir, config, layer, exit_map, **meta) -> bytes:
