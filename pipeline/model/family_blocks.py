@@ -1,7 +1,8 @@
 """Small per-family building blocks of the decoder, chosen by ModelConfig ([Note: model families]).
 
-Owns the RMS normalisation (`rms_normalize`, the one copy of its maths), the RMSNorm, the norm factory (Llama's RMSNorm or Gemma's (1 + w) variant) and the plain-norm weight that stands for Gemma's (`plain_norm_weight`), the embedding with a scale
-(Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
+Owns the RMS normalisation (`rms_normalize`, the one copy of its maths), the RMSNorm, the norm factory
+(Llama's RMSNorm or Gemma's (1 + w) variant) and the plain-norm weight that stands for Gemma's
+(`plain_norm_weight`), the embedding with a scale (Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
 tanh-approximate GELU), final logit soft-capping, and the sliding-window causal mask.
 Must not: read files or know about stages, KV slots or processes.
 """
@@ -61,10 +62,10 @@ def make_norm(config: ModelConfig, dim: int) -> nn.Module:
 
 
 def plain_norm_weight(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """The weight of a plain RMSNorm that stands for this family's norm of weight `weight` ([dim]):
-    `weight + norm_weight_offset` (Gemma's (1 + w); the same tensor's values elsewhere), what the
-    exit head's copy of the final norm holds. Gemma multiplies in float32 before its cast (GemmaRMSNorm),
-    the plain norm after it: equal in float32, last-bit differences in lower precisions."""
+    """The weight [dim] of a plain RMSNorm that stands for this family's norm of weight `weight` [dim]:
+    `weight + norm_weight_offset` (Gemma's (1 + w); `weight`'s values for the other families), what
+    the exit head's copy of the final norm holds. Gemma multiplies in float32 before its cast
+    (GemmaRMSNorm), the plain norm after it: equal in float32, last-bit differences below it."""
     return weight + config.norm_weight_offset
 
 

@@ -2,9 +2,10 @@
 
 Owns the tensor naming of every supported family's layers (`model.layers.{i}.self_attn.q_proj.weight`,
 ...; phi3's fused `qkv_proj` / `gate_up_proj`, Mixtral's experts through pipeline/model/tensor_names.py,
-which spells the single names), the choice of names per stage (`stage_tensor_names`), the exit head's
-copies of the final norm and head (`read_norm_and_head`), and `CheckpointReader`, a lazy reader of a Hugging Face
-model folder: one `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+which spells the single names), the choice of names per stage (`stage_tensor_names`), the exit
+head's copies of the final norm and head (`read_norm_and_head`), and `CheckpointReader`, a lazy
+reader of a Hugging Face model folder: one `model.safetensors`, or shards listed in
+`model.safetensors.index.json`.
 Must not: build modules, materialise the whole model, or know about GGUF (see `gguf_import`).
 """
 
