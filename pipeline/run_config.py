@@ -1,7 +1,7 @@
 """The run configuration: what a pipeline runs and with which limits, validated once.
 
-Owns `RunConfig` (the one frozen configuration every front end builds from its arguments), the
-one table of model dtypes, and the prompt-length rule. Lower layers get views of the run
+Owns `RunConfig` (the one frozen configuration every front end builds from its arguments) and the
+prompt-length rule (the model dtypes it accepts: `MODEL_DTYPES` of pipeline/model/config.py). Lower layers get views of the run
 configuration (the scheduler's limits, each stage's load spec) or the booleans they need
 (`needs_exit_head`), never the user's flag names to re-derive them.
 Must not: resolve models, read files or know about processes (launcher/coordinator/run_plan.py resolves the
@@ -22,6 +22,7 @@ import torch
 
 from pipeline.engine.records import SchedulerConfig
 from pipeline.measure.row_cost import RowCostTable, numeric_mode_name
+from pipeline.model.config import MODEL_DTYPES
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.items import MAX_TREE_SCRATCH
 from pipeline.speculation.predictors import PREDICTORS, is_predictor_file, make_predictor
@@ -30,9 +31,6 @@ from pipeline.weights.dense_layout import validate_dense_layout
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.registry import DEFAULT_MODEL
 
-# The dtypes model weights and activations may be loaded in (names as on the wire and in the CLI).
-MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                        "float16": torch.float16}
 SPECULATE_MODES = ("none", "speed", "firp", "speed+firp")
 ROW_COST_SOURCES = ("auto", "none", "calibrate")  # besides file:PATH
 

@@ -21,6 +21,7 @@ from pipeline.engine.events import ExitPassed, Result, StepOutput, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import forward_tensors
+from pipeline.model.family_blocks import plain_norm_weight
 from pipeline.model.stage_model import StageModel
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import ExitHead, Predictor, exit_guesses
@@ -32,7 +33,7 @@ def exit_head_for(last: StageModel) -> ExitHead:
     """A logit-lens exit head: copies of the last stage's final norm and LM head (as the worker loads)."""
     cfg = last.config
     head = ExitHead(cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps)
-    head.norm.weight.data.copy_(last.norm.weight.detach() + cfg.norm_weight_offset)
+    head.norm.weight.data.copy_(plain_norm_weight(last.norm.weight.detach(), cfg))
     head.lm_head.weight.data.copy_(last.lm_head.weight.detach())
     return head.eval()
 

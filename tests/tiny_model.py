@@ -25,7 +25,8 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from pipeline.model.config import ModelConfig, tiny_config
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_model import StageModel, checkpoint_name
+from pipeline.model.stage_model import StageModel
+from pipeline.model.tensor_names import checkpoint_name
 
 TINY_EOS_ID = 2
 NUM_BYTE_TOKENS = 256

@@ -1,13 +1,13 @@
 """The one conversion point between protobuf control-plane messages and domain types.
 
-Owns the to/from-protobuf functions of `StageLoadSpec` (pipeline/model/stage_assembly.py: what a stage
+Owns the to/from-protobuf functions of `StageLoadSpec` (pipeline/engine/stage_assembly.py: what a stage
 worker needs to load and join the pipeline). Must not: do any I/O.
 """
 
 from __future__ import annotations
 
+from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
 
 

@@ -1,6 +1,6 @@
 """Stage worker process: a gRPC control-plane server plus the stage's data-plane loop.
 
-Owns one pipeline stage's lifetime: `Load` has pipeline/model/stage_assembly.py build the stage (only
+Owns one pipeline stage's lifetime: `Load` has pipeline/engine/stage_assembly.py build the stage (only
 this stage's tensors: model, KV cache, exit head, FIRP maps), joins the torch.distributed group
 (rank = stage_index + 1) and starts the data-plane loop in a thread; `Health`, `GetStats`, `Reset`,
 `Shutdown` answer the coordinator; `Rejoin` moves the loaded stage into a fresh data-plane group
@@ -28,10 +28,10 @@ import grpc
 import psutil
 import torch
 
+from pipeline.engine.stage_assembly import StageLoadSpec, assemble_stage
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.measure.row_cost import numeric_mode_name, ratio_line
 from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS, calibrate_stage, time_exit_head
-from pipeline.model.stage_assembly import StageLoadSpec, assemble_stage
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
@@ -129,7 +129,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                                   num_threads=spec.num_threads)}
 
     def _load_model(self, spec: StageLoadSpec) -> list[str]:
-        """Build this stage from its spec (pipeline/model/stage_assembly.py); returns the tensor names read."""
+        """Build this stage from its spec (pipeline/engine/stage_assembly.py); returns the tensor names read."""
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         stage = assemble_stage(spec)

@@ -6,7 +6,7 @@ reading the measured runs of a results.json back with their timelines (`load_ben
 the records, or from runs/ for sweeps written before records existed. With the records, a committed
 study is re-calibrated from results.json and timelines.json alone (`simulate --calibrate`,
 `tests/benchmarks/throughput_study.py --recalibrate-from`), without its runs/ folder of traces.
-Must not: fit or simulate (pipeline/measure/calibrate.py, pipeline/measure/simulator.py).
+Must not: fit or simulate (pipeline/measure/calibrate.py, pipeline/engine/simulator.py).
 
 [Note: timeline record]
 A run's timeline JSON (`Timeline.to_json`: start/end ns, stages, slices with their items, commits)

@@ -1,7 +1,7 @@
 """The speculation and sampling flag groups that `launch` and `serve` share.
 
-Owns the flags' names, defaults and help text; launcher/cli/main.py turns them into PipelineOptions
-and SamplingParams. Must not: validate values (RunConfig and SamplingParams do, once).
+Owns the flags' names, defaults and help text; launcher/cli/options.py turns them into PipelineOptions,
+launcher/cli/main.py into SamplingParams. Must not: validate values (RunConfig and SamplingParams do, once).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns `idle_flag_notes`: speculation tuning with `--speculate none`, `--stage-mem
 `--stages auto`, Ray's placement flags without `--backend ray`, and `--dtype` under the int
 kernels (which compute in bfloat16). A user who sets one of these expects it to act; saying it
 does not is better than silently ignoring it, and it is only a note (vLLM warns the same way).
-Must not: refuse a flag for its value (launcher/cli/main.py and RunConfig do that); the one
+Must not: refuse a flag for its value (launcher/cli/options.py and RunConfig do that); the one
 exception is a `--predictor` / `--exit-predictor` file named with `--speculate none`, whose header
 is still read (`idle_speculation_flags`), so a wrong path fails as it would with speculation on.
 """

@@ -6,7 +6,7 @@ a calibrated cost model against every measured configuration of a `bench` result
 unlimited --link-bandwidth-bytes-per-s is null, and so is the realised acceptance of a
 configuration that verified no draft), simulate.csv and plots (useful/busy utilisation and tokens/s
 over stages; tokens/s over link latency when several are swept; predicted vs measured with
---calibrate). The simulation itself is pipeline/measure/simulator.py; the fit is
+--calibrate). The simulation itself is pipeline/engine/simulator.py; the fit is
 pipeline/measure/calibrate.py; a results.json's runs are read by launcher/bench/run_records.py.
 Must not: start pipelines.
 
@@ -37,10 +37,7 @@ from pathlib import Path
 
 from launcher.bench.run_records import load_bench_runs
 from launcher.cli.output_paths import check_output_dir, dumps_strict
-from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
-from pipeline.measure.calibrate_tables import run_load_factor
-from pipeline.measure.row_cost import RowCostTable
-from pipeline.measure.simulator import (
+from pipeline.engine.simulator import (
     Bernoulli,
     CostModel,
     DraftsAt,
@@ -49,6 +46,9 @@ from pipeline.measure.simulator import (
     SimConfig,
     Simulator,
 )
+from pipeline.measure.calibrate import Calibration, calibrate, draft_outcomes, draft_positions, firp_chains
+from pipeline.measure.calibrate_tables import run_load_factor
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.run_config import RunConfig
 
 

@@ -29,6 +29,7 @@ from pipeline.speculation.predictor_file import (
     model_name,
     read_predictor_meta,
     shipped_predictor,
+    shipped_predictors,
     ships_predictors_for,
 )
 from pipeline.speculation.predictors import is_predictor_file
@@ -146,9 +147,8 @@ def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Pa
     if path is None:  # the shipped head: by the converted GGUF's hash too (cheap, model_key); a plain
         # folder would have to be hashed (seconds), so there the name alone finds it
         key = model_key(model_dir)
-        digest = key.removeprefix("sha256:")[:12] if key.startswith("sha256:") else "*"
-        found = sorted(folder.glob(f"{model_name(model_dir)}-{digest}-early-exit-L{exit_layer}.safetensors"))
-        path = found[0] if found else None
+        digest = key.removeprefix("sha256:")[:12] if key.startswith("sha256:") else None
+        path = shipped_predictors(model_name(model_dir), kind="early-exit", hash12=digest, folder=folder).get(exit_layer)
     meta = _file_meta(path) or {}
     if meta.get("exit_layer") != exit_layer:  # not the head that would run at this layer
         return full

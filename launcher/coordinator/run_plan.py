@@ -22,7 +22,7 @@ from launcher.backends.placement import available_memory_bytes, stages_on_this_m
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from pipeline.measure.row_cost import RowCostTable
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import MODEL_DTYPES, ModelConfig
 from pipeline.model.partition import (
     LayerRange,
     balanced_split,
@@ -32,8 +32,14 @@ from pipeline.model.partition import (
 )
 from pipeline.model.stage_model import checkpoint_shapes
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.run_config import MODEL_DTYPES, RunConfig
-from pipeline.speculation.predictor_file import SHIPPED_DIR, ModelIdentity, load_predictor, model_identity
+from pipeline.run_config import RunConfig
+from pipeline.speculation.predictor_file import (
+    SHIPPED_DIR,
+    ModelIdentity,
+    load_predictor,
+    model_identity,
+    shipped_predictors,
+)
 from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
 from pipeline.weights.gguf_blocks import gguf_source_of, requantised_linears
 from pipeline.weights.gguf_import import SOURCE_FILE
@@ -57,8 +63,7 @@ class FirpSetup:
 def shipped_firp_file(identity: ModelIdentity, exit_layer: int, folder: Path = SHIPPED_DIR) -> Path | None:
     """The shipped FIRP file for this model (pipeline/assets/predictors/<model>-<hash12>-firp-L<layer>-k<k>):
     the one at `exit_layer` if shipped, else the one at the nearest layer; None if none is shipped."""
-    files = sorted(folder.glob(f"{identity.name}-{identity.hash[:12]}-firp-L*.safetensors"))
-    layers = {int(f.name.split("-firp-L")[1].split("-")[0].split(".")[0]): f for f in files}
+    layers = shipped_predictors(identity.name, kind="firp", hash12=identity.hash[:12], folder=folder)
     return layers[min(layers, key=lambda layer: (abs(layer - exit_layer), layer))] if layers else None
 
 

@@ -26,9 +26,9 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import RunPlan
 from launcher.coordinator.stage_failover import StageFailover
 from launcher.coordinator.stage_restarts import RestartBudget, RestartLedger
+from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.measure.row_cost import RowCostTable, combine_stage_tables, firp_pass_rows
 from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS
-from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.speculation.predictors import Predictor
 from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.registry import model_key

@@ -48,7 +48,7 @@ import grpc
 from launcher.coordinator.request_handle import PipelineError
 from launcher.coordinator.stage_control import in_daemon_thread
 from launcher.coordinator.stage_restarts import RestartLedger
-from pipeline.model.stage_assembly import StageLoadSpec
+from pipeline.engine.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
 from workers.load_spec_codec import spec_to_proto
 

@@ -300,7 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM / Ctrl-C, then drain. Exit 2 for bad flags (nothing spawned), 1 if start-up
     fails, 0 after a drain (launcher/serving/drain.py)."""
     from launcher.backends.multinode import run_member_node
-    from launcher.cli.main import options_and_reason, say
+    from launcher.cli.options import options_and_reason, say
     from launcher.cli.speculation_defaults import settle_auto
     from launcher.coordinator.run_plan import resolve
     from launcher.serving.drain import DrainSignals, serve_until_stopped

@@ -5,7 +5,7 @@ in flight (the only copy: the ring is FIFO, so a result answers the oldest; a mi
 stage made itself is matched to its announcement instead, in either arrival order: [Note:
 stage-local drafting] in pipeline/engine/local_draft.py), the `Timeline` of
 what each micro-batch was worth, and the commit log. The coordinator (launcher/coordinator/coordinator.py)
-feeds it real events from its channels, the simulator (pipeline/measure/simulator.py) simulated ones, and
+feeds it real events from its channels, the simulator (pipeline/engine/simulator.py) simulated ones, and
 the unit-test fakes scripted ones; none of them touches the scheduler.
 Pure: no I/O, no threads, no clock (events carry the caller's time).
 

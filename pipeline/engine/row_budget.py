@@ -120,11 +120,6 @@ class RowBudget:
                 return 2
         return depth
 
-    @property
-    def chosen_k(self) -> int:
-        """The chain length the rule chooses now (max_firp_k without a table)."""
-        return self._chosen
-
     def record(self, *, verified: int, accepted: int) -> None:
         """A pass verified the item's first `verified` FIRP drafts and accepted the first `accepted`
         of them (accepted <= verified): depths 1..min(accepted + 1, verified) were tried."""

@@ -32,7 +32,7 @@ import msgpack
 import torch
 
 from pipeline.measure.timeline import StageTiming
-from pipeline.run_config import MODEL_DTYPES
+from pipeline.model.config import MODEL_DTYPES
 from pipeline.speculation.items import Item, SlotRelease, items_from_wire, items_to_wire
 
 MAGIC = b"SPD2"

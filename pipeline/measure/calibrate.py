@@ -139,7 +139,7 @@ def firp_chains(timeline: dict) -> list[list[tuple[int, int]]]:
     every decode or FIRP item, (drafts it carried, drafts of it accepted), the accepted ones being
     those its successor starts after, or for the last item, those before the sequence's last token
     (from the timeline's commits; without them the last item is left out); a decode item: (0, 0).
-    The replay record of `pipeline.measure.simulator.FirpReplay`: item i's pair says what item
+    The replay record of `pipeline.engine.simulator.FirpReplay`: item i's pair says what item
     i - 1's result drafted. Valid for `--speculate firp` runs only: with SPEED drafts and squashes
     in between (speed+firp), an item's successor does not tell its accepted drafts."""
     firsts: dict[tuple[int, int, int], dict] = {}

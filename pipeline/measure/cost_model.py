@@ -1,7 +1,7 @@
 """The simulator's cost model: what a stage pass, a hop, the coordinator and the exit head cost.
 
 Owns `CostModel` (pure data and the arithmetic of one stage pass): the simulator
-(pipeline/measure/simulator.py) asks it how long things take, the calibration
+(pipeline/engine/simulator.py) asks it how long things take, the calibration
 (pipeline/measure/calibrate.py) fills it from measured timelines. Must not: simulate or fit.
 
 [Note: stage pass cost]

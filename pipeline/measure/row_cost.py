@@ -2,10 +2,10 @@
 
 Owns `RowCostTable` (seconds of a decode-style pass with n real rows, optionally with FIRP pseudo
 rows, measured on the machine in one numeric mode; JSON round trip), `measure_row_costs` (the short
-calibration that fills it, also run by tests/benchmarks/row_cost.py), and `best_num_rows` / `best_firp_k`, the pure
-rule "send as many draft rows as maximise expected committed tokens per second" (for a draft chain,
-and for FIRP chains whose pseudo rows ride along). Must not: drive
-the scheduler (it asks this module) or know about processes.
+calibration that fills it, also run by tests/benchmarks/row_cost.py), and `best_firp_k` / `best_run_ahead`,
+the pure rule "send as many draft rows as maximise expected committed tokens per second" (for FIRP
+chains whose pseudo rows ride along, and for SPEED's run-ahead depth). Must not: drive the scheduler
+(it asks this module) or know about processes.
 
 [Note: rows worth sending]
 A pass of n rows verifies a chain of n - 1 drafts after one real token. With p_i the calibrated
@@ -137,21 +137,6 @@ def expected_tokens(probs: Sequence[float], num_drafts: int) -> float:
         alive *= p
         total += alive
     return total
-
-
-def best_num_rows(table: RowCostTable, probs: Sequence[float], *, max_rows: int) -> int:
-    """Rows (1 + drafts) of the next pass that maximise expected tokens per second, at most
-    `max_rows` and at most 1 + len(probs). Raises ValueError for max_rows < 1 or a p outside [0, 1]."""
-    if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    if any(not 0.0 <= p <= 1.0 for p in probs):
-        raise ValueError(f"acceptance probabilities must be in [0, 1], got {list(probs)}")
-    best, best_rate = 1, 1.0 / table.cost_s(1)
-    for n in range(2, min(max_rows, 1 + len(probs)) + 1):
-        rate = expected_tokens(probs, n - 1) / table.cost_s(n)
-        if rate > best_rate:
-            best, best_rate = n, rate
-    return best
 
 
 def best_run_ahead(table: RowCostTable, alpha: float, *, num_stages: int, max_depth: int,

@@ -1,5 +1,5 @@
 """Acceptance processes of the simulator: what stands in for the model and the predictor deciding
-whether a draft is right (pipeline/measure/simulator.py, [Note: simulated model]).
+whether a draft is right (pipeline/engine/simulator.py, [Note: simulated model]).
 
 Owns the synthetic processes (`Bernoulli`: every draft right at a fixed rate) and the replays of
 a measured run (`Replay`: its verified outcomes in order; `DraftsAt`: where it drafted and whether

@@ -52,8 +52,8 @@ class AttentionPlan:
     q_index: [num_small, max_q] packed row of each query (padding: row num_rows, a zero row).
     key_slots: [num_small]; max_len: cached keys read per item; pseudo_keys: [num_small, max_p]
         packed rows whose keys follow the cached ones (padding: the zero row), or None.
-    mask: [num_small, max_q, max_len + max_p] bool, True = may attend; masked_out: its negation
-        (built once, used by every layer). max_len is a multiple of KEY_BLOCK.
+    masked_out: [num_small, max_q, max_len + max_p] bool, True = may not attend (built once, used by
+        every layer). max_len is a multiple of KEY_BLOCK.
     dense_rows: True when the batched queries are exactly the packed rows in order (every item one
         real row, no pseudo rows, no large items): no gather and no scatter.
     src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
@@ -73,7 +73,6 @@ class AttentionPlan:
     key_slots: torch.Tensor | None
     max_len: int
     pseudo_keys: torch.Tensor | None
-    mask: torch.Tensor | None
     masked_out: torch.Tensor | None = None
     dense_rows: bool = False
     src: torch.Tensor | None = None
@@ -112,7 +111,7 @@ class AttentionPlan:
         small = [i for i, s in enumerate(spans) if s.num_tokens <= SMALL_ITEM_ROWS]
         large = [i for i, s in enumerate(spans) if s.num_tokens > SMALL_ITEM_ROWS]
         plan = cls(spans, pseudo, num_real + num_pseudo, slots.to(device), positions.to(device), small, large,
-                   None, None, 0, None, None)
+                   None, None, 0, None)
         if small:
             plan._build_small(device)
         return plan
@@ -151,7 +150,7 @@ class AttentionPlan:
         self.src = valid.nonzero()[:, 0].to(device)
         self.dst = q_index.reshape(-1)[valid].to(device)
         self.q_index, self.q_positions = q_index.to(device), q_pos.to(device)
-        self.mask, self.masked_out = mask.to(device), (~mask).to(device)
+        self.masked_out = (~mask).to(device)
         self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
         self.pseudo_keys = p_index.to(device) if max_p else None
         siblings = [(b, spans[i].start, row_of[i]) for b, i in enumerate(self.small) if spans[i].is_sibling]

@@ -1,7 +1,8 @@
 """Model configuration: the architecture hyper-parameters of a Llama-family decoder.
 
 Owns the one typed description of a model (`ModelConfig`), how it is read from a Hugging Face
-`config.json`, and a tiny named config that unit tests use instead of real weights.
+`config.json`, the dtypes its weights and activations may be loaded in (`MODEL_DTYPES`), and a tiny
+named config that unit tests use instead of real weights.
 Must not: read weights, touch the file system beyond `config.json`, or import torch.distributed.
 """
 
@@ -12,6 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
+# The dtypes model weights and activations may be loaded in (names as on the wire and in the CLI).
+MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16}
 # model_type values whose layout this decoder implements. Families differ only by configuration
 # (see [Note: model families] below); the HF class each one is checked against in tests.
 HF_ARCHITECTURES = {

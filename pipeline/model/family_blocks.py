@@ -1,7 +1,8 @@
 """Small per-family building blocks of the decoder, chosen by ModelConfig ([Note: model families]).
 
-Owns the RMSNorm, the norm factory (Llama's RMSNorm or Gemma's (1 + w) variant), the embedding with a scale
-(Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
+Owns the RMS normalisation (`rms_normalize`, the one copy of its maths), the RMSNorm, the norm factory
+(Llama's RMSNorm or Gemma's (1 + w) variant) and the plain-norm weight that stands for Gemma's
+(`plain_norm_weight`), the embedding with a scale (Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
 tanh-approximate GELU), final logit soft-capping, and the sliding-window causal mask.
 Must not: read files or know about stages, KV slots or processes.
 """
@@ -13,6 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.config import ModelConfig
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, in x's dtype, no weight (RMSNorm, arXiv
+    1910.07467 §3). x: [..., dim] -> same shape and dtype. The norms below call it in float32, as do
+    the trainers and the exit maps on their float32 rows."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(nn.Module):
@@ -28,10 +36,8 @@ class RMSNorm(nn.Module):
         # x: [num_tokens, dim]
         dtype = x.dtype
         if dtype == torch.float32:  # the same maths without the two casts (no-ops here, but dispatched)
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+            return self.weight * rms_normalize(x, self.eps)
+        return self.weight * rms_normalize(x.float(), self.eps).to(dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -45,9 +51,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+        return (rms_normalize(x.float(), self.eps) * (self.offset + self.weight.float())).to(x.dtype)
 
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -55,6 +59,14 @@ def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     if config.norm_weight_offset:
         return GemmaRMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
     return RMSNorm(dim, config.rms_norm_eps)
+
+
+def plain_norm_weight(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The weight [dim] of a plain RMSNorm that stands for this family's norm of weight `weight` [dim]:
+    `weight + norm_weight_offset` (Gemma's (1 + w); `weight`'s values for the other families), what
+    the exit head's copy of the final norm holds. Gemma multiplies in float32 before its cast
+    (GemmaRMSNorm), the plain norm after it: equal in float32, last-bit differences below it."""
+    return weight + config.norm_weight_offset
 
 
 class ScaledEmbedding(nn.Embedding):

@@ -82,10 +82,9 @@ class Span:
 
 @dataclasses.dataclass
 class PseudoLayout:
-    """Where the pseudo rows of a packed micro-batch sit: after the `num_real` real rows; span i's
-    rows start at `offsets[i]`; `masks[i]` from `Span.pseudo_mask` (None: span has none)."""
+    """Where the pseudo rows of a packed micro-batch sit: after the real rows; span i's rows start
+    at `offsets[i]`; `masks[i]` from `Span.pseudo_mask` (None: span has none)."""
 
-    num_real: int
     offsets: list[int]
     masks: list[torch.Tensor | None]
 
@@ -97,7 +96,7 @@ class PseudoLayout:
             offsets.append(row)
             masks.append(s.pseudo_mask(device) if s.num_pseudo else None)
             row += s.num_pseudo
-        return cls(num_real, offsets, masks)
+        return cls(offsets, masks)
 
 
 def last_rows_of(spans: Sequence[Span]):

@@ -32,7 +32,7 @@ from pipeline.model.moe import SparseMoE
 from pipeline.model.partition import LayerRange
 from pipeline.model.rope import config_inv_freq, rope_cos_sin, rotate, rotation_tables
 from pipeline.model.row_layout import PassInterrupted, PseudoLayout, Span, anchor_rows, last_rows_of
-from pipeline.weights.checkpoint import family_tensor_name
+from pipeline.model.tensor_names import checkpoint_name
 
 
 @dataclasses.dataclass
@@ -336,14 +336,6 @@ class StageModel(nn.Module):
 def set_rope_buffers(model: StageModel, config: ModelConfig, device: torch.device | str = "cpu") -> None:
     """Fill a meta-built model's RoPE frequency buffers (global, and local for Gemma 3's sliding layers)."""
     model.inv_freq, model.inv_freq_local = (config_inv_freq(config, local=loc).to(device) for loc in (False, True))
-
-
-def checkpoint_name(param_name: str, config: ModelConfig) -> str:
-    """Checkpoint tensor name for a StageModel parameter (tied heads read the embedding; family
-    renames such as Mixtral's experts in pipeline/weights/checkpoint.py)."""
-    if param_name == "lm_head.weight":
-        return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    return family_tensor_name("model." + param_name, config)
 
 
 def checkpoint_shapes(config: ModelConfig, layer_range: LayerRange, *, is_first: bool,

@@ -39,13 +39,12 @@ from collections.abc import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class InFlight:
-    """One item of this sequence in the pipeline: its first position and input token, whether that
-    token is a draft, its epoch, the FIRP drafts it carries at the following positions, and for a
-    run-ahead draft its adaptive-drafting bucket (pipeline/speculation/draft_gate.py; None if ungated)."""
+    """One item of this sequence in the pipeline: its first position and input token, its epoch, the
+    FIRP drafts it carries at the following positions, and for a run-ahead draft its adaptive-drafting
+    bucket (pipeline/speculation/draft_gate.py; None if ungated)."""
 
     position: int
     token: int
-    is_draft: bool
     epoch: int
     drafts: tuple[int, ...] = ()
     gate_key: tuple[str, int] | None = None
@@ -110,7 +109,7 @@ class SequenceLedger:
         carrying FIRP `drafts` at the following positions (at most `max_firp_drafts()`)."""
         assert not self.inflight, "a real item is only sent when nothing is in flight"
         assert len(drafts) <= self.max_firp_drafts(), "FIRP drafts past the token budget"
-        item = InFlight(self.next_real_position, token, False, self.epoch, tuple(drafts))
+        item = InFlight(self.next_real_position, token, self.epoch, tuple(drafts))
         self.inflight.append(item)
         return item
 
@@ -132,7 +131,7 @@ class SequenceLedger:
         """Record a draft item injected right after the chain's end (gate_key: its DraftGate bucket;
         alts: its token-tree siblings)."""
         assert self.inflight, "a draft follows an in-flight item"
-        item = InFlight(self.inflight[-1].last_position + 1, token, True, self.epoch, gate_key=gate_key,
+        item = InFlight(self.inflight[-1].last_position + 1, token, self.epoch, gate_key=gate_key,
                         alts=tuple(alts))
         self.inflight.append(item)
         return item

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +288,21 @@ def shipped_predictor_name(identity: ModelIdentity, *, kind: str, exit_layer: in
     """File name of a predictor shipped with the project: `<model>-<hash12>-<kind>-L<layer>[-k<k>].safetensors`."""
     suffix = f"-k{k}" if k is not None else ""
     return f"{identity.name}-{identity.hash[:12]}-{kind}-L{exit_layer}{suffix}.safetensors"
+
+
+def shipped_predictors(name: str, *, kind: str, hash12: str | None = None,
+                       folder: Path = SHIPPED_DIR) -> dict[int, Path]:
+    """{exit layer: file} of the predictors of `kind` shipped for model `name` (names as
+    `shipped_predictor_name` writes them, with or without `-k<k>`): those of checkpoint hash `hash12`,
+    or of any hash (hex digits) when None, the first file by name for a layer. The one parser of
+    shipped names; files that do not parse are not predictors of this model and kind."""
+    digest = re.escape(hash12) if hash12 is not None else "[0-9a-f]+"
+    pattern = re.compile(rf"{re.escape(name)}-{digest}-{re.escape(kind)}-L(\d+)(?:-k\d+)?\.safetensors")
+    found: dict[int, Path] = {}
+    for path in sorted(folder.glob(f"{name}-*.safetensors")):
+        if (match := pattern.fullmatch(path.name)) is not None:
+            found.setdefault(int(match.group(1)), path)
+    return found
 
 
 def ships_predictors_for(name: str, *, folder: Path = SHIPPED_DIR) -> bool:

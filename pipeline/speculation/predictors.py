@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.family_blocks import RMSNorm
-from pipeline.speculation.drafting.drafter import DRAFTER_ARCH, DrafterMap
+from pipeline.model.family_blocks import RMSNorm, rms_normalize
 
 PREDICTORS = ("logit-lens", "early-exit", "ngram", "hybrid")
 PREDICTOR_FILE_SUFFIX = ".safetensors"  # a --predictor value ending so names a trained early-exit file
@@ -74,14 +73,11 @@ class ExitMap(nn.Module):
                 self.mlp["down"].bias.zero_()
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> nn.Module:
-        """Build from predictor-file tensors ("proj.weight" [H, H], ...; a "draft_vocab" is the
-        ExitHead's, not the map's, and is skipped); arch "swiglu" is the drafter of pipeline/speculation/drafting/drafter.py.
-        Raises ValueError on a missing or mis-shaped tensor."""
-        if arch == DRAFTER_ARCH:
-            return DrafterMap.from_tensors(tensors, eps=eps)
-        if arch == "next-layer":  # pipeline/speculation/drafting/layer_drafter.py; built by the exit stage
-            raise ValueError("a next-layer drafter runs only at the exit stage, with its draft layer's KV cache")
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> ExitMap:
+        """Build an "affine" or "mlp" map from predictor-file tensors ("proj.weight" [H, H], ...; a
+        "draft_vocab" is the ExitHead's, not the map's, and is skipped). Every arch of a file, the
+        drafters' included: `exit_map_from_tensors` in pipeline/speculation/drafting/exit_tensors.py.
+        Raises ValueError on another arch or a missing or mis-shaped tensor."""
         tensors = {n: t for n, t in tensors.items() if n != "draft_vocab"}
         hidden_size = tensors["proj.weight"].shape[0]
         mlp_size = tensors["mlp.up.weight"].shape[0] if arch == "mlp" else 512
@@ -95,8 +91,7 @@ class ExitMap(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.proj(x.to(self.proj.weight.dtype))
         if self.mlp is not None:
-            x32 = x.float()
-            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(y.dtype)
+            normed = rms_normalize(x.float(), self.eps).to(y.dtype)
             y = y + self.mlp["down"](F.silu(self.mlp["up"](normed)))
         return y.to(x.dtype)
 

@@ -72,9 +72,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.items import MAX_DRAFT_TREE, Item, ItemKind
 from pipeline.speculation.predictors import Draft, ExitGuess
 
@@ -83,6 +82,14 @@ if TYPE_CHECKING:
 
 PRIOR_HIT, PRIOR_TRIALS = 0.25, 4  # a sibling rank's rescue-rate prior and its weight in trials
 EXPLORE_EVERY = 16  # one tree decision in this many may add a rank the cost rule cuts
+
+
+class RowCosts(Protocol):
+    """What the tree size rule reads of the measured row-cost table (pipeline/measure/row_cost.py's
+    RowCostTable, which measures and therefore sits above this package)."""
+
+    def cost_s(self, num_rows: int) -> float:
+        """Seconds of a pass of `num_rows` rows through the whole model."""
 
 
 def scratch_positions(width: int, max_inflight: int) -> int:
@@ -142,7 +149,7 @@ class TokenTree:
     num_stages: S; max_inflight: a sequence's chain cap; row_costs: the measured table or None.
     """
 
-    def __init__(self, *, width: int, num_stages: int, max_inflight: int, row_costs: RowCostTable | None) -> None:
+    def __init__(self, *, width: int, num_stages: int, max_inflight: int, row_costs: RowCosts | None) -> None:
         self.width = validate_draft_tree(width)
         self.num_stages, self.depth, self.row_costs = num_stages, max_inflight + 1, row_costs
         self.rescues: dict[int, Rescue] = {}  # seq_id -> rescue waiting for its result

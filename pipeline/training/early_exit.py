@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pipeline.model.family_blocks import rms_normalize
 from pipeline.speculation.predictors import ExitMap
 from pipeline.training.schedule import one_cycle
 
@@ -52,10 +53,6 @@ class ExitTrainConfig:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def train_exit_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: torch.Tensor,
@@ -98,8 +95,8 @@ def train_exit_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: 
         x = hidden[rows].float()
         y = F.linear(x, eye + delta(), exit_map.proj.bias)
         if exit_map.mlp is not None:
-            y = y + exit_map.mlp["down"](F.silu(exit_map.mlp["up"](_rms(x, eps))))
-        loss = F.cross_entropy(_rms(y, eps) @ head.T, local_targets[rows])
+            y = y + exit_map.mlp["down"](F.silu(exit_map.mlp["up"](rms_normalize(x, eps))))
+        loss = F.cross_entropy(rms_normalize(y, eps) @ head.T, local_targets[rows])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -140,7 +137,7 @@ def top1_agreement(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weight: 
         x = hidden[lo:lo + chunk_rows].float()
         if exit_map is not None:
             x = exit_map(x)
-        pred = ((_rms(x, eps) * norm_weight) @ head.T).argmax(-1)
+        pred = ((rms_normalize(x, eps) * norm_weight) @ head.T).argmax(-1)
         if vocab_ids is not None:
             pred = vocab_ids[pred]
         hits += int((pred == targets[lo:lo + chunk_rows]).sum())

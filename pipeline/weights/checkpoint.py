@@ -1,9 +1,11 @@
 """Checkpoint tensors: which Hugging Face tensor names a stage needs, and reading exactly those.
 
-Owns the tensor naming of every supported family (`model.layers.{i}.self_attn.q_proj.weight`, ...;
-phi3's fused `qkv_proj` / `gate_up_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1`), the choice of
-names per stage (`stage_tensor_names`), and `CheckpointReader`, a lazy reader of a Hugging Face
-model folder: one `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+Owns the tensor naming of every supported family's layers (`model.layers.{i}.self_attn.q_proj.weight`,
+...; phi3's fused `qkv_proj` / `gate_up_proj`, Mixtral's experts through pipeline/model/tensor_names.py,
+which spells the single names), the choice of names per stage (`stage_tensor_names`), the exit
+head's copies of the final norm and head (`read_norm_and_head`), and `CheckpointReader`, a lazy
+reader of a Hugging Face model folder: one `model.safetensors`, or shards listed in
+`model.safetensors.index.json`.
 Must not: build modules, materialise the whole model, or know about GGUF (see `gguf_import`).
 """
 
@@ -20,32 +22,16 @@ import torch
 from safetensors import safe_open
 
 from pipeline.model.config import ModelConfig
+from pipeline.model.family_blocks import plain_norm_weight
 from pipeline.model.partition import LayerRange
+from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, family_tensor_name, head_tensor_name
 
-EMBED_TOKENS = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 _BYTES_PER_ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                       "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-# Mixtral's checkpoint names for what this decoder calls mlp.gate_proj / up_proj / down_proj.
-_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-
-def family_tensor_name(name: str, config: ModelConfig) -> str:
-    """The checkpoint's name for a tensor this decoder calls `name` (HF names, "model." prefix):
-    identity except Mixtral's `block_sparse_moe` prefix and w1/w3/w2 expert projections."""
-    if config.model_type != "mixtral" or ".mlp." not in name:
-        return name
-    name = name.replace(".mlp.", ".block_sparse_moe.")
-    for ours, theirs in _MIXTRAL_EXPERT.items():
-        name = name.replace(f".{ours}.", f".{theirs}.")
-    return name
 
 
 def _mlp_names(config: ModelConfig, prefix: str, layer: int) -> list[str]:
@@ -80,11 +66,6 @@ def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
     return names + _mlp_names(config, p, layer)
 
 
-def head_tensor_name(config: ModelConfig) -> str:
-    """The LM head's checkpoint name: the embedding itself when `tie_word_embeddings`."""
-    return EMBED_TOKENS if config.tie_word_embeddings else LM_HEAD
-
-
 def stage_tensor_names(config: ModelConfig, layer_range: LayerRange, *, is_first: bool,
                        is_last: bool) -> list[str]:
     """Exactly the checkpoint tensors one stage needs, each once, in checkpoint order.
@@ -103,6 +84,16 @@ def stage_tensor_names(config: ModelConfig, layer_range: LayerRange, *, is_first
         if head_tensor_name(config) not in names:
             names.append(head_tensor_name(config))
     return names
+
+
+def read_norm_and_head(reader: CheckpointReader, config: ModelConfig, *, dtype: torch.dtype,
+                       device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm [H], head [V, H]) as `dtype` on `device`: the final norm as the weight of a plain RMSNorm
+    (`plain_norm_weight`: Gemma's offset added) and the LM head (the embedding when tied), what an
+    exit head and the predictor trainers hold. Raises ValueError for a tensor the checkpoint lacks."""
+    head_name = head_tensor_name(config)
+    t = reader.read([FINAL_NORM, head_name], dtype=dtype, device=device)
+    return plain_norm_weight(t[FINAL_NORM], config), t[head_name]
 
 
 def all_tensor_names(config: ModelConfig) -> list[str]:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pipeline.model.config import ModelConfig
+from pipeline.model.tensor_names import LM_HEAD
 from pipeline.weights.file_memo import load_index
 from pipeline.weights.gguf_families import PERMUTED_ARCHITECTURES, field, tensor_targets
 from pipeline.weights.gguf_import import SOURCE_FILE, open_gguf, unpermute_qk
@@ -165,7 +166,7 @@ def requantised_linears(path: str | Path, config: ModelConfig, *, model_dir: str
     reader = GgufBlockReader(path, config, model_dir=model_dir)
     counts: dict[str, int] = {}
     for name, (t, _) in reader.tensors.items():
-        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        linear = name.endswith("_proj.weight") or name == LM_HEAD
         if linear and t.tensor_type not in INT4_TYPES | INT8_TYPES:
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return counts

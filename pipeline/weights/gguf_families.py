@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from pipeline.model.config import ModelConfig
-from pipeline.weights.checkpoint import family_tensor_name
+from pipeline.model.tensor_names import family_tensor_name
 
 # GGUF general.architecture -> HF model_type (llama: also mistral / mixtral, see `model_type_of`).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",

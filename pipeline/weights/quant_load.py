@@ -12,7 +12,8 @@ import torch
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_model import StageModel, build_stage_model, checkpoint_name, set_rope_buffers
+from pipeline.model.stage_model import StageModel, build_stage_model, set_rope_buffers
+from pipeline.model.tensor_names import EMBED_TOKENS, LM_HEAD, checkpoint_name, head_tensor_name
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.dense_layout import apply_dense_layout, release_freed_heap, validate_dense_layout
 from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
@@ -53,7 +54,7 @@ def fused_linears(config: ModelConfig, layer_range: LayerRange, *, is_last: bool
         out[f"layers.{i}.mlp.gate_up_proj"] = [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"]
         out[f"layers.{i}.mlp.down_proj"] = [f"{p}.mlp.down_proj.weight"]
     if is_last:
-        out["lm_head"] = [checkpoint_name("lm_head.weight", config)]
+        out["lm_head"] = [head_tensor_name(config)]
     return out
 
 
@@ -84,7 +85,7 @@ def build_quantized_stage_model(config: ModelConfig, layer_range: LayerRange, *,
     groups = fused_linears(config, layer_range, is_last=is_last)
     linear_names = {n for names in groups.values() for n in names}
     names = stage_tensor_names(config, layer_range, is_first=is_first, is_last=is_last)
-    dense_names = [n for n in names if n not in linear_names or (is_first and n == "model.embed_tokens.weight")]
+    dense_names = [n for n in names if n not in linear_names or (is_first and n == EMBED_TOKENS)]
     blocks = None
     if mode == "gguf":
         blocks = GgufBlockReader(gguf_source_of(reader.model_dir), config, model_dir=reader.model_dir)
@@ -94,7 +95,7 @@ def build_quantized_stage_model(config: ModelConfig, layer_range: LayerRange, *,
     state = {}
     for name, _ in model.named_parameters():
         ckpt = checkpoint_name(name, config)
-        if ckpt in dense and name != "lm_head.weight":
+        if ckpt in dense and name != LM_HEAD:  # (the parameter name)
             state[name] = dense[ckpt]
     model.load_state_dict(state, assign=True, strict=False)
     for layer in model.layers.values():

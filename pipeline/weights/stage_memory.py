@@ -17,13 +17,8 @@ import torch
 from pipeline.model.attention import KEY_BLOCK
 from pipeline.model.kv_cache import buffer_positions
 from pipeline.model.partition import LayerRange, smallest_fitting_split
-from pipeline.weights.checkpoint import (
-    EMBED_TOKENS,
-    FINAL_NORM,
-    CheckpointReader,
-    head_tensor_name,
-    layer_tensor_names,
-)
+from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, head_tensor_name
+from pipeline.weights.checkpoint import CheckpointReader, layer_tensor_names
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

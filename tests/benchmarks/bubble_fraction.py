@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.measure.simulator import closed_form_speedup
+from pipeline.engine.simulator import closed_form_speedup
 from pipeline.weights.registry import DEFAULT_MODEL
 
 PROMPT = "The history of the printing press begins in"

@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from pipeline.model.attention import AttentionPlan, span_attention  # noqa: E402
+from pipeline.model.family_blocks import rms_normalize  # noqa: E402
 from pipeline.model.rope import rotate  # noqa: E402
 from pipeline.model.row_layout import Span  # noqa: E402
 from pipeline.weights.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
@@ -43,7 +44,7 @@ def block_functions(config):
     h, kvh, d, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rms_norm_eps
 
     def norm(x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return w * rms_normalize(x, eps)
 
     def pre(x, ln_w, qkv_t, cos, sin):
         qkv = norm(x, ln_w) @ qkv_t

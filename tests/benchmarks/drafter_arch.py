@@ -45,7 +45,7 @@ from torch import nn
 
 from launcher.cli.training.distill_data import DistillSpec, distill_sequences, prepare_distill_data
 from pipeline.model.config import ModelConfig
-from pipeline.model.family_blocks import RMSNorm
+from pipeline.model.family_blocks import RMSNorm, rms_normalize
 from pipeline.model.rope import config_inv_freq
 from pipeline.model.stage_model import Attention, StageModel
 from pipeline.speculation.drafting.drafter import (
@@ -97,7 +97,7 @@ class FrozenHead:
 
     def logits(self, y: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """y: [rows, H] -> [rows, V] (or [rows, C] with a folded candidate `weight` [C, H])."""
-        normed = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = rms_normalize(y, self.eps)
         return normed @ weight.T if weight is not None else (normed * self.norm_weight) @ self.lm_head_weight.T
 
 
@@ -152,7 +152,7 @@ class FusionDrafter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = x.unflatten(-1, (3, -1))
-        normed = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = rms_normalize(parts, self.eps)
         y = parts[..., 2, :] + self.fuse(normed.flatten(-2))
         for block in self.blocks:
             y = block(y)

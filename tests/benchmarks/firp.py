@@ -26,7 +26,7 @@ from pathlib import Path
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
-from pipeline.measure.simulator import closed_form_speedup
+from pipeline.engine.simulator import closed_form_speedup
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import held_out_prompts
 

@@ -43,8 +43,8 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from pipeline.engine.records import DEEP_ACCEPTANCE
+from pipeline.engine.simulator import closed_form_speedup
 from pipeline.measure.handoffs import plain_decode_estimate
-from pipeline.measure.simulator import closed_form_speedup
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import held_out_prompts
 

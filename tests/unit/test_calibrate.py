@@ -14,10 +14,10 @@ import dataclasses
 
 import pytest
 
+from pipeline.engine.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 from pipeline.measure.calibrate import calibrate, draft_outcomes, scaled_fits
 from pipeline.measure.calibrate_tables import run_load_factor
 from pipeline.measure.row_cost import RowCostTable
-from pipeline.measure.simulator import Bernoulli, CostModel, Replay, SimConfig, Simulator
 
 HOP_S, COORD_S, PRED_S = 3e-4, 8e-4, 2e-3
 BASES = {1: (0.030,), 2: (0.016, 0.017)}

@@ -183,7 +183,7 @@ def test_serve_refuses_the_flags_of_a_prompt_run(capsys):
 
 def test_speculation_flags_without_speculation_are_named(capsys):
     """`--speculate none --draft-at stage` runs plain decoding: the flag is named as doing nothing."""
-    from launcher.cli.main import options_and_reason
+    from launcher.cli.options import options_and_reason
 
     args = _parse(build_parser(), ["launch", "--stages", "2", "--speculate", "none", "--draft-at", "stage",
                                    "--firp-k", "3"])

@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.cli.main import (
-    UsageError,
-    _parse,
-    build_parser,
-    main,
-    options_and_reason,
-)
+from launcher.cli.main import UsageError, _parse, build_parser, main
+from launcher.cli.options import options_and_reason
 from launcher.cli.parsing import read_prompts, read_prompts_file
 
 

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.measure.row_cost import numeric_mode_name
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import Span
-from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.model.stage_model import StageModel
 from pipeline.run_config import RunConfig
 from pipeline.weights.dense_layout import (

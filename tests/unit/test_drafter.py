@@ -11,22 +11,23 @@ import torch
 
 from launcher.cli.main import main
 from launcher.cli.training.train_drafter import overfit_warnings
+from pipeline.engine.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.speculation.drafting.drafter import (
     DrafterMap,
     DrafterTrainConfig,
     train_drafter_map,
     validation_split,
 )
+from pipeline.speculation.drafting.exit_tensors import exit_map_from_tensors
 from pipeline.speculation.predictor_file import (
     load_predictor,
     load_predictor_bytes,
     model_identity,
     predictor_bytes,
 )
-from pipeline.speculation.predictors import EarlyExitPredictor, ExitMap
+from pipeline.speculation.predictors import EarlyExitPredictor
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import collect_hidden_states, load_full_model
 from pipeline.training.early_exit import top1_agreement
@@ -38,7 +39,7 @@ from pipeline.training.self_distill import (
     load_instructions,
     split_texts,
 )
-from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.quant_load import load_stage_model
 from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import write_tiny_model
@@ -153,13 +154,13 @@ def test_drafter_file_round_trips_and_rejects_bad_tensors():
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.1)
     tensors = dict(drafter.state_dict())
-    loaded = ExitMap.from_tensors(tensors, arch="swiglu")
+    loaded = exit_map_from_tensors(tensors, arch="swiglu")
     x = torch.randn(5, 8)
     assert isinstance(loaded, DrafterMap) and len(loaded.blocks) == 2
     torch.testing.assert_close(loaded(x), drafter(x))
     del tensors["blocks.1.down.weight"]
     with pytest.raises(ValueError, match="swiglu"):
-        ExitMap.from_tensors(tensors, arch="swiglu")
+        exit_map_from_tensors(tensors, arch="swiglu")
 
 
 def _speculative_matches_plain(model_dir, file_bytes: bytes) -> None:
@@ -256,11 +257,10 @@ def test_offline_acceptance_of_a_file_is_its_in_pipeline_alpha(tiny):
     file_bytes = predictor_bytes(dict(drafter.state_dict()) | {"draft_vocab": vocab}, meta, dtype=torch.float32)
     pred = load_predictor_bytes(file_bytes)
     reader = CheckpointReader(model_dir)
-    w = reader.read(["model.norm.weight", "model.embed_tokens.weight" if config.tie_word_embeddings
-                     else "lm_head.weight"], dtype=torch.float32)
+    norm, lm_head = read_norm_and_head(reader, config, dtype=torch.float32)
     offline = top1_agreement(hidden=gen.states.hidden, targets=gen.states.targets,
-                             exit_map=ExitMap.from_tensors(pred.tensors, arch="swiglu"), vocab_ids=pred.draft_vocab,
-                             norm_weight=w["model.norm.weight"], lm_head_weight=w[next(k for k in w if "norm" not in k)],
+                             exit_map=exit_map_from_tensors(pred.tensors, arch="swiglu"), vocab_ids=pred.draft_vocab,
+                             norm_weight=norm, lm_head_weight=lm_head,
                              eps=config.rms_norm_eps)
     assert 0.1 < offline < 0.9, offline  # a test that can tell the two apart
     ranges = [LayerRange(0, EXIT_LAYER + 1), LayerRange(EXIT_LAYER + 1, config.num_hidden_layers)]

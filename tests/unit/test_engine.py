@@ -6,7 +6,7 @@ other commits once they travel as data-plane messages and come back through the 
 receivers (launcher/coordinator/stage_receivers.py), or an event trace with drafts and a squash commits
 tokens that the model did not produce.
 
-The trace: a simulated run (pipeline/measure/simulator.py) of a few sequences with speculation, whose
+The trace: a simulated run (pipeline/engine/simulator.py) of a few sequences with speculation, whose
 replayed draft outcomes include rejections, recorded as the list of `Engine.step` calls (events
 and outputs). It is replayed into a fresh engine the way the coordinator feeds its own: every
 result and exit event is encoded as the RESULT / EXIT_GUESS message a stage sends, decoded as the
@@ -23,6 +23,7 @@ import torch
 from launcher.coordinator.stage_receivers import exit_event, result_event
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import ExitPassed, Result, StepOutput
+from pipeline.engine.simulator import CostModel, Replay, SimConfig, SimPredictor, Simulator, true_token
 from pipeline.engine.wire import (
     Message,
     MessageKind,
@@ -31,7 +32,6 @@ from pipeline.engine.wire import (
     header_end,
     inline_tensors,
 )
-from pipeline.measure.simulator import CostModel, Replay, SimConfig, SimPredictor, Simulator, true_token
 
 OUTCOMES = (True, True, False, True, True, True, False)  # the simulated predictor's draft outcomes, cyclic
 FRAME_BYTES = 1 << 16

@@ -17,8 +17,8 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.events import Abort, ExitPassed, Result, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.simulator import Bernoulli, CostModel, SimConfig, Simulator
 from pipeline.engine.stage_executor import StageExecutor
-from pipeline.measure.simulator import Bernoulli, CostModel, SimConfig, Simulator
 from pipeline.model.config import tiny_config
 from pipeline.model.partition import balanced_split
 from pipeline.model.stage_model import build_stage_model
@@ -165,7 +165,7 @@ def test_sequences_that_fill_the_pipeline_skip_the_head_and_keep_their_output(nu
     assert spec.exit_rows < sched_all.spec.exit_rows / 2, (spec, sched_all.spec)
 
 
-# -- the simulator (pipeline/measure/simulator.py) mirrors the exit stage ------------------------------------------
+# -- the simulator (pipeline/engine/simulator.py) mirrors the exit stage ------------------------------------------
 def test_the_simulator_charges_the_exit_head_only_when_an_item_wants_it():
     """A costly exit head slows a lone speculating sequence, but not two sequences that fill two stages."""
     stage_s = 1e-3

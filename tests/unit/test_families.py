@@ -121,7 +121,7 @@ def test_stage_tensor_names_are_exactly_the_parameters_each_stage_builds(family)
             first, last = i == 0, i == len(ranges) - 1
             with torch.device("meta"):
                 model = StageModel(cfg, r, is_first=first, is_last=last)
-            from pipeline.model.stage_model import checkpoint_name
+            from pipeline.model.tensor_names import checkpoint_name
             wanted = {checkpoint_name(n, cfg) for n, _ in model.named_parameters()}
             assert set(stage_tensor_names(cfg, r, is_first=first, is_last=last)) == wanted
 

@@ -16,7 +16,12 @@ from pipeline.model.config import tiny_config
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import build_stage_model
 from pipeline.speculation.firp import FirpMaps
-from pipeline.speculation.predictor_file import ModelIdentity, PredictorFile, PredictorFileError
+from pipeline.speculation.predictor_file import (
+    ModelIdentity,
+    PredictorFile,
+    PredictorFileError,
+    shipped_predictor_name,
+)
 from pipeline.training.firp import SKIP_FIRST, chain_drafts, firp_acceptance, fit_firp_maps
 from tests.tiny_model import random_state_dict
 
@@ -91,7 +96,7 @@ def test_shipped_firp_file_prefers_the_exit_layer_then_the_nearest(tmp_path):
     ident = ModelIdentity(name="m", hash="ab" * 32, hidden_size=4, num_layers=30, vocab_size=9)
     assert shipped_firp_file(ident, 16, tmp_path) is None
     for layer in (10, 16, 20):
-        (tmp_path / f"m-{ident.hash[:12]}-firp-L{layer}-k4.safetensors").write_bytes(b"")
+        (tmp_path / shipped_predictor_name(ident, kind="firp", exit_layer=layer, k=4)).write_bytes(b"")
     assert shipped_firp_file(ident, 16, tmp_path).name.endswith("-L16-k4.safetensors")
     assert shipped_firp_file(ident, 19, tmp_path).name.endswith("-L20-k4.safetensors")
     assert shipped_firp_file(ident, 12, tmp_path).name.endswith("-L10-k4.safetensors")

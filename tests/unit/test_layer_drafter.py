@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from launcher.cli.main import main
+from pipeline.engine.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.rope import config_inv_freq
 from pipeline.model.row_layout import Span
-from pipeline.model.stage_assembly import StageLoadSpec, build_exit_head
 from pipeline.speculation.drafting.drafter import DrafterMap
+from pipeline.speculation.drafting.exit_tensors import exit_map_from_tensors
 from pipeline.speculation.drafting.layer_drafter import (
     LayerDrafterConfig,
     build_draft_layer,
@@ -31,11 +32,11 @@ from pipeline.speculation.drafting.layer_drafter import (
     train_sequence_model,
 )
 from pipeline.speculation.predictor_file import load_predictor, model_identity, predictor_bytes
-from pipeline.speculation.predictors import EarlyExitPredictor, ExitMap
+from pipeline.speculation.predictors import EarlyExitPredictor
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.training.data import load_full_model
 from pipeline.training.self_distill import GenerationConfig, generate, sequence_layer_states, sequence_states
-from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.quant_load import load_stage_model
 from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import write_tiny_model
@@ -114,7 +115,7 @@ def test_a_next_layer_file_round_trips_and_other_readers_refuse_it(tiny):
         build_draft_layer(config, EXIT_LAYER, {k: v for k, v in layer_tensors.items() if "o_proj" not in k},
                           dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="only at the exit stage"):
-        ExitMap.from_tensors(tensors, arch="next-layer")
+        exit_map_from_tensors(tensors, arch="next-layer")
 
 
 def _drafter_file(model_dir, config, layer, exit_map, **meta) -> bytes:
@@ -132,9 +133,8 @@ def test_offline_acceptance_of_a_next_layer_file_is_its_in_pipeline_alpha(tiny):
     prompts = [[5, 9, 14, 3, 5, 9], [40, 41, 42], [7, 8, 7, 8, 100]]
     gen = generate(full, prompts, GenerationConfig(num_new_tokens=20), layer=EXIT_LAYER)
     reader = CheckpointReader(model_dir)
-    w = reader.read(["model.norm.weight", "model.embed_tokens.weight" if config.tie_word_embeddings
-                     else "lm_head.weight"], dtype=torch.float32)
-    head = w["model.norm.weight"][None] * w[next(k for k in w if "norm" not in k)]
+    norm, lm_head = read_norm_and_head(reader, config, dtype=torch.float32)
+    head = norm[None] * lm_head
     seqs = []
     for p, c in zip(prompts, gen.continuations, strict=True):
         t = torch.full((len(p) + len(c) - 1,), -100, dtype=torch.int64)
@@ -175,11 +175,10 @@ def test_training_starts_from_the_next_layer_and_keeps_its_best_validation_state
         t = torch.full((len(p) + len(c) - 1,), -100, dtype=torch.int64)
         t[len(p):] = torch.tensor(c[1:])
         seqs.append((_exit_states(full, p + c[:-1]), t))
-    reader = CheckpointReader(model_dir)
-    w = reader.read(["model.norm.weight", "model.embed_tokens.weight"], dtype=torch.float32)
+    norm, lm_head = read_norm_and_head(CheckpointReader(model_dir), config, dtype=torch.float32)
     layer, exit_map = train_layer_drafter(train=seqs[1:], val=seqs[:1], init_layer=full.layers[str(EXIT_LAYER + 1)],
-                                          config=config, norm_weight=w["model.norm.weight"],
-                                          lm_head_weight=w["model.embed_tokens.weight"],
+                                          config=config, norm_weight=norm,
+                                          lm_head_weight=lm_head,
                                           settings=LayerDrafterConfig(steps=30, batch_size=3, lr=3e-3, val_every=10))
     assert exit_map.early_stop is not None and exit_map.early_stop[0] in (10, 20, 30)
     assert not any(p.requires_grad for p in layer.parameters())
@@ -188,7 +187,7 @@ def test_training_starts_from_the_next_layer_and_keeps_its_best_validation_state
     assert changed  # it trained a copy, and left the model's own layer alone
     with pytest.raises(ValueError, match="needs training rows"):
         train_layer_drafter(train=[], val=[], init_layer=full.layers[str(EXIT_LAYER + 1)], config=config,
-                            norm_weight=w["model.norm.weight"], lm_head_weight=w["model.embed_tokens.weight"],
+                            norm_weight=norm, lm_head_weight=lm_head,
                             settings=LayerDrafterConfig())
 
 
@@ -217,16 +216,15 @@ def test_the_sequence_trainer_fits_any_module_and_keeps_its_best_validation_stat
     [B, T, 2H] -> [B, T, H]) towards the targets, keeps a validation state and leaves it frozen."""
     model_dir, config = tiny
     h = config.hidden_size
-    reader = CheckpointReader(model_dir)
-    w = reader.read(["model.norm.weight", "model.embed_tokens.weight"], dtype=torch.float32)
+    norm, lm_head = read_norm_and_head(CheckpointReader(model_dir), config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     seqs = [(torch.randn(9, 2 * h, generator=gen), torch.randint(0, 6, (9,), generator=gen)) for _ in range(8)]
     model = torch.nn.Linear(2 * h, h)
-    before = sequence_top1(model, seqs, w["model.embed_tokens.weight"] * w["model.norm.weight"], config.rms_norm_eps)
-    kept = train_sequence_model(model, train=seqs, val=seqs[:2], norm_weight=w["model.norm.weight"],
-                                lm_head_weight=w["model.embed_tokens.weight"], eps=config.rms_norm_eps,
+    before = sequence_top1(model, seqs, lm_head * norm, config.rms_norm_eps)
+    kept = train_sequence_model(model, train=seqs, val=seqs[:2], norm_weight=norm,
+                                lm_head_weight=lm_head, eps=config.rms_norm_eps,
                                 settings=LayerDrafterConfig(steps=40, batch_size=4, lr=1e-2, val_every=10))
-    after = sequence_top1(model, seqs, w["model.embed_tokens.weight"] * w["model.norm.weight"], config.rms_norm_eps)
+    after = sequence_top1(model, seqs, lm_head * norm, config.rms_norm_eps)
     assert kept is not None and kept[0] in (10, 20, 30, 40) and after > before
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
 

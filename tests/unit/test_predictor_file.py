@@ -16,6 +16,8 @@ from pipeline.speculation.predictor_file import (
     predictor_bytes,
     read_predictor_meta,
     save_predictor,
+    shipped_predictor_name,
+    shipped_predictors,
 )
 from tests.tiny_model import write_tiny_model
 
@@ -112,3 +114,23 @@ def test_draft_vocab_round_trips_as_int64_and_bad_ids_are_refused(tmp_path):
     for bad in (torch.tensor([1, 256]), torch.tensor([2, 2]), torch.tensor([-1])):
         with pytest.raises(PredictorFileError, match="draft_vocab"):
             load_predictor_bytes(predictor_bytes(tensors | {"draft_vocab": bad}, meta))
+
+
+def test_shipped_names_parse_back_to_their_layers_for_one_model_kind_and_checkpoint(tmp_path):
+    """`shipped_predictors` reads back what `shipped_predictor_name` writes (with and without -k),
+    for one model, kind and checkpoint hash, or any hash; another model whose name starts with this
+    one's, another kind or a name that does not parse is not picked up."""
+    mine, other_hash = _identity(name="m"), _identity(name="m", hash="cd" * 32)
+    names = [shipped_predictor_name(mine, kind="early-exit", exit_layer=7),
+             shipped_predictor_name(mine, kind="early-exit", exit_layer=16),
+             shipped_predictor_name(mine, kind="firp", exit_layer=16, k=4),
+             shipped_predictor_name(other_hash, kind="early-exit", exit_layer=10),
+             shipped_predictor_name(_identity(name="m-extra"), kind="early-exit", exit_layer=3),
+             "m-abababababab-early-exit-Lx.safetensors"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    found = shipped_predictors("m", kind="early-exit", hash12=mine.hash[:12], folder=tmp_path)
+    assert {layer: p.name for layer, p in found.items()} == {7: names[0], 16: names[1]}
+    assert shipped_predictors("m", kind="firp", hash12=mine.hash[:12], folder=tmp_path) == {16: tmp_path / names[2]}
+    assert sorted(shipped_predictors("m", kind="early-exit", folder=tmp_path)) == [7, 10, 16]
+    assert list(shipped_predictors("m-extra", kind="early-exit", folder=tmp_path)) == [3]

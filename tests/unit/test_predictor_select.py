@@ -10,9 +10,9 @@ from launcher.cli.main import main
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from launcher.coordinator.run_plan import default_split
+from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_assembly import StageLoadSpec
 from pipeline.speculation.predictor_file import load_predictor_bytes, model_identity, save_predictor
 from pipeline.speculation.predictors import EarlyExitPredictor, make_predictor
 from tests.tiny_model import write_tiny_model
@@ -103,6 +103,9 @@ def test_exit_head_shape_reads_the_draft_vocabulary_of_the_head_it_would_use(tin
     assert rows("hybrid", layer=1) == config.vocab_size  # no head ships at layer 1
     assert rows(str(explicit), layer=1) == config.vocab_size  # the given file was trained at layer 2
     assert rows("logit-lens") == rows("hybrid", "none") == config.vocab_size
+    other = save_predictor(shipped / f"{model_dir.name}-extra-abc-early-exit-L3.safetensors", tensors,
+                           meta | {"exit_layer": 3})  # model `<name>-extra`'s head, not this model's
+    assert rows("hybrid", layer=3) == config.vocab_size, other.name
     assert rows(str(path), layer=1) == config.vocab_size  # a trained head without a draft vocabulary
     assert rows(str(tmp_path / "missing.safetensors")) == config.vocab_size  # reported later by choose_*
     meta["eval"] |= {"draft_vocab_top1_agreement": 0.75}

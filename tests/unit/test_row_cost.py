@@ -1,4 +1,4 @@
-"""The row-cost table and the rows-worth-sending rule (pipeline/measure/row_cost.py).
+"""The row-cost table and its JSON and calibration (pipeline/measure/row_cost.py; the rows-worth-sending rules: test_row_budget.py).
 
 What breaks when these fail: the scheduler sends long draft chains where extra rows are expensive
 (float32 on CPU) or short ones where they are nearly free (int4, bf16 AMX, GPU), or a saved table
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.measure.row_cost import RowCostTable, best_num_rows, expected_tokens, measure_row_costs
+from pipeline.measure.row_cost import RowCostTable, expected_tokens, measure_row_costs
 
 CHEAP = RowCostTable(mode="int4", num_rows=(1, 2, 4, 8), pass_s=(0.010, 0.0102, 0.0106, 0.0115))
 COSTLY = RowCostTable(mode="fp32", num_rows=(1, 2, 4, 8), pass_s=(0.050, 0.058, 0.085, 0.104))
@@ -28,27 +28,11 @@ def test_expected_tokens_count_the_real_token_and_the_accepted_prefix():
     assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
 
 
-def test_cheap_rows_make_long_chains_pay_and_costly_rows_do_not():
-    probs = [0.5] * 7
-    assert best_num_rows(CHEAP, probs, max_rows=8) >= 4
-    assert best_num_rows(COSTLY, probs, max_rows=8) == 2
-    assert best_num_rows(COSTLY, [0.1] * 7, max_rows=8) == 1
-    assert best_num_rows(CHEAP, [0.1] * 7, max_rows=8) == 2
-    assert best_num_rows(COSTLY, [0.95] * 7, max_rows=8) > 1
-    assert best_num_rows(CHEAP, [0.0] * 7, max_rows=8) == 1, "drafts that never hit are never worth a row"
-    assert best_num_rows(CHEAP, [0.9] * 7, max_rows=3) == 3
-    assert best_num_rows(CHEAP, [0.9], max_rows=8) == 2, "no more rows than drafts + 1"
-
-
 def test_bad_tables_and_arguments_are_named():
     with pytest.raises(ValueError, match="needs times for 1"):
         RowCostTable(mode="x", num_rows=(2, 4), pass_s=(1.0, 2.0))
     with pytest.raises(ValueError, match="must ascend"):
         RowCostTable(mode="x", num_rows=(1, 4, 2), pass_s=(1.0, 2.0, 3.0))
-    with pytest.raises(ValueError, match="max_rows"):
-        best_num_rows(CHEAP, [0.5], max_rows=0)
-    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
-        best_num_rows(CHEAP, [1.5], max_rows=4)
     with pytest.raises(ValueError, match="malformed"):
         RowCostTable.from_json({"mode": "x"})
 

@@ -22,8 +22,8 @@ from launcher.bench.run_records import (
     load_bench_runs,
     write_records,
 )
+from pipeline.engine.simulator import Bernoulli, CostModel, SimConfig, Simulator
 from pipeline.measure.calibrate import calibrate
-from pipeline.measure.simulator import Bernoulli, CostModel, SimConfig, Simulator
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,12 @@ import torch
 
 from launcher.cli.training.ship_predictors import ship_heads, training_data
 from pipeline.model.config import tiny_config
-from pipeline.speculation.predictor_file import ModelIdentity, read_predictor_meta, save_predictor
+from pipeline.speculation.predictor_file import (
+    ModelIdentity,
+    read_predictor_meta,
+    save_predictor,
+    shipped_predictor_name,
+)
 
 IDENTITY = ModelIdentity(name="m", hash="cd" * 32, hidden_size=4, num_layers=30, vocab_size=64)
 DEFAULT_LAYER = {2: 16, 3: 10, 4: 7}  # depth -> its default exit layer
@@ -16,7 +21,7 @@ DEFAULT_LAYER = {2: 16, 3: 10, 4: 7}  # depth -> its default exit layer
 def _head(folder, layer: int, data: str):
     meta = {"kind": "early-exit", "model": IDENTITY.to_dict(), "exit_layer": layer, "arch": "affine", "data": data,
             "eval": {}, "train_tokens": 1}
-    return save_predictor(folder / f"m-{IDENTITY.hash[:12]}-early-exit-L{layer}.safetensors",
+    return save_predictor(folder / shipped_predictor_name(IDENTITY, kind="early-exit", exit_layer=layer),
                           {"proj.weight": torch.eye(4), "proj.bias": torch.zeros(4)}, meta)
 
 

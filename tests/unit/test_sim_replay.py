@@ -1,6 +1,6 @@
 """Replays and FIRP terms of the calibrated simulator: SPEED drafts replayed where a run drafted
 (`draft_positions`, `DraftsAt`), FIRP chains replayed from a recorded run (`firp_chains` in
-pipeline/measure/calibrate.py, `FirpReplay` in pipeline/measure/simulator.py), and the measured
+pipeline/measure/calibrate.py, `FirpReplay` in pipeline/engine/simulator.py), and the measured
 cost and contention of FIRP's pass shapes (`fit_pass_shapes`, `fit_contention_rows` in
 pipeline/measure/calibrate_tables.py). What breaks when these fail: `simulate --calibrate`
 predicts FIRP runs from a flat per-draft acceptance again, which cannot follow FIRP's chains (cut
@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 
 from launcher.cli.simulate import predict_run
+from pipeline.engine.simulator import Bernoulli, CostModel, DraftsAt, FirpReplay, SimConfig, Simulator
 from pipeline.measure.calibrate import calibrate, draft_positions, firp_chains
 from pipeline.measure.calibrate_tables import fit_contention_rows, fit_pass_shapes
-from pipeline.measure.simulator import Bernoulli, CostModel, DraftsAt, FirpReplay, SimConfig, Simulator
 
 COST = CostModel(stage_base_s=(0.016, 0.017), stage_per_token_s=(1e-3, 1e-3), pseudo_row_s=(1e-3, 2e-3),
                  hop_latency_s=3e-4, coordinator_s=8e-4)

@@ -1,4 +1,4 @@
-"""The discrete-event simulator (pipeline/measure/simulator.py) against the closed form and pipeline theory.
+"""The discrete-event simulator (pipeline/engine/simulator.py) against the closed form and pipeline theory.
 
 What breaks when these fail: the simulator no longer reproduces SPEED's expected speed-up
 S / (alpha*e + (1-alpha)*S) for one sequence (ARCHITECTURE.md §5), the plain pipeline's
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.engine.engine import Engine
-from pipeline.measure.simulator import (
+from pipeline.engine.simulator import (
     Bernoulli,
     CostModel,
     Replay,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.backends.placement import PlacementOptions
-from launcher.cli.main import build_parser, pipeline_options, speculation_choice
+from launcher.cli.main import build_parser
+from launcher.cli.options import options_and_reason, speculation_choice
 from launcher.cli.parsing import UsageError, min_acceptance_arg
 from launcher.cli.speculation_defaults import (
     FIRP_TUNING,
@@ -34,6 +35,11 @@ def _auto(model="smollm2-135m", *, stages=2, placement=LOCAL, device="cpu", thre
           exit_predictor=None):
     return auto_speculate(model=model, num_stages=stages, placement=placement, device=device, threads_per_stage=threads,
                           predictor=predictor, exit_predictor=exit_predictor)
+
+
+def _options(args):
+    """launch's / serve's PipelineOptions from parsed flags (`--speculate auto` decided)."""
+    return options_and_reason(args, progress=False)[0]
 
 
 def test_speed_where_every_stage_has_its_own_cpu_and_a_head_ships(two_cpus):
@@ -77,13 +83,13 @@ def test_the_cli_default_is_auto_and_it_is_decided_before_the_options_exist(two_
     parser = build_parser()
     args = parser.parse_args(["launch", "--stages", "2", "--prompt", "x"])
     assert args.speculate == "auto"
-    assert pipeline_options(args, progress=False).speculate == "speed"
+    assert _options(args).speculate == "speed"
     mode, why = speculation_choice(args, 2)
     assert mode == "speed" and "2 stages, each on its own cores" in why
     four = parser.parse_args(["launch", "--stages", "4", "--prompt", "x"])
-    assert pipeline_options(four, progress=False).speculate == "none"
+    assert _options(four).speculate == "none"
     explicit = parser.parse_args(["launch", "--stages", "4", "--speculate", "speed", "--prompt", "x"])
-    assert pipeline_options(explicit, progress=False).speculate == "speed"
+    assert _options(explicit).speculate == "speed"
     assert speculation_choice(explicit, 4) == ("speed", "")  # the user's choice needs no reason
 
 
@@ -99,21 +105,21 @@ def test_auto_refuses_speed_flags_where_it_chose_none(two_cpus, flags, named):
     instead of ignoring it, or failing on RunConfig's `draft_tree needs speculate speed`."""
     parser = build_parser()
     with pytest.raises(UsageError) as err:
-        pipeline_options(parser.parse_args(["launch", "--stages", "4", *flags, "--prompt", "x"]), progress=False)
+        _options(parser.parse_args(["launch", "--stages", "4", *flags, "--prompt", "x"]))
     message = str(err.value)
     assert named in message and "--speculate auto chose none here (2 of 4 stages" in message, message
     assert "pass --speculate speed" in message
-    two = pipeline_options(parser.parse_args(["launch", "--stages", "2", *flags, "--prompt", "x"]), progress=False)
+    two = _options(parser.parse_args(["launch", "--stages", "2", *flags, "--prompt", "x"]))
     assert two.speculate == "speed"  # where auto chooses speed the flags apply
     mine = parser.parse_args(["launch", "--stages", "4", "--speculate", "speed", *flags, "--prompt", "x"])
-    assert pipeline_options(mine, progress=False).speculate == "speed"
+    assert _options(mine).speculate == "speed"
 
 
 def test_auto_refuses_firp_flags_since_it_never_chooses_firp(two_cpus):
     parser = build_parser()
     for flags in (["--firp-k", "2"], ["--firp-min-prob", "0.3"], ["--firp-file", "/tmp/maps.safetensors"]):
         with pytest.raises(UsageError, match=f"{flags[0]} tunes FIRP.*--speculate firp or speed\\+firp"):
-            pipeline_options(parser.parse_args(["launch", "--stages", "2", *flags, "--prompt", "x"]), progress=False)
+            _options(parser.parse_args(["launch", "--stages", "2", *flags, "--prompt", "x"]))
 
 
 def test_flag_defaults_match_the_options_defaults_so_untouched_flags_pass():
@@ -129,7 +135,7 @@ def test_flag_defaults_match_the_options_defaults_so_untouched_flags_pass():
 def test_a_bad_stage_count_gets_its_own_error_before_the_flag_check(two_cpus):
     args = build_parser().parse_args(["launch", "--stages", "0", "--draft-tree", "3", "--prompt", "x"])
     with pytest.raises(ValueError, match="num_stages must be >= 1") as err:
-        pipeline_options(args, progress=False)
+        _options(args)
     assert not isinstance(err.value, UsageError)  # RunConfig's message, not auto's
 
 
@@ -140,9 +146,9 @@ def test_a_multi_node_member_runs_node_0s_choice_and_does_not_judge_the_flags(tw
         return ["launch", "--stages", "4", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
                 "--threads-per-stage", "2", "--draft-at", "stage", "--prompt", "x"]
 
-    assert pipeline_options(parser.parse_args(node(1)), progress=False).num_stages == 4
+    assert _options(parser.parse_args(node(1))).num_stages == 4
     with pytest.raises(UsageError, match="--draft-at tunes SPEED drafts.*2 of 4 stages"):
-        pipeline_options(parser.parse_args(node(0)), progress=False)
+        _options(parser.parse_args(node(0)))
 
 
 def test_speculate_none_notes_the_predictor_flags_and_still_checks_a_named_file(two_cpus, tmp_path, capsys):
@@ -153,13 +159,13 @@ def test_speculate_none_notes_the_predictor_flags_and_still_checks_a_named_file(
     garbage.write_bytes(b"not a safetensors file")
     args = parser.parse_args(["launch", "--speculate", "none", "--predictor", str(garbage), "--prompt", "x"])
     with pytest.raises(UsageError, match=rf"--predictor {garbage}: .*not a safetensors file"):
-        pipeline_options(args, progress=False)
+        _options(args)
     missing = parser.parse_args(["launch", "--speculate", "none", "--exit-predictor", str(tmp_path / "no.safetensors"),
                                  "--prompt", "x"])
     with pytest.raises(UsageError, match="--exit-predictor .*no.safetensors: .*does not exist"):
-        pipeline_options(missing, progress=False)
+        _options(missing)
     capsys.readouterr()
     named = parser.parse_args(["launch", "--speculate", "none", "--predictor", "ngram", "--firp-k", "2",
                                "--prompt", "x"])
-    assert pipeline_options(named, progress=False).speculate == "none"
+    assert _options(named).speculate == "none"
     assert "note: --firp-k, --predictor have no effect with --speculate none" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Stage assembly (pipeline/model/stage_assembly.py): a load spec becomes exactly that stage, with only its
+"""Stage assembly (pipeline/engine/stage_assembly.py): a load spec becomes exactly that stage, with only its
 own tensors, its exit head and FIRP maps where the spec puts them, numerically equal to the whole model."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
+from pipeline.engine.stage_assembly import StageLoadSpec, assemble_stage
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import Span
-from pipeline.model.stage_assembly import StageLoadSpec, assemble_stage
 from pipeline.speculation.predictor_file import model_identity, save_predictor
 from pipeline.weights.checkpoint import stage_tensor_names
 from tests.tiny_model import write_tiny_model

@@ -12,7 +12,9 @@ import itertools
 import pytest
 import torch
 
-from launcher.cli.main import UsageError, _auto_stages, build_parser
+from launcher.cli.main import build_parser
+from launcher.cli.options import _auto_stages
+from launcher.cli.parsing import UsageError
 from pipeline.model.partition import smallest_fitting_split
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.stage_memory import kv_bytes_per_layer, plan_stages_for_budget

@@ -12,9 +12,9 @@ import threading
 import grpc
 import pytest
 
+from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_assembly import StageLoadSpec
 from tests.tiny_model import write_tiny_model
 from workers.load_spec_codec import spec_to_proto
 from workers.stage_worker import StageServicer

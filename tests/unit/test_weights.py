@@ -11,12 +11,10 @@ from safetensors.torch import save_file
 
 from pipeline.model.config import ModelConfig, tiny_config
 from pipeline.model.partition import LayerRange
+from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, LM_HEAD
 from pipeline.weights import checkpoint as weights
 from pipeline.weights.checkpoint import (
-    EMBED_TOKENS,
-    FINAL_NORM,
     INDEX_FILE,
-    LM_HEAD,
     SINGLE_FILE,
     CheckpointReader,
     all_tensor_names,

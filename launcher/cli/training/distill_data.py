@@ -34,7 +34,7 @@ from pipeline.training.self_distill import (
     save_generation,
     split_texts,
 )
-from pipeline.weights.checkpoint import FINAL_NORM, CheckpointReader, head_tensor_name
+from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.registry import default_cache_dir
 
 log = logging.getLogger("speedpipe.train")
@@ -214,6 +214,6 @@ def prepare_distill_data(spec: DistillSpec, *, layer: int, seed: int = 0, cache_
     train = SequenceStates(**{f.name: torch.cat([getattr(p, f.name) for p in parts])
                               for f in dataclasses.fields(SequenceStates)})
     evals = {name: run(texts, f"held-out {name}", greedy) for name, texts in eval_texts.items() if texts}
-    head = CheckpointReader(spec.model_dir).read([FINAL_NORM, head_tensor_name(config)], dtype=torch.float32)
-    return DistillData(train=train, evals=evals, norm_weight=head[FINAL_NORM] + config.norm_weight_offset,
-                       lm_head_weight=head[head_tensor_name(config)], rms_norm_eps=config.rms_norm_eps)
+    norm, head = read_norm_and_head(CheckpointReader(spec.model_dir), config, dtype=torch.float32)
+    return DistillData(train=train, evals=evals, norm_weight=norm, lm_head_weight=head,
+                       rms_norm_eps=config.rms_norm_eps)

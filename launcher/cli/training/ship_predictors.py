@@ -29,6 +29,7 @@ from pipeline.speculation.predictor_file import (
     model_identity,
     read_predictor_meta,
     shipped_predictor_name,
+    shipped_predictors,
 )
 from pipeline.weights.registry import DEFAULT_MODEL, resolve_model
 
@@ -97,8 +98,7 @@ def ship_heads(model: str, config: ModelConfig, identity, stages: list[int], ext
         return folder / shipped_predictor_name(identity, kind="early-exit", exit_layer=layer)
 
     asked = {default_layer(model, s) for s in stages}  # the heads these depths use now
-    shipped = {int(p.name.rsplit("-L", 1)[1].split(".")[0])
-               for p in folder.glob(f"{identity.name}-{identity.hash[:12]}-early-exit-L*.safetensors")}
+    shipped = set(shipped_predictors(identity.name, kind="early-exit", hash12=identity.hash[:12], folder=folder))
     trained: dict[int, dict] = {}
     for layer in sorted(asked & shipped):
         if keeps_self_distilled(path_of(layer), data=data, replace_self_distilled=replace_self_distilled):

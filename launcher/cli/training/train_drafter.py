@@ -24,6 +24,7 @@ from pipeline.speculation.drafting.drafter import (
     train_drafter_map,
     validation_split,
 )
+from pipeline.speculation.drafting.exit_tensors import exit_map_from_tensors
 from pipeline.speculation.drafting.layer_drafter import (
     NEXT_LAYER_ARCH,
     LayerDrafterConfig,
@@ -33,7 +34,6 @@ from pipeline.speculation.drafting.layer_drafter import (
     train_layer_drafter,
 )
 from pipeline.speculation.predictor_file import load_predictor, shipped_predictor
-from pipeline.speculation.predictors import ExitMap
 from pipeline.training.data import load_full_model
 from pipeline.training.early_exit import ExitTrainConfig, draft_vocabulary, top1_agreement, train_exit_map
 from pipeline.training.self_distill import sequence_states
@@ -79,7 +79,7 @@ def _shipped_map(identity, layer: int):
     if path is None:
         return None
     pred = load_predictor(path, expect=identity, exit_layer=layer, kind="early-exit")
-    return ExitMap.from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine")), pred.draft_vocab, path.name
+    return exit_map_from_tensors(pred.tensors, arch=pred.meta.get("arch", "affine")), pred.draft_vocab, path.name
 
 
 def baselines(sets: dict[str, tuple[torch.Tensor, torch.Tensor]], head: dict, shipped=None) -> dict[str, dict]:

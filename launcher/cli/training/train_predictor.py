@@ -33,7 +33,7 @@ from pipeline.training.data import (
     split_documents,
     token_windows,
 )
-from pipeline.weights.checkpoint import FINAL_NORM, CheckpointReader, head_tensor_name
+from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.registry import DEFAULT_MODEL, default_cache_dir, resolve_model
 from workers.control_auth import MAX_CONTROL_MESSAGE_BYTES
 
@@ -125,9 +125,9 @@ def prepare_data(spec: DataSpec, *, cache_dir: Path | None = None, layers: list[
         data = _collect(model, windows, all_layers, spec, f"{split} states ({len(docs)} docs)", progress)
         save_hidden_states(path, data, meta={"corpus": spec.corpus, "split": split, "model_hash": identity.hash})
         parts.append(dataclasses.replace(data, hidden={layer: data.hidden[layer] for layer in layers}))
-    head = CheckpointReader(spec.model_dir).read([FINAL_NORM, head_tensor_name(config)], dtype=torch.float32)
-    return TrainingSet(train=parts[0], eval=parts[1], norm_weight=head[FINAL_NORM] + config.norm_weight_offset,
-                       lm_head_weight=head[head_tensor_name(config)], rms_norm_eps=config.rms_norm_eps)
+    norm, head = read_norm_and_head(CheckpointReader(spec.model_dir), config, dtype=torch.float32)
+    return TrainingSet(train=parts[0], eval=parts[1], norm_weight=norm, lm_head_weight=head,
+                       rms_norm_eps=config.rms_norm_eps)
 
 
 def _collect(model, windows: torch.Tensor, layers: list[int], spec: DataSpec, desc: str,

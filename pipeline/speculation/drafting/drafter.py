@@ -29,14 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.family_blocks import RMSNorm
+from pipeline.model.family_blocks import RMSNorm, rms_normalize
 from pipeline.training.schedule import one_cycle
 
 DRAFTER_ARCH = "swiglu"
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class SwiGLUBlock(nn.Module):
@@ -185,7 +181,7 @@ def train_drafter_map(*, hidden: torch.Tensor, targets: torch.Tensor, norm_weigh
     drafter.train()
     for step in range(config.steps):
         rows = torch.randint(0, hidden.shape[0], (config.batch_size,), generator=gen)
-        logits = _rms(drafter(hidden[rows].float()), eps) @ head.T
+        logits = rms_normalize(drafter(hidden[rows].float()), eps) @ head.T
         loss = F.cross_entropy(logits, local_targets[rows])
         if soft is not None:
             q = torch.zeros_like(logits).scatter_add_(1, soft[0][rows], soft[1][rows])
@@ -228,7 +224,7 @@ class _EarlyStop:
         if self.val is None or self.val[1].numel() == 0:
             return
         drafter.eval()
-        pred = self.candidates[(_rms(drafter(self.val[0].float()), self.eps) @ self.head.T).argmax(-1)]
+        pred = self.candidates[(rms_normalize(drafter(self.val[0].float()), self.eps) @ self.head.T).argmax(-1)]
         agreement = float((pred == self.val[1]).float().mean())
         drafter.train()
         if agreement > self.best_agreement:

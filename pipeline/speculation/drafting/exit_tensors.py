@@ -1,6 +1,8 @@
-"""Whether an early-exit predictor file holds exactly the tensors its arch needs, checked up front.
+"""Early-exit predictor files of every arch: the module a file's arch runs, and its tensors checked up front.
 
-Owns `check_exit_tensors`: the module the file's metadata arch describes (ExitMap of
+Owns `exit_map_from_tensors` (the ExitMap of pipeline/speculation/predictors.py, or the DrafterMap of
+pipeline/speculation/drafting/drafter.py, that runs before the exit head's norm + LM head) and
+`check_exit_tensors`: the module the file's metadata arch describes (ExitMap of
 pipeline/speculation/predictors.py, DrafterMap of pipeline/speculation/drafting/drafter.py, the next-layer
 draft layer of pipeline/speculation/drafting/layer_drafter.py) is built on the meta device (no memory, no
 weights) and its state dict's names and shapes are compared with the file's tensors, so that a
@@ -24,6 +26,19 @@ from pipeline.speculation.drafting.layer_drafter import (
 )
 from pipeline.speculation.predictor_file import PredictorFile, PredictorFileError
 from pipeline.speculation.predictors import ExitMap
+
+
+def exit_map_from_tensors(tensors: dict[str, torch.Tensor], *, arch: str, eps: float = 1e-5) -> nn.Module:
+    """The module an early-exit file of `arch` runs on the exit state ([num_rows, H] -> [num_rows, H]),
+    built from its tensors (a "draft_vocab" is the ExitHead's and is skipped): an ExitMap for
+    "affine" / "mlp", a DrafterMap for "swiglu". A "next-layer" file's map follows its draft layer,
+    which only the exit stage builds (pipeline/engine/stage_assembly.py). Raises ValueError for that,
+    another arch, or a missing or mis-shaped tensor."""
+    if arch == DRAFTER_ARCH:
+        return DrafterMap.from_tensors(tensors, eps=eps)
+    if arch == NEXT_LAYER_ARCH:
+        raise ValueError("a next-layer drafter runs only at the exit stage, with its draft layer's KV cache")
+    return ExitMap.from_tensors(tensors, arch=arch, eps=eps)
 
 
 def _swiglu(tensors: dict[str, torch.Tensor], hidden_size: int) -> nn.Module:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.config import ModelConfig
+from pipeline.model.family_blocks import rms_normalize
 from pipeline.model.rope import config_inv_freq, rope_cos_sin, rotate, rotation_tables
 from pipeline.model.stage_model import MLP, Attention, DecoderLayer
 from pipeline.speculation.drafting.drafter import DrafterMap
@@ -163,7 +164,7 @@ def sequence_top1(drafter: torch.nn.Module, seqs: list[Sequence], head: torch.Te
         for h, t in seqs:
             rows = t >= 0
             y = drafter(h.float()[None])[0][rows]
-            pred = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)) @ head.T
+            pred = rms_normalize(y, eps) @ head.T
             want = t[rows] if local is None else local[t[rows]]
             hits, total = hits + int((pred.argmax(-1) == want).sum()), total + int(rows.sum())
     return hits / max(total, 1)
@@ -215,7 +216,7 @@ def train_sequence_model(model: torch.nn.Module, *, train: list[Sequence], val: 
         x, tg = _batch(train, torch.randint(0, len(train), (settings.batch_size,), generator=gen).tolist())
         rows = tg >= 0
         y = model(x)[rows]
-        loss = F.cross_entropy((y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)) @ head.T, local[tg[rows]])
+        loss = F.cross_entropy(rms_normalize(y, eps) @ head.T, local[tg[rows]])
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -145,14 +145,6 @@ class SimResult:
             return 0.0
         return (len(times) - 1) / ((times[-1] - times[0]) / 1e9)
 
-    def decode_tokens_per_s(self) -> float:
-        """Committed tokens per second between each sequence's first and last commit (no prefill),
-        summed over sequences that ran concurrently: (sum of tokens - 1) / (last - first commit)."""
-        first = min(c[0] for c in self.commits)
-        last = max(c[0] for c in self.commits)
-        n = len(self.commits) - len({c[1] for c in self.commits})
-        return n / ((last - first) / 1e9) if last > first else 0.0
-
 
 class Simulator:
     """Runs one SimConfig under a CostModel. See the module docstring."""

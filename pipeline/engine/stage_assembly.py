@@ -14,17 +14,17 @@ import torch
 
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import rank_of_stage, world_size
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import MODEL_DTYPES, ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import StageModel
-from pipeline.run_config import MODEL_DTYPES
 from pipeline.speculation.drafting.drafter import DRAFTER_ARCH
+from pipeline.speculation.drafting.exit_tensors import exit_map_from_tensors
 from pipeline.speculation.drafting.layer_drafter import NEXT_LAYER_ARCH, build_draft_layer, split_tensors
 from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.items import MAX_TREE_SCRATCH
 from pipeline.speculation.predictor_file import load_predictor_bytes
-from pipeline.speculation.predictors import ExitHead, ExitMap
-from pipeline.weights.checkpoint import CheckpointReader
+from pipeline.speculation.predictors import ExitHead
+from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.dense_layout import validate_dense_layout
 from pipeline.weights.quant import validate_quantization
 from pipeline.weights.quant_load import activation_dtype, load_stage_model
@@ -164,9 +164,7 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
     trained map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden
     size), restricted to the file's draft vocabulary when it has one. A next-layer file's draft
     layer is attached to `model` ([Note: next-layer drafter]). Raises ValueError."""
-    norm_name = "model.norm.weight"
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    t = reader.read([norm_name, head_name], dtype=spec.activation_dtype, device=spec.device)
+    norm, lm_head = read_norm_and_head(reader, config, dtype=spec.activation_dtype, device=spec.device)
     exit_map, vocab = None, None
     if spec.exit_predictor:
         pred = load_predictor_bytes(spec.exit_predictor, exit_layer=spec.exit_layer, kind="early-exit",
@@ -177,13 +175,12 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
         arch, tensors = pred.meta.get("arch", "affine"), pred.tensors
         if arch == NEXT_LAYER_ARCH:
             arch, tensors = DRAFTER_ARCH, _attach_draft_layer(config, spec, tensors, model)
-        exit_map = ExitMap.from_tensors(tensors, arch=arch, eps=config.rms_norm_eps).to(
+        exit_map = exit_map_from_tensors(tensors, arch=arch, eps=config.rms_norm_eps).to(
             device=spec.device, dtype=spec.activation_dtype)
         vocab = pred.draft_vocab
     with torch.device("meta"):
         head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
-    norm = t[norm_name] + config.norm_weight_offset  # Gemma's (1 + w) norm as a plain RMSNorm weight
-    head.load_state_dict({"norm.weight": norm, "lm_head.weight": t[head_name]}, assign=True)
+    head.load_state_dict({"norm.weight": norm, "lm_head.weight": lm_head}, assign=True)
     head.exit_map = exit_map
     if vocab is not None:  # [Note: draft vocabulary] in pipeline/speculation/predictors.py
         head.restrict_vocab(vocab)
