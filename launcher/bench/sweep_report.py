@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launcher.bench.cpu_meter import MAX_FOREIGN
+from launcher.cli.cpu_meter import MAX_FOREIGN
 from launcher.cli.output_paths import dumps_strict
 from pipeline.speculation.predictors import is_predictor_file
 
@@ -184,7 +184,7 @@ def write_partial(args: argparse.Namespace, configs: list[BenchConfig], runs: di
 
 def busy_runs(rows: list[dict]) -> list[str]:
     """`<config> repeat <r>: <fraction>` for each run during which other work took more than
-    MAX_FOREIGN of the CPU (launcher/bench/cpu_meter.py; runs without the field are not judged)."""
+    MAX_FOREIGN of the CPU (launcher/cli/cpu_meter.py; runs without the field are not judged)."""
     return [f"{r['name']} repeat {run['repeat']}: {run['stats']['foreign_cpu_fraction']:.0%}" for r in rows
             for run in r["runs"] if (run["stats"].get("foreign_cpu_fraction") or 0.0) > MAX_FOREIGN]
 

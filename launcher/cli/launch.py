@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.backends.placement import usable_cpus
-from launcher.bench.cpu_meter import MAX_FOREIGN, CpuMeter
+from launcher.cli.cpu_meter import MAX_FOREIGN, CpuMeter
 from launcher.cli.parsing import UsageError
 from launcher.coordinator.session import PipelineSession
 from pipeline.engine.records import SpecCounters

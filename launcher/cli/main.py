@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_string())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CliParser)
     commands = {"launch": _launch_parser(sub), "serve": _serve_parser(sub), "bench": _bench_parser(sub)}
-    from launcher.cli.simulate import add_simulate_args, cmd_simulate
+    from launcher.bench.simulate import add_simulate_args, cmd_simulate
     simulate = sub.add_parser("simulate", help="discrete-event simulation of the pipeline (optionally calibrated)")
     add_simulate_args(simulate)
     simulate.set_defaults(func=cmd_simulate)

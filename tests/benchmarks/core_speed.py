@@ -226,7 +226,7 @@ def measure(driver: Driver, cfg: BenchConfig, prompt_ids: list[list[int]], args:
 
     Before each attempt, waits (up to --quiet-wait-s) for the machine to be quiet; an attempt during
     which other jobs took more than --max-foreign of the CPU is discarded
-    ([Note: foreign load] in launcher/bench/cpu_meter.py).
+    ([Note: foreign load] in launcher/cli/cpu_meter.py).
     The last attempt is kept whatever its load, and its load is reported. Raises RuntimeError if a
     configuration did not generate exactly --max-new-tokens per prompt.
     """

@@ -3,7 +3,7 @@
 Owns the drivers ([Note: one long-lived driver per configuration] in core_speed.py): `hf_driver`
 (transformers `generate`), `speedpipe_driver` (a PipelineSession), the `Driver` handle that starts
 one as `core_speed.py --driver ...` (`CpuMeter`, [Note: foreign load], lives in
-launcher/bench/cpu_meter.py). Must not: compute
+launcher/cli/cpu_meter.py). Must not: compute
 ratios or write reports (core_speed_report.py).
 """
 
@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.bench.cpu_meter import CpuMeter  # noqa: F401 (core_speed.py imports it from here)
 from launcher.bench.driver_protocol import DriverProcess, serve_requests, take_stdout_for_replies
+from launcher.cli.cpu_meter import CpuMeter  # noqa: F401 (core_speed.py imports it from here)
 
 CORE_SPEED_SCRIPT = Path(__file__).resolve().with_name("core_speed.py")  # the script that serves --driver
 DRIVER_START_TIMEOUT_S = 600.0

@@ -45,8 +45,8 @@ import sys
 from pathlib import Path
 
 from launcher.bench.run_records import RECORDS_FILE, load_bench_runs, write_records
+from launcher.bench.simulate import check_calibration, row_shape_arg
 from launcher.cli.output_paths import dumps_strict
-from launcher.cli.simulate import check_calibration, row_shape_arg
 from pipeline.measure.calibrate import calibrate
 from pipeline.weights.registry import DEFAULT_MODEL
 

@@ -126,7 +126,7 @@ def test_out_that_is_a_file_is_a_one_line_error_before_anything_starts(tmp_path,
 def test_runs_that_shared_the_cpu_are_named(tmp_path, capsys):
     """A sweep on a host that became busy gave ratios of 0.72 and 1.17 for one configuration with
     nothing in results.json to tell which runs to trust: each run records foreign_cpu_fraction
-    (launcher/bench/cpu_meter.py) and the sweep names the runs above 10 %."""
+    (launcher/cli/cpu_meter.py) and the sweep names the runs above 10 %."""
     runs = _runs()
     runs[SPEC.name][1]["stats"]["foreign_cpu_fraction"] = 0.35
     runs[PLAIN.name][0]["stats"]["foreign_cpu_fraction"] = 0.02

@@ -74,7 +74,7 @@ def test_a_busy_host_gets_no_estimate(monkeypatch):
 def test_other_work_during_the_run_gets_no_estimate(quiet_host):
     """The 1-minute load average lags: a sweep started at load 0.36 on a host that became busy got
     estimates of 1.34x where 0.72x was measured. Other work's CPU during the run itself decides too
-    (launcher/bench/cpu_meter.py); None: stages that are not this process's children (Ray)."""
+    (launcher/cli/cpu_meter.py); None: stages that are not this process's children (Ray)."""
     assert launch._speedup_estimate(_session(), [_result()], 0.09) != {}
     assert launch._speedup_estimate(_session(), [_result()], 0.11) == {}
     assert launch._speedup_estimate(_session(), [_result()], None) == {}
@@ -87,7 +87,7 @@ def test_the_cpu_meter_counts_its_children_even_after_they_exited():
     import subprocess
     import sys
 
-    from launcher.bench.cpu_meter import CpuMeter
+    from launcher.cli.cpu_meter import CpuMeter
 
     spin = "import time\nwhile time.process_time() < 0.5: pass"  # 0.5 s of CPU, however busy the host
     meter = CpuMeter()

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from launcher.cli.simulate import predict_run
+from launcher.bench.simulate import predict_run
 from pipeline.engine.simulator import Bernoulli, CostModel, DraftsAt, FirpReplay, SimConfig, Simulator
 from pipeline.measure.calibrate import calibrate, draft_positions, firp_chains
 from pipeline.measure.calibrate_tables import fit_contention_rows, fit_pass_shapes

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
+from launcher.bench.simulate import SETTINGS
 from launcher.cli.main import main
-from launcher.cli.simulate import SETTINGS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,12 +82,12 @@ def test_calibration_flags_are_not_in_the_synthetic_cost_group(capsys):
 
 
 def test_the_realised_alpha_is_reported_beside_the_requested_one(tmp_path, capsys, monkeypatch):
-    """[Note: requested and realised alpha] in launcher/cli/simulate.py: curves and rows labelled
+    """[Note: requested and realised alpha] in launcher/bench/simulate.py: curves and rows labelled
     only with the requested α (0.5) came from runs that realised 0.39 (2 stages, 128 tokens, seed 0).
     Every output names both: the rows (with the counts the realised α is made of), the pooled α per
     requested one in simulate.json and on stderr, and the plot legends."""
     from launcher.bench import plots
-    from launcher.cli import simulate
+    from launcher.bench import simulate
 
     legends = []
     monkeypatch.setattr(plots, "sweep_lines", lambda series, path, **kw: legends.append(list(series)) or path)
