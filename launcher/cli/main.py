@@ -27,7 +27,7 @@ from launcher.cli.parsing import (
     shorten_help,
     version_string,
 )
-from launcher.cli.speculation_defaults import draft_gate_note, settle_auto
+from launcher.cli.speculation_defaults import settle_auto
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.request_handle import RequestError
@@ -134,7 +134,13 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from launcher.cli.launch import print_report, run_launch, trace_events, write_trace  # keeps --help fast
+    from launcher.cli.launch import (  # keeps --help fast
+        print_report,
+        run_launch,
+        speculation_notes,
+        trace_events,
+        write_trace,
+    )
     from launcher.cli.output_paths import check_output_file
 
     if args.serve:
@@ -160,13 +166,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:
-        if why:
-            say(f"speculation: {options.speculate} (--speculate auto: {why})")
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))
-        if model.predictor_note:
-            say(model.predictor_note)
-        if options.uses_speed and options.min_acceptance is None:
-            say(draft_gate_note(options))
+        for note in speculation_notes(session, why):  # --json carries them in stats.speculation
+            say(note)
     start = time.perf_counter()
     with session:
         if session.row_costs is not None and options.calibrates_row_costs:  # stderr, so also with --json

@@ -86,8 +86,7 @@ def test_the_realised_alpha_is_reported_beside_the_requested_one(tmp_path, capsy
     only with the requested α (0.5) came from runs that realised 0.39 (2 stages, 128 tokens, seed 0).
     Every output names both: the rows (with the counts the realised α is made of), the pooled α per
     requested one in simulate.json and on stderr, and the plot legends."""
-    from launcher.bench import plots
-    from launcher.bench import simulate
+    from launcher.bench import plots, simulate
 
     legends = []
     monkeypatch.setattr(plots, "sweep_lines", lambda series, path, **kw: legends.append(list(series)) or path)
