@@ -47,6 +47,7 @@ from workers.heap import freeze_startup_heap
 from workers.load_spec_codec import spec_from_proto
 from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 from workers.parent_death import arm_parent_death_signal
+from workers.request_parse import RequestParseInterceptor
 from workers.stage_loop import StageLoop
 
 log = logging.getLogger("speedpipe.worker")
@@ -260,6 +261,7 @@ def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: thre
     """
     interceptors = [] if control_secret is None else [SecretCheckInterceptor(
         key=SECRET_METADATA_KEY, expected=control_secret, what="control-plane secret (the launcher's session secret)")]
+    interceptors.append(RequestParseInterceptor())  # a coordinator of another version: INVALID_ARGUMENT, not INTERNAL
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpc"),
                          interceptors=interceptors, options=list(CONTROL_GRPC_OPTIONS))
     servicer = StageServicer(stage_index, stop_event, rejoin_wait_s=rejoin_wait_s)

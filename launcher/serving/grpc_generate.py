@@ -3,7 +3,7 @@
 `Generate` streams one `GenerateResponse` per commit; the last has finish_reason, usage and timing.
 `GetModelInfo` describes the model, the pipeline and the request limits (`model_info`).
 Status codes: INVALID_ARGUMENT for bad input (the message names the field) and for a request that
-does not parse as its RPC's type (`RequestParseInterceptor`; grpcio's own answer is INTERNAL),
+does not parse as its RPC's type (workers/request_parse.py; grpcio's own answer is INTERNAL),
 RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when the pipeline failed or the server is
 fenced or draining (also mid-stream), UNAUTHENTICATED for Generate and GetModelInfo without
 `authorization: Bearer KEY` metadata when the server has --api-key (Health stays open, as HTTP
@@ -23,8 +23,6 @@ import re
 import uuid
 
 import grpc
-from google.protobuf.message import DecodeError, Message
-from google.protobuf.unknown_fields import UnknownFieldSet
 
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
@@ -42,6 +40,7 @@ from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
+from workers.request_parse import RequestParseInterceptor
 
 log = logging.getLogger("speedpipe.serve")
 MAX_REQUEST_ID_CHARS = 256  # it is logged and echoed in every response
@@ -173,70 +172,6 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     def GetModelInfo(self, request: pb.GetModelInfoRequest,  # noqa: N802 - gRPC name
                      context: grpc.ServicerContext) -> pb.ModelInfo:
         return model_info(self.engine)
-
-
-def misread_fields(message: Message, prefix: str = "") -> list[str]:
-    """Fields of `message` (and of the messages set in it) that arrived with a wire type other than
-    the schema's, e.g. "'temperature' (field 5)": protobuf keeps them as unknown fields and reads
-    the field as unset, so they mean the sender's .proto is not this one."""
-    names = [f"'{prefix}{message.DESCRIPTOR.fields_by_number[f.field_number].name}' (field {f.field_number})"
-             for f in UnknownFieldSet(message) if f.field_number in message.DESCRIPTOR.fields_by_number]
-    for field, value in message.ListFields():
-        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
-            for item in (value if field.is_repeated else [value]):
-                names += misread_fields(item, f"{prefix}{field.name}.")
-    return names
-
-
-class RequestParseInterceptor(grpc.ServerInterceptor):
-    """Answers INVALID_ARGUMENT, naming the RPC and its request type, to a request that is not a valid
-    message of that type (bytes that are not protobuf, or a known field with another wire type: a
-    client built from another .proto), where grpcio answers INTERNAL "Exception deserializing
-    request!" (or silently drops the misread field). Each handler is given the raw bytes and parses
-    them with its own deserializer, so the servicers, health, reflection and the API-key check (an
-    interceptor placed before this one) stay as they are."""
-
-    def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
-        handler = continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        return _parsing_handler(handler, handler_call_details.method)
-
-
-def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """`handler` taking raw request bytes (no deserializer) and parsing them itself."""
-    parse = handler.request_deserializer
-    descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)  # Message.FromString's class
-    what = descriptor.full_name if descriptor is not None else "its request type"
-
-    def parsed(raw: bytes, context: grpc.ServicerContext):
-        try:
-            request = parse(raw)
-            misread = misread_fields(request) if isinstance(request, Message) else []
-            why = f"{', '.join(misread)} arrived with another wire type than the schema's" if misread else ""
-        except DecodeError as exc:
-            request, why = None, str(exc)
-        if why:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request could not be parsed as {what} "
-                          f"({why}); are the client's stubs generated from this server's .proto?")
-        return request
-
-    def each(raws, context: grpc.ServicerContext):
-        for raw in raws:
-            yield parsed(raw, context)
-
-    kwargs = {"response_serializer": handler.response_serializer}  # no request_deserializer: the raw bytes
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(lambda raw, ctx: handler.unary_unary(parsed(raw, ctx), ctx),
-                                                   **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(lambda raw, ctx: handler.unary_stream(parsed(raw, ctx), ctx),
-                                                    **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(lambda raws, ctx: handler.stream_unary(each(raws, ctx), ctx),
-                                                    **kwargs)
-    return grpc.stream_stream_rpc_method_handler(lambda raws, ctx: handler.stream_stream(each(raws, ctx), ctx),
-                                                 **kwargs)
 
 
 class GrpcServer:

@@ -1,4 +1,5 @@
-"""The stage worker's Load handler on bad calibration input (workers/stage_worker.py), without processes.
+"""The stage worker's Load handler on bad calibration input (workers/stage_worker.py), without
+processes, and its StageService on requests it cannot parse (one in-process server).
 
 What breaks when these fail: a Load asking for a calibration the stage cannot run (calibrate_max_rows
 out of range) reaches the client as gRPC UNKNOWN (an unhandled exception) instead of INVALID_ARGUMENT
@@ -47,3 +48,43 @@ def test_a_calibration_out_of_range_is_invalid_argument_and_leaves_the_stage_unl
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}]" in context.details and str(rows) in context.details
     assert servicer.executor is None
+
+
+def _stage_rpcs() -> list[tuple[str, object]]:
+    from proto import speedpipe_pb2 as pb
+
+    service = pb.DESCRIPTOR.services_by_name["StageService"]
+    return [(f"/{service.full_name}/{m.name}", m) for m in service.methods]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("method", "descriptor"), _stage_rpcs(), ids=[name for name, _ in _stage_rpcs()])
+def test_a_request_the_stage_cannot_parse_is_invalid_argument_after_the_secret_check(method, descriptor):
+    """grpcio answered INTERNAL "Exception deserializing request!" to a coordinator built from
+    another .proto (a mixed-version cluster), which reads as a crashed stage, not a version mismatch;
+    and the secret must still be checked before anything is parsed (workers/request_parse.py)."""
+    from workers.control_auth import SECRET_METADATA_KEY
+    from workers.stage_worker import start_server, stop_server
+
+    stop = threading.Event()
+    server, servicer, port = start_server(stage_index=0, host="127.0.0.1", stop_event=stop, control_secret="s3cret")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            kind = ("stream" if descriptor.client_streaming else "unary") + "_" + \
+                   ("stream" if descriptor.server_streaming else "unary")
+
+            def call(metadata):
+                payload = iter([b"\xff\xff\xff"]) if descriptor.client_streaming else b"\xff\xff\xff"
+                answer = getattr(channel, kind)(method)(payload, metadata=metadata, timeout=10)
+                return list(answer) if descriptor.server_streaming else answer
+
+            with pytest.raises(grpc.RpcError) as info:
+                call(())
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as info:
+                call(((SECRET_METADATA_KEY, "s3cret"),))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert info.value.details().startswith(f"{method}: the request could not be parsed as "
+                                                   f"{descriptor.input_type.full_name} (")
+    finally:
+        stop_server(server, servicer)

@@ -1,0 +1,79 @@
+"""Parsing of gRPC requests on the server side: an unparsable request is the client's error.
+
+Owns `RequestParseInterceptor` (a server interceptor that hands each handler the raw request bytes
+and parses them itself, answering INVALID_ARGUMENT, naming the RPC and its request type, where
+grpcio answers INTERNAL "Exception deserializing request!") and `misread_fields` (known fields that
+arrived with another wire type, which protobuf silently keeps as unknown fields). Used by the
+serving GenerateService (launcher/serving/grpc_generate.py) and every stage's StageService
+(workers/stage_worker.py). Must not: know which RPCs exist or what they do.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+
+def misread_fields(message: Message, prefix: str = "") -> list[str]:
+    """Fields of `message` (and of the messages set in it) that arrived with a wire type other than
+    the schema's, e.g. "'temperature' (field 5)": protobuf keeps them as unknown fields and reads
+    the field as unset, so they mean the sender's .proto is not this one."""
+    names = [f"'{prefix}{message.DESCRIPTOR.fields_by_number[f.field_number].name}' (field {f.field_number})"
+             for f in UnknownFieldSet(message) if f.field_number in message.DESCRIPTOR.fields_by_number]
+    for field, value in message.ListFields():
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for item in (value if field.is_repeated else [value]):
+                names += misread_fields(item, f"{prefix}{field.name}.")
+    return names
+
+
+class RequestParseInterceptor(grpc.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, naming the RPC and its request type, to a request that is not a valid
+    message of that type (bytes that are not protobuf, or a known field with another wire type: a
+    client built from another .proto), where grpcio answers INTERNAL "Exception deserializing
+    request!" (or silently drops the misread field). Each handler is given the raw bytes and parses
+    them with its own deserializer, so the servicers, health, reflection and the API-key check (an
+    interceptor placed before this one) stay as they are."""
+
+    def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _parsing_handler(handler, handler_call_details.method)
+
+
+def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` taking raw request bytes (no deserializer) and parsing them itself."""
+    parse = handler.request_deserializer
+    descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)  # Message.FromString's class
+    what = descriptor.full_name if descriptor is not None else "its request type"
+
+    def parsed(raw: bytes, context: grpc.ServicerContext):
+        try:
+            request = parse(raw)
+            misread = misread_fields(request) if isinstance(request, Message) else []
+            why = f"{', '.join(misread)} arrived with another wire type than the schema's" if misread else ""
+        except DecodeError as exc:
+            request, why = None, str(exc)
+        if why:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request could not be parsed as {what} "
+                          f"({why}); are the client's stubs generated from this server's .proto?")
+        return request
+
+    def each(raws, context: grpc.ServicerContext):
+        for raw in raws:
+            yield parsed(raw, context)
+
+    kwargs = {"response_serializer": handler.response_serializer}  # no request_deserializer: the raw bytes
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(lambda raw, ctx: handler.unary_unary(parsed(raw, ctx), ctx),
+                                                   **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(lambda raw, ctx: handler.unary_stream(parsed(raw, ctx), ctx),
+                                                    **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(lambda raws, ctx: handler.stream_unary(each(raws, ctx), ctx),
+                                                    **kwargs)
+    return grpc.stream_stream_rpc_method_handler(lambda raws, ctx: handler.stream_stream(each(raws, ctx), ctx),
+                                                 **kwargs)
