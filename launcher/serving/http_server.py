@@ -4,7 +4,9 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: 
 server-sent events ending in `data: [DONE]`), `GET /v1/models` (and `/v1/models/{id}`), vLLM's
 `POST /tokenize` and `POST /detokenize` (launcher/serving/tokenize_api.py; behind --api-key
 like /v1/*), `GET /health` (200, or 503 with the reason while the pipeline or any stage is
-unhealthy), `GET /version` and `GET /metrics` (Prometheus text).
+unhealthy, also while a failed stage restarts), `GET /ready` (200 while new requests are admitted,
+restarts included; 503 while draining or fenced: readiness for load balancers), `GET /version` and
+`GET /metrics` (Prometheus text).
 Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting) → 400, wrong or missing
 `Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
 --max-request-bytes → 413, full queue → 429, a request whose logits were not finite → 500 (that
@@ -223,7 +225,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
 
 
 def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
-    """Unauthenticated routes: /health, /version, /metrics, and the error body of unknown routes."""
+    """Unauthenticated routes: /health, /ready, /version, /metrics, and the error body of unknown routes."""
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else
@@ -232,6 +234,11 @@ def _add_ops_routes(app: FastAPI, engine: ServingEngine) -> None:
     @app.get("/health")
     async def health() -> Response:
         ok, why = await asyncio.to_thread(engine.healthy)
+        return Response(status_code=200) if ok else error_response(503, why, type_="service_unavailable")
+
+    @app.get("/ready")
+    async def ready() -> Response:  # a load balancer's readiness: 200 also while a stage restarts
+        ok, why = await asyncio.to_thread(engine.ready)
         return Response(status_code=200) if ok else error_response(503, why, type_="service_unavailable")
 
     @app.get("/version")

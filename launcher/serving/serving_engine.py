@@ -284,6 +284,19 @@ class ServingEngine:
                 return False, f"stage {i} is {r.Status.Name(r.status)}" + (f": {r.message}" if r.message else "")
         return True, ""
 
+    def ready(self) -> tuple[bool, str]:
+        """(True, "") while `start` admits new requests, also while a failed stage restarts (they wait
+        behind it: a pause); (False, why) while draining, fenced or failed, or while a stage without
+        fail-over is silent. What a load balancer's readiness check wants (HTTP /ready), where
+        `healthy` also says False during a restart."""
+        if self._fence is not None:
+            return False, self._fence
+        if self.coordinator.failure is not None:
+            return False, str(self.coordinator.failure)
+        if self.heartbeat is not None and self.coordinator.failover is None:
+            return self.heartbeat.healthy()
+        return True, ""
+
     def health_status(self) -> tuple[str, str]:
         """("serving", ""), ("not_serving", why) while draining or restarting a failed stage (it
         recovers, or exits, by itself), or ("unhealthy", why) once it cannot serve without a restart."""

@@ -262,7 +262,10 @@ def _probe_port(probe: dict, container: dict) -> int:
 
 def test_node_0_probes_ask_the_real_health_endpoints_on_the_served_ports():
     """Each probe's port is the one `serve` listens on, and its path or gRPC service is the real health
-    endpoint: the HTTP app's and the gRPC server's own, healthy and not."""
+    endpoint, asked while serving, while a failed stage restarts and while draining: readiness must
+    keep node 0 in the Service during a restart (new requests wait behind it), and startup and
+    liveness must see the restart (no traffic before the stages load; a restart past the budget
+    fences the server for good)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from starlette.testclient import TestClient
@@ -273,31 +276,31 @@ def test_node_0_probes_ask_the_real_health_endpoints_on_the_served_ports():
     container, env = _pod(_statefulset()[("StatefulSet", "speedpipe")])
     _, _, serve = _serve(container, env, 0)
     status = {"now": "serving"}
+    states = {"serving": ("serving", True), "restarting": ("not_serving", True), "draining": ("not_serving", False)}
     engine = SimpleNamespace(healthy=lambda: (status["now"] == "serving", status["now"]),
-                             health_status=lambda: (status["now"], ""), tokenizer=None, model_name="m",
+                             ready=lambda: (states[status["now"]][1], status["now"]),
+                             health_status=lambda: (states[status["now"]][0], ""), tokenizer=None, model_name="m",
                              max_model_len=16, max_num_seqs=1, max_queue=0)
     http = TestClient(build_app(engine))
     grpc_server = GrpcServer(engine, host="127.0.0.1", port=0)
     grpc_server.start()
+    expected = {"startupProbe": [200, 503, 503], "readinessProbe": [200, 200, 503], "livenessProbe": [200, 503, 503]}
     try:
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}"))
-        kinds = set()
-        for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for name, want in expected.items():
             probe = {k: v for k, v in container[name].items() if k in ("httpGet", "grpc")}
             (kind,) = probe
-            kinds.add(kind)
             answers = []
-            for status["now"] in ("serving", "not_serving"):
+            for status["now"] in states:
                 if kind == "httpGet":
                     assert _probe_port(probe, container) == serve.port, name
                     answers.append(http.get(probe["httpGet"]["path"]).status_code)
                 else:
                     assert _probe_port(probe, container) == serve.grpc_port, name
                     request = health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", ""))
-                    answers.append(health_pb2.HealthCheckResponse.ServingStatus.Name(
-                        health.Check(request, timeout=10).status))
-            assert answers in ([200, 503], ["SERVING", "NOT_SERVING"]), (name, answers)
-        assert kinds == {"httpGet", "grpc"}
+                    serving = health.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+                    answers.append(200 if serving else 503)
+            assert answers == want, (name, answers)
     finally:
         grpc_server.stop()
     member, _ = _pod(_statefulset()[("StatefulSet", "speedpipe-member")])

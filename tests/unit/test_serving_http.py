@@ -118,6 +118,34 @@ def test_health_is_503_while_a_stage_is_unhealthy(served):
     assert r.status_code == 503
 
 
+def test_ready_stays_200_while_a_stage_restarts_and_is_503_once_requests_are_refused(served):
+    """/ready is what a load balancer (Kubernetes readiness) asks: a stage restart is a pause that
+    new requests wait behind, so the server must stay in the Service; /health is 503 meanwhile, and
+    a readiness probe on it (or on gRPC health) turned every restart into refused connections."""
+    from types import SimpleNamespace
+
+    coord, engine, url = served
+    assert httpx.get(url + "/ready").status_code == 200
+    coord.failover = SimpleNamespace()  # a fail-over restarts failed stages
+    coord.recovering = "restarting after a stage failure: stage 1 exited"
+    assert httpx.get(url + "/health").status_code == 503
+    assert httpx.get(url + "/ready").status_code == 200
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 200  # admitted while recovering, as /ready said
+    coord.recovering = None
+    engine.fence("draining: SIGTERM", draining=True)
+    r = httpx.get(url + "/ready")
+    assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 503
+
+
+def test_ready_is_503_after_a_failure_for_good(served):
+    coord, _, url = served
+    coord.failure = PipelineError("stage restarts exhausted")
+    r = httpx.get(url + "/ready")
+    assert r.status_code == 503 and "exhausted" in r.json()["error"]["message"]
+
+
 def test_streamed_text_and_usage(served):
     _, engine, url = served
     body = {"prompt": "Hello", "max_tokens": 7, "stream": True, "stream_options": {"include_usage": True},
