@@ -23,7 +23,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("plots need matplotlib: pip install 'speedpipe[plots]' (or matplotlib)") from None
+        raise ValueError("plots need matplotlib: pip install 'speedpipe[plots]' (or matplotlib), or pass --no-plots") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

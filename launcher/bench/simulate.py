@@ -273,6 +273,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         flag = "--replay" if args.replay else "--row-cost"
         raise ValueError(f"{flag} needs --calibrate RESULTS_JSON (it applies to the measured runs)")
     check_output_dir("--out", args.out)
+    if not args.no_plots:
+        from launcher.bench.plots import _pyplot
+        _pyplot()  # fail now, not after the sweep, if matplotlib is missing (the runtime image has none)
     cal, checks = None, []
     if args.calibrate:
         runs = load_bench_runs(args.calibrate)

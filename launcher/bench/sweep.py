@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.bench.driver_protocol import DriverProcess
-from launcher.bench.run_records import write_records
+from launcher.bench.run_records import RECORDS_FILE, write_records
 from launcher.bench.sweep_report import predictor_label, write_partial, write_results
 from launcher.cli.output_paths import check_output_dir
 from launcher.coordinator.pipeline_options import PipelineOptions
@@ -34,6 +34,7 @@ from pipeline.speculation.predictors import PREDICTORS, is_predictor_file
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
+from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, resolve_log_level
 
 SOTU_NUM_PROMPTS = 8
 SOTU_PROMPT_WORDS = 48
@@ -68,7 +69,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage (default 1)")
     m.add_argument("--stage-timeout-s", type=float, default=120.0, help="data-plane deadline (default 120)")
     m.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
-    m.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+    m.add_argument("--log-level", metavar="LEVEL", help=f"{' | '.join(LOG_LEVELS)} (default: ${LOG_LEVEL_ENV}, "
+                   "else WARNING)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,13 +197,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"[speedpipe] bench: {note}", file=sys.stderr)
     runs, interrupted = _run_sweep(args, configs, options, prompts, out)
-    done = [run for rs in runs.values() for run in rs]
-    if done:  # the runs' timelines, compact, beside results.json ([Note: timeline record])
-        write_records(done, out)
     if interrupted is not None:
         write_partial(args, configs, runs, notes, out)
+    else:
+        write_results(args, configs, runs, notes, out)
+    done = [run for rs in runs.values() for run in rs]
+    if done:  # after the results, which a records failure must not cost ([Note: timeline record])
+        try:
+            write_records(done, out)
+        except (OSError, ValueError) as exc:
+            print(f"[speedpipe] bench: no {RECORDS_FILE} (the runs/ timelines stay): {exc}", file=sys.stderr)
+    if interrupted is not None:
         raise interrupted  # `speedpipe` reports it: exit code 130 (Ctrl-C) or 143 (SIGTERM)
-    write_results(args, configs, runs, notes, out)
     return 0
 
 
@@ -214,7 +221,7 @@ def _session_options(args: argparse.Namespace, configs: list[BenchConfig], promp
     base = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, dense_layout=args.dense_layout,
                 max_model_len=args.max_model_len,
                 threads_per_stage=args.threads_per_stage, stage_timeout_s=args.stage_timeout_s,
-                log_level=args.log_level.upper(), cache_dir=args.cache_dir)
+                log_level=resolve_log_level(args.log_level), cache_dir=args.cache_dir)
     options = {}
     for s, mode, pred in dict.fromkeys(c.group for c in configs):
         options[(s, mode, pred)] = dict(base, num_stages=s, speculate=mode,

@@ -51,7 +51,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stage-timeout-s", type=float, default=120.0,
                    help="deadline for any data-plane wait; a stage silent this long is a failure")
     g.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
-    g.add_argument("--log-level", metavar="LEVEL", help=f"{' | '.join(LOG_LEVELS[:4])} (default: ${LOG_LEVEL_ENV}, "
+    g.add_argument("--log-level", metavar="LEVEL", help=f"{' | '.join(LOG_LEVELS)} (default: ${LOG_LEVEL_ENV}, "
                    "else WARNING)")
     add_vllm_aliases(g)
 

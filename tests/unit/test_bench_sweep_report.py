@@ -136,3 +136,30 @@ def test_runs_that_shared_the_cpu_are_named(tmp_path, capsys):
     out.mkdir()
     sweep_report.write_results(_args(tmp_path), [PLAIN, SPEC], runs, [], out)
     assert "1 run(s) shared the CPU with other work" in capsys.readouterr().err
+
+
+def test_results_are_written_before_the_run_records_and_survive_their_failure(tmp_path, monkeypatch, capsys):
+    """The records (timelines.json) refuse a timeline field they do not know, by design; written
+    before results.json, that cost every sweep its results (exit 2 after all the runs)."""
+    from launcher.bench import sweep
+
+    monkeypatch.setattr(sweep, "_session_options", lambda args, configs, prompts: {})
+    monkeypatch.setattr(sweep, "_run_sweep", lambda args, configs, options, prompts, out: (_runs(), None))
+    args = _args(tmp_path, argv=["--stages", "2", "--speculate", "none,speed"])
+    assert sweep.cmd_bench(args) == 0  # the runs' timeline files ("tl") do not exist: the records fail
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["configs"]
+    assert "bench: no timelines.json (the runs/ timelines stay)" in capsys.readouterr().err
+
+
+def test_the_sweep_s_stages_log_at_speedpipe_log_level_unless_the_flag_says_otherwise(tmp_path, monkeypatch):
+    from launcher.bench import sweep
+
+    monkeypatch.setattr(sweep, "resolve", lambda options: pytest.skip("the model is resolved after the level"))
+    seen = {}
+    monkeypatch.setattr(sweep, "PipelineOptions", lambda **kw: seen.update(kw) or pytest.skip("options built"))
+    monkeypatch.setenv("SPEEDPIPE_LOG_LEVEL", "debug")
+    for argv, want in (([], "DEBUG"), (["--log-level", "error"], "ERROR")):
+        seen.clear()
+        with pytest.raises(pytest.skip.Exception):
+            sweep._session_options(_args(tmp_path, argv=argv), [PLAIN], ["hi"])
+        assert seen["log_level"] == want

@@ -110,3 +110,18 @@ def test_the_realised_alpha_is_reported_beside_the_requested_one(tmp_path, capsy
     assert legends and all(any(name.startswith(label) for name in names) for names in legends), legends
     assert simulate.alpha_label(0.5, {0.5: {"pooled": None, "min": None, "max": None, "rows": 1}}) == (
         "SPEED, α requested 0.5 (no draft verified)")
+
+
+def test_without_matplotlib_simulate_stops_before_the_sweep_naming_no_plots(tmp_path, monkeypatch, capsys):
+    """The runtime image installs no plots extra: simulate ran its whole sweep, then exited 2 with
+    nothing written."""
+    import sys
+
+    from launcher.bench import simulate
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(simulate, "Simulator", lambda *a, **k: pytest.fail("simulated before the plot check"))
+    assert main(["simulate", "--out", str(tmp_path / "o"), *[a for a in FAST if a != "--no-plots"]]) == 2
+    err = capsys.readouterr().err
+    assert "plots need matplotlib" in err and "--no-plots" in err
+    assert not (tmp_path / "o" / "simulate.json").exists()
