@@ -33,6 +33,7 @@ import grpc
 SECRET_ENV = "SPEEDPIPE_CONTROL_SECRET"
 SECRET_METADATA_KEY = "x-speedpipe-control-secret"
 API_KEY_METADATA_KEY = "authorization"  # "Bearer KEY", as the HTTP front end (and vLLM) expect
+API_KEY_ENV = "SPEEDPIPE_API_KEY"  # `serve`'s --api-key when the flag is not given
 # Largest stage control-plane message (both ends): a trained predictor travels inside LoadStageRequest,
 # and one H x H map of a 1.5B model (H = 1536) is 4.7 MB in float16, past gRPC's 4 MiB default.
 MAX_CONTROL_MESSAGE_BYTES = 64 << 20

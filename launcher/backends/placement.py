@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from workers.control_auth import API_KEY_ENV, SECRET_ENV
 from workers.log_config import LOG_LEVEL_ENV
 
 BACKENDS = ("local", "ray")
@@ -37,6 +38,9 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Environment forwarded to every remote stage worker (the table in deploy/README.md).
 FORWARDED_ENV_PREFIXES = ("NCCL_", "MASTER_", "SPEEDPIPE_")
 FORWARDED_ENV_NAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")
+# Credentials never travel in a runtime_env (Ray keeps it in its GCS and shows it on its dashboard):
+# the control secret goes to each actor's Start call, the API key is the driver's own.
+NOT_FORWARDED_ENV_NAMES = (API_KEY_ENV, SECRET_ENV)
 
 
 class StageGone(RuntimeError):
@@ -301,12 +305,12 @@ def detect_host_ip(peer_host: str, peer_port: int) -> str:
 def forwarded_env(environ: Mapping[str, str], *, log_level: str) -> dict[str, str]:
     """The allow-listed variables of `environ` for remote workers, plus SPEEDPIPE_LOG_LEVEL.
 
-    Allow-list: NCCL_*, MASTER_*, SPEEDPIPE_*, GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME, LOG_LEVEL,
-    TORCH_CPP_LOG_LEVEL.
+    Allow-list: NCCL_*, MASTER_*, SPEEDPIPE_* (but not SPEEDPIPE_API_KEY or SPEEDPIPE_CONTROL_SECRET),
+    GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME, LOG_LEVEL, TORCH_CPP_LOG_LEVEL.
     Anything else (credentials, PATH of the driver's machine) stays on the driver.
     """
-    env = {k: v for k, v in environ.items()
-           if k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES}
+    env = {k: v for k, v in environ.items() if k not in NOT_FORWARDED_ENV_NAMES
+           and (k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES)}
     env[LOG_LEVEL_ENV] = log_level
     return env
 

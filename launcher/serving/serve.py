@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession
 from launcher.coordinator.stage_restarts import RestartBudget
-from workers.control_auth import TlsFiles
+from workers.control_auth import API_KEY_ENV, TlsFiles
 from workers.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -70,7 +70,6 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
                    help="sliding window of --max-stage-restarts, in seconds (default 600)")
 
 
-API_KEY_ENV = "SPEEDPIPE_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 # In serve mode the coordinator's trace buffers keep only the latest entries: nothing writes a trace
 # of a server, and the full-run defaults (1,000,000 commit events, 200,000 slices) would grow its

@@ -70,7 +70,8 @@ def test_more_nodes_than_stages_is_a_placement_error():
 def test_forwarded_env_keeps_only_the_allow_list():
     environ = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",
                "MASTER_ADDR": "10.0.0.1", "SPEEDPIPE_CACHE_DIR": "/models", "AWS_SECRET_ACCESS_KEY": "x",
-               "HOME": "/root", "PATH": "/usr/bin", "GLOO_OTHER": "1"}
+               "HOME": "/root", "PATH": "/usr/bin", "GLOO_OTHER": "1",
+               "SPEEDPIPE_API_KEY": "k", "SPEEDPIPE_CONTROL_SECRET": "s"}  # Ray shows a runtime_env on its dashboard
     env = forwarded_env(environ, log_level="INFO")
     assert env == {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",
                    "MASTER_ADDR": "10.0.0.1", "SPEEDPIPE_CACHE_DIR": "/models", "SPEEDPIPE_LOG_LEVEL": "INFO"}
