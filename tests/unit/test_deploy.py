@@ -212,6 +212,21 @@ def _serve(container: dict, env: dict, rank: int):
     return args, placement, serve_options(args)
 
 
+def test_every_pod_runs_non_root_without_privilege_escalation_or_capabilities():
+    """Node 0 listens on 0.0.0.0 for clients: its container (and the members') must not be able to
+    gain privileges (the restricted Pod Security Standard's container fields)."""
+    for name, sts in _statefulset().items():
+        if name[0] != "StatefulSet":
+            continue
+        pod = sts["spec"]["template"]["spec"]
+        container, _ = _pod(sts)
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        ctx = container.get("securityContext", {})
+        assert ctx.get("allowPrivilegeEscalation") is False, name
+        assert ctx.get("capabilities", {}).get("drop") == ["ALL"], name
+        assert ctx.get("seccompProfile", {}).get("type") == "RuntimeDefault", name
+
+
 def test_statefulsets_services_and_pod_env_tie_together():
     """Node 0 serves (StatefulSet `speedpipe`, one pod); members are StatefulSet `speedpipe-member`,
     ordinals from 1, so pod ordinal = node rank; all run the same `serve` command, as a member must
