@@ -79,6 +79,10 @@ class ExitMap(nn.Module):
         drafters' included: `exit_map_from_tensors` in pipeline/speculation/drafting/exit_tensors.py.
         Raises ValueError on another arch or a missing or mis-shaped tensor."""
         tensors = {n: t for n, t in tensors.items() if n != "draft_vocab"}
+        needed = ["proj.weight"] + (["mlp.up.weight"] if arch == "mlp" else [])
+        if any(n not in tensors for n in needed):
+            raise ValueError(f"exit map tensors do not fit arch {arch!r}: it needs {', '.join(needed)}, the file has "
+                             f"{', '.join(sorted(tensors)) or 'none'}")
         hidden_size = tensors["proj.weight"].shape[0]
         mlp_size = tensors["mlp.up.weight"].shape[0] if arch == "mlp" else 512
         exit_map = cls(hidden_size, arch=arch, mlp_size=mlp_size, eps=eps)

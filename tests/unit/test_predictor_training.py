@@ -116,3 +116,18 @@ def test_cli_bad_input_exits_2(tiny, tmp_path, capsys, extra, message):
     assert main(args + extra) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("arch", ["affine", "mlp"])
+def test_exit_map_tensors_of_another_arch_are_a_value_error_naming_what_is_missing(arch):
+    """A swiglu drafter's tensors given as an affine or mlp map raised KeyError 'proj.weight' (a
+    traceback), where the docstring and the loaders' error handling promise ValueError."""
+    swiglu = {"gate.weight": torch.zeros(8, 4), "up.weight": torch.zeros(8, 4), "down.weight": torch.zeros(4, 8)}
+    with pytest.raises(ValueError, match=f"do not fit arch '{arch}': it needs proj.weight"):
+        ExitMap.from_tensors(swiglu, arch=arch)
+    affine = {"proj.weight": torch.zeros(4, 4), "proj.bias": torch.zeros(4)}
+    if arch == "mlp":
+        with pytest.raises(ValueError, match="mlp.up.weight"):
+            ExitMap.from_tensors(affine, arch=arch)
+    else:
+        assert ExitMap.from_tensors(affine, arch=arch).proj.weight.shape == (4, 4)
