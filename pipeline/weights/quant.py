@@ -19,6 +19,10 @@ pipeline/weights/checkpoint.py a folder's dense tensors) or change the model's s
   kernel here: they are requantised to int4 groups of 32, and `launch` names them in a warning
   (Qwen2.5-Coder's Q4_K_M file: 29 Q6_K tensors, the head among them). Embeddings, norms and biases
   are dense bfloat16; a Hugging Face folder stays dense (`none`).
+- Every family's layout is quantised (pipeline/weights/quant_load.py `fused_linears`: phi3's fused
+  qkv / gate_up, each expert of an MoE layer). A router (`mlp.gate`) is int8 rows in every int mode
+  (its top-k picks the experts, so it keeps int8's precision; llama.cpp keeps it float), and so is a
+  weight whose input size is not a multiple of the int4 group (e.g. experts of width 48).
 The int modes run bfloat16 activations and KV (the kernels are 10-20x slower with float32 input).
 
 [Note: batch invariance]
