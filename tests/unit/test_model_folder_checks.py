@@ -2,7 +2,8 @@
 config.json or tokenizer.json, tensors of the wrong shape, a context longer than the model's, a KV
 cache larger than this machine's memory; and the warning for weights of layers the config leaves out.
 
-Each case used to surface only after the stages started (exit 1), as a traceback, or not at all.
+Each case used to surface only after the stages started (exit 1), as a traceback, or not at all;
+likewise a model cache that cannot be written (`resolve_model`).
 """
 
 from __future__ import annotations
@@ -178,3 +179,32 @@ def test_auto_says_so_when_the_gguf_a_folder_came_from_is_gone(tmp_path, caplog)
         resolve(_options(model_dir, quantization="none", max_model_len=256))
     notes = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
     assert len(notes) == 1 and "the weights run dense (as --quantization none)" in notes[0], notes
+
+
+def test_a_model_cache_that_cannot_be_written_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """Before: converting a GGUF into an unwritable --cache-dir ended in a PermissionError /
+    NotADirectoryError traceback (exit 1)."""
+    from pathlib import Path
+
+    from launcher.cli.main import main
+    from pipeline.weights.registry import resolve_model
+    from tests.unit.test_gguf_import_tiny import tiny, write_gguf
+
+    write_gguf(tmp_path / "m.gguf", tiny())
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"cannot write the model cache .*a-file \(Not a directory: .*a-file/models"
+                                         r".*\); point --cache-dir or \$SPEEDPIPE_CACHE_DIR at a writable folder"):
+        resolve_model(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "a-file", progress=False)
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)  # a read-only folder, as root cannot make one
+    code = main(["launch", "--model", str(tmp_path / "m.gguf"), "--cache-dir", str(tmp_path / "ro"),
+                 "--prompt", "Hi", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "cannot write the model cache" in err, err
+    with pytest.raises(ValueError, match=r"cannot write the model cache .*ro \(Permission denied: .*ro/models"):
+        resolve_model(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "ro", progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # a missing file is still named as such
+        resolve_model(str(tmp_path / "gone.gguf"), cache_dir=tmp_path / "ro", progress=False)
