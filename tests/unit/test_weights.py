@@ -184,3 +184,12 @@ def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors listed in"):
         CheckpointReader(tmp_path)
+
+
+@pytest.mark.parametrize("weight_map", [5, ["model-00001-of-00002.safetensors"], {"model.norm.weight": 3}])
+def test_an_index_whose_weight_map_is_not_names_to_files_is_a_clear_error(tmp_path, weight_map):
+    """Before: an AttributeError / TypeError traceback (exit 1) instead of one line naming the file."""
+    _write_two_shards(tmp_path, tiny_config())
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=f"malformed safetensors index .*{INDEX_FILE}: weight_map must map"):
+        CheckpointReader(tmp_path)
