@@ -39,6 +39,9 @@ def _edit_config(model_dir, **changes) -> None:
     (None, "has no 'hidden_size'"),
     ({"hidden_size": "abc"}, "field 'hidden_size' must be an integer, got 'abc'"),
     ({"num_key_value_heads": 1.5}, "field 'num_key_value_heads' must be an integer"),
+    ({"layer_types": 5}, r"a field holds a value of the wrong type \('int' object is not iterable\)"),  # before:
+    ({"rope_scaling": "linear"}, "a field holds a value of the wrong type"),  # TypeError / AttributeError
+    ({"rope_theta": None}, "a field holds a value of the wrong type"),  # tracebacks, exit 1
 ])
 def test_a_malformed_config_json_is_named(tmp_path, content, message):
     model_dir = write_tiny_model(tmp_path / "m")
