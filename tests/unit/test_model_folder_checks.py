@@ -211,3 +211,25 @@ def test_a_model_cache_that_cannot_be_written_is_one_line_naming_the_flag(tmp_pa
         resolve_model(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "ro", progress=False)
     with pytest.raises(FileNotFoundError, match="does not exist"):  # a missing file is still named as such
         resolve_model(str(tmp_path / "gone.gguf"), cache_dir=tmp_path / "ro", progress=False)
+
+
+def test_a_missing_or_sentencepiece_tokenizer_names_the_file_and_the_remedy(tmp_path, monkeypatch):
+    """Before: 'no tokenizer.json in model folder X' with no way forward, and a SentencePiece GGUF
+    ('GGUF tokenizer model 'llama' is not supported') without the file's name."""
+    import gguf
+
+    from pipeline.weights.registry import resolve_model
+    from tests.unit.test_gguf_import_tiny import tiny, write_gguf
+
+    model_dir = write_tiny_model(tmp_path / "m")
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer.json in model folder .*m: .*write one with "
+                                                r"transformers: AutoTokenizer.from_pretrained\(FOLDER\)"):
+        Tokenizer(model_dir)
+    add_model = gguf.GGUFWriter.add_tokenizer_model
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_model", lambda self, _: add_model(self, "llama"))
+    write_gguf(tmp_path / "spm.gguf", tiny())
+    with pytest.raises(ValueError, match=r"^GGUF file .*spm.gguf: tokenizer model 'llama' is not supported .*"
+                                         r"SentencePiece\): give the model's Hugging Face folder"):
+        resolve_model(str(tmp_path / "spm.gguf"), cache_dir=tmp_path / "cache", progress=False)
+    assert not list((tmp_path / "cache" / "models").glob("*/spm-*"))  # no half-converted folder
