@@ -205,3 +205,14 @@ def test_quantised_modes_load_every_family_and_a_split_changes_no_number(family_
     cos = torch.nn.functional.cosine_similarity(dense, logits.float(), dim=-1)
     # measured: int8 >= 0.998, int4 groups 0.90-0.93 (requantised F16 here); a wrong layout gives ~0
     assert cos.min() > (0.99 if mode == "int8" else 0.85), cos
+
+
+def test_auto_counts_every_requantised_expert_in_its_warning(family_sources):
+    """Before: Mixtral's experts (checkpoint names w1/w2/w3) were left out of the count of the GGUF
+    weights `--quantization auto` requantises (17 of 65 F16 projections named)."""
+    from pipeline.weights.gguf_blocks import requantised_linears
+
+    folder = family_sources["mixtral"]["gguf"]
+    config = CheckpointReader(folder).config
+    projections = 4 * config.num_hidden_layers + 3 * config.num_experts * config.num_hidden_layers + 1  # + head
+    assert requantised_linears(gguf_source_of(folder), config, model_dir=folder) == {"F16": projections}
