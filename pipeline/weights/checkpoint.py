@@ -103,9 +103,15 @@ def all_tensor_names(config: ModelConfig) -> list[str]:
 
 @contextlib.contextmanager
 def _open_safetensors(path: Path) -> Iterator[safetensors.safe_open]:
-    """`safe_open(path)` with a clear ValueError for a truncated or corrupt file."""
+    """`safe_open(path)` with a clear ValueError for a truncated or corrupt file, or one this process
+    may not read."""
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file {path} does not exist")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:  # safetensors reports every failure to open as "No such file or directory"
+        raise ValueError(f"cannot read safetensors file {path}: {exc.strerror or exc}") from None
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             yield f
