@@ -24,6 +24,8 @@ from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
 from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, resolve_log_level
 
+DEFAULT_MAX_MODEL_LEN = 2048  # KV positions per sequence when --max-model-len is not given
+
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that starts a pipeline."""
@@ -45,7 +47,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-layout", default=DENSE_LAYOUTS[0], choices=DENSE_LAYOUTS,
                    help="float32 dense weights on CPU: reference (transformers' op order, default) | fast (wide "
                    "weights stored transposed: faster one-row decode, last-bit differences in the logits)")
-    g.add_argument("--max-model-len", type=int, default=2048, help="max prompt + generated tokens per sequence")
+    g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                   help="max prompt + generated tokens per sequence (or the model's context, if shorter)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots: sequences decoded at once")
     g.add_argument("--threads-per-stage", type=int, default=1, help="torch threads in each stage process")
     g.add_argument("--stage-timeout-s", type=float, default=120.0,
@@ -73,6 +76,20 @@ def _stages_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
+
+
+def settle_max_model_len(args: argparse.Namespace, progress: bool) -> None:
+    """Without `--max-model-len`, lower its default to the model's `max_position_embeddings` where
+    that is shorter (as vLLM derives it from the model): only a length the user asked for is
+    refused for exceeding the model's (run_plan.check_lengths). Resolves the model (converting a
+    GGUF once); changes `args.max_model_len` in place. Raises what `resolve_model` raises."""
+    if getattr(args, "max_model_len_given", True):
+        return
+    from pipeline.model.config import ModelConfig
+    from pipeline.weights.registry import resolve_model
+
+    config = ModelConfig.from_model_dir(resolve_model(args.model, cache_dir=args.cache_dir, progress=progress))
+    args.max_model_len = min(args.max_model_len, config.max_position_embeddings)
 
 
 def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | None]:
@@ -121,6 +138,7 @@ def speculation_choice(args: argparse.Namespace, num_stages: int) -> tuple[str, 
 def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tuple[PipelineOptions, str]:
     """(PipelineOptions from launch's / serve's flags, why `--speculate auto` chose the mode: "" when
     the flag named it). Raises UsageError, or ValueError naming the parameter (RunConfig)."""
+    settle_max_model_len(args, progress)
     num_stages, layer_split = _auto_stages(args, progress)
     speculate, why = speculation_choice(args, num_stages)
     tuning = dict(max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance),

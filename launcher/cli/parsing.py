@@ -126,7 +126,12 @@ def check_vllm_args(args: argparse.Namespace) -> None:
 
 def mark_model_given(argv: list[str]) -> bool:
     """True if `--model` appears on the command line (so a positional MODEL can be checked against it)."""
-    return any(a == "--model" or a.startswith("--model=") for a in argv)
+    return flag_given(argv, "--model")
+
+
+def flag_given(argv: list[str], flag: str) -> bool:
+    """True if `flag` (e.g. "--max-model-len") appears on the command line, as `FLAG V` or `FLAG=V`."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def unescape(text: str) -> str:

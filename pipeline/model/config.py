@@ -184,7 +184,8 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Read `<model_dir>/config.json`. Raises FileNotFoundError / ValueError."""
+        """Read `<model_dir>/config.json`. Raises FileNotFoundError, or ValueError (one line naming the
+        file) for bad JSON, an unsupported model or value, or a value of the wrong type."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {model_dir}")
@@ -196,6 +197,8 @@ class ModelConfig:
             return cls.from_hf_dict(d)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
+        except (TypeError, AttributeError) as exc:  # a value of the wrong JSON type, e.g. "layer_types": 5
+            raise ValueError(f"{path}: a field holds a value of the wrong type ({exc})") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face `config.json` form (loadable by transformers' config class of the family)."""

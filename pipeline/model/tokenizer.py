@@ -56,6 +56,10 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
     return template
 
 
+# What to do about a folder without tokenizer.json (e.g. one with only SentencePiece's tokenizer.model).
+_TOKENIZER_REMEDY = ("speedpipe reads the tokenizers library's tokenizer.json; copy the model's own, or write one "
+                     "with transformers: AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER)")
+
 class Tokenizer:
     """Text <-> token ids of one model folder.
 
@@ -70,7 +74,7 @@ class Tokenizer:
         self.model_dir = Path(model_dir)
         path = self.model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in model folder {self.model_dir}")
+            raise FileNotFoundError(f"no tokenizer.json in model folder {self.model_dir}: {_TOKENIZER_REMEDY}")
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises a bare Exception for any unreadable file

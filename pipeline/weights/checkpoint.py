@@ -103,9 +103,15 @@ def all_tensor_names(config: ModelConfig) -> list[str]:
 
 @contextlib.contextmanager
 def _open_safetensors(path: Path) -> Iterator[safetensors.safe_open]:
-    """`safe_open(path)` with a clear ValueError for a truncated or corrupt file."""
+    """`safe_open(path)` with a clear ValueError for a truncated or corrupt file, or one this process
+    may not read."""
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file {path} does not exist")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:  # safetensors reports every failure to open as "No such file or directory"
+        raise ValueError(f"cannot read safetensors file {path}: {exc.strerror or exc}") from None
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             yield f
@@ -118,8 +124,11 @@ def _index_weight_map(model_dir: Path) -> dict[str, Path]:
     index_path = model_dir / INDEX_FILE
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:  # bad JSON or UTF-8, no weight_map, not an object
         raise ValueError(f"malformed safetensors index {index_path}: {err!r}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"malformed safetensors index {index_path}: weight_map must map tensor names to "
+                         f"file names, got {json.dumps(weight_map)[:80]}")
     resolved = {name: model_dir / file for name, file in weight_map.items()}
     for shard in sorted(set(resolved.values())):
         if not shard.is_file():

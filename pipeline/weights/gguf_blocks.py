@@ -34,6 +34,9 @@ from pipeline.weights.gguf_families import PERMUTED_ARCHITECTURES, field, tensor
 from pipeline.weights.gguf_import import SOURCE_FILE, open_gguf, unpermute_qk
 from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
+# Checkpoint names of projections: every family's `*_proj`, and Mixtral's experts (`w1`, `w2`, `w3`).
+_LINEAR_SUFFIXES = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+
 BLOCK = 32
 INT4_TYPES = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K}
 Q4_K_BYTES = 144  # bytes of one 256-weight Q4_K super-block
@@ -166,7 +169,7 @@ def requantised_linears(path: str | Path, config: ModelConfig, *, model_dir: str
     reader = GgufBlockReader(path, config, model_dir=model_dir)
     counts: dict[str, int] = {}
     for name, (t, _) in reader.tensors.items():
-        linear = name.endswith("_proj.weight") or name == LM_HEAD
+        linear = name.endswith(_LINEAR_SUFFIXES) or name == LM_HEAD
         if linear and t.tensor_type not in INT4_TYPES | INT8_TYPES:
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return counts

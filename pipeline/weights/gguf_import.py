@@ -219,7 +219,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     """
     kind = field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        raise ValueError(f"tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE; 'llama' is "
+                         "SentencePiece): give the model's Hugging Face folder, with its tokenizer.json, instead")
     tokens = field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
@@ -275,7 +276,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _write_folder(reader: gguf.GGUFReader, folder: Path, source: GgufSource, progress: bool) -> None:
     config = config_from_gguf(reader)
-    tokenizer = tokenizer_from_gguf(reader)
+    try:
+        tokenizer = tokenizer_from_gguf(reader)
+    except ValueError as exc:
+        raise ValueError(f"GGUF file {source.path}: {exc}") from None
     write_tensors(reader, config, folder / SINGLE_FILE, progress=progress)
     tokenizer.save(str(folder / "tokenizer.json"))
     _write_json(folder / "config.json", config.to_hf_dict())

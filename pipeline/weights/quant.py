@@ -19,6 +19,10 @@ pipeline/weights/checkpoint.py a folder's dense tensors) or change the model's s
   kernel here: they are requantised to int4 groups of 32, and `launch` names them in a warning
   (Qwen2.5-Coder's Q4_K_M file: 29 Q6_K tensors, the head among them). Embeddings, norms and biases
   are dense bfloat16; a Hugging Face folder stays dense (`none`).
+- Every family's layout is quantised (pipeline/weights/quant_load.py `fused_linears`: phi3's fused
+  qkv / gate_up, each expert of an MoE layer). A router (`mlp.gate`) is int8 rows in every int mode
+  (its top-k picks the experts, so it keeps int8's precision; llama.cpp keeps it float), and so is a
+  weight whose input size is not a multiple of the int4 group (e.g. experts of width 48).
 The int modes run bfloat16 activations and KV (the kernels are 10-20x slower with float32 input).
 
 [Note: batch invariance]
@@ -40,6 +44,7 @@ from torch import nn
 
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32
+INT4_OUT_TILE = 16  # torch's CPU int4 packing needs a multiple of this many output rows
 ACTIVATION_DTYPE = torch.bfloat16  # what the int kernels run fast on (AMX / AVX-512 bf16)
 _INT4_MAX = 15
 _INT8_MAX = 127
@@ -152,12 +157,16 @@ class Int4Linear(nn.Module):
 
     x: [num_rows, in_features] bfloat16 → [num_rows, out_features] bfloat16. The kernel computes
     (q - 8) * scale + zero, so zero = minimum + 8 * scale; scales and zeros are stored in bfloat16.
+    The kernel packs outputs in tiles of INT4_OUT_TILE: a weight with another number of rows (a
+    vocabulary of 32001, a router over 8 experts) is packed with zero rows appended, and their
+    outputs are cut off (each output is its own row's dot product, so the others do not change).
     """
 
     def __init__(self, weight: Int4Groups, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
+        weight = _pad_rows(weight, -self.out_features % INT4_OUT_TILE)
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
         zero = weight.minimum + 8 * weight.scale
         scales_zeros = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in/g, out, 2]
@@ -167,7 +176,18 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+        if y.shape[-1] != self.out_features:  # padded rows (see the class docstring)
+            y = y[..., :self.out_features].contiguous()
         return y if self.bias is None else y + self.bias
+
+
+def _pad_rows(weight: Int4Groups, num_rows: int) -> Int4Groups:
+    """`weight` with `num_rows` all-zero output rows (q, scale and minimum 0) appended."""
+    if num_rows == 0:
+        return weight
+    q, scale, minimum = (torch.cat([t, t.new_zeros(num_rows, t.shape[1])])
+                         for t in (weight.q, weight.scale, weight.minimum))
+    return Int4Groups(q=q, scale=scale, minimum=minimum, group_size=weight.group_size)
 
 
 class Int8Linear(nn.Module):

@@ -13,18 +13,27 @@ import torch
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
 from pipeline.model.stage_model import StageModel, build_stage_model, set_rope_buffers
-from pipeline.model.tensor_names import EMBED_TOKENS, LM_HEAD, checkpoint_name, head_tensor_name
+from pipeline.model.tensor_names import (
+    EMBED_TOKENS,
+    LM_HEAD,
+    checkpoint_name,
+    family_tensor_name,
+    head_tensor_name,
+)
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.dense_layout import apply_dense_layout, release_freed_heap, validate_dense_layout
 from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
 from pipeline.weights.quant import (
     ACTIVATION_DTYPE,
+    INT4_GROUP_SIZE,
     QuantWeight,
     cat_rows,
     quantize_dense,
     quantize_stage_model,
     validate_quantization,
 )
+
+ROUTER = "mlp.gate"  # a mixture-of-experts layer's router module (pipeline/model/moe.py)
 
 
 def effective_mode(mode: str, model_dir: str, device: str = "cpu") -> str:
@@ -45,17 +54,43 @@ def activation_dtype(mode: str, model_dir: str, dtype: torch.dtype, device: str 
 
 
 def fused_linears(config: ModelConfig, layer_range: LayerRange, *, is_last: bool) -> dict[str, list[str]]:
-    """Module name of every linear after `fuse` -> the checkpoint weights stacked into it, in order."""
+    """Module name of every linear after `fuse` -> the checkpoint weights stacked into it, in order.
+
+    Follows the family's checkpoint layout: phi3's q/k/v and gate/up come fused already
+    (`qkv_proj`, `gate_up_proj`); a mixture-of-experts layer has its router (`mlp.gate`) and one
+    gate_up / down pair per expert, under the family's names (Mixtral's `block_sparse_moe.experts.{e}.w1`).
+    """
+    fused_qkv = config.model_type == "phi3"
     out: dict[str, list[str]] = {}
     for i in layer_range:
         p = f"model.layers.{i}"
-        out[f"layers.{i}.self_attn.qkv_proj"] = [f"{p}.self_attn.{n}_proj.weight" for n in "qkv"]
+        out[f"layers.{i}.self_attn.qkv_proj"] = [f"{p}.self_attn.{n}_proj.weight"
+                                                 for n in (("qkv",) if fused_qkv else ("q", "k", "v"))]
         out[f"layers.{i}.self_attn.o_proj"] = [f"{p}.self_attn.o_proj.weight"]
-        out[f"layers.{i}.mlp.gate_up_proj"] = [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"]
-        out[f"layers.{i}.mlp.down_proj"] = [f"{p}.mlp.down_proj.weight"]
+        if not config.is_moe_layer(i):
+            out |= _mlp_linears(config, f"layers.{i}.mlp", f"{p}.mlp")
+            continue
+        out[f"layers.{i}.{ROUTER}"] = [family_tensor_name(f"{p}.mlp.gate.weight", config)]
+        for e in range(config.num_experts):
+            out |= _mlp_linears(config, f"layers.{i}.mlp.experts.{e}", f"{p}.mlp.experts.{e}")
     if is_last:
         out["lm_head"] = [head_tensor_name(config)]
     return out
+
+
+def _mlp_linears(config: ModelConfig, module: str, prefix: str) -> dict[str, list[str]]:
+    """The fused gate_up and the down projection of one gated MLP (a dense layer's or an expert's)."""
+    gate_up = ("gate_up",) if config.model_type == "phi3" else ("gate", "up")
+    return {f"{module}.gate_up_proj": [family_tensor_name(f"{prefix}.{n}_proj.weight", config) for n in gate_up],
+            f"{module}.down_proj": [family_tensor_name(f"{prefix}.down_proj.weight", config)]}
+
+
+def _requantise(module: str, w: torch.Tensor, mode: str) -> QuantWeight:
+    """Dense `w` [out, in] of linear `module` as a `mode` record, except that a router and a weight
+    whose input size is not a multiple of INT4_GROUP_SIZE become int8 rows ([Note: numeric modes])."""
+    if module.endswith(ROUTER) or w.shape[1] % INT4_GROUP_SIZE:
+        mode = "int8"
+    return quantize_dense(w, mode)
 
 
 def _quant_weights(mode: str, groups: dict[str, list[str]], reader: CheckpointReader,
@@ -67,9 +102,9 @@ def _quant_weights(mode: str, groups: dict[str, list[str]], reader: CheckpointRe
         for name in names:
             if blocks is not None:
                 w = blocks.read_one(name)
-                parts.append(quantize_dense(w, "int4") if isinstance(w, torch.Tensor) else w)
+                parts.append(_requantise(module, w, "int4") if isinstance(w, torch.Tensor) else w)
             else:
-                parts.append(quantize_dense(reader.read([name], dtype=torch.float32)[name], mode))
+                parts.append(_requantise(module, reader.read([name], dtype=torch.float32)[name], mode))
         out[module] = parts[0] if len(parts) == 1 else cat_rows(parts)
     return out
 

@@ -103,12 +103,33 @@ def resolve_model(spec: str, *, cache_dir: str | Path | None = None, progress: b
     `spec` is a registered name (e.g. "smollm2-135m", "qwen2.5-coder-1.5b"), a folder holding config.json (returned as
     is), or a `.gguf` file (converted into `<cache>/models/v<converter>/<stem>-<sha12>/` on first use). See
     `default_cache_dir` for the cache location. Conversion is atomic and safe across processes.
-    Raises ValueError for an unknown spec or a missing model package, FileNotFoundError for a
-    folder without config.json or a missing .gguf file.
+    Raises ValueError for an unknown spec, a missing model package, or a cache that cannot be
+    written (one line naming it and --cache-dir), FileNotFoundError for a folder without config.json
+    or a missing .gguf file.
     """
     if not spec.strip():
         raise ValueError("model is empty: give a registered name, a model folder or a .gguf file")
     cache = default_cache_dir(cache_dir)
+    try:
+        return _resolve(spec, cache, progress)
+    except OSError as exc:
+        if exc.filename is None:  # one of the messages below (a missing file), already one line
+            raise
+        raise _os_error(exc, cache) from None
+
+
+def _os_error(exc: OSError, cache: Path) -> ValueError:
+    """One line for a file-system error while assembling or converting into `cache`: a cache that
+    cannot be written names --cache-dir / $SPEEDPIPE_CACHE_DIR as the remedy."""
+    where, reason = Path(exc.filename), exc.strerror or type(exc).__name__
+    if where == cache or cache in where.parents:
+        return ValueError(f"cannot write the model cache {cache} ({reason}: {where}); point --cache-dir or "
+                          f"${CACHE_ENV} at a writable folder")
+    return ValueError(f"cannot read the model file {where}: {reason}")
+
+
+def _resolve(spec: str, cache: Path, progress: bool) -> Path:
+    """resolve_model without its handling of file-system errors."""
     if spec in CHUNKED_REGISTRY:
         return _convert(assemble(CHUNKED_REGISTRY[spec], cache, progress=progress), spec, cache, progress)
     if spec in REGISTRY:

@@ -194,3 +194,25 @@ def test_speculation_flags_without_speculation_are_named(capsys):
 def test_vllm_dtype_spellings_are_accepted():
     assert [_parse(build_parser(), ["launch", "--dtype", d]).dtype for d in ("auto", "half", "float", "bfloat16")] == [
         "float32", "float16", "float32", "bfloat16"]
+
+
+def test_without_max_model_len_its_default_is_lowered_to_the_models_context(tmp_path):
+    """Before: a model with max_position_embeddings 512 was refused unless the user lowered
+    --max-model-len, a flag they had not given (exit 2); vLLM derives the default from the model."""
+    from launcher.cli.options import DEFAULT_MAX_MODEL_LEN, options_and_reason
+    from launcher.coordinator.run_plan import resolve
+    from tests.tiny_model import write_tiny_model
+
+    short = write_tiny_model(tmp_path / "short", max_position_embeddings=512)
+    base = ["launch", "--model", str(short), "--stages", "2", "--speculate", "none"]
+    options, _ = options_and_reason(_parse(build_parser(), base), progress=False)
+    assert options.max_model_len == 512
+    assert resolve(options).config.max_position_embeddings == 512  # not refused
+    for given in (["--max-model-len", "600"], ["--max-model-len=600"]):  # asked for: kept, then refused
+        options, _ = options_and_reason(_parse(build_parser(), base + given), progress=False)
+        assert options.max_model_len == 600
+        with pytest.raises(ValueError, match="max_model_len 600 is more than the model's max_position_embeddings 512"):
+            resolve(options)
+    long = write_tiny_model(tmp_path / "long", max_position_embeddings=8192)
+    args = _parse(build_parser(), ["launch", "--model", str(long), "--stages", "2", "--speculate", "none"])
+    assert options_and_reason(args, progress=False)[0].max_model_len == DEFAULT_MAX_MODEL_LEN

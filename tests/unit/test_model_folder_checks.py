@@ -2,7 +2,8 @@
 config.json or tokenizer.json, tensors of the wrong shape, a context longer than the model's, a KV
 cache larger than this machine's memory; and the warning for weights of layers the config leaves out.
 
-Each case used to surface only after the stages started (exit 1), as a traceback, or not at all.
+Each case used to surface only after the stages started (exit 1), as a traceback, or not at all;
+likewise a model cache that cannot be written (`resolve_model`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def _edit_config(model_dir, **changes) -> None:
     (None, "has no 'hidden_size'"),
     ({"hidden_size": "abc"}, "field 'hidden_size' must be an integer, got 'abc'"),
     ({"num_key_value_heads": 1.5}, "field 'num_key_value_heads' must be an integer"),
+    ({"layer_types": 5}, r"a field holds a value of the wrong type \('int' object is not iterable\)"),  # before:
+    ({"rope_scaling": "linear"}, "a field holds a value of the wrong type"),  # TypeError / AttributeError
+    ({"rope_theta": None}, "a field holds a value of the wrong type"),  # tracebacks, exit 1
 ])
 def test_a_malformed_config_json_is_named(tmp_path, content, message):
     model_dir = write_tiny_model(tmp_path / "m")
@@ -178,3 +182,54 @@ def test_auto_says_so_when_the_gguf_a_folder_came_from_is_gone(tmp_path, caplog)
         resolve(_options(model_dir, quantization="none", max_model_len=256))
     notes = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
     assert len(notes) == 1 and "the weights run dense (as --quantization none)" in notes[0], notes
+
+
+def test_a_model_cache_that_cannot_be_written_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """Before: converting a GGUF into an unwritable --cache-dir ended in a PermissionError /
+    NotADirectoryError traceback (exit 1)."""
+    from pathlib import Path
+
+    from launcher.cli.main import main
+    from pipeline.weights.registry import resolve_model
+    from tests.unit.test_gguf_import_tiny import tiny, write_gguf
+
+    write_gguf(tmp_path / "m.gguf", tiny())
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"cannot write the model cache .*a-file \(Not a directory: .*a-file/models"
+                                         r".*\); point --cache-dir or \$SPEEDPIPE_CACHE_DIR at a writable folder"):
+        resolve_model(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "a-file", progress=False)
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)  # a read-only folder, as root cannot make one
+    code = main(["launch", "--model", str(tmp_path / "m.gguf"), "--cache-dir", str(tmp_path / "ro"),
+                 "--prompt", "Hi", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "cannot write the model cache" in err, err
+    with pytest.raises(ValueError, match=r"cannot write the model cache .*ro \(Permission denied: .*ro/models"):
+        resolve_model(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "ro", progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # a missing file is still named as such
+        resolve_model(str(tmp_path / "gone.gguf"), cache_dir=tmp_path / "ro", progress=False)
+
+
+def test_a_missing_or_sentencepiece_tokenizer_names_the_file_and_the_remedy(tmp_path, monkeypatch):
+    """Before: 'no tokenizer.json in model folder X' with no way forward, and a SentencePiece GGUF
+    ('GGUF tokenizer model 'llama' is not supported') without the file's name."""
+    import gguf
+
+    from pipeline.weights.registry import resolve_model
+    from tests.unit.test_gguf_import_tiny import tiny, write_gguf
+
+    model_dir = write_tiny_model(tmp_path / "m")
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer.json in model folder .*m: .*write one with "
+                                                r"transformers: AutoTokenizer.from_pretrained\(FOLDER\)"):
+        Tokenizer(model_dir)
+    add_model = gguf.GGUFWriter.add_tokenizer_model
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_model", lambda self, _: add_model(self, "llama"))
+    write_gguf(tmp_path / "spm.gguf", tiny())
+    with pytest.raises(ValueError, match=r"^GGUF file .*spm.gguf: tokenizer model 'llama' is not supported .*"
+                                         r"SentencePiece\): give the model's Hugging Face folder"):
+        resolve_model(str(tmp_path / "spm.gguf"), cache_dir=tmp_path / "cache", progress=False)
+    assert not list((tmp_path / "cache" / "models").glob("*/spm-*"))  # no half-converted folder

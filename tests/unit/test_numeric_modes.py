@@ -164,3 +164,55 @@ def test_quantised_modes_refuse_a_cuda_device(folder):
     with pytest.raises(ValueError, match="CPU int kernels"):
         load_stage_model(str(folder), LayerRange(0, 1), is_first=True, is_last=False, quantization="int4",
                          device="cuda")
+
+
+# -- families whose checkpoints differ from Llama's: fused phi3 tensors, MoE experts and routers -----
+
+QUANT_FAMILIES = ["phi3", "mixtral", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def family_sources(tmp_path_factory):
+    """family -> {"hf": its tiny Hugging Face folder, "gguf": the conversion of its F16 GGUF}."""
+    from tests.unit.test_gguf_families import _f16_rounded_family_model, write_hf_family_gguf
+
+    out = {}
+    for family in QUANT_FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        d, tensors = _f16_rounded_family_model(root / "hf", family)
+        write_hf_family_gguf(root / "m.gguf", d, tensors, family)
+        out[family] = {"hf": root / "hf", "gguf": convert_gguf(root / "m.gguf", root / "converted", progress=False)}
+    return out
+
+
+@pytest.mark.parametrize("family", QUANT_FAMILIES)
+@pytest.mark.parametrize("mode, source", [("int8", "hf"), ("int4", "hf"), ("int4", "gguf"), ("auto", "gguf")])
+def test_quantised_modes_load_every_family_and_a_split_changes_no_number(family_sources, family, mode, source):
+    """Before: phi3 (q/k/v fused in the checkpoint) and the MoE families (experts, routers) failed to
+    load in any quantised mode, asking for a `q_proj` / `mlp.gate_proj` tensor they do not have."""
+    folder = family_sources[family][source]
+    full = _full(folder, mode)
+    assert not any(isinstance(m, torch.nn.Linear) for m in full.modules())
+    n = full.config.num_hidden_layers
+    first = _load(folder, mode, LayerRange(0, 2), is_first=True, is_last=False)
+    rest = _load(folder, mode, LayerRange(2, n), is_first=False, is_last=True)
+    prompt, spans = torch.tensor(PROMPTS[0]), [Span(0, 0, len(PROMPTS[0]))]
+    kvs = [m.new_kv_cache(max_num_seqs=1, max_model_len=32) for m in (full, first, rest)]
+    logits = full(prompt, spans, kvs[0])
+    assert torch.equal(rest(first(prompt, spans, kvs[1]), spans, kvs[2]), logits)
+    dense_model = _full(folder, "none")
+    dense = dense_model(prompt, spans, dense_model.new_kv_cache(max_num_seqs=1, max_model_len=32))
+    cos = torch.nn.functional.cosine_similarity(dense, logits.float(), dim=-1)
+    # measured: int8 >= 0.998, int4 groups 0.90-0.93 (requantised F16 here); a wrong layout gives ~0
+    assert cos.min() > (0.99 if mode == "int8" else 0.85), cos
+
+
+def test_auto_counts_every_requantised_expert_in_its_warning(family_sources):
+    """Before: Mixtral's experts (checkpoint names w1/w2/w3) were left out of the count of the GGUF
+    weights `--quantization auto` requantises (17 of 65 F16 projections named)."""
+    from pipeline.weights.gguf_blocks import requantised_linears
+
+    folder = family_sources["mixtral"]["gguf"]
+    config = CheckpointReader(folder).config
+    projections = 4 * config.num_hidden_layers + 3 * config.num_experts * config.num_hidden_layers + 1  # + head
+    assert requantised_linears(gguf_source_of(folder), config, model_dir=folder) == {"F16": projections}

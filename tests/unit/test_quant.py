@@ -73,6 +73,20 @@ def test_a_kernel_row_does_not_depend_on_the_other_rows():
             assert torch.equal(lin(xx[i:i + 1])[0], full[i]), (type(lin).__name__, i)
 
 
+@pytest.mark.parametrize("out_features", [264, 40, 8, 1])
+def test_int4_takes_any_number_of_output_rows_and_each_row_is_that_of_a_whole_tile(out_features):
+    """torch packs int4 weights in tiles of 16 output rows: a vocabulary of 264 (or 32001) or a
+    router over 8 experts failed to load with `expect N to be dividable by 16`. Padded, each output
+    must equal, bitwise, the same row of a weight whose rows fill whole tiles."""
+    w = _w(272, 64)
+    x = torch.randn(5, 64).to(ACTIVATION_DTYPE)
+    whole = Int4Linear(int4_groups_from_float(w))(x)
+    part = Int4Linear(int4_groups_from_float(w[:out_features]))
+    assert part.out_features == out_features
+    assert torch.equal(part(x), whole[:, :out_features])
+    assert torch.equal(part(x[:1]), whole[:1, :out_features])
+
+
 def test_the_exit_head_guess_of_a_row_does_not_depend_on_the_other_rows():
     torch.manual_seed(0)
     head = ExitHead(64, 256, 1e-5).eval()

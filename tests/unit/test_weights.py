@@ -184,3 +184,42 @@ def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors listed in"):
         CheckpointReader(tmp_path)
+
+
+@pytest.mark.parametrize("weight_map", [5, ["model-00001-of-00002.safetensors"], {"model.norm.weight": 3}])
+def test_an_index_whose_weight_map_is_not_names_to_files_is_a_clear_error(tmp_path, weight_map):
+    """Before: an AttributeError / TypeError traceback (exit 1) instead of one line naming the file."""
+    _write_two_shards(tmp_path, tiny_config())
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=f"malformed safetensors index .*{INDEX_FILE}: weight_map must map"):
+        CheckpointReader(tmp_path)
+
+
+def test_a_weights_file_this_process_may_not_read_is_named_as_such(tmp_path, monkeypatch):
+    """safetensors reports every failure to open as "No such file or directory": before, a file
+    without read permission for this user was named as missing."""
+    from pathlib import Path
+
+    from pipeline.weights import checkpoint
+
+    _write_two_shards(tmp_path, tiny_config())
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    real_open = Path.open
+
+    def no_read(self, *args, **kwargs):
+        if self == shard:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    def safetensors_open(path, *args, **kwargs):  # what safetensors raises for an unreadable file
+        if Path(path) == shard:
+            raise FileNotFoundError(f"No such file or directory: {path}")
+        return real_safe_open(path, *args, **kwargs)
+
+    real_safe_open = checkpoint.safe_open
+    monkeypatch.setattr(Path, "open", no_read)  # (root, which runs these tests, may read any file)
+    monkeypatch.setattr(checkpoint, "safe_open", safetensors_open)
+    with pytest.raises(ValueError, match="cannot read safetensors file .*model-00002-of-00002.safetensors: "
+                                         "Permission denied"):
+        reader = CheckpointReader(tmp_path)
+        reader.read(sorted(reader.tensor_names), dtype=torch.float32)
