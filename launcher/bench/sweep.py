@@ -4,9 +4,9 @@ Owns the sweep: the configurations (stages x speculate x predictor x concurrency
 (every repeat runs every configuration once, A B C A B C ..., so drift of a shared machine hits all
 alike), pairing (ratios are taken within a repeat, then summarised by their median), and the
 outputs under --out: runs/<config>_r<k>.trace.json (Chrome trace) and .timeline.json per run, then
-timelines.json (every run's timeline, compact: launcher/bench/run_records.py), and
 (launcher/bench/sweep_report.py) results.json, results.csv (one row per configuration: medians
-and min/max over repeats) and plots/*.png. Ctrl-C keeps the repeats that completed (write_partial).
+and min/max over repeats) and plots/*.png, then timelines.json (every run's timeline, compact:
+launcher/bench/run_records.py; a timelines.json of an earlier sweep in --out is removed first). Ctrl-C keeps the repeats that completed (write_partial).
 Each session lives in its own child process (launcher/bench/driver.py); all stay loaded for the
 whole sweep, and only the one being measured computes.
 Must not: hold pipeline logic or metric definitions (pipeline/measure/metrics.py, pipeline/measure/timeline.py).
@@ -26,6 +26,7 @@ from pathlib import Path
 from launcher.bench.driver_protocol import DriverProcess
 from launcher.bench.run_records import RECORDS_FILE, write_records
 from launcher.bench.sweep_report import predictor_label, write_partial, write_results
+from launcher.cli.options import default_max_model_len
 from launcher.cli.output_paths import check_output_dir
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
@@ -40,6 +41,7 @@ SOTU_NUM_PROMPTS = 8
 SOTU_PROMPT_WORDS = 48
 DRIVER_START_TIMEOUT_S = 900.0
 RUN_TIMEOUT_S = 900.0
+SWEEP_MAX_MODEL_LEN = 1024  # --max-model-len when not given (or the model's context, if shorter)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +67,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="weights of every configuration: auto | none | int8 | int4 (default none)")
     m.add_argument("--dense-layout", default=DENSE_LAYOUTS[0], choices=DENSE_LAYOUTS,
                    help="float32 dense weights on CPU: reference | fast (default reference)")
-    m.add_argument("--max-model-len", type=int, default=1024, help="max prompt + generated tokens (default 1024)")
+    m.add_argument("--max-model-len", type=int,
+                   help=f"max prompt + generated tokens (default {SWEEP_MAX_MODEL_LEN}, or the model's context if shorter)")
     m.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage (default 1)")
     m.add_argument("--stage-timeout-s", type=float, default=120.0, help="data-plane deadline (default 120)")
     m.add_argument("--cache-dir", help="where converted models are cached (default ~/.cache/speedpipe)")
@@ -194,6 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = _session_options(args, configs, prompts)
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / RECORDS_FILE).unlink(missing_ok=True)  # an earlier sweep's: its run paths are this one's too
     for note in notes:
         print(f"[speedpipe] bench: {note}", file=sys.stderr)
     runs, interrupted = _run_sweep(args, configs, options, prompts, out)
@@ -218,6 +222,9 @@ def _session_options(args: argparse.Namespace, configs: list[BenchConfig], promp
     Raises ValueError for options a session rejects, or when the longest prompt plus
     --max-new-tokens exceeds --max-model-len.
     """
+    if args.max_model_len is None:  # not given: the default, or the model's context where shorter
+        args.max_model_len = default_max_model_len(args.model, SWEEP_MAX_MODEL_LEN, cache_dir=args.cache_dir,
+                                                   progress=False)
     base = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, dense_layout=args.dense_layout,
                 max_model_len=args.max_model_len,
                 threads_per_stage=args.threads_per_stage, stage_timeout_s=args.stage_timeout_s,

@@ -22,7 +22,6 @@ from launcher.cli.parsing import (
     CliParser,
     UsageError,
     check_vllm_args,
-    flag_given,
     mark_model_given,
     read_prompts,
     shorten_help,
@@ -227,7 +226,6 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
             target = target._subparsers._group_actions[0].choices[args.bench_command]  # noqa: SLF001
         target.error(f"unrecognized arguments: {' '.join(extras)}")
     args.model_given = mark_model_given(argv)
-    args.max_model_len_given = flag_given(argv, "--max-model-len")
     return args
 
 

@@ -47,8 +47,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-layout", default=DENSE_LAYOUTS[0], choices=DENSE_LAYOUTS,
                    help="float32 dense weights on CPU: reference (transformers' op order, default) | fast (wide "
                    "weights stored transposed: faster one-row decode, last-bit differences in the logits)")
-    g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help="max prompt + generated tokens per sequence (or the model's context, if shorter)")
+    g.add_argument("--max-model-len", type=int,
+                   help=f"max prompt + generated tokens per sequence (default {DEFAULT_MAX_MODEL_LEN}, or the model's "
+                   "context if shorter)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots: sequences decoded at once")
     g.add_argument("--threads-per-stage", type=int, default=1, help="torch threads in each stage process")
     g.add_argument("--stage-timeout-s", type=float, default=120.0,
@@ -79,17 +80,24 @@ def _stages_arg(text: str) -> int | str:
 
 
 def settle_max_model_len(args: argparse.Namespace, progress: bool) -> None:
-    """Without `--max-model-len`, lower its default to the model's `max_position_embeddings` where
-    that is shorter (as vLLM derives it from the model): only a length the user asked for is
-    refused for exceeding the model's (run_plan.check_lengths). Resolves the model (converting a
+    """Without `--max-model-len` (None), set its default, lowered to the model's
+    `max_position_embeddings` where that is shorter: only a length the user asked for is refused
+    for exceeding the model's (run_plan.check_lengths). Resolves the model (converting a
     GGUF once); changes `args.max_model_len` in place. Raises what `resolve_model` raises."""
-    if getattr(args, "max_model_len_given", True):
+    if args.max_model_len is not None:  # given (in any spelling argparse takes, abbreviations too)
         return
+    args.max_model_len = default_max_model_len(args.model, DEFAULT_MAX_MODEL_LEN, cache_dir=args.cache_dir,
+                                               progress=progress)
+
+
+def default_max_model_len(model: str, default: int, *, cache_dir: str | None, progress: bool) -> int:
+    """`default`, or the model's `max_position_embeddings` where that is shorter (resolving the model,
+    converting a GGUF once). Raises what `resolve_model` raises."""
     from pipeline.model.config import ModelConfig
     from pipeline.weights.registry import resolve_model
 
-    config = ModelConfig.from_model_dir(resolve_model(args.model, cache_dir=args.cache_dir, progress=progress))
-    args.max_model_len = min(args.max_model_len, config.max_position_embeddings)
+    config = ModelConfig.from_model_dir(resolve_model(model, cache_dir=cache_dir, progress=progress))
+    return min(default, config.max_position_embeddings)
 
 
 def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | None]:

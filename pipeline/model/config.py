@@ -124,6 +124,8 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_position_embeddings < 2:  # a prompt token and one to generate
+            raise ValueError(f"max_position_embeddings must be >= 2, got {self.max_position_embeddings}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -146,8 +146,11 @@ def test_results_are_written_before_the_run_records_and_survive_their_failure(tm
     monkeypatch.setattr(sweep, "_session_options", lambda args, configs, prompts: {})
     monkeypatch.setattr(sweep, "_run_sweep", lambda args, configs, options, prompts, out: (_runs(), None))
     args = _args(tmp_path, argv=["--stages", "2", "--speculate", "none,speed"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "timelines.json").write_text('{"format": 1, "records": {"OLD": {}}}')  # an earlier sweep's
     assert sweep.cmd_bench(args) == 0  # the runs' timeline files ("tl") do not exist: the records fail
     assert json.loads((tmp_path / "out" / "results.json").read_text())["configs"]
+    assert not (tmp_path / "out" / "timelines.json").exists()  # calibration would have read the old runs
     assert "bench: no timelines.json (the runs/ timelines stay)" in capsys.readouterr().err
 
 

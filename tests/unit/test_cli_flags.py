@@ -208,7 +208,8 @@ def test_without_max_model_len_its_default_is_lowered_to_the_models_context(tmp_
     options, _ = options_and_reason(_parse(build_parser(), base), progress=False)
     assert options.max_model_len == 512
     assert resolve(options).config.max_position_embeddings == 512  # not refused
-    for given in (["--max-model-len", "600"], ["--max-model-len=600"]):  # asked for: kept, then refused
+    for given in (["--max-model-len", "600"], ["--max-model-len=600"], ["--max-model", "600"], ["--max-m=600"]):
+        # asked for (abbreviations too, which argparse takes): kept, then refused
         options, _ = options_and_reason(_parse(build_parser(), base + given), progress=False)
         assert options.max_model_len == 600
         with pytest.raises(ValueError, match="max_model_len 600 is more than the model's max_position_embeddings 512"):
@@ -216,3 +217,22 @@ def test_without_max_model_len_its_default_is_lowered_to_the_models_context(tmp_
     long = write_tiny_model(tmp_path / "long", max_position_embeddings=8192)
     args = _parse(build_parser(), ["launch", "--model", str(long), "--stages", "2", "--speculate", "none"])
     assert options_and_reason(args, progress=False)[0].max_model_len == DEFAULT_MAX_MODEL_LEN
+
+
+def test_bench_sweep_lowers_its_default_max_model_len_to_the_model_s_context(tmp_path):
+    """bench sweep's default 1024 refused a 512-context model ("lower --max-model-len", a flag not
+    given), as launch and serve did; a length the user gives is still refused past the model's."""
+    from launcher.bench import sweep
+    from launcher.bench.sweep import BenchConfig, add_bench_args
+    from tests.tiny_model import write_tiny_model
+
+    short = write_tiny_model(tmp_path / "short", max_position_embeddings=512)
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    base = ["--out", str(tmp_path / "o"), "--model", str(short), "--stages", "1", "--speculate", "none"]
+    args = p.parse_args(base)
+    options = sweep._session_options(args, [BenchConfig(1, "none", "-", 1)], ["hi"])
+    assert args.max_model_len == 512 and {o["max_model_len"] for o in options.values()} == {512}
+    with pytest.raises(ValueError, match="max_model_len 600 is more than the model's max_position_embeddings 512"):
+        sweep._session_options(p.parse_args([*base, "--max-model-len", "600"]), [BenchConfig(1, "none", "-", 1)],
+                               ["hi"])

@@ -42,6 +42,7 @@ def _edit_config(model_dir, **changes) -> None:
     ({"layer_types": 5}, r"a field holds a value of the wrong type \('int' object is not iterable\)"),  # before:
     ({"rope_scaling": "linear"}, "a field holds a value of the wrong type"),  # TypeError / AttributeError
     ({"rope_theta": None}, "a field holds a value of the wrong type"),  # tracebacks, exit 1
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 2, got 0"),  # blamed --max-model-len
 ])
 def test_a_malformed_config_json_is_named(tmp_path, content, message):
     model_dir = write_tiny_model(tmp_path / "m")
