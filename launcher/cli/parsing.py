@@ -130,8 +130,10 @@ def mark_model_given(argv: list[str]) -> bool:
 
 
 def flag_given(argv: list[str], flag: str) -> bool:
-    """True if `flag` (e.g. "--max-model-len") appears on the command line, as `FLAG V` or `FLAG=V`."""
-    return any(a == flag or a.startswith(flag + "=") for a in argv)
+    """True if `flag` (e.g. "--model") appears on the command line, as `FLAG V` or `FLAG=V`, or
+    abbreviated as argparse accepts it (`--mod V`: argv parsed, so the prefix named one option)."""
+    return any(2 < len(opt) and flag.startswith(opt) for opt in (a.split("=", 1)[0] for a in argv
+                                                                  if a.startswith("--")))
 
 
 def unescape(text: str) -> str:

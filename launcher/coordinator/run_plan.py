@@ -229,8 +229,8 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
 
 
 def note_requantised_blocks(options: PipelineOptions, config: ModelConfig, model_dir: Path) -> None:
-    """Warn when `--quantization auto` runs some of the GGUF's projections requantised to int4 groups
-    (types without a kernel here, e.g. Qwen2.5-Coder's 29 Q6_K tensors): less precise than the file;
+    """Warn when `--quantization auto` runs some of the GGUF's projections requantised (int4 groups,
+    or int8 rows: pipeline/weights/quant.py; types without a kernel here, e.g. Qwen2.5-Coder's 29 Q6_K tensors): less precise than the file;
     or runs dense because the GGUF a converted folder came from is gone (other tokens, silently)."""
     if options.quantization == "auto" and options.device == "cpu" and (model_dir / SOURCE_FILE).is_file() \
             and gguf_source_of(model_dir) is None:
@@ -242,9 +242,10 @@ def note_requantised_blocks(options: PipelineOptions, config: ModelConfig, model
     counts = requantised_linears(gguf_source_of(model_dir), config, model_dir=model_dir)
     if counts:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-        log.warning("--quantization auto: the GGUF's %s weights have no int kernel here and run requantised to int4 "
-                    "groups of 32, less precise than the file (its Q4_0/Q4_1/Q4_K/Q8_0 weights run as they are); "
-                    "--quantization int8 keeps more of their precision, none all of it", kinds)
+        log.warning("--quantization auto: the GGUF's %s weights have no int kernel here and run requantised (int4 "
+                    "groups of 32; int8 rows for MoE routers and inputs not a multiple of 32), less precise than the "
+                    "file (its Q4_0/Q4_1/Q4_K/Q8_0 weights run as they are); --quantization int8 keeps more of "
+                    "their precision, none all of it", kinds)
 
 
 def _size(num_bytes: int) -> str:

@@ -43,8 +43,9 @@ def test_tensor_parallel_above_1_and_a_model_given_twice_are_usage_errors(capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith("speedpipe serve: error: --tensor-parallel-size 2") and "--stages" in err
     assert len(err.splitlines()) == 1
-    assert main(["serve", "model-a", "--model", "model-b"]) == 2
-    assert "given twice" in capsys.readouterr().err
+    for given in (["--model", "model-b"], ["--model=model-b"], ["--mod", "model-b"], ["--mo=model-b"]):
+        assert main(["serve", "model-a", *given]) == 2  # abbreviated: positional model-a won silently
+        assert "given twice" in capsys.readouterr().err
     assert main(["serve", "-tp", "1", "--port", "70000"]) == 2  # -tp 1 accepted; the port is what fails
     assert "--port" in capsys.readouterr().err
 
