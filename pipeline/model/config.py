@@ -271,6 +271,15 @@ def _check_required_fields(d: dict[str, Any]) -> None:
         value = d.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"config.json field {name!r} must be an integer, got {value!r}")
+    for name in ("tie_word_embeddings", "attention_bias"):  # bool("false") is True
+        if d.get(name) is not None and not isinstance(d[name], bool):
+            raise ValueError(f"config.json field {name!r} must be true or false, got {d[name]!r}")
+    for name in ("bos_token_id", "eos_token_id"):  # a string id would never match a token
+        ids = d.get(name)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in (ids if isinstance(ids, list) else [ids])
+               if ids is not None):
+            raise ValueError(f"config.json field {name!r} must be a token id (an integer) or a list of them, "
+                             f"got {ids!r}")
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:

@@ -43,6 +43,9 @@ def _edit_config(model_dir, **changes) -> None:
     ({"rope_scaling": "linear"}, "a field holds a value of the wrong type"),  # TypeError / AttributeError
     ({"rope_theta": None}, "a field holds a value of the wrong type"),  # tracebacks, exit 1
     ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 2, got 0"),  # blamed --max-model-len
+    ({"tie_word_embeddings": "no"}, "field 'tie_word_embeddings' must be true or false, got 'no'"),  # read as true
+    ({"eos_token_id": ["2"]}, r"field 'eos_token_id' must be a token id \(an integer\) or a list of them"),  # never
+    ({"bos_token_id": 1.5}, "field 'bos_token_id' must be a token id"),  # matched a token
 ])
 def test_a_malformed_config_json_is_named(tmp_path, content, message):
     model_dir = write_tiny_model(tmp_path / "m")
