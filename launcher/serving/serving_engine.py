@@ -293,9 +293,16 @@ class ServingEngine:
             return False, self._fence
         if self.coordinator.failure is not None:
             return False, str(self.coordinator.failure)
-        if self.heartbeat is not None and self.coordinator.failover is None:
-            return self.heartbeat.healthy()
-        return True, ""
+        silent = self._silent_stage()
+        return silent is None, silent or ""
+
+    def _silent_stage(self) -> str | None:
+        """Why new requests are refused for a silent stage (before it is declared hung), or None; never
+        while a fail-over will restart it (then requests wait behind the restart: a pause, not an error)."""
+        if self.heartbeat is None or self.coordinator.failover is not None:
+            return None
+        beating, why = self.heartbeat.healthy()
+        return None if beating else why
 
     def health_status(self) -> tuple[str, str]:
         """("serving", ""), ("not_serving", why) while draining or restarting a failed stage (it
@@ -329,14 +336,11 @@ class ServingEngine:
         """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
         outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
         input the coordinator rejects."""
-        # A silent stage: refuse before it is declared hung, unless a fail-over will restart it
-        # (then requests wait behind the restart: a pause, not an error).
-        watch = self.heartbeat is not None and self.coordinator.failover is None
-        beating, why = self.heartbeat.healthy() if watch else (True, "")
+        silent = self._silent_stage()  # outside the lock: the heartbeat's own lock
         with self._lock:
-            if self._fence is not None or not beating:  # a silent stage: refuse before it is declared hung
+            if self._fence is not None or silent is not None:
                 self.metrics.observe_rejected("unavailable")
-                raise UnavailableError(self._fence or why)
+                raise UnavailableError(self._fence or silent)
             limit = self.max_num_seqs + self.max_queue
             if self._outstanding >= limit:
                 self.metrics.observe_rejected("queue_full")
