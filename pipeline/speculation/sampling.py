@@ -307,9 +307,14 @@ def verify_draft(
         residual[draft_token] = 0.0
     else:
         residual = torch.clamp(p - q, min=0.0)
-    if not bool(residual.sum() > 0):
+    total = residual.sum()
+    if not bool(total > 0):
         # Degenerate: p <= q everywhere (p == q up to rounding), so rejection had probability ~0.
         # Any draw from p keeps the output distributed as p.
         residual = p
+    elif bool(total < torch.finfo(residual.dtype).tiny):
+        # Only subnormal weights (p(y) = 1e-45 beside q = p elsewhere): torch.multinomial then
+        # sometimes draws a token of weight 0, so normalise in float64, where they are normal numbers.
+        residual = residual.double() / total.double()
     # torch.multinomial normalises its weights, which is the normalise() above.
     return False, int(torch.multinomial(residual, 1, generator=generator))

@@ -309,6 +309,15 @@ def test_verify_draft_never_returns_a_token_with_zero_target_probability(data, s
         assert float(p[token]) > 0, (accepted, token)
 
 
+def test_a_residual_of_only_subnormal_weights_never_resamples_a_token_of_probability_zero():
+    """Found by the property test above: p - q left one weight of 1.4e-45 (float32's smallest
+    subnormal), and torch.multinomial drew token 0, of weight 0, about half the time."""
+    p = torch.tensor([0.0, 0.0, 1.4013e-45, 0.0, 0.0, 1.0, 0.0])
+    q = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    assert {verify_draft(p, 0, q, generator) for _ in range(50)} == {(False, 2)}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Sampler.verify
 # ---------------------------------------------------------------------------------------------------
