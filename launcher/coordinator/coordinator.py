@@ -8,9 +8,8 @@ commits (the engine does), run model layers, or spawn processes (launcher/backen
 
 Threads: the caller's (submit, results), the engine thread (the only one that touches the engine
 and sends), the receivers (launcher/coordinator/stage_receivers.py). They meet in one event queue: no polling.
-With a `StageFailover` set, a stage failure is recovered in place by the engine thread
-([Note: fail-over] in launcher/coordinator/stage_failover.py); each data-plane group is one `generation`,
-and events of an older one are dropped.
+With a `StageFailover` set, a stage failure is recovered in place by the engine thread ([Note: fail-over]
+in launcher/coordinator/stage_failover.py); events of an older data-plane group (`generation`) are dropped.
 """
 
 from __future__ import annotations
@@ -56,6 +55,7 @@ __all__ = ["Coordinator", "CoordinatorConfig", "PipelineError", "RequestHandle",
 
 log = logging.getLogger("speedpipe.coordinator")
 DEATH_REPORT_WAIT_S = 3.0  # how long a data-plane failure waits for the report of the stage that died
+ENGINE_STOP_S = 10.0  # shutdown() joins the engine thread for up to this (in deploy/'s termination grace)
 
 
 class DataPlaneFailure(PipelineError):
@@ -389,7 +389,7 @@ class Coordinator:
         """Stop the engine, drain the data plane with an in-band SHUTDOWN, stop every stage."""
         if self._engine_thread is not None and self._engine_thread.is_alive():
             self.events.put(("stop", None))
-            self._engine_thread.join(timeout=10)
+            self._engine_thread.join(timeout=ENGINE_STOP_S)
         if self.failure is None and self.link.channel is not None:
             try:
                 self.link.shutdown()

@@ -331,6 +331,7 @@ def test_probe_windows_and_termination_grace_fit_the_server_s_own_timeouts():
 
     from launcher.backends import multinode
     from launcher.backends.stage_group import KILL_REAP_TIMEOUT_S, LocalStageProcesses
+    from launcher.coordinator.coordinator import ENGINE_STOP_S
     from launcher.serving.drain import FLUSH_S
 
     docs = _statefulset()
@@ -345,8 +346,7 @@ def test_probe_windows_and_termination_grace_fit_the_server_s_own_timeouts():
     assert window(container["livenessProbe"]) > placement.placement_timeout_s
     stop = inspect.signature(LocalStageProcesses.stop).parameters
     stages_stop_s = stop["grace_s"].default + stop["term_grace_s"].default + KILL_REAP_TIMEOUT_S
-    engine_stop_s = 10  # Coordinator.shutdown joins the engine thread for up to 10 s
-    drain_s = serve.shutdown_grace_s + FLUSH_S + engine_stop_s + stages_stop_s + multinode.LEFT_WAIT_S
+    drain_s = serve.shutdown_grace_s + FLUSH_S + ENGINE_STOP_S + stages_stop_s + multinode.LEFT_WAIT_S
     assert node0["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain_s
     leave_s = multinode.LEFT_WAIT_S + stages_stop_s  # a member: its restart thread, then its stages
     assert members["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= leave_s
