@@ -35,6 +35,15 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM'
 # (`verify(..., q=...)`) keeps the general accept/resample rule, with the position's generator.
 
 
+class SamplingParamError(ValueError):
+    """An invalid `SamplingParams` setting; `param` is its field name (e.g. "top_p"), which the
+    message starts with."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How one request turns logits into tokens, and when it ends.
@@ -59,7 +68,8 @@ class SamplingParams:
     presence_penalty, frequency_penalty: in [-2, 2], OpenAI's; repetition_penalty: in (0, 2], vLLM's
         extension, 1 = off.
 
-    Raises ValueError (naming the parameter, the value and the limit) for invalid settings.
+    Raises SamplingParamError, a ValueError (naming the parameter, the value and the limit), for
+    invalid settings.
     """
 
     max_new_tokens: int = 64
@@ -78,40 +88,45 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+            raise SamplingParamError("max_new_tokens",
+                                     f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+            raise SamplingParamError("max_new_tokens",
+                                     f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be finite, got {self.temperature}")
+            raise SamplingParamError("temperature", f"temperature must be finite, got {self.temperature}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # also rejects NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
+            raise SamplingParamError("top_k",
+                                     f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:  # also rejects NaN
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-                raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+                raise SamplingParamError("seed", f"seed must be an integer or None, got {self.seed!r}")
             if not 0 <= self.seed < _SEED_LIMIT:
-                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+                raise SamplingParamError("seed", f"seed must be in [0, 2**64), got {self.seed}")
         if not isinstance(self.stop, tuple):
-            raise ValueError(
-                f"stop must be a tuple of strings, got {type(self.stop).__name__} {self.stop!r}"
+            raise SamplingParamError(
+                "stop", f"stop must be a tuple of strings, got {type(self.stop).__name__} {self.stop!r}"
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise SamplingParamError("stop", f"stop must hold non-empty strings, got {s!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+                raise SamplingParamError(
+                    name, f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:  # also rejects NaN
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise SamplingParamError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise SamplingParamError("repetition_penalty",
+                                     f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
 
     @property
     def is_greedy(self) -> bool:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.speculation.sampling import Sampler, SamplingParams, verify_draft
+from pipeline.speculation.sampling import Sampler, SamplingParamError, SamplingParams, verify_draft
 from pipeline.speculation.verify import verify_result
 
 # Hand-built target p and draft q on a vocab of 8: q is above p on some tokens and below on others,
@@ -368,3 +368,18 @@ def test_a_non_finite_row_counts_only_where_plain_decoding_reads_it(sampled):
     assert verify_result(drafts=[5, 6, 7], **kwargs) == [5, 6, NF]  # drafts 5, 6 accepted: row 2 is read
     assert verify_result(drafts=[5, 4, 7], **kwargs) == [5, 6]  # draft 4 rejected at row 1
     assert verify_result(drafts=[2, 6, 7], **kwargs) == [5]
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_new_tokens": 0}, {"max_new_tokens": 1.5}, {"temperature": -1.0}, {"temperature": float("inf")},
+    {"top_p": 0.0}, {"top_k": -2}, {"min_p": 1.5}, {"seed": -1}, {"seed": "1"}, {"stop": ["x"]}, {"stop": ("",)},
+    {"logprobs": 21}, {"prompt_logprobs": -1}, {"presence_penalty": 3.0}, {"frequency_penalty": -3.0},
+    {"repetition_penalty": 0.0},
+])
+def test_every_invalid_setting_names_its_field_as_an_attribute(bad):
+    """Front ends map the error to their field names (gRPC's BadRequest) from `param`, not by parsing
+    the message; the message still starts with the field's name."""
+    with pytest.raises(SamplingParamError) as info:
+        SamplingParams(**bad)
+    [field] = bad
+    assert info.value.param == field and str(info.value).startswith(f"{field} must "), info.value
