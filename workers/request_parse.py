@@ -2,8 +2,9 @@
 
 Owns `RequestParseInterceptor` (a server interceptor that hands each handler the raw request bytes
 and parses them itself, answering INVALID_ARGUMENT, naming the RPC and its request type, where
-grpcio answers INTERNAL "Exception deserializing request!") and `misread_fields` (known fields that
-arrived with another wire type, which protobuf silently keeps as unknown fields). Used by the
+grpcio answers INTERNAL "Exception deserializing request!", with a google.rpc.BadRequest naming the
+misread fields: workers/status_details.py) and `misread_fields` (known fields that arrived with
+another wire type, which protobuf silently keeps as unknown fields). Used by the
 serving GenerateService (launcher/serving/grpc_generate.py) and every stage's StageService
 (workers/stage_worker.py). Must not: know which RPCs exist or what they do.
 """
@@ -14,18 +15,21 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from workers.status_details import abort_with_details
 
-def misread_fields(message: Message, prefix: str = "") -> list[str]:
+
+def misread_fields(message: Message, prefix: str = "") -> list[tuple[str, int]]:
     """Fields of `message` (and of the messages set in it) that arrived with a wire type other than
-    the schema's, e.g. "'temperature' (field 5)": protobuf keeps them as unknown fields and reads
-    the field as unset, so they mean the sender's .proto is not this one."""
-    names = [f"'{prefix}{message.DESCRIPTOR.fields_by_number[f.field_number].name}' (field {f.field_number})"
+    the schema's, as (path, field number), e.g. ("temperature", 5) or ("prompt_token_ids.ids", 1):
+    protobuf keeps them as unknown fields and reads the field as unset, so they mean the sender's
+    .proto is not this one."""
+    found = [(prefix + message.DESCRIPTOR.fields_by_number[f.field_number].name, f.field_number)
              for f in UnknownFieldSet(message) if f.field_number in message.DESCRIPTOR.fields_by_number]
     for field, value in message.ListFields():
         if field.message_type is not None and not field.message_type.GetOptions().map_entry:
             for item in (value if field.is_repeated else [value]):
-                names += misread_fields(item, f"{prefix}{field.name}.")
-    return names
+                found += misread_fields(item, f"{prefix}{field.name}.")
+    return found
 
 
 class RequestParseInterceptor(grpc.ServerInterceptor):
@@ -53,12 +57,18 @@ def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
         try:
             request = parse(raw)
             misread = misread_fields(request) if isinstance(request, Message) else []
-            why = f"{', '.join(misread)} arrived with another wire type than the schema's" if misread else ""
+            names = ", ".join(f"'{path}' (field {number})" for path, number in misread)
+            why = f"{names} arrived with another wire type than the schema's" if misread else ""
+            violations = [(path, f"field {number} arrived with another wire type than the schema's")
+                          for path, number in misread]
         except DecodeError as exc:
-            request, why = None, str(exc)
+            # field "": the request as a whole
+            request, why, violations = None, str(exc), [("", f"not a valid {what}: {exc}")]
         if why:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request could not be parsed as {what} "
-                          f"({why}); are the client's stubs generated from this server's .proto?")
+            abort_with_details(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{method}: the request could not be parsed as {what} ({why}); are the client's "
+                               "stubs generated from this server's .proto?", violations=violations,
+                               reason="UNPARSABLE_REQUEST", metadata={"method": method, "request_type": what})
         return request
 
     def each(raws, context: grpc.ServicerContext):

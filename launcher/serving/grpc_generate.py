@@ -5,7 +5,18 @@
 Status codes: INVALID_ARGUMENT for bad input (the message names the field) and for a request that
 does not parse as its RPC's type (workers/request_parse.py; grpcio's own answer is INTERNAL),
 RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when the pipeline failed or the server is
-fenced or draining (also mid-stream), UNAUTHENTICATED for Generate and GetModelInfo without
+fenced or draining (also mid-stream); these carry google.rpc details (workers/status_details.py):
+
+| code | when | details |
+| --- | --- | --- |
+| INVALID_ARGUMENT | a request field is invalid | BadRequest (the field, the message); ErrorInfo INVALID_FIELD |
+| INVALID_ARGUMENT | the request does not parse | BadRequest (the fields, or "": all); ErrorInfo UNPARSABLE_REQUEST |
+| RESOURCE_EXHAUSTED | the queue is full | ErrorInfo QUEUE_FULL (both limits); RetryInfo `QUEUE_FULL_RETRY_S` |
+| UNAVAILABLE | draining for shutdown | ErrorInfo DRAINING; RetryInfo `DRAINING_RETRY_S` |
+| UNAVAILABLE | a stage without fail-over is silent | ErrorInfo STAGE_SILENT (no RetryInfo: the heartbeat decides) |
+| UNAVAILABLE | fenced after a failure, or the pipeline failed | ErrorInfo PIPELINE_FAILED (no RetryInfo) |
+
+UNAUTHENTICATED (without details) for Generate and GetModelInfo without
 `authorization: Bearer KEY` metadata when the server has --api-key (Health stays open, as HTTP
 /health). A cancelled RPC (client gone, deadline passed) aborts the request, freeing its KV slot on
 every stage. `Health` is SERVING only while the coordinator and every stage are, NOT_SERVING while
@@ -21,6 +32,7 @@ import dataclasses
 import logging
 import re
 import uuid
+from typing import NoReturn
 
 import grpc
 
@@ -36,11 +48,12 @@ from launcher.serving.serving_engine import (
     UnavailableError,
 )
 from pipeline.speculation.logprobs import TokenLogprob
-from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
+from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
 from workers.request_parse import RequestParseInterceptor
+from workers.status_details import abort_with_details
 
 log = logging.getLogger("speedpipe.serve")
 MAX_REQUEST_ID_CHARS = 256  # it is logged and echoed in every response
@@ -49,6 +62,39 @@ HEALTH = {"serving": pb.HealthResponse.SERVING, "not_serving": pb.HealthResponse
           "unhealthy": pb.HealthResponse.UNHEALTHY}
 FINISH = {"length": pb.GenerateResponse.LENGTH, "stop": pb.GenerateResponse.STOP, "eos": pb.GenerateResponse.EOS,
           "aborted": pb.GenerateResponse.ABORTED}
+
+# A slot frees whenever any outstanding request finishes: a first back-off; clients should back off more
+# on a repeat (exponentially, as gRPC's retry policy does).
+QUEUE_FULL_RETRY_S = 1.0
+# The draining server leaves its Service at its next failed readiness probe (deploy/statefulset.yaml);
+# a client should reconnect (a new channel reaches another replica) rather than retry on this one.
+DRAINING_RETRY_S = 1.0
+
+
+def abort_invalid(context: grpc.ServicerContext, message: str, field: str) -> NoReturn:
+    """End the RPC with INVALID_ARGUMENT `message`, a BadRequest naming `field` (the request's field
+    path, e.g. "temperature") with `message` as its description, and ErrorInfo INVALID_FIELD."""
+    abort_with_details(context, grpc.StatusCode.INVALID_ARGUMENT, message, violations=[(field, message)],
+                       reason="INVALID_FIELD", metadata={"field": field})
+
+
+def abort_refused(context: grpc.ServicerContext, exc: QueueFullError | UnavailableError | PipelineError,
+                  engine: ServingEngine) -> NoReturn:
+    """End the RPC for a request the server does not run now: RESOURCE_EXHAUSTED for a full queue,
+    UNAVAILABLE while draining, for a silent stage, or after a failure; the details as in the table
+    in the module docstring. The message is the one the front end always gave."""
+    if isinstance(exc, QueueFullError):
+        abort_with_details(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), reason="QUEUE_FULL",
+                           metadata={"max_num_seqs": str(engine.max_num_seqs), "max_queue": str(engine.max_queue)},
+                           retry_delay_s=QUEUE_FULL_RETRY_S)
+    if isinstance(exc, PipelineError):
+        abort_with_details(context, grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}", reason="PIPELINE_FAILED")
+    if engine.fenced is None:  # refused without a fence: a silent stage (ServingEngine.start)
+        abort_with_details(context, grpc.StatusCode.UNAVAILABLE, str(exc), reason="STAGE_SILENT")
+    if engine.health_status()[0] == "not_serving":  # a fence that is not a failure's: a drain
+        abort_with_details(context, grpc.StatusCode.UNAVAILABLE, str(exc), reason="DRAINING",
+                           retry_delay_s=DRAINING_RETRY_S)
+    abort_with_details(context, grpc.StatusCode.UNAVAILABLE, str(exc), reason="PIPELINE_FAILED")
 
 
 def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list[int], SamplingParams]:
@@ -93,10 +139,9 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
                                 logprobs=req.logprobs if req.HasField("logprobs") else None,
                                 top_k=req.top_k, min_p=req.min_p)
-    except ValueError as exc:  # the message names the parameter: "top_p must be ..." -> field 'top_p'
-        field = str(exc).split()[0].lstrip("-").replace("-", "_")
+    except SamplingParamError as exc:  # "top_p must be ..." -> "'top_p' must be ..."; the proto's field names
         message = _FLOAT32.sub(lambda m: f"{float(m.group()):.7g}", str(exc))  # -0.10000000149011612 -> -0.1
-        raise InvalidRequestError(message.replace(str(exc).split()[0], f"'{field}'", 1), field) from None
+        raise InvalidRequestError(message.replace(exc.param, f"'{exc.param}'", 1), exc.param) from None
     return ids, params
 
 
@@ -133,15 +178,11 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             rid = request.request_id or f"grpc-{uuid.uuid4().hex[:24]}"
             stream = self.engine.start(ids, params, request_id=rid)
         except InvalidRequestError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFullError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except UnavailableError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except PipelineError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
+            abort_invalid(context, str(exc), exc.param or "")
+        except ValueError as exc:  # the coordinator's prompt checks (encode_prompt), past request_params'
+            abort_invalid(context, str(exc), request.WhichOneof("input") or "prompt")
+        except (QueueFullError, UnavailableError, PipelineError) as exc:
+            abort_refused(context, exc, self.engine)
         # Runs when the RPC ends (a no-op unless it was cancelled). grpc refuses it (False) when the RPC
         # ended already (deadline passed or client gone while the request was admitted): cancel now.
         if not context.add_callback(stream.cancel):
@@ -158,12 +199,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     msg.usage.prompt_tokens, msg.usage.completion_tokens = final.prompt_tokens, final.completion_tokens
                     msg.timing.ttft_s, msg.timing.e2e_s = final.ttft_s, final.e2e_s
                 yield msg
-        except UnavailableError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RequestError as exc:  # this request alone failed; the server stays up
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        except PipelineError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}")
+        except (UnavailableError, PipelineError) as exc:
+            abort_refused(context, exc, self.engine)
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:  # noqa: N802
         state, why = self.engine.health_status()

@@ -1,0 +1,188 @@
+"""The gRPC front end's rich error details (google.rpc.Status in `grpc-status-details-bin`), read by a
+real client with `grpc_status.rpc_status.from_call`: BadRequest naming the field for invalid
+arguments (the validation in grpc_generate.py and the parse interceptor), ErrorInfo and RetryInfo for
+a full queue, a draining server and a failed one; the one-line message stays what it was."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from launcher.serving.grpc_generate import GrpcServer
+from launcher.serving.serving_engine import ServingEngine
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
+from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
+from workers.status_details import DOMAIN
+
+pytestmark = pytest.mark.timeout(60)
+KINDS = (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
+
+
+def _details(err: grpc.RpcError) -> dict[str, object]:
+    """The details of the rich status of a failed call, by type name; checks the status agrees with the
+    call's code and message (from_call raises otherwise)."""
+    status = rpc_status.from_call(err)
+    assert status is not None, f"no grpc-status-details-bin trailer: {err.code()} {err.details()}"
+    found = {}
+    for packed in status.details:
+        kind = next(k for k in KINDS if packed.Is(k.DESCRIPTOR))
+        found[kind.__name__] = kind()
+        packed.Unpack(found[kind.__name__])
+    assert len(found) == len(status.details), status
+    return found
+
+
+def _generate_error(channel: grpc.Channel, **fields) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            pb_grpc.GenerateServiceStub(channel).Generate(
+                pb.GenerateRequest(**fields), metadata=KEY, timeout=10
+            )
+        )
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        (
+            {"prompt": "hi", "max_new_tokens": 2, "temperature": 3.0},
+            "temperature",
+            "'temperature' must be in [0, 2], got 3",
+        ),
+        ({"prompt": "hi"}, "max_new_tokens", UNSET_BUDGET),
+        ({"prompt": "hi", "max_new_tokens": 2, "top_p": 0.0}, "top_p", "'top_p' must be in (0, 1], got 0.0"),
+        (
+            {"prompt": "hi", "max_new_tokens": 2, "min_p": -0.1},
+            "min_p",
+            "'min_p' must be in [0, 1], got -0.1",
+        ),
+        (
+            {"prompt": "hi", "max_new_tokens": 70},
+            "max_new_tokens",
+            "'prompt' (2 tokens) + 'max_new_tokens' (70) = 72 exceeds max_model_len 64",
+        ),
+        (
+            {"prompt": "x" * 200, "max_new_tokens": 1},
+            "prompt",
+            "'prompt' (200 tokens) + 'max_new_tokens' (1) = 201 exceeds max_model_len 64",
+        ),
+        (
+            {"prompt_token_ids": pb.TokenIds(ids=[10**6]), "max_new_tokens": 1},
+            "prompt_token_ids",
+            "'prompt_token_ids' token id 1000000 is outside the vocabulary",
+        ),
+        ({"prompt": "hi", "max_new_tokens": 2, "stop": [""]}, "stop", "'stop' strings must not be empty"),
+    ],
+)
+def test_invalid_argument_carries_a_bad_request_naming_the_field(grpc_server, fields, field, message):  # noqa: F811
+    _, _, channel = grpc_server
+    err = _generate_error(channel, **fields)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(message), err.details()  # the message as before
+    details = _details(err)
+    assert set(details) == {"BadRequest", "ErrorInfo"}
+    [violation] = details["BadRequest"].field_violations
+    assert (violation.field, violation.description) == (field, err.details())  # the message users saw
+    info = details["ErrorInfo"]
+    assert (info.reason, info.domain, dict(info.metadata)) == ("INVALID_FIELD", DOMAIN, {"field": field})
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "GetModelInfo"])
+def test_an_unparsable_request_names_the_whole_request_and_its_type(grpc_server, rpc):  # noqa: F811
+    _, _, channel = grpc_server
+    method, descriptor = next(r for r in _rpcs() if r[0] == f"/speedpipe.v1.GenerateService/{rpc}")
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, b"\xff\xff\xff", metadata=KEY)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = _details(info.value)
+    [violation] = details["BadRequest"].field_violations
+    assert violation.field == ""  # the request as a whole, as Google's APIs say of a body they cannot parse
+    assert violation.description.startswith(f"not a valid {descriptor.input_type.full_name}: ")
+    assert details["ErrorInfo"].reason == "UNPARSABLE_REQUEST"
+    assert dict(details["ErrorInfo"].metadata) == {
+        "method": method,
+        "request_type": descriptor.input_type.full_name,
+    }
+
+
+def test_fields_sent_with_another_wire_type_are_each_a_field_violation(grpc_server):  # noqa: F811
+    _, _, channel = grpc_server
+    method, descriptor = next(r for r in _rpcs() if r[0].endswith("/Generate"))
+    request = (
+        pb.GenerateRequest(max_new_tokens=2).SerializeToString() + b"\x1a\x05\x0d" + bytes(4)
+    )  # ids as fixed32
+    request += b"\x29" + struct.pack("<d", 0.7)  # temperature (field 5) as a double
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, request, metadata=KEY)
+    violations = _details(info.value)["BadRequest"].field_violations
+    assert {(v.field, v.description) for v in violations} == {
+        ("temperature", "field 5 arrived with another wire type than the schema's"),
+        ("prompt_token_ids.ids", "field 1 arrived with another wire type than the schema's"),
+    }
+
+
+def test_a_full_queue_is_resource_exhausted_with_retry_info(grpc_server):  # noqa: F811
+    _, engine, channel = grpc_server
+    engine._outstanding = engine.max_num_seqs + engine.max_queue  # 2 running + 1 waiting
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    engine._outstanding = 0
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in err.details()
+    details = _details(err)
+    assert set(details) == {"ErrorInfo", "RetryInfo"}
+    assert (details["ErrorInfo"].reason, details["ErrorInfo"].domain) == ("QUEUE_FULL", DOMAIN)
+    assert dict(details["ErrorInfo"].metadata) == {"max_num_seqs": "2", "max_queue": "1"}
+    assert details["RetryInfo"].retry_delay.ToMilliseconds() == 1000
+
+
+def test_a_draining_server_says_so_and_when_to_retry_a_failed_one_says_restart(grpc_server):  # noqa: F811
+    _, engine, channel = grpc_server
+    engine.fence("draining: the server is shutting down", draining=True)
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    assert (err.code(), err.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "draining: the server is shutting down",
+    )
+    details = _details(err)
+    assert (
+        details["ErrorInfo"].reason == "DRAINING"
+        and details["RetryInfo"].retry_delay.ToMilliseconds() == 1000
+    )
+    engine._fence, engine._draining = None, False
+    engine.fence("pipeline failed: stage restarts exhausted")
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    assert (err.code(), err.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "pipeline failed: stage restarts exhausted",
+    )
+    details = _details(err)
+    assert set(details) == {"ErrorInfo"} and details["ErrorInfo"].reason == "PIPELINE_FAILED"  # no retry here
+
+
+def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys):  # noqa: F811
+    """README's gRPC section shows clients how to read the details: it must run as written."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = re.search(r"gRPC errors carry .+?```python\n(.+?)```", readme, re.S).group(1)
+    engine = ServingEngine(
+        FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64
+    )
+    server = GrpcServer(engine, host="127.0.0.1", port=0)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            exec(snippet, {"grpc": grpc, "pb": pb, "stub": pb_grpc.GenerateServiceStub(channel)})
+    finally:
+        server.stop()
+    printed = capsys.readouterr().out
+    assert (
+        printed
+        == "StatusCode.INVALID_ARGUMENT [('temperature', \"'temperature' must be in [0, 2], got 3\")]\n"
+    )

@@ -1,0 +1,70 @@
+"""Machine-readable details of a gRPC error (Google's AIP-193 "rich error model").
+
+Owns `abort_with_details`: it ends an RPC with the status code and the one-line message it always had,
+plus a `google.rpc.Status` in the `grpc-status-details-bin` trailer carrying `google.rpc.BadRequest`
+(which request fields are wrong and why), `google.rpc.ErrorInfo` (a stable `reason` in the "speedpipe"
+domain, with metadata) and `google.rpc.RetryInfo` (how long to wait before retrying) as they apply.
+Clients read them with `grpc_status.rpc_status.from_call(err)` (README, gRPC section); clients that
+do not still see the code and the message. Used by the serving GenerateService
+(launcher/serving/grpc_generate.py) and the request-parse interceptor (workers/request_parse.py).
+Must not: decide which error an RPC gets (the callers do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "speedpipe"  # ErrorInfo.domain of every error speedpipe's servers give
+
+
+def status_with_details(
+    code: grpc.StatusCode,
+    message: str,
+    *,
+    violations: Sequence[tuple[str, str]] = (),
+    reason: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    retry_delay_s: float | None = None,
+) -> status_pb2.Status:
+    """A google.rpc.Status: `code`, `message`, and as details a BadRequest with one FieldViolation per
+    (field, description) of `violations` (field "" = the request as a whole), an ErrorInfo when
+    `reason` is given (UPPER_SNAKE_CASE, domain DOMAIN, string `metadata`) and a RetryInfo when
+    `retry_delay_s` (seconds, >= 0) is given."""
+    details = []
+    if violations:
+        details.append(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+                    for field, description in violations
+                ]
+            )
+        )
+    if reason is not None:
+        info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=dict(metadata or {}))
+        details.append(info)
+    if retry_delay_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(round(retry_delay_s * 1e9))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    packed = []
+    for detail in details:
+        any_detail = any_pb2.Any()
+        any_detail.Pack(detail)
+        packed.append(any_detail)
+    return status_pb2.Status(code=code.value[0], message=message, details=packed)
+
+
+def abort_with_details(
+    context: grpc.ServicerContext, code: grpc.StatusCode, message: str, **details
+) -> NoReturn:
+    """End the RPC as `context.abort(code, message)` does (raises), with the `status_with_details`
+    of `details` in the `grpc-status-details-bin` trailer."""
+    context.abort_with_status(rpc_status.to_status(status_with_details(code, message, **details)))
+    raise AssertionError("abort_with_status returned")  # grpc raises; never reached
