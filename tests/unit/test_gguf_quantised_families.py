@@ -41,8 +41,15 @@ from tests.unit.test_gguf_families import (
 Q = gguf.GGMLQuantizationType
 QUANTS = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 # family -> GGUF architecture (mistral stands for llama: same architecture, Q/K rows permuted).
-FAMILIES = {"mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3",
-            "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+FAMILIES = {
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "mixtral": "llama",
+    "qwen3_moe": "qwen3moe",
+}
 NUM_NEW_TOKENS = 6
 MAX_MODEL_LEN = 48
 
@@ -55,6 +62,7 @@ MAX_MODEL_LEN = 48
 # read from another tensor leaves the logits unrelated to the reference: relative error ~1.4.
 MAX_ROW_ERROR = 0.35
 MEAN_ROW_ERROR = 0.12
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
@@ -71,8 +79,9 @@ def ggufs(tmp_path_factory) -> dict[tuple[str, Q], tuple]:
     for family, arch in FAMILIES.items():
         root = tmp_path_factory.mktemp(family)
         if family == "gemma3_text":  # gemma3's GGUF keys (norm shift, window) come from the arch writer
-            config = dataclasses.replace(_config(family), hidden_size=64,
-                                         intermediate_size=96, head_dim=32, query_pre_attn_scalar=32)
+            config = dataclasses.replace(
+                _config(family), hidden_size=64, intermediate_size=96, head_dim=32, query_pre_attn_scalar=32
+            )
         else:
             d, tensors = _f16_rounded_family_model(root / "hf", family)
         for quant in QUANTS:
@@ -88,8 +97,12 @@ def ggufs(tmp_path_factory) -> dict[tuple[str, Q], tuple]:
 def _stages(folder, num_stages: int, quantization: str) -> list:
     n = CheckpointReader(folder).config.num_hidden_layers
     ranges = balanced_split(n, num_stages)
-    return [load_stage_model(str(folder), r, is_first=i == 0, is_last=i == num_stages - 1,
-                             quantization=quantization) for i, r in enumerate(ranges)]
+    return [
+        load_stage_model(
+            str(folder), r, is_first=i == 0, is_last=i == num_stages - 1, quantization=quantization
+        )
+        for i, r in enumerate(ranges)
+    ]
 
 
 def _expected_module(quant: Q, in_features: int) -> type:
@@ -105,10 +118,13 @@ def _expected_module(quant: Q, in_features: int) -> type:
 @pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_auto_runs_every_family_s_quantised_blocks_close_to_float32_and_identically_on_1_and_2_stages(
-        ggufs, family, quant):
+    ggufs, family, quant
+):
     path, folder = ggufs[family, quant]
     full = _stages(folder, 1, "auto")[0]
-    linears = {n: m for n, m in full.named_modules() if isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear))}
+    linears = {
+        n: m for n, m in full.named_modules() if isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear))
+    }
     assert "lm_head" in linears and len(linears) > 4 * full.config.num_hidden_layers
     for name, module in linears.items():
         assert type(module) is _expected_module(quant, module.in_features), (name, type(module).__name__)
@@ -132,7 +148,9 @@ def test_speed_on_two_stages_of_a_q4_gguf_gives_plain_greedy_tokens(ggufs, famil
     sequence, so the idle stage runs drafts)."""
     _, folder = ggufs[family, Q.Q4_0]
     prompts, params = [PROMPT], SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    plain = InProcessPipeline(_stages(folder, 2, "auto"), max_model_len=MAX_MODEL_LEN).generate(prompts, params)
+    plain = InProcessPipeline(_stages(folder, 2, "auto"), max_model_len=MAX_MODEL_LEN).generate(
+        prompts, params
+    )
     predictor = AlwaysWrongPredictor(ReferenceTable(zip(prompts, plain, strict=True)), vocab_size=256)
     spec = InProcessPipeline(_stages(folder, 2, "auto"), max_model_len=MAX_MODEL_LEN, predictor=predictor)
     assert spec.generate(prompts, params) == plain
@@ -156,4 +174,3 @@ def test_the_float32_reference_is_gguf_s_own_dequantisation(ggufs, family):
     got = reader.read(names, dtype=torch.float32)
     for name, want in zip(names, parts, strict=True):
         torch.testing.assert_close(got[name], torch.from_numpy(np.ascontiguousarray(want)), rtol=0, atol=0)
-
