@@ -56,7 +56,9 @@ READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
 
 
 class StageServicer(pb_grpc.StageServiceServicer):
-    """gRPC StageService of one worker. Errors in Load map to INVALID_ARGUMENT / INTERNAL."""
+    """gRPC StageService of one worker. Errors in Load map to INVALID_ARGUMENT (a ValueError, a
+    missing or unreadable file: the user's input) / INTERNAL ("<ExceptionType>: <message>" of any other
+    exception, whose traceback this worker logs at DEBUG only)."""
 
     def __init__(self, stage_index: int, stop_event: threading.Event, *, rejoin_wait_s: float = 0.0) -> None:
         """rejoin_wait_s: after a data-plane failure, wait this long for a `Rejoin` before exiting
@@ -92,6 +94,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
             except (ValueError, FileNotFoundError, OSError) as exc:
                 self.executor = None  # not loaded: a corrected Load may follow
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.stage_index}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - unexpected: one line to the coordinator, traceback at DEBUG
+                self.executor = None
+                log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             self._join_data_plane(spec)
             self.spec = spec
             log.info("[Stage %d] loaded layers %s (%.1f MB) in %.2f s", spec.stage_index, spec.layer_range,

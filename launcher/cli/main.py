@@ -30,7 +30,7 @@ from launcher.cli.parsing import (
 from launcher.cli.speculation_defaults import settle_auto
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.request_handle import RequestError
+from launcher.coordinator.request_handle import RequestError, StageLoadError
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"{PROG} {command}: error: {flag_message(str(exc))}", file=sys.stderr)
         return 2
+    except StageLoadError as exc:  # the user's input (a model file a stage refused) or an unexpected error
+        print(f"{PROG} {command}: {'error' if exc.user_input else 'pipeline failed'}: {exc}", file=sys.stderr)
+        return 2 if exc.user_input else 1
     except (PipelineError, StageStartupError) as exc:  # a RequestError: one request's logits were not finite
         print(f"{PROG} {command}: {'request' if isinstance(exc, RequestError) else 'pipeline'} failed: {exc}",
               file=sys.stderr)

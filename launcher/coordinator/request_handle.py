@@ -25,6 +25,16 @@ class PipelineError(RuntimeError):
     """The pipeline failed (a stage died, timed out or refused to load); every request fails."""
 
 
+class StageLoadError(PipelineError):
+    """A stage refused or failed to load the model. `user_input`: the stage named a problem with the
+    user's input (its Load answered INVALID_ARGUMENT: a model file, a setting), which `launch` answers
+    with exit 2; otherwise (an unexpected exception in the stage, a rendezvous that failed) exit 1."""
+
+    def __init__(self, message: str, *, user_input: bool) -> None:
+        super().__init__(message)
+        self.user_input = user_input
+
+
 class RequestError(PipelineError):
     """One request failed while the pipeline stays up: its logits were not finite ([Note: non-finite
     logits] in pipeline/engine/records.py). A PipelineError, so every caller that handles a failed

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from launcher.coordinator.request_handle import PipelineError
+from launcher.coordinator.request_handle import PipelineError, StageLoadError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.load_spec_codec import StageLoadSpec, spec_to_proto
@@ -58,8 +58,9 @@ def wait_reachable(channels: Sequence[grpc.Channel], *, timeout_s: float = 30.0,
 def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[StageLoadSpec],
                   join: Callable[[], None], *, timeout_s: float) -> list[pb.LoadStageResponse]:
     """Load every stage (one Load RPC each) while `join` joins the data plane; returns the Load
-    responses in stage order. Raises PipelineError naming the stage (or the coordinator) that
-    failed first, or on timeout."""
+    responses in stage order. Raises StageLoadError naming the stage (or the coordinator) that
+    failed first ("stage 1 failed to load the model: KeyError: 'U16'" for an unexpected exception
+    in the stage), or PipelineError on timeout."""
     # Daemon threads, not a ThreadPoolExecutor: after a failed start a join may stay blocked in
     # the rendezvous, and the interpreter must still be able to exit.
     loads = {in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
@@ -79,12 +80,17 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
     if failed:
         index, fut = failed[0]
         exc = fut.exception()
+        code = exc.code() if isinstance(exc, grpc.RpcError) else None
         detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
         who = f"stage {index}" if index < len(specs) else "coordinator"
         # A stage hung in its Load makes its neighbours fail their rendezvous with it: name it too.
         others = [i for i in loading if i != index]
         hint = f" ({_stages(others)} {'was' if len(others) == 1 else 'were'} still loading then)" if others else ""
-        raise PipelineError(f"{who} failed to load: {detail}{hint}")
+        # INTERNAL: an unexpected exception in the stage ("<ExceptionType>: <message>"); UNKNOWN: the same
+        # from a stage that does not catch it (gRPC's "Exception calling application: ...").
+        what = "the model" if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else ""
+        raise StageLoadError(f"{who} failed to load{' ' + what if what else ''}: {detail}{hint}",
+                             user_input=code == grpc.StatusCode.INVALID_ARGUMENT)
     return [f.result() for f in sorted(loads, key=loads.get)]
 
 

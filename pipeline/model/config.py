@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +174,8 @@ class ModelConfig:
             intermediate_size=int(d["intermediate_size"]),
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=int(d["num_attention_heads"]),
-            num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+            num_key_value_heads=int(d["num_attention_heads"] if d.get("num_key_value_heads") is None
+                                    else d["num_key_value_heads"]),  # absent or null: one KV head per head, as HF
             head_dim=int(d.get("head_dim") or 0),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma3_text")),
@@ -258,19 +260,38 @@ def _check_family_fields(c: ModelConfig) -> None:
 
 
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                  "sliding_window_pattern", "max_window_layers", "num_local_experts", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+_FLOATS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping",
+           "partial_rotary_factor")
+_ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor")
+_ROPE_INTS = ("original_max_position_embeddings",)
+# Numeric keys whose null means "absent / off" (as in transformers' config classes); any other null is refused.
+_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping")
 
 
 def _check_required_fields(d: dict[str, Any]) -> None:
-    """Raise ValueError naming the field when a config.json dict lacks a required size or holds a
-    size that is not an integer (the checks of its values come after, in `_validate`)."""
+    """Raise ValueError naming the field and its value when a config.json dict lacks a required size
+    or holds a value of the wrong type: a size or count that is not an integer, a float field
+    (rms_norm_eps, rope_theta, rope_scaling.factor, ...) that is not a finite number, a flag that is
+    not true/false, a token id that is not an integer (the checks of values come after, in __post_init__)."""
     for name in _REQUIRED_INTS:
         if name not in d:
             raise ValueError(f"config.json has no {name!r}")
-    for name in _REQUIRED_INTS + _OPTIONAL_INTS:
-        value = d.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"config.json field {name!r} must be an integer, got {value!r}")
+    _check_numbers(d, "", ints=_REQUIRED_INTS + _OPTIONAL_INTS, floats=_FLOATS)
+    layers = d.get("mlp_only_layers")
+    if layers is not None and not (isinstance(layers, list) and all(_is_int(i) for i in layers)):
+        raise ValueError(f"config.json field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = d.get(name)
+        if rope is not None and not isinstance(rope, dict):
+            raise ValueError(f"config.json field {name!r} must be an object, got {rope!r}")
+        nested = [(f"{name}.{k}.", v) for k, v in (rope or {}).items() if k in (FULL_ATTENTION, SLIDING_ATTENTION)]
+        for prefix, part in [(f"{name}.", rope or {}), *nested]:
+            if not isinstance(part, dict):
+                raise ValueError(f"config.json field {prefix[:-1]!r} must be an object, got {part!r}")
+            _check_numbers(part, prefix, ints=_ROPE_INTS, floats=_ROPE_FLOATS)
     for name in ("tie_word_embeddings", "attention_bias"):  # bool("false") is True
         if d.get(name) is not None and not isinstance(d[name], bool):
             raise ValueError(f"config.json field {name!r} must be true or false, got {d[name]!r}")
@@ -280,6 +301,25 @@ def _check_required_fields(d: dict[str, Any]) -> None:
                if ids is not None):
             raise ValueError(f"config.json field {name!r} must be a token id (an integer) or a list of them, "
                              f"got {ids!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_numbers(d: dict[str, Any], prefix: str, *, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+    """Raise ValueError naming the key (`prefix` + key, e.g. 'rope_scaling.factor') and the value when
+    one of `ints` is not an integer or one of `floats` is not a finite number (true/false are neither;
+    null only for _NULLABLE keys). float("abc") or float([1]) would not name the key."""
+    for name in (n for n in ints + floats if n in d):
+        value = d[name]
+        if value is None and name in _NULLABLE:
+            continue
+        if name in ints and not _is_int(value):
+            raise ValueError(f"config.json field {prefix + name!r} must be an integer, got {value!r}")
+        if name in floats and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                   and math.isfinite(value)):
+            raise ValueError(f"config.json field {prefix + name!r} must be a number, got {value!r}")
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:

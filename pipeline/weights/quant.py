@@ -22,7 +22,8 @@ pipeline/weights/checkpoint.py a folder's dense tensors) or change the model's s
 - Every family's layout is quantised (pipeline/weights/quant_load.py `fused_linears`: phi3's fused
   qkv / gate_up, each expert of an MoE layer). A router (`mlp.gate`) is int8 rows in every int mode
   (its top-k picks the experts, so it keeps int8's precision; llama.cpp keeps it float), and so is a
-  weight whose input size is not a multiple of the int4 group (e.g. experts of width 48).
+  weight whose input size is not a multiple of the int4 group (e.g. experts of width 48); in `auto`
+  a router the GGUF itself stores as Q4_0/Q4_1/Q4_K runs those blocks (int4: the file's own values).
 The int modes run bfloat16 activations and KV (the kernels are 10-20x slower with float32 input).
 
 [Note: batch invariance]

@@ -56,8 +56,21 @@ def _gguf_name(arch: str, hf: str) -> str:
     return f"blk.{layer}.{LAYER_NAMES[arch][module]}.{suffix}"
 
 
-def write_family_gguf(path: Path, arch: str, config: ModelConfig, *, bad_type: bool = False) -> dict[str, np.ndarray]:
-    """A tiny GGUF of `arch` as llama.cpp writes it (gemma3: every norm stored as w + 1); returns HF tensors."""
+def add_stored_tensor(w: gguf.GGUFWriter, name: str, t: np.ndarray, quant: gguf.GGMLQuantizationType | None, *,
+                      matrix_dtype: type = np.float16) -> None:
+    """Add `t` as a real GGUF stores it: a matrix (or stacked experts) whose rows are whole blocks of
+    `quant` quantised to it with `gguf.quants.quantize`, other matrices as `matrix_dtype`, vectors F32."""
+    block = gguf.GGML_QUANT_SIZES[quant][0] if quant is not None else 0
+    if quant is not None and t.ndim >= 2 and t.shape[-1] % block == 0:
+        w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), quant), raw_dtype=quant)
+    else:
+        w.add_tensor(name, t.astype(matrix_dtype) if t.ndim >= 2 else t)
+
+
+def write_family_gguf(path: Path, arch: str, config: ModelConfig, *, bad_type: bool = False,
+                      quant: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+    """A tiny GGUF of `arch` as llama.cpp writes it (gemma3: every norm stored as w + 1); returns HF tensors.
+    `quant`: every matrix whose rows are whole blocks stored in that type (else the embedding Q8_0, the rest F32)."""
     tensors = {k: v.numpy() for k, v in random_state_dict(config, seed=4, std=0.2).items()}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_hidden_layers)
@@ -82,6 +95,8 @@ def write_family_gguf(path: Path, arch: str, config: ModelConfig, *, bad_type: b
         stored = t + 1.0 if arch == "gemma3" and name.endswith("norm.weight") else t
         if name == "model.embed_tokens.weight" and bad_type:  # F64: no dequantiser in gguf
             w.add_tensor(_gguf_name(arch, name), stored.astype(np.float64))
+        elif quant is not None:
+            add_stored_tensor(w, _gguf_name(arch, name), stored, quant, matrix_dtype=np.float32)
         elif name == "model.embed_tokens.weight":
             w.add_tensor(_gguf_name(arch, name), gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -243,13 +258,16 @@ def _gguf_tensors(d: dict, arch: str, tensors: dict[str, np.ndarray]) -> dict[st
 
 
 def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], family: str, *,
-                         extra: dict[str, np.ndarray] | None = None) -> None:
+                         extra: dict[str, np.ndarray] | None = None, arch: str | None = None,
+                         quant: gguf.GGMLQuantizationType | None = None) -> None:
     """The GGUF llama.cpp's converter writes for transformers config `d` and Hub `tensors` (matrices
     as F16, norms as F32), with a 256-token byte-level vocabulary (the tiny models' ids); `extra`:
-    GGUF tensors added as they are. qwen3_moe: no expert_weights_norm key when norm_topk_prob is None."""
+    GGUF tensors added as they are. qwen3_moe: no expert_weights_norm key when norm_topk_prob is None.
+    `arch`: the GGUF architecture (default HF_FAMILY_ARCH[family]; qwen2 and qwen3 write theirs);
+    `quant`: matrices whose rows are whole blocks of it stored in that type (`add_stored_tensor`)."""
     from tests.tiny_model import byte_alphabet
 
-    arch = HF_FAMILY_ARCH[family]
+    arch = arch or HF_FAMILY_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
@@ -277,7 +295,9 @@ def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], fa
     w.add_token_list(byte_alphabet())
     w.add_token_types([1] * 256)
     w.add_eos_token_id(2)
-    for name, t in (_gguf_tensors(d, arch, tensors) | (extra or {})).items():
+    for name, t in _gguf_tensors(d, arch, tensors).items():
+        add_stored_tensor(w, name, t, quant)
+    for name, t in (extra or {}).items():
         w.add_tensor(name, t.astype(np.float16) if t.ndim >= 2 else t)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -40,8 +40,18 @@ def _edit_config(model_dir, **changes) -> None:
     ({"hidden_size": "abc"}, "field 'hidden_size' must be an integer, got 'abc'"),
     ({"num_key_value_heads": 1.5}, "field 'num_key_value_heads' must be an integer"),
     ({"layer_types": 5}, r"a field holds a value of the wrong type \('int' object is not iterable\)"),  # before:
-    ({"rope_scaling": "linear"}, "a field holds a value of the wrong type"),  # TypeError / AttributeError
-    ({"rope_theta": None}, "a field holds a value of the wrong type"),  # tracebacks, exit 1
+    ({"rope_scaling": "linear"}, "field 'rope_scaling' must be an object, got 'linear'"),  # TypeError /
+    ({"rope_theta": None}, "field 'rope_theta' must be a number, got None"),  # AttributeError tracebacks, exit 1
+    # before: "could not convert string to float: 'abc'" / "a field holds a value of the wrong type", no name
+    ({"rms_norm_eps": "abc"}, "field 'rms_norm_eps' must be a number, got 'abc'"),
+    ({"rms_norm_eps": [1e-5]}, r"field 'rms_norm_eps' must be a number, got \[1e-05\]"),
+    ({"rope_theta": "1e4"}, "field 'rope_theta' must be a number, got '1e4'"),
+    ({"rms_norm_eps": True}, "field 'rms_norm_eps' must be a number, got True"),  # float(True) is 1.0
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "field 'rope_scaling.factor' must be a number"),
+    ({"rope_parameters": {"full_attention": {"rope_theta": [1]}}},
+     "field 'rope_parameters.full_attention.rope_theta' must be a number, got \\[1\\]"),
+    ({"sliding_window": "4096"}, "field 'sliding_window' must be an integer, got '4096'"),
+    ({"max_position_embeddings": None}, "field 'max_position_embeddings' must be an integer, got None"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 2, got 0"),  # blamed --max-model-len
     ({"tie_word_embeddings": "no"}, "field 'tie_word_embeddings' must be true or false, got 'no'"),  # read as true
     ({"eos_token_id": ["2"]}, r"field 'eos_token_id' must be a token id \(an integer\) or a list of them"),  # never
@@ -61,6 +71,26 @@ def test_a_malformed_config_json_is_named(tmp_path, content, message):
     with pytest.raises(ValueError, match=message) as info:
         ModelConfig.from_model_dir(model_dir)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("rms_norm_eps", "abc"), ("rope_theta", [1.0, 2.0])])
+def test_launch_exits_2_with_one_line_naming_a_float_field_of_the_wrong_type(tmp_path, capsys, field, value):
+    """Before: `float("abc")` / `float([...])` in from_hf_dict, a line without the field's name."""
+    from launcher.cli.main import main
+
+    model_dir = write_tiny_model(tmp_path / "m")
+    _edit_config(model_dir, **{field: value})
+    code = main(["launch", "--model", str(model_dir), "--prompt", "hi", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"field {field!r} must be a number, got {value!r}" in err and str(model_dir / "config.json") in err, err
+
+
+def test_null_num_key_value_heads_means_one_kv_head_per_head_as_in_transformers(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m")
+    _edit_config(model_dir, num_key_value_heads=None, rope_theta=10000, sliding_window=None)  # ints pass as floats
+    config = ModelConfig.from_model_dir(model_dir)
+    assert config.num_key_value_heads == config.num_attention_heads and config.rope_theta == 10000.0
 
 
 @pytest.mark.parametrize("content", ["garbage", "", "[1]"])

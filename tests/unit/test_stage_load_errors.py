@@ -1,18 +1,37 @@
-"""Which stage a failed or timed-out start-up names (launcher/coordinator/stage_control.load_and_join).
+"""Which stage a failed or timed-out start-up names (launcher/coordinator/stage_control.load_and_join),
+and whether the failure was the user's input.
 
 A stage hung in its Load (a stuck disk, SIGSTOP) made the message say only "stages did not load
-... within N s", or name a neighbour whose rendezvous with the hung stage failed first."""
+... within N s", or name a neighbour whose rendezvous with the hung stage failed first. With real
+stage processes: tests/unit/test_stage_load_report.py."""
 
 from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
 
 from launcher.coordinator import stage_control
 from launcher.coordinator.coordinator import PipelineError
+from launcher.coordinator.request_handle import StageLoadError
 
 pytestmark = pytest.mark.timeout(30)
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_STATUS = {"unexpected": (grpc.StatusCode.INTERNAL, "KeyError: 'U16'"),
+           "refused": (grpc.StatusCode.INVALID_ARGUMENT, "stage 1: corrupt or truncated safetensors file m")}
 
 
 class _Stub:
@@ -25,6 +44,8 @@ class _Stub:
             raise TimeoutError("released")
         if self.behaviour == "fail":
             raise RuntimeError("data plane rendezvous with stage 2 timed out")
+        if self.behaviour in _STATUS:
+            raise _RpcError(*_STATUS[self.behaviour])
         return f"loaded {request}"
 
 
@@ -64,3 +85,13 @@ def test_a_failure_beside_a_hung_stage_names_both(release):
         _load(["ok", "fail", "hang"], release)
     with pytest.raises(PipelineError, match=r"^stage 1 failed to load: .* timed out$"):
         _load(["ok", "fail", "ok"], release)
+
+
+def test_an_unexpected_stage_error_is_one_line_with_its_type_and_not_the_user_s_input(release):
+    with pytest.raises(StageLoadError, match=r"^stage 1 failed to load the model: KeyError: 'U16'$") as err:
+        _load(["ok", "unexpected"], release)
+    assert not err.value.user_input
+    with pytest.raises(StageLoadError, match=r"^stage 1 failed to load: stage 1: corrupt") as err:
+        _load(["ok", "refused"], release)
+    assert err.value.user_input  # INVALID_ARGUMENT: a model file or setting the stage refused (exit 2)
+

@@ -50,6 +50,29 @@ def test_a_calibration_out_of_range_is_invalid_argument_and_leaves_the_stage_unl
     assert servicer.executor is None
 
 
+def test_an_unexpected_load_error_is_internal_with_its_type_and_the_traceback_only_at_debug(tmp_path, caplog):
+    """Before: the exception escaped to gRPC, which logged its traceback at ERROR and answered UNKNOWN
+    ("Exception calling application: 'boom'", without the exception's type)."""
+    import logging
+
+    model_dir = write_tiny_model(tmp_path / "model", seed=4)
+    spec = StageLoadSpec(model_dir=str(model_dir), stage_index=0, num_stages=1, layer_range=LayerRange(0, 4),
+                         max_num_seqs=1, max_model_len=16)
+    servicer = StageServicer(0, threading.Event())
+
+    def unexpected(spec):
+        raise KeyError("boom")
+
+    servicer._load_model = unexpected
+    context = FakeContext()
+    with caplog.at_level(logging.DEBUG), pytest.raises(Aborted):
+        servicer.Load(spec_to_proto(spec), context)
+    assert (context.code, context.details) == (grpc.StatusCode.INTERNAL, "KeyError: 'boom'")
+    assert servicer.executor is None
+    [record] = [r for r in caplog.records if r.exc_info]
+    assert record.levelno == logging.DEBUG and "loading the model failed" in record.getMessage()
+
+
 def _stage_rpcs() -> list[tuple[str, object]]:
     from proto import speedpipe_pb2 as pb
 
