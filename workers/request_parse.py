@@ -68,7 +68,7 @@ def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
             abort_with_details(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"{method}: the request could not be parsed as {what} ({why}); are the client's "
                                "stubs generated from this server's .proto?", violations=violations,
-                               reason="UNPARSABLE_REQUEST", metadata={"method": method, "request_type": what})
+                               reason="UNPARSABLE_REQUEST", metadata={"method": method, "requestType": what})
         return request
 
     def each(raws, context: grpc.ServicerContext):

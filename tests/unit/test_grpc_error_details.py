@@ -20,7 +20,7 @@ from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
-from workers.status_details import DOMAIN
+from workers.status_details import DOMAIN, status_with_details
 
 pytestmark = pytest.mark.timeout(60)
 KINDS = (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
@@ -110,7 +110,7 @@ def test_an_unparsable_request_names_the_whole_request_and_its_type(grpc_server,
     assert details["ErrorInfo"].reason == "UNPARSABLE_REQUEST"
     assert dict(details["ErrorInfo"].metadata) == {
         "method": method,
-        "request_type": descriptor.input_type.full_name,
+        "requestType": descriptor.input_type.full_name,
     }
 
 
@@ -139,7 +139,7 @@ def test_a_full_queue_is_resource_exhausted_with_retry_info(grpc_server):  # noq
     details = _details(err)
     assert set(details) == {"ErrorInfo", "RetryInfo"}
     assert (details["ErrorInfo"].reason, details["ErrorInfo"].domain) == ("QUEUE_FULL", DOMAIN)
-    assert dict(details["ErrorInfo"].metadata) == {"max_num_seqs": "2", "max_queue": "1"}
+    assert dict(details["ErrorInfo"].metadata) == {"maxNumSeqs": "2", "maxQueue": "1"}
     assert details["RetryInfo"].retry_delay.ToMilliseconds() == 1000
 
 
@@ -165,6 +165,26 @@ def test_a_draining_server_says_so_and_when_to_retry_a_failed_one_says_restart(g
     )
     details = _details(err)
     assert set(details) == {"ErrorInfo"} and details["ErrorInfo"].reason == "PIPELINE_FAILED"  # no retry here
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"reason": "queue_full"}, "reason 'queue_full' is not UPPER_SNAKE_CASE"),
+        (
+            {"reason": "QUEUE_FULL", "metadata": {"max_queue": "1"}},
+            "keys ['max_queue'] are not lowerCamelCase",
+        ),
+    ],
+)
+def test_error_info_reasons_are_upper_snake_and_metadata_keys_lower_camel(kwargs, why):
+    """google/rpc/error_details.proto: ErrorInfo.reason is UPPER_SNAKE_CASE, its metadata keys "should
+    ideally be lowerCamelCase" (as Google's own: "availableRegions")."""
+    assert status_with_details(
+        grpc.StatusCode.UNAVAILABLE, "m", reason="QUEUE_FULL", metadata={"maxQueue": "1"}
+    )
+    with pytest.raises(AssertionError, match=re.escape(why)):
+        status_with_details(grpc.StatusCode.UNAVAILABLE, "m", **kwargs)
 
 
 def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys):  # noqa: F811
