@@ -20,6 +20,7 @@ from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
+from workers.request_parse import misread_fields
 from workers.status_details import DOMAIN, status_with_details
 
 pytestmark = pytest.mark.timeout(60)
@@ -128,6 +129,16 @@ def test_fields_sent_with_another_wire_type_are_each_a_field_violation(grpc_serv
         ("temperature", "field 5 arrived with another wire type than the schema's"),
         ("prompt_token_ids.ids", "field 1 arrived with another wire type than the schema's"),
     }
+
+
+def test_a_misread_field_inside_a_repeated_message_is_named_by_its_index():
+    """BadRequest.FieldViolation.field names an item of a repeated message by its index
+    ("email_addresses[0].email" in google/rpc/error_details.proto), not the repeated field as a whole."""
+    top = b"\x0d" + bytes(4)  # TopLogprob.token_id (field 1, a varint) as fixed32
+    entry = b"\x1a" + bytes([len(top)]) + top  # TokenLogprob.top (field 3)
+    raw = pb.GenerateResponse(logprobs=[pb.TokenLogprob(token_id=1)]).SerializeToString()
+    raw += b"\x3a" + bytes([len(entry)]) + entry  # a second GenerateResponse.logprobs (field 7)
+    assert misread_fields(pb.GenerateResponse.FromString(raw)) == [("logprobs[1].top[0].token_id", 1)]
 
 
 def test_a_full_queue_is_resource_exhausted_with_retry_info(grpc_server):  # noqa: F811
