@@ -198,22 +198,26 @@ def test_error_info_reasons_are_upper_snake_and_metadata_keys_lower_camel(kwargs
         status_with_details(grpc.StatusCode.UNAVAILABLE, "m", **kwargs)
 
 
-def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys):  # noqa: F811
-    """README's gRPC section shows clients how to read the details: it must run as written."""
+@pytest.mark.parametrize(
+    ("api_key", "printed"),
+    [
+        (None, "StatusCode.INVALID_ARGUMENT [('temperature', \"'temperature' must be in [0, 2], got 3\")]\n"),
+        ("k3y", "StatusCode.UNAUTHENTICATED []\n"),  # an error without details: from_call gives None
+    ],
+)
+def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys, api_key, printed):  # noqa: F811
+    """README's gRPC section shows clients how to read the details: it must run as written, also for
+    an error that carries none (the snippet sends no API key)."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     snippet = re.search(r"gRPC errors carry .+?```python\n(.+?)```", readme, re.S).group(1)
     engine = ServingEngine(
         FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64
     )
-    server = GrpcServer(engine, host="127.0.0.1", port=0)
+    server = GrpcServer(engine, host="127.0.0.1", port=0, api_key=api_key)
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             exec(snippet, {"grpc": grpc, "pb": pb, "stub": pb_grpc.GenerateServiceStub(channel)})
     finally:
         server.stop()
-    printed = capsys.readouterr().out
-    assert (
-        printed
-        == "StatusCode.INVALID_ARGUMENT [('temperature', \"'temperature' must be in [0, 2], got 3\")]\n"
-    )
+    assert capsys.readouterr().out == printed
