@@ -14,8 +14,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from launcher.coordinator.request_handle import PipelineError
 from launcher.serving.grpc_generate import GrpcServer
-from launcher.serving.serving_engine import ServingEngine
+from launcher.serving.serving_engine import ServingEngine, UnavailableError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
@@ -176,6 +177,59 @@ def test_a_draining_server_says_so_and_when_to_retry_a_failed_one_says_restart(g
     )
     details = _details(err)
     assert set(details) == {"ErrorInfo"} and details["ErrorInfo"].reason == "PIPELINE_FAILED"  # no retry here
+
+
+def test_a_silent_stage_is_unavailable_without_retry_info(grpc_server, monkeypatch):  # noqa: F811
+    _, engine, channel = grpc_server
+    silent = type("Silent", (), {"healthy": lambda self: (False, "stage 1 has not answered its heartbeat")})()
+    monkeypatch.setattr(engine, "heartbeat", silent)
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    assert (err.code(), err.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "stage 1 has not answered its heartbeat",
+    )
+    details = _details(err)
+    assert set(details) == {"ErrorInfo"} and details["ErrorInfo"].reason == "STAGE_SILENT"
+
+
+@pytest.mark.parametrize(
+    ("end", "message", "reason", "kinds"),
+    [
+        (
+            "drain",
+            "server shutting down (grace over); request ended before it finished",
+            "DRAINING",
+            {"ErrorInfo", "RetryInfo"},
+        ),
+        ("failure", "pipeline failed: stage 1 died", "PIPELINE_FAILED", {"ErrorInfo"}),
+    ],
+)
+def test_an_error_after_some_responses_carries_the_details_in_the_trailer(
+    grpc_server,  # noqa: F811
+    end,
+    message,
+    reason,
+    kinds,
+):
+    """Mid-stream (launcher/serving/drain.py's fail_all, serve.py's on_pipeline_failure): the trailer
+    comes after response messages, and from_call still reads it with the call's code and message."""
+    coord, engine, channel = grpc_server
+    coord.step_s = 0.2  # 50 tokens: far from done when the first one arrives
+    call = pb_grpc.GenerateServiceStub(channel).Generate(
+        pb.GenerateRequest(prompt="hello", max_new_tokens=50), metadata=KEY, timeout=20
+    )
+    assert next(call).token_ids  # a response was sent before the error
+    if end == "drain":
+        engine.fence("draining: the server is shutting down", draining=True)
+        engine.fail_all(UnavailableError(message))
+    else:
+        engine.fence(message)
+        engine.fail_all(PipelineError("stage 1 died"))
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, message)
+    details = _details(info.value)
+    assert set(details) == kinds and details["ErrorInfo"].reason == reason
 
 
 @pytest.mark.parametrize(
