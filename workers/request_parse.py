@@ -20,15 +20,19 @@ from workers.status_details import abort_with_details
 
 def misread_fields(message: Message, prefix: str = "") -> list[tuple[str, int]]:
     """Fields of `message` (and of the messages set in it) that arrived with a wire type other than
-    the schema's, as (path, field number), e.g. ("temperature", 5) or ("prompt_token_ids.ids", 1):
-    protobuf keeps them as unknown fields and reads the field as unset, so they mean the sender's
-    .proto is not this one."""
+    the schema's, as (path, field number), e.g. ("temperature", 5), ("prompt_token_ids.ids", 1) or
+    ("logprobs[1].top[0].token_id", 1): the paths of google.rpc.BadRequest.FieldViolation.field (an
+    item of a repeated message by its index). Protobuf keeps such fields as unknown fields and reads
+    the field as unset, so they mean the sender's .proto is not this one."""
     found = [(prefix + message.DESCRIPTOR.fields_by_number[f.field_number].name, f.field_number)
              for f in UnknownFieldSet(message) if f.field_number in message.DESCRIPTOR.fields_by_number]
     for field, value in message.ListFields():
         if field.message_type is not None and not field.message_type.GetOptions().map_entry:
-            for item in (value if field.is_repeated else [value]):
-                found += misread_fields(item, f"{prefix}{field.name}.")
+            if field.is_repeated:
+                for index, item in enumerate(value):
+                    found += misread_fields(item, f"{prefix}{field.name}[{index}].")
+            else:
+                found += misread_fields(value, f"{prefix}{field.name}.")
     return found
 
 
@@ -68,7 +72,7 @@ def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
             abort_with_details(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"{method}: the request could not be parsed as {what} ({why}); are the client's "
                                "stubs generated from this server's .proto?", violations=violations,
-                               reason="UNPARSABLE_REQUEST", metadata={"method": method, "request_type": what})
+                               reason="UNPARSABLE_REQUEST", metadata={"method": method, "requestType": what})
         return request
 
     def each(raws, context: grpc.ServicerContext):

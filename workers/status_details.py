@@ -12,6 +12,7 @@ Must not: decide which error an RPC gets (the callers do).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
@@ -21,6 +22,10 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 DOMAIN = "speedpipe"  # ErrorInfo.domain of every error speedpipe's servers give
+# google/rpc/error_details.proto: a reason is UPPER_SNAKE_CASE (at most 63 characters); a metadata key
+# matches [a-z][a-zA-Z0-9-_]+ "but should ideally be lowerCamelCase" (at most 64): speedpipe's are.
+REASON = re.compile(r"[A-Z][A-Z0-9_]{0,61}[A-Z0-9]")
+METADATA_KEY = re.compile(r"[a-z][a-zA-Z0-9]{1,63}")
 
 
 def status_with_details(
@@ -34,8 +39,10 @@ def status_with_details(
 ) -> status_pb2.Status:
     """A google.rpc.Status: `code`, `message`, and as details a BadRequest with one FieldViolation per
     (field, description) of `violations` (field "" = the request as a whole), an ErrorInfo when
-    `reason` is given (UPPER_SNAKE_CASE, domain DOMAIN, string `metadata`) and a RetryInfo when
-    `retry_delay_s` (seconds, >= 0) is given."""
+    `reason` is given (UPPER_SNAKE_CASE, domain DOMAIN, string `metadata` under lowerCamelCase keys) and
+    a RetryInfo when `retry_delay_s` (seconds, >= 0) is given."""
+    assert reason is None or REASON.fullmatch(reason), f"ErrorInfo reason {reason!r} is not UPPER_SNAKE_CASE"
+    assert all(map(METADATA_KEY.fullmatch, metadata or {})), f"ErrorInfo keys {list(metadata)} are not lowerCamelCase"
     details = []
     if violations:
         details.append(

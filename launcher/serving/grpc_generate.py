@@ -85,7 +85,7 @@ def abort_refused(context: grpc.ServicerContext, exc: QueueFullError | Unavailab
     in the module docstring. The message is the one the front end always gave."""
     if isinstance(exc, QueueFullError):
         abort_with_details(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), reason="QUEUE_FULL",
-                           metadata={"max_num_seqs": str(engine.max_num_seqs), "max_queue": str(engine.max_queue)},
+                           metadata={"maxNumSeqs": str(engine.max_num_seqs), "maxQueue": str(engine.max_queue)},
                            retry_delay_s=QUEUE_FULL_RETRY_S)
     if isinstance(exc, PipelineError):
         abort_with_details(context, grpc.StatusCode.UNAVAILABLE, f"pipeline failed: {exc}", reason="PIPELINE_FAILED")

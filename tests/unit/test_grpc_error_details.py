@@ -14,13 +14,15 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from launcher.coordinator.request_handle import PipelineError
 from launcher.serving.grpc_generate import GrpcServer
-from launcher.serving.serving_engine import ServingEngine
+from launcher.serving.serving_engine import ServingEngine, UnavailableError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
-from workers.status_details import DOMAIN
+from workers.request_parse import misread_fields
+from workers.status_details import DOMAIN, status_with_details
 
 pytestmark = pytest.mark.timeout(60)
 KINDS = (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
@@ -110,7 +112,7 @@ def test_an_unparsable_request_names_the_whole_request_and_its_type(grpc_server,
     assert details["ErrorInfo"].reason == "UNPARSABLE_REQUEST"
     assert dict(details["ErrorInfo"].metadata) == {
         "method": method,
-        "request_type": descriptor.input_type.full_name,
+        "requestType": descriptor.input_type.full_name,
     }
 
 
@@ -130,6 +132,16 @@ def test_fields_sent_with_another_wire_type_are_each_a_field_violation(grpc_serv
     }
 
 
+def test_a_misread_field_inside_a_repeated_message_is_named_by_its_index():
+    """BadRequest.FieldViolation.field names an item of a repeated message by its index
+    ("email_addresses[0].email" in google/rpc/error_details.proto), not the repeated field as a whole."""
+    top = b"\x0d" + bytes(4)  # TopLogprob.token_id (field 1, a varint) as fixed32
+    entry = b"\x1a" + bytes([len(top)]) + top  # TokenLogprob.top (field 3)
+    raw = pb.GenerateResponse(logprobs=[pb.TokenLogprob(token_id=1)]).SerializeToString()
+    raw += b"\x3a" + bytes([len(entry)]) + entry  # a second GenerateResponse.logprobs (field 7)
+    assert misread_fields(pb.GenerateResponse.FromString(raw)) == [("logprobs[1].top[0].token_id", 1)]
+
+
 def test_a_full_queue_is_resource_exhausted_with_retry_info(grpc_server):  # noqa: F811
     _, engine, channel = grpc_server
     engine._outstanding = engine.max_num_seqs + engine.max_queue  # 2 running + 1 waiting
@@ -139,7 +151,7 @@ def test_a_full_queue_is_resource_exhausted_with_retry_info(grpc_server):  # noq
     details = _details(err)
     assert set(details) == {"ErrorInfo", "RetryInfo"}
     assert (details["ErrorInfo"].reason, details["ErrorInfo"].domain) == ("QUEUE_FULL", DOMAIN)
-    assert dict(details["ErrorInfo"].metadata) == {"max_num_seqs": "2", "max_queue": "1"}
+    assert dict(details["ErrorInfo"].metadata) == {"maxNumSeqs": "2", "maxQueue": "1"}
     assert details["RetryInfo"].retry_delay.ToMilliseconds() == 1000
 
 
@@ -167,22 +179,99 @@ def test_a_draining_server_says_so_and_when_to_retry_a_failed_one_says_restart(g
     assert set(details) == {"ErrorInfo"} and details["ErrorInfo"].reason == "PIPELINE_FAILED"  # no retry here
 
 
-def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys):  # noqa: F811
-    """README's gRPC section shows clients how to read the details: it must run as written."""
+def test_a_silent_stage_is_unavailable_without_retry_info(grpc_server, monkeypatch):  # noqa: F811
+    _, engine, channel = grpc_server
+    silent = type("Silent", (), {"healthy": lambda self: (False, "stage 1 has not answered its heartbeat")})()
+    monkeypatch.setattr(engine, "heartbeat", silent)
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    assert (err.code(), err.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "stage 1 has not answered its heartbeat",
+    )
+    details = _details(err)
+    assert set(details) == {"ErrorInfo"} and details["ErrorInfo"].reason == "STAGE_SILENT"
+
+
+@pytest.mark.parametrize(
+    ("end", "message", "reason", "kinds"),
+    [
+        (
+            "drain",
+            "server shutting down (grace over); request ended before it finished",
+            "DRAINING",
+            {"ErrorInfo", "RetryInfo"},
+        ),
+        ("failure", "pipeline failed: stage 1 died", "PIPELINE_FAILED", {"ErrorInfo"}),
+    ],
+)
+def test_an_error_after_some_responses_carries_the_details_in_the_trailer(
+    grpc_server,  # noqa: F811
+    end,
+    message,
+    reason,
+    kinds,
+):
+    """Mid-stream (launcher/serving/drain.py's fail_all, serve.py's on_pipeline_failure): the trailer
+    comes after response messages, and from_call still reads it with the call's code and message."""
+    coord, engine, channel = grpc_server
+    coord.step_s = 0.2  # 50 tokens: far from done when the first one arrives
+    call = pb_grpc.GenerateServiceStub(channel).Generate(
+        pb.GenerateRequest(prompt="hello", max_new_tokens=50), metadata=KEY, timeout=20
+    )
+    assert next(call).token_ids  # a response was sent before the error
+    if end == "drain":
+        engine.fence("draining: the server is shutting down", draining=True)
+        engine.fail_all(UnavailableError(message))
+    else:
+        engine.fence(message)
+        engine.fail_all(PipelineError("stage 1 died"))
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, message)
+    details = _details(info.value)
+    assert set(details) == kinds and details["ErrorInfo"].reason == reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"reason": "queue_full"}, "reason 'queue_full' is not UPPER_SNAKE_CASE"),
+        (
+            {"reason": "QUEUE_FULL", "metadata": {"max_queue": "1"}},
+            "keys ['max_queue'] are not lowerCamelCase",
+        ),
+    ],
+)
+def test_error_info_reasons_are_upper_snake_and_metadata_keys_lower_camel(kwargs, why):
+    """google/rpc/error_details.proto: ErrorInfo.reason is UPPER_SNAKE_CASE, its metadata keys "should
+    ideally be lowerCamelCase" (as Google's own: "availableRegions")."""
+    assert status_with_details(
+        grpc.StatusCode.UNAVAILABLE, "m", reason="QUEUE_FULL", metadata={"maxQueue": "1"}
+    )
+    with pytest.raises(AssertionError, match=re.escape(why)):
+        status_with_details(grpc.StatusCode.UNAVAILABLE, "m", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("api_key", "printed"),
+    [
+        (None, "StatusCode.INVALID_ARGUMENT [('temperature', \"'temperature' must be in [0, 2], got 3\")]\n"),
+        ("k3y", "StatusCode.UNAUTHENTICATED []\n"),  # an error without details: from_call gives None
+    ],
+)
+def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys, api_key, printed):  # noqa: F811
+    """README's gRPC section shows clients how to read the details: it must run as written, also for
+    an error that carries none (the snippet sends no API key)."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     snippet = re.search(r"gRPC errors carry .+?```python\n(.+?)```", readme, re.S).group(1)
     engine = ServingEngine(
         FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64
     )
-    server = GrpcServer(engine, host="127.0.0.1", port=0)
+    server = GrpcServer(engine, host="127.0.0.1", port=0, api_key=api_key)
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             exec(snippet, {"grpc": grpc, "pb": pb, "stub": pb_grpc.GenerateServiceStub(channel)})
     finally:
         server.stop()
-    printed = capsys.readouterr().out
-    assert (
-        printed
-        == "StatusCode.INVALID_ARGUMENT [('temperature', \"'temperature' must be in [0, 2], got 3\")]\n"
-    )
+    assert capsys.readouterr().out == printed
