@@ -99,7 +99,7 @@ def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_o
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
         raise InvalidRequestError(f"'{name}' must be a number, got {value!r}", name)
     if value < lo or (lo_open and value == lo) or value > hi:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"

@@ -774,3 +774,15 @@ def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(
         with pytest.raises(ValueError, match=f"^{taken} {port}: .*taken while the model loaded"):
             with ServingStack(session, options):
                 pass
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
+def test_an_integer_too_big_for_a_float_is_400_naming_the_field(served, field):
+    """10**400 is a valid JSON integer that no float holds: once an OverflowError, a 500 (found by
+    tests/unit/test_http_fuzz.py)."""
+    _, _, url = served
+    raw = b'{"prompt": "Hi", "max_tokens": 2, "%s": 1%s}' % (field.encode(), b"0" * 400)
+    r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and "must be in" in r.json()["error"]["message"]
