@@ -135,7 +135,7 @@ def check_model(body: dict, model_name: str) -> None:
     """Raise InvalidRequestError ('model') unless the body names no model or this server's."""
     model = body.get("model")
     if model is not None and model != model_name:
-        raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
+        raise InvalidRequestError(f"model {model!r} does not exist; this server serves '{model_name}'", "model")
 
 
 def bool_field(body: dict, name: str, default: bool) -> bool:

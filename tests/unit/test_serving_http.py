@@ -786,3 +786,18 @@ def test_an_integer_too_big_for_a_float_is_400_naming_the_field(served, field):
     r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and "must be in" in r.json()["error"]["message"]
+
+
+def test_an_unknown_model_name_is_quoted_on_one_line(served):
+    """A model name with a line break is echoed escaped, so the error message stays one line (found by
+    tests/unit/test_http_fuzz.py); a plain name reads as before."""
+    _, _, url = served
+    for name in ("two\nlines", "a\rb"):
+        for r in (httpx.post(url + "/v1/completions", json={"prompt": "Hi", "model": name}),
+                  httpx.post(url + "/tokenize", json={"prompt": "Hi", "model": name})):
+            assert r.status_code == 400 and r.json()["error"]["message"].splitlines() == [
+                f"model {name!r} does not exist; this server serves 'tiny'"]
+    r = httpx.get(url + "/v1/models/a%0Db")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "The model 'a\\rb' does not exist"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "model": "other"})
+    assert r.json()["error"]["message"] == "model 'other' does not exist; this server serves 'tiny'"
