@@ -27,6 +27,7 @@ from pipeline.engine.records import Commit, FinishReason, SpecCounters
 from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
+from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
@@ -79,7 +80,8 @@ class FakeCoordinator:
                 h.emit(Commit(0, (), FinishReason.ERROR))
                 return
             last = i == h.params.max_new_tokens - 1
-            if h.emit(Commit(0, (h.prompt_ids[i % len(h.prompt_ids)],), FinishReason.LENGTH if last else None)):
+            token = h.prompt_ids[i % len(h.prompt_ids)]
+            if h.emit(Commit(0, (token,), FinishReason.LENGTH if last else None, *_fake_logprobs(h.params, token, i, h))):
                 return
 
     def abort(self, handle: RequestHandle) -> None:
@@ -91,6 +93,19 @@ class FakeCoordinator:
 
     def stage_stats(self, timeout_s: float = 10.0):
         return [pb.StageStats(wall_ns=10**9, busy_ns=4 * 10**8, kv_slots_in_use=0) for _ in range(2)]
+
+
+def _fake_logprobs(params: SamplingParams, token: int, i: int, h: RequestHandle) -> tuple:
+    """(logprobs, prompt_logprobs) of output position i as the real coordinator reports them: one
+    entry per token when the request asks, the prompt's (None for its first token) on the first commit."""
+    if params.logprobs is None:
+        return None, None
+    def entry(t: int) -> TokenLogprob:
+        return TokenLogprob(t, -1.0, tuple((t, -1.0) for _ in range(params.logprobs)))
+    prompt = None
+    if params.prompt_logprobs is not None and i == 0:
+        prompt = (None, *(entry(t) for t in h.prompt_ids[1:]))
+    return (entry(token),), prompt
 
 
 @pytest.fixture()
