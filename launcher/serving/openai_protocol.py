@@ -388,12 +388,3 @@ def usage_chunk(*, request_id: str, model: str, final: FinalInfo, chat: bool) ->
     """The last stream chunk when stream_options.include_usage: no choices, only usage."""
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [], "usage": usage(final)}
-
-
-def merged_final(finals: list[FinalInfo | None]) -> FinalInfo | None:
-    """The usage of n choices of one request: the prompt counted once, completion tokens summed
-    (as OpenAI reports n > 1); latencies of the slowest choice. None if any choice has none."""
-    if not finals or any(f is None for f in finals):
-        return None
-    return FinalInfo(finals[0].finish_reason, finals[0].prompt_tokens, sum(f.completion_tokens for f in finals),
-                     max(f.ttft_s for f in finals), max(f.e2e_s for f in finals))
