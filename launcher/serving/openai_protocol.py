@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import Any
 
+from jinja2 import TemplateError
+
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
@@ -260,15 +262,21 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: b
     or cut right after the last message's content so the model continues it
     (`continue_final_message`). template_kwargs: extra variables of the template (vLLM's
     `chat_template_kwargs`, e.g. {"enable_thinking": false}). Raises InvalidRequestError
-    ('messages', or the field) for malformed messages, or a model without a chat template."""
+    ('messages', or the field) for malformed messages, a model without a chat template, or a template
+    that fails on this request (Qwen2.5's on `chat_template_kwargs` {"tools": 5})."""
     clean = _clean_messages(messages)
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
     bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
     eos = tokenizer.decode([tokenizer.eos_token_ids[0]], skip_special_tokens=False) if tokenizer.eos_token_ids else ""
-    text = _compiled_template(tokenizer.chat_template).render(
-        **(template_kwargs or {}), messages=clean, add_generation_prompt=add_generation_prompt and not continue_final_message,
-        bos_token=bos, eos_token=eos)
+    template = _compiled_template(tokenizer.chat_template)  # a model's broken template stays a server error
+    try:
+        text = template.render(
+            **(template_kwargs or {}), messages=clean, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            bos_token=bos, eos_token=eos)
+    except (TemplateError, TypeError, AttributeError, LookupError) as exc:  # raise_exception's error passes
+        raise InvalidRequestError(f"the chat template cannot render this request ({type(exc).__name__}: {exc})",
+                                  "chat_template_kwargs" if template_kwargs else "messages") from None
     if continue_final_message:
         final = clean[-1]["content"].strip()
         if not final or final not in text:

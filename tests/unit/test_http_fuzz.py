@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from launcher.serving.http_server import HttpServer
 from launcher.serving.serving_engine import ServingEngine
+from pipeline.model.tokenizer import Tokenizer
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,7 +70,16 @@ _MESSAGES = st.lists(_MESSAGE, max_size=3)
 _CHAT_OPTIONS = {
     "add_generation_prompt": st.booleans(),
     "continue_final_message": st.booleans(),
-    "chat_template_kwargs": st.dictionaries(_text, _text, max_size=2),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["tools", "enable_thinking", "x"]),
+        st.one_of(
+            st.integers(),
+            _text,
+            st.booleans(),
+            st.lists(st.one_of(_text, st.dictionaries(_text, _text)), max_size=2),
+        ),
+        max_size=2,
+    ),
 }
 _SAMPLING = {
     "model": st.sampled_from(["tiny", "gpt-4", "", "two\nlines", "a\rb"]),
@@ -184,10 +194,32 @@ RAW_BODIES = st.one_of(
 )
 
 
+# A chat template as real models' (Qwen2.5's shape): it lists `tools` from chat_template_kwargs and
+# refuses an unknown role with raise_exception.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def client(tokenizer):  # noqa: F811
+def tools_tokenizer(tmp_path_factory, tokenizer) -> Tokenizer:  # noqa: F811
+    """The tiny tokenizer with TOOLS_TEMPLATE as its chat template."""
+    folder = tmp_path_factory.mktemp("tools")
+    for f in tokenizer.model_dir.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOLS_TEMPLATE}))
+    return Tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def client(tools_tokenizer):
     """An httpx client of a real server on loopback; room for many requests, so a good one is never 429."""
-    coord = FakeCoordinator(tokenizer, step_s=0.0)
+    coord = FakeCoordinator(tools_tokenizer, step_s=0.0)
     engine = ServingEngine(
         coord, model_name="tiny", max_num_seqs=32, max_queue=32, max_model_len=MAX_MODEL_LEN
     )
@@ -314,3 +346,29 @@ def test_a_request_inside_the_documented_ranges_gets_200(
     r = client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     assert r.status_code == 200, r.text[:500]
     check_answer(r, stream=body["stream"])
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_a_chat_template_that_fails_on_the_request_is_400_naming_the_field(client, route):
+    """A real template (Qwen2.5's) iterates `tools`; {"tools": 5} made it raise TypeError, a 500.
+    raise_exception's own refusal keeps its message."""
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.post(route, json={"messages": messages, "chat_template_kwargs": {"tools": 5}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (
+        error["param"] == "chat_template_kwargs"
+        and "the chat template cannot render this request" in error["message"]
+    )
+    assert "'int' object is not iterable" in error["message"]
+    r = client.post(route, json={"messages": [{"role": "robot", "content": "Hi"}]})
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["message"] == "chat template refused the messages: unknown role robot"
+    )
+    assert (
+        client.post(
+            route, json={"messages": messages, "chat_template_kwargs": {"tools": [{"name": "f"}]}}
+        ).status_code
+        == 200
+    )
