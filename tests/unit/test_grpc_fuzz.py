@@ -69,6 +69,18 @@ PROMPT = st.one_of(
     ),
 )
 
+# Hand-made bytes: a wrong wire type (request_id as a varint, max_new_tokens as a string), a
+# truncated field, a prompt that is not UTF-8 or is a lone surrogate (with max_new_tokens=1), a good one.
+RAW_REQUESTS = [
+    b"\x08\x01",
+    b"\x22\x03abc",
+    b"\x12\xff",
+    b"\xff",
+    b"\x12\x01\xff\x20\x01",
+    b"\x12\x03\xed\xa0\x80\x20\x01",
+    b"\x12\x01a\x20\x01",
+]
+
 
 @pytest.fixture(scope="module")
 def channel(tokenizer):  # noqa: F811
@@ -121,11 +133,7 @@ def test_any_generate_request_is_ok_or_a_client_error(channel, fields, prompt):
 
 
 @FUZZ
-@given(
-    raw=st.one_of(
-        st.binary(max_size=40), st.sampled_from([b"\x08\x01", b"\x22\x03abc", b"\x12\xff", b"\xff"])
-    )
-)
-def test_bytes_that_are_not_a_generate_request_are_invalid_argument(channel, raw):
+@given(raw=st.one_of(st.binary(max_size=40), st.sampled_from(RAW_REQUESTS)))
+def test_raw_request_bytes_are_ok_or_invalid_argument(channel, raw):
     code, details, replies = _call(channel, raw)
     _check(code, details, replies)
