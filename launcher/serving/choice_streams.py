@@ -1,7 +1,7 @@
 """The n streams of one OpenAI request: choice i of `n` is sequence i, generated independently.
 
-Owns cancelling every choice at once and merging their chunks, in arrival order, for one
-server-sent event stream (launcher/serving/http_server.py).
+Owns cancelling every choice at once, merging their chunks, in arrival order, for one
+server-sent event stream (launcher/serving/http_server.py), and merging their usage.
 Must not: format responses or validate requests.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from launcher.serving.serving_engine import RequestStream
+from launcher.serving.serving_engine import FinalInfo, RequestStream
 
 
 class ChoiceStreams(list):
@@ -23,6 +23,16 @@ class ChoiceStreams(list):
         """Abort every choice still running."""
         for stream in self:
             stream.cancel()
+
+    @property
+    def final(self) -> FinalInfo | None:
+        """The usage of the n choices: the prompt counted once, completion tokens summed (as OpenAI
+        reports n > 1); latencies of the slowest choice. None if any choice has none (yet)."""
+        finals = [stream.final for stream in self]
+        if not finals or any(f is None for f in finals):
+            return None
+        return FinalInfo(finals[0].finish_reason, finals[0].prompt_tokens, sum(f.completion_tokens for f in finals),
+                         max(f.ttft_s for f in finals), max(f.e2e_s for f in finals))
 
 
 async def merged(streams: ChoiceStreams):

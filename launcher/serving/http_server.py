@@ -178,7 +178,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
         watcher.cancel()
         stream.cancel()
     body = openai_protocol.completion_body(request_id=stream.request_id, model=model, text="", token_ids=None,
-                                 finish_reason=None, final=openai_protocol.merged_final([s.final for s in stream]),
+                                 finish_reason=None, final=stream.final,
                                  chunk=False, chat=chat)
     body["choices"] = choices
     return JSONResponse(body)
@@ -212,7 +212,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
                 request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
                 finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
                 logprobs=logprobs, stop_reason=chunk.stop_reason))
-        final = openai_protocol.merged_final([s.final for s in stream])
+        final = stream.final
         if parsed.include_usage and final is not None:
             yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))
         yield "data: [DONE]\n\n"
@@ -287,7 +287,7 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
         if (denied := refused(request, api_key)) is not None:
             return denied
         if model_id != engine.model_name:
-            return error_response(404, f"The model '{model_id}' does not exist", "model", type_="not_found_error")
+            return error_response(404, f"The model {model_id!r} does not exist", "model", type_="not_found_error")
         return JSONResponse(card)
 
     @app.post("/v1/completions")

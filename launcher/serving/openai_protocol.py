@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import Any
 
+from jinja2 import TemplateError
+
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
@@ -99,7 +101,7 @@ def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_o
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
         raise InvalidRequestError(f"'{name}' must be a number, got {value!r}", name)
     if value < lo or (lo_open and value == lo) or value > hi:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
@@ -135,7 +137,7 @@ def check_model(body: dict, model_name: str) -> None:
     """Raise InvalidRequestError ('model') unless the body names no model or this server's."""
     model = body.get("model")
     if model is not None and model != model_name:
-        raise InvalidRequestError(f"model '{model}' does not exist; this server serves '{model_name}'", "model")
+        raise InvalidRequestError(f"model {model!r} does not exist; this server serves '{model_name}'", "model")
 
 
 def bool_field(body: dict, name: str, default: bool) -> bool:
@@ -260,15 +262,21 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: b
     or cut right after the last message's content so the model continues it
     (`continue_final_message`). template_kwargs: extra variables of the template (vLLM's
     `chat_template_kwargs`, e.g. {"enable_thinking": false}). Raises InvalidRequestError
-    ('messages', or the field) for malformed messages, or a model without a chat template."""
+    ('messages', or the field) for malformed messages, a model without a chat template, or a template
+    that fails on this request (Qwen2.5's on `chat_template_kwargs` {"tools": 5})."""
     clean = _clean_messages(messages)
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
     bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
     eos = tokenizer.decode([tokenizer.eos_token_ids[0]], skip_special_tokens=False) if tokenizer.eos_token_ids else ""
-    text = _compiled_template(tokenizer.chat_template).render(
-        **(template_kwargs or {}), messages=clean, add_generation_prompt=add_generation_prompt and not continue_final_message,
-        bos_token=bos, eos_token=eos)
+    template = _compiled_template(tokenizer.chat_template)  # a model's broken template stays a server error
+    try:
+        text = template.render(
+            **(template_kwargs or {}), messages=clean, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            bos_token=bos, eos_token=eos)
+    except (TemplateError, TypeError, AttributeError, LookupError) as exc:  # raise_exception's error passes
+        raise InvalidRequestError(f"the chat template cannot render this request ({type(exc).__name__}: {exc})",
+                                  "chat_template_kwargs" if template_kwargs else "messages") from None
     if continue_final_message:
         final = clean[-1]["content"].strip()
         if not final or final not in text:
@@ -388,12 +396,3 @@ def usage_chunk(*, request_id: str, model: str, final: FinalInfo, chat: bool) ->
     """The last stream chunk when stream_options.include_usage: no choices, only usage."""
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [], "usage": usage(final)}
-
-
-def merged_final(finals: list[FinalInfo | None]) -> FinalInfo | None:
-    """The usage of n choices of one request: the prompt counted once, completion tokens summed
-    (as OpenAI reports n > 1); latencies of the slowest choice. None if any choice has none."""
-    if not finals or any(f is None for f in finals):
-        return None
-    return FinalInfo(finals[0].finish_reason, finals[0].prompt_tokens, sum(f.completion_tokens for f in finals),
-                     max(f.ttft_s for f in finals), max(f.e2e_s for f in finals))

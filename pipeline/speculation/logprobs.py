@@ -70,7 +70,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, *, prompt_ids:
         seen = torch.zeros(vocab, dtype=torch.bool)
         seen[torch.tensor([*prompt_ids, *output_ids], dtype=torch.int64)] = True
         r = params.repetition_penalty
-        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        top = torch.finfo(out.dtype).max  # a tiny r (1e-40) must not make a logit inf: no row could be sampled
+        out = torch.where(seen, torch.where(out > 0, (out / r).clamp(max=top), out * r), out)
     if output_ids and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
         counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64), minlength=vocab)[:vocab].float()
         out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()

@@ -189,8 +189,9 @@ class Sampler:
             p = torch.zeros_like(logits)
             p[torch.argmax(logits)] = 1.0
             return p
-        # Subtract the max before dividing so a tiny temperature gives -inf, never +inf / NaN.
-        scaled = (logits - logits.max()) / self.params.temperature
+        # Subtract the max before dividing so a tiny temperature gives -inf, never +inf / NaN (one
+        # below float32's range, 1e-320, would round to 0 and make 0 / 0: it counts as `tiny`).
+        scaled = (logits - logits.max()) / max(self.params.temperature, torch.finfo(logits.dtype).tiny)
         p = torch.softmax(scaled, dim=-1)
         if self.params.min_p > 0.0:
             p = _renormalised(torch.where(p >= self.params.min_p * p.max(), p, torch.zeros_like(p)))
@@ -256,8 +257,9 @@ def _top_p_filter(p: torch.Tensor, top_p: float) -> torch.Tensor:
     if values is None:
         values, ids = torch.sort(p, descending=True, stable=True)
     # A token is kept iff the mass strictly before it is < top_p: this is the smallest prefix whose
-    # cumulative mass reaches top_p, and the first token (mass before it = 0 < top_p) is always kept.
-    keep = ids[torch.cumsum(values, dim=-1) - values < top_p]
+    # cumulative mass reaches top_p, and the first token (mass before it = 0 < top_p) is always kept;
+    # a top_p below float32's range (1e-320) would round to 0 and keep none, so it counts as `tiny`.
+    keep = ids[torch.cumsum(values, dim=-1) - values < max(top_p, torch.finfo(values.dtype).tiny)]
     return _renormalised(torch.zeros_like(p).index_put_((keep,), p[keep]))
 
 

@@ -114,6 +114,17 @@ def test_apply_penalties_matches_the_per_token_formula():
     assert apply_penalties(logits, SamplingParams(), prompt_ids=[0], output_ids=[1]) is logits
 
 
+
+def test_a_tiny_repetition_penalty_keeps_the_logits_finite_and_the_engine_running():
+    """r = 1e-40 is inside (0, 2] (HTTP accepts it), but a positive logit / r is past float32's range:
+    once +inf, so the sampler raised ValueError out of the engine's step."""
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, repetition_penalty=1e-40, seed=1, ignore_eos=True,
+                            logprobs=0)
+    got = apply_penalties(torch.tensor([2.0, -1.0, 0.5]), params, prompt_ids=[0, 1], output_ids=[])
+    assert torch.isfinite(got).all() and int(torch.argmax(got)) == 0
+    tokens = _run(params, num_stages=1, speculate=False)[0]
+    assert [len(t) for t in tokens] == [4] * len(PROMPTS)
+
 def test_token_logprob_is_log_softmax_with_sorted_alternatives():
     logits = torch.randn(SAMPLING_VOCAB, generator=torch.Generator().manual_seed(0))
     entry = token_logprob(logits, 2, 3)

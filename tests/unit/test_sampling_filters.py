@@ -1,12 +1,15 @@
 """Tests of the sampling filters of `pipeline.speculation.sampling.Sampler.probs` (min-p, top-k,
 top-p in vLLM's order) and of the inverse-CDF draw: each filter against its definition, the fast
-top-p path against a full stable sort (ties, boundaries, large nuclei), NaN logits refused.
+top-p path against a full stable sort (ties, boundaries, large nuclei), NaN logits refused, and
+every setting the API accepts (down to 5e-324) drawing a token from finite logits.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.speculation.sampling import Sampler, SamplingParams
 from tests.unit.test_sampling import P_TARGET
@@ -94,3 +97,26 @@ def test_sampling_refuses_nan_logits_and_never_draws_past_the_last_positive_toke
             Sampler(params).sample(logits, 0)
     p = torch.tensor([0.25, 0.5, 0.25, 0.0, 0.0])
     assert [_inverse_cdf(p, u) for u in (0.0, 0.2499, 0.25, 0.75, 1.0 - 2**-53)] == [0, 0, 1, 2, 2]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_value_below_float32s_range_samples_the_top_token(field):
+    """1e-320 is a positive double the API accepts, but 0 in float32: temperature made 0 / 0 = NaN, and
+    top_p kept no token, so `sample` raised ValueError (out of the engine's step, failing the pipeline)."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    sampler = Sampler(SamplingParams(**{"temperature": 1.0, field: 1e-320}, seed=3))
+    assert sampler.probs(logits).tolist() == [0.0, 1.0, 0.0, 0.0] and sampler.sample(logits, 0) == 1
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(temperature=st.one_of(st.floats(0, 2), st.sampled_from([5e-324, 1e-320, 1e-40])),
+       top_p=st.one_of(st.floats(0, 1, exclude_min=True), st.sampled_from([5e-324, 1e-320, 1e-40])),
+       min_p=st.floats(0, 1), top_k=st.integers(-1, 40), scale=st.sampled_from([1.0, 1e4, 1e30]),
+       seed=st.integers(0, 2**63 - 1))
+def test_every_setting_the_api_accepts_samples_a_token_of_finite_logits(temperature, top_p, min_p, top_k, scale, seed):
+    """Any SamplingParams in the HTTP / gRPC ranges draws a token from any finite logits row."""
+    logits = torch.randn(32, generator=torch.Generator().manual_seed(seed % 1000)) * scale
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed))
+    p = sampler.probs(logits)
+    assert bool(torch.isfinite(p).all()) and float(p.sum()) == pytest.approx(1.0, abs=1e-5)
+    assert p[sampler.sample(logits, 0)] > 0

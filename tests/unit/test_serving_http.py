@@ -27,6 +27,7 @@ from pipeline.engine.records import Commit, FinishReason, SpecCounters
 from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
+from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
@@ -79,7 +80,8 @@ class FakeCoordinator:
                 h.emit(Commit(0, (), FinishReason.ERROR))
                 return
             last = i == h.params.max_new_tokens - 1
-            if h.emit(Commit(0, (h.prompt_ids[i % len(h.prompt_ids)],), FinishReason.LENGTH if last else None)):
+            token = h.prompt_ids[i % len(h.prompt_ids)]
+            if h.emit(Commit(0, (token,), FinishReason.LENGTH if last else None, *_fake_logprobs(h.params, token, i, h))):
                 return
 
     def abort(self, handle: RequestHandle) -> None:
@@ -91,6 +93,19 @@ class FakeCoordinator:
 
     def stage_stats(self, timeout_s: float = 10.0):
         return [pb.StageStats(wall_ns=10**9, busy_ns=4 * 10**8, kv_slots_in_use=0) for _ in range(2)]
+
+
+def _fake_logprobs(params: SamplingParams, token: int, i: int, h: RequestHandle) -> tuple:
+    """(logprobs, prompt_logprobs) of output position i as the real coordinator reports them: one
+    entry per token when the request asks, the prompt's (None for its first token) on the first commit."""
+    if params.logprobs is None:
+        return None, None
+    def entry(t: int) -> TokenLogprob:
+        return TokenLogprob(t, -1.0, tuple((t, -1.0) for _ in range(params.logprobs)))
+    prompt = None
+    if params.prompt_logprobs is not None and i == 0:
+        prompt = (None, *(entry(t) for t in h.prompt_ids[1:]))
+    return (entry(token),), prompt
 
 
 @pytest.fixture()
@@ -774,3 +789,30 @@ def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(
         with pytest.raises(ValueError, match=f"^{taken} {port}: .*taken while the model loaded"):
             with ServingStack(session, options):
                 pass
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
+def test_an_integer_too_big_for_a_float_is_400_naming_the_field(served, field):
+    """10**400 is a valid JSON integer that no float holds: once an OverflowError, a 500 (found by
+    tests/unit/test_http_fuzz.py)."""
+    _, _, url = served
+    raw = b'{"prompt": "Hi", "max_tokens": 2, "%s": 1%s}' % (field.encode(), b"0" * 400)
+    r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and "must be in" in r.json()["error"]["message"]
+
+
+def test_an_unknown_model_name_is_quoted_on_one_line(served):
+    """A model name with a line break is echoed escaped, so the error message stays one line (found by
+    tests/unit/test_http_fuzz.py); a plain name reads as before."""
+    _, _, url = served
+    for name in ("two\nlines", "a\rb"):
+        for r in (httpx.post(url + "/v1/completions", json={"prompt": "Hi", "model": name}),
+                  httpx.post(url + "/tokenize", json={"prompt": "Hi", "model": name})):
+            assert r.status_code == 400 and r.json()["error"]["message"].splitlines() == [
+                f"model {name!r} does not exist; this server serves 'tiny'"]
+    r = httpx.get(url + "/v1/models/a%0Db")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "The model 'a\\rb' does not exist"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "model": "other"})
+    assert r.json()["error"]["message"] == "model 'other' does not exist; this server serves 'tiny'"

@@ -1,0 +1,139 @@
+"""Property-based fuzzing of gRPC GenerateService over a fake coordinator (no model run).
+
+The promise under test: whatever GenerateRequest a client sends (any value of every field, in or out
+of its documented range, or bytes that are not a GenerateRequest at all), the RPC ends OK or with a
+client's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), never INTERNAL or UNKNOWN, with a
+non-empty one-line message, and never hangs (each call has a deadline, which would show as
+DEADLINE_EXCEEDED). Requests go through a real grpc client and server on loopback.
+
+Deterministic (`derandomize=True`) and short; to fuzz longer locally raise FUZZ_EXAMPLES and set
+`derandomize=False`, as in tests/unit/test_http_fuzz.py.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from launcher.serving.grpc_generate import GrpcServer
+from launcher.serving.serving_engine import ServingEngine
+from proto import speedpipe_pb2 as pb
+from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401  (module fixture)
+
+pytestmark = pytest.mark.timeout(120)
+FUZZ_EXAMPLES = 150
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+DEADLINE_S = 20.0
+CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+UINT32, UINT64, INT32 = (0, 2**32 - 1), (0, 2**64 - 1), (-(2**31), 2**31 - 1)
+_float = st.one_of(
+    st.floats(width=32),
+    st.floats(-3, 3, width=32),
+    st.sampled_from([0.0, -0.0, 1e-45, 1e-40, 1.0, 2.0, 2.0000002]),
+)
+_small = st.integers(0, 12)
+# Every field of GenerateRequest, in its wire type's full range (optional fields drawn or left unset).
+FIELDS = {
+    "request_id": st.one_of(st.text(max_size=8), st.text(min_size=250, max_size=300)),
+    "max_new_tokens": st.one_of(_small, st.integers(*UINT32)),
+    "temperature": _float,
+    "top_p": _float,
+    "seed": st.one_of(st.integers(*UINT64), st.sampled_from([2**63 - 1, 2**63])),
+    "stop": st.lists(st.text(max_size=3), max_size=6),
+    "ignore_eos": st.booleans(),
+    "presence_penalty": _float,
+    "frequency_penalty": _float,
+    "repetition_penalty": _float,
+    "logprobs": st.one_of(st.integers(0, 22), st.integers(*UINT32)),
+    "top_k": st.one_of(st.integers(-2, 300), st.integers(*INT32)),
+    "min_p": _float,
+}
+PROMPT = st.one_of(
+    st.none(),
+    st.text(max_size=40).map(lambda s: {"prompt": s}),
+    st.lists(st.one_of(st.integers(0, 300), st.integers(*UINT32)), max_size=6).map(
+        lambda ids: {"prompt_token_ids": pb.TokenIds(ids=ids)}
+    ),
+)
+
+# Hand-made bytes: a wrong wire type (request_id as a varint, max_new_tokens as a string), a
+# truncated field, a prompt that is not UTF-8 or is a lone surrogate (with max_new_tokens=1), a good one.
+RAW_REQUESTS = [
+    b"\x08\x01",
+    b"\x22\x03abc",
+    b"\x12\xff",
+    b"\xff",
+    b"\x12\x01\xff\x20\x01",
+    b"\x12\x03\xed\xa0\x80\x20\x01",
+    b"\x12\x01a\x20\x01",
+]
+
+
+@pytest.fixture(scope="module")
+def channel(tokenizer):  # noqa: F811
+    """A grpc channel to a real GenerateService on loopback; room for many requests at once."""
+    engine = ServingEngine(
+        FakeCoordinator(tokenizer, step_s=0.0),
+        model_name="tiny",
+        max_num_seqs=32,
+        max_queue=32,
+        max_model_len=64,
+    )
+    server = GrpcServer(engine, host="127.0.0.1", port=0)
+    server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+    server.stop()
+
+
+def _call(channel: grpc.Channel, request: bytes) -> tuple[grpc.StatusCode, str, list[pb.GenerateResponse]]:
+    """(status, details, replies) of one Generate call sent as raw bytes."""
+    generate = channel.unary_stream(
+        "/speedpipe.v1.GenerateService/Generate",
+        request_serializer=None,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    replies = []
+    try:
+        for reply in generate(request, timeout=DEADLINE_S):
+            replies.append(reply)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or "", replies
+    return grpc.StatusCode.OK, "", replies
+
+
+def _check(code: grpc.StatusCode, details: str, replies: list[pb.GenerateResponse]) -> None:
+    assert code in CLIENT_ERRORS | {grpc.StatusCode.OK}, (code, details)
+    if code != grpc.StatusCode.OK:
+        assert details.strip() and details.splitlines() == [details], details
+    else:
+        assert replies and replies[-1].finish_reason != pb.GenerateResponse.FINISH_REASON_UNSPECIFIED, (
+            replies[-1:]
+        )
+
+
+@FUZZ
+@given(fields=st.fixed_dictionaries({}, optional=FIELDS), prompt=PROMPT)
+def test_any_generate_request_is_ok_or_a_client_error(channel, fields, prompt):
+    request = pb.GenerateRequest(**fields, **(prompt or {}))
+    _check(*_call(channel, request.SerializeToString()))
+
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=40), st.sampled_from(RAW_REQUESTS)))
+def test_raw_request_bytes_are_ok_or_invalid_argument(channel, raw):
+    code, details, replies = _call(channel, raw)
+    _check(code, details, replies)
