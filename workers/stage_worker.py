@@ -57,8 +57,11 @@ READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
 
 class StageServicer(pb_grpc.StageServiceServicer):
     """gRPC StageService of one worker. Errors in Load map to INVALID_ARGUMENT (a ValueError, a
-    missing or unreadable file: the user's input) / INTERNAL ("<ExceptionType>: <message>" of any other
-    exception, whose traceback this worker logs at DEBUG only)."""
+    missing or unreadable file: the user's input) / FAILED_PRECONDITION (a Load this worker cannot take:
+    already loaded, or meant for another stage; the coordinator's bookkeeping, not the user's input) /
+    INTERNAL ("<ExceptionType>: <message>" of any other exception, whose traceback this worker logs
+    at DEBUG only). Load's messages do not name the stage: the coordinator, which knows which stage
+    it asked, does ("stage 1 failed to load: ...")."""
 
     def __init__(self, stage_index: int, stop_event: threading.Event, *, rejoin_wait_s: float = 0.0) -> None:
         """rejoin_wait_s: after a data-plane failure, wait this long for a `Rejoin` before exiting
@@ -79,13 +82,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def Load(self, request, context):
         with self._lock:
             if self.executor is not None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.stage_index} is already loaded")
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is already loaded")
             try:
                 spec = spec_from_proto(request)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if spec.stage_index != self.stage_index:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            if spec.stage_index != self.stage_index:  # the coordinator's bookkeeping, not the user's input
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"worker was started as stage {self.stage_index}, Load asks for {spec.stage_index}")
             start = time.perf_counter()
             try:
@@ -93,7 +96,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 calibration = self._calibrate(spec) if spec.calibrate_max_rows else self._time_exit_head(spec)
             except (ValueError, FileNotFoundError, OSError) as exc:
                 self.executor = None  # not loaded: a corrected Load may follow
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {self.stage_index}: {exc}")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Exception as exc:  # noqa: BLE001 - unexpected: one line to the coordinator, traceback at DEBUG
                 self.executor = None
                 log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)

@@ -26,9 +26,11 @@ class PipelineError(RuntimeError):
 
 
 class StageLoadError(PipelineError):
-    """A stage refused or failed to load the model. `user_input`: the stage named a problem with the
-    user's input (its Load answered INVALID_ARGUMENT: a model file, a setting), which `launch` answers
-    with exit 2; otherwise (an unexpected exception in the stage, a rendezvous that failed) exit 1."""
+    """A stage refused or failed to load the model; the message names the stage once ("stage 1 failed
+    to load: ..."). `user_input`: the stage named a problem with the user's input (its Load answered
+    INVALID_ARGUMENT: a model file, a setting), which `launch` answers with exit 2; otherwise (an
+    unexpected exception in the stage, a Load the worker was not started for, a rendezvous that
+    failed) exit 1."""
 
     def __init__(self, message: str, *, user_input: bool) -> None:
         super().__init__(message)

@@ -20,6 +20,10 @@ from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.load_spec_codec import StageLoadSpec, spec_to_proto
 
 DEAD_POLL_S = 0.5  # wait_reachable: how often it asks whether a stage it waits for has died
+# The answers of a stage's Load that blame the user's input (a model file, a setting: `launch` exits 2).
+# Not FAILED_PRECONDITION (a Load meant for another stage, or a second Load: the coordinator's own
+# bookkeeping) nor INTERNAL / UNKNOWN (an unexpected exception in the stage): those exit 1.
+USER_INPUT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
 
 
 def in_daemon_thread(fn, *args, **kwargs) -> concurrent.futures.Future:
@@ -59,8 +63,9 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
                   join: Callable[[], None], *, timeout_s: float) -> list[pb.LoadStageResponse]:
     """Load every stage (one Load RPC each) while `join` joins the data plane; returns the Load
     responses in stage order. Raises StageLoadError naming the stage (or the coordinator) that
-    failed first ("stage 1 failed to load the model: KeyError: 'U16'" for an unexpected exception
-    in the stage), or PipelineError on timeout."""
+    failed first, once ("stage 1 failed to load: <the stage's message>"; "stage 1 failed to load the
+    model: TypeError: ..." for an unexpected exception in the stage), its `user_input` set for the
+    USER_INPUT_CODES; PipelineError on timeout."""
     # Daemon threads, not a ThreadPoolExecutor: after a failed start a join may stay blocked in
     # the rendezvous, and the interpreter must still be able to exit.
     loads = {in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
@@ -90,7 +95,7 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
         # from a stage that does not catch it (gRPC's "Exception calling application: ...").
         what = "the model" if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else ""
         raise StageLoadError(f"{who} failed to load{' ' + what if what else ''}: {detail}{hint}",
-                             user_input=code == grpc.StatusCode.INVALID_ARGUMENT)
+                             user_input=code in USER_INPUT_CODES)
     return [f.result() for f in sorted(loads, key=loads.get)]
 
 

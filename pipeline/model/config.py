@@ -54,7 +54,7 @@ class RopeScaling:
 
     `rope_type` is one of "default", "linear" (positions divided by `factor`) or "llama3"
     (Llama 3.1 wavelength-dependent scaling with `low_freq_factor`, `high_freq_factor` and
-    `original_max_position_embeddings`).
+    `original_max_position_embeddings`). Raises ValueError for an unknown type, or a factor <= 0.
     """
 
     rope_type: str = "default"
@@ -68,6 +68,9 @@ class RopeScaling:
             raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported (default, linear, llama3)")
         if self.factor <= 0:
             raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        for name in ("low_freq_factor", "high_freq_factor") if self.rope_type == "llama3" else ():
+            if getattr(self, name) <= 0:  # llama3 divides the original context length by each
+                raise ValueError(f"rope_scaling {name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,8 +30,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-_BYTES_PER_ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                      "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+# The safetensors dtypes this reader reads (U16, U32, U64, C64, ... have no torch dtype it computes with).
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def _mlp_names(config: ModelConfig, prefix: str, layer: int) -> list[str]:
@@ -148,9 +150,13 @@ def _header_weight_map(files: list[Path]) -> dict[str, Path]:
     return weight_map
 
 
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+def _torch_dtype(name: str, dtype: str, path: Path) -> torch.dtype:
+    """The torch dtype of tensor `name`, stored in `path` as safetensors dtype `dtype`. Raises
+    ValueError naming the tensor, the dtype, the file and the dtypes read, for any other dtype."""
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"tensor {name!r} in {path} has dtype {dtype}, which speedpipe cannot read "
+                         f"(supported: {', '.join(_TORCH_DTYPES)})")
+    return _TORCH_DTYPES[dtype]
 
 
 def _read_direct(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,7 +165,8 @@ def _read_direct(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tens
     [Note: reading without mmap] A memory map of the file would leave every page a stage read
     resident in the process (counted in its RSS) next to the tensors copied out of it, doubling a
     stage's peak memory while it loads; reading straight into each tensor's own buffer keeps the
-    peak at the stage's weights. Raises ValueError when the file ends before a tensor's data does.
+    peak at the stage's weights. Raises ValueError when the file ends before a tensor's data does
+    or a tensor has a dtype this reader does not read (`_torch_dtype`).
     """
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
@@ -167,7 +174,7 @@ def _read_direct(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tens
         for name in names:
             info = header[name]
             begin, end = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=_TORCH_DTYPES[info["dtype"]])
+            t = torch.empty(info["shape"], dtype=_torch_dtype(name, info["dtype"], path))
             f.seek(8 + header_len + begin)
             if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != end - begin:
                 raise ValueError(f"corrupt or truncated safetensors file {path}: tensor {name!r} is cut short")
@@ -218,7 +225,8 @@ class CheckpointReader:
         """Read `names` as `dtype` on `device`; returns {name: tensor} in the order asked.
 
         Shapes are the checkpoint's (HF layout, e.g. q_proj: [num_heads * head_dim, hidden_size]).
-        Raises ValueError for a name missing from the checkpoint or a corrupt/truncated file.
+        Raises ValueError for a name missing from the checkpoint, a corrupt/truncated file, or a
+        tensor stored in a dtype this reader does not read (U16, U32, U64, C64, ...).
         """
         names = list(dict.fromkeys(names))
         tensors: dict[str, torch.Tensor] = {}
@@ -231,18 +239,23 @@ class CheckpointReader:
         return {name: tensors[name] for name in names}
 
     def shapes(self, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
-        """{name: shape as stored} of `names`, from the headers only. Raises ValueError for a missing
-        name or a corrupt file."""
+        """{name: shape as stored} of `names`, from the headers only: what the checks before start-up
+        compare with the config. Raises ValueError for a missing name, a corrupt file, or a tensor
+        stored in a dtype `read` would refuse (so it is refused before any stage starts)."""
         out: dict[str, tuple[int, ...]] = {}
         for path, group in self._files_for(list(dict.fromkeys(names))).items():
             with _open_safetensors(path) as f:
-                out.update((name, tuple(f.get_slice(name).get_shape())) for name in group)
+                for name in group:
+                    info = f.get_slice(name)
+                    _torch_dtype(name, info.get_dtype(), path)
+                    out[name] = tuple(info.get_shape())
         return out
 
     def nbytes(self, names: Iterable[str], *, dtype: torch.dtype | None = None) -> int:
         """Bytes the tensors `names` take: as stored on disk, or once read as `dtype` when given.
 
-        Reads headers only. Raises ValueError for a missing name or a corrupt file.
+        Reads headers only. Raises ValueError for a missing name, a corrupt file, or (`dtype` None)
+        a tensor stored in a dtype this reader does not read.
         """
         total = 0
         for path, group in self._files_for(list(dict.fromkeys(names))).items():
@@ -252,6 +265,6 @@ class CheckpointReader:
                     numel = 1
                     for dim in info.get_shape():
                         numel *= dim
-                    itemsize = dtype.itemsize if dtype is not None else _BYTES_PER_ELEMENT[info.get_dtype()]
+                    itemsize = (dtype if dtype is not None else _torch_dtype(name, info.get_dtype(), path)).itemsize
                     total += numel * itemsize
         return total

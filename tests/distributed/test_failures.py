@@ -190,6 +190,7 @@ def test_a_corrupt_shard_of_the_last_stage_fails_load_naming_that_stage_promptly
             pass
     elapsed = time.monotonic() - start
     assert "stage 1 failed to load" in str(err.value) and "truncated" in str(err.value)
+    assert str(err.value).count("stage 1") == 1, err.value  # before: "stage 1 failed to load: stage 1: ..."
     assert elapsed < 30.0, f"load failure took {elapsed:.1f} s: it waited for the data-plane timeout"
 
 

@@ -48,6 +48,11 @@ def _edit_config(model_dir, **changes) -> None:
     ({"rope_theta": "1e4"}, "field 'rope_theta' must be a number, got '1e4'"),
     ({"rms_norm_eps": True}, "field 'rms_norm_eps' must be a number, got True"),  # float(True) is 1.0
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "field 'rope_scaling.factor' must be a number"),
+    # before: ZeroDivisionError (a traceback) once launch built the RoPE tables
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0}},
+     "rope_scaling low_freq_factor must be > 0, got 0.0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 0}},
+     "rope_scaling high_freq_factor must be > 0, got 0"),
     ({"rope_parameters": {"full_attention": {"rope_theta": [1]}}},
      "field 'rope_parameters.full_attention.rope_theta' must be a number, got \\[1\\]"),
     ({"sliding_window": "4096"}, "field 'sliding_window' must be an integer, got '4096'"),

@@ -31,7 +31,8 @@ class _RpcError(grpc.RpcError):
 
 
 _STATUS = {"unexpected": (grpc.StatusCode.INTERNAL, "KeyError: 'U16'"),
-           "refused": (grpc.StatusCode.INVALID_ARGUMENT, "stage 1: corrupt or truncated safetensors file m")}
+           "refused": (grpc.StatusCode.INVALID_ARGUMENT, "corrupt or truncated safetensors file m"),
+           "mismatch": (grpc.StatusCode.FAILED_PRECONDITION, "worker was started as stage 2, Load asks for 1")}
 
 
 class _Stub:
@@ -91,7 +92,16 @@ def test_an_unexpected_stage_error_is_one_line_with_its_type_and_not_the_user_s_
     with pytest.raises(StageLoadError, match=r"^stage 1 failed to load the model: KeyError: 'U16'$") as err:
         _load(["ok", "unexpected"], release)
     assert not err.value.user_input
-    with pytest.raises(StageLoadError, match=r"^stage 1 failed to load: stage 1: corrupt") as err:
+    with pytest.raises(StageLoadError, match=r"^stage 1 failed to load: corrupt or truncated safetensors file m$") as err:
         _load(["ok", "refused"], release)
     assert err.value.user_input  # INVALID_ARGUMENT: a model file or setting the stage refused (exit 2)
+
+
+def test_a_load_the_worker_was_not_started_for_is_not_the_user_s_input(release):
+    """FAILED_PRECONDITION (the worker's "started as stage X" check): the coordinator's own bookkeeping
+    went wrong, an internal error (exit 1), not a model file or setting of the user's (exit 2)."""
+    with pytest.raises(StageLoadError, match=r"^stage 1 failed to load: worker was started as stage 2, Load asks "
+                                             r"for 1$") as err:
+        _load(["ok", "mismatch"], release)
+    assert not err.value.user_input
 

@@ -46,7 +46,26 @@ def test_a_calibration_out_of_range_is_invalid_argument_and_leaves_the_stage_unl
     with pytest.raises(Aborted):
         servicer.Load(spec_to_proto(spec), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}]" in context.details and str(rows) in context.details
+    # The message does not name the stage (before: "stage 0: calibrate..."): the coordinator adds
+    # "stage 0 failed to load: ", and the stage was named twice.
+    assert context.details.startswith(f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}]")
+    assert str(rows) in context.details
+    assert servicer.executor is None
+
+
+def test_a_load_for_another_stage_is_failed_precondition_not_the_user_s_input(tmp_path):
+    """The coordinator asked the worker of stage 0 to load stage 1: its own bookkeeping, an internal
+    error (launch exits 1). Before: INVALID_ARGUMENT, which `launch` reports as the user's input (exit 2)."""
+    model_dir = write_tiny_model(tmp_path / "model", seed=4)
+    spec = StageLoadSpec(model_dir=str(model_dir), stage_index=1, num_stages=2, layer_range=LayerRange(2, 4),
+                         max_num_seqs=1, max_model_len=16)
+    servicer = StageServicer(0, threading.Event())
+    servicer._load_model = lambda spec: pytest.fail("Load went on to load the model")
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        servicer.Load(spec_to_proto(spec), context)
+    assert (context.code, context.details) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                               "worker was started as stage 0, Load asks for 1")
     assert servicer.executor is None
 
 

@@ -223,3 +223,22 @@ def test_a_weights_file_this_process_may_not_read_is_named_as_such(tmp_path, mon
                                          "Permission denied"):
         reader = CheckpointReader(tmp_path)
         reader.read(sorted(reader.tensor_names), dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("dtype", "stored"), [(torch.uint16, "U16"), (torch.uint32, "U32"), (torch.uint64, "U64"),
+                                               (torch.complex64, "C64")])
+def test_a_tensor_of_a_dtype_the_reader_does_not_read_is_a_clear_error_naming_it(tmp_path, dtype, stored):
+    """Before: `KeyError: 'U16'` (no tensor, no file; a stage reported it as an unexpected error, exit
+    1). Now one ValueError naming the tensor, its dtype, the file and the dtypes read, from `read` (a
+    stage's load) and from the header-only `shapes` / `nbytes` (the checks before any stage starts)."""
+    tensors = _write_single(tmp_path, tiny_config())
+    tensors[FINAL_NORM] = torch.ones(tensors[FINAL_NORM].shape).to(dtype)
+    save_file(tensors, str(tmp_path / SINGLE_FILE), metadata={"format": "pt"})
+    reader = CheckpointReader(tmp_path)
+    message = (rf"^tensor '{FINAL_NORM}' in {tmp_path / SINGLE_FILE} has dtype {stored}, which speedpipe "
+               r"cannot read \(supported: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2\)$")
+    for check in (lambda: reader.read([EMBED_TOKENS, FINAL_NORM], dtype=torch.float32),
+                  lambda: reader.shapes([FINAL_NORM]), lambda: reader.nbytes([FINAL_NORM])):
+        with pytest.raises(ValueError, match=message):
+            check()
+    assert reader.shapes([EMBED_TOKENS]) == {EMBED_TOKENS: tuple(tensors[EMBED_TOKENS].shape)}
