@@ -47,6 +47,9 @@ def _edit_config(model_dir, **changes) -> None:
     ({"rms_norm_eps": [1e-5]}, r"field 'rms_norm_eps' must be a number, got \[1e-05\]"),
     ({"rope_theta": "1e4"}, "field 'rope_theta' must be a number, got '1e4'"),
     ({"rms_norm_eps": True}, "field 'rms_norm_eps' must be a number, got True"),  # float(True) is 1.0
+    # json reads NaN / Infinity; a NaN eps or an infinite base made every logit NaN, no error
+    ({"rms_norm_eps": float("nan")}, "field 'rms_norm_eps' must be a number, got nan"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "'rope_scaling.factor' must be a number, got inf"),
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "field 'rope_scaling.factor' must be a number"),
     # before: ZeroDivisionError (a traceback) once launch built the RoPE tables
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0}},
