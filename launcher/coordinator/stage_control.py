@@ -93,6 +93,8 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
         exc = fut.exception()
         code = exc.code() if isinstance(exc, grpc.RpcError) else None
         detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        # One line: an exception's message may span several (torch's "Error(s) in loading ...:\n\t...").
+        detail = " ".join(line.strip() for line in (detail or "").splitlines() if line.strip())
         internal = error_reason(exc) in INTERNAL_REASONS
         if internal:
             detail = ("the coordinator and the stage disagree on the control protocol (different speedpipe "

@@ -135,3 +135,15 @@ def test_a_load_request_the_stage_cannot_parse_is_a_version_mismatch_not_the_use
 def test_an_rpc_error_without_details_has_no_reason():
     assert stage_control.error_reason(_RpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad weights")) == ""
     assert stage_control.error_reason(RuntimeError("rendezvous timed out")) == ""
+
+
+def test_a_stage_s_message_of_several_lines_is_reported_in_one(release):
+    """Before: an unexpected error whose message spans lines (torch's "Error(s) in loading state_dict
+    for X:\n\tsize mismatch ...") reached `launch`'s stderr as several lines."""
+    _STATUS["multiline"] = (grpc.StatusCode.INTERNAL, "RuntimeError: Error(s) in loading:\n\tsize mismatch for w\n")
+    try:
+        with pytest.raises(StageLoadError, match=r"^stage 1 failed to load the model: RuntimeError: Error\(s\) in "
+                                                 r"loading: size mismatch for w$"):
+            _load(["ok", "multiline"], release)
+    finally:
+        del _STATUS["multiline"]
