@@ -6,7 +6,7 @@ worker needs to load and join the pipeline). Must not: do any I/O.
 
 from __future__ import annotations
 
-from pipeline.engine.stage_assembly import StageLoadSpec
+from pipeline.engine.stage_assembly import SpecBookkeepingError, StageLoadSpec
 from pipeline.model.partition import LayerRange
 from proto import speedpipe_pb2 as pb
 
@@ -26,10 +26,15 @@ def spec_to_proto(spec: StageLoadSpec) -> pb.LoadStageRequest:
 
 
 def spec_from_proto(req: pb.LoadStageRequest) -> StageLoadSpec:
-    """LoadStageRequest -> domain spec. Raises ValueError on inconsistent fields."""
+    """LoadStageRequest -> domain spec. Raises ValueError on inconsistent fields: SpecBookkeepingError
+    for those the coordinator derives (stage index, layer range, ranks; see StageLoadSpec)."""
+    try:
+        layers = LayerRange(req.layer_start, req.layer_stop)
+    except ValueError as exc:
+        raise SpecBookkeepingError(str(exc)) from None
     spec = StageLoadSpec(
         model_dir=req.model_dir, stage_index=req.stage_index, num_stages=req.num_stages,
-        layer_range=LayerRange(req.layer_start, req.layer_stop), dtype=req.dtype, device=req.device,
+        layer_range=layers, dtype=req.dtype, device=req.device,
         max_num_seqs=req.max_num_seqs, max_model_len=req.max_model_len, num_threads=req.num_threads,
         dist_master_addr=req.dist_master_addr, dist_master_port=req.dist_master_port,
         stage_timeout_s=req.stage_timeout_s, exit_layer=req.exit_layer, exit_predictor=req.exit_predictor,
@@ -38,6 +43,6 @@ def spec_from_proto(req: pb.LoadStageRequest) -> StageLoadSpec:
         dense_layout=req.dense_layout or "reference",
     )
     if (req.dist_rank, req.dist_world_size) != (spec.dist_rank, spec.dist_world_size):
-        raise ValueError(f"dist rank/world {req.dist_rank}/{req.dist_world_size} disagree with stage "
+        raise SpecBookkeepingError(f"dist rank/world {req.dist_rank}/{req.dist_world_size} disagree with stage "
                          f"{spec.stage_index} of {spec.num_stages}")
     return spec

@@ -17,6 +17,10 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from workers.status_details import abort_with_details
 
+# ErrorInfo.reason of a request this server cannot parse: the client's stubs come from another .proto
+# (a client of another version). A coordinator reads it on a stage's Load as an internal error.
+UNPARSABLE_REQUEST = "UNPARSABLE_REQUEST"
+
 
 def misread_fields(message: Message, prefix: str = "") -> list[tuple[str, int]]:
     """Fields of `message` (and of the messages set in it) that arrived with a wire type other than
@@ -72,7 +76,7 @@ def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
             abort_with_details(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"{method}: the request could not be parsed as {what} ({why}); are the client's "
                                "stubs generated from this server's .proto?", violations=violations,
-                               reason="UNPARSABLE_REQUEST", metadata={"method": method, "requestType": what})
+                               reason=UNPARSABLE_REQUEST, metadata={"method": method, "requestType": what})
         return request
 
     def each(raws, context: grpc.ServicerContext):

@@ -28,7 +28,7 @@ import grpc
 import psutil
 import torch
 
-from pipeline.engine.stage_assembly import StageLoadSpec, assemble_stage
+from pipeline.engine.stage_assembly import SpecBookkeepingError, StageLoadSpec, assemble_stage
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.measure.row_cost import numeric_mode_name, ratio_line
 from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS, calibrate_stage, time_exit_head
@@ -58,7 +58,8 @@ READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
 class StageServicer(pb_grpc.StageServiceServicer):
     """gRPC StageService of one worker. Errors in Load map to INVALID_ARGUMENT (a ValueError, a
     missing or unreadable file: the user's input) / FAILED_PRECONDITION (a Load this worker cannot take:
-    already loaded, or meant for another stage; the coordinator's bookkeeping, not the user's input) /
+    already loaded, meant for another stage, or a SpecBookkeepingError such as a stage index outside
+    num_stages; the coordinator's bookkeeping, not the user's input) /
     INTERNAL ("<ExceptionType>: <message>" of any other exception, whose traceback this worker logs
     at DEBUG only). Load's messages do not name the stage: the coordinator, which knows which stage
     it asked, does ("stage 1 failed to load: ...")."""
@@ -85,6 +86,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is already loaded")
             try:
                 spec = spec_from_proto(request)
+            except SpecBookkeepingError as exc:  # the coordinator's bookkeeping, not the user's input
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if spec.stage_index != self.stage_index:  # the coordinator's bookkeeping, not the user's input
@@ -94,6 +97,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
             try:
                 names = self._load_model(spec)
                 calibration = self._calibrate(spec) if spec.calibrate_max_rows else self._time_exit_head(spec)
+            except SpecBookkeepingError as exc:
+                self.executor = None
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except (ValueError, FileNotFoundError, OSError) as exc:
                 self.executor = None  # not loaded: a corrected Load may follow
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -111,10 +117,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     def _calibrate(self, spec: StageLoadSpec) -> dict:
         """Time this stage's passes of 1.. rows (pipeline/measure/stage_calibration.py); the
-        LoadStageResponse fields that report them. Raises ValueError for calibrate_max_rows
+        LoadStageResponse fields that report them. Raises SpecBookkeepingError for calibrate_max_rows
         outside [1, MAX_CALIBRATION_ROWS]."""
-        if not 1 <= spec.calibrate_max_rows <= MAX_CALIBRATION_ROWS:
-            raise ValueError(f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}] (0: no calibration), "
+        if not 1 <= spec.calibrate_max_rows <= MAX_CALIBRATION_ROWS:  # the coordinator caps it
+            raise SpecBookkeepingError(f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}] (0: no calibration), "
                              f"got {spec.calibrate_max_rows}")
         start = time.perf_counter()
         mode = numeric_mode_name(dtype=spec.dtype, quantization=spec.quantization, dense_layout=spec.dense_layout)

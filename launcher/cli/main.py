@@ -34,6 +34,7 @@ from launcher.coordinator.request_handle import RequestError, StageLoadError
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
+from pipeline.engine.stage_assembly import SpecBookkeepingError
 from pipeline.measure.row_cost import ratio_line
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.sampling import SamplingParams
@@ -239,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         args.log_level = configure_logging(getattr(args, "log_level", None))  # --log-level, $SPEEDPIPE_LOG_LEVEL
         check_vllm_args(args)
         return args.func(args)
+    except SpecBookkeepingError as exc:  # a ValueError, but the coordinator's own (a stage's Load gets it too)
+        print(f"{PROG} {command}: internal error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as exc:
         print(f"{PROG} {command}: error: {flag_message(str(exc))}", file=sys.stderr)
         return 2

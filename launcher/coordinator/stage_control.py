@@ -13,17 +13,23 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from launcher.coordinator.request_handle import PipelineError, StageLoadError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.load_spec_codec import StageLoadSpec, spec_to_proto
+from workers.request_parse import UNPARSABLE_REQUEST
 
 DEAD_POLL_S = 0.5  # wait_reachable: how often it asks whether a stage it waits for has died
 # The answers of a stage's Load that blame the user's input (a model file, a setting: `launch` exits 2).
 # Not FAILED_PRECONDITION (a Load meant for another stage, or a second Load: the coordinator's own
-# bookkeeping) nor INTERNAL / UNKNOWN (an unexpected exception in the stage): those exit 1.
+# bookkeeping) nor INTERNAL / UNKNOWN (an unexpected exception in the stage): those exit 1. Nor an
+# INVALID_ARGUMENT whose ErrorInfo reason is in INTERNAL_REASONS: a Load request the stage could not
+# parse (workers/request_parse.py) means the coordinator and the stage disagree on the protocol.
 USER_INPUT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
+INTERNAL_REASONS = frozenset({UNPARSABLE_REQUEST})
 
 
 def in_daemon_thread(fn, *args, **kwargs) -> concurrent.futures.Future:
@@ -65,7 +71,7 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
     responses in stage order. Raises StageLoadError naming the stage (or the coordinator) that
     failed first, once ("stage 1 failed to load: <the stage's message>"; "stage 1 failed to load the
     model: TypeError: ..." for an unexpected exception in the stage), its `user_input` set for the
-    USER_INPUT_CODES; PipelineError on timeout."""
+    USER_INPUT_CODES but not INTERNAL_REASONS; PipelineError on timeout."""
     # Daemon threads, not a ThreadPoolExecutor: after a failed start a join may stay blocked in
     # the rendezvous, and the interpreter must still be able to exit.
     loads = {in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
@@ -87,6 +93,12 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
         exc = fut.exception()
         code = exc.code() if isinstance(exc, grpc.RpcError) else None
         detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        # One line: an exception's message may span several (torch's "Error(s) in loading ...:\n\t...").
+        detail = " ".join(line.strip() for line in (detail or "").splitlines() if line.strip())
+        internal = error_reason(exc) in INTERNAL_REASONS
+        if internal:
+            detail = ("the coordinator and the stage disagree on the control protocol (different speedpipe "
+                      f"versions?): {detail}")
         who = f"stage {index}" if index < len(specs) else "coordinator"
         # A stage hung in its Load makes its neighbours fail their rendezvous with it: name it too.
         others = [i for i in loading if i != index]
@@ -95,8 +107,22 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
         # from a stage that does not catch it (gRPC's "Exception calling application: ...").
         what = "the model" if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else ""
         raise StageLoadError(f"{who} failed to load{' ' + what if what else ''}: {detail}{hint}",
-                             user_input=code in USER_INPUT_CODES)
+                             user_input=code in USER_INPUT_CODES and not internal)
     return [f.result() for f in sorted(loads, key=loads.get)]
+
+
+def error_reason(exc: BaseException) -> str:
+    """The google.rpc.ErrorInfo reason a failed RPC carries in its status details (workers/status_details.py),
+    or "" for none (an error without details, or not an RPC's)."""
+    try:
+        status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
+    except ValueError:  # details whose code or message disagree with the call's
+        return ""
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
 
 
 def _stages(indices: Sequence[int]) -> str:

@@ -30,6 +30,14 @@ from pipeline.weights.quant import validate_quantization
 from pipeline.weights.quant_load import activation_dtype, load_stage_model
 
 
+class SpecBookkeepingError(ValueError):
+    """A StageLoadSpec whose fields that only the coordinator's own bookkeeping sets are inconsistent:
+    a stage index outside [0, num_stages), an invalid layer range, distributed ranks that disagree with
+    the stage, FIRP's layer without its k, a calibration size out of range. Never the user's input
+    (their model files and settings are checked with plain ValueError): a bug, or a coordinator of
+    another version; a stage answers it FAILED_PRECONDITION, and `launch` exits 1."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageLoadSpec:
     """Everything one stage worker needs to load its weights and join the data plane.
@@ -40,7 +48,9 @@ class StageLoadSpec:
     bytes of a trained early-exit predictor file (pipeline/speculation/predictor_file.py) for the exit head, or
     b"" (the untrained logit lens). `firp_layer` -1 / `firp_k` 0 mean FIRP off; `firp_file`
     (predictor-file bytes) is sent only to the stage holding firp_layer.
-    Raises ValueError naming the field for inconsistent values (the spec may come off the wire).
+    Raises ValueError naming the field for inconsistent values (the spec may come off the wire):
+    SpecBookkeepingError for the fields the coordinator derives (stage_index, FIRP's pair), plain
+    ValueError for the user's settings (dtype, quantization, dense_layout, stage_timeout_s, tree_scratch).
     """
 
     model_dir: str
@@ -67,7 +77,7 @@ class StageLoadSpec:
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
-            raise ValueError(f"stage_index {self.stage_index} out of range [0, {self.num_stages})")
+            raise SpecBookkeepingError(f"stage_index {self.stage_index} out of range [0, {self.num_stages})")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         validate_quantization(self.quantization)
@@ -77,7 +87,7 @@ class StageLoadSpec:
         if not 0 <= self.tree_scratch <= MAX_TREE_SCRATCH:
             raise ValueError(f"tree_scratch must be in [0, {MAX_TREE_SCRATCH}], got {self.tree_scratch}")
         if self.firp_k < 0 or (self.firp_k > 0) != (self.firp_layer >= 0):
-            raise ValueError(f"FIRP needs both firp_layer and firp_k (got {self.firp_layer}, {self.firp_k})")
+            raise SpecBookkeepingError(f"FIRP needs both firp_layer and firp_k (got {self.firp_layer}, {self.firp_k})")
 
     @property
     def is_first(self) -> bool:

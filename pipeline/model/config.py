@@ -269,6 +269,7 @@ _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", 
 _FLOATS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping",
            "partial_rotary_factor")
 _ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor")
+# transformers checks no types inside rope_scaling: 8192.0 works there (llama3 divides by it), so it does here.
 _ROPE_INTS = ("original_max_position_embeddings",)
 # Numeric keys whose null means "absent / off" (as in transformers' config classes); any other null is refused.
 _NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping")
@@ -294,7 +295,7 @@ def _check_required_fields(d: dict[str, Any]) -> None:
         for prefix, part in [(f"{name}.", rope or {}), *nested]:
             if not isinstance(part, dict):
                 raise ValueError(f"config.json field {prefix[:-1]!r} must be an object, got {part!r}")
-            _check_numbers(part, prefix, ints=_ROPE_INTS, floats=_ROPE_FLOATS)
+            _check_numbers(part, prefix, ints=_ROPE_INTS, floats=_ROPE_FLOATS, integral_floats=True)
     for name in ("tie_word_embeddings", "attention_bias"):  # bool("false") is True
         if d.get(name) is not None and not isinstance(d[name], bool):
             raise ValueError(f"config.json field {name!r} must be true or false, got {d[name]!r}")
@@ -310,15 +311,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_numbers(d: dict[str, Any], prefix: str, *, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+def _check_numbers(d: dict[str, Any], prefix: str, *, ints: tuple[str, ...], floats: tuple[str, ...],
+                   integral_floats: bool = False) -> None:
     """Raise ValueError naming the key (`prefix` + key, e.g. 'rope_scaling.factor') and the value when
-    one of `ints` is not an integer or one of `floats` is not a finite number (true/false are neither;
-    null only for _NULLABLE keys). float("abc") or float([1]) would not name the key."""
+    one of `ints` is not an integer (`integral_floats`: 8192.0 is one) or one of `floats` is not a
+    finite number (true/false are neither; null only for _NULLABLE keys). float("abc") or float([1])
+    would not name the key."""
     for name in (n for n in ints + floats if n in d):
         value = d[name]
         if value is None and name in _NULLABLE:
             continue
-        if name in ints and not _is_int(value):
+        integral = integral_floats and isinstance(value, float) and value.is_integer()
+        if name in ints and not (_is_int(value) or integral):
             raise ValueError(f"config.json field {prefix + name!r} must be an integer, got {value!r}")
         if name in floats and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                    and math.isfinite(value)):

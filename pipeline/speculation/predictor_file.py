@@ -43,7 +43,7 @@ from safetensors.torch import save as st_save
 
 from pipeline.model.config import ModelConfig
 from pipeline.weights.file_memo import file_sha256
-from pipeline.weights.gguf_import import SOURCE_FILE
+from pipeline.weights.gguf_import import SOURCE_FILE, read_source
 
 FORMAT = "speedpipe-predictor/1"
 METADATA_KEY = "speedpipe"
@@ -88,10 +88,10 @@ def model_identity(model_dir: str | Path, config: ModelConfig | None = None) -> 
     """Identity of the model in `model_dir` (see ModelIdentity.hash for what is read)."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_model_dir(model_dir)
-    source = model_dir / SOURCE_FILE
+    source = read_source(model_dir)  # ValueError, one line, when malformed
     name = model_name(model_dir)
-    if source.is_file():
-        digest = json.loads(source.read_text())["sha256"]
+    if source is not None:
+        digest = source.sha256
     else:
         h = hashlib.sha256((model_dir / "config.json").read_bytes())
         for path in sorted(model_dir.glob("*.safetensors")):

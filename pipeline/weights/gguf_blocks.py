@@ -20,7 +20,6 @@ and requantised by the caller (int4 groups of 32, [Note: numeric modes] in pipel
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
@@ -31,7 +30,7 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.tensor_names import LM_HEAD
 from pipeline.weights.file_memo import load_index
 from pipeline.weights.gguf_families import PERMUTED_ARCHITECTURES, field, tensor_targets
-from pipeline.weights.gguf_import import SOURCE_FILE, open_gguf, unpermute_qk
+from pipeline.weights.gguf_import import open_gguf, read_source, unpermute_qk
 from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
 # Checkpoint names of projections: every family's `*_proj`, and Mixtral's experts (`w1`, `w2`, `w3`).
@@ -45,12 +44,11 @@ INT8_TYPES = {gguf.GGMLQuantizationType.Q8_0}
 
 def gguf_source_of(model_dir: str | Path) -> Path | None:
     """The GGUF file a converted folder was made from (its `speedpipe_source.json`), or None for a
-    plain Hugging Face folder or when that file is gone."""
-    meta = Path(model_dir) / SOURCE_FILE
-    if not meta.is_file():
-        return None
-    path = Path(json.loads(meta.read_text())["path"])
-    return path if path.is_file() else None
+    plain Hugging Face folder or when that file is gone. Raises ValueError (one line naming the file)
+    for a malformed speedpipe_source.json (gguf_import.read_source)."""
+    source = read_source(model_dir)
+    path = None if source is None else Path(source.path)
+    return path if path is not None and path.is_file() else None
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

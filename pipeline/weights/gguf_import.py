@@ -78,6 +78,41 @@ class GgufSource:
             other.size_bytes, other.sha256, other.converter_version)
 
 
+def read_source(model_dir: str | Path) -> GgufSource | None:
+    """The `speedpipe_source.json` of a converted folder, or None for a folder without one (a plain
+    Hugging Face folder). Raises ValueError, one line naming the file and the problem, when it is not
+    a JSON object with `path`, `size_bytes` and `sha256` of the right types: a folder speedpipe
+    converted that was edited or damaged since (deleting it makes the next run convert the GGUF again)."""
+    path = Path(model_dir) / SOURCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        problem = f"not valid JSON ({exc})"
+    else:
+        problem = _source_problem(d)
+    if problem:
+        raise ValueError(f"{path} is malformed: {problem}; it records the GGUF file this folder was converted "
+                         "from: delete the folder and convert the GGUF again (or remove the file if the folder "
+                         "is a Hugging Face model)")
+    return GgufSource(**{k: d[k] for k in ("path", "size_bytes", "sha256", "converter_version") if k in d})
+
+
+def _source_problem(d: Any) -> str:
+    """What is wrong with a parsed speedpipe_source.json (GgufSource's fields), or "" when nothing."""
+    if not isinstance(d, dict):
+        return f"it holds a JSON {type(d).__name__}, not an object"
+    types = {"path": str, "size_bytes": int, "sha256": str, "converter_version": int}
+    missing = [k for k in ("path", "size_bytes", "sha256") if k not in d]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}"
+    for key, kind in types.items():
+        if key in d and (not isinstance(d[key], kind) or isinstance(d[key], bool)):
+            return f"{key!r} must be {'a string' if kind is str else 'an integer'}, got {d[key]!r}"
+    return ""
+
+
 def _check_gguf_file(path: Path) -> None:
     """Raises FileNotFoundError, or ValueError when `path` does not start with GGUF's magic."""
     if not path.is_file():
@@ -134,8 +169,8 @@ def _repoint_source(out_dir: Path, source: GgufSource) -> None:
     """Record where the GGUF lives now when a folder converted from the same bytes names an older path
     (a re-created virtual environment or a moved file): `--quantization auto` reads its blocks from
     that path and would otherwise fall back to dense weights. Written atomically."""
-    stored = json.loads((out_dir / SOURCE_FILE).read_text())
-    if stored.get("path") == source.path:
+    stored = read_source(out_dir)
+    if stored is not None and stored.path == source.path:
         return
     tmp = out_dir / f".{SOURCE_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(dataclasses.asdict(source), indent=2) + "\n")

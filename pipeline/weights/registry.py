@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 from pathlib import Path
 
 from pipeline.weights.file_memo import MEMO_FILE, file_sha256
-from pipeline.weights.gguf_import import CONVERTER_VERSION, SOURCE_FILE, convert_gguf
+from pipeline.weights.gguf_import import CONVERTER_VERSION, convert_gguf, read_source
 from pipeline.weights.model_chunks import ChunkedGguf, assemble
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -151,8 +150,8 @@ def model_key(model_dir: str | Path) -> str:
     """What makes two resolved model folders the same model, cheaply: the GGUF's sha256 for a
     converted folder (however the model was named: `smollm2-135m` or the .gguf's path), else the
     folder's name (a Hugging Face folder is not hashed: that reads every weight)."""
-    source = Path(model_dir) / SOURCE_FILE
-    if source.is_file():
-        with contextlib.suppress(ValueError, KeyError, OSError):
-            return "sha256:" + json.loads(source.read_text())["sha256"]
+    with contextlib.suppress(ValueError, OSError):  # a malformed speedpipe_source.json is refused where it is read
+        source = read_source(model_dir)
+        if source is not None:
+            return "sha256:" + source.sha256
     return "folder:" + Path(model_dir).name

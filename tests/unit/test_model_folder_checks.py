@@ -47,6 +47,9 @@ def _edit_config(model_dir, **changes) -> None:
     ({"rms_norm_eps": [1e-5]}, r"field 'rms_norm_eps' must be a number, got \[1e-05\]"),
     ({"rope_theta": "1e4"}, "field 'rope_theta' must be a number, got '1e4'"),
     ({"rms_norm_eps": True}, "field 'rms_norm_eps' must be a number, got True"),  # float(True) is 1.0
+    # json reads NaN / Infinity; a NaN eps or an infinite base made every logit NaN, no error
+    ({"rms_norm_eps": float("nan")}, "field 'rms_norm_eps' must be a number, got nan"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "'rope_scaling.factor' must be a number, got inf"),
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "field 'rope_scaling.factor' must be a number"),
     # before: ZeroDivisionError (a traceback) once launch built the RoPE tables
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0}},
@@ -221,6 +224,38 @@ def test_auto_says_so_when_the_gguf_a_folder_came_from_is_gone(tmp_path, caplog)
         resolve(_options(model_dir, quantization="none", max_model_len=256))
     notes = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
     assert len(notes) == 1 and "the weights run dense (as --quantization none)" in notes[0], notes
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    ("{}", "no 'path', 'size_bytes', 'sha256'"),
+    ("[1, 2]", "it holds a JSON list, not an object"),
+    ('{"path": "/m.gguf", "size_bytes": 1}', "no 'sha256'"),
+    ('{"path": 5, "size_bytes": 1, "sha256": "ab"}', "'path' must be a string, got 5"),
+    ('{"path": "/m.gguf", "size_bytes": "1", "sha256": "ab"}', "'size_bytes' must be an integer, got '1'"),
+    ("{", "not valid JSON"),
+])
+def test_a_malformed_speedpipe_source_json_is_one_line_naming_it(tmp_path, content, problem):
+    """Before: KeyError 'path' (a traceback, exit 1) in gguf_source_of, or a TypeError for a list."""
+    from pipeline.speculation.predictor_file import model_identity
+    from pipeline.weights.gguf_blocks import gguf_source_of
+
+    model_dir = write_tiny_model(tmp_path / "m")
+    (model_dir / "speedpipe_source.json").write_text(content)
+    for read in (gguf_source_of, model_identity):
+        with pytest.raises(ValueError, match="speedpipe_source.json is malformed") as info:
+            read(model_dir)
+        assert problem in str(info.value) and "delete the folder and convert the GGUF again" in str(info.value)
+        assert str(model_dir / "speedpipe_source.json") in str(info.value) and "\n" not in str(info.value)
+
+
+def test_launch_exits_2_on_a_malformed_speedpipe_source_json(tmp_path, capsys):
+    from launcher.cli.main import main
+
+    model_dir = write_tiny_model(tmp_path / "m")
+    (model_dir / "speedpipe_source.json").write_text("{}")
+    code = main(["launch", "--model", str(model_dir), "--prompt", "hi", "--no-progress", "--quantization", "auto"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "speedpipe_source.json is malformed" in err, err
 
 
 def test_a_model_cache_that_cannot_be_written_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):

@@ -105,3 +105,45 @@ def test_a_load_the_worker_was_not_started_for_is_not_the_user_s_input(release):
         _load(["ok", "mismatch"], release)
     assert not err.value.user_input
 
+
+
+def test_a_load_request_the_stage_cannot_parse_is_a_version_mismatch_not_the_user_s_input(release):
+    """A real stage answers INVALID_ARGUMENT with ErrorInfo reason UNPARSABLE_REQUEST to Load bytes
+    that are not its LoadStageRequest (a coordinator of another version): an internal error (exit 1)
+    saying so. Before: counted as the user's input (exit 2), like a bad model file."""
+    from proto import speedpipe_pb2 as pb
+    from workers.stage_worker import start_server, stop_server
+
+    stop = threading.Event()
+    server, servicer, port = start_server(stage_index=0, host="127.0.0.1", stop_event=stop)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            load = channel.unary_unary("/speedpipe.v1.StageService/Load", request_serializer=lambda raw: raw,
+                                       response_deserializer=pb.LoadStageResponse.FromString)
+            stub = type("Stub", (), {"Load": staticmethod(lambda request, timeout: load(request, timeout=timeout))})
+            with pytest.raises(StageLoadError) as err:
+                stage_control.load_and_join([stub], [b"\xff\xff\xff"], lambda: None, timeout_s=10)
+    finally:
+        stop_server(server, servicer)
+    assert not err.value.user_input
+    assert str(err.value).startswith("stage 0 failed to load: the coordinator and the stage disagree on the control "
+                                     "protocol (different speedpipe versions?): /speedpipe.v1.StageService/Load: the "
+                                     "request could not be parsed as speedpipe.v1.LoadStageRequest"), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_an_rpc_error_without_details_has_no_reason():
+    assert stage_control.error_reason(_RpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad weights")) == ""
+    assert stage_control.error_reason(RuntimeError("rendezvous timed out")) == ""
+
+
+def test_a_stage_s_message_of_several_lines_is_reported_in_one(release):
+    """Before: an unexpected error whose message spans lines (torch's "Error(s) in loading state_dict
+    for X:\n\tsize mismatch ...") reached `launch`'s stderr as several lines."""
+    _STATUS["multiline"] = (grpc.StatusCode.INTERNAL, "RuntimeError: Error(s) in loading:\n\tsize mismatch for w\n")
+    try:
+        with pytest.raises(StageLoadError, match=r"^stage 1 failed to load the model: RuntimeError: Error\(s\) in "
+                                                 r"loading: size mismatch for w$"):
+            _load(["ok", "multiline"], release)
+    finally:
+        del _STATUS["multiline"]

@@ -41,7 +41,7 @@ def _model_with_a_corrupt_block_table(path):
     config = json.loads((model_dir / "config.json").read_text())
     blocks = path / "blocks.bin"
     blocks.write_bytes(bytes(1 << 16))
-    (model_dir / SOURCE_FILE).write_text(json.dumps({"path": str(blocks)}))
+    (model_dir / SOURCE_FILE).write_text(json.dumps({"path": str(blocks), "size_bytes": 1 << 16, "sha256": "0" * 64}))
     hidden = config["hidden_size"]
     tensors = [{"name": f"blk.{i}.attn_q.weight", "type": 2, "shape": [hidden, hidden], "offset": 0, "dtype": "<f4",
                 "data_shape": [hidden, hidden // 32 * 18]} for i in range(config["num_hidden_layers"])]

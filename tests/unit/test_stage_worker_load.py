@@ -36,7 +36,9 @@ class FakeContext:
 
 
 @pytest.mark.parametrize("rows", [-3, MAX_CALIBRATION_ROWS + 1])
-def test_a_calibration_out_of_range_is_invalid_argument_and_leaves_the_stage_unloaded(tmp_path, rows):
+def test_a_calibration_out_of_range_is_failed_precondition_and_leaves_the_stage_unloaded(tmp_path, rows):
+    """The coordinator caps calibrate_max_rows (session.calibration_max_rows): out of range is its own
+    bookkeeping, an internal error. Before: INVALID_ARGUMENT, the user's input (exit 2)."""
     model_dir = write_tiny_model(tmp_path / "model", seed=4)
     spec = StageLoadSpec(model_dir=str(model_dir), stage_index=0, num_stages=1, layer_range=LayerRange(0, 4),
                          max_num_seqs=1, max_model_len=16, calibrate_max_rows=rows)
@@ -45,7 +47,7 @@ def test_a_calibration_out_of_range_is_invalid_argument_and_leaves_the_stage_unl
     context = FakeContext()
     with pytest.raises(Aborted):
         servicer.Load(spec_to_proto(spec), context)
-    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert context.code == grpc.StatusCode.FAILED_PRECONDITION
     # The message does not name the stage (before: "stage 0: calibrate..."): the coordinator adds
     # "stage 0 failed to load: ", and the stage was named twice.
     assert context.details.startswith(f"calibrate_max_rows must be in [1, {MAX_CALIBRATION_ROWS}]")
@@ -67,6 +69,55 @@ def test_a_load_for_another_stage_is_failed_precondition_not_the_user_s_input(tm
     assert (context.code, context.details) == (grpc.StatusCode.FAILED_PRECONDITION,
                                                "worker was started as stage 0, Load asks for 1")
     assert servicer.executor is None
+
+
+# Fields of a LoadStageRequest: only the coordinator's bookkeeping sets the first four (FAILED_PRECONDITION,
+# launch exits 1), the user's settings the rest (INVALID_ARGUMENT, exit 2).
+@pytest.mark.parametrize(("changes", "code", "message"), [
+    ({"stage_index": 2, "dist_rank": 3}, "FAILED_PRECONDITION", "stage_index 2 out of range [0, 2)"),
+    ({"layer_start": 3, "layer_stop": 1}, "FAILED_PRECONDITION", "invalid layer range [3, 1)"),
+    ({"dist_world_size": 5}, "FAILED_PRECONDITION", "dist rank/world 1/5 disagree with stage 0 of 2"),
+    ({"firp_layer": 1, "firp_k": 0}, "FAILED_PRECONDITION", "FIRP needs both firp_layer and firp_k"),
+    ({"dtype": "float64"}, "INVALID_ARGUMENT", "dtype must be one of"),
+    ({"quantization": "int3"}, "INVALID_ARGUMENT", "quantization must be one of"),
+    ({"dense_layout": "fast", "dtype": "bfloat16"}, "INVALID_ARGUMENT", "dense_layout fast needs"),
+    ({"stage_timeout_s": -1.0}, "INVALID_ARGUMENT", "stage_timeout_s must be > 0"),
+    ({"tree_scratch": 10**6}, "INVALID_ARGUMENT", "tree_scratch must be in"),
+])
+def test_a_spec_the_coordinator_got_wrong_is_failed_precondition_and_the_user_s_settings_invalid_argument(
+    tmp_path, changes, code, message
+):
+    """Before: every StageLoadSpec the worker refused was INVALID_ARGUMENT, the user's input (exit 2),
+    a stage index outside num_stages included."""
+    spec = StageLoadSpec(model_dir=str(tmp_path), stage_index=0, num_stages=2, layer_range=LayerRange(0, 2),
+                         max_num_seqs=1, max_model_len=16)
+    request = spec_to_proto(spec)
+    for name, value in changes.items():
+        setattr(request, name, value)
+    servicer = StageServicer(changes.get("stage_index", 0), threading.Event())
+    servicer._load_model = lambda spec: pytest.fail("Load went on to load the model")
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        servicer.Load(request, context)
+    assert (context.code, context.details.startswith(message)) == (getattr(grpc.StatusCode, code), True), \
+        context.details
+
+
+def test_launch_exits_1_when_the_coordinator_s_own_spec_is_inconsistent(tmp_path, monkeypatch, capsys):
+    """A SpecBookkeepingError is a ValueError, which `launch` answers with exit 2 (the user's input):
+    the same refusal before any stage starts must be internal, as it is from a stage's Load."""
+    from launcher.cli.main import main
+    from launcher.coordinator.session import PipelineSession
+    from pipeline.engine.stage_assembly import SpecBookkeepingError
+
+    def inconsistent(self):
+        raise SpecBookkeepingError("stage_index 2 out of range [0, 2)")
+
+    monkeypatch.setattr(PipelineSession, "_start", inconsistent)
+    model_dir = write_tiny_model(tmp_path / "m")
+    assert main(["launch", "--model", str(model_dir), "--stages", "2", "--prompt", "hi", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "speedpipe launch: internal error: stage_index 2 out of range [0, 2)", err
 
 
 def test_an_unexpected_load_error_is_internal_with_its_type_and_the_traceback_only_at_debug(tmp_path, caplog):
