@@ -42,6 +42,7 @@ from launcher.serving.choice_streams import ChoiceStreams, merged
 from launcher.serving.http_errors import (
     BodyTooLarge,
     admission_error,
+    decode_body,
     error_response,
     failure,
     read_body,
@@ -100,7 +101,7 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     """Decode, validate, tokenise and submit one request body (in a worker thread): n choices are n
     independent sequences, seeds derived per choice (`ParsedRequest.choice_params`).
     Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
-    body = openai_protocol.decode_body(raw)
+    body = decode_body(raw)
     tokenizer, model = engine.tokenizer, engine.model_name
     if chat:
         parsed = openai_protocol.parse_chat(body, tokenizer=tokenizer, model_name=model,
@@ -306,7 +307,7 @@ def _add_tokenizer_routes(app: FastAPI, engine: ServingEngine, *, api_key: str |
             return denied
         try:
             raw = await read_body(request, max_request_bytes)
-            return JSONResponse(await asyncio.to_thread(lambda: answer(openai_protocol.decode_body(raw))))
+            return JSONResponse(await asyncio.to_thread(lambda: answer(decode_body(raw))))
         except ClientDisconnect:
             return Response(status_code=400)
         except (BodyTooLarge, ValueError) as exc:  # InvalidRequestError is a ValueError

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import time
 import uuid
@@ -30,7 +29,6 @@ from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
 MAX_STOP_STRINGS = 4
 API_SEED_LIMIT = 2**63  # seeds in [0, 2**63): vLLM's API takes a signed 64-bit seed (torch.long)
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
@@ -59,42 +57,6 @@ class ParsedRequest:
         if self.params.seed is None:
             return [self.params] * self.n
         return [dataclasses.replace(self.params, seed=(self.params.seed + i) % API_SEED_LIMIT) for i in range(self.n)]
-
-
-def decode_body(raw: bytes) -> Any:
-    """The JSON value of a request body. Raises InvalidRequestError (param "body") for bytes that are
-    not UTF-8 JSON, nesting deeper than MAX_JSON_DEPTH, or a string that is not valid Unicode (a lone
-    surrogate such as "\\ud800", which JSON allows but no tokenizer can encode)."""
-    try:
-        value = json.loads(raw)
-    except RecursionError:  # the C parser recurses per level: ~1000 levels of [ or {
-        raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
-                                  "body") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}", "body") from None
-    _check_value(value)
-    return value
-
-
-def _check_value(value: Any) -> None:
-    """Raise InvalidRequestError if `value` nests deeper than MAX_JSON_DEPTH or any string (key or
-    value) in it is not encodable as UTF-8. Iterative: never recurses."""
-    stack = [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth >= MAX_JSON_DEPTH:
-                raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} "
-                                          f"levels", "body")
-            children = [*v.keys(), *v.values()] if isinstance(v, dict) else v
-            stack.extend((c, depth + 1) for c in children)
-        elif isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                bad = v[exc.start:exc.end].encode("utf-8", "backslashreplace").decode()
-                raise InvalidRequestError(f"request body has a string that is not valid Unicode (lone surrogate "
-                                          f"{bad})", "body") from None
 
 
 def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:
