@@ -46,6 +46,7 @@ from launcher.serving.serving_engine import (
     QueueFullError,
     ServingEngine,
     UnavailableError,
+    shown,
 )
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
@@ -124,12 +125,13 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if not all(req.stop):
         raise InvalidRequestError("'stop' strings must not be empty", "stop")
     if req.HasField("seed") and req.seed >= API_SEED_LIMIT:  # HTTP's range (vLLM's: a signed 64-bit seed)
-        raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {req.seed}", "seed")
+        raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {shown(req.seed)}", "seed")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range
         raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.7g}",
                                   "temperature")
     if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_LOGPROBS:  # SamplingParams says "None or ..."
-        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}] when set, got {req.logprobs}", "logprobs")
+        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}] when set, got {shown(req.logprobs)}",
+                                  "logprobs")
     try:
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p if req.HasField("top_p") else 1.0,

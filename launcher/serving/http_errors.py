@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
 from launcher.serving import openai_protocol
-from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError
+from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError, clipped
 from workers.control_auth import secret_matches
 
 MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
@@ -77,7 +77,7 @@ def _check_value(value: Any) -> None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError as exc:
-                bad = v[exc.start:exc.end].encode("utf-8", "backslashreplace").decode()
+                bad = clipped(v[exc.start:exc.end].encode("utf-8", "backslashreplace").decode())
                 raise InvalidRequestError(f"request body has a string that is not valid Unicode (lone surrogate "
                                           f"{bad})", "body") from None
 

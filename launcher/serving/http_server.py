@@ -56,6 +56,7 @@ from launcher.serving.serving_engine import (
     RequestStream,
     ServingEngine,
     UnavailableError,
+    shown,
 )
 
 log = logging.getLogger("speedpipe.serve")
@@ -288,7 +289,8 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
         if (denied := refused(request, api_key)) is not None:
             return denied
         if model_id != engine.model_name:
-            return error_response(404, f"The model {model_id!r} does not exist", "model", type_="not_found_error")
+            return error_response(404, f"The model {shown(model_id)} does not exist", "model",
+                                  type_="not_found_error")
         return JSONResponse(card)
 
     @app.post("/v1/completions")

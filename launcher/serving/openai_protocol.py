@@ -24,7 +24,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from launcher.serving.prometheus import FINISH_REASONS
-from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
+from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError, clipped, shown
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -36,6 +36,7 @@ API_SEED_LIMIT = 2**63  # seeds in [0, 2**63): vLLM's API takes a signed 64-bit 
 # Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
 UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "logit_bias", "chat_template")
 MAX_N = 16  # most choices one request may ask for (each is a sequence in its own KV slot)
+TEMPLATE_TEXT_CHARS = 300  # most of a chat template's own refusal shown (it may quote the messages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +65,10 @@ def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_o
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
-        raise InvalidRequestError(f"'{name}' must be a number, got {value!r}", name)
+        raise InvalidRequestError(f"'{name}' must be a number, got {shown(value)}", name)
     if value < lo or (lo_open and value == lo) or value > hi:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise InvalidRequestError(f"'{name}' must be in {interval}, got {value}", name)
+        raise InvalidRequestError(f"'{name}' must be in {interval}, got {shown(value)}", name)
     return float(value)
 
 
@@ -76,10 +77,10 @@ def _int(body: dict, name: str, default: int | None, *, lo: int, hi: int | None 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"'{name}' must be an integer, got {value!r}", name)
+        raise InvalidRequestError(f"'{name}' must be an integer, got {shown(value)}", name)
     if value < lo or (hi is not None and value >= hi):
         limit = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
-        raise InvalidRequestError(f"'{name}' must be {limit}, got {value}", name)
+        raise InvalidRequestError(f"'{name}' must be {limit}, got {shown(value)}", name)
     return value
 
 
@@ -99,14 +100,15 @@ def check_model(body: dict, model_name: str) -> None:
     """Raise InvalidRequestError ('model') unless the body names no model or this server's."""
     model = body.get("model")
     if model is not None and model != model_name:
-        raise InvalidRequestError(f"model {model!r} does not exist; this server serves '{model_name}'", "model")
+        raise InvalidRequestError(f"model {shown(model)} does not exist; this server serves '{model_name}'",
+                                  "model")
 
 
 def bool_field(body: dict, name: str, default: bool) -> bool:
     """The true/false field `name` (null or absent: `default`). Raises InvalidRequestError naming it."""
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise InvalidRequestError(f"'{name}' must be true or false, got {value!r}", name)
+        raise InvalidRequestError(f"'{name}' must be true or false, got {shown(value)}", name)
     return default if value is None else value
 
 
@@ -116,16 +118,17 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
     for name in UNSUPPORTED:
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
-            raise InvalidRequestError(f"'{name}' = {value!r} is not supported by this server", name)
+            raise InvalidRequestError(f"'{name}' = {shown(value)} is not supported by this server", name)
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
-        raise InvalidRequestError(f"'response_format' = {fmt!r} is not supported (only text)", "response_format")
+        raise InvalidRequestError(f"'response_format' = {shown(fmt)} is not supported (only text)",
+                                  "response_format")
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
     for flag in ("stream", "ignore_eos", "return_token_ids", "echo"):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
-            raise InvalidRequestError(f"'{flag}' must be true or false, got {body[flag]!r}", flag)
+            raise InvalidRequestError(f"'{flag}' must be true or false, got {shown(body[flag])}", flag)
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise InvalidRequestError("'stream_options' must be an object", "stream_options")
@@ -166,7 +169,7 @@ def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
         raise InvalidRequestError("'echo' is only supported on /v1/completions", "echo")
     want = body.get("logprobs", False)
     if want is not None and not isinstance(want, bool):
-        raise InvalidRequestError(f"'logprobs' must be true or false, got {want!r}", "logprobs")
+        raise InvalidRequestError(f"'logprobs' must be true or false, got {shown(want)}", "logprobs")
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
     if top is not None and not want:
         raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -211,7 +214,8 @@ def _compiled_template(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message: str):
-        raise InvalidRequestError(f"chat template refused the messages: {message}", "messages")
+        text = clipped(str(message), TEMPLATE_TEXT_CHARS)
+        raise InvalidRequestError(f"chat template refused the messages: {text}", "messages")
 
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)

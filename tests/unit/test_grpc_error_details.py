@@ -21,7 +21,7 @@ from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
-from workers.request_parse import misread_fields
+from workers.request_parse import MAX_NAMED_FIELDS, misread_fields
 from workers.status_details import DOMAIN, status_with_details
 
 pytestmark = pytest.mark.timeout(60)
@@ -275,3 +275,22 @@ def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys, api_ke
     finally:
         server.stop()
     assert capsys.readouterr().out == printed
+
+
+def test_a_field_sent_thousands_of_times_with_a_wrong_wire_type_is_named_once(grpc_server):  # noqa: F811
+    """Each misread occurrence was named: 5000 of them made a 90 KB trailer, over the client's metadata
+    limit, so the client saw RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of
+    INVALID_ARGUMENT. A field is named once, and at most MAX_NAMED_FIELDS fields (then "and N more")."""
+    _, _, channel = grpc_server
+    method, descriptor = next(r for r in _rpcs() if r[0].endswith("/Generate"))
+    request = pb.GenerateRequest(prompt="hi", max_new_tokens=2).SerializeToString() + b"\x40\x01" * 5000
+    with pytest.raises(grpc.RpcError) as info:  # stop (field 8, a string) 5000 times as a varint
+        _raw_call(channel, method, descriptor, request, metadata=KEY)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().count("'stop' (field 8)") == 1
+    assert [v.field for v in _details(info.value)["BadRequest"].field_violations] == ["stop"]
+    every = b"".join(bytes([number << 3 | 1]) + bytes(8) for number in range(1, 15))  # fields 1..14 as fixed64
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, every, metadata=KEY)
+    assert f"and {14 - MAX_NAMED_FIELDS} more arrived" in info.value.details()
+    assert len(_details(info.value)["BadRequest"].field_violations) == MAX_NAMED_FIELDS

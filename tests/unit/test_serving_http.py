@@ -22,7 +22,7 @@ from launcher.cli.main import main
 from launcher.coordinator.coordinator import PipelineError, RequestHandle
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
-from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
+from launcher.serving.serving_engine import InvalidRequestError, ServingEngine, shown
 from pipeline.engine.records import Commit, FinishReason, SpecCounters
 from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
@@ -816,3 +816,50 @@ def test_an_unknown_model_name_is_quoted_on_one_line(served):
     assert r.status_code == 404 and r.json()["error"]["message"] == "The model 'a\\rb' does not exist"
     r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "model": "other"})
     assert r.json()["error"]["message"] == "model 'other' does not exist; this server serves 'tiny'"
+
+
+def test_shown_cuts_a_long_value_and_keeps_a_short_one_as_repr():
+    assert [shown(v) for v in ("hot", 3, -1.5, None, [1, "a"], {"type": "json_object"})] == [
+        "'hot'", "3", "-1.5", "None", "[1, 'a']", "{'type': 'json_object'}"]
+    assert shown("x" * 20_000) == "'" + "x" * 79 + "… (20000 characters)"
+    assert shown(list(range(5000))) == repr(list(range(5000)))[:80] + "… (5000 items)"
+    assert shown(10**500) == "1" + "0" * 79 + "… (501 characters)"
+
+
+LONG = "x" * 20_000
+
+
+@pytest.mark.parametrize(("route", "body", "param", "start"), [
+    ("/v1/completions", {"temperature": LONG}, "temperature", "'temperature' must be a number, got 'xxx"),
+    ("/v1/completions", {"max_tokens": [7] * 5000}, "max_tokens", "'max_tokens' must be an integer, got [7, 7"),
+    ("/v1/completions", {"max_tokens": -(10**1000)}, "max_tokens", "'max_tokens' must be >= 1, got -1000"),
+    ("/v1/completions", {"top_p": 10**1000}, "top_p", "'top_p' must be in (0, 1], got 1000"),
+    ("/v1/completions", {"model": LONG}, "model", "model 'xxx"),
+    ("/v1/completions", {"stream": LONG}, "stream", "'stream' must be true or false, got 'xxx"),
+    ("/v1/completions", {"tools": [{"type": "function"}] * 3000}, "tools", "'tools' = [{'type'"),
+    ("/v1/completions", {"response_format": {"type": LONG}}, "response_format", "'response_format' = {'type'"),
+    ("/v1/completions", {"prompt": [10**1000]}, "prompt", "'prompt' token id 1000"),
+    ("/v1/completions", {"prompt": "\ud800" * 5000}, "body", "request body has a string that is not valid"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": LONG}, "logprobs",
+     "'logprobs' must be true or false, got 'xxx"),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens": LONG}, "add_special_tokens", "'add_special_tokens' must"),
+    ("/detokenize", {"tokens": [LONG]}, "tokens", "'tokens[0]' = 'xxx"),
+])
+def test_an_error_echoing_a_huge_value_shows_its_start_and_size(served, route, body, param, start):
+    """A message that echoes the client's value was as long as the value (20,000 characters and more);
+    it now shows the value's first SHOWN_CHARS characters, "…" and its size."""
+    _, _, url = served
+    body = {"prompt": "Hi", **body} if route == "/v1/completions" else body
+    raw = json.dumps(body).encode("utf-8", "surrogatepass")
+    r = httpx.post(url + route, content=raw, headers={"Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    assert error["message"].startswith(start) and "… (" in error["message"] and len(error["message"]) < 250, error
+
+
+def test_a_huge_unknown_model_id_is_cut_in_the_404(served):
+    _, _, url = served
+    r = httpx.get(url + "/v1/models/" + "m" * 5000)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message == "The model '" + "m" * 79 + "… (5000 characters) does not exist"
+
