@@ -104,11 +104,14 @@ def check_model(body: dict, model_name: str) -> None:
                                   "model")
 
 
-def bool_field(body: dict, name: str, default: bool) -> bool:
-    """The true/false field `name` (null or absent: `default`). Raises InvalidRequestError naming it."""
+def bool_field(body: dict, name: str, default: bool, *, parent: str | None = None) -> bool:
+    """The true/false field `name` of `body` (null or absent: `default`), as OpenAI and vLLM take it: any
+    other JSON value (1, "yes", {}) raises InvalidRequestError naming the field, as `parent.name` for a
+    field of the object `parent` (stream_options.include_usage)."""
     value = body.get(name)
+    field = name if parent is None else f"{parent}.{name}"
     if value is not None and not isinstance(value, bool):
-        raise InvalidRequestError(f"'{name}' must be true or false, got {shown(value)}", name)
+        raise InvalidRequestError(f"'{field}' must be true or false, got {shown(value)}", field)
     return default if value is None else value
 
 
@@ -126,16 +129,14 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
-    for flag in ("stream", "ignore_eos", "return_token_ids", "echo"):
-        if body.get(flag) is not None and not isinstance(body[flag], bool):
-            raise InvalidRequestError(f"'{flag}' must be true or false, got {shown(body[flag])}", flag)
+    flags = {name: bool_field(body, name, False) for name in ("stream", "ignore_eos", "return_token_ids", "echo")}
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise InvalidRequestError("'stream_options' must be an object", "stream_options")
-    if stream_options is not None and not body.get("stream"):
+    if stream_options is not None and not flags["stream"]:
         raise InvalidRequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
-    stream_options = stream_options or {}
     return {
+        **flags,
         "max_new_tokens": max_tokens,
         "temperature": _number(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
         "top_p": _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
@@ -143,10 +144,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "min_p": _number(body, "min_p", 0.0, lo=0.0, hi=1.0),
         "seed": _int(body, "seed", None, lo=0, hi=API_SEED_LIMIT),
         "stop": _stop(body),
-        "ignore_eos": bool(body.get("ignore_eos")),
-        "stream": bool(body.get("stream")),
-        "include_usage": bool(stream_options.get("include_usage", False)),
-        "return_token_ids": bool(body.get("return_token_ids")),
+        "include_usage": bool_field(stream_options or {}, "include_usage", False, parent="stream_options"),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -158,18 +156,15 @@ def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
     """Completions: `logprobs` (null or 0..MAX_LOGPROBS alternatives) and `echo` (prompt logprobs too)."""
     lp = {"logprobs": None if body.get("logprobs") is False else body.get("logprobs")}  # false: none, as null
     kw["logprobs"] = _int(lp, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
-    kw["echo"] = bool(body.get("echo"))
     if kw["echo"] and kw["logprobs"] is not None:
         kw["prompt_logprobs"] = kw["logprobs"]
 
 
 def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
     """Chat: `logprobs` (true/false) and `top_logprobs` (0..MAX_LOGPROBS, only with logprobs)."""
-    if body.get("echo"):
+    if kw["echo"]:
         raise InvalidRequestError("'echo' is only supported on /v1/completions", "echo")
-    want = body.get("logprobs", False)
-    if want is not None and not isinstance(want, bool):
-        raise InvalidRequestError(f"'logprobs' must be true or false, got {shown(want)}", "logprobs")
+    want = bool_field(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
     if top is not None and not want:
         raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")

@@ -863,3 +863,22 @@ def test_a_huge_unknown_model_id_is_cut_in_the_404(served):
     message = r.json()["error"]["message"]
     assert r.status_code == 404 and message == "The model '" + "m" * 79 + "… (5000 characters) does not exist"
 
+
+@pytest.mark.parametrize("value", [1, 0, "true", "", {}, [], [True]])
+def test_include_usage_must_be_a_boolean(served, tokenizer, value):
+    """OpenAI and vLLM take stream_options.include_usage as a boolean only; any JSON value was read as
+    truthy or falsy. null is the default (false)."""
+    body = {"prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": value}}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion(body, tokenizer=tokenizer, model_name="tiny")
+    assert info.value.param == "stream_options.include_usage"
+    _, _, url = served
+    for route, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "Hi"}]})):
+        r = httpx.post(url + route, json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"'stream_options.include_usage' must be true or false, got {value!r}",
+            "type": "invalid_request_error", "param": "stream_options.include_usage", "code": 400}
+    body["stream_options"]["include_usage"] = None
+    assert parse_completion(body, tokenizer=tokenizer, model_name="tiny").include_usage is False
+
