@@ -143,7 +143,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 top_k=req.top_k, min_p=req.min_p)
     except SamplingParamError as exc:  # "top_p must be ..." -> "'top_p' must be ..."; the proto's field names
         message = _FLOAT32.sub(lambda m: f"{float(m.group()):.7g}", str(exc))  # -0.10000000149011612 -> -0.1
-        raise InvalidRequestError(message.replace(exc.param, f"'{exc.param}'", 1), exc.param) from None
+        raise InvalidRequestError.of_setting(exc, exc.param, message) from None
     return ids, params
 
 

@@ -122,4 +122,4 @@ def admission_error(exc: Exception) -> JSONResponse:
         return error_response(429, str(exc), None, type_="rate_limit_error")
     if isinstance(exc, (UnavailableError, PipelineError)):
         return unavailable(exc)
-    return error_response(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
+    return error_response(400, str(exc), None)  # ValueError: the coordinator's checks not caught above

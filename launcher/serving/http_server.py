@@ -110,7 +110,8 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     else:
         parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model,
                                                   max_model_len=engine.max_model_len)
-    engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
+    engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field,
+                        budget_field=parsed.budget_field)
     if parsed.n > engine.max_num_seqs + engine.max_queue:
         raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
                                   f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")

@@ -26,7 +26,7 @@ from jinja2 import TemplateError
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError, clipped, shown
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
+from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
@@ -51,6 +51,7 @@ class ParsedRequest:
     prompt_field: str
     n: int = 1
     echo: bool = False
+    budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling parameters of each of the n choices: the same, but with seed + i for
@@ -137,6 +138,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         raise InvalidRequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
     return {
         **flags,
+        "budget_field": field,
         "max_new_tokens": max_tokens,
         "temperature": _number(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
         "top_p": _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
@@ -172,8 +174,23 @@ def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
 
 
 def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> ParsedRequest:
-    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids", "n", "echo") if k in kw}
-    return ParsedRequest(prompt_ids, SamplingParams(**kw), prompt_field=prompt_field, **options)
+    """The ParsedRequest of validated fields `kw` (SamplingParams' and the options'). A setting that
+    SamplingParams refuses although the checks above let it through is an InvalidRequestError naming
+    the request's own field (`api_field`), not a bare ValueError (HTTP's `param: null`)."""
+    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids", "n", "echo",
+                                      "budget_field")}
+    try:
+        params = SamplingParams(**kw)
+    except SamplingParamError as exc:
+        raise InvalidRequestError.of_setting(exc, api_field(exc.param, options["budget_field"])) from None
+    return ParsedRequest(prompt_ids, params, prompt_field=prompt_field, **options)
+
+
+def api_field(param: str, budget_field: str) -> str:
+    """The request field of SamplingParams' field `param`: max_new_tokens is the request's budget field
+    (`budget_field`: max_tokens, or max_completion_tokens when the request used it), prompt_logprobs
+    is completions' logprobs (with echo), the others have the API's names."""
+    return {"max_new_tokens": budget_field, "prompt_logprobs": "logprobs"}.get(param, param)
 
 
 def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int | None = None) -> ParsedRequest:

@@ -31,7 +31,7 @@ from typing import Any
 from launcher.coordinator.coordinator import Coordinator, RequestHandle, StreamChunk
 from launcher.serving.prometheus import ServingMetrics
 from pipeline.run_config import check_prompt_length
-from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 
 log = logging.getLogger("speedpipe.serve")
 
@@ -53,6 +53,13 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
+
+    @classmethod
+    def of_setting(cls, exc: SamplingParamError, field: str, message: str | None = None) -> InvalidRequestError:
+        """A SamplingParams refusal (`message`, default str(exc)) as the request's `field`: the field is
+        `param`, and quoted replaces exc.param at the message's start ("top_p must be in (0, 1], got 0"
+        -> "'top_p' must be in (0, 1], got 0"; max_new_tokens -> 'max_tokens' on HTTP)."""
+        return cls((message or str(exc)).replace(exc.param, f"'{field}'", 1), field)
 
 
 SHOWN_CHARS = 80  # most characters of a client's value that an error message echoes

@@ -20,6 +20,7 @@ import pytest
 
 from launcher.cli.main import main
 from launcher.coordinator.coordinator import PipelineError, RequestHandle
+from launcher.serving import openai_protocol
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
 from launcher.serving.serving_engine import InvalidRequestError, ServingEngine, shown
@@ -28,7 +29,7 @@ from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
 from pipeline.speculation.logprobs import TokenLogprob
-from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
 from tests.tiny_model import write_tiny_model
@@ -882,3 +883,42 @@ def test_include_usage_must_be_a_boolean(served, tokenizer, value):
     body["stream_options"]["include_usage"] = None
     assert parse_completion(body, tokenizer=tokenizer, model_name="tiny").include_usage is False
 
+
+def test_a_setting_sampling_params_refuses_names_the_request_field(served, monkeypatch):
+    """A SamplingParamError (a setting the API's checks let through: here logprobs up to 30 allowed by
+    a raised API limit) was a bare ValueError, answered with `param: null`; it now names the field."""
+    _, _, url = served
+    monkeypatch.setattr(openai_protocol, "MAX_LOGPROBS", 30)  # SamplingParams still allows 20
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 25})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert r.json()["error"]["message"] == "'logprobs' must be None or an integer in [0, 20], got 25"
+
+
+@pytest.mark.parametrize(("route", "body", "refused", "field"), [
+    ("/v1/completions", {"max_tokens": 5}, "max_new_tokens", "max_tokens"),
+    ("/v1/completions", {}, "max_new_tokens", "max_tokens"),  # the default budget
+    ("/v1/chat/completions", {"max_completion_tokens": 5}, "max_new_tokens", "max_completion_tokens"),
+    ("/v1/chat/completions", {"max_tokens": 5}, "max_new_tokens", "max_tokens"),
+    ("/v1/completions", {"logprobs": 2, "echo": True}, "prompt_logprobs", "logprobs"),
+    ("/v1/chat/completions", {"top_p": 0.5}, "top_p", "top_p"),
+])
+def test_sampling_params_names_map_to_the_request_fields(served, monkeypatch, route, body, refused, field):
+    def refuse(**kw):
+        raise SamplingParamError(refused, f"{refused} must be refused in this test, got {kw.get(refused)}")
+
+    monkeypatch.setattr(openai_protocol, "SamplingParams", refuse)
+    _, _, url = served
+    body = {**body, "messages": [{"role": "user", "content": "Hi"}]} if "chat" in route else {**body, "prompt": "Hi"}
+    error = httpx.post(url + route, json=body).json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"'{field}' must be refused in this test"), error
+
+
+def test_a_too_long_budget_names_max_completion_tokens_when_the_request_used_it(served):
+    """check_prompt's error named 'max_tokens' (its default) also for a chat request that set
+    max_completion_tokens."""
+    _, _, url = served
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                       "max_completion_tokens": 1000})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_completion_tokens", error
+    assert "'max_completion_tokens' (1000)" in error["message"]
