@@ -16,6 +16,9 @@ fenced or draining (also mid-stream); these carry google.rpc details (workers/st
 | UNAVAILABLE | a stage without fail-over is silent | ErrorInfo STAGE_SILENT (no RetryInfo: the heartbeat decides) |
 | UNAVAILABLE | fenced after a failure, or the pipeline failed | ErrorInfo PIPELINE_FAILED (no RetryInfo) |
 
+A RetryInfo comes with the `grpc-retry-pushback-ms` trailer of the same delay, which gRPC's client-side
+retry policy reads (gRFC A6).
+
 UNAUTHENTICATED (without details) for Generate and GetModelInfo without
 `authorization: Bearer KEY` metadata when the server has --api-key (Health stays open, as HTTP
 /health). A cancelled RPC (client gone, deadline passed) aborts the request, freeing its KV slot on

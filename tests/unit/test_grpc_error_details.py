@@ -15,7 +15,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from launcher.coordinator.request_handle import PipelineError
-from launcher.serving.grpc_generate import GrpcServer
+from launcher.serving.grpc_generate import DRAINING_RETRY_S, QUEUE_FULL_RETRY_S, GrpcServer
 from launcher.serving.serving_engine import ServingEngine, UnavailableError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
@@ -275,6 +275,30 @@ def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys, api_ke
     finally:
         server.stop()
     assert capsys.readouterr().out == printed
+
+
+def _pushback(err: grpc.RpcError) -> list[str]:
+    """The values of the grpc-retry-pushback-ms trailer of a failed call (gRFC A6)."""
+    return [value for key, value in err.trailing_metadata() or () if key == "grpc-retry-pushback-ms"]
+
+
+def test_retry_info_comes_with_the_pushback_trailer_that_grpc_retry_policies_read(grpc_server):  # noqa: F811
+    """gRPC's client-side retry policy (gRFC A6) waits `grpc-retry-pushback-ms` before its next attempt;
+    it does not read RetryInfo. The trailer was missing; it now has RetryInfo's delay, in ms, and only
+    where RetryInfo is (a full queue, a drain)."""
+    _, engine, channel = grpc_server
+    assert _pushback(_generate_error(channel, prompt="hi", max_new_tokens=2, temperature=3.0)) == []
+    engine._outstanding = engine.max_num_seqs + engine.max_queue
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    engine._outstanding = 0
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _pushback(err) == [str(round(QUEUE_FULL_RETRY_S * 1000))] == ["1000"]
+    engine.fence("draining: the server is shutting down", draining=True)
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and _pushback(err) == [str(round(DRAINING_RETRY_S * 1000))]
+    engine._fence, engine._draining = None, False
+    engine.fence("pipeline failed: stage restarts exhausted")
+    assert _pushback(_generate_error(channel, prompt="hi", max_new_tokens=2)) == []  # no RetryInfo either
 
 
 def test_a_field_sent_thousands_of_times_with_a_wrong_wire_type_is_named_once(grpc_server):  # noqa: F811
