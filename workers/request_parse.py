@@ -21,6 +21,11 @@ from workers.status_details import abort_with_details
 # (a client of another version). A coordinator reads it on a stage's Load as an internal error.
 UNPARSABLE_REQUEST = "UNPARSABLE_REQUEST"
 
+# Most misread fields an error names (its message and its BadRequest), each once: a client can send a
+# field thousands of times, and a trailer over the client's metadata limit (16 KiB) turns the answer
+# into RESOURCE_EXHAUSTED "received metadata size exceeds hard limit".
+MAX_NAMED_FIELDS = 8
+
 
 def misread_fields(message: Message, prefix: str = "") -> list[tuple[str, int]]:
     """Fields of `message` (and of the messages set in it) that arrived with a wire type other than
@@ -64,8 +69,10 @@ def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
     def parsed(raw: bytes, context: grpc.ServicerContext):
         try:
             request = parse(raw)
-            misread = misread_fields(request) if isinstance(request, Message) else []
-            names = ", ".join(f"'{path}' (field {number})" for path, number in misread)
+            misread = list(dict.fromkeys(misread_fields(request))) if isinstance(request, Message) else []
+            more = f" and {len(misread) - MAX_NAMED_FIELDS} more" if len(misread) > MAX_NAMED_FIELDS else ""
+            misread = misread[:MAX_NAMED_FIELDS]
+            names = ", ".join(f"'{path}' (field {number})" for path, number in misread) + more
             why = f"{names} arrived with another wire type than the schema's" if misread else ""
             violations = [(path, f"field {number} arrived with another wire type than the schema's")
                           for path, number in misread]

@@ -3,7 +3,9 @@
 Owns `abort_with_details`: it ends an RPC with the status code and the one-line message it always had,
 plus a `google.rpc.Status` in the `grpc-status-details-bin` trailer carrying `google.rpc.BadRequest`
 (which request fields are wrong and why), `google.rpc.ErrorInfo` (a stable `reason` in the "speedpipe"
-domain, with metadata) and `google.rpc.RetryInfo` (how long to wait before retrying) as they apply.
+domain, with metadata) and `google.rpc.RetryInfo` (how long to wait before retrying) as they apply;
+with a RetryInfo, also the `grpc-retry-pushback-ms` trailer of the same delay, which gRPC's own
+client-side retry policy reads (gRFC A6), so that a client with one backs off without reading details.
 Clients read them with `grpc_status.rpc_status.from_call(err)` (README, gRPC section); clients that
 do not still see the code and the message. Used by the serving GenerateService
 (launcher/serving/grpc_generate.py) and the request-parse interceptor (workers/request_parse.py).
@@ -12,6 +14,7 @@ Must not: decide which error an RPC gets (the callers do).
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
@@ -26,6 +29,11 @@ DOMAIN = "speedpipe"  # ErrorInfo.domain of every error speedpipe's servers give
 # matches [a-z][a-zA-Z0-9-_]+ "but should ideally be lowerCamelCase" (at most 64): speedpipe's are.
 REASON = re.compile(r"[A-Z][A-Z0-9_]{0,61}[A-Z0-9]")
 METADATA_KEY = re.compile(r"[a-z][a-zA-Z0-9]{1,63}")
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRFC A6: the server's back-off before the next attempt, in ms
+
+
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
+    """The grpc.Status that `abort_with_status` takes (grpc_status.rpc_status.to_status's own shape)."""
 
 
 def status_with_details(
@@ -72,6 +80,12 @@ def abort_with_details(
     context: grpc.ServicerContext, code: grpc.StatusCode, message: str, **details
 ) -> NoReturn:
     """End the RPC as `context.abort(code, message)` does (raises), with the `status_with_details`
-    of `details` in the `grpc-status-details-bin` trailer."""
-    context.abort_with_status(rpc_status.to_status(status_with_details(code, message, **details)))
+    of `details` in the `grpc-status-details-bin` trailer, and, when they have a `retry_delay_s`, that
+    delay in whole milliseconds in the RETRY_PUSHBACK_KEY trailer (gRFC A6: a retry policy waits that
+    long before its next attempt, instead of its own back-off)."""
+    status = rpc_status.to_status(status_with_details(code, message, **details))
+    trailer = tuple(status.trailing_metadata)
+    if details.get("retry_delay_s") is not None:
+        trailer += ((RETRY_PUSHBACK_KEY, str(round(details["retry_delay_s"] * 1000))),)
+    context.abort_with_status(_Status(status.code, status.details, trailer))
     raise AssertionError("abort_with_status returned")  # grpc raises; never reached

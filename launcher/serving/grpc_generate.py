@@ -16,6 +16,9 @@ fenced or draining (also mid-stream); these carry google.rpc details (workers/st
 | UNAVAILABLE | a stage without fail-over is silent | ErrorInfo STAGE_SILENT (no RetryInfo: the heartbeat decides) |
 | UNAVAILABLE | fenced after a failure, or the pipeline failed | ErrorInfo PIPELINE_FAILED (no RetryInfo) |
 
+A RetryInfo comes with the `grpc-retry-pushback-ms` trailer of the same delay, which gRPC's client-side
+retry policy reads (gRFC A6).
+
 UNAUTHENTICATED (without details) for Generate and GetModelInfo without
 `authorization: Bearer KEY` metadata when the server has --api-key (Health stays open, as HTTP
 /health). A cancelled RPC (client gone, deadline passed) aborts the request, freeing its KV slot on
@@ -46,6 +49,7 @@ from launcher.serving.serving_engine import (
     QueueFullError,
     ServingEngine,
     UnavailableError,
+    shown,
 )
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
@@ -124,12 +128,13 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if not all(req.stop):
         raise InvalidRequestError("'stop' strings must not be empty", "stop")
     if req.HasField("seed") and req.seed >= API_SEED_LIMIT:  # HTTP's range (vLLM's: a signed 64-bit seed)
-        raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {req.seed}", "seed")
+        raise InvalidRequestError(f"'seed' must be in [0, 2**63), got {shown(req.seed)}", "seed")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range
         raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.7g}",
                                   "temperature")
     if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_LOGPROBS:  # SamplingParams says "None or ..."
-        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}] when set, got {req.logprobs}", "logprobs")
+        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}] when set, got {shown(req.logprobs)}",
+                                  "logprobs")
     try:
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p if req.HasField("top_p") else 1.0,
@@ -141,7 +146,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 top_k=req.top_k, min_p=req.min_p)
     except SamplingParamError as exc:  # "top_p must be ..." -> "'top_p' must be ..."; the proto's field names
         message = _FLOAT32.sub(lambda m: f"{float(m.group()):.7g}", str(exc))  # -0.10000000149011612 -> -0.1
-        raise InvalidRequestError(message.replace(exc.param, f"'{exc.param}'", 1), exc.param) from None
+        raise InvalidRequestError.of_setting(exc, exc.param, message) from None
     return ids, params
 
 

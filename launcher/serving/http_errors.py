@@ -1,12 +1,17 @@
-"""HTTP error responses of the OpenAI-compatible server, and the request-body limit.
+"""HTTP error responses of the OpenAI-compatible server, and the request body's bytes.
 
 Owns the OpenAI-style error body of every refused or failed request (`error_response`), the status of
 each failure (400 bad input, 401 wrong key, 413 body over --max-request-bytes, 429 full queue, 500 a
-request that failed alone while the server stays up, 503 failed, fenced or draining server), and
-reading a body within its limit. Must not: route requests (launcher/serving/http_server.py does).
+request that failed alone while the server stays up, 503 failed, fenced or draining server), reading
+a body within its limit, and decoding it as JSON (`decode_body`: 400 for bytes that are not UTF-8
+JSON, deep nesting or a lone surrogate). Must not: route requests (launcher/serving/http_server.py
+does) or read the body's fields (launcher/serving/openai_protocol.py does).
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -14,8 +19,10 @@ from fastapi.responses import JSONResponse
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
 from launcher.serving import openai_protocol
-from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError
+from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError, clipped
 from workers.control_auth import secret_matches
+
+MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
 
 
 class BodyTooLarge(Exception):
@@ -37,6 +44,42 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body. Raises InvalidRequestError (param "body") for bytes that are
+    not UTF-8 JSON, nesting deeper than MAX_JSON_DEPTH, or a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON allows but no tokenizer can encode)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:  # the C parser recurses per level: ~1000 levels of [ or {
+        raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
+                                  "body") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}", "body") from None
+    _check_value(value)
+    return value
+
+
+def _check_value(value: Any) -> None:
+    """Raise InvalidRequestError if `value` nests deeper than MAX_JSON_DEPTH or any string (key or
+    value) in it is not encodable as UTF-8. Iterative: never recurses."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} "
+                                          f"levels", "body")
+            children = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+            stack.extend((c, depth + 1) for c in children)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = clipped(v[exc.start:exc.end].encode("utf-8", "backslashreplace").decode())
+                raise InvalidRequestError(f"request body has a string that is not valid Unicode (lone surrogate "
+                                          f"{bad})", "body") from None
 
 
 def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> JSONResponse:
@@ -79,4 +122,4 @@ def admission_error(exc: Exception) -> JSONResponse:
         return error_response(429, str(exc), None, type_="rate_limit_error")
     if isinstance(exc, (UnavailableError, PipelineError)):
         return unavailable(exc)
-    return error_response(400, str(exc), None)  # ValueError: SamplingParams / coordinator checks not caught above
+    return error_response(400, str(exc), None)  # ValueError: the coordinator's checks not caught above

@@ -42,6 +42,7 @@ from launcher.serving.choice_streams import ChoiceStreams, merged
 from launcher.serving.http_errors import (
     BodyTooLarge,
     admission_error,
+    decode_body,
     error_response,
     failure,
     read_body,
@@ -55,6 +56,7 @@ from launcher.serving.serving_engine import (
     RequestStream,
     ServingEngine,
     UnavailableError,
+    shown,
 )
 
 log = logging.getLogger("speedpipe.serve")
@@ -100,7 +102,7 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     """Decode, validate, tokenise and submit one request body (in a worker thread): n choices are n
     independent sequences, seeds derived per choice (`ParsedRequest.choice_params`).
     Raises InvalidRequestError, ValueError, QueueFullError, UnavailableError or PipelineError."""
-    body = openai_protocol.decode_body(raw)
+    body = decode_body(raw)
     tokenizer, model = engine.tokenizer, engine.model_name
     if chat:
         parsed = openai_protocol.parse_chat(body, tokenizer=tokenizer, model_name=model,
@@ -108,7 +110,8 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     else:
         parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model,
                                                   max_model_len=engine.max_model_len)
-    engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field)
+    engine.check_prompt(parsed.prompt_ids, parsed.params.max_new_tokens, prompt_field=parsed.prompt_field,
+                        budget_field=parsed.budget_field)
     if parsed.n > engine.max_num_seqs + engine.max_queue:
         raise InvalidRequestError(f"'n' = {parsed.n} choices exceed the {engine.max_num_seqs + engine.max_queue} "
                                   f"requests this server holds at once (--max-num-seqs + --max-queue)", "n")
@@ -287,7 +290,8 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
         if (denied := refused(request, api_key)) is not None:
             return denied
         if model_id != engine.model_name:
-            return error_response(404, f"The model {model_id!r} does not exist", "model", type_="not_found_error")
+            return error_response(404, f"The model {shown(model_id)} does not exist", "model",
+                                  type_="not_found_error")
         return JSONResponse(card)
 
     @app.post("/v1/completions")
@@ -306,7 +310,7 @@ def _add_tokenizer_routes(app: FastAPI, engine: ServingEngine, *, api_key: str |
             return denied
         try:
             raw = await read_body(request, max_request_bytes)
-            return JSONResponse(await asyncio.to_thread(lambda: answer(openai_protocol.decode_body(raw))))
+            return JSONResponse(await asyncio.to_thread(lambda: answer(decode_body(raw))))
         except ClientDisconnect:
             return Response(status_code=400)
         except (BodyTooLarge, ValueError) as exc:  # InvalidRequestError is a ValueError

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import time
 import uuid
@@ -25,12 +24,11 @@ from typing import Any
 from jinja2 import TemplateError
 
 from launcher.serving.prometheus import FINISH_REASONS
-from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
+from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError, clipped, shown
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams
+from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
 MAX_STOP_STRINGS = 4
 API_SEED_LIMIT = 2**63  # seeds in [0, 2**63): vLLM's API takes a signed 64-bit seed (torch.long)
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
@@ -38,6 +36,7 @@ API_SEED_LIMIT = 2**63  # seeds in [0, 2**63): vLLM's API takes a signed 64-bit 
 # Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
 UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "logit_bias", "chat_template")
 MAX_N = 16  # most choices one request may ask for (each is a sequence in its own KV slot)
+TEMPLATE_TEXT_CHARS = 300  # most of a chat template's own refusal shown (it may quote the messages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +51,7 @@ class ParsedRequest:
     prompt_field: str
     n: int = 1
     echo: bool = False
+    budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling parameters of each of the n choices: the same, but with seed + i for
@@ -61,51 +61,15 @@ class ParsedRequest:
         return [dataclasses.replace(self.params, seed=(self.params.seed + i) % API_SEED_LIMIT) for i in range(self.n)]
 
 
-def decode_body(raw: bytes) -> Any:
-    """The JSON value of a request body. Raises InvalidRequestError (param "body") for bytes that are
-    not UTF-8 JSON, nesting deeper than MAX_JSON_DEPTH, or a string that is not valid Unicode (a lone
-    surrogate such as "\\ud800", which JSON allows but no tokenizer can encode)."""
-    try:
-        value = json.loads(raw)
-    except RecursionError:  # the C parser recurses per level: ~1000 levels of [ or {
-        raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
-                                  "body") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}", "body") from None
-    _check_value(value)
-    return value
-
-
-def _check_value(value: Any) -> None:
-    """Raise InvalidRequestError if `value` nests deeper than MAX_JSON_DEPTH or any string (key or
-    value) in it is not encodable as UTF-8. Iterative: never recurses."""
-    stack = [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth >= MAX_JSON_DEPTH:
-                raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} "
-                                          f"levels", "body")
-            children = [*v.keys(), *v.values()] if isinstance(v, dict) else v
-            stack.extend((c, depth + 1) for c in children)
-        elif isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                bad = v[exc.start:exc.end].encode("utf-8", "backslashreplace").decode()
-                raise InvalidRequestError(f"request body has a string that is not valid Unicode (lone surrogate "
-                                          f"{bad})", "body") from None
-
-
 def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
-        raise InvalidRequestError(f"'{name}' must be a number, got {value!r}", name)
+        raise InvalidRequestError(f"'{name}' must be a number, got {shown(value)}", name)
     if value < lo or (lo_open and value == lo) or value > hi:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise InvalidRequestError(f"'{name}' must be in {interval}, got {value}", name)
+        raise InvalidRequestError(f"'{name}' must be in {interval}, got {shown(value)}", name)
     return float(value)
 
 
@@ -114,10 +78,10 @@ def _int(body: dict, name: str, default: int | None, *, lo: int, hi: int | None 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"'{name}' must be an integer, got {value!r}", name)
+        raise InvalidRequestError(f"'{name}' must be an integer, got {shown(value)}", name)
     if value < lo or (hi is not None and value >= hi):
         limit = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
-        raise InvalidRequestError(f"'{name}' must be {limit}, got {value}", name)
+        raise InvalidRequestError(f"'{name}' must be {limit}, got {shown(value)}", name)
     return value
 
 
@@ -137,14 +101,18 @@ def check_model(body: dict, model_name: str) -> None:
     """Raise InvalidRequestError ('model') unless the body names no model or this server's."""
     model = body.get("model")
     if model is not None and model != model_name:
-        raise InvalidRequestError(f"model {model!r} does not exist; this server serves '{model_name}'", "model")
+        raise InvalidRequestError(f"model {shown(model)} does not exist; this server serves '{model_name}'",
+                                  "model")
 
 
-def bool_field(body: dict, name: str, default: bool) -> bool:
-    """The true/false field `name` (null or absent: `default`). Raises InvalidRequestError naming it."""
+def bool_field(body: dict, name: str, default: bool, *, parent: str | None = None) -> bool:
+    """The true/false field `name` of `body` (null or absent: `default`), as OpenAI and vLLM take it: any
+    other JSON value (1, "yes", {}) raises InvalidRequestError naming the field, as `parent.name` for a
+    field of the object `parent` (stream_options.include_usage)."""
     value = body.get(name)
+    field = name if parent is None else f"{parent}.{name}"
     if value is not None and not isinstance(value, bool):
-        raise InvalidRequestError(f"'{name}' must be true or false, got {value!r}", name)
+        raise InvalidRequestError(f"'{field}' must be true or false, got {shown(value)}", field)
     return default if value is None else value
 
 
@@ -154,23 +122,23 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
     for name in UNSUPPORTED:
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
-            raise InvalidRequestError(f"'{name}' = {value!r} is not supported by this server", name)
+            raise InvalidRequestError(f"'{name}' = {shown(value)} is not supported by this server", name)
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
-        raise InvalidRequestError(f"'response_format' = {fmt!r} is not supported (only text)", "response_format")
+        raise InvalidRequestError(f"'response_format' = {shown(fmt)} is not supported (only text)",
+                                  "response_format")
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
-    for flag in ("stream", "ignore_eos", "return_token_ids", "echo"):
-        if body.get(flag) is not None and not isinstance(body[flag], bool):
-            raise InvalidRequestError(f"'{flag}' must be true or false, got {body[flag]!r}", flag)
+    flags = {name: bool_field(body, name, False) for name in ("stream", "ignore_eos", "return_token_ids", "echo")}
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise InvalidRequestError("'stream_options' must be an object", "stream_options")
-    if stream_options is not None and not body.get("stream"):
+    if stream_options is not None and not flags["stream"]:
         raise InvalidRequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
-    stream_options = stream_options or {}
     return {
+        **flags,
+        "budget_field": field,
         "max_new_tokens": max_tokens,
         "temperature": _number(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
         "top_p": _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
@@ -178,10 +146,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "min_p": _number(body, "min_p", 0.0, lo=0.0, hi=1.0),
         "seed": _int(body, "seed", None, lo=0, hi=API_SEED_LIMIT),
         "stop": _stop(body),
-        "ignore_eos": bool(body.get("ignore_eos")),
-        "stream": bool(body.get("stream")),
-        "include_usage": bool(stream_options.get("include_usage", False)),
-        "return_token_ids": bool(body.get("return_token_ids")),
+        "include_usage": bool_field(stream_options or {}, "include_usage", False, parent="stream_options"),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -193,18 +158,15 @@ def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
     """Completions: `logprobs` (null or 0..MAX_LOGPROBS alternatives) and `echo` (prompt logprobs too)."""
     lp = {"logprobs": None if body.get("logprobs") is False else body.get("logprobs")}  # false: none, as null
     kw["logprobs"] = _int(lp, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
-    kw["echo"] = bool(body.get("echo"))
     if kw["echo"] and kw["logprobs"] is not None:
         kw["prompt_logprobs"] = kw["logprobs"]
 
 
 def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
     """Chat: `logprobs` (true/false) and `top_logprobs` (0..MAX_LOGPROBS, only with logprobs)."""
-    if body.get("echo"):
+    if kw["echo"]:
         raise InvalidRequestError("'echo' is only supported on /v1/completions", "echo")
-    want = body.get("logprobs", False)
-    if want is not None and not isinstance(want, bool):
-        raise InvalidRequestError(f"'logprobs' must be true or false, got {want!r}", "logprobs")
+    want = bool_field(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
     if top is not None and not want:
         raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -212,8 +174,23 @@ def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
 
 
 def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> ParsedRequest:
-    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids", "n", "echo") if k in kw}
-    return ParsedRequest(prompt_ids, SamplingParams(**kw), prompt_field=prompt_field, **options)
+    """The ParsedRequest of validated fields `kw` (SamplingParams' and the options'). A setting that
+    SamplingParams refuses although the checks above let it through is an InvalidRequestError naming
+    the request's own field (`api_field`), not a bare ValueError (HTTP's `param: null`)."""
+    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids", "n", "echo",
+                                      "budget_field")}
+    try:
+        params = SamplingParams(**kw)
+    except SamplingParamError as exc:
+        raise InvalidRequestError.of_setting(exc, api_field(exc.param, options["budget_field"])) from None
+    return ParsedRequest(prompt_ids, params, prompt_field=prompt_field, **options)
+
+
+def api_field(param: str, budget_field: str) -> str:
+    """The request field of SamplingParams' field `param`: max_new_tokens is the request's budget field
+    (`budget_field`: max_tokens, or max_completion_tokens when the request used it), prompt_logprobs
+    is completions' logprobs (with echo), the others have the API's names."""
+    return {"max_new_tokens": budget_field, "prompt_logprobs": "logprobs"}.get(param, param)
 
 
 def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int | None = None) -> ParsedRequest:
@@ -249,7 +226,8 @@ def _compiled_template(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message: str):
-        raise InvalidRequestError(f"chat template refused the messages: {message}", "messages")
+        text = clipped(str(message), TEMPLATE_TEXT_CHARS)
+        raise InvalidRequestError(f"chat template refused the messages: {text}", "messages")
 
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)

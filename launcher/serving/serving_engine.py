@@ -26,11 +26,12 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 from launcher.coordinator.coordinator import Coordinator, RequestHandle, StreamChunk
 from launcher.serving.prometheus import ServingMetrics
 from pipeline.run_config import check_prompt_length
-from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 
 log = logging.getLogger("speedpipe.serve")
 
@@ -52,6 +53,32 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
+
+    @classmethod
+    def of_setting(cls, exc: SamplingParamError, field: str, message: str | None = None) -> InvalidRequestError:
+        """A SamplingParams refusal (`message`, default str(exc)) as the request's `field`: the field is
+        `param`, and quoted replaces exc.param at the message's start ("top_p must be in (0, 1], got 0"
+        -> "'top_p' must be in (0, 1], got 0"; max_new_tokens -> 'max_tokens' on HTTP)."""
+        return cls((message or str(exc)).replace(exc.param, f"'{field}'", 1), field)
+
+
+SHOWN_CHARS = 80  # most characters of a client's value that an error message echoes
+
+
+def clipped(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` (client data as a message shows it) when at most `limit` characters; else its first
+    `limit`, "…" and its length, e.g. `xxx… (20000 characters)`."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` for an error message that echoes a client's value (every HTTP and gRPC one); when
+    longer than `limit` characters, its first `limit`, "…" and the value's size, so that a huge string
+    or list keeps the message short: `'xxx…' (20000 characters)`, `[1, 2, …] (5000 items)`."""
+    text = repr(value)
+    if len(text) <= limit or not isinstance(value, (str, list, dict)):
+        return clipped(text, limit)
+    return f"{text[:limit]}… ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +350,7 @@ class ServingEngine:
         `budget_field` (HTTP's 'max_tokens', gRPC's 'max_new_tokens') when the prompt alone fits."""
         for t in prompt_ids:
             if not 0 <= t < self.tokenizer.vocab_size:
-                raise InvalidRequestError(f"'{prompt_field}' token id {t} is outside the vocabulary "
+                raise InvalidRequestError(f"'{prompt_field}' token id {shown(t)} is outside the vocabulary "
                                           f"[0, {self.tokenizer.vocab_size})", prompt_field)
         try:
             check_prompt_length(num_prompt_tokens=len(prompt_ids), max_new_tokens=max_tokens,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.serving.openai_protocol import bool_field, chat_options, check_model, render_chat
-from launcher.serving.serving_engine import InvalidRequestError
+from launcher.serving.serving_engine import InvalidRequestError, shown
 from pipeline.model.tokenizer import Tokenizer
 
 MAX_DETOKENIZE_TOKENS = 1 << 20  # longest id list /detokenize takes (far beyond any context)
@@ -68,6 +68,6 @@ def detokenize_body(body: Any, *, tokenizer: Tokenizer, model_name: str) -> dict
         raise InvalidRequestError(f"'tokens' must be a list of at most {MAX_DETOKENIZE_TOKENS} token ids", "tokens")
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < tokenizer.vocab_size:
-            raise InvalidRequestError(f"'tokens[{i}]' = {t!r} is not a token id of this model "
+            raise InvalidRequestError(f"'tokens[{i}]' = {shown(t)} is not a token id of this model "
                                       f"(0..{tokenizer.vocab_size - 1})", "tokens")
     return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}

@@ -15,13 +15,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from launcher.coordinator.request_handle import PipelineError
-from launcher.serving.grpc_generate import GrpcServer
+from launcher.serving.grpc_generate import DRAINING_RETRY_S, QUEUE_FULL_RETRY_S, GrpcServer
 from launcher.serving.serving_engine import ServingEngine, UnavailableError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
-from workers.request_parse import misread_fields
+from workers.request_parse import MAX_NAMED_FIELDS, misread_fields
 from workers.status_details import DOMAIN, status_with_details
 
 pytestmark = pytest.mark.timeout(60)
@@ -275,3 +275,46 @@ def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys, api_ke
     finally:
         server.stop()
     assert capsys.readouterr().out == printed
+
+
+def _pushback(err: grpc.RpcError) -> list[str]:
+    """The values of the grpc-retry-pushback-ms trailer of a failed call (gRFC A6)."""
+    return [value for key, value in err.trailing_metadata() or () if key == "grpc-retry-pushback-ms"]
+
+
+def test_retry_info_comes_with_the_pushback_trailer_that_grpc_retry_policies_read(grpc_server):  # noqa: F811
+    """gRPC's client-side retry policy (gRFC A6) waits `grpc-retry-pushback-ms` before its next attempt;
+    it does not read RetryInfo. The trailer was missing; it now has RetryInfo's delay, in ms, and only
+    where RetryInfo is (a full queue, a drain)."""
+    _, engine, channel = grpc_server
+    assert _pushback(_generate_error(channel, prompt="hi", max_new_tokens=2, temperature=3.0)) == []
+    engine._outstanding = engine.max_num_seqs + engine.max_queue
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    engine._outstanding = 0
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _pushback(err) == [str(round(QUEUE_FULL_RETRY_S * 1000))] == ["1000"]
+    engine.fence("draining: the server is shutting down", draining=True)
+    err = _generate_error(channel, prompt="hi", max_new_tokens=2)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and _pushback(err) == [str(round(DRAINING_RETRY_S * 1000))]
+    engine._fence, engine._draining = None, False
+    engine.fence("pipeline failed: stage restarts exhausted")
+    assert _pushback(_generate_error(channel, prompt="hi", max_new_tokens=2)) == []  # no RetryInfo either
+
+
+def test_a_field_sent_thousands_of_times_with_a_wrong_wire_type_is_named_once(grpc_server):  # noqa: F811
+    """Each misread occurrence was named: 5000 of them made a 90 KB trailer, over the client's metadata
+    limit, so the client saw RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of
+    INVALID_ARGUMENT. A field is named once, and at most MAX_NAMED_FIELDS fields (then "and N more")."""
+    _, _, channel = grpc_server
+    method, descriptor = next(r for r in _rpcs() if r[0].endswith("/Generate"))
+    request = pb.GenerateRequest(prompt="hi", max_new_tokens=2).SerializeToString() + b"\x40\x01" * 5000
+    with pytest.raises(grpc.RpcError) as info:  # stop (field 8, a string) 5000 times as a varint
+        _raw_call(channel, method, descriptor, request, metadata=KEY)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().count("'stop' (field 8)") == 1
+    assert [v.field for v in _details(info.value)["BadRequest"].field_violations] == ["stop"]
+    every = b"".join(bytes([number << 3 | 1]) + bytes(8) for number in range(1, 15))  # fields 1..14 as fixed64
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(channel, method, descriptor, every, metadata=KEY)
+    assert f"and {14 - MAX_NAMED_FIELDS} more arrived" in info.value.details()
+    assert len(_details(info.value)["BadRequest"].field_violations) == MAX_NAMED_FIELDS

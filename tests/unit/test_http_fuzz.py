@@ -2,7 +2,7 @@
 
 The promise under test: whatever a client sends, the answer is never a 5xx and never a hang; every
 non-2xx answer is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a
-non-empty one-line message; a stream that is answered 200 ends with `data: [DONE]`; and a request
+non-empty one-line message of at most MAX_MESSAGE_CHARS (a huge value it echoes is cut); a stream that is answered 200 ends with `data: [DONE]`; and a request
 inside the documented ranges is answered 200.
 
 Request bodies are drawn per route from the fields it reads, each with values of its documented
@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from launcher.serving.http_server import HttpServer
+from launcher.serving.openai_protocol import TEMPLATE_TEXT_CHARS
 from launcher.serving.serving_engine import ServingEngine
 from pipeline.model.tokenizer import Tokenizer
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401  (module fixture)
@@ -47,6 +48,7 @@ FUZZ = settings(
 )
 MAX_MODEL_LEN = 64
 TIMEOUT_S = 20.0  # a hang fails the test with httpx.ReadTimeout instead of blocking CI
+MAX_MESSAGE_CHARS = 1000  # an error message echoing a 20,000-character value was as long
 
 _text = st.text(max_size=12)
 _num = st.floats(-3, 3)
@@ -232,7 +234,7 @@ def client(tools_tokenizer):
 
 
 def check_answer(r: httpx.Response, *, stream: bool = False) -> None:
-    """The promise for any request: no 5xx; an error is OpenAI's shape with a one-line message;
+    """The promise for any request: no 5xx; an error is OpenAI's shape with a short one-line message;
     a 200 stream ends with [DONE]."""
     assert r.status_code < 500, r.text[:500]
     if r.status_code >= 300:
@@ -240,6 +242,7 @@ def check_answer(r: httpx.Response, *, stream: bool = False) -> None:
         assert set(error) == {"message", "type", "param", "code"}, error
         message = error["message"]
         assert isinstance(message, str) and message.strip() and message.splitlines() == [message], error
+        assert len(message) <= MAX_MESSAGE_CHARS, f"{len(message)} characters: {message[:300]}"
         assert isinstance(error["type"], str) and error["type"], error
     elif stream and r.status_code == 200:
         assert r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
@@ -372,3 +375,11 @@ def test_a_chat_template_that_fails_on_the_request_is_400_naming_the_field(clien
         ).status_code
         == 200
     )
+
+
+def test_a_chat_template_refusal_quoting_a_huge_value_is_cut(client):
+    """TOOLS_TEMPLATE's raise_exception quotes the role: a 20,000-character role made a message as long;
+    the template's text is cut after TEMPLATE_TEXT_CHARS (a real template's refusal is shorter)."""
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "r" * 20_000, "content": "Hi"}]})
+    text = "unknown role " + "r" * (TEMPLATE_TEXT_CHARS - len("unknown role ")) + "… (20013 characters)"
+    assert r.status_code == 400 and r.json()["error"]["message"] == "chat template refused the messages: " + text

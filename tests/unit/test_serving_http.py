@@ -20,15 +20,16 @@ import pytest
 
 from launcher.cli.main import main
 from launcher.coordinator.coordinator import PipelineError, RequestHandle
+from launcher.serving import openai_protocol
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
-from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
+from launcher.serving.serving_engine import InvalidRequestError, ServingEngine, shown
 from pipeline.engine.records import Commit, FinishReason, SpecCounters
 from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
 from pipeline.speculation.logprobs import TokenLogprob
-from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
 from tests.tiny_model import write_tiny_model
@@ -816,3 +817,108 @@ def test_an_unknown_model_name_is_quoted_on_one_line(served):
     assert r.status_code == 404 and r.json()["error"]["message"] == "The model 'a\\rb' does not exist"
     r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "model": "other"})
     assert r.json()["error"]["message"] == "model 'other' does not exist; this server serves 'tiny'"
+
+
+def test_shown_cuts_a_long_value_and_keeps_a_short_one_as_repr():
+    assert [shown(v) for v in ("hot", 3, -1.5, None, [1, "a"], {"type": "json_object"})] == [
+        "'hot'", "3", "-1.5", "None", "[1, 'a']", "{'type': 'json_object'}"]
+    assert shown("x" * 20_000) == "'" + "x" * 79 + "… (20000 characters)"
+    assert shown(list(range(5000))) == repr(list(range(5000)))[:80] + "… (5000 items)"
+    assert shown(10**500) == "1" + "0" * 79 + "… (501 characters)"
+
+
+LONG = "x" * 20_000
+
+
+@pytest.mark.parametrize(("route", "body", "param", "start"), [
+    ("/v1/completions", {"temperature": LONG}, "temperature", "'temperature' must be a number, got 'xxx"),
+    ("/v1/completions", {"max_tokens": [7] * 5000}, "max_tokens", "'max_tokens' must be an integer, got [7, 7"),
+    ("/v1/completions", {"max_tokens": -(10**1000)}, "max_tokens", "'max_tokens' must be >= 1, got -1000"),
+    ("/v1/completions", {"top_p": 10**1000}, "top_p", "'top_p' must be in (0, 1], got 1000"),
+    ("/v1/completions", {"model": LONG}, "model", "model 'xxx"),
+    ("/v1/completions", {"stream": LONG}, "stream", "'stream' must be true or false, got 'xxx"),
+    ("/v1/completions", {"tools": [{"type": "function"}] * 3000}, "tools", "'tools' = [{'type'"),
+    ("/v1/completions", {"response_format": {"type": LONG}}, "response_format", "'response_format' = {'type'"),
+    ("/v1/completions", {"prompt": [10**1000]}, "prompt", "'prompt' token id 1000"),
+    ("/v1/completions", {"prompt": "\ud800" * 5000}, "body", "request body has a string that is not valid"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": LONG}, "logprobs",
+     "'logprobs' must be true or false, got 'xxx"),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens": LONG}, "add_special_tokens", "'add_special_tokens' must"),
+    ("/detokenize", {"tokens": [LONG]}, "tokens", "'tokens[0]' = 'xxx"),
+])
+def test_an_error_echoing_a_huge_value_shows_its_start_and_size(served, route, body, param, start):
+    """A message that echoes the client's value was as long as the value (20,000 characters and more);
+    it now shows the value's first SHOWN_CHARS characters, "…" and its size."""
+    _, _, url = served
+    body = {"prompt": "Hi", **body} if route == "/v1/completions" else body
+    raw = json.dumps(body).encode("utf-8", "surrogatepass")
+    r = httpx.post(url + route, content=raw, headers={"Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    assert error["message"].startswith(start) and "… (" in error["message"] and len(error["message"]) < 250, error
+
+
+def test_a_huge_unknown_model_id_is_cut_in_the_404(served):
+    _, _, url = served
+    r = httpx.get(url + "/v1/models/" + "m" * 5000)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message == "The model '" + "m" * 79 + "… (5000 characters) does not exist"
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", "", {}, [], [True]])
+def test_include_usage_must_be_a_boolean(served, tokenizer, value):
+    """OpenAI and vLLM take stream_options.include_usage as a boolean only; any JSON value was read as
+    truthy or falsy. null is the default (false)."""
+    body = {"prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": value}}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion(body, tokenizer=tokenizer, model_name="tiny")
+    assert info.value.param == "stream_options.include_usage"
+    _, _, url = served
+    for route, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "Hi"}]})):
+        r = httpx.post(url + route, json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"'stream_options.include_usage' must be true or false, got {value!r}",
+            "type": "invalid_request_error", "param": "stream_options.include_usage", "code": 400}
+    body["stream_options"]["include_usage"] = None
+    assert parse_completion(body, tokenizer=tokenizer, model_name="tiny").include_usage is False
+
+
+def test_a_setting_sampling_params_refuses_names_the_request_field(served, monkeypatch):
+    """A SamplingParamError (a setting the API's checks let through: here logprobs up to 30 allowed by
+    a raised API limit) was a bare ValueError, answered with `param: null`; it now names the field."""
+    _, _, url = served
+    monkeypatch.setattr(openai_protocol, "MAX_LOGPROBS", 30)  # SamplingParams still allows 20
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 25})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert r.json()["error"]["message"] == "'logprobs' must be None or an integer in [0, 20], got 25"
+
+
+@pytest.mark.parametrize(("route", "body", "refused", "field"), [
+    ("/v1/completions", {"max_tokens": 5}, "max_new_tokens", "max_tokens"),
+    ("/v1/completions", {}, "max_new_tokens", "max_tokens"),  # the default budget
+    ("/v1/chat/completions", {"max_completion_tokens": 5}, "max_new_tokens", "max_completion_tokens"),
+    ("/v1/chat/completions", {"max_tokens": 5}, "max_new_tokens", "max_tokens"),
+    ("/v1/completions", {"logprobs": 2, "echo": True}, "prompt_logprobs", "logprobs"),
+    ("/v1/chat/completions", {"top_p": 0.5}, "top_p", "top_p"),
+])
+def test_sampling_params_names_map_to_the_request_fields(served, monkeypatch, route, body, refused, field):
+    def refuse(**kw):
+        raise SamplingParamError(refused, f"{refused} must be refused in this test, got {kw.get(refused)}")
+
+    monkeypatch.setattr(openai_protocol, "SamplingParams", refuse)
+    _, _, url = served
+    body = {**body, "messages": [{"role": "user", "content": "Hi"}]} if "chat" in route else {**body, "prompt": "Hi"}
+    error = httpx.post(url + route, json=body).json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"'{field}' must be refused in this test"), error
+
+
+def test_a_too_long_budget_names_max_completion_tokens_when_the_request_used_it(served):
+    """check_prompt's error named 'max_tokens' (its default) also for a chat request that set
+    max_completion_tokens."""
+    _, _, url = served
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                       "max_completion_tokens": 1000})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_completion_tokens", error
+    assert "'max_completion_tokens' (1000)" in error["message"]
