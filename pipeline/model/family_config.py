@@ -3,9 +3,11 @@
 Owns what each supported `model_type` means in terms of ModelConfig's family fields: the defaults
 of transformers' config class of that family when a key is absent, the RoPE keys in both the
 legacy form (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) and transformers 5's
-`rope_parameters` (flat, or per layer type), the reverse mapping for `to_hf_dict`, and the text
-model's config of a multimodal checkpoint (`text_model_dict`, [Note: text-only multimodal]).
+`rope_parameters` (flat, or per layer type), and the reverse mapping for `to_hf_dict`.
 Must not: import torch or transformers, or read files.
+
+Also owns the text model's config of a multimodal checkpoint (`text_model_dict`, [Note: text-only
+multimodal] at the end).
 """
 
 from __future__ import annotations

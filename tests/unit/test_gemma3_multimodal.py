@@ -29,6 +29,7 @@ from launcher.coordinator.run_plan import resolve
 from launcher.serving.openai_protocol import render_chat
 from pipeline.model.config import ModelConfig
 from pipeline.model.family_config import MULTIMODAL_TEXT_MODELS
+from pipeline.model.tensor_names import text_model_name
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights.checkpoint import INDEX_FILE, CheckpointReader
 from tests.family_models import family_config, family_state_dict, hf_config
@@ -245,3 +246,30 @@ def test_a_multimodal_config_this_decoder_cannot_run_is_one_line(text_config, ma
 def test_another_multimodal_model_type_is_still_refused_naming_what_runs():
     with pytest.raises(ValueError, match="model_type 'llava' is not supported .*gemma3 multimodal: text only"):
         ModelConfig.from_hf_dict(GEMMA3_4B | {"model_type": "llava"})
+
+
+@pytest.mark.parametrize("stored, ours", [
+    ("language_model.model.layers.3.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"),  # the Hub's layout
+    ("model.language_model.layers.3.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"),  # transformers 4.52
+    ("language_model.model.embed_tokens.weight", "model.embed_tokens.weight"),
+    ("model.language_model.norm.weight", "model.norm.weight"),
+    ("language_model.lm_head.weight", "lm_head.weight"),  # an untied head, either layout
+    ("lm_head.weight", "lm_head.weight"),
+    ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", None),
+    ("model.vision_tower.vision_model.post_layernorm.weight", None),
+    ("multi_modal_projector.mm_input_projection_weight", None),
+    ("model.multi_modal_projector.mm_soft_emb_norm.weight", None),
+])
+def test_text_model_names_of_both_layouts(stored, ours):
+    assert text_model_name(stored) == ours
+
+
+def test_a_checkpoint_with_both_layouts_of_one_tensor_is_refused_naming_it(reference, tmp_path):
+    _, folders = reference
+    folder = shutil.copytree(folders["hub"], tmp_path / "m")
+    index = json.loads((folder / INDEX_FILE).read_text())
+    index["weight_map"]["model.language_model.norm.weight"] = TEXT_SHARD
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="'model.norm.weight' twice: as 'language_model.model.norm.weight' and "
+                                         "'model.language_model.norm.weight'"):
+        CheckpointReader(folder)
