@@ -12,6 +12,7 @@ Must not: start processes or hold torch modules.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from pathlib import Path
@@ -183,7 +184,8 @@ def check_checkpoint(reader: CheckpointReader, config: ModelConfig, ranges: list
     """Before any stage starts: every stage's tensors exist with the shapes its model needs (from
     the safetensors headers). Raises ValueError naming the first missing or mis-shaped tensor.
     Logs a warning for decoder-layer tensors past config.json's `num_hidden_layers`: the weights
-    then hold more layers than the config runs (transformers warns of unused weights too)."""
+    then hold more layers than the config runs (transformers warns of unused weights too), and says
+    once that a multimodal checkpoint runs text-only (`_note_text_only`)."""
     for i, r in enumerate(ranges):
         first, last = i == 0, i == len(ranges) - 1
         found = reader.shapes(stage_tensor_names(config, r, is_first=first, is_last=last))
@@ -191,12 +193,22 @@ def check_checkpoint(reader: CheckpointReader, config: ModelConfig, ranges: list
             if found.get(name, shape) != shape:
                 raise ValueError(f"checkpoint tensor {name!r} in {reader.model_dir} has shape {found[name]}, "
                                  f"but config.json asks for {shape}")
+    if config.text_only_of:
+        _note_text_only(reader.model_dir, config.text_only_of, len(reader.skipped_names))
     extra = sorted(n for n in reader.tensor_names
                    if (m := _LAYER_TENSOR.match(n)) and int(m.group(1)) >= config.num_hidden_layers)
     if extra:
         log.warning("%s holds %d tensors of decoder layers past config.json's num_hidden_layers = %d (e.g. %s); "
                     "they are not used, so the output is likely wrong", reader.model_dir, len(extra),
                     config.num_hidden_layers, extra[0])
+
+
+@functools.cache  # once per folder: `launch` and `--serve` resolve the plan more than once
+def _note_text_only(model_dir: Path, architecture: str, num_skipped: int) -> None:
+    """Say on stderr that a multimodal checkpoint runs text-only ([Note: text-only multimodal] in
+    pipeline/model/family_config.py)."""
+    log.warning("%s is a %s checkpoint: speedpipe runs its language model only; the vision tower and projector "
+                "(%d tensors) are not loaded, so prompts are text only", model_dir, architecture, num_skipped)
 
 
 def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path, *,

@@ -115,6 +115,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     moe_layer_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    # The multimodal architecture this is the text model of (its vision part is not loaded:
+    # [Note: text-only multimodal] in pipeline/model/family_config.py), or None.
+    text_only_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -159,14 +162,21 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict. Raises ValueError on unsupported models,
         naming the model_type or field and what is supported."""
-        from pipeline.model.family_config import family_fields, rope_fields
+        from pipeline.model.family_config import (
+            family_fields,
+            multimodal_architecture,
+            rope_fields,
+            text_model_dict,
+        )
 
         if not isinstance(d, dict):
             raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        text_only_of = multimodal_architecture(d)
+        d = text_model_dict(d)  # a multimodal config's text_config, with transformers' defaults
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; gemma3 multimodal: text only)")
         _check_required_fields(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -186,6 +196,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            text_only_of=text_only_of,
         )
         return cls(**(fields | rope_fields(d, model_type) | family_fields(d, model_type)))
 

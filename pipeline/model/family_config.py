@@ -5,6 +5,9 @@ of transformers' config class of that family when a key is absent, the RoPE keys
 legacy form (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) and transformers 5's
 `rope_parameters` (flat, or per layer type), and the reverse mapping for `to_hf_dict`.
 Must not: import torch or transformers, or read files.
+
+Also owns the text model's config of a multimodal checkpoint (`text_model_dict`, [Note: text-only
+multimodal] at the end).
 """
 
 from __future__ import annotations
@@ -150,3 +153,58 @@ def family_hf_dict(c: Any) -> dict[str, Any]:
                  moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
                  decoder_sparse_step=c.moe_layer_step, mlp_only_layers=list(c.dense_layers))
     return d
+
+
+# -- multimodal checkpoints, text only ------------------------------------------------------------------
+# [Note: text-only multimodal]
+# Gemma 3 4B/12B/27B (`model_type` "gemma3", Gemma3ForConditionalGeneration) run as their text model:
+# `text_model_dict` turns the config.json into the text model's (text_config over transformers'
+# Gemma3TextConfig defaults for the keys it omits, as the Hub's configs omit most; the top-level token
+# ids and tied-head flag, which transformers' conditional-generation model uses). Its logits are not
+# soft-capped: transformers' Gemma3ForConditionalGeneration (the class these checkpoints name) ignores
+# `final_logit_softcapping` (its Gemma3ForCausalLM applies it), and the released checkpoints set none.
+# The vision tower and projector are never read (the checkpoint reader maps only the language model's
+# tensors: pipeline/model/tensor_names.py `text_model_name`), and the API takes text only, as vLLM's
+# and llama.cpp's text-only use of these models. `launch` says so once on stderr.
+
+# multimodal model_type -> (its text model's model_type, transformers' defaults of the text config).
+# Gemma3TextConfig (transformers 5.x); tests/unit/test_gemma3_multimodal.py checks them against it.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+    "tie_word_embeddings": True, "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+MULTIMODAL_TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {"gemma3": ("gemma3_text", _GEMMA3_TEXT_DEFAULTS)}
+# Top-level keys that transformers' conditional-generation model reads instead of text_config's.
+_TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+
+
+def multimodal_architecture(d: dict[str, Any]) -> str | None:
+    """The architecture name of a multimodal config dict whose text side speedpipe runs (e.g.
+    "Gemma3ForConditionalGeneration"), or None for a text model's config."""
+    if d.get("model_type") not in MULTIMODAL_TEXT_MODELS:
+        return None
+    names = d.get("architectures")
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else \
+        f"{d['model_type']} (multimodal)"
+
+
+def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` itself for a text model; for a multimodal config ([Note: text-only multimodal]) the
+    config dict of its text model: `text_config` over transformers' defaults, with the top-level
+    bos/eos token ids and tie_word_embeddings where given, and no final logit soft-capping. Raises
+    ValueError (one line) when `text_config` is not an object or names another model_type."""
+    if d.get("model_type") not in MULTIMODAL_TEXT_MODELS:
+        return d
+    text_type, defaults = MULTIMODAL_TEXT_MODELS[d["model_type"]]
+    text = d.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json field 'text_config' must be an object, got {text!r}")
+    if text.get("model_type", text_type) != text_type:
+        raise ValueError(f"{d['model_type']} config.json: text_config.model_type {text['model_type']!r} is not "
+                         f"supported (only {text_type!r})")
+    out = defaults | text | {"model_type": text_type, "final_logit_softcapping": None}  # see the Note
+    out.update({k: d[k] for k in _TOP_LEVEL_KEYS if d.get(k) is not None})
+    return out

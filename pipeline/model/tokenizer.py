@@ -17,6 +17,8 @@ from typing import Any
 
 import tokenizers
 
+from pipeline.model.family_config import text_model_dict
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`, or {} when the file does not exist. Raises ValueError naming the
@@ -45,7 +47,9 @@ def _as_ids(value: Any) -> list[int]:
 
 
 def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
-    """The default chat template: chat_template.jinja, else tokenizer_config's (str or named list)."""
+    """The default chat template: chat_template.jinja, else tokenizer_config's (str or named list),
+    else a multimodal model's processor template (chat_template.json, e.g. Gemma 3's; with text
+    messages its image branches are never taken)."""
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
@@ -53,7 +57,7 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template}
         return named.get("default")
-    return template
+    return template or _read_json(model_dir / "chat_template.json").get("chat_template")
 
 
 # What to do about a folder without tokenizer.json (e.g. one with only SentencePiece's tokenizer.model).
@@ -64,8 +68,8 @@ class Tokenizer:
     """Text <-> token ids of one model folder.
 
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included; the model's
-    embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json,
-    then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`,
+    embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json (of a
+    multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`,
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
     ValueError for a tokenizer.json the tokenizers library cannot read.
     """
@@ -80,7 +84,7 @@ class Tokenizer:
         except Exception as exc:  # the Rust library raises a bare Exception for any unreadable file
             raise ValueError(f"{path} is not a tokenizer file the tokenizers library can read: {exc}") from None
         tok_config = _read_json(self.model_dir / "tokenizer_config.json")
-        model_config = _read_json(self.model_dir / "config.json")
+        model_config = text_model_dict(_read_json(self.model_dir / "config.json"))  # multimodal: its text side
         gen_config = _read_json(self.model_dir / "generation_config.json")
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.add_bos_token: bool = bool(tok_config.get("add_bos_token", False))

@@ -5,7 +5,8 @@ Owns the tensor naming of every supported family's layers (`model.layers.{i}.sel
 which spells the single names), the choice of names per stage (`stage_tensor_names`), the exit
 head's copies of the final norm and head (`read_norm_and_head`), and `CheckpointReader`, a lazy
 reader of a Hugging Face model folder: one `model.safetensors`, or shards listed in
-`model.safetensors.index.json`.
+`model.safetensors.index.json`; of a multimodal checkpoint it sees only the language model's tensors,
+under this decoder's names ([Note: text-only multimodal] in pipeline/model/family_config.py).
 Must not: build modules, materialise the whole model, or know about GGUF (see `gguf_import`).
 """
 
@@ -24,7 +25,13 @@ from safetensors import safe_open
 from pipeline.model.config import ModelConfig
 from pipeline.model.family_blocks import plain_norm_weight
 from pipeline.model.partition import LayerRange
-from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, family_tensor_name, head_tensor_name
+from pipeline.model.tensor_names import (
+    EMBED_TOKENS,
+    FINAL_NORM,
+    family_tensor_name,
+    head_tensor_name,
+    text_model_name,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -122,7 +129,7 @@ def _open_safetensors(path: Path) -> Iterator[safetensors.safe_open]:
 
 
 def _index_weight_map(model_dir: Path) -> dict[str, Path]:
-    """name -> shard path from `model.safetensors.index.json`; checks every shard exists."""
+    """name -> shard path from `model.safetensors.index.json` (`_check_shards` checks they exist)."""
     index_path = model_dir / INDEX_FILE
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -131,11 +138,30 @@ def _index_weight_map(model_dir: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise ValueError(f"malformed safetensors index {index_path}: weight_map must map tensor names to "
                          f"file names, got {json.dumps(weight_map)[:80]}")
-    resolved = {name: model_dir / file for name, file in weight_map.items()}
-    for shard in sorted(set(resolved.values())):
+    return {name: model_dir / file for name, file in weight_map.items()}
+
+
+def _check_shards(model_dir: Path, weight_map: dict[str, Path]) -> None:
+    """Raise FileNotFoundError naming the first file of `weight_map` (from the index) that is missing."""
+    for shard in sorted(set(weight_map.values())):
         if not shard.is_file():
-            raise FileNotFoundError(f"shard {shard} listed in {index_path} does not exist")
-    return resolved
+            raise FileNotFoundError(f"shard {shard} listed in {model_dir / INDEX_FILE} does not exist")
+
+
+def _text_model_view(weight_map: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str], frozenset[str]]:
+    """A multimodal checkpoint's language model ([Note: text-only multimodal]): (our name -> file,
+    our name -> stored name, the stored names left out: vision tower and projector). Raises
+    ValueError when two stored names are one tensor of ours (both layouts in one checkpoint)."""
+    kept: dict[str, Path] = {}
+    stored: dict[str, str] = {}
+    for name, path in weight_map.items():
+        ours = text_model_name(name)
+        if ours is None:
+            continue
+        if ours in kept:
+            raise ValueError(f"the checkpoint holds tensor {ours!r} twice: as {stored[ours]!r} and {name!r}")
+        kept[ours], stored[ours] = path, name
+    return kept, stored, frozenset(weight_map) - set(stored.values())
 
 
 def _header_weight_map(files: list[Path]) -> dict[str, Path]:
@@ -159,8 +185,9 @@ def _torch_dtype(name: str, dtype: str, path: Path) -> torch.dtype:
     return _TORCH_DTYPES[dtype]
 
 
-def _read_direct(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of `names` read from safetensors `path` with plain reads into fresh tensors.
+def _read_direct(path: Path, names: list[str], stored: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `names` read from safetensors `path` with plain reads into fresh tensors;
+    `stored` maps a name to the one the file spells it (absent: the same).
 
     [Note: reading without mmap] A memory map of the file would leave every page a stage read
     resident in the process (counted in its RSS) next to the tensors copied out of it, doubling a
@@ -172,7 +199,7 @@ def _read_direct(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tens
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
         for name in names:
-            info = header[name]
+            info = header[stored.get(name, name)]
             begin, end = info["data_offsets"]
             t = torch.empty(info["shape"], dtype=_torch_dtype(name, info["dtype"], path))
             f.seek(8 + header_len + begin)
@@ -187,6 +214,8 @@ class CheckpointReader:
     Construction reads `config.json` and the index (or the single file's header), never tensor
     data. `read` opens only the files that hold the requested names and copies only those tensors,
     so a stage never materialises the whole model. `read_names` records every name read so far.
+    Of a multimodal checkpoint (`config.text_only_of`), names are this decoder's (`model.layers.0...`)
+    and the vision tower and projector (`skipped_names`) can never be read; their shards need not exist.
     Raises FileNotFoundError (folder without config.json or without safetensors files, missing
     shard) and ValueError (corrupt/truncated file, malformed index) naming the path.
     """
@@ -196,17 +225,23 @@ class CheckpointReader:
         self.config = ModelConfig.from_model_dir(self.model_dir)
         self.read_names: set[str] = set()
         if (self.model_dir / INDEX_FILE).is_file():
-            self._weight_map = _index_weight_map(self.model_dir)
+            weight_map = _index_weight_map(self.model_dir)
         else:
             files = sorted(self.model_dir.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(
                     f"no {SINGLE_FILE} or {INDEX_FILE} in model folder {self.model_dir}")
-            self._weight_map = _header_weight_map(files)
+            weight_map = _header_weight_map(files)
+        self._stored: dict[str, str] = {}
+        self.skipped_names: frozenset[str] = frozenset()
+        if self.config.text_only_of:
+            weight_map, self._stored, self.skipped_names = _text_model_view(weight_map)
+        _check_shards(self.model_dir, weight_map)
+        self._weight_map = weight_map
 
     @property
     def tensor_names(self) -> frozenset[str]:
-        """Every tensor name in the checkpoint."""
+        """Every tensor name in the checkpoint (of a multimodal one: its language model's, as ours)."""
         return frozenset(self._weight_map)
 
     def _files_for(self, names: Iterable[str]) -> dict[Path, list[str]]:
@@ -233,7 +268,7 @@ class CheckpointReader:
         for path, group in self._files_for(names).items():
             with _open_safetensors(path):  # validates the header (clear error for a corrupt file)
                 pass
-            for name, t in _read_direct(path, group):
+            for name, t in _read_direct(path, group, self._stored):
                 tensors[name] = t.to(device=device, dtype=dtype)
         self.read_names.update(names)
         return {name: tensors[name] for name in names}
@@ -246,7 +281,7 @@ class CheckpointReader:
         for path, group in self._files_for(list(dict.fromkeys(names))).items():
             with _open_safetensors(path) as f:
                 for name in group:
-                    info = f.get_slice(name)
+                    info = f.get_slice(self._stored.get(name, name))
                     _torch_dtype(name, info.get_dtype(), path)
                     out[name] = tuple(info.get_shape())
         return out
@@ -261,7 +296,7 @@ class CheckpointReader:
         for path, group in self._files_for(list(dict.fromkeys(names))).items():
             with _open_safetensors(path) as f:
                 for name in group:
-                    info = f.get_slice(name)
+                    info = f.get_slice(self._stored.get(name, name))
                     numel = 1
                     for dim in info.get_shape():
                         numel *= dim
