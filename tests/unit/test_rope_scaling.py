@@ -141,6 +141,13 @@ def test_phi3_reads_its_top_level_original_context_and_su_as_longrope():
     assert again.rope_scaling == config.rope_scaling
 
 
+def test_the_next_layer_drafter_refuses_what_its_training_forward_does_not_apply():
+    from pipeline.speculation.drafting.layer_drafter import unsupported_reason
+
+    assert "YaRN or LongRoPE" in unsupported_reason(family_config("qwen2-yarn"))
+    assert "YaRN or LongRoPE" in unsupported_reason(family_config("llama-longrope"))
+
+
 # -- the decoder against transformers, past the original context --------------------------------------
 
 def _greedy_with_logits(chain: Chain, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
