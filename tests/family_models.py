@@ -45,12 +45,39 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                          norm_topk_prob=False, mlp_only_layers=[1], head_dim=16)),
 }
 
+# Long-context RoPE variants (tests/unit/test_rope_scaling.py), kept out of FAMILY_CONFIGS so the
+# per-family suites do not run them again: an original context of 16 positions, which a 12-token
+# prompt and its continuation cross. llama: YaRN with DeepSeek-style mscale / mscale_all_dim, its own
+# betas and no truncation; qwen2: YaRN as Qwen2.5 long-context configs write it; qwen3: YaRN with an
+# explicit attention_factor; phi3: LongRoPE with partial rotary 0.75 (Phi-4-mini's), no `factor` (the
+# ratio of the two contexts, as Phi-3-128k configs leave it); llama: LongRoPE on a family whose
+# transformers `generate` keeps its cache when the factor set switches (phi3's re-encodes it).
+ROPE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-yarn": ("LlamaConfig", dict(tie_word_embeddings=False, max_position_embeddings=64, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=8.0, beta_slow=0.5,
+        mscale=1.0, mscale_all_dim=0.5, truncate=False))),
+    "qwen2-yarn": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=64,
+                                       rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                         original_max_position_embeddings=16))),
+    "qwen3-yarn": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True, max_position_embeddings=64,
+                                       rope_scaling=dict(rope_type="yarn", factor=4.0, attention_factor=1.3,
+                                                         original_max_position_embeddings=16))),
+    "phi3-longrope": ("Phi3Config", dict(tie_word_embeddings=False, pad_token_id=0, max_position_embeddings=64,
+                                         original_max_position_embeddings=16, partial_rotary_factor=0.75,
+                                         rope_scaling=dict(type="longrope",
+                                                           short_factor=[1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
+                                                           long_factor=[1.0, 1.5, 2.0, 4.0, 8.0, 16.0]))),
+    "llama-longrope": ("LlamaConfig", dict(tie_word_embeddings=False, max_position_embeddings=64, rope_scaling=dict(
+        rope_type="longrope", original_max_position_embeddings=16, short_factor=[1.0, 1.0, 1.1, 1.1, 1.2, 1.3, 1.4, 1.5],
+        long_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0, 16.0]))),
+}
+
 
 def hf_config(family: str):
     """The transformers config object of `family`'s tiny model."""
     import transformers
 
-    cls_name, overrides = FAMILY_CONFIGS[family]
+    cls_name, overrides = (FAMILY_CONFIGS | ROPE_CONFIGS)[family]
     return getattr(transformers, cls_name)(**(_COMMON | overrides))
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pipeline.model.rope import RopeScaling
+
 # The dtypes model weights and activations may be loaded in (names as on the wire and in the CLI).
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
@@ -49,31 +51,6 @@ _UNIFORM_WINDOW = ("mistral", "mixtral", "phi3", "qwen3_moe")  # a sliding_windo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-    """RoPE frequency scaling, as in Hugging Face `rope_scaling`.
-
-    `rope_type` is one of "default", "linear" (positions divided by `factor`) or "llama3"
-    (Llama 3.1 wavelength-dependent scaling with `low_freq_factor`, `high_freq_factor` and
-    `original_max_position_embeddings`). Raises ValueError for an unknown type, or a factor <= 0.
-    """
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported (default, linear, llama3)")
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
-        for name in ("low_freq_factor", "high_freq_factor") if self.rope_type == "llama3" else ():
-            if getattr(self, name) <= 0:  # llama3 divides the original context length by each
-                raise ValueError(f"rope_scaling {name} must be > 0, got {getattr(self, name)}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture of a decoder of one of SUPPORTED_MODEL_TYPES, by configuration ([Note: model families]).
 
@@ -92,7 +69,8 @@ class ModelConfig:
     head_dim: int = 0
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None  # pipeline/model/rope.py
+    partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim * this) dims of a head (phi3)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 2048
@@ -145,9 +123,19 @@ class ModelConfig:
                     f"({self.num_attention_heads}) when head_dim is not given"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0):
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} must "
+                             f"give an even rotary_dim >= 2, got {self.rotary_dim}")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check_rotary_dim(self.rotary_dim)
         if not self.layer_types:  # one attention kind for every layer (mistral, mixtral, phi3: all sliding)
             kind = SLIDING_ATTENTION if self.sliding_window and self.model_type in _UNIFORM_WINDOW else FULL_ATTENTION
             object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_sliding(self, layer: int) -> bool:
         """True when decoder layer `layer` uses sliding-window attention."""
@@ -241,7 +229,11 @@ class ModelConfig:
             "torch_dtype": "float32",
         }
         if self.rope_scaling is not None:
-            d["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+            d["rope_scaling"] = self.rope_scaling.to_hf_dict()
+            if self.model_type == "phi3":  # Phi3Config reads its own top-level key (default 4096), not the dict's
+                d["original_max_position_embeddings"] = self.rope_scaling.original_max_position_embeddings
+        if self.partial_rotary_factor != 1.0:
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -279,11 +271,13 @@ _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", 
                   "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 _FLOATS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping",
            "partial_rotary_factor")
-_ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor")
+_ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor", "beta_fast",
+                "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 # transformers checks no types inside rope_scaling: 8192.0 works there (llama3 divides by it), so it does here.
 _ROPE_INTS = ("original_max_position_embeddings",)
 # Numeric keys whose null means "absent / off" (as in transformers' config classes); any other null is refused.
-_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping")
+_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "attention_factor")  # the last five: transformers' yarn defaults
 
 
 def _check_required_fields(d: dict[str, Any]) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeline.model.config import FULL_ATTENTION, SLIDING_ATTENTION, RopeScaling
+from pipeline.model.config import FULL_ATTENTION, SLIDING_ATTENTION
+from pipeline.model.rope import partial_rotary_factor, scaling_from_dict
 
 # Families whose config classes derive per-layer sliding windows from `use_sliding_window`.
 _QWEN = ("qwen2", "qwen3", "qwen3_moe")
@@ -26,38 +27,20 @@ _DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "gemma3_text": 4096}
 _GEMMA_SLIDING_PATTERN = 6
 
 
-def _scaling(d: dict[str, Any] | None) -> RopeScaling | None:
-    """RopeScaling from a `rope_scaling` / `rope_parameters` dict (None or "default" -> None)."""
-    if not d:
-        return None
-    kind = d.get("rope_type", d.get("type", "default"))
-    if kind == "default":
-        return None
-    return RopeScaling(
-        rope_type=kind,
-        factor=float(d.get("factor", 1.0)),
-        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
-    )
-
-
 def rope_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """rope_theta, rope_scaling and rope_local_theta from a config dict. Raises ValueError for an
-    unsupported scaling type or a partial rotary factor other than 1."""
+    """rope_theta, rope_scaling, partial_rotary_factor and rope_local_theta from a config dict (the rules of
+    pipeline/model/rope.py). Raises ValueError for an unsupported scaling type or partial rotary factor."""
     params = d.get("rope_parameters") or {}
     per_type = FULL_ATTENTION in params or SLIDING_ATTENTION in params
     full = params.get(FULL_ATTENTION, {}) if per_type else params
     local = params.get(SLIDING_ATTENTION, {}) if per_type else {}
-    for p in (d, full):
-        factor = p.get("partial_rotary_factor", 1.0)
-        if factor != 1.0:
-            raise ValueError(f"partial_rotary_factor {factor} is not supported (only 1.0: RoPE on every dim)")
+    rope = d.get("rope_scaling") or full
     theta = full.get("rope_theta", d.get("rope_theta", _DEFAULT_THETA.get(model_type, 10000.0)))
-    out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": _scaling(d.get("rope_scaling") or full)}
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": scaling_from_dict(rope, d, model_type),
+                           "partial_rotary_factor": partial_rotary_factor(d, rope, model_type)}
     if model_type == "gemma3_text":
         out["rope_local_theta"] = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
-        if _scaling(local) is not None:
+        if scaling_from_dict(local, d, model_type) is not None:
             raise ValueError("gemma3 RoPE scaling of sliding-window layers is not supported")
     return out
 

@@ -30,7 +30,7 @@ from pipeline.model.family_blocks import ACTIVATION_FNS, make_embedding, make_no
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.moe import SparseMoE
 from pipeline.model.partition import LayerRange
-from pipeline.model.rope import config_inv_freq, rope_cos_sin, rotate, rotation_tables
+from pipeline.model.rope import config_cos_sin, config_inv_freq, rope_cos_sin, rotate, rotation_tables
 from pipeline.model.row_layout import PassInterrupted, PseudoLayout, Span, anchor_rows, last_rows_of
 from pipeline.model.tensor_names import checkpoint_name
 
@@ -214,6 +214,7 @@ class StageModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
         self.register_buffer("inv_freq", config_inv_freq(config, local=False), persistent=False)
         self.register_buffer("inv_freq_local", config_inv_freq(config, local=True), persistent=False)
+        self.register_buffer("inv_freq_long", config_inv_freq(config, local=False, long=True), persistent=False)
         self.draft_layer, self.draft_after = None, None  # [Note: next-layer drafter], pipeline/speculation/drafting/layer_drafter.py
 
     def attach_draft_layer(self, layer: DecoderLayer, *, after: int) -> None:
@@ -227,7 +228,7 @@ class StageModel(nn.Module):
         """{absolute layer: (cos, signed sin) [num_tokens, 1, head_dim]} for this stage's layers at `positions`,
         the `rotation_tables` of pipeline/model/rope.py (sliding layers of a family with its own local RoPE
         base get the local tables)."""
-        tables = {False: rotation_tables(*rope_cos_sin(positions, self.inv_freq, dtype))}
+        tables = {False: rotation_tables(*config_cos_sin(self.config, positions, self.inv_freq, self.inv_freq_long, dtype))}
         local = self.config.rope_local_theta is not None
         if local and any(self.config.is_sliding(i) for i in self.layer_range):
             tables[True] = rotation_tables(*rope_cos_sin(positions, self.inv_freq_local, dtype))
@@ -334,8 +335,10 @@ class StageModel(nn.Module):
 
 
 def set_rope_buffers(model: StageModel, config: ModelConfig, device: torch.device | str = "cpu") -> None:
-    """Fill a meta-built model's RoPE frequency buffers (global, and local for Gemma 3's sliding layers)."""
+    """Fill a meta-built model's RoPE frequency buffers (global, local for Gemma 3's sliding layers, LongRoPE's long)."""
     model.inv_freq, model.inv_freq_local = (config_inv_freq(config, local=loc).to(device) for loc in (False, True))
+    long = config_inv_freq(config, local=False, long=True)
+    model.inv_freq_long = None if long is None else long.to(device)
 
 
 def checkpoint_shapes(config: ModelConfig, layer_range: LayerRange, *, is_first: bool,

@@ -172,8 +172,9 @@ def test_a_family_feature_switched_off_changes_the_logits(folders, family):
     (dict(model_type="falcon"), "model_type 'falcon' is not supported .*llama.*gemma3_text"),
     (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     (dict(model_type="llama", hidden_act="gelu"), "activation 'gelu' is not supported"),
-    (dict(model_type="phi3", partial_rotary_factor=0.75), "partial_rotary_factor"),
-    (dict(model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    (dict(model_type="llama", partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported for llama"),
+    (dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic' is not supported: .*"),
+    (dict(model_type="llama", rope_scaling={"rope_type": "ntk", "factor": 4.0}), "'ntk' is not supported .*yarn"),
 ])
 def test_unsupported_config_is_a_one_line_error_naming_it(bad, match):
     d = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

@@ -49,6 +49,13 @@ _LLAMA2 = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_
            "hidden_size": 4096, "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "llama",
            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-05,
            "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 32000}
+_PHI3_128K = {**_PHI3, "max_position_embeddings": 131072, "sliding_window": 262144, "rope_scaling": {
+    "type": "longrope", "short_factor": [1.0 + 0.01 * i for i in range(48)],  # Phi-3-mini-128k: head_dim 96
+    "long_factor": [1.0 + 0.9 * i for i in range(48)]}}
+_PHI4_MINI = {**_PHI3, "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+              "max_position_embeddings": 131072, "partial_rotary_factor": 0.75, "tie_word_embeddings": True,
+              "sliding_window": 262144, "vocab_size": 200064, "rope_theta": 10000.0, "rope_scaling": {
+                  "type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0 + i for i in range(48)]}}
 
 CASES = {
     "llama3.1": _LLAMA31,
@@ -61,6 +68,17 @@ CASES = {
     "tinyllama legacy linear type": {**_LLAMA2, "rope_scaling": {"type": "linear", "factor": 2.0}},
     "qwen2.5": _QWEN25,
     "qwen3": _QWEN3,
+    # before: refused, "rope_scaling type 'yarn' is not supported" (Qwen2.5's long-context recipe)
+    "qwen2.5 yarn": {**_QWEN25, "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768,
+                                                 "type": "yarn"}},
+    "qwen3 yarn": {**_QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 32768}},
+    "llama yarn deepseek mscale": {**_LLAMA2, "rope_scaling": {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32,
+                                                               "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                               "original_max_position_embeddings": 4096}},
+    # before: refused, "rope_scaling type 'longrope' ..." and "partial_rotary_factor 0.75 is not supported"
+    "phi3 mini 128k longrope": _PHI3_128K,
+    "phi4 mini longrope, partial rotary": _PHI4_MINI,
     "mixtral": _MIXTRAL,
     "phi3 null rope_scaling": _PHI3,
     "gemma3 text": _GEMMA3,
@@ -78,6 +96,19 @@ def test_a_config_transformers_loads_is_accepted(tmp_path, name):
     config = ModelConfig.from_model_dir(tmp_path)
     assert (config.model_type, config.num_hidden_layers) == (CASES[name]["model_type"],
                                                              CASES[name]["num_hidden_layers"])
+
+
+def test_long_context_rope_settings_are_read_as_transformers_resolves_them():
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for name in ("qwen2.5 yarn", "llama yarn deepseek mscale", "phi3 mini 128k longrope", "phi4 mini longrope, partial rotary"):
+        hf, ours = AutoConfig.for_model(**CASES[name]), ModelConfig.from_hf_dict(CASES[name])
+        _, attention_factor = ROPE_INIT_FUNCTIONS[hf.rope_parameters["rope_type"]](hf, "cpu")
+        assert ours.rope_scaling.attention_factor == attention_factor, name
+        assert (ours.rope_scaling.original_max_position_embeddings
+                == hf.rope_parameters["original_max_position_embeddings"]), name
+    assert ModelConfig.from_hf_dict(_PHI4_MINI).rotary_dim == 96
 
 
 def test_an_integral_float_original_context_reads_as_the_integer():
