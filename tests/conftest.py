@@ -6,6 +6,8 @@ test, naming pids and command lines. Long-lived helpers that the standard librar
 purpose (multiprocessing's resource tracker and forkserver, inductor compile workers) are allowed; a
 test that knowingly keeps a process for later tests can use `@pytest.mark.allow_leftover_children`.
 `wait_for` is the one bounded wait-on-condition helper (no copies of sleep loops in test modules).
+`one_torch_thread` (module scope, opt-in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`):
+a module whose references or tiny models run in the test process itself on one torch thread.
 """
 
 from __future__ import annotations
@@ -119,3 +121,17 @@ def no_leftover_child_processes(request: pytest.FixtureRequest):
             + "\n  ".join(descriptions),
             pytrace=False,
         )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a whole module, restored after it. Tiny models are faster on one thread,
+    and on a 2-core machine shared with stage processes or other test runs, torch's spinning intra-op
+    threads make transformers several times slower, starve the stage processes a test waits for and
+    make OpenMP's thread hand-offs cost up to a second per forward."""
+    import torch  # here, not at module level: hygiene fixtures above must not need torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -27,7 +27,7 @@ from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
 NUM_NEW_TOKENS = 40
 RESULT_TIMEOUT_S = 300.0
@@ -60,15 +60,6 @@ def speculation_options(stages: int, smollm2_dir: Path, cache: Path, speculate: 
     return PipelineOptions(num_stages=stages, model=str(smollm2_dir), cache_dir=str(cache), progress=False,
                            max_model_len=256, max_num_seqs=num_prompts, speculate=speculate, predictor="hybrid",
                            row_cost="none")
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """References run on one thread: on a shared 2-core machine torch's spinning intra-op threads
-    make transformers several times slower and starve the stage processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable, SwitchablePredictor
 from tests.integration.test_real_model import PROMPTS  # prompts without greedy near-ties (see there)
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
 NUM_NEW_TOKENS = 24
 RESULT_TIMEOUT_S = 300.0
@@ -48,15 +48,6 @@ CONCURRENT_RUNS = {2: ("always-wrong",), 3: ("always-wrong", "ngram"), 5: ("alwa
 ALONE = 0  # index of the prompt run alone after the concurrent run
 GREEDY = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """transformers runs on one thread: on a 2-core machine its spinning intra-op threads would
-    starve the stage processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

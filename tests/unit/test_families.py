@@ -28,19 +28,14 @@ from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable
 from tests.family_models import FAMILY_CONFIGS, family_config, write_family_model
 from tests.in_process_pipeline import InProcessPipeline
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FAMILIES = list(FAMILY_CONFIGS)
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 MAX_MODEL_LEN = 96
 PROMPT = [5, 17, 200, 33, 9, 81, 140, 77, 3, 250, 12, 64]  # longer than every sliding window
 NUM_NEW_TOKENS = 16
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

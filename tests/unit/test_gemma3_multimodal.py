@@ -36,6 +36,8 @@ from tests.family_models import family_config, family_state_dict, hf_config
 from tests.tiny_model import byte_tokenizer
 from tests.unit.test_families import NUM_NEW_TOKENS, PROMPT, TOL, Chain, _stages
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TEXT_SHARD, VISION_SHARD = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 # transformers 4.52-4.57 saved the language model under model.language_model.* (and the head as lm_head).
 _LAYOUT_4_52 = (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
@@ -52,13 +54,6 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}"
     "{{'<start_of_turn>model\n'}}{%- endif -%}")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _tiny_multimodal() -> transformers.Gemma3ForConditionalGeneration:

@@ -38,6 +38,8 @@ from tests.unit.test_gguf_families import (
     write_hf_family_gguf,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 Q = gguf.GGMLQuantizationType
 QUANTS = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 # family -> GGUF architecture (mistral stands for llama: same architecture, Q/K rows permuted).
@@ -63,13 +65,6 @@ MAX_MODEL_LEN = 48
 MAX_ROW_ERROR = 0.35
 MEAN_ROW_ERROR = 0.12
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

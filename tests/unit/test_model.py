@@ -21,6 +21,8 @@ from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
 from tests.tiny_model import TINY_EOS_ID, random_state_dict, write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # Weights std 0.2 (not the 0.05 default) so logits are spread out and greedy output varies: with
 # near-uniform logits a wrong RoPE or mask can hide under the tolerance and greedy decoding repeats
 # one token.
@@ -89,15 +91,6 @@ class Chain:
 def _full_chain(cfg: ModelConfig, state: dict[str, torch.Tensor], **kwargs) -> Chain:
     return Chain(_stage_models(cfg, state, [LayerRange(0, cfg.num_hidden_layers)]), **kwargs)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny model is faster on one thread, and two busy cores shared with other test processes
-    make OpenMP's thread hand-offs cost up to a second per forward."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

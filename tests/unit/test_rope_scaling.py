@@ -33,18 +33,13 @@ from tests.family_models import ROPE_CONFIGS, family_config, hf_config, write_fa
 from tests.in_process_pipeline import InProcessPipeline
 from tests.unit.test_families import TOL, Chain, _hf, _stages
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPT = [5, 17, 200, 33, 9, 81, 140, 77, 3, 250, 12, 64]  # 12 positions: inside the original 16
 NUM_NEW_TOKENS = 28  # decoding reaches position 39, well past the original context
 LONG_PROMPT = [(7 * i + 3) % 256 for i in range(40)]
 ORIGINAL = 16
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

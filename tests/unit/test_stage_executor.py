@@ -21,18 +21,12 @@ from pipeline.speculation.logprobs import token_logprob
 from pipeline.speculation.sampling import MAX_LOGPROBS
 from tests.tiny_model import random_state_dict
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MAX_MODEL_LEN = 32
 GOOD = [11, 22, 33, 44, 55, 66]
 WRONG = [11, 22, 33, 200, 201, 202]  # positions 3..5 are bad drafts
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny model is faster on one thread (and two cores shared with other tests oversubscribe)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
