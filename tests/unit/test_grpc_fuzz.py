@@ -6,31 +6,24 @@ client's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), never INTERNAL or U
 non-empty one-line message, and never hangs (each call has a deadline, which would show as
 DEADLINE_EXCEEDED). Requests go through a real grpc client and server on loopback.
 
-Deterministic (`derandomize=True`) and short; to fuzz longer locally raise FUZZ_EXAMPLES and set
-`derandomize=False`, as in tests/unit/test_http_fuzz.py.
+Deterministic and short: the settings FUZZ of tests/unit/test_http_fuzz.py (its docstring says how to
+fuzz longer locally).
 """
 
 from __future__ import annotations
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from launcher.serving.grpc_generate import GrpcServer
 from launcher.serving.serving_engine import ServingEngine
 from proto import speedpipe_pb2 as pb
+from tests.unit.test_http_fuzz import FUZZ
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.timeout(120)
-FUZZ_EXAMPLES = 150
-FUZZ = settings(
-    max_examples=FUZZ_EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
 DEADLINE_S = 20.0
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,
