@@ -194,27 +194,35 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
     tokenizer, model = engine.tokenizer, engine.model_name
     rid = stream.request_id
     offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
+    generated = [0] * len(stream)  # tokens of each choice so far (continuous_usage_stats)
     started: set[int] = set()
+
+    def usage_of(index: int, body: dict) -> dict:  # vLLM's continuous usage: the choice's tokens so far
+        if parsed.continuous_usage:
+            body["usage"] = openai_protocol.usage_so_far(len(parsed.prompt_ids), generated[index])
+        return body
+
     try:
         if chat:
             for index in range(len(stream)):
-                yield _sse(openai_protocol.completion_body(request_id=rid, model=model, text="", token_ids=None,
-                                                 finish_reason=None, final=None, chunk=True, chat=True,
-                                                 role=True, index=index))
+                yield _sse(usage_of(0, openai_protocol.completion_body(
+                    request_id=rid, model=model, text="", token_ids=None, finish_reason=None, final=None,
+                    chunk=True, chat=True, role=True, index=index)))
         async for index, chunk in merged(stream):
             if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                 continue
             text = chunk.text if index in started else _echo_text(tokenizer, parsed) + chunk.text
             started.add(index)
             ids = list(chunk.token_ids)
+            generated[index] += len(ids)
             logprobs = _choice_logprobs(formatter, parsed, chat, ids, list(chunk.logprobs or ()),
                                         chunk.prompt_logprobs, offsets[index])
             if logprobs is not None and not chat:
                 offsets[index] += sum(len(t) for t in logprobs["tokens"])
-            yield _sse(openai_protocol.completion_body(
+            yield _sse(usage_of(index, openai_protocol.completion_body(
                 request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
                 finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
-                logprobs=logprobs, stop_reason=chunk.stop_reason))
+                logprobs=logprobs, stop_reason=chunk.stop_reason)))
         final = stream.final
         if parsed.include_usage and final is not None:
             yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))
