@@ -30,14 +30,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on host:port (port 0: any free one), with SO_REUSEADDR as uvicorn binds,
-    so a port in TIME_WAIT after a previous server is not refused. The caller closes it. Raises
-    socket.gaierror if `host` does not resolve, OSError (EADDRINUSE, EACCES, ...) if it cannot listen."""
-    family, socktype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socktype, proto)
+    """A TCP socket listening on host:port (port 0: any free one), bound as uvicorn binds its own (IPv6
+    for an address with ":", else IPv4, so `localhost` is 127.0.0.1; SO_REUSEADDR, so a port in
+    TIME_WAIT after a previous server is not refused). The caller closes it. Raises socket.gaierror
+    if `host` does not resolve, OSError (EADDRINUSE, EACCES, ...) if it cannot listen."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
+        sock.bind((host, port))
         sock.listen()
     except BaseException:
         sock.close()

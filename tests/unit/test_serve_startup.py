@@ -88,3 +88,34 @@ def test_serve_s_ready_never_answers_200_before_the_model_loaded(tmp_path, monke
     assert (True, 200) in answers
     assert not [status for was_loaded, status in answers if not was_loaded and status is not None], answers
     assert not _stage_processes()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "u16", "config"])
+def test_serve_refuses_a_model_folder_as_launch_does_before_any_stage_starts(tmp_path, capfd, monkeypatch, damage):
+    """A truncated safetensors file, a U16 tensor, a malformed config.json: one line, exit 2, the same
+    line as `launch` but for the command's name, and no stage started."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from launcher.cli.main import main
+    from launcher.coordinator.session import PipelineSession
+    from tests.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "m")
+    weights_file = model_dir / "model.safetensors"
+    if damage == "truncated":
+        weights_file.write_bytes(weights_file.read_bytes()[:-100])
+    elif damage == "u16":
+        weights = load_file(weights_file)
+        weights["model.norm.weight"] = torch.ones(weights["model.norm.weight"].shape, dtype=torch.uint16)
+        save_file(weights, weights_file, metadata={"format": "pt"})
+    else:
+        (model_dir / "config.json").write_text('{"hidden_size": ')
+    monkeypatch.setattr(PipelineSession, "_start", lambda self: pytest.fail("a stage was started"))
+    lines = {}
+    for command in (["launch", "--prompt", "hi", "--no-progress"], ["serve", "--port", "0", "--grpc-port", "0"]):
+        code = main([command[0], "--model", str(model_dir), "--stages", "2", *command[1:]])
+        lines[command[0]] = capfd.readouterr().err.strip().splitlines()
+        assert code == 2, lines
+    assert len(lines["serve"]) == 1 and lines["serve"][0].startswith("speedpipe serve: error: "), lines
+    assert lines["serve"][0].removeprefix("speedpipe serve") == lines["launch"][-1].removeprefix("speedpipe launch")
