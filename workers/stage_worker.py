@@ -28,7 +28,13 @@ import grpc
 import psutil
 import torch
 
-from pipeline.engine.stage_assembly import SpecBookkeepingError, StageLoadSpec, assemble_stage
+from pipeline.engine.stage_assembly import (
+    SpecBookkeepingError,
+    StageLoadSpec,
+    assemble_stage,
+    is_user_file_error,
+    machine_error,
+)
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.measure.row_cost import numeric_mode_name, ratio_line
 from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS, calibrate_stage, time_exit_head
@@ -61,7 +67,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
     already loaded, meant for another stage, or a SpecBookkeepingError such as a stage index outside
     num_stages; the coordinator's bookkeeping, not the user's input) /
     INTERNAL ("<ExceptionType>: <message>" of any other exception, whose traceback this worker logs
-    at DEBUG only). Load's messages do not name the stage: the coordinator, which knows which stage
+    at DEBUG only; also an OSError of the machine, such as EMFILE or ENOMEM, named by its errno). Load's messages do not name the stage: the coordinator, which knows which stage
     it asked, does ("stage 1 failed to load: ...")."""
 
     def __init__(self, stage_index: int, stop_event: threading.Event, *, rejoin_wait_s: float = 0.0) -> None:
@@ -100,9 +106,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
             except SpecBookkeepingError as exc:
                 self.executor = None
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except (ValueError, FileNotFoundError, OSError) as exc:
+            except ValueError as exc:
                 self.executor = None  # not loaded: a corrected Load may follow
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except OSError as exc:  # [Note: the user's files or the machine] in pipeline/engine/stage_assembly.py
+                self.executor = None
+                if is_user_file_error(exc):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)
+                context.abort(grpc.StatusCode.INTERNAL, machine_error(exc))
             except Exception as exc:  # noqa: BLE001 - unexpected: one line to the coordinator, traceback at DEBUG
                 self.executor = None
                 log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)

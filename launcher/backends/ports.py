@@ -1,7 +1,10 @@
-"""TCP addresses of the launcher: `host:port` strings and free-port probing for test servers.
+"""TCP addresses of the launcher: `host:port` strings, free-port probing for test servers, and the
+listening socket of a front end.
 
-Owns how a gRPC address is written (IPv6 literals in brackets) and how a free port for a
-test server is found. Must not: spawn processes or open long-lived sockets.
+Owns how a gRPC address is written (IPv6 literals in brackets), how a free port for a test server
+is found, and how a server's port is bound (`listen_socket`: the same for the check before start-up
+and for the HTTP server itself). Must not: spawn processes or keep a socket itself (the caller owns
+what `listen_socket` returns).
 """
 
 from __future__ import annotations
@@ -24,3 +27,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socktype, proto) as sock:
         sock.bind(sockaddr)
         return int(sock.getsockname()[1])
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port (port 0: any free one), bound as uvicorn binds its own (IPv6
+    for an address with ":", else IPv4, so `localhost` is 127.0.0.1; SO_REUSEADDR, so a port in
+    TIME_WAIT after a previous server is not refused). The caller closes it. Raises socket.gaierror
+    if `host` does not resolve, OSError (EADDRINUSE, EACCES, ...) if it cannot listen."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -34,7 +34,7 @@ from launcher.coordinator.request_handle import RequestError, StageLoadError
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
-from pipeline.engine.stage_assembly import SpecBookkeepingError
+from pipeline.engine.stage_assembly import SpecBookkeepingError, is_user_file_error, machine_error
 from pipeline.measure.row_cost import ratio_line
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.sampling import SamplingParams
@@ -246,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"{PROG} {command}: error: {flag_message(str(exc))}", file=sys.stderr)
         return 2
+    except OSError as exc:  # [Note: the user's files or the machine] in pipeline/engine/stage_assembly.py
+        if is_user_file_error(exc):
+            print(f"{PROG} {command}: error: {flag_message(str(exc))}", file=sys.stderr)
+            return 2
+        print(f"{PROG} {command}: internal error: {machine_error(exc)}", file=sys.stderr)
+        return 1
     except StageLoadError as exc:  # the user's input (a model file a stage refused) or an unexpected error
         print(f"{PROG} {command}: {'error' if exc.user_input else 'pipeline failed'}: {exc}", file=sys.stderr)
         return 2 if exc.user_input else 1

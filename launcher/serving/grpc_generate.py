@@ -39,6 +39,7 @@ from typing import NoReturn
 
 import grpc
 
+from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
 from launcher.serving.grpc_health import MAX_WATCHES, OPEN_METHODS, enable_standard_services
@@ -235,8 +236,11 @@ class GrpcServer:
                                   options=[("grpc.so_reuseport", 0)])  # grpc's default 1 lets 2 servers share a port
         pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine), self.server)
         enable_standard_services(self.server, engine.health_status)
-        try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:  # asked first, so a port taken is one line with the reason, not also grpc's own log line
+            listen_socket(host, port).close()
+            self.port = self.server.add_insecure_port(format_address(host, port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen for gRPC on {host}:{port} ({exc.strerror})") from None
         except RuntimeError:  # newer grpc raises on a failed bind; older returned 0
             self.port = 0
         if self.port == 0:

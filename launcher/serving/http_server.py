@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 import time
 from importlib import metadata
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from launcher.backends.ports import listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
@@ -194,27 +196,35 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
     tokenizer, model = engine.tokenizer, engine.model_name
     rid = stream.request_id
     offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
+    generated = [0] * len(stream)  # tokens of each choice so far (continuous_usage_stats)
     started: set[int] = set()
+
+    def usage_of(index: int, body: dict) -> dict:  # vLLM's continuous usage: the choice's tokens so far
+        if parsed.continuous_usage:
+            body["usage"] = openai_protocol.usage_so_far(len(parsed.prompt_ids), generated[index])
+        return body
+
     try:
         if chat:
             for index in range(len(stream)):
-                yield _sse(openai_protocol.completion_body(request_id=rid, model=model, text="", token_ids=None,
-                                                 finish_reason=None, final=None, chunk=True, chat=True,
-                                                 role=True, index=index))
+                yield _sse(usage_of(0, openai_protocol.completion_body(
+                    request_id=rid, model=model, text="", token_ids=None, finish_reason=None, final=None,
+                    chunk=True, chat=True, role=True, index=index)))
         async for index, chunk in merged(stream):
             if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                 continue
             text = chunk.text if index in started else _echo_text(tokenizer, parsed) + chunk.text
             started.add(index)
             ids = list(chunk.token_ids)
+            generated[index] += len(ids)
             logprobs = _choice_logprobs(formatter, parsed, chat, ids, list(chunk.logprobs or ()),
                                         chunk.prompt_logprobs, offsets[index])
             if logprobs is not None and not chat:
                 offsets[index] += sum(len(t) for t in logprobs["tokens"])
-            yield _sse(openai_protocol.completion_body(
+            yield _sse(usage_of(index, openai_protocol.completion_body(
                 request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
                 finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
-                logprobs=logprobs, stop_reason=chunk.stop_reason))
+                logprobs=logprobs, stop_reason=chunk.stop_reason)))
         final = stream.final
         if parsed.include_usage and final is not None:
             yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))
@@ -352,24 +362,36 @@ class HttpServer:
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                      access_log=False, lifespan="off", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(self.config)
-        self._error: BaseException | None = None  # why the server thread ended (a failed bind: OSError)
+        self._error: BaseException | None = None  # why the server thread ended
         self._thread = threading.Thread(target=self._run, name="http-server", daemon=True)
+        self._socket: socket.socket | None = None
 
     def _run(self) -> None:
         try:
-            self.server.run()
+            self.server.run(sockets=[self._socket])
         except BaseException as exc:  # noqa: BLE001 - reported by start(), not as a thread traceback
             self._error = exc
 
     def start(self, timeout_s: float = 30.0) -> None:
+        """Bind here, not in uvicorn: a port taken is one RuntimeError with the reason ("cannot listen on
+        127.0.0.1:8000 (Address already in use)"), not uvicorn's own ERROR line and a SystemExit."""
+        host, port = self.config.host, self.config.port
+        try:
+            self._socket = listen_socket(host, port)
+        except OSError as exc:  # socket.gaierror too
+            raise RuntimeError(f"cannot listen on {host}:{port} ({exc.strerror})") from None
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                why = f" ({self._error})" if isinstance(self._error, OSError) else ""
-                raise RuntimeError(f"HTTP server did not start on {self.config.host}:{self.config.port}{why}")
+                self.stop()
+                why = f" ({self._error})" if self._error is not None else ""
+                raise RuntimeError(f"HTTP server did not start on {host}:{port}{why}")
             time.sleep(0.02)
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        if self._socket is not None:  # uvicorn closed it when it served; not when it never started
+            self._socket.close()

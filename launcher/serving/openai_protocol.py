@@ -50,6 +50,7 @@ class ParsedRequest:
     return_token_ids: bool
     prompt_field: str
     n: int = 1
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
     echo: bool = False
     budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
 
@@ -146,12 +147,20 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "min_p": _number(body, "min_p", 0.0, lo=0.0, hi=1.0),
         "seed": _int(body, "seed", None, lo=0, hi=API_SEED_LIMIT),
         "stop": _stop(body),
-        "include_usage": bool_field(stream_options or {}, "include_usage", False, parent="stream_options"),
+        **_usage_options(stream_options or {}),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
     }
+
+
+def _usage_options(stream_options: dict) -> dict[str, bool]:
+    """include_usage and continuous_usage (every chunk carries the usage so far: vLLM's
+    stream_options.continuous_usage_stats, which it honours only with include_usage), both booleans."""
+    include = bool_field(stream_options, "include_usage", False, parent="stream_options")
+    every = bool_field(stream_options, "continuous_usage_stats", False, parent="stream_options")
+    return {"include_usage": include, "continuous_usage": include and every}
 
 
 def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
@@ -177,8 +186,8 @@ def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> Par
     """The ParsedRequest of validated fields `kw` (SamplingParams' and the options'). A setting that
     SamplingParams refuses although the checks above let it through is an InvalidRequestError naming
     the request's own field (`api_field`), not a bare ValueError (HTTP's `param: null`)."""
-    options = {k: kw.pop(k) for k in ("stream", "include_usage", "return_token_ids", "n", "echo",
-                                      "budget_field")}
+    options = {k: kw.pop(k) for k in ("stream", "include_usage", "continuous_usage", "return_token_ids", "n",
+                                      "echo", "budget_field")}
     try:
         params = SamplingParams(**kw)
     except SamplingParamError as exc:
@@ -336,8 +345,14 @@ def new_id(prefix: str) -> str:
 
 
 def usage(final: FinalInfo) -> dict[str, int]:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+    return usage_so_far(final.prompt_tokens, final.completion_tokens)
+
+
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object; on a stream chunk with continuous_usage_stats, the tokens of that
+    chunk's choice so far (as vLLM counts them)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def error_body(message: str, param: str | None, *, type_: str = "invalid_request_error",

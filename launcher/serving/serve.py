@@ -24,6 +24,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from launcher.backends.ports import listen_socket
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession
 from launcher.coordinator.stage_restarts import RestartBudget
@@ -75,6 +76,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 # of a server, and the full-run defaults (1,000,000 commit events, 200,000 slices) would grow its
 # memory for hours ([Note: bounded serve buffers]).
 SERVE_WINDOW = 1024
+TAKEN_SINCE = ": it was free at start-up, so something took it while the model loaded"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,14 +123,9 @@ class ServeOptions:
         with contextlib.ExitStack() as held:
             for flag, port in ports:
                 try:
-                    family, socktype, proto, _, addr = socket.getaddrinfo(self.host, port, type=socket.SOCK_STREAM)[0]
+                    held.enter_context(listen_socket(self.host, port))
                 except socket.gaierror as exc:
                     raise ValueError(f"--host {self.host!r} does not resolve: {exc.strerror}") from None
-                sock = held.enter_context(socket.socket(family, socktype, proto))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    sock.bind(addr)
-                    sock.listen()
                 except OSError as exc:
                     raise ValueError(f"{flag} {port}: cannot listen on {self.host}:{port} ({exc.strerror})") from None
 
@@ -159,7 +156,7 @@ class ServingStack:
             self.grpc = (GrpcServer(self.engine, host=options.host, port=options.grpc_port, api_key=options.api_key)
                          if options.grpc_port >= 0 else None)
         except RuntimeError as exc:
-            raise ValueError(f"--grpc-port {options.grpc_port}: {exc} (taken while the model loaded?)") from None
+            raise ValueError(f"--grpc-port {options.grpc_port}: {exc}{TAKEN_SINCE}") from None
         self.stats = StatsLogger(coord, self.engine.metrics, self.engine, interval_s=options.stats_interval_s)
         self.heartbeat = StageHeartbeat(coord.stubs, timeout_s=options.stage_heartbeat_timeout_s,
                                         on_hung=self._on_hung)
@@ -185,7 +182,7 @@ class ServingStack:
             try:
                 self.http.start()
             except RuntimeError as exc:  # as for gRPC above: exit 2 with one line, the stages stopped
-                raise ValueError(f"--port {self.options.port}: {exc} (taken while the model loaded?)") from None
+                raise ValueError(f"--port {self.options.port}: {exc}{TAKEN_SINCE}") from None
             self.stats.start()
             self.heartbeat.start()
         except BaseException:

@@ -9,6 +9,7 @@ tensors and returns a ready `StageExecutor`. Pure of processes: no gRPC, no torc
 from __future__ import annotations
 
 import dataclasses
+import errno
 
 import torch
 
@@ -37,6 +38,30 @@ class SpecBookkeepingError(ValueError):
     (their model files and settings are checked with plain ValueError): a bug, or a coordinator of
     another version; a stage answers it FAILED_PRECONDITION, and `launch` exits 1."""
 
+
+# [Note: the user's files or the machine]
+# An OSError while a model loads is the user's input (exit 2) only when it says a file they named is
+# missing or unreadable: no such file (our own FileNotFoundError carries no errno), no permission, a
+# folder where a file belongs or the reverse, a symlink loop, a name too long. Anything else (EMFILE
+# "Too many open files", ENFILE, ENOMEM, ENOSPC, EIO, EAGAIN, ...) is a limit or fault of the machine
+# the stage runs on: an internal error (exit 1), reported by `machine_error` naming the errno.
+USER_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+USER_FILE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ELOOP,
+                              errno.ENAMETOOLONG})
+
+
+def is_user_file_error(exc: OSError) -> bool:
+    """Whether `exc` is about a file the user named ([Note: the user's files or the machine])."""
+    return isinstance(exc, USER_FILE_ERRORS) or exc.errno in USER_FILE_ERRNOS
+
+
+def machine_error(exc: OSError) -> str:
+    """One line for an OSError that is not the user's files: its type and message, and the errno's
+    name when it has one, e.g. "OSError: [Errno 24] Too many open files: 'x' (EMFILE: a limit or
+    fault of this machine, not of the model's files)"."""
+    name = errno.errorcode.get(exc.errno) if exc.errno is not None else None
+    why = f" ({name}: a limit or fault of this machine, not of the model's files)" if name else ""
+    return f"{type(exc).__name__}: {exc}{why}"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageLoadSpec:

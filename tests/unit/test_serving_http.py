@@ -177,6 +177,54 @@ def test_streamed_text_and_usage(served):
     assert engine.num_outstanding == 0
 
 
+
+def _streamed_chunks(url: str, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + route, json=body, timeout=10) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]", lines
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(served, chat):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries the prompt's
+    tokens and its choice's completion tokens so far; the last chunk the total of every choice. Before:
+    silently ignored (usage only on the last chunk)."""
+    _, _, url = served
+    route, extra = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}) if chat
+                    else ("/v1/completions", {"prompt": "Hello"}))
+    body = {**extra, "max_tokens": 3, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _streamed_chunks(url, route, body)
+    *choices, last = chunks
+    prompt = last["usage"]["prompt_tokens"]
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": prompt, "completion_tokens": 6,
+                                                       "total_tokens": prompt + 6}
+    seen = {0: 0, 1: 0}
+    for c in choices:
+        [choice] = c["choices"]
+        seen[choice["index"]] += bool(choice.get("text") or choice.get("delta", {}).get("content"))
+        assert c["usage"] == {"prompt_tokens": prompt, "completion_tokens": seen[choice["index"]],
+                              "total_tokens": prompt + seen[choice["index"]]}, c
+    assert seen == {0: 3, 1: 3}
+    # Without include_usage nothing changes (as vLLM): no usage anywhere.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    assert all("usage" not in c for c in _streamed_chunks(url, route, body))
+
+
+@pytest.mark.parametrize("value", [1, "true", {}])
+def test_continuous_usage_stats_must_be_a_boolean(served, tokenizer, value):
+    body = {"prompt": "Hi", "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": value}}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion(body, tokenizer=tokenizer, model_name="tiny")
+    assert info.value.param == "stream_options.continuous_usage_stats"
+    r = httpx.post(served[2] + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"'stream_options.continuous_usage_stats' must be true or false, got {value!r}")
+    body["stream_options"]["continuous_usage_stats"] = None
+    assert parse_completion(body, tokenizer=tokenizer, model_name="tiny").continuous_usage is False
+
 def test_queue_bound_is_429_and_abort_on_disconnect(served):
     coord, engine, url = served
     coord.step_s = 0.05
@@ -769,10 +817,15 @@ def test_grpc_refuses_what_http_refuses(tokenizer, fields, param, message):
 
 
 @pytest.mark.parametrize("taken", ["--port", "--grpc-port"])
-def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(tokenizer, taken, tmp_path):
+def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(tokenizer, taken, tmp_path, capfd):
     """The ports are checked before the stages start; one taken after that (while a model loads for
-    minutes) used to end `serve` with a traceback and exit 1: now a ValueError naming the flag (exit 2)."""
+    minutes) used to end `serve` with a traceback and exit 1: now a ValueError naming the flag (exit 2).
+    Its one line says why (before: uvicorn's SystemExit lost "Address already in use"), and nothing else
+    reaches stderr (before: uvicorn's "ERROR: [Errno 98] ..." or grpc's "E... add_port.cc ..." line too);
+    no listening socket of the front ends is left."""
     import types
+
+    import psutil
 
     from launcher.serving.serve import ServeOptions, ServingStack
 
@@ -787,9 +840,16 @@ def test_a_port_taken_while_the_model_loaded_is_one_value_error_naming_the_flag(
         port = busy.getsockname()[1]
         ports = {"port": port, "grpc_port": -1} if taken == "--port" else {"port": 0, "grpc_port": port}
         options = ServeOptions(model_name="tiny", stats_interval_s=0, **ports)
-        with pytest.raises(ValueError, match=f"^{taken} {port}: .*taken while the model loaded"):
+        before = {c.laddr for c in psutil.Process().net_connections() if c.status == psutil.CONN_LISTEN}
+        with pytest.raises(ValueError) as info:
             with ServingStack(session, options):
                 pass
+        after = {c.laddr for c in psutil.Process().net_connections() if c.status == psutil.CONN_LISTEN}
+    what = "listen" if taken == "--port" else "listen for gRPC"
+    assert str(info.value) == (f"{taken} {port}: cannot {what} on 127.0.0.1:{port} (Address already in use): it "
+                               "was free at start-up, so something took it while the model loaded")
+    assert capfd.readouterr().err == ""
+    assert after == before
 
 
 @pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

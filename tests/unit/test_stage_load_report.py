@@ -124,3 +124,30 @@ def test_the_exit_code_says_whether_a_stage_refused_the_user_s_input(
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"speedpipe launch: {prefix}: stage 1 failed to load: bad weights", err
+
+
+@pytest.mark.parametrize(("error", "code", "line"), [
+    (PermissionError(13, "Permission denied", "m/config.json"), 2, "error: [Errno 13] Permission denied: 'm/config.json'"),
+    (OSError(24, "Too many open files", "m/model.safetensors"), 1,
+     "internal error: OSError: [Errno 24] Too many open files: 'm/model.safetensors' (EMFILE: a limit or fault of "
+     "this machine, not of the model's files)"),
+], ids=["EACCES", "EMFILE"])
+def test_an_os_error_in_the_coordinator_is_the_user_s_input_only_when_it_is_about_their_files(
+    tmp_path, monkeypatch, capsys, error, code, line
+):
+    """[Note: the user's files or the machine], on the coordinator's side: before, an OSError other than
+    FileNotFoundError (a file the user named that cannot be read, or "Too many open files") escaped
+    `main` as a traceback."""
+    from launcher.cli.main import main
+    from launcher.coordinator.session import PipelineSession
+    from tests.tiny_model import write_tiny_model
+
+    def failing(self):
+        raise error
+
+    monkeypatch.setattr(PipelineSession, "_start", failing)
+    model_dir = write_tiny_model(tmp_path / "m")
+    for command in (["launch", *_LAUNCH], ["serve", "--stages", "2", "--port", "0", "--grpc-port", "-1"]):
+        assert main([command[0], "--model", str(model_dir), *command[1:]]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == f"speedpipe {command[0]}: {line}", err

@@ -8,6 +8,7 @@ naming the field, or leaves the worker "already loaded" so a corrected Load is r
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import grpc
@@ -181,3 +182,41 @@ def test_a_request_the_stage_cannot_parse_is_invalid_argument_after_the_secret_c
                                                    f"{descriptor.input_type.full_name} (")
     finally:
         stop_server(server, servicer)
+
+
+@pytest.mark.parametrize(("error", "code", "details"), [
+    (FileNotFoundError("safetensors file m/model.safetensors does not exist"), grpc.StatusCode.INVALID_ARGUMENT,
+     "safetensors file m/model.safetensors does not exist"),
+    (OSError(errno.EACCES, "Permission denied", "m/model.safetensors"), grpc.StatusCode.INVALID_ARGUMENT,
+     "[Errno 13] Permission denied: 'm/model.safetensors'"),
+    (OSError(errno.EISDIR, "Is a directory", "m/model.safetensors"), grpc.StatusCode.INVALID_ARGUMENT,
+     "[Errno 21] Is a directory: 'm/model.safetensors'"),
+    (OSError(errno.EMFILE, "Too many open files", "m/model.safetensors"), grpc.StatusCode.INTERNAL,
+     "OSError: [Errno 24] Too many open files: 'm/model.safetensors' (EMFILE: a limit or fault of this machine, "
+     "not of the model's files)"),
+    (OSError(errno.ENOMEM, "Cannot allocate memory"), grpc.StatusCode.INTERNAL,
+     "OSError: [Errno 12] Cannot allocate memory (ENOMEM: a limit or fault of this machine, not of the model's "
+     "files)"),
+    (OSError(errno.EIO, "Input/output error"), grpc.StatusCode.INTERNAL,
+     "OSError: [Errno 5] Input/output error (EIO: a limit or fault of this machine, not of the model's files)"),
+    (OSError("no errno"), grpc.StatusCode.INTERNAL, "OSError: no errno"),
+], ids=["missing", "EACCES", "EISDIR", "EMFILE", "ENOMEM", "EIO", "no-errno"])
+def test_an_os_error_is_the_user_s_input_only_when_it_is_about_their_files(tmp_path, error, code, details):
+    """Before: every OSError was INVALID_ARGUMENT, the user's input (exit 2), "Too many open files"
+    and "Cannot allocate memory" too. Now a missing or unreadable file stays the user's input; a
+    resource of the machine is INTERNAL (exit 1) naming the errno; the stage is left unloaded."""
+    model_dir = write_tiny_model(tmp_path / "model", seed=4)
+    spec = StageLoadSpec(model_dir=str(model_dir), stage_index=0, num_stages=1, layer_range=LayerRange(0, 4),
+                         max_num_seqs=1, max_model_len=16)
+    servicer = StageServicer(0, threading.Event())
+
+    def failing(spec):
+        raise error
+
+    servicer._load_model = failing
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        servicer.Load(spec_to_proto(spec), context)
+    assert (context.code, context.details) == (code, details)
+    assert servicer.executor is None
+
