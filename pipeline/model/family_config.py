@@ -143,7 +143,8 @@ def family_hf_dict(c: Any) -> dict[str, Any]:
 # Gemma 3 4B/12B/27B (`model_type` "gemma3", Gemma3ForConditionalGeneration) run as their text model:
 # `text_model_dict` turns the config.json into the text model's (text_config over transformers'
 # Gemma3TextConfig defaults for the keys it omits, as the Hub's configs omit most; the top-level token
-# ids and tied-head flag, which transformers' conditional-generation model uses). Its logits are not
+# ids where given, and the top-level tied-head flag (absent: Gemma3Config's True), by which alone
+# transformers' conditional-generation model ties its head, whatever text_config says). Its logits are not
 # soft-capped: transformers' Gemma3ForConditionalGeneration (the class these checkpoints name) ignores
 # `final_logit_softcapping` (its Gemma3ForCausalLM applies it), and the released checkpoints set none.
 # The vision tower and projector are never read (the checkpoint reader maps only the language model's
@@ -160,8 +161,11 @@ _GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "final_logit_softcapping": None, "attn_logit_softcapping": None,
 }
 MULTIMODAL_TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {"gemma3": ("gemma3_text", _GEMMA3_TEXT_DEFAULTS)}
-# Top-level keys that transformers' conditional-generation model reads instead of text_config's.
-_TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+# Top-level token ids, which transformers' generation reads instead of text_config's where given.
+_TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id")
+# Whether the head is the embedding: transformers' conditional-generation model ties by the top-level flag
+# alone (Gemma3Config's default True when absent), never by text_config's.
+_TIED_HEAD_DEFAULT = {"gemma3": True}
 
 
 def multimodal_architecture(d: dict[str, Any]) -> str | None:
@@ -177,8 +181,9 @@ def multimodal_architecture(d: dict[str, Any]) -> str | None:
 def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:
     """`d` itself for a text model; for a multimodal config ([Note: text-only multimodal]) the
     config dict of its text model: `text_config` over transformers' defaults, with the top-level
-    bos/eos token ids and tie_word_embeddings where given, and no final logit soft-capping. Raises
-    ValueError (one line) when `text_config` is not an object or names another model_type."""
+    bos/eos token ids where given, the top-level tie_word_embeddings (absent: True; text_config's is
+    ignored, as transformers ignores it), and no final logit soft-capping. Raises ValueError (one
+    line) when `text_config` is not an object or names another model_type."""
     if d.get("model_type") not in MULTIMODAL_TEXT_MODELS:
         return d
     text_type, defaults = MULTIMODAL_TEXT_MODELS[d["model_type"]]
@@ -190,4 +195,5 @@ def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:
                          f"supported (only {text_type!r})")
     out = defaults | text | {"model_type": text_type, "final_logit_softcapping": None}  # see the Note
     out.update({k: d[k] for k in _TOP_LEVEL_KEYS if d.get(k) is not None})
+    out["tie_word_embeddings"] = d.get("tie_word_embeddings", _TIED_HEAD_DEFAULT[d["model_type"]])
     return out

@@ -216,6 +216,24 @@ def test_a_hub_config_reads_as_transformers_reads_its_text_config(tmp_path):
     assert ours.eos_token_ids == (1, 106) and ours.bos_token_id == 2
 
 
+
+@pytest.mark.parametrize("text_tie, top_tie", [(False, None), (True, False), (False, True)])
+def test_the_head_is_tied_by_the_top_level_flag_alone_as_transformers_ties_it(text_tie, top_tie):
+    """Gemma3ForConditionalGeneration ties its head by the top-level tie_word_embeddings (Gemma3Config's
+    default True when absent) and ignores text_config's: a text_config saying false must not send the
+    head to a `lm_head.weight` that save_pretrained never wrote."""
+    text = hf_config("gemma3_text").to_dict() | {"tie_word_embeddings": text_tie}
+    raw = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                             "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}}
+    if top_tie is not None:
+        raw["tie_word_embeddings"] = top_tie
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(**json.loads(json.dumps(raw))))
+    tied = model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    assert tied == (top_tie is not False)
+    assert ModelConfig.from_hf_dict(json.loads(json.dumps(raw))).tie_word_embeddings == tied
+
+
 def test_the_text_config_defaults_are_transformers():
     _, defaults = MULTIMODAL_TEXT_MODELS["gemma3"]
     hf = transformers.Gemma3TextConfig()

@@ -15,6 +15,7 @@ set or attention factor moves them by more than 1e-3 (the guard test).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -78,6 +79,7 @@ def test_yarn_variants_match_transformers(rope):
     assert ours.rope_scaling.attention_factor == attention_factor
 
 
+
 @pytest.mark.parametrize("rotary_dim", [8, 12])
 def test_partial_rotation_is_phi3s_apply_rotary_pos_emb_bitwise(rotary_dim):
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
@@ -134,6 +136,39 @@ def test_phi3_reads_its_top_level_original_context_and_su_as_longrope():
     assert config.rope_scaling.factor == 32.0
     again = ModelConfig.from_hf_dict(config.to_hf_dict())
     assert again.rope_scaling == config.rope_scaling
+
+
+# Real checkpoints' original contexts: with the tiny models' 16 positions both YaRN correction dims clamp
+# to 0, so beta_fast / beta_slow (and their defaults) would not change a single bit there.
+@pytest.mark.parametrize("rope", [
+    dict(type="yarn", factor=4.0, original_max_position_embeddings=32768),  # Qwen2.5's long-context recipe
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768, beta_fast=None, beta_slow=None),
+    dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707,
+         beta_fast=32, beta_slow=1),  # DeepSeek-style
+])
+def test_yarn_read_from_a_raw_config_json_at_a_real_original_context_is_transformers_bits(rope):
+    raw = _BASE | dict(model_type="qwen2", hidden_size=256, num_attention_heads=2, max_position_embeddings=131072,
+                       rope_theta=1000000.0, rope_scaling=rope)
+    hf = transformers.Qwen2Config(**copy.deepcopy(raw))
+    ours = ModelConfig.from_hf_dict(copy.deepcopy(raw))
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    assert torch.equal(config_inv_freq(ours, local=False), inv_freq)
+    assert ours.rope_scaling.attention_factor == attention_factor
+    assert not torch.equal(inv_freq[:32], inv_freq[:32] / rope["factor"]), "no dimension is kept: a vacuous case"
+
+
+@pytest.mark.parametrize("legacy_type", ["su", "yarn", "longrope"])
+def test_phi3_legacy_rope_types_read_as_transformers_phi3config_reads_them(legacy_type):
+    """Phi3Config turns "su" and "yarn" (Phi-3's early configs) into "longrope"; so does speedpipe."""
+    raw = _BASE | dict(model_type="phi3", max_position_embeddings=4096 * 32, rope_scaling=dict(
+        type=legacy_type, short_factor=[1.0 + i / 16 for i in range(8)], long_factor=[1.0 + i for i in range(8)]))
+    hf = transformers.Phi3Config(**copy.deepcopy(raw))
+    ours = ModelConfig.from_hf_dict(copy.deepcopy(raw))
+    assert hf.rope_parameters["rope_type"] == ours.rope_scaling.rope_type == "longrope"
+    for long in (False, True):
+        want, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=4097 if long else None)
+        assert torch.equal(config_inv_freq(ours, local=False, long=long), want)
+        assert ours.rope_scaling.attention_factor == attention_factor
 
 
 def test_the_next_layer_drafter_refuses_what_its_training_forward_does_not_apply():
