@@ -80,8 +80,8 @@ def _stages_arg(text: str) -> int | str:
 
 
 def settle_max_model_len(args: argparse.Namespace, progress: bool) -> None:
-    """Without `--max-model-len` (None), set its default, lowered to the model's
-    `max_position_embeddings` where that is shorter: only a length the user asked for is refused
+    """Without `--max-model-len` (None), set its default, lowered to the model's context
+    (`ModelConfig.max_context`) where that is shorter: only a length the user asked for is refused
     for exceeding the model's (run_plan.check_lengths). Resolves the model (converting a
     GGUF once); changes `args.max_model_len` in place. Raises what `resolve_model` raises."""
     if args.max_model_len is not None:  # given (in any spelling argparse takes, abbreviations too)
@@ -91,13 +91,13 @@ def settle_max_model_len(args: argparse.Namespace, progress: bool) -> None:
 
 
 def default_max_model_len(model: str, default: int, *, cache_dir: str | None, progress: bool) -> int:
-    """`default`, or the model's `max_position_embeddings` where that is shorter (resolving the model,
+    """`default`, or the model's context (`ModelConfig.max_context`) where that is shorter (resolving the model,
     converting a GGUF once). Raises what `resolve_model` raises."""
     from pipeline.model.config import ModelConfig
     from pipeline.weights.registry import resolve_model
 
     config = ModelConfig.from_model_dir(resolve_model(model, cache_dir=cache_dir, progress=progress))
-    return min(default, config.max_position_embeddings)
+    return min(default, config.max_context)
 
 
 def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | None]:

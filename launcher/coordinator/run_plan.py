@@ -214,15 +214,17 @@ def _note_text_only(model_dir: Path, architecture: str, num_skipped: int) -> Non
 def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path, *,
                   available: int | None = None) -> None:
     """Refuse limits the model or this machine cannot hold, before any stage allocates its KV cache:
-    `max_model_len` above the model's `max_position_embeddings` (as vLLM), and, for CPU stages all
+    `max_model_len` above the model's context (`ModelConfig.max_context`, as vLLM), and, for CPU stages all
     on this machine (`stages_on_this_machine`), a KV cache for `max_num_seqs` x `max_model_len` in
     the stages' activation dtype that is larger than the memory available here (it would fail, or
     set off the kernel's out-of-memory killer, only after the stages start), plus the weights (in
     that dtype when dense, at 4 bits a weight when quantised: a lower bound). available: bytes
     (default: `available_memory_bytes()`). Raises ValueError."""
-    if options.max_model_len > config.max_position_embeddings:
-        raise ValueError(f"max_model_len {options.max_model_len} is more than the model's max_position_embeddings "
-                         f"{config.max_position_embeddings} (config.json); lower max_model_len")
+    if options.max_model_len > config.max_context:
+        stretched = "" if config.max_context == config.max_position_embeddings else \
+            " stretched by YaRN"
+        raise ValueError(f"max_model_len {options.max_model_len} is more than the model's context {config.max_context} "
+                         f"(max_position_embeddings{stretched}, config.json); lower max_model_len")
     if options.device != "cpu" or not stages_on_this_machine(options.placement):
         return  # stage memory is on other machines or devices: each stage reports its own failure
     dtype = activation_dtype(options.quantization, str(model_dir), MODEL_DTYPES[options.dtype], options.device)

@@ -133,6 +133,18 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
 
     @property
+    def max_context(self) -> int:
+        """The longest sequence the model supports, in positions (the ceiling of `max_model_len`):
+        `max_position_embeddings`, or for YaRN `original_max_position_embeddings x factor` where that
+        is longer, as vLLM derives it (Qwen2.5 with YaRN factor 4 over 32768: 131072). Linear,
+        llama3 and LongRoPE configs state their long context in `max_position_embeddings` already
+        (Gemma 3's linear factor 8 is not a stretch of its 131072; vLLM special-cases it so)."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type != "yarn":
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings, int(scaling.original_max_position_embeddings * scaling.factor))
+
+    @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (the first ones; the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)

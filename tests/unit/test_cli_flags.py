@@ -213,7 +213,7 @@ def test_without_max_model_len_its_default_is_lowered_to_the_models_context(tmp_
         # asked for (abbreviations too, which argparse takes): kept, then refused
         options, _ = options_and_reason(_parse(build_parser(), base + given), progress=False)
         assert options.max_model_len == 600
-        with pytest.raises(ValueError, match="max_model_len 600 is more than the model's max_position_embeddings 512"):
+        with pytest.raises(ValueError, match=r"max_model_len 600 is more than the model's context 512 \(max_position_embeddings, config.json\)"):
             resolve(options)
     long = write_tiny_model(tmp_path / "long", max_position_embeddings=8192)
     args = _parse(build_parser(), ["launch", "--model", str(long), "--stages", "2", "--speculate", "none"])
@@ -234,6 +234,6 @@ def test_bench_sweep_lowers_its_default_max_model_len_to_the_model_s_context(tmp
     args = p.parse_args(base)
     options = sweep._session_options(args, [BenchConfig(1, "none", "-", 1)], ["hi"])
     assert args.max_model_len == 512 and {o["max_model_len"] for o in options.values()} == {512}
-    with pytest.raises(ValueError, match="max_model_len 600 is more than the model's max_position_embeddings 512"):
+    with pytest.raises(ValueError, match=r"max_model_len 600 is more than the model's context 512 \(max_position_embeddings, config.json\)"):
         sweep._session_options(p.parse_args([*base, "--max-model-len", "600"]), [BenchConfig(1, "none", "-", 1)],
                                ["hi"])

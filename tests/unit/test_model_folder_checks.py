@@ -144,8 +144,22 @@ def test_weights_of_layers_past_the_config_are_warned_of(tmp_path, caplog):
 def test_max_model_len_beyond_the_models_context_is_refused(tmp_path):
     model_dir = write_tiny_model(tmp_path / "m", max_position_embeddings=128)
     resolve(_options(model_dir, max_model_len=128))
-    with pytest.raises(ValueError, match="max_model_len 129 is more than the model's max_position_embeddings 128"):
+    with pytest.raises(ValueError, match=r"max_model_len 129 is more than the model's context 128 \(max_position_embeddings, config.json\)"):
         resolve(_options(model_dir, max_model_len=129))
+
+
+def test_yarn_stretches_the_context_that_max_model_len_may_reach(tmp_path):
+    """As vLLM: a YaRN config's context is original_max_position_embeddings x factor (Qwen2.5: 32768 x 4),
+    not its max_position_embeddings; other scalings keep max_position_embeddings (Gemma 3's linear)."""
+    model_dir = write_tiny_model(tmp_path / "m", max_position_embeddings=64)
+    _edit_config(model_dir, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    assert ModelConfig.from_model_dir(model_dir).max_context == 256
+    resolve(_options(model_dir, max_model_len=256))
+    with pytest.raises(ValueError, match=r"max_model_len 257 is more than the model's context 256 "
+                                         r"\(max_position_embeddings stretched by YaRN, config.json\)"):
+        resolve(_options(model_dir, max_model_len=257))
+    _edit_config(model_dir, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert ModelConfig.from_model_dir(model_dir).max_context == 64
 
 
 def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
