@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
 _SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)
+# logit_bias: OpenAI's range of one bias, and the most entries one request may set (OpenAI's API
+# refuses more than 300; vLLM sets no limit, this one bounds the per-row work and the request size).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,20}")  # a JSON object key that names a token id ("50256")
 
 # [Note: position-keyed draws]
 # Every random draw of a sequence uses a generator seeded from (seed, position of the token it
@@ -67,6 +75,12 @@ class SamplingParams:
         tokens before it) plus this many alternatives (OpenAI completions `echo` + `logprobs`).
     presence_penalty, frequency_penalty: in [-2, 2], OpenAI's; repetition_penalty: in (0, 2], vLLM's
         extension, 1 = off.
+    logit_bias: OpenAI's token id -> bias in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], added to that token's
+        logit (at most MAX_LOGIT_BIAS_ENTRIES ids, each >= 0; `check_vocab` checks them against a
+        vocabulary). Given as a mapping or as pairs; kept as pairs sorted by token id. Applied as
+        vLLM does, first: bias, then penalties, then temperature and the filters, so greedy is the
+        argmax of the biased (and penalised) logits. Reported logprobs stay the raw model's ([Note:
+        logprobs and penalties] in pipeline/speculation/logprobs.py).
 
     Raises SamplingParamError, a ValueError (naming the parameter, the value and the limit), for
     invalid settings.
@@ -85,6 +99,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -127,6 +142,14 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise SamplingParamError("repetition_penalty",
                                      f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise SamplingParamError("logit_bias") when a logit_bias token id is not in [0, vocab_size)."""
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise SamplingParamError("logit_bias", f"logit_bias token id {token_id} is outside the "
+                                                       f"vocabulary [0, {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:
@@ -139,9 +162,48 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def changes_logits(self) -> bool:
+        """True when a logit bias or a penalty changes the logits (so greedy is not the raw argmax)."""
+        return bool(self.logit_bias) or self.has_penalties
+
+    @property
     def needs_logits(self) -> bool:
-        """Whether the last stage must return this request's logits (sampling, logprobs, penalties)."""
-        return not self.is_greedy or self.logprobs is not None or self.has_penalties
+        """Whether the last stage must return this request's logits (sampling, logprobs, logit bias,
+        penalties)."""
+        return not self.is_greedy or self.logprobs is not None or self.changes_logits
+
+
+def _checked_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """`SamplingParams.logit_bias` (a mapping or pairs) as sorted (token id, bias) pairs; raises SamplingParamError."""
+    pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingParamError("logit_bias", f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    out: dict[int, float] = {}
+    for token_id, bias in pairs:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise SamplingParamError("logit_bias", f"logit_bias token id must be an integer >= 0, got {token_id!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise SamplingParamError("logit_bias", f"logit_bias of token {token_id} must be a number in "
+                                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+        if out.setdefault(token_id, float(bias)) != float(bias):
+            raise SamplingParamError("logit_bias", f"logit_bias sets token {token_id} twice")
+    return tuple(sorted(out.items()))
+
+
+def logit_bias_from_json(value: Any) -> list[tuple[int, Any]]:
+    """OpenAI's JSON form of logit_bias, an object keyed by token ids as strings ({"50256": -100}), as
+    (token id, bias) pairs for `SamplingParams.logit_bias` (None: none). Raises SamplingParamError
+    ("logit_bias") for a value that is not an object or a key that is not an integer; SamplingParams
+    checks the rest."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise SamplingParamError("logit_bias", f"logit_bias must be an object of token id -> bias, got "
+                                               f"{type(value).__name__}")
+    for key in value:
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)):
+            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids (integers), got {key!r}"[:200])
+    return [(int(key), bias) for key, bias in value.items()]
 
 
 def draw_key(seed: int, position: int) -> int:
