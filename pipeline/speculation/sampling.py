@@ -3,8 +3,8 @@
 Owns the per-request sampling settings (`SamplingParams`), the per-sequence `Sampler` (greedy, or
 temperature with min-p / top-k / top-p filters, each draw keyed by the sequence's seed and the
 token's position: [Note: position-keyed draws]), `verify_draft`, the distribution-exact
-accept/resample rule for a drafted token (ARCHITECTURE.md §5.4). Penalties and the logprobs
-reported to clients: pipeline/speculation/logprobs.py.
+accept/resample rule for a drafted token (ARCHITECTURE.md §5.4). Applying the logit bias and the
+penalties, and the logprobs reported to clients: pipeline/speculation/logprobs.py.
 Must not: do I/O, know about stages, processes or torch.distributed, or decide when to stop a
 sequence (EOS, budget and stop strings are the scheduler's job; this module only carries the settings).
 """
@@ -77,9 +77,10 @@ class SamplingParams:
         extension, 1 = off.
     logit_bias: OpenAI's token id -> bias in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], added to that token's
         logit (at most MAX_LOGIT_BIAS_ENTRIES ids, each >= 0; `check_vocab` checks them against a
-        vocabulary). Given as a mapping or as pairs; kept as pairs sorted by token id. Applied as
-        vLLM does, first: bias, then penalties, then temperature and the filters, so greedy is the
-        argmax of the biased (and penalised) logits. Reported logprobs stay the raw model's ([Note:
+        vocabulary). Given as a mapping (keys: ints, or OpenAI's JSON strings of ints, "50256");
+        kept as (token id, bias) pairs sorted by token id. Applied as vLLM does, first: bias, then
+        penalties, then temperature and the filters, so greedy is the argmax of the biased (and
+        penalised) logits. Reported logprobs stay the raw model's ([Note:
         logprobs and penalties] in pipeline/speculation/logprobs.py).
 
     Raises SamplingParamError, a ValueError (naming the parameter, the value and the limit), for
@@ -174,36 +175,31 @@ class SamplingParams:
 
 
 def _checked_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """`SamplingParams.logit_bias` (a mapping or pairs) as sorted (token id, bias) pairs; raises SamplingParamError."""
+    """`SamplingParams.logit_bias` (a mapping, or the pairs it keeps) as sorted (token id, bias) pairs;
+    a key may be OpenAI's JSON form of an id, a string of an integer ("50256"). Raises SamplingParamError."""
+    if not isinstance(value, (Mapping, tuple)):
+        raise SamplingParamError("logit_bias", f"logit_bias must be an object of token id -> bias, got "
+                                               f"{type(value).__name__}")
     pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
     if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
         raise SamplingParamError("logit_bias", f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
     out: dict[int, float] = {}
-    for token_id, bias in pairs:
+    for key, bias in pairs:
+        token_id = int(key) if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key) else key
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise SamplingParamError("logit_bias", f"logit_bias token id must be an integer >= 0, got {token_id!r}")
+            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {_clip(key)}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise SamplingParamError("logit_bias", f"logit_bias of token {token_id} must be a number in "
-                                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+                                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {_clip(bias)}")
         if out.setdefault(token_id, float(bias)) != float(bias):
             raise SamplingParamError("logit_bias", f"logit_bias sets token {token_id} twice")
     return tuple(sorted(out.items()))
 
 
-def logit_bias_from_json(value: Any) -> list[tuple[int, Any]]:
-    """OpenAI's JSON form of logit_bias, an object keyed by token ids as strings ({"50256": -100}), as
-    (token id, bias) pairs for `SamplingParams.logit_bias` (None: none). Raises SamplingParamError
-    ("logit_bias") for a value that is not an object or a key that is not an integer; SamplingParams
-    checks the rest."""
-    if value is None:
-        return []
-    if not isinstance(value, dict):
-        raise SamplingParamError("logit_bias", f"logit_bias must be an object of token id -> bias, got "
-                                               f"{type(value).__name__}")
-    for key in value:
-        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)):
-            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids (integers), got {key!r}"[:200])
-    return [(int(key), bias) for key, bias in value.items()]
+def _clip(value: Any, limit: int = 80) -> str:
+    """repr(value) as a message shows a client's value: its first `limit` characters and its length."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def draw_key(seed: int, position: int) -> int:
