@@ -22,8 +22,8 @@ import torch
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
 _SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)
-# logit_bias: OpenAI's range of one bias, and the most entries one request may set (OpenAI's API
-# refuses more than 300; vLLM sets no limit, this one bounds the per-row work and the request size).
+# logit_bias: OpenAI's range of one bias, and the most entries one request may set: 300, the limit
+# OpenAI's API enforces as far as known (its reference names none; vLLM sets none); it bounds the work.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,20}")  # a JSON object key that names a token id ("50256")
