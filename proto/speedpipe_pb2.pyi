@@ -178,7 +178,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_k", "min_p")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_k", "min_p", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +201,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -209,7 +217,8 @@ class GenerateRequest(_message.Message):
     logprobs: int
     top_k: int
     min_p: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -312,7 +321,7 @@ class PipelineInfo(_message.Message):
     def __init__(self, num_stages: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculate: _Optional[str] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
-    __slots__ = ("max_num_seqs", "max_queue", "max_temperature", "max_logprobs", "max_stop_strings", "max_request_id_chars", "max_seed")
+    __slots__ = ("max_num_seqs", "max_queue", "max_temperature", "max_logprobs", "max_stop_strings", "max_request_id_chars", "max_seed", "max_logit_bias_entries")
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +329,7 @@ class RequestLimits(_message.Message):
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGIT_BIAS_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     max_num_seqs: int
     max_queue: int
     max_temperature: float
@@ -327,4 +337,5 @@ class RequestLimits(_message.Message):
     max_stop_strings: int
     max_request_id_chars: int
     max_seed: int
-    def __init__(self, max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_temperature: _Optional[float] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_seed: _Optional[int] = ...) -> None: ...
+    max_logit_bias_entries: int
+    def __init__(self, max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_temperature: _Optional[float] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_seed: _Optional[int] = ..., max_logit_bias_entries: _Optional[int] = ...) -> None: ...

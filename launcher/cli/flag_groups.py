@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from launcher.cli.parsing import add_row_cost_flag, unescape
+from launcher.cli.parsing import add_row_cost_flag, logit_bias_json, unescape
 from launcher.coordinator.pipeline_options import DRAFT_AT
 from pipeline.engine.records import DEEP_ACCEPTANCE
 from pipeline.run_config import SPECULATE_MODES
@@ -63,3 +63,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], type=unescape,
                    help=r"stop string (repeatable); \n, \t, \r and \\ are read as newline, tab, CR, backslash")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    g.add_argument("--logit-bias", type=logit_bias_json, metavar="JSON",
+                   help='OpenAI\'s logit_bias: token id -> bias in [-100, 100] added to its logit, e.g. '
+                   '\'{"50256": -100}\' (-100 bans a token, +100 forces it) (default: none)')

@@ -33,7 +33,7 @@ ADVANCED_DESTS = frozenset({
     "deep_draft_min_acceptance",
     "draft_tree",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
-    "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p",
+    "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p", "logit_bias",
 })
 
 
@@ -134,6 +134,18 @@ def flag_given(argv: list[str], flag: str) -> bool:
     abbreviated as argparse accepts it (`--mod V`: argv parsed, so the prefix named one option)."""
     return any(2 < len(opt) and flag.startswith(opt) for opt in (a.split("=", 1)[0] for a in argv
                                                                   if a.startswith("--")))
+
+
+def logit_bias_json(text: str) -> dict:
+    """`--logit-bias` value: a JSON object ('{"50256": -100}'); SamplingParams checks its ids and biases.
+    Raises argparse.ArgumentTypeError (exit 2, naming the flag) for text that is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of token id -> bias, got {text[:80]!r}")
+    return value
 
 
 def unescape(text: str) -> str:

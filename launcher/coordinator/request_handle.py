@@ -51,7 +51,8 @@ class RequestError(PipelineError):
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: SamplingParams, *,
                   max_model_len: int) -> tuple[str, list[int]]:
     """(text, token ids) of a request's prompt, given as text or token ids. Raises ValueError for
-    an empty prompt, a token id outside the vocabulary, or prompt + max new tokens > max_model_len."""
+    an empty prompt, a token id outside the vocabulary, or prompt + max new tokens > max_model_len;
+    SamplingParamError (a ValueError) for a `logit_bias` token id outside the vocabulary."""
     if isinstance(prompt, str):
         tokenizer.check_fits(prompt, max_model_len)
         text, ids = prompt, tokenizer.encode(prompt) if prompt else []
@@ -61,6 +62,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
     for t in ids:
         if not 0 <= t < tokenizer.vocab_size:
             raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    params.check_vocab(tokenizer.vocab_size)
     check_prompt_length(num_prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, max_model_len=max_model_len)
     return text, ids
 

@@ -53,7 +53,12 @@ from launcher.serving.serving_engine import (
     shown,
 )
 from pipeline.speculation.logprobs import TokenLogprob
-from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
+from pipeline.speculation.sampling import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    SamplingParamError,
+    SamplingParams,
+)
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
@@ -144,7 +149,8 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
                                 logprobs=req.logprobs if req.HasField("logprobs") else None,
-                                top_k=req.top_k, min_p=req.min_p)
+                                top_k=req.top_k, min_p=req.min_p, logit_bias=dict(req.logit_bias))
+        params.check_vocab(engine.tokenizer.vocab_size)
     except SamplingParamError as exc:  # "top_p must be ..." -> "'top_p' must be ..."; the proto's field names
         message = _FLOAT32.sub(lambda m: f"{float(m.group()):.7g}", str(exc))  # -0.10000000149011612 -> -0.1
         raise InvalidRequestError.of_setting(exc, exc.param, message) from None
@@ -161,7 +167,8 @@ def model_info(engine: ServingEngine) -> pb.ModelInfo:
                         limits=pb.RequestLimits(max_num_seqs=engine.max_num_seqs, max_queue=engine.max_queue,
                                                 max_temperature=MAX_TEMPERATURE, max_logprobs=MAX_LOGPROBS,
                                                 max_stop_strings=MAX_STOP_STRINGS,
-                                                max_request_id_chars=MAX_REQUEST_ID_CHARS, max_seed=API_SEED_LIMIT - 1))
+                                                max_request_id_chars=MAX_REQUEST_ID_CHARS, max_seed=API_SEED_LIMIT - 1,
+                                                max_logit_bias_entries=MAX_LOGIT_BIAS_ENTRIES))
     if engine.pipeline is not None:
         info.pipeline.CopyFrom(pb.PipelineInfo(**dataclasses.asdict(engine.pipeline)))
     return info

@@ -6,6 +6,7 @@ layer answers with 400 and an OpenAI-style error body), rendering chat messages 
 own Jinja chat template (sandboxed, as Hugging Face does), and building the JSON objects of
 responses and stream chunks. Field semantics follow the OpenAI API reference; extensions as vLLM's:
 `ignore_eos`, `return_token_ids` (adds `token_ids` to each choice / chunk), `repetition_penalty`.
+`logit_bias` (an object of token ids as strings -> bias in [-100, 100]; ids checked against the vocabulary),
 `logprobs` (completions: an integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo`
 (completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
 presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py).
@@ -34,7 +35,7 @@ API_SEED_LIMIT = 2**63  # seeds in [0, 2**63): vLLM's API takes a signed 64-bit 
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
 # value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
 # Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
-UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "logit_bias", "chat_template")
+UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "chat_template")
 MAX_N = 16  # most choices one request may ask for (each is a sequence in its own KV slot)
 TEMPLATE_TEXT_CHARS = 300  # most of a chat template's own refusal shown (it may quote the messages)
 
@@ -152,6 +153,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
+        "logit_bias": body.get("logit_bias") or {},  # OpenAI's {"50256": -100}, which SamplingParams takes
     }
 
 
@@ -182,14 +184,16 @@ def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
     kw["logprobs"] = (top or 0) if want else None
 
 
-def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str) -> ParsedRequest:
-    """The ParsedRequest of validated fields `kw` (SamplingParams' and the options'). A setting that
-    SamplingParams refuses although the checks above let it through is an InvalidRequestError naming
-    the request's own field (`api_field`), not a bare ValueError (HTTP's `param: null`)."""
+def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str, vocab_size: int) -> ParsedRequest:
+    """The ParsedRequest of validated fields `kw` (SamplingParams' and the options'; logit_bias ids
+    are checked against `vocab_size`). A setting that SamplingParams refuses although the checks above
+    let it through is an InvalidRequestError naming the request's own field (`api_field`), not a bare
+    ValueError (HTTP's `param: null`)."""
     options = {k: kw.pop(k) for k in ("stream", "include_usage", "continuous_usage", "return_token_ids", "n",
                                       "echo", "budget_field")}
     try:
         params = SamplingParams(**kw)
+        params.check_vocab(vocab_size)
     except SamplingParamError as exc:
         raise InvalidRequestError.of_setting(exc, api_field(exc.param, options["budget_field"])) from None
     return ParsedRequest(prompt_ids, params, prompt_field=prompt_field, **options)
@@ -225,7 +229,7 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     else:
         raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt per request)",
                                   "prompt")
-    return _finish(kw, ids, "prompt")
+    return _finish(kw, ids, "prompt", tokenizer.vocab_size)
 
 
 @functools.lru_cache(maxsize=8)
@@ -325,7 +329,7 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     ids = tokenizer.encode(text, add_special_tokens=False)  # the template spells its own BOS (HF, vLLM)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
-    return _finish(kw, ids, "messages")
+    return _finish(kw, ids, "messages", tokenizer.vocab_size)
 
 
 def _check_fits(tokenizer: Tokenizer, text: str, max_model_len: int | None, field: str) -> None:

@@ -1,6 +1,7 @@
 """Logprobs and penalties: the OpenAI / vLLM logit processors around sampling.
 
-Owns the repetition / presence / frequency penalties (`apply_penalties`), the log-probabilities
+Owns OpenAI's logit bias (`apply_logit_bias`), the repetition / presence / frequency penalties
+(`apply_penalties`), both in order (`processed_logits`), the log-probabilities
 reported to clients (`TokenLogprob`, `token_logprob`), and echo's prompt logprobs: their reduction
 on the last stage (`reduce_prompt_rows`) and their records on the coordinator
 (`prompt_token_logprobs`). See [Note: logprobs and penalties].
@@ -18,9 +19,9 @@ from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams, stable_t
 
 # [Note: logprobs and penalties]
 # Where: on the coordinator side, where the scheduler turns a result row into a token. A request that
-# asks for logprobs or a penalty sets `needs_logits`, so its items carry `Item.want_logits` and the
-# last stage returns float32 logits for each of their result rows (greedy requests without either
-# pay nothing: the last stage returns only argmax ids for them). One place decides both the token
+# asks for logprobs, a logit bias or a penalty sets `needs_logits`, so its items carry `Item.want_logits`
+# and the last stage returns float32 logits for each of their result rows (greedy requests without
+# any pay nothing: the last stage returns only argmax ids for them). One place decides both the token
 # and its logprob, so a draft's verify uses exactly what plain decoding uses at that position.
 # Penalties (vLLM's definitions, vllm/model_executor/layers/utils.py `apply_penalties`; OpenAI API
 # reference for presence/frequency): with c(t) = how often t occurs in the tokens *generated so far*
@@ -28,10 +29,14 @@ from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams, stable_t
 #     logits[t] -= frequency_penalty * c(t) + presence_penalty * [c(t) > 0],
 # and, first, for every t in the prompt or the output, repetition_penalty r (CTRL, Keskar et al.
 # 2019, arXiv 1909.05858 §4.1): logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r.
-# Greedy then takes the argmax of the penalised logits; sampling applies temperature / top-p to them.
-# Logprobs are those of the raw model distribution, log_softmax(logits) before penalties and
+# Logit bias (OpenAI's `logit_bias`) comes before the penalties, as in vLLM (v1's sampler applies its
+# LogitBiasLogitsProcessor, a non-argmax-invariant processor, before `apply_penalties`; v0 applied
+# the request's logits processors before the sampler): logits[t] += bias[t]. So a repetition
+# penalty scales the biased logit. Greedy then takes the argmax of the biased, penalised logits
+# (`processed_logits`); sampling applies temperature / min-p / top-k / top-p to them.
+# Logprobs are those of the raw model distribution, log_softmax(logits) before bias, penalties and
 # temperature (vLLM's default `raw_logprobs` mode), so they are comparable across requests; the
-# reported token is the one committed (penalised / sampled), whatever its raw rank.
+# reported token is the one committed (biased / penalised / sampled), whatever its raw rank.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,24 @@ def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLog
         values, ids = torch.sort(logp, descending=True, stable=True)
         top = tuple(zip(ids[:num_top].tolist(), values[:num_top].tolist(), strict=True))
     return TokenLogprob(token_id, float(logp[token_id]), top)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [vocab_size] with `params.logit_bias` added ([Note: logprobs and penalties]); a new
+    float32 tensor, or `logits` itself when no bias is set. Token ids must be < vocab_size
+    (`SamplingParams.check_vocab`, which every front end runs)."""
+    if not params.logit_bias:
+        return logits
+    ids, bias = zip(*params.logit_bias, strict=True)
+    return logits.float().index_add(0, torch.tensor(ids, device=logits.device),
+                                    torch.tensor(bias, dtype=torch.float32, device=logits.device))
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams, *, prompt_ids: Sequence[int],
+                     output_ids: Sequence[int]) -> torch.Tensor:
+    """The logits a position's token is chosen from: `apply_logit_bias`, then `apply_penalties`
+    (vLLM's order, [Note: logprobs and penalties]). logits: [vocab_size]; returns [vocab_size]."""
+    return apply_penalties(apply_logit_bias(logits, params), params, prompt_ids=prompt_ids, output_ids=output_ids)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, *, prompt_ids: Sequence[int],

@@ -3,8 +3,8 @@
 Owns the per-request sampling settings (`SamplingParams`), the per-sequence `Sampler` (greedy, or
 temperature with min-p / top-k / top-p filters, each draw keyed by the sequence's seed and the
 token's position: [Note: position-keyed draws]), `verify_draft`, the distribution-exact
-accept/resample rule for a drafted token (ARCHITECTURE.md §5.4). Penalties and the logprobs
-reported to clients: pipeline/speculation/logprobs.py.
+accept/resample rule for a drafted token (ARCHITECTURE.md §5.4). Applying the logit bias and the
+penalties, and the logprobs reported to clients: pipeline/speculation/logprobs.py.
 Must not: do I/O, know about stages, processes or torch.distributed, or decide when to stop a
 sequence (EOS, budget and stop strings are the scheduler's job; this module only carries the settings).
 """
@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
 _SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)
+# logit_bias: OpenAI's range of one bias, and the most entries one request may set: 300, the limit
+# OpenAI's API enforces as far as known (its reference names none; vLLM sets none); it bounds the work.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,20}")  # a JSON object key that names a token id ("50256")
 
 # [Note: position-keyed draws]
 # Every random draw of a sequence uses a generator seeded from (seed, position of the token it
@@ -67,6 +75,13 @@ class SamplingParams:
         tokens before it) plus this many alternatives (OpenAI completions `echo` + `logprobs`).
     presence_penalty, frequency_penalty: in [-2, 2], OpenAI's; repetition_penalty: in (0, 2], vLLM's
         extension, 1 = off.
+    logit_bias: OpenAI's token id -> bias in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], added to that token's
+        logit (at most MAX_LOGIT_BIAS_ENTRIES ids, each >= 0; `check_vocab` checks them against a
+        vocabulary). Given as a mapping (keys: ints, or OpenAI's JSON strings of ints, "50256");
+        kept as (token id, bias) pairs sorted by token id. Applied as vLLM does, first: bias, then
+        penalties, then temperature and the filters, so greedy is the argmax of the biased (and
+        penalised) logits. Reported logprobs stay the raw model's ([Note:
+        logprobs and penalties] in pipeline/speculation/logprobs.py).
 
     Raises SamplingParamError, a ValueError (naming the parameter, the value and the limit), for
     invalid settings.
@@ -85,6 +100,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -127,6 +143,14 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise SamplingParamError("repetition_penalty",
                                      f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise SamplingParamError("logit_bias") when a logit_bias token id is not in [0, vocab_size)."""
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise SamplingParamError("logit_bias", f"logit_bias token id {token_id} is outside the "
+                                                       f"vocabulary [0, {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:
@@ -139,9 +163,43 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def changes_logits(self) -> bool:
+        """True when a logit bias or a penalty changes the logits (so greedy is not the raw argmax)."""
+        return bool(self.logit_bias) or self.has_penalties
+
+    @property
     def needs_logits(self) -> bool:
-        """Whether the last stage must return this request's logits (sampling, logprobs, penalties)."""
-        return not self.is_greedy or self.logprobs is not None or self.has_penalties
+        """Whether the last stage must return this request's logits (sampling, logprobs, logit bias,
+        penalties)."""
+        return not self.is_greedy or self.logprobs is not None or self.changes_logits
+
+
+def _checked_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """`SamplingParams.logit_bias` (a mapping, or the pairs it keeps) as sorted (token id, bias) pairs;
+    a key may be OpenAI's JSON form of an id, a string of an integer ("50256"). Raises SamplingParamError."""
+    if not isinstance(value, (Mapping, tuple)):
+        raise SamplingParamError("logit_bias", f"logit_bias must be an object of token id -> bias, got "
+                                               f"{type(value).__name__}")
+    pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingParamError("logit_bias", f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        token_id = int(key) if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key) else key
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {_clip(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise SamplingParamError("logit_bias", f"logit_bias of token {token_id} must be a number in "
+                                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {_clip(bias)}")
+        if out.setdefault(token_id, float(bias)) != float(bias):
+            raise SamplingParamError("logit_bias", f"logit_bias sets token {token_id} twice")
+    return tuple(sorted(out.items()))
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    """repr(value) as a message shows a client's value: its first `limit` characters and its length."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def draw_key(seed: int, position: int) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from pipeline.speculation.logprobs import apply_penalties
+from pipeline.speculation.logprobs import processed_logits
 from pipeline.speculation.sampling import Sampler
 
 # The last stage's token for a logits row holding NaN or inf ([Note: non-finite logits] in
@@ -32,11 +32,11 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         FIRP drafts, then the run-ahead draft after it); shorter than argmax when the last rows
         had none.
     logits: [num_result_rows, vocab_size] float32 when the sequence needs them
-        (`SamplingParams.needs_logits`: sampling, penalties or logprobs), None otherwise.
+        (`SamplingParams.needs_logits`: sampling, logit bias, penalties or logprobs), None otherwise.
     sampler: the sequence's sampler (its params and seed); used only with logits. Row i chooses the
         token at position len(output_ids) + i (the key of its random draw).
-    prompt_ids / output_ids: the sequence's prompt and committed output before this result; with
-        penalties, row i is penalised with output_ids + the tokens this result committed before it,
+    prompt_ids / output_ids: the sequence's prompt and committed output before this result; row i
+        is biased (`logit_bias`) and, with penalties, penalised with output_ids + the tokens this result committed before it,
         exactly the history plain decoding has at that position ([Note: logprobs and penalties] in
         pipeline/speculation/logprobs.py).
     eos_token_ids / ignore_eos: the sequence's stop tokens; budget_left: tokens it may still
@@ -52,11 +52,11 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         draft = drafts[i] if i < len(drafts) else None
         row = None
         if logits is not None:
-            row = apply_penalties(logits[i], sampler.params, prompt_ids=prompt_ids, output_ids=[*output_ids, *out])
+            row = processed_logits(logits[i], sampler.params, prompt_ids=prompt_ids, output_ids=[*output_ids, *out])
         if row is not None and sampler.params.is_greedy:
-            # Greedy on the penalised logits (the raw argmax when no penalty is set); a draft is
-            # accepted iff it equals this token, as in the unpenalised greedy case below.
-            token = int(torch.argmax(row)) if sampler.params.has_penalties else top
+            # Greedy on the biased, penalised logits (the raw argmax when neither is set); a draft is
+            # accepted iff it equals this token, as in the plain greedy case below.
+            token = int(torch.argmax(row)) if sampler.params.changes_logits else top
         elif logits is None:
             # Greedy: the real token is the argmax; the draft is accepted iff it equals it. So
             # greedy output with speculation is token-identical to greedy output without it

@@ -5,7 +5,7 @@ speculation mode: `none`, `speed` (n-gram drafts) and `speed+firp` (untrained FI
 of several rows are verified in one result and both accepted and rejected), every draft sent. Every check compares with
 a reference computed here from transformers' logits for the same prompt (greedy decoding, float32,
 to 1e-4): `logprobs` / `top_logprobs` on completions and chat, `echo` with prompt logprobs, `n` = 3,
-presence / frequency / repetition penalties, gRPC Generate's logprobs and penalties, and gRPC
+presence / frequency / repetition penalties, `logit_bias` (HTTP and gRPC), gRPC Generate's logprobs and penalties, and gRPC
 GetModelInfo's description of the session; all modes must match the same reference, so the
 verify pass gives the logprobs plain decoding gives. Bad values answer 400 naming the field.
 What breaks when these fail: logprobs of the wrong row or distribution, prompt rows lost, penalties
@@ -87,12 +87,15 @@ def _logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 
 def _greedy_reference(hf_model, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy decoding on transformers' logits (penalised as `params` says): tokens and, per token,
-    the raw log_softmax of its position."""
+    """Greedy decoding on transformers' logits (biased, then penalised, as `params` says): tokens and,
+    per token, the raw log_softmax of its position."""
     out, logps = [], []
     for _ in range(params.max_new_tokens):
         logits = _logits(hf_model, prompt_ids + out)[-1]
-        out.append(int(torch.argmax(_reference_penalised(logits, params, prompt_ids, out))))
+        biased = logits.clone()
+        for t, b in params.logit_bias:
+            biased[t] += b
+        out.append(int(torch.argmax(_reference_penalised(biased, params, prompt_ids, out))))
         logps.append(torch.log_softmax(logits, dim=-1))
     return out, logps
 
@@ -176,6 +179,23 @@ def test_penalties_match_transformers(server, client, hf_model, penalties):
     r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, **body)
     assert choice_of(r).token_ids == ref
     assert ref != plain, "the penalty should change this prompt's greedy output (else the check is vacuous)"
+
+
+def test_logit_bias_matches_transformers_over_http_and_grpc(server, client, hf_model):
+    ids = server.engine.tokenizer.encode(PROMPT)
+    plain, _ = _greedy_reference(hf_model, ids, SamplingParams(max_new_tokens=NUM_TOKENS))
+    bias = {plain[0]: -100, (plain[0] + 1) % server.engine.tokenizer.vocab_size: 0.5}
+    ref, logps = _greedy_reference(hf_model, ids, SamplingParams(max_new_tokens=NUM_TOKENS, logit_bias=bias))
+    assert ref != plain and plain[0] not in ref, "-100 on the first greedy token must change the output"
+    r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, logprobs=0,
+                                  logit_bias={str(t): b for t, b in bias.items()}, **GREEDY)
+    assert choice_of(r).token_ids == ref
+    raw = [float(logps[i][t]) for i, t in enumerate(ref)]  # the raw model's logprobs, as vLLM's default
+    assert choice_of(r).logprobs.token_logprobs == pytest.approx(raw, abs=TOL)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        chunks = list(pb_grpc.GenerateServiceStub(channel).Generate(pb.GenerateRequest(
+            prompt=PROMPT, max_new_tokens=NUM_TOKENS, ignore_eos=True, logit_bias=bias)))
+    assert [t for c in chunks for t in c.token_ids] == ref
 
 
 def test_n_3_greedy_and_seeded(server, client, hf_model):

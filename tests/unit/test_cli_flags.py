@@ -11,6 +11,7 @@ import argparse
 import pytest
 
 from launcher.bench.plots import percent_label
+from launcher.cli.errors import flag_message
 from launcher.cli.launch import plural
 from launcher.cli.main import UsageError, _parse, build_parser, main
 from launcher.cli.parsing import DefaultsFormatter, read_prompts_file, unescape, version_string
@@ -87,6 +88,8 @@ def test_every_flag_of_every_command_shows_its_default(parser):
     (["launch", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["bench", "serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["simulate", "--stage-overhead-ms", "x"], "--stage-overhead-ms"),
+    (["launch", "--logit-bias", "{50256: -100}"], "argument --logit-bias: not JSON (Expecting property name"),
+    (["launch", "--logit-bias", "[1]"], "argument --logit-bias: must be a JSON object of token id -> bias"),
 ])
 def test_argument_errors_are_two_lines_naming_the_command(capsys, argv, needle):
     code, _, err = _exit(capsys, argv)
@@ -95,6 +98,18 @@ def test_argument_errors_are_two_lines_naming_the_command(capsys, argv, needle):
     assert code == 2 and len(lines) == 2, err
     assert lines[0].startswith(f"speedpipe {command}: error: ") and needle in lines[0], lines
     assert lines[1] == f"usage: speedpipe {command} [OPTIONS]  (see `speedpipe {command} --help`)"
+
+
+def test_logit_bias_json_reaches_the_sampling_params_and_bad_values_name_the_flag(capsys):
+    from launcher.cli.main import sampling_params
+
+    args = _parse(build_parser(), ["launch", "--logit-bias", '{"50256": -100, "7": 2.5}'])
+    assert sampling_params(args).logit_bias == ((7, 2.5), (50256, -100.0))
+    assert sampling_params(_parse(build_parser(), ["launch"])).logit_bias == ()
+    args = _parse(build_parser(), ["launch", "--logit-bias", '{"7": 250}'])
+    with pytest.raises(ValueError, match="logit_bias of token 7") as info:
+        sampling_params(args)
+    assert flag_message(str(info.value)) == "--logit-bias of token 7 must be a number in [-100, 100], got 250"
 
 
 def test_stop_escapes_and_plain_text():

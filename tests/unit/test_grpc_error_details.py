@@ -83,6 +83,21 @@ def _generate_error(channel: grpc.Channel, **fields) -> grpc.RpcError:
             "'prompt_token_ids' token id 1000000 is outside the vocabulary",
         ),
         ({"prompt": "hi", "max_new_tokens": 2, "stop": [""]}, "stop", "'stop' strings must not be empty"),
+        (
+            {"prompt": "hi", "max_new_tokens": 2, "logit_bias": {256: 1.0}},
+            "logit_bias",
+            "'logit_bias' token id 256 is outside the vocabulary [0, 256)",
+        ),
+        (
+            {"prompt": "hi", "max_new_tokens": 2, "logit_bias": {5: -100.5}},
+            "logit_bias",
+            "'logit_bias' of token 5 must be a number in [-100, 100], got -100.5",
+        ),
+        (
+            {"prompt": "hi", "max_new_tokens": 2, "logit_bias": {-3: 1.0}},
+            "logit_bias",
+            "'logit_bias' keys must be token ids (integers >= 0), got -3",
+        ),
     ],
 )
 def test_invalid_argument_carries_a_bad_request_naming_the_field(grpc_server, fields, field, message):  # noqa: F811

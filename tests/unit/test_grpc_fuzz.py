@@ -53,6 +53,9 @@ FIELDS = {
     "logprobs": st.one_of(st.integers(0, 22), st.integers(*UINT32)),
     "top_k": st.one_of(st.integers(-2, 300), st.integers(*INT32)),
     "min_p": _float,
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(-2, 300), st.integers(*INT32)), st.one_of(_float, st.floats(-101, 101, width=32)), max_size=3
+    ),
 }
 PROMPT = st.one_of(
     st.none(),

@@ -102,7 +102,9 @@ _SAMPLING = {
     "repetition_penalty": _num,
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans(),
-    "logit_bias": st.dictionaries(st.integers(0, 300).map(str), _num, max_size=2),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(-2, 300).map(str), _text), st.one_of(st.floats(-150, 150), _text, st.none()), max_size=3
+    ),
     "best_of": st.integers(0, 3),
     "user": _text,
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
@@ -309,6 +311,7 @@ GOOD_COMMON = st.fixed_dictionaries(
         "top_k": st.integers(-1, 50),
         "presence_penalty": st.floats(-2, 2),
         "repetition_penalty": st.floats(0.1, 2),
+        "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-100, 100), max_size=4),
         "return_token_ids": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.just(True)},
                                                  optional={"continuous_usage_stats": st.booleans()}),
@@ -351,6 +354,33 @@ def test_a_request_inside_the_documented_ranges_gets_200(
     r = client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     assert r.status_code == 200, r.text[:500]
     check_answer(r, stream=body["stream"])
+
+
+@FUZZ
+@given(
+    chat=st.booleans(),
+    bias=st.dictionaries(
+        st.one_of(st.integers(-1, 260).map(str), st.sampled_from(["x", "1.5", " 2", "", "0x1"])),
+        st.one_of(st.floats(-101, 101, allow_nan=False), st.integers(-101, 101), st.sampled_from(["1", None, True])),
+        max_size=4,
+    ),
+)
+def test_logit_bias_is_200_when_every_entry_is_valid_else_400_naming_it(client, chat, bias):
+    """The tiny tokenizer's vocabulary is 256 ids: an entry is valid iff its key is a decimal id in
+    [0, 256) and its value a number (not a boolean) in [-100, 100]."""
+
+    def valid(key: str, value) -> bool:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100
+        return key.isdigit() and int(key) < 256 and number
+
+    prompt = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
+    r = client.post("/v1/chat/completions" if chat else "/v1/completions",
+                    json={**prompt, "max_tokens": 2, "logit_bias": bias})
+    if all(valid(k, v) for k, v in bias.items()):
+        assert r.status_code == 200, r.text[:500]
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text[:500]
+    check_answer(r)
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])

@@ -240,7 +240,8 @@ def _undocumented_declarations(file_proto) -> list[str]:
         for i, field in enumerate(message.field):
             check((*path, _MESSAGE_FIELD, i), f"{name}.{field.name}")
         for i, nested in enumerate(message.nested_type):
-            walk_message(nested, (*path, _MESSAGE_NESTED_TYPE, i), f"{name}.")
+            if not nested.options.map_entry:  # a map field's entry type: protoc writes it, it has no source
+                walk_message(nested, (*path, _MESSAGE_NESTED_TYPE, i), f"{name}.")
         for i, enum in enumerate(message.enum_type):
             walk_enum(enum, (*path, _MESSAGE_ENUM_TYPE, i), f"{name}.")
 

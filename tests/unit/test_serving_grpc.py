@@ -109,6 +109,17 @@ def test_the_last_chunk_names_the_stop_string(grpc_server):
     assert (replies[-1].finish_reason, replies[-1].stop_reason) == (pb.GenerateResponse.LENGTH, "")
 
 
+def test_logit_bias_reaches_the_sampling_params(tokenizer):  # noqa: F811
+    """GenerateRequest had no logit_bias; its map now becomes SamplingParams.logit_bias (float32 as sent)."""
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
+                           max_model_len=64)
+    _, params = request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, logit_bias={9: -100, 4: 0.5}), engine)
+    assert params.logit_bias == ((4, 0.5), (9, -100.0)) and params.needs_logits
+    with pytest.raises(InvalidRequestError) as info:
+        request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, logit_bias={9: 100.1}), engine)
+    assert info.value.param == "logit_bias" and str(info.value).endswith("got 100.1"), info.value
+
+
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"max_new_tokens": 70}, "max_new_tokens", "'prompt' (2 tokens) + 'max_new_tokens' (70) = 72 exceeds max_model_len 64"),
     ({"min_p": -0.1}, "min_p", "'min_p' must be in [0, 1], got -0.1"),
@@ -241,8 +252,12 @@ def test_model_info_reports_the_limits_validation_enforces(grpc_server, tokenize
         ({"stop": ["x"] * lim.max_stop_strings}, {"stop": ["x"] * (lim.max_stop_strings + 1)}),
         ({"request_id": "r" * lim.max_request_id_chars}, {"request_id": "r" * (lim.max_request_id_chars + 1)}),
         ({"seed": lim.max_seed}, {"seed": lim.max_seed + 1}),
+        ({"logit_bias": {info.vocab_size - 1: -100.0}}, {"logit_bias": {info.vocab_size: -100.0}}),
     ):
         assert _accepted(engine, **at_limit) and not _accepted(engine, **past_limit), (at_limit, past_limit)
+    with pytest.raises(InvalidRequestError, match=f"at most {lim.max_logit_bias_entries}$"):  # more than the vocabulary
+        request_params(pb.GenerateRequest(prompt="hi", max_new_tokens=2, logit_bias=dict.fromkeys(
+            range(lim.max_logit_bias_entries + 1), 1.0)), engine)
     assert (lim.max_num_seqs, lim.max_queue) == (engine.max_num_seqs, engine.max_queue)
 
 

@@ -258,6 +258,9 @@ def test_queue_bound_is_429_and_abort_on_disconnect(served):
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {}}, "stream_options"), ({"chat_template": "{{ x }}"}, "chat_template"),
     ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"), ({"logit_bias": {"256": 1}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
 ])
 def test_parse_completion_names_the_bad_field(tokenizer, body, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -326,6 +329,31 @@ def test_chat_template_options(tokenizer):
     with pytest.raises(InvalidRequestError) as info:
         chat([{"role": "user", "content": None}])
     assert info.value.param == "messages[0].content"
+
+
+def test_logit_bias_reaches_the_sampling_params_of_both_routes(tokenizer):
+    """OpenAI's logit_bias (token ids as strings) was refused as unsupported; it is now SamplingParams'."""
+    bias = {"logit_bias": {"50": -100, "7": 2.5}}
+    p = parse_completion({"prompt": "Hi", **bias}, tokenizer=tokenizer, model_name="tiny")
+    assert p.params.logit_bias == ((7, 2.5), (50, -100.0))
+    chat = parse_chat({"messages": [{"role": "user", "content": "Hi"}], **bias}, tokenizer=tokenizer,
+                      model_name="tiny", max_model_len=64)
+    assert chat.params.logit_bias == ((7, 2.5), (50, -100.0))
+    assert parse_completion({"prompt": "Hi", "logit_bias": None}, tokenizer=tokenizer, model_name="tiny").params.logit_bias == ()
+
+
+@pytest.mark.parametrize(("route", "bias", "message"), [
+    ("/v1/completions", {"256": 1}, "'logit_bias' token id 256 is outside the vocabulary [0, 256)"),
+    ("/v1/chat/completions", {"a": 1}, "'logit_bias' keys must be token ids (integers >= 0), got 'a'"),
+    ("/v1/completions", {"3": -101}, "'logit_bias' of token 3 must be a number in [-100, 100], got -101"),
+])
+def test_a_bad_logit_bias_is_400_naming_the_field(served, route, bias, message):
+    _, _, url = served
+    body = {"prompt": "Hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(url + route, json={**body, "max_tokens": 2, "logit_bias": bias})
+    assert r.status_code == 400 and r.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                                          "param": "logit_bias", "code": 400}, r.text
+    assert httpx.post(url + route, json={**body, "max_tokens": 2, "logit_bias": {"3": -100}}).status_code == 200
 
 
 def test_too_long_prompt_names_prompt_or_max_tokens(served):
