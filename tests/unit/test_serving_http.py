@@ -328,6 +328,18 @@ def test_chat_template_options(tokenizer):
     assert info.value.param == "messages[0].content"
 
 
+def test_a_template_error_quoting_a_huge_value_is_cut(tokenizer, monkeypatch):
+    """A template's own error (jinja's UndefinedError quotes the missing key: here a 20,000-character
+    role looked up in a role map) is cut as raise_exception's is; it was echoed whole."""
+    monkeypatch.setattr(tokenizer, "chat_template", "{% set p = {'user': 'U: '} %}"
+                        "{% for m in messages %}{{ p[m['role']] + m['content'] }}{% endfor %}")
+    with pytest.raises(InvalidRequestError) as info:
+        render_chat([{"role": "r" * 20_000, "content": "Hi"}], tokenizer=tokenizer)
+    message = str(info.value)
+    assert message.startswith("the chat template cannot render this request (UndefinedError: 'dict object' "
+                              "has no attribute 'rrr") and message.endswith("… (20033 characters))"), message
+    assert len(message) < 400 and info.value.param == "messages"
+
 def test_too_long_prompt_names_prompt_or_max_tokens(served):
     _, _, url = served
     r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 64, "max_tokens": 1})
