@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from launcher.backends.ports import listen_socket
+from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
@@ -388,6 +388,8 @@ class HttpServer:
                 why = f" ({self._error})" if self._error is not None else ""
                 raise RuntimeError(f"HTTP server did not start on {host}:{port}{why}")
             time.sleep(0.02)
+        where = format_address(host, self._socket.getsockname()[1])  # uvicorn logs it only for a socket it bound
+        logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s (Press CTRL+C to quit)", where)
 
     def stop(self) -> None:
         self.server.should_exit = True

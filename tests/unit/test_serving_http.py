@@ -9,6 +9,7 @@ tests/integration/test_serving.py.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -339,6 +340,25 @@ def test_a_template_error_quoting_a_huge_value_is_cut(tokenizer, monkeypatch):
     assert message.startswith("the chat template cannot render this request (UndefinedError: 'dict object' "
                               "has no attribute 'rrr") and message.endswith("… (20033 characters))"), message
     assert len(message) < 400 and info.value.param == "messages"
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_uvicorn_still_logs_where_it_serves(tokenizer, host):
+    """uvicorn logs "Uvicorn running on ..." only for a socket it binds itself; HttpServer binds its own,
+    so it logs that line (at uvicorn's info level) as uvicorn did. It was gone."""
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    http = HttpServer(engine, host=host, port=0, log_level="info")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("uvicorn.error").addHandler(handler)  # after uvicorn.Config configured its loggers
+    try:
+        http.start()
+        port = http.server.servers[0].sockets[0].getsockname()[1]
+        where = f"[{host}]" if ":" in host else host
+        assert f"Uvicorn running on http://{where}:{port} (Press CTRL+C to quit)" in lines, lines
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+        http.stop()
 
 def test_too_long_prompt_names_prompt_or_max_tokens(served):
     _, _, url = served
