@@ -127,7 +127,8 @@ class ServeOptions:
                 except socket.gaierror as exc:
                     raise ValueError(f"--host {self.host!r} does not resolve: {exc.strerror}") from None
                 except OSError as exc:
-                    raise ValueError(f"{flag} {port}: cannot listen on {self.host}:{port} ({exc.strerror})") from None
+                    raise ValueError(f"{flag} {port}: cannot listen on {format_address(self.host, port)} "
+                                     f"({exc.strerror})") from None
 
 
 class ServingStack:

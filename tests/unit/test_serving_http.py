@@ -798,6 +798,25 @@ def test_a_prompt_too_big_to_fit_is_refused_before_it_is_tokenised(served, token
     tokenizer.check_fits("hello " * 10, engine.max_model_len)  # small text: no error
 
 
+def test_a_taken_ipv6_port_is_named_with_brackets(tokenizer):
+    """A taken port on an IPv6 --host was named ':::8000' / '::1:8000'; now '[::1]:8000', as clients
+    write it (the HTTP server, the gRPC server and serve's check before start-up)."""
+    from launcher.serving.grpc_generate import GrpcServer
+    from launcher.serving.serve import ServeOptions
+
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
+                           max_model_len=64)
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=re.escape(f"cannot listen on [::1]:{port} (Address already in use)")):
+            HttpServer(engine, host="::1", port=port).start()
+        with pytest.raises(RuntimeError, match=re.escape(f"cannot listen for gRPC on [::1]:{port} (")):
+            GrpcServer(engine, host="::1", port=port)
+        with pytest.raises(ValueError, match=re.escape(f"--port {port}: cannot listen on [::1]:{port} (")):
+            ServeOptions(host="::1", port=port, grpc_port=-1).check_ports()
+
 def test_a_second_grpc_server_cannot_share_the_port(tokenizer):
     """grpc turns SO_REUSEPORT on by default: two servers started at once both listened on one
     --grpc-port and split its calls between them. The second must fail to bind."""
