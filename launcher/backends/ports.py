@@ -30,16 +30,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on host:port (port 0: any free one), bound as uvicorn binds its own (IPv6
-    for an address with ":", else IPv4, so `localhost` is 127.0.0.1; SO_REUSEADDR, so a port in
-    TIME_WAIT after a previous server is not refused). The caller closes it. Raises socket.gaierror
-    if `host` does not resolve, OSError (EADDRINUSE, EACCES, ...) if it cannot listen."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """A TCP socket listening on host:port (port 0: any free one), bound as uvicorn binds its own: IPv6
+    for an address with ":" (`::` dual-stack where the system allows), else IPv4, so `localhost` is
+    127.0.0.1 even where it lists ::1 first; a name with no IPv4 address, its IPv6 one. SO_REUSEADDR,
+    so a port in TIME_WAIT after a previous server is not refused. The caller closes it. Raises
+    socket.gaierror if `host` does not resolve, OSError (EADDRINUSE, EACCES, ...) if it cannot listen."""
+    family, address = _address(host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock.bind(address)
         sock.listen()
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _address(host: str, port: int) -> tuple[int, tuple]:
+    """(family, address) that `listen_socket` binds: "" is every IPv4 interface; an IPv6 literal its
+    own; a name its first IPv4 address, else (a host with only IPv6 ones) its first IPv6 address."""
+    if not host:
+        return socket.AF_INET, ("", port)
+    infos = socket.getaddrinfo(host, port, socket.AF_INET6 if ":" in host else socket.AF_UNSPEC, socket.SOCK_STREAM)
+    family, _, _, _, address = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+    return family, address

@@ -247,11 +247,11 @@ class GrpcServer:
             listen_socket(host, port).close()
             self.port = self.server.add_insecure_port(format_address(host, port))
         except OSError as exc:
-            raise RuntimeError(f"cannot listen for gRPC on {host}:{port} ({exc.strerror})") from None
+            raise RuntimeError(f"cannot listen for gRPC on {format_address(host, port)} ({exc.strerror})") from None
         except RuntimeError:  # newer grpc raises on a failed bind; older returned 0
             self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"cannot listen for gRPC on {host}:{port}")
+            raise RuntimeError(f"cannot listen for gRPC on {format_address(host, port)}")
 
     def start(self) -> None:
         self.server.start()

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from launcher.serving.serving_engine import shown
 from proto import speedpipe_pb2 as pb
 
 GENERATE_SERVICE = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -46,7 +47,7 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
 
     def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext):  # noqa: N802 - gRPC name
         if request.service not in SERVICES:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {shown(request.service)}")
         return health_pb2.HealthCheckResponse(status=self._current())
 
     def Watch(self, request: health_pb2.HealthCheckRequest,  # noqa: N802 - gRPC name

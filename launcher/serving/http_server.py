@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from launcher.backends.ports import listen_socket
+from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
@@ -379,15 +379,17 @@ class HttpServer:
         try:
             self._socket = listen_socket(host, port)
         except OSError as exc:  # socket.gaierror too
-            raise RuntimeError(f"cannot listen on {host}:{port} ({exc.strerror})") from None
+            raise RuntimeError(f"cannot listen on {format_address(host, port)} ({exc.strerror})") from None
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
                 why = f" ({self._error})" if self._error is not None else ""
-                raise RuntimeError(f"HTTP server did not start on {host}:{port}{why}")
+                raise RuntimeError(f"HTTP server did not start on {format_address(host, port)}{why}")
             time.sleep(0.02)
+        where = format_address(host, self._socket.getsockname()[1])  # uvicorn logs it only for a socket it bound
+        logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s (Press CTRL+C to quit)", where)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -266,7 +266,8 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: b
             **(template_kwargs or {}), messages=clean, add_generation_prompt=add_generation_prompt and not continue_final_message,
             bos_token=bos, eos_token=eos)
     except (TemplateError, TypeError, AttributeError, LookupError) as exc:  # raise_exception's error passes
-        raise InvalidRequestError(f"the chat template cannot render this request ({type(exc).__name__}: {exc})",
+        raise InvalidRequestError(f"the chat template cannot render this request ({type(exc).__name__}: "
+                                  f"{clipped(str(exc), TEMPLATE_TEXT_CHARS)})",
                                   "chat_template_kwargs" if template_kwargs else "messages") from None
     if continue_final_message:
         final = clean[-1]["content"].strip()

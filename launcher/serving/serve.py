@@ -24,7 +24,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from launcher.backends.ports import listen_socket
+from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession
 from launcher.coordinator.stage_restarts import RestartBudget
@@ -127,7 +127,8 @@ class ServeOptions:
                 except socket.gaierror as exc:
                     raise ValueError(f"--host {self.host!r} does not resolve: {exc.strerror}") from None
                 except OSError as exc:
-                    raise ValueError(f"{flag} {port}: cannot listen on {self.host}:{port} ({exc.strerror})") from None
+                    raise ValueError(f"{flag} {port}: cannot listen on {format_address(self.host, port)} "
+                                     f"({exc.strerror})") from None
 
 
 class ServingStack:
@@ -315,9 +316,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,
           ServingStack(session, serve) as stack):
-        grpc_note = f", gRPC on {serve.host}:{stack.grpc_port}" if stack.grpc_port is not None else ""
-        say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on http://{serve.host}:{stack.http_port}"
-            f"{grpc_note}; Ctrl-C or SIGTERM drains and stops")
+        grpc_note = f", gRPC on {format_address(serve.host, stack.grpc_port)}" if stack.grpc_port is not None else ""
+        say(f"serving {stack.engine.model_name} ({options.num_stages} stage(s)) on "  # [::1]:8000 for IPv6
+            f"http://{format_address(serve.host, stack.http_port)}{grpc_note}; Ctrl-C or SIGTERM drains and stops")
         if why:
             say(f"speculation: {options.speculate} (--speculate auto: {why})")
         failover = session.coordinator.failover

@@ -90,6 +90,22 @@ def test_serve_s_ready_never_answers_200_before_the_model_loaded(tmp_path, monke
     assert not _stage_processes()
 
 
+
+def test_serve_s_start_line_brackets_an_ipv6_host(tmp_path, monkeypatch, capfd):
+    """`--host ::1` printed "on http://::1:PORT, gRPC on ::1:PORT", a URL no client parses; the line
+    now writes [::1], as the address a client would type."""
+    from launcher.cli.main import main
+    from launcher.serving import drain
+    from tests.tiny_model import write_tiny_model
+
+    port, grpc_port = free_port("::1"), free_port("::1")
+    monkeypatch.setattr(drain, "serve_until_stopped", lambda *args, **kwargs: None)  # start, then stop at once
+    code = main(["serve", "--model", str(write_tiny_model(tmp_path / "m")), "--stages", "1", "--speculate", "none",
+                 "--host", "::1", "--port", str(port), "--grpc-port", str(grpc_port)])
+    assert code == 0
+    assert f"on http://[::1]:{port}, gRPC on [::1]:{grpc_port}; Ctrl-C" in capfd.readouterr().err
+    assert not _stage_processes()
+
 @pytest.mark.parametrize("damage", ["truncated", "u16", "config"])
 def test_serve_refuses_a_model_folder_as_launch_does_before_any_stage_starts(tmp_path, capfd, monkeypatch, damage):
     """A truncated safetensors file, a U16 tensor, a malformed config.json: one line, exit 2, the same

@@ -71,6 +71,9 @@ def test_health_is_not_serving_while_draining_or_restarting_and_unhealthy_after_
     with pytest.raises(grpc.RpcError) as info:
         std.Check(health_pb2.HealthCheckRequest(service="other.Service"), timeout=10)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as info:  # the name echoed as every error echoes a client's value
+        std.Check(health_pb2.HealthCheckRequest(service="x" * 100_000), timeout=10)
+    assert info.value.details() == "unknown service '" + "x" * 79 + "… (100000 characters)"
     listed = std.List(health_pb2.HealthListRequest(), timeout=10).statuses
     assert {name: s.status for name, s in listed.items()} == {"": not_serving,
                                                               "speedpipe.v1.GenerateService": not_serving}

@@ -9,6 +9,7 @@ tests/integration/test_serving.py.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -793,6 +794,57 @@ def test_a_prompt_too_big_to_fit_is_refused_before_it_is_tokenised(served, token
         tokenizer.check_fits(big, engine.max_model_len)
     tokenizer.check_fits("hello " * 10, engine.max_model_len)  # small text: no error
 
+
+def test_a_template_error_quoting_a_huge_value_is_cut(tokenizer, monkeypatch):
+    """A template's own error (jinja's UndefinedError quotes the missing key: here a 20,000-character
+    role looked up in a role map) is cut as raise_exception's is; it was echoed whole."""
+    monkeypatch.setattr(tokenizer, "chat_template", "{% set p = {'user': 'U: '} %}"
+                        "{% for m in messages %}{{ p[m['role']] + m['content'] }}{% endfor %}")
+    with pytest.raises(InvalidRequestError) as info:
+        render_chat([{"role": "r" * 20_000, "content": "Hi"}], tokenizer=tokenizer)
+    message = str(info.value)
+    assert message.startswith("the chat template cannot render this request (UndefinedError: 'dict object' "
+                              "has no attribute 'rrr") and message.endswith("… (20033 characters))"), message
+    assert len(message) < 400 and info.value.param == "messages"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_uvicorn_still_logs_where_it_serves(tokenizer, host):
+    """uvicorn logs "Uvicorn running on ..." only for a socket it binds itself; HttpServer binds its own,
+    so it logs that line (at uvicorn's info level) as uvicorn did. It was gone."""
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1, max_model_len=64)
+    http = HttpServer(engine, host=host, port=0, log_level="info")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("uvicorn.error").addHandler(handler)  # after uvicorn.Config configured its loggers
+    try:
+        http.start()
+        port = http.server.servers[0].sockets[0].getsockname()[1]
+        where = f"[{host}]" if ":" in host else host
+        assert f"Uvicorn running on http://{where}:{port} (Press CTRL+C to quit)" in lines, lines
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+        http.stop()
+
+def test_a_taken_ipv6_port_is_named_with_brackets(tokenizer):
+    """A taken port on an IPv6 --host was named ':::8000' / '::1:8000'; now '[::1]:8000', as clients
+    write it (the HTTP server, the gRPC server and serve's check before start-up)."""
+    from launcher.serving.grpc_generate import GrpcServer
+    from launcher.serving.serve import ServeOptions
+
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
+                           max_model_len=64)
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=re.escape(f"cannot listen on [::1]:{port} (Address already in use)")):
+            HttpServer(engine, host="::1", port=port).start()
+        with pytest.raises(RuntimeError, match=re.escape(f"cannot listen for gRPC on [::1]:{port} (")):
+            GrpcServer(engine, host="::1", port=port)
+        with pytest.raises(ValueError, match=re.escape(f"--port {port}: cannot listen on [::1]:{port} (")):
+            ServeOptions(host="::1", port=port, grpc_port=-1).check_ports()
 
 def test_a_second_grpc_server_cannot_share_the_port(tokenizer):
     """grpc turns SO_REUSEPORT on by default: two servers started at once both listened on one
