@@ -11,6 +11,7 @@ does) or read the body's fields (launcher/serving/openai_protocol.py does).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from fastapi import Request
@@ -56,6 +57,9 @@ def decode_body(raw: bytes) -> Any:
         raise InvalidRequestError(f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
                                   "body") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if "int_max_str_digits" in str(exc):  # Python's limit on int("..."): its message names a server setting
+            raise InvalidRequestError(f"request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                                      "digits", "body") from None
         raise InvalidRequestError(f"request body is not valid JSON: {exc}", "body") from None
     _check_value(value)
     return value

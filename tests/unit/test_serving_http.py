@@ -944,6 +944,17 @@ def test_an_integer_too_big_for_a_float_is_400_naming_the_field(served, field):
     assert r.json()["error"]["param"] == field and "must be in" in r.json()["error"]["message"]
 
 
+def test_an_integer_past_pythons_digit_limit_is_400_without_naming_a_server_setting(served):
+    """int("1" * 5000) is refused by Python (sys.get_int_max_str_digits(), 4300): once answered with its
+    message, "...use sys.set_int_max_str_digits() to increase the limit", a server setting."""
+    _, _, url = served
+    raw = b'{"prompt": "Hi", "max_tokens": 1%s}' % (b"0" * 5000)
+    r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "body" and error["message"] == "request body holds an integer of more than 4300 digits"
+
+
 def test_an_unknown_model_name_is_quoted_on_one_line(served):
     """A model name with a line break is echoed escaped, so the error message stays one line (found by
     tests/unit/test_http_fuzz.py); a plain name reads as before."""
