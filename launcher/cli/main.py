@@ -16,7 +16,7 @@ from launcher.backends.placement_options import add_placement_args
 from launcher.backends.stage_group import StageStartupError
 from launcher.bench.http_load import add_http_bench_args, cmd_http_bench
 from launcher.cli.errors import flag_message
-from launcher.cli.flag_groups import add_sampling_args, add_speculation_args
+from launcher.cli.flag_groups import add_sampling_args, add_speculation_args, sampling_flags_given
 from launcher.cli.options import add_pipeline_args, options_and_reason, say
 from launcher.cli.parsing import (
     CliParser,
@@ -147,9 +147,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.serve:
         given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file),
                                           ("--json", args.json), ("--trace", args.trace)) if value]
+        given += sampling_flags_given(args)  # per request on a server: silently unused before
         if given:
             raise UsageError(f"{', '.join(given)} cannot be used with --serve: the server takes its prompts over "
-                             f"HTTP/gRPC (drop --serve to run the prompts)")
+                             f"HTTP/gRPC, with their sampling settings (drop --serve to run the prompts)")
         return cmd_serve(args)
     if args.trace and args.no_timeline:
         raise UsageError("--trace needs the timeline: drop --no-timeline")
