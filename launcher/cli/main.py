@@ -134,6 +134,17 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
                           ignore_eos=args.ignore_eos, logit_bias=args.logit_bias or {})
 
 
+def _refuse_prompt_run_flags(args: argparse.Namespace) -> None:
+    """`launch --serve`: raise UsageError naming the flags of a prompt run given with it (prompts,
+    outputs, sampling settings: a server takes those per request), which it would silently ignore."""
+    given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file),
+                                      ("--json", args.json), ("--trace", args.trace)) if value]
+    given += sampling_flags_given(args)
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot be used with --serve: the server takes its prompts over "
+                         f"HTTP/gRPC, with their sampling settings (drop --serve to run the prompts)")
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.cli.launch import (  # keeps --help fast
         print_report,
@@ -145,12 +156,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.cli.output_paths import check_output_file
 
     if args.serve:
-        given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file),
-                                          ("--json", args.json), ("--trace", args.trace)) if value]
-        given += sampling_flags_given(args)  # per request on a server: silently unused before
-        if given:
-            raise UsageError(f"{', '.join(given)} cannot be used with --serve: the server takes its prompts over "
-                             f"HTTP/gRPC, with their sampling settings (drop --serve to run the prompts)")
+        _refuse_prompt_run_flags(args)
         return cmd_serve(args)
     if args.trace and args.no_timeline:
         raise UsageError("--trace needs the timeline: drop --no-timeline")
