@@ -66,3 +66,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logit-bias", type=logit_bias_json, metavar="JSON",
                    help='OpenAI\'s logit_bias: token id -> bias in [-100, 100] added to its logit, e.g. '
                    '\'{"50256": -100}\' (-100 bans a token, +100 forces it) (default: none)')
+
+
+def sampling_flags_given(args: argparse.Namespace) -> list[str]:
+    """The sampling flags (`add_sampling_args`) set to other than their defaults, as typed
+    (['--temperature', '--logit-bias']): `launch --serve` refuses them, since a server takes these
+    settings per request (`serve` has no such flags)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_sampling_args(parser)
+    return [action.option_strings[0] for action in parser._actions  # noqa: SLF001 - no public list
+            if getattr(args, action.dest, action.default) != action.default]

@@ -16,7 +16,7 @@ from launcher.backends.placement_options import add_placement_args
 from launcher.backends.stage_group import StageStartupError
 from launcher.bench.http_load import add_http_bench_args, cmd_http_bench
 from launcher.cli.errors import flag_message
-from launcher.cli.flag_groups import add_sampling_args, add_speculation_args
+from launcher.cli.flag_groups import add_sampling_args, add_speculation_args, sampling_flags_given
 from launcher.cli.options import add_pipeline_args, options_and_reason, say
 from launcher.cli.parsing import (
     CliParser,
@@ -134,6 +134,17 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
                           ignore_eos=args.ignore_eos, logit_bias=args.logit_bias or {})
 
 
+def _refuse_prompt_run_flags(args: argparse.Namespace) -> None:
+    """`launch --serve`: raise UsageError naming the flags of a prompt run given with it (prompts,
+    outputs, sampling settings: a server takes those per request), which it would silently ignore."""
+    given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file),
+                                      ("--json", args.json), ("--trace", args.trace)) if value]
+    given += sampling_flags_given(args)
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot be used with --serve: the server takes its prompts over "
+                         f"HTTP/gRPC, with their sampling settings (drop --serve to run the prompts)")
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.cli.launch import (  # keeps --help fast
         print_report,
@@ -145,11 +156,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.cli.output_paths import check_output_file
 
     if args.serve:
-        given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file),
-                                          ("--json", args.json), ("--trace", args.trace)) if value]
-        if given:
-            raise UsageError(f"{', '.join(given)} cannot be used with --serve: the server takes its prompts over "
-                             f"HTTP/gRPC (drop --serve to run the prompts)")
+        _refuse_prompt_run_flags(args)
         return cmd_serve(args)
     if args.trace and args.no_timeline:
         raise UsageError("--trace needs the timeline: drop --no-timeline")

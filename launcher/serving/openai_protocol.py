@@ -153,7 +153,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
-        "logit_bias": body.get("logit_bias") or {},  # OpenAI's {"50256": -100}, which SamplingParams takes
+        "logit_bias": {} if body.get("logit_bias") is None else body["logit_bias"],  # {"50256": -100}; 0, "", [] are 400
     }
 
 

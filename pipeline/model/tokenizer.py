@@ -67,8 +67,9 @@ _TOKENIZER_REMEDY = ("speedpipe reads the tokenizers library's tokenizer.json; c
 class Tokenizer:
     """Text <-> token ids of one model folder.
 
-    Attributes: `vocab_size` (ids the tokenizer knows, added tokens included; the model's
-    embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json (of a
+    Attributes: `vocab_size` (ids the tokenizer knows, added tokens included, capped at config.json's
+    `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
+    such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json (of a
     multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`,
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
     ValueError for a tokenizer.json the tokenizers library cannot read.
@@ -87,6 +88,9 @@ class Tokenizer:
         model_config = text_model_dict(_read_json(self.model_dir / "config.json"))  # multimodal: its text side
         gen_config = _read_json(self.model_dir / "generation_config.json")
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        rows = model_config.get("vocab_size")  # the model's logits: an id past them has no row to bias or embed
+        if isinstance(rows, int) and not isinstance(rows, bool) and 0 < rows < self.vocab_size:
+            self.vocab_size = rows
         self.add_bos_token: bool = bool(tok_config.get("add_bos_token", False))
         self.chat_template: str | None = _chat_template(self.model_dir, tok_config)
         self.bos_token_id: int | None = self._first_id(

@@ -164,8 +164,8 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """True when a logit bias or a penalty changes the logits (so greedy is not the raw argmax)."""
-        return bool(self.logit_bias) or self.has_penalties
+        """True when a nonzero logit bias or a penalty changes the logits (greedy is not the raw argmax)."""
+        return any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties
 
     @property
     def needs_logits(self) -> bool:

@@ -197,6 +197,17 @@ def test_serve_refuses_the_flags_of_a_prompt_run(capsys):
     assert "--prompt, --json cannot be used with --serve" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags", [["--logit-bias", '{"50256": -100}'], ["--temperature", "0.7"], ["--stop", "x"],
+                                   ["--max-new-tokens", "8", "--ignore-eos"]])
+def test_serve_refuses_sampling_flags_it_would_ignore(capsys, flags):
+    """`launch --serve --logit-bias ...` (or --temperature, --stop, ...) started a server that never
+    used them (a server takes them per request; `serve` has no such flags): exit 2 naming them."""
+    assert main(["launch", "--serve", *flags]) == 2
+    err = capsys.readouterr().err
+    named = [f for f in flags if f.startswith("--")]
+    assert f"{', '.join(named)} cannot be used with --serve" in err and len(err.strip().splitlines()) == 1
+
+
 def test_speculation_flags_without_speculation_are_named(capsys):
     """`--speculate none --draft-at stage` runs plain decoding: the flag is named as doing nothing."""
     from launcher.cli.options import options_and_reason

@@ -14,13 +14,17 @@ SAMPLING_VOCAB = 6, logits in {0, 1, 2, 3}).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
 import pytest
+import tokenizers
 import torch
 
+from launcher.coordinator.request_handle import encode_prompt
 from pipeline.engine.engine import Engine
 from pipeline.engine.records import SchedulerConfig
+from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.logprobs import processed_logits
 from pipeline.speculation.predictors import Draft, ExitGuess
 from pipeline.speculation.sampling import (
@@ -30,6 +34,7 @@ from pipeline.speculation.sampling import (
     SamplingParams,
 )
 from tests.adversarial_predictors import AlwaysWrongPredictor, RandomPredictor, ReferenceTable
+from tests.tiny_model import NUM_BYTE_TOKENS, byte_tokenizer
 from tests.unit.test_logprobs_penalties import _reference_penalised
 from tests.unit.test_speculation_scheduler import (
     MAX_MODEL_LEN,
@@ -154,6 +159,8 @@ def test_logprobs_are_the_raw_models_and_report_the_committed_token():
 def test_a_greedy_biased_request_asks_the_last_stage_for_logits():
     assert SamplingParams(logit_bias={1: 0.5}).needs_logits
     assert not SamplingParams(logit_bias={}).needs_logits
+    # a bias of 0 changes nothing: such a greedy request ships no logits from the last stage
+    assert not SamplingParams(logit_bias={"50256": 0, 3: -0.0}).needs_logits
 
 
 def test_logit_bias_is_kept_as_sorted_pairs_from_a_mapping_or_openai_json():
@@ -190,3 +197,20 @@ def test_the_bias_comes_before_the_repetition_penalty_as_in_vllm():
     params = SamplingParams(logit_bias={1: -2.0}, repetition_penalty=2.0)
     got = processed_logits(torch.tensor([1.0, 0.0, 3.0]), params, prompt_ids=[0, 1], output_ids=[])
     assert got.tolist() == [0.5, -4.0, 3.0]  # penalty first would give -2.0 for token 1
+
+
+def test_an_added_token_past_the_models_logits_is_refused_not_a_crash(tmp_path):
+    """A tokenizer may know an added token past config.json's vocab_size (the logits' rows: Gemma 3
+    1B's tokenizer is reported to hold 262145 ids for 262144 rows). A logit_bias on it passed the
+    vocabulary check and then raised IndexError where the coordinator biases the logits row."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens([tokenizers.AddedToken("<extra>", special=True)])  # id NUM_BYTE_TOKENS
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": NUM_BYTE_TOKENS}))
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.vocab_size == NUM_BYTE_TOKENS, "an id with no logits row is inside the vocabulary"
+    params = SamplingParams(logit_bias={str(NUM_BYTE_TOKENS): -100})
+    with pytest.raises(SamplingParamError, match="outside the vocabulary"):
+        encode_prompt(tokenizer, [1, 2], params, max_model_len=64)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # nor may a prompt embed it
+        encode_prompt(tokenizer, [1, NUM_BYTE_TOKENS], SamplingParams(), max_model_len=64)

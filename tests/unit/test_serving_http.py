@@ -343,6 +343,14 @@ def test_logit_bias_reaches_the_sampling_params_of_both_routes(tokenizer):
     assert parse_completion({"prompt": "Hi", "logit_bias": None}, tokenizer=tokenizer, model_name="tiny").params.logit_bias == ()
 
 
+@pytest.mark.parametrize("bias", [0, False, "", []])
+def test_a_logit_bias_that_is_not_an_object_is_refused_even_when_falsy(tokenizer, bias):
+    """`"logit_bias": 0` (or false, "", []) was taken as no bias; OpenAI's field is an object: 400."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion({"prompt": "Hi", "logit_bias": bias}, tokenizer=tokenizer, model_name="tiny")
+    assert info.value.param == "logit_bias" and "must be an object" in str(info.value)
+
+
 @pytest.mark.parametrize(("route", "bias", "message"), [
     ("/v1/completions", {"256": 1}, "'logit_bias' token id 256 is outside the vocabulary [0, 256)"),
     ("/v1/chat/completions", {"a": 1}, "'logit_bias' keys must be token ids (integers >= 0), got 'a'"),
