@@ -92,10 +92,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is already loaded")
             try:
                 spec = spec_from_proto(request)
-            except SpecBookkeepingError as exc:  # the coordinator's bookkeeping, not the user's input
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except ValueError as exc:  # a SpecBookkeepingError: the coordinator's bookkeeping, not the user's input
+                context.abort(*load_failure(exc))
             if spec.stage_index != self.stage_index:  # the coordinator's bookkeeping, not the user's input
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"worker was started as stage {self.stage_index}, Load asks for {spec.stage_index}")
@@ -103,22 +101,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
             try:
                 names = self._load_model(spec)
                 calibration = self._calibrate(spec) if spec.calibrate_max_rows else self._time_exit_head(spec)
-            except SpecBookkeepingError as exc:
-                self.executor = None
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except ValueError as exc:
+            except Exception as exc:  # noqa: BLE001 - one line to the coordinator (`load_failure`)
                 self.executor = None  # not loaded: a corrected Load may follow
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except OSError as exc:  # [Note: the user's files or the machine] in pipeline/engine/stage_assembly.py
-                self.executor = None
-                if is_user_file_error(exc):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)
-                context.abort(grpc.StatusCode.INTERNAL, machine_error(exc))
-            except Exception as exc:  # noqa: BLE001 - unexpected: one line to the coordinator, traceback at DEBUG
-                self.executor = None
-                log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)
-                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                code, message = load_failure(exc)
+                if code == grpc.StatusCode.INTERNAL:  # unexpected, or the machine's: its traceback at DEBUG
+                    log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)
+                context.abort(code, message)
             self._join_data_plane(spec)
             self.spec = spec
             log.info("[Stage %d] loaded layers %s (%.1f MB) in %.2f s", spec.stage_index, spec.layer_range,
@@ -255,6 +243,20 @@ class StageServicer(pb_grpc.StageServiceServicer):
         log.info("[Stage %d] shutdown requested: %s", self.stage_index, request.reason or "no reason given")
         self.stop_event.set()
         return pb.ShutdownResponse()
+
+
+def load_failure(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a failed Load answers for `exc` (StageServicer's docstring):
+    FAILED_PRECONDITION for a SpecBookkeepingError, INVALID_ARGUMENT for another ValueError or a file
+    the user named ([Note: the user's files or the machine] in pipeline/engine/stage_assembly.py),
+    INTERNAL for the rest (an OSError of the machine named by its errno)."""
+    if isinstance(exc, SpecBookkeepingError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, ValueError) or (isinstance(exc, OSError) and is_user_file_error(exc)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, OSError):
+        return grpc.StatusCode.INTERNAL, machine_error(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
 def _exit_on_stdin_eof(stop_event: threading.Event) -> None:

@@ -6,9 +6,11 @@ plus a `google.rpc.Status` in the `grpc-status-details-bin` trailer carrying `go
 domain, with metadata) and `google.rpc.RetryInfo` (how long to wait before retrying) as they apply;
 with a RetryInfo, also the `grpc-retry-pushback-ms` trailer of the same delay, which gRPC's own
 client-side retry policy reads (gRFC A6), so that a client with one backs off without reading details.
-Clients read them with `grpc_status.rpc_status.from_call(err)` (README, gRPC section); clients that
-do not still see the code and the message. Used by the serving GenerateService
-(launcher/serving/grpc_generate.py) and the request-parse interceptor (workers/request_parse.py).
+Clients read them with `grpc_status.rpc_status.from_call(err)` (README, gRPC section; `error_reason`
+reads the ErrorInfo's reason, as the coordinator does of a stage's Load); clients that do not still see
+the code and the message. Used by the serving GenerateService
+(launcher/serving/grpc_generate.py), the request-parse interceptor (workers/request_parse.py) and
+the coordinator's Load (launcher/coordinator/stage_control.py, `error_reason`).
 Must not: decide which error an RPC gets (the callers do).
 """
 
@@ -89,3 +91,17 @@ def abort_with_details(
         trailer += ((RETRY_PUSHBACK_KEY, str(round(details["retry_delay_s"] * 1000))),)
     context.abort_with_status(_Status(status.code, status.details, trailer))
     raise AssertionError("abort_with_status returned")  # grpc raises; never reached
+
+
+def error_reason(exc: BaseException) -> str:
+    """The google.rpc.ErrorInfo reason a failed RPC carries in its status details (`abort_with_details`'s),
+    or "" for none (an error without details, or not an RPC's)."""
+    try:
+        status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
+    except ValueError:  # details whose code or message disagree with the call's
+        return ""
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""

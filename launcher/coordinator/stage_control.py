@@ -13,14 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from launcher.coordinator.request_handle import PipelineError, StageLoadError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.load_spec_codec import StageLoadSpec, spec_to_proto
 from workers.request_parse import UNPARSABLE_REQUEST
+from workers.status_details import error_reason
 
 DEAD_POLL_S = 0.5  # wait_reachable: how often it asks whether a stage it waits for has died
 # The answers of a stage's Load that blame the user's input (a model file, a setting: `launch` exits 2).
@@ -109,20 +108,6 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
         raise StageLoadError(f"{who} failed to load{' ' + what if what else ''}: {detail}{hint}",
                              user_input=code in USER_INPUT_CODES and not internal)
     return [f.result() for f in sorted(loads, key=loads.get)]
-
-
-def error_reason(exc: BaseException) -> str:
-    """The google.rpc.ErrorInfo reason a failed RPC carries in its status details (workers/status_details.py),
-    or "" for none (an error without details, or not an RPC's)."""
-    try:
-        status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
-    except ValueError:  # details whose code or message disagree with the call's
-        return ""
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason
-    return ""
 
 
 def _stages(indices: Sequence[int]) -> str:

@@ -207,7 +207,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
     try:
         if chat:
             for index in range(len(stream)):
-                yield _sse(usage_of(0, openai_protocol.completion_body(
+                yield _sse(usage_of(index, openai_protocol.completion_body(
                     request_id=rid, model=model, text="", token_ids=None, finish_reason=None, final=None,
                     chunk=True, chat=True, role=True, index=index)))
         async for index, chunk in merged(stream):

@@ -12,6 +12,7 @@ sequence (EOS, budget and stop strings are the scheduler's job; this module only
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -162,7 +163,7 @@ class SamplingParams:
         """True when a presence, frequency or repetition penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @functools.cached_property  # read per row and per step; the fields are frozen
     def changes_logits(self) -> bool:
         """True when a nonzero logit bias or a penalty changes the logits (greedy is not the raw argmax)."""
         return any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties
