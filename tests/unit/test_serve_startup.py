@@ -45,8 +45,8 @@ def test_serve_reports_a_stage_s_unexpected_load_error_as_launch_does(tmp_path, 
 
 
 def test_serve_s_ready_never_answers_200_before_the_model_loaded(tmp_path, monkeypatch):
-    """A poller asks /ready from before the stages start; a 200 to a request sent before the session
-    finished loading would let a load balancer route requests to a server without a model."""
+    """A poller asks /ready from before the stages start; a 200 answered before the session finished
+    loading would let a load balancer route requests to a server without a model."""
     from launcher.cli.main import main
     from launcher.coordinator.session import PipelineSession
     from launcher.serving import drain
@@ -64,11 +64,14 @@ def test_serve_s_ready_never_answers_200_before_the_model_loaded(tmp_path, monke
 
     def poll() -> None:
         while not stop.is_set():
-            was_loaded = loaded.is_set()
             try:
-                answers.append((was_loaded, httpx.get(url, timeout=5).status_code))
+                status = httpx.get(url, timeout=5).status_code
             except httpx.TransportError:
-                answers.append((was_loaded, None))
+                status = None
+            # read after the answer: `loaded` is set before the ports open, so any answer the server gave
+            # once it had loaded is seen as such (read before sending, a request that connected just
+            # after the ports opened counted as sent too early: a flaky failure)
+            answers.append((loaded.is_set(), status))
             stop.wait(0.05)
 
     def serve_once(session, stack, signals, **_):  # instead of serving until SIGTERM: ask once, stop
