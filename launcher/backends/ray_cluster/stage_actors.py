@@ -55,6 +55,7 @@ from launcher.backends.placement import (
     forwarded_env,
     stage_order,
 )
+from launcher.backends.ports import format_address
 from launcher.backends.ray_cluster.connect import join_ray
 from launcher.backends.ray_cluster.messages import death_cause, format_resources
 from launcher.backends.ray_cluster.nodes import node_alive, wait_for_lost_node
@@ -349,9 +350,8 @@ class RayStageActors:
             raise RuntimeError(f"stage {stage_index} (Ray actor on node {where.node_ip}) failed to start: "
                                f"{str(exc).splitlines()[0]}") from None
         host = info["host"]
-        address = f"[{host}]:{info['port']}" if ":" in host else f"{host}:{info['port']}"
         return StagePlacement(stage_index=stage_index, bundle_index=where.bundle_index, node_id=info["node_id"],
-                              node_ip=host, pid=info["pid"], address=address)
+                              node_ip=host, pid=info["pid"], address=format_address(host, info["port"]))
 
     def _start_actors(self, order: list[BundleNode]) -> None:
         self._actors = [self._new_actor(stage_index, where) for stage_index, where in enumerate(order)]
