@@ -310,8 +310,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _write_folder(reader: gguf.GGUFReader, folder: Path, source: GgufSource, progress: bool) -> None:
-    config = config_from_gguf(reader)
     try:
+        config = config_from_gguf(reader)
         tokenizer = tokenizer_from_gguf(reader)
     except ValueError as exc:
         raise ValueError(f"GGUF file {source.path}: {exc}") from None
