@@ -84,6 +84,12 @@ class RopeScaling:
             raise ValueError(f"rope_scaling short_factor/long_factor have {len(self.short_factor)} entries, "
                              f"expected rotary_dim // 2 = {rotary_dim // 2}")
 
+    @property
+    def frequencies_only(self) -> bool:
+        """True when this scaling changes only the inverse frequencies: no attention factor, and LongRoPE
+        with one factor set (a GGUF's `rope_freqs`), so cos/sin need no position switch or scale."""
+        return self.attention_factor == 1.0 and self.short_factor == self.long_factor
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The `rope_scaling` keys of this type, as transformers reads them back."""
         d: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}

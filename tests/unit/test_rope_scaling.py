@@ -176,6 +176,11 @@ def test_the_next_layer_drafter_refuses_what_its_training_forward_does_not_apply
 
     assert "YaRN or LongRoPE" in unsupported_reason(family_config("qwen2-yarn"))
     assert "YaRN or LongRoPE" in unsupported_reason(family_config("llama-longrope"))
+    # One factor set and no attention factor (a GGUF's rope_freqs): only the frequencies, which it applies.
+    one_set = dataclasses.replace(family_config("llama-longrope").rope_scaling, attention_factor=1.0,
+                                  long_factor=family_config("llama-longrope").rope_scaling.short_factor)
+    assert unsupported_reason(dataclasses.replace(family_config("llama-longrope"), rope_scaling=one_set)) is None
+    assert unsupported_reason(family_config("llama3")) is None
 
 
 # -- the decoder against transformers, past the original context --------------------------------------
