@@ -55,11 +55,11 @@ _MISSING = object()
 # their generation_config.json lists both ([151645, 151643] in Qwen2.5 and Qwen3), the GGUF only one.
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 _QWEN_END_OF_TEXT = "<|endoftext|>"
-_UNSUPPORTED_TENSORS = {"rope_factors_long": "Phi-3 LongRoPE", "rope_factors_short": "Phi-3 LongRoPE"}
 # Tensors that hold RoPE settings, not weights ([Note: GGUF RoPE factor tensors]): read into config.json's
 # rope_scaling, never written to model.safetensors, the same for every stage.
 ROPE_FREQS = "rope_freqs.weight"
-ROPE_TENSORS = (ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
 
 # [Note: GGUF RoPE factor tensors]
 # llama.cpp's converter writes some RoPE scalings as float32 tensors of per-frequency divisors
@@ -75,6 +75,12 @@ ROPE_TENSORS = (ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weig
 # (transformers' own GGUF loader ignores the tensor, i.e. loads Llama 3.1 unscaled.) The values
 # equal those of config.json's llama3 rope_scaling up to float32 rounding (llama.cpp divides by
 # the reciprocal of HF's interpolation weight).
+# Phi-3 LongRoPE (Phi3MiniModel) becomes `rope_factors_short` / `rope_factors_long` (config.json's
+# short_factor / long_factor) with metadata `{arch}.rope.scaling.original_context_length` and
+# `{arch}.rope.scaling.attn_factor` (the converter's sqrt(1 + ln(scale) / ln(original)), transformers'
+# default too), `context_length` being max_position_embeddings: exactly the config.json keys the HF
+# path reads. Which set a row gets follows the HF path ([Note: LongRoPE switch] in rope.py), not
+# llama.cpp, which picks the long set for every row when its context size exceeds the original one.
 
 
 def dequantisable_types() -> list[str]:
@@ -165,9 +171,6 @@ def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
     arch = field(reader, "general.architecture")
     full_names = {t.name for t in reader.tensors}
     names = {n.rpartition(".")[0] for n in full_names}
-    for stem, what in _UNSUPPORTED_TENSORS.items():
-        if stem in names:
-            raise ValueError(f"GGUF tensor {stem!r} ({what}) is not supported yet")
 
     def meta(key: str, default: Any = _MISSING) -> Any:
         return field(reader, f"{arch}.{key}", default)
@@ -194,6 +197,8 @@ def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }
     d |= _family_keys(reader, model_type, d)
+    if ROPE_FACTORS_LONG in full_names or ROPE_FACTORS_SHORT in full_names:
+        d |= _longrope_keys(reader, d)
     if ROPE_FREQS in full_names:
         d["rope_scaling"] = _rope_freqs_scaling(reader, d)
     return d
@@ -213,6 +218,32 @@ def _rope_factors(reader: gguf.GGUFReader, name: str, num_freqs: int) -> list[fl
     return [float(v) for v in values]
 
 
+def _num_freqs(d: dict[str, Any]) -> int:
+    """Rotary frequencies per head (rotary_dim // 2) of config dict `d`."""
+    head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+    return int(head_dim * d.get("partial_rotary_factor", 1.0)) // 2
+
+
+def _longrope_keys(reader: gguf.GGUFReader, d: dict[str, Any]) -> dict[str, Any]:
+    """config.json keys of a LongRoPE GGUF (Phi-3 128k, Phi-3.5, Phi-4-mini: [Note: GGUF RoPE factor
+    tensors]): its rope_scaling and the top-level original_max_position_embeddings (phi3's own key).
+    Raises ValueError (one line) for one factor tensor without the other, a malformed one, or a
+    missing original_context_length."""
+    arch = field(reader, "general.architecture")
+    names = {t.name for t in reader.tensors}
+    for have, lack in ((ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT), (ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)):
+        if have in names and lack not in names:
+            raise ValueError(f"GGUF tensor {have!r} (LongRoPE) comes without {lack!r}")
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    rope: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": original,
+                            "short_factor": _rope_factors(reader, ROPE_FACTORS_SHORT, _num_freqs(d)),
+                            "long_factor": _rope_factors(reader, ROPE_FACTORS_LONG, _num_freqs(d))}
+    attn_factor = field(reader, f"{arch}.rope.scaling.attn_factor", None)
+    if attn_factor is not None:
+        rope["attention_factor"] = _f32(attn_factor)
+    return {"rope_scaling": rope, "original_max_position_embeddings": original}
+
+
 def _rope_freqs_scaling(reader: gguf.GGUFReader, d: dict[str, Any]) -> dict[str, Any]:
     """The `rope_scaling` of a GGUF carrying `rope_freqs` (Llama 3.x): LongRoPE with one factor set
     ([Note: GGUF RoPE factor tensors]). `d`: the config dict so far. Raises ValueError (one line) for
@@ -220,9 +251,7 @@ def _rope_freqs_scaling(reader: gguf.GGUFReader, d: dict[str, Any]) -> dict[str,
     if d["rope_scaling"] is not None:
         raise ValueError(f"GGUF tensor {ROPE_FREQS!r} together with rope scaling type "
                          f"{d['rope_scaling']['rope_type']!r} is not supported")
-    head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
-    rotary_dim = int(head_dim * d.get("partial_rotary_factor", 1.0))
-    factors = _rope_factors(reader, ROPE_FREQS, rotary_dim // 2)
+    factors = _rope_factors(reader, ROPE_FREQS, _num_freqs(d))
     return {"rope_type": "longrope", "factor": 1.0, "attention_factor": 1.0, "short_factor": factors,
             "long_factor": factors, "original_max_position_embeddings": d["max_position_embeddings"]}
 

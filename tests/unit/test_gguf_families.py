@@ -14,6 +14,7 @@ mistral, phi3, mixtral and qwen3_moe they come from a tiny transformers model of
 
 from __future__ import annotations
 
+import math
 import types
 from pathlib import Path
 
@@ -264,21 +265,31 @@ def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], fa
     as F16, norms as F32), with a 256-token byte-level vocabulary (the tiny models' ids); `extra`:
     GGUF tensors added as they are. qwen3_moe: no expert_weights_norm key when norm_topk_prob is None.
     `arch`: the GGUF architecture (default HF_FAMILY_ARCH[family]; qwen2 and qwen3 write theirs);
-    `quant`: matrices whose rows are whole blocks of it stored in that type (`add_stored_tensor`)."""
+    `quant`: matrices whose rows are whole blocks of it stored in that type (`add_stored_tensor`).
+    A phi3 LongRoPE config also gets the converter's `rope_factors_*` tensors and scaling keys."""
     from tests.tiny_model import byte_alphabet
 
     arch = arch or HF_FAMILY_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-    theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_dims = int(head_dim * rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
     num_experts = d.get("num_experts", d.get("num_local_experts"))
     for add, value in ((w.add_block_count, d["num_hidden_layers"]), (w.add_context_length, d["max_position_embeddings"]),
                        (w.add_embedding_length, d["hidden_size"]), (w.add_feed_forward_length, d["intermediate_size"]),
                        (w.add_head_count, d["num_attention_heads"]), (w.add_head_count_kv, d["num_key_value_heads"]),
                        (w.add_key_length, head_dim), (w.add_value_length, head_dim),
                        (w.add_rope_freq_base, theta), (w.add_layer_norm_rms_eps, d["rms_norm_eps"]),
-                       (w.add_rope_dimension_count, head_dim)):
+                       (w.add_rope_dimension_count, rope_dims)):
         add(value)
+    if family == "phi3" and rope.get("long_factor"):  # Phi3MiniModel's LongRoPE keys and tensors
+        original = d["original_max_position_embeddings"]
+        scale = d["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        extra = {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+                 "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)} | (extra or {})
     if d.get("sliding_window"):
         w.add_sliding_window(d["sliding_window"])
     if family == "mixtral":
@@ -373,13 +384,14 @@ def test_qwen3moe_dense_layers_and_default_renormalisation_come_from_the_gguf(tm
     assert hf_config_dict(open_gguf(tmp_path / "n.gguf"))["norm_topk_prob"] is True
 
 
-def test_longrope_phi3_gguf_and_unsupported_architecture_are_one_line_errors_and_exit_2(tmp_path, capsys):
+def test_lone_longrope_factor_tensor_and_unsupported_architecture_are_one_line_errors_and_exit_2(tmp_path, capsys):
     from launcher.cli.main import main
 
     d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3")
     write_hf_family_gguf(tmp_path / "long.gguf", d, tensors, "phi3",
                          extra={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(ValueError, match=r"'rope_factors_long' \(Phi-3 LongRoPE\) is not supported") as err:
+    with pytest.raises(ValueError, match=r"long\.gguf: GGUF tensor 'rope_factors_long\.weight' \(LongRoPE\) comes "
+                                         r"without 'rope_factors_short\.weight'") as err:
         convert_gguf(tmp_path / "long.gguf", tmp_path / "out", progress=False)
     assert "\n" not in str(err.value)
     _write_empty_gguf(tmp_path / "falcon.gguf", "falcon")

@@ -1,13 +1,15 @@
-"""GGUF RoPE factor tensors: Llama 3.x's `rope_freqs` read as the model's RoPE scaling.
+"""GGUF RoPE factor tensors: Llama 3.x's `rope_freqs` and Phi-3's `rope_factors_*` read as the RoPE scaling.
 
 What breaks when these fail: a Llama 3.1 / 3.2 GGUF (llama.cpp's converter stores the llama3 RoPE
 scaling as a `rope_freqs` tensor of per-frequency divisors, [Note: GGUF RoPE factor tensors] in
 pipeline/weights/gguf_families.py) refused, loaded unscaled, scaled the wrong way (multiplied instead
-of divided), or its factors missing on a stage; a malformed tensor accepted instead of refused with
-one line naming it and the file (exit 2 from the CLI).
+of divided), or its factors missing on a stage; a Phi-3 LongRoPE GGUF with its factor sets swapped, its
+original context or attention factor lost; a malformed tensor accepted instead of refused with one
+line naming it and the file (exit 2 from the CLI).
 The oracle is the same f16-rounded tiny model loaded from its Hugging Face folder with
-`rope_scaling: {rope_type: llama3, ...}` (that path is checked against transformers in
-tests/unit/test_families.py); the GGUF's `rope_freqs` is computed here with llama.cpp's formula.
+`rope_scaling: {rope_type: llama3, ...}` / `longrope` (paths checked against transformers in
+tests/unit/test_families.py and tests/unit/test_rope_scaling.py); the GGUF's `rope_freqs` is computed
+here with llama.cpp's formula.
 """
 
 from __future__ import annotations
@@ -129,3 +131,43 @@ def test_malformed_rope_freqs_is_a_one_line_error_naming_tensor_and_file_and_exi
     assert main(["launch", "--model", str(path), "--prompt", "hi", "--cache-dir", str(tmp_path)]) == 2
     err_text = capsys.readouterr().err.strip()
     assert "\n" not in err_text and "'rope_freqs.weight'" in err_text and "bad.gguf" in err_text, err_text
+
+
+# -- Phi-3 LongRoPE: rope_factors_short / rope_factors_long ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def phi3_longrope(tmp_path_factory) -> dict[str, Path]:
+    """The phi3-longrope model (original context 16 of 64, partial rotary 0.75: 6 factors per set) as an
+    HF folder ('hf') and converted from the GGUF llama.cpp's converter writes for it ('gguf')."""
+    root = tmp_path_factory.mktemp("phi3_longrope")
+    d, tensors = _f16_rounded_family_model(root / "hf", "phi3-longrope")
+    write_hf_family_gguf(root / "m.gguf", d, tensors, "phi3", arch="phi3")
+    return {"hf": root / "hf", "gguf": convert_gguf(root / "m.gguf", root / "gguf", progress=False)}
+
+
+def test_longrope_gguf_reads_the_hf_folder_s_scaling_and_its_logits_and_greedy_equal_it(phi3_longrope):
+    ours, want = (ModelConfig.from_model_dir(phi3_longrope[k]) for k in ("gguf", "hf"))
+    assert ours.partial_rotary_factor == want.partial_rotary_factor == 0.75
+    got, ref = ours.rope_scaling.to_hf_dict(), want.rope_scaling.to_hf_dict()
+    for key in ("short_factor", "long_factor"):  # the GGUF's float32 values: the frequencies' own precision
+        assert np.array_equal(np.float32(got.pop(key)), np.float32(ref.pop(key))), key
+    assert got.pop("attention_factor") == pytest.approx(ref.pop("attention_factor"), rel=1e-7) != 1.0
+    assert got == ref  # rope_type, factor (64 / 16), original_max_position_embeddings
+    prompt = LONG_PROMPT[:40]  # rows past the original context (16) take the long factors
+    ref = Chain(_stages(phi3_longrope["hf"], 1))(prompt, 0, all_rows=True)
+    for num_stages in (1, 2):
+        torch.testing.assert_close(Chain(_stages(phi3_longrope["gguf"], num_stages))(prompt, 0, all_rows=True),
+                                   ref, **TOL)
+    greedy = Chain(_stages(phi3_longrope["hf"], 1)).greedy(PROMPT, NUM_NEW_TOKENS)  # decodes across 16
+    assert Chain(_stages(phi3_longrope["gguf"], 1)).greedy(PROMPT, NUM_NEW_TOKENS) == greedy
+    assert Chain(_stages(phi3_longrope["gguf"], 2)).greedy(PROMPT, NUM_NEW_TOKENS) == greedy
+
+
+def test_malformed_longrope_factors_are_a_one_line_error_naming_the_tensor_and_file(tmp_path):
+    d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3-longrope")
+    write_hf_family_gguf(tmp_path / "bad.gguf", d, tensors, "phi3", arch="phi3",
+                         extra={"rope_factors_long.weight": np.ones(5, dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"bad\.gguf: GGUF tensor 'rope_factors_long\.weight' must be F32 \[6\]"
+                                         r" \(one factor per rotary frequency\), got F32 \[5\]") as err:
+        convert_gguf(tmp_path / "bad.gguf", tmp_path / "out", progress=False)
+    assert "\n" not in str(err.value)
