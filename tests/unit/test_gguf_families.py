@@ -41,6 +41,7 @@ _COMMON = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_a
            "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
 LAYER_NAMES = {
+    "llama": _COMMON | {"post_attention_layernorm": "ffn_norm"},
     "qwen3": _COMMON | {"post_attention_layernorm": "ffn_norm"},
     "gemma3": _COMMON | {"post_attention_layernorm": "post_attention_norm",
                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
@@ -49,7 +50,7 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
        "lm_head.weight": "output.weight"}
 
 
-def _gguf_name(arch: str, hf: str) -> str:
+def family_gguf_name(arch: str, hf: str) -> str:
     if hf in TOP:
         return TOP[hf]
     _, _, layer, rest = hf.split(".", 3)
@@ -74,6 +75,28 @@ def write_family_gguf(path: Path, arch: str, config: ModelConfig, *, bad_type: b
     `quant`: every matrix whose rows are whole blocks stored in that type (else the embedding Q8_0, the rest F32)."""
     tensors = {k: v.numpy() for k, v in random_state_dict(config, seed=4, std=0.2).items()}
     w = gguf.GGUFWriter(str(path), arch)
+    add_family_metadata(w, arch, config)
+    for name, t in tensors.items():
+        stored = t + 1.0 if arch == "gemma3" and name.endswith("norm.weight") else t
+        if name == "model.embed_tokens.weight" and bad_type:  # F64: no dequantiser in gguf
+            w.add_tensor(family_gguf_name(arch, name), stored.astype(np.float64))
+        elif quant is not None:
+            add_stored_tensor(w, family_gguf_name(arch, name), stored, quant, matrix_dtype=np.float32)
+        elif name == "model.embed_tokens.weight":
+            w.add_tensor(family_gguf_name(arch, name), gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(family_gguf_name(arch, name), stored)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors
+
+
+def add_family_metadata(w: gguf.GGUFWriter, arch: str, config: ModelConfig) -> None:
+    """The model and tokenizer keys llama.cpp writes for `config` (the tiny BPE vocabulary of
+    tests/unit/test_gguf_import_tiny.py)."""
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -92,22 +115,6 @@ def write_family_gguf(path: Path, arch: str, config: ModelConfig, *, bad_type: b
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocabulary()) - len(SPECIALS)))
     w.add_token_merges(MERGES)
     w.add_eos_token_id(2)
-    for name, t in tensors.items():
-        stored = t + 1.0 if arch == "gemma3" and name.endswith("norm.weight") else t
-        if name == "model.embed_tokens.weight" and bad_type:  # F64: no dequantiser in gguf
-            w.add_tensor(_gguf_name(arch, name), stored.astype(np.float64))
-        elif quant is not None:
-            add_stored_tensor(w, _gguf_name(arch, name), stored, quant, matrix_dtype=np.float32)
-        elif name == "model.embed_tokens.weight":
-            w.add_tensor(_gguf_name(arch, name), gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(_gguf_name(arch, name), stored)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return tensors
 
 
 def _config(family: str) -> ModelConfig:
