@@ -155,14 +155,15 @@ def _remove_stale_builds(out_dir: Path) -> None:
 def is_converted(out_dir: Path, source: GgufSource) -> bool:
     """True when `out_dir` is a complete conversion of `source` by this converter version (a
     weights file cut short, e.g. by a full disk after the folder was published, is not: the
-    next run converts again instead of failing on it)."""
+    next run converts again instead of failing on it, and so is one whose speedpipe_source.json
+    `read_source` refuses: not JSON, not UTF-8, or fields missing or of the wrong type)."""
     if not all((out_dir / name).is_file() for name in OUTPUT_FILES) or not _whole_safetensors(out_dir / SINGLE_FILE):
         return False
     try:
-        stored = GgufSource(**json.loads((out_dir / SOURCE_FILE).read_text()))
-    except (json.JSONDecodeError, TypeError):
+        stored = read_source(out_dir)
+    except ValueError:
         return False
-    return stored.same_content(source)
+    return stored is not None and stored.same_content(source)
 
 
 def _repoint_source(out_dir: Path, source: GgufSource) -> None:

@@ -241,6 +241,19 @@ def test_a_cut_short_conversion_is_converted_again_and_a_killed_build_is_cleaned
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "m.gguf", "out"]
 
 
+@pytest.mark.parametrize("damage", [b"\xff\xfe not UTF-8", b'{"path": 3}', b"[1, 2]", b"{not json"],
+                         ids=["not-utf8", "wrong-type", "not-object", "not-json"])
+def test_a_conversion_with_a_damaged_source_record_is_converted_again(tmp_path, damage):
+    """speedpipe_source.json goes through the one validating reader: a non-UTF-8 file raised
+    UnicodeDecodeError out of `convert_gguf` instead of making it convert again."""
+    write_gguf(tmp_path / "m.gguf", tiny(), seed=1)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    record = (out / "speedpipe_source.json").read_bytes()
+    (out / "speedpipe_source.json").write_bytes(damage)
+    assert convert_gguf(tmp_path / "m.gguf", out, progress=False) == out
+    assert (out / "speedpipe_source.json").read_bytes() == record
+
+
 def test_a_moved_gguf_is_recorded_so_auto_still_finds_its_blocks(tmp_path):
     """A cached conversion whose GGUF moved (a re-created venv) is reused, and its source record
     names the new path: otherwise `--quantization auto` silently fell back to dense weights."""
