@@ -60,6 +60,11 @@ _GPT2 = ("gpt2", "default")
 _QWEN2 = ("qwen2",)
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Llama 3.x's tokenizer.json (llama.cpp: `llama-bpe`): Qwen2's split with digits in runs of up to three,
+# no normalizer.
+_LLAMA3 = ("llama-bpe",)
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
@@ -240,11 +245,12 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2:
         return byte_level
-    if pre in _QWEN2:
-        split = pre_tokenizers.Split(tokenizers.Regex(_QWEN2_PATTERN), behavior="isolated", invert=False)
+    if pre in _QWEN2 + _LLAMA3:
+        pattern = _QWEN2_PATTERN if pre in _QWEN2 else _LLAMA3_PATTERN
+        split = pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported yet "
-                     f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2 + _QWEN2)})")
+                     f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2 + _QWEN2 + _LLAMA3)})")
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:

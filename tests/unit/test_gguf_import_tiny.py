@@ -86,9 +86,10 @@ def hf_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
 
 
 def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: int = 0,
-               proj_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+               proj_type: gguf.GGMLQuantizationType | None = None, pre: str = "smollm") -> dict[str, np.ndarray]:
     """Write a tiny GGUF as llama.cpp would; return the HF tensors it encodes (the float32 values
-    before quantisation). proj_type: quantise every `*_proj` weight to it (e.g. Q4_1)."""
+    before quantisation). proj_type: quantise every `*_proj` weight to it (e.g. Q4_1); pre: the
+    tokenizer.ggml.pre of its vocabulary."""
     rng = np.random.default_rng(seed)
     tensors = {n: rng.standard_normal(hf_shape(config, n)).astype(np.float32) for n in all_tensor_names(config)}
     w = gguf.GGUFWriter(str(path), arch)
@@ -102,7 +103,7 @@ def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: in
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(vocabulary())
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocabulary()) - len(SPECIALS)))
     w.add_token_merges(MERGES)
@@ -190,6 +191,34 @@ def test_tokenizer_from_gguf_merges_and_keeps_specials_whole(converted):
     assert tok.decode([1, ids["he"], 2], skip_special_tokens=False) == "<|im_start|>he<|im_end|>"
     assert tok.eos_token_ids == (2,) and tok.bos_token_id == 1 and tok.vocab_size == len(vocabulary())
     assert tok.chat_template == CHAT_TEMPLATE
+
+
+# Meta-Llama-3 / 3.1 / 3.2's tokenizer.json pre_tokenizer and normalizer, as published (llama.cpp: `llama-bpe`).
+LLAMA3_TOKENIZER_JSON = {"normalizer": None, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+                                           "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     "behavior": "Isolated", "invert": False},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}}
+LLAMA3_TEXTS = ["In 2024, 1234567 cats", "I'M here, we'LL see 12 3", "a\n\n  b\t\tc  \n", "naïve cafe\u0301 日本語 😀",
+                "x=3.14159;y", "<|im_start|>he 123<|im_end|>"]
+
+
+def test_llama_bpe_gguf_tokenizes_as_llama_3_s_tokenizer_json(tmp_path):
+    """Llama 3.x GGUFs say `tokenizer.ggml.pre = llama-bpe`: Qwen2's split but with digits in runs of
+    up to three and no NFC. The reference is the converted tokenizer with Meta's pre-tokenizer."""
+    import tokenizers
+
+    write_gguf(tmp_path / "m.gguf", tiny(), pre="llama-bpe")
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    ours = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    ref = tokenizers.Tokenizer.from_str(json.dumps(json.loads(ours.to_str()) | LLAMA3_TOKENIZER_JSON))
+    for text in LLAMA3_TEXTS:
+        assert ours.encode(text).ids == ref.encode(text).ids, text
+    ids = {t: i for i, t in enumerate(vocabulary())}
+    assert ours.encode("a 12").ids == [ids["a"], ids["Ġ"], ids["12"]]  # digits kept together, merged
+    write_gguf(tmp_path / "q.gguf", tiny(), pre="qwen2")
+    qwen2 = tokenizers.Tokenizer.from_file(str(convert_gguf(tmp_path / "q.gguf", tmp_path / "q") / "tokenizer.json"))
+    assert qwen2.encode("a 12").ids == [ids["a"], ids["Ġ"], ids["1"], ids["2"]]  # not Qwen2's split
 
 
 @pytest.mark.parametrize("text", ["héllo wörld", "emoji 😀👍🏽 end", "日本語", " the the\n\tthe 42"])
