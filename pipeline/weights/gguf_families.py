@@ -167,7 +167,8 @@ def _family_keys(reader: gguf.GGUFReader, model_type: str, d: dict[str, Any]) ->
 
 
 def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """The HF `config.json` dict of a GGUF file's model. Raises ValueError when unsupported."""
+    """The HF `config.json` dict of a GGUF file's model, its RoPE factor tensors read into `rope_scaling`
+    ([Note: GGUF RoPE factor tensors]). Raises ValueError (one line) when unsupported or malformed."""
     arch = field(reader, "general.architecture")
     full_names = {t.name for t in reader.tensors}
     names = {n.rpartition(".")[0] for n in full_names}
