@@ -290,6 +290,9 @@ def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], fa
                        (w.add_rope_freq_base, theta), (w.add_layer_norm_rms_eps, d["rms_norm_eps"]),
                        (w.add_rope_dimension_count, rope_dims)):
         add(value)
+    if rope.get("rope_type") == "linear":  # LlamaModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     if family == "phi3" and rope.get("long_factor"):  # Phi3MiniModel's LongRoPE keys and tensors
         original = d["original_max_position_embeddings"]
         scale = d["max_position_embeddings"] / original

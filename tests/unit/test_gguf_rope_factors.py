@@ -133,6 +133,17 @@ def test_malformed_rope_freqs_is_a_one_line_error_naming_tensor_and_file_and_exi
     assert "\n" not in err_text and "'rope_freqs.weight'" in err_text and "bad.gguf" in err_text, err_text
 
 
+def test_rope_freqs_with_a_metadata_scaling_too_is_refused(tmp_path):
+    """llama.cpp's converter writes no such file; dividing the frequencies twice is not guessed at."""
+    d, tensors = _llama3_model(tmp_path / "hf")
+    freqs = llama_cpp_rope_freqs(d)
+    d["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": d["rope_parameters"]["rope_theta"]}
+    write_hf_family_gguf(tmp_path / "m.gguf", d, tensors, "llama3", arch="llama", extra={"rope_freqs.weight": freqs})
+    with pytest.raises(ValueError, match=r"m\.gguf: GGUF tensor 'rope_freqs\.weight' together with rope scaling "
+                                         r"type 'linear' is not supported"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+
+
 # -- Phi-3 LongRoPE: rope_factors_short / rope_factors_long ---------------------------------------------
 
 @pytest.fixture(scope="module")
