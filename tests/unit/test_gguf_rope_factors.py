@@ -86,8 +86,11 @@ def llama3(tmp_path_factory) -> dict[str, Path]:
 def test_rope_freqs_gguf_logits_equal_the_hf_folder_with_llama3_rope_scaling(llama3):
     config = ModelConfig.from_model_dir(llama3["gguf"])
     want = Chain(_stages(llama3["hf"], 1))(LONG_PROMPT, 0, all_rows=True)
-    with torch.no_grad():  # the oracle's own oracle: transformers on the folder (moved band limits)
+    with torch.no_grad():  # the oracle's own oracle: transformers on the folder (moved band limits) ...
         torch.testing.assert_close(want, _hf(llama3["hf"])(torch.tensor([LONG_PROMPT])).logits[0].float(),
+                                   rtol=1e-4, atol=1e-4)
+        # ... and on the converted folder, whose one-set longrope it reads as this runtime does
+        torch.testing.assert_close(want, _hf(llama3["gguf"])(torch.tensor([LONG_PROMPT])).logits[0].float(),
                                    rtol=1e-4, atol=1e-4)
     for num_stages in (1, 2):
         got = Chain(_stages(llama3["gguf"], num_stages))(LONG_PROMPT, 0, all_rows=True)
