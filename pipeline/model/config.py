@@ -124,8 +124,8 @@ class ModelConfig:
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0):
-            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} must "
-                             f"give an even rotary_dim >= 2, got {self.rotary_dim}")
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and give head_dim {self.head_dim} an even "
+                             f"rotary_dim >= 2, got {self.partial_rotary_factor}")
         if self.rope_scaling is not None:
             self.rope_scaling.check_rotary_dim(self.rotary_dim)
         if not self.layer_types:  # one attention kind for every layer (mistral, mixtral, phi3: all sliding)

@@ -84,6 +84,12 @@ class RopeScaling:
             raise ValueError(f"rope_scaling short_factor/long_factor have {len(self.short_factor)} entries, "
                              f"expected rotary_dim // 2 = {rotary_dim // 2}")
 
+    @property
+    def frequencies_only(self) -> bool:
+        """True when this scaling changes only the inverse frequencies: no attention factor, and LongRoPE
+        with one factor set (a GGUF's `rope_freqs`), so cos/sin need no position switch or scale."""
+        return self.attention_factor == 1.0 and self.short_factor == self.long_factor
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The `rope_scaling` keys of this type, as transformers reads them back."""
         d: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
@@ -154,17 +160,13 @@ def scaling_from_dict(d: dict[str, Any] | None, config: dict[str, Any], model_ty
 
 def partial_rotary_factor(d: dict[str, Any], rope: dict[str, Any], model_type: str) -> float:
     """The fraction of each head's dims that RoPE rotates: `rope`'s (the rope_parameters dict) value, else
-    config.json's top-level one, else 1. Raises ValueError for a value outside (0, 1], or below 1 for a
-    family outside PARTIAL_ROTARY_FAMILIES."""
+    config.json's top-level one, else 1. Raises ValueError for a value other than 1 for a family outside
+    PARTIAL_ROTARY_FAMILIES (ModelConfig checks the range and the rotary_dim it gives)."""
     factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
-    if not 0 < factor <= 1:
-        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
     if factor != 1.0 and model_type not in PARTIAL_ROTARY_FAMILIES:
         raise ValueError(f"partial_rotary_factor {factor} is not supported for {model_type} (transformers "
                          f"rotates part of a head only for {', '.join(PARTIAL_ROTARY_FAMILIES)})")
     return factor
-
-
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None, *, long: bool = False) -> torch.Tensor:

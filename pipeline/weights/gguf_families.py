@@ -7,7 +7,8 @@ ModelConfig.from_hf_dict, so family defaults live in one place), the GGUF -> HF 
 (one stacked `ffn_*_exps` tensor [experts, out, in] -> one HF tensor per expert), and undoing what
 llama.cpp's `convert_hf_to_gguf.py` did to a tensor: the Q/K row permutation ([Note: GGUF Q/K
 permutation] in gguf_import.py; llama only, so Mistral and Mixtral too) and Gemma's norm shift (the
-converter stores w + 1 for every Gemma norm; HF stores w). phi3 keeps HF's fused `qkv_proj` and
+converter stores w + 1 for every Gemma norm; HF stores w); RoPE factor tensors (Llama 3.x's `rope_freqs`)
+become config.json's rope_scaling ([Note: GGUF RoPE factor tensors]). phi3 keeps HF's fused `qkv_proj` and
 `gate_up_proj` (llama.cpp: `attn_qkv`, and `ffn_up` holding gate then up). Dequantisation is tensor
 by tensor (expert by expert), so no process ever holds a whole float32 model.
 Must not: write files or build tokenizers (gguf_import.py does).
@@ -54,8 +55,32 @@ _MISSING = object()
 # their generation_config.json lists both ([151645, 151643] in Qwen2.5 and Qwen3), the GGUF only one.
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 _QWEN_END_OF_TEXT = "<|endoftext|>"
-_UNSUPPORTED_TENSORS = {"rope_freqs": "Llama 3.1 RoPE scaling", "rope_factors_long": "Phi-3 LongRoPE",
-                        "rope_factors_short": "Phi-3 LongRoPE"}
+# Tensors that hold RoPE settings, not weights ([Note: GGUF RoPE factor tensors]): read into config.json's
+# rope_scaling, never written to model.safetensors, the same for every stage.
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
+
+# [Note: GGUF RoPE factor tensors]
+# llama.cpp's converter writes some RoPE scalings as float32 tensors of per-frequency divisors
+# ([rotary_dim // 2]) instead of metadata, and `ggml_rope_ext` divides frequency i by entry i
+# (its `freq_factors`: theta_i = position * base^(-2i / rotary_dim) / factor_i). Llama 3.1 / 3.2
+# (`rope_type: llama3`) become `rope_freqs`: LlamaModel.generate_extra_tensors stores 1 for the high
+# frequencies, `factor` for the low ones and 1 / ((1 - smooth) / factor + smooth) between, so every
+# Llama 3.x GGUF carries one (llama.cpp uses it for every layer). Inverse frequencies divided by
+# per-frequency factors are exactly LongRoPE's rule (rope.py's `rope_inv_freq`), so the conversion
+# writes `rope_freqs` as a `longrope` rope_scaling whose short and long factors are both the tensor's
+# values and whose attention_factor is 1: this runtime and transformers then read the converted folder
+# with llama.cpp's frequencies, and the factors travel in config.json, which every stage reads.
+# (transformers' own GGUF loader ignores the tensor, i.e. loads Llama 3.1 unscaled.) The values
+# equal those of config.json's llama3 rope_scaling up to float32 rounding (llama.cpp divides by
+# the reciprocal of HF's interpolation weight).
+# Phi-3 LongRoPE (Phi3MiniModel) becomes `rope_factors_short` / `rope_factors_long` (config.json's
+# short_factor / long_factor) with metadata `{arch}.rope.scaling.original_context_length` and
+# `{arch}.rope.scaling.attn_factor` (the converter's sqrt(1 + ln(scale) / ln(original)), transformers'
+# default too), `context_length` being max_position_embeddings: exactly the config.json keys the HF
+# path reads. Which set a row gets follows the HF path ([Note: LongRoPE switch] in rope.py), not
+# llama.cpp, which picks the long set for every row when its context size exceeds the original one.
 
 
 def dequantisable_types() -> list[str]:
@@ -142,13 +167,11 @@ def _family_keys(reader: gguf.GGUFReader, model_type: str, d: dict[str, Any]) ->
 
 
 def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """The HF `config.json` dict of a GGUF file's model. Raises ValueError when unsupported."""
+    """The HF `config.json` dict of a GGUF file's model, its RoPE factor tensors read into `rope_scaling`
+    ([Note: GGUF RoPE factor tensors]). Raises ValueError (one line) when unsupported or malformed."""
     arch = field(reader, "general.architecture")
     full_names = {t.name for t in reader.tensors}
     names = {n.rpartition(".")[0] for n in full_names}
-    for stem, what in _UNSUPPORTED_TENSORS.items():
-        if stem in names:
-            raise ValueError(f"GGUF tensor {stem!r} ({what}) is not supported yet")
 
     def meta(key: str, default: Any = _MISSING) -> Any:
         return field(reader, f"{arch}.{key}", default)
@@ -174,7 +197,64 @@ def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }
-    return d | _family_keys(reader, model_type, d)
+    d |= _family_keys(reader, model_type, d)
+    if ROPE_FACTORS_LONG in full_names or ROPE_FACTORS_SHORT in full_names:
+        d |= _longrope_keys(reader, d)
+    if ROPE_FREQS in full_names:
+        d["rope_scaling"] = _rope_freqs_scaling(reader, d)
+    return d
+
+
+def _rope_factors(reader: gguf.GGUFReader, name: str, num_freqs: int) -> list[float]:
+    """Values of RoPE factor tensor `name` of `reader` ([Note: GGUF RoPE factor tensors]). Raises
+    ValueError (one line, naming the tensor) unless it is F32 [num_freqs] of finite values > 0."""
+    t = next(t for t in reader.tensors if t.name == name)
+    shape = [int(n) for n in t.shape]
+    if t.tensor_type != gguf.GGMLQuantizationType.F32 or shape != [num_freqs]:
+        raise ValueError(f"GGUF tensor {name!r} must be F32 [{num_freqs}] (one factor per rotary frequency), "
+                         f"got {t.tensor_type.name} {shape}")
+    values = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ValueError(f"GGUF tensor {name!r} must hold finite factors > 0, got min {values.min()}")
+    return [float(v) for v in values]
+
+
+def _num_freqs(d: dict[str, Any]) -> int:
+    """Rotary frequencies per head (rotary_dim // 2) of config dict `d`."""
+    head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+    return int(head_dim * d.get("partial_rotary_factor", 1.0)) // 2
+
+
+def _longrope_keys(reader: gguf.GGUFReader, d: dict[str, Any]) -> dict[str, Any]:
+    """config.json keys of a LongRoPE GGUF (Phi-3 128k, Phi-3.5, Phi-4-mini: [Note: GGUF RoPE factor
+    tensors]): its rope_scaling and the top-level original_max_position_embeddings (phi3's own key).
+    Raises ValueError (one line) for one factor tensor without the other, a malformed one, or a
+    missing original_context_length."""
+    arch = field(reader, "general.architecture")
+    names = {t.name for t in reader.tensors}
+    for have, lack in ((ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT), (ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)):
+        if have in names and lack not in names:
+            raise ValueError(f"GGUF tensor {have!r} (LongRoPE) comes without {lack!r}")
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    rope: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": original,
+                            "short_factor": _rope_factors(reader, ROPE_FACTORS_SHORT, _num_freqs(d)),
+                            "long_factor": _rope_factors(reader, ROPE_FACTORS_LONG, _num_freqs(d))}
+    attn_factor = field(reader, f"{arch}.rope.scaling.attn_factor", None)
+    if attn_factor is not None:
+        rope["attention_factor"] = _f32(attn_factor)
+    return {"rope_scaling": rope, "original_max_position_embeddings": original}
+
+
+def _rope_freqs_scaling(reader: gguf.GGUFReader, d: dict[str, Any]) -> dict[str, Any]:
+    """The `rope_scaling` of a GGUF carrying `rope_freqs` (Llama 3.x): LongRoPE with one factor set
+    ([Note: GGUF RoPE factor tensors]). `d`: the config dict so far. Raises ValueError (one line) for
+    a malformed tensor, or one combined with metadata scaling (llama.cpp's converter writes no such file)."""
+    if d["rope_scaling"] is not None:
+        raise ValueError(f"GGUF tensor {ROPE_FREQS!r} together with rope scaling type "
+                         f"{d['rope_scaling']['rope_type']!r} is not supported")
+    factors = _rope_factors(reader, ROPE_FREQS, _num_freqs(d))
+    return {"rope_type": "longrope", "factor": 1.0, "attention_factor": 1.0, "short_factor": factors,
+            "long_factor": factors, "original_max_position_embeddings": d["max_position_embeddings"]}
 
 
 def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
@@ -201,9 +281,11 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
 def tensor_targets(gguf_name: str, arch: str, config: ModelConfig) -> list[tuple[str, int | None]]:
     """(checkpoint name, expert index) of every HF tensor that GGUF tensor `gguf_name` holds: one
     (name, None) for a plain tensor; (name, e) for e in range(num_experts) for a stacked
-    `blk.N.ffn_{gate,up,down}_exps` tensor, whose slice e is expert e. Names are the checkpoint's
-    (`family_tensor_name`: Mixtral's `block_sparse_moe.experts.{e}.w1`). Raises ValueError as
-    `hf_tensor_name` does."""
+    `blk.N.ffn_{gate,up,down}_exps` tensor, whose slice e is expert e; none for a RoPE factor tensor
+    (ROPE_TENSORS: config, not weights). Names are the checkpoint's (`family_tensor_name`: Mixtral's
+    `block_sparse_moe.experts.{e}.w1`). Raises ValueError as `hf_tensor_name` does."""
+    if gguf_name in ROPE_TENSORS:  # RoPE settings, in config.json ([Note: GGUF RoPE factor tensors])
+        return []
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS:

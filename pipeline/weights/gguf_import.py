@@ -60,6 +60,11 @@ _GPT2 = ("gpt2", "default")
 _QWEN2 = ("qwen2",)
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Llama 3.x's tokenizer.json (llama.cpp: `llama-bpe`): Qwen2's split with digits in runs of up to three,
+# no normalizer.
+_LLAMA3 = ("llama-bpe",)
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
@@ -155,14 +160,15 @@ def _remove_stale_builds(out_dir: Path) -> None:
 def is_converted(out_dir: Path, source: GgufSource) -> bool:
     """True when `out_dir` is a complete conversion of `source` by this converter version (a
     weights file cut short, e.g. by a full disk after the folder was published, is not: the
-    next run converts again instead of failing on it)."""
+    next run converts again instead of failing on it, and so is one whose speedpipe_source.json
+    `read_source` refuses: not JSON, not UTF-8, or fields missing or of the wrong type)."""
     if not all((out_dir / name).is_file() for name in OUTPUT_FILES) or not _whole_safetensors(out_dir / SINGLE_FILE):
         return False
     try:
-        stored = GgufSource(**json.loads((out_dir / SOURCE_FILE).read_text()))
-    except (json.JSONDecodeError, TypeError):
+        stored = read_source(out_dir)
+    except ValueError:
         return False
-    return stored.same_content(source)
+    return stored is not None and stored.same_content(source)
 
 
 def _repoint_source(out_dir: Path, source: GgufSource) -> None:
@@ -239,11 +245,12 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2:
         return byte_level
-    if pre in _QWEN2:
-        split = pre_tokenizers.Split(tokenizers.Regex(_QWEN2_PATTERN), behavior="isolated", invert=False)
+    if pre in _QWEN2 + _LLAMA3:
+        pattern = _QWEN2_PATTERN if pre in _QWEN2 else _LLAMA3_PATTERN
+        split = pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported yet "
-                     f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2 + _QWEN2)})")
+                     f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2 + _QWEN2 + _LLAMA3)})")
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
@@ -310,8 +317,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _write_folder(reader: gguf.GGUFReader, folder: Path, source: GgufSource, progress: bool) -> None:
-    config = config_from_gguf(reader)
     try:
+        config = config_from_gguf(reader)
         tokenizer = tokenizer_from_gguf(reader)
     except ValueError as exc:
         raise ValueError(f"GGUF file {source.path}: {exc}") from None

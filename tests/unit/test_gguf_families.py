@@ -14,6 +14,7 @@ mistral, phi3, mixtral and qwen3_moe they come from a tiny transformers model of
 
 from __future__ import annotations
 
+import math
 import types
 from pathlib import Path
 
@@ -40,6 +41,7 @@ _COMMON = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_a
            "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
 LAYER_NAMES = {
+    "llama": _COMMON | {"post_attention_layernorm": "ffn_norm"},
     "qwen3": _COMMON | {"post_attention_layernorm": "ffn_norm"},
     "gemma3": _COMMON | {"post_attention_layernorm": "post_attention_norm",
                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
@@ -48,7 +50,7 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
        "lm_head.weight": "output.weight"}
 
 
-def _gguf_name(arch: str, hf: str) -> str:
+def family_gguf_name(arch: str, hf: str) -> str:
     if hf in TOP:
         return TOP[hf]
     _, _, layer, rest = hf.split(".", 3)
@@ -73,6 +75,28 @@ def write_family_gguf(path: Path, arch: str, config: ModelConfig, *, bad_type: b
     `quant`: every matrix whose rows are whole blocks stored in that type (else the embedding Q8_0, the rest F32)."""
     tensors = {k: v.numpy() for k, v in random_state_dict(config, seed=4, std=0.2).items()}
     w = gguf.GGUFWriter(str(path), arch)
+    add_family_metadata(w, arch, config)
+    for name, t in tensors.items():
+        stored = t + 1.0 if arch == "gemma3" and name.endswith("norm.weight") else t
+        if name == "model.embed_tokens.weight" and bad_type:  # F64: no dequantiser in gguf
+            w.add_tensor(family_gguf_name(arch, name), stored.astype(np.float64))
+        elif quant is not None:
+            add_stored_tensor(w, family_gguf_name(arch, name), stored, quant, matrix_dtype=np.float32)
+        elif name == "model.embed_tokens.weight":
+            w.add_tensor(family_gguf_name(arch, name), gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(family_gguf_name(arch, name), stored)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors
+
+
+def add_family_metadata(w: gguf.GGUFWriter, arch: str, config: ModelConfig) -> None:
+    """The model and tokenizer keys llama.cpp writes for `config` (the tiny BPE vocabulary of
+    tests/unit/test_gguf_import_tiny.py)."""
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -91,22 +115,6 @@ def write_family_gguf(path: Path, arch: str, config: ModelConfig, *, bad_type: b
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocabulary()) - len(SPECIALS)))
     w.add_token_merges(MERGES)
     w.add_eos_token_id(2)
-    for name, t in tensors.items():
-        stored = t + 1.0 if arch == "gemma3" and name.endswith("norm.weight") else t
-        if name == "model.embed_tokens.weight" and bad_type:  # F64: no dequantiser in gguf
-            w.add_tensor(_gguf_name(arch, name), stored.astype(np.float64))
-        elif quant is not None:
-            add_stored_tensor(w, _gguf_name(arch, name), stored, quant, matrix_dtype=np.float32)
-        elif name == "model.embed_tokens.weight":
-            w.add_tensor(_gguf_name(arch, name), gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(_gguf_name(arch, name), stored)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return tensors
 
 
 def _config(family: str) -> ModelConfig:
@@ -264,21 +272,34 @@ def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], fa
     as F16, norms as F32), with a 256-token byte-level vocabulary (the tiny models' ids); `extra`:
     GGUF tensors added as they are. qwen3_moe: no expert_weights_norm key when norm_topk_prob is None.
     `arch`: the GGUF architecture (default HF_FAMILY_ARCH[family]; qwen2 and qwen3 write theirs);
-    `quant`: matrices whose rows are whole blocks of it stored in that type (`add_stored_tensor`)."""
+    `quant`: matrices whose rows are whole blocks of it stored in that type (`add_stored_tensor`).
+    A phi3 LongRoPE config also gets the converter's `rope_factors_*` tensors and scaling keys."""
     from tests.tiny_model import byte_alphabet
 
     arch = arch or HF_FAMILY_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-    theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_dims = int(head_dim * rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
     num_experts = d.get("num_experts", d.get("num_local_experts"))
     for add, value in ((w.add_block_count, d["num_hidden_layers"]), (w.add_context_length, d["max_position_embeddings"]),
                        (w.add_embedding_length, d["hidden_size"]), (w.add_feed_forward_length, d["intermediate_size"]),
                        (w.add_head_count, d["num_attention_heads"]), (w.add_head_count_kv, d["num_key_value_heads"]),
                        (w.add_key_length, head_dim), (w.add_value_length, head_dim),
                        (w.add_rope_freq_base, theta), (w.add_layer_norm_rms_eps, d["rms_norm_eps"]),
-                       (w.add_rope_dimension_count, head_dim)):
+                       (w.add_rope_dimension_count, rope_dims)):
         add(value)
+    if rope.get("rope_type") == "linear":  # LlamaModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if family == "phi3" and rope.get("long_factor"):  # Phi3MiniModel's LongRoPE keys and tensors
+        original = d["original_max_position_embeddings"]
+        scale = d["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        extra = {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+                 "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)} | (extra or {})
     if d.get("sliding_window"):
         w.add_sliding_window(d["sliding_window"])
     if family == "mixtral":
@@ -373,13 +394,14 @@ def test_qwen3moe_dense_layers_and_default_renormalisation_come_from_the_gguf(tm
     assert hf_config_dict(open_gguf(tmp_path / "n.gguf"))["norm_topk_prob"] is True
 
 
-def test_longrope_phi3_gguf_and_unsupported_architecture_are_one_line_errors_and_exit_2(tmp_path, capsys):
+def test_lone_longrope_factor_tensor_and_unsupported_architecture_are_one_line_errors_and_exit_2(tmp_path, capsys):
     from launcher.cli.main import main
 
     d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3")
     write_hf_family_gguf(tmp_path / "long.gguf", d, tensors, "phi3",
                          extra={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(ValueError, match=r"'rope_factors_long' \(Phi-3 LongRoPE\) is not supported") as err:
+    with pytest.raises(ValueError, match=r"long\.gguf: GGUF tensor 'rope_factors_long\.weight' \(LongRoPE\) comes "
+                                         r"without 'rope_factors_short\.weight'") as err:
         convert_gguf(tmp_path / "long.gguf", tmp_path / "out", progress=False)
     assert "\n" not in str(err.value)
     _write_empty_gguf(tmp_path / "falcon.gguf", "falcon")

@@ -86,9 +86,10 @@ def hf_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
 
 
 def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: int = 0,
-               proj_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+               proj_type: gguf.GGMLQuantizationType | None = None, pre: str = "smollm") -> dict[str, np.ndarray]:
     """Write a tiny GGUF as llama.cpp would; return the HF tensors it encodes (the float32 values
-    before quantisation). proj_type: quantise every `*_proj` weight to it (e.g. Q4_1)."""
+    before quantisation). proj_type: quantise every `*_proj` weight to it (e.g. Q4_1); pre: the
+    tokenizer.ggml.pre of its vocabulary."""
     rng = np.random.default_rng(seed)
     tensors = {n: rng.standard_normal(hf_shape(config, n)).astype(np.float32) for n in all_tensor_names(config)}
     w = gguf.GGUFWriter(str(path), arch)
@@ -102,7 +103,7 @@ def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: in
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(vocabulary())
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocabulary()) - len(SPECIALS)))
     w.add_token_merges(MERGES)
@@ -192,6 +193,34 @@ def test_tokenizer_from_gguf_merges_and_keeps_specials_whole(converted):
     assert tok.chat_template == CHAT_TEMPLATE
 
 
+# Meta-Llama-3 / 3.1 / 3.2's tokenizer.json pre_tokenizer and normalizer, as published (llama.cpp: `llama-bpe`).
+LLAMA3_TOKENIZER_JSON = {"normalizer": None, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+                                           "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     "behavior": "Isolated", "invert": False},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}}
+LLAMA3_TEXTS = ["In 2024, 1234567 cats", "I'M here, we'LL see 12 3", "a\n\n  b\t\tc  \n", "naïve cafe\u0301 日本語 😀",
+                "x=3.14159;y", "<|im_start|>he 123<|im_end|>"]
+
+
+def test_llama_bpe_gguf_tokenizes_as_llama_3_s_tokenizer_json(tmp_path):
+    """Llama 3.x GGUFs say `tokenizer.ggml.pre = llama-bpe`: Qwen2's split but with digits in runs of
+    up to three and no NFC. The reference is the converted tokenizer with Meta's pre-tokenizer."""
+    import tokenizers
+
+    write_gguf(tmp_path / "m.gguf", tiny(), pre="llama-bpe")
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    ours = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    ref = tokenizers.Tokenizer.from_str(json.dumps(json.loads(ours.to_str()) | LLAMA3_TOKENIZER_JSON))
+    for text in LLAMA3_TEXTS:
+        assert ours.encode(text).ids == ref.encode(text).ids, text
+    ids = {t: i for i, t in enumerate(vocabulary())}
+    assert ours.encode("a 12").ids == [ids["a"], ids["Ġ"], ids["12"]]  # digits kept together, merged
+    write_gguf(tmp_path / "q.gguf", tiny(), pre="qwen2")
+    qwen2 = tokenizers.Tokenizer.from_file(str(convert_gguf(tmp_path / "q.gguf", tmp_path / "q") / "tokenizer.json"))
+    assert qwen2.encode("a 12").ids == [ids["a"], ids["Ġ"], ids["1"], ids["2"]]  # not Qwen2's split
+
+
 @pytest.mark.parametrize("text", ["héllo wörld", "emoji 😀👍🏽 end", "日本語", " the the\n\tthe 42"])
 def test_incremental_detokenizer_never_emits_partial_characters(converted, text):
     tok = Tokenizer(converted[0])
@@ -239,6 +268,19 @@ def test_a_cut_short_conversion_is_converted_again_and_a_killed_build_is_cleaned
     assert convert_gguf(tmp_path / "m.gguf", out, progress=False) == out
     assert (out / "model.safetensors").read_bytes() == whole
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "m.gguf", "out"]
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe not UTF-8", b'{"path": 3}', b"[1, 2]", b"{not json"],
+                         ids=["not-utf8", "wrong-type", "not-object", "not-json"])
+def test_a_conversion_with_a_damaged_source_record_is_converted_again(tmp_path, damage):
+    """speedpipe_source.json goes through the one validating reader: a non-UTF-8 file raised
+    UnicodeDecodeError out of `convert_gguf` instead of making it convert again."""
+    write_gguf(tmp_path / "m.gguf", tiny(), seed=1)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    record = (out / "speedpipe_source.json").read_bytes()
+    (out / "speedpipe_source.json").write_bytes(damage)
+    assert convert_gguf(tmp_path / "m.gguf", out, progress=False) == out
+    assert (out / "speedpipe_source.json").read_bytes() == record
 
 
 def test_a_moved_gguf_is_recorded_so_auto_still_finds_its_blocks(tmp_path):

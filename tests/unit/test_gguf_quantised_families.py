@@ -8,9 +8,10 @@ the same dequantised weights.
 
 Each family's tiny GGUF stores every matrix whose rows are whole 32-weight blocks as Q8_0, Q4_0 or
 Q4_1 (`gguf.quants.quantize`), other matrices F16 and norms F32, as llama.cpp's quantiser does.
-Q4_K is not covered: gguf's numpy `quantize` has no Q4_K (raises NotImplementedError); its decoder
-is checked on a real Q4_K_M file in tests/integration. The float32 reference is the folder
-`convert_gguf` wrote (`gguf.quants.dequantize` of every tensor, checked here too) loaded dense.
+Q4_K and Q6_K (no numpy `quantize` in gguf) are covered by hand-built blocks in
+tests/unit/test_gguf_k_quants.py, and on a real Q4_K_M file in tests/integration. The float32
+reference is the folder `convert_gguf` wrote (`gguf.quants.dequantize` of every tensor, checked here
+too) loaded dense.
 """
 
 from __future__ import annotations

@@ -115,6 +115,8 @@ _BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hid
     (dict(rope_scaling={"type": "ntk-by-parts", "factor": 2.0}), "'ntk-by-parts' is not supported .*yarn, longrope"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported for llama"),
     (dict(model_type="phi3", partial_rotary_factor=1.5), r"partial_rotary_factor must be in \(0, 1\]"),
+    (dict(model_type="phi3", partial_rotary_factor=0.0), r"must be in \(0, 1\] and give head_dim 16 an even .*got 0.0"),
+    (dict(model_type="phi3", partial_rotary_factor=0.1875), r"an even rotary_dim >= 2, got 0.1875"),  # 3 dims
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": "32"}), "'rope_scaling.beta_fast' must be"),
     (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 7,
                         "original_max_position_embeddings": 16}), "short_factor and long_factor .* 8 and 7"),
@@ -176,6 +178,11 @@ def test_the_next_layer_drafter_refuses_what_its_training_forward_does_not_apply
 
     assert "YaRN or LongRoPE" in unsupported_reason(family_config("qwen2-yarn"))
     assert "YaRN or LongRoPE" in unsupported_reason(family_config("llama-longrope"))
+    # One factor set and no attention factor (a GGUF's rope_freqs): only the frequencies, which it applies.
+    one_set = dataclasses.replace(family_config("llama-longrope").rope_scaling, attention_factor=1.0,
+                                  long_factor=family_config("llama-longrope").rope_scaling.short_factor)
+    assert unsupported_reason(dataclasses.replace(family_config("llama-longrope"), rope_scaling=one_set)) is None
+    assert unsupported_reason(family_config("llama3")) is None
 
 
 # -- the decoder against transformers, past the original context --------------------------------------

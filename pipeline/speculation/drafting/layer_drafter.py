@@ -54,7 +54,7 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return "q/k norms, sandwich norms or a query scale"
     if config.num_experts:
         return "mixture-of-experts layers"
-    if config.rope_scaling is not None and config.rope_scaling.rope_type in ("yarn", "longrope"):
+    if config.rope_scaling is not None and not config.rope_scaling.frequencies_only:
         return "YaRN or LongRoPE scaling (the training forward has no attention factor or long factors)"
     return None
 
