@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from pipeline.model.config import ModelConfig
-from pipeline.weights.gguf_import import convert_gguf
+from pipeline.weights.gguf_families import config_from_gguf
+from pipeline.weights.gguf_import import convert_gguf, open_gguf
 from tests.unit.test_families import PROMPT, Chain, _hf, _stages
 from tests.unit.test_gguf_families import _f16_rounded_family_model, write_hf_family_gguf
 
@@ -175,6 +176,20 @@ def test_longrope_gguf_reads_the_hf_folder_s_scaling_and_its_logits_and_greedy_e
     greedy = Chain(_stages(phi3_longrope["hf"], 1)).greedy(PROMPT, NUM_NEW_TOKENS)  # decodes across 16
     assert Chain(_stages(phi3_longrope["gguf"], 1)).greedy(PROMPT, NUM_NEW_TOKENS) == greedy
     assert Chain(_stages(phi3_longrope["gguf"], 2)).greedy(PROMPT, NUM_NEW_TOKENS) == greedy
+
+
+@pytest.mark.parametrize("attn_factor", [1.0625, False], ids=["gguf-key", "no-key"])
+def test_longrope_attention_factor_is_the_gguf_s_else_transformers_default(tmp_path, attn_factor):
+    """rope.scaling.attn_factor is what llama.cpp scales cos/sin by; a file without it (older converters)
+    gets transformers' default for the folder's factor (max_position_embeddings / original: 64 / 16)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3-longrope")
+    write_hf_family_gguf(tmp_path / "m.gguf", d, tensors, "phi3", arch="phi3", attn_factor=attn_factor)
+    got = config_from_gguf(open_gguf(tmp_path / "m.gguf")).rope_scaling.attention_factor
+    default = ROPE_INIT_FUNCTIONS["longrope"](AutoConfig.from_pretrained(tmp_path / "hf"), "cpu")[1]
+    assert default > 1.1 and got == pytest.approx(attn_factor or default, rel=1e-7)
 
 
 def test_malformed_longrope_factors_are_a_one_line_error_naming_the_tensor_and_file(tmp_path):
