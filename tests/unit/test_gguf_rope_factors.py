@@ -18,6 +18,7 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -190,6 +191,24 @@ def test_longrope_attention_factor_is_the_gguf_s_else_transformers_default(tmp_p
     got = config_from_gguf(open_gguf(tmp_path / "m.gguf")).rope_scaling.attention_factor
     default = ROPE_INIT_FUNCTIONS["longrope"](AutoConfig.from_pretrained(tmp_path / "hf"), "cpu")[1]
     assert default > 1.1 and got == pytest.approx(attn_factor or default, rel=1e-7)
+
+
+def test_longrope_gguf_with_the_scaling_type_key_newer_converters_write_reads_the_same(tmp_path):
+    """llama.cpp's TextModel.set_gguf_parameters writes rope.scaling.type = longrope for a LongRoPE config
+    (the factors still come as tensors); without the tensors that key is refused naming them."""
+    from pipeline.weights.gguf_families import hf_config_dict
+
+    d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3-longrope")
+    for name, scaling_type in (("old", None), ("new", gguf.RopeScalingType.LONGROPE)):
+        write_hf_family_gguf(tmp_path / f"{name}.gguf", d, tensors, "phi3", arch="phi3", scaling_type=scaling_type)
+    want = hf_config_dict(open_gguf(tmp_path / "old.gguf"))
+    assert want["rope_scaling"]["rope_type"] == "longrope"
+    assert hf_config_dict(open_gguf(tmp_path / "new.gguf")) == want
+    d, tensors = _f16_rounded_family_model(tmp_path / "plain", "phi3")
+    write_hf_family_gguf(tmp_path / "lone.gguf", d, tensors, "phi3", scaling_type=gguf.RopeScalingType.LONGROPE)
+    with pytest.raises(ValueError, match=r"lone\.gguf: GGUF rope scaling type 'longrope' comes without its factor "
+                                         r"tensors 'rope_factors_long\.weight' and 'rope_factors_short\.weight'"):
+        convert_gguf(tmp_path / "lone.gguf", tmp_path / "out", progress=False)
 
 
 def test_malformed_longrope_factors_are_a_one_line_error_naming_the_tensor_and_file(tmp_path):
