@@ -40,7 +40,9 @@ NUM_NEW_TOKENS = 12
 
 def llama_cpp_rope_freqs(d: dict) -> np.ndarray:
     """[head_dim // 2] float32 divisors as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors)
-    computes them from a transformers config dict `d` with a llama3 rope scaling."""
+    computes them from a transformers config dict `d` with a llama3 rope scaling, except that the original
+    context is the rope dict's here: the converter reads a top-level `original_max_position_embeddings`,
+    else 8192, which equals the rope dict's 8192 for every Llama 3.x config but not the tiny model's 32."""
     rope = d.get("rope_scaling") or d["rope_parameters"]
     base = rope.get("rope_theta", d.get("rope_theta"))
     dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
