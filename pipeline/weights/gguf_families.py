@@ -79,7 +79,8 @@ ROPE_TENSORS = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
 # short_factor / long_factor) with metadata `{arch}.rope.scaling.original_context_length` and
 # `{arch}.rope.scaling.attn_factor` (the converter's sqrt(1 + ln(scale) / ln(original)), transformers'
 # default too), `context_length` being max_position_embeddings: exactly the config.json keys the HF
-# path reads. Which set a row gets follows the HF path ([Note: LongRoPE switch] in rope.py), not
+# path reads. Newer converters also write `{arch}.rope.scaling.type = longrope`, which adds nothing
+# (without the factor tensors it is refused). Which set a row gets follows the HF path ([Note: LongRoPE switch] in rope.py), not
 # llama.cpp, which picks the long set for every row when its context size exceeds the original one.
 
 
@@ -113,11 +114,11 @@ def _f32(value: float) -> float:
 
 
 def _rope_scaling(kind: str, factor: float) -> dict[str, Any] | None:
-    if kind == "none":
+    if kind in ("none", "longrope"):  # LongRoPE's factors are tensors: `_longrope_keys`
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(factor)}
-    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (none, linear)")
+    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (none, linear, longrope)")
 
 
 def model_type_of(reader: gguf.GGUFReader) -> str:
@@ -198,7 +199,8 @@ def hf_config_dict(reader: gguf.GGUFReader) -> dict[str, Any]:
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }
     d |= _family_keys(reader, model_type, d)
-    if ROPE_FACTORS_LONG in full_names or ROPE_FACTORS_SHORT in full_names:
+    if meta("rope.scaling.type", "none") == "longrope" or ROPE_FACTORS_LONG in full_names or \
+            ROPE_FACTORS_SHORT in full_names:
         d |= _longrope_keys(reader, d)
     if ROPE_FREQS in full_names:
         d["rope_scaling"] = _rope_freqs_scaling(reader, d)
@@ -228,10 +230,13 @@ def _num_freqs(d: dict[str, Any]) -> int:
 def _longrope_keys(reader: gguf.GGUFReader, d: dict[str, Any]) -> dict[str, Any]:
     """config.json keys of a LongRoPE GGUF (Phi-3 128k, Phi-3.5, Phi-4-mini: [Note: GGUF RoPE factor
     tensors]): its rope_scaling and the top-level original_max_position_embeddings (phi3's own key).
-    Raises ValueError (one line) for one factor tensor without the other, a malformed one, or a
-    missing original_context_length."""
+    Raises ValueError (one line) for no factor tensors (rope.scaling.type `longrope` alone) or one without
+    the other, a malformed one, or a missing original_context_length."""
     arch = field(reader, "general.architecture")
     names = {t.name for t in reader.tensors}
+    if ROPE_FACTORS_LONG not in names and ROPE_FACTORS_SHORT not in names:
+        raise ValueError(f"GGUF rope scaling type 'longrope' comes without its factor tensors {ROPE_FACTORS_LONG!r} "
+                         f"and {ROPE_FACTORS_SHORT!r}")
     for have, lack in ((ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT), (ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)):
         if have in names and lack not in names:
             raise ValueError(f"GGUF tensor {have!r} (LongRoPE) comes without {lack!r}")

@@ -61,7 +61,9 @@ _QWEN2 = ("qwen2",)
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Llama 3.x's tokenizer.json (llama.cpp: `llama-bpe`): Qwen2's split with digits in runs of up to three,
-# no normalizer.
+# no normalizer; its BPE model has `ignore_merges` (a pre-token that is in the vocabulary is one token
+# even where the merges would not build it, as tiktoken; llama.cpp's LLAMA3 pre-type too), and llama.cpp
+# adds BOS for it when the GGUF has no tokenizer.ggml.add_bos_token (`_tokenizer_config`).
 _LLAMA3 = ("llama-bpe",)
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -265,8 +267,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
                          "SentencePiece): give the model's Hugging Face folder, with its tokenizer.json, instead")
     tokens = field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     pre = field(reader, "tokenizer.ggml.pre", "default")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               ignore_merges=pre in _LLAMA3))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     if pre in _QWEN2:
         tok.normalizer = normalizers.NFC()
@@ -293,7 +296,8 @@ def _tokenizer_config(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str,
     tokens = field(reader, "tokenizer.ggml.tokens")
     d: dict[str, Any] = {f"{name}_token": tokens[i] for name, i in _special_token_ids(reader).items()}
     d.update(
-        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token",
+                                 field(reader, "tokenizer.ggml.pre", "default") in _LLAMA3)),
         add_eos_token=bool(field(reader, "tokenizer.ggml.add_eos_token", False)),
         chat_template=field(reader, "tokenizer.chat_template", None),
         clean_up_tokenization_spaces=False,

@@ -267,13 +267,16 @@ def _gguf_tensors(d: dict, arch: str, tensors: dict[str, np.ndarray]) -> dict[st
 
 def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], family: str, *,
                          extra: dict[str, np.ndarray] | None = None, arch: str | None = None,
-                         quant: gguf.GGMLQuantizationType | None = None) -> None:
+                         quant: gguf.GGMLQuantizationType | None = None, attn_factor: float | bool = True,
+                         scaling_type: gguf.RopeScalingType | None = None) -> None:
     """The GGUF llama.cpp's converter writes for transformers config `d` and Hub `tensors` (matrices
     as F16, norms as F32), with a 256-token byte-level vocabulary (the tiny models' ids); `extra`:
     GGUF tensors added as they are. qwen3_moe: no expert_weights_norm key when norm_topk_prob is None.
     `arch`: the GGUF architecture (default HF_FAMILY_ARCH[family]; qwen2 and qwen3 write theirs);
     `quant`: matrices whose rows are whole blocks of it stored in that type (`add_stored_tensor`).
-    A phi3 LongRoPE config also gets the converter's `rope_factors_*` tensors and scaling keys."""
+    A phi3 LongRoPE config also gets the converter's `rope_factors_*` tensors and scaling keys;
+    `attn_factor`: its rope.scaling.attn_factor (True: the converter's, False: none, as older converters);
+    `scaling_type`: a rope.scaling.type key (newer converters write `longrope` for LongRoPE configs)."""
     from tests.tiny_model import byte_alphabet
 
     arch = arch or HF_FAMILY_ARCH[family]
@@ -293,11 +296,16 @@ def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], fa
     if rope.get("rope_type") == "linear":  # LlamaModel.set_gguf_parameters
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if scaling_type is not None:  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(scaling_type)
     if family == "phi3" and rope.get("long_factor"):  # Phi3MiniModel's LongRoPE keys and tensors
         original = d["original_max_position_embeddings"]
         scale = d["max_position_embeddings"] / original
         w.add_rope_scaling_orig_ctx_len(original)
-        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        if attn_factor is True:
+            attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        if attn_factor is not False:
+            w.add_rope_scaling_attn_factors(attn_factor)
         extra = {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
                  "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)} | (extra or {})
     if d.get("sliding_window"):

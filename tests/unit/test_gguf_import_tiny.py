@@ -86,10 +86,11 @@ def hf_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
 
 
 def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: int = 0,
-               proj_type: gguf.GGMLQuantizationType | None = None, pre: str = "smollm") -> dict[str, np.ndarray]:
+               proj_type: gguf.GGMLQuantizationType | None = None, pre: str = "smollm",
+               add_bos: bool | None = False) -> dict[str, np.ndarray]:
     """Write a tiny GGUF as llama.cpp would; return the HF tensors it encodes (the float32 values
     before quantisation). proj_type: quantise every `*_proj` weight to it (e.g. Q4_1); pre: the
-    tokenizer.ggml.pre of its vocabulary."""
+    tokenizer.ggml.pre of its vocabulary; add_bos: its tokenizer.ggml.add_bos_token (None: no such key)."""
     rng = np.random.default_rng(seed)
     tensors = {n: rng.standard_normal(hf_shape(config, n)).astype(np.float32) for n in all_tensor_names(config)}
     w = gguf.GGUFWriter(str(path), arch)
@@ -110,7 +111,8 @@ def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: in
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
     for name, t in tensors.items():
         if arch == "llama" and ".q_proj." in name:

@@ -18,12 +18,14 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
 from pipeline.model.config import ModelConfig
-from pipeline.weights.gguf_import import convert_gguf
+from pipeline.weights.gguf_families import config_from_gguf
+from pipeline.weights.gguf_import import convert_gguf, open_gguf
 from tests.unit.test_families import PROMPT, Chain, _hf, _stages
 from tests.unit.test_gguf_families import _f16_rounded_family_model, write_hf_family_gguf
 
@@ -38,7 +40,9 @@ NUM_NEW_TOKENS = 12
 
 def llama_cpp_rope_freqs(d: dict) -> np.ndarray:
     """[head_dim // 2] float32 divisors as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors)
-    computes them from a transformers config dict `d` with a llama3 rope scaling."""
+    computes them from a transformers config dict `d` with a llama3 rope scaling, except that the original
+    context is the rope dict's here: the converter reads a top-level `original_max_position_embeddings`,
+    else 8192, which equals the rope dict's 8192 for every Llama 3.x config but not the tiny model's 32."""
     rope = d.get("rope_scaling") or d["rope_parameters"]
     base = rope.get("rope_theta", d.get("rope_theta"))
     dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
@@ -175,6 +179,38 @@ def test_longrope_gguf_reads_the_hf_folder_s_scaling_and_its_logits_and_greedy_e
     greedy = Chain(_stages(phi3_longrope["hf"], 1)).greedy(PROMPT, NUM_NEW_TOKENS)  # decodes across 16
     assert Chain(_stages(phi3_longrope["gguf"], 1)).greedy(PROMPT, NUM_NEW_TOKENS) == greedy
     assert Chain(_stages(phi3_longrope["gguf"], 2)).greedy(PROMPT, NUM_NEW_TOKENS) == greedy
+
+
+@pytest.mark.parametrize("attn_factor", [1.0625, False], ids=["gguf-key", "no-key"])
+def test_longrope_attention_factor_is_the_gguf_s_else_transformers_default(tmp_path, attn_factor):
+    """rope.scaling.attn_factor is what llama.cpp scales cos/sin by; a file without it (older converters)
+    gets transformers' default for the folder's factor (max_position_embeddings / original: 64 / 16)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3-longrope")
+    write_hf_family_gguf(tmp_path / "m.gguf", d, tensors, "phi3", arch="phi3", attn_factor=attn_factor)
+    got = config_from_gguf(open_gguf(tmp_path / "m.gguf")).rope_scaling.attention_factor
+    default = ROPE_INIT_FUNCTIONS["longrope"](AutoConfig.from_pretrained(tmp_path / "hf"), "cpu")[1]
+    assert default > 1.1 and got == pytest.approx(attn_factor or default, rel=1e-7)
+
+
+def test_longrope_gguf_with_the_scaling_type_key_newer_converters_write_reads_the_same(tmp_path):
+    """llama.cpp's TextModel.set_gguf_parameters writes rope.scaling.type = longrope for a LongRoPE config
+    (the factors still come as tensors); without the tensors that key is refused naming them."""
+    from pipeline.weights.gguf_families import hf_config_dict
+
+    d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3-longrope")
+    for name, scaling_type in (("old", None), ("new", gguf.RopeScalingType.LONGROPE)):
+        write_hf_family_gguf(tmp_path / f"{name}.gguf", d, tensors, "phi3", arch="phi3", scaling_type=scaling_type)
+    want = hf_config_dict(open_gguf(tmp_path / "old.gguf"))
+    assert want["rope_scaling"]["rope_type"] == "longrope"
+    assert hf_config_dict(open_gguf(tmp_path / "new.gguf")) == want
+    d, tensors = _f16_rounded_family_model(tmp_path / "plain", "phi3")
+    write_hf_family_gguf(tmp_path / "lone.gguf", d, tensors, "phi3", scaling_type=gguf.RopeScalingType.LONGROPE)
+    with pytest.raises(ValueError, match=r"lone\.gguf: GGUF rope scaling type 'longrope' comes without its factor "
+                                         r"tensors 'rope_factors_long\.weight' and 'rope_factors_short\.weight'"):
+        convert_gguf(tmp_path / "lone.gguf", tmp_path / "out", progress=False)
 
 
 def test_malformed_longrope_factors_are_a_one_line_error_naming_the_tensor_and_file(tmp_path):

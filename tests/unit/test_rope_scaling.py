@@ -183,6 +183,10 @@ def test_the_next_layer_drafter_refuses_what_its_training_forward_does_not_apply
                                   long_factor=family_config("llama-longrope").rope_scaling.short_factor)
     assert unsupported_reason(dataclasses.replace(family_config("llama-longrope"), rope_scaling=one_set)) is None
     assert unsupported_reason(family_config("llama3")) is None
+    # Two factor sets switch by position, which the training forward does not, even with no attention factor.
+    two_sets = dataclasses.replace(family_config("llama-longrope").rope_scaling, attention_factor=1.0)
+    assert "YaRN or LongRoPE" in unsupported_reason(dataclasses.replace(family_config("llama-longrope"),
+                                                                        rope_scaling=two_sets))
 
 
 # -- the decoder against transformers, past the original context --------------------------------------
