@@ -280,10 +280,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 def config_inv_freq(config: ModelConfig, *, local: bool, long: bool = False) -> torch.Tensor | None:
     """Global RoPE frequencies [rotary_dim // 2], or those of sliding layers with their own unscaled base
-    (Gemma 3). long: LongRoPE's long-factor set (None for every other scaling, and for `local`)."""
+    (Gemma 3). long: LongRoPE's long-factor set (None for every other scaling, for `local`, and when
+    both sets are one, as a Llama 3.x GGUF's `rope_freqs` gives: no second table to switch to)."""
     if long:
         scaling = config.rope_scaling
-        if local or scaling is None or scaling.rope_type != "longrope":
+        if local or scaling is None or scaling.rope_type != "longrope" or scaling.long_factor == scaling.short_factor:
             return None
         return rope_inv_freq(config.rotary_dim, config.rope_theta, scaling, long=True)
     if local and config.rope_local_theta is not None:
