@@ -60,11 +60,11 @@ _GPT2 = ("gpt2", "default")
 _QWEN2 = ("qwen2",)
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Llama 3.x's tokenizer.json (llama.cpp: `llama-bpe`): Qwen2's split with digits in runs of up to three,
+# Llama 3.x's tokenizer.json (llama.cpp: `llama-bpe`, and the older names `llama3`, `llama-v3`): Qwen2's split with digits in runs of up to three,
 # no normalizer; its BPE model has `ignore_merges` (a pre-token that is in the vocabulary is one token
 # even where the merges would not build it, as tiktoken; llama.cpp's LLAMA3 pre-type too), and llama.cpp
 # adds BOS for it when the GGUF has no tokenizer.ggml.add_bos_token (`_tokenizer_config`).
-_LLAMA3 = ("llama-bpe",)
+_LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4

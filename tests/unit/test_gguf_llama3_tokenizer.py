@@ -59,8 +59,9 @@ def _meta_style(tokens: list[str]) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_str(json.dumps(doc))
 
 
-def test_llama_bpe_keeps_a_pre_token_whole_when_the_vocabulary_has_it_as_meta_s_tokenizer_does(tmp_path):
-    tokens = _vocab_gguf(tmp_path / "v.gguf", "llama-bpe")
+@pytest.mark.parametrize("pre", ["llama-bpe", "llama3", "llama-v3"])  # llama.cpp's names of its LLAMA3 pre-type
+def test_llama_bpe_keeps_a_pre_token_whole_when_the_vocabulary_has_it_as_meta_s_tokenizer_does(tmp_path, pre):
+    tokens = _vocab_gguf(tmp_path / "v.gguf", pre)
     ours, ref = tokenizer_from_gguf(open_gguf(tmp_path / "v.gguf")), _meta_style(tokens)
     for text in TEXTS:
         assert ours.encode(text).ids == ref.encode(text).ids, text
