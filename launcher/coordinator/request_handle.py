@@ -39,7 +39,7 @@ class StageLoadError(PipelineError):
 
 class RequestError(PipelineError):
     """One request failed while the pipeline stays up: its logits were not finite ([Note: non-finite
-    logits] in pipeline/engine/records.py). A PipelineError, so every caller that handles a failed
+    logits] in pipeline/engine/records.py), or its structured output cannot go on (`Commit.error`). A PipelineError, so every caller that handles a failed
     pipeline handles it; servers answer it as an internal error of that request (HTTP 500, gRPC
     INTERNAL), not as an unavailable server."""
 
@@ -143,7 +143,7 @@ class RequestHandle:
         if commit.finish_reason is FinishReason.ERROR:  # after the tokens committed before the failing row
             if commit.token_ids and self.emit(dataclasses.replace(commit, finish_reason=None)):
                 return True  # a stop string among them ended the request first
-            self.finish("error", RequestError(RequestError.NON_FINITE.format(position=len(self.token_ids))))
+            self.finish("error", RequestError(commit.error or RequestError.NON_FINITE.format(position=len(self.token_ids))))
             return False
         stop = self.params.stop
         if self.first_token_at is None:
