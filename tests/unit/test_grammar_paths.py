@@ -1,0 +1,159 @@
+"""Structured outputs (SamplingParams.grammar) stay exact under every speculative path and stage count.
+
+What breaks when these fail: a constrained request's tokens differ from plain masked decoding (a loop
+that argmaxes, or samples, the grammar-masked logits of a one-stage model token by token) under
+SPEED drafts (always-wrong, random), token trees, or on 2 / 3 stages; typically because a verify
+path takes the raw argmax (the mask silently dropped), a greedy constrained item ships no logits,
+or the matcher is out of step with the committed prefix (a token consumed twice or not at all).
+Each test also checks the grammar changed the output (so a dropped mask is visible) and that the
+output is a valid document of the grammar. The model is the tiny random one (tests/tiny_model.py)
+with its 256-byte tokenizer, so every token is one byte and the output decodes as text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from pipeline.model.row_layout import Span
+from pipeline.speculation.grammar import GrammarSpec, GrammarState, GrammarVocab
+from pipeline.speculation.predictors import Draft
+from pipeline.speculation.sampling import Sampler, SamplingParams
+from tests.adversarial_predictors import AlwaysWrongPredictor, RandomTreePredictor, ReferenceTable
+from tests.in_process_pipeline import InProcessPipeline
+from tests.tiny_model import TINY_EOS_ID, byte_tokenizer, write_tiny_model
+from tests.unit.test_token_tree_pipeline import _stages
+
+PROMPTS = [[72, 105, 33], [123, 34]]
+MAX_NEW = 24
+SPECS = {
+    "json_object": GrammarSpec(kind="json_object"),
+    "regex": GrammarSpec(kind="regex", text=r"[a-c]{2,5}-[0-9]{2}(x|yz)"),
+    "choice": GrammarSpec.choice(["alpha", "beta", "gamma delta"]),
+    "json_schema": GrammarSpec(kind="json_schema", text=json.dumps({
+        "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 4}},
+        "required": ["n", "s"], "additionalProperties": False})),
+}
+SETTINGS = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 7}}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("grammar") / "model", seed=5)
+
+
+@pytest.fixture(scope="module")
+def vocab() -> GrammarVocab:
+    return GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID])
+
+
+def _params(spec: GrammarSpec | None, setting: str) -> SamplingParams:
+    return SamplingParams(max_new_tokens=MAX_NEW, grammar=spec, **SETTINGS[setting])
+
+
+def plain_masked_decoding(stages, prompt: list[int], params: SamplingParams, vocab: GrammarVocab) -> list[int]:
+    """The reference: the whole context through a one-stage model per token, its last logits row masked
+    by a fresh matcher fed the output so far, then argmax (greedy) or the seeded sampler's draw at that
+    position; stops after EOS or the budget."""
+    (model,) = stages
+    sampler, out = Sampler(params), []
+    state = GrammarState(params.grammar, vocab) if params.grammar is not None else None
+    while len(out) < params.max_new_tokens:
+        ids = [*prompt, *out]
+        kv = model.new_kv_cache(max_num_seqs=1, max_model_len=len(ids))
+        row = model(torch.tensor(ids, dtype=torch.int64), [Span(0, 0, len(ids))], kv)[-1].float()
+        if state is not None:
+            row = state.masked(row, out)
+        out.append(sampler.sample(row, len(out)))
+        if out[-1] == TINY_EOS_ID:
+            break
+    return out
+
+
+def _text(tokens: list[int]) -> str:
+    return bytes(t for t in tokens if t != TINY_EOS_ID).decode("latin-1")
+
+
+def _check_valid(name: str, tokens: list[int]) -> None:
+    """Complete outputs (ended by EOS) are whole documents; every output is a prefix of one."""
+    text = _text(tokens)
+    if tokens[-1] != TINY_EOS_ID:
+        return
+    if name in ("json_object", "json_schema"):
+        value = json.loads(text)
+        assert isinstance(value, dict)
+        if name == "json_schema":
+            assert set(value) == {"n", "s"} and isinstance(value["n"], int) and len(value["s"]) <= 4, value
+    elif name == "regex":
+        assert re.fullmatch(SPECS["regex"].text, text), text
+    else:
+        assert text in json.loads(SPECS["choice"].text), text
+
+
+@pytest.fixture(scope="module")
+def references(tiny_dir, vocab):
+    """{(grammar name, setting, prompt index): plain masked decoding's tokens}."""
+    one = _stages(tiny_dir, 1, "none")
+    return {(name, setting, i): plain_masked_decoding(one, p, _params(spec, setting), vocab)
+            for name, spec in SPECS.items() for setting in SETTINGS for i, p in enumerate(PROMPTS)}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_plain_pipeline_is_the_masked_reference_and_valid(tiny_dir, vocab, references, name, setting):
+    """1, 2 and 3 stages without speculation give the plain masked tokens; the grammar changed them."""
+    want = [references[name, setting, i] for i in range(len(PROMPTS))]
+    for tokens in want:
+        _check_valid(name, tokens)
+    unconstrained = plain_masked_decoding(_stages(tiny_dir, 1, "none"), PROMPTS[0], _params(None, setting), vocab)
+    assert unconstrained != want[0], "the grammar changed nothing"
+    for num_stages in (1, 2, 3):
+        pipe = InProcessPipeline(_stages(tiny_dir, num_stages, "none"), max_model_len=64, grammar_vocab=vocab)
+        assert pipe.generate(PROMPTS, _params(SPECS[name], setting)) == want, f"{num_stages} stages"
+
+
+class MostlyRightPredictor(RandomTreePredictor):
+    """Drafts the reference's next token 60% of the time and a uniform random token otherwise (tree
+    siblings random), so drafts are both accepted (multi-row verifies) and rejected."""
+
+    name = "mostly-right"
+
+    def __init__(self, table: ReferenceTable) -> None:
+        super().__init__(seed=3, vocab_size=256)
+        self.table = table
+
+    def propose(self, context, guess) -> Draft:
+        truth = self.table.true_next(context)
+        if truth is not None and self.rng.random() < 0.6:
+            return Draft(truth, 0.6, self.name)
+        return Draft(self.rng.randrange(self.vocab_size), 0.1, self.name)
+
+
+def _predictor(kind: str, table: ReferenceTable):
+    if kind == "always-wrong":
+        return AlwaysWrongPredictor(table, vocab_size=256)
+    return MostlyRightPredictor(table)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize(("kind", "num_stages"), [("always-wrong", 2), ("mostly-right", 2),
+                                                  ("mostly-right", 3), ("mostly-right-tree", 2)])
+def test_speculation_commits_the_masked_plain_tokens(tiny_dir, vocab, references, name, setting, kind, num_stages):
+    """SPEED drafts (always wrong, or `MostlyRightPredictor`'s, so that multi-row verifies happen) and
+    token trees commit exactly plain masked decoding's tokens."""
+    want = [references[name, setting, i] for i in range(len(PROMPTS))]
+    table = ReferenceTable(zip(PROMPTS, want, strict=True))
+    stages, verified, accepted = _stages(tiny_dir, num_stages, "none"), 0, 0
+    for prompt, expected in zip(PROMPTS, want, strict=True):  # one at a time: a lone sequence leaves room to draft
+        pipe = InProcessPipeline(stages, max_model_len=64, grammar_vocab=vocab, predictor=_predictor(
+            kind, table), draft_tree=3 if kind.endswith("tree") else 1)
+        got = pipe.generate([prompt], _params(SPECS[name], setting))[0]
+        assert got == expected, f"{kind} drafts on {num_stages} stages changed the constrained output"
+        verified, accepted = verified + pipe.engine.spec.verified_drafts, accepted + pipe.engine.spec.accepted_tokens
+    assert verified > 0, "no draft was verified"
+    if kind != "always-wrong":
+        assert accepted > 0, "no draft was accepted (multi-row verify untested)"
