@@ -12,12 +12,17 @@ with its 256-byte tokenizer, so every token is one byte and the output decodes a
 
 from __future__ import annotations
 
+import functools
 import json
+import random
 import re
 
 import pytest
 import torch
 
+from pipeline.engine.engine import Engine
+from pipeline.engine.events import Result
+from pipeline.engine.records import SchedulerConfig
 from pipeline.model.row_layout import Span
 from pipeline.speculation.grammar import GrammarSpec, GrammarState, GrammarVocab
 from pipeline.speculation.predictors import Draft
@@ -25,6 +30,8 @@ from pipeline.speculation.sampling import Sampler, SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, RandomTreePredictor, ReferenceTable
 from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import TINY_EOS_ID, byte_tokenizer, write_tiny_model
+from tests.unit.test_logit_bias_paths import FirpFakePipeline
+from tests.unit.test_speculation_scheduler import MAX_MODEL_LEN, _submits
 from tests.unit.test_token_tree_pipeline import _stages
 
 PROMPTS = [[72, 105, 33], [123, 34]]
@@ -157,3 +164,79 @@ def test_speculation_commits_the_masked_plain_tokens(tiny_dir, vocab, references
     assert verified > 0, "no draft was verified"
     if kind != "always-wrong":
         assert accepted > 0, "no draft was accepted (multi-row verify untested)"
+
+
+# -- FIRP chains (several rows verified in one result) ----------------------------------------------------
+@functools.lru_cache(maxsize=8192)
+def _random_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A fake model over the 256-byte vocabulary: N(0, 1) logits seeded by the whole prefix."""
+    return torch.randn(256, generator=torch.Generator().manual_seed(hash(prefix) % 2**61))
+
+
+def _raw_argmax(prefix) -> int:
+    return int(torch.argmax(_random_logits(tuple(prefix))))
+
+
+class ReferenceChains:
+    """FIRP chain tokens (and SPEED drafts): the reference's next token 70% of the time, else random, so
+    chains are accepted over several rows, where the grammar's mask decides the token, and rejected."""
+
+    name, needs_exit_head = "reference-chains", False
+
+    def __init__(self, table: ReferenceTable) -> None:
+        self.table, self.rng = table, random.Random(5)
+
+    def token(self, context) -> int:
+        truth = self.table.true_next(context)
+        return truth if truth is not None and self.rng.random() < 0.7 else self.rng.randrange(256)
+
+    def propose(self, context, guess) -> Draft:
+        return Draft(self.token(context), 0.7, self.name)
+
+
+class RandomModelFirpPipeline(FirpFakePipeline):
+    """tests/unit/test_logit_bias_paths.py's FirpFakePipeline on `_random_logits` (its last stage reads
+    the 6-token fake model there), whose chains start after the anchor row's reference token."""
+
+    def _with_firp(self, result: Result) -> Result:
+        content, tokens, logits, firp = self.contents[self.num_stages - 1], [], [], []
+        for it in result.items:
+            seq = content[it.slot]
+            for p in range(it.end - it.num_result_rows, it.end):
+                tokens.append(_raw_argmax(seq[:p + 1]))
+                logits += [_random_logits(tuple(seq[:p + 1]))] if it.want_logits else []
+            for a in range(it.firp_anchors):
+                chain = list(seq[:it.end - it.firp_anchors + a + 1])
+                chain.append(self.proposer.table.true_next(chain) or 0)  # the anchor row's own token: a chain
+                for _ in range(it.firp_k):                                # drafts the positions after it
+                    chain.append(self.proposer.token(chain))
+                    firp.append(chain[-1])
+        return Result(items=result.items, token_ids=torch.tensor(tokens, dtype=torch.int64),
+                      logits=torch.stack(logits) if logits else None, firp_tokens=torch.tensor(firp, dtype=torch.int64))
+
+
+def _fake_masked_reference(prompt: list[int], params: SamplingParams, vocab: GrammarVocab) -> list[int]:
+    sampler, state, out = Sampler(params), GrammarState(params.grammar, vocab), []
+    while len(out) < params.max_new_tokens and (not out or out[-1] != TINY_EOS_ID):
+        out.append(sampler.sample(state.masked(_random_logits(tuple(prompt + out)), out), len(out)))
+    return out
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize(("num_stages", "speed"), [(1, False), (2, True)], ids=["firp-1", "speed+firp-2"])
+def test_firp_chains_commit_the_masked_plain_tokens(vocab, name, setting, num_stages, speed):
+    """FIRP chains (`firp_k` 3) verified over several rows of one result give plain masked decoding's
+    tokens on a fake model whose raw argmax the grammar almost never allows (so a row verified unmasked
+    shows), and some chain was accepted past its first row."""
+    params = _params(SPECS[name], setting)
+    want = [_fake_masked_reference(p, params, vocab) for p in PROMPTS]
+    proposer = ReferenceChains(ReferenceTable(zip(PROMPTS, want, strict=True)))
+    config = SchedulerConfig(num_stages=num_stages, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
+                             eos_token_ids=(TINY_EOS_ID,), speculate=speed, firp_k=3)
+    engine = Engine(config, proposer if speed else None, grammar_vocab=vocab)
+    fake = RandomModelFirpPipeline(engine, _submits(PROMPTS, params), next_fn=_raw_argmax, proposer=proposer,
+                                   logits_fn=lambda prefix: _random_logits(tuple(prefix)))
+    outputs = fake.run()
+    assert [outputs[i] for i in range(len(PROMPTS))] == want, "FIRP chains changed the constrained output"
+    assert engine.spec.firp_accepted > 0 and engine.spec.firp_verified > engine.spec.firp_accepted
