@@ -2,12 +2,14 @@
 
 What breaks when these fail: a constrained request's tokens differ from plain masked decoding (a loop
 that argmaxes, or samples, the grammar-masked logits of a one-stage model token by token) under
-SPEED drafts (always-wrong, random), token trees, or on 2 / 3 stages; typically because a verify
+SPEED drafts (always wrong, mostly right), token trees, FIRP chains verified over several rows,
+stage-local drafting, a replay after a stage restart, or on 2 / 3 stages; typically because a verify
 path takes the raw argmax (the mask silently dropped), a greedy constrained item ships no logits,
 or the matcher is out of step with the committed prefix (a token consumed twice or not at all).
-Each test also checks the grammar changed the output (so a dropped mask is visible) and that the
-output is a valid document of the grammar. The model is the tiny random one (tests/tiny_model.py)
-with its 256-byte tokenizer, so every token is one byte and the output decodes as text.
+The tiny random model (tests/tiny_model.py, 256-byte tokenizer: every token is one byte) runs in
+process for stages, SPEED and trees, where the tests also check the grammar changed the output and the
+output is a valid document; the engine's fake pipelines (FIRP, stage-local, replay) read
+`_random_logits`, whose raw argmax the grammar almost never allows, so a row verified unmasked shows.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from pipeline.engine.engine import Engine
-from pipeline.engine.events import Result
+from pipeline.engine.events import ReplayRunning, Result, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.model.row_layout import Span
 from pipeline.speculation.grammar import GrammarSpec, GrammarState, GrammarVocab
@@ -30,6 +32,8 @@ from pipeline.speculation.sampling import Sampler, SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, RandomTreePredictor, ReferenceTable
 from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import TINY_EOS_ID, byte_tokenizer, write_tiny_model
+from tests.unit import test_replay as replay
+from tests.unit.test_local_draft import LocalFakePipeline
 from tests.unit.test_logit_bias_paths import FirpFakePipeline
 from tests.unit.test_speculation_scheduler import MAX_MODEL_LEN, _submits
 from tests.unit.test_token_tree_pipeline import _stages
@@ -240,3 +244,80 @@ def test_firp_chains_commit_the_masked_plain_tokens(vocab, name, setting, num_st
     outputs = fake.run()
     assert [outputs[i] for i in range(len(PROMPTS))] == want, "FIRP chains changed the constrained output"
     assert engine.spec.firp_accepted > 0 and engine.spec.firp_verified > engine.spec.firp_accepted
+
+
+# -- replay after a stage restart ---------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_replay_after_a_stage_restart_keeps_the_masked_plain_tokens(monkeypatch, vocab, name, setting):
+    """tests/unit/test_replay.py's FakeRing (3 stages as one FIFO) on `_random_logits` of the last 3 tokens:
+    losing everything in flight at various ticks (each running sequence replayed as one prefill of its
+    committed context) leaves the constrained output that of plain masked decoding, with and without drafts."""
+    monkeypatch.setattr(replay, "_logits", lambda context: _random_logits(tuple(context)))
+    monkeypatch.setattr(replay, "_next", lambda context: _raw_argmax(context[-3:]))
+    params = _params(SPECS[name], setting)
+    want = {}
+    for i, prompt in enumerate(replay.PROMPTS):
+        sampler, state, out = Sampler(params), GrammarState(params.grammar, vocab), []
+        while len(out) < params.max_new_tokens and (not out or out[-1] != TINY_EOS_ID):
+            row = state.masked(_random_logits(tuple((list(prompt) + out)[-3:])), out)
+            out.append(sampler.sample(row, len(out)))
+        want[i] = out
+    table = ReferenceTable((p, want[i]) for i, p in enumerate(replay.PROMPTS))
+    for speculate in (False, True):
+        for replays in (set(), {4}, {2, 9}, {5, 6, 14}):
+            engine = Engine(SchedulerConfig(num_stages=3, max_num_seqs=3, max_model_len=256, speculate=speculate,
+                                            eos_token_ids=(TINY_EOS_ID,)),
+                            ReferenceChains(table) if speculate else None, record_timeline=False, grammar_vocab=vocab)
+            ring, outputs = replay.FakeRing(), {i: [] for i in want}
+
+            def step(events, engine=engine, ring=ring, outputs=outputs) -> None:
+                out = engine.step(events)
+                ring.take(out)
+                for c in out.commits:
+                    assert c.error is None, c.error
+                    outputs[c.seq_id].extend(c.token_ids)
+
+            step([Submit(seq_id=i, prompt_ids=tuple(p), params=params) for i, p in enumerate(replay.PROMPTS)])
+            tick = 0
+            while engine.has_unfinished:
+                tick += 1
+                if tick in replays:
+                    ring.lose_everything()
+                    step([ReplayRunning()])
+                else:
+                    step([ring.result()])
+            assert outputs == want, (speculate, replays)
+
+
+# -- stage-local drafting -----------------------------------------------------------------------------------
+class RandomModelLocalPipeline(LocalFakePipeline):
+    """tests/unit/test_local_draft.py's LocalFakePipeline whose results carry `_random_logits` rows."""
+
+    def _send(self, channel: str, event) -> None:
+        if isinstance(event, Result) and any(it.want_logits for it in event.items):
+            content = self.contents[self.num_stages - 1]
+            rows = [_random_logits(tuple(content[it.slot][:it.end])) for it in event.items if it.want_logits]
+            event = Result(items=event.items, token_ids=event.token_ids, logits=torch.stack(rows))
+        super()._send(channel, event)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_stage_made_drafts_commit_the_masked_plain_tokens(vocab, name, setting):
+    """Drafts the exit stage makes itself (`--draft-at stage`, 2 stages; the reference's tokens 70% of
+    the time) are verified on the masked logits, also across a replay that drops them all."""
+    params = _params(SPECS[name], setting)
+    for prompt in PROMPTS:
+        want = _fake_masked_reference(prompt, params, vocab)
+        for replay_at in (None, 9):
+            proposer = ReferenceChains(ReferenceTable([(prompt, want)]))
+            proposer.needs_exit_head = True
+            engine = Engine(SchedulerConfig(num_stages=2, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, speculate=True,
+                                            draft_at_stage=True, eos_token_ids=(TINY_EOS_ID,)), proposer,
+                            grammar_vocab=vocab)
+            fake = RandomModelLocalPipeline(engine, _submits([prompt], params), predictor=proposer, seed=1,
+                                            max_delay=(2, 2), replay_at=replay_at)
+            fake.next_fn = _raw_argmax
+            assert fake.run().get(0, []) == want, f"stage-local drafts changed the output (replay at {replay_at})"
+            assert fake.self_made > 0 or len(want) < 3, "the stage made no draft"
