@@ -33,7 +33,7 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         FIRP drafts, then the run-ahead draft after it); shorter than argmax when the last rows
         had none.
     logits: [num_result_rows, vocab_size] float32 when the sequence needs them
-        (`SamplingParams.needs_logits`: sampling, logit bias, penalties or logprobs), None otherwise.
+        (`SamplingParams.needs_logits`: sampling, logit bias, penalties, logprobs or a grammar), None otherwise.
     sampler: the sequence's sampler (its params and seed); used only with logits. Row i chooses the
         token at position len(output_ids) + i (the key of its random draw).
     prompt_ids / output_ids: the sequence's prompt and committed output before this result; row i

@@ -7,8 +7,9 @@ or None for plain text. Accepted (OpenAI API reference, "Structured outputs"; vL
   structured_outputs: exactly one of {"json": schema object or its JSON text}, {"regex": str},
                       {"choice": [str, ...]}, {"json_object": true}
 `strict` is accepted either way: every schema is enforced. Both fields in one request, an unknown
-type or key, or a schema / regex llguidance refuses is an InvalidRequestError naming the field (its
-dotted path; raised as the caller's `error` class), answered 400. gRPC: `grammar_from_proto` (GenerateRequest.structured_output). Must not: do I/O.
+type or key, or a schema / regex llguidance refuses raises the caller's `error` class (HTTP and gRPC pass
+their InvalidRequestError) naming the field by its dotted path: 400 / INVALID_ARGUMENT. gRPC: `grammar_from_proto`
+(GenerateRequest.structured_output). Must not: do I/O, or import launcher/serving (it sits below it).
 """
 
 from __future__ import annotations
