@@ -321,3 +321,41 @@ def test_stage_made_drafts_commit_the_masked_plain_tokens(vocab, name, setting):
             fake.next_fn = _raw_argmax
             assert fake.run().get(0, []) == want, f"stage-local drafts changed the output (replay at {replay_at})"
             assert fake.self_made > 0 or len(want) < 3, "the stage made no draft"
+
+
+# -- a grammar that cannot go on fails its request -----------------------------------------------------------
+class RecordingEngine(Engine):
+    """An Engine that keeps every commit it makes (with its finish reason and error)."""
+
+    def step(self, events=(), now_ns: int = 0):
+        out = super().step(events, now_ns)
+        self.commits = [*getattr(self, "commits", []), *out.commits]
+        return out
+
+
+def test_a_grammar_with_no_allowed_token_fails_its_request_with_the_reason(vocab, tmp_path):
+    """The fake model's logits rows are 6 wide: ids 0-5, which json_object never allows first. The request
+    ends with FinishReason.ERROR and the matcher's reason (never unconstrained text); a plain request beside
+    it is untouched; the request handle raises a RequestError with that reason. An engine without a
+    grammar tokenizer refuses a constrained request."""
+    from launcher.coordinator.request_handle import RequestError, RequestHandle
+    from pipeline.engine.records import FinishReason
+    from pipeline.model.tokenizer import Tokenizer
+    from tests.unit.test_speculation_scheduler import FakePipeline, fake_argmax, fake_logits
+
+    constrained, plain = SamplingParams(max_new_tokens=6, grammar=SPECS["json_object"]), SamplingParams(max_new_tokens=6)
+    engine = RecordingEngine(SchedulerConfig(num_stages=2, max_num_seqs=4, max_model_len=MAX_MODEL_LEN),
+                             grammar_vocab=vocab)
+    outputs = FakePipeline(engine, _submits([[1, 2], [3, 4]], [constrained, plain]), next_fn=fake_argmax,
+                           logits_fn=fake_logits).run()
+    [failed] = [c for c in engine.commits if c.seq_id == 0]
+    assert failed.finish_reason is FinishReason.ERROR and failed.token_ids == ()
+    assert "no token of the model's vocabulary continues the structured output" in failed.error
+    assert outputs.get(0, []) == [] and len(outputs[1]) == 6
+    detok = Tokenizer(write_tiny_model(tmp_path / "m")).detokenizer(prompt_ids=[1])
+    handle = RequestHandle("r", "p", [1], constrained, detok)
+    handle.emit(failed)
+    with pytest.raises(RequestError, match="no token of the model's vocabulary"):
+        handle.result(1)
+    with pytest.raises(ValueError, match="no tokenizer for structured outputs"):
+        Engine(SchedulerConfig(num_stages=1, max_num_seqs=1, max_model_len=64)).step(_submits([[1]], constrained))
