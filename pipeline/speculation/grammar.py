@@ -143,7 +143,9 @@ class GrammarState:
 
     The matcher holds the tokens it consumed; `sync(prefix)` makes them the given prefix of the
     sequence's output (consuming what it adds, rolling back what differs). [Note: grammar masks]
-    Raises GrammarError when the prefix holds a token the grammar forbids.
+    Raises GrammarError when the prefix holds a token the grammar forbids, or the grammar cannot be
+    built with this tokenizer (from `allowed`, never from the constructor, which runs on the engine's
+    thread at admission); ValueError from the constructor for a tokenizer llguidance cannot read.
     """
 
     def __init__(self, spec: GrammarSpec, vocab: GrammarVocab) -> None:
@@ -153,10 +155,9 @@ class GrammarState:
         self._bitmask = torch.zeros((vocab.ll.vocab_size + 31) // 32, dtype=torch.int32)
 
     def _new_matcher(self) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self.vocab.ll, self.spec.grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"structured output grammar failed: {_first_line(matcher.get_error())}")
-        return matcher
+        # Never raises: a grammar that fails with this tokenizer (llguidance's limits) leaves the matcher in
+        # its error state, which the first `allowed` reports as a GrammarError that fails this request alone.
+        return llguidance.LLMatcher(self.vocab.ll, self.spec.grammar, log_level=0)
 
     def sync(self, prefix: Sequence[int]) -> None:
         """Make the consumed tokens equal `prefix` (the sequence's output so far). Raises GrammarError."""

@@ -104,6 +104,16 @@ def test_no_allowed_token_is_an_error(vocab):
         state.masked(torch.zeros(2), [])  # logits rows for ids 0 and 1 only (special tokens)
 
 
+def test_a_grammar_that_fails_with_the_tokenizer_fails_at_the_first_mask_not_at_admission(vocab):
+    import llguidance
+
+    spec = GrammarSpec(kind="regex", text="a")
+    spec.__dict__["grammar"] = llguidance.LLMatcher.grammar_from_regex("a(b")  # as if it had passed the check
+    state = GrammarState(spec, vocab)  # the scheduler builds it when the request is admitted: must not raise
+    with pytest.raises(GrammarError, match="unclosed group"):
+        state.masked(torch.zeros(49152), [])
+
+
 @pytest.mark.parametrize(("kind", "text", "match"), [
     ("regex", "a(b", "invalid regex: .*unclosed group"),
     ("json_schema", "{x", "invalid json schema: not JSON"),
