@@ -125,10 +125,12 @@ class GrammarVocab:
     def __init__(self, tokenizer_json: str, *, eos_token_ids: Sequence[int]) -> None:
         self._json, self.eos_token_ids = tokenizer_json, tuple(eos_token_ids)
 
-    @classmethod
-    def of(cls, tokenizer: Any) -> GrammarVocab:
-        """The vocab of a `pipeline.model.tokenizer.Tokenizer` (its `to_json()` and `eos_token_ids`)."""
-        return cls(tokenizer.to_json(), eos_token_ids=tokenizer.eos_token_ids)
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def of(tokenizer: Any) -> GrammarVocab:
+        """The vocab of a `pipeline.model.tokenizer.Tokenizer` (its `to_json()` and `eos_token_ids`), one per
+        tokenizer object: the coordinator's engine and its request checks share it (and its llguidance build)."""
+        return GrammarVocab(tokenizer.to_json(), eos_token_ids=tokenizer.eos_token_ids)
 
     @functools.cached_property
     def ll(self) -> llguidance.LLTokenizer:
