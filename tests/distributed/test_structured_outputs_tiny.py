@@ -77,3 +77,18 @@ def test_http_and_grpc_give_the_plain_masked_tokens(server, reference, name):  #
             assert text in ("north", "south", "east-west")
         else:
             assert isinstance(json.loads(text), dict)
+
+
+def test_n_seeded_choices_each_follow_their_own_grammar_state(server, tiny_dir):  # noqa: F811
+    """`n` = 2 sampled choices of one constrained request are two sequences, each with its own matcher and
+    seed + i: each equals plain masked sampling with that seed (a shared matcher would mix them)."""
+    one, vocab = _stages(tiny_dir, 1, "none"), GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID])
+    fields, _, spec = FORMS["json_schema"]
+    want = [plain_masked_decoding(one, list(PROMPT.encode()), SamplingParams(
+        max_new_tokens=MAX_TOKENS, temperature=1.0, seed=3 + i, grammar=spec), vocab) for i in range(2)]
+    assert want[0] != want[1], "the seeds gave the same output: the test could not tell the choices apart"
+    r = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 3, "n": 2, "return_token_ids": True,
+        **fields})
+    assert r.status_code == 200, r.text
+    assert [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
