@@ -23,6 +23,7 @@ from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import forward_tensors
 from pipeline.model.family_blocks import plain_norm_weight
 from pipeline.model.stage_model import StageModel
+from pipeline.speculation.grammar import GrammarVocab
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import ExitHead, Predictor, exit_guesses
 from pipeline.speculation.sampling import SamplingParams
@@ -42,13 +43,15 @@ class InProcessPipeline:
     """Generate with `stages` (a split of one model) under the real Engine; see the module docstring."""
 
     def __init__(self, stages: Sequence[StageModel], *, max_model_len: int, max_num_seqs: int = 4,
-                 predictor: Predictor | None = None, exit_layer: int | None = None, draft_tree: int = 1) -> None:
+                 predictor: Predictor | None = None, exit_layer: int | None = None, draft_tree: int = 1,
+                 grammar_vocab: GrammarVocab | None = None) -> None:
+        """grammar_vocab: the tokenizer of structured outputs (`SamplingParams.grammar`), when a request has one."""
         self.stages = list(stages)
         cfg = stages[0].config
         self.engine = Engine(SchedulerConfig(
             num_stages=len(stages), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             eos_token_ids=cfg.eos_token_ids, speculate=predictor is not None, draft_tree=draft_tree),
-            predictor, record_timeline=False)
+            predictor, record_timeline=False, grammar_vocab=grammar_vocab)
         exit_layer = stages[0].layer_range.stop - 1 if exit_layer is None else exit_layer
         head = exit_head_for(stages[-1]) if predictor is not None and predictor.needs_exit_head else None
         self.executors = []

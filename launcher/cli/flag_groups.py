@@ -66,6 +66,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logit-bias", type=logit_bias_json, metavar="JSON",
                    help='OpenAI\'s logit_bias: token id -> bias in [-100, 100] added to its logit, e.g. '
                    '\'{"50256": -100}\' (-100 bans a token, +100 forces it) (default: none)')
+    g.add_argument("--response-format", choices=("text", "json_object"), default="text",
+                   help="json_object: the output is one JSON object (OpenAI's response_format) (default text)")
+    g.add_argument("--json-schema", metavar="PATH",
+                   help="the output is JSON valid against the JSON schema in this file (README 'Structured outputs')")
+    g.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression (Rust syntax)")
+    g.add_argument("--choice", action="append", default=[], metavar="TEXT",
+                   help="the output is exactly one of these strings (repeatable)")
 
 
 def sampling_flags_given(args: argparse.Namespace) -> list[str]:

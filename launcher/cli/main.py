@@ -22,6 +22,7 @@ from launcher.cli.parsing import (
     CliParser,
     UsageError,
     check_vllm_args,
+    grammar_from_args,
     mark_model_given,
     read_prompts,
     shorten_help,
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=None if args.seed is None else args.seed + index, stop=tuple(args.stop),
-                          ignore_eos=args.ignore_eos, logit_bias=args.logit_bias or {})
+                          ignore_eos=args.ignore_eos, logit_bias=args.logit_bias or {}, grammar=grammar_from_args(args))
 
 
 def _refuse_prompt_run_flags(args: argparse.Namespace) -> None:

@@ -21,6 +21,8 @@ import json
 from importlib import metadata
 from pathlib import Path
 
+from pipeline.speculation.grammar import GrammarSpec
+
 
 class UsageError(ValueError):
     """Bad user input detected by the CLI itself (exit 2)."""
@@ -34,6 +36,7 @@ ADVANCED_DESTS = frozenset({
     "draft_tree",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
     "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p", "logit_bias",
+    "response_format", "json_schema", "regex", "choice",
 })
 
 
@@ -240,3 +243,30 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if not p:
             raise UsageError(f"prompt {i} is empty")
     return prompts
+
+
+def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
+    """The structured output constraint of `--response-format json_object`, `--json-schema PATH`, `--regex`
+    or `--choice` (at most one of them), or None. Raises UsageError naming the flag (exit 2) for two of
+    them, one with --ignore-eos, an unreadable schema file, or a schema / regex llguidance refuses."""
+    given = {flag: value for flag, value in (("--response-format json_object", args.response_format == "json_object"),
+                                             ("--json-schema", args.json_schema), ("--regex", args.regex),
+                                             ("--choice", args.choice)) if value}
+    if not given:
+        return None
+    if len(given) > 1 or args.ignore_eos:
+        raise UsageError(f"{', '.join([*given, *['--ignore-eos'] * args.ignore_eos])} cannot be used together "
+                         "(one structured output, which ends with EOS)")
+    ((flag, value),) = given.items()
+    try:
+        if flag == "--json-schema":
+            try:
+                text = Path(value).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read {value}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+            return GrammarSpec(kind="json_schema", text=text)
+        if flag == "--regex":
+            return GrammarSpec(kind="regex", text=value)
+        return GrammarSpec.choice(value) if flag == "--choice" else GrammarSpec(kind="json_object")
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None

@@ -42,6 +42,7 @@ from pipeline.engine.records import Commit, SchedulerConfig, SpecCounters
 from pipeline.engine.wire import rank_of_stage
 from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.grammar import GrammarVocab
 from pipeline.speculation.predictors import Predictor, make_predictor
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.speculation.tree import TreeCounters
@@ -96,9 +97,8 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
                  predictor: Predictor | None = None, control_secret: str | None = None,
                  tls: TlsFiles | None = None) -> None:
-        """predictor: overrides the one named by config.predictor (tests use adversarial ones).
-        control_secret: sent with every control call (the stages' session secret, workers/control_auth.py);
-        tls: the control plane's TLS files (None: plain TCP)."""
+        """predictor: overrides config.predictor's (tests use adversarial ones); control_secret: sent with every control
+        call (the stages' session secret, workers/control_auth.py); tls: the control plane's TLS files (None: plain TCP)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config, self.tokenizer = config, tokenizer
@@ -107,8 +107,8 @@ class Coordinator:
         self.stubs = [pb_grpc.StageServiceStub(with_secret(c, control_secret)) for c in self.channels]
         self.record_timeline = config.record_timeline  # stage timings (overhead: tests/benchmarks/timeline_overhead.py)
         self.engine = Engine(config.scheduler, (predictor or make_predictor(config.predictor))
-                             if config.scheduler.speculate else None,
-                             record_timeline=config.record_timeline, commit_sink=self._emit)
+                             if config.scheduler.speculate else None, record_timeline=config.record_timeline,
+                             commit_sink=self._emit, grammar_vocab=GrammarVocab.of(tokenizer))
         self.link = self._new_link(config.dist_master_port)
         self.events: queue.Queue[tuple[str, object]] = queue.Queue()
         self.handles: dict[int, RequestHandle] = {}

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pipeline.engine.records import Commit, FinishReason
 from pipeline.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.run_config import check_prompt_length
+from pipeline.speculation.grammar import GrammarVocab
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.sampling import SamplingParams
 
@@ -39,7 +40,7 @@ class StageLoadError(PipelineError):
 
 class RequestError(PipelineError):
     """One request failed while the pipeline stays up: its logits were not finite ([Note: non-finite
-    logits] in pipeline/engine/records.py). A PipelineError, so every caller that handles a failed
+    logits] in pipeline/engine/records.py), or its structured output cannot go on (`Commit.error`). A PipelineError, so every caller that handles a failed
     pipeline handles it; servers answer it as an internal error of that request (HTTP 500, gRPC
     INTERNAL), not as an unavailable server."""
 
@@ -52,7 +53,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
                   max_model_len: int) -> tuple[str, list[int]]:
     """(text, token ids) of a request's prompt, given as text or token ids. Raises ValueError for
     an empty prompt, a token id outside the vocabulary, or prompt + max new tokens > max_model_len;
-    SamplingParamError (a ValueError) for a `logit_bias` token id outside the vocabulary."""
+    SamplingParamError (a ValueError) for a `logit_bias` token id outside the vocabulary; ValueError for
+    a grammar (structured output) when llguidance cannot read this tokenizer."""
     if isinstance(prompt, str):
         tokenizer.check_fits(prompt, max_model_len)
         text, ids = prompt, tokenizer.encode(prompt) if prompt else []
@@ -63,6 +65,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
         if not 0 <= t < tokenizer.vocab_size:
             raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})")
     params.check_vocab(tokenizer.vocab_size)
+    if params.grammar is not None:  # the engine's llguidance tokenizer, built here on the caller's thread
+        _ = GrammarVocab.of(tokenizer).ll  # first time ~0.3 s; ValueError if llguidance cannot read it
     check_prompt_length(num_prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, max_model_len=max_model_len)
     return text, ids
 
@@ -143,7 +147,7 @@ class RequestHandle:
         if commit.finish_reason is FinishReason.ERROR:  # after the tokens committed before the failing row
             if commit.token_ids and self.emit(dataclasses.replace(commit, finish_reason=None)):
                 return True  # a stop string among them ended the request first
-            self.finish("error", RequestError(RequestError.NON_FINITE.format(position=len(self.token_ids))))
+            self.finish("error", RequestError(commit.error or RequestError.NON_FINITE.format(position=len(self.token_ids))))
             return False
         stop = self.params.stop
         if self.first_token_at is None:

@@ -42,6 +42,7 @@ import grpc
 from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
+from launcher.serving.formats.response_format import grammar_from_proto
 from launcher.serving.grpc_health import MAX_WATCHES, OPEN_METHODS, enable_standard_services
 from launcher.serving.openai_protocol import API_SEED_LIMIT, MAX_STOP_STRINGS
 from launcher.serving.serving_engine import (
@@ -149,11 +150,13 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
                                 logprobs=req.logprobs if req.HasField("logprobs") else None,
-                                top_k=req.top_k, min_p=req.min_p, logit_bias=dict(req.logit_bias))
+                                top_k=req.top_k, min_p=req.min_p, logit_bias=dict(req.logit_bias),
+                                grammar=grammar_from_proto(req, error=InvalidRequestError))
         params.check_vocab(engine.tokenizer.vocab_size)
     except SamplingParamError as exc:  # "top_p must be ..." -> "'top_p' must be ..."; the proto's field names
         message = _FLOAT32.sub(lambda m: f"{float(m.group()):.7g}", str(exc))  # -0.10000000149011612 -> -0.1
-        raise InvalidRequestError.of_setting(exc, exc.param, message) from None
+        field = "structured_output" if exc.param == "response_format" else exc.param
+        raise InvalidRequestError.of_setting(exc, field, message) from None
     return ids, params
 
 

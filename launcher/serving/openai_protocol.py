@@ -9,7 +9,8 @@ responses and stream chunks. Field semantics follow the OpenAI API reference; ex
 `logit_bias` (an object of token ids as strings -> bias in [-100, 100]; ids checked against the vocabulary),
 `logprobs` (completions: an integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo`
 (completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
-presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py).
+presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py);
+`response_format` and vLLM's `structured_outputs` onto its grammar (launcher/serving/formats/response_format.py).
 Must not: do I/O or know about the coordinator.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from launcher.serving.formats.response_format import grammar_from_body
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError, clipped, shown
 from pipeline.model.tokenizer import Tokenizer
@@ -125,10 +127,6 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
             raise InvalidRequestError(f"'{name}' = {shown(value)} is not supported by this server", name)
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise InvalidRequestError(f"'response_format' = {shown(fmt)} is not supported (only text)",
-                                  "response_format")
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
@@ -154,6 +152,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
         "logit_bias": {} if body.get("logit_bias") is None else body["logit_bias"],  # {"50256": -100}; 0, "", [] are 400
+        "grammar": grammar_from_body(body, error=InvalidRequestError),  # response_format / structured_outputs
     }
 
 

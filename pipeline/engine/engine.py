@@ -51,6 +51,7 @@ from pipeline.engine.records import Commit, MicroBatch, SchedulerConfig, SpecCou
 from pipeline.engine.scheduler import Scheduler
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.measure.timeline import Timeline
+from pipeline.speculation.grammar import GrammarVocab
 from pipeline.speculation.items import Item
 from pipeline.speculation.predictors import Predictor
 from pipeline.speculation.tree import TreeCounters
@@ -67,12 +68,14 @@ class Engine:
     commit_sink: called with each commit as it is made; returns True when the commit completed a
         stop string, and the engine then finishes the sequence before it sends anything more.
     max_commits: length of the commit log (None: unbounded).
+    grammar_vocab: the tokenizer of structured outputs (needed to submit a `SamplingParams.grammar`).
     """
 
     def __init__(self, config: SchedulerConfig, predictor: Predictor | None = None, *,
                  record_timeline: bool = True, max_slices: int = 200_000,
-                 commit_sink: CommitSink | None = None, max_commits: int | None = 1_000_000) -> None:
-        self._scheduler = Scheduler(config, predictor)
+                 commit_sink: CommitSink | None = None, max_commits: int | None = 1_000_000,
+                 grammar_vocab: GrammarVocab | None = None) -> None:
+        self._scheduler = Scheduler(config, predictor, grammar_vocab=grammar_vocab)
         self._inflight: collections.deque[MicroBatch] = collections.deque()
         self.record_timeline = record_timeline
         self.timeline = Timeline(config.num_stages, max_slices=max_slices)

@@ -9,6 +9,7 @@ import dataclasses
 import enum
 
 from pipeline.measure.row_cost import RowCostTable
+from pipeline.speculation.grammar import GrammarState
 from pipeline.speculation.items import Item
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.logprobs import TokenLogprob
@@ -101,6 +102,7 @@ class SequenceState:
     pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
     pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket (the ledger keeps it once sent)
     firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
+    grammar: GrammarState | None = None  # the structured output's matcher (`SamplingParams.grammar`)
 
     @property
     def finished(self) -> bool:
@@ -140,13 +142,15 @@ class Commit:
     logprobs: one per token when the request asks (`SamplingParams.logprobs`), else None;
     prompt_logprobs: on the prefill's commit, one per prompt token (None for the first) when the
     request asks (`SamplingParams.prompt_logprobs`), else None. With FinishReason.ERROR, token_ids
-    are the tokens committed before the non-finite row ([Note: non-finite logits]), often none."""
+    are the tokens committed before the non-finite row ([Note: non-finite logits]), often none, and
+    `error` says why when it is not non-finite logits (a structured output that cannot go on)."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -168,6 +172,17 @@ class SpecCounters:
     committed_tokens: int = 0
     exit_rows: int = 0  # decode items the exit head ran on ([Note: exit-head skipping])
     exit_rows_skipped: int = 0  # decode items that passed the exit stage without it
+
+    def add_pass(self, *, committed: int, verified: int, accepted: int, firp_verified: int, firp_accepted: int,
+                 squashed: int) -> None:
+        """Count one result that committed `committed` tokens, with its verdict's counts."""
+        self.passes += 1
+        self.committed_tokens += committed
+        self.verified_drafts += verified
+        self.accepted_tokens += accepted
+        self.firp_verified += firp_verified
+        self.firp_accepted += firp_accepted
+        self.squashed_items += squashed
 
     @property
     def tokens_per_pass(self) -> float:

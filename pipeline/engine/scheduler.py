@@ -50,6 +50,7 @@ from pipeline.engine.records import (
 )
 from pipeline.engine.row_budget import RowBudget, next_firp_drafts, wants_exit
 from pipeline.speculation.draft_gate import DraftGate
+from pipeline.speculation.grammar import GrammarError, GrammarState, GrammarVocab
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.logprobs import prompt_token_logprobs, token_logprob
@@ -63,11 +64,12 @@ class Scheduler:
     """Admission, micro-batching, speculation and commit. See [Note: micro-batching] and
     [Note: speculation policy]."""
 
-    def __init__(self, config: SchedulerConfig, predictor: Predictor | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, predictor: Predictor | None = None, *,
+                 grammar_vocab: GrammarVocab | None = None) -> None:
+        """grammar_vocab: the tokenizer that constrained requests' grammars use (`SamplingParams.grammar`)."""
         if config.speculate and predictor is None:
             raise ValueError("speculation needs a predictor")
-        self.config = config
-        self.predictor = predictor
+        self.config, self.predictor, self.grammar_vocab = config, predictor, grammar_vocab
         self.seqs: dict[int, SequenceState] = {}
         self.waiting: collections.deque[int] = collections.deque()
         self.ready: collections.deque[int] = collections.deque()  # sequences with a pending real item
@@ -85,13 +87,17 @@ class Scheduler:
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceState:
         """Queue a new sequence whose length the front end checked (`check_prompt_length` in
-        pipeline/run_config.py). Raises ValueError for a sequence id already in use."""
+        pipeline/run_config.py). Raises ValueError for a sequence id already in use, or a grammar
+        without the engine's `grammar_vocab`."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence id {seq_id} is already in use")
+        if params.grammar is not None and self.grammar_vocab is None:
+            raise ValueError("this engine has no tokenizer for structured outputs (grammar_vocab)")
         assert 0 < len(prompt_ids) and len(prompt_ids) + params.max_new_tokens <= self.config.max_model_len, (
             len(prompt_ids), params.max_new_tokens, self.config.max_model_len)
         seq = SequenceState(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, sampler=Sampler(params),
-                            ledger=SequenceLedger(prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens))
+                            ledger=SequenceLedger(prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens),
+                            grammar=params.grammar and GrammarState(params.grammar, self.grammar_vocab))
         self.seqs[seq_id] = seq
         self.waiting.append(seq_id)
         return seq
@@ -324,10 +330,15 @@ class Scheduler:
     def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: list[int], rows: torch.Tensor | None,
                            firp: list[int], now_ns: int) -> Commit:
         own_drafts = len(seq.ledger.inflight[0].drafts)
-        tokens = verify_result(argmax=argmax, drafts=seq.ledger.drafts_to_verify(), logits=rows, sampler=seq.sampler,
-                               eos_token_ids=self.config.eos_token_ids, ignore_eos=seq.params.ignore_eos,
-                               budget_left=seq.params.max_new_tokens - len(seq.output_ids),
-                               prompt_ids=seq.prompt_ids, output_ids=seq.output_ids)
+        try:
+            tokens = verify_result(argmax=argmax, drafts=seq.ledger.drafts_to_verify(), logits=rows, sampler=seq.sampler,
+                                   eos_token_ids=self.config.eos_token_ids, ignore_eos=seq.params.ignore_eos,
+                                   budget_left=seq.params.max_new_tokens - len(seq.output_ids),
+                                   prompt_ids=seq.prompt_ids, output_ids=seq.output_ids, grammar=seq.grammar)
+        except GrammarError as err:  # the request fails rather than going on unconstrained
+            seq.output_ids.extend(err.tokens)
+            self._finish(seq, FinishReason.ERROR)
+            return Commit(seq.seq_id, err.tokens, FinishReason.ERROR, error=str(err))
         logprobs = None
         if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/logprobs.py
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens)
@@ -342,13 +353,8 @@ class Scheduler:
         local_draft.guard_unannounced(seq, item)
         firp_verified = min(len(tokens), own_drafts)
         firp_accepted = min(verdict.num_accepted, firp_verified)
-        self.spec.passes += 1
-        self.spec.committed_tokens += len(tokens)
-        self.spec.verified_drafts += verdict.num_verified
-        self.spec.accepted_tokens += verdict.num_accepted
-        self.spec.firp_verified += firp_verified
-        self.spec.firp_accepted += firp_accepted
-        self.spec.squashed_items += verdict.squashed
+        self.spec.add_pass(committed=len(tokens), verified=verdict.num_verified, accepted=verdict.num_accepted,
+                           firp_verified=firp_verified, firp_accepted=firp_accepted, squashed=verdict.squashed)
         if own_drafts:
             self.rows.record(verified=firp_verified, accepted=firp_accepted)
         if not seq.ledger.inflight:

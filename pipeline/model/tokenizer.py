@@ -112,6 +112,10 @@ class Tokenizer:
                 return self.token_id(text)
         return None
 
+    def to_json(self) -> str:
+        """The Hugging Face `tokenizers` JSON of this tokenizer (what llguidance reads for structured outputs)."""
+        return self._tok.to_str()
+
     def token_id(self, token: str) -> int | None:
         """Id of a vocabulary entry spelled exactly `token` (e.g. "<|im_end|>"), or None."""
         return self._tok.token_to_id(token)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pipeline.speculation.grammar import GrammarSpec
+
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
 _SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)
@@ -83,6 +85,9 @@ class SamplingParams:
         penalties, then temperature and the filters, so greedy is the argmax of the biased (and
         penalised) logits. Reported logprobs stay the raw model's ([Note:
         logprobs and penalties] in pipeline/speculation/logprobs.py).
+    grammar: None, or the structured output constraint (JSON object / schema, regex, choice): tokens are
+        chosen from the logits with every token it forbids masked ([Note: grammar masks] in
+        pipeline/speculation/grammar.py); refused with ignore_eos (a complete document allows only EOS).
 
     Raises SamplingParamError, a ValueError (naming the parameter, the value and the limit), for
     invalid settings.
@@ -102,6 +107,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -127,9 +133,7 @@ class SamplingParams:
             if not 0 <= self.seed < _SEED_LIMIT:
                 raise SamplingParamError("seed", f"seed must be in [0, 2**64), got {self.seed}")
         if not isinstance(self.stop, tuple):
-            raise SamplingParamError(
-                "stop", f"stop must be a tuple of strings, got {type(self.stop).__name__} {self.stop!r}"
-            )
+            raise SamplingParamError("stop", f"stop must be a tuple of strings, got {type(self.stop).__name__} {self.stop!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise SamplingParamError("stop", f"stop must hold non-empty strings, got {s!r}")
@@ -145,6 +149,9 @@ class SamplingParams:
             raise SamplingParamError("repetition_penalty",
                                      f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if self.grammar is not None and (not isinstance(self.grammar, GrammarSpec) or self.ignore_eos):
+            raise SamplingParamError("response_format", "response_format must be a GrammarSpec and cannot be combined "
+                                                        f"with ignore_eos, got {self.grammar!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise SamplingParamError("logit_bias") when a logit_bias token id is not in [0, vocab_size)."""
@@ -165,13 +172,13 @@ class SamplingParams:
 
     @functools.cached_property  # read per row and per step; the fields are frozen
     def changes_logits(self) -> bool:
-        """True when a nonzero logit bias or a penalty changes the logits (greedy is not the raw argmax)."""
-        return any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties
+        """True when a nonzero logit bias, a penalty or a grammar changes the logits (greedy is not the raw argmax)."""
+        return any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties or self.grammar is not None
 
     @property
     def needs_logits(self) -> bool:
         """Whether the last stage must return this request's logits (sampling, logprobs, logit bias,
-        penalties)."""
+        penalties, grammar)."""
         return not self.is_greedy or self.logprobs is not None or self.changes_logits
 
 
@@ -268,9 +275,8 @@ class Sampler:
             return int(torch.argmax(logits))
         return _inverse_cdf(self.probs(logits), (draw_key(self.seed, position) >> 11) / 2**53)
 
-    def verify(
-        self, logits: torch.Tensor, draft_token: int, position: int, q: torch.Tensor | None = None
-    ) -> tuple[bool, int]:
+    def verify(self, logits: torch.Tensor, draft_token: int, position: int,
+               q: torch.Tensor | None = None) -> tuple[bool, int]:
         """Decide a drafted token for `position` against the target model's logits there.
 
         logits: [vocab_size], the final logits of the token before the draft. q: [vocab_size], the
@@ -292,7 +298,7 @@ class Sampler:
         return verify_draft(self.probs(logits), draft_token, q, self._at(position))
 
 
-def _renormalised(p: torch.Tensor) -> torch.Tensor:
+def _renormalised(p: torch.Tensor) -> torch.Tensor:  # p / its sum
     return p / p.sum()
 
 
@@ -345,9 +351,8 @@ def _inverse_cdf(p: torch.Tensor, u: float) -> int:
     return min(int(torch.searchsorted(cdf, u * total, right=True)), last)
 
 
-def verify_draft(
-    p: torch.Tensor, draft_token: int, q: torch.Tensor | None, generator: torch.Generator | None
-) -> tuple[bool, int]:
+def verify_draft(p: torch.Tensor, draft_token: int, q: torch.Tensor | None,
+                 generator: torch.Generator | None) -> tuple[bool, int]:
     """Speculative sampling: accept a draft x ~ q, or resample, so the result is distributed as p.
 
     p: [vocab_size] the target distribution (e.g. `Sampler.probs`), non-negative, sums to 1.
@@ -360,10 +365,8 @@ def verify_draft(
     """
     vocab_size = p.shape[-1]
     if p.dim() != 1 or (q is not None and q.shape != p.shape):
-        raise ValueError(
-            f"p must be [vocab_size] and q None or the same shape, got p {tuple(p.shape)}, "
-            f"q {None if q is None else tuple(q.shape)}"
-        )
+        raise ValueError(f"p must be [vocab_size] and q None or the same shape, got p {tuple(p.shape)}, "
+                         f"q {None if q is None else tuple(q.shape)}")
     if not 0 <= draft_token < vocab_size:
         raise ValueError(f"draft_token must be in [0, {vocab_size}), got {draft_token}")
     # Accept x with probability min(1, p(x) / q(x)):

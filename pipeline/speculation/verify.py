@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from pipeline.speculation.grammar import GrammarError, GrammarState
 from pipeline.speculation.logprobs import processed_logits
 from pipeline.speculation.sampling import Sampler
 
@@ -23,7 +24,7 @@ NON_FINITE_TOKEN = -1
 def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch.Tensor | None,
                   sampler: Sampler | None, eos_token_ids: Collection[int], ignore_eos: bool,
                   budget_left: int, prompt_ids: Sequence[int] = (),
-                  output_ids: Sequence[int] = ()) -> list[int]:
+                  output_ids: Sequence[int] = (), grammar: GrammarState | None = None) -> list[int]:
     """The tokens one result commits, in row order: the longest accepted prefix plus one real token.
 
     argmax: [num_result_rows] the last stage's argmax of each result row (row i is the model's
@@ -32,7 +33,7 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         FIRP drafts, then the run-ahead draft after it); shorter than argmax when the last rows
         had none.
     logits: [num_result_rows, vocab_size] float32 when the sequence needs them
-        (`SamplingParams.needs_logits`: sampling, logit bias, penalties or logprobs), None otherwise.
+        (`SamplingParams.needs_logits`: sampling, logit bias, penalties, logprobs or a grammar), None otherwise.
     sampler: the sequence's sampler (its params and seed); used only with logits. Row i chooses the
         token at position len(output_ids) + i (the key of its random draw).
     prompt_ids / output_ids: the sequence's prompt and committed output before this result; row i
@@ -41,37 +42,27 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         pipeline/speculation/logprobs.py).
     eos_token_ids / ignore_eos: the sequence's stop tokens; budget_left: tokens it may still
         commit (>= 1).
+    grammar: the sequence's structured output state (`SamplingParams.grammar`; logits then given):
+        row i is masked to the tokens it allows after output_ids + the tokens committed before it, after
+        the bias and the penalties ([Note: grammar masks] in pipeline/speculation/grammar.py); it has
+        consumed every committed token on return.
     Returns 1..num_result_rows tokens; every token but the last equals its draft. The last is
     NON_FINITE_TOKEN where a row it reads is not finite (rows after a rejected draft are never read).
+    Raises GrammarError (its `tokens`: those committed before the failing row) when the grammar allows
+    no token or its matcher fails.
     """
+    assert grammar is None or logits is not None, "a constrained sequence must ship its logits rows"
     out: list[int] = []
     for i, top in enumerate(argmax):
         if top == NON_FINITE_TOKEN:
             out.append(NON_FINITE_TOKEN)
             break
         draft = drafts[i] if i < len(drafts) else None
-        row = None
-        if logits is not None:
-            row = processed_logits(logits[i], sampler.params, prompt_ids=prompt_ids, output_ids=[*output_ids, *out])
-        if row is not None and sampler.params.is_greedy:
-            # Greedy on the biased, penalised logits (the raw argmax when neither is set); a draft is
-            # accepted iff it equals this token, as in the plain greedy case below.
-            token = int(torch.argmax(row)) if sampler.params.changes_logits else top
-        elif logits is None:
-            # Greedy: the real token is the argmax; the draft is accepted iff it equals it. So
-            # greedy output with speculation is token-identical to greedy output without it
-            # (ARCHITECTURE.md §5.3), whatever the predictor proposes.
-            token = top
-        elif draft is None:
-            # No draft followed this row: sample the real next token from p = softmax(logits / T).
-            token = sampler.sample(row, len(output_ids) + len(out))
-        else:
-            # Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192 §2.3; SPEED §3): our
-            # predictors are deterministic (q one-hot at the draft x), so the draft is accepted
-            # with probability p(x), else y ~ p without x is committed; the token is distributed
-            # exactly as p. The draw is keyed by the token's position, so it is the token plain
-            # decoding samples there ([Note: position-keyed draws] in pipeline/speculation/sampling.py).
-            token = sampler.verify(row, draft, len(output_ids) + len(out))[1]
+        try:
+            token = _row_token(top, draft, None if logits is None else logits[i], sampler, prompt_ids=prompt_ids,
+                               history=[*output_ids, *out], grammar=grammar)
+        except GrammarError as err:
+            raise GrammarError(str(err), out) from None
         out.append(token)
         if token in eos_token_ids and not ignore_eos:
             break  # never commit past EOS (§5.5)
@@ -79,4 +70,40 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
             break  # nor past the token budget
         if draft is None or token != draft:
             break  # a rejected draft (or none): the rows after it saw a wrong context
+    if grammar is not None and out[-1] != NON_FINITE_TOKEN:
+        try:
+            grammar.sync([*output_ids, *out])  # consume the last token too
+        except GrammarError as err:
+            raise GrammarError(str(err), out[:-1]) from None
     return out
+
+
+def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler: Sampler | None, *,
+               prompt_ids: Sequence[int], history: Sequence[int], grammar: GrammarState | None) -> int:
+    """The token one result row chooses: top is the row's raw argmax, draft the token that followed it
+    (None: none), logits its [vocab_size] row (None: greedy on the raw argmax), history the output before
+    it (its position is len(history)). Raises GrammarError from the grammar's mask."""
+    row = None
+    if logits is not None:
+        row = processed_logits(logits, sampler.params, prompt_ids=prompt_ids, output_ids=history)
+        if grammar is not None:  # after the bias and the penalties ([Note: grammar masks])
+            row = grammar.masked(row, history)
+    if row is not None and sampler.params.is_greedy:
+        # Greedy on the biased, penalised, masked logits (the raw argmax when none is set); a draft is
+        # accepted iff it equals this token, as in the plain greedy case below.
+        return int(torch.argmax(row)) if sampler.params.changes_logits else top
+    if logits is None:
+        # Greedy: the real token is the argmax; the draft is accepted iff it equals it. So
+        # greedy output with speculation is token-identical to greedy output without it
+        # (ARCHITECTURE.md §5.3), whatever the predictor proposes.
+        return top
+    if draft is None:
+        # No draft followed this row: sample the real next token from p = softmax(logits / T).
+        return sampler.sample(row, len(history))
+    # Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192 §2.3; SPEED §3): our
+    # predictors are deterministic (q one-hot at the draft x), so the draft is accepted
+    # with probability p(x), else y ~ p without x is committed; the token is distributed
+    # exactly as p (a draft the grammar forbids has p = 0). The draw is keyed by the token's position,
+    # so it is the token plain decoding samples there ([Note: position-keyed draws] in
+    # pipeline/speculation/sampling.py).
+    return sampler.verify(row, draft, len(history))[1]

