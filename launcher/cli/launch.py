@@ -104,7 +104,7 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
             # [Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py
             "grammar_forced": spec.grammar_forced, "grammar_replaced": spec.grammar_replaced,
-            "grammar_dropped": spec.grammar_dropped, "grammar_jumped": spec.grammar_jumped}
+            "grammar_dropped": spec.grammar_dropped}
 
 
 def speculation_notes(session: PipelineSession, speculate_reason: str = "") -> list[str]:
@@ -137,8 +137,7 @@ def speculation_text(stats: dict) -> str:
         parts.append(f"about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})")
     if stats.get("grammar_forced") or stats.get("grammar_replaced") or stats.get("grammar_dropped"):
         parts.append(f"grammar drafts: {stats['grammar_forced']} forced, {stats['grammar_replaced']} replaced, "
-                     f"{stats['grammar_dropped']} dropped" + (f", {stats['grammar_jumped']} jumped forward"
-                                                               if stats.get("grammar_jumped") else ""))
+                     f"{stats['grammar_dropped']} dropped")
     if stats.get("tree_verified"):
         parts.append(f"tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
                      f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")

@@ -177,8 +177,7 @@ class SpecCounters:
     exit_rows_skipped: int = 0  # decode items that passed the exit stage without it
     grammar_forced: int = 0  # drafts the grammar forced ([Note: grammar-aware drafting])
     grammar_replaced: int = 0  # forbidden drafts replaced by an allowed candidate (or a FIRP draft by a forced token)
-    grammar_dropped: int = 0  # forbidden drafts not sent (no allowed candidate), FIRP drafts cut included
-    grammar_jumped: int = 0  # forced tokens added to a real item's chain (jump-forward)
+    grammar_dropped: int = 0  # forbidden drafts not sent (no allowed candidate); a FIRP chain cut counts once
 
     def add_pass(self, *, committed: int, verified: int, accepted: int, firp_verified: int, firp_accepted: int,
                  squashed: int) -> None:

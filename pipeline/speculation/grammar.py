@@ -207,11 +207,6 @@ class GrammarState:
                                f"{len(self.tokens)} tokens")
         return logits.float().masked_fill(~allowed, float("-inf"))
 
-    def forced_tokens(self) -> list[int]:
-        """The tokens the grammar forces after the consumed ones (llguidance's fast-forward tokens:
-        the bytes every continuation starts with, tokenized), possibly none. Call after `allowed`."""
-        return list(self._matcher.compute_ff_tokens())
-
     @property
     def is_complete(self) -> bool:
         """True when the consumed tokens form a whole document (the grammar accepts here)."""

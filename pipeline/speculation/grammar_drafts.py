@@ -17,12 +17,14 @@ chain's tokens, `seq.context()` minus the prompt):
     waiting for the exit head's guess (`forced`);
   * the predictor's draft is allowed -> keep it;
   * it is forbidden -> the predictor's best allowed candidate (its ranked `alternatives`, as token
-    trees use) replaces it; with none, no draft is sent (`steer`). Tree siblings are filtered too.
-A real item's FIRP chain is cut before its first forbidden draft, a forced position takes the forced
-token, and when the chain is shorter than the grammar's forced run after the committed output, the
-run extends it (`chain`: jump-forward as in SGLang (Zheng et al., arXiv 2312.07104 §4), but as
-drafts the pipeline verifies row by row, [Note: chain verify] in pipeline/speculation/ledger.py, so
-output stays exact). The drafting matcher is separate from the verifier's so that neither's sync
+    trees use) replaces it; with none, no draft is sent (`draft`). Tree siblings are filtered too
+    (`filtered`).
+A real item's FIRP chain is cut before its first forbidden draft, and a forced position takes the
+forced token (`chain`). (Not done: jump-forward, SGLang's (Zheng et al., arXiv 2312.07104 §4) whole
+forced run as one multi-row item the pipeline verifies, [Note: chain verify] in
+pipeline/speculation/ledger.py; the FIRP chain counters and RowBudget would have to tell such drafts
+from FIRP's.) Stage-local drafting (pipeline/engine/local_draft.py) has no grammar: a constrained
+sequence is drafted by the coordinator alone. The drafting matcher is separate from the verifier's so that neither's sync
 rolls the other back: the verifier's prefix only grows, the drafter's runs ahead and rolls back
 after a squash. Each mask costs ~0.1 ms here (llguidance on the default model's 49k vocabulary);
 the result of the last prefix is kept, so an exit event after a send does not compute it twice.
@@ -47,12 +49,12 @@ GRAMMAR_SOURCE = "grammar"  # Draft.source of a forced draft (its own draft-gate
 
 @dataclasses.dataclass
 class DraftView:
-    """What the grammar allows after one prefix: allowed [vocab] bool, and the forced run (llguidance's
-    fast-forward tokens, kept only when the first is the one allowed token; else empty)."""
+    """What the grammar allows after one prefix: allowed [vocab] bool, and the one allowed token when
+    there is exactly one (forced), else -1."""
 
     prefix: tuple[int, ...]
     allowed: torch.Tensor
-    forced: tuple[int, ...]
+    forced: int
 
 
 class DraftMatcher:
@@ -72,11 +74,7 @@ class DraftMatcher:
             allowed = self.state.allowed(key, self.state.vocab.ll.vocab_size)
         except GrammarError:
             return None
-        forced: tuple[int, ...] = ()
-        if int(allowed.sum()) == 1:
-            one = int(allowed.nonzero()[0, 0])
-            run = self.state.forced_tokens()
-            forced = tuple(run) if run and run[0] == one else (one,)
+        forced = int(allowed.nonzero()[0, 0]) if int(allowed.sum()) == 1 else -1
         self.last = DraftView(key, allowed, forced)
         return self.last
 
@@ -84,8 +82,7 @@ class DraftMatcher:
 class GrammarDrafts:
     """The rules of [Note: grammar-aware drafting] for every constrained sequence of one scheduler.
     enabled: False leaves every draft as the predictor made it. Each rule counts what it did in the
-    `spec` it is given (the scheduler's SpecCounters: grammar_forced, grammar_replaced, grammar_dropped,
-    grammar_jumped)."""
+    `spec` it is given (the scheduler's SpecCounters: grammar_forced, grammar_replaced, grammar_dropped)."""
 
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -100,7 +97,7 @@ class GrammarDrafts:
     def forced(self, seq: SequenceState) -> Draft | None:
         """The draft after the chain's end when the grammar forces it, else None."""
         view = self._view(seq)
-        return None if view is None or not view.forced else Draft(view.forced[0], 1.0, GRAMMAR_SOURCE)
+        return None if view is None or view.forced < 0 else Draft(view.forced, 1.0, GRAMMAR_SOURCE)
 
     def draft(self, seq: SequenceState, predictor, guess: ExitGuess | None, forced: Draft | None,
               spec: SpecCounters) -> Draft | None:
@@ -134,27 +131,22 @@ class GrammarDrafts:
             return predictor
         return _Allowed(more, view.allowed)
 
-    def chain(self, seq: SequenceState, drafts: Sequence[int], spec: SpecCounters, *,
-              limit: int | None = None) -> tuple[int, ...]:
-        """The drafts a real item carries after its committed token (nothing of `seq` in flight): FIRP
-        `drafts` kept while allowed (a forced position takes the forced token), then the grammar's
-        forced run (jump-forward) up to `limit` drafts in all (None: len(drafts), no jump-forward)."""
-        limit = len(drafts) if limit is None else limit
+    def chain(self, seq: SequenceState, drafts: Sequence[int], spec: SpecCounters) -> tuple[int, ...]:
+        """The FIRP `drafts` a real item carries after its committed token (nothing of `seq` in flight),
+        up to the first the grammar forbids (dropped, with the rest); a forced position takes the
+        forced token (replaced, when it differs)."""
         out: list[int] = []
-        while len(out) < limit:
-            view = self._view(seq, out)
+        while len(out) < len(drafts):
+            view, draft = self._view(seq, out), drafts[len(out)]
             if view is None:
-                return tuple(drafts[:limit])
-            if view.forced:
-                if len(out) >= len(drafts):
-                    spec.grammar_jumped += 1
-                else:
-                    spec.grammar_replaced += drafts[len(out)] != view.forced[0]
-                out.append(view.forced[0])
-            elif len(out) < len(drafts) and bool(view.allowed[drafts[len(out)]]):
-                out.append(drafts[len(out)])
+                return tuple(drafts)
+            if view.forced >= 0:
+                spec.grammar_replaced += draft != view.forced
+                out.append(view.forced)
+            elif 0 <= draft < len(view.allowed) and bool(view.allowed[draft]):
+                out.append(draft)
             else:
-                spec.grammar_dropped += len(out) < len(drafts)
+                spec.grammar_dropped += 1
                 break
         return tuple(out)
 
