@@ -101,7 +101,10 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "stage_drafted": spec.stage_drafted, "withdrawn_drafts": spec.withdrawn_drafts,
             "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
             "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
-            "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped}
+            "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
+            # [Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py
+            "grammar_forced": spec.grammar_forced, "grammar_replaced": spec.grammar_replaced,
+            "grammar_dropped": spec.grammar_dropped}
 
 
 def speculation_notes(session: PipelineSession, speculate_reason: str = "") -> list[str]:
@@ -132,6 +135,9 @@ def speculation_text(stats: dict) -> str:
     if stats.get("speedup_estimate"):
         head = ", exit head included" if stats["estimate_includes_exit_head"] else ""
         parts.append(f"about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})")
+    if stats.get("grammar_forced") or stats.get("grammar_replaced") or stats.get("grammar_dropped"):
+        parts.append(f"grammar drafts: {stats['grammar_forced']} forced, {stats['grammar_replaced']} replaced, "
+                     f"{stats['grammar_dropped']} dropped")
     if stats.get("tree_verified"):
         parts.append(f"tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
                      f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")

@@ -70,6 +70,12 @@ class _PipelineCollector:
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted_tokens),
             ("squashed_items", "In-flight items discarded by squashes (wrong drafts, finished sequences).",
              spec.squashed_items),
+            ("grammar_forced_drafts", "Drafts a structured output's grammar forced (one allowed token).",
+             spec.grammar_forced),
+            ("grammar_replaced_drafts", "Drafts the grammar forbids, replaced by an allowed candidate.",
+             spec.grammar_replaced),
+            ("grammar_dropped_drafts", "Drafts the grammar forbids with no allowed candidate, not sent.",
+             spec.grammar_dropped),
         ):
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)

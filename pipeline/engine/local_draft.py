@@ -145,7 +145,7 @@ def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, se
     exit stage may draft after it; unchanged otherwise (see the note, 1). depth: the run-ahead
     depth (`RowBudget.run_ahead`) the coordinator's own drafts get now."""
     if (not config.draft_at_stage or pipeline_full or not predictor.needs_exit_head or config.firp_k
-            or not item.wants_exit_guess or item.kind == ItemKind.FIRP):
+            or not item.wants_exit_guess or item.kind == ItemKind.FIRP or _grammar_drafts(config, seq)):
         return item
     cap, upto = draft_limit(seq, depth)
     if item.end - 1 >= upto:
@@ -154,11 +154,18 @@ def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, se
                                draft_with=predictor_code(predictor))
 
 
+def _grammar_drafts(config: SchedulerConfig, seq: SequenceState) -> bool:
+    """A constrained sequence under grammar-aware drafting is drafted by the coordinator alone: the
+    stage has no grammar, and a forced draft the coordinator queues at send time would race the
+    stage's own ([Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py)."""
+    return config.grammar_drafts and seq.grammar is not None
+
+
 def credit(config: SchedulerConfig, gate: DraftGate, seq: SequenceState, *, depth: int) -> list[Item]:
     """The CREDIT for a sequence after a result: its new `draft_upto` and gate bits (as an Item
     of its slot and epoch) under the run-ahead depth `depth` (`RowBudget.run_ahead`), or none
     when no stage-made draft can follow its chain."""
-    if not config.draft_at_stage or not seq.ledger.inflight or seq.finished:
+    if not config.draft_at_stage or not seq.ledger.inflight or seq.finished or _grammar_drafts(config, seq):
         return []
     cap, upto = draft_limit(seq, depth)
     return [Item(seq_id=seq.seq_id, slot=seq.slot, start=seq.ledger.next_real_position, num_tokens=1,

@@ -10,6 +10,7 @@ import enum
 
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.grammar import GrammarState
+from pipeline.speculation.grammar_drafts import DraftMatcher
 from pipeline.speculation.items import Item
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.logprobs import TokenLogprob
@@ -70,6 +71,7 @@ class SchedulerConfig:
     draft_at_stage: bool = False  # the exit stage (stage 0) drafts itself: pipeline/engine/local_draft.py
     deep_acceptance: float = DEEP_ACCEPTANCE  # see DEEP_ACCEPTANCE
     draft_tree: int = 1  # candidates per draft position, siblings included ([Note: token trees]); 1 = off
+    grammar_drafts: bool = True  # constrained drafts follow the grammar ([Note: grammar-aware drafting])
 
     def __post_init__(self) -> None:
         # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)
@@ -103,6 +105,7 @@ class SequenceState:
     pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket (the ledger keeps it once sent)
     firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
     grammar: GrammarState | None = None  # the structured output's matcher (`SamplingParams.grammar`)
+    draft_grammar: DraftMatcher | None = None  # its drafting matcher (pipeline/speculation/grammar_drafts.py)
 
     @property
     def finished(self) -> bool:
@@ -172,6 +175,9 @@ class SpecCounters:
     committed_tokens: int = 0
     exit_rows: int = 0  # decode items the exit head ran on ([Note: exit-head skipping])
     exit_rows_skipped: int = 0  # decode items that passed the exit stage without it
+    grammar_forced: int = 0  # drafts the grammar forced ([Note: grammar-aware drafting])
+    grammar_replaced: int = 0  # forbidden drafts replaced by an allowed candidate (or a FIRP draft by a forced token)
+    grammar_dropped: int = 0  # forbidden drafts not sent (no allowed candidate); a FIRP chain cut counts once
 
     def add_pass(self, *, committed: int, verified: int, accepted: int, firp_verified: int, firp_accepted: int,
                  squashed: int) -> None:

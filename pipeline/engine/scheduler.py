@@ -51,6 +51,7 @@ from pipeline.engine.records import (
 from pipeline.engine.row_budget import RowBudget, next_firp_drafts, wants_exit
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.grammar import GrammarError, GrammarState, GrammarVocab
+from pipeline.speculation.grammar_drafts import GrammarDrafts
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.logprobs import prompt_token_logprobs, token_logprob
@@ -79,6 +80,7 @@ class Scheduler:
         self.credits: list[Item] = []  # CREDITs for the exit stage ([Note: stage-local drafting])
         self.spec = SpecCounters()
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
+        self.grammar_drafts = GrammarDrafts(enabled=config.grammar_drafts)  # [Note: grammar-aware drafting]
         self.rows = RowBudget(max_firp_k=config.firp_k, row_costs=config.row_costs,
                               pseudo_weight=config.firp_pseudo_weight)  # [Note: row-cost-driven chains]
         self.tree = TokenTree(width=config.draft_tree, num_stages=config.num_stages,  # [Note: token trees]
@@ -186,12 +188,12 @@ class Scheduler:
         if not seq.output_ids:
             self._queue_prefill(seq)
             return
-        want_logits = seq.params.needs_logits
-        drafts = seq.firp_drafts[:seq.ledger.max_firp_drafts()]
+        # FIRP drafts, cut at the first the grammar forbids ([Note: grammar-aware drafting])
+        drafts = self.grammar_drafts.chain(seq, seq.firp_drafts[:seq.ledger.max_firp_drafts()], self.spec)
         start = seq.num_tokens - 1
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
                            epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
-                           token_ids=(seq.output_ids[-1], *drafts), want_logits=want_logits,
+                           token_ids=(seq.output_ids[-1], *drafts), want_logits=seq.params.needs_logits,
                            keep_sibling=self.tree.fixups.pop(seq.seq_id, -1),
                            **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
         seq.firp_drafts = ()
@@ -262,15 +264,15 @@ class Scheduler:
         end = seq.ledger.inflight[-1]
         if end.position < seq.ledger.prompt_len:  # the first token after prefill is never drafted
             return
-        guess = None
-        if self.predictor.needs_exit_head:
+        guess, forced = None, self.grammar_drafts.forced(seq)  # a forced token needs no exit head's guess
+        if self.predictor.needs_exit_head and forced is None:
             if seq.exit_seen is None or seq.exit_seen[:2] != (end.last_position, end.epoch):
                 return
             guess = seq.exit_seen[2]
         depth = self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1)  # row_budget.py
         if not seq.ledger.can_draft_after(end.last_position, end.epoch, max_inflight=depth):
             return
-        draft = self.predictor.propose(seq.context(), guess)
+        draft = self.grammar_drafts.draft(seq, self.predictor, guess, forced, self.spec)  # the predictor's, steered
         if draft is None:
             return
         if not self.gate.allow(draft):  # see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py
@@ -279,8 +281,8 @@ class Scheduler:
         seq.pending_key = self.gate.key(draft)
         start = end.last_position + 1
         firp = self._firp_fields(seq, first_anchor=start, num_anchors=1)
-        tree = self.tree.draft_fields(self.predictor, seq.context(), guess, draft, start=start,
-                                      has_firp=bool(firp.get("firp_k")))
+        tree = self.tree.draft_fields(self.grammar_drafts.filtered(seq, self.predictor), seq.context(), guess, draft,
+                                      start=start, has_firp=bool(firp.get("firp_k")))
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
                            kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=seq.params.needs_logits,
                            **firp, **tree)
@@ -357,11 +359,9 @@ class Scheduler:
                            firp_verified=firp_verified, firp_accepted=firp_accepted, squashed=verdict.squashed)
         if own_drafts:
             self.rows.record(verified=firp_verified, accepted=firp_accepted)
-        if not seq.ledger.inflight:
-            seq.pending = None  # a pending draft followed the finished (or squashed) chain
+        if not seq.ledger.inflight:  # a pending draft followed the finished (or squashed) chain
+            seq.pending, seq.firp_drafts = None, next_firp_drafts(item, len(tokens), firp)
         seq.output_ids.extend(tokens)
-        if not seq.ledger.inflight:
-            seq.firp_drafts = next_firp_drafts(item, len(tokens), firp)
         if tokens[-1] in self.config.eos_token_ids and not seq.params.ignore_eos:
             self._finish(seq, FinishReason.EOS)
         elif len(seq.output_ids) >= seq.params.max_new_tokens:

@@ -144,29 +144,32 @@ class MostlyRightPredictor(RandomTreePredictor):
 
 
 def _predictor(kind: str, table: ReferenceTable):
-    if kind == "always-wrong":
+    if kind.startswith("always-wrong"):
         return AlwaysWrongPredictor(table, vocab_size=256)
     return MostlyRightPredictor(table)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize(("kind", "num_stages"), [("always-wrong", 2), ("mostly-right", 2),
-                                                  ("mostly-right", 3), ("mostly-right-tree", 2)])
+@pytest.mark.parametrize(("kind", "num_stages"), [("always-wrong", 2), ("always-wrong-unsteered", 2),
+                                                  ("mostly-right", 2), ("mostly-right", 3), ("mostly-right-tree", 2),
+                                                  ("mostly-right-tree-unsteered", 2)])
 def test_speculation_commits_the_masked_plain_tokens(tiny_dir, vocab, references, name, setting, kind, num_stages):
     """SPEED drafts (always wrong, or `MostlyRightPredictor`'s, so that multi-row verifies happen) and
-    token trees commit exactly plain masked decoding's tokens."""
+    token trees commit exactly plain masked decoding's tokens, with grammar-aware drafting
+    ([Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py) and without it
+    ("-unsteered": forbidden drafts reach the verifier, whose mask must reject them)."""
     want = [references[name, setting, i] for i in range(len(PROMPTS))]
     table = ReferenceTable(zip(PROMPTS, want, strict=True))
     stages, verified, accepted = _stages(tiny_dir, num_stages, "none"), 0, 0
     for prompt, expected in zip(PROMPTS, want, strict=True):  # one at a time: a lone sequence leaves room to draft
         pipe = InProcessPipeline(stages, max_model_len=64, grammar_vocab=vocab, predictor=_predictor(
-            kind, table), draft_tree=3 if kind.endswith("tree") else 1)
+            kind, table), draft_tree=3 if "tree" in kind else 1, grammar_drafts="unsteered" not in kind)
         got = pipe.generate([prompt], _params(SPECS[name], setting))[0]
         assert got == expected, f"{kind} drafts on {num_stages} stages changed the constrained output"
         verified, accepted = verified + pipe.engine.spec.verified_drafts, accepted + pipe.engine.spec.accepted_tokens
     assert verified > 0, "no draft was verified"
-    if kind != "always-wrong":
+    if not kind.startswith("always-wrong"):
         assert accepted > 0, "no draft was accepted (multi-row verify untested)"
 
 
@@ -229,21 +232,28 @@ def _fake_masked_reference(prompt: list[int], params: SamplingParams, vocab: Gra
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize(("num_stages", "speed"), [(1, False), (2, True)], ids=["firp-1", "speed+firp-2"])
-def test_firp_chains_commit_the_masked_plain_tokens(vocab, name, setting, num_stages, speed):
+@pytest.mark.parametrize("steered", [False, True], ids=["unsteered", "grammar-drafts"])
+def test_firp_chains_commit_the_masked_plain_tokens(vocab, name, setting, num_stages, speed, steered):
     """FIRP chains (`firp_k` 3) verified over several rows of one result give plain masked decoding's
     tokens on a fake model whose raw argmax the grammar almost never allows (so a row verified unmasked
-    shows), and some chain was accepted past its first row."""
+    shows), and some chain was accepted past its first row; without grammar-aware drafting some chain
+    was rejected (the mask rejected a forbidden draft), with it forbidden chain drafts were cut (or,
+    at a forced position, replaced)."""
     params = _params(SPECS[name], setting)
     want = [_fake_masked_reference(p, params, vocab) for p in PROMPTS]
     proposer = ReferenceChains(ReferenceTable(zip(PROMPTS, want, strict=True)))
     config = SchedulerConfig(num_stages=num_stages, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                             eos_token_ids=(TINY_EOS_ID,), speculate=speed, firp_k=3)
+                             eos_token_ids=(TINY_EOS_ID,), speculate=speed, firp_k=3, grammar_drafts=steered)
     engine = Engine(config, proposer if speed else None, grammar_vocab=vocab)
     fake = RandomModelFirpPipeline(engine, _submits(PROMPTS, params), next_fn=_raw_argmax, proposer=proposer,
                                    logits_fn=lambda prefix: _random_logits(tuple(prefix)))
     outputs = fake.run()
     assert [outputs[i] for i in range(len(PROMPTS))] == want, "FIRP chains changed the constrained output"
-    assert engine.spec.firp_accepted > 0 and engine.spec.firp_verified > engine.spec.firp_accepted
+    assert engine.spec.firp_accepted > 0
+    if steered:
+        assert engine.spec.grammar_dropped + engine.spec.grammar_replaced > 0, "no forbidden FIRP draft was cut"
+    else:
+        assert engine.spec.firp_verified > engine.spec.firp_accepted and engine.spec.grammar_dropped == 0
 
 
 # -- replay after a stage restart ---------------------------------------------------------------------------
@@ -304,9 +314,11 @@ class RandomModelLocalPipeline(LocalFakePipeline):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(SPECS))
-def test_stage_made_drafts_commit_the_masked_plain_tokens(vocab, name, setting):
+@pytest.mark.parametrize("steered", [False, True], ids=["unsteered", "grammar-drafts"])
+def test_stage_made_drafts_commit_the_masked_plain_tokens(vocab, name, setting, steered):
     """Drafts the exit stage makes itself (`--draft-at stage`, 2 stages; the reference's tokens 70% of
-    the time) are verified on the masked logits, also across a replay that drops them all."""
+    the time) are verified on the masked logits, also across a replay that drops them all. With
+    grammar-aware drafting the coordinator drafts a constrained sequence itself: the stage makes none."""
     params = _params(SPECS[name], setting)
     for prompt in PROMPTS:
         want = _fake_masked_reference(prompt, params, vocab)
@@ -314,13 +326,17 @@ def test_stage_made_drafts_commit_the_masked_plain_tokens(vocab, name, setting):
             proposer = ReferenceChains(ReferenceTable([(prompt, want)]))
             proposer.needs_exit_head = True
             engine = Engine(SchedulerConfig(num_stages=2, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, speculate=True,
-                                            draft_at_stage=True, eos_token_ids=(TINY_EOS_ID,)), proposer,
+                                            draft_at_stage=True, eos_token_ids=(TINY_EOS_ID,),
+                                            grammar_drafts=steered), proposer,
                             grammar_vocab=vocab)
             fake = RandomModelLocalPipeline(engine, _submits([prompt], params), predictor=proposer, seed=1,
                                             max_delay=(2, 2), replay_at=replay_at)
             fake.next_fn = _raw_argmax
             assert fake.run().get(0, []) == want, f"stage-local drafts changed the output (replay at {replay_at})"
-            assert fake.self_made > 0 or len(want) < 3, "the stage made no draft"
+            if steered:
+                assert fake.self_made == 0, "the stage drafted a constrained sequence"
+            else:
+                assert fake.self_made > 0 or len(want) < 3, "the stage made no draft"
 
 
 # -- a grammar that cannot go on fails its request -----------------------------------------------------------

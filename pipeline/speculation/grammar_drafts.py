@@ -1,0 +1,162 @@
+"""Grammar-aware drafting: a constrained sequence's drafts follow its grammar.
+
+Owns the drafting matcher of each constrained sequence (a second `GrammarState`, apart from the
+verifier's), the draft rules below and their counters. Pure: no I/O; the scheduler asks it at the
+point where it makes a draft (`Scheduler._try_draft`) and where a real item takes its FIRP chain
+(`Scheduler._queue_real`).
+Must not: choose committed tokens (verify masks with its own matcher: [Note: grammar masks] in
+pipeline/speculation/grammar.py) or touch the ledger.
+
+[Note: grammar-aware drafting]
+The verifier masks every row, so any draft is safe; but a draft the grammar forbids has p = 0 (a
+wasted row and a squash), and a token the grammar *forces* (exactly one allowed token: in JSON with
+a schema the keys, their quotes, `": "`, `, "`; the EOS after a complete document) is a draft with
+acceptance 1, greedy or sampled. So, at the draft's prefix (the committed output plus the in-flight
+chain's tokens, `seq.context()` minus the prompt):
+  * the grammar allows exactly one token -> draft it, whatever the predictor says, and without
+    waiting for the exit head's guess (`forced`);
+  * the predictor's draft is allowed -> keep it;
+  * it is forbidden -> the predictor's best allowed candidate (its ranked `alternatives`, as token
+    trees use) replaces it; with none, no draft is sent (`draft`). Tree siblings are filtered too
+    (`filtered`).
+A real item's FIRP chain is cut before its first forbidden draft, and a forced position takes the
+forced token (`chain`). (Not done: jump-forward, SGLang's (Zheng et al., arXiv 2312.07104 §4) whole
+forced run as one multi-row item the pipeline verifies, [Note: chain verify] in
+pipeline/speculation/ledger.py; the FIRP chain counters and RowBudget would have to tell such drafts
+from FIRP's.) Stage-local drafting (pipeline/engine/local_draft.py) has no grammar: a constrained
+sequence is drafted by the coordinator alone. The drafting matcher is separate from the verifier's so that neither's sync
+rolls the other back: the verifier's prefix only grows, the drafter's runs ahead and rolls back
+after a squash. Each mask costs ~0.1 ms here (llguidance on the default model's 49k vocabulary);
+the result of the last prefix is kept, so an exit event after a send does not compute it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeline.speculation.grammar import GrammarError, GrammarState
+from pipeline.speculation.predictors import Draft, ExitGuess
+
+if TYPE_CHECKING:
+    from pipeline.engine.records import SequenceState, SpecCounters
+
+GRAMMAR_SOURCE = "grammar"  # Draft.source of a forced draft (its own draft-gate bucket: acceptance 1)
+
+
+@dataclasses.dataclass
+class DraftView:
+    """What the grammar allows after one prefix: allowed [vocab] bool, and the one allowed token when
+    there is exactly one (forced), else -1."""
+
+    prefix: tuple[int, ...]
+    allowed: torch.Tensor
+    forced: int
+
+
+class DraftMatcher:
+    """A constrained sequence's drafting matcher and its last answer (see the note)."""
+
+    def __init__(self, grammar: GrammarState) -> None:
+        self.state = GrammarState(grammar.spec, grammar.vocab)
+        self.last: DraftView | None = None
+
+    def view(self, prefix: Sequence[int]) -> DraftView | None:
+        """The grammar's answer after `prefix` (output tokens); None when the prefix breaks it (a chain
+        holding a forbidden token: it is doomed, nothing is drafted after it)."""
+        key = tuple(prefix)
+        if self.last is not None and self.last.prefix == key:
+            return self.last
+        try:
+            allowed = self.state.allowed(key, self.state.vocab.ll.vocab_size)
+        except GrammarError:
+            return None
+        forced = int(allowed.nonzero()[0, 0]) if int(allowed.sum()) == 1 else -1
+        self.last = DraftView(key, allowed, forced)
+        return self.last
+
+
+class GrammarDrafts:
+    """The rules of [Note: grammar-aware drafting] for every constrained sequence of one scheduler.
+    enabled: False leaves every draft as the predictor made it. Each rule counts what it did in the
+    `spec` it is given (the scheduler's SpecCounters: grammar_forced, grammar_replaced, grammar_dropped)."""
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def _view(self, seq: SequenceState, extra: Sequence[int] = ()) -> DraftView | None:
+        if not self.enabled or seq.grammar is None:
+            return None
+        if seq.draft_grammar is None:
+            seq.draft_grammar = DraftMatcher(seq.grammar)
+        return seq.draft_grammar.view([*seq.context()[len(seq.prompt_ids):], *extra])
+
+    def forced(self, seq: SequenceState) -> Draft | None:
+        """The draft after the chain's end when the grammar forces it, else None."""
+        view = self._view(seq)
+        return None if view is None or view.forced < 0 else Draft(view.forced, 1.0, GRAMMAR_SOURCE)
+
+    def draft(self, seq: SequenceState, predictor, guess: ExitGuess | None, forced: Draft | None,
+              spec: SpecCounters) -> Draft | None:
+        """The draft after the chain's end: `forced` (from `forced`) when the grammar forces one;
+        else the predictor's `propose(context, guess)` if the grammar allows it (or the sequence is
+        unconstrained); else its best allowed `alternatives(context, guess)` (replaced), else None
+        (dropped; so is a proposal after a chain the grammar already rejects)."""
+        if forced is not None:
+            spec.grammar_forced += 1
+            return forced
+        draft = predictor.propose(seq.context(), guess)
+        view = self._view(seq)
+        if draft is None or seq.grammar is None or not self.enabled:
+            return draft
+        if view is not None and 0 <= draft.token < len(view.allowed) and bool(view.allowed[draft.token]):
+            return draft
+        more = getattr(predictor, "alternatives", None)
+        for alt in more(seq.context(), guess) if more is not None and view is not None else ():
+            if 0 <= alt.token < len(view.allowed) and bool(view.allowed[alt.token]):
+                spec.grammar_replaced += 1
+                return alt
+        spec.grammar_dropped += 1
+        return None
+
+    def filtered(self, seq: SequenceState, predictor):
+        """`predictor` for the token tree of the draft after the chain's end: its `alternatives`
+        without the tokens the grammar forbids there (the predictor itself when unconstrained)."""
+        view = self._view(seq)
+        more = getattr(predictor, "alternatives", None)
+        if view is None or more is None:
+            return predictor
+        return _Allowed(more, view.allowed)
+
+    def chain(self, seq: SequenceState, drafts: Sequence[int], spec: SpecCounters) -> tuple[int, ...]:
+        """The FIRP `drafts` a real item carries after its committed token (nothing of `seq` in flight),
+        up to the first the grammar forbids (dropped, with the rest); a forced position takes the
+        forced token (replaced, when it differs)."""
+        out: list[int] = []
+        while len(out) < len(drafts):
+            view, draft = self._view(seq, out), drafts[len(out)]
+            if view is None:
+                return tuple(drafts)
+            if view.forced >= 0:
+                spec.grammar_replaced += draft != view.forced
+                out.append(view.forced)
+            elif 0 <= draft < len(view.allowed) and bool(view.allowed[draft]):
+                out.append(draft)
+            else:
+                spec.grammar_dropped += 1
+                break
+        return tuple(out)
+
+
+class _Allowed:
+    """A predictor's `alternatives` without the tokens `allowed` ([vocab] bool) forbids."""
+
+    def __init__(self, alternatives, allowed: torch.Tensor) -> None:
+        self._alternatives, self._allowed = alternatives, allowed
+
+    def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
+        n = len(self._allowed)
+        return [d for d in self._alternatives(context, guess) if 0 <= d.token < n and bool(self._allowed[d.token])]
