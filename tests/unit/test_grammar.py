@@ -140,3 +140,44 @@ def test_a_grammar_makes_the_last_stage_ship_logits_and_refuses_ignore_eos():
     assert info.value.param == "response_format"
     with pytest.raises(SamplingParamError):
         SamplingParams(grammar="json")
+
+
+def test_a_spec_over_the_size_limit_is_refused_naming_the_limit():
+    """A choice list / regex / schema text over MAX_GRAMMAR_CHARS is refused before llguidance compiles it (a
+    2 MB choice list, inside the HTTP body limit, took 19 s to compile on the engine's thread)."""
+    from pipeline.speculation.grammar import MAX_GRAMMAR_CHARS
+
+    with pytest.raises(ValueError, match=f"choice is .* characters long, over the limit of {MAX_GRAMMAR_CHARS}"):
+        GrammarSpec.choice([f"choice {i}" for i in range(MAX_GRAMMAR_CHARS // 8)])
+    with pytest.raises(ValueError, match="regex is .* over the limit"):
+        GrammarSpec(kind="regex", text="a" * (MAX_GRAMMAR_CHARS + 1))
+    assert GrammarSpec(kind="regex", text="a" * MAX_GRAMMAR_CHARS).text  # at the limit: accepted
+
+
+def test_a_request_compiles_its_grammar_once_on_the_submitting_thread(monkeypatch, tmp_path):
+    """`encode_prompt` (the caller's thread) compiles the matcher; the engine's GrammarStates (n choices) copy
+    it, each with its own state; past MAX_COMPILED newer specs the oldest is compiled again."""
+    import types
+
+    import llguidance
+
+    from launcher.coordinator.request_handle import encode_prompt
+    from pipeline.model.tokenizer import Tokenizer
+    from pipeline.speculation import grammar
+    from tests.tiny_model import write_tiny_model
+
+    tokenizer = Tokenizer(write_tiny_model(tmp_path / "m"))
+    vocab, specs = GrammarVocab.of(tokenizer), [GrammarSpec.choice([f"c{i}a", f"c{i}b"]) for i in range(17)]
+    _ = vocab.ll
+    compiled = []
+    monkeypatch.setattr(grammar, "llguidance", types.SimpleNamespace(
+        LLMatcher=lambda *a, **k: compiled.append(a[1]) or llguidance.LLMatcher(*a, **k)))
+    encode_prompt(tokenizer, "Hi", SamplingParams(max_new_tokens=4, grammar=specs[0]), max_model_len=64)
+    assert compiled == [specs[0].grammar]
+    states = [GrammarState(specs[0], vocab) for _ in range(3)]
+    states[0].sync([ord("c"), ord("0")])
+    assert len(compiled) == 1 and states[1].tokens == [] and not bool(states[1].allowed([], 256)[ord("0")])
+    for spec in specs[1:]:
+        GrammarState(spec, vocab)
+    GrammarState(specs[0], vocab)
+    assert len(compiled) == 18, "the oldest spec was not compiled again past MAX_COMPILED newer ones"
