@@ -181,3 +181,21 @@ def test_a_request_compiles_its_grammar_once_on_the_submitting_thread(monkeypatc
         GrammarState(spec, vocab)
     GrammarState(specs[0], vocab)
     assert len(compiled) == 18, "the oldest spec was not compiled again past MAX_COMPILED newer ones"
+
+
+def test_argmax_is_the_masked_argmax_with_ties_and_allowed_or_forbidden_tops(vocab):
+    """`GrammarState.argmax` (greedy's token, which skips the mask when the unmasked argmax is allowed) equals
+    the argmax of `masked` on rows whose top is forbidden, allowed, or tied between a forbidden and an allowed
+    token (either first), along a JSON document."""
+    gen, out = torch.Generator().manual_seed(3), []
+    state, fresh = GrammarState(GrammarSpec(kind="json_object"), vocab), GrammarState(GrammarSpec(kind="json_object"), vocab)
+    for step in range(24):
+        allowed = fresh.allowed(out, 49152).nonzero().flatten()
+        forbidden = (~fresh.allowed(out, 49152)).nonzero().flatten()
+        a, f = int(allowed[step % len(allowed)]), int(forbidden[(7 * step) % len(forbidden)])
+        rows = [torch.randn(49152, generator=gen) for _ in range(3)]
+        rows[1][a] = 50.0  # an allowed top
+        rows[2][a] = rows[2][f] = 50.0  # a tie between an allowed and a forbidden token (the lower id first)
+        for row in rows:
+            assert state.argmax(row, out) == int(torch.argmax(fresh.masked(row, out))), (step, a, f)
+        out.append(int(torch.argmax(fresh.masked(rows[1], out))))
