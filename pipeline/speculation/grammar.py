@@ -115,6 +115,9 @@ class GrammarSpec:
         if self.kind == "json_schema":
             if not isinstance(value, (dict, bool)):
                 raise ValueError(f"invalid json schema: must be a JSON object, got {type(value).__name__}")
+            if value is False:
+                raise ValueError("invalid json schema: false allows no document")
+            value = {} if value is True else value  # true: any JSON value (llguidance's options need an object)
             return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise ValueError("choice must be a non-empty list of non-empty strings")

@@ -119,6 +119,7 @@ def test_a_grammar_that_fails_with_the_tokenizer_fails_at_the_first_mask_not_at_
     ("json_schema", "{x", "invalid json schema: not JSON"),
     ("json_schema", '{"type": 3}', "invalid json schema: type must be"),
     ("json_schema", "[1]", "must be a JSON object"),
+    ("json_schema", "false", "invalid json schema: false allows no document"),
     ("xml", "", "kind must be one of"),
     ("choice", "[]", "choice must be a non-empty list"),
     ("choice", '["a", 1]', "choice must be a non-empty list"),
@@ -199,3 +200,10 @@ def test_argmax_is_the_masked_argmax_with_ties_and_allowed_or_forbidden_tops(voc
         for row in rows:
             assert state.argmax(row, out) == int(torch.argmax(fresh.masked(row, out))), (step, a, f)
         out.append(int(torch.argmax(fresh.masked(rows[1], out))))
+
+
+def test_the_json_schema_true_allows_any_json_value(tokenizer, vocab):
+    """`true` (every document valid; llguidance refused it with "Expecting object schema to apply options")
+    allows an object, an array, a number or a string to start."""
+    state = GrammarState(GrammarSpec(kind="json_schema", text="true"), vocab)
+    assert {t for text in ("{", "[", "7", '"') for t in _ids(tokenizer, text)} <= _allowed_ids(state, [])
