@@ -225,10 +225,13 @@ class GrammarState:
         if self._matcher.is_error():
             raise GrammarError(f"structured output failed after {len(self.tokens)} tokens: "
                                f"{_first_line(self._matcher.get_error())}")
-        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab.ll.vocab_size]
+        n = min(vocab_size, self.vocab.ll.vocab_size)
+        bits = torch.from_numpy(np.unpackbits(self._bitmask.numpy().view(np.uint8), count=n, bitorder="little")
+                                .view(np.bool_))  # 0 / 1 bytes read as bool: no copy
+        if n == vocab_size:
+            return bits
         out = torch.zeros(vocab_size, dtype=torch.bool)
-        n = min(vocab_size, len(bits))
-        out[:n] = torch.from_numpy(bits[:n].astype(bool))
+        out[:n] = bits
         return out
 
     def masked(self, logits: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor:
@@ -238,7 +241,7 @@ class GrammarState:
         if not bool(allowed.any()):
             raise GrammarError(f"no token of the model's vocabulary continues the structured output after "
                                f"{len(self.tokens)} tokens")
-        return logits.float().masked_fill(~allowed, float("-inf"))
+        return torch.where(allowed, logits.float(), float("-inf"))
 
     def argmax(self, logits: torch.Tensor, prefix: Sequence[int]) -> int:
         """Greedy decoding's token after `prefix`: exactly `int(torch.argmax(self.masked(logits, prefix)))`
