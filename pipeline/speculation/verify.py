@@ -86,8 +86,6 @@ def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler
     row = None
     if logits is not None:
         row = processed_logits(logits, sampler.params, prompt_ids=prompt_ids, output_ids=history)
-        if grammar is not None and sampler.params.is_greedy:  # the masked argmax ([Note: grammar masks])
-            return grammar.argmax(row, history)
         if grammar is not None:  # after the bias and the penalties ([Note: grammar masks])
             row = grammar.masked(row, history)
     if row is not None and sampler.params.is_greedy:
