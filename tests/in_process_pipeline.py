@@ -23,6 +23,7 @@ from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import forward_tensors
 from pipeline.model.family_blocks import plain_norm_weight
 from pipeline.model.stage_model import StageModel
+from pipeline.speculation.firp import FirpMaps
 from pipeline.speculation.grammar import GrammarVocab
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import ExitHead, Predictor, exit_guesses
@@ -44,15 +45,17 @@ class InProcessPipeline:
 
     def __init__(self, stages: Sequence[StageModel], *, max_model_len: int, max_num_seqs: int = 4,
                  predictor: Predictor | None = None, exit_layer: int | None = None, draft_tree: int = 1,
-                 grammar_vocab: GrammarVocab | None = None, grammar_drafts: bool = True) -> None:
+                 grammar_vocab: GrammarVocab | None = None, grammar_drafts: bool = True, firp_k: int = 0) -> None:
         """grammar_vocab: the tokenizer of structured outputs (`SamplingParams.grammar`), when a request has one;
-        grammar_drafts: `SchedulerConfig.grammar_drafts` (constrained drafts follow the grammar)."""
+        grammar_drafts: `SchedulerConfig.grammar_drafts` (constrained drafts follow the grammar).
+        firp_k: FIRP chains of this many rows from identity maps after the exit layer (0: none); a subclass
+        may replace their drafts (`firp_drafts`)."""
         self.stages = list(stages)
         cfg = stages[0].config
         self.engine = Engine(SchedulerConfig(
             num_stages=len(stages), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             eos_token_ids=cfg.eos_token_ids, speculate=predictor is not None, draft_tree=draft_tree,
-            grammar_drafts=grammar_drafts),
+            grammar_drafts=grammar_drafts, firp_k=firp_k),
             predictor, record_timeline=False, grammar_vocab=grammar_vocab)
         exit_layer = stages[0].layer_range.stop - 1 if exit_layer is None else exit_layer
         head = exit_head_for(stages[-1]) if predictor is not None and predictor.needs_exit_head else None
@@ -60,9 +63,11 @@ class InProcessPipeline:
         max_scratch = scratch_positions(draft_tree, self.engine.scheduler.config.max_inflight)  # as the load spec's
         for m in stages:
             here = predictor is not None and exit_layer in m.layer_range
+            firp = dict(firp_layer=exit_layer, firp_maps=FirpMaps(cfg.hidden_size, firp_k).eval()
+                        if exit_layer in m.layer_range else None) if firp_k else {}
             self.executors.append(StageExecutor(m, m.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
                                                 exit_layer=exit_layer if here else None,
-                                                exit_head=head if here else None, max_scratch=max_scratch))
+                                                exit_head=head if here else None, max_scratch=max_scratch, **firp))
         self.queues: list[collections.deque] = [collections.deque() for _ in stages]
         self.outputs: dict[int, list[int]] = collections.defaultdict(list)
 
@@ -87,7 +92,7 @@ class InProcessPipeline:
         for batch in out.sends:
             tensors = forward_tensors(batch)
             self.queues[0].append(("batch", [it.without_tokens() for it in batch], tensors["x"],
-                                   tensors.get("prompt_next")))
+                                   tensors.get("prompt_next"), None))
 
     def _step(self) -> list:
         """Every stage runs the head of its queue (last stage first); returns the engine events."""
@@ -102,18 +107,24 @@ class InProcessPipeline:
                 if j + 1 < len(self.stages):
                     self.queues[j + 1].append(entry)
                 continue
-            _, items, x, prompt_next = entry
+            _, items, x, prompt_next, pseudo = entry
             # (an all-stale batch still travels on, empty: as stage_loop.py)
-            out = self.executors[j].run(items, x, prompt_next=prompt_next)
+            out = self.executors[j].run(items, x, pseudo, prompt_next=prompt_next)
             if self.executors[j].exit_layer is not None and any(it.kind != ItemKind.PREFILL for it in out.items):
                 tokens, probs = out.exit_tokens, out.exit_probs
                 guesses = exit_guesses(tokens, probs, len(out.items))
                 events.append(ExitPassed(items=tuple(out.items), guesses=tuple(guesses)))
             if j + 1 < len(self.stages):
                 hidden = out.hidden if out.hidden is not None else torch.empty(0)
-                self.queues[j + 1].append(("batch", out.items, hidden, out.prompt_next))
+                self.queues[j + 1].append(("batch", out.items, hidden, out.prompt_next, out.pseudo))
             else:
                 token_ids = out.token_ids if out.token_ids is not None else torch.empty(0, dtype=torch.int64)
+                firp = None if out.firp_tokens is None else self.firp_drafts(out.items, out.firp_tokens)
                 events.append(Result(items=tuple(out.items), token_ids=token_ids, logits=out.logits,
-                                     prompt_logprobs=out.prompt_logprobs))
+                                     prompt_logprobs=out.prompt_logprobs, firp_tokens=firp))
         return events
+
+    def firp_drafts(self, items: Sequence, firp_tokens: torch.Tensor) -> torch.Tensor:
+        """The FIRP drafts a result carries (the model's pseudo-row argmax: `firp_tokens`, [sum of items'
+        num_pseudo]); a test's subclass may propose its own (same shape)."""
+        return firp_tokens

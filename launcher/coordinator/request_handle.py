@@ -65,8 +65,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
         if not 0 <= t < tokenizer.vocab_size:
             raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})")
     params.check_vocab(tokenizer.vocab_size)
-    if params.grammar is not None:  # the engine's llguidance tokenizer, built here on the caller's thread
-        _ = GrammarVocab.of(tokenizer).ll  # first time ~0.3 s; ValueError if llguidance cannot read it
+    if params.grammar is not None:  # the engine's llguidance tokenizer and the grammar's matcher, built here on the
+        GrammarVocab.of(tokenizer).matcher(params.grammar)  # caller's thread (~0.3 s each at most), not the engine's
     check_prompt_length(num_prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, max_model_len=max_model_len)
     return text, ids
 

@@ -119,6 +119,7 @@ def test_a_grammar_that_fails_with_the_tokenizer_fails_at_the_first_mask_not_at_
     ("json_schema", "{x", "invalid json schema: not JSON"),
     ("json_schema", '{"type": 3}', "invalid json schema: type must be"),
     ("json_schema", "[1]", "must be a JSON object"),
+    ("json_schema", "false", "invalid json schema: false allows no document"),
     ("xml", "", "kind must be one of"),
     ("choice", "[]", "choice must be a non-empty list"),
     ("choice", '["a", 1]', "choice must be a non-empty list"),
@@ -140,3 +141,76 @@ def test_a_grammar_makes_the_last_stage_ship_logits_and_refuses_ignore_eos():
     assert info.value.param == "response_format"
     with pytest.raises(SamplingParamError):
         SamplingParams(grammar="json")
+
+
+def test_a_spec_over_the_size_limit_is_refused_naming_the_limit():
+    """A choice list / regex / schema text over MAX_GRAMMAR_CHARS is refused before llguidance compiles it (a
+    2 MB choice list, inside the HTTP body limit, took 19 s to compile on the engine's thread)."""
+    from pipeline.speculation.grammar import MAX_GRAMMAR_CHARS
+
+    with pytest.raises(ValueError, match=f"choice is .* characters long, over the limit of {MAX_GRAMMAR_CHARS}"):
+        GrammarSpec.choice([f"choice {i}" for i in range(MAX_GRAMMAR_CHARS // 8)])
+    with pytest.raises(ValueError, match="regex is .* over the limit"):
+        GrammarSpec(kind="regex", text="a" * (MAX_GRAMMAR_CHARS + 1))
+    assert GrammarSpec(kind="regex", text="a" * MAX_GRAMMAR_CHARS).text  # at the limit: accepted
+
+
+def test_a_request_compiles_its_grammar_once_on_the_submitting_thread(monkeypatch, tmp_path):
+    """`encode_prompt` (the caller's thread) compiles the matcher; the engine's GrammarStates (n choices) copy
+    it, each with its own state; past MAX_COMPILED newer specs the oldest is compiled again."""
+    import types
+
+    import llguidance
+
+    from launcher.coordinator.request_handle import encode_prompt
+    from pipeline.model.tokenizer import Tokenizer
+    from pipeline.speculation import grammar
+    from tests.tiny_model import write_tiny_model
+
+    tokenizer = Tokenizer(write_tiny_model(tmp_path / "m"))
+    vocab, specs = GrammarVocab.of(tokenizer), [GrammarSpec.choice([f"c{i}a", f"c{i}b"]) for i in range(17)]
+    _ = vocab.ll
+    compiled = []
+    monkeypatch.setattr(grammar, "llguidance", types.SimpleNamespace(
+        LLMatcher=lambda *a, **k: compiled.append(a[1]) or llguidance.LLMatcher(*a, **k)))
+    encode_prompt(tokenizer, "Hi", SamplingParams(max_new_tokens=4, grammar=specs[0]), max_model_len=64)
+    assert compiled == [specs[0].grammar]
+    states = [GrammarState(specs[0], vocab) for _ in range(3)]
+    states[0].sync([ord("c"), ord("0")])
+    assert len(compiled) == 1 and states[1].tokens == [] and not bool(states[1].allowed([], 256)[ord("0")])
+    for spec in specs[1:]:
+        GrammarState(spec, vocab)
+    GrammarState(specs[0], vocab)
+    assert len(compiled) == 18, "the oldest spec was not compiled again past MAX_COMPILED newer ones"
+
+
+def test_the_json_schema_true_allows_any_json_value(tokenizer, vocab):
+    """`true` (every document valid; llguidance refused it with "Expecting object schema to apply options")
+    allows an object, an array, a number or a string to start."""
+    state = GrammarState(GrammarSpec(kind="json_schema", text="true"), vocab)
+    assert {t for text in ("{", "[", "7", '"') for t in _ids(tokenizer, text)} <= _allowed_ids(state, [])
+
+
+def test_greedy_verify_takes_the_mask_even_where_llguidance_validates_a_token_it_masks(tokenizer, vocab):
+    """After '{"' a schema's mask forbids "na" (it allows the key's own tokens) although the matcher's
+    `validate_tokens` accepts it: a greedy shortcut that skips the mask when the raw argmax "validates"
+    would commit "na" where plain masked decoding commits another token."""
+    from pipeline.speculation.sampling import Sampler
+    from pipeline.speculation.verify import verify_result
+
+    spec = GrammarSpec(kind="json_schema", text=json.dumps({
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+        "required": ["name", "age"]}))
+    prefix, na = _ids(tokenizer, '{"'), _ids(tokenizer, "na")
+    assert len(na) == 1 and len(prefix) == 1
+    state = GrammarState(spec, vocab)
+    if state._matcher.validate_tokens(prefix + na) != 2:
+        pytest.skip("llguidance no longer validates the masked token (the shortcut's hazard is gone)")
+    assert na[0] not in _allowed_ids(GrammarState(spec, vocab), prefix)
+    row = torch.zeros(49152)
+    row[na[0]] = 10.0
+    want = int(torch.argmax(GrammarState(spec, vocab).masked(row, prefix)))
+    params = SamplingParams(max_new_tokens=4, grammar=spec)
+    got = verify_result(argmax=[na[0]], drafts=[], logits=row[None], sampler=Sampler(params), eos_token_ids=[EOS],
+                        ignore_eos=False, budget_left=4, output_ids=prefix, grammar=GrammarState(spec, vocab))
+    assert got == [want] and want != na[0]

@@ -20,7 +20,7 @@ import pytest
 from launcher.serving.grpc_generate import request_params
 from launcher.serving.openai_protocol import parse_chat, parse_completion
 from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
-from pipeline.speculation.grammar import GrammarSpec
+from pipeline.speculation.grammar import MAX_GRAMMAR_CHARS, GrammarSpec
 from proto import speedpipe_pb2 as pb
 from tests.unit.test_grpc_error_details import _details, _generate_error
 from tests.unit.test_serving_grpc import grpc_server  # noqa: F401 (the fixture)
@@ -54,6 +54,10 @@ REFUSED = [
      "response_format.json_schema.strict"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": 5}}},
      "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": "my schema"}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": "n" * 65}}},
+     "response_format.json_schema.name"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
@@ -66,6 +70,10 @@ REFUSED = [
     ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
     ({"structured_outputs": ["regex"]}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
+    ({"structured_outputs": {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["abcd"] * (MAX_GRAMMAR_CHARS // 8 + 1)}}, "structured_outputs.choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * MAX_GRAMMAR_CHARS]}}}},
+     "response_format.json_schema.schema"),
 ]
 
 
@@ -105,6 +113,7 @@ GRPC_REFUSED = [
     (pb.StructuredOutput(json_schema=""), "structured_output.json_schema"),
     (pb.StructuredOutput(choice=pb.Choices()), "structured_output.choice"),
     (pb.StructuredOutput(choice=pb.Choices(choices=["a", ""])), "structured_output.choice"),
+    (pb.StructuredOutput(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "structured_output.regex"),
 ]
 
 

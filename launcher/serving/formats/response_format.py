@@ -15,6 +15,7 @@ their InvalidRequestError) naming the field by its dotted path: 400 / INVALID_AR
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from pipeline.speculation.grammar import GrammarSpec
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's json_schema.name (API reference)
 SHOWN_CHARS = 80  # most characters of a client's value a message echoes (serving_engine.SHOWN_CHARS)
 
 
@@ -87,8 +89,9 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
     field = "response_format.json_schema"
     wrapper = _object(fmt.get("json_schema"), field)
     name, strict = wrapper.get("name"), wrapper.get("strict")
-    if name is not None and not isinstance(name, str):
-        raise FormatError(f"'{field}.name' must be a string, got {shown(name)}", f"{field}.name")
+    if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise FormatError(f"'{field}.name' must be 1 to 64 letters, digits, '_' or '-', got {shown(name)}",
+                          f"{field}.name")
     if strict is not None and not isinstance(strict, bool):
         raise FormatError(f"'{field}.strict' must be true or false, got {shown(strict)}", f"{field}.strict")
     schema = _object(wrapper.get("schema"), f"{field}.schema")
