@@ -47,7 +47,12 @@ def readme_launch_lines(text: str) -> list[tuple[int, list[str]]]:
         if pending.endswith("\\"):
             pending = pending[:-1] + " "
             continue
-        words, pending = shlex.split(pending, comments=True), ""
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quoted string that goes on on the next line, as bash reads it
+            pending += "\n"
+            continue
+        pending = ""
         segments, current = [], []
         for w in words:
             if w == "&&":
