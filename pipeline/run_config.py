@@ -68,7 +68,7 @@ class RunConfig:
     firp_min_prob: float = 0.0  # FIRP drafts carried only while at least this probable
     row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
     draft_tree: int = 1  # candidates per SPEED draft position, siblings included (pipeline/speculation/tree.py); 1 = off
-    grammar_drafts: bool = True  # constrained drafts follow the grammar (pipeline/speculation/grammar_drafts.py)
+    grammar_drafts: bool = True  # constrained drafts follow the grammar (pipeline/engine/grammar_drafts.py)
     # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
     row_cost: str = "auto"  # where the row-cost table comes from: none | calibrate (every stage times
     # itself at start-up) | file:PATH (= row_cost_file PATH) | auto (calibrate when FIRP is on and no

@@ -102,7 +102,7 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
             "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
             "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
-            # [Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py
+            # [Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py
             "grammar_forced": spec.grammar_forced, "grammar_replaced": spec.grammar_replaced,
             "grammar_dropped": spec.grammar_dropped}
 

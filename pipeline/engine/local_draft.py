@@ -157,7 +157,7 @@ def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, se
 def _grammar_drafts(config: SchedulerConfig, seq: SequenceState) -> bool:
     """A constrained sequence under grammar-aware drafting is drafted by the coordinator alone: the
     stage has no grammar, and a forced draft the coordinator queues at send time would race the
-    stage's own ([Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py)."""
+    stage's own ([Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py)."""
     return config.grammar_drafts and seq.grammar is not None
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from pipeline.engine.grammar_drafts import DraftMatcher
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.grammar import GrammarState
-from pipeline.speculation.grammar_drafts import DraftMatcher
 from pipeline.speculation.items import Item
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.logprobs import TokenLogprob
@@ -105,7 +105,7 @@ class SequenceState:
     pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket (the ledger keeps it once sent)
     firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
     grammar: GrammarState | None = None  # the structured output's matcher (`SamplingParams.grammar`)
-    draft_grammar: DraftMatcher | None = None  # its drafting matcher (pipeline/speculation/grammar_drafts.py)
+    draft_grammar: DraftMatcher | None = None  # its drafting matcher (pipeline/engine/grammar_drafts.py)
 
     @property
     def finished(self) -> bool:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.engine import local_draft
+from pipeline.engine.grammar_drafts import GrammarDrafts
 from pipeline.engine.records import (
     NON_FINITE_TOKEN,
     Commit,
@@ -51,7 +52,6 @@ from pipeline.engine.records import (
 from pipeline.engine.row_budget import RowBudget, next_firp_drafts, wants_exit
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.grammar import GrammarError, GrammarState, GrammarVocab
-from pipeline.speculation.grammar_drafts import GrammarDrafts
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
 from pipeline.speculation.ledger import SequenceLedger
 from pipeline.speculation.logprobs import prompt_token_logprobs, token_logprob

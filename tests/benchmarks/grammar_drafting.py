@@ -1,5 +1,5 @@
 """Benchmark: grammar-aware drafting on structured outputs ([Note: grammar-aware drafting] in
-pipeline/speculation/grammar_drafts.py).
+pipeline/engine/grammar_drafts.py).
 
 Runs `none`, SPEED with grammar-aware drafting off (`speed/P:off`: the predictor's drafts as they
 are; the verifier's mask rejects the forbidden ones) and on (`speed/P`), side by side in one process

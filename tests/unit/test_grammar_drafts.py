@@ -1,4 +1,4 @@
-"""Grammar-aware drafting's rules ([Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py).
+"""Grammar-aware drafting's rules ([Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py).
 
 What breaks when these fail: a constrained sequence drafts a token its grammar forbids (a row wasted,
 a squash), misses a token the grammar forces (a sure draft lost, or held back waiting for the exit
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.engine.grammar_drafts import GRAMMAR_SOURCE, GrammarDrafts
 from pipeline.engine.records import SchedulerConfig, SpecCounters
 from pipeline.engine.scheduler import Scheduler
 from pipeline.speculation.grammar import GrammarSpec, GrammarVocab
-from pipeline.speculation.grammar_drafts import GRAMMAR_SOURCE, GrammarDrafts
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import Draft
 from pipeline.speculation.sampling import SamplingParams

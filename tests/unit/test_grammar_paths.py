@@ -157,7 +157,7 @@ def _predictor(kind: str, table: ReferenceTable):
 def test_speculation_commits_the_masked_plain_tokens(tiny_dir, vocab, references, name, setting, kind, num_stages):
     """SPEED drafts (always wrong, or `MostlyRightPredictor`'s, so that multi-row verifies happen) and
     token trees commit exactly plain masked decoding's tokens, with grammar-aware drafting
-    ([Note: grammar-aware drafting] in pipeline/speculation/grammar_drafts.py) and without it
+    ([Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py) and without it
     ("-unsteered": forbidden drafts reach the verifier, whose mask must reject them)."""
     want = [references[name, setting, i] for i in range(len(PROMPTS))]
     table = ReferenceTable(zip(PROMPTS, want, strict=True))
