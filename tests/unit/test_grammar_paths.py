@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pipeline.engine.engine import Engine
-from pipeline.engine.events import ReplayRunning, Result, Submit
+from pipeline.engine.events import Result
 from pipeline.engine.records import SchedulerConfig
 from pipeline.model.row_layout import Span
 from pipeline.speculation.grammar import GrammarSpec, GrammarState, GrammarVocab
@@ -34,7 +34,7 @@ from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import TINY_EOS_ID, byte_tokenizer, write_tiny_model
 from tests.unit import test_replay as replay
 from tests.unit.test_local_draft import LocalFakePipeline
-from tests.unit.test_logit_bias_paths import FirpFakePipeline
+from tests.unit.test_logit_bias_paths import FirpFakePipeline, drive_replays
 from tests.unit.test_speculation_scheduler import MAX_MODEL_LEN, _submits
 from tests.unit.test_token_tree_pipeline import _stages
 
@@ -279,24 +279,8 @@ def test_a_replay_after_a_stage_restart_keeps_the_masked_plain_tokens(monkeypatc
             engine = Engine(SchedulerConfig(num_stages=3, max_num_seqs=3, max_model_len=256, speculate=speculate,
                                             eos_token_ids=(TINY_EOS_ID,)),
                             ReferenceChains(table) if speculate else None, record_timeline=False, grammar_vocab=vocab)
-            ring, outputs = replay.FakeRing(), {i: [] for i in want}
-
-            def step(events, engine=engine, ring=ring, outputs=outputs) -> None:
-                out = engine.step(events)
-                ring.take(out)
-                for c in out.commits:
-                    assert c.error is None, c.error
-                    outputs[c.seq_id].extend(c.token_ids)
-
-            step([Submit(seq_id=i, prompt_ids=tuple(p), params=params) for i, p in enumerate(replay.PROMPTS)])
-            tick = 0
-            while engine.has_unfinished:
-                tick += 1
-                if tick in replays:
-                    ring.lose_everything()
-                    step([ReplayRunning()])
-                else:
-                    step([ring.result()])
+            outputs, errors = drive_replays(engine, params, replays)
+            assert not errors, errors
             assert outputs == want, (speculate, replays)
 
 

@@ -195,13 +195,21 @@ def _run_replay(params: SamplingParams, proposer: Proposer | None, replay_at: se
     in flight (a stage restart) at the ticks in `replay_at`."""
     engine = Engine(SchedulerConfig(num_stages=3, max_num_seqs=3, max_model_len=256, speculate=proposer is not None),
                     proposer, record_timeline=False)
-    ring, outputs = replay.FakeRing(), collections.defaultdict(list)
+    return drive_replays(engine, params, replay_at)[0]
+
+
+def drive_replays(engine: Engine, params: SamplingParams, replay_at: set[int]) -> tuple[dict[int, list[int]], list[str]]:
+    """Submit replay.PROMPTS to `engine` over a FakeRing until every sequence finishes, losing everything in
+    flight (a stage restart) at the ticks in `replay_at`. Returns (seq_id -> committed tokens, commit errors)."""
+    ring, outputs, errors = replay.FakeRing(), collections.defaultdict(list), []
 
     def step(events) -> None:
         out = engine.step(events)
         ring.take(out)
         for c in out.commits:
             outputs[c.seq_id].extend(c.token_ids)
+            if c.error is not None:
+                errors.append(c.error)
 
     step([Submit(seq_id=i, prompt_ids=tuple(p), params=params) for i, p in enumerate(replay.PROMPTS)])
     tick = 0
@@ -212,7 +220,7 @@ def _run_replay(params: SamplingParams, proposer: Proposer | None, replay_at: se
             step([ReplayRunning()])
         else:
             step([ring.result()])
-    return dict(outputs)
+    return dict(outputs), errors
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
