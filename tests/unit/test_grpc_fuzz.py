@@ -38,6 +38,10 @@ _float = st.one_of(
     st.sampled_from([0.0, -0.0, 1e-45, 1e-40, 1.0, 2.0, 2.0000002]),
 )
 _small = st.integers(0, 12)
+# Structured outputs: valid, malformed and unsatisfiable constraints (a schema that is not JSON, `false`,
+# a regex that does not compile, an empty choice list, one over the 262,144-character cap).
+SCHEMAS = ['{"type": "object"}', "true", "false", "[]", "{", '{"type": "nope"}', '{"enum": []}', "x" * 262_145]
+REGEXES = ["[0-9]+", "(", "a{99999999}", "", "\\", "[^\\s\\S]"]
 # Every field of GenerateRequest, in its wire type's full range (optional fields drawn or left unset).
 FIELDS = {
     "request_id": st.one_of(st.text(max_size=8), st.text(min_size=250, max_size=300)),
@@ -55,6 +59,12 @@ FIELDS = {
     "min_p": _float,
     "logit_bias": st.dictionaries(
         st.one_of(st.integers(-2, 300), st.integers(*INT32)), st.one_of(_float, st.floats(-101, 101, width=32)), max_size=3
+    ),
+    "structured_output": st.one_of(
+        st.booleans().map(lambda b: pb.StructuredOutput(json_object=b)),
+        st.one_of(st.text(max_size=30), st.sampled_from(SCHEMAS)).map(lambda s: pb.StructuredOutput(json_schema=s)),
+        st.one_of(st.text(max_size=12), st.sampled_from(REGEXES)).map(lambda r: pb.StructuredOutput(regex=r)),
+        st.lists(st.text(max_size=6), max_size=4).map(lambda c: pb.StructuredOutput(choice=pb.Choices(choices=c))),
     ),
 }
 PROMPT = st.one_of(
@@ -136,5 +146,20 @@ def test_any_generate_request_is_ok_or_a_client_error(channel, fields, prompt):
 @given(raw=st.one_of(st.binary(max_size=40), st.sampled_from(RAW_REQUESTS)))
 def test_raw_request_bytes_are_ok_or_invalid_argument(channel, raw):
     code, details, replies = _call(channel, raw)
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), (code, details)
+    _check(code, details, replies)
+
+
+@pytest.mark.parametrize("constraint", [
+    *(pb.StructuredOutput(json_schema=s) for s in SCHEMAS),
+    *(pb.StructuredOutput(regex=r) for r in REGEXES),
+    pb.StructuredOutput(json_object=False),
+    pb.StructuredOutput(choice=pb.Choices(choices=[])),
+    pb.StructuredOutput(choice=pb.Choices(choices=["", "a"])),
+], ids=lambda c: str(c)[:24])
+def test_every_listed_constraint_is_ok_or_invalid_argument(channel, constraint):
+    """Each hand-listed constraint on a valid request (the fuzz above meets each one only by chance)."""
+    request = pb.GenerateRequest(prompt="hi", max_new_tokens=2, structured_output=constraint)
+    code, details, replies = _call(channel, request.SerializeToString())
     assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), (code, details)
     _check(code, details, replies)
