@@ -111,7 +111,7 @@ _SAMPLING = {
         st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])}),
         st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
             {"schema": st.sampled_from([{"type": "object"}, {"type": 3}, {"type": "string", "pattern": "a("}])},
-            optional={"name": _text, "strict": st.booleans()})}),
+            optional={"name": st.one_of(_text, st.just("person")), "strict": st.booleans()})}),
     ),
     "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "json_object", "grammar"]),
                                           st.one_of(_text, st.booleans(), st.lists(_text, max_size=3)), max_size=2),

@@ -48,10 +48,12 @@ REFUSED = [
     ({"response_format": {}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
      "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}}},
      "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+     "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": 5}}},
      "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": "my schema"}}},
@@ -72,7 +74,7 @@ REFUSED = [
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
     ({"structured_outputs": {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}}, "structured_outputs.regex"),
     ({"structured_outputs": {"choice": ["abcd"] * (MAX_GRAMMAR_CHARS // 8 + 1)}}, "structured_outputs.choice"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * MAX_GRAMMAR_CHARS]}}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * MAX_GRAMMAR_CHARS]}}}},
      "response_format.json_schema.schema"),
 ]
 

@@ -3,7 +3,7 @@
 Owns turning those two fields of a decoded HTTP body into a `GrammarSpec` (pipeline/speculation/grammar.py),
 or None for plain text. Accepted (OpenAI API reference, "Structured outputs"; vLLM docs, "Structured Outputs"):
   response_format: {"type": "text"} | {"type": "json_object"} |
-                   {"type": "json_schema", "json_schema": {"name": str, "schema": {...}, "strict": bool}}
+                   {"type": "json_schema", "json_schema": {"name": str (required), "schema": {...}, "strict": bool}}
   structured_outputs: exactly one of {"json": schema object or its JSON text}, {"regex": str},
                       {"choice": [str, ...]}, {"json_object": true}
 `strict` is accepted either way: every schema is enforced. Both fields in one request, an unknown
@@ -89,7 +89,9 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
     field = "response_format.json_schema"
     wrapper = _object(fmt.get("json_schema"), field)
     name, strict = wrapper.get("name"), wrapper.get("strict")
-    if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+    if name is None:  # required by OpenAI's API reference and vLLM's JsonSchemaResponseFormat
+        raise FormatError(f"'{field}.name' is required (1 to 64 letters, digits, '_' or '-')", f"{field}.name")
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
         raise FormatError(f"'{field}.name' must be 1 to 64 letters, digits, '_' or '-', got {shown(name)}",
                           f"{field}.name")
     if strict is not None and not isinstance(strict, bool):
