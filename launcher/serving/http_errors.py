@@ -1,15 +1,16 @@
 """HTTP error responses of the OpenAI-compatible server, and the request body's bytes.
 
 Owns the OpenAI-style error body of every refused or failed request (`error_response`), the status of
-each failure (400 bad input, 401 wrong key, 413 body over --max-request-bytes, 429 full queue, 500 a
-request that failed alone while the server stays up, 503 failed, fenced or draining server), reading
-a body within its limit, and decoding it as JSON (`decode_body`: 400 for bytes that are not UTF-8
+each failure (400 bad input, 401 wrong key, 408 a body still arriving after BODY_READ_TIMEOUT_S, 413 body
+over --max-request-bytes, 429 full queue, 500 a request that failed alone while the server stays up, 503
+failed, fenced or draining server), reading a body within its limits, and decoding it as JSON (`decode_body`: 400 for bytes that are not UTF-8
 JSON, deep nesting or a lone surrogate). Must not: route requests (launcher/serving/http_server.py
 does) or read the body's fields (launcher/serving/openai_protocol.py does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from typing import Any
@@ -26,18 +27,49 @@ from workers.control_auth import secret_matches
 MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
 
 
-class BodyTooLarge(Exception):
+BODY_READ_TIMEOUT_S = 60.0  # longest a request body may take to arrive, from its first read (408 after)
+
+
+class BodyError(Exception):
+    """A request body the server will not read to the end; `status` is the HTTP status it answers."""
+
+    status = 400
+
+
+class BodyTooLarge(BodyError):
     """A request body over --max-request-bytes (413)."""
+
+    status = 413
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body is larger than {limit} bytes (--max-request-bytes)")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; raises BodyTooLarge as soon as it is known to exceed `limit` bytes."""
+class BodyTimeout(BodyError):
+    """A request body still arriving after BODY_READ_TIMEOUT_S (408): a client that trickles its body
+    (slowloris) would otherwise hold a connection and a request slot for as long as it likes."""
+
+    status = 408
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"request body did not arrive within {timeout_s:g} s")
+
+
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body. Raises BodyTooLarge as soon as it is known to exceed `limit` bytes, and
+    BodyTimeout when the whole body has not arrived `timeout_s` seconds (default BODY_READ_TIMEOUT_S)
+    after the read began."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise BodyTooLarge(limit)
+    timeout_s = BODY_READ_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return await asyncio.wait_for(_read_all(request, limit), timeout_s)
+    except asyncio.TimeoutError:  # builtins.TimeoutError from 3.11 on; asyncio's own before
+        raise BodyTimeout(timeout_s) from None
+
+
+async def _read_all(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -118,8 +150,8 @@ def unavailable(exc: PipelineError | UnavailableError) -> JSONResponse:
 
 def admission_error(exc: Exception) -> JSONResponse:
     """The response for an exception raised while admitting a request (see the module docstring)."""
-    if isinstance(exc, BodyTooLarge):
-        return error_response(413, str(exc), None)
+    if isinstance(exc, BodyError):
+        return error_response(exc.status, str(exc), None)
     if isinstance(exc, InvalidRequestError):
         return error_response(400, str(exc), exc.param)
     if isinstance(exc, QueueFullError):

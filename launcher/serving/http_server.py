@@ -42,7 +42,7 @@ from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
 from launcher.serving.http_errors import (
-    BodyTooLarge,
+    BodyError,
     admission_error,
     decode_body,
     error_response,
@@ -279,7 +279,7 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
         except ClientDisconnect:  # gone before its body arrived: nothing was admitted, nobody to answer
             log.debug("client disconnected while sending its request body")
             return Response(status_code=400)
-        except (BodyTooLarge, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
+        except (BodyError, ValueError, QueueFullError, UnavailableError, PipelineError) as exc:
             return admission_error(exc)  # InvalidRequestError is a ValueError
         if parsed.stream:
             return _AbortingStreamingResponse(_stream(stream, parsed, engine=engine, formatter=formatter, chat=chat),
@@ -323,7 +323,7 @@ def _add_tokenizer_routes(app: FastAPI, engine: ServingEngine, *, api_key: str |
             return JSONResponse(await asyncio.to_thread(lambda: answer(decode_body(raw))))
         except ClientDisconnect:
             return Response(status_code=400)
-        except (BodyTooLarge, ValueError) as exc:  # InvalidRequestError is a ValueError
+        except (BodyError, ValueError) as exc:  # InvalidRequestError is a ValueError
             return admission_error(exc)
 
     @app.post("/tokenize")

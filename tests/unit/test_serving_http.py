@@ -21,7 +21,7 @@ import pytest
 
 from launcher.cli.main import main
 from launcher.coordinator.coordinator import PipelineError, RequestHandle
-from launcher.serving import openai_protocol
+from launcher.serving import http_errors, openai_protocol
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
 from launcher.serving.serving_engine import InvalidRequestError, ServingEngine, shown
@@ -1082,3 +1082,25 @@ def test_a_too_long_budget_names_max_completion_tokens_when_the_request_used_it(
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "max_completion_tokens", error
     assert "'max_completion_tokens' (1000)" in error["message"]
+
+
+def test_a_body_still_arriving_after_the_read_timeout_is_408_and_frees_the_connection(guarded, monkeypatch):
+    """A client that sends its headers and then trickles (or stops sending) its body gets 408 once
+    BODY_READ_TIMEOUT_S has passed, instead of holding the connection and a request slot for ever."""
+    monkeypatch.setattr(http_errors, "BODY_READ_TIMEOUT_S", 0.5)
+    _, engine, url = guarded
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k3y\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = sock.recv(4096)  # the socket's 10 s timeout fails the test if no answer comes
+            if not data:
+                break
+            reply += data
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert "did not arrive within 0.5 s" in json.loads(body)["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH).status_code == 200
+    assert engine.num_outstanding == 0
