@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from launcher.serving.serving_engine import shown
+from pipeline.speculation.echo import shown
 from proto import speedpipe_pb2 as pb
 
 GENERATE_SERVICE = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name

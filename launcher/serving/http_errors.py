@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError
 from launcher.serving import openai_protocol
-from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError, clipped
+from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError
+from pipeline.speculation.echo import clipped
 from workers.control_auth import secret_matches
 
 MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have

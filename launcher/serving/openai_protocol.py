@@ -27,8 +27,9 @@ from jinja2 import TemplateError
 
 from launcher.serving.formats.response_format import grammar_from_body
 from launcher.serving.prometheus import FINISH_REASONS
-from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError, clipped, shown
+from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.echo import clipped, shown
 from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -26,11 +26,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
 
 from launcher.coordinator.coordinator import Coordinator, RequestHandle, StreamChunk
 from launcher.serving.prometheus import ServingMetrics
 from pipeline.run_config import check_prompt_length
+from pipeline.speculation.echo import clipped, shown  # noqa: F401 (re-exported: the front ends echo with them)
 from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 
 log = logging.getLogger("speedpipe.serve")
@@ -60,25 +60,6 @@ class InvalidRequestError(ValueError):
         `param`, and quoted replaces exc.param at the message's start ("top_p must be in (0, 1], got 0"
         -> "'top_p' must be in (0, 1], got 0"; max_new_tokens -> 'max_tokens' on HTTP)."""
         return cls((message or str(exc)).replace(exc.param, f"'{field}'", 1), field)
-
-
-SHOWN_CHARS = 80  # most characters of a client's value that an error message echoes
-
-
-def clipped(text: str, limit: int = SHOWN_CHARS) -> str:
-    """`text` (client data as a message shows it) when at most `limit` characters; else its first
-    `limit`, "…" and its length, e.g. `xxx… (20000 characters)`."""
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
-
-
-def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
-    """`repr(value)` for an error message that echoes a client's value (every HTTP and gRPC one); when
-    longer than `limit` characters, its first `limit`, "…" and the value's size, so that a huge string
-    or list keeps the message short: `'xxx…' (20000 characters)`, `[1, 2, …] (5000 items)`."""
-    text = repr(value)
-    if len(text) <= limit or not isinstance(value, (str, list, dict)):
-        return clipped(text, limit)
-    return f"{text[:limit]}… ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.serving.openai_protocol import bool_field, chat_options, check_model, render_chat
-from launcher.serving.serving_engine import InvalidRequestError, shown
+from launcher.serving.serving_engine import InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.echo import shown
 
 MAX_DETOKENIZE_TOKENS = 1 << 20  # longest id list /detokenize takes (far beyond any context)
 

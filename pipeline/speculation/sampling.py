@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipeline.speculation.echo import shown
 from pipeline.speculation.grammar import GrammarSpec
 
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
@@ -195,19 +196,13 @@ def _checked_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in pairs:
         token_id = int(key) if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key) else key
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {_clip(key)}")
+            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {shown(key)}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise SamplingParamError("logit_bias", f"logit_bias of token {token_id} must be a number in "
-                                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {_clip(bias)}")
+                                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {shown(bias)}")
         if out.setdefault(token_id, float(bias)) != float(bias):
             raise SamplingParamError("logit_bias", f"logit_bias sets token {token_id} twice")
     return tuple(sorted(out.items()))
-
-
-def _clip(value: Any, limit: int = 80) -> str:
-    """repr(value) as a message shows a client's value: its first `limit` characters and its length."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def draw_key(seed: int, position: int) -> int:

@@ -173,7 +173,7 @@ def test_logit_bias_is_kept_as_sorted_pairs_from_a_mapping_or_openai_json():
 @pytest.mark.parametrize(("value", "match"), [
     ({1: 100.5}, r"logit_bias of token 1 must be a number in \[-100, 100\], got 100.5"),
     ({1: float("nan")}, "got nan"), ({1: "5"}, "must be a number"), ({1: True}, "must be a number"),
-    ({"2": "x" * 1000}, r"got 'xxx.*… \(1002 characters\)$"),
+    ({"2": "x" * 1000}, r"got 'xxx.*… \(1000 characters\)$"),
     ({-1: 1}, r"keys must be token ids \(integers >= 0\), got -1"), ({"-1": 1}, "got '-1'"),
     ({"abc": 1}, "got 'abc'"), ({"1.5": 1}, "got '1.5'"), ({" 1": 1}, "got ' 1'"), ({1.0: 1}, "got 1.0"),
     ({"1": 1, "01": 2}, "sets token 1 twice"),

@@ -24,11 +24,12 @@ from launcher.coordinator.coordinator import PipelineError, RequestHandle
 from launcher.serving import http_errors, openai_protocol
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
-from launcher.serving.serving_engine import InvalidRequestError, ServingEngine, shown
+from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
 from pipeline.engine.records import Commit, FinishReason, SpecCounters
 from pipeline.measure.timeline import Timeline
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
+from pipeline.speculation.echo import shown
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 from proto import speedpipe_pb2 as pb

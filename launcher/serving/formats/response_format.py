@@ -19,12 +19,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.speculation.echo import shown
 from pipeline.speculation.grammar import GrammarSpec
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's json_schema.name (API reference)
-SHOWN_CHARS = 80  # most characters of a client's value a message echoes (serving_engine.SHOWN_CHARS)
 
 
 class FormatError(ValueError):
@@ -38,12 +38,6 @@ class FormatError(ValueError):
 
 
 ErrorClass = Callable[[str, str], ValueError]  # (message, param) -> the exception to raise
-
-
-def shown(value: Any) -> str:
-    """repr(value) cut at SHOWN_CHARS characters, with its length after "…" when cut."""
-    text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}… ({len(text)} characters)"
 
 
 def grammar_from_body(body: dict, *, error: ErrorClass = FormatError) -> GrammarSpec | None:
