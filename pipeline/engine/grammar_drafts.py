@@ -120,6 +120,7 @@ class GrammarDrafts:
 
     def __init__(self, *, enabled: bool = True, jump: bool = True) -> None:
         self.enabled, self.jump = enabled, jump
+        self.skip_exit = True  # False: the exit head runs before forced drafts too (the benchmark's `:noskip`)
 
     def _view(self, seq: SequenceState, extra: Sequence[int] = ()) -> DraftView | None:
         if not self.enabled or seq.grammar is None:
@@ -127,6 +128,11 @@ class GrammarDrafts:
         if seq.draft_grammar is None:
             seq.draft_grammar = DraftMatcher(seq.grammar)
         return seq.draft_grammar.view([*seq.context()[len(seq.prompt_ids):], *extra])
+
+    def skips_exit_head(self, seq: SequenceState) -> bool:
+        """Whether the item just sent (the chain's end) needs no exit-head guess: the grammar forces
+        the draft after it, which is made without one (see the note)."""
+        return self.skip_exit and self.forced(seq) is not None
 
     def forced(self, seq: SequenceState) -> Draft | None:
         """The draft after the chain's end when the grammar forces it, else None."""

@@ -165,7 +165,7 @@ class Scheduler:
                 self.spec.drafted_tokens += item.num_tokens - 1
                 self.spec.firp_drafted += item.num_tokens - 1
             want = (wants_exit(self.config, self.predictor, seq, item, pipeline_full=pipeline_full)  # (item: the chain's end)
-                    and self.grammar_drafts.forced(seq) is None)  # [Note: exit-head skipping] in row_budget.py
+                    and not self.grammar_drafts.skips_exit_head(seq))  # [Note: exit-head skipping] in row_budget.py
             item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))
             item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full,
                                          depth=self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1, explore=False))
