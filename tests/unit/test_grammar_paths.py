@@ -15,6 +15,7 @@ output is a valid document; the engine's fake pipelines (FIRP, stage-local, repl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -334,19 +335,22 @@ class CheckedRing(replay.FakeRing):
 @pytest.mark.parametrize("firp_k", [0, 2], ids=["speed", "speed+firp"])
 def test_jump_items_keep_the_ledger_and_kv_in_step(monkeypatch, vocab, name, setting, firp_k):
     """3 stages as one FIFO (`CheckedRing`), SPEED drafts right 70% of the time, jump-forward items, with and
-    without FIRP rows and across replays: at every result the ledger's chain is contiguous from the committed
-    length, each current item finds the KV it assumes, and the output is plain masked decoding's."""
+    without FIRP rows and across replays, the replay prompts plus two more choices of the first (n = 3: seed + i):
+    at every result the ledger's chain is contiguous from the committed length, each current item finds the KV
+    it assumes, and every output is plain masked decoding's."""
     monkeypatch.setattr(replay, "_logits", lambda context: _random_logits(tuple(context)))
     monkeypatch.setattr(replay, "_next", lambda context: _raw_argmax(context[-3:]))
-    params = _params(SPECS[name], setting)
-    want = {i: _ring_reference(p, params, vocab) for i, p in enumerate(replay.PROMPTS)}
-    table = ReferenceTable((p, want[i]) for i, p in enumerate(replay.PROMPTS))
+    base = _params(SPECS[name], setting)
+    prompts = [*replay.PROMPTS, replay.PROMPTS[0], replay.PROMPTS[0]]
+    params = [base] * len(replay.PROMPTS) + [dataclasses.replace(base, seed=base.seed and base.seed + i) for i in (1, 2)]
+    want = {i: _ring_reference(p, params[i], vocab) for i, p in enumerate(prompts)}
+    table = ReferenceTable((p, want[i]) for i, p in enumerate(prompts) if i < len(replay.PROMPTS))
     for replays in (set(), {3, 8}):
         engine = Engine(SchedulerConfig(num_stages=3, max_num_seqs=3, max_model_len=256, speculate=True, firp_k=firp_k,
                                         eos_token_ids=(TINY_EOS_ID,)), ReferenceChains(table), record_timeline=False,
                         grammar_vocab=vocab)
         ring, outputs, tick = CheckedRing(engine), {i: [] for i in want}, 0
-        out = engine.step([Submit(seq_id=i, prompt_ids=tuple(p), params=params) for i, p in enumerate(replay.PROMPTS)])
+        out = engine.step([Submit(seq_id=i, prompt_ids=tuple(p), params=params[i]) for i, p in enumerate(prompts)])
         while True:
             ring.take(out)
             for c in out.commits:
