@@ -190,6 +190,21 @@ def test_a_jump_run_stops_before_eos_at_the_budget_and_at_the_cap(vocab, spec, m
     assert seq.pending.end - 1 <= seq.ledger.last_item_position
 
 
+def test_jump_rows_stay_out_of_the_run_ahead_acceptance():
+    """The table-driven run-ahead depth (RowBudget.run_ahead) reads SPEED's acceptance per draft item: a jump
+    item's later rows, always accepted, must not lift it (40 run-ahead drafts all rejected: no run-ahead, with
+    or without 200 jump rows beside them)."""
+    from pipeline.engine.row_budget import RowBudget
+
+    table = RowCostTable(mode="t", num_rows=(1, 2), pass_s=(1.0, 1.05))
+    config = SchedulerConfig(num_stages=4, speculate=True, max_inflight=4, row_costs=table, run_ahead_from_table=True)
+    rows = RowBudget(max_firp_k=0, row_costs=table)
+    alone = SpecCounters(verified_drafts=40)
+    beside = SpecCounters(verified_drafts=240, accepted_tokens=200, jump_verified=200, jump_accepted=200)
+    assert rows.run_ahead(config, alone, shared_rows=0, explore=False) == 1
+    assert rows.run_ahead(config, beside, shared_rows=0, explore=False) == 1
+
+
 def test_the_row_cost_table_caps_a_jump_run():
     """A jump item grows while a row more lowers the cost per row ([Note: rows worth sending] with sure drafts)."""
     assert max_jump_rows(None) == MAX_JUMP_ROWS
