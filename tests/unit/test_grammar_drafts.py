@@ -190,6 +190,21 @@ def test_a_jump_run_stops_before_eos_at_the_budget_and_at_the_cap(vocab, spec, m
     assert seq.pending.end - 1 <= seq.ledger.last_item_position
 
 
+def test_a_tree_draft_behind_a_jump_item_never_shares_a_scratch_in_flight(vocab):
+    """4 stages, --draft-tree 3, choice of `ab1234x` / `ab1234y` / `ac`: after `a` the tree draft `b` (sibling `c`)
+    at p, the jump item `1234` at p+1..p+4, then the draft `x` at p+5, whose sibling `y` would use the scratch of
+    p's sibling (p mod (max_inflight + 1)) while that one may still be rescued: it goes without siblings
+    ([Note: token trees], scratch)."""
+    spec = GrammarSpec.choice(["ab1234x", "ab1234y", "ac"])
+    sched, seq = _committed(vocab, spec, A, Ranked(ord("b"), [ord("c"), ord("x"), ord("y")]), num_stages=4, draft_tree=3)
+    items = [sched.next_batch(num_inflight=i).items[0] for i in range(3)]
+    assert [it.token_ids for it in items] == [(A,), (ord("b"),), tuple(b"1234")]
+    assert items[1].alt_token_ids == (ord("c"),)
+    late = seq.pending
+    assert late.token_ids == (ord("x"),) and late.start == items[1].start + 5
+    assert sched.tree.scratch_of(late.start) == sched.tree.scratch_of(items[1].start) and late.alt_token_ids == ()
+
+
 def test_jump_rows_stay_out_of_the_run_ahead_acceptance():
     """The table-driven run-ahead depth (RowBudget.run_ahead) reads SPEED's acceptance per draft item: a jump
     item's later rows, always accepted, must not lift it (40 run-ahead drafts all rejected: no run-ahead, with
