@@ -16,7 +16,7 @@ acceptance alpha, tokens per pass, the grammar draft counters (forced / replaced
 exit-head rows run and skipped, and whether every output was token-identical to `none`'s.
 
 Usage: python -m tests.benchmarks.grammar_drafting [--stages 2] [--max-new-tokens 80] [--repeats 2]
-       [--configs none,speed/hybrid:off,speed/hybrid:nojump,speed/hybrid]
+       [--configs none,speed/hybrid:off,speed/hybrid:nojump:noskip,speed/hybrid:nojump,speed/hybrid]
        [--out tests/benchmarks/results/grammar_drafting.json]
 """
 
@@ -60,11 +60,16 @@ CASES = {  # name: (user message, spec)
 
 
 def options(config: str, stages: int) -> PipelineOptions:
-    """PipelineOptions of one configuration: speculation.py's MODE[/PREDICTOR][:stage], then `:off` for
-    grammar-aware drafting off or `:nojump` for it on without jump-forward (`:noskip`: see `main`)."""
-    off, nojump = config.endswith(":off"), config.endswith(":nojump")
-    base = speculation_options(config.removesuffix(":off").removesuffix(":nojump").removesuffix(":noskip"), stages, None)
-    return dataclasses.replace(base, grammar_drafts=not off, grammar_jump=not nojump)
+    """PipelineOptions of one configuration: speculation.py's MODE[/PREDICTOR][:stage], then any of `:off`
+    (grammar-aware drafting off), `:nojump` (on, without jump-forward), `:noskip` (see `main`)."""
+    flags = _flags(config)
+    stage = [f":{f}" for f in flags if f.startswith("stage")]  # :stage[!DEEP], speculation.py's
+    base = speculation_options(config.split(":", 1)[0] + "".join(stage), stages, None)
+    return dataclasses.replace(base, grammar_drafts="off" not in flags, grammar_jump="nojump" not in flags)
+
+
+def _flags(config: str) -> set[str]:
+    return set(config.split(":")[1:])
 
 
 def measure(session: PipelineSession, prompt: list[int], spec: GrammarSpec, max_new_tokens: int) -> dict:
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=80)
     ap.add_argument("--repeats", type=int, default=2, help="rounds over every prompt")
-    ap.add_argument("--configs", default="none,speed/hybrid:off,speed/hybrid:nojump,speed/hybrid")
+    ap.add_argument("--configs", default="none,speed/hybrid:off,speed/hybrid:nojump:noskip,speed/hybrid:nojump,"
+                                         "speed/hybrid")
     ap.add_argument("--out", default="tests/benchmarks/results/grammar_drafting.json")
     args = ap.parse_args(argv)
     configs = {c: options(c, args.stages) for c in ["none"] + [c for c in args.configs.split(",") if c != "none"]}
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for c, opts in configs.items():
             sessions[c] = PipelineSession(opts, resolve(opts)).__enter__()
-            if c.endswith(":noskip"):  # the exit head runs before a forced draft too (no RunConfig field: a measurement)
+            if "noskip" in _flags(c):  # the exit head runs before a forced draft too (no RunConfig field: a measurement)
                 sessions[c].coordinator.engine.scheduler.grammar_drafts.skip_exit = False
         tokenizer = sessions["none"].coordinator.tokenizer
         for rnd in range(args.repeats):
