@@ -12,7 +12,7 @@ from pipeline.engine.grammar_drafts import DraftMatcher
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.grammar import GrammarState
 from pipeline.speculation.items import Item
-from pipeline.speculation.ledger import SequenceLedger
+from pipeline.speculation.ledger import SequenceLedger, Verdict
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.predictors import ExitGuess
 from pipeline.speculation.sampling import Sampler, SamplingParams
@@ -184,24 +184,23 @@ class SpecCounters:
     jump_verified: int = 0  # of those, verified (their share of verified_drafts; never FIRP's)
     jump_accepted: int = 0  # and accepted (their share of accepted_tokens)
 
-    def add_pass(self, *, committed: int, verified: int, accepted: int, own_drafts: int, jump: bool,
-                 squashed: int) -> tuple[int, int]:
-        """Count one result that committed `committed` tokens, with its verdict's counts; own_drafts:
-        the drafts the item carried after its first row, FIRP's or, with `jump`, a forced run's
-        (`InFlight.jump`): each kind counted apart. Returns FIRP's (verified, accepted) of them."""
-        own_verified = min(committed, own_drafts)
-        own_accepted = min(accepted, own_verified)
+    def add_pass(self, verdict: Verdict, *, own_drafts: int, jump: bool) -> tuple[int, int]:
+        """Count one result's verdict (`SequenceLedger.on_result`); own_drafts: the drafts its item
+        carried after its first row, FIRP's or, with `jump`, a forced run's (`InFlight.jump`): each
+        kind counted apart. Returns FIRP's (verified, accepted) of them."""
+        own_verified = min(len(verdict.tokens), own_drafts)
+        own_accepted = min(verdict.num_accepted, own_verified)
         self.passes += 1
-        self.committed_tokens += committed
-        self.verified_drafts += verified
-        self.accepted_tokens += accepted
+        self.committed_tokens += len(verdict.tokens)
+        self.verified_drafts += verdict.num_verified
+        self.accepted_tokens += verdict.num_accepted
         if jump:
             self.jump_verified += own_verified
             self.jump_accepted += own_accepted
             own_verified = own_accepted = 0
         self.firp_verified += own_verified
         self.firp_accepted += own_accepted
-        self.squashed_items += squashed
+        self.squashed_items += verdict.squashed
         return own_verified, own_accepted
 
     @property

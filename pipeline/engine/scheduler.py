@@ -164,8 +164,7 @@ class Scheduler:
                 seq.ledger.add_real(item.token_ids[0], item.token_ids[1:])
                 self.spec.drafted_tokens += item.num_tokens - 1
                 self.spec.firp_drafted += item.num_tokens - 1
-            want = (wants_exit(self.config, self.predictor, seq, item, pipeline_full=pipeline_full)  # (item: the chain's end)
-                    and not self.grammar_drafts.skips_exit_head(seq))  # [Note: exit-head skipping] in row_budget.py
+            want = self._wants_exit(seq, item, pipeline_full=pipeline_full)  # (item: now the chain's end)
             item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))
             item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full,
                                          depth=self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1, explore=False))
@@ -173,6 +172,11 @@ class Scheduler:
         for item in batch:  # after the batch is formed: one item per sequence per micro-batch
             self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
         return batch
+
+    def _wants_exit(self, seq: SequenceState, item: Item, *, pipeline_full: bool) -> bool:
+        """[Note: exit-head skipping] in pipeline/engine/row_budget.py (the grammar's case: `skips_exit_head`)."""
+        return (wants_exit(self.config, self.predictor, seq, item, pipeline_full=pipeline_full)
+                and not self.grammar_drafts.skips_exit_head(seq))
 
     def _admit_waiting(self) -> None:
         while self.waiting and self.free_slots:
@@ -281,9 +285,8 @@ class Scheduler:
                                       spec=self.spec, row_costs=self.rows.row_costs)
         start = end.last_position + 1
         firp = self._firp_fields(seq, first_anchor=start + len(run) - 1, num_anchors=1)
-        tree = self.tree.draft_fields(self.grammar_drafts.filtered(seq, self.predictor), seq.context(), guess, draft,
-                                      start=start, chain=seq.ledger.inflight,
-                                      has_firp=bool(firp.get("firp_k")) or len(run) > 1)
+        tree = self.tree.draft_fields(self.grammar_drafts.filtered(seq, self.predictor), seq.context(), guess, draft, start=start,
+                                      chain=seq.ledger.inflight, has_firp=bool(firp.get("firp_k")) or len(run) > 1)
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=len(run), epoch=end.epoch,
                            kind=ItemKind.DRAFT, token_ids=run, want_logits=seq.params.needs_logits, **firp, **tree)
         seq.pending_ready_ns = now_ns
@@ -353,9 +356,7 @@ class Scheduler:
         rescue = self.tree.rescue_for(seq, item, tokens, eos_token_ids=self.config.eos_token_ids)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         local_draft.guard_unannounced(seq, item)
-        firp_verified, firp_accepted = self.spec.add_pass(
-            committed=len(tokens), verified=verdict.num_verified, accepted=verdict.num_accepted,
-            own_drafts=len(head.drafts), jump=head.jump, squashed=verdict.squashed)
+        firp_verified, firp_accepted = self.spec.add_pass(verdict, own_drafts=len(head.drafts), jump=head.jump)
         if firp_verified:  # RowBudget's depth table: FIRP chains only
             self.rows.record(verified=firp_verified, accepted=firp_accepted)
         if not seq.ledger.inflight:  # a pending draft followed the finished (or squashed) chain
