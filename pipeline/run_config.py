@@ -69,6 +69,7 @@ class RunConfig:
     row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
     draft_tree: int = 1  # candidates per SPEED draft position, siblings included (pipeline/speculation/tree.py); 1 = off
     grammar_drafts: bool = True  # constrained drafts follow the grammar (pipeline/engine/grammar_drafts.py)
+    grammar_jump: bool = True  # with grammar_drafts: a forced run is one multi-row draft item (jump-forward)
     # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
     row_cost: str = "auto"  # where the row-cost table comes from: none | calibrate (every stage times
     # itself at start-up) | file:PATH (= row_cost_file PATH) | auto (calibrate when FIRP is on and no
@@ -206,7 +207,7 @@ class RunConfig:
             eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
             min_acceptance=self.draft_min_acceptance(parallel_stages), firp_k=firp_k, firp_min_prob=self.firp_min_prob,
             row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight, draft_tree=self.draft_tree,
-            grammar_drafts=self.grammar_drafts,
+            grammar_drafts=self.grammar_drafts, grammar_jump=self.grammar_jump,
             run_ahead_from_table=self.max_inflight == 0 and (self.calibrates_row_costs or self.row_cost_path is not None))
 
 

@@ -45,9 +45,11 @@ class InProcessPipeline:
 
     def __init__(self, stages: Sequence[StageModel], *, max_model_len: int, max_num_seqs: int = 4,
                  predictor: Predictor | None = None, exit_layer: int | None = None, draft_tree: int = 1,
-                 grammar_vocab: GrammarVocab | None = None, grammar_drafts: bool = True, firp_k: int = 0) -> None:
+                 grammar_vocab: GrammarVocab | None = None, grammar_drafts: bool = True, firp_k: int = 0,
+                 grammar_jump: bool = True) -> None:
         """grammar_vocab: the tokenizer of structured outputs (`SamplingParams.grammar`), when a request has one;
-        grammar_drafts: `SchedulerConfig.grammar_drafts` (constrained drafts follow the grammar).
+        grammar_drafts: `SchedulerConfig.grammar_drafts` (constrained drafts follow the grammar); grammar_jump:
+        `SchedulerConfig.grammar_jump` (a forced run as one draft item).
         firp_k: FIRP chains of this many rows from identity maps after the exit layer (0: none); a subclass
         may replace their drafts (`firp_drafts`)."""
         self.stages = list(stages)
@@ -55,7 +57,7 @@ class InProcessPipeline:
         self.engine = Engine(SchedulerConfig(
             num_stages=len(stages), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             eos_token_ids=cfg.eos_token_ids, speculate=predictor is not None, draft_tree=draft_tree,
-            grammar_drafts=grammar_drafts, firp_k=firp_k),
+            grammar_drafts=grammar_drafts, grammar_jump=grammar_jump, firp_k=firp_k),
             predictor, record_timeline=False, grammar_vocab=grammar_vocab)
         exit_layer = stages[0].layer_range.stop - 1 if exit_layer is None else exit_layer
         head = exit_head_for(stages[-1]) if predictor is not None and predictor.needs_exit_head else None

@@ -104,7 +104,7 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
             # [Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py
             "grammar_forced": spec.grammar_forced, "grammar_replaced": spec.grammar_replaced,
-            "grammar_dropped": spec.grammar_dropped}
+            "grammar_dropped": spec.grammar_dropped, "grammar_jump_tokens": spec.grammar_jump_tokens}
 
 
 def speculation_notes(session: PipelineSession, speculate_reason: str = "") -> list[str]:
@@ -136,8 +136,9 @@ def speculation_text(stats: dict) -> str:
         head = ", exit head included" if stats["estimate_includes_exit_head"] else ""
         parts.append(f"about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})")
     if stats.get("grammar_forced") or stats.get("grammar_replaced") or stats.get("grammar_dropped"):
+        jump = stats.get("grammar_jump_tokens")
         parts.append(f"grammar drafts: {stats['grammar_forced']} forced, {stats['grammar_replaced']} replaced, "
-                     f"{stats['grammar_dropped']} dropped")
+                     f"{stats['grammar_dropped']} dropped" + (f", {jump} jump-forward rows" if jump else ""))
     if stats.get("tree_verified"):
         parts.append(f"tree acceptance {stats['tree_acceptance']:.0%} ({stats['tree_hits']}/{stats['tree_verified']}), "
                      f"{plural(stats['rescues'], 'rescue')}, {stats['rows_per_tree_draft']:.2f} rows per tree draft")

@@ -76,6 +76,8 @@ class _PipelineCollector:
              spec.grammar_replaced),
             ("grammar_dropped_drafts", "Drafts the grammar forbids with no allowed candidate, not sent.",
              spec.grammar_dropped),
+            ("grammar_jump_tokens", "Forced tokens drafted as the later rows of a jump-forward draft item.",
+             spec.grammar_jump_tokens),
         ):
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)

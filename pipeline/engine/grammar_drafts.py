@@ -20,20 +20,38 @@ chain's tokens, `seq.context()` minus the prompt):
     trees use) replaces it; with none, no draft is sent (`draft`). Tree siblings are filtered too
     (`filtered`).
 A real item's FIRP chain is cut before its first forbidden draft, and a forced position takes the
-forced token (`chain`). (Not done: jump-forward, SGLang's (Zheng et al., arXiv 2312.07104 §4) whole
-forced run as one multi-row item the pipeline verifies, [Note: chain verify] in
-pipeline/speculation/ledger.py; the FIRP chain counters and RowBudget would have to tell such drafts
-from FIRP's.) Stage-local drafting (pipeline/engine/local_draft.py) has no grammar: a constrained
+forced token (`chain`).
+
+Jump-forward (SGLang, Zheng et al., arXiv 2312.07104 §4): a forced draft takes with it the whole
+run the grammar forces after it (`run`: `"name": "` after `{`, `, "age": ` after a value, a choice's
+tail), as ONE draft item of L rows instead of L one-row items, each waiting for a slot in the run-ahead
+chain. Once its first token is committed (the result of the item before it), its rows are verified
+as a chain in one pass ([Note: chain verify] in pipeline/speculation/ledger.py): row i's token is the
+masked choice after the committed prefix, the only allowed one, so p = 1 and it is accepted, greedy
+and sampled alike; a wrong draft before the item squashes it as any draft. The run stops before EOS
+(the last row's result commits it), at the token budget (`SequenceLedger.last_item_position`), and
+at MAX_JUMP_ROWS / the row-cost table (`max_jump_rows`). Its later rows are counted apart
+(`grammar_jump_tokens`, `SpecCounters.jump_verified` / `jump_accepted`, `InFlight.jump`): never as
+FIRP drafts (FIRP's counters, RowBudget's depth table) nor in the SPEED run-ahead acceptance, which
+is per item. A tree draft far behind a jump item gets no siblings ([Note: token trees], scratch).
+It needs the run-ahead chain (`--speculate speed` or `speed+firp`), not FIRP chains. The exit stage
+does not run its head on an item whose next draft is forced: nothing reads that guess
+([Note: exit-head skipping] in pipeline/engine/row_budget.py). `SchedulerConfig.grammar_jump=False`
+sends forced tokens one per item again.
+
+Stage-local drafting (pipeline/engine/local_draft.py) has no grammar: a constrained
 sequence is drafted by the coordinator alone. The drafting matcher is separate from the verifier's so that neither's sync
 rolls the other back: the verifier's prefix only grows, the drafter's runs ahead and rolls back
-after a squash. Each mask costs ~0.1 ms here (llguidance on the default model's 49k vocabulary);
-the result of the last prefix is kept, so an exit event after a send does not compute it twice.
+after a squash (its answer is a function of the prefix it is asked about: a squash shortens the
+chain, so the next prefix rolls it back). Each mask costs ~0.1 ms here (llguidance on the default
+model's 49k vocabulary); the result of the last prefix is kept, so an exit event after a send (or
+the send after a jump run) does not compute it twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,8 +61,23 @@ from pipeline.speculation.predictors import Draft, ExitGuess
 
 if TYPE_CHECKING:
     from pipeline.engine.records import SequenceState, SpecCounters
+    from pipeline.speculation.tree import RowCosts
 
 GRAMMAR_SOURCE = "grammar"  # Draft.source of a forced draft (its own draft-gate bucket: acceptance 1)
+# Longest jump-forward item (rows). A schema's forced runs (a key with its quotes and `": "`) are a few
+# tokens of a BPE vocabulary; the cap bounds what a long constant (a `const` string, a choice's tail)
+# adds to a pass that every stage runs and other sequences' items share.
+MAX_JUMP_ROWS = 16
+
+
+def max_jump_rows(row_costs: RowCosts | None) -> int:
+    """Rows a jump-forward item may hold: MAX_JUMP_ROWS, or with the measured table
+    (pipeline/measure/row_cost.py) fewer where a row more would raise the cost per row, cost_s(n) / n
+    ([Note: rows worth sending] there with every draft certain: a pass of n sure rows commits n tokens)."""
+    n = 1
+    while n < MAX_JUMP_ROWS and (row_costs is None or row_costs.cost_s(n + 1) / (n + 1) <= row_costs.cost_s(n) / n):
+        n += 1
+    return n
 
 
 @dataclasses.dataclass
@@ -81,11 +114,13 @@ class DraftMatcher:
 
 class GrammarDrafts:
     """The rules of [Note: grammar-aware drafting] for every constrained sequence of one scheduler.
-    enabled: False leaves every draft as the predictor made it. Each rule counts what it did in the
-    `spec` it is given (the scheduler's SpecCounters: grammar_forced, grammar_replaced, grammar_dropped)."""
+    enabled: False leaves every draft as the predictor made it; jump: forced runs go as one item
+    (jump-forward). Each rule counts what it did in the `spec` it is given (the scheduler's
+    SpecCounters: grammar_forced, grammar_replaced, grammar_dropped, grammar_jump_tokens)."""
 
-    def __init__(self, *, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self, *, enabled: bool = True, jump: bool = True) -> None:
+        self.enabled, self.jump = enabled, jump
+        self.skip_exit = True  # False: the exit head runs before forced drafts too (the benchmark's `:noskip`)
 
     def _view(self, seq: SequenceState, extra: Sequence[int] = ()) -> DraftView | None:
         if not self.enabled or seq.grammar is None:
@@ -93,6 +128,11 @@ class GrammarDrafts:
         if seq.draft_grammar is None:
             seq.draft_grammar = DraftMatcher(seq.grammar)
         return seq.draft_grammar.view([*seq.context()[len(seq.prompt_ids):], *extra])
+
+    def skips_exit_head(self, seq: SequenceState) -> bool:
+        """Whether the item just sent (the chain's end) needs no exit-head guess: the grammar forces
+        the draft after it, which is made without one (see the note)."""
+        return self.skip_exit and self.forced(seq) is not None
 
     def forced(self, seq: SequenceState) -> Draft | None:
         """The draft after the chain's end when the grammar forces it, else None."""
@@ -122,14 +162,31 @@ class GrammarDrafts:
         spec.grammar_dropped += 1
         return None
 
+    def run(self, seq: SequenceState, draft: Draft, *, limit: int, spec: SpecCounters,
+            row_costs: RowCosts | None = None) -> tuple[int, ...]:
+        """The tokens of the draft item after the chain's end: `draft`, and when it is forced (from
+        `forced`) the run the grammar forces after it (jump-forward, see the note), at most `limit`
+        tokens (positions left before the token budget) and `max_jump_rows(row_costs)`, up to EOS."""
+        out = [draft.token]
+        if not self.jump or draft.source != GRAMMAR_SOURCE or seq.grammar is None:
+            return tuple(out)
+        eos, cap = seq.grammar.vocab.eos_token_ids, min(limit, max_jump_rows(row_costs))
+        while len(out) < cap and out[-1] not in eos:
+            view = self._view(seq, out)
+            if view is None or view.forced < 0 or view.forced in eos:
+                break
+            out.append(view.forced)
+        spec.grammar_jump_tokens += len(out) - 1
+        return tuple(out)
+
     def filtered(self, seq: SequenceState, predictor):
         """`predictor` for the token tree of the draft after the chain's end: its `alternatives`
-        without the tokens the grammar forbids there (the predictor itself when unconstrained)."""
-        view = self._view(seq)
+        without the tokens the grammar forbids there (the predictor itself when unconstrained). The
+        mask is computed when they are asked for (a jump item asks none: the matcher stays at its run's end)."""
         more = getattr(predictor, "alternatives", None)
-        if view is None or more is None:
+        if not self.enabled or seq.grammar is None or more is None:
             return predictor
-        return _Allowed(more, view.allowed)
+        return _Allowed(more, lambda: self._view(seq))
 
     def chain(self, seq: SequenceState, drafts: Sequence[int], spec: SpecCounters) -> tuple[int, ...]:
         """The FIRP `drafts` a real item carries after its committed token (nothing of `seq` in flight),
@@ -152,11 +209,15 @@ class GrammarDrafts:
 
 
 class _Allowed:
-    """A predictor's `alternatives` without the tokens `allowed` ([vocab] bool) forbids."""
+    """A predictor's `alternatives` without the tokens the grammar forbids (`view()`: the grammar's
+    answer at the draft's prefix; None: a broken prefix, nothing filtered)."""
 
-    def __init__(self, alternatives, allowed: torch.Tensor) -> None:
-        self._alternatives, self._allowed = alternatives, allowed
+    def __init__(self, alternatives, view: Callable[[], DraftView | None]) -> None:
+        self._alternatives, self._view = alternatives, view
 
     def alternatives(self, context: Sequence[int], guess: ExitGuess | None) -> list[Draft]:
-        n = len(self._allowed)
-        return [d for d in self._alternatives(context, guess) if 0 <= d.token < n and bool(self._allowed[d.token])]
+        view, out = self._view(), self._alternatives(context, guess)
+        if view is None:
+            return out
+        n = len(view.allowed)
+        return [d for d in out if 0 <= d.token < n and bool(view.allowed[d.token])]

@@ -12,7 +12,7 @@ from pipeline.engine.grammar_drafts import DraftMatcher
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.grammar import GrammarState
 from pipeline.speculation.items import Item
-from pipeline.speculation.ledger import SequenceLedger
+from pipeline.speculation.ledger import SequenceLedger, Verdict
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.predictors import ExitGuess
 from pipeline.speculation.sampling import Sampler, SamplingParams
@@ -72,6 +72,7 @@ class SchedulerConfig:
     deep_acceptance: float = DEEP_ACCEPTANCE  # see DEEP_ACCEPTANCE
     draft_tree: int = 1  # candidates per draft position, siblings included ([Note: token trees]); 1 = off
     grammar_drafts: bool = True  # constrained drafts follow the grammar ([Note: grammar-aware drafting])
+    grammar_jump: bool = True  # with grammar_drafts: a forced run goes as one multi-row draft item (jump-forward)
 
     def __post_init__(self) -> None:
         # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)
@@ -158,8 +159,9 @@ class Commit:
 
 @dataclasses.dataclass
 class SpecCounters:
-    """Speculation totals: drafts sent, drafts verified and accepted (SPEED and FIRP together),
-    items squashed; FIRP's own share; and real passes (results that committed) with their tokens."""
+    """Speculation totals: drafts sent, drafts verified and accepted (SPEED, FIRP and jump-forward
+    rows together), items squashed; FIRP's own share and jump-forward's; and real passes (results
+    that committed) with their tokens."""
 
     drafted_tokens: int = 0
     verified_drafts: int = 0
@@ -178,17 +180,28 @@ class SpecCounters:
     grammar_forced: int = 0  # drafts the grammar forced ([Note: grammar-aware drafting])
     grammar_replaced: int = 0  # forbidden drafts replaced by an allowed candidate (or a FIRP draft by a forced token)
     grammar_dropped: int = 0  # forbidden drafts not sent (no allowed candidate); a FIRP chain cut counts once
+    grammar_jump_tokens: int = 0  # forced tokens drafted as the later rows of a jump-forward item
+    jump_verified: int = 0  # of those, verified (their share of verified_drafts; never FIRP's)
+    jump_accepted: int = 0  # and accepted (their share of accepted_tokens)
 
-    def add_pass(self, *, committed: int, verified: int, accepted: int, firp_verified: int, firp_accepted: int,
-                 squashed: int) -> None:
-        """Count one result that committed `committed` tokens, with its verdict's counts."""
+    def add_pass(self, verdict: Verdict, *, own_drafts: int, jump: bool) -> tuple[int, int]:
+        """Count one result's verdict (`SequenceLedger.on_result`); own_drafts: the drafts its item
+        carried after its first row, FIRP's or, with `jump`, a forced run's (`InFlight.jump`): each
+        kind counted apart. Returns FIRP's (verified, accepted) of them."""
+        own_verified = min(len(verdict.tokens), own_drafts)
+        own_accepted = min(verdict.num_accepted, own_verified)
         self.passes += 1
-        self.committed_tokens += committed
-        self.verified_drafts += verified
-        self.accepted_tokens += accepted
-        self.firp_verified += firp_verified
-        self.firp_accepted += firp_accepted
-        self.squashed_items += squashed
+        self.committed_tokens += len(verdict.tokens)
+        self.verified_drafts += verdict.num_verified
+        self.accepted_tokens += verdict.num_accepted
+        if jump:
+            self.jump_verified += own_verified
+            self.jump_accepted += own_accepted
+            own_verified = own_accepted = 0
+        self.firp_verified += own_verified
+        self.firp_accepted += own_accepted
+        self.squashed_items += verdict.squashed
+        return own_verified, own_accepted
 
     @property
     def tokens_per_pass(self) -> float:

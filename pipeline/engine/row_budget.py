@@ -37,6 +37,9 @@ sent, so every item the scheduler sends carries `Item.want_exit`, cleared (`want
   running sequence keeps a real item ready or in flight, and real work goes first, so drafts find
   no free micro-batch slot ([Note: micro-batching] in pipeline/engine/scheduler.py). This one is a heuristic: a sequence that
   ends opens a gap, and an item sent just before it skipped its guess; the next one wants it.
+- (the scheduler's own check, at send time) a structured output's grammar forces the token after
+  the item: that draft is made without a guess ([Note: grammar-aware drafting] in
+  pipeline/engine/grammar_drafts.py), so no guess of this item is ever read.
 Deliberately NOT a reason: the per-sequence run-ahead being full when the item is sent. The
 draft after that item is proposed later from the same guess, when an older result frees room
 (the steady state of a single speculating sequence). The draft gate neither, since it judges a
@@ -106,8 +109,8 @@ class RowBudget:
         never exceed the coordinator's own depth, pipeline/engine/local_draft.py)."""
         if not config.run_ahead_from_table or self.row_costs is None or config.max_inflight < 2:
             return config.max_inflight
-        verified = spec.verified_drafts - spec.firp_verified
-        accepted = spec.accepted_tokens - spec.firp_accepted
+        verified = spec.verified_drafts - spec.firp_verified - spec.jump_verified  # one per run-ahead item:
+        accepted = spec.accepted_tokens - spec.firp_accepted - spec.jump_accepted  # a jump item's later rows are sure
         alpha = (accepted + PRIOR_ACCEPTANCE * RUN_AHEAD_PRIOR_WEIGHT) / (verified + RUN_AHEAD_PRIOR_WEIGHT)
         depth = best_run_ahead(self.row_costs, min(1.0, max(0.0, alpha)), num_stages=config.num_stages,
                                max_depth=config.max_inflight, shared_rows=shared_rows)

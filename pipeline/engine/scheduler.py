@@ -80,7 +80,7 @@ class Scheduler:
         self.credits: list[Item] = []  # CREDITs for the exit stage ([Note: stage-local drafting])
         self.spec = SpecCounters()
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
-        self.grammar_drafts = GrammarDrafts(enabled=config.grammar_drafts)  # [Note: grammar-aware drafting]
+        self.grammar_drafts = GrammarDrafts(enabled=config.grammar_drafts, jump=config.grammar_jump)  # [Note: grammar-aware drafting]
         self.rows = RowBudget(max_firp_k=config.firp_k, row_costs=config.row_costs,
                               pseudo_weight=config.firp_pseudo_weight)  # [Note: row-cost-driven chains]
         self.tree = TokenTree(width=config.draft_tree, num_stages=config.num_stages,  # [Note: token trees]
@@ -153,11 +153,10 @@ class Scheduler:
             if seq is None or seq.finished or seq.pending is None:
                 continue
             item, seq.pending = seq.pending, None
-            want = self._wants_exit(seq, item, pipeline_full=pipeline_full)
-            item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))
-            if item.kind == ItemKind.DRAFT:
-                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids)
-                self.spec.drafted_tokens += 1
+            if item.kind == ItemKind.DRAFT:  # (more than one token: a forced run, [Note: grammar-aware drafting])
+                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids,
+                                     jump=item.token_ids[1:])
+                self.spec.drafted_tokens += item.num_tokens
                 ready_ns.append(seq.pending_ready_ns)
             elif item.kind == ItemKind.PREFILL:
                 seq.ledger.add_real(item.token_ids[-1])
@@ -165,6 +164,8 @@ class Scheduler:
                 seq.ledger.add_real(item.token_ids[0], item.token_ids[1:])
                 self.spec.drafted_tokens += item.num_tokens - 1
                 self.spec.firp_drafted += item.num_tokens - 1
+            want = self._wants_exit(seq, item, pipeline_full=pipeline_full)  # (item: now the chain's end)
+            item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))
             item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full,
                                          depth=self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1, explore=False))
             batch.append(item)
@@ -173,8 +174,9 @@ class Scheduler:
         return batch
 
     def _wants_exit(self, seq: SequenceState, item: Item, *, pipeline_full: bool) -> bool:
-        """[Note: exit-head skipping] in pipeline/engine/row_budget.py."""
-        return wants_exit(self.config, self.predictor, seq, item, pipeline_full=pipeline_full)
+        """[Note: exit-head skipping] in pipeline/engine/row_budget.py (the grammar's case: `skips_exit_head`)."""
+        return (wants_exit(self.config, self.predictor, seq, item, pipeline_full=pipeline_full)
+                and not self.grammar_drafts.skips_exit_head(seq))
 
     def _admit_waiting(self) -> None:
         while self.waiting and self.free_slots:
@@ -279,13 +281,14 @@ class Scheduler:
             self.spec.gated_drafts += 1
             return
         seq.pending_key = self.gate.key(draft)
+        run = self.grammar_drafts.run(seq, draft, limit=seq.ledger.last_item_position - end.last_position,  # jump-forward
+                                      spec=self.spec, row_costs=self.rows.row_costs)
         start = end.last_position + 1
-        firp = self._firp_fields(seq, first_anchor=start, num_anchors=1)
-        tree = self.tree.draft_fields(self.grammar_drafts.filtered(seq, self.predictor), seq.context(), guess, draft,
-                                      start=start, has_firp=bool(firp.get("firp_k")))
-        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1, epoch=end.epoch,
-                           kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=seq.params.needs_logits,
-                           **firp, **tree)
+        firp = self._firp_fields(seq, first_anchor=start + len(run) - 1, num_anchors=1)
+        tree = self.tree.draft_fields(self.grammar_drafts.filtered(seq, self.predictor), seq.context(), guess, draft, start=start,
+                                      chain=seq.ledger.inflight, has_firp=bool(firp.get("firp_k")) or len(run) > 1)
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=len(run), epoch=end.epoch,
+                           kind=ItemKind.DRAFT, token_ids=run, want_logits=seq.params.needs_logits, **firp, **tree)
         seq.pending_ready_ns = now_ns
         self.drafting.append(seq.seq_id)
 
@@ -331,7 +334,7 @@ class Scheduler:
 
     def _verify_and_commit(self, seq: SequenceState, item: Item, argmax: list[int], rows: torch.Tensor | None,
                            firp: list[int], now_ns: int) -> Commit:
-        own_drafts = len(seq.ledger.inflight[0].drafts)
+        head = seq.ledger.inflight[0]  # its drafts: FIRP's, or a forced run's (`InFlight.jump`)
         try:
             tokens = verify_result(argmax=argmax, drafts=seq.ledger.drafts_to_verify(), logits=rows, sampler=seq.sampler,
                                    eos_token_ids=self.config.eos_token_ids, ignore_eos=seq.params.ignore_eos,
@@ -353,11 +356,8 @@ class Scheduler:
         rescue = self.tree.rescue_for(seq, item, tokens, eos_token_ids=self.config.eos_token_ids)
         verdict = seq.ledger.on_result(item.end - 1, item.epoch, tokens)
         local_draft.guard_unannounced(seq, item)
-        firp_verified = min(len(tokens), own_drafts)
-        firp_accepted = min(verdict.num_accepted, firp_verified)
-        self.spec.add_pass(committed=len(tokens), verified=verdict.num_verified, accepted=verdict.num_accepted,
-                           firp_verified=firp_verified, firp_accepted=firp_accepted, squashed=verdict.squashed)
-        if own_drafts:
+        firp_verified, firp_accepted = self.spec.add_pass(verdict, own_drafts=len(head.drafts), jump=head.jump)
+        if firp_verified:  # RowBudget's depth table: FIRP chains only
             self.rows.record(verified=firp_verified, accepted=firp_accepted)
         if not seq.ledger.inflight:  # a pending draft followed the finished (or squashed) chain
             seq.pending, seq.firp_drafts = None, next_firp_drafts(item, len(tokens), firp)

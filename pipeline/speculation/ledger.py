@@ -27,7 +27,10 @@ real one), so one pass commits the longest correct prefix plus one real token. A
 the item or of the next item) bumps the epoch and forgets every in-flight item; the next real item
 starts right after the committed tokens and every stage truncates its KV cache there
 ([Note: in-band squash]), dropping the rejected drafts' keys and values. SPEED run-ahead items
-and FIRP chains go through this one rule, so they combine freely.
+and FIRP chains go through this one rule, so they combine freely. A run-ahead draft item may also
+carry several positions: a structured output's forced run (jump-forward, [Note: grammar-aware
+drafting] in pipeline/engine/grammar_drafts.py), `InFlight.jump`; once its first token is committed
+it is verified as a chain like a FIRP item, its drafts being the run's later tokens.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from collections.abc import Sequence
 @dataclasses.dataclass(frozen=True)
 class InFlight:
     """One item of this sequence in the pipeline: its first position and input token, its epoch, the
-    FIRP drafts it carries at the following positions, and for a run-ahead draft its adaptive-drafting
-    bucket (pipeline/speculation/draft_gate.py; None if ungated)."""
+    drafts it carries at the following positions (FIRP drafts; with `jump`, the rest of a grammar's
+    forced run after a draft item's first token, counted apart from FIRP's), and for a run-ahead draft
+    its adaptive-drafting bucket (pipeline/speculation/draft_gate.py; None if ungated)."""
 
     position: int
     token: int
@@ -49,6 +53,7 @@ class InFlight:
     drafts: tuple[int, ...] = ()
     gate_key: tuple[str, int] | None = None
     alts: tuple[int, ...] = ()  # token-tree siblings of a draft ([Note: token trees] in pipeline/speculation/tree.py)
+    jump: bool = False  # `drafts` are a grammar's forced run (jump-forward), not FIRP drafts
 
     @property
     def last_position(self) -> int:
@@ -127,12 +132,14 @@ class SequenceLedger:
         last_budget_position = self.prompt_len + self.max_new_tokens - 1
         return position + 1 < last_budget_position
 
-    def add_draft(self, token: int, *, gate_key: tuple[str, int] | None = None, alts: Sequence[int] = ()) -> InFlight:
+    def add_draft(self, token: int, *, gate_key: tuple[str, int] | None = None, alts: Sequence[int] = (),
+                  jump: Sequence[int] = ()) -> InFlight:
         """Record a draft item injected right after the chain's end (gate_key: its DraftGate bucket;
-        alts: its token-tree siblings)."""
+        alts: its token-tree siblings; jump: the forced tokens it carries after `token`, jump-forward)."""
         assert self.inflight, "a draft follows an in-flight item"
-        item = InFlight(self.inflight[-1].last_position + 1, token, self.epoch, gate_key=gate_key,
-                        alts=tuple(alts))
+        item = InFlight(self.inflight[-1].last_position + 1, token, self.epoch, tuple(jump), gate_key=gate_key,
+                        alts=tuple(alts), jump=bool(jump))
+        assert item.last_position <= self.last_item_position, "a forced run past the token budget"
         self.inflight.append(item)
         return item
 

@@ -54,7 +54,9 @@ coordinator (196 KiB for the default model); the tree-size rule below prices com
 
 Scratch: positions p are in flight at most `max_inflight` at once per sequence, and nothing of a
 sequence is sent between a rescue and its fix-up, so sibling j of the draft at p uses scratch
-(p mod (max_inflight + 1)) * (W - 1) + j, never overwritten before its fix-up.
+(p mod (max_inflight + 1)) * (W - 1) + j, never overwritten before its fix-up. (A draft item holding a
+grammar's forced run, jump-forward, spans several positions: a tree draft whose scratch an in-flight
+tree draft holds then gets no siblings, which keeps the rule.)
 
 Tree size ([Note: rows worth sending] in pipeline/measure/row_cost.py): the row-cost table holds
 T(n), the seconds of a pass of n rows through the whole model, so a stage step costs about T(n) / S.
@@ -79,6 +81,8 @@ from pipeline.speculation.predictors import Draft, ExitGuess
 
 if TYPE_CHECKING:
     import torch
+
+    from pipeline.speculation.ledger import InFlight
 
 PRIOR_HIT, PRIOR_TRIALS = 0.25, 4  # a sibling rank's rescue-rate prior and its weight in trials
 EXPLORE_EVERY = 16  # one tree decision in this many may add a rank the cost rule cuts
@@ -244,10 +248,13 @@ class TokenTree:
         return self.width if want_exit and self.enabled else 1
 
     def draft_fields(self, predictor, context: Sequence[int], guess: ExitGuess | None, draft: Draft, *,
-                     start: int, has_firp: bool) -> dict:
-        """Item fields (alt_token_ids, tree_scratch) of a draft at `start`: none with trees off,
-        nor on a draft with FIRP rows ([Note: token trees])."""
-        alts = self.siblings(predictor, context, guess, draft) if self.enabled and not has_firp else ()
+                     start: int, chain: Sequence[InFlight], has_firp: bool) -> dict:
+        """Item fields (alt_token_ids, tree_scratch) of a draft at `start`: none with trees off, nor on
+        a draft with more rows than its own (FIRP rows, a grammar's jump-forward run), nor when a tree
+        draft of the sequence's in-flight `chain` has the same scratch (possible only after a jump item,
+        which spans several positions: [Note: token trees], scratch)."""
+        clash = any(f.alts and self.scratch_of(f.position) == self.scratch_of(start) for f in chain)
+        alts = self.siblings(predictor, context, guess, draft) if self.enabled and not has_firp and not clash else ()
         if not alts:
             return {}
         self.counters.tree_drafts += 1

@@ -4,7 +4,10 @@ What breaks when these fail: a constrained sequence drafts a token its grammar f
 a squash), misses a token the grammar forces (a sure draft lost, or held back waiting for the exit
 head), a forbidden draft is neither replaced by the predictor's allowed candidate nor dropped, a FIRP
 chain goes on past a forbidden draft, token-tree siblings include forbidden tokens, or the counters
-(SpecCounters.grammar_*) miss what happened. Exactness under these rules is tested in
+(SpecCounters.grammar_*) miss what happened; jump-forward: a forced run is not sent as one draft item
+(or runs past EOS, the budget or the cap), its rows do not all commit, they are counted as FIRP drafts
+(FIRP's counters, RowBudget's depth table), the drafting matcher is not rolled back after a squash, or
+the exit head runs on an item whose next draft is forced. Exactness under these rules is tested in
 tests/unit/test_grammar_paths.py (which runs with grammar-aware drafting on and off). The byte
 tokenizer of tests/tiny_model.py: every token is one byte.
 """
@@ -14,9 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.grammar_drafts import GRAMMAR_SOURCE, GrammarDrafts
+from pipeline.engine.grammar_drafts import GRAMMAR_SOURCE, MAX_JUMP_ROWS, GrammarDrafts, max_jump_rows
 from pipeline.engine.records import SchedulerConfig, SpecCounters
 from pipeline.engine.scheduler import Scheduler
+from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.grammar import GrammarSpec, GrammarVocab
 from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import Draft
@@ -48,12 +52,13 @@ class Ranked:
         return Draft(self.token, 0.9, self.name)
 
 
-def _committed(vocab, spec: GrammarSpec, first: int, predictor, **config):
+def _committed(vocab, spec: GrammarSpec, first: int, predictor, *, num_stages: int = 2, max_new_tokens: int = 16,
+               max_model_len: int = 64, sampling: dict | None = None, **config):
     """A scheduler whose one constrained sequence committed `first` after its prefill (its real item
     pending, not yet sent), and that sequence."""
-    sched = Scheduler(SchedulerConfig(num_stages=2, max_num_seqs=2, max_model_len=64, speculate=True,
+    sched = Scheduler(SchedulerConfig(num_stages=num_stages, max_num_seqs=2, max_model_len=max_model_len, speculate=True,
                                       eos_token_ids=(TINY_EOS_ID,), **config), predictor, grammar_vocab=vocab)
-    seq = sched.add(0, [72, 105], SamplingParams(max_new_tokens=16, grammar=spec))
+    seq = sched.add(0, [72, 105], SamplingParams(max_new_tokens=max_new_tokens, grammar=spec, **(sampling or {})))
     (prefill,) = sched.next_batch(num_inflight=0).items
     row = torch.zeros(1, vocab.ll.vocab_size)
     row[0, first] = 10.0
@@ -62,26 +67,169 @@ def _committed(vocab, spec: GrammarSpec, first: int, predictor, **config):
     return sched, seq
 
 
-def test_a_forced_token_is_drafted_at_send_time_without_the_exit_head(vocab):
-    """json_schema {"n", "s"}: after `{` the grammar forces `"`; an exit-head predictor (always wrong) is
-    neither waited for nor asked: the draft is queued as soon as the real item is sent. Off: no draft
-    until an exit event."""
+@pytest.mark.parametrize("jump", [True, False], ids=["jump-forward", "one-per-item"])
+def test_a_forced_token_is_drafted_at_send_time_without_the_exit_head(vocab, jump):
+    """json_schema {"n", "s"}: after `{` the grammar forces `"n": ` (5 tokens); an exit-head predictor
+    (always wrong) is neither waited for nor asked: the draft is queued as soon as the real item is
+    sent, the whole run as one item (jump-forward; `"` alone with grammar_jump off), and the real
+    item does not ask the exit stage for a guess nobody reads. Off: no draft until an exit event,
+    and the real item wants its guess."""
     for on in (True, False):
         predictor = AlwaysWrongPredictor(ReferenceTable([]), vocab_size=256, needs_exit_head=True)
-        sched, seq = _committed(vocab, SPECS["json_schema"], OPEN, predictor, grammar_drafts=on)
+        sched, seq = _committed(vocab, SPECS["json_schema"], OPEN, predictor, grammar_drafts=on, grammar_jump=jump)
         (real,) = sched.next_batch(num_inflight=0).items
         assert real.token_ids == (OPEN,)
+        assert real.want_exit is not on, "the exit head runs on an item whose next draft is forced"
         if on:
             assert seq.pending is not None and seq.pending.kind == ItemKind.DRAFT
-            assert seq.pending.token_ids == (QUOTE,) and sched.spec.grammar_forced == 1
+            run = tuple(b'"n": ') if jump else (QUOTE,)
+            assert seq.pending.token_ids == run and seq.pending.start == real.end
+            assert (sched.spec.grammar_forced, sched.spec.grammar_jump_tokens) == (1, len(run) - 1)
             assert predictor.num_proposed == 0, "the predictor was asked at a forced position"
         else:
             assert seq.pending is None and sched.spec.grammar_forced == 0
 
 
+def _rows(vocab, n: int, seed: int) -> torch.Tensor:
+    """[n, vocab] random logits rows: the grammar's mask, not the row, decides a forced token."""
+    return torch.randn(n, vocab.ll.vocab_size, generator=torch.Generator().manual_seed(seed))
+
+
+def _result(sched, item, vocab, seed: int = 0):
+    rows = _rows(vocab, item.num_result_rows, seed)
+    return sched.on_result([item], rows.argmax(-1), rows)
+
+
+def _chain_is_contiguous(seq) -> None:
+    """Ledger invariants: committed length is prompt + output, the chain starts at the next real position
+    and its items follow each other without a gap or an overlap, within the token budget."""
+    ledger = seq.ledger
+    assert ledger.known_len == len(seq.prompt_ids) + len(seq.output_ids)
+    position = ledger.next_real_position
+    for f in ledger.inflight:
+        assert f.position == position and f.last_position <= ledger.last_item_position, (f, position)
+        position = f.last_position + 1
+
+
+@pytest.mark.parametrize("setting", [{}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("firp_k", [0, 2], ids=["speed", "speed+firp"])
+def test_a_jump_item_commits_its_whole_run_and_is_not_counted_as_firp(vocab, setting, firp_k):
+    """After `{`: real item `{`, then the jump item `"n": ` sent behind it. The real item's result commits
+    `"` (its first token: a run-ahead draft, verified as any); the jump item's result commits `n": ` (the
+    mask forces each: p = 1, greedy or sampled) plus the first digit, on random logits. Its 4 later
+    rows are jump_verified / jump_accepted, never FIRP's (firp_verified, RowBudget.verified per depth:
+    with FIRP off RowBudget.record's `verified <= max_firp_k` fails if they are), and not in the run-ahead
+    acceptance; the ledger stays contiguous; nothing left in flight, the next real item carries the digit."""
+    sched, seq = _committed(vocab, SPECS["json_schema"], OPEN, Ranked(NUL), firp_k=firp_k, sampling=setting)
+    (real,) = sched.next_batch(num_inflight=0).items
+    (jump,) = sched.next_batch(num_inflight=1).items
+    assert jump.kind == ItemKind.DRAFT and jump.token_ids == tuple(b'"n": ') and jump.start == real.end
+    assert seq.ledger.inflight[-1].jump and seq.ledger.inflight[-1].drafts == tuple(b'n": ')
+    assert jump.firp_anchors == (1 if jump.firp_k else 0), "FIRP rows hang off the jump item's last row"
+    _chain_is_contiguous(seq)
+    [first] = _result(sched, real, vocab, seed=1)
+    assert first.token_ids == (QUOTE,) and len(seq.ledger.inflight) == 1
+    _chain_is_contiguous(seq)
+    [rest] = _result(sched, jump, vocab, seed=2)
+    assert rest.token_ids[:4] == tuple(b'n": ') and len(rest.token_ids) == 5
+    assert chr(rest.token_ids[4]) in "-0123456789", rest.token_ids
+    spec = sched.spec
+    assert (spec.jump_verified, spec.jump_accepted, spec.grammar_jump_tokens) == (4, 4, 4)
+    assert (spec.firp_verified, spec.firp_accepted) == (0, 0) and sched.rows.verified == [0] * firp_k
+    assert (spec.verified_drafts, spec.accepted_tokens, spec.drafted_tokens) == (5, 5, 5)
+    assert spec.squashed_items == 0 and not seq.ledger.inflight
+    _chain_is_contiguous(seq)
+    assert seq.output_ids == [OPEN, *b'"n": ', rest.token_ids[4]]
+    assert seq.pending.start == seq.ledger.known_len - 1 and seq.pending.token_ids[0] == seq.output_ids[-1]
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_a_squash_rolls_the_drafting_matcher_back(vocab, num_stages):
+    """choice ["abxyz", "acuvw"] after `a`: the predictor drafts `b`; on 3 stages the jump item `xyz` is sent
+    behind it, on 2 there is no room and the drafting matcher's last answer is the one at `ab` (`x` forced).
+    The real token is `c`: everything after it is squashed, and the jump item after the new real item is
+    `uvw`, made at the rolled-back prefix `ac` (a drafting matcher that kept an answer of the squashed chain,
+    e.g. one cached by prefix length or position, sends `x`). Then every token commits: `acuvw` and EOS."""
+    sched, seq = _committed(vocab, GrammarSpec.choice(["abxyz", "acuvw"]), A, Ranked(ord("b")), num_stages=num_stages)
+    (real,) = sched.next_batch(num_inflight=0).items
+    (draft,) = sched.next_batch(num_inflight=1).items
+    assert draft.token_ids == (ord("b"),)
+    if num_stages == 3:  # room behind the draft: the jump item is sent, and squashed in flight
+        (jump,) = sched.next_batch(num_inflight=2).items
+        assert jump.token_ids == tuple(b"xyz") and seq.ledger.inflight[-1].jump
+    else:
+        assert seq.pending is None and seq.draft_grammar.last.prefix == (A, ord("b"))
+    rows = torch.full((1, vocab.ll.vocab_size), -5.0)
+    rows[0, ord("c")] = 5.0
+    [c] = sched.on_result([real], rows.argmax(-1), rows)
+    assert c.token_ids == (ord("c"),) and sched.spec.squashed_items == num_stages - 1 and not seq.ledger.inflight
+    (real2,) = sched.next_batch(num_inflight=0).items
+    jump2 = seq.pending
+    assert real2.token_ids == (ord("c"),) and jump2.token_ids == tuple(b"uvw"), jump2.token_ids
+    assert jump2.epoch == seq.epoch == real2.epoch and jump2.start == real2.end
+    assert seq.draft_grammar.state.tokens == [*b"acuvw"], "the drafting matcher kept the squashed tokens"
+    sched.next_batch(num_inflight=1)
+    _chain_is_contiguous(seq)
+    [first] = _result(sched, real2, vocab, seed=3)
+    [rest] = _result(sched, jump2, vocab, seed=4)
+    assert first.token_ids + rest.token_ids == (*b"uvw", TINY_EOS_ID) and seq.output_ids == [*b"acuvw", TINY_EOS_ID]
+    assert (sched.spec.jump_verified, sched.spec.jump_accepted) == (2, 2)
+
+
+@pytest.mark.parametrize(("spec", "max_new", "want"), [
+    (GrammarSpec.choice(["alpha", "beta"]), 16, b"lpha"),         # stops before the forced EOS
+    (GrammarSpec.choice(["alpha", "beta"]), 4, b"lp"),            # at the token budget
+    (GrammarSpec.choice(["a" + "bcdefghijklmnopqrstuvwxyz" * 2]), 60, b"bcdefghijklmnopqrstuvwxyz"[:MAX_JUMP_ROWS]),
+], ids=["eos", "budget", "cap"])
+def test_a_jump_run_stops_before_eos_at_the_budget_and_at_the_cap(vocab, spec, max_new, want):
+    """After `a` the rest is forced. The run never holds EOS (the last row's result commits it), never
+    passes the last position an item may hold (prompt + budget - 2), and holds at most MAX_JUMP_ROWS."""
+    sched, seq = _committed(vocab, spec, A, Ranked(NUL), max_new_tokens=max_new, max_model_len=80)
+    (real,) = sched.next_batch(num_inflight=0).items
+    assert seq.pending.token_ids == tuple(want)
+    assert seq.pending.end - 1 <= seq.ledger.last_item_position
+
+
+def test_a_tree_draft_behind_a_jump_item_never_shares_a_scratch_in_flight(vocab):
+    """4 stages, --draft-tree 3, choice of `ab1234x` / `ab1234y` / `ac`: after `a` the tree draft `b` (sibling `c`)
+    at p, the jump item `1234` at p+1..p+4, then the draft `x` at p+5, whose sibling `y` would use the scratch of
+    p's sibling (p mod (max_inflight + 1)) while that one may still be rescued: it goes without siblings
+    ([Note: token trees], scratch)."""
+    spec = GrammarSpec.choice(["ab1234x", "ab1234y", "ac"])
+    sched, seq = _committed(vocab, spec, A, Ranked(ord("b"), [ord("c"), ord("x"), ord("y")]), num_stages=4, draft_tree=3)
+    items = [sched.next_batch(num_inflight=i).items[0] for i in range(3)]
+    assert [it.token_ids for it in items] == [(A,), (ord("b"),), tuple(b"1234")]
+    assert items[1].alt_token_ids == (ord("c"),)
+    late = seq.pending
+    assert late.token_ids == (ord("x"),) and late.start == items[1].start + 5
+    assert sched.tree.scratch_of(late.start) == sched.tree.scratch_of(items[1].start) and late.alt_token_ids == ()
+
+
+def test_jump_rows_stay_out_of_the_run_ahead_acceptance():
+    """The table-driven run-ahead depth (RowBudget.run_ahead) reads SPEED's acceptance per draft item: a jump
+    item's later rows, always accepted, must not lift it (40 run-ahead drafts all rejected: no run-ahead, with
+    or without 200 jump rows beside them)."""
+    from pipeline.engine.row_budget import RowBudget
+
+    table = RowCostTable(mode="t", num_rows=(1, 2), pass_s=(1.0, 1.05))
+    config = SchedulerConfig(num_stages=4, speculate=True, max_inflight=4, row_costs=table, run_ahead_from_table=True)
+    rows = RowBudget(max_firp_k=0, row_costs=table)
+    alone = SpecCounters(verified_drafts=40)
+    beside = SpecCounters(verified_drafts=240, accepted_tokens=200, jump_verified=200, jump_accepted=200)
+    assert rows.run_ahead(config, alone, shared_rows=0, explore=False) == 1
+    assert rows.run_ahead(config, beside, shared_rows=0, explore=False) == 1
+
+
+def test_the_row_cost_table_caps_a_jump_run():
+    """A jump item grows while a row more lowers the cost per row ([Note: rows worth sending] with sure drafts)."""
+    assert max_jump_rows(None) == MAX_JUMP_ROWS
+    assert max_jump_rows(RowCostTable(mode="t", num_rows=(1, 2, 3, 4), pass_s=(1.0, 1.2, 1.4, 4.0))) == 3
+    assert max_jump_rows(RowCostTable(mode="t", num_rows=(1, 8), pass_s=(1.0, 2.0))) == MAX_JUMP_ROWS
+
+
 def test_a_forced_token_overrides_the_predictor(vocab):
     """A predictor without an exit head proposing a forbidden token: the forced `"` is drafted instead."""
-    sched, seq = _committed(vocab, SPECS["json_schema"], OPEN, Ranked(NUL))
+    sched, seq = _committed(vocab, SPECS["json_schema"], OPEN, Ranked(NUL), grammar_jump=False)
     sched.next_batch(num_inflight=0)
     assert seq.pending.token_ids == (QUOTE,)
     assert (sched.spec.grammar_forced, sched.spec.grammar_replaced, sched.spec.grammar_dropped) == (1, 0, 0)
@@ -140,12 +288,14 @@ def test_the_forced_draft_has_its_own_gate_bucket(vocab):
 
 
 def test_the_counters_reach_launch_json_and_its_summary_line():
-    """`launch --json` stats carry grammar_forced / replaced / dropped; the summary line names them."""
+    """`launch --json` stats carry grammar_forced / replaced / dropped / grammar_jump_tokens; the summary line
+    names them."""
     from launcher.cli.launch import speculation_stats, speculation_text
 
     spec = SpecCounters(drafted_tokens=6, verified_drafts=6, accepted_tokens=5, passes=4, committed_tokens=9,
-                        grammar_forced=3, grammar_replaced=1, grammar_dropped=2)
+                        grammar_forced=3, grammar_replaced=1, grammar_dropped=2, grammar_jump_tokens=12)
     stats = speculation_stats(spec)
     assert (stats["grammar_forced"], stats["grammar_replaced"], stats["grammar_dropped"]) == (3, 1, 2)
-    assert "grammar drafts: 3 forced, 1 replaced, 2 dropped" in speculation_text(stats)
+    assert stats["grammar_jump_tokens"] == 12
+    assert "grammar drafts: 3 forced, 1 replaced, 2 dropped, 12 jump-forward rows" in speculation_text(stats)
     assert "grammar" not in speculation_text(speculation_stats(SpecCounters(drafted_tokens=1)))

@@ -62,3 +62,24 @@ def test_real_model_firp_chains_commit_the_masked_plain_tokens(tiny_dir, vocab, 
     assert spec.firp_accepted >= 2, (spec.firp_accepted, spec.firp_verified)
     if not steered:
         assert spec.firp_verified > spec.firp_accepted, (spec.firp_accepted, spec.firp_verified)
+
+
+@pytest.mark.parametrize("jump", [True, False], ids=["jump-forward", "one-per-item"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", ["json_schema", "choice"])
+def test_real_model_speed_firp_with_jump_items_commits_the_masked_plain_tokens(tiny_dir, vocab, references, name,
+                                                                                setting, jump):
+    """SPEED+FIRP on 2 stages of the tiny model: run-ahead drafts (`MostlyRightPredictor`), FIRP chains of 3 rows
+    and grammar jump-forward items (a forced run as one multi-row draft, verified as a chain on the real
+    model) give plain masked decoding's tokens; the jump rows, all accepted, never count as FIRP drafts."""
+    want = [references[name, setting, i] for i in range(len(PROMPTS))]
+    outputs = {i: [*p, *w] for i, (p, w) in enumerate(zip(PROMPTS, want, strict=True))}
+    table = paths.ReferenceTable(zip(PROMPTS, want, strict=True))
+    for i, prompt in enumerate(PROMPTS):  # one at a time: a lone sequence leaves room to draft
+        pipe = OracleFirpPipeline(_stages(tiny_dir, 2, "none"), max_model_len=64, grammar_vocab=vocab, firp_k=FIRP_K,
+                                  predictor=paths.MostlyRightPredictor(table), grammar_jump=jump,
+                                  outputs={0: outputs[i]})
+        assert pipe.generate([prompt], _params(SPECS[name], setting)) == [want[i]], "jump items changed the output"
+        spec = pipe.engine.spec
+        assert spec.jump_accepted == spec.jump_verified and (jump or spec.grammar_jump_tokens == 0), spec
+        assert sum(pipe.engine.scheduler.rows.verified) <= spec.firp_verified, "jump rows in RowBudget's depth table"

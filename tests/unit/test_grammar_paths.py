@@ -3,7 +3,8 @@
 What breaks when these fail: a constrained request's tokens differ from plain masked decoding (a loop
 that argmaxes, or samples, the grammar-masked logits of a one-stage model token by token) under
 SPEED drafts (always wrong, mostly right), token trees, FIRP chains verified over several rows,
-stage-local drafting, a replay after a stage restart, or on 2 / 3 stages; typically because a verify
+stage-local drafting, a replay after a stage restart, or on 2 / 3 stages, with grammar jump-forward items
+(a forced run as one multi-row draft: on wherever grammar-aware drafting is) and without; typically because a verify
 path takes the raw argmax (the mask silently dropped), a greedy constrained item ships no logits,
 or the matcher is out of step with the committed prefix (a token consumed twice or not at all).
 The tiny random model (tests/tiny_model.py, 256-byte tokenizer: every token is one byte) runs in
@@ -14,6 +15,7 @@ output is a valid document; the engine's fake pipelines (FIRP, stage-local, repl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -23,10 +25,11 @@ import pytest
 import torch
 
 from pipeline.engine.engine import Engine
-from pipeline.engine.events import Result
+from pipeline.engine.events import ReplayRunning, Result, Submit
 from pipeline.engine.records import SchedulerConfig
 from pipeline.model.row_layout import Span
 from pipeline.speculation.grammar import GrammarSpec, GrammarState, GrammarVocab
+from pipeline.speculation.items import ItemKind
 from pipeline.speculation.predictors import Draft
 from pipeline.speculation.sampling import Sampler, SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, RandomTreePredictor, ReferenceTable
@@ -153,24 +156,33 @@ def _predictor(kind: str, table: ReferenceTable):
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize(("kind", "num_stages"), [("always-wrong", 2), ("always-wrong-unsteered", 2),
                                                   ("mostly-right", 2), ("mostly-right", 3), ("mostly-right-tree", 2),
-                                                  ("mostly-right-tree-unsteered", 2)])
+                                                  ("mostly-right-tree", 3), ("mostly-right-tree-unsteered", 2),
+                                                  ("mostly-right-nojump", 2)])
 def test_speculation_commits_the_masked_plain_tokens(tiny_dir, vocab, references, name, setting, kind, num_stages):
     """SPEED drafts (always wrong, or `MostlyRightPredictor`'s, so that multi-row verifies happen) and
     token trees commit exactly plain masked decoding's tokens, with grammar-aware drafting
     ([Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py) and without it
-    ("-unsteered": forbidden drafts reach the verifier, whose mask must reject them)."""
+    ("-unsteered": forbidden drafts reach the verifier, whose mask must reject them), with jump-forward
+    items (json_schema's `"n": ` after `{` is one) and without ("-nojump": forced tokens one per item)."""
     want = [references[name, setting, i] for i in range(len(PROMPTS))]
     table = ReferenceTable(zip(PROMPTS, want, strict=True))
-    stages, verified, accepted = _stages(tiny_dir, num_stages, "none"), 0, 0
+    stages, verified, accepted, jumped = _stages(tiny_dir, num_stages, "none"), 0, 0, 0
     for prompt, expected in zip(PROMPTS, want, strict=True):  # one at a time: a lone sequence leaves room to draft
         pipe = InProcessPipeline(stages, max_model_len=64, grammar_vocab=vocab, predictor=_predictor(
-            kind, table), draft_tree=3 if "tree" in kind else 1, grammar_drafts="unsteered" not in kind)
+            kind, table), draft_tree=3 if "tree" in kind else 1, grammar_drafts="unsteered" not in kind,
+            grammar_jump="nojump" not in kind)
         got = pipe.generate([prompt], _params(SPECS[name], setting))[0]
         assert got == expected, f"{kind} drafts on {num_stages} stages changed the constrained output"
-        verified, accepted = verified + pipe.engine.spec.verified_drafts, accepted + pipe.engine.spec.accepted_tokens
+        spec = pipe.engine.spec
+        verified, accepted, jumped = verified + spec.verified_drafts, accepted + spec.accepted_tokens, jumped + spec.grammar_jump_tokens
+        assert spec.jump_accepted == spec.jump_verified and spec.firp_verified == 0, spec
     assert verified > 0, "no draft was verified"
     if not kind.startswith("always-wrong"):
         assert accepted > 0, "no draft was accepted (multi-row verify untested)"
+    if "unsteered" in kind or "nojump" in kind:
+        assert jumped == 0
+    elif name == "json_schema":
+        assert jumped > 0, "no jump-forward item was sent"
 
 
 # -- FIRP chains (several rows verified in one result) ----------------------------------------------------
@@ -252,11 +264,22 @@ def test_firp_chains_commit_the_masked_plain_tokens(vocab, name, setting, num_st
     assert engine.spec.firp_accepted > 0
     if steered:
         assert engine.spec.grammar_dropped + engine.spec.grammar_replaced > 0, "no forbidden FIRP draft was cut"
+        if speed and name == "json_schema":  # jump-forward items beside FIRP chains (which take most forced runs)
+            assert engine.spec.grammar_jump_tokens > 0 and engine.spec.jump_accepted == engine.spec.jump_verified
     else:
         assert engine.spec.firp_verified > engine.spec.firp_accepted and engine.spec.grammar_dropped == 0
 
 
 # -- replay after a stage restart ---------------------------------------------------------------------------
+def _ring_reference(prompt, params: SamplingParams, vocab: GrammarVocab) -> list[int]:
+    """Plain masked decoding of the replay tests' ring model: `_random_logits` of the last 3 tokens."""
+    sampler, state, out = Sampler(params), GrammarState(params.grammar, vocab), []
+    while len(out) < params.max_new_tokens and (not out or out[-1] != TINY_EOS_ID):
+        row = state.masked(_random_logits(tuple((list(prompt) + out)[-3:])), out)
+        out.append(sampler.sample(row, len(out)))
+    return out
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(SPECS))
 def test_a_replay_after_a_stage_restart_keeps_the_masked_plain_tokens(monkeypatch, vocab, name, setting):
@@ -266,13 +289,7 @@ def test_a_replay_after_a_stage_restart_keeps_the_masked_plain_tokens(monkeypatc
     monkeypatch.setattr(replay, "_logits", lambda context: _random_logits(tuple(context)))
     monkeypatch.setattr(replay, "_next", lambda context: _raw_argmax(context[-3:]))
     params = _params(SPECS[name], setting)
-    want = {}
-    for i, prompt in enumerate(replay.PROMPTS):
-        sampler, state, out = Sampler(params), GrammarState(params.grammar, vocab), []
-        while len(out) < params.max_new_tokens and (not out or out[-1] != TINY_EOS_ID):
-            row = state.masked(_random_logits(tuple((list(prompt) + out)[-3:])), out)
-            out.append(sampler.sample(row, len(out)))
-        want[i] = out
+    want = {i: _ring_reference(prompt, params, vocab) for i, prompt in enumerate(replay.PROMPTS)}
     table = ReferenceTable((p, want[i]) for i, p in enumerate(replay.PROMPTS))
     for speculate in (False, True):
         for replays in (set(), {4}, {2, 9}, {5, 6, 14}):
@@ -282,6 +299,86 @@ def test_a_replay_after_a_stage_restart_keeps_the_masked_plain_tokens(monkeypatc
             outputs, errors = drive_replays(engine, params, replays)
             assert not errors, errors
             assert outputs == want, (speculate, replays)
+            if speculate and name == "json_schema":
+                assert engine.spec.grammar_jump_tokens > 0, "no jump-forward item was sent"
+
+
+# -- jump-forward: ledger and KV in step ---------------------------------------------------------------------
+class CheckedRing(replay.FakeRing):
+    """The replay test's FakeRing that checks, as each item of the coordinator's current epoch runs, what the
+    coordinator believes: the slot holds exactly the sequence's context before the item (committed tokens,
+    then the chain's drafts: none lost, duplicated or reordered), the item's tokens are the context's next
+    ones, and a real item starts at the committed length - 1 (the KV then holds every committed token but
+    the one it carries)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine, self.checked, self.jump_items = engine, 0, 0
+
+    def result(self) -> Result:
+        for item in self.inflight[0] if self.inflight else ():
+            seq = self.engine.scheduler.seqs.get(item.seq_id)
+            if seq is None or seq.finished or item.epoch != seq.epoch:
+                continue
+            kv, context = self.kv.get(item.slot, []), seq.context()
+            assert len(kv) >= item.start and kv[:item.start] == context[:item.start], (item, kv, context)
+            assert context[item.start:item.end] == list(item.token_ids), (item, context)
+            if item.kind in (ItemKind.DECODE, ItemKind.FIRP):
+                assert item.start == seq.ledger.known_len - 1, (item, seq.ledger.known_len)
+            self.checked += 1
+            self.jump_items += item.kind == ItemKind.DRAFT and item.num_tokens > 1
+        return super().result()
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", ["json_schema", "choice", "json_object"])
+@pytest.mark.parametrize("firp_k", [0, 2], ids=["speed", "speed+firp"])
+def test_jump_items_keep_the_ledger_and_kv_in_step(monkeypatch, vocab, name, setting, firp_k):
+    """3 stages as one FIFO (`CheckedRing`), SPEED drafts right 70% of the time, jump-forward items, with and
+    without FIRP rows and across replays, the replay prompts plus two more choices of the first (n = 3: seed + i):
+    at every result the ledger's chain is contiguous from the committed length, each current item finds the KV
+    it assumes, and every output is plain masked decoding's."""
+    monkeypatch.setattr(replay, "_logits", lambda context: _random_logits(tuple(context)))
+    monkeypatch.setattr(replay, "_next", lambda context: _raw_argmax(context[-3:]))
+    base = _params(SPECS[name], setting)
+    prompts = [*replay.PROMPTS, replay.PROMPTS[0], replay.PROMPTS[0]]
+    params = [base] * len(replay.PROMPTS) + [dataclasses.replace(base, seed=base.seed and base.seed + i) for i in (1, 2)]
+    want = {i: _ring_reference(p, params[i], vocab) for i, p in enumerate(prompts)}
+    table = ReferenceTable((p, want[i]) for i, p in enumerate(prompts) if i < len(replay.PROMPTS))
+    for replays in (set(), {3, 8}):
+        engine = Engine(SchedulerConfig(num_stages=3, max_num_seqs=3, max_model_len=256, speculate=True, firp_k=firp_k,
+                                        eos_token_ids=(TINY_EOS_ID,)), ReferenceChains(table), record_timeline=False,
+                        grammar_vocab=vocab)
+        ring, outputs, tick = CheckedRing(engine), {i: [] for i in want}, 0
+        out = engine.step([Submit(seq_id=i, prompt_ids=tuple(p), params=params[i]) for i, p in enumerate(prompts)])
+        while True:
+            ring.take(out)
+            for c in out.commits:
+                assert c.error is None, c.error
+                outputs[c.seq_id].extend(c.token_ids)
+            for seq in engine.scheduler.seqs.values():
+                if not seq.finished:
+                    _ledger_in_step(seq)
+            if not engine.has_unfinished:
+                break
+            tick += 1
+            if tick in replays:
+                ring.lose_everything()
+                out = engine.step([ReplayRunning()])
+            else:
+                out = engine.step([ring.result()])
+        assert outputs == want, replays
+        assert ring.checked > 0 and (ring.jump_items > 0 or name != "json_schema")
+        assert engine.spec.firp_verified == 0 and engine.spec.jump_accepted == engine.spec.jump_verified
+
+
+def _ledger_in_step(seq) -> None:
+    ledger = seq.ledger
+    assert ledger.known_len == len(seq.prompt_ids) + len(seq.output_ids)
+    position = ledger.next_real_position
+    for f in ledger.inflight:
+        assert f.position == position and f.last_position <= ledger.last_item_position, (f, position)
+        position = f.last_position + 1
 
 
 # -- stage-local drafting -----------------------------------------------------------------------------------
@@ -319,6 +416,7 @@ def test_stage_made_drafts_commit_the_masked_plain_tokens(vocab, name, setting, 
             assert fake.run().get(0, []) == want, f"stage-local drafts changed the output (replay at {replay_at})"
             if steered:
                 assert fake.self_made == 0, "the stage drafted a constrained sequence"
+                assert engine.spec.grammar_jump_tokens > 0 or name != "json_schema", "no jump-forward item was sent"
             else:
                 assert fake.self_made > 0 or len(want) < 3, "the stage made no draft"
 
