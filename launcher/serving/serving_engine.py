@@ -244,6 +244,7 @@ class ServingEngine:
         self.model_name, self.max_num_seqs, self.max_queue = model_name, max_num_seqs, max_queue
         self.max_model_len, self.pipeline = max_model_len, pipeline
         self.heartbeat = None  # a StageHeartbeat, set by the serving stack
+        self.tool_parser: str | None = None  # tool_choice "auto"'s parser (--tool-call-parser), set by the stack
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._streams: set[RequestStream] = set()
