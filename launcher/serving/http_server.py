@@ -190,20 +190,21 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
     started: set[int] = set()
     tools = tool_outputs(parsed.tools, len(stream))  # per choice: tool calls parsed out of its deltas
 
-    def dressed(index: int, body: dict, *, role: bool = False) -> dict:
-        """vLLM's continuous usage (the choice's tokens so far); tool calls parsed out of a content delta."""
+    def dressed(index: int, body: dict, *, role: bool = False) -> str:
+        """The event of a chunk: vLLM's continuous usage (the choice's tokens so far); tool calls parsed
+        out of a content delta ("" for a chunk whose text the tool-call parser holds back)."""
         if parsed.continuous_usage:
             body["usage"] = openai_protocol.usage_so_far(len(parsed.prompt_ids), generated[index])
-        if tools is not None and not role:
-            tools[index].rewrite_delta(body["choices"][0])
-        return body
+        if tools is not None and not role and not tools[index].rewrite_delta(body["choices"][0]):
+            return ""
+        return _sse(body)
 
     try:
         if chat:
             for index in range(len(stream)):
-                yield _sse(dressed(index, openai_protocol.completion_body(
+                yield dressed(index, openai_protocol.completion_body(
                     request_id=rid, model=model, text="", token_ids=None, finish_reason=None, final=None,
-                    chunk=True, chat=True, role=True, index=index), role=True))
+                    chunk=True, chat=True, role=True, index=index), role=True)
         async for index, chunk in merged(stream):
             if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                 continue
@@ -215,10 +216,12 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
                                            chunk.prompt_logprobs, offsets[index])
             if logprobs is not None and not chat:
                 offsets[index] += sum(len(t) for t in logprobs["tokens"])
-            yield _sse(dressed(index, openai_protocol.completion_body(
+            event = dressed(index, openai_protocol.completion_body(
                 request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
                 finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
-                logprobs=logprobs, stop_reason=chunk.stop_reason)))
+                logprobs=logprobs, stop_reason=chunk.stop_reason))
+            if event:
+                yield event
         final = stream.final
         if parsed.include_usage and final is not None:
             yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))

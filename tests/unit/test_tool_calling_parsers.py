@@ -88,12 +88,13 @@ def test_hermes_whole_and_streamed_at_every_chunk_size(text, content, calls):
 
 def test_a_partial_tag_is_held_back_until_it_is_known_and_text_streams_before_it():
     output = ToolOutput(AUTO)
-    deltas = []
+    deltas, sent = [], []
     for i, text in enumerate(["Hi <", "tool_", "call>\n{\"name\": \"add\", ", "\"arguments\": {}}\n</tool_call>"]):
-        choice = {"delta": {"content": text}, "finish_reason": "stop" if i == 3 else None}
-        output.rewrite_delta(choice)
+        choice = {"delta": {"content": text}, "finish_reason": "stop" if i == 3 else None, "logprobs": None}
+        sent.append(output.rewrite_delta(choice))
         deltas.append(choice["delta"])
     assert [d["content"] for d in deltas] == ["Hi ", "", "", None]
+    assert sent == [True, False, False, True]  # a chunk whose text is held back is not sent
     assert deltas[3]["tool_calls"][0]["function"] == {"name": "add", "arguments": "{}"}
     output = ToolOutput(AUTO)
     choice = {"delta": {"content": "1 <tool"}, "finish_reason": None}

@@ -218,14 +218,16 @@ class ToolOutput:
         message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
         choice["finish_reason"] = self._reason(choice["finish_reason"])
 
-    def rewrite_delta(self, choice: dict[str, Any]) -> None:
-        """A stream chunk's choice: its delta's content parsed on from the chunks before it."""
+    def rewrite_delta(self, choice: dict[str, Any]) -> bool:
+        """A stream chunk's choice: its delta's content parsed on from the chunks before it. False when
+        the chunk has nothing left to say (its text held back, no logprobs, token ids or finish reason)."""
         delta = choice["delta"]
         content, calls = self._feed(delta.get("content") or "", last=choice["finish_reason"] is not None)
         delta["content"] = content if content or not calls else None
         if calls:
             delta["tool_calls"] = calls
         choice["finish_reason"] = self._reason(choice["finish_reason"])
+        return bool(content or calls or choice["finish_reason"] or choice.get("logprobs") or "token_ids" in choice)
 
 
 def tool_outputs(request: ToolRequest | None, n: int) -> list[ToolOutput] | None:
