@@ -144,7 +144,7 @@ def streamed(client, **kw) -> dict[int, tuple[str | None, list[tuple[str, str]],
 
 
 def test_a_named_call_gets_arguments_that_validate_against_the_tools_schema(client):
-    for seed in (None, 1, 2):
+    for seed in (None, 1):
         sampling = {"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}
         r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=NAMED,
                                            max_tokens=80, **sampling)
@@ -161,7 +161,7 @@ def test_a_named_call_gets_arguments_that_validate_against_the_tools_schema(clie
 def test_required_calls_name_a_listed_tool_and_validate_against_its_schema(client, parallel):
     kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 160,
           "parallel_tool_calls": parallel, "temperature": 1.0}
-    for seed in (3, 4, 5):
+    for seed in (3, 4):
         choice = client.chat.completions.create(seed=seed, **kw).choices[0]
         calls = calls_of(choice.message)
         assert choice.message.content is None and choice.finish_reason == "tool_calls", choice
