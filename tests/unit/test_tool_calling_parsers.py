@@ -105,22 +105,37 @@ def test_a_partial_tag_is_held_back_until_it_is_known_and_text_streams_before_it
     assert choice["delta"]["content"] == "<toolbox> 2"
 
 
-REQUIRED_CASES = [  # (text, content, calls)
-    ('[{"name": "add", "parameters": {"a": 1}}]', None, [("add", '{"a": 1}')]),
-    ('[{"name": "get_weather", "parameters": {"city": "x\\"}{[\\\\"}}, {"name": "add", "parameters": {}}]', None,
-     [("get_weather", '{"city": "x\\"}{[\\\\"}'), ("add", "{}")]),
-    ('[{"name": "add", "parameters": {"s": "ü"}}, {"name": "add", "param', '{"name": "add", "param',
-     [("add", '{"s": "ü"}')]),  # the budget ran out inside the second call
+REQUIRED_CASES = [  # (text, finish reason given, content, calls, finish reason returned)
+    ('[{"name": "add", "parameters": {"a": 1}}]', "stop", None, [("add", '{"a": 1}')], "tool_calls"),
+    ('[{"name": "get_weather", "parameters": {"city": "x\\"}{[\\\\"}}, {"name": "add", "parameters": {}}]', "stop", None,
+     [("get_weather", '{"city": "x\\"}{[\\\\"}'), ("add", "{}")], "tool_calls"),
+    ('[ {"name" : "add","parameters":{"s": "ü"}} ]', "stop", None, [("add", '{"s": "ü"}')], "tool_calls"),
+    ('[{"parameters": {"a": 2}, "name": "add"}]', "stop", None, [("add", '{"a": 2}')], "tool_calls"),  # other order
+    ('[{"name": "add", "parameters": {"s": "ü"}}, {"name": "add", "param', "length", '{"name": "add", "param',
+     [("add", '{"s": "ü"}')], "length"),  # the budget ran out before the second call's arguments
+    ('[{"name": "add", "parameters": {"a": 1, "b": [{"c"', "length", None, [("add", '{"a": 1, "b": [{"c"')],
+     "length"),  # ... inside them: truncated arguments, as a named call's
 ]
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), REQUIRED_CASES)
-def test_required_calls_whole_and_streamed(text, content, calls):
-    given, reason = ("stop", "tool_calls") if content is None else ("length", "length")
+@pytest.mark.parametrize(("text", "given", "content", "calls", "reason"), REQUIRED_CASES)
+def test_required_calls_whole_and_streamed(text, given, content, calls, reason):
     assert whole(REQUIRED, text, given) == (content, calls, reason)
     for size in (1, 4, len(text)):
         assert streamed(REQUIRED, [text[i:i + size] for i in range(0, len(text), size)], given) == \
             (content, calls, reason)
+
+
+def test_required_arguments_stream_as_they_are_generated():
+    output, text = ToolOutput(REQUIRED), '[{"name": "add", "parameters": {"a": 12, "b": true}}]'
+    fragments = []
+    for i in range(0, len(text), 5):
+        choice = {"delta": {"content": text[i:i + 5]}, "finish_reason": "stop" if i + 5 >= len(text) else None}
+        output.rewrite_delta(choice)
+        fragments += [(tc.get("id") is not None, tc["function"]) for tc in choice["delta"].get("tool_calls", [])]
+    assert fragments[0][0] and fragments[0][1]["name"] == "add", fragments  # id and name in the first delta
+    assert len(fragments) > 4 and all(not first for first, _ in fragments[1:])
+    assert "".join(f["arguments"] for _, f in fragments) == '{"a": 12, "b": true}'
 
 
 def test_required_output_that_is_not_calls_stays_content():

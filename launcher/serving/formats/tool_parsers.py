@@ -6,8 +6,8 @@ shape: `content` (null when empty) and `tool_calls` = [{"id": "chatcmpl-tool-<he
 "function": {"name", "arguments": JSON text}}]; in a stream, deltas `tool_calls: [{"index", "id", "type",
 "function": {"name", "arguments"}}]`, the name in the first delta of a call, then argument fragments.
   named    the whole output is the arguments object (streamed as it is generated);
-  required the output is a JSON array of {"name", "parameters"}: each item becomes a call when it is
-           complete (its arguments: the `parameters` value as `json.dumps` writes it);
+  required the output is a JSON array of {"name", "parameters"}: a call per item, starting once its
+           name is written, its arguments the `parameters` value as generated (streamed as well);
   hermes   ("auto" with --tool-call-parser hermes; Qwen2.5 / Hermes templates): text outside
            `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks is content (a possible
            partial `<tool_call>` is held back; whitespace right after a call is dropped), a block whose
@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from typing import Any
 
 from launcher.serving.formats.tools import ToolRequest
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # a required item's start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,53 +64,80 @@ class NamedParser:
 
 
 class RequiredParser:
-    """tool_choice "required": a JSON array of {"name", "parameters"}; a call per complete item."""
+    """tool_choice "required": a JSON array of {"name", "parameters"} items (the grammar writes "name" first).
+
+    A call starts once an item's `{"name": "...", "parameters": ` is written; its arguments are the
+    `parameters` value as generated, streamed up to the last character inside it. An item in another
+    shape becomes a call when complete (its parameters as `json.dumps` writes them); text that is no
+    item, or an item cut before its arguments began, is returned as content.
+    """
 
     def __init__(self) -> None:
         self.text, self.pos, self.depth, self.start = "", 0, 0, 0
         self.in_string = self.escape = self.broken = False
         self.calls = 0
+        self.args_start = self.args_end = self.sent = -1  # the current item's arguments: text[args_start:args_end]
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.text += text
-        deltas = []
+        deltas: list[CallDelta] = []
         while self.pos < len(self.text) and not self.broken:
-            if (item := self._step(self.text[self.pos])) is not None:
-                deltas.append(item)
+            self._step(self.text[self.pos], deltas)
             self.pos += 1
+        self._send(deltas)
         return "", deltas
 
-    def _step(self, char: str) -> CallDelta | None:
-        """Advance the scan by one character; the call of an item it completes."""
+    def _step(self, char: str, deltas: list[CallDelta]) -> None:
+        """Advance the scan by one character, adding the deltas of a call it starts or completes."""
+        before = self.depth
         if self.in_string:
             self.escape, self.in_string = (not self.escape and char == "\\"), self.escape or char != '"'
-            return None
-        if char == '"':
+        elif char == '"':
             self.in_string = True
         elif char in "[{":
+            if before == 2 and self.args_start < 0:
+                self._start_call(deltas)
             self.depth += 1
             self.start = self.pos if self.depth == 2 else self.start
         elif char in "]}":
             self.depth -= 1
             if self.depth == 1:
-                return self._item(self.text[self.start:self.pos + 1])
-        return None
+                return self._item(deltas)
+        if self.args_start >= 0 and max(before, self.depth) >= 3:  # within the arguments value
+            self.args_end = self.pos + 1
 
-    def _item(self, text: str) -> CallDelta | None:
-        """The call of a complete item (always one under the grammar; else the rest stays content)."""
-        try:
-            item = json.loads(text)
-            name, arguments = item["name"], json.dumps(item["parameters"], ensure_ascii=False)
-        except (ValueError, TypeError, KeyError):
-            self.broken = True
-            return None
-        self.calls, self.start = self.calls + 1, self.pos + 1
-        return CallDelta(self.calls - 1, name, arguments)
+    def _start_call(self, deltas: list[CallDelta]) -> None:
+        """A call when the current item reads `{"name": "<name>", "parameters": ` before this `{`."""
+        head = _CALL_HEAD.fullmatch(self.text, self.start, self.pos)
+        if head is not None:
+            self.args_start = self.args_end = self.sent = self.pos
+            deltas.append(CallDelta(self.calls, json.loads(head.group(1)), ""))
+
+    def _send(self, deltas: list[CallDelta]) -> None:
+        if self.args_start >= 0 and self.args_end > self.sent:
+            deltas.append(CallDelta(self.calls, None, self.text[self.sent:self.args_end]))
+            self.sent = self.args_end
+
+    def _item(self, deltas: list[CallDelta]) -> None:
+        """A complete item: the rest of its call's arguments, or its call in another shape (always one
+        under the grammar; else the rest stays content)."""
+        if self.args_start >= 0:
+            self._send(deltas)
+        else:
+            try:
+                item = json.loads(self.text[self.start:self.pos + 1])
+                deltas.append(CallDelta(self.calls, item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+            except (ValueError, TypeError, KeyError):
+                self.broken = True
+                return
+        self.calls, self.start, self.args_start = self.calls + 1, self.pos + 1, -1
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        """What is not a complete item (the token budget ran out inside one) is returned as content."""
-        rest = self.text[self.start:].strip().lstrip(",").strip() if self.depth >= 2 or self.broken else ""
-        return rest, []
+        """A call cut by the token budget keeps its truncated arguments (as a named call's); text that is
+        not part of a call is returned as content."""
+        if self.args_start >= 0 or not (self.depth >= 2 or self.broken):
+            return "", []
+        return self.text[self.start:].strip().lstrip(",").strip(), []
 
 
 class HermesParser:
