@@ -41,6 +41,7 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
+from launcher.serving.formats.tool_parsers import tool_outputs
 from launcher.serving.http_errors import (
     BodyError,
     admission_error,
@@ -108,7 +109,7 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     tokenizer, model = engine.tokenizer, engine.model_name
     if chat:
         parsed = openai_protocol.parse_chat(body, tokenizer=tokenizer, model_name=model,
-                                            max_model_len=engine.max_model_len)
+                                            max_model_len=engine.max_model_len, tool_parser=engine.tool_parser)
     else:
         parsed = openai_protocol.parse_completion(body, tokenizer=tokenizer, model_name=model,
                                                   max_model_len=engine.max_model_len)
@@ -126,19 +127,6 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
         streams.cancel()
         raise
     return parsed, streams
-
-
-def _choice_logprobs(formatter: LogprobFormatter, parsed: openai_protocol.ParsedRequest, chat: bool, ids: list[int],
-                     entries: list, prompt_entries, text_offset: int) -> dict[str, Any] | None:
-    """The `logprobs` object of (a chunk of) one choice, or None when the request asked for none.
-    prompt_entries: the prompt's logprobs (completions with echo, on the first chunk), else None."""
-    if parsed.params.logprobs is None:
-        return None
-    if chat:
-        return formatter.chat(ids, entries)
-    if prompt_entries is not None:  # echo: the prompt's tokens first
-        ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
-    return formatter.completion(ids, entries, text_offset=text_offset)
 
 
 def _echo_text(tokenizer, parsed: openai_protocol.ParsedRequest) -> str:
@@ -160,7 +148,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     watcher = asyncio.create_task(watch())
-    choices = []
+    choices, tools = [], tool_outputs(parsed.tools, len(stream))
     try:
         for index, choice in enumerate(stream):
             text, ids, reason, entries, prompt_entries = [_echo_text(tokenizer, parsed)], [], None, [], None
@@ -175,7 +163,9 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
                 request_id=stream.request_id, model=model, text="".join(text),
                 token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
                 chunk=False, chat=chat, index=index, stop_reason=stop_reason,
-                logprobs=_choice_logprobs(formatter, parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
+                logprobs=formatter.of_choice(parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
+            if tools is not None:  # content and tool_calls (launcher/serving/formats/tool_parsers.py)
+                tools[index].rewrite_message(choices[-1])
     except (UnavailableError, PipelineError) as exc:
         return unavailable(exc)
     finally:
@@ -198,18 +188,23 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
     offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
     generated = [0] * len(stream)  # tokens of each choice so far (continuous_usage_stats)
     started: set[int] = set()
+    tools = tool_outputs(parsed.tools, len(stream))  # per choice: tool calls parsed out of its deltas
 
-    def usage_of(index: int, body: dict) -> dict:  # vLLM's continuous usage: the choice's tokens so far
+    def dressed(index: int, body: dict, *, role: bool = False) -> str:
+        """The event of a chunk: vLLM's continuous usage (the choice's tokens so far); tool calls parsed
+        out of a content delta ("" for a chunk whose text the tool-call parser holds back)."""
         if parsed.continuous_usage:
             body["usage"] = openai_protocol.usage_so_far(len(parsed.prompt_ids), generated[index])
-        return body
+        if tools is not None and not role and not tools[index].rewrite_delta(body["choices"][0]):
+            return ""
+        return _sse(body)
 
     try:
         if chat:
             for index in range(len(stream)):
-                yield _sse(usage_of(index, openai_protocol.completion_body(
+                yield dressed(index, openai_protocol.completion_body(
                     request_id=rid, model=model, text="", token_ids=None, finish_reason=None, final=None,
-                    chunk=True, chat=True, role=True, index=index)))
+                    chunk=True, chat=True, role=True, index=index), role=True)
         async for index, chunk in merged(stream):
             if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                 continue
@@ -217,14 +212,16 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
             started.add(index)
             ids = list(chunk.token_ids)
             generated[index] += len(ids)
-            logprobs = _choice_logprobs(formatter, parsed, chat, ids, list(chunk.logprobs or ()),
-                                        chunk.prompt_logprobs, offsets[index])
+            logprobs = formatter.of_choice(parsed, chat, ids, list(chunk.logprobs or ()),
+                                           chunk.prompt_logprobs, offsets[index])
             if logprobs is not None and not chat:
                 offsets[index] += sum(len(t) for t in logprobs["tokens"])
-            yield _sse(usage_of(index, openai_protocol.completion_body(
+            event = dressed(index, openai_protocol.completion_body(
                 request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
                 finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,
-                logprobs=logprobs, stop_reason=chunk.stop_reason)))
+                logprobs=logprobs, stop_reason=chunk.stop_reason))
+            if event:
+                yield event
         final = stream.final
         if parsed.include_usage and final is not None:
             yield _sse(openai_protocol.usage_chunk(request_id=rid, model=model, final=final, chat=chat))

@@ -16,10 +16,13 @@ Must not: do I/O, validate requests (launcher/serving/openai_protocol.py) or kno
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.logprobs import TokenLogprob
+
+if TYPE_CHECKING:
+    from launcher.serving.openai_protocol import ParsedRequest
 
 
 class LogprobFormatter:
@@ -60,3 +63,15 @@ class LogprobFormatter:
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def of_choice(self, parsed: ParsedRequest, chat: bool, ids: list[int], entries: list,
+                  prompt_entries: Sequence[TokenLogprob | None] | None, text_offset: int) -> dict[str, Any] | None:
+        """The `logprobs` object of (a chunk of) one choice of `parsed`, or None when it asked for none.
+        prompt_entries: the prompt's logprobs (completions with echo, on the first chunk), else None."""
+        if parsed.params.logprobs is None:
+            return None
+        if chat:
+            return self.chat(ids, entries)
+        if prompt_entries is not None:  # echo: the prompt's tokens first
+            ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
+        return self.completion(ids, entries, text_offset=text_offset)

@@ -10,7 +10,8 @@ responses and stream chunks. Field semantics follow the OpenAI API reference; ex
 `logprobs` (completions: an integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo`
 (completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
 presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py);
-`response_format` and vLLM's `structured_outputs` onto its grammar (launcher/serving/formats/response_format.py).
+`response_format` and vLLM's `structured_outputs` onto its grammar (launcher/serving/formats/response_format.py);
+chat `tools` / `tool_choice` into `ParsedRequest.tools` and, named or "required", a grammar (formats/tools.py).
 Must not: do I/O or know about the coordinator.
 """
 
@@ -21,11 +22,14 @@ import functools
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from jinja2 import TemplateError
 
+from launcher.serving.formats.chat_messages import chat_options, clean_messages
 from launcher.serving.formats.response_format import grammar_from_body
+from launcher.serving.formats.tools import ToolRequest, tools_from_body
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
@@ -38,7 +42,7 @@ API_SEED_LIMIT = 2**63  # seeds in [0, 2**63): vLLM's API takes a signed 64-bit 
 # Fields this server does not implement: refused (400 naming the field) unless absent or set to a
 # value that asks for nothing (n = 1; anything falsy for the others: 0, false, null, [], {}).
 # Other unknown fields (user, metadata, ...) are ignored, as OpenAI's servers do.
-UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "chat_template")
+UNSUPPORTED = ("best_of", "suffix", "functions", "chat_template")
 MAX_N = 16  # most choices one request may ask for (each is a sequence in its own KV slot)
 TEMPLATE_TEXT_CHARS = 300  # most of a chat template's own refusal shown (it may quote the messages)
 
@@ -57,6 +61,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
     echo: bool = False
     budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
+    tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (launcher/serving/formats/tools.py)
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling parameters of each of the n choices: the same, but with seed + i for
@@ -213,6 +218,8 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
     kw = _common(body, model_name=model_name, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
+    if body.get("tools"):
+        raise InvalidRequestError("'tools' is only supported on /v1/chat/completions", "tools")
     _completion_logprobs(body, kw)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -247,15 +254,17 @@ def _compiled_template(source: str):
 
 
 def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                tools: Sequence[dict] | None = None) -> str:
     """The prompt text of `messages` under the model's chat template, as Hugging Face's
     `apply_chat_template`: ending with the assistant's generation prompt (`add_generation_prompt`),
     or cut right after the last message's content so the model continues it
     (`continue_final_message`). template_kwargs: extra variables of the template (vLLM's
-    `chat_template_kwargs`, e.g. {"enable_thinking": false}). Raises InvalidRequestError
+    `chat_template_kwargs`, e.g. {"enable_thinking": false}; they override `tools`, the request's tools,
+    the template's `tools` variable as in HF and vLLM). Raises InvalidRequestError
     ('messages', or the field) for malformed messages, a model without a chat template, or a template
     that fails on this request (Qwen2.5's on `chat_template_kwargs` {"tools": 5})."""
-    clean = _clean_messages(messages)
+    clean = clean_messages(messages, error=InvalidRequestError)
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
     bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
@@ -263,8 +272,8 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: b
     template = _compiled_template(tokenizer.chat_template)  # a model's broken template stays a server error
     try:
         text = template.render(
-            **(template_kwargs or {}), messages=clean, add_generation_prompt=add_generation_prompt and not continue_final_message,
-            bos_token=bos, eos_token=eos)
+            **({"tools": list(tools)} if tools else {}), **(template_kwargs or {}), messages=clean,
+            add_generation_prompt=add_generation_prompt and not continue_final_message, bos_token=bos, eos_token=eos)
     except (TemplateError, TypeError, AttributeError, LookupError) as exc:  # raise_exception's error passes
         raise InvalidRequestError(f"the chat template cannot render this request ({type(exc).__name__}: "
                                   f"{clipped(str(exc), TEMPLATE_TEXT_CHARS)})",
@@ -278,59 +287,34 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: b
     return text
 
 
-def _clean_messages(messages: Any) -> list[dict[str, str]]:
-    """[{role, content}] with content a string: text parts joined; an assistant's null content (a
-    message that only carried tool calls) becomes "". Raises InvalidRequestError naming the field."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequestError(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise InvalidRequestError(f"'messages[{i}].content' parts must all be of type 'text'",
-                                          f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if content is None and m["role"] == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise InvalidRequestError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
-        clean.append({"role": m["role"], "content": content})
-    return clean
-
-
-def chat_options(body: dict) -> dict[str, Any]:
-    """The template options of a chat body: add_generation_prompt (default true),
-    continue_final_message (default false; not both) and chat_template_kwargs (an object)."""
-    options = {name: bool_field(body, name, default)
-               for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
-    if body.get("add_generation_prompt") is True and options["continue_final_message"]:
-        raise InvalidRequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true",
-                                  "continue_final_message")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise InvalidRequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs or ())
-    if reserved:
-        raise InvalidRequestError(f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs")
-    options["template_kwargs"] = kwargs
-    return options
-
-
-def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> ParsedRequest:
-    """A /v1/chat/completions body; max_tokens defaults to what fits in max_model_len.
+def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+               tool_parser: str | None = None) -> ParsedRequest:
+    """A /v1/chat/completions body; max_tokens defaults to what fits in max_model_len. tool_parser: the
+    server's tool-call parser for tool_choice "auto" (--tool-call-parser), or None.
     Raises InvalidRequestError naming the field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
-    text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body))
+    tools = tools_from_body(body, parser=tool_parser, error=InvalidRequestError)
+    text = render_chat(body.get("messages"), tokenizer=tokenizer, tools=tools and tools.tools,
+                       **chat_options(body, error=InvalidRequestError))
     _check_fits(tokenizer, text, max_model_len, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)  # the template spells its own BOS (HF, vLLM)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
-    return _finish(kw, ids, "messages", tokenizer.vocab_size)
+    if tools is not None and tools.constrains:
+        _constrain_to_tools(kw, tools)
+    return dataclasses.replace(_finish(kw, ids, "messages", tokenizer.vocab_size), tools=tools)
+
+
+def _constrain_to_tools(kw: dict[str, Any], tools: ToolRequest) -> None:
+    """A named or "required" tool_choice: the output is constrained to the call's JSON (vLLM's approach)."""
+    if kw["grammar"] is not None:
+        raise InvalidRequestError("a named or \"required\" 'tool_choice' constrains the output itself: not together "
+                                  "with 'response_format' or 'structured_outputs'", "tool_choice")
+    if kw["ignore_eos"]:
+        raise InvalidRequestError("'ignore_eos' cannot be combined with a named or \"required\" 'tool_choice'",
+                                  "ignore_eos")
+    kw["grammar"] = tools.grammar(error=InvalidRequestError)
 
 
 def _check_fits(tokenizer: Tokenizer, text: str, max_model_len: int | None, field: str) -> None:

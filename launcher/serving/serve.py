@@ -28,6 +28,7 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession
 from launcher.coordinator.stage_restarts import RestartBudget
+from launcher.serving.formats.tools import TOOL_PARSERS
 from workers.control_auth import API_KEY_ENV, TlsFiles
 from workers.heap import freeze_startup_heap
 
@@ -57,6 +58,12 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
     g.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are ended with "
                    "an error event (default 30; a second SIGTERM ends them at once)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer chat requests with tools and tool_choice \"auto\" (the default with tools): the "
+                   "model decides, and --tool-call-parser finds its tool calls in its text (vLLM's flag)")
+    g.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
+                   help="the tool-call format of the model's chat template, for --enable-auto-tool-choice: "
+                   "hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Hermes)")
     g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate of the stages' control plane (with "
                    "--tls-key; it must name every stage's host): stages serve TLS, the coordinator trusts it")
     g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
@@ -94,8 +101,15 @@ class ServeOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace_s: float = 30.0
     stage_heartbeat_timeout_s: float = 5.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                             f"{', '.join(TOOL_PARSERS)})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if not -1 <= self.grpc_port <= 65535:
@@ -162,6 +176,7 @@ class ServingStack:
         self.heartbeat = StageHeartbeat(coord.stubs, timeout_s=options.stage_heartbeat_timeout_s,
                                         on_hung=self._on_hung)
         self.engine.heartbeat = self.heartbeat
+        self.engine.tool_parser = options.tool_call_parser if options.enable_auto_tool_choice else None
         coord.recovery_listeners.append(self._on_recovery)
         self.failure: PipelineError | None = None
         self.host = options.host
@@ -272,7 +287,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         max_queue=args.max_queue, stats_interval_s=args.stats_interval_s,
                         api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
                         max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
-                        stage_heartbeat_timeout_s=args.stage_heartbeat_timeout_s)
+                        stage_heartbeat_timeout_s=args.stage_heartbeat_timeout_s,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def tls_files(args: argparse.Namespace) -> TlsFiles | None:

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from launcher.coordinator.coordinator import Coordinator, RequestHandle, StreamChunk
 from launcher.serving.prometheus import ServingMetrics
 from pipeline.run_config import check_prompt_length
-from pipeline.speculation.echo import clipped, shown  # noqa: F401 (re-exported: the front ends echo with them)
+from pipeline.speculation.echo import shown
 from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 
 log = logging.getLogger("speedpipe.serve")
@@ -225,6 +225,7 @@ class ServingEngine:
         self.model_name, self.max_num_seqs, self.max_queue = model_name, max_num_seqs, max_queue
         self.max_model_len, self.pipeline = max_model_len, pipeline
         self.heartbeat = None  # a StageHeartbeat, set by the serving stack
+        self.tool_parser: str | None = None  # tool_choice "auto"'s parser (--tool-call-parser), set by the stack
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._streams: set[RequestStream] = set()

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.serving.openai_protocol import bool_field, chat_options, check_model, render_chat
+from launcher.serving.formats.chat_messages import chat_options
+from launcher.serving.openai_protocol import bool_field, check_model, render_chat
 from launcher.serving.serving_engine import InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.echo import shown
@@ -49,7 +50,7 @@ def tokenize_body(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model
         raise InvalidRequestError("give either 'prompt' or 'messages', not both", "prompt")
     add_special = bool_field(body, "add_special_tokens", not chat)
     if chat:
-        text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body))
+        text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body, error=InvalidRequestError))
     else:
         text = body.get("prompt")
         if not isinstance(text, str):

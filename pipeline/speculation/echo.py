@@ -2,7 +2,7 @@
 
 Owns `clipped` and `shown`, used by every refusal that quotes client data: SamplingParams checks
 (pipeline/speculation/sampling.py), structured output formats (launcher/serving/formats/), and the HTTP
-and gRPC front ends (launcher/serving/serving_engine.py re-exports both). A client's value can be
+and gRPC front ends. A client's value can be
 megabytes (a 4 MiB body): the message keeps its first SHOWN_CHARS characters, "…" and its size.
 Must not: decide whether a value is refused (the callers do).
 """

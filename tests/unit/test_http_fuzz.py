@@ -68,7 +68,29 @@ _MESSAGE = st.fixed_dictionaries(
         ),
     },
 )
+_TOOL_CALL = st.fixed_dictionaries({}, optional={
+    "id": _text, "type": st.just("function"),
+    "function": st.fixed_dictionaries({}, optional={"name": _text, "arguments": st.sampled_from(['{"a": 1}', "{", 5])}),
+})
+_MESSAGE = st.one_of(_MESSAGE, st.fixed_dictionaries(  # OpenAI's tool results and assistant tool calls
+    {"role": st.sampled_from(["tool", "assistant"])},
+    optional={"content": st.one_of(st.none(), _text), "tool_call_id": st.one_of(_text, st.integers()),
+              "tool_calls": st.one_of(st.lists(_TOOL_CALL, max_size=2), _text)}))
 _MESSAGES = st.lists(_MESSAGE, max_size=3)
+_FUNCTION = st.fixed_dictionaries({}, optional={
+    "name": st.sampled_from(["f", "get_x", "bad name", "", "g" * 65]),
+    "description": st.one_of(_text, st.integers()),
+    "parameters": st.sampled_from([{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "string"},
+                                   {}, {"type": "object", "properties": {"a": {"type": "objekt"}}}, "{}"]),
+    "strict": st.one_of(st.booleans(), _text),
+})
+_TOOLS = {  # launcher/serving/formats/tools.py; the fuzzed server has no tool-call parser ("auto" is a 400)
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "code"]), "function": _FUNCTION}),
+                      max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "any"]), st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])})})),
+    "parallel_tool_calls": st.one_of(st.booleans(), _text),
+}
 _CHAT_OPTIONS = {
     "add_generation_prompt": st.booleans(),
     "continue_final_message": st.booleans(),
@@ -132,6 +154,7 @@ SCHEMAS = {
     "/v1/chat/completions": {
         **_SAMPLING,
         **_CHAT_OPTIONS,
+        **_TOOLS,
         "messages": _MESSAGES,
         "logprobs": st.booleans(),
         "top_logprobs": st.integers(-1, 21),

@@ -1,0 +1,266 @@
+"""Tool calls out of a chat choice's generated text, streamed or whole (launcher/serving/formats/tools.py).
+
+Owns one parser per tool_choice mode and `ToolOutput`, which rewrites a choice's response message or
+stream delta (the dicts of launcher/serving/openai_protocol.py's `completion_body`) into OpenAI's
+shape: `content` (null when empty) and `tool_calls` = [{"id": "chatcmpl-tool-<hex>", "type": "function",
+"function": {"name", "arguments": JSON text}}]; in a stream, deltas `tool_calls: [{"index", "id", "type",
+"function": {"name", "arguments"}}]`, the name in the first delta of a call, then argument fragments.
+  named    the whole output is the arguments object (streamed as it is generated);
+  required the output is a JSON array of {"name", "parameters"}: a call per item, starting once its
+           name is written, its arguments the `parameters` value as generated (streamed as well);
+  hermes   ("auto" with --tool-call-parser hermes; Qwen2.5 / Hermes templates): text outside
+           `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks is content (a possible
+           partial `<tool_call>` is held back; whitespace right after a call is dropped), a block whose
+           JSON parses to {"name": str, "arguments": ...} is a call when it closes (or at the end of the
+           output, as vLLM's), any other block stays content, tags included.
+Each parser: `feed(text)` -> (content, [CallDelta]) for the text generated since its last call, `finish()`
+-> the same for what it held back. A non-streamed choice is parsed by feeding its whole text to the same parser, so the streamed
+arguments concatenate to exactly the non-streamed ones. finish_reason "stop" becomes "tool_calls" when
+"auto" produced a call or "required" did (vLLM's rule; a named call keeps "stop").
+Must not: do I/O, or import launcher/serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any
+
+from launcher.serving.formats.tools import ToolRequest
+
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # a required item's start
+
+
+@dataclasses.dataclass(frozen=True)
+class CallDelta:
+    """A piece of tool call `index` of a choice: its name (first piece only) and an arguments fragment."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class NamedParser:
+    """tool_choice names a function: every generated character is its arguments."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.started = name, False
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        if not text and self.started:
+            return "", []
+        first, self.started = not self.started, True
+        return "", [CallDelta(0, self.name if first else None, text)]
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        return self.feed("") if not self.started else ("", [])
+
+
+class RequiredParser:
+    """tool_choice "required": a JSON array of {"name", "parameters"} items (the grammar writes "name" first).
+
+    A call starts once an item's `{"name": "...", "parameters": ` is written; its arguments are the
+    `parameters` value as generated, streamed up to the last character inside it. An item in another
+    shape becomes a call when complete (its parameters as `json.dumps` writes them); text that is no
+    item, or an item cut before its arguments began, is returned as content.
+    """
+
+    def __init__(self) -> None:
+        self.text, self.pos, self.depth, self.start = "", 0, 0, 0
+        self.in_string = self.escape = self.broken = False
+        self.calls = 0
+        self.args_start = self.args_end = self.sent = -1  # the current item's arguments: text[args_start:args_end]
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.text += text
+        deltas: list[CallDelta] = []
+        while self.pos < len(self.text) and not self.broken:
+            self._step(self.text[self.pos], deltas)
+            self.pos += 1
+        self._send(deltas)
+        return "", deltas
+
+    def _step(self, char: str, deltas: list[CallDelta]) -> None:
+        """Advance the scan by one character, adding the deltas of a call it starts or completes."""
+        before = self.depth
+        if self.in_string:
+            self.escape, self.in_string = (not self.escape and char == "\\"), self.escape or char != '"'
+        elif char == '"':
+            self.in_string = True
+        elif char in "[{":
+            if before == 2 and self.args_start < 0:
+                self._start_call(deltas)
+            self.depth += 1
+            self.start = self.pos if self.depth == 2 else self.start
+        elif char in "]}":
+            self.depth -= 1
+            if self.depth == 1:
+                return self._item(deltas)
+        if self.args_start >= 0 and max(before, self.depth) >= 3:  # within the arguments value
+            self.args_end = self.pos + 1
+
+    def _start_call(self, deltas: list[CallDelta]) -> None:
+        """A call when the current item reads `{"name": "<name>", "parameters": ` before this `{`."""
+        head = _CALL_HEAD.fullmatch(self.text, self.start, self.pos)
+        if head is not None:
+            self.args_start = self.args_end = self.sent = self.pos
+            deltas.append(CallDelta(self.calls, json.loads(head.group(1)), ""))
+
+    def _send(self, deltas: list[CallDelta]) -> None:
+        if self.args_start >= 0 and self.args_end > self.sent:
+            deltas.append(CallDelta(self.calls, None, self.text[self.sent:self.args_end]))
+            self.sent = self.args_end
+
+    def _item(self, deltas: list[CallDelta]) -> None:
+        """A complete item: the rest of its call's arguments, or its call in another shape (always one
+        under the grammar; else the rest stays content)."""
+        if self.args_start >= 0:
+            self._send(deltas)
+        else:
+            try:
+                item = json.loads(self.text[self.start:self.pos + 1])
+                deltas.append(CallDelta(self.calls, item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+            except (ValueError, TypeError, KeyError):
+                self.broken = True
+                return
+        self.calls, self.start, self.args_start = self.calls + 1, self.pos + 1, -1
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """A call cut by the token budget keeps its truncated arguments (as a named call's); text that is
+        not part of a call is returned as content."""
+        if self.args_start >= 0 or not (self.depth >= 2 or self.broken):
+            return "", []
+        return self.text[self.start:].strip().lstrip(",").strip(), []
+
+
+class HermesParser:
+    """tool_choice "auto" with the hermes parser (module docstring)."""
+
+    def __init__(self) -> None:
+        self.pending, self.inside, self.calls, self.after_call = "", False, 0, False
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.pending += text
+        content, deltas = [], []
+        while True:
+            if self.inside:
+                end = self.pending.find(TOOL_CALL_END)
+                if end < 0:
+                    return "".join(content), deltas
+                self._close(self.pending[:end], TOOL_CALL_END, content, deltas)
+                self.pending = self.pending[end + len(TOOL_CALL_END):]
+                continue
+            start = self.pending.find(TOOL_CALL_START)
+            held = self.pending if start >= 0 else self.pending[:len(self.pending) - _partial(self.pending)]
+            content.append(self._text(held[:start] if start >= 0 else held))
+            if start < 0:
+                self.pending = self.pending[len(held):]
+                return "".join(content), deltas
+            self.pending, self.inside = self.pending[start + len(TOOL_CALL_START):], True
+
+    def _text(self, text: str) -> str:
+        """Content outside blocks; whitespace right after a call is dropped."""
+        if self.after_call:
+            text = text.lstrip()
+            self.after_call = not text
+        return text
+
+    def _close(self, block: str, end: str, content: list[str], deltas: list[CallDelta]) -> None:
+        """A block's call, or its text as content when its JSON is not a call."""
+        self.inside = False
+        try:
+            call = json.loads(block)
+        except ValueError:
+            call = None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            content.append(self._text(TOOL_CALL_START + block + end))
+            return
+        arguments = call.get("arguments", call.get("parameters", {}))
+        deltas.append(CallDelta(self.calls, call["name"], json.dumps(arguments, ensure_ascii=False)))
+        self.calls, self.after_call = self.calls + 1, True
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        content, deltas = [], []
+        if self.inside:  # an unclosed last block: a call if its JSON is one (vLLM's hermes does the same)
+            self._close(self.pending, "", content, deltas)
+        else:
+            content.append(self._text(self.pending))
+        self.pending = ""
+        return "".join(content), deltas
+
+
+def _partial(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `<tool_call>` (held back)."""
+    for n in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
+        if TOOL_CALL_START.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolOutput:
+    """One choice's tool-call parsing state; rewrites its message (whole) or its stream deltas."""
+
+    def __init__(self, request: ToolRequest) -> None:
+        assert request.choice != "none", "tool_choice none: plain text, no parser"
+        self.request = request
+        self.parser = (NamedParser(request.name) if request.choice == "named" else
+                       RequiredParser() if request.choice == "required" else HermesParser())
+        self.ids: list[str] = []
+        self.num_calls = 0
+
+    def _reason(self, reason: str | None) -> str | None:
+        """vLLM's finish reason: "tool_calls" once auto made a call, or required did and stopped."""
+        if reason is None or not self.num_calls or self.request.choice == "named":
+            return reason
+        return "tool_calls" if self.request.choice == "auto" or reason == "stop" else reason
+
+    def _feed(self, text: str, last: bool) -> tuple[str, list[dict]]:
+        content, deltas = self.parser.feed(text)
+        if last:
+            more, rest = self.parser.finish()
+            content, deltas = content + more, deltas + rest
+        calls = []
+        for d in deltas:
+            if d.name is not None:
+                self.ids.append(tool_call_id())
+                self.num_calls += 1
+                calls.append({"index": d.index, "id": self.ids[d.index], "type": "function",
+                              "function": {"name": d.name, "arguments": d.arguments}})
+            elif calls and calls[-1]["index"] == d.index:
+                calls[-1]["function"]["arguments"] += d.arguments
+            else:
+                calls.append({"index": d.index, "function": {"arguments": d.arguments}})
+        return content, calls
+
+    def rewrite_message(self, choice: dict[str, Any]) -> None:
+        """A whole (non-streamed) choice: its message's content split into content and tool_calls."""
+        message = choice["message"]
+        content, calls = self._feed(message["content"], last=True)
+        message["content"] = content or None
+        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+        choice["finish_reason"] = self._reason(choice["finish_reason"])
+
+    def rewrite_delta(self, choice: dict[str, Any]) -> bool:
+        """A stream chunk's choice: its delta's content parsed on from the chunks before it. False when
+        the chunk has nothing left to say (its text held back, no logprobs, token ids or finish reason)."""
+        delta = choice["delta"]
+        content, calls = self._feed(delta.get("content") or "", last=choice["finish_reason"] is not None)
+        delta["content"] = content if content or not calls else None
+        if calls:
+            delta["tool_calls"] = calls
+        choice["finish_reason"] = self._reason(choice["finish_reason"])
+        return bool(content or calls or choice["finish_reason"] or choice.get("logprobs") or "token_ids" in choice)
+
+
+def tool_outputs(request: ToolRequest | None, n: int) -> list[ToolOutput] | None:
+    """One ToolOutput per choice, or None when the request's output is plain text (no tools, or "none")."""
+    if request is None or request.choice == "none":
+        return None
+    return [ToolOutput(request) for _ in range(n)]
