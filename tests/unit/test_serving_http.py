@@ -463,7 +463,8 @@ def test_choices_name_the_stop_string_that_ended_them(served, stream, chat):
     assert [(c["finish_reason"], c["stop_reason"]) for c in r.json()["choices"]] == [("length", None)]
 
 
-def test_stats_log_line(tokenizer):
+def test_stats_log_line(tokenizer, monkeypatch):
+    from launcher.serving import prometheus
     from launcher.serving.prometheus import StatsLogger
 
     coord = FakeCoordinator(tokenizer)
@@ -476,7 +477,8 @@ def test_stats_log_line(tokenizer):
     walls = iter([(3 * 10**9, 10**9), (3 * 10**9, 2 * 10**9)])  # idle 1/2 and 0 of the 2 s interval
     coord.stage_stats = lambda: [pb.StageStats(wall_ns=w, busy_ns=b) for w, b in walls]
     snap["stages"] = [(10**9, 0), (10**9, 0)]
-    snap["t"] -= 2.0
+    clock = iter([snap["t"] + 2.0])  # the interval exactly 2 s, however long this test took to get here
+    monkeypatch.setattr(prometheus.time, "perf_counter", lambda: next(clock))
     text, _ = logger.line(snap)
     assert "generation 25" in text and "running 2, waiting 1" in text
     assert "draft acceptance 40%" in text and "bubble fraction 25%" in text
