@@ -299,3 +299,24 @@ def test_the_counters_reach_launch_json_and_its_summary_line():
     assert stats["grammar_jump_tokens"] == 12
     assert "grammar drafts: 3 forced, 1 replaced, 2 dropped, 12 jump-forward rows" in speculation_text(stats)
     assert "grammar" not in speculation_text(speculation_stats(SpecCounters(drafted_tokens=1)))
+
+
+def test_a_jump_run_made_again_one_token_on_computes_one_mask(vocab, monkeypatch):
+    """choice ["abcdefghijklmnopqrstuvwx", "z"] after `a`: every later token is forced. The pipeline has no
+    room for drafts (the draft item waits, and is dropped when the real item's result comes), the steady
+    state of a loaded pipeline; each real item makes the jump run again, one token further on. The drafting
+    matcher reads the run's masks from the last run (`DraftMatcher.forced_after`): about one new mask per
+    committed token, not a run's worth (up to MAX_JUMP_ROWS, ~0.1 ms each on a real vocabulary) per token."""
+    text = "abcdefghijklmnopqrstuvwx"
+    sched, seq = _committed(vocab, GrammarSpec.choice([text, "z"]), A, Ranked(ord("q")), max_new_tokens=30)
+    (real,) = sched.next_batch(num_inflight=0).items
+    assert seq.pending.token_ids == tuple(text[1:].encode())[:MAX_JUMP_ROWS]
+    state, masks = seq.draft_grammar.state, []
+    allowed = state.allowed
+    monkeypatch.setattr(state, "allowed", lambda *a: masks.append(a) or allowed(*a))
+    for i in range(1, 8):
+        [commit] = _result(sched, real, vocab, seed=i)
+        assert commit.token_ids == (ord(text[i]),) and not seq.ledger.inflight
+        (real,) = sched.next_batch(num_inflight=0).items
+        assert seq.pending.token_ids == tuple(text[i + 1:].encode())[:MAX_JUMP_ROWS]
+    assert len(masks) <= 7, f"{len(masks)} masks for 7 committed tokens"
