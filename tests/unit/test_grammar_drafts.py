@@ -320,3 +320,26 @@ def test_a_jump_run_made_again_one_token_on_computes_one_mask(vocab, monkeypatch
         (real,) = sched.next_batch(num_inflight=0).items
         assert seq.pending.token_ids == tuple(text[i + 1:].encode())[:MAX_JUMP_ROWS]
     assert len(masks) <= 7, f"{len(masks)} masks for 7 committed tokens"
+
+
+def test_jump_rows_share_of_the_verified_and_accepted_drafts_reaches_launch_json_and_prometheus():
+    """SpecCounters.jump_verified / jump_accepted (a jump item's later rows, always accepted) are in
+    `launch --json` and Prometheus, as FIRP's share is: without them acceptance_rate, which counts them,
+    cannot be told apart from the predictor's own."""
+    import types
+
+    from launcher.cli.launch import speculation_stats
+    from launcher.serving.prometheus import PREFIX, _PipelineCollector
+
+    spec = SpecCounters(drafted_tokens=12, verified_drafts=10, accepted_tokens=8, grammar_jump_tokens=6,
+                        jump_verified=5, jump_accepted=5)
+    stats = speculation_stats(spec)
+    assert (stats["jump_verified"], stats["jump_accepted"]) == (5, 5)
+    collector = _PipelineCollector(types.SimpleNamespace(spec=spec), "m", engine=None)
+    want, got = {PREFIX + "grammar_jump_verified_tokens": 5, PREFIX + "grammar_jump_accepted_tokens": 5}, {}
+    for family in collector.collect():
+        if family.name in want:
+            got[family.name] = family.samples[0].value
+        if len(got) == len(want):
+            break
+    assert got == want
