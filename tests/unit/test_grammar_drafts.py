@@ -343,3 +343,25 @@ def test_jump_rows_share_of_the_verified_and_accepted_drafts_reaches_launch_json
         if len(got) == len(want):
             break
     assert got == want
+
+
+@pytest.mark.parametrize("stop", ['"ki', "nd", '"kind": "alph'])
+def test_a_stop_string_inside_a_jump_run_ends_the_tokens_where_token_by_token_decoding_does(tmp_path, stop):
+    """A commit of several tokens (a jump-forward run `, "kind": "` with the token after it, or a FIRP
+    chain) in which a stop string ends: the request's tokens (usage's completion_tokens, logprobs) stop
+    at the token that completes it, as when each token is its own commit; the text is cut at its start."""
+    from launcher.coordinator.request_handle import RequestHandle
+    from pipeline.engine.records import Commit
+    from pipeline.model.tokenizer import Tokenizer
+    from tests.tiny_model import write_tiny_model
+
+    tok = Tokenizer(write_tiny_model(tmp_path / "m"))
+    params, ids = SamplingParams(max_new_tokens=64, stop=(stop,)), tuple(b'{"name": "x", "kind": "alph')
+    handles = [RequestHandle("r", "p", [1], params, tok.detokenizer(prompt_ids=[1])) for _ in range(2)]
+    hits = [handles[0].emit(Commit(0, ids[:9], None)), handles[0].emit(Commit(0, ids[9:], None))]  # `, "kind": "alph` as one
+    for t in ids:  # token-by-token decoding: the coordinator finishes the sequence at the first hit
+        if handles[1].emit(Commit(0, (t,), None)):
+            break
+    assert hits == [False, True] and handles[0].finish_reason == handles[1].finish_reason == "stop"
+    assert handles[0].token_ids == handles[1].token_ids
+    assert handles[0].text == handles[1].text == bytes(ids).decode()[:bytes(ids).decode().index(stop)]
