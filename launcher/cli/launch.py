@@ -104,7 +104,9 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,
             # [Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py
             "grammar_forced": spec.grammar_forced, "grammar_replaced": spec.grammar_replaced,
-            "grammar_dropped": spec.grammar_dropped, "grammar_jump_tokens": spec.grammar_jump_tokens}
+            "grammar_dropped": spec.grammar_dropped, "grammar_jump_tokens": spec.grammar_jump_tokens,
+            # their share of verified_drafts / accepted_tokens (always accepted: acceptance_rate less them is SPEED's and FIRP's)
+            "jump_verified": spec.jump_verified, "jump_accepted": spec.jump_accepted}
 
 
 def speculation_notes(session: PipelineSession, speculate_reason: str = "") -> list[str]:

@@ -152,8 +152,16 @@ class RequestHandle:
         stop = self.params.stop
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        delta = self.detok.add_many(commit.token_ids) if not stop else ""
+        for k, token in enumerate(commit.token_ids if stop else (), 1):
+            delta += self.detok.add(token)
+            if k < len(commit.token_ids) and any(s in self._held + delta for s in stop):
+                # A stop string ends at this token: the tokens after it (one commit of several, a FIRP
+                # chain's or a jump-forward run's) are not the request's, as in token-by-token decoding.
+                commit = dataclasses.replace(commit, token_ids=commit.token_ids[:k], finish_reason=None,
+                                             logprobs=commit.logprobs and commit.logprobs[:k])
+                break
         self.token_ids.extend(commit.token_ids)
-        delta = self.detok.add_many(commit.token_ids)
         if commit.finish_reason is not None:
             delta += self.detok.flush()
         # Text that could be the start of a stop string is held back until it is known not to be

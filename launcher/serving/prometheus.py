@@ -78,6 +78,10 @@ class _PipelineCollector:
              spec.grammar_dropped),
             ("grammar_jump_tokens", "Forced tokens drafted as the later rows of a jump-forward draft item.",
              spec.grammar_jump_tokens),
+            ("grammar_jump_verified_tokens", "Of the verified draft tokens, the later rows of jump-forward draft items.",
+             spec.jump_verified),
+            ("grammar_jump_accepted_tokens", "Of the accepted draft tokens, the later rows of jump-forward draft items.",
+             spec.jump_accepted),
         ):
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)

@@ -45,7 +45,9 @@ rolls the other back: the verifier's prefix only grows, the drafter's runs ahead
 after a squash (its answer is a function of the prefix it is asked about: a squash shortens the
 chain, so the next prefix rolls it back). Each mask costs ~0.1 ms here (llguidance on the default
 model's 49k vocabulary); the result of the last prefix is kept, so an exit event after a send (or
-the send after a jump run) does not compute it twice.
+the send after a jump run) does not compute it twice, and so is the last forced run's tokens
+(`DraftMatcher.forced_after`), so a run made again one token on (a draft item that found no free
+slot, dropped at its real item's result: a full pipeline's steady state) computes one mask, not L.
 """
 
 from __future__ import annotations
@@ -91,11 +93,16 @@ class DraftView:
 
 
 class DraftMatcher:
-    """A constrained sequence's drafting matcher and its last answer (see the note)."""
+    """A constrained sequence's drafting matcher, its last answer and its last forced run (see the note)."""
 
     def __init__(self, grammar: GrammarState) -> None:
         self.state = GrammarState(grammar.spec, grammar.vocab)
         self.last: DraftView | None = None
+        # The forced token after run_base + run[:i] is run[i] (-1: none forced there), so a jump run made
+        # again one token further on (the draft item never sent, e.g. no free slot, and the next real
+        # item's output one token longer) reads its masks instead of computing them again.
+        self.run_base: tuple[int, ...] = ()
+        self.run: list[int] = []
 
     def view(self, prefix: Sequence[int]) -> DraftView | None:
         """The grammar's answer after `prefix` (output tokens); None when the prefix breaks it (a chain
@@ -110,6 +117,23 @@ class DraftMatcher:
         forced = int(allowed.nonzero()[0, 0]) if int(allowed.sum()) == 1 else -1
         self.last = DraftView(key, allowed, forced)
         return self.last
+
+    def forced_after(self, prefix: Sequence[int]) -> int | None:
+        """`view(prefix).forced` (None for a broken prefix), read from the last forced run when `prefix`
+        lies along it, and the run extended when `prefix` is its next prefix."""
+        key, n = tuple(prefix), len(self.run_base)
+        i = len(key) - n
+        on_run = 0 <= i <= len(self.run) and key[:n] == self.run_base and list(key[n:]) == self.run[:i]
+        if on_run and i < len(self.run):
+            return self.run[i]
+        view = self.view(key)
+        if view is None:
+            return None
+        if on_run and (not self.run or self.run[-1] >= 0):
+            self.run.append(view.forced)
+        else:
+            self.run_base, self.run = key, [view.forced]
+        return view.forced
 
 
 class GrammarDrafts:
@@ -129,6 +153,15 @@ class GrammarDrafts:
             seq.draft_grammar = DraftMatcher(seq.grammar)
         return seq.draft_grammar.view([*seq.context()[len(seq.prompt_ids):], *extra])
 
+    def _forced_after(self, seq: SequenceState, extra: Sequence[int] = ()) -> int | None:
+        """The token the grammar forces after the chain plus `extra` (-1: none; None: a broken prefix or
+        no grammar-aware drafting), by `DraftMatcher.forced_after`."""
+        if not self.enabled or seq.grammar is None:
+            return None
+        if seq.draft_grammar is None:
+            seq.draft_grammar = DraftMatcher(seq.grammar)
+        return seq.draft_grammar.forced_after([*seq.context()[len(seq.prompt_ids):], *extra])
+
     def skips_exit_head(self, seq: SequenceState) -> bool:
         """Whether the item just sent (the chain's end) needs no exit-head guess: the grammar forces
         the draft after it, which is made without one (see the note)."""
@@ -136,8 +169,8 @@ class GrammarDrafts:
 
     def forced(self, seq: SequenceState) -> Draft | None:
         """The draft after the chain's end when the grammar forces it, else None."""
-        view = self._view(seq)
-        return None if view is None or view.forced < 0 else Draft(view.forced, 1.0, GRAMMAR_SOURCE)
+        token = self._forced_after(seq)
+        return None if token is None or token < 0 else Draft(token, 1.0, GRAMMAR_SOURCE)
 
     def draft(self, seq: SequenceState, predictor, guess: ExitGuess | None, forced: Draft | None,
               spec: SpecCounters) -> Draft | None:
@@ -172,10 +205,10 @@ class GrammarDrafts:
             return tuple(out)
         eos, cap = seq.grammar.vocab.eos_token_ids, min(limit, max_jump_rows(row_costs))
         while len(out) < cap and out[-1] not in eos:
-            view = self._view(seq, out)
-            if view is None or view.forced < 0 or view.forced in eos:
+            token = self._forced_after(seq, out)
+            if token is None or token < 0 or token in eos:
                 break
-            out.append(view.forced)
+            out.append(token)
         spec.grammar_jump_tokens += len(out) - 1
         return tuple(out)
 

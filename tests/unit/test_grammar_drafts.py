@@ -299,3 +299,69 @@ def test_the_counters_reach_launch_json_and_its_summary_line():
     assert stats["grammar_jump_tokens"] == 12
     assert "grammar drafts: 3 forced, 1 replaced, 2 dropped, 12 jump-forward rows" in speculation_text(stats)
     assert "grammar" not in speculation_text(speculation_stats(SpecCounters(drafted_tokens=1)))
+
+
+def test_a_jump_run_made_again_one_token_on_computes_one_mask(vocab, monkeypatch):
+    """choice ["abcdefghijklmnopqrstuvwx", "z"] after `a`: every later token is forced. The pipeline has no
+    room for drafts (the draft item waits, and is dropped when the real item's result comes), the steady
+    state of a loaded pipeline; each real item makes the jump run again, one token further on. The drafting
+    matcher reads the run's masks from the last run (`DraftMatcher.forced_after`): about one new mask per
+    committed token, not a run's worth (up to MAX_JUMP_ROWS, ~0.1 ms each on a real vocabulary) per token."""
+    text = "abcdefghijklmnopqrstuvwx"
+    sched, seq = _committed(vocab, GrammarSpec.choice([text, "z"]), A, Ranked(ord("q")), max_new_tokens=30)
+    (real,) = sched.next_batch(num_inflight=0).items
+    assert seq.pending.token_ids == tuple(text[1:].encode())[:MAX_JUMP_ROWS]
+    state, masks = seq.draft_grammar.state, []
+    allowed = state.allowed
+    monkeypatch.setattr(state, "allowed", lambda *a: masks.append(a) or allowed(*a))
+    for i in range(1, 8):
+        [commit] = _result(sched, real, vocab, seed=i)
+        assert commit.token_ids == (ord(text[i]),) and not seq.ledger.inflight
+        (real,) = sched.next_batch(num_inflight=0).items
+        assert seq.pending.token_ids == tuple(text[i + 1:].encode())[:MAX_JUMP_ROWS]
+    assert len(masks) <= 7, f"{len(masks)} masks for 7 committed tokens"
+
+
+def test_jump_rows_share_of_the_verified_and_accepted_drafts_reaches_launch_json_and_prometheus():
+    """SpecCounters.jump_verified / jump_accepted (a jump item's later rows, always accepted) are in
+    `launch --json` and Prometheus, as FIRP's share is: without them acceptance_rate, which counts them,
+    cannot be told apart from the predictor's own."""
+    import types
+
+    from launcher.cli.launch import speculation_stats
+    from launcher.serving.prometheus import PREFIX, _PipelineCollector
+
+    spec = SpecCounters(drafted_tokens=12, verified_drafts=10, accepted_tokens=8, grammar_jump_tokens=6,
+                        jump_verified=5, jump_accepted=5)
+    stats = speculation_stats(spec)
+    assert (stats["jump_verified"], stats["jump_accepted"]) == (5, 5)
+    collector = _PipelineCollector(types.SimpleNamespace(spec=spec), "m", engine=None)
+    want, got = {PREFIX + "grammar_jump_verified_tokens": 5, PREFIX + "grammar_jump_accepted_tokens": 5}, {}
+    for family in collector.collect():
+        if family.name in want:
+            got[family.name] = family.samples[0].value
+        if len(got) == len(want):
+            break
+    assert got == want
+
+
+@pytest.mark.parametrize("stop", ['"ki', "nd", '"kind": "alph'])
+def test_a_stop_string_inside_a_jump_run_ends_the_tokens_where_token_by_token_decoding_does(tmp_path, stop):
+    """A commit of several tokens (a jump-forward run `, "kind": "` with the token after it, or a FIRP
+    chain) in which a stop string ends: the request's tokens (usage's completion_tokens, logprobs) stop
+    at the token that completes it, as when each token is its own commit; the text is cut at its start."""
+    from launcher.coordinator.request_handle import RequestHandle
+    from pipeline.engine.records import Commit
+    from pipeline.model.tokenizer import Tokenizer
+    from tests.tiny_model import write_tiny_model
+
+    tok = Tokenizer(write_tiny_model(tmp_path / "m"))
+    params, ids = SamplingParams(max_new_tokens=64, stop=(stop,)), tuple(b'{"name": "x", "kind": "alph')
+    handles = [RequestHandle("r", "p", [1], params, tok.detokenizer(prompt_ids=[1])) for _ in range(2)]
+    hits = [handles[0].emit(Commit(0, ids[:9], None)), handles[0].emit(Commit(0, ids[9:], None))]  # `, "kind": "alph` as one
+    for t in ids:  # token-by-token decoding: the coordinator finishes the sequence at the first hit
+        if handles[1].emit(Commit(0, (t,), None)):
+            break
+    assert hits == [False, True] and handles[0].finish_reason == handles[1].finish_reason == "stop"
+    assert handles[0].token_ids == handles[1].token_ids
+    assert handles[0].text == handles[1].text == bytes(ids).decode()[:bytes(ids).decode().index(stop)]
