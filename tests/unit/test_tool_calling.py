@@ -230,6 +230,10 @@ def test_tool_results_and_assistant_tool_calls_reach_the_template(server, client
     assert prompt == (f"<tools>{tools}</tools>\n<user>Weather in Paris?\n"
                       '<assistant><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
                       "<tool>rain[call_1]\n<assistant>")
+    messages[1]["tool_calls"][0]["function"]["arguments"] = ""  # no arguments: an empty object, as vLLM
+    parsed = parse_chat({"messages": messages, "tools": TOOLS, "tool_choice": "none"}, tokenizer=engine.tokenizer,
+                        model_name="tiny", max_model_len=4096)
+    assert '{"name": "get_weather", "arguments": {}}' in engine.tokenizer.decode(parsed.prompt_ids)
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=NAMED, max_tokens=60,
                                        temperature=0)
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), ADD)
@@ -264,6 +268,8 @@ REFUSED = [  # (body fields, param)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "objekt"}}}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tools[0].function.parameters"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "objekt"}}}}}], "tool_choice": "required"}, "tools[1].function.parameters"),
     ({"functions": [FN]}, "functions"),
     ({"messages": [*USER, {"role": "tool", "content": "rain"}]}, "messages[1].tool_call_id"),
     ({"messages": [*USER, {"role": "tool", "content": "rain", "tool_call_id": 7}]}, "messages[1].tool_call_id"),
