@@ -239,6 +239,17 @@ def test_tool_results_and_assistant_tool_calls_reach_the_template(server, client
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), ADD)
 
 
+def test_tokenize_counts_the_prompt_a_chat_request_with_tools_runs(server):
+    """/tokenize's tokens are the chat request's prompt ids: the template sees the tools there too."""
+    engine, url = server
+    body = {"messages": USER, "tools": TOOLS}
+    parsed = parse_chat({**body, "tool_choice": "none"}, tokenizer=engine.tokenizer, model_name="tiny", max_model_len=4096)
+    r = httpx.post(url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == parsed.prompt_ids
+    r = httpx.post(url + "/tokenize", json={**body, "tools": [{"type": "function"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function"
+
+
 FN = TOOLS[1]["function"]
 REFUSED = [  # (body fields, param)
     ({"tools": {"a": 1}}, "tools"),
