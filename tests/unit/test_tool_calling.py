@@ -335,3 +335,22 @@ def test_a_streamed_named_call_sends_arguments_as_they_are_generated(server):
                     fragments += [tc["function"]["arguments"] for tc in choice["delta"].get("tool_calls", [])]
     assert len(fragments) > 3 and time.monotonic() - started < 60
     jsonschema.validate(json.loads("".join(fragments)), ADD)
+
+
+def test_hermes_is_refused_at_start_up_for_a_tokenizer_whose_tags_are_special_tokens(folder, tmp_path):
+    """A special `<tool_call>` token is left out of the served text, so the parser would never see a call."""
+    import shutil
+
+    import tokenizers
+
+    from launcher.serving.formats.tool_parsers import check_tokenizer
+
+    check_tokenizer("hermes", Tokenizer(folder))  # the tags are plain text: fine
+    special = shutil.copytree(folder, tmp_path / "special")
+    tok = tokenizers.Tokenizer.from_file(str(special / "tokenizer.json"))
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                            for t in ("<tool_call>", "</tool_call>")])
+    tok.save(str(special / "tokenizer.json"))
+    check_tokenizer(None, Tokenizer(special))
+    with pytest.raises(ValueError, match="special token"):
+        check_tokenizer("hermes", Tokenizer(special))
