@@ -26,10 +26,12 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.serving.formats.tools import ToolRequest
-from pipeline.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pipeline.model.tokenizer import Tokenizer
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # a required item's start
