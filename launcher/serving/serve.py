@@ -28,6 +28,7 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession
 from launcher.coordinator.stage_restarts import RestartBudget
+from launcher.serving.formats.tool_parsers import check_tokenizer
 from launcher.serving.formats.tools import TOOL_PARSERS
 from workers.control_auth import API_KEY_ENV, TlsFiles
 from workers.heap import freeze_startup_heap
@@ -328,6 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                model=(model_key(plan.model_dir), plan.model_dir.name))
     serve.check_ports()
     options, model, why = settle_auto(options, resolve(options), why)
+    check_tokenizer(serve.tool_call_parser if serve.enable_auto_tool_choice else None, model.tokenizer)
     _show_stats_lines()
     freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
     with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,

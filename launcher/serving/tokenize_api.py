@@ -7,7 +7,7 @@ OpenAI-compatible server; the shapes are vLLM's (`TokenizeCompletionRequest`,
 
 - `/tokenize` with `{"prompt": "...", "add_special_tokens": true}`, or with `{"messages": [...]}`
   and the chat options of /v1/chat/completions (`add_generation_prompt`, `continue_final_message`,
-  `chat_template_kwargs`); either may ask for `"return_token_strs": true`. The answer is
+  `chat_template_kwargs`, and `tools`, which the template sees; `tool_choice` is not read, as vLLM); either may ask for `"return_token_strs": true`. The answer is
   `{"count", "max_model_len", "tokens", "token_strs"}`, and `tokens` are exactly the prompt ids
   the generation endpoint would run for the same prompt or messages (so `count` is its
   `usage.prompt_tokens`). `add_special_tokens` (default true for a prompt, false for messages,
@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.serving.formats.chat_messages import chat_options
+from launcher.serving.formats.tools import tools_from_body
 from launcher.serving.openai_protocol import bool_field, check_model, render_chat
 from launcher.serving.serving_engine import InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
@@ -50,7 +51,10 @@ def tokenize_body(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model
         raise InvalidRequestError("give either 'prompt' or 'messages', not both", "prompt")
     add_special = bool_field(body, "add_special_tokens", not chat)
     if chat:
-        text = render_chat(body.get("messages"), tokenizer=tokenizer, **chat_options(body, error=InvalidRequestError))
+        tools = tools_from_body({"tools": body.get("tools"), "tool_choice": "none"}, parser=None,
+                                error=InvalidRequestError)  # the template sees them, as in a chat request
+        text = render_chat(body.get("messages"), tokenizer=tokenizer, tools=tools and tools.tools,
+                           **chat_options(body, error=InvalidRequestError))
     else:
         text = body.get("prompt")
         if not isinstance(text, str):

@@ -230,9 +230,24 @@ def test_tool_results_and_assistant_tool_calls_reach_the_template(server, client
     assert prompt == (f"<tools>{tools}</tools>\n<user>Weather in Paris?\n"
                       '<assistant><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
                       "<tool>rain[call_1]\n<assistant>")
+    messages[1]["tool_calls"][0]["function"]["arguments"] = ""  # no arguments: an empty object, as vLLM
+    parsed = parse_chat({"messages": messages, "tools": TOOLS, "tool_choice": "none"}, tokenizer=engine.tokenizer,
+                        model_name="tiny", max_model_len=4096)
+    assert '{"name": "get_weather", "arguments": {}}' in engine.tokenizer.decode(parsed.prompt_ids)
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=NAMED, max_tokens=60,
                                        temperature=0)
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), ADD)
+
+
+def test_tokenize_counts_the_prompt_a_chat_request_with_tools_runs(server):
+    """/tokenize's tokens are the chat request's prompt ids: the template sees the tools there too."""
+    engine, url = server
+    body = {"messages": USER, "tools": TOOLS}
+    parsed = parse_chat({**body, "tool_choice": "none"}, tokenizer=engine.tokenizer, model_name="tiny", max_model_len=4096)
+    r = httpx.post(url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == parsed.prompt_ids
+    r = httpx.post(url + "/tokenize", json={**body, "tools": [{"type": "function"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function"
 
 
 FN = TOOLS[1]["function"]
@@ -264,6 +279,8 @@ REFUSED = [  # (body fields, param)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "objekt"}}}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tools[0].function.parameters"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "objekt"}}}}}], "tool_choice": "required"}, "tools[1].function.parameters"),
     ({"functions": [FN]}, "functions"),
     ({"messages": [*USER, {"role": "tool", "content": "rain"}]}, "messages[1].tool_call_id"),
     ({"messages": [*USER, {"role": "tool", "content": "rain", "tool_call_id": 7}]}, "messages[1].tool_call_id"),
@@ -318,3 +335,22 @@ def test_a_streamed_named_call_sends_arguments_as_they_are_generated(server):
                     fragments += [tc["function"]["arguments"] for tc in choice["delta"].get("tool_calls", [])]
     assert len(fragments) > 3 and time.monotonic() - started < 60
     jsonschema.validate(json.loads("".join(fragments)), ADD)
+
+
+def test_hermes_is_refused_at_start_up_for_a_tokenizer_whose_tags_are_special_tokens(folder, tmp_path):
+    """A special `<tool_call>` token is left out of the served text, so the parser would never see a call."""
+    import shutil
+
+    import tokenizers
+
+    from launcher.serving.formats.tool_parsers import check_tokenizer
+
+    check_tokenizer("hermes", Tokenizer(folder))  # the tags are plain text: fine
+    special = shutil.copytree(folder, tmp_path / "special")
+    tok = tokenizers.Tokenizer.from_file(str(special / "tokenizer.json"))
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                            for t in ("<tool_call>", "</tool_call>")])
+    tok.save(str(special / "tokenizer.json"))
+    check_tokenizer(None, Tokenizer(special))
+    with pytest.raises(ValueError, match="special token"):
+        check_tokenizer("hermes", Tokenizer(special))

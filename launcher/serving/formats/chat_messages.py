@@ -86,6 +86,8 @@ def _tool_call(call: Any, field: str, error: ErrorClass) -> dict[str, Any]:
         raise error(f"'{field}.function.name' must be a non-empty string", f"{field}.function.name")
     if not isinstance(arguments, (str, dict)):
         raise error(f"'{field}.function.arguments' must be a string of JSON", f"{field}.function.arguments")
+    if isinstance(arguments, str) and not arguments.strip():  # no arguments: {} (vLLM's rule)
+        arguments = {}
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)

@@ -26,9 +26,12 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.serving.formats.tools import ToolRequest
+
+if TYPE_CHECKING:
+    from pipeline.model.tokenizer import Tokenizer
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # a required item's start
@@ -202,6 +205,18 @@ def _partial(text: str) -> int:
         if TOOL_CALL_START.startswith(text[-n:]):
             return n
     return 0
+
+
+def check_tokenizer(parser: str | None, tokenizer: Tokenizer) -> None:
+    """At start-up: raise ValueError when `parser`'s tags cannot reach it because the model's tokenizer
+    marks them special tokens, which the served text leaves out (vLLM decodes these with
+    skip_special_tokens false instead; this server always skips them)."""
+    if parser != "hermes":
+        return
+    for tag in (TOOL_CALL_START, TOOL_CALL_END):
+        if tag not in tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)):
+            raise ValueError(f"--tool-call-parser hermes: this model's tokenizer has {tag} as a special token, "
+                             "which the generated text leaves out, so no tool call could be found")
 
 
 class ToolOutput:

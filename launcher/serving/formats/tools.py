@@ -68,14 +68,22 @@ class ToolRequest:
 
     def grammar(self, *, error: ErrorClass = FormatError) -> GrammarSpec:
         """The constraint of a named / required choice. Raises `error` naming the schema's field."""
-        field = "tools"
-        if self.choice == "named":
-            index = [t["function"]["name"] for t in self.tools].index(self.name)
-            field = f"tools[{index}].function.parameters"
         try:
             return GrammarSpec(kind="json_schema", text=json.dumps(self.schema()))
         except ValueError as exc:
+            field = self._failing_tool()
             raise error(f"'{field}': {exc}", field) from None
+
+    def _failing_tool(self) -> str:
+        """The field of the (first) tool whose parameters schema does not compile on its own, else 'tools'."""
+        for index, tool in enumerate(self.tools):
+            if self.choice == "named" and tool["function"]["name"] != self.name:
+                continue
+            try:
+                GrammarSpec(kind="json_schema", text=json.dumps(tool["function"].get("parameters") or {}))
+            except ValueError:
+                return f"tools[{index}].function.parameters"
+        return "tools"
 
 
 def tools_from_body(body: dict, *, parser: str | None, error: ErrorClass = FormatError) -> ToolRequest | None:
