@@ -183,6 +183,10 @@ def test_streamed_text_is_the_full_decode_however_the_ids_arrive(converted, prom
         assert "".join(deltas) == full == (f" {text}" if prompt else text), text
         assert not any("\ufffd" in d for d in deltas), deltas  # a character spelled in byte pieces waits whole
     assert any(t.startswith("<0x") for t in tok.token_strings(tok.encode(TEXTS[7]))), "no byte pieces streamed"
+    # "<0x78>" alone is "x", but a run of byte pieces that is not UTF-8 decodes all as U+FFFD (ByteFallback)
+    ids = [tok.token_id(t) for t in ("▁the", "<0x78>", "<0xE7>", "<0x12>", "▁the", "<0xF0>", "<0x9F>")]
+    detok = tok.detokenizer(prompt_ids=prompt_ids)
+    assert detok.add_many(ids) + detok.flush() == tok.decode(prompt_ids + ids)[len(tok.decode(prompt_ids)):]
 
 
 @pytest.mark.parametrize("change, match", [
