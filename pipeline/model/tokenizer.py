@@ -136,8 +136,8 @@ class Tokenizer:
         """Ids of byte pieces ("<0xE6>") when the decoder has ByteFallback (SentencePiece vocabularies),
         else empty. ByteFallback decodes a run of them together, and a run that is not UTF-8 all as
         U+FFFD, even bytes that alone were a valid character: [Note: SentencePiece streaming]."""
-        decoder = json.loads(self._tok.to_str()).get("decoder")
-        if '"ByteFallback"' not in json.dumps(decoder):
+        decoder = self._tok.decoder  # its own JSON only: the tokenizer's may be megabytes
+        if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
             return frozenset()
         vocab = self._tok.get_vocab(with_added_tokens=False)
         return frozenset(i for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-F]{2}>", t))
