@@ -194,7 +194,7 @@ class Tokenizer:
 # (without a prompt, "word", as a full decode of the generated ids). Its byte pieces ("<0xE6>", ...)
 # spell one character over several tokens, and the ByteFallback decoder decodes a whole run of them
 # at once: a run that is not UTF-8 becomes one U+FFFD per byte, even bytes that were a character
-# alone ("<0x78>" is "x", but "<0x78><0xE7>" is "��"). So a run is emitted only once a
+# alone ("<0x78>" is "x", but "<0x78><0xE7>" is two U+FFFD). So a run is emitted only once a
 # token that is not a byte piece ends it (or at `flush`), and the stream stays the full decode
 # (tests/unit/test_gguf_spm_tokenizer.py).
 _PROMPT_CONTEXT_TOKENS = 5
