@@ -142,6 +142,15 @@ class Tokenizer:
         vocab = self._tok.get_vocab(with_added_tokens=False)
         return frozenset(i for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-F]{2}>", t))
 
+    @functools.cached_property
+    def byte_run_ids_skipping_specials(self) -> frozenset[int]:
+        """`byte_piece_ids` and, when there are any, the special tokens' ids: a skipped special token
+        decodes to nothing, so it does not end a run of byte pieces ([Note: SentencePiece streaming])."""
+        if not self.byte_piece_ids:
+            return frozenset()
+        added = self._tok.get_added_tokens_decoder()
+        return self.byte_piece_ids | {i for i, t in added.items() if t.special}
+
     def check_fits(self, text: str, max_tokens: int, *, what: str = "prompt") -> None:
         """Raise ValueError when `text` cannot be `max_tokens` tokens or fewer, from its size alone,
         before any tokenising: a server must not spend seconds on megabytes that cannot fit. The
@@ -196,7 +205,8 @@ class Tokenizer:
 # at once: a run that is not UTF-8 becomes one U+FFFD per byte, even bytes that were a character
 # alone ("<0x78>" is "x", but "<0x78><0xE7>" is two U+FFFD). So a run is emitted only once a
 # token that is not a byte piece ends it (or at `flush`), and the stream stays the full decode
-# (tests/unit/test_gguf_spm_tokenizer.py).
+# (tests/unit/test_gguf_spm_tokenizer.py). A special token that decoding skips does not end a run
+# (the decoder never sees it: "<0x04></s><0x9E>" is one run), so it is held back too.
 _PROMPT_CONTEXT_TOKENS = 5
 
 
@@ -213,6 +223,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._held_ids = tokenizer.byte_run_ids_skipping_specials if skip_special_tokens else tokenizer.byte_piece_ids
         self._ids = list(prompt_ids)
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT_TOKENS, 0)
@@ -224,7 +235,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one generated id; return the new text it completes ("" while a character is partial)."""
         self._ids.append(token_id)
-        if token_id in self._tokenizer.byte_piece_ids:  # [Note: SentencePiece streaming]
+        if token_id in self._held_ids:  # [Note: SentencePiece streaming]
             return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)

@@ -187,6 +187,13 @@ def test_streamed_text_is_the_full_decode_however_the_ids_arrive(converted, prom
     ids = [tok.token_id(t) for t in ("▁the", "<0x78>", "<0xE7>", "<0x12>", "▁the", "<0xF0>", "<0x9F>")]
     detok = tok.detokenizer(prompt_ids=prompt_ids)
     assert detok.add_many(ids) + detok.flush() == tok.decode(prompt_ids + ids)[len(tok.decode(prompt_ids)):]
+    # a skipped special token does not end a run: "<0x78></s><0xE7>" decodes as the run "<0x78><0xE7>"
+    ids = [tok.token_id(t) for t in ("▁the", "<0x78>", "</s>", "<0xE7>", "<unk>", "▁the")]
+    for skip in (True, False):
+        detok = tok.detokenizer(prompt_ids=prompt_ids, skip_special_tokens=skip)
+        streamed = detok.add_many(ids) + detok.flush()
+        full, before = tok.decode(prompt_ids + ids, skip_special_tokens=skip), tok.decode(prompt_ids, skip_special_tokens=skip)
+        assert streamed == full[len(before):], skip
 
 
 @pytest.mark.parametrize("change, match", [
