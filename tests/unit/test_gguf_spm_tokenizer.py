@@ -170,6 +170,15 @@ def test_control_tokens_are_special_and_user_defined_ones_are_kept_whole(convert
     assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos_token) == (BOS, (EOS,), True)
 
 
+def test_a_llama_2_chat_prompt_tokenises_as_meta_s_reference_code(spm_proto, converted):
+    """Meta's llama `chat_completion` encodes each turn alone, so "[INST]" after <s> gets the "▁" prefix
+    (as llama.cpp and Llama 2's legacy tokenizer.json); transformers' GGUF loader would give none."""
+    tok, sp = Tokenizer(converted[1]), _processor(spm_proto, space_prefix=True)
+    rendered = "<s>[INST] the cat sat 😀 [/INST] on the mat </s><s>[INST] café  naïve [/INST]"  # HF's Llama 2 template
+    meta = [BOS, *sp.encode("[INST] the cat sat 😀 [/INST] on the mat "), EOS, BOS, *sp.encode("[INST] café  naïve [/INST]")]
+    assert tok.encode(rendered, add_special_tokens=False) == meta
+
+
 @pytest.mark.parametrize("prompt", ["", "Once upon a café"], ids=["no-prompt", "prompt"])
 def test_streamed_text_is_the_full_decode_however_the_ids_arrive(converted, prompt):
     tok = Tokenizer(converted[1])
