@@ -205,6 +205,19 @@ def test_streamed_text_is_the_full_decode_however_the_ids_arrive(converted, prom
         assert streamed == full[len(before):], skip
 
 
+def test_streaming_random_ids_with_byte_pieces_and_special_tokens_gives_the_full_decode(converted):
+    """Random ids, a third byte pieces and a third special tokens (<unk> <s> </s> <tool>), arrive one by
+    one: the joined deltas equal the full decode, with special tokens skipped and kept."""
+    tok, rng = Tokenizer(converted[1]), random.Random(0)
+    byte_ids, specials = sorted(tok.byte_piece_ids), [UNK, BOS, EOS, tok.token_id(USER_DEFINED)]
+    for _ in range(300):
+        ids = [rng.choice([rng.randrange(tok.vocab_size), rng.choice(byte_ids), rng.choice(specials)])
+               for _ in range(rng.randint(1, 12))]
+        for skip in (True, False):
+            detok = tok.detokenizer(skip_special_tokens=skip)
+            assert detok.add_many(ids) + detok.flush() == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(model="bert"), r"^tokenizer.ggml.model 'bert' is not supported"),
     (dict(model="t5"), r"^tokenizer.ggml.model 't5' is not supported"),
