@@ -2,8 +2,8 @@
 
 Owns the conversion (tensors streamed one at a time into model.safetensors, so no process ever
 holds the whole float32 model), writing the folder's JSON files, and publishing it atomically.
-Per-architecture metadata, tensor names and tensor fix-ups live in pipeline/weights/gguf_families.py;
-the tokenizer (tokenizer.json and tokenizer_config.json from the GGUF vocabulary) in gguf_tokenizer.py.
+Per-architecture metadata, tensor names and tensor fix-ups live in pipeline/weights/gguf_metadata/families.py;
+the tokenizer (tokenizer.json and tokenizer_config.json from the GGUF vocabulary) in gguf_metadata/vocabulary.py.
 Must not: run models, download anything, or import transformers (it is a test-only oracle).
 
 [Note: GGUF Q/K permutation]
@@ -33,7 +33,7 @@ import gguf
 from pipeline.model.config import ModelConfig
 from pipeline.weights.checkpoint import SINGLE_FILE, all_tensor_names
 from pipeline.weights.file_memo import INDEX_FILE, file_sha256, restamp_index, write_index
-from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_tensor_name: re-exported)
+from pipeline.weights.gguf_metadata.families import (  # noqa: F401 (unpermute_qk, hf_tensor_name: re-exported)
     SUPPORTED_ARCHITECTURES,
     check_tensor_types,
     config_from_gguf,
@@ -43,7 +43,7 @@ from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_ten
     tensor_targets,
     unpermute_qk,
 )
-from pipeline.weights.gguf_tokenizer import special_token_ids, tokenizer_config, tokenizer_from_gguf
+from pipeline.weights.gguf_metadata.vocabulary import special_token_ids, tokenizer_config, tokenizer_from_gguf
 from pipeline.weights.model_chunks import path_lock, progress_bar
 from pipeline.weights.safetensors_stream import write_streaming
 

@@ -42,7 +42,7 @@ import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from pipeline.model.config import ModelConfig
-from pipeline.weights.gguf_families import field
+from pipeline.weights.gguf_metadata.families import field
 
 # tokenizer.ggml.pre -> pre-tokenizer of the model's own tokenizer.json. The smollm family (also
 # StarCoder, Refact) isolates every digit, then applies GPT-2's byte-level regex to the rest.
