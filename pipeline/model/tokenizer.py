@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ class Tokenizer:
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included, capped at config.json's
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
     such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json (of a
-    multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`,
+    multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`, `add_eos_token`,
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
     ValueError for a tokenizer.json the tokenizers library cannot read.
     """
@@ -101,6 +102,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         if self.add_bos_token and self.bos_token_id is None:
             raise ValueError(f"{self.model_dir}: add_bos_token is set but no BOS token is defined")
+        self.add_eos_token: bool = bool(tok_config.get("add_eos_token", False))
+        self._appended_eos_id = self._first_id(tok_config.get("eos_token"), *self.eos_token_ids[:1])
+        if self.add_eos_token and self._appended_eos_id is None:
+            raise ValueError(f"{self.model_dir}: add_eos_token is set but no EOS token is defined")
 
     def _first_id(self, *candidates: Any) -> int | None:
         """The first candidate that is an id, or a token string this vocabulary knows."""
@@ -126,6 +131,26 @@ class Tokenizer:
         entry as spelled (byte-level BPE spells each byte as one character of one or two bytes)."""
         return max(len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True))
 
+    @functools.cached_property
+    def byte_piece_ids(self) -> frozenset[int]:
+        """Ids of byte pieces ("<0xE6>") when the decoder has ByteFallback (SentencePiece vocabularies),
+        else empty. ByteFallback decodes a run of them together, and a run that is not UTF-8 all as
+        U+FFFD, even bytes that alone were a valid character: [Note: SentencePiece streaming]."""
+        decoder = self._tok.decoder  # its own JSON only: the tokenizer's may be megabytes
+        if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+            return frozenset()
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        return frozenset(i for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-F]{2}>", t))
+
+    @functools.cached_property
+    def byte_run_ids_skipping_specials(self) -> frozenset[int]:
+        """`byte_piece_ids` and, when there are any, the special tokens' ids: a skipped special token
+        decodes to nothing, so it does not end a run of byte pieces ([Note: SentencePiece streaming])."""
+        if not self.byte_piece_ids:
+            return frozenset()
+        added = self._tok.get_added_tokens_decoder()
+        return self.byte_piece_ids | {i for i, t in added.items() if t.special}
+
     def check_fits(self, text: str, max_tokens: int, *, what: str = "prompt") -> None:
         """Raise ValueError when `text` cannot be `max_tokens` tokens or fewer, from its size alone,
         before any tokenising: a server must not spend seconds on megabytes that cannot fit. The
@@ -139,13 +164,17 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`: [num_tokens]. Special-token text such as "<|im_start|>" maps to its id;
-        BOS is prepended only when the model's tokenizer_config says add_bos_token and
-        `add_special_tokens` (False for text a chat template rendered, which spells its own BOS:
-        Hugging Face's `apply_chat_template` tokenises it so). Runs without holding Python's GIL
-        (the library's `encode_batch`; its `encode` holds it, ~0.5 s for 660 KB of text), so a
-        server's other threads (heartbeats, streams) go on while a long prompt is tokenised."""
+        BOS is prepended (EOS appended) only when the model's tokenizer_config says add_bos_token
+        (add_eos_token) and `add_special_tokens` (False for text a chat template rendered, which spells
+        its own BOS: Hugging Face's `apply_chat_template` tokenises it so). tokenizer_config.json is the
+        one source of these two rules: tokenizer.json post-processors are not applied. Runs without
+        holding Python's GIL (the library's `encode_batch`; its `encode` holds it, ~0.5 s for 660 KB
+        of text), so a server's other threads (heartbeats, streams) go on while a long prompt is tokenised."""
         ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        return [self.bos_token_id, *ids] if self.add_bos_token and add_special_tokens else ids
+        if not add_special_tokens:
+            return ids
+        return ([self.bos_token_id] if self.add_bos_token else []) + ids + (
+            [self._appended_eos_id] if self.add_eos_token else [])
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary entry of each id ([num_tokens]; byte-level BPE spells a space "Ġ"), as
@@ -166,7 +195,18 @@ class Tokenizer:
 
 
 # Prompt tokens kept as left context for the first generated tokens (vLLM uses 5 as well): enough
-# for a tokenizer whose decoding of a token depends on its neighbour (e.g. SentencePiece spaces).
+# for a tokenizer whose decoding of a token depends on its neighbour (SentencePiece spaces).
+#
+# [Note: SentencePiece streaming]
+# SentencePiece's decoder strips the space of the first "▁word" it decodes: with the prompt as left
+# context the first generated "▁word" streams as " word", the continuation of the prompt's text
+# (without a prompt, "word", as a full decode of the generated ids). Its byte pieces ("<0xE6>", ...)
+# spell one character over several tokens, and the ByteFallback decoder decodes a whole run of them
+# at once: a run that is not UTF-8 becomes one U+FFFD per byte, even bytes that were a character
+# alone ("<0x78>" is "x", but "<0x78><0xE7>" is two U+FFFD). So a run is emitted only once a
+# token that is not a byte piece ends it (or at `flush`), and the stream stays the full decode
+# (tests/unit/test_gguf_spm_tokenizer.py). A special token that decoding skips does not end a run
+# (the decoder never sees it: "<0x04></s><0x9E>" is one run), so it is held back too.
 _PROMPT_CONTEXT_TOKENS = 5
 
 
@@ -183,6 +223,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._held_ids = tokenizer.byte_run_ids_skipping_specials if skip_special_tokens else tokenizer.byte_piece_ids
         self._ids = list(prompt_ids)
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT_TOKENS, 0)
@@ -194,6 +235,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one generated id; return the new text it completes ("" while a character is partial)."""
         self._ids.append(token_id)
+        if token_id in self._held_ids:  # [Note: SentencePiece streaming]
+            return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):

@@ -29,8 +29,8 @@ import torch
 from pipeline.model.config import ModelConfig
 from pipeline.model.tensor_names import LM_HEAD
 from pipeline.weights.file_memo import load_index
-from pipeline.weights.gguf_families import PERMUTED_ARCHITECTURES, field, tensor_targets
 from pipeline.weights.gguf_import import open_gguf, read_source, unpermute_qk
+from pipeline.weights.gguf_metadata.families import PERMUTED_ARCHITECTURES, field, tensor_targets
 from pipeline.weights.quant import Int4Groups, QuantWeight, int8_rows_from_float
 
 # Checkpoint names of projections: every family's `*_proj`, and Mixtral's experts (`w1`, `w2`, `w3`).

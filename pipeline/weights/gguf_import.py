@@ -1,9 +1,9 @@
 """GGUF import: convert a llama.cpp GGUF file once into a Hugging Face-format model folder.
 
 Owns the conversion (tensors streamed one at a time into model.safetensors, so no process ever
-holds the whole float32 model), rebuilding `tokenizer.json` from the GGUF vocabulary (byte-level
-BPE with the pre-tokenizer `tokenizer.ggml.pre` names), and publishing the folder atomically.
-Per-architecture metadata, tensor names and tensor fix-ups live in pipeline/weights/gguf_families.py.
+holds the whole float32 model), writing the folder's JSON files, and publishing it atomically.
+Per-architecture metadata, tensor names and tensor fix-ups live in pipeline/weights/gguf_metadata/families.py;
+the tokenizer (tokenizer.json and tokenizer_config.json from the GGUF vocabulary) in gguf_metadata/vocabulary.py.
 Must not: run models, download anything, or import transformers (it is a test-only oracle).
 
 [Note: GGUF Q/K permutation]
@@ -29,13 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import tokenizers
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from pipeline.model.config import ModelConfig
 from pipeline.weights.checkpoint import SINGLE_FILE, all_tensor_names
 from pipeline.weights.file_memo import INDEX_FILE, file_sha256, restamp_index, write_index
-from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_tensor_name: re-exported)
+from pipeline.weights.gguf_metadata.families import (  # noqa: F401 (unpermute_qk, hf_tensor_name: re-exported)
     SUPPORTED_ARCHITECTURES,
     check_tensor_types,
     config_from_gguf,
@@ -45,6 +43,7 @@ from pipeline.weights.gguf_families import (  # noqa: F401 (unpermute_qk, hf_ten
     tensor_targets,
     unpermute_qk,
 )
+from pipeline.weights.gguf_metadata.vocabulary import special_token_ids, tokenizer_config, tokenizer_from_gguf
 from pipeline.weights.model_chunks import path_lock, progress_bar
 from pipeline.weights.safetensors_stream import write_streaming
 
@@ -52,24 +51,6 @@ CONVERTER_VERSION = 3  # 2: families, streamed tensors, qwen2 pre-tokenizer; 3: 
 SOURCE_FILE = "speedpipe_source.json"
 OUTPUT_FILES = ("config.json", SINGLE_FILE, "tokenizer.json", "tokenizer_config.json",
                 "generation_config.json", INDEX_FILE, SOURCE_FILE)
-# tokenizer.ggml.pre -> pre-tokenizer of the model's own tokenizer.json. The smollm family (also
-# StarCoder, Refact) isolates every digit, then applies GPT-2's byte-level regex to the rest.
-_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact")
-_GPT2 = ("gpt2", "default")
-# Qwen2's tokenizer.json: NFC, then this split (isolated), then byte-level without GPT-2's regex.
-_QWEN2 = ("qwen2",)
-_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Llama 3.x's tokenizer.json (llama.cpp: `llama-bpe`, and the older names `llama3`, `llama-v3`): Qwen2's split with digits in runs of up to three,
-# no normalizer; its BPE model has `ignore_merges` (a pre-token that is in the vocabulary is one token
-# even where the merges would not build it, as tiktoken; llama.cpp's LLAMA3 pre-type too), and llama.cpp
-# adds BOS for it when the GGUF has no tokenizer.ggml.add_bos_token (`_tokenizer_config`).
-_LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
-_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GgufSource:
     """Identity of a converted GGUF file, stored as `speedpipe_source.json` in the folder."""
@@ -241,74 +222,8 @@ def write_tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path, *, p
                         metadata={"format": "pt"}, on_tensor=lambda: bar.update(1))
 
 
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _GPT2:
-        return byte_level
-    if pre in _QWEN2 + _LLAMA3:
-        pattern = _QWEN2_PATTERN if pre in _QWEN2 else _LLAMA3_PATTERN
-        split = pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated", invert=False)
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported yet "
-                     f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2 + _QWEN2 + _LLAMA3)})")
-
-
-def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
-    """Byte-level BPE `tokenizers.Tokenizer` from the GGUF vocabulary, merges and token types.
-
-    Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
-    tokens. Raises ValueError for a non-BPE (e.g. SentencePiece) vocabulary or unknown pre-tokenizer.
-    """
-    kind = field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE; 'llama' is "
-                         "SentencePiece): give the model's Hugging Face folder, with its tokenizer.json, instead")
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
-    pre = field(reader, "tokenizer.ggml.pre", "default")
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               ignore_merges=pre in _LLAMA3))
-    tok.pre_tokenizer = _pre_tokenizer(pre)
-    if pre in _QWEN2:
-        tok.normalizer = normalizers.NFC()
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = field(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
-    typed = list(zip(tokens, types, strict=True))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in typed if kind == _TOKEN_TYPE_CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in typed if kind == _TOKEN_TYPE_USER_DEFINED])
-    return tok
-
-
-def _special_token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
-    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}
-    ids = {name: field(reader, f"tokenizer.ggml.{key}", None) for name, key in keys.items()}
-    return {name: i for name, i in ids.items() if i is not None}
-
-
-def _tokenizer_config(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, Any]:
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    d: dict[str, Any] = {f"{name}_token": tokens[i] for name, i in _special_token_ids(reader).items()}
-    d.update(
-        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token",
-                                 field(reader, "tokenizer.ggml.pre", "default") in _LLAMA3)),
-        add_eos_token=bool(field(reader, "tokenizer.ggml.add_eos_token", False)),
-        chat_template=field(reader, "tokenizer.chat_template", None),
-        clean_up_tokenization_spaces=False,
-        model_max_length=config.max_position_embeddings,
-        tokenizer_class="PreTrainedTokenizerFast",
-    )
-    return d
-
-
 def _generation_config(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, Any]:
-    ids = _special_token_ids(reader)
+    ids = special_token_ids(reader)
     d: dict[str, Any] = {"bos_token_id": ids.get("bos"), "pad_token_id": ids.get("pad")}
     if config.eos_token_ids:
         eos = config.eos_token_ids
@@ -329,7 +244,7 @@ def _write_folder(reader: gguf.GGUFReader, folder: Path, source: GgufSource, pro
     write_tensors(reader, config, folder / SINGLE_FILE, progress=progress)
     tokenizer.save(str(folder / "tokenizer.json"))
     _write_json(folder / "config.json", config.to_hf_dict())
-    _write_json(folder / "tokenizer_config.json", _tokenizer_config(reader, config))
+    _write_json(folder / "tokenizer_config.json", tokenizer_config(reader, config))
     _write_json(folder / "generation_config.json", _generation_config(reader, config))
     write_index(reader, source.path, folder, field(reader, "general.architecture"))
     _write_json(folder / SOURCE_FILE, dataclasses.asdict(source))  # last: marks the folder complete

@@ -28,8 +28,8 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.weights import model_chunks
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
-from pipeline.weights.gguf_families import hf_tensor_blocks
 from pipeline.weights.gguf_import import convert_gguf, open_gguf
+from pipeline.weights.gguf_metadata.families import hf_tensor_blocks
 from pipeline.weights.safetensors_stream import write_streaming
 from tests.family_models import family_config
 from tests.tiny_model import random_state_dict
@@ -391,7 +391,7 @@ def test_block_reader_gives_each_expert_its_slice_under_the_checkpoint_name(hf_f
 def test_qwen3moe_dense_layers_and_default_renormalisation_come_from_the_gguf(tmp_path):
     """Layers stored with plain ffn_gate/up/down are qwen3_moe's mlp_only_layers; without the
     expert_weights_norm key the top-k weights are renormalised (what llama.cpp does for qwen3moe)."""
-    from pipeline.weights.gguf_families import hf_config_dict
+    from pipeline.weights.gguf_metadata.families import hf_config_dict
 
     d, tensors = _f16_rounded_family_model(tmp_path / "hf", "qwen3_moe")
     assert d["mlp_only_layers"] == [1] and d["norm_topk_prob"] is False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -87,10 +88,12 @@ def hf_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
 
 def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: int = 0,
                proj_type: gguf.GGMLQuantizationType | None = None, pre: str = "smollm",
-               add_bos: bool | None = False) -> dict[str, np.ndarray]:
+               add_bos: bool | None = False,
+               vocab: Callable[[gguf.GGUFWriter], None] | None = None) -> dict[str, np.ndarray]:
     """Write a tiny GGUF as llama.cpp would; return the HF tensors it encodes (the float32 values
     before quantisation). proj_type: quantise every `*_proj` weight to it (e.g. Q4_1); pre: the
-    tokenizer.ggml.pre of its vocabulary; add_bos: its tokenizer.ggml.add_bos_token (None: no such key)."""
+    tokenizer.ggml.pre of its vocabulary; add_bos: its tokenizer.ggml.add_bos_token (None: no such key);
+    vocab: writes the tokenizer.* keys instead of the byte-level vocabulary of `vocabulary()`."""
     rng = np.random.default_rng(seed)
     tensors = {n: rng.standard_normal(hf_shape(config, n)).astype(np.float32) for n in all_tensor_names(config)}
     w = gguf.GGUFWriter(str(path), arch)
@@ -103,17 +106,10 @@ def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: in
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(vocabulary())
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocabulary()) - len(SPECIALS)))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(2)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if vocab is not None:
+        vocab(w)
+    else:
+        _add_byte_level_vocabulary(w, pre=pre, add_bos=add_bos)
     for name, t in tensors.items():
         if arch == "llama" and ".q_proj." in name:
             t = llama_cpp_permute(t, config.num_attention_heads)
@@ -131,6 +127,20 @@ def write_gguf(path: Path, config: ModelConfig, *, arch: str = "llama", seed: in
     w.write_tensors_to_file()
     w.close()
     return tensors
+
+
+def _add_byte_level_vocabulary(w: gguf.GGUFWriter, *, pre: str, add_bos: bool | None) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(vocabulary())
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocabulary()) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHAT_TEMPLATE)
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -2,7 +2,7 @@
 
 What breaks when these fail: a Llama 3.1 / 3.2 GGUF (llama.cpp's converter stores the llama3 RoPE
 scaling as a `rope_freqs` tensor of per-frequency divisors, [Note: GGUF RoPE factor tensors] in
-pipeline/weights/gguf_families.py) refused, loaded unscaled, scaled the wrong way (multiplied instead
+pipeline/weights/gguf_metadata/families.py) refused, loaded unscaled, scaled the wrong way (multiplied instead
 of divided), or its factors missing on a stage; a Phi-3 LongRoPE GGUF with its factor sets swapped, its
 original context or attention factor lost; a malformed tensor accepted instead of refused with one
 line naming it and the file (exit 2 from the CLI).
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from pipeline.model.config import ModelConfig
-from pipeline.weights.gguf_families import config_from_gguf
 from pipeline.weights.gguf_import import convert_gguf, open_gguf
+from pipeline.weights.gguf_metadata.families import config_from_gguf
 from tests.unit.test_families import PROMPT, Chain, _hf, _stages
 from tests.unit.test_gguf_families import _f16_rounded_family_model, write_hf_family_gguf
 
@@ -198,7 +198,7 @@ def test_longrope_attention_factor_is_the_gguf_s_else_transformers_default(tmp_p
 def test_longrope_gguf_with_the_scaling_type_key_newer_converters_write_reads_the_same(tmp_path):
     """llama.cpp's TextModel.set_gguf_parameters writes rope.scaling.type = longrope for a LongRoPE config
     (the factors still come as tensors); without the tensors that key is refused naming them."""
-    from pipeline.weights.gguf_families import hf_config_dict
+    from pipeline.weights.gguf_metadata.families import hf_config_dict
 
     d, tensors = _f16_rounded_family_model(tmp_path / "hf", "phi3-longrope")
     for name, scaling_type in (("old", None), ("new", gguf.RopeScalingType.LONGROPE)):

@@ -301,9 +301,9 @@ def test_a_model_cache_that_cannot_be_written_is_one_line_naming_the_flag(tmp_pa
         resolve_model(str(tmp_path / "gone.gguf"), cache_dir=tmp_path / "ro", progress=False)
 
 
-def test_a_missing_or_sentencepiece_tokenizer_names_the_file_and_the_remedy(tmp_path, monkeypatch):
-    """Before: 'no tokenizer.json in model folder X' with no way forward, and a SentencePiece GGUF
-    ('GGUF tokenizer model 'llama' is not supported') without the file's name."""
+def test_a_missing_or_unsupported_tokenizer_names_the_file_and_the_remedy(tmp_path, monkeypatch):
+    """Before: 'no tokenizer.json in model folder X' with no way forward, and a GGUF vocabulary of an
+    unsupported kind (then SentencePiece's 'llama', now e.g. 'bert') refused without the file's name."""
     import gguf
 
     from pipeline.weights.registry import resolve_model
@@ -315,9 +315,9 @@ def test_a_missing_or_sentencepiece_tokenizer_names_the_file_and_the_remedy(tmp_
                                                 r"transformers: AutoTokenizer.from_pretrained\(FOLDER\)"):
         Tokenizer(model_dir)
     add_model = gguf.GGUFWriter.add_tokenizer_model
-    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_model", lambda self, _: add_model(self, "llama"))
-    write_gguf(tmp_path / "spm.gguf", tiny())
-    with pytest.raises(ValueError, match=r"^GGUF file .*spm.gguf: tokenizer model 'llama' is not supported .*"
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_model", lambda self, _: add_model(self, "bert"))
+    write_gguf(tmp_path / "bert.gguf", tiny())
+    with pytest.raises(ValueError, match=r"^GGUF file .*bert.gguf: tokenizer.ggml.model 'bert' is not supported .*"
                                          r"SentencePiece\): give the model's Hugging Face folder"):
-        resolve_model(str(tmp_path / "spm.gguf"), cache_dir=tmp_path / "cache", progress=False)
-    assert not list((tmp_path / "cache" / "models").glob("*/spm-*"))  # no half-converted folder
+        resolve_model(str(tmp_path / "bert.gguf"), cache_dir=tmp_path / "cache", progress=False)
+    assert not list((tmp_path / "cache" / "models").glob("*/bert-*"))  # no half-converted folder
