@@ -65,15 +65,31 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
 _TOKENIZER_REMEDY = ("speedpipe reads the tokenizers library's tokenizer.json; copy the model's own, or write one "
                      "with transformers: AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER)")
 
+# [Note: BOS/EOS]
+# Whether a prompt gets BOS (EOS) is decided by tokenizer.json's post-processor alone, as transformers 5
+# decides it: with a tokenizer.json, `from_pretrained` drops tokenizer_config.json's add_bos_token /
+# add_eos_token and keeps the file's post-processor (none: nothing added), and `save_pretrained` no
+# longer writes the flags. Meta's Llama 3 folders carry BOS only there (Sequence[ByteLevel,
+# TemplateProcessing "<|begin_of_text|> $A"]); Llama 2's carry both, agreeing. The flags are ignored;
+# the GGUF converter writes a post-processor from the same rule as the flags it writes
+# (pipeline/weights/gguf_metadata/vocabulary.py `adds_bos_eos`). `encode` lets the library apply it;
+# the ids it adds, found once by encoding a probe with and without (`_post_processor_specials`),
+# give `add_bos_token`, `add_eos_token` and `bos_token_id`. A pair template's `$B` is never used.
+_PROBES = ("a", "0", " ", "hello")  # texts to find the added ids around: the first with tokens
+
+
 class Tokenizer:
     """Text <-> token ids of one model folder.
 
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included, capped at config.json's
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
     such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json (of a
-    multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `bos_token_id` (int or None), `add_bos_token`, `add_eos_token`,
+    multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
+    post-processor adds ids before / after a text: [Note: BOS/EOS]), `bos_token_id` (int or None; the
+    post-processor's first added id, else generation_config.json, config.json, tokenizer_config.json),
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
-    ValueError for a tokenizer.json the tokenizers library cannot read.
+    ValueError for a tokenizer.json the tokenizers library cannot read or whose post-processor changes
+    the text's own tokens.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -92,20 +108,30 @@ class Tokenizer:
         rows = model_config.get("vocab_size")  # the model's logits: an id past them has no row to bias or embed
         if isinstance(rows, int) and not isinstance(rows, bool) and 0 < rows < self.vocab_size:
             self.vocab_size = rows
-        self.add_bos_token: bool = bool(tok_config.get("add_bos_token", False))
         self.chat_template: str | None = _chat_template(self.model_dir, tok_config)
-        self.bos_token_id: int | None = self._first_id(
+        prefix, suffix = self._post_processor_specials()
+        self.add_bos_token: bool = bool(prefix)
+        self.add_eos_token: bool = bool(suffix)
+        self.bos_token_id: int | None = prefix[0] if prefix else self._first_id(
             gen_config.get("bos_token_id"), model_config.get("bos_token_id"), tok_config.get("bos_token"))
         eos = _as_ids(gen_config.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))
         if not eos and self.token_id(_token_text(tok_config.get("eos_token")) or "") is not None:
             eos = [self.token_id(_token_text(tok_config["eos_token"]))]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
-        if self.add_bos_token and self.bos_token_id is None:
-            raise ValueError(f"{self.model_dir}: add_bos_token is set but no BOS token is defined")
-        self.add_eos_token: bool = bool(tok_config.get("add_eos_token", False))
-        self._appended_eos_id = self._first_id(tok_config.get("eos_token"), *self.eos_token_ids[:1])
-        if self.add_eos_token and self._appended_eos_id is None:
-            raise ValueError(f"{self.model_dir}: add_eos_token is set but no EOS token is defined")
+
+    def _post_processor_specials(self) -> tuple[list[int], list[int]]:
+        """(ids added before, ids added after) a text by tokenizer.json's post-processor, asked of the
+        tokenizers library (any kind: TemplateProcessing, Roberta, Bert, a Sequence): [Note: BOS/EOS]."""
+        for probe in _PROBES:
+            body = self._tok.encode(probe, add_special_tokens=False).ids
+            full = self._tok.encode(probe, add_special_tokens=True).ids
+            if body:
+                break
+        for start in range(len(full) - len(body) + 1):
+            if full[start:start + len(body)] == body:
+                return full[:start], full[start + len(body):]
+        raise ValueError(f"{self.model_dir / 'tokenizer.json'}: its post-processor changes the text's own tokens "
+                         f"({body} -> {full}); speedpipe supports post-processors that only add special tokens")
 
     def _first_id(self, *candidates: Any) -> int | None:
         """The first candidate that is an id, or a token string this vocabulary knows."""
@@ -164,17 +190,13 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`: [num_tokens]. Special-token text such as "<|im_start|>" maps to its id;
-        BOS is prepended (EOS appended) only when the model's tokenizer_config says add_bos_token
-        (add_eos_token) and `add_special_tokens` (False for text a chat template rendered, which spells
-        its own BOS: Hugging Face's `apply_chat_template` tokenises it so). tokenizer_config.json is the
-        one source of these two rules: tokenizer.json post-processors are not applied. Runs without
-        holding Python's GIL (the library's `encode_batch`; its `encode` holds it, ~0.5 s for 660 KB
-        of text), so a server's other threads (heartbeats, streams) go on while a long prompt is tokenised."""
-        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        if not add_special_tokens:
-            return ids
-        return ([self.bos_token_id] if self.add_bos_token else []) + ids + (
-            [self._appended_eos_id] if self.add_eos_token else [])
+        with `add_special_tokens` the tokenizer.json post-processor adds what it adds (BOS, EOS: see
+        `add_bos_token` / `add_eos_token`, [Note: BOS/EOS]), as Hugging Face's `tokenizer(text)`.
+        `add_special_tokens=False` for text a chat template rendered, which spells its own BOS (Hugging
+        Face's `apply_chat_template` tokenises it so). Runs without holding Python's GIL (the library's
+        `encode_batch`; its `encode` holds it, ~0.5 s for 660 KB of text), so a server's other threads
+        (heartbeats, streams) go on while a long prompt is tokenised."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary entry of each id ([num_tokens]; byte-level BPE spells a space "Ġ"), as

@@ -12,6 +12,8 @@ import json
 
 import httpx
 import pytest
+import tokenizers
+import tokenizers.processors
 
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion
@@ -66,7 +68,8 @@ def test_token_strings_and_detokenize_agree_with_transformers(tokenizer):  # noq
 
 @pytest.fixture()
 def bos_tokenizer(tmp_path, tokenizer) -> Tokenizer:  # noqa: F811
-    """The tiny tokenizer with add_bos_token set and a chat template that spells the BOS (as Llama's)."""
+    """The tiny tokenizer adding BOS (its tokenizer.json's post-processor, which decides, and add_bos_token,
+    as Llama 2's folders) and a chat template that spells the BOS (as Llama's)."""
     folder = tmp_path / "bos"
     folder.mkdir()
     for f in tokenizer.model_dir.iterdir():
@@ -75,6 +78,10 @@ def bos_tokenizer(tmp_path, tokenizer) -> Tokenizer:  # noqa: F811
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg.update(add_bos_token=True, bos_token="\u0101", chat_template="{{ bos_token }}" + cfg["chat_template"])
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="\u0101 $A", pair="\u0101 $A $B:1", special_tokens=[("\u0101", tok.token_to_id("\u0101"))])
+    tok.save(str(folder / "tokenizer.json"))
     return Tokenizer(folder)
 
 
@@ -83,6 +90,9 @@ def test_add_special_tokens_adds_the_bos_of_a_model_that_wants_one(bos_tokenizer
     without = tokenize_body({"prompt": "ab", "add_special_tokens": False}, tokenizer=bos_tokenizer,
                             model_name="tiny", max_model_len=64)
     assert with_bos["tokens"] == [bos_tokenizer.bos_token_id, *without["tokens"]] and without["tokens"] == [97, 98]
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(str(bos_tokenizer.model_dir))
+    assert with_bos["tokens"] == reference("ab").input_ids
 
 
 def test_a_chat_template_that_spells_the_bos_gets_it_once(bos_tokenizer):

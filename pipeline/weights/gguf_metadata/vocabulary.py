@@ -4,9 +4,9 @@ Owns rebuilding a model's tokenizer from llama.cpp's `tokenizer.ggml.*` metadata
 vocabulary kinds speedpipe supports: `gpt2` (byte-level BPE with merges and a pre-tokenizer named
 by `tokenizer.ggml.pre`) and `llama` (SentencePiece: pieces with scores and no merges, see
 [Note: SentencePiece vocabularies]); and the special-token facts (BOS/EOS/UNK/PAD, add_bos_token,
-add_eos_token, chat template) written to tokenizer_config.json, which pipeline/model/tokenizer.py
-reads for adding BOS/EOS; one function (`adds_bos_eos`) decides them, for those flags and for the
-post-processor of a SentencePiece tokenizer.json (what transformers 5 reads instead).
+add_eos_token, chat template) written to tokenizer_config.json; one function (`adds_bos_eos`) decides
+BOS/EOS, for those flags and for tokenizer.json's post-processor, which is what pipeline/model/tokenizer.py
+and transformers 5 read.
 Must not: tokenise text itself (the tokenizers library does), read tensors, or import transformers.
 
 [Note: SentencePiece vocabularies]
@@ -115,7 +115,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
 
 
 def _byte_level_bpe(reader: gguf.GGUFReader) -> tuple[Tokenizer, set[int]]:
-    """A `gpt2` vocabulary's byte-level BPE with its merges and pre-tokenizer; no extra special ids."""
+    """A `gpt2` vocabulary's byte-level BPE with its merges and pre-tokenizer, and BOS/EOS added as
+    `adds_bos_eos` says (a Sequence of ByteLevel and the template, as Meta's Llama 3 tokenizer.json);
+    no extra special ids."""
     tokens = field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
     pre = field(reader, "tokenizer.ggml.pre", "default")
@@ -125,7 +127,8 @@ def _byte_level_bpe(reader: gguf.GGUFReader) -> tuple[Tokenizer, set[int]]:
     if pre in _QWEN2:
         tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False),
+                                              _bos_eos_template(reader, tokens)])
     return tok, set()
 
 
@@ -212,9 +215,9 @@ def adds_bos_eos(reader: gguf.GGUFReader) -> tuple[bool, bool]:
 
 
 def _bos_eos_template(reader: gguf.GGUFReader, tokens: Sequence[str]) -> processors.TemplateProcessing:
-    """The post-processor adding BOS/EOS as `adds_bos_eos` says (transformers 5 reads only this from a
-    folder with a tokenizer.json, not tokenizer_config.json's flags; speedpipe's Tokenizer encodes
-    without post-processing and applies the flags: the same rule). Raises ValueError when a token to
+    """The post-processor adding BOS/EOS as `adds_bos_eos` says: what transformers 5 and speedpipe's
+    Tokenizer read from a folder with a tokenizer.json (not tokenizer_config.json's flags, written for
+    older readers: [Note: BOS/EOS] in pipeline/model/tokenizer.py). Raises ValueError when a token to
     add has no id in the file."""
     add_bos, add_eos = adds_bos_eos(reader)
     ids = special_token_ids(reader)
@@ -234,8 +237,9 @@ def _bos_eos_template(reader: gguf.GGUFReader, tokens: Sequence[str]) -> process
 def tokenizer_config(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, Any]:
     """tokenizer_config.json for the converted folder: the special tokens as strings, `add_bos_token` /
     `add_eos_token` (`adds_bos_eos`), the
-    chat template, and `PreTrainedTokenizerFast` so that transformers loads tokenizer.json as it is
-    (and adds BOS/EOS from these two flags, as pipeline/model/tokenizer.py does)."""
+    chat template, and `PreTrainedTokenizerFast` so that transformers loads tokenizer.json as it is. The
+    flags agree with tokenizer.json's post-processor (`_bos_eos_template`), which is what transformers 5
+    and pipeline/model/tokenizer.py read."""
     tokens = field(reader, "tokenizer.ggml.tokens")
     d: dict[str, Any] = {f"{name}_token": tokens[i] for name, i in special_token_ids(reader).items()}
     add_bos, add_eos = adds_bos_eos(reader)
