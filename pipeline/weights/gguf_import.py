@@ -47,7 +47,8 @@ from pipeline.weights.gguf_metadata.vocabulary import special_token_ids, tokeniz
 from pipeline.weights.model_chunks import path_lock, progress_bar
 from pipeline.weights.safetensors_stream import write_streaming
 
-CONVERTER_VERSION = 3  # 2: families, streamed tensors, qwen2 pre-tokenizer; 3: Qwen stops on <|endoftext|>
+CONVERTER_VERSION = 4  # 2: families, streamed tensors, qwen2 pre-tokenizer; 3: Qwen stops on <|endoftext|>;
+# 4: a byte-level vocabulary's BOS (Llama 3.x) in tokenizer.json's post-processor, which the runtime now reads
 SOURCE_FILE = "speedpipe_source.json"
 OUTPUT_FILES = ("config.json", SINGLE_FILE, "tokenizer.json", "tokenizer_config.json",
                 "generation_config.json", INDEX_FILE, SOURCE_FILE)
