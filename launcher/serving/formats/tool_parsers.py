@@ -13,7 +13,7 @@ shape: `content` (null when empty) and `tool_calls` = [{"id": "chatcmpl-tool-<he
            partial `<tool_call>` is held back; whitespace right after a call is dropped). A block's JSON is
            read as generated, its top-level shape checked ({, "key": value, ..., }); a block is a call once
            its top-level "name" string is complete (vLLM's hermes sends the name then too): the first
-           delta (name, arguments "") goes out, then the text of the first top-level "arguments" (or
+           delta (name, arguments "" or those read with it) goes out, then the text of the first top-level "arguments" (or
            "parameters") value as generated, so a call's arguments are that text, not re-serialized
            (arguments written before the name wait for it, then go out at once). A sent call cannot be
            taken back: when its block ends (`</tool_call>`, or the end of the output as in vLLM) its
