@@ -9,18 +9,18 @@ shape: `content` (null when empty) and `tool_calls` = [{"id": "chatcmpl-tool-<he
   required the output is a JSON array of {"name", "parameters"}: a call per item, starting once its
            name is written, its arguments the `parameters` value as generated (streamed as well);
   hermes   ("auto" with --tool-call-parser hermes; Qwen2.5 / Hermes templates): text outside
-           `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks is content (a possible
-           partial `<tool_call>` is held back; whitespace right after a call is dropped). A block's JSON is
-           read as generated, its top-level shape checked ({, "key": value, ..., }); a block is a call once
-           its top-level "name" string is complete (vLLM's hermes sends the name then too): the first
-           delta (name, arguments "" or those read with it) goes out, then the text of the first top-level "arguments" (or
-           "parameters") value as generated, so a call's arguments are that text, not re-serialized
-           (arguments written before the name wait for it, then go out at once). A sent call cannot be
-           taken back: when its block ends (`</tool_call>`, or the end of the output as in vLLM) its
-           arguments are what was streamed, `{}` if none was written; text after a break of the top-level
-           shape (`} oops`) is dropped; the arguments' inside is not validated. A block that ends before a
-           name was read (not an object, no name, a name not a string, a break before it) stays content,
-           tags included. The first `</tool_call>` ends a block, even inside a JSON string (as vLLM's).
+           `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks is content (a possible partial
+           `<tool_call>` is held back; whitespace right after a call is dropped). A block's JSON is read as
+           generated, its top-level shape checked ({, "key": value, ..., }); a block is a call once its
+           top-level "name" string is complete (vLLM's hermes sends the name then too): the first delta (name,
+           arguments "" or those read with it) goes out, then the text of the first top-level "arguments" (or
+           "parameters") value as generated, so a call's arguments are that text, not re-serialized (arguments
+           written before the name wait for it, then go out at once). A sent call cannot be taken back: when
+           its block ends (`</tool_call>`, or the end of the output as in vLLM) its arguments are what was
+           streamed, `{}` if none was written; text after a break of the top-level shape (`} oops`) is dropped;
+           the arguments' inside is not validated. A block that ends before a name was read (not an object, no
+           name, a name not a string, a break before it) stays content, tags included. The first `</tool_call>`
+           ends a block, even inside a JSON string (as vLLM's).
 Each parser: `feed(text)` -> (content, [CallDelta]) for the text generated since its last call, `finish()`
 -> the same for what it held back. A non-streamed choice is parsed by feeding its whole text to the same parser, so the streamed
 arguments concatenate to exactly the non-streamed ones. finish_reason "stop" becomes "tool_calls" when
