@@ -131,9 +131,10 @@ def calls_of(message) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def streamed(client, **kw) -> dict[int, tuple[str | None, list[tuple[str, str]], str]]:
+def streamed(client, pieces: list | None = None, **kw) -> dict[int, tuple[str | None, list[tuple[str, str]], str]]:
     """{choice index: (content, [(name, arguments)], finish_reason)} of a stream, deltas accumulated as
-    OpenAI's docs do: a call's id and name in its first delta only, then argument fragments."""
+    OpenAI's docs do: a call's id and name in its first delta only, then argument fragments
+    (each delta's (choice, call index, arguments) appended to `pieces`)."""
     content, calls, finish = {}, {}, {}
     for chunk in client.chat.completions.create(stream=True, **kw):
         for choice in chunk.choices:
@@ -147,6 +148,8 @@ def streamed(client, **kw) -> dict[int, tuple[str | None, list[tuple[str, str]],
                 else:
                     assert tc.function.name is None, tc
                 got[tc.index][1] += tc.function.arguments or ""
+                if pieces is not None:
+                    pieces.append((i, tc.index, tc.function.arguments))
             finish[i] = choice.finish_reason or finish.get(i)
     return {i: (content[i] or None, [tuple(v) for _, v in sorted(calls.get(i, {}).items())], finish[i])
             for i in content}
@@ -197,6 +200,27 @@ def test_auto_finds_hermes_calls_streamed_as_whole_and_per_choice(client):
     assert len({c.id for choice in r.choices for c in choice.message.tool_calls}) == 4
     want = (r.choices[0].message.content, want_calls, "tool_calls")
     assert streamed(client, **kw) == {0: want, 1: want}
+
+
+def test_hermes_arguments_stream_in_fragments_and_odd_blocks_accumulate_to_the_whole_answer(client):
+    """A call's arguments arrive in several deltas; arguments before the name, a block broken after its name
+    (the call keeps what was streamed, the rest is dropped) and one with no name (content) give a streaming
+    client exactly the non-streamed message."""
+    text = ('<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call> then '
+            '<tool_call>{"name": "add", "arguments": {"a": 1}} oops</tool_call> and <tool_call>{"a": 1}</tool_call>')
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": text}], "tools": TOOLS, "max_tokens": 2000,
+          "stop": ["<assistant>"]}
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert calls_of(message) == [("get_weather", '{"city": "Oslo"}'), ("add", '{"a": 1}')]
+    assert message.content.endswith('<user>then and <tool_call>{"a": 1}</tool_call>\n')
+    pieces = []
+    assert streamed(client, pieces, **kw) == {0: (message.content, calls_of(message), "tool_calls")}
+    kw["messages"][0]["content"] = HERMES_CALLS
+    pieces.clear()
+    streamed(client, pieces, **kw)
+    firsts = [k for k, (_, index, _) in enumerate(pieces) if index not in {p[1] for p in pieces[:k]}]
+    assert firsts == [0, firsts[1]] and pieces[0][2] == pieces[firsts[1]][2] == ""  # the name's delta: no arguments
+    assert firsts[1] >= 4 and all(p[2] for k, p in enumerate(pieces) if k not in firsts)  # then fragments
 
 
 def test_tool_choice_none_is_plain_text_and_the_template_still_sees_the_tools(client):

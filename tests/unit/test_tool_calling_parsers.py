@@ -1,7 +1,9 @@
 """Tool-call parsing of generated text (launcher/serving/formats/tool_parsers.py), whole and streamed.
 
 What breaks when these fail: a hermes `<tool_call>` block is not a call, or text around it is lost or
-leaks into the call; a `<tool_call>` tag split across stream chunks is streamed as content (or content
+leaks into the call; a hermes call's name does not come first or its arguments do not stream as generated,
+or a client accumulating the stream (at any chunking) gets other calls or content than a non-streamed
+request; a `<tool_call>` tag split across stream chunks is streamed as content (or content
 that only looked like a tag start is lost); malformed JSON disappears instead of staying content; a
 "required" array item with braces or escaped quotes in a string is cut wrongly; streamed arguments do
 not concatenate to the non-streamed ones; finish_reason is not vLLM's ("tool_calls" for auto /
@@ -11,6 +13,7 @@ required, "stop" for a named call). No server, no model: the parsers on strings.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -38,7 +41,8 @@ def whole(request: ToolRequest, text: str, reason: str = "stop") -> tuple[str | 
 
 
 def streamed(request: ToolRequest, chunks: list[str], reason: str = "stop") -> tuple[str | None, list, str]:
-    """The same, from stream deltas: a call's name and id only in its first delta, arguments concatenated."""
+    """The same, from stream deltas: a call's name and id only in its first delta, arguments concatenated.
+    Calls come in order (index 0, 1, ...), a call's later deltas carry a non-empty fragment of the latest one."""
     output, content, calls, names, finish = ToolOutput(request), "", {}, {}, None
     for i, text in enumerate(chunks):
         choice = {"delta": {"content": text}, "finish_reason": reason if i == len(chunks) - 1 else None}
@@ -46,10 +50,11 @@ def streamed(request: ToolRequest, chunks: list[str], reason: str = "stop") -> t
         content += choice["delta"]["content"] or ""
         for tc in choice["delta"].get("tool_calls", []):
             if "id" in tc:
-                assert tc["index"] not in names and tc["function"]["name"], tc
+                assert tc["index"] == len(names) and tc["function"]["name"] and tc["type"] == "function", tc
                 names[tc["index"]] = tc["function"]["name"]
             else:
-                assert tc["index"] in names and "name" not in tc["function"], tc
+                assert tc["index"] == len(names) - 1 and "name" not in tc["function"], tc
+                assert tc["function"]["arguments"], tc  # no empty fragments
             calls[tc["index"]] = calls.get(tc["index"], "") + tc["function"]["arguments"]
         finish = choice["finish_reason"]
     return content or None, [(names[i], calls[i]) for i in sorted(calls)], finish
@@ -63,13 +68,31 @@ HERMES = [  # (generated text, content, calls)
     (call("get_weather", {"city": "Paris"}) + "\n" + call("add", {"a": 1, "b": [2, {"c": "}"}]}),
      None, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": [2, {"c": "}"}]}')]),
     (call("add", {"a": 1}) + "\n\nDone.", "Done.", [("add", '{"a": 1}')]),
-    ("<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}\n</tool_call>",  # malformed: stays content
-     "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}\n</tool_call>", []),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>', None, [("add", '{"a": 1}')]),  # unclosed
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}} oops</tool_call>x', "x", [("add", '{"a": 1}')]),  # dropped
+    ('<tool_call>{"name": "add", "arguments": {"a": [1, ', None, [("add", '{"a": [1, ')]),  # cut: as streamed
+    ('<tool_call>{"name": "add", "arguments": {"a" 1}}</tool_call>', None, [("add", '{"a" 1}')]),  # not validated
+    ('<tool_call>{"name": "add", "arguments": {"s": "</tool_call>"}}</tool_call>', '"}}</tool_call>',
+     [("add", '{"s": "')]),  # the first end tag ends a block, as vLLM's
+    ('<tool_call>{"arguments": {"a": 1}}</tool_call>', '<tool_call>{"arguments": {"a": 1}}</tool_call>', []),
+    ('<tool_call>{"name": 5, "arguments": {}}</tool_call>', '<tool_call>{"name": 5, "arguments": {}}</tool_call>', []),
+    ('<tool_call>{oops, "name": "add"}</tool_call>', '<tool_call>{oops, "name": "add"}</tool_call>', []),
+    ('<tool_call>{"arguments": {"a": [1, "}"], "name": "x"}, "name": "add"}</tool_call>', None,
+     [("add", '{"a": [1, "}"], "name": "x"}')]),  # arguments first: held until the name
+    ('<tool_call>{"name":"a\\u0064d","arguments":{"s":"\\u00e9\\n", "t":[ 1 ,2 ]} }</tool_call>', None,
+     [("add", '{"s":"\\u00e9\\n", "t":[ 1 ,2 ]}')]),  # the arguments' text as generated
+    ('<tool_call>{"name": "add", "parameters": {"a": 1}, "arguments": {"b": 2}}</tool_call>', None,
+     [("add", '{"a": 1}')]),  # the first arguments member
+    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("add", '"{\\"a\\": 1}"')]),
+    ('<tool_call>{"name": "add", "arguments": 12 }</tool_call>', None, [("add", "12")]),
+    ("A <tool_call>" + json.dumps({"name": "add", "arguments": {}}) + "</tool_call> B\n" + call("get_weather", {})
+     + " C", "A B\nC", [("add", "{}"), ("get_weather", "{}")]),
     ("<tool_call>\n[1, 2]\n</tool_call>", "<tool_call>\n[1, 2]\n</tool_call>", []),  # JSON, not a call
     ("pre " + call("add", {"a": 1}) + " <tool_call>{oops}</tool_call>",
      "pre <tool_call>{oops}</tool_call>", [("add", '{"a": 1}')]),
     ("<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2}}", None, [("add", '{"a": 2}')]),  # unclosed last
-    ("<tool_call>\n{\"name\": \"add\", \"argu", "<tool_call>\n{\"name\": \"add\", \"argu", []),  # cut by max_tokens
+    ('<tool_call>\n{"name": "add", "argu', None, [("add", "{}")]),  # cut by max_tokens after the name was sent
+    ('<tool_call>\n{"name": "ad', '<tool_call>\n{"name": "ad', []),  # ... before: content
     ("a < b and <tool_ca", "a < b and <tool_ca", []),  # a partial tag at the end is text after all
     ("x <tool_call> y", "x <tool_call> y", []),
     ("<tool_call>{\"name\": \"add\", \"arguments\": {\"s\": \"é ✓\"}}</tool_call>", None, [("add", '{"s": "é ✓"}')]),
@@ -77,13 +100,39 @@ HERMES = [  # (generated text, content, calls)
 ]
 
 
+def chunkings(text: str):
+    """Every fixed chunk size, every cut into two, and 30 random cuts into up to 9 (some chunks empty)."""
+    for size in range(1, len(text) + 1):
+        yield [text[i:i + size] for i in range(0, len(text), size)]
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    rng = random.Random(len(text))
+    for _ in range(30):
+        cuts = sorted(rng.choices(range(len(text) + 1), k=rng.randint(1, 8)))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), HERMES)
-def test_hermes_whole_and_streamed_at_every_chunk_size(text, content, calls):
+def test_hermes_stream_at_every_chunking_accumulates_to_the_whole_result(text, content, calls):
     reason = "tool_calls" if calls else "stop"
     assert whole(AUTO, text) == (content, calls, reason)
-    for size in (1, 2, 3, 7, 11, len(text)):
-        chunks = [text[i:i + size] for i in range(0, len(text), size)]
-        assert streamed(AUTO, chunks) == (content, calls, reason), size
+    for chunks in chunkings(text):
+        assert streamed(AUTO, chunks) == (content, calls, reason), chunks
+
+
+def test_hermes_name_comes_first_then_arguments_stream_as_generated():
+    text = 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 12, "b": [true, "x"]}}\n</tool_call>'
+    output, deltas = ToolOutput(AUTO), []
+    for i in range(0, len(text), 4):
+        choice = {"delta": {"content": text[i:i + 4]}, "finish_reason": "stop" if i + 4 >= len(text) else None}
+        output.rewrite_delta(choice)
+        deltas += [(text[:i + 4], tc) for tc in choice["delta"].get("tool_calls", [])]
+    seen, first = deltas[0]
+    assert first["function"] == {"name": "add", "arguments": ""} and first["index"] == 0 and "id" in first
+    assert seen.endswith('"name": "add", "') and 'arg' not in seen  # sent once the name is complete
+    fragments = [tc["function"]["arguments"] for _, tc in deltas[1:]]
+    assert len(fragments) >= 5 and "".join(fragments) == '{"a": 12, "b": [true, "x"]}'
+    assert all(not seen.endswith("</tool_call>") for seen, _ in deltas[:-1])  # before the block closed
 
 
 def test_a_partial_tag_is_held_back_until_it_is_known_and_text_streams_before_it():
@@ -93,9 +142,10 @@ def test_a_partial_tag_is_held_back_until_it_is_known_and_text_streams_before_it
         choice = {"delta": {"content": text}, "finish_reason": "stop" if i == 3 else None, "logprobs": None}
         sent.append(output.rewrite_delta(choice))
         deltas.append(choice["delta"])
-    assert [d["content"] for d in deltas] == ["Hi ", "", "", None]
-    assert sent == [True, False, False, True]  # a chunk whose text is held back is not sent
-    assert deltas[3]["tool_calls"][0]["function"] == {"name": "add", "arguments": "{}"}
+    assert [d["content"] for d in deltas] == ["Hi ", "", None, None]
+    assert sent == [True, False, True, True]  # a chunk whose text is held back is not sent
+    assert deltas[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    assert deltas[3]["tool_calls"] == [{"index": 0, "function": {"arguments": "{}"}}]
     output = ToolOutput(AUTO)
     choice = {"delta": {"content": "1 <tool"}, "finish_reason": None}
     output.rewrite_delta(choice)
