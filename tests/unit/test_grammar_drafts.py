@@ -27,7 +27,7 @@ from pipeline.speculation.predictors import Draft
 from pipeline.speculation.sampling import SamplingParams
 from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable
 from tests.tiny_model import TINY_EOS_ID, byte_tokenizer
-from tests.unit.test_grammar_paths import SPECS
+from tests.unit.test_grammar_paths import SPECS, ledger_in_step
 
 OPEN, QUOTE, CLOSE, A, NUL, COLON = ord("{"), ord('"'), ord("}"), ord("a"), 0, ord(":")
 
@@ -100,17 +100,6 @@ def _result(sched, item, vocab, seed: int = 0):
     return sched.on_result([item], rows.argmax(-1), rows)
 
 
-def _chain_is_contiguous(seq) -> None:
-    """Ledger invariants: committed length is prompt + output, the chain starts at the next real position
-    and its items follow each other without a gap or an overlap, within the token budget."""
-    ledger = seq.ledger
-    assert ledger.known_len == len(seq.prompt_ids) + len(seq.output_ids)
-    position = ledger.next_real_position
-    for f in ledger.inflight:
-        assert f.position == position and f.last_position <= ledger.last_item_position, (f, position)
-        position = f.last_position + 1
-
-
 @pytest.mark.parametrize("setting", [{}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("firp_k", [0, 2], ids=["speed", "speed+firp"])
 def test_a_jump_item_commits_its_whole_run_and_is_not_counted_as_firp(vocab, setting, firp_k):
@@ -126,10 +115,10 @@ def test_a_jump_item_commits_its_whole_run_and_is_not_counted_as_firp(vocab, set
     assert jump.kind == ItemKind.DRAFT and jump.token_ids == tuple(b'"n": ') and jump.start == real.end
     assert seq.ledger.inflight[-1].jump and seq.ledger.inflight[-1].drafts == tuple(b'n": ')
     assert jump.firp_anchors == (1 if jump.firp_k else 0), "FIRP rows hang off the jump item's last row"
-    _chain_is_contiguous(seq)
+    ledger_in_step(seq)
     [first] = _result(sched, real, vocab, seed=1)
     assert first.token_ids == (QUOTE,) and len(seq.ledger.inflight) == 1
-    _chain_is_contiguous(seq)
+    ledger_in_step(seq)
     [rest] = _result(sched, jump, vocab, seed=2)
     assert rest.token_ids[:4] == tuple(b'n": ') and len(rest.token_ids) == 5
     assert chr(rest.token_ids[4]) in "-0123456789", rest.token_ids
@@ -138,7 +127,7 @@ def test_a_jump_item_commits_its_whole_run_and_is_not_counted_as_firp(vocab, set
     assert (spec.firp_verified, spec.firp_accepted) == (0, 0) and sched.rows.verified == [0] * firp_k
     assert (spec.verified_drafts, spec.accepted_tokens, spec.drafted_tokens) == (5, 5, 5)
     assert spec.squashed_items == 0 and not seq.ledger.inflight
-    _chain_is_contiguous(seq)
+    ledger_in_step(seq)
     assert seq.output_ids == [OPEN, *b'"n": ', rest.token_ids[4]]
     assert seq.pending.start == seq.ledger.known_len - 1 and seq.pending.token_ids[0] == seq.output_ids[-1]
 
@@ -169,7 +158,7 @@ def test_a_squash_rolls_the_drafting_matcher_back(vocab, num_stages):
     assert jump2.epoch == seq.epoch == real2.epoch and jump2.start == real2.end
     assert seq.draft_grammar.state.tokens == [*b"acuvw"], "the drafting matcher kept the squashed tokens"
     sched.next_batch(num_inflight=1)
-    _chain_is_contiguous(seq)
+    ledger_in_step(seq)
     [first] = _result(sched, real2, vocab, seed=3)
     [rest] = _result(sched, jump2, vocab, seed=4)
     assert first.token_ids + rest.token_ids == (*b"uvw", TINY_EOS_ID) and seq.output_ids == [*b"acuvw", TINY_EOS_ID]

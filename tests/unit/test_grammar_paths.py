@@ -358,7 +358,7 @@ def test_jump_items_keep_the_ledger_and_kv_in_step(monkeypatch, vocab, name, set
                 outputs[c.seq_id].extend(c.token_ids)
             for seq in engine.scheduler.seqs.values():
                 if not seq.finished:
-                    _ledger_in_step(seq)
+                    ledger_in_step(seq)
             if not engine.has_unfinished:
                 break
             tick += 1
@@ -372,7 +372,9 @@ def test_jump_items_keep_the_ledger_and_kv_in_step(monkeypatch, vocab, name, set
         assert engine.spec.firp_verified == 0 and engine.spec.jump_accepted == engine.spec.jump_verified
 
 
-def _ledger_in_step(seq) -> None:
+def ledger_in_step(seq) -> None:
+    """Ledger invariants: committed length is prompt + output, the chain starts at the next real position
+    and its items follow each other without a gap or an overlap, within the token budget."""
     ledger = seq.ledger
     assert ledger.known_len == len(seq.prompt_ids) + len(seq.output_ids)
     position = ledger.next_real_position
