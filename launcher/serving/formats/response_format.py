@@ -24,7 +24,7 @@ from pipeline.speculation.grammar import GrammarSpec
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
-_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's json_schema.name (API reference)
+OPENAI_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for json_schema and function names (API reference)
 
 
 class FormatError(ValueError):
@@ -65,14 +65,22 @@ def _spec(field: str, **kwargs: Any) -> GrammarSpec:
         raise FormatError(f"'{field}': {exc}", field) from None
 
 
-def _object(value: Any, field: str) -> dict:
+def object_field(value: Any, field: str) -> dict:
+    """`value` when a JSON object, else FormatError naming `field`."""
     if not isinstance(value, dict):
         raise FormatError(f"'{field}' must be an object, got {shown(value)}", field)
     return value
 
 
+def check_name(name: Any, field: str) -> str:
+    """`name` when it follows OPENAI_NAME, else FormatError naming `field`."""
+    if not (isinstance(name, str) and OPENAI_NAME.fullmatch(name)):
+        raise FormatError(f"'{field}' must be 1 to 64 letters, digits, '_' or '-', got {shown(name)}", field)
+    return name
+
+
 def _response_format(fmt: Any) -> GrammarSpec | None:
-    kind = _object(fmt, "response_format").get("type")
+    kind = object_field(fmt, "response_format").get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise FormatError(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
                                   f"got {shown(kind)}", "response_format.type")
@@ -81,21 +89,19 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
     if kind == "json_object":
         return _spec("response_format", kind="json_object")
     field = "response_format.json_schema"
-    wrapper = _object(fmt.get("json_schema"), field)
+    wrapper = object_field(fmt.get("json_schema"), field)
     name, strict = wrapper.get("name"), wrapper.get("strict")
     if name is None:  # required by OpenAI's API reference and vLLM's JsonSchemaResponseFormat
         raise FormatError(f"'{field}.name' is required (1 to 64 letters, digits, '_' or '-')", f"{field}.name")
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
-        raise FormatError(f"'{field}.name' must be 1 to 64 letters, digits, '_' or '-', got {shown(name)}",
-                          f"{field}.name")
+    check_name(name, f"{field}.name")
     if strict is not None and not isinstance(strict, bool):
         raise FormatError(f"'{field}.strict' must be true or false, got {shown(strict)}", f"{field}.strict")
-    schema = _object(wrapper.get("schema"), f"{field}.schema")
+    schema = object_field(wrapper.get("schema"), f"{field}.schema")
     return _spec(f"{field}.schema", kind="json_schema", text=json.dumps(schema))
 
 
 def _structured_outputs(value: Any) -> GrammarSpec:
-    given = [k for k, v in _object(value, "structured_outputs").items() if v is not None and v is not False]
+    given = [k for k, v in object_field(value, "structured_outputs").items() if v is not None and v is not False]
     unknown = [k for k in given if k not in STRUCTURED_OUTPUT_KEYS]
     if unknown or len(given) != 1:
         what = f"unsupported key {shown(unknown[0])}" if unknown else f"{len(given)} of them"

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
-from launcher.serving.formats.response_format import ErrorClass, FormatError
+from launcher.serving.formats.response_format import ErrorClass, FormatError, check_name, object_field
 from pipeline.speculation.echo import shown
 from pipeline.speculation.grammar import MAX_GRAMMAR_CHARS, GrammarSpec
 
@@ -27,7 +26,6 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 MAX_TOOLS_CHARS = MAX_GRAMMAR_CHARS  # the tools' JSON text, as a constraint's (compile time grows with size)
-_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's function name rule (API reference)
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 ENABLE_AUTO = "start the server with --enable-auto-tool-choice --tool-call-parser hermes"
 
@@ -137,18 +135,12 @@ def _tools(value: Any) -> list[dict]:
 
 def _tool(tool: Any, field: str) -> dict:
     """One `{"type": "function", "function": {name, description?, parameters?, strict?}}`, checked."""
-    if not isinstance(tool, dict):
-        raise FormatError(f"'{field}' must be an object, got {shown(tool)}", field)
-    if tool.get("type") != "function":
+    if object_field(tool, field).get("type") != "function":
         raise FormatError(f"'{field}.type' must be \"function\", got {shown(tool.get('type'))}", f"{field}.type")
-    function = tool.get("function")
-    if not isinstance(function, dict):
-        raise FormatError(f"'{field}.function' must be an object, got {shown(function)}", f"{field}.function")
     field = f"{field}.function"
-    name, description = function.get("name"), function.get("description")
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
-        raise FormatError(f"'{field}.name' must be 1 to 64 letters, digits, '_' or '-', got {shown(name)}",
-                          f"{field}.name")
+    function = object_field(tool.get("function"), field)
+    check_name(function.get("name"), f"{field}.name")
+    description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise FormatError(f"'{field}.description' must be a string, got {shown(description)}", f"{field}.description")
     params, strict = function.get("parameters"), function.get("strict")
