@@ -16,25 +16,21 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from launcher.bench.driver_protocol import driver_main, serve_requests, take_stdout_for_replies
 from launcher.cli.launch import run_launch
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
-from launcher.coordinator.session import PipelineSession
+from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from pipeline.measure.trace import chrome_trace
 from pipeline.speculation.sampling import SamplingParams
-from workers.heap import freeze_startup_heap
 
 
 def serve(options_json: str) -> int:
     """Hold one session with PipelineOptions from `options_json` and answer run requests until stdin EOF."""
     replies = take_stdout_for_replies()
-    torch.set_num_threads(1)
     options = PipelineOptions(**json.loads(options_json), progress=False)
     model = resolve(options)
-    freeze_startup_heap()  # as launch does: [Note: the collector on the per-token path] in workers/heap.py
+    settle_coordinator_process()  # as launch does: one torch thread, frozen start-up heap
     with PipelineSession(options, model) as session:
         return serve_requests(replies, lambda request: run_request(session, request))
 

@@ -33,14 +33,13 @@ from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.request_handle import RequestError, StageLoadError
 from launcher.coordinator.run_plan import resolve
-from launcher.coordinator.session import PipelineSession
+from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
 from pipeline.engine.stage_assembly import SpecBookkeepingError, is_user_file_error, machine_error
 from pipeline.measure.row_cost import ratio_line
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.registry import model_key
-from workers.heap import freeze_startup_heap
 from workers.log_config import configure_logging
 
 PROG = "speedpipe"
@@ -173,7 +172,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
                             max_model_len=options.max_model_len, what=f"prompt {i}")
     params[0].check_vocab(model.tokenizer.vocab_size)  # --logit-bias ids, before anything is spawned
-    freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
+    settle_coordinator_process()  # one torch thread, frozen start-up heap; before the pipeline's objects exist
     session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:
         say(f"{options.num_stages} stage(s) of {model.model_dir.name}: " + "; ".join(session.placement()))

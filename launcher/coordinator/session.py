@@ -17,6 +17,8 @@ import logging
 import math
 from collections.abc import Sequence
 
+import torch
+
 from launcher.backends.local import LocalStageBackend
 from launcher.backends.placement import StageBackend
 from launcher.backends.stage_group import LocalStageProcesses
@@ -35,9 +37,27 @@ from pipeline.weights.registry import model_key
 from proto import speedpipe_pb2 as pb
 from workers.channel import release_listener
 from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
+from workers.heap import freeze_startup_heap
 
 log = logging.getLogger("speedpipe.launch")
 REJOIN_WAIT_S = 120  # how long a stage whose data plane broke waits for the coordinator's Rejoin
+
+
+def settle_coordinator_process() -> None:
+    """Ready the coordinator's process for the per-token path, once, after its start-up (model
+    resolution, a GGUF's conversion, the tokenizer) and before the session: one torch thread and a
+    frozen start-up heap ([Note: the collector on the per-token path] in workers/heap.py).
+
+    [Note: the coordinator's torch threads]
+    The coordinator runs no model layers, but it does run torch ops on the per-token path (softmax,
+    top-k and multinomial over a vocabulary row for sampled requests, the grammar mask). With torch's
+    default of one intra-op thread per core, an op over a 49k-entry row splits across OpenMP
+    workers that spin after it, on the cores the stages run on (`--threads-per-stage` counts only
+    the stages). One thread keeps the coordinator off them; `launch`, `serve` and the benchmark
+    driver (launcher/bench/driver.py) all take this path, so benchmarks measure what users run.
+    """
+    torch.set_num_threads(1)
+    freeze_startup_heap()
 
 
 def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: str,

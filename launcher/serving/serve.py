@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING
 
 from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import Coordinator, PipelineError
-from launcher.coordinator.session import PipelineSession
+from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.coordinator.stage_restarts import RestartBudget
 from launcher.serving.formats.tool_parsers import check_tokenizer
 from launcher.serving.formats.tools import TOOL_PARSERS
 from workers.control_auth import API_KEY_ENV, TlsFiles
-from workers.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from launcher.serving.serving_engine import ServedPipeline
@@ -331,7 +330,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options, model, why = settle_auto(options, resolve(options), why)
     check_tokenizer(serve.tool_call_parser if serve.enable_auto_tool_choice else None, model.tokenizer)
     _show_stats_lines()
-    freeze_startup_heap()  # before the pipeline's objects exist: [Note: the collector on the per-token path]
+    settle_coordinator_process()  # one torch thread, frozen start-up heap; before the pipeline's objects exist
     with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,
           ServingStack(session, serve) as stack):
         grpc_note = f", gRPC on {format_address(serve.host, stack.grpc_port)}" if stack.grpc_port is not None else ""
