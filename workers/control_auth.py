@@ -1,7 +1,8 @@
 """Authentication of gRPC services: the per-session control-plane secret and the serving API key.
 
 Owns the shared-secret check on both sides of a gRPC connection: `SecretCheckInterceptor` (a server
-interceptor that answers UNAUTHENTICATED to every call whose metadata lacks the expected value; used
+interceptor that answers UNAUTHENTICATED, with an ErrorInfo CREDENTIALS_MISSING or CREDENTIALS_INVALID,
+to every call whose metadata lacks the expected value; used
 by every stage's StageService with the session secret, and by the GenerateService with `--api-key`),
 `with_secret` (a client channel that adds the value to every call), how the launcher creates a
 session secret and hands it to stage processes (`SECRET_ENV`, read once by the worker at start-up),
@@ -29,6 +30,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
+
+from workers.status_details import abort_with_details
 
 SECRET_ENV = "SPEEDPIPE_CONTROL_SECRET"
 SECRET_METADATA_KEY = "x-speedpipe-control-secret"
@@ -76,18 +79,24 @@ class SecretCheckInterceptor(grpc.ServerInterceptor):
         if handler is None or handler_call_details.method in self._exempt:
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if secret_matches(metadata.get(self._key), self._expected):
+        given = metadata.get(self._key)
+        if secret_matches(given, self._expected):
             return handler
-        return _refusal(handler, f"{handler_call_details.method}: missing or wrong {self._what}")
+        reason = "CREDENTIALS_MISSING" if given is None else "CREDENTIALS_INVALID"
+        return _refusal(handler, f"{handler_call_details.method}: missing or wrong {self._what}", reason,
+                        {"metadataKey": self._key})
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
+def _refusal(handler: grpc.RpcMethodHandler, message: str, reason: str,
+             metadata: dict[str, str]) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED `message` and an
+    ErrorInfo `reason` (CREDENTIALS_MISSING: no such metadata; CREDENTIALS_INVALID: a wrong value) with
+    `metadata` (the metadata key the server reads), as workers/status_details.py gives every error."""
     def deny(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        abort_with_details(context, grpc.StatusCode.UNAUTHENTICATED, message, reason=reason, metadata=metadata)
 
     def deny_stream(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        abort_with_details(context, grpc.StatusCode.UNAUTHENTICATED, message, reason=reason, metadata=metadata)
         yield  # pragma: no cover - abort raises
 
     kwargs = {"request_deserializer": handler.request_deserializer,

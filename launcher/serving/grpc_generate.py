@@ -15,13 +15,15 @@ fenced or draining (also mid-stream); these carry google.rpc details (workers/st
 | UNAVAILABLE | draining for shutdown | ErrorInfo DRAINING; RetryInfo `DRAINING_RETRY_S` |
 | UNAVAILABLE | a stage without fail-over is silent | ErrorInfo STAGE_SILENT (no RetryInfo: the heartbeat decides) |
 | UNAVAILABLE | fenced after a failure, or the pipeline failed | ErrorInfo PIPELINE_FAILED (no RetryInfo) |
+| INTERNAL | this request alone failed (non-finite logits, a grammar matcher's error); the server stays up | ErrorInfo REQUEST_FAILED |
+| UNAUTHENTICATED | no or a wrong `authorization: Bearer KEY` with --api-key | ErrorInfo CREDENTIALS_MISSING / CREDENTIALS_INVALID (metadataKey) |
 
 A RetryInfo comes with the `grpc-retry-pushback-ms` trailer of the same delay, which gRPC's client-side
 retry policy reads (gRFC A6).
 
-UNAUTHENTICATED (without details) for Generate and GetModelInfo without
-`authorization: Bearer KEY` metadata when the server has --api-key (Health stays open, as HTTP
-/health). A cancelled RPC (client gone, deadline passed) aborts the request, freeing its KV slot on
+UNAUTHENTICATED for Generate and GetModelInfo without the right
+`authorization: Bearer KEY` metadata when the server has --api-key (workers/control_auth.py; Health
+stays open, as HTTP /health). A cancelled RPC (client gone, deadline passed) aborts the request, freeing its KV slot on
 every stage. `Health` is SERVING only while the coordinator and every stage are, NOT_SERVING while
 draining or restarting a stage, and UNHEALTHY after a failure for good; grpc.health.v1 and
 reflection: launcher/serving/grpc_health.py.
@@ -216,7 +218,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     msg.timing.ttft_s, msg.timing.e2e_s = final.ttft_s, final.e2e_s
                 yield msg
         except RequestError as exc:  # this request alone failed; the server stays up
-            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            abort_with_details(context, grpc.StatusCode.INTERNAL, str(exc), reason="REQUEST_FAILED")
         except (UnavailableError, PipelineError) as exc:
             abort_refused(context, exc, self.engine)
 

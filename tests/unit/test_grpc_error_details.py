@@ -271,7 +271,7 @@ def test_error_info_reasons_are_upper_snake_and_metadata_keys_lower_camel(kwargs
     ("api_key", "printed"),
     [
         (None, "StatusCode.INVALID_ARGUMENT [('temperature', \"'temperature' must be in [0, 2], got 3\")]\n"),
-        ("k3y", "StatusCode.UNAUTHENTICATED []\n"),  # an error without details: from_call gives None
+        ("k3y", "StatusCode.UNAUTHENTICATED []\n"),  # details without a BadRequest: ErrorInfo only
     ],
 )
 def test_the_readme_snippet_prints_the_field_violation(tokenizer, capsys, api_key, printed):  # noqa: F811

@@ -35,6 +35,7 @@ from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
 from tests.tiny_model import write_tiny_model
+from workers.status_details import error_reason
 
 pytestmark = pytest.mark.timeout(60)
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -695,10 +696,11 @@ def test_grpc_generate_needs_the_api_key_health_does_not_and_non_finite_logits_a
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
             request = pb.GenerateRequest(prompt="Hi", max_new_tokens=3)
-            for metadata in (None, [("authorization", "Bearer wrong")]):
+            for metadata, reason in ((None, "CREDENTIALS_MISSING"), ([("authorization", "Bearer wrong")],
+                                                                    "CREDENTIALS_INVALID")):
                 with pytest.raises(grpc.RpcError) as info:
                     list(stub.Generate(request, metadata=metadata, timeout=10))
-                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert (info.value.code(), error_reason(info.value)) == (grpc.StatusCode.UNAUTHENTICATED, reason)
             replies = list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
             assert sum(len(r.token_ids) for r in replies) == 3
             assert stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
@@ -706,6 +708,7 @@ def test_grpc_generate_needs_the_api_key_health_does_not_and_non_finite_logits_a
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request, metadata=[("authorization", "Bearer k3y")], timeout=10))
             assert info.value.code() == grpc.StatusCode.INTERNAL and "not finite" in info.value.details()
+            assert error_reason(info.value) == "REQUEST_FAILED"
             assert stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
             coord.error_at = None
             engine.fence("draining: the server is shutting down")

@@ -20,6 +20,7 @@ from pipeline.model.partition import LayerRange
 from tests.tiny_model import write_tiny_model
 from workers.load_spec_codec import spec_to_proto
 from workers.stage_worker import StageServicer
+from workers.status_details import error_reason
 
 
 class Aborted(Exception):
@@ -174,7 +175,12 @@ def test_a_request_the_stage_cannot_parse_is_invalid_argument_after_the_secret_c
 
             with pytest.raises(grpc.RpcError) as info:
                 call(())
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert (info.value.code(), error_reason(info.value)) == (grpc.StatusCode.UNAUTHENTICATED,
+                                                                     "CREDENTIALS_MISSING")
+            with pytest.raises(grpc.RpcError) as info:
+                call(((SECRET_METADATA_KEY, "wrong"),))
+            assert (info.value.code(), error_reason(info.value)) == (grpc.StatusCode.UNAUTHENTICATED,
+                                                                     "CREDENTIALS_INVALID")
             with pytest.raises(grpc.RpcError) as info:
                 call(((SECRET_METADATA_KEY, "s3cret"),))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
