@@ -16,7 +16,7 @@ _SAME_NAME = (
     "layer_split", "dtype", "device", "max_model_len", "max_num_seqs", "threads_per_stage", "stage_timeout_s",
     "cache_dir", "speculate", "predictor", "exit_predictor", "exit_layer", "max_inflight", "min_acceptance",
     "firp_k", "firp_file", "firp_min_prob", "log_level", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "stop", "logit_bias",
+    "stop", "logit_bias", "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words",
     "quantization", "row_cost_file", "row_cost", "dense_layout", "draft_at", "draft_tree", "deep_draft_min_acceptance",
 )
 PARAMETER_FLAGS: dict[str, str] = {**{name: "--" + name.replace("_", "-") for name in _SAME_NAME}, **_RENAMED}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from launcher.cli.parsing import add_row_cost_flag, logit_bias_json, unescape
+from launcher.cli.parsing import add_row_cost_flag, logit_bias_json, token_id_list, unescape
 from launcher.coordinator.pipeline_options import DRAFT_AT
 from pipeline.engine.records import DEEP_ACCEPTANCE
 from pipeline.run_config import SPECULATE_MODES
@@ -66,6 +66,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logit-bias", type=logit_bias_json, metavar="JSON",
                    help='OpenAI\'s logit_bias: token id -> bias in [-100, 100] added to its logit, e.g. '
                    '\'{"50256": -100}\' (-100 bans a token, +100 forces it) (default: none)')
+    g.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="vLLM's min_tokens: no EOS, stop token id or stop string ends the output before N tokens")
+    g.add_argument("--stop-token-ids", type=token_id_list, default=(), metavar="IDS",
+                   help="vLLM's stop_token_ids: comma-separated ids that end the output (e.g. 2,13), with "
+                   "--ignore-eos too; the id's text is not printed")
+    g.add_argument("--allowed-token-ids", type=token_id_list, metavar="IDS",
+                   help="vLLM's allowed_token_ids: only these comma-separated ids are generated (default: all)")
+    g.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                   help="vLLM's bad_words: a word never generated, alone or after a space (repeatable)")
     g.add_argument("--response-format", choices=("text", "json_object"), default="text",
                    help="json_object: the output is one JSON object (OpenAI's response_format) (default text)")
     g.add_argument("--json-schema", metavar="PATH",

@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=None if args.seed is None else args.seed + index, stop=tuple(args.stop),
-                          ignore_eos=args.ignore_eos, logit_bias=args.logit_bias or {}, grammar=grammar_from_args(args))
+                          ignore_eos=args.ignore_eos, logit_bias=args.logit_bias or {}, grammar=grammar_from_args(args),
+                          min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids,
+                          allowed_token_ids=args.allowed_token_ids, bad_words=tuple(args.bad_words))
 
 
 def _refuse_prompt_run_flags(args: argparse.Namespace) -> None:
@@ -171,7 +173,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
                             max_model_len=options.max_model_len, what=f"prompt {i}")
-    params[0].check_vocab(model.tokenizer.vocab_size)  # --logit-bias ids, before anything is spawned
+    params[0].check_vocab(model.tokenizer.vocab_size)  # --logit-bias and token mask ids, before anything is spawned
     settle_coordinator_process()  # one torch thread, frozen start-up heap; before the pipeline's objects exist
     session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:

@@ -36,7 +36,7 @@ ADVANCED_DESTS = frozenset({
     "draft_tree",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
     "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p", "logit_bias",
-    "response_format", "json_schema", "regex", "choice",
+    "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words", "response_format", "json_schema", "regex", "choice",
 })
 
 
@@ -149,6 +149,15 @@ def logit_bias_json(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object of token id -> bias, got {text[:80]!r}")
     return value
+
+
+def token_id_list(text: str) -> tuple[int, ...]:
+    """`--stop-token-ids` / `--allowed-token-ids` value: comma-separated token ids ("2,13"); SamplingParams
+    checks their range, count and vocabulary. Raises argparse.ArgumentTypeError (exit 2, naming the flag)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdecimal() and p.isascii() for p in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated token ids (integers >= 0), got {text[:80]!r}")
+    return tuple(int(p) for p in parts)
 
 
 def unescape(text: str) -> str:

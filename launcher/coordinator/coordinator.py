@@ -180,7 +180,7 @@ class Coordinator:
         """Queue a request (text or token ids). Raises ValueError for bad input, PipelineError if failed."""
         if self.failure is not None:
             raise self.failure
-        text, ids = encode_prompt(self.tokenizer, prompt, params, max_model_len=self.config.max_model_len)
+        text, ids, params = encode_prompt(self.tokenizer, prompt, params, max_model_len=self.config.max_model_len)
         seq_id = next(self._ids)
         handle = RequestHandle(request_id or f"req-{seq_id}", text, ids, params,
                                self.tokenizer.detokenizer(prompt_ids=ids))

@@ -19,6 +19,7 @@ from pipeline.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.grammar import GrammarVocab
 from pipeline.speculation.logprobs import TokenLogprob
+from pipeline.speculation.masks.token_masks import bad_word_token_ids
 from pipeline.speculation.sampling import SamplingParams
 
 
@@ -50,11 +51,12 @@ class RequestError(PipelineError):
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: SamplingParams, *,
-                  max_model_len: int) -> tuple[str, list[int]]:
-    """(text, token ids) of a request's prompt, given as text or token ids. Raises ValueError for
-    an empty prompt, a token id outside the vocabulary, or prompt + max new tokens > max_model_len;
-    SamplingParamError (a ValueError) for a `logit_bias` token id outside the vocabulary; ValueError for
-    a grammar (structured output) when llguidance cannot read this tokenizer."""
+                  max_model_len: int) -> tuple[str, list[int], SamplingParams]:
+    """(text, token ids, params) of a request's prompt, given as text or token ids; params with the token
+    sequences of its `bad_words` (`bad_word_ids`, [Note: token masks] in pipeline/speculation/masks/token_masks.py).
+    Raises ValueError for an empty prompt, a token id outside the vocabulary, or prompt + max new tokens >
+    max_model_len; SamplingParamError (a ValueError) for a `logit_bias`, stop, allowed or bad-word token id
+    outside the vocabulary; ValueError for a grammar (structured output) when llguidance cannot read this tokenizer."""
     if isinstance(prompt, str):
         tokenizer.check_fits(prompt, max_model_len)
         text, ids = prompt, tokenizer.encode(prompt) if prompt else []
@@ -64,11 +66,14 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
     for t in ids:
         if not 0 <= t < tokenizer.vocab_size:
             raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    if params.bad_words:
+        words = bad_word_token_ids(params.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
+        params = dataclasses.replace(params, bad_word_ids=words)
     params.check_vocab(tokenizer.vocab_size)
     if params.grammar is not None:  # the engine's llguidance tokenizer and the grammar's matcher, built here on the
         GrammarVocab.of(tokenizer).matcher(params.grammar)  # caller's thread (~0.3 s each at most), not the engine's
     check_prompt_length(num_prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, max_model_len=max_model_len)
-    return text, ids
+    return text, ids, params
 
 
 @dataclasses.dataclass
@@ -89,15 +94,15 @@ class RequestOutput:
 class StreamChunk:
     """Newly committed tokens of one request and their text; `finish_reason` set on the last chunk.
     logprobs / prompt_logprobs: as `Commit`'s (None unless the request asked). `stop_reason`: the
-    stop string that ended the request (on the last chunk; None otherwise, and after EOS or length,
-    as vLLM's `stop_reason`)."""
+    stop string or stop token id that ended the request (on the last chunk; None otherwise, and after EOS
+    or length, as vLLM's `stop_reason`)."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class RequestHandle:
@@ -110,8 +115,9 @@ class RequestHandle:
         self.token_ids: list[int] = []
         self.text = ""
         self._held = ""  # decoded text not streamed yet: it may be the start of a stop string
+        self._floor = 0  # characters of _held + new text that no stop string may end in (min_tokens)
         self.finish_reason: str | None = None
-        self.stop_reason: str | None = None  # the stop string that ended it, if one did
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if one did
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
@@ -143,22 +149,26 @@ class RequestHandle:
     # -- the coordinator's side (its engine thread) ---------------------------------------------------
     def emit(self, commit: Commit) -> bool:
         """Record newly committed tokens and stream their text; returns True if one of the
-        request's stop strings ended it (the coordinator then finishes the sequence)."""
+        request's stop strings ended it (the coordinator then finishes the sequence). A stop token id
+        that ended it is kept in the tokens, not in the text, and is the `stop_reason` (vLLM's)."""
         if commit.finish_reason is FinishReason.ERROR:  # after the tokens committed before the failing row
             if commit.token_ids and self.emit(dataclasses.replace(commit, finish_reason=None)):
                 return True  # a stop string among them ended the request first
             self.finish("error", RequestError(commit.error or RequestError.NON_FINITE.format(position=len(self.token_ids))))
             return False
-        stop = self.params.stop
+        stop, ids = self.params.stop, commit.token_ids
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        delta = self.detok.add_many(commit.token_ids) if not stop else ""
-        for k, token in enumerate(commit.token_ids if stop else (), 1):
+        shown = ids[:-1] if commit.finish_reason is FinishReason.STOP and ids[-1:] else ids  # (a stop token's text)
+        delta = self.detok.add_many(shown) if not stop else ""
+        for k, token in enumerate(shown if stop else (), 1):
             delta += self.detok.add(token)
-            if k < len(commit.token_ids) and any(s in self._held + delta for s in stop):
+            if len(self.token_ids) + k <= self.params.min_tokens:
+                self._floor = len(self._held + delta)  # [Note: token masks]: no stop string ends before here
+            if k < len(ids) and self._first_stop(self._held + delta) is not None:
                 # A stop string ends at this token: the tokens after it (one commit of several, a FIRP
                 # chain's or a jump-forward run's) are not the request's, as in token-by-token decoding.
-                commit = dataclasses.replace(commit, token_ids=commit.token_ids[:k], finish_reason=None,
+                commit = dataclasses.replace(commit, token_ids=ids[:k], finish_reason=None,
                                              logprobs=commit.logprobs and commit.logprobs[:k])
                 break
         self.token_ids.extend(commit.token_ids)
@@ -167,18 +177,19 @@ class RequestHandle:
         # Text that could be the start of a stop string is held back until it is known not to be
         # one (as vLLM does), so no chunk ever streams part of a stop string.
         pending, hit = self._held + delta, False
-        if stop:
-            # The match that is complete first ends it (the first listed where two end together), cut at
-            # its start: what token-by-token decoding finds, however many tokens one commit brings.
-            found = [(i + len(s), n, i) for n, s in enumerate(stop) if (i := pending.find(s)) >= 0]
-            if found:
-                _, which, cut = min(found)
-                pending, hit, self.stop_reason = pending[:cut], True, stop[which]
+        # The match that is complete first ends it (the first listed where two end together), cut at its start:
+        # what token-by-token decoding finds, however many tokens one commit brings.
+        if stop and (found := self._first_stop(pending)) is not None:
+            _, which, cut = found
+            pending, hit, self.stop_reason = pending[:cut], True, stop[which]
+        elif commit.finish_reason is FinishReason.STOP:
+            self.stop_reason = ids[-1]  # a stop token id (vLLM's stop_reason)
         keep = max((len(s) for s in stop), default=1) - 1
         if hit or commit.finish_reason is not None or keep == 0:
             delta, self._held = pending, ""
         else:
             delta, self._held = pending[:max(0, len(pending) - keep)], pending[max(0, len(pending) - keep):]
+        self._floor = max(0, self._floor - (len(pending) - len(self._held)))
         self.text += delta
         reason = "stop" if hit else (commit.finish_reason.value if commit.finish_reason else None)
         self._chunks.put(StreamChunk(commit.token_ids, delta, reason, commit.logprobs, commit.prompt_logprobs,
@@ -186,6 +197,15 @@ class RequestHandle:
         if reason is not None:
             self.finish(reason)
         return hit
+
+    def _first_stop(self, text: str) -> tuple[int, int, int] | None:
+        """(end, index in `stop`, start) of the stop string match in `text` (the held and new text) that
+        ends first, ending after its first `_floor` characters (the first min_tokens tokens' text,
+        vLLM's detokenizer); None when there is none."""
+        floor = self._floor
+        found = [(i + len(s), n, i) for n, s in enumerate(self.params.stop)
+                 if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+        return min(found, default=None)
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         """End the request: `reason` is a finish reason ("aborted", "error", ...), `error` the

@@ -153,7 +153,9 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
                                 logprobs=req.logprobs if req.HasField("logprobs") else None,
                                 top_k=req.top_k, min_p=req.min_p, logit_bias=dict(req.logit_bias),
-                                grammar=grammar_from_proto(req, error=InvalidRequestError))
+                                grammar=grammar_from_proto(req, error=InvalidRequestError),
+                                min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
+                                allowed_token_ids=tuple(req.allowed_token_ids) or None, bad_words=tuple(req.bad_words))
         params.check_vocab(engine.tokenizer.vocab_size)
     except SamplingParamError as exc:  # "top_p must be ..." -> "'top_p' must be ..."; the proto's field names
         message = _FLOAT32.sub(lambda m: f"{float(m.group()):.7g}", str(exc))  # -0.10000000149011612 -> -0.1
@@ -212,7 +214,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                                           logprobs=[_token_logprob(e) for e in chunk.logprobs or ()])
                 if chunk.finish_reason is not None:
                     msg.finish_reason = FINISH.get(chunk.finish_reason, pb.GenerateResponse.ABORTED)
-                    msg.stop_reason = chunk.stop_reason or ""
+                    if isinstance(chunk.stop_reason, int):  # a stop token id
+                        msg.stop_token_id = chunk.stop_reason
+                    else:
+                        msg.stop_reason = chunk.stop_reason or ""
                     final = stream.final
                     msg.usage.prompt_tokens, msg.usage.completion_tokens = final.prompt_tokens, final.completion_tokens
                     msg.timing.ttft_s, msg.timing.e2e_s = final.ttft_s, final.e2e_s

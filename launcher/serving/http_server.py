@@ -158,7 +158,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
                 ids.extend(chunk.token_ids)
                 entries.extend(chunk.logprobs or ())
                 prompt_entries = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_entries
-                reason, stop_reason = chunk.finish_reason or reason, chunk.stop_reason or stop_reason
+                reason, stop_reason = chunk.finish_reason or reason, stop_reason if chunk.stop_reason is None else chunk.stop_reason
             choices.append(openai_protocol.completion_body(
                 request_id=stream.request_id, model=model, text="".join(text),
                 token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,

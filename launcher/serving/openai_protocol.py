@@ -10,6 +10,8 @@ responses and stream chunks. Field semantics follow the OpenAI API reference; ex
 `logprobs` (completions: an integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo`
 (completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
 presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py);
+vLLM's `min_tokens`, `stop_token_ids`, `allowed_token_ids` and `bad_words` onto its token masks
+(pipeline/speculation/masks/token_masks.py; a stop token id is the choice's `stop_reason`);
 `response_format` and vLLM's `structured_outputs` onto its grammar (launcher/serving/formats/response_format.py);
 chat `tools` / `tool_choice` into `ParsedRequest.tools` and, named or "required", a grammar (formats/tools.py).
 Must not: do I/O or know about the coordinator.
@@ -159,6 +161,9 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
         "logit_bias": {} if body.get("logit_bias") is None else body["logit_bias"],  # {"50256": -100}; 0, "", [] are 400
         "grammar": grammar_from_body(body, error=InvalidRequestError),  # response_format / structured_outputs
+        # vLLM's token masks (pipeline/speculation/masks/token_masks.py checks them); null: unset
+        **{name: body[name] for name in ("min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words")
+           if body.get(name) is not None},
     }
 
 
@@ -352,10 +357,10 @@ def error_body(message: str, param: str | None, *, type_: str = "invalid_request
 
 def completion_body(*, request_id: str, model: str, text: str, token_ids: list[int] | None, finish_reason: str | None,
                     final: FinalInfo | None, chunk: bool, chat: bool, role: bool = False, index: int = 0,
-                    logprobs: dict[str, Any] | None = None, stop_reason: str | None = None) -> dict[str, Any]:
+                    logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
     """A response (chunk=False) or stream chunk (chunk=True) of either endpoint, one choice
     (number `index`; `logprobs` from launcher/serving/openai_logprobs.py or None). `stop_reason`:
-    the stop string that ended the choice, null otherwise (vLLM's field of that name)."""
+    the stop string or stop token id that ended the choice, null otherwise (vLLM's field of that name)."""
     reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
     if chat:
         content = {"role": "assistant", "content": text} if (role or not chunk) else {"content": text}

@@ -14,6 +14,7 @@ from pipeline.speculation.grammar import GrammarState
 from pipeline.speculation.items import Item
 from pipeline.speculation.ledger import SequenceLedger, Verdict
 from pipeline.speculation.logprobs import TokenLogprob
+from pipeline.speculation.masks.token_masks import ends_sequence
 from pipeline.speculation.predictors import ExitGuess
 from pipeline.speculation.sampling import Sampler, SamplingParams
 from pipeline.speculation.verify import NON_FINITE_TOKEN  # noqa: F401 (re-exported)
@@ -115,6 +116,14 @@ class SequenceState:
     @property
     def epoch(self) -> int:
         return self.ledger.epoch
+
+    def finish_reason_at(self, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
+        """Why committing `token` ends the sequence: EOS (an EOS id, unless ignore_eos), STOP (one of the
+        request's `stop_token_ids`, [Note: token masks] in pipeline/speculation/masks/token_masks.py), or None."""
+        p = self.params
+        if not ends_sequence(token, eos_token_ids=eos_token_ids, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids):
+            return None
+        return FinishReason.EOS if token in eos_token_ids and not p.ignore_eos else FinishReason.STOP
 
     @property
     def num_tokens(self) -> int:

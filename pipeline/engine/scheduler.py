@@ -362,8 +362,8 @@ class Scheduler:
         if not seq.ledger.inflight:  # a pending draft followed the finished (or squashed) chain
             seq.pending, seq.firp_drafts = None, next_firp_drafts(item, len(tokens), firp)
         seq.output_ids.extend(tokens)
-        if tokens[-1] in self.config.eos_token_ids and not seq.params.ignore_eos:
-            self._finish(seq, FinishReason.EOS)
+        if (reason := seq.finish_reason_at(tokens[-1], self.config.eos_token_ids)) is not None:
+            self._finish(seq, reason)  # EOS, or a stop token id
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
         elif rescue is not None:

@@ -4,7 +4,8 @@ Owns the per-request sampling settings (`SamplingParams`), the per-sequence `Sam
 temperature with min-p / top-k / top-p filters, each draw keyed by the sequence's seed and the
 token's position: [Note: position-keyed draws]), `verify_draft`, the distribution-exact
 accept/resample rule for a drafted token (ARCHITECTURE.md §5.4). Applying the logit bias and the
-penalties, and the logprobs reported to clients: pipeline/speculation/logprobs.py.
+penalties, and the logprobs reported to clients: pipeline/speculation/logprobs.py; vLLM's token masks
+(min_tokens, stop_token_ids, allowed_token_ids, bad_words): pipeline/speculation/masks/token_masks.py.
 Must not: do I/O, know about stages, processes or torch.distributed, or decide when to stop a
 sequence (EOS, budget and stop strings are the scheduler's job; this module only carries the settings).
 """
@@ -22,7 +23,9 @@ import torch
 
 from pipeline.speculation.echo import shown
 from pipeline.speculation.grammar import GrammarSpec
+from pipeline.speculation.masks import token_masks
 
+SamplingParamError = token_masks.SamplingParamError  # the error of an invalid setting (defined below this module)
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
 _SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)
@@ -45,15 +48,6 @@ _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,20}")  # a JSON object key that names a t
 # is the standard speculative rule for one-hot q (Leviathan et al. 2023, arXiv 2211.17192 §2.3),
 # so acceptance and the output distribution are unchanged. A draft drawn from a distribution q
 # (`verify(..., q=...)`) keeps the general accept/resample rule, with the position's generator.
-
-
-class SamplingParamError(ValueError):
-    """An invalid `SamplingParams` setting; `param` is its field name (e.g. "top_p"), which the
-    message starts with."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +103,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: GrammarSpec | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -153,9 +152,12 @@ class SamplingParams:
         if self.grammar is not None and (not isinstance(self.grammar, GrammarSpec) or self.ignore_eos):
             raise SamplingParamError("response_format", "response_format must be a GrammarSpec and cannot be combined "
                                                         f"with ignore_eos, got {self.grammar!r}")
+        token_masks.check_token_masks(self)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise SamplingParamError("logit_bias") when a logit_bias token id is not in [0, vocab_size)."""
+        """Raise SamplingParamError (naming the field) when a logit_bias, stop, allowed or bad-word token id
+        is not in [0, vocab_size)."""
+        token_masks.check_token_mask_vocab(self, vocab_size)
         for token_id, _ in self.logit_bias:
             if token_id >= vocab_size:
                 raise SamplingParamError("logit_bias", f"logit_bias token id {token_id} is outside the "
@@ -173,13 +175,15 @@ class SamplingParams:
 
     @functools.cached_property  # read per row and per step; the fields are frozen
     def changes_logits(self) -> bool:
-        """True when a nonzero logit bias, a penalty or a grammar changes the logits (greedy is not the raw argmax)."""
-        return any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties or self.grammar is not None
+        """True when a nonzero logit bias, a penalty, a grammar or a token mask changes the logits (greedy is not the
+        raw argmax)."""
+        return (any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties or self.grammar is not None
+                or token_masks.has_token_masks(self))
 
     @property
     def needs_logits(self) -> bool:
         """Whether the last stage must return this request's logits (sampling, logprobs, logit bias,
-        penalties, grammar)."""
+        penalties, grammar, token masks)."""
         return not self.is_greedy or self.logprobs is not None or self.changes_logits
 
 

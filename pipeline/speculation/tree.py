@@ -265,12 +265,12 @@ class TokenTree:
         """Call with the tokens the result of `item` (the chain's head) commits, before the ledger
         applies them: when the next in-flight item is a tree draft at item.end whose sibling is the
         real token there, the rescue to make; None otherwise, or when that token ends the sequence
-        (EOS, budget): nothing would follow it."""
+        (EOS, a stop token id, budget): nothing would follow it."""
         chain, end = seq.ledger.inflight, item.end
         if len(chain) < 2 or chain[1].position != end or not chain[1].alts or len(tokens) != item.num_tokens:
             return None
         index = self.verify(primary=chain[1].token, siblings=chain[1].alts, real=tokens[-1])
-        room = ((tokens[-1] not in eos_token_ids or seq.params.ignore_eos)
+        room = (seq.finish_reason_at(tokens[-1], tuple(eos_token_ids)) is None
                 and len(seq.output_ids) + len(tokens) < seq.params.max_new_tokens)
         if index < 0 or not room:
             return None

@@ -14,6 +14,7 @@ import torch
 
 from pipeline.speculation.grammar import GrammarError, GrammarState
 from pipeline.speculation.logprobs import processed_logits
+from pipeline.speculation.masks.token_masks import apply_token_masks, ends_sequence
 from pipeline.speculation.sampling import Sampler
 
 # The last stage's token for a logits row holding NaN or inf ([Note: non-finite logits] in
@@ -40,19 +41,22 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         is biased (`logit_bias`) and, with penalties, penalised with output_ids + the tokens this result committed before it,
         exactly the history plain decoding has at that position ([Note: logprobs and penalties] in
         pipeline/speculation/logprobs.py).
-    eos_token_ids / ignore_eos: the sequence's stop tokens; budget_left: tokens it may still
-        commit (>= 1).
+    eos_token_ids / ignore_eos: the tokenizer's EOS ids and the request's ignore_eos; with the request's
+        `stop_token_ids` they end the sequence (`ends_sequence`); budget_left: tokens it may still commit (>= 1).
+    Row i is also masked by the request's token masks (min_tokens, allowed_token_ids, bad_words: [Note: token
+        masks] in pipeline/speculation/masks/token_masks.py) at that same history, before the grammar.
     grammar: the sequence's structured output state (`SamplingParams.grammar`; logits then given):
         row i is masked to the tokens it allows after output_ids + the tokens committed before it, after
         the bias and the penalties ([Note: grammar masks] in pipeline/speculation/grammar.py); it has
         consumed every committed token on return.
     Returns 1..num_result_rows tokens; every token but the last equals its draft. The last is
     NON_FINITE_TOKEN where a row it reads is not finite (rows after a rejected draft are never read).
-    Raises GrammarError (its `tokens`: those committed before the failing row) when the grammar allows
-    no token or its matcher fails.
+    Raises GrammarError (its `tokens`: those committed before the failing row) when the grammar (or the
+    token masks) allow no token or its matcher fails.
     """
     assert grammar is None or logits is not None, "a constrained sequence must ship its logits rows"
     out: list[int] = []
+    stop_ids = sampler.params.stop_token_ids if sampler is not None else ()
     for i, top in enumerate(argmax):
         if top == NON_FINITE_TOKEN:
             out.append(NON_FINITE_TOKEN)
@@ -60,12 +64,12 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         draft = drafts[i] if i < len(drafts) else None
         try:
             token = _row_token(top, draft, None if logits is None else logits[i], sampler, prompt_ids=prompt_ids,
-                               history=[*output_ids, *out], grammar=grammar)
+                               history=[*output_ids, *out], grammar=grammar, eos_token_ids=eos_token_ids)
         except GrammarError as err:
             raise GrammarError(str(err), out) from None
         out.append(token)
-        if token in eos_token_ids and not ignore_eos:
-            break  # never commit past EOS (§5.5)
+        if ends_sequence(token, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos, stop_token_ids=stop_ids):
+            break  # never commit past EOS or a stop token id (§5.5)
         if len(out) >= budget_left:
             break  # nor past the token budget
         if draft is None or token != draft:
@@ -79,13 +83,19 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
 
 
 def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler: Sampler | None, *,
-               prompt_ids: Sequence[int], history: Sequence[int], grammar: GrammarState | None) -> int:
+               prompt_ids: Sequence[int], history: Sequence[int], grammar: GrammarState | None,
+               eos_token_ids: Collection[int]) -> int:
     """The token one result row chooses: top is the row's raw argmax, draft the token that followed it
     (None: none), logits its [vocab_size] row (None: greedy on the raw argmax), history the output before
-    it (its position is len(history)). Raises GrammarError from the grammar's mask."""
+    it (its position is len(history)). Raises GrammarError from the grammar's mask, or when the token masks
+    allow no token."""
     row = None
     if logits is not None:
         row = processed_logits(logits, sampler.params, prompt_ids=prompt_ids, output_ids=history)
+        row = apply_token_masks(row, sampler.params, history=history, eos_token_ids=eos_token_ids)
+        if not bool(torch.isfinite(row).any()):  # (bias and penalties keep logits finite: only masks give -inf)
+            raise GrammarError(f"the token masks (min_tokens, allowed_token_ids, bad_words) allow no token at "
+                               f"output token {len(history)}", ())
         if grammar is not None:  # after the bias and the penalties ([Note: grammar masks])
             row = grammar.masked(row, history)
     if row is not None and sampler.params.is_greedy:
