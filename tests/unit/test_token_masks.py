@@ -1,0 +1,186 @@
+"""vLLM's token masks (pipeline/speculation/masks/token_masks.py): settings, tokenising bad words, verify's
+stop at a stop token id, and the request handle's text (stop strings after min_tokens, a stop token's text).
+
+What breaks when these fail: a bad min_tokens / stop_token_ids / allowed_token_ids / bad_words is accepted
+or refused without naming the field; an id outside the vocabulary reaches the model; bad words are
+tokenised unlike vLLM (the leading-space variant missing or wrongly added); a FIRP chain or jump-forward
+run commits past a stop token id; a stop string ends the output inside the first min_tokens tokens' text
+(vLLM's detokenizer ignores those matches); a stop token id's text is shown, or its id is not the
+`stop_reason`. Engine exactness on every speculative path: tests/unit/test_token_masks_paths.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.cli.errors import flag_message
+from launcher.cli.main import _parse, build_parser, main, sampling_params
+from launcher.coordinator.request_handle import RequestHandle, encode_prompt
+from pipeline.engine.records import Commit, FinishReason
+from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.grammar import GrammarError
+from pipeline.speculation.masks.token_masks import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_STOP_TOKEN_IDS,
+    bad_word_token_ids,
+)
+from pipeline.speculation.sampling import Sampler, SamplingParamError, SamplingParams
+from pipeline.speculation.verify import verify_result
+from tests.tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir) -> Tokenizer:
+    return Tokenizer(tiny_dir)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("min_tokens", -1, r"min_tokens must be an integer in \[0, max_tokens = 8\], got -1"),
+    ("min_tokens", 9, "got 9"), ("min_tokens", 1.5, "got 1.5"), ("min_tokens", True, "got True"),
+    ("stop_token_ids", "2", "stop_token_ids must be a list of token ids, got str"),
+    ("stop_token_ids", [-1], r"stop_token_ids must hold token ids \(integers >= 0\), got -1"),
+    ("stop_token_ids", [2.0], "got 2.0"), ("stop_token_ids", [True], "got True"),
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1)), f"301 entries; at most {MAX_STOP_TOKEN_IDS}"),
+    ("allowed_token_ids", [], r"allowed_token_ids must not be empty \(null: every token\)"),
+    ("allowed_token_ids", ["1"], "got '1'"),
+    ("allowed_token_ids", list(range(MAX_ALLOWED_TOKEN_IDS + 1)), f"at most {MAX_ALLOWED_TOKEN_IDS}"),
+    ("bad_words", "word", "bad_words must be a list of strings, got str"),
+    ("bad_words", [""], "bad_words must hold non-blank strings of at most 200 characters, got ''"),
+    ("bad_words", ["  "], "got '  '"), ("bad_words", [7], "got 7"),
+    ("bad_words", ["x" * (MAX_BAD_WORD_CHARS + 1)], r"got 'xxx.*… \(203 characters\)"),
+    ("bad_words", ["w"] * (MAX_BAD_WORDS + 1), f"101 entries; at most {MAX_BAD_WORDS}"),
+])
+def test_bad_settings_are_refused_naming_the_field(field, value, match):
+    with pytest.raises(SamplingParamError, match=match) as info:
+        SamplingParams(max_new_tokens=8, **{field: value})
+    assert info.value.param == field and str(info.value).startswith(field)
+
+
+def test_settings_are_kept_as_tuples_without_repeats():
+    p = SamplingParams(min_tokens=3, stop_token_ids=[7, 2, 7], allowed_token_ids=[9, 1, 9], bad_words=["a", "b"])
+    assert (p.stop_token_ids, p.allowed_token_ids, p.bad_words) == ((7, 2), (1, 9), ("a", "b"))
+    assert SamplingParams(max_new_tokens=4, min_tokens=4).min_tokens == 4  # min_tokens == max_tokens is allowed
+    assert not SamplingParams(stop_token_ids=(2,)).needs_logits  # a stop id alone changes no logits
+    for masks in (dict(min_tokens=1), dict(allowed_token_ids=(1,)), dict(bad_word_ids=((5,),))):
+        assert SamplingParams(**masks).needs_logits, masks  # a greedy masked request ships its logits rows
+
+
+@pytest.mark.parametrize(("field", "masks"), [("stop_token_ids", dict(stop_token_ids=(3, 9))),
+                                              ("allowed_token_ids", dict(allowed_token_ids=(9,))),
+                                              ("bad_words", dict(bad_word_ids=((1, 9),)))])
+def test_token_ids_are_checked_against_the_vocabulary(field, masks):
+    params = SamplingParams(**masks)
+    params.check_vocab(10)
+    with pytest.raises(SamplingParamError, match=rf"{field} token id 9 is outside the vocabulary \[0, 9\)") as info:
+        params.check_vocab(9)
+    assert info.value.param == field
+
+
+def test_bad_words_tokenise_as_vllm_with_the_leading_space_variant():
+    """vLLM's SamplingParams.update_from_tokenizer: the word (leading whitespace stripped), and " " + word
+    only when that starts with another token and has as many tokens."""
+    vocab = {"cat": [10], " cat": [11], "dog": [20], " dog": [20], "big cat": [30, 11], " big cat": [31, 11],
+             "zebra": [40, 41], " zebra": [42, 40, 41]}
+    assert bad_word_token_ids(["cat", " dog", "big cat", "  zebra"], vocab.__getitem__) == (
+        (10,), (11,), (20,), (30, 11), (31, 11), (40, 41))
+    with pytest.raises(SamplingParamError, match="encodes to no token"):
+        bad_word_token_ids(["x"], lambda text: [])
+
+
+def test_the_coordinator_tokenises_bad_words_with_the_models_tokenizer(tokenizer):
+    params = SamplingParams(max_new_tokens=4, bad_words=("ab", "c"))
+    _, _, got = encode_prompt(tokenizer, "Hi", params, max_model_len=64)
+    want = []
+    for word in ("ab", "c"):  # the byte tokenizer: " ab" has a token more, so no spaced variant
+        want.append(tuple(tokenizer.encode(word, add_special_tokens=False)))
+    assert got.bad_word_ids == tuple(want) and got.bad_words == params.bad_words
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_chain_never_commits_past_a_stop_token_id(ignore_eos):
+    """A FIRP chain (or a jump-forward run) whose accepted drafts run through a stop id ends there,
+    as token-by-token decoding does (greedy, no logits: the stop id alone changes no row)."""
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(4,), ignore_eos=ignore_eos)
+    got = verify_result(argmax=[3, 4, 5, 6], drafts=[3, 4, 5, 6], logits=None, sampler=Sampler(params),
+                        eos_token_ids=(2,), ignore_eos=ignore_eos, budget_left=8)
+    assert got == [3, 4]
+
+
+def test_masks_that_leave_no_token_fail_the_request_naming_them():
+    params = SamplingParams(max_new_tokens=8, min_tokens=2, allowed_token_ids=(2,))
+    with pytest.raises(GrammarError, match="allow no token at output token 0") as info:
+        verify_result(argmax=[2], drafts=[], logits=torch.zeros(1, 6), sampler=Sampler(params),
+                      eos_token_ids=(2,), ignore_eos=False, budget_left=8)
+    assert info.value.tokens == ()
+
+
+def _emit(tokenizer, params: SamplingParams, ids: list[int], *, one_commit: bool, last: FinishReason) -> RequestHandle:
+    h = RequestHandle("r", "p", [1], params, tokenizer.detokenizer(prompt_ids=[1]))
+    commits = [tuple(ids)] if one_commit else [(t,) for t in ids]
+    for i, c in enumerate(commits):
+        if h.emit(Commit(0, c, last if i == len(commits) - 1 else None)):
+            break
+    return h
+
+
+@pytest.mark.parametrize("one_commit", [False, True])
+@pytest.mark.parametrize(("text", "stop", "min_tokens"), [
+    ("is Lee, and I'm a student", ("e",), 0), ("is Lee, and I'm a student", ("e",), 5),
+    ("is Lee, and I'm a student", ("e",), 6), ("is Lee, and I'm a student", ("Lee", "stu"), 3),
+    ("is Lee, and I'm a student", ("Lee", "stu"), 5), ("abcabc", ("bc",), 2), ("abcabc", ("bc",), 6),
+])
+def test_stop_strings_end_nothing_inside_the_first_min_tokens_tokens(tokenizer, text, stop, min_tokens, one_commit):
+    """vLLM's detokenizer (vllm-project/vllm#22014, tests/detokenizer/test_min_tokens.py): a stop string
+    counts only where its match ends in the text after the first min_tokens tokens (byte tokenizer: one
+    token per character). The reference: the first match ending past that text, by str.find."""
+    ids = tokenizer.encode(text)
+    ends = [(i + len(s), i, s) for s in stop for i in range(len(text)) if text.startswith(s, i)
+            and i + len(s) > min_tokens]
+    want_text, want_reason = (text[:min(ends)[1]], min(ends)[2]) if ends else (text, None)
+    params = SamplingParams(max_new_tokens=len(ids), stop=stop, min_tokens=min_tokens)
+    h = _emit(tokenizer, params, ids, one_commit=one_commit, last=FinishReason.LENGTH)
+    assert (h.result(1).text, h.stop_reason) == (want_text, want_reason)
+    assert h.finish_reason == ("stop" if ends else "length")
+
+
+@pytest.mark.parametrize("one_commit", [False, True])
+def test_a_stop_token_ids_text_is_not_shown_and_it_is_the_stop_reason(tokenizer, one_commit):
+    """vLLM: the stop token is in the output tokens, its text is not in the output text (as EOS), and
+    `stop_reason` is its id; a stop string completed before it ends the output first."""
+    ids = tokenizer.encode("abc!")
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(ids[-1],))
+    h = _emit(tokenizer, params, ids, one_commit=one_commit, last=FinishReason.STOP)
+    chunks = list(h)
+    assert (h.result(1).text, h.token_ids, h.finish_reason) == ("abc", ids, "stop")
+    assert h.stop_reason == chunks[-1].stop_reason == ids[-1]
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(ids[-1],), stop=("bc",))
+    h = _emit(tokenizer, params, ids, one_commit=one_commit, last=FinishReason.STOP)
+    assert (h.result(1).text, h.stop_reason, h.token_ids) == ("a", "bc", ids[:3])
+
+
+def test_launch_flags_reach_the_sampling_params_and_bad_values_exit_2(capsys, tiny_dir):
+    args = _parse(build_parser(), ["launch", "--min-tokens", "3", "--stop-token-ids", "2, 13", "--allowed-token-ids",
+                                   "5,6,7", "--bad-words", "foo", "--bad-words", "bar baz"])
+    p = sampling_params(args)
+    assert (p.min_tokens, p.stop_token_ids, p.allowed_token_ids, p.bad_words) == (3, (2, 13), (5, 6, 7),
+                                                                                   ("foo", "bar baz"))
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "--stop-token-ids", "2,x"])
+    assert info.value.code == 2 and "argument --stop-token-ids: must be comma-separated token ids" in capsys.readouterr().err
+    with pytest.raises(ValueError) as err:
+        sampling_params(_parse(build_parser(), ["launch", "--max-new-tokens", "4", "--min-tokens", "5"]))
+    assert flag_message(str(err.value)) == "--min-tokens must be an integer in [0, max_tokens = 4], got 5"
+    for flags, needle in ((["--allowed-token-ids", "256"], "--allowed-token-ids token id 256 is outside the vocabulary"),
+                          (["--bad-words", " "], "--bad-words must hold non-blank strings"),
+                          (["--max-new-tokens", "2", "--min-tokens", "3"], "--min-tokens must be an integer")):
+        assert main(["launch", "--model", str(tiny_dir), "--prompt", "hi", *flags]) == 2
+        err_text = capsys.readouterr().err
+        assert needle in err_text and len(err_text.strip().splitlines()) == 1, err_text
