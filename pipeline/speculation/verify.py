@@ -14,7 +14,7 @@ import torch
 
 from pipeline.speculation.grammar import GrammarError, GrammarState
 from pipeline.speculation.logprobs import processed_logits
-from pipeline.speculation.masks.token_masks import apply_token_masks, ends_sequence
+from pipeline.speculation.masks.token_masks import apply_token_masks, ends_sequence, has_token_masks
 from pipeline.speculation.sampling import Sampler
 
 # The last stage's token for a logits row holding NaN or inf ([Note: non-finite logits] in
@@ -93,11 +93,11 @@ def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler
     if logits is not None:
         row = processed_logits(logits, sampler.params, prompt_ids=prompt_ids, output_ids=history)
         row = apply_token_masks(row, sampler.params, history=history, eos_token_ids=eos_token_ids)
-        if not bool(torch.isfinite(row).any()):  # (bias and penalties keep logits finite: only masks give -inf)
-            raise GrammarError(f"the token masks (min_tokens, allowed_token_ids, bad_words) allow no token at "
-                               f"output token {len(history)}", ())
-        if grammar is not None:  # after the bias and the penalties ([Note: grammar masks])
+        if grammar is not None:  # after the bias, the penalties and the token masks ([Note: grammar masks])
             row = grammar.masked(row, history)
+        if has_token_masks(sampler.params) and not bool(torch.isfinite(row).any()):  # (only masks give -inf)
+            raise GrammarError(f"min_tokens, allowed_token_ids and bad_words (with the structured output, if any) "
+                               f"allow no token at output token {len(history)}", ())
     if row is not None and sampler.params.is_greedy:
         # Greedy on the biased, penalised, masked logits (the raw argmax when none is set); a draft is
         # accepted iff it equals this token, as in the plain greedy case below.

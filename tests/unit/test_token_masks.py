@@ -19,7 +19,7 @@ from launcher.cli.main import _parse, build_parser, main, sampling_params
 from launcher.coordinator.request_handle import RequestHandle, encode_prompt
 from pipeline.engine.records import Commit, FinishReason
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.speculation.grammar import GrammarError
+from pipeline.speculation.grammar import GrammarError, GrammarSpec, GrammarState, GrammarVocab
 from pipeline.speculation.masks.token_masks import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_CHARS,
@@ -29,7 +29,7 @@ from pipeline.speculation.masks.token_masks import (
 )
 from pipeline.speculation.sampling import Sampler, SamplingParamError, SamplingParams
 from pipeline.speculation.verify import verify_result
-from tests.tiny_model import write_tiny_model
+from tests.tiny_model import NUM_BYTE_TOKENS, TINY_EOS_ID, byte_tokenizer, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_a_chain_never_commits_past_a_stop_token_id(ignore_eos):
 
 def test_masks_that_leave_no_token_fail_the_request_naming_them():
     params = SamplingParams(max_new_tokens=8, min_tokens=2, allowed_token_ids=(2,))
-    with pytest.raises(GrammarError, match="allow no token at output token 0") as info:
+    with pytest.raises(GrammarError, match="min_tokens, allowed_token_ids and bad_words .* allow no token at output token 0") as info:
         verify_result(argmax=[2], drafts=[], logits=torch.zeros(1, 6), sampler=Sampler(params),
                       eos_token_ids=(2,), ignore_eos=False, budget_left=8)
     assert info.value.tokens == ()
@@ -184,3 +184,13 @@ def test_launch_flags_reach_the_sampling_params_and_bad_values_exit_2(capsys, ti
         assert main(["launch", "--model", str(tiny_dir), "--prompt", "hi", *flags]) == 2
         err_text = capsys.readouterr().err
         assert needle in err_text and len(err_text.strip().splitlines()) == 1, err_text
+
+
+def test_masks_and_a_grammar_that_together_leave_no_token_fail_the_request():
+    """The grammar allows only "a"; bad_words bans it: the row has no token left (not a silent argmax of -inf)."""
+    spec = GrammarSpec.choice(["a"])
+    state = GrammarState(spec, GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID]))
+    params = SamplingParams(max_new_tokens=4, grammar=spec, bad_word_ids=((ord("a"),),))
+    with pytest.raises(GrammarError, match="with the structured output, if any"):
+        verify_result(argmax=[ord("a")], drafts=[], logits=torch.zeros(1, NUM_BYTE_TOKENS), sampler=Sampler(params),
+                      eos_token_ids=(TINY_EOS_ID,), ignore_eos=False, budget_left=4, grammar=state)

@@ -2,7 +2,8 @@
 
 What breaks when these fail: a masked request's tokens differ from plain token-by-token decoding with the
 same masks under SPEED drafts (always-wrong, mostly-right, adversarial and random predictors, 1-3 stages),
-FIRP chains, stage-local drafting (`--draft-at stage`) or token trees; typically because a verify path
+FIRP chains, stage-local drafting (`--draft-at stage`) or token trees (tiny random model, whose plain
+decoding is checked against the same token-by-token reference); typically because a verify path
 masks a row with the wrong history (a bad word's prefix or min_tokens counted from the chain instead of
 the row's own position), takes the raw argmax (a greedy masked item shipped no logits), commits past a
 stop token id, or lets EOS / a stop id through before min_tokens.
@@ -19,6 +20,7 @@ import torch
 
 from pipeline.engine.engine import Engine
 from pipeline.engine.records import SchedulerConfig
+from pipeline.model.row_layout import Span
 from pipeline.speculation.sampling import Sampler, SamplingParams
 from tests.adversarial_predictors import (
     AlwaysWrongPredictor,
@@ -27,7 +29,7 @@ from tests.adversarial_predictors import (
     SometimesRightPredictor,
 )
 from tests.in_process_pipeline import InProcessPipeline
-from tests.tiny_model import write_tiny_model
+from tests.tiny_model import TINY_EOS_ID, write_tiny_model
 from tests.unit.test_local_draft import LocalFakePipeline
 from tests.unit.test_logit_bias import ConstantPredictor
 from tests.unit.test_logit_bias_paths import BiasedLocalPipeline, FirpFakePipeline, Proposer, _tiny_argmax
@@ -180,12 +182,28 @@ TREE_PROMPTS = [[5, 17, 200, 33, 9], [44, 3, 12]]
 
 
 @pytest.fixture(scope="module")
-def tiny_stages(tmp_path_factory):
-    return _stages(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=4), 2, "none")
+def tiny_folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_stages(tiny_folder):
+    return _stages(tiny_folder, 2, "none")
+
+
+def _tiny_logits_fn(folder):
+    """The tiny model's final logits after a whole prefix: one stage, the prefix run afresh (no cache)."""
+    (model,) = _stages(folder, 1, "none")
+
+    @torch.inference_mode()
+    def logits(prefix: list[int]) -> torch.Tensor:
+        kv = model.new_kv_cache(max_num_seqs=1, max_model_len=len(prefix) + 1)
+        return model(torch.tensor(prefix, dtype=torch.int64), [Span(0, 0, len(prefix))], kv)[-1].float()
+    return logits
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
-def test_token_trees_commit_the_masked_plain_tokens(tiny_stages, setting):
+def test_token_trees_commit_the_masked_plain_tokens(tiny_folder, tiny_stages, setting):
     """Tree drafts and their siblings (`--draft-tree 3`, tiny model, 2 stages) are verified on the masked
     logits: the output is plain decoding's with the same masks, which changed it."""
     unmasked = SamplingParams(max_new_tokens=10, ignore_eos=True, **setting)
@@ -195,6 +213,9 @@ def test_token_trees_commit_the_masked_plain_tokens(tiny_stages, setting):
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, **masks, **setting)
     want = [InProcessPipeline(tiny_stages, max_model_len=64).generate([p], params)[0] for p in TREE_PROMPTS]
     assert want != plain, "the masks changed nothing"
+    logits_fn = _tiny_logits_fn(tiny_folder)
+    assert want == [reference(p, params, eos=(TINY_EOS_ID,), logits_fn=logits_fn) for p in TREE_PROMPTS], \
+        "plain decoding does not mask as the token-by-token reference"
     vocab = tiny_stages[0].config.vocab_size
     for kind in ("raw-argmax", "random"):
         predictor = Proposer(kind, banned=first, vocab=vocab, argmax_fn=_tiny_argmax(tiny_stages))
