@@ -178,10 +178,3 @@ def ends_sequence(token: int, *, eos_token_ids: Collection[int], ignore_eos: boo
     """True when committing `token` ends the sequence: an EOS id (unless ignore_eos) or one of the request's
     stop token ids (with ignore_eos too, as vLLM's `check_stop`). The masks keep both out before min_tokens."""
     return (token in eos_token_ids and not ignore_eos) or token in stop_token_ids
-
-
-def stop_token_reason(token: int, params: MaskFields, eos_token_ids: Collection[int]) -> int | None:
-    """vLLM's `stop_reason` of a sequence whose last token is `token`: the token when a stop token id
-    (and not an EOS that ended it first) ended it, else None."""
-    ended_by_eos = token in eos_token_ids and not params.ignore_eos
-    return token if token in params.stop_token_ids and not ended_by_eos else None
