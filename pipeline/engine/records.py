@@ -21,7 +21,7 @@ from pipeline.speculation.verify import NON_FINITE_TOKEN  # noqa: F401 (re-expor
 
 
 class FinishReason(enum.Enum):
-    """Why a sequence stopped: token budget, end-of-sequence token, stop string, aborted, or its
+    """Why a sequence stopped: token budget, end-of-sequence token, stop string or stop token id, aborted, or its
     logits were not finite (ERROR: [Note: non-finite logits])."""
 
     LENGTH = "length"
