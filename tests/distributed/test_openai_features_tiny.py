@@ -5,7 +5,7 @@ speculation mode: `none`, `speed` (n-gram drafts) and `speed+firp` (untrained FI
 of several rows are verified in one result and both accepted and rejected), every draft sent. Every check compares with
 a reference computed here from transformers' logits for the same prompt (greedy decoding, float32,
 to 1e-4): `logprobs` / `top_logprobs` on completions and chat, `echo` with prompt logprobs, `n` = 3,
-presence / frequency / repetition penalties, `logit_bias` (HTTP and gRPC), gRPC Generate's logprobs and penalties, and gRPC
+presence / frequency / repetition penalties, `logit_bias` and vLLM's token masks (HTTP and gRPC), gRPC Generate's logprobs and penalties, and gRPC
 GetModelInfo's description of the session; all modes must match the same reference, so the
 verify pass gives the logprobs plain decoding gives. Bad values answer 400 naming the field.
 What breaks when these fail: logprobs of the wrong row or distribution, prompt rows lost, penalties
@@ -27,11 +27,13 @@ from launcher.coordinator.session import PipelineSession
 from launcher.serving.openai_protocol import render_chat
 from launcher.serving.serve import ServeOptions, ServingStack
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.masks.token_masks import bad_word_token_ids
 from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.tiny_model import write_firp_file, write_tiny_model
 from tests.unit.test_logprobs_penalties import _reference_penalised
+from tests.unit.test_token_masks_paths import reference
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -196,6 +198,48 @@ def test_logit_bias_matches_transformers_over_http_and_grpc(server, client, hf_m
         chunks = list(pb_grpc.GenerateServiceStub(channel).Generate(pb.GenerateRequest(
             prompt=PROMPT, max_new_tokens=NUM_TOKENS, ignore_eos=True, logit_bias=bias)))
     assert [t for c in chunks for t in c.token_ids] == ref
+
+
+def test_token_masks_match_transformers_over_http_and_grpc(server, client, hf_model):
+    """vLLM's min_tokens, stop_token_ids, allowed_token_ids and bad_words (tokenised by the coordinator) on
+    the real pipeline: the token-by-token reference of tests/unit/test_token_masks_paths.py on transformers'
+    logits, in every speculation mode; a stop token id ends the output, is its stop_reason, shows no text."""
+    tok = server.engine.tokenizer
+    ids = tok.encode(PROMPT)
+    n = 3 * NUM_TOKENS
+    plain, _ = _greedy_reference(hf_model, ids, SamplingParams(max_new_tokens=n))
+    masks = dict(min_tokens=4, allowed_token_ids=[t for t in range(tok.vocab_size) if t != plain[1]])
+    eos = tuple(tok.eos_token_ids)
+
+    def logits_fn(prefix: list[int]) -> torch.Tensor:
+        return _logits(hf_model, prefix)[-1]
+
+    def masked(bad_word_ids=()) -> list[int]:
+        return reference(ids, SamplingParams(max_new_tokens=n, ignore_eos=True, **masks, bad_word_ids=bad_word_ids),
+                         eos=eos, logits_fn=logits_fn)
+
+    unbanned = masked()  # a bad word the output has without it: one printable token
+    word = next(t for t in unbanned if tok.decode([t]).strip() and len(tok.encode(tok.decode([t]), add_special_tokens=False)) == 1)
+    bad = bad_word_token_ids([tok.decode([word])], lambda w: tok.encode(w, add_special_tokens=False))
+    no_stop = masked(bad)
+    assert word not in no_stop and no_stop != unbanned, "the bad word changed nothing"
+    masks["stop_token_ids"], ref = [], no_stop
+    while len(ref) == n and len(masks["stop_token_ids"]) < 8:  # add the token it repeats until one ends it
+        masks["stop_token_ids"].append(ref[-1])
+        ref = masked(bad)
+    assert ref[-1] in masks["stop_token_ids"] and 4 < len(ref) < n, "no stop id ends the output"
+    assert ref != plain[:len(ref)] and word not in ref and plain[1] not in ref, "the masks changed nothing"
+    r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, max_tokens=n, temperature=0.0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True, **masks,
+                                              "bad_words": [tok.decode([word])]})
+    assert choice_of(r).token_ids == ref
+    assert (choice_of(r).finish_reason, choice_of(r).stop_reason) == ("stop", ref[-1])
+    assert choice_of(r).text == tok.decode(ref[:-1])
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        chunks = list(pb_grpc.GenerateServiceStub(channel).Generate(pb.GenerateRequest(
+            prompt=PROMPT, max_new_tokens=n, ignore_eos=True, bad_words=[tok.decode([word])], **masks)))
+    assert [t for c in chunks for t in c.token_ids] == ref
+    assert chunks[-1].stop_token_id == ref[-1] and chunks[-1].finish_reason == pb.GenerateResponse.STOP
 
 
 def test_n_3_greedy_and_seeded(server, client, hf_model):
