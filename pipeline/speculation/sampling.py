@@ -26,6 +26,7 @@ from pipeline.speculation.grammar import GrammarSpec
 from pipeline.speculation.masks import token_masks
 
 SamplingParamError = token_masks.SamplingParamError  # the error of an invalid setting (defined below this module)
+
 # Seeds accepted by torch.Generator.manual_seed without wrapping, as [0, _SEED_LIMIT).
 _SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default max_logprobs)

@@ -2,8 +2,8 @@
 
 What breaks when these fail: a masked request's tokens differ from plain token-by-token decoding with the
 same masks under SPEED drafts (always-wrong, mostly-right, adversarial and random predictors, 1-3 stages),
-FIRP chains, stage-local drafting (`--draft-at stage`) or token trees (tiny random model, whose plain
-decoding is checked against the same token-by-token reference); typically because a verify path
+FIRP chains, stage-local drafting (`--draft-at stage`), token trees (tiny random model, whose plain
+decoding is checked against the same token-by-token reference) or a replay after a stage restart; typically because a verify path
 masks a row with the wrong history (a bad word's prefix or min_tokens counted from the chain instead of
 the row's own position), takes the raw argmax (a greedy masked item shipped no logits), commits past a
 stop token id, or lets EOS / a stop id through before min_tokens.
@@ -30,9 +30,16 @@ from tests.adversarial_predictors import (
 )
 from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import TINY_EOS_ID, write_tiny_model
+from tests.unit import test_replay as replay
 from tests.unit.test_local_draft import LocalFakePipeline
 from tests.unit.test_logit_bias import ConstantPredictor
-from tests.unit.test_logit_bias_paths import BiasedLocalPipeline, FirpFakePipeline, Proposer, _tiny_argmax
+from tests.unit.test_logit_bias_paths import (
+    BiasedLocalPipeline,
+    FirpFakePipeline,
+    Proposer,
+    _tiny_argmax,
+    drive_replays,
+)
 from tests.unit.test_speculation_scheduler import (
     MAX_MODEL_LEN,
     SAMPLING_VOCAB,
@@ -223,3 +230,27 @@ def test_token_trees_commit_the_masked_plain_tokens(tiny_folder, tiny_stages, se
             pipe = InProcessPipeline(tiny_stages, max_model_len=64, predictor=predictor, draft_tree=3)
             assert pipe.generate([prompt], params) == [expected], f"{kind} tree drafts changed the masked output"
             assert pipe.engine.tree.tree_verified > 0, "no tree draft was verified"
+
+
+# -- replay after a stage restart ------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("kind", [None, "raw-argmax", "random"])
+def test_a_replay_after_a_stage_restart_keeps_the_masked_plain_tokens(kind, setting):
+    """After a stage restart every running sequence is replayed as a prefill of its committed context; the
+    masks still see each row's own output (min_tokens counted and bad-word prefixes matched from it)."""
+    def logits_fn(prefix: list[int]) -> torch.Tensor:
+        return replay._logits(prefix[-3:])
+
+    unmasked = SamplingParams(max_new_tokens=12, ignore_eos=True, **setting)
+    plain = {i: reference(p, unmasked, eos=(), logits_fn=logits_fn) for i, p in enumerate(replay.PROMPTS)}
+    masks = dict(min_tokens=6, stop_token_ids=(plain[0][2],), allowed_token_ids=tuple(range(1, replay.VOCAB)),
+                 bad_word_ids=((plain[1][1],), (plain[2][0], plain[2][1])))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, **masks, **setting)
+    want = {i: reference(p, params, eos=(), logits_fn=logits_fn) for i, p in enumerate(replay.PROMPTS)}
+    assert want != plain, "the masks changed nothing"
+    proposer = None if kind is None else Proposer(kind, banned=plain[1][1], vocab=replay.VOCAB,
+                                                  argmax_fn=lambda c: replay._next(c[-3:]))
+    for replays in (set(), {4}, {2, 9}, {5, 6, 14}):
+        engine = Engine(SchedulerConfig(num_stages=3, max_num_seqs=3, max_model_len=256, speculate=proposer is not None),
+                        proposer, record_timeline=False)
+        assert drive_replays(engine, params, replays)[0] == want, (kind, replays)
