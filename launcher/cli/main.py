@@ -31,7 +31,7 @@ from launcher.cli.parsing import (
 from launcher.cli.speculation_defaults import settle_auto
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.request_handle import RequestError, StageLoadError
+from launcher.coordinator.request_handle import RequestError, StageLoadError, tokenized_masks
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
@@ -173,7 +173,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for i, p in enumerate(prompts):  # length limits before anything is spawned
         check_prompt_length(num_prompt_tokens=len(model.tokenizer.encode(p)), max_new_tokens=params[i].max_new_tokens,
                             max_model_len=options.max_model_len, what=f"prompt {i}")
-    params[0].check_vocab(model.tokenizer.vocab_size)  # --logit-bias and token mask ids, before anything is spawned
+    tokenized_masks(model.tokenizer, params[0])  # --logit-bias and token mask ids, before anything is spawned
     settle_coordinator_process()  # one torch thread, frozen start-up heap; before the pipeline's objects exist
     session = PipelineSession(options, model, restart_budget=restart_budget(args))
     if not args.json:

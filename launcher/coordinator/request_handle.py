@@ -19,7 +19,7 @@ from pipeline.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.grammar import GrammarVocab
 from pipeline.speculation.logprobs import TokenLogprob
-from pipeline.speculation.masks.token_masks import bad_word_token_ids
+from pipeline.speculation.masks.token_masks import bad_word_token_ids, check_leaves_a_token
 from pipeline.speculation.sampling import SamplingParams
 
 
@@ -55,8 +55,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
     """(text, token ids, params) of a request's prompt, given as text or token ids; params with the token
     sequences of its `bad_words` (`bad_word_ids`, [Note: token masks] in pipeline/speculation/masks/token_masks.py).
     Raises ValueError for an empty prompt, a token id outside the vocabulary, or prompt + max new tokens >
-    max_model_len; SamplingParamError (a ValueError) for a `logit_bias`, stop, allowed or bad-word token id
-    outside the vocabulary; ValueError for a grammar (structured output) when llguidance cannot read this tokenizer."""
+    max_model_len; SamplingParamError (a ValueError) from `tokenized_masks`; ValueError for a grammar (structured
+    output) when llguidance cannot read this tokenizer."""
     if isinstance(prompt, str):
         tokenizer.check_fits(prompt, max_model_len)
         text, ids = prompt, tokenizer.encode(prompt) if prompt else []
@@ -66,14 +66,24 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: Sam
     for t in ids:
         if not 0 <= t < tokenizer.vocab_size:
             raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})")
-    if params.bad_words:
-        words = bad_word_token_ids(params.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
-        params = dataclasses.replace(params, bad_word_ids=words)
-    params.check_vocab(tokenizer.vocab_size)
+    params = tokenized_masks(tokenizer, params)
     if params.grammar is not None:  # the engine's llguidance tokenizer and the grammar's matcher, built here on the
         GrammarVocab.of(tokenizer).matcher(params.grammar)  # caller's thread (~0.3 s each at most), not the engine's
     check_prompt_length(num_prompt_tokens=len(ids), max_new_tokens=params.max_new_tokens, max_model_len=max_model_len)
     return text, ids, params
+
+
+def tokenized_masks(tokenizer: Tokenizer, params: SamplingParams) -> SamplingParams:
+    """`params` with the token sequences of its `bad_words` (`bad_word_ids`), checked against this tokenizer:
+    SamplingParamError (naming the field) for a `logit_bias`, stop, allowed or bad-word token id outside the
+    vocabulary, or allowed ids the other masks all ban (`check_leaves_a_token`). The coordinator's and, before
+    anything is spawned, `launch`'s check."""
+    if params.bad_words:
+        words = bad_word_token_ids(params.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
+        params = dataclasses.replace(params, bad_word_ids=words)
+    params.check_vocab(tokenizer.vocab_size)
+    check_leaves_a_token(params, tokenizer.eos_token_ids)
+    return params
 
 
 @dataclasses.dataclass

@@ -343,8 +343,8 @@ class ServingEngine:
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:
         """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
-        outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
-        input the coordinator rejects."""
+        outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, InvalidRequestError
+        (naming the field) for settings the coordinator rejects, ValueError for other input it rejects."""
         silent = self._silent_stage()  # outside the lock: the heartbeat's own lock
         with self._lock:
             if self._fence is not None or silent is not None:
@@ -358,6 +358,9 @@ class ServingEngine:
             self._outstanding += 1
         try:
             handle = self.coordinator.submit(list(prompt_ids), params, request_id=request_id)
+        except SamplingParamError as exc:  # the coordinator's token mask checks (`tokenized_masks`): the field's error
+            self._release()
+            raise InvalidRequestError.of_setting(exc, exc.param) from None
         except BaseException:
             self._release()
             raise

@@ -240,6 +240,11 @@ def test_token_masks_match_transformers_over_http_and_grpc(server, client, hf_mo
             prompt=PROMPT, max_new_tokens=n, ignore_eos=True, bad_words=[tok.decode([word])], **masks)))
     assert [t for c in chunks for t in c.token_ids] == ref
     assert chunks[-1].stop_token_id == ref[-1] and chunks[-1].finish_reason == pb.GenerateResponse.STOP
+    # allowed ids that min_tokens all masks: refused before the request runs (it could only fail: 500)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=server.engine.model_name, prompt=PROMPT, max_tokens=n,
+                                  extra_body={"allowed_token_ids": list(eos), "min_tokens": 1})
+    assert err.value.body["param"] == "allowed_token_ids", err.value.body
 
 
 def test_n_3_greedy_and_seeded(server, client, hf_model):

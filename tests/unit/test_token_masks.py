@@ -29,6 +29,8 @@ from pipeline.speculation.masks.token_masks import (
 )
 from pipeline.speculation.sampling import Sampler, SamplingParamError, SamplingParams
 from pipeline.speculation.verify import verify_result
+from pipeline.weights.gguf_import import open_gguf, tokenizer_from_gguf
+from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path
 from tests.tiny_model import NUM_BYTE_TOKENS, TINY_EOS_ID, byte_tokenizer, write_tiny_model
 
 
@@ -93,6 +95,37 @@ def test_bad_words_tokenise_as_vllm_with_the_leading_space_variant():
         (10,), (11,), (20,), (30, 11), (31, 11), (40, 41))
     with pytest.raises(SamplingParamError, match="encodes to no token"):
         bad_word_token_ids(["x"], lambda text: [])
+
+
+def _vllm_bad_word_ids(words: list[str], hf) -> tuple[tuple[int, ...], ...]:
+    """vLLM's SamplingParams.update_from_tokenizer, written out, on a transformers tokenizer `hf`."""
+    out: list[list[int]] = []
+    for word in words:
+        for add_prefix_space in (False, True):
+            ids = hf.encode(text=(" " if add_prefix_space else "") + word.lstrip(), add_special_tokens=False)
+            if not add_prefix_space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return tuple(tuple(ids) for ids in out)
+
+
+def test_bad_words_tokenise_as_vllm_on_the_default_models_bpe_tokenizer(tmp_path):
+    """The default model's byte-level BPE (SmolLM2, no prefix space: "cat" and " cat" are different tokens): the
+    coordinator's sequences are vLLM's rule on transformers' tokenizer of the same tokenizer.json, the spaced
+    variant included where it has as many tokens, dropped where not; a special token's text is that token."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        path = registered_gguf_path(DEFAULT_MODEL)
+    except ValueError as err:
+        pytest.skip(str(err))
+    tok = tokenizer_from_gguf(open_gguf(path))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    words = ["cat", " cat", "Paris", "hello world", "  dog", "unbelievable", "\nnew", "é", "日本", "<|im_end|>", "a b"]
+    ours = Tokenizer(tmp_path)
+    got = bad_word_token_ids(words, lambda w: ours.encode(w, add_special_tokens=False))
+    want = _vllm_bad_word_ids(words, hf)
+    assert got == want
+    assert len(want) > len(words) and any(len(w) > 1 for w in want), "no spaced variant or no multi-token word"
 
 
 def test_the_coordinator_tokenises_bad_words_with_the_models_tokenizer(tokenizer):
@@ -180,7 +213,11 @@ def test_launch_flags_reach_the_sampling_params_and_bad_values_exit_2(capsys, ti
     assert flag_message(str(err.value)) == "--min-tokens must be an integer in [0, max_tokens = 4], got 5"
     for flags, needle in ((["--allowed-token-ids", "256"], "--allowed-token-ids token id 256 is outside the vocabulary"),
                           (["--bad-words", " "], "--bad-words must hold non-blank strings"),
-                          (["--max-new-tokens", "2", "--min-tokens", "3"], "--min-tokens must be an integer")):
+                          (["--max-new-tokens", "2", "--min-tokens", "3"], "--min-tokens must be an integer"),
+                          # every allowed id masked at the first token: refused before the stages are spawned
+                          (["--allowed-token-ids", f"{TINY_EOS_ID}", "--min-tokens", "1"],
+                           "--allowed-token-ids leave no token to generate"),
+                          (["--allowed-token-ids", "104", "--bad-words", "h"], "--allowed-token-ids leave no token")):
         assert main(["launch", "--model", str(tiny_dir), "--prompt", "hi", *flags]) == 2
         err_text = capsys.readouterr().err
         assert needle in err_text and len(err_text.strip().splitlines()) == 1, err_text

@@ -15,13 +15,16 @@ import grpc
 import httpx
 import pytest
 
+from launcher.coordinator.request_handle import RequestHandle, encode_prompt
 from launcher.serving.grpc_generate import GrpcServer, request_params
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion
 from launcher.serving.serving_engine import InvalidRequestError, ServingEngine
 from pipeline.engine.records import Commit, FinishReason
+from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.unit.test_grpc_error_details import _details
 from tests.unit.test_serving_http import FakeCoordinator, _streamed_chunks, tokenizer  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,8 +33,13 @@ MASKS = {"min_tokens": 2, "stop_token_ids": [33, 10], "allowed_token_ids": [104,
 
 
 class StopTokenCoordinator(FakeCoordinator):
-    """FakeCoordinator (echoes the prompt's tokens) that ends a request as the scheduler does at one of
-    its stop_token_ids: the id committed with FinishReason.STOP."""
+    """FakeCoordinator (echoes the prompt's tokens) that checks a request's token masks as the real one does
+    (`encode_prompt`) and ends a request as the scheduler does at one of its stop_token_ids: the id
+    committed with FinishReason.STOP."""
+
+    def submit(self, prompt, params: SamplingParams, *, request_id=None) -> RequestHandle:
+        _, _, params = encode_prompt(self.tokenizer, list(prompt), params, max_model_len=64)  # as Coordinator.submit
+        return super().submit(prompt, params, request_id=request_id)
 
     def _run(self, h) -> None:
         for i in range(h.params.max_new_tokens):
@@ -142,3 +150,32 @@ def test_grpc_fields_reach_the_sampling_params_and_bad_values_name_the_proto_fie
     assert "".join(r.text for r in replies) == "ab" and [t for r in replies for t in r.token_ids][-1] == bang
     replies = list(stub.Generate(pb.GenerateRequest(prompt="abc", max_new_tokens=2), timeout=10))
     assert not replies[-1].HasField("stop_token_id")
+
+
+def test_allowed_ids_that_the_other_masks_all_ban_are_refused_before_the_request_runs(served, tokenizer):  # noqa: F811
+    """Every allowed id a one-token bad word, or (min_tokens > 0) an EOS or stop token id: the first token could
+    only fail the request (a 500 after it ran), so it is a 400 naming allowed_token_ids / INVALID_ARGUMENT
+    with a BadRequest on that field. A long bad word (more tokens than characters) is accepted."""
+    url, channel = served
+    q, bang = (tokenizer.encode(c, add_special_tokens=False)[0] for c in ("q", "!"))
+    eos = tokenizer.eos_token_ids[0]
+    refused = [{"allowed_token_ids": [q], "bad_words": ["q"]},
+               {"allowed_token_ids": [eos, bang], "stop_token_ids": [bang], "min_tokens": 1},
+               {"allowed_token_ids": [eos, q], "bad_words": ["q"], "min_tokens": 1}]
+    accepted = [{"allowed_token_ids": [eos, bang], "stop_token_ids": [bang]},  # no min_tokens: EOS and "!" may come
+                {"allowed_token_ids": [q, bang], "bad_words": ["q!"], "min_tokens": 1},  # "q" may come, "!" after it not
+                {"bad_words": ["\u00e9" * 200]}]  # 200 characters, 400 byte tokens
+    for route, base in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": USER})):
+        for body in refused:
+            r = httpx.post(url + route, json={**base, "max_tokens": 4, **body}, timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", (body, r.text)
+            assert r.json()["error"]["message"].startswith("'allowed_token_ids' leave no token to generate"), r.text
+        for body in accepted:
+            r = httpx.post(url + route, json={**base, "max_tokens": 4, **body}, timeout=10)
+            assert r.status_code == 200, (body, r.text)
+    stub = pb_grpc.GenerateServiceStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(prompt="Hi", max_new_tokens=4, allowed_token_ids=[q], bad_words=["q"]),
+                           timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in _details(err.value)["BadRequest"].field_violations] == ["allowed_token_ids"]

@@ -2,10 +2,11 @@
 `allowed_token_ids` and `bad_words` ([Note: token masks]).
 
 Owns their validation and caps (MAX_STOP_TOKEN_IDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS,
-MAX_BAD_WORD_CHARS), tokenising bad words (`bad_word_token_ids`, vLLM's rule), the mask one logits row
-gets (`apply_token_masks`, at the row's own history) and which committed token ends a sequence
-(`ends_sequence`). Also owns `SamplingParamError`, the error of every invalid sampling setting (here
-because this module sits below pipeline/speculation/sampling.py, which re-exports it).
+MAX_BAD_WORD_CHARS; `check_leaves_a_token`: allowed ids that the other masks all ban), tokenising bad
+words (`bad_word_token_ids`, vLLM's rule), the mask one logits row gets (`apply_token_masks`, at the
+row's own history) and which committed token ends a sequence (`ends_sequence`). Also owns
+`SamplingParamError`, the error of every invalid sampling setting (here because this module sits below
+pipeline/speculation/sampling.py, which re-exports it).
 Must not: import the rest of pipeline/speculation (sampling.py imports this module), choose or commit
 tokens (pipeline/speculation/verify.py calls `apply_token_masks` per row), or do I/O.
 """
@@ -23,6 +24,9 @@ MAX_STOP_TOKEN_IDS = 300
 MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 100
 MAX_BAD_WORD_CHARS = 200  # characters of one bad word
+# Tokens of one bad word's sequence: byte-level and byte-fallback vocabularies give at most one token per UTF-8
+# byte (up to 4 a character), plus the leading space's.
+_MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 1
 
 # [Note: token masks]
 # As vLLM's SamplingParams define them (vllm/sampling_params.py; the v1 engine's sampler and logits
@@ -111,7 +115,7 @@ def check_token_masks(params: MaskFields) -> None:
     ids = params.bad_word_ids
     if not isinstance(ids, (list, tuple)) or not all(isinstance(s, (list, tuple)) and s for s in ids):
         raise SamplingParamError("bad_words", f"bad_word_ids must be non-empty token id lists, got {_shown(ids)}")
-    object.__setattr__(params, "bad_word_ids", tuple(_token_ids("bad_words", s, MAX_BAD_WORD_CHARS, unique=False)
+    object.__setattr__(params, "bad_word_ids", tuple(_token_ids("bad_words", s, _MAX_BAD_WORD_TOKENS, unique=False)
                                                      for s in ids))
 
 
@@ -124,6 +128,22 @@ def check_token_mask_vocab(params: MaskFields, vocab_size: int) -> None:
         for t in ids:
             if t >= vocab_size:
                 raise SamplingParamError(name, f"{name} token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_leaves_a_token(params: MaskFields, eos_token_ids: Collection[int]) -> None:
+    """Raise SamplingParamError("allowed_token_ids") when the masks leave no token at the first output position,
+    whatever the logits: every allowed id is a one-token bad word or, with min_tokens, an EOS or stop token id
+    (such a request could only fail at its first token). Needs `bad_word_ids` filled (the coordinator's
+    `encode_prompt`); masks that leave nothing only later, or only with a grammar, fail the request there."""
+    if params.allowed_token_ids is None:
+        return
+    banned = {word[0] for word in params.bad_word_ids if len(word) == 1}
+    if params.min_tokens > 0:
+        banned.update(eos_token_ids, params.stop_token_ids)
+    if banned.issuperset(params.allowed_token_ids):
+        why = "a bad word" + (", an EOS id or a stop token id (before min_tokens)" if params.min_tokens > 0 else "")
+        raise SamplingParamError("allowed_token_ids",
+                                 f"allowed_token_ids leave no token to generate: each of them is {why}")
 
 
 def bad_word_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
