@@ -3,7 +3,8 @@
 What breaks when these fail: a masked request's tokens differ from plain token-by-token decoding with the
 same masks under SPEED drafts (always-wrong, mostly-right, adversarial and random predictors, 1-3 stages),
 FIRP chains, stage-local drafting (`--draft-at stage`), token trees (tiny random model, whose plain
-decoding is checked against the same token-by-token reference) or a replay after a stage restart; typically because a verify path
+decoding is checked against the same token-by-token reference), a grammar's jump-forward items (a stop token
+id inside a forced run) or a replay after a stage restart; typically because a verify path
 masks a row with the wrong history (a bad word's prefix or min_tokens counted from the chain instead of
 the row's own position), takes the raw argmax (a greedy masked item shipped no logits), commits past a
 stop token id, or lets EOS / a stop id through before min_tokens.
@@ -21,6 +22,7 @@ import torch
 from pipeline.engine.engine import Engine
 from pipeline.engine.records import SchedulerConfig
 from pipeline.model.row_layout import Span
+from pipeline.speculation.grammar import GrammarState, GrammarVocab
 from pipeline.speculation.sampling import Sampler, SamplingParams
 from tests.adversarial_predictors import (
     AlwaysWrongPredictor,
@@ -29,7 +31,8 @@ from tests.adversarial_predictors import (
     SometimesRightPredictor,
 )
 from tests.in_process_pipeline import InProcessPipeline
-from tests.tiny_model import TINY_EOS_ID, write_tiny_model
+from tests.tiny_model import TINY_EOS_ID, byte_tokenizer, write_tiny_model
+from tests.unit import test_grammar_paths as grammar_paths
 from tests.unit import test_replay as replay
 from tests.unit.test_local_draft import LocalFakePipeline
 from tests.unit.test_logit_bias import ConstantPredictor
@@ -67,10 +70,12 @@ def _params(masks: dict, setting: dict, n: int = 14, **extra) -> SamplingParams:
 
 
 def reference(prompt: list[int], params: SamplingParams, *, eos: tuple[int, ...] = (EOS,), logits_fn=fake_logits,
-              ) -> list[int]:
-    """Plain token-by-token decoding with the masks written out as vLLM defines them."""
+              grammar_vocab: GrammarVocab | None = None) -> list[int]:
+    """Plain token-by-token decoding with the masks written out as vLLM defines them (then a grammar's, if any,
+    from a fresh matcher fed the output so far)."""
     out: list[int] = []
     sampler = Sampler(params)
+    state = GrammarState(params.grammar, grammar_vocab) if params.grammar is not None else None
     while len(out) < params.max_new_tokens:
         row = logits_fn(prompt + out).clone()
         if len(out) < params.min_tokens:  # MinTokensLogitsProcessor: every stop id and EOS
@@ -83,6 +88,8 @@ def reference(prompt: list[int], params: SamplingParams, *, eos: tuple[int, ...]
             prefix = list(word[:-1])
             if len(word) <= len(out) + 1 and (not prefix or out[len(out) - len(prefix):] == prefix):
                 row[word[-1]] = float("-inf")
+        if state is not None:
+            row = state.masked(row, out)
         token = int(torch.argmax(row)) if params.is_greedy else sampler.sample(row, len(out))
         out.append(token)
         if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
@@ -230,6 +237,39 @@ def test_token_trees_commit_the_masked_plain_tokens(tiny_folder, tiny_stages, se
             pipe = InProcessPipeline(tiny_stages, max_model_len=64, predictor=predictor, draft_tree=3)
             assert pipe.generate([prompt], params) == [expected], f"{kind} tree drafts changed the masked output"
             assert pipe.engine.tree.tree_verified > 0, "no tree draft was verified"
+
+
+# -- with a grammar and its jump-forward items ------------------------------------------------------------
+GRAMMAR_MASKS = {  # with json_schema: `"n": ` after `{` is one jump-forward item
+    "stop-inside-a-jump": dict(min_tokens=3, stop_token_ids=(ord(":"),)),  # the run's ':' ends it: no ' ' after
+    "bad-words-in-values": dict(min_tokens=3, bad_word_ids=((ord("5"),), (ord("9"), ord("9")), (ord("7"),))),
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("masks", list(GRAMMAR_MASKS))
+def test_masks_with_a_grammar_and_jump_forward_commit_the_masked_plain_tokens(tiny_folder, tiny_stages, masks,
+                                                                               setting):
+    """A JSON schema with token masks: mostly-right drafts (plain chains and token trees) and jump-forward
+    items, also one whose forced run holds a stop token id (nothing after it is committed), give the
+    token-by-token reference's output (token masks, then the grammar's), which the masks changed."""
+    vocab = GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID])
+    spec, prompts, logits_fn = grammar_paths.SPECS["json_schema"], grammar_paths.PROMPTS, _tiny_logits_fn(tiny_folder)
+    params = SamplingParams(max_new_tokens=24, grammar=spec, **GRAMMAR_MASKS[masks], **setting)
+    want = [reference(p, params, eos=(TINY_EOS_ID,), logits_fn=logits_fn, grammar_vocab=vocab) for p in prompts]
+    unmasked = [reference(p, SamplingParams(max_new_tokens=24, grammar=spec, **setting), eos=(TINY_EOS_ID,),
+                          logits_fn=logits_fn, grammar_vocab=vocab) for p in prompts]
+    assert want != unmasked, "the masks changed nothing"
+    assert masks != "stop-inside-a-jump" or all(w == list(b'{"n":') for w in want), want
+    assert want == InProcessPipeline(tiny_stages, max_model_len=64, grammar_vocab=vocab).generate(prompts, params)
+    table, jumped = ReferenceTable(zip(prompts, unmasked, strict=True)), 0  # right drafts run on past a stop id
+    for tree in (1, 3):
+        for prompt, expected in zip(prompts, want, strict=True):
+            pipe = InProcessPipeline(tiny_stages, max_model_len=64, grammar_vocab=vocab, draft_tree=tree,
+                                     predictor=grammar_paths.MostlyRightPredictor(table))
+            assert pipe.generate([prompt], params) == [expected], f"draft tree {tree} changed the masked output"
+            jumped += pipe.engine.spec.grammar_jump_tokens
+    assert jumped > 0, "no jump-forward item was sent"
 
 
 # -- replay after a stage restart ------------------------------------------------------------------------
