@@ -84,7 +84,8 @@ class SamplingParams:
     grammar: None, or the structured output constraint (JSON object / schema, regex, choice): tokens are
         chosen from the logits with every token it forbids masked ([Note: grammar masks] in
         pipeline/speculation/grammar.py); refused with ignore_eos (a complete document allows only EOS).
-
+    min_tokens, stop_token_ids, allowed_token_ids, bad_words and bad_word_ids (the bad words' token sequences,
+    which the coordinator fills): vLLM's token masks ([Note: token masks] in pipeline/speculation/masks/token_masks.py).
     Raises SamplingParamError, a ValueError (naming the parameter, the value and the limit), for
     invalid settings.
     """
