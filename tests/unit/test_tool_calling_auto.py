@@ -99,3 +99,26 @@ def test_an_unknown_parser_exits_2_with_one_line(capsys, name):
     with pytest.raises(ValueError, match="llama3_json") as refused:
         ServeOptions(enable_auto_tool_choice=True, tool_call_parser=name)
     assert "\n" not in str(refused.value)
+
+
+def test_only_hermes_needs_its_tags_in_the_served_text(tmp_path):
+    """A special `<|python_tag|>` (Llama 3.1's) is left out of the text, which then starts with the `{`
+    llama3_json accepts too, so the server starts; hermes without its tags cannot (test_tool_calling.py)."""
+    import tokenizers
+
+    from launcher.serving.formats.tool_output import check_tokenizer
+    from launcher.serving.formats.tool_parsers import TOOL_CALL_START
+
+    folder = write_tiny_model(tmp_path / "model", seed=3)
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                            for t in ("<|python_tag|>", TOOL_CALL_START)])
+    tok.save(str(folder / "tokenizer.json"))
+    tokenizer = Tokenizer(folder)
+    call = json.dumps({"name": "add", "parameters": ADD})
+    served = tokenizer.decode(tokenizer.encode("<|python_tag|>" + call, add_special_tokens=False))
+    assert served == call  # the tag is skipped
+    check_tokenizer("llama3_json", tokenizer)
+    check_tokenizer("pythonic", tokenizer)
+    with pytest.raises(ValueError, match="--tool-call-parser hermes"):
+        check_tokenizer("hermes", tokenizer)
