@@ -79,13 +79,9 @@ class Llama3JsonParser:
         while end < len(self.text) and (end == self.pos or self.scan.depth > 0):
             self.scan.step(self.text[end])
             end += 1
-        named, block = self.block.name is not None, self.block
-        fragment = block.feed(self.text[self.pos:end])
+        block = self.block
+        deltas += block.read(self.text[self.pos:end], self.calls)
         self.pos = end
-        if not named and block.name is not None:
-            deltas.append(CallDelta(self.calls, block.name, ""))
-        if fragment:
-            deltas.append(CallDelta(self.calls, None, fragment))
         if block.expect and self.scan.depth > 0:
             return True  # the object goes on
         self._close(deltas)
@@ -98,8 +94,7 @@ class Llama3JsonParser:
         if block.name is None:
             self.phase, self.pos = ("content", 0) if not self.calls else ("drop", self.pos)
             return
-        if block.args_end <= block.args_start:
-            deltas.append(CallDelta(self.calls, None, "{}"))
+        deltas += block.closing(self.calls)
         self.calls, self.phase = self.calls + 1, "drop"
 
     def _between(self, deltas: list[CallDelta]) -> bool:

@@ -177,6 +177,18 @@ class HermesBlock:
         fragment, self.sent = self.text[max(self.sent, self.args_start):self.args_end], self.args_end
         return fragment
 
+    def read(self, text: str, index: int) -> list[CallDelta]:
+        """Read on; the deltas of call `index` this text gives: its first (the name, no arguments) once the
+        name is read, then the arguments text not yet sent. Shared by the hermes and llama3_json parsers."""
+        named = self.name is not None
+        fragment = self.feed(text)
+        deltas = [CallDelta(index, self.name, "")] if not named and self.name is not None else []
+        return deltas + [CallDelta(index, None, fragment)] if fragment else deltas
+
+    def closing(self, index: int) -> list[CallDelta]:
+        """The last delta of a named block's call `index`: `{}` when no arguments were written."""
+        return [CallDelta(index, None, "{}")] if self.args_end <= self.args_start else []
+
     def _step(self, pos: int) -> None:
         char, before, was_string = self.text[pos], self.scan.depth, self.scan.in_string
         self.scan.step(char)
@@ -247,12 +259,7 @@ class HermesParser:
     def _read(self, text: str, deltas: list[CallDelta]) -> None:
         """The block's text: the call's first delta once its name is known, then its arguments as generated."""
         assert self.block is not None
-        named = self.block.name is not None
-        fragment = self.block.feed(text)
-        if not named and self.block.name is not None:
-            deltas.append(CallDelta(self.calls, self.block.name, ""))
-        if fragment:
-            deltas.append(CallDelta(self.calls, None, fragment))
+        deltas += self.block.read(text, self.calls)
 
     def _close(self, end: str, content: list[str], deltas: list[CallDelta]) -> None:
         """The block's call ends (`{}` when no arguments were written), or its text is content if it had no name."""
@@ -261,8 +268,7 @@ class HermesParser:
         if block.name is None:
             content.append(self._text(TOOL_CALL_START + block.text + end))
             return
-        if block.args_end <= block.args_start:
-            deltas.append(CallDelta(self.calls, None, "{}"))
+        deltas += block.closing(self.calls)
         self.calls, self.after_call = self.calls + 1, True
 
     def finish(self) -> tuple[str, list[CallDelta]]:
