@@ -38,6 +38,7 @@ _TAGS = {"hermes": (TOOL_CALL_START, TOOL_CALL_END)}  # tags a parser cannot do 
 
 
 def tool_call_id() -> str:
+    """A new call id, `chatcmpl-tool-<32 hex>` (vLLM's shape; random, uuid4)."""
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
