@@ -28,7 +28,7 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.coordinator.stage_restarts import RestartBudget
-from launcher.serving.formats.tool_parsers import check_tokenizer
+from launcher.serving.formats.tool_output import check_tokenizer
 from launcher.serving.formats.tools import TOOL_PARSERS
 from workers.control_auth import API_KEY_ENV, TlsFiles
 
@@ -63,7 +63,10 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
                    "model decides, and --tool-call-parser finds its tool calls in its text (vLLM's flag)")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="the tool-call format of the model's chat template, for --enable-auto-tool-choice: "
-                   "hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Hermes)")
+                   "hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Hermes); "
+                   "llama3_json = "
+                   "[<|python_tag|>]{\"name\": ..., \"parameters\": ...}; ... (Llama 3.1-3.3, Llama 4 JSON); pythonic = "
+                   "[f(a=1), g()] (Llama 3.2 / Llama 4 pythonic)")
     g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate of the stages' control plane (with "
                    "--tls-key; it must name every stage's host): stages serve TLS, the coordinator trusts it")
     g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")

@@ -367,7 +367,7 @@ def test_hermes_is_refused_at_start_up_for_a_tokenizer_whose_tags_are_special_to
 
     import tokenizers
 
-    from launcher.serving.formats.tool_parsers import check_tokenizer
+    from launcher.serving.formats.tool_output import check_tokenizer
 
     check_tokenizer("hermes", Tokenizer(folder))  # the tags are plain text: fine
     special = shutil.copytree(folder, tmp_path / "special")

@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from launcher.serving.formats.tool_parsers import ToolOutput, tool_outputs
+from launcher.serving.formats.tool_output import ToolOutput, tool_outputs
 from launcher.serving.formats.tools import ToolRequest
 
 TOOLS = ({"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "add"}})
@@ -97,6 +97,9 @@ HERMES = [  # (generated text, content, calls)
     ("x <tool_call> y", "x <tool_call> y", []),
     ("<tool_call>{\"name\": \"add\", \"arguments\": {\"s\": \"é ✓\"}}</tool_call>", None, [("add", '{"s": "é ✓"}')]),
     ("<tool_call>{\"name\": \"add\"}</tool_call>", None, [("add", "{}")]),
+    ('<tool_call>{"name": "", "arguments": {"a": 1}}</tool_call>',  # an empty name: no call, as vLLM's stream
+     '<tool_call>{"name": "", "arguments": {"a": 1}}</tool_call>', []),
+    ('<tool_call>{"name": "not_a_tool", "arguments": {}}</tool_call>', None, [("not_a_tool", "{}")]),  # as vLLM
 ]
 
 
