@@ -109,12 +109,13 @@ class SequenceLedger:
         """How many FIRP drafts the next real item may carry without passing the budget."""
         return max(0, self.last_item_position - self.next_real_position)
 
-    def add_real(self, token: int, drafts: Sequence[int] = ()) -> InFlight:
+    def add_real(self, token: int, drafts: Sequence[int] = (), *, jump: bool = False) -> InFlight:
         """Record the real item sent at next_real_position (nothing of this sequence in flight),
-        carrying FIRP `drafts` at the following positions (at most `max_firp_drafts()`)."""
+        carrying FIRP `drafts` at the following positions (at most `max_firp_drafts()`; with `jump`,
+        a grammar's forced run instead, `InFlight.jump`)."""
         assert not self.inflight, "a real item is only sent when nothing is in flight"
         assert len(drafts) <= self.max_firp_drafts(), "FIRP drafts past the token budget"
-        item = InFlight(self.next_real_position, token, self.epoch, tuple(drafts))
+        item = InFlight(self.next_real_position, token, self.epoch, tuple(drafts), jump=jump and bool(drafts))
         self.inflight.append(item)
         return item
 
