@@ -4,10 +4,12 @@ What breaks when these fail: a constrained sequence drafts a token its grammar f
 a squash), misses a token the grammar forces (a sure draft lost, or held back waiting for the exit
 head), a forbidden draft is neither replaced by the predictor's allowed candidate nor dropped, a FIRP
 chain goes on past a forbidden draft, token-tree siblings include forbidden tokens, or the counters
-(SpecCounters.grammar_*) miss what happened; jump-forward: a forced run is not sent as one draft item
-(or runs past EOS, the budget or the cap), its rows do not all commit, they are counted as FIRP drafts
-(FIRP's counters, RowBudget's depth table), the drafting matcher is not rolled back after a squash, or
-the exit head runs on an item whose next draft is forced. Exactness under these rules is tested in
+(SpecCounters.grammar_*) miss what happened or count runs never sent; jump-forward: a forced run is not
+sent as one draft item, or not carried by the real item it follows when nothing is in flight (the
+corrected token after a squash), or runs past EOS, the budget or the cap (one slow point of the row-cost
+table shortening it), its rows do not all commit, they are counted as FIRP drafts (FIRP's counters,
+RowBudget's depth table), the drafting matcher is not rolled back after a squash, or the exit head runs
+on an item whose next draft is forced. Exactness under these rules is tested in
 tests/unit/test_grammar_paths.py (which runs with grammar-aware drafting on and off). The byte
 tokenizer of tests/tiny_model.py: every token is one byte.
 """
@@ -136,6 +138,24 @@ def test_a_jump_run_on_a_real_item_commits_in_its_pass_and_is_not_counted_as_fir
     ledger_in_step(seq)
     assert seq.output_ids == [OPEN, *b'"n": ', rest.token_ids[5]]
     assert seq.pending.start == seq.ledger.known_len - 1 and seq.pending.token_ids[0] == seq.output_ids[-1]
+
+
+@pytest.mark.parametrize(("speculate", "firp_k", "rides"), [(False, 0, False), (False, 2, True), (True, 0, True)],
+                         ids=["plain", "firp", "speed"])
+def test_a_forced_run_rides_only_where_drafts_are_verified(vocab, speculate, firp_k, rides):
+    """Plain decoding (`--speculate none`) stays one row per pass; with FIRP alone (no run-ahead chain, so no
+    jump draft item could ever go) or SPEED, the real item after `{` carries the forced `"n": `."""
+    sched = Scheduler(SchedulerConfig(num_stages=2, max_num_seqs=2, max_model_len=64, speculate=speculate,
+                                      firp_k=firp_k, eos_token_ids=(TINY_EOS_ID,)),
+                      Ranked(NUL) if speculate else None, grammar_vocab=vocab)
+    sched.add(0, [72, 105], SamplingParams(max_new_tokens=16, grammar=SPECS["json_schema"]))
+    (prefill,) = sched.next_batch(num_inflight=0).items
+    row = torch.zeros(1, vocab.ll.vocab_size)
+    row[0, OPEN] = 10.0
+    sched.on_result([prefill], torch.tensor([OPEN]), row)
+    (real,) = sched.next_batch(num_inflight=0).items
+    assert real.token_ids == ((OPEN, *b'"n": ') if rides else (OPEN,))
+    assert sched.spec.grammar_jump_tokens == (5 if rides else 0) and sched.spec.firp_drafted == 0
 
 
 @pytest.mark.parametrize(("num_stages", "send_jump"), [(2, False), (3, True), (3, False)],
