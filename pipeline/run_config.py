@@ -32,9 +32,6 @@ from pipeline.weights.quant import validate_quantization
 from pipeline.weights.registry import DEFAULT_MODEL
 
 SPECULATE_MODES = ("none", "speed", "firp", "speed+firp")
-# `--grammar-drafting` mode -> (grammar_drafts, grammar_jump) ([Note: grammar-aware drafting] in
-# pipeline/engine/grammar_drafts.py); the first is the default.
-GRAMMAR_DRAFTING = {"jump": (True, True), "drafts": (True, False), "off": (False, False)}
 ROW_COST_SOURCES = ("auto", "none", "calibrate")  # besides file:PATH
 
 

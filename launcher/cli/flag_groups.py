@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 
+from launcher.cli.options import GRAMMAR_DRAFTING
 from launcher.cli.parsing import add_row_cost_flag, logit_bias_json, unescape
 from launcher.coordinator.pipeline_options import DRAFT_AT
 from pipeline.engine.records import DEEP_ACCEPTANCE
-from pipeline.run_config import GRAMMAR_DRAFTING, SPECULATE_MODES
+from pipeline.run_config import SPECULATE_MODES
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:

@@ -19,13 +19,15 @@ from launcher.cli.flag_notes import idle_flag_notes
 from launcher.cli.parsing import UsageError, add_vllm_aliases, min_acceptance_arg
 from launcher.cli.speculation_defaults import auto_speculate, check_auto_flags
 from launcher.coordinator.pipeline_options import PipelineOptions
-from pipeline.run_config import GRAMMAR_DRAFTING
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
 from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, resolve_log_level
 
 DEFAULT_MAX_MODEL_LEN = 2048  # KV positions per sequence when --max-model-len is not given
+# `--grammar-drafting` mode -> RunConfig's (grammar_drafts, grammar_jump) ([Note: grammar-aware drafting]
+# in pipeline/engine/grammar_drafts.py); the first is the default (RunConfig's own).
+GRAMMAR_DRAFTING = {"jump": (True, True), "drafts": (True, False), "off": (False, False)}
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
