@@ -33,7 +33,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="structured outputs' drafts: jump = they follow the grammar, a forced token is drafted as "
                    "is and a forced run goes as one multi-row item (jump-forward); drafts = they follow the "
                    "grammar, forced tokens one per item; off = the predictor's drafts as they are (the verifier "
-                   "masks every row either way: output is the same) (README 'Structured outputs'; default jump)")
+                   "masks every row either way: output is the same); jump acts as drafts in dense bfloat16/float16, where "
+                   "multi-row passes round rows apart (README 'Structured outputs'; default jump)")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")

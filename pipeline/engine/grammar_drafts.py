@@ -53,7 +53,10 @@ asserts it at every item (KV and context in step, a real item at the committed l
 buys: the run commits one result earlier (no draft item waiting for the slot behind the real item)
 and needs no free micro-batch slot (a loaded pipeline, where draft items rarely go, gets it too).
 Its FIRP rows hang off its last row only (the run is sure). It rides with SPEED or FIRP on; plain
-decoding (`--speculate none`) stays one row per pass (`GrammarDrafts.of`).
+decoding (`--speculate none`) stays one row per pass (`GrammarDrafts.of`). Jump-forward, riding or
+not, is a multi-row verify pass whose last row gives a free token, so it is exact only where a row of
+a multi-row pass computes what a 1-row pass does: dense bfloat16/float16 runs without it (forced
+tokens one per item), as it refuses FIRP and token trees (`RunConfig.rows_pass_alone`).
 
 Counters count what was sent (`count_sent`): `grammar_forced` the draft items whose token the grammar
 forced, `grammar_jump_tokens` the forced rows items carried after their first (a jump draft item's,
