@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from launcher.cli.options import GRAMMAR_DRAFTING
 from launcher.cli.parsing import add_row_cost_flag, logit_bias_json, unescape
 from launcher.coordinator.pipeline_options import DRAFT_AT
 from pipeline.engine.records import DEEP_ACCEPTANCE
@@ -28,6 +29,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     add_row_cost_flag(g)
     g.add_argument("--draft-tree", type=int, default=1, metavar="W", help="token trees: a SPEED draft carries up to "
                    "W candidates for its position (greedy or sampled; README 'Token trees'); 1 = off")
+    g.add_argument("--grammar-drafting", choices=tuple(GRAMMAR_DRAFTING), default=next(iter(GRAMMAR_DRAFTING)),
+                   help="structured outputs' drafts: jump = they follow the grammar, a forced token is drafted as "
+                   "is and a forced run goes as one multi-row item (jump-forward); drafts = they follow the "
+                   "grammar, forced tokens one per item; off = the predictor's drafts as they are (the verifier "
+                   "masks every row either way: output is the same); jump acts as drafts in dense bfloat16/float16, where "
+                   "multi-row passes round rows apart (README 'Structured outputs'; default jump)")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")

@@ -137,8 +137,8 @@ def speculation_text(stats: dict) -> str:
     if stats.get("speedup_estimate"):
         head = ", exit head included" if stats["estimate_includes_exit_head"] else ""
         parts.append(f"about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})")
-    if stats.get("grammar_forced") or stats.get("grammar_replaced") or stats.get("grammar_dropped"):
-        jump = stats.get("grammar_jump_tokens")
+    jump = stats.get("grammar_jump_tokens")  # (sent rows: a riding run counts no forced draft item)
+    if stats.get("grammar_forced") or stats.get("grammar_replaced") or stats.get("grammar_dropped") or jump:
         parts.append(f"grammar drafts: {stats['grammar_forced']} forced, {stats['grammar_replaced']} replaced, "
                      f"{stats['grammar_dropped']} dropped" + (f", {jump} jump-forward rows" if jump else ""))
     if stats.get("tree_verified"):

@@ -264,8 +264,9 @@ def test_firp_chains_commit_the_masked_plain_tokens(vocab, name, setting, num_st
     assert engine.spec.firp_accepted > 0
     if steered:
         assert engine.spec.grammar_dropped + engine.spec.grammar_replaced > 0, "no forbidden FIRP draft was cut"
-        if speed and name == "json_schema":  # jump-forward items beside FIRP chains (which take most forced runs)
-            assert engine.spec.grammar_jump_tokens > 0 and engine.spec.jump_accepted == engine.spec.jump_verified
+        # jump-forward rows beside FIRP chains (which take most forced runs: a run rides only on a real item
+        # without a chain): always accepted, and never more verified than were sent
+        assert engine.spec.jump_accepted == engine.spec.jump_verified <= engine.spec.grammar_jump_tokens
     else:
         assert engine.spec.firp_verified > engine.spec.firp_accepted and engine.spec.grammar_dropped == 0
 
@@ -309,11 +310,12 @@ class CheckedRing(replay.FakeRing):
     coordinator believes: the slot holds exactly the sequence's context before the item (committed tokens,
     then the chain's drafts: none lost, duplicated or reordered), the item's tokens are the context's next
     ones, and a real item starts at the committed length - 1 (the KV then holds every committed token but
-    the one it carries)."""
+    the one it carries), a real item that carries a forced run too. jump_items: items carrying a forced run
+    (a jump draft item, or a real item's riding run), by the ledger's `InFlight.jump`; riding: the latter."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__()
-        self.engine, self.checked, self.jump_items = engine, 0, 0
+        self.engine, self.checked, self.jump_items, self.riding = engine, 0, 0, 0
 
     def result(self) -> Result:
         for item in self.inflight[0] if self.inflight else ():
@@ -326,7 +328,10 @@ class CheckedRing(replay.FakeRing):
             if item.kind in (ItemKind.DECODE, ItemKind.FIRP):
                 assert item.start == seq.ledger.known_len - 1, (item, seq.ledger.known_len)
             self.checked += 1
-            self.jump_items += item.kind == ItemKind.DRAFT and item.num_tokens > 1
+            # a forced run: a jump draft item, or riding on a real item ([Note: grammar-aware drafting])
+            jump = any(f.jump and f.position == item.start for f in seq.ledger.inflight)
+            self.jump_items += jump
+            self.riding += jump and item.kind == ItemKind.FIRP
         return super().result()
 
 
@@ -369,6 +374,7 @@ def test_jump_items_keep_the_ledger_and_kv_in_step(monkeypatch, vocab, name, set
                 out = engine.step([ring.result()])
         assert outputs == want, replays
         assert ring.checked > 0 and (ring.jump_items > 0 or name != "json_schema")
+        assert ring.riding > 0 or name != "json_schema", "no real item carried a forced run"
         assert engine.spec.firp_verified == 0 and engine.spec.jump_accepted == engine.spec.jump_verified
 
 
