@@ -1,8 +1,9 @@
 """Every supported family on a tiny random model, with Hugging Face transformers as the oracle.
 
 What breaks when these fail: a family feature of the decoder (Llama-3 RoPE scaling, Mistral's
-sliding window, Qwen2 q/k/v bias, Qwen3 q/k norm, Gemma 3's (1 + w) norms, sandwich norms, GeGLU,
-embedding scale, query scale, local/global layers with their own RoPE bases and logit soft-capping,
+sliding window, Qwen2 q/k/v bias, Qwen3 q/k norm, Gemma's (1 + w) norms, GeGLU, embedding scale and
+head_dim apart from hidden / heads, Gemma 2/3's sandwich norms, query scale, local/global layers (Gemma 3
+with their own RoPE bases), Gemma 2's attention soft-cap on both attention paths, logit soft-capping,
 phi3's fused checkpoint tensors, Mixtral / Qwen3-MoE routing and dense layers), reading a family's
 config.json, the checkpoint names a stage reads, or splitting a family's model into stages.
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import transformers
 
+from pipeline.model.attention import SMALL_ITEM_ROWS
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange, balanced_split
 from pipeline.model.row_layout import Span
@@ -146,16 +148,25 @@ def test_family_features_are_read_from_transformers_configs():
     assert family_config("llama3").rope_scaling.rope_type == "llama3"
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen3_moe"])
-def test_a_family_feature_switched_off_changes_the_logits(folders, family):
+FEATURES_OFF = {
+    "gemma3_text": ("gemma3_text", dict(final_logit_softcapping=None, rope_local_theta=None)),
+    "mistral": ("mistral", dict(sliding_window=None, layer_types=())),
+    "qwen3_moe": ("qwen3_moe", dict(norm_topk_prob=True)),
+    "gemma2-attention-cap": ("gemma2", dict(attn_logit_softcapping=None)),
+    "gemma2-final-cap": ("gemma2", dict(final_logit_softcapping=None)),
+    "gemma2-window": ("gemma2", dict(sliding_window=None, layer_types=())),
+    "gemma-embedding-scale": ("gemma", dict(embedding_scale=1.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(FEATURES_OFF))
+def test_a_family_feature_switched_off_changes_the_logits(folders, case):
     """Guard for the comparisons above: the family features really change the numbers."""
     import dataclasses
 
+    family, off = FEATURES_OFF[case]
     reader = CheckpointReader(folders[family])
     cfg = reader.config
-    off = {"gemma3_text": dict(final_logit_softcapping=None, rope_local_theta=None),
-           "mistral": dict(sliding_window=None, layer_types=()),
-           "qwen3_moe": dict(norm_topk_prob=True)}[family]
     tensors = reader.read(all_tensor_names(cfg), dtype=torch.float32)
     full = LayerRange(0, cfg.num_hidden_layers)
     a, b = (Chain([build_stage_model(c, full, is_first=True, is_last=True, tensors=tensors)])(PROMPT, 0)
@@ -163,9 +174,45 @@ def test_a_family_feature_switched_off_changes_the_logits(folders, family):
     assert (a - b).abs().max() > 1e-3
 
 
+LONG_PROMPT = [(7 * i + 3) % 250 + 3 for i in range(SMALL_ITEM_ROWS + 8)]  # a prefill on the SDPA path
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_a_prefill_longer_than_a_batched_item_equals_transformers(folders, family):
+    """A prompt of more than SMALL_ITEM_ROWS tokens is attended by the prefill path (SDPA, or its
+    soft-capped form for Gemma 2), the decode rows after it by the batched path: both as transformers."""
+    ours = Chain(_stages(folders[family], 2))(LONG_PROMPT, 0, all_rows=True)
+    hf = _hf(folders[family])
+    with torch.no_grad():
+        ref = hf(torch.tensor([LONG_PROMPT])).logits[0].float()
+        want = hf.generate(torch.tensor([LONG_PROMPT]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS,
+                           eos_token_id=None, pad_token_id=0)[0, len(LONG_PROMPT):].tolist()
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert {s: Chain(_stages(folders[family], s)).greedy(LONG_PROMPT, NUM_NEW_TOKENS) for s in (1, 3)} == \
+        {1: want, 3: want}
+
+
+def test_gemma_configs_read_as_transformers_reads_them():
+    """Keys absent from config.json take transformers' defaults: Gemma2Config's layer_types rule
+    (sliding, full, ...), window and soft-caps; GemmaConfig's legacy `hidden_act: gelu` is tanh-GELU."""
+    for n in (3, 5, 6):
+        d = transformers.Gemma2Config(num_hidden_layers=n).to_dict()
+        want = tuple(d.pop("layer_types"))
+        for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            want_value = d.pop(key)
+            assert getattr(ModelConfig.from_hf_dict(d), key) == want_value, key
+        assert ModelConfig.from_hf_dict(d).layer_types == want
+    legacy = transformers.GemmaConfig(hidden_act="gelu")
+    d = legacy.to_dict() | {"hidden_act": "gelu"}
+    assert ModelConfig.from_hf_dict(d).hidden_act == legacy.hidden_act == "gelu_pytorch_tanh"
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(model_type="falcon"), "model_type 'falcon' is not supported .*llama.*gemma3_text"),
-    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(model_type="llama", attn_logit_softcapping=50.0), "llama config attn_logit_softcapping=50.0"),
+    (dict(model_type="gemma", attn_logit_softcapping=50.0), "gemma config attn_logit_softcapping=50.0"),
+    # transformers' Gemma 3 attention takes no cap (its Gemma 2 does)
+    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "gemma3_text config attn_logit_softcapping"),
     (dict(model_type="llama", hidden_act="gelu"), "activation 'gelu' is not supported"),
     (dict(model_type="llama", partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported for llama"),
     (dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic' is not supported: .*"),
