@@ -138,3 +138,32 @@ def test_capped_attention_equals_transformers_eager_on_both_paths(span):
     uncapped = _attend(kv, [span], q, k, v, pseudo)
     torch.testing.assert_close(uncapped, _eager_reference(q, keys, values, allowed, None), rtol=1e-5, atol=1e-5)
     assert (capped - uncapped).abs().max() > 1e-2, "the cap does not bite: the comparison proves nothing"
+
+
+@pytest.mark.parametrize("span", [Span(0, 40, 1), Span(0, 0, 40)], ids=["decode", "prefill"])
+def test_no_cap_runs_no_cap_op_and_prefills_keep_sdpa(span):
+    """Families without a cap pay nothing for Gemma 2's: no tanh and SDPA kept for prefills; a capped
+    prefill leaves SDPA (it has no cap) for the written-out scores."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(3)
+    seen = {}
+    for softcap in (None, 2.0):
+        kv, stored = _cache(torch.float32, [span.start], gen)
+        rows = _item_rows(stored, span, -1, None, gen, torch.float32)
+        with Ops() as ops:
+            _attend(kv, [span], *rows, softcap=softcap)
+        seen[softcap] = ops.names
+    assert not any("tanh" in n for n in seen[None]) and any("tanh" in n for n in seen[2.0])
+    if span.num_tokens > SMALL_ITEM_ROWS:
+        sdpa = {n for n in seen[None] if "scaled_dot_product" in n}
+        assert sdpa and not sdpa & seen[2.0], (sdpa, seen[2.0])

@@ -207,6 +207,25 @@ def test_gemma_configs_read_as_transformers_reads_them():
     assert ModelConfig.from_hf_dict(d).hidden_act == legacy.hidden_act == "gelu_pytorch_tanh"
 
 
+def test_gemma_embedding_scale_is_cast_to_the_activation_dtype_as_transformers():
+    """Gemma 7B's sqrt(3072) = 55.43 becomes 55.5 in bfloat16 before it multiplies (transformers'
+    GemmaTextScaledWordEmbedding); a float32 scale would give other bfloat16 embeddings."""
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+
+    from pipeline.model.family_blocks import make_embedding
+
+    d = transformers.GemmaConfig(vocab_size=16, hidden_size=3072, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=8, num_hidden_layers=1).to_dict()
+    ours = make_embedding(ModelConfig.from_hf_dict(d)).to(torch.bfloat16)
+    ref = GemmaTextScaledWordEmbedding(16, 3072, 0, embed_scale=3072 ** 0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(16, 3072, generator=torch.Generator().manual_seed(0)))
+        ref.weight.copy_(ours.weight)
+        ids = torch.arange(16)
+        assert torch.equal(ours(ids), ref(ids))
+        assert not torch.equal(ours(ids), (ours.weight.float() * 3072 ** 0.5).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(model_type="falcon"), "model_type 'falcon' is not supported .*llama.*gemma3_text"),
     (dict(model_type="llama", attn_logit_softcapping=50.0), "llama config attn_logit_softcapping=50.0"),
