@@ -232,6 +232,8 @@ def test_gemma_embedding_scale_is_cast_to_the_activation_dtype_as_transformers()
     (dict(model_type="gemma", attn_logit_softcapping=50.0), "gemma config attn_logit_softcapping=50.0"),
     # transformers' Gemma 3 attention takes no cap (its Gemma 2 does)
     (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "gemma3_text config attn_logit_softcapping"),
+    (dict(model_type="gemma2", attn_logit_softcapping=0.0), "attn_logit_softcapping must be > 0, got 0.0"),
+    (dict(model_type="gemma2", attn_logit_softcapping="50"), "field 'attn_logit_softcapping' must be a number"),
     (dict(model_type="llama", hidden_act="gelu"), "activation 'gelu' is not supported"),
     (dict(model_type="llama", partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported for llama"),
     (dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic' is not supported: .*"),
