@@ -192,6 +192,38 @@ def test_a_prefill_longer_than_a_batched_item_equals_transformers(folders, famil
         {1: want, 3: want}
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_a_logit_lens_after_the_last_layer_gives_transformers_next_token_probabilities(tmp_path, family):
+    """The exit head the worker builds is the model's own head: on the last layer's output it gives
+    transformers' next-token token and probability, the final logit soft-cap included (Gemma 2/3; a
+    cap of 0.5 here, as the tiny models' logits stay under 1). Before: the exit head skipped the cap,
+    so its guesses' confidences (the draft gate's buckets, hybrid's choice) were not the model's."""
+    import json
+
+    from pipeline.engine.stage_assembly import StageLoadSpec, build_exit_head
+
+    folder = write_family_model(tmp_path / family, family, seed=3)
+    d = json.loads((folder / "config.json").read_text()) | {"final_logit_softcapping": 0.5}
+    (folder / "config.json").write_text(json.dumps(d))
+    reader = CheckpointReader(folder)
+    n = reader.config.num_hidden_layers
+    spec = StageLoadSpec(model_dir=str(folder), stage_index=0, num_stages=1, layer_range=LayerRange(0, n),
+                         exit_layer=n - 1)
+    head = build_exit_head(reader.config, reader, spec)
+    hf = _hf(folder)
+    seen = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, i, o: seen.update(h=i[0][0].clone()))
+    with torch.no_grad():
+        want = torch.softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1).max(dim=-1)
+        hf.config.final_logit_softcapping = None
+        uncapped = torch.softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1).max(dim=-1).values
+    hook.remove()
+    assert (uncapped - want.values).abs().max() > 1e-3, "the cap does not bite: the comparison proves nothing"
+    tokens, probs = head(seen["h"])
+    assert tokens.tolist() == want.indices.tolist()
+    torch.testing.assert_close(probs, want.values, **TOL)
+
+
 def test_gemma_configs_read_as_transformers_reads_them():
     """Keys absent from config.json take transformers' defaults: Gemma2Config's layer_types rule
     (sliding, full, ...), window and soft-caps; GemmaConfig's legacy `hidden_act: gelu` is tanh-GELU."""
