@@ -388,17 +388,20 @@ def test_family_gguf_logits_equal_transformers_and_greedy_is_identical_across_st
     assert outs[1] == outs[2] == outs[3] == ref_greedy, outs
 
 
-@pytest.mark.parametrize("layers, hidden, heads, head_dim, scalar", [(46, 4608, 32, 128, 144), (42, 3584, 16, 256, 256)],
-                         ids=["gemma-2-27b", "gemma-2-9b"])
-def test_gemma2_gguf_query_scale_and_defaults_are_llama_cpps(tmp_path, layers, hidden, heads, head_dim, scalar):
-    """llama.cpp scales Gemma 2 27B's queries by 1/sqrt(hidden / heads), the others' by 1/sqrt(head_dim)
-    (`scalar`: query_pre_attn_scalar of the Hub's google/gemma-2-27b and -9b config.json), and fills a
-    missing window and soft-caps with Gemma2Config's defaults."""
+@pytest.mark.parametrize("arch, layers, hidden, heads, head_dim, scalar", [
+    ("gemma2", 46, 4608, 32, 128, 144), ("gemma2", 42, 3584, 16, 256, 256),
+    ("gemma3", 62, 5376, 32, 128, 168), ("gemma3", 48, 3840, 16, 256, 256)],
+    ids=["gemma-2-27b", "gemma-2-9b", "gemma-3-27b", "gemma-3-12b"])
+def test_gemma2_and_3_gguf_query_scale_and_defaults_are_llama_cpps(tmp_path, arch, layers, hidden, heads, head_dim, scalar):
+    """llama.cpp scales Gemma 2 and 3 27B's queries by 1/sqrt(hidden / heads), the others' by 1/sqrt(head_dim)
+    (`scalar`: query_pre_attn_scalar of the Hub's google/gemma-2-27b, -9b, gemma-3-27b-pt and -12b-pt
+    config.json), and fills a missing Gemma 2 window and soft-caps with Gemma2Config's defaults.
+    Before (Gemma 3 27B): 1/sqrt(head_dim), i.e. 1/sqrt(128) instead of 1/sqrt(168)."""
     import transformers
 
     from pipeline.weights.gguf_metadata.families import hf_config_dict
 
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
     for add, value in ((w.add_block_count, layers), (w.add_embedding_length, hidden), (w.add_feed_forward_length, 64),
                        (w.add_head_count, heads), (w.add_head_count_kv, heads // 2), (w.add_key_length, head_dim),
                        (w.add_value_length, head_dim), (w.add_token_list, ["a", "b"])):
@@ -408,6 +411,8 @@ def test_gemma2_gguf_query_scale_and_defaults_are_llama_cpps(tmp_path, layers, h
     d = hf_config_dict(open_gguf(tmp_path / "g.gguf"))
     defaults = transformers.Gemma2Config()
     assert d["query_pre_attn_scalar"] == scalar
+    if arch == "gemma3":
+        return
     for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
         assert d[key] == getattr(defaults, key), key
 

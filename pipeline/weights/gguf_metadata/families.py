@@ -51,11 +51,12 @@ _GEMMA3_LAYER_TENSORS = _LAYER_TENSORS | {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _MISSING = object()
-# llama.cpp's Gemma 2 defaults for keys a file lacks (llama-model.cpp's hparams: window 4096, caps 50 / 30),
-# and its query scale: 1/sqrt(hidden / heads) for the 27B model (46 layers), 1/sqrt(head_dim) otherwise,
-# as Google's gemma_pytorch config (the converter writes no query_pre_attn_scalar).
+# llama.cpp's Gemma 2 defaults for keys a file lacks (llama-model.cpp's hparams: window 4096, caps 50 / 30).
 _GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
-_GEMMA2_27B_LAYERS = 46
+# llama.cpp's Gemma 2 / 3 query scale (the converter writes no query_pre_attn_scalar): 1/sqrt(hidden / heads)
+# for the 27B models (Gemma 2: 46 layers, Gemma 3: 62), 1/sqrt(head_dim) otherwise, as Google's gemma_pytorch
+# config (the Hub's query_pre_attn_scalar: 144 for gemma-2-27b, 168 for gemma-3-27b, else head_dim).
+_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # Qwen's chat models end a turn with <|im_end|> (the GGUF's eos) but also stop on <|endoftext|>:
 # their generation_config.json lists both ([151645, 151643] in Qwen2.5 and Qwen3), the GGUF only one.
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")
@@ -143,6 +144,17 @@ def _dense_layers(reader: gguf.GGUFReader) -> list[int]:
     return sorted(int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.endswith(".ffn_gate.weight"))
 
 
+def _head_dim(d: dict[str, Any]) -> int:
+    """head_dim of the common keys `d`: the file's key_length, else hidden / heads."""
+    return d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+
+
+def _query_scalar(model_type: str, d: dict[str, Any]) -> int:
+    """llama.cpp's query_pre_attn_scalar of a Gemma 2 / 3 GGUF (see `_27B_LAYERS`)."""
+    wide = d["num_hidden_layers"] == _27B_LAYERS[model_type]
+    return d["hidden_size"] // d["num_attention_heads"] if wide else _head_dim(d)
+
+
 def _family_keys(reader: gguf.GGUFReader, model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     """config.json keys of one family, from `{arch}.*` metadata; `d` holds the common keys."""
     arch = field(reader, "general.architecture")
@@ -152,22 +164,19 @@ def _family_keys(reader: gguf.GGUFReader, model_type: str, d: dict[str, Any]) ->
 
     window = meta("attention.sliding_window", None)
     if model_type == "gemma2":
-        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
-        wide = d["num_hidden_layers"] == _GEMMA2_27B_LAYERS
         out = {k.rpartition(".")[2]: _f32(meta(k, v)) for k, v in _GEMMA2_DEFAULTS.items()}
         out["sliding_window"] = int(out["sliding_window"])
-        return out | {"head_dim": head_dim,
-                      "query_pre_attn_scalar": d["hidden_size"] // d["num_attention_heads"] if wide else head_dim}
+        return out | {"head_dim": _head_dim(d), "query_pre_attn_scalar": _query_scalar(model_type, d)}
     if model_type == "gemma":
-        return {"head_dim": d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]}
+        return {"head_dim": _head_dim(d)}
     if model_type == "gemma3_text":
-        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
-        return {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "sliding_window": window or 4096,
+        return {"head_dim": _head_dim(d), "query_pre_attn_scalar": _query_scalar(model_type, d),
+                "sliding_window": window or 4096,
                 "sliding_window_pattern": _GEMMA3_SLIDING_PATTERN, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
                 "final_logit_softcapping": meta("final_logit_softcapping", None)}
     out: dict[str, Any] = {"sliding_window": window} if model_type in ("mistral", "mixtral", "phi3") else {}
     if model_type == "phi3":
-        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+        head_dim = _head_dim(d)
         out["partial_rotary_factor"] = meta("rope.dimension_count", head_dim) / head_dim
     if model_type == "mixtral":
         out |= {"num_local_experts": meta("expert_count"), "num_experts_per_tok": meta("expert_used_count"),
