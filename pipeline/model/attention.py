@@ -30,7 +30,8 @@ Gemma 2 caps every attention score at `softcap` (scores = softcap * tanh(scores 
 the query scale and BEFORE the mask; Gemma 2 paper, arXiv 2408.00118 §2, as transformers' eager
 attention does it). The batched path caps its float32 scores in place, an elementwise step that
 keeps its batch invariance. SDPA has no cap, so a capped prefill takes `_capped_attention`, the
-same maths written out (float32 scores, GQA by expanding the keys); without a cap both paths run
+same maths written out (float32 scores, GQA by expanding the keys, CAPPED_QUERY_BLOCK query rows at a
+time so that a long prompt needs no [heads, n, n] buffer); without a cap both paths run
 exactly the ops they ran before (one Python branch, no extra tensor op).
 """
 
@@ -48,6 +49,7 @@ from pipeline.model.row_layout import PseudoLayout, Span
 
 SMALL_ITEM_ROWS = 16  # items with at most this many real rows take the batched, batch-invariant path
 KEY_BLOCK = 32  # cached keys are read in whole blocks of this many positions (see the note)
+CAPPED_QUERY_BLOCK = 256  # query rows per float32 scores block of a soft-capped prefill (`_capped_attention`)
 
 
 @dataclasses.dataclass
@@ -250,13 +252,19 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
 def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                       scale: float | None, softcap: float) -> torch.Tensor:
     """SDPA with soft-capped scores ([Note: attention soft-capping]). q: [1, heads, n, d];
-    keys/values: [1, kv_heads, L, d]; mask: [n, L] bool, True = attend. Returns [1, heads, n, d] in q's dtype."""
+    keys/values: [1, kv_heads, L, d]; mask: [n, L] bool, True = attend. Returns [1, heads, n, d] in q's dtype.
+    Query rows go in blocks of CAPPED_QUERY_BLOCK, so a long prompt's float32 scores are [heads, block, L]
+    at a time, never [heads, n, L] (SDPA's kernels hold no n x L buffer either)."""
     group = q.shape[1] // keys.shape[1]
     kk, vv = (t.float().repeat_interleave(group, dim=1) for t in (keys, values))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q.float(), kk.transpose(-1, -2)).mul_(scale).div_(softcap).tanh_().mul_(softcap)
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-    return torch.matmul(probs, vv).to(q.dtype)
+    out = torch.empty_like(q)
+    for lo in range(0, q.shape[2], CAPPED_QUERY_BLOCK):
+        rows = slice(lo, lo + CAPPED_QUERY_BLOCK)
+        scores = torch.matmul(q[:, :, rows].float(), kk.transpose(-1, -2)).mul_(scale).div_(softcap).tanh_()
+        probs = torch.softmax(scores.mul_(softcap).masked_fill_(~mask[rows], float("-inf")), dim=-1)
+        out[:, :, rows] = torch.matmul(probs, vv).to(q.dtype)
+    return out
 
 
 def _sdpa(q, keys, values, mask, scale: float | None, softcap: float | None) -> torch.Tensor:

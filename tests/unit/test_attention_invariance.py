@@ -167,3 +167,42 @@ def test_no_cap_runs_no_cap_op_and_prefills_keep_sdpa(span):
     if span.num_tokens > SMALL_ITEM_ROWS:
         sdpa = {n for n in seen[None] if "scaled_dot_product" in n}
         assert sdpa and not sdpa & seen[2.0], (sdpa, seen[2.0])
+
+
+@pytest.mark.parametrize("span", [Span(0, 0, 40), Span(0, 0, SMALL_ITEM_ROWS + 4, num_anchors=2, chain_len=3)],
+                         ids=["prefill", "prefill-with-pseudo-rows"])
+def test_a_capped_prefill_holds_its_scores_in_query_blocks_and_equals_transformers_eager(monkeypatch, span):
+    """A soft-capped prefill of n rows over L keys never makes the [heads, n, L] float32 scores (8 GiB
+    per layer for a 8192-token Gemma 2 prompt with 32 heads, twice with the softmax), only
+    [heads, block, L] ones; the blocks (a ragged last one too) still give transformers' eager result.
+    Before: one [1, heads, n, L] scores tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipeline.model import attention
+
+    monkeypatch.setattr(attention, "CAPPED_QUERY_BLOCK", 16, raising=False)
+    gen = torch.Generator().manual_seed(5)
+    kv, stored = _cache(torch.float32, [0], gen)
+    n, num_pseudo = span.num_tokens + span.num_pseudo, span.num_pseudo
+    k_all, v_all = (t[:, :span.num_tokens].transpose(0, 1) for t in stored[0])
+    q = torch.randn(n, HEADS, D, generator=gen)
+    kp, vp = (torch.randn(num_pseudo, KV_HEADS, D, generator=gen) for _ in range(2))
+    k, v = torch.cat([k_all, kp]), torch.cat([v_all, vp])
+    pseudo = PseudoLayout.build([span], "cpu") if num_pseudo else None
+    allowed = pseudo.masks[0] if pseudo is not None else torch.ones(n, n, dtype=torch.bool).tril()
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes: set[tuple[int, ...]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                self.shapes.add(tuple(out.shape))
+            return out
+
+    with Shapes() as seen:
+        out = _attend(kv, [span], q, k, v, pseudo, softcap=2.0)
+    assert (1, HEADS, n, n) not in seen.shapes and (1, HEADS, 16, n) in seen.shapes, sorted(seen.shapes)
+    torch.testing.assert_close(out, _eager_reference(q, k, v, allowed, 2.0), rtol=1e-5, atol=1e-5)
