@@ -11,7 +11,9 @@ responses and stream chunks. Field semantics follow the OpenAI API reference; ex
 (completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
 presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py);
 `response_format` and vLLM's `structured_outputs` onto its grammar (launcher/serving/formats/response_format.py);
-chat `tools` / `tool_choice` into `ParsedRequest.tools` and, named or "required", a grammar (formats/tools.py).
+chat `tools` / `tool_choice` into `ParsedRequest.tools` and, named or "required", a grammar (formats/tools.py);
+vLLM's output-text fields into `ParsedRequest.text`, `truncate_prompt_tokens`, `add_special_tokens` and the
+vLLM fields refused rather than ignored (formats/vllm_fields.py).
 Must not: do I/O or know about the coordinator.
 """
 
@@ -27,9 +29,11 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from launcher.coordinator.request_handle import TextOptions
 from launcher.serving.formats.chat_messages import chat_options, clean_messages
 from launcher.serving.formats.response_format import grammar_from_body
 from launcher.serving.formats.tools import ToolRequest, tools_from_body
+from launcher.serving.formats.vllm_fields import refuse_unsupported, text_options, truncated, truncation_limit
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
@@ -62,6 +66,7 @@ class ParsedRequest:
     echo: bool = False
     budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
     tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (launcher/serving/formats/tools.py)
+    text: TextOptions = TextOptions()  # skip_special_tokens, ... (launcher/serving/formats/vllm_fields.py)
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling parameters of each of the n choices: the same, but with seed + i for
@@ -133,6 +138,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
             raise InvalidRequestError(f"'{name}' = {shown(value)} is not supported by this server", name)
+    refuse_unsupported(body, error=InvalidRequestError)
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
@@ -153,6 +159,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "seed": _int(body, "seed", None, lo=0, hi=API_SEED_LIMIT),
         "stop": _stop(body),
         **_usage_options(stream_options or {}),
+        "text": text_options(body, error=InvalidRequestError),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -195,7 +202,7 @@ def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str, vocab_
     let it through is an InvalidRequestError naming the request's own field (`api_field`), not a bare
     ValueError (HTTP's `param: null`)."""
     options = {k: kw.pop(k) for k in ("stream", "include_usage", "continuous_usage", "return_token_ids", "n",
-                                      "echo", "budget_field")}
+                                      "echo", "budget_field", "text")}
     try:
         params = SamplingParams(**kw)
         params.check_vocab(vocab_size)
@@ -221,14 +228,16 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     if body.get("tools"):
         raise InvalidRequestError("'tools' is only supported on /v1/chat/completions", "tools")
     _completion_logprobs(body, kw)
+    keep = truncation_limit(body.get("truncate_prompt_tokens"), 2**31 if max_model_len is None else max_model_len,
+                            error=InvalidRequestError)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("'prompt' is empty", "prompt")
-        _check_fits(tokenizer, prompt, max_model_len, "prompt")
-        ids = tokenizer.encode(prompt)
+        _check_fits(tokenizer, prompt, None if keep else max_model_len, "prompt")
+        ids = tokenizer.encode(prompt, add_special_tokens=bool_field(body, "add_special_tokens", True))
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     elif prompt is None:
@@ -236,7 +245,7 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     else:
         raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt per request)",
                                   "prompt")
-    return _finish(kw, ids, "prompt", tokenizer.vocab_size)
+    return _finish(kw, truncated(ids, keep), "prompt", tokenizer.vocab_size)
 
 
 @functools.lru_cache(maxsize=8)
@@ -297,8 +306,10 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     tools = tools_from_body(body, parser=tool_parser, error=InvalidRequestError)
     text = render_chat(body.get("messages"), tokenizer=tokenizer, tools=tools and tools.tools,
                        **chat_options(body, error=InvalidRequestError))
-    _check_fits(tokenizer, text, max_model_len, "messages")
-    ids = tokenizer.encode(text, add_special_tokens=False)  # the template spells its own BOS (HF, vLLM)
+    keep = truncation_limit(body.get("truncate_prompt_tokens"), max_model_len, error=InvalidRequestError)
+    _check_fits(tokenizer, text, None if keep else max_model_len, "messages")
+    special = bool_field(body, "add_special_tokens", False)  # false: the template spells its own BOS (HF, vLLM)
+    ids = truncated(tokenizer.encode(text, add_special_tokens=special), keep)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
     if tools is not None and tools.constrains:
