@@ -32,6 +32,7 @@ from jinja2 import TemplateError
 from launcher.coordinator.request_handle import TextOptions
 from launcher.serving.formats.chat_messages import chat_options, clean_messages
 from launcher.serving.formats.response_format import grammar_from_body
+from launcher.serving.formats.tool_output import keeps_special_tokens
 from launcher.serving.formats.tools import ToolRequest, tools_from_body
 from launcher.serving.formats.vllm_fields import refuse_unsupported, text_options, truncated, truncation_limit
 from launcher.serving.prometheus import FINISH_REASONS
@@ -312,6 +313,8 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     ids = truncated(tokenizer.encode(text, add_special_tokens=special), keep)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
+    if tools is not None and keeps_special_tokens(tools):  # the parser's adjust_request (formats/tool_output.py)
+        kw["text"] = dataclasses.replace(kw["text"], skip_special_tokens=False)
     if tools is not None and tools.constrains:
         _constrain_to_tools(kw, tools)
     return dataclasses.replace(_finish(kw, ids, "messages", tokenizer.vocab_size), tools=tools)
