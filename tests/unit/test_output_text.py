@@ -14,10 +14,12 @@ Python's string operations on the full text.
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import pytest
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 from launcher.coordinator.request_handle import RequestHandle, TextOptions
 from launcher.serving.grpc_generate import request_params, text_options
@@ -167,13 +169,14 @@ def test_removed_guided_fields_are_400_naming_them_and_their_replacement(tokeniz
 
 
 @pytest.mark.parametrize(("field", "value"), [("prompt_logprobs", 1), ("use_beam_search", True), ("detokenize", False),
-                                              ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True)])
+                                              ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
+                                              ("documents", [{"text": "x"}])])
 def test_unimplemented_vllm_fields_are_400_unless_they_ask_for_nothing(tokenizer, field, value):
     with pytest.raises(InvalidRequestError) as info:
         parse_completion({"prompt": "hi", field: value}, tokenizer=tokenizer, model_name="tiny")
     assert info.value.param == field and field in str(info.value)
     idle = {"prompt_logprobs": None, "use_beam_search": False, "detokenize": True, "logits_processors": [],
-            "return_tokens_as_token_ids": False}[field]
+            "return_tokens_as_token_ids": False, "documents": []}[field]
     parse_completion({"prompt": "hi", field: idle}, tokenizer=tokenizer, model_name="tiny")
 
 
@@ -202,6 +205,27 @@ def test_bad_truncate_prompt_tokens_is_400(tokenizer, value):
             parse({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": value},
                   tokenizer=tokenizer, model_name="tiny", max_model_len=64)
         assert info.value.param == "truncate_prompt_tokens", info.value
+
+
+def test_add_special_tokens_is_the_post_processors_bos(tokenizer, tmp_path):
+    """Completions default true, chat false (the template spells its own BOS), as vLLM; the reference is the
+    tokenizers library's encode with and without its post-processor."""
+    folder = shutil.copytree(tokenizer.model_dir, tmp_path / "bos")
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<sp> $A", special_tokens=[("<sp>", 256)])
+    tok.save(str(folder / "tokenizer.json"))
+    bos = Tokenizer(folder)
+    for flag in (None, True, False):
+        body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+                **({} if flag is None else {"add_special_tokens": flag})}
+        completion = parse_completion(body, tokenizer=bos, model_name="tiny")
+        assert completion.prompt_ids == tok.encode("hi", add_special_tokens=flag is not False).ids
+        chat = parse_chat(body, tokenizer=bos, model_name="tiny", max_model_len=64)
+        text = bos.decode(chat.prompt_ids, skip_special_tokens=False).removeprefix("<sp>")
+        assert chat.prompt_ids == tok.encode(text, add_special_tokens=flag is True).ids
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion({"prompt": "hi", "add_special_tokens": 1}, tokenizer=bos, model_name="tiny")
+    assert info.value.param == "add_special_tokens"
 
 
 @pytest.fixture()
@@ -234,6 +258,18 @@ def test_over_http_special_tokens_show_and_usage_counts_the_truncated_prompt(ser
     plain = httpx.post(served[1] + "/v1/completions", json={**body, "skip_special_tokens": True, "stream": False,
                                                              "stream_options": None}, timeout=30).json()
     assert plain["choices"][0]["text"] == tokenizer._tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_logprobs_token_text_is_each_tokens_own_text_whatever_skip_special_tokens(served, tokenizer, skip):
+    """vLLM's logprobs tokens are the token's own text (its detokenizer's setting does not apply to them)."""
+    prompt = "a<sp>b"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    body = {"prompt": prompt, "max_tokens": len(ids), "logprobs": 0, "skip_special_tokens": skip}
+    answer = httpx.post(served[1] + "/v1/completions", json=body, timeout=30).json()
+    assert answer["choices"][0]["logprobs"]["tokens"] == [tokenizer._tok.decode([t], skip_special_tokens=False)
+                                                          for t in ids]
+    assert answer["choices"][0]["text"] == tokenizer._tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_a_guided_field_over_http_is_400_naming_it(served):
