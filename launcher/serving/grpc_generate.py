@@ -45,7 +45,7 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import RequestError, TextOptions
 from launcher.serving.formats.response_format import grammar_from_proto
-from launcher.serving.formats.vllm_fields import truncated, truncation_limit
+from launcher.serving.formats.vllm_fields import encode_truncated, truncated, truncation_limit
 from launcher.serving.grpc_health import MAX_WATCHES, OPEN_METHODS, enable_standard_services
 from launcher.serving.openai_protocol import API_SEED_LIMIT, MAX_STOP_STRINGS
 from launcher.serving.serving_engine import (
@@ -120,7 +120,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if which is None:
         raise InvalidRequestError("exactly one of 'prompt' or 'prompt_token_ids' must be set", "prompt")
     keep = truncation_limit(req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
-                            engine.max_model_len, error=InvalidRequestError)
+                            engine.max_model_len, max_tokens=req.max_new_tokens, error=InvalidRequestError)
     if which == "prompt":
         if not req.prompt:
             raise InvalidRequestError("'prompt' is empty", "prompt")
@@ -128,7 +128,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
             engine.tokenizer.check_fits(req.prompt, engine.max_model_len if keep is None else 2**31, what="'prompt'")
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "prompt") from None
-        ids = truncated(engine.tokenizer.encode(req.prompt), keep)
+        ids = encode_truncated(engine.tokenizer, req.prompt, keep, True)
     else:
         ids = truncated(req.prompt_token_ids.ids, keep)
     if req.max_new_tokens < 1:  # proto3 sends no 0: unset and 0 look the same

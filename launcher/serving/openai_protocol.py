@@ -30,11 +30,11 @@ from typing import Any
 from jinja2 import TemplateError
 
 from launcher.coordinator.request_handle import TextOptions
+from launcher.serving.formats import vllm_fields
 from launcher.serving.formats.chat_messages import chat_options, clean_messages
 from launcher.serving.formats.response_format import grammar_from_body
 from launcher.serving.formats.tool_output import keeps_special_tokens
 from launcher.serving.formats.tools import ToolRequest, tools_from_body
-from launcher.serving.formats.vllm_fields import refuse_unsupported, text_options, truncated, truncation_limit
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
@@ -139,7 +139,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
             raise InvalidRequestError(f"'{name}' = {shown(value)} is not supported by this server", name)
-    refuse_unsupported(body, error=InvalidRequestError)
+    vllm_fields.refuse_unsupported(body, error=InvalidRequestError)
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
@@ -160,7 +160,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "seed": _int(body, "seed", None, lo=0, hi=API_SEED_LIMIT),
         "stop": _stop(body),
         **_usage_options(stream_options or {}),
-        "text": text_options(body, error=InvalidRequestError),
+        "text": vllm_fields.text_options(body, error=InvalidRequestError),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -229,8 +229,8 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     if body.get("tools"):
         raise InvalidRequestError("'tools' is only supported on /v1/chat/completions", "tools")
     _completion_logprobs(body, kw)
-    keep = truncation_limit(body.get("truncate_prompt_tokens"), 2**31 if max_model_len is None else max_model_len,
-                            error=InvalidRequestError)
+    keep = vllm_fields.truncation_limit(body.get("truncate_prompt_tokens"), max_model_len or 2**31,
+                                        max_tokens=kw["max_new_tokens"], error=InvalidRequestError)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -238,15 +238,15 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
         if not prompt:
             raise InvalidRequestError("'prompt' is empty", "prompt")
         _check_fits(tokenizer, prompt, None if keep else max_model_len, "prompt")
-        ids = tokenizer.encode(prompt, add_special_tokens=bool_field(body, "add_special_tokens", True))
+        ids = vllm_fields.encode_truncated(tokenizer, prompt, keep, bool_field(body, "add_special_tokens", True))
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
+        ids = vllm_fields.truncated(prompt, keep)
     elif prompt is None:
         raise InvalidRequestError("'prompt' is required", "prompt")
     else:
         raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt per request)",
                                   "prompt")
-    return _finish(kw, truncated(ids, keep), "prompt", tokenizer.vocab_size)
+    return _finish(kw, ids, "prompt", tokenizer.vocab_size)
 
 
 @functools.lru_cache(maxsize=8)
@@ -307,10 +307,11 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     tools = tools_from_body(body, parser=tool_parser, error=InvalidRequestError)
     text = render_chat(body.get("messages"), tokenizer=tokenizer, tools=tools and tools.tools,
                        **chat_options(body, error=InvalidRequestError))
-    keep = truncation_limit(body.get("truncate_prompt_tokens"), max_model_len, error=InvalidRequestError)
+    keep = vllm_fields.truncation_limit(body.get("truncate_prompt_tokens"), max_model_len,
+                                        max_tokens=vllm_fields.asked_budget(body), error=InvalidRequestError)
     _check_fits(tokenizer, text, None if keep else max_model_len, "messages")
     special = bool_field(body, "add_special_tokens", False)  # false: the template spells its own BOS (HF, vLLM)
-    ids = truncated(tokenizer.encode(text, add_special_tokens=special), keep)
+    ids = vllm_fields.encode_truncated(tokenizer, text, keep, special)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
     if tools is not None and keeps_special_tokens(tools):  # the parser's adjust_request (formats/tool_output.py)

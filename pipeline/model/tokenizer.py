@@ -85,7 +85,7 @@ class Tokenizer:
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
     such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json (of a
     multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
-    post-processor adds ids before / after a text: [Note: BOS/EOS]), `bos_token_id` (int or None; the
+    post-processor adds ids before / after a text: [Note: BOS/EOS]; `num_added`: how many, (before, after)), `bos_token_id` (int or None; the
     post-processor's first added id, else generation_config.json, config.json, tokenizer_config.json),
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
     ValueError for a tokenizer.json the tokenizers library cannot read or whose post-processor changes
@@ -112,6 +112,7 @@ class Tokenizer:
         prefix, suffix = self._post_processor_specials()
         self.add_bos_token: bool = bool(prefix)
         self.add_eos_token: bool = bool(suffix)
+        self.num_added: tuple[int, int] = (len(prefix), len(suffix))  # ids the post-processor adds before, after
         self.bos_token_id: int | None = prefix[0] if prefix else self._first_id(
             gen_config.get("bos_token_id"), model_config.get("bos_token_id"), tok_config.get("bos_token"))
         eos = _as_ids(gen_config.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 from launcher.coordinator.request_handle import RequestHandle, TextOptions
 from launcher.serving.grpc_generate import request_params, text_options
@@ -192,10 +193,49 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
     cut = parse_chat({"messages": messages, "truncate_prompt_tokens": 5}, tokenizer=tokenizer, model_name="tiny",
                      max_model_len=64)
     assert cut.prompt_ids == full.prompt_ids[-5:] and cut.params.max_new_tokens == 64 - 5
-    # -1 = max_model_len: a prompt longer than it is cut to it (then nothing is left for max_tokens: 400 later)
-    long = parse_completion({"prompt": "x" * 80, "truncate_prompt_tokens": -1}, tokenizer=tokenizer, model_name="tiny",
-                            max_model_len=64)
-    assert long.prompt_ids == tokenizer.encode("x" * 80)[-64:]
+    # -1 = what max_tokens leaves of max_model_len (vLLM's renderers/params.py: max_model_len - max_tokens, the
+    # completions default 16 included), so that the truncated request fits; reference: Hugging Face's truncation
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer.model_dir / "tokenizer.json"), truncation_side="left")
+    for budget, extra in ((16, {}), (10, {"max_tokens": 10})):
+        long = parse_completion({"prompt": "x" * 80, "truncate_prompt_tokens": -1, **extra}, tokenizer=tokenizer,
+                                model_name="tiny", max_model_len=64)
+        assert long.prompt_ids == hf("x" * 80, truncation=True, max_length=64 - budget).input_ids
+    for extra in ({"max_tokens": 10}, {"max_completion_tokens": 10, "max_tokens": 3}):
+        chat = parse_chat({"messages": [{"role": "user", "content": "x" * 80}], "truncate_prompt_tokens": -1, **extra},
+                          tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+        assert chat.prompt_ids == full_ids(tokenizer, "x" * 80)[-(64 - 10):] and chat.params.max_new_tokens == 10
+
+
+def full_ids(tokenizer: Tokenizer, content: str) -> list[int]:
+    """The untruncated chat prompt of one user message."""
+    messages = [{"role": "user", "content": content}]
+    return parse_chat({"messages": messages}, tokenizer=tokenizer, model_name="tiny", max_model_len=4096).prompt_ids
+
+
+def test_truncating_a_text_prompt_keeps_the_bos_the_tokenizer_adds(tokenizer, tmp_path):
+    """vLLM tokenises a truncated text prompt with Hugging Face's truncation=True, max_length=k (truncation side
+    left), which keeps the post-processor's BOS (and EOS) inside the k; token-id prompts are cut as given.
+    Reference: transformers' PreTrainedTokenizerFast on the same tokenizer.json."""
+    folder = shutil.copytree(tokenizer.model_dir, tmp_path / "bos")
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for single in ("<sp> $A", "<sp> $A <|x|>"):
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<sp>", 256), ("<|x|>", 257)])
+        tok.save(str(folder / "tokenizer.json"))
+        bos = Tokenizer(folder)
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), truncation_side="left")
+        for k in (3, 5, 8, 50):
+            body = {"prompt": "abcdefgh", "truncate_prompt_tokens": k}
+            got = parse_completion(body, tokenizer=bos, model_name="tiny", max_model_len=64).prompt_ids
+            assert got == hf("abcdefgh", truncation=True, max_length=k).input_ids, (single, k)
+            assert parse_completion({**body, "add_special_tokens": False}, tokenizer=bos, model_name="tiny",
+                                    max_model_len=64).prompt_ids == hf("abcdefgh", add_special_tokens=False)[
+                                        "input_ids"][-k:]
+            ids = hf("abcdefgh").input_ids
+            assert parse_completion({**body, "prompt": ids}, tokenizer=bos, model_name="tiny",
+                                    max_model_len=64).prompt_ids == ids[-k:]
+        engine = ServingEngine(FakeCoordinator(bos), model_name="tiny", max_num_seqs=1, max_queue=1, max_model_len=64)
+        req = pb.GenerateRequest(prompt="abcdefgh", max_new_tokens=60, truncate_prompt_tokens=-1)
+        assert request_params(req, engine)[0] == hf("abcdefgh", truncation=True, max_length=4).input_ids
 
 
 @pytest.mark.parametrize("value", [0, -2, 65, "3", True, 2.5])

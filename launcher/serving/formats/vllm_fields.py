@@ -3,10 +3,9 @@
 Owns reading, from a decoded HTTP body (both endpoints), vLLM's SamplingParams fields of the output text into
 a `TextOptions` (launcher/coordinator/request_handle.py): `skip_special_tokens` (default true),
 `spaces_between_special_tokens` (default true), `include_stop_str_in_output` (default false); vLLM's
-`truncate_prompt_tokens` (keep the last k prompt tokens; -1 = max_model_len, as vLLM's renderer since it
-normalises a negative value so; 0 is refused, it would leave no prompt; above max_model_len is refused, as
-vLLM's); and the refusal of vLLM extension fields that this server does not implement and that would
-otherwise be ignored with a different result (unknown fields are ignored, openai_protocol.py's `UNSUPPORTED`):
+`truncate_prompt_tokens` (keep the last k prompt tokens, BOS kept; -1 = max_model_len - max_tokens, as
+vLLM's renderer; 0 is refused, it would leave no prompt; above max_model_len is refused, as vLLM's); and the
+refusal of vLLM extension fields that this server does not implement and that would otherwise be ignored with a different result (unknown fields are ignored, openai_protocol.py's `UNSUPPORTED`):
   guided_json, guided_regex, guided_choice, guided_grammar, guided_decoding_backend, guided_whitespace_pattern:
       vLLM 0.12 removed them (replaced by `structured_outputs`) and now ignores them, so a client that sends
       them gets unconstrained text from vLLM; here a 400 names the field and its replacement rather than
@@ -27,6 +26,7 @@ from typing import Any
 
 from launcher.coordinator.request_handle import TextOptions
 from launcher.serving.formats.response_format import ErrorClass, FormatError
+from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.echo import shown
 
 _TEXT_FIELDS = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
@@ -71,23 +71,52 @@ def refuse_unsupported(body: dict, *, error: ErrorClass = FormatError) -> None:
             raise error(f"'{name}' = {shown(value)} is not supported by this server: {why}", name)
 
 
-def truncation_limit(value: Any, max_model_len: int, *, field: str = "truncate_prompt_tokens",
+def truncation_limit(value: Any, max_model_len: int, *, max_tokens: int = 0, field: str = "truncate_prompt_tokens",
                      error: ErrorClass = FormatError) -> int | None:
     """How many prompt tokens `truncate_prompt_tokens` keeps: None (absent: all), k in [1, max_model_len], or
-    max_model_len for -1 (vLLM's renderer). Raises `error` naming `field` for a non-integer, a value below
-    -1, 0 (no prompt would be left) or one above max_model_len (vLLM refuses those too)."""
+    for -1 what `max_tokens` (the request's output budget; 0 if it set none) leaves of max_model_len (vLLM's
+    renderer, vllm/renderers/params.py `TokenizeParams`: -1 maps to max_model_len - max_tokens; max_model_len
+    itself if that leaves nothing, for the length check to refuse). Raises `error` naming `field` for a
+    non-integer, a value below -1, 0 (no prompt would be left) or one above max_model_len (vLLM refuses those)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"'{field}' must be an integer, got {shown(value)}", field)
     if value < -1 or value == 0:
-        raise error(f"'{field}' must be -1 (max_model_len) or in [1, {max_model_len}], got {value}", field)
+        raise error(f"'{field}' must be -1 (max_model_len - max_tokens) or in [1, {max_model_len}], got {value}",
+                    field)
     if value > max_model_len:
         raise error(f"'{field}' = {value} is greater than max_model_len {max_model_len}; select a smaller "
                     "truncation size", field)
-    return max_model_len if value == -1 else value
+    if value == -1:
+        return max_model_len - max_tokens if 0 <= max_tokens < max_model_len else max_model_len
+    return value
 
 
-def truncated(ids: Sequence[int], limit: int | None) -> list[int]:
-    """The last `limit` of the prompt's token ids (vLLM truncates on the left), or all of them for None."""
-    return list(ids) if limit is None else list(ids)[-limit:]
+def asked_budget(body: dict) -> int:
+    """The output budget a body names (max_completion_tokens, else max_tokens), 0 if none or not a positive
+    integer (the caller refuses that later): what truncate_prompt_tokens -1 leaves room for."""
+    value = body.get("max_completion_tokens")
+    value = body.get("max_tokens") if value is None else value
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def truncated(ids: Sequence[int], limit: int | None, *, added: tuple[int, int] = (0, 0)) -> list[int]:
+    """The prompt's token ids cut to `limit` by dropping its first text tokens (vLLM truncates on the left), or
+    all of them for None. `added`: how many ids the tokenizer's post-processor put before and after the text
+    (`Tokenizer.num_added`; (0, 0) for token ids or text encoded without special tokens): they are kept and
+    count toward `limit`, as Hugging Face's `tokenizer(text, truncation=True, max_length=limit)` with the left
+    truncation side keeps BOS, which is how vLLM tokenises a truncated text prompt."""
+    ids = list(ids)
+    if limit is None or len(ids) <= limit:
+        return ids
+    before, after = added
+    body = ids[before:len(ids) - after]
+    keep = max(0, limit - before - after)
+    return ids[:before] + body[len(body) - keep:] + ids[len(ids) - after:]
+
+
+def encode_truncated(tokenizer: Tokenizer, text: str, limit: int | None, add_special_tokens: bool) -> list[int]:
+    """The ids of a text prompt, cut to `limit` (`truncated`) keeping what the post-processor adds (BOS)."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return truncated(ids, limit, added=tokenizer.num_added if add_special_tokens else (0, 0))
