@@ -170,15 +170,40 @@ def test_removed_guided_fields_are_400_naming_them_and_their_replacement(tokeniz
 
 
 @pytest.mark.parametrize(("field", "value"), [("prompt_logprobs", 1), ("use_beam_search", True), ("detokenize", False),
-                                              ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
-                                              ("documents", [{"text": "x"}])])
+                                              ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True)])
 def test_unimplemented_vllm_fields_are_400_unless_they_ask_for_nothing(tokenizer, field, value):
     with pytest.raises(InvalidRequestError) as info:
         parse_completion({"prompt": "hi", field: value}, tokenizer=tokenizer, model_name="tiny")
     assert info.value.param == field and field in str(info.value)
     idle = {"prompt_logprobs": None, "use_beam_search": False, "detokenize": True, "logits_processors": [],
-            "return_tokens_as_token_ids": False, "documents": []}[field]
+            "return_tokens_as_token_ids": False}[field]
     parse_completion({"prompt": "hi", field: idle}, tokenizer=tokenizer, model_name="tiny")
+
+
+DOCS_TEMPLATE = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+
+
+def test_chat_documents_reach_the_template_as_hugging_face_passes_them(tokenizer, tmp_path):
+    """vLLM's chat `documents` are the template's `documents` variable (HF's apply_chat_template(documents=...));
+    chat_template_kwargs' own "documents" wins, as vLLM merges them. Reference: transformers' rendering."""
+    import json
+
+    folder = shutil.copytree(tokenizer.model_dir, tmp_path / "docs")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": DOCS_TEMPLATE}))
+    tok = Tokenizer(folder)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=DOCS_TEMPLATE)
+    messages, docs = [{"role": "user", "content": "q?"}], [{"title": "A", "text": "alpha"}, {"title": "B", "text": "b"}]
+    for body, want_docs in (({"documents": docs}, docs),
+                            ({"documents": docs, "chat_template_kwargs": {"documents": docs[:1]}}, docs[:1])):
+        got = parse_chat({"messages": messages, **body}, tokenizer=tok, model_name="tiny", max_model_len=256)
+        want = hf.apply_chat_template(messages, documents=want_docs, tokenize=False, add_generation_prompt=True)
+        assert got.prompt_ids == tok.encode(want, add_special_tokens=False)
+    for bad in ("x", [1], [{"text": 2}]):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_chat({"messages": messages, "documents": bad}, tokenizer=tok, model_name="tiny", max_model_len=256)
+        assert info.value.param == "documents"
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):

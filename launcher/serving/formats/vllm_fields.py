@@ -12,8 +12,7 @@ refusal of vLLM extension fields that this server does not implement and that wo
       either ignoring it or keeping an API vLLM dropped.
   prompt_logprobs (vLLM's per-choice prompt logprobs; here: completions' `echo` with `logprobs`),
   use_beam_search (true), detokenize (false), logits_processors, return_tokens_as_token_ids (true),
-  prompt_embeds: not implemented; documents (vLLM passes them to the chat template): send them in
-  chat_template_kwargs, which this server passes.
+  prompt_embeds: not implemented. (vLLM's chat `documents` are read by formats/chat_messages.py.)
 Each refusal raises the caller's `error` class naming the field. gRPC reads its own fields
 (launcher/serving/grpc_generate.py) and shares `truncation_limit` and `truncated`.
 Must not: do I/O, or import launcher/serving (it sits below it).
@@ -43,8 +42,7 @@ _REFUSED = {"prompt_logprobs": (None, "use 'echo': true with 'logprobs' on /v1/c
             "detokenize": (True, "the text is always detokenised"),
             "logits_processors": (None, "custom logits processors are not supported"),
             "return_tokens_as_token_ids": (False, "logprobs' tokens are always their text"),
-            "prompt_embeds": (None, "prompts are text or token ids"),
-            "documents": (None, "pass them to the chat template as chat_template_kwargs {\"documents\": [...]}")}
+            "prompt_embeds": (None, "prompts are text or token ids")}
 
 
 def text_options(body: dict, *, error: ErrorClass = FormatError) -> TextOptions:
