@@ -62,6 +62,7 @@ MISTRAL = [  # (generated text, content, calls)
      [want("add", ARGS), want("get_weather", {"city": "Oslo"})]),
     ("Hi " + T + "add[ARGS]{}", "Hi ", [("add", "{}")]),
     (T + "add[ARGS]" + json.dumps({"a": 1}) + " bye", None, [want("add", {"a": 1})]),  # after the call: dropped
+    (T + "add[ARGS] \n" + json.dumps({"a": 1}), None, [want("add", {"a": 1})]),  # whitespace before the object
     (T + "add[ARGS]12", None, [("add", "{}")]),  # no arguments object
     (T + "add[ARGS]" + ARGS_TEXT[:20], None, [("add", ARGS_TEXT[:20])]),  # cut by the budget: as streamed
     (T + "add" + json.dumps({"a": 1}), T + "add" + json.dumps({"a": 1}), []),  # no [ARGS]: content

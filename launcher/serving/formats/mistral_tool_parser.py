@@ -141,7 +141,11 @@ class MistralParser:
         return False if ARGS.startswith(rest) else self._fail()
 
     def _args(self, content: list[str], deltas: list[CallDelta]) -> bool:
-        """A v11+ call's arguments: a JSON object, streamed as generated until it closes."""
+        """A v11+ call's arguments: a JSON object (whitespace before it skipped, as vLLM's json.loads does),
+        streamed as generated until it closes."""
+        if not self.args_sent and self.text[self.pos].isspace():
+            self.pos += 1
+            return True
         if not self.args_sent and self.text[self.pos] != "{":
             return self._close(deltas, "drop")
         end = self.pos
