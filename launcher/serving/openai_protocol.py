@@ -68,6 +68,7 @@ class ParsedRequest:
     budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
     tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (launcher/serving/formats/tools.py)
     text: TextOptions = TextOptions()  # skip_special_tokens, ... (launcher/serving/formats/vllm_fields.py)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens are "token_id:<id>" (openai_logprobs.py)
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling parameters of each of the n choices: the same, but with seed + i for
@@ -143,7 +144,8 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
-    flags = {name: bool_field(body, name, False) for name in ("stream", "ignore_eos", "return_token_ids", "echo")}
+    flags = {name: bool_field(body, name, False)
+             for name in ("stream", "ignore_eos", "return_token_ids", "echo", "return_tokens_as_token_ids")}
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise InvalidRequestError("'stream_options' must be an object", "stream_options")
@@ -203,7 +205,7 @@ def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str, vocab_
     let it through is an InvalidRequestError naming the request's own field (`api_field`), not a bare
     ValueError (HTTP's `param: null`)."""
     options = {k: kw.pop(k) for k in ("stream", "include_usage", "continuous_usage", "return_token_ids", "n",
-                                      "echo", "budget_field", "text")}
+                                      "echo", "budget_field", "text", "return_tokens_as_token_ids")}
     try:
         params = SamplingParams(**kw)
         params.check_vocab(vocab_size)

@@ -14,6 +14,8 @@ Python's string operations on the full text.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import httpx
@@ -170,13 +172,13 @@ def test_removed_guided_fields_are_400_naming_them_and_their_replacement(tokeniz
 
 
 @pytest.mark.parametrize(("field", "value"), [("prompt_logprobs", 1), ("use_beam_search", True), ("detokenize", False),
-                                              ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True)])
+                                              ("logits_processors", ["x"])])
 def test_unimplemented_vllm_fields_are_400_unless_they_ask_for_nothing(tokenizer, field, value):
     with pytest.raises(InvalidRequestError) as info:
         parse_completion({"prompt": "hi", field: value}, tokenizer=tokenizer, model_name="tiny")
     assert info.value.param == field and field in str(info.value)
     idle = {"prompt_logprobs": None, "use_beam_search": False, "detokenize": True, "logits_processors": [],
-            "return_tokens_as_token_ids": False}[field]
+            }[field]
     parse_completion({"prompt": "hi", field: idle}, tokenizer=tokenizer, model_name="tiny")
 
 
@@ -335,6 +337,39 @@ def test_logprobs_token_text_is_each_tokens_own_text_whatever_skip_special_token
     assert answer["choices"][0]["logprobs"]["tokens"] == [tokenizer._tok.decode([t], skip_special_tokens=False)
                                                           for t in ids]
     assert answer["choices"][0]["text"] == tokenizer._tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_spells_logprobs_tokens_as_vllm(served, tokenizer, stream):
+    """vLLM's return_tokens_as_token_ids: every logprobs token (chosen and top, completions and chat) is
+    "token_id:<id>" (vllm/entrypoints/openai serving code's format), chat `bytes` its UTF-8 bytes and completions'
+    text_offset advances by its length, as vLLM's; the text itself is unchanged."""
+    ids = tokenizer.encode("a<sp>é", add_special_tokens=False)
+    as_ids = [f"token_id:{t}" for t in ids]
+    common = {"max_tokens": len(ids), "return_tokens_as_token_ids": True, "stream": stream}
+    bodies = {"/v1/completions": {"prompt": ids, "logprobs": 1, **common},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                       "top_logprobs": 1, **common}}
+    for path, body in bodies.items():
+        with httpx.stream("POST", served[1] + path, json=body, timeout=30) as r:
+            text = r.read().decode()
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")] if stream else [
+            json.loads(text)]
+        logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")]
+        if path == "/v1/completions":
+            tokens = [t for lp in logprobs for t in lp["tokens"]]
+            assert all(set(top) <= {f"token_id:{i}" for i in range(tokenizer.vocab_size)}
+                       for lp in logprobs for top in lp["top_logprobs"])
+            offsets = [o for lp in logprobs for o in lp["text_offset"]]
+            assert offsets == [sum(map(len, as_ids[:k])) for k in range(len(ids))]
+        else:
+            tokens = [e["token"] for lp in logprobs for e in lp["content"]]
+            assert all(e["bytes"] == list(e["token"].encode()) for lp in logprobs for e in lp["content"])
+            assert all(t["token"].startswith("token_id:") for lp in logprobs for e in lp["content"]
+                       for t in e["top_logprobs"])
+        if path == "/v1/completions":
+            assert tokens == as_ids  # the fake coordinator generates the prompt's tokens
+        assert len(tokens) == len(ids) and all(re.fullmatch(r"token_id:\d+", t) for t in tokens), tokens
 
 
 def test_a_guided_field_over_http_is_400_naming_it(served):

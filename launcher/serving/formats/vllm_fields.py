@@ -11,8 +11,7 @@ refusal of vLLM extension fields that this server does not implement and that wo
       them gets unconstrained text from vLLM; here a 400 names the field and its replacement rather than
       either ignoring it or keeping an API vLLM dropped.
   prompt_logprobs (vLLM's per-choice prompt logprobs; here: completions' `echo` with `logprobs`),
-  use_beam_search (true), detokenize (false), logits_processors, return_tokens_as_token_ids (true),
-  prompt_embeds: not implemented. (vLLM's chat `documents` are read by formats/chat_messages.py.)
+  use_beam_search (true), detokenize (false), logits_processors, prompt_embeds: not implemented. (vLLM's chat `documents` are read by formats/chat_messages.py.)
 Each refusal raises the caller's `error` class naming the field. gRPC reads its own fields
 (launcher/serving/grpc_generate.py) and shares `truncation_limit` and `truncated`.
 Must not: do I/O, or import launcher/serving (it sits below it).
@@ -41,7 +40,6 @@ _REFUSED = {"prompt_logprobs": (None, "use 'echo': true with 'logprobs' on /v1/c
             "use_beam_search": (False, "beam search is not implemented"),
             "detokenize": (True, "the text is always detokenised"),
             "logits_processors": (None, "custom logits processors are not supported"),
-            "return_tokens_as_token_ids": (False, "logprobs' tokens are always their text"),
             "prompt_embeds": (None, "prompts are text or token ids")}
 
 
