@@ -5,15 +5,17 @@ a `TextOptions` (launcher/coordinator/request_handle.py): `skip_special_tokens` 
 `spaces_between_special_tokens` (default true), `include_stop_str_in_output` (default false); vLLM's
 `truncate_prompt_tokens` (keep the last k prompt tokens, BOS kept; -1 = max_model_len - max_tokens, as
 vLLM's renderer; 0 is refused, it would leave no prompt; above max_model_len is refused, as vLLM's); and the
-refusal of vLLM extension fields that this server does not implement and that would otherwise be ignored with a different result (unknown fields are ignored, openai_protocol.py's `UNSUPPORTED`):
+refusal of vLLM extension fields that this server does not implement and that would otherwise be ignored
+with a different result (unknown fields are ignored, openai_protocol.py's `UNSUPPORTED`):
   guided_json, guided_regex, guided_choice, guided_grammar, guided_decoding_backend, guided_whitespace_pattern:
       vLLM 0.12 removed them (replaced by `structured_outputs`) and now ignores them, so a client that sends
       them gets unconstrained text from vLLM; here a 400 names the field and its replacement rather than
       either ignoring it or keeping an API vLLM dropped.
   prompt_logprobs (vLLM's per-choice prompt logprobs; here: completions' `echo` with `logprobs`),
-  use_beam_search (true), detokenize (false), logits_processors, prompt_embeds: not implemented. (vLLM's chat `documents` are read by formats/chat_messages.py.)
-Each refusal raises the caller's `error` class naming the field. gRPC reads its own fields
-(launcher/serving/grpc_generate.py) and shares `truncation_limit` and `truncated`.
+  use_beam_search (true), detokenize (false), logits_processors, prompt_embeds: not implemented.
+(vLLM's chat `documents` are read by formats/chat_messages.py, return_tokens_as_token_ids by
+openai_protocol.py.) Each refusal raises the caller's `error` class naming the field. gRPC reads its own
+fields (launcher/serving/grpc_generate.py) and shares `truncation_limit`, `truncated` and `encode_truncated`.
 Must not: do I/O, or import launcher/serving (it sits below it).
 """
 
