@@ -6,7 +6,7 @@ chunking), and Mistral's call ids. Behaviour follows vLLM's mistral parser
 (vllm/entrypoints/openai/tool_parsers/mistral_tool_parser.py); where its streamed and non-streamed answers
 differ, one rule is chosen and named here. Text before the first `[TOOL_CALLS]` is content (a possible
 partial tag is held back). After it, whitespace, then either
-  pre-v11 (Mistral 7B Instruct v0.3, what vLLM reads with a Hugging Face tokenizer): a JSON array of
+  pre-v11 (Mistral 7B Instruct v0.3; vLLM's reader for a tokenizer without `[ARGS]`): a JSON array of
            `{"name": ..., "arguments": {...}}` objects, `,`-separated. Each object is read as hermes reads a
            block (`HermesBlock`): a call once its "name" string is complete, then the text of its first
            "arguments" (or "parameters") value as generated (vLLM re-serializes it with json.dumps); or
@@ -141,8 +141,8 @@ class MistralParser:
         return False if ARGS.startswith(rest) else self._fail()
 
     def _args(self, content: list[str], deltas: list[CallDelta]) -> bool:
-        """A v11+ call's arguments: a JSON object (whitespace before it skipped, as vLLM's json.loads does),
-        streamed as generated until it closes."""
+        """A v11+ call's arguments: a JSON object (whitespace before it skipped), streamed as generated until
+        it closes."""
         if not self.args_sent and self.text[self.pos].isspace():
             self.pos += 1
             return True
