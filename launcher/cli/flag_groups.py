@@ -70,6 +70,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], type=unescape,
                    help=r"stop string (repeatable); \n, \t, \r and \\ are read as newline, tab, CR, backslash")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    g.add_argument("--no-skip-special-tokens", dest="skip_special_tokens", action="store_false",
+                   help="show special tokens' text in the output (vLLM's skip_special_tokens false); stop strings "
+                   "match the text as shown; the EOS that ends a prompt is shown only with --include-stop-str-in-output")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the matched stop string (or the ending EOS token's text) at the end of the output")
     g.add_argument("--logit-bias", type=logit_bias_json, metavar="JSON",
                    help='OpenAI\'s logit_bias: token id -> bias in [-100, 100] added to its logit, e.g. '
                    '\'{"50256": -100}\' (-100 bans a token, +100 forces it) (default: none)')

@@ -36,7 +36,7 @@ ADVANCED_DESTS = frozenset({
     "draft_tree", "grammar_drafting",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
     "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p", "logit_bias",
-    "response_format", "json_schema", "regex", "choice",
+    "response_format", "json_schema", "regex", "choice", "skip_special_tokens", "include_stop_str_in_output",
 })
 
 

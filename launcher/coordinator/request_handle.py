@@ -1,7 +1,8 @@
 """Request handles: what `Coordinator.submit` returns, and what a request's caller reads.
 
 Owns one request's committed tokens, their detokenised text (stop strings held back until known
-not to be one), timings, and the stream of chunks. Thread-safe hand-off: the coordinator's engine
+not to be one; `TextOptions`: special tokens shown or skipped, the stop string or EOS kept or not),
+timings, and the stream of chunks. Thread-safe hand-off: the coordinator's engine
 thread calls `emit` / `finish`, the caller iterates or calls `result`.
 Must not: decide what is committed (pipeline/engine/engine.py does).
 """
@@ -36,6 +37,37 @@ class StageLoadError(PipelineError):
     def __init__(self, message: str, *, user_input: bool) -> None:
         super().__init__(message)
         self.user_input = user_input
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TextOptions:
+    """How a request's tokens become its text: vLLM's SamplingParams fields of these names.
+
+    skip_special_tokens: special tokens' text is left out (the default); False shows it, and stop strings
+        then match the text as shown. The token that ended the request (EOS) is never shown unless
+        `include_stop_str_in_output` (vLLM's v1 detokenizer: a stop-terminated request's last token is not
+        decoded); EOS tokens generated under ignore_eos are shown like any other.
+    spaces_between_special_tokens: with skip_special_tokens False, False joins two consecutive added tokens
+        without the space a decoder may put between them (vLLM's fast detokenizer: the second one's text is its
+        bare content). Byte-level BPE and SentencePiece decoders put none, so it changes only a WordPiece-style
+        decoder's text.
+    include_stop_str_in_output: the matched stop string (and the EOS token's text) stays at the end of the text;
+        nothing after it does. Raises ValueError for a value that is not a bool.
+    """
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if not isinstance(getattr(self, field.name), bool):
+                raise ValueError(f"{field.name} must be true or false, got {getattr(self, field.name)!r}")
+
+    def detokenizer(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
+        """The incremental detokenizer of one sequence with these options, primed with its prompt."""
+        return tokenizer.detokenizer(prompt_ids=prompt_ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 
 class RequestError(PipelineError):
@@ -104,9 +136,9 @@ class RequestHandle:
     """A submitted request: iterate it for StreamChunks, or call `result()`."""
 
     def __init__(self, request_id: str, prompt: str, prompt_ids: list[int], params: SamplingParams,
-                 detok: IncrementalDetokenizer) -> None:
+                 detok: IncrementalDetokenizer, text_options: TextOptions = TextOptions()) -> None:
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
-        self.detok = detok
+        self.detok, self.text_options = detok, text_options
         self.token_ids: list[int] = []
         self.text = ""
         self._held = ""  # decoded text not streamed yet: it may be the start of a stop string
@@ -149,13 +181,16 @@ class RequestHandle:
                 return True  # a stop string among them ended the request first
             self.finish("error", RequestError(commit.error or RequestError.NON_FINITE.format(position=len(self.token_ids))))
             return False
-        stop = self.params.stop
+        stop, include = self.params.stop, self.text_options.include_stop_str_in_output
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        delta = self.detok.add_many(commit.token_ids) if not stop else ""
-        for k, token in enumerate(commit.token_ids if stop else (), 1):
+        shown_ids = commit.token_ids  # the EOS that ends it is not decoded (vLLM), unless include_stop_str_in_output
+        if commit.finish_reason is FinishReason.EOS and not include:
+            shown_ids = shown_ids[:-1]
+        delta = self.detok.add_many(shown_ids) if not stop else ""
+        for k, token in enumerate(shown_ids if stop else (), 1):
             delta += self.detok.add(token)
-            if k < len(commit.token_ids) and any(s in self._held + delta for s in stop):
+            if k < len(commit.token_ids) and any(s in self._stop_window(delta) for s in stop):
                 # A stop string ends at this token: the tokens after it (one commit of several, a FIRP
                 # chain's or a jump-forward run's) are not the request's, as in token-by-token decoding.
                 commit = dataclasses.replace(commit, token_ids=commit.token_ids[:k], finish_reason=None,
@@ -165,16 +200,20 @@ class RequestHandle:
         if commit.finish_reason is not None:
             delta += self.detok.flush()
         # Text that could be the start of a stop string is held back until it is known not to be
-        # one (as vLLM does), so no chunk ever streams part of a stop string.
+        # one (as vLLM does), so no chunk ever streams part of a stop string; with include_stop_str_in_output
+        # nothing is held back (the stop string is streamed anyway) and the match may start in streamed text.
         pending, hit = self._held + delta, False
         if stop:
             # The match that is complete first ends it (the first listed where two end together), cut at
-            # its start: what token-by-token decoding finds, however many tokens one commit brings.
-            found = [(i + len(s), n, i) for n, s in enumerate(stop) if (i := pending.find(s)) >= 0]
+            # its start (its end with include_stop_str_in_output): what token-by-token decoding finds,
+            # however many tokens one commit brings.
+            window = self._stop_window(delta)
+            found = [(i + len(s), n, i) for n, s in enumerate(stop) if (i := window.find(s)) >= 0]
             if found:
-                _, which, cut = min(found)
-                pending, hit, self.stop_reason = pending[:cut], True, stop[which]
-        keep = max((len(s) for s in stop), default=1) - 1
+                end, which, start = min(found)
+                back = len(window) - len(pending)  # streamed text at the window's start
+                pending, hit, self.stop_reason = pending[:max(0, (end if include else start) - back)], True, stop[which]
+        keep = 0 if include else max((len(s) for s in stop), default=1) - 1
         if hit or commit.finish_reason is not None or keep == 0:
             delta, self._held = pending, ""
         else:
@@ -186,6 +225,14 @@ class RequestHandle:
         if reason is not None:
             self.finish(reason)
         return hit
+
+    def _stop_window(self, delta: str) -> str:
+        """The text a stop string may end in: the held text and `delta`, and with include_stop_str_in_output
+        (nothing held back) the streamed text a stop string may have started in."""
+        if not self.text_options.include_stop_str_in_output:
+            return self._held + delta
+        back = max(len(s) for s in self.params.stop) - 1
+        return self.text[max(0, len(self.text) - back):] + self._held + delta
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         """End the request: `reason` is a finish reason ("aborted", "error", ...), `error` the

@@ -122,7 +122,7 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     try:
         for i, params in enumerate(parsed.choice_params()):
             rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
-            streams.append(engine.start(parsed.prompt_ids, params, request_id=rid))
+            streams.append(engine.start(parsed.prompt_ids, params, request_id=rid, text=parsed.text))
     except BaseException:
         streams.cancel()
         raise

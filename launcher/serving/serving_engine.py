@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from launcher.coordinator.coordinator import Coordinator, RequestHandle, StreamChunk
+from launcher.coordinator.request_handle import TextOptions
 from launcher.serving.prometheus import ServingMetrics
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.echo import shown
@@ -341,8 +342,9 @@ class ServingEngine:
             field = prompt_field if not prompt_ids or len(prompt_ids) >= self.max_model_len else budget_field
             raise InvalidRequestError(str(exc), field) from None
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:
-        """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str,
+              text: TextOptions = TextOptions()) -> RequestStream:
+        """Submit a validated request (`text`: how its tokens become text). Raises QueueFullError when `max_num_seqs + max_queue` are
         outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, ValueError for
         input the coordinator rejects."""
         silent = self._silent_stage()  # outside the lock: the heartbeat's own lock
@@ -357,7 +359,7 @@ class ServingEngine:
                                      f"(--max-num-seqs {self.max_num_seqs} + --max-queue {self.max_queue}); retry later")
             self._outstanding += 1
         try:
-            handle = self.coordinator.submit(list(prompt_ids), params, request_id=request_id)
+            handle = self.coordinator.submit(list(prompt_ids), params, request_id=request_id, text=text)
         except BaseException:
             self._release()
             raise

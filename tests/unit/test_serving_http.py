@@ -21,6 +21,7 @@ import pytest
 
 from launcher.cli.main import main
 from launcher.coordinator.coordinator import PipelineError, RequestHandle
+from launcher.coordinator.request_handle import TextOptions
 from launcher.serving import http_errors, openai_protocol
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
@@ -66,12 +67,12 @@ class FakeCoordinator:
         self.num_restarts = 0
         self._n = 0
 
-    def submit(self, prompt, params: SamplingParams, *, request_id=None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams, *, request_id=None, text=TextOptions()) -> RequestHandle:
         if self.failure is not None:  # as the real one
             raise self.failure
         ids = list(prompt)
-        handle = RequestHandle(request_id, self.tokenizer.decode(ids), ids, params,
-                               self.tokenizer.detokenizer(prompt_ids=ids))
+        handle = RequestHandle(request_id, self.tokenizer.decode(ids), ids, params, text.detokenizer(self.tokenizer, ids),
+                               text)
         threading.Thread(target=self._run, args=(handle,), daemon=True).start()
         return handle
 

@@ -12,6 +12,7 @@ is exactly what the model writes; the expected calls come from the Python object
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -51,7 +52,8 @@ def ask(server, parser: str, text: str, monkeypatch, **extra):
           "stop": [END], **extra}
     choice = client.chat.completions.create(**kw).choices[0]
     calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-    assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in choice.message.tool_calls or [])
+    ids = r"[A-Za-z0-9]{9}" if parser == "mistral" else r"chatcmpl-tool-[0-9a-f]{32}"  # vLLM's shapes
+    assert all(re.fullmatch(ids, c.id) and c.type == "function" for c in choice.message.tool_calls or [])
     return (choice.message.content, calls, choice.finish_reason), streamed(client, **kw)[0]
 
 
@@ -87,7 +89,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call_over_the_wire(server, mo
     assert whole == (None, [("get_weather", json.dumps(WEATHER))], "tool_calls") and stream == whole
 
 
-@pytest.mark.parametrize("name", ["mistral", "llama3", "HERMES"])
+@pytest.mark.parametrize("name", ["mistral_v11", "llama3", "HERMES"])
 def test_an_unknown_parser_exits_2_with_one_line(capsys, name):
     from launcher.cli.main import main
 
@@ -101,24 +103,61 @@ def test_an_unknown_parser_exits_2_with_one_line(capsys, name):
     assert "\n" not in str(refused.value)
 
 
-def test_only_hermes_needs_its_tags_in_the_served_text(tmp_path):
-    """A special `<|python_tag|>` (Llama 3.1's) is left out of the text, which then starts with the `{`
-    llama3_json accepts too, so the server starts; hermes without its tags cannot (test_tool_calling.py)."""
+@pytest.fixture(scope="module")
+def special_server(tmp_path_factory):
+    """The echoing server over a tokenizer whose tool-call tags are special tokens (Qwen's `<tool_call>`,
+    Mistral's `[TOOL_CALLS]`, Llama 3.1's `<|python_tag|>`), which a plain decode leaves out."""
     import tokenizers
 
-    from launcher.serving.formats.tool_output import check_tokenizer
-    from launcher.serving.formats.tool_parsers import TOOL_CALL_START
-
-    folder = write_tiny_model(tmp_path / "model", seed=3)
+    folder = write_tiny_model(tmp_path_factory.mktemp("special") / "model", seed=3, vocab_size=264)
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                            for t in ("<|python_tag|>", TOOL_CALL_START)])
+                            for t in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|eot|>")])
     tok.save(str(folder / "tokenizer.json"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{{ messages[-1]['content'] }}" + END}))
     tokenizer = Tokenizer(folder)
-    call = json.dumps({"name": "add", "parameters": ADD})
-    served = tokenizer.decode(tokenizer.encode("<|python_tag|>" + call, add_special_tokens=False))
-    assert served == call  # the tag is skipped
-    check_tokenizer("llama3_json", tokenizer)
-    check_tokenizer("pythonic", tokenizer)
-    with pytest.raises(ValueError, match="--tool-call-parser hermes"):
-        check_tokenizer("hermes", tokenizer)
+    engine = ServingEngine(FakeCoordinator(tokenizer, step_s=0.0), model_name="tiny", max_num_seqs=8,
+                           max_queue=8, max_model_len=4096)
+    http = HttpServer(engine, host="127.0.0.1", port=0)
+    http.start()
+    yield engine, f"http://127.0.0.1:{http.server.servers[0].sockets[0].getsockname()[1]}", tokenizer
+    http.stop()
+
+
+CALLS = [("get_weather", WEATHER), ("add", ADD)]
+TAGGED = {"hermes": "".join(f"<tool_call>{json.dumps({'name': n, 'arguments': a})}</tool_call>" for n, a in CALLS),
+          "mistral": "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS]),
+          "llama3_json": "<|python_tag|>" + "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in CALLS)}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "llama3_json"])
+def test_calls_are_found_when_the_tags_are_special_tokens(special_server, monkeypatch, parser):
+    """hermes and mistral read the text with special tokens kept (vLLM's adjust_request), so the server
+    needs no start-up refusal; llama3_json reads it either way (a skipped `<|python_tag|>` leaves the `{`);
+    special tokens that are not tags (`<|eot|>`) stay in the content, as in vLLM."""
+    engine, url, tokenizer = special_server
+    text = TAGGED[parser]
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) != text  # the tag is special
+    whole, stream = ask(special_server[:2], parser, text, monkeypatch)
+    assert whole == (None, [(n, json.dumps(a)) for n, a in CALLS], "tool_calls") and stream == whole
+    if parser != "llama3_json":
+        whole, stream = ask(special_server[:2], parser, "Plain<|eot|> answer", monkeypatch)
+        assert whole == ("Plain<|eot|> answer", [], "stop") and stream == whole
+        whole, _ = ask(special_server[:2], parser, "Plain<|eot|> answer", monkeypatch, tool_choice="none")
+        assert whole == ("Plain answer", [], "stop")  # no tools in play: special tokens skipped as asked
+
+
+def test_mistral_calls_over_the_wire(server, monkeypatch):
+    """Both formats, with Mistral's 9-character ids (`ask` checks them)."""
+    v11 = "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in CALLS)
+    for text in (TAGGED["mistral"], v11):
+        whole, stream = ask(server, "mistral", text, monkeypatch)
+        assert whole == (None, [(n, json.dumps(a)) for n, a in CALLS], "tool_calls") and stream == whole
+
+
+@pytest.mark.parametrize(("alias", "parser"), [("llama4_json", "llama3_json"), ("llama4_pythonic", "pythonic")])
+def test_vllm_aliases_name_the_same_parsers(server, monkeypatch, alias, parser):
+    text = {"llama3_json": TAGGED["llama3_json"], "pythonic": "[get_weather(city='Oslo', days=2), add(a=1, b=True)]"}
+    assert ask(server, alias, text[parser], monkeypatch) == ask(server, parser, text[parser], monkeypatch)
+    assert ServeOptions(enable_auto_tool_choice=True, tool_call_parser=alias).tool_call_parser == alias

@@ -19,6 +19,7 @@ import pytest
 
 from launcher.serving.formats.tool_output import AUTO_PARSERS
 from launcher.serving.formats.tools import TOOL_PARSERS, ToolRequest
+from tests.unit.test_tool_calling_mistral import MISTRAL
 from tests.unit.test_tool_calling_parsers import HERMES, TOOLS, chunkings, streamed, whole
 
 LLAMA = ToolRequest(tools=TOOLS, choice="auto", parser="llama3_json")
@@ -132,7 +133,8 @@ def test_pythonic_calls_go_out_whole_when_the_list_closes():
                                                   {"name": "add", "arguments": '{"a": 2}'}]
 
 
-CASES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "pythonic": PYTHONIC_CASES}
+CASES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "pythonic": PYTHONIC_CASES, "mistral": MISTRAL,
+         "llama4_json": LLAMA3_JSON, "llama4_pythonic": PYTHONIC_CASES}  # vLLM's aliases: the same cases
 
 
 @pytest.mark.parametrize("parser", TOOL_PARSERS)

@@ -47,12 +47,13 @@ class Llama3JsonParser:
     def __init__(self) -> None:
         self.text, self.pos, self.phase = "", 0, "lead"  # lead, object, between, next; content, drop: the rest
         self.block, self.scan, self.calls, self.tagged = HermesBlock(), JsonScanner(), 0, False
+        self._steps = {"lead": self._lead, "object": self._object, "between": self._between, "next": self._next}
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.text += text
         deltas: list[CallDelta] = []
         while self.pos < len(self.text) and self.phase not in ("content", "drop"):
-            if not getattr(self, f"_{self.phase}")(deltas):
+            if not self._steps[self.phase](deltas):
                 break  # a possible partial tag: wait for more
         content = self.text[self.pos:] if self.phase == "content" else ""
         self.pos = len(self.text) if self.phase in ("content", "drop") else self.pos

@@ -1,11 +1,13 @@
 """One chat choice's tool calls in OpenAI's shape, whole or streamed (launcher/serving/formats/tools.py).
 
 Owns picking a choice's parser (named, required, or "auto"'s --tool-call-parser: hermes of
-launcher/serving/formats/tool_parsers.py, llama3_json or pythonic of llama_tool_parsers.py), the call
-ids, `parallel_tool_calls: false` under "auto", the finish reason, and the start-up check of a parser's
-tags against the tokenizer. `ToolOutput` rewrites a choice's response message or stream delta (the dicts
+launcher/serving/formats/tool_parsers.py, llama3_json or pythonic of llama_tool_parsers.py (vLLM's aliases
+llama4_json and llama4_pythonic name the same parsers), mistral of mistral_tool_parser.py), the call
+ids, `parallel_tool_calls: false` under "auto", the finish reason, and which parsers read the text with
+special tokens kept (`keeps_special_tokens`: vLLM's `adjust_request` of its hermes and mistral parsers, whose
+tags are special tokens in some tokenizers: Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`). `ToolOutput` rewrites a choice's response message or stream delta (the dicts
 of launcher/serving/openai_protocol.py's `completion_body`) into OpenAI's shape: `content` (null when
-empty) and `tool_calls` = [{"id": "chatcmpl-tool-<hex>", "type": "function", "function": {"name",
+empty) and `tool_calls` = [{"id": "chatcmpl-tool-<hex>" (mistral: 9 letters and digits), "type": "function", "function": {"name",
 "arguments": JSON text}}]; in a stream, deltas `tool_calls: [{"index", "id", "type", "function": {"name",
 "arguments"}}]`, the id and name in the first delta of a call, then argument fragments.
 finish_reason "stop" becomes "tool_calls" when "auto" produced a call or "required" did (vLLM's rule; a
@@ -18,40 +20,31 @@ Must not: do I/O, or import launcher/serving.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher.serving.formats.llama_tool_parsers import Llama3JsonParser, PythonicParser
-from launcher.serving.formats.tool_parsers import (
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    HermesParser,
-    NamedParser,
-    RequiredParser,
-)
+from launcher.serving.formats.mistral_tool_parser import MistralParser, mistral_call_id
+from launcher.serving.formats.tool_parsers import HermesParser, NamedParser, RequiredParser
 from launcher.serving.formats.tools import ToolRequest
 
-if TYPE_CHECKING:
-    from pipeline.model.tokenizer import Tokenizer
-
-AUTO_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser}
-_TAGS = {"hermes": (TOOL_CALL_START, TOOL_CALL_END)}  # tags a parser cannot do without (none for the others)
+AUTO_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "llama4_json": Llama3JsonParser,
+                "pythonic": PythonicParser, "llama4_pythonic": PythonicParser, "mistral": MistralParser}
+_KEEP_SPECIAL_TOKENS = ("hermes", "mistral")  # parsers whose tags may be special tokens (vLLM's adjust_request)
 
 
-def tool_call_id() -> str:
-    """A new call id, `chatcmpl-tool-<32 hex>` (vLLM's shape; random, uuid4)."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+def tool_call_id(parser: str | None = None) -> str:
+    """A new call id, `chatcmpl-tool-<32 hex>` (vLLM's shape; random, uuid4), or for the mistral parser
+    9 letters and digits (`mistral_call_id`)."""
+    return mistral_call_id() if parser == "mistral" else f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def check_tokenizer(parser: str | None, tokenizer: Tokenizer) -> None:
-    """At start-up: raise ValueError when `parser`'s tags cannot reach it because the model's tokenizer
-    marks them special tokens, which the served text leaves out (vLLM decodes these with
-    skip_special_tokens false instead; this server always skips them). Only hermes has such tags:
-    llama3_json's `<|python_tag|>` is optional (a skipped one leaves the `{` it also starts at) and
-    pythonic has none."""
-    for tag in _TAGS.get(parser or "", ()):
-        if tag not in tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)):
-            raise ValueError(f"--tool-call-parser {parser}: this model's tokenizer has {tag} as a special token, "
-                             "which the generated text leaves out, so no tool call could be found")
+def keeps_special_tokens(request: ToolRequest) -> bool:
+    """Whether the request's text is decoded with special tokens kept: "auto" with the hermes or mistral
+    parser, as vLLM's `adjust_request` of those parsers sets skip_special_tokens false whenever tools are
+    given and tool_choice is not "none" (named and "required" output is a JSON document here, constrained by
+    its grammar, in which no special token can appear). llama3_json reads its output with or without Llama
+    3.1's special `<|python_tag|>` (a skipped one leaves the `{` it also starts at); pythonic has no tags."""
+    return request.choice == "auto" and request.parser in _KEEP_SPECIAL_TOKENS
 
 
 def _parser(request: ToolRequest):
@@ -89,7 +82,7 @@ class ToolOutput:
             if self.max_calls is not None and d.index >= self.max_calls:
                 continue  # parallel_tool_calls false: a later call is dropped
             if d.name is not None:
-                self.ids.append(tool_call_id())
+                self.ids.append(tool_call_id(self.request.parser))
                 self.num_calls += 1
                 calls.append({"index": d.index, "id": self.ids[d.index], "type": "function",
                               "function": {"name": d.name, "arguments": d.arguments}})
