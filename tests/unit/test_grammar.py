@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import llguidance
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +25,9 @@ from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path
 
 EOS = 2  # <|im_end|>
 CHOICES = ["yes", "no thanks"]
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}
+TAG = {"structures": [{"begin": "<f=add>", "schema": ADD, "end": "</f>"}], "triggers": ["<f="]}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,16 @@ def test_a_grammar_that_fails_with_the_tokenizer_fails_at_the_first_mask_not_at_
     ("xml", "", "kind must be one of"),
     ("choice", "[]", "choice must be a non-empty list"),
     ("choice", '["a", 1]', "choice must be a non-empty list"),
+    ("grammar", "start: undefined_rule", 'invalid grammar: .*unknown name: "undefined_rule"'),
+    ("grammar", 'root ::= "a" (', "invalid grammar: .*GBNF.*Expected '\\)'"),
+    ("grammar", "root ::= missing", "invalid grammar: .*Rule 'missing' not found"),
+    ("grammar", "a b c", "invalid grammar: .*Expected ::="),
+    ("grammar", " \n", "invalid grammar: empty"),
+    ("structural_tag", "[]", "'triggers' must be a non-empty list"),
+    ("structural_tag", json.dumps({**TAG, "triggers": ["<g="]}), "structure 0's begin '<f=add>' starts with no trigger"),
+    ("structural_tag", json.dumps({**TAG, "structures": [{"begin": "<f=a>", "end": 1}]}), "structure 0 must have"),
+    ("structural_tag", json.dumps({**TAG, "structures": [{**TAG["structures"][0], "schema": {"type": 3}}]}),
+     "invalid structural tag: .*type must be"),
 ])
 def test_invalid_specs_are_refused_in_one_line(kind, text, match):
     with pytest.raises(ValueError, match=match) as info:
@@ -214,3 +229,52 @@ def test_greedy_verify_takes_the_mask_even_where_llguidance_validates_a_token_it
     got = verify_result(argmax=[na[0]], drafts=[], logits=row[None], sampler=Sampler(params), eos_token_ids=[EOS],
                         ignore_eos=False, budget_left=4, output_ids=prefix, grammar=GrammarState(spec, vocab))
     assert got == [want] and want != na[0]
+
+
+# A GBNF grammar and the Lark grammar of the same language written by hand: llguidance compiles the Lark one
+# directly (the reference), the spec converts the GBNF one (`llguidance.gbnf_to_lark`).
+GBNF_DATE = 'root ::= year "-" month\nyear ::= "19" [0-9] [0-9] | "20" [0-2] [0-9]\nmonth ::= "0" [1-9] | "1" [0-2]\n'
+LARK_DATE = 'start: YEAR "-" MONTH\nYEAR: /19[0-9][0-9]|20[0-2][0-9]/\nMONTH: /0[1-9]|1[0-2]/'
+
+
+@pytest.mark.parametrize("text", ["", "19", "1969-", "2024-1", "1969-07"])
+def test_a_gbnf_grammar_masks_as_its_hand_written_lark_equivalent(tokenizer, vocab, text):
+    spec = GrammarSpec(kind="grammar", text=GBNF_DATE)
+    assert "start" in spec.grammar and "::=" not in spec.grammar, "the GBNF was not converted to Lark"
+    state = GrammarState(spec, vocab)
+    reference = llguidance.LLMatcher(vocab.ll, llguidance.LLMatcher.grammar_from_lark(LARK_DATE), log_level=0)
+    prefix = _ids(tokenizer, text)
+    assert all(reference.consume_token(t) for t in prefix), text
+    want = torch.from_numpy(np.unpackbits(np.frombuffer(reference.compute_bitmask(), np.uint8), count=49152, bitorder="little")
+                            .astype(bool))
+    got = state.allowed(prefix, 49152)
+    assert torch.equal(got, want), text
+    assert bool(got[EOS]) == (text == "1969-07") and state.is_complete == (text == "1969-07")
+
+
+def test_a_lark_grammar_is_read_as_lark_and_a_gbnf_root_is_its_start(tokenizer, vocab):
+    """Lark (a `start:` line) is not converted; a GBNF grammar's `root` is where output starts."""
+    lark = 'start: "ab" | "cd"'
+    assert GrammarSpec(kind="grammar", text=lark).grammar == llguidance.LLMatcher.grammar_from_lark(lark)
+    state = GrammarState(GrammarSpec(kind="grammar", text='other ::= "x"\nroot ::= "yes" other'), vocab)
+    assert state.allowed(_ids(tokenizer, "yes"), 49152)[_ids(tokenizer, "x")[0]]
+    assert not state.allowed([], 49152)[_ids(tokenizer, "x")[0]]
+
+
+def test_a_structural_tag_is_free_text_until_a_trigger_then_json_of_its_schema(tokenizer, vocab):
+    """Before the trigger the mask is free text's (a regex of any text: every ordinary token, and EOS); after `<f=add>` the mask is the schema's own
+    (json_schema spec, the same JSON options) until the JSON ends, then `</f>`, then free text again."""
+    state = GrammarState(GrammarSpec(kind="structural_tag", text=json.dumps(TAG)), vocab)
+    free = state.allowed([], 49152)
+    assert torch.equal(free, GrammarState(GrammarSpec(kind="regex", text=r"(.|\n)*"), vocab).allowed([], 49152))
+    assert int(free.sum()) > 49000 and free[EOS]
+    prefix = _ids(tokenizer, "Sure. <f=add>")
+    schema = GrammarState(GrammarSpec(kind="json_schema", text=json.dumps(ADD)), vocab)
+    assert torch.equal(state.allowed(prefix, 49152), schema.allowed([], 49152))
+    document = _ids(tokenizer, '{"a": 1, "b": 22}')
+    assert torch.equal(state.allowed(prefix + document[:3], 49152), schema.allowed(document[:3], 49152))
+    assert not state.allowed(prefix + document, 49152)[EOS], "EOS inside the tag, before its end"
+    with pytest.raises(GrammarError):
+        state.sync(prefix + _ids(tokenizer, '{"c": 1}'))
+    after = prefix + document + _ids(tokenizer, "</f>")
+    assert torch.equal(state.allowed(after, 49152), free) and state.is_complete

@@ -15,6 +15,7 @@ output is a valid document; the engine's fake pipelines (FIRP, stage-local, repl
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import json
@@ -51,6 +52,16 @@ SPECS = {
         "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 4}},
         "required": ["n", "s"], "additionalProperties": False})),
 }
+# `grammar` kind: GBNF (recursive: arithmetic; checked by Python's own parser) and Lark (checked by a regex of
+# the same language): llguidance's grammar_from converts the one and reads the other.
+GBNF = """root ::= "(" expr ")" ("+" | "-" | "*") expr
+expr ::= term (("+" | "-") term)*
+term ::= factor ("*" factor)*
+factor ::= [1-9] [0-9]? | "(" expr ")"
+"""
+LARK, LARK_REGEX = 'start: WORD ("," WORD)* "."\nWORD: /[a-d]{1,3}/', r"[a-d]{1,3}(,[a-d]{1,3})*\."
+SPECS["gbnf"] = GrammarSpec(kind="grammar", text=GBNF)
+SPECS["lark"] = GrammarSpec(kind="grammar", text=LARK)
 SETTINGS = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 7}}
 
 
@@ -103,8 +114,24 @@ def _check_valid(name: str, tokens: list[int]) -> None:
             assert set(value) == {"n", "s"} and isinstance(value["n"], int) and len(value["s"]) <= 4, value
     elif name == "regex":
         assert re.fullmatch(SPECS["regex"].text, text), text
+    elif name == "lark":
+        assert re.fullmatch(LARK_REGEX, text), text
+    elif name == "gbnf":
+        assert is_arithmetic(text), text
     else:
         assert text in json.loads(SPECS["choice"].text), text
+
+
+def is_arithmetic(text: str) -> bool:
+    """True when Python parses `text` as one expression of integers, +, - and * (and parentheses): `GBNF`'s
+    language, less the whitespace and unary signs Python also takes (GBNF allows neither)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    allowed = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult)
+    return (re.fullmatch(r"[0-9()+*-]+", text) is not None and all(isinstance(n, allowed) for n in ast.walk(tree))
+            and all(isinstance(n.value, int) for n in ast.walk(tree) if isinstance(n, ast.Constant)))
 
 
 @pytest.fixture(scope="module")
