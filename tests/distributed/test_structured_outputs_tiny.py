@@ -25,7 +25,15 @@ from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.distributed.test_openai_features_tiny import PROMPT, server, tiny_dir  # noqa: F401 (fixtures)
 from tests.tiny_model import TINY_EOS_ID, byte_tokenizer
-from tests.unit.test_grammar_paths import GBNF, LARK, LARK_REGEX, is_arithmetic, plain_masked_decoding
+from tests.unit.test_grammar_paths import (
+    GBNF,
+    LARK,
+    LARK_REGEX,
+    SPECS,
+    is_arithmetic,
+    plain_masked_decoding,
+    tagged_regions,
+)
 from tests.unit.test_token_tree_pipeline import _stages
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -47,8 +55,11 @@ FORMS = {
                GrammarSpec.choice(["north", "south", "east-west"])),
     "gbnf": ({"structured_outputs": {"grammar": GBNF}}, pb.StructuredOutput(grammar=GBNF), GrammarSpec(kind="grammar", text=GBNF)),
     "lark": ({"structured_outputs": {"grammar": LARK}}, pb.StructuredOutput(grammar=LARK), GrammarSpec(kind="grammar", text=LARK)),
+    "structural_tag": ({"response_format": {"type": "structural_tag", **json.loads(SPECS["structural_tag"].text)}},
+                       pb.StructuredOutput(structural_tag=SPECS["structural_tag"].text), SPECS["structural_tag"]),
 }
-VALID = {"gbnf": is_arithmetic, "lark": lambda text: re.fullmatch(LARK_REGEX, text) is not None}
+VALID = {"gbnf": is_arithmetic, "lark": lambda text: re.fullmatch(LARK_REGEX, text) is not None,
+         "structural_tag": lambda text: tagged_regions(text) > 0}
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +111,13 @@ def test_n_seeded_choices_each_follow_their_own_grammar_state(server, tiny_dir):
     assert [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
 
 
-@pytest.mark.parametrize("name", ["gbnf", "lark"])
+@pytest.mark.parametrize("name", ["gbnf", "lark", "structural_tag"])
 def test_chat_with_a_grammar_gives_the_plain_masked_tokens(server, tiny_dir, name):  # noqa: F811
-    """/v1/chat/completions with `structured_outputs.grammar`: plain masked decoding of the chat template's
-    prompt, seeded sampling (the greedy GBNF output of the tiny model runs past the budget), and a complete
-    output is a sentence of the grammar by a reference parser (Python's for arithmetic, a regex for the Lark
-    word list)."""
+    """/v1/chat/completions with `structured_outputs.grammar` or a structural tag `response_format`: plain masked
+    decoding of the chat template's prompt, seeded sampling (the greedy GBNF output of the tiny model runs past
+    the budget), and a complete output is a sentence of the grammar by a reference parser (Python's for
+    arithmetic, a regex for the Lark word list); the structural tag's output enters a tagged region (JSON
+    checked by Python's decoder where it is complete)."""
     from launcher.serving.openai_protocol import render_chat
 
     fields, _, spec = FORMS[name]
@@ -121,5 +133,6 @@ def test_chat_with_a_grammar_gives_the_plain_masked_tokens(server, tiny_dir, nam
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["token_ids"] == want, f"chat {name} differs from plain masked decoding"
-    if want[-1] == TINY_EOS_ID:
-        assert choice["finish_reason"] == "stop" and VALID[name](choice["message"]["content"]), choice
+    if want[-1] == TINY_EOS_ID or name == "structural_tag":
+        assert VALID[name](choice["message"]["content"]), choice
+        assert choice["finish_reason"] == ("stop" if want[-1] == TINY_EOS_ID else "length"), choice

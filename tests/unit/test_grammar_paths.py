@@ -62,6 +62,11 @@ factor ::= [1-9] [0-9]? | "(" expr ")"
 LARK, LARK_REGEX = 'start: WORD ("," WORD)* "."\nWORD: /[a-d]{1,3}/', r"[a-d]{1,3}(,[a-d]{1,3})*\."
 SPECS["gbnf"] = GrammarSpec(kind="grammar", text=GBNF)
 SPECS["lark"] = GrammarSpec(kind="grammar", text=LARK)
+# Structural tag: free text, each trigger opening `json_schema`'s JSON then ";". The triggers are bytes this tiny
+# model writes early (greedy and seeded), so every reference output enters a tagged region.
+TRIGGERS = ("\x0f", "G", "B", "e")
+SPECS["structural_tag"] = GrammarSpec(kind="structural_tag", text=json.dumps({"triggers": list(TRIGGERS), "structures": [
+    {"begin": t, "schema": json.loads(SPECS["json_schema"].text), "end": ";"} for t in TRIGGERS]}))
 SETTINGS = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 7}}
 
 
@@ -105,6 +110,9 @@ def _text(tokens: list[int]) -> str:
 def _check_valid(name: str, tokens: list[int]) -> None:
     """Complete outputs (ended by EOS) are whole documents; every output is a prefix of one."""
     text = _text(tokens)
+    if name == "structural_tag":
+        assert tagged_regions(bytes(t for t in tokens if t != TINY_EOS_ID).decode("utf-8", "replace")), text
+        return
     if tokens[-1] != TINY_EOS_ID:
         return
     if name in ("json_object", "json_schema"):
@@ -132,6 +140,23 @@ def is_arithmetic(text: str) -> bool:
     allowed = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult)
     return (re.fullmatch(r"[0-9()+*-]+", text) is not None and all(isinstance(n, allowed) for n in ast.walk(tree))
             and all(isinstance(n.value, int) for n in ast.walk(tree) if isinstance(n, ast.Constant)))
+
+
+def tagged_regions(text: str) -> int:
+    """The number of tagged regions in `text` under `SPECS["structural_tag"]`, each checked: free text runs to
+    the first trigger, then one JSON document (Python's own decoder) with json_schema's keys and types, then
+    ";". A region the text ends inside (the token budget) counts but is not checked."""
+    count, i, decoder = 0, 0, json.JSONDecoder()
+    while (i := min((j for j in (text.find(t, i) for t in TRIGGERS) if j >= 0), default=-1)) >= 0:
+        count += 1
+        try:
+            value, end = decoder.raw_decode(text, i + 1)
+        except ValueError:
+            return count  # truncated inside the document
+        assert set(value) == {"n", "s"} and isinstance(value["n"], int) and len(value["s"]) <= 4, value
+        assert text[end:end + 1] in ("", ";"), text[end:]
+        i = end + 1
+    return count
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,9 @@ GRPC_REFUSED = [
     (pb.StructuredOutput(grammar="start: a"), "structured_output.grammar"),
     (pb.StructuredOutput(grammar='root ::= "a" ('), "structured_output.grammar"),
     (pb.StructuredOutput(grammar=""), "structured_output.grammar"),
+    (pb.StructuredOutput(structural_tag="{x"), "structured_output.structural_tag"),
+    (pb.StructuredOutput(structural_tag="[]"), "structured_output.structural_tag"),
+    (pb.StructuredOutput(structural_tag=json.dumps({**TAG, "triggers": ["<g="]})), "structured_output.structural_tag"),
 ]
 
 
@@ -150,7 +153,8 @@ def test_grpc_structured_output_reaches_the_sampling_params(tokenizer):  # noqa:
              (pb.StructuredOutput(json_schema=json.dumps(SCHEMA)), GrammarSpec(kind="json_schema", text=json.dumps(SCHEMA))),
              (pb.StructuredOutput(regex="[ab]+"), GrammarSpec(kind="regex", text="[ab]+")),
              (pb.StructuredOutput(choice=pb.Choices(choices=["x", "y"])), GrammarSpec.choice(["x", "y"])),
-             (pb.StructuredOutput(grammar=GBNF), GrammarSpec(kind="grammar", text=GBNF))]
+             (pb.StructuredOutput(grammar=GBNF), GrammarSpec(kind="grammar", text=GBNF)),
+             (pb.StructuredOutput(structural_tag=json.dumps(TAG)), GrammarSpec(kind="structural_tag", text=json.dumps(TAG)))]
     for so, spec in cases:
         _, params = request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, structured_output=so), engine)
         assert params.grammar == spec and params.needs_logits

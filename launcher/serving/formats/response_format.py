@@ -12,7 +12,7 @@ or None for plain text. Accepted (OpenAI API reference, "Structured outputs"; vL
 `strict` is accepted either way: every schema is enforced. Both fields in one request, an unknown
 type or key, or a schema / regex llguidance refuses raises the caller's `error` class (HTTP and gRPC pass
 their InvalidRequestError) naming the field by its dotted path: 400 / INVALID_ARGUMENT. gRPC: `grammar_from_proto`
-(GenerateRequest.structured_output: json_object, json_schema, regex, choice, grammar). Must not: do I/O, or import launcher/serving (it sits below it).
+(GenerateRequest.structured_output: json_object, json_schema, regex, choice, grammar, structural_tag). Must not: do I/O, or import launcher/serving (it sits below it).
 """
 
 from __future__ import annotations
@@ -127,16 +127,19 @@ def _structured_outputs(value: Any) -> GrammarSpec:
             raise FormatError(f"'{field}' must be a non-empty string, got {shown(item)}", field)
         return _spec(field, kind=key, text=item)
     if key == "structural_tag":
-        if isinstance(item, str):
-            try:
-                item = json.loads(item)
-            except ValueError as exc:
-                raise FormatError(f"'{field}': not JSON ({exc})", field) from None
-        return _struct_tag(field, object_field(item, field))
+        return _struct_tag(field, object_field(_loads(item, field) if isinstance(item, str) else item, field))
     try:
         return GrammarSpec.choice(item)
     except ValueError as exc:
         raise FormatError(f"'{field}': {exc}, got {shown(item)}", field) from None
+
+
+def _loads(text: str, field: str) -> Any:
+    """The JSON value of `text`, else FormatError naming `field`."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise FormatError(f"'{field}': not JSON ({exc})", field) from None
 
 
 def _struct_tag(field: str, value: dict) -> GrammarSpec:
@@ -163,13 +166,17 @@ def _from_proto(req: Any) -> GrammarSpec | None:
     kind = so.WhichOneof("kind")
     field = f"structured_output.{kind}" if kind else "structured_output"
     if kind is None or (kind == "json_object" and not so.json_object):
-        raise FormatError(f"'{field}' must set one of json_object (true), json_schema, regex, choice, grammar", field)
+        raise FormatError(f"'{field}' must set one of json_object (true), json_schema, regex, choice, grammar, "
+                          "structural_tag", field)
     if kind == "choice":
         try:
             return GrammarSpec.choice(list(so.choice.choices))
         except ValueError as exc:
             raise FormatError(f"'{field}': {exc}", field) from None
-    text = {"json_object": "", "json_schema": so.json_schema, "regex": so.regex, "grammar": so.grammar}[kind]
+    text = {"json_object": "", "json_schema": so.json_schema, "regex": so.regex, "grammar": so.grammar,
+            "structural_tag": so.structural_tag}[kind]
     if kind != "json_object" and not text:
         raise FormatError(f"'{field}' is empty", field)
+    if kind == "structural_tag":
+        return _struct_tag(field, object_field(_loads(text, field), field))
     return _spec(field, kind=kind, text=text)
