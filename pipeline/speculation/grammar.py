@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -46,6 +46,38 @@ MAX_COMPILED = 16  # compiled matchers a GrammarVocab keeps (specs in use; `Gram
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): flexible whitespace lets a small model
 # emit spaces and newlines without end (llguidance's default allows any run of them between tokens).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+# llguidance compiles a grammar recursively, one native stack frame chain per level of rule references: on a
+# thread's usual 8 MiB stack a 75 kB JSON schema of 1,000 chained $refs, or a Lark / GBNF grammar of ~2,500
+# chained rules, overflowed it and killed the process (SIGSEGV). On a thread with this much stack (address
+# space, committed only as used) chains near the size limit compiled: 11,000 Lark rules (242 kB), 3,400 $refs.
+COMPILE_STACK_BYTES = 256 * 2**20
+_STACK_LOCK = threading.Lock()
+
+
+def on_deep_stack(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), run on a new thread with COMPILE_STACK_BYTES of stack (llguidance's compiles: see above),
+    its exception re-raised here. `threading.stack_size` is process-wide: set only while this thread starts."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = exc
+
+    with _STACK_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="llguidance-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 class GrammarError(RuntimeError):
@@ -92,7 +124,7 @@ class GrammarSpec:
         if len(self.text) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"{self.kind.replace('_', ' ')} is {len(self.text)} characters long, over the limit of "
                              f"{MAX_GRAMMAR_CHARS}")
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar)
+        is_error, messages = on_deep_stack(llguidance.LLMatcher.validate_grammar_with_warnings, self.grammar)
         if is_error:
             raise ValueError(f"invalid {self.kind.replace('_', ' ')}: {_first_line(messages[0])}")
 
@@ -115,7 +147,7 @@ class GrammarSpec:
             return _grammar_text(self.text)
         try:
             value = json.loads(self.text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's recursion limit
             raise ValueError(f"invalid {self.kind.replace('_', ' ')}: not JSON ({exc})") from None
         if self.kind == "json_schema":
             if not isinstance(value, (dict, bool)):
@@ -210,7 +242,8 @@ class GrammarVocab:
             if compiled is not None:
                 self._compiled.move_to_end(spec)
                 return compiled.deep_copy()
-        compiled = llguidance.LLMatcher(self.ll, spec.grammar, log_level=0)  # outside the lock: may be slow
+        compiled = on_deep_stack(functools.partial(  # outside the lock: may be slow
+            llguidance.LLMatcher, self.ll, spec.grammar, log_level=0))
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > MAX_COMPILED:

@@ -86,7 +86,8 @@ class SamplingParams:
         penalties, then temperature and the filters, so greedy is the argmax of the biased (and
         penalised) logits. Reported logprobs stay the raw model's ([Note:
         logprobs and penalties] in pipeline/speculation/logprobs.py).
-    grammar: None, or the structured output constraint (JSON object / schema, regex, choice): tokens are
+    grammar: None, or the structured output constraint (JSON object / schema, regex, choice, grammar, structural
+        tag): tokens are
         chosen from the logits with every token it forbids masked ([Note: grammar masks] in
         pipeline/speculation/grammar.py); refused with ignore_eos (a complete document allows only EOS).
 

@@ -134,6 +134,8 @@ def test_a_grammar_that_fails_with_the_tokenizer_fails_at_the_first_mask_not_at_
     ("grammar", "a b c", "invalid grammar: .*Expected ::="),
     ("grammar", " \n", "invalid grammar: empty"),
     ("structural_tag", "[]", "'triggers' must be a non-empty list"),
+    ("structural_tag", "[" * 5000 + "]" * 5000, "invalid structural tag: not JSON .*recursion"),
+    ("json_schema", "[" * 5000 + "]" * 5000, "invalid json schema: not JSON .*recursion"),
     ("structural_tag", json.dumps({**TAG, "triggers": ["<g="]}), "structure 0's begin '<f=add>' starts with no trigger"),
     ("structural_tag", json.dumps({**TAG, "structures": [{"begin": "<f=a>", "end": 1}]}), "structure 0 must have"),
     ("structural_tag", json.dumps({**TAG, "structures": [{**TAG["structures"][0], "schema": {"type": 3}}]}),
@@ -278,3 +280,34 @@ def test_a_structural_tag_is_free_text_until_a_trigger_then_json_of_its_schema(t
         state.sync(prefix + _ids(tokenizer, '{"c": 1}'))
     after = prefix + document + _ids(tokenizer, "</f>")
     assert torch.equal(state.allowed(after, 49152), free) and state.is_complete
+
+
+DEEP_CHAINS = """
+import json, sys
+from pipeline.speculation.grammar import GrammarSpec, GrammarState, GrammarVocab
+from tests.tiny_model import TINY_EOS_ID, byte_tokenizer
+n = int(sys.argv[1])
+refs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+schema = {"$ref": "#/$defs/d0", "$defs": {**refs, f"d{n}": {"type": "integer"}}}
+lark = "start: r0\\n" + "\\n".join(f'r{i}: "a" r{i + 1}?' for i in range(4 * n)) + f'\\nr{4 * n}: "z"'
+vocab = GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID])
+for spec in (GrammarSpec(kind="json_schema", text=json.dumps(schema)), GrammarSpec(kind="grammar", text=lark)):
+    state = GrammarState(spec, vocab)
+    print(spec.kind, int(state.allowed([], 256).sum()))
+"""
+
+
+def test_deeply_chained_rules_compile_without_killing_the_process():
+    """A JSON schema of 1,000 chained $refs (75 kB) and a Lark grammar of 4,000 chained rules (85 kB), inside
+    the size limit, overflowed the 8 MiB stack of the thread that compiled them in llguidance (SIGSEGV: the
+    whole server gone on one request); compiled on `on_deep_stack` they are ordinary specs. In a child
+    process, so that a crash fails this test rather than the test run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", DEEP_CHAINS, "1000"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["json_schema", "1", "grammar", "1"], done.stdout  # "{" / "a" first

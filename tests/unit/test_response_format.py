@@ -83,6 +83,8 @@ REFUSED = [
     ({"structured_outputs": {"grammar": "root ::= " + "a" * MAX_GRAMMAR_CHARS}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"grammar": LARK, "regex": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "{x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": "[" * 5000 + "]" * 5000}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs.json"),
     ({"structured_outputs": {"structural_tag": [TAG]}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"structural_tag": {**TAG, "triggers": ["<g="]}}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"structural_tag": {**TAG, "triggers": []}}}, "structured_outputs.structural_tag"),

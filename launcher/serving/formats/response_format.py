@@ -138,7 +138,7 @@ def _loads(text: str, field: str) -> Any:
     """The JSON value of `text`, else FormatError naming `field`."""
     try:
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's recursion limit
         raise FormatError(f"'{field}': not JSON ({exc})", field) from None
 
 
