@@ -10,9 +10,11 @@ or None for plain text. Accepted (OpenAI API reference, "Structured outputs"; vL
                       {"choice": [str, ...]}, {"json_object": true}, {"grammar": Lark or GBNF text},
                       {"structural_tag": {"structures": [...], "triggers": [...]} or its JSON text}
 `strict` is accepted either way: every schema is enforced. Both fields in one request, an unknown
-type or key, or a schema / regex llguidance refuses raises the caller's `error` class (HTTP and gRPC pass
-their InvalidRequestError) naming the field by its dotted path: 400 / INVALID_ARGUMENT. gRPC: `grammar_from_proto`
-(GenerateRequest.structured_output: json_object, json_schema, regex, choice, grammar, structural_tag). Must not: do I/O, or import launcher/serving (it sits below it).
+type or key, or a schema / regex / grammar / structural tag llguidance refuses raises the caller's `error`
+class (HTTP and gRPC pass their InvalidRequestError) naming the field by its dotted path: 400 /
+INVALID_ARGUMENT. gRPC: `grammar_from_proto` (GenerateRequest.structured_output: json_object, json_schema,
+regex, choice, grammar, structural_tag as JSON text). Must not: do I/O, or import launcher/serving (it sits
+below it).
 """
 
 from __future__ import annotations
