@@ -160,6 +160,16 @@ def test_a_grammar_makes_the_last_stage_ship_logits_and_refuses_ignore_eos():
         SamplingParams(grammar="json")
 
 
+def test_a_grammar_with_ignore_eos_is_refused_without_echoing_its_text():
+    """The refusal names the kind, never the text: a grammar's text (up to MAX_GRAMMAR_CHARS, many lines) was
+    echoed whole in the 400 (`got GrammarSpec(kind='grammar', text='...')`)."""
+    text = "start: WORD\n" + "".join(f'// rule {i}: padding\n' for i in range(2000)) + "WORD: /[a-z]+/"
+    with pytest.raises(SamplingParamError) as info:
+        SamplingParams(grammar=GrammarSpec(kind="grammar", text=text), ignore_eos=True)
+    assert "grammar structured output" in str(info.value) and "padding" not in str(info.value), str(info.value)[:200]
+    assert len(str(info.value)) < 200 and info.value.param == "response_format"
+
+
 def test_a_spec_over_the_size_limit_is_refused_naming_the_limit():
     """A choice list / regex / schema text over MAX_GRAMMAR_CHARS is refused before llguidance compiles it (a
     2 MB choice list, inside the HTTP body limit, took 19 s to compile on the engine's thread)."""
