@@ -166,9 +166,10 @@ class GrammarSpec:
 
 def _grammar_text(text: str) -> str:
     """llguidance's grammar for a `grammar` spec, as vLLM's guidance backend reads `structured_outputs.grammar`
-    (`llguidance.grammar_from("grammar", text)`): Lark when a line starts with `start:` or `%llguidance`,
-    otherwise GBNF, converted by `llguidance.gbnf_to_lark` (its `root` rule becomes `start`). Raises ValueError
-    (one line) for GBNF it cannot convert; Lark errors surface in GrammarSpec's validation."""
+    (`llguidance.grammar_from("grammar", text)`): Lark when a line starts, after spaces, with `start` and a colon
+    or with `%llguidance` (`gbnf_to_lark.is_lark_syntax`; so GBNF's `start ::=` too), otherwise GBNF, converted
+    by `llguidance.gbnf_to_lark` (its `root` rule becomes `start`). Raises ValueError (one line) for GBNF it
+    cannot convert; Lark errors surface in GrammarSpec's validation."""
     if not text.strip():
         raise ValueError("invalid grammar: empty")
     try:

@@ -273,6 +273,23 @@ def test_a_lark_grammar_is_read_as_lark_and_a_gbnf_root_is_its_start(tokenizer, 
     assert not state.allowed([], 49152)[_ids(tokenizer, "x")[0]]
 
 
+@pytest.mark.parametrize("text", ['start : "a"', '   start: "a"', '// comment\nstart: "a"', 'start: "a"\r\n',
+                                  '%llguidance {}\nstart: "a"', '# comment\nroot ::= "a"', '?start: "a"',
+                                  'root ::= start\nstart ::= "a"'])
+def test_lark_or_gbnf_is_decided_as_llguidance_decides(text):
+    """The README's rule is llguidance's own (`is_lark_syntax`, what vLLM's guidance backend runs): Lark text
+    compiles as Lark; GBNF is converted; `?start:` (read as GBNF) and GBNF with a rule named `start` (read as
+    Lark) are refused."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if text.startswith("?") or "start ::=" in text:
+        with pytest.raises(ValueError, match="invalid grammar: .*(GBNF|Expected token '_', found '=')"):
+            GrammarSpec(kind="grammar", text=text)
+        return
+    want = text if is_lark_syntax(text) else gbnf_to_lark(text)
+    assert GrammarSpec(kind="grammar", text=text).grammar == llguidance.LLMatcher.grammar_from_lark(want)
+
+
 def test_a_structural_tag_is_free_text_until_a_trigger_then_json_of_its_schema(tokenizer, vocab):
     """Before the trigger the mask is free text's (a regex of any text: every ordinary token, and EOS); after `<f=add>` the mask is the schema's own
     (json_schema spec, the same JSON options) until the JSON ends, then `</f>`, then free text again."""
