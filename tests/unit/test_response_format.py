@@ -96,6 +96,8 @@ REFUSED = [
     ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
     ({"structured_outputs": ["regex"]}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
+    ({"structured_outputs": {"grammar": LARK}, "ignore_eos": True}, "structured_outputs"),  # not response_format
+    ({"response_format": {"type": "structural_tag", **TAG}, "ignore_eos": True}, "response_format"),
     ({"structured_outputs": {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}}, "structured_outputs.regex"),
     ({"structured_outputs": {"choice": ["abcd"] * (MAX_GRAMMAR_CHARS // 8 + 1)}}, "structured_outputs.choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * MAX_GRAMMAR_CHARS]}}}},

@@ -9,9 +9,10 @@ or None for plain text. Accepted (OpenAI API reference, "Structured outputs"; vL
   structured_outputs: exactly one of {"json": schema object or its JSON text}, {"regex": str},
                       {"choice": [str, ...]}, {"json_object": true}, {"grammar": Lark or GBNF text},
                       {"structural_tag": {"structures": [...], "triggers": [...]} or its JSON text}
-`strict` is accepted either way: every schema is enforced. Both fields in one request, an unknown
-type or key, or a schema / regex / grammar / structural tag llguidance refuses raises the caller's `error`
-class (HTTP and gRPC pass their InvalidRequestError) naming the field by its dotted path: 400 /
+`strict` is accepted either way: every schema is enforced. Both fields in one request, either with
+`ignore_eos: true`, an unknown type or key, or a schema / regex / grammar / structural tag llguidance
+refuses raises the caller's `error` class (HTTP and gRPC pass their InvalidRequestError) naming the field
+by its dotted path: 400 /
 INVALID_ARGUMENT. gRPC: `grammar_from_proto` (GenerateRequest.structured_output: json_object, json_schema,
 regex, choice, grammar, structural_tag as JSON text). Must not: do I/O, or import launcher/serving (it sits
 below it).
@@ -57,9 +58,11 @@ def _from_body(body: dict) -> GrammarSpec | None:
     fmt, structured = body.get("response_format"), body.get("structured_outputs")
     if fmt is not None and structured is not None:
         raise FormatError("set 'response_format' or 'structured_outputs', not both", "structured_outputs")
-    if structured is not None:
-        return _structured_outputs(structured)
-    return None if fmt is None else _response_format(fmt)
+    field = "response_format" if structured is None else "structured_outputs"
+    spec = _structured_outputs(structured) if structured is not None else None if fmt is None else _response_format(fmt)
+    if spec is not None and body.get("ignore_eos") is True:  # SamplingParams refuses it too, naming response_format
+        raise FormatError(f"'{field}' cannot be combined with 'ignore_eos' (a structured output ends with EOS)", field)
+    return spec
 
 
 def _spec(field: str, **kwargs: Any) -> GrammarSpec:
