@@ -85,6 +85,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression (Rust syntax)")
     g.add_argument("--choice", action="append", default=[], metavar="TEXT",
                    help="the output is exactly one of these strings (repeatable)")
+    g.add_argument("--grammar", metavar="PATH",
+                   help="the output matches the context-free grammar in this file: Lark (a `start:` rule) or GBNF "
+                   "(`root ::= ...`) (README 'Structured outputs')")
 
 
 def sampling_flags_given(args: argparse.Namespace) -> list[str]:

@@ -86,7 +86,8 @@ class SamplingParams:
         penalties, then temperature and the filters, so greedy is the argmax of the biased (and
         penalised) logits. Reported logprobs stay the raw model's ([Note:
         logprobs and penalties] in pipeline/speculation/logprobs.py).
-    grammar: None, or the structured output constraint (JSON object / schema, regex, choice): tokens are
+    grammar: None, or the structured output constraint (JSON object / schema, regex, choice, grammar, structural
+        tag): tokens are
         chosen from the logits with every token it forbids masked ([Note: grammar masks] in
         pipeline/speculation/grammar.py); refused with ignore_eos (a complete document allows only EOS).
 
@@ -151,8 +152,10 @@ class SamplingParams:
                                      f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         if self.grammar is not None and (not isinstance(self.grammar, GrammarSpec) or self.ignore_eos):
-            raise SamplingParamError("response_format", "response_format must be a GrammarSpec and cannot be combined "
-                                                        f"with ignore_eos, got {self.grammar!r}")
+            what = (f"a {self.grammar.kind.replace('_', ' ')} structured output" if isinstance(self.grammar, GrammarSpec)
+                    else f"a {type(self.grammar).__name__}, not a GrammarSpec")  # never its text: up to 262,144 chars
+            raise SamplingParamError("response_format", f"response_format must be a GrammarSpec and cannot be combined "
+                                                        f"with ignore_eos, got {what}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise SamplingParamError("logit_bias") when a logit_bias token id is not in [0, vocab_size)."""

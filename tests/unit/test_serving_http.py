@@ -1007,7 +1007,7 @@ LONG = "x" * 20_000
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": LONG}, "tools",
      "'tools' must be a list of function tools, got 'xxx"),
     ("/v1/completions", {"response_format": {"type": LONG}}, "response_format.type",
-     "'response_format.type' must be one of text, json_object, json_schema, got 'xxx"),
+     "'response_format.type' must be one of text, json_object, json_schema, structural_tag, got 'xxx"),
     ("/v1/completions", {"prompt": [10**1000]}, "prompt", "'prompt' token id 1000"),
     ("/v1/completions", {"prompt": "\ud800" * 5000}, "body", "request body has a string that is not valid"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": LONG}, "logprobs",
