@@ -69,7 +69,8 @@ class RunConfig:
     row_cost_file: str | None = None  # row_cost.py JSON report: FIRP chain lengths follow its table
     draft_tree: int = 1  # candidates per SPEED draft position, siblings included (pipeline/speculation/tree.py); 1 = off
     grammar_drafts: bool = True  # constrained drafts follow the grammar (pipeline/engine/grammar_drafts.py)
-    grammar_jump: bool = True  # with grammar_drafts: a forced run is one multi-row draft item (jump-forward)
+    grammar_jump: bool = True  # with grammar_drafts: a forced run goes as extra rows (jump-forward; where
+    # `rows_pass_alone`, else one token per item: `scheduler_config`)
     # of this run's numeric mode (`row_cost_mode`; [Note: row-cost-driven chains] in pipeline/engine/row_budget.py)
     row_cost: str = "auto"  # where the row-cost table comes from: none | calibrate (every stage times
     # itself at start-up) | file:PATH (= row_cost_file PATH) | auto (calibrate when FIRP is on and no
@@ -131,17 +132,25 @@ class RunConfig:
         if scratch_positions(self.draft_tree, self.max_inflight or self.num_stages) > MAX_TREE_SCRATCH:
             raise ValueError(f"draft_tree {self.draft_tree} with max_inflight {self.max_inflight} needs more than "
                              f"{MAX_TREE_SCRATCH} KV scratch positions per slot: lower max_inflight")
-        if self.draft_tree > 1 and self.quantization == "none" and self.dtype != "float32":
+        if self.draft_tree > 1 and not self.rows_pass_alone:
             # [Note: token trees] in pipeline/speculation/tree.py: dense half-precision GEMM rounds a
             # row of a multi-row pass differently from a 1-row pass, often enough to flip greedy ties
             raise ValueError(f"draft_tree {self.draft_tree} needs float32 or an int mode (quantization "
                              f"auto/int8/int4): in dense {self.dtype} tree rows would change greedy output")
-        if self.uses_firp and self.quantization == "none" and self.dtype != "float32":
+        if self.uses_firp and not self.rows_pass_alone:
             # the same for a FIRP chain's k + 1-row verify pass: a bfloat16 story prompt whose two best
             # logits are one bfloat16 step apart changed at its second token with --firp-k 4
             raise ValueError(f"speculate {self.speculate} needs float32 or an int mode (quantization "
                              f"auto/int8/int4): in dense {self.dtype} its multi-row verify passes would change "
                              f"greedy output")
+
+    @property
+    def rows_pass_alone(self) -> bool:
+        """A row of a multi-row pass computes what a 1-row pass computes: bitwise in the int modes,
+        within rounding in float32; not in dense bfloat16/float16, whose GEMM rounds a row by the pass's
+        row count ([Note: batch invariance] in pipeline/weights/quant.py) often enough to flip greedy
+        ties. Where False, token trees and FIRP are refused and jump-forward is off (`scheduler_config`)."""
+        return self.quantization != "none" or self.dtype == "float32"
 
     @property
     def uses_speed(self) -> bool:
@@ -207,7 +216,8 @@ class RunConfig:
             eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
             min_acceptance=self.draft_min_acceptance(parallel_stages), firp_k=firp_k, firp_min_prob=self.firp_min_prob,
             row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight, draft_tree=self.draft_tree,
-            grammar_drafts=self.grammar_drafts, grammar_jump=self.grammar_jump,
+            # jump-forward's rows (a forced run's last row gives a free token) are a multi-row verify pass
+            grammar_drafts=self.grammar_drafts, grammar_jump=self.grammar_jump and self.rows_pass_alone,
             run_ahead_from_table=self.max_inflight == 0 and (self.calibrates_row_costs or self.row_cost_path is not None))
 
 

@@ -178,7 +178,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_k", "min_p", "logit_bias", "structured_output", "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_k", "min_p", "logit_bias", "structured_output", "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,10 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -228,19 +232,27 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bad_words: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    include_stop_str_in_output: bool
+    truncate_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("json_object", "json_schema", "regex", "choice")
+    __slots__ = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     json_object: bool
     json_schema: str
     regex: str
     choice: Choices
-    def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ...) -> None: ...
+    grammar: str
+    structural_tag: str
+    def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)

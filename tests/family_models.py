@@ -2,7 +2,7 @@
 
 Owns FAMILY_CONFIGS (one tiny transformers config per family, with the family's features switched
 on: Llama-3 RoPE scaling, sliding windows shorter than the test prompts, q/k norms, Gemma's
-interleaved local/global layers with their own RoPE bases and soft-capping, fused phi3 tensors,
+interleaved local/global layers with their own RoPE bases and soft-capping (attention scores too in Gemma 2), fused phi3 tensors,
 MoE with dense layers) and `write_family_model`, which writes a Hugging Face folder with
 checkpoint-format tensor names (as on the Hub) that both speedpipe and transformers load.
 Must not: download anything.
@@ -39,6 +39,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                              rope_theta=1000000.0, rope_local_base_freq=10000.0,
                                              rope_scaling=dict(rope_type="linear", factor=2.0),
                                              final_logit_softcapping=5.0)),
+    # Gemma 1: head_dim 24 is not hidden / heads; Gemma 2: transformers' own layer_types rule (sliding,
+    # full, ...), soft-caps small enough to bite on random weights (5.0 on the scores, 3.0 on the logits).
+    "gemma": ("GemmaConfig", dict(head_dim=24)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, pad_token_id=0)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,

@@ -34,7 +34,7 @@ from pipeline.speculation.tree import scratch_positions
 def exit_head_for(last: StageModel) -> ExitHead:
     """A logit-lens exit head: copies of the last stage's final norm and LM head (as the worker loads)."""
     cfg = last.config
-    head = ExitHead(cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps)
+    head = ExitHead(cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, softcap=cfg.final_logit_softcapping)
     head.norm.weight.data.copy_(plain_norm_weight(last.norm.weight.detach(), cfg))
     head.lm_head.weight.data.copy_(last.lm_head.weight.detach())
     return head.eval()

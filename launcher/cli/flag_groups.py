@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from launcher.cli.options import GRAMMAR_DRAFTING
 from launcher.cli.parsing import add_row_cost_flag, logit_bias_json, token_id_list, unescape
 from launcher.coordinator.pipeline_options import DRAFT_AT
 from pipeline.engine.records import DEEP_ACCEPTANCE
@@ -28,6 +29,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     add_row_cost_flag(g)
     g.add_argument("--draft-tree", type=int, default=1, metavar="W", help="token trees: a SPEED draft carries up to "
                    "W candidates for its position (greedy or sampled; README 'Token trees'); 1 = off")
+    g.add_argument("--grammar-drafting", choices=tuple(GRAMMAR_DRAFTING), default=next(iter(GRAMMAR_DRAFTING)),
+                   help="structured outputs' drafts: jump = they follow the grammar, a forced token is drafted as "
+                   "is and a forced run goes as one multi-row item (jump-forward); drafts = they follow the "
+                   "grammar, forced tokens one per item; off = the predictor's drafts as they are (the verifier "
+                   "masks every row either way: output is the same); jump acts as drafts in dense bfloat16/float16, where "
+                   "multi-row passes round rows apart (README 'Structured outputs'; default jump)")
     g.add_argument("--predictor", default="hybrid", help="logit-lens | early-exit | ngram | hybrid | FILE.safetensors "
                    "(a trained early-exit head); early-exit and hybrid use the trained head shipped for the model "
                    "and exit layer (default hybrid)")
@@ -63,6 +70,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], type=unescape,
                    help=r"stop string (repeatable); \n, \t, \r and \\ are read as newline, tab, CR, backslash")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    g.add_argument("--no-skip-special-tokens", dest="skip_special_tokens", action="store_false",
+                   help="show special tokens' text in the output (vLLM's skip_special_tokens false); stop strings "
+                   "match the text as shown; the EOS that ends a prompt is shown only with --include-stop-str-in-output")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the matched stop string (or the ending EOS or stop token id's text) at the end of the output")
     g.add_argument("--logit-bias", type=logit_bias_json, metavar="JSON",
                    help='OpenAI\'s logit_bias: token id -> bias in [-100, 100] added to its logit, e.g. '
                    '\'{"50256": -100}\' (-100 bans a token, +100 forces it) (default: none)')
@@ -82,6 +94,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression (Rust syntax)")
     g.add_argument("--choice", action="append", default=[], metavar="TEXT",
                    help="the output is exactly one of these strings (repeatable)")
+    g.add_argument("--grammar", metavar="PATH",
+                   help="the output matches the context-free grammar in this file: Lark (a `start:` rule) or GBNF "
+                   "(`root ::= ...`) (README 'Structured outputs')")
 
 
 def sampling_flags_given(args: argparse.Namespace) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from launcher.backends.placement import usable_cpus
 from launcher.cli.cpu_meter import MAX_FOREIGN, CpuMeter
 from launcher.cli.parsing import UsageError
+from launcher.coordinator.request_handle import TextOptions
 from launcher.coordinator.session import PipelineSession
 from pipeline.engine.records import SpecCounters
 from pipeline.measure.handoffs import handoff_latency, plain_decode_estimate
@@ -36,18 +37,19 @@ BUSY_SLACK = 0.25  # load above the CPUs that still counts as a quiet host (this
 
 def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Sequence[int]],
                params: Sequence[SamplingParams], *, stream: bool = False, timeline: bool = False,
-               speculate_reason: str = "") -> dict:
+               speculate_reason: str = "", text: TextOptions = TextOptions()) -> dict:
     """Run all prompts concurrently; returns {"outputs": [...], "stats": {...}} (see README).
     prompts: texts or token-id lists; timeline: also return the recorded slices under "timeline"
     (stage, start/end ns relative to the run's start, items with seq, positions, epoch, kind, outcome);
-    speculate_reason: why `--speculate auto` chose the session's mode ("" when the user chose it);
+    speculate_reason: why `--speculate auto` chose the session's mode ("" when the user chose it); text: how
+    the tokens become text (--no-skip-special-tokens, --include-stop-str-in-output);
     stats "speculate" is the mode in force, "speculate_reason" this reason (null when "")."""
     coord = session.coordinator
     coord.reset_stats()
     meter = CpuMeter()  # [Note: foreign load]: other work on this host during the run
     meter.start()
     start_ns = time.perf_counter_ns()
-    handles = [coord.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    handles = [coord.submit(p, sp, text=text) for p, sp in zip(prompts, params, strict=True)]
     if stream:
         sys.stdout.write(handles[0].prompt)
         for chunk in handles[0]:
@@ -137,8 +139,8 @@ def speculation_text(stats: dict) -> str:
     if stats.get("speedup_estimate"):
         head = ", exit head included" if stats["estimate_includes_exit_head"] else ""
         parts.append(f"about {stats['speedup_estimate']:.2f}x plain decode (estimated from this run's passes{head})")
-    if stats.get("grammar_forced") or stats.get("grammar_replaced") or stats.get("grammar_dropped"):
-        jump = stats.get("grammar_jump_tokens")
+    jump = stats.get("grammar_jump_tokens")  # (sent rows: a riding run counts no forced draft item)
+    if stats.get("grammar_forced") or stats.get("grammar_replaced") or stats.get("grammar_dropped") or jump:
         parts.append(f"grammar drafts: {stats['grammar_forced']} forced, {stats['grammar_replaced']} replaced, "
                      f"{stats['grammar_dropped']} dropped" + (f", {jump} jump-forward rows" if jump else ""))
     if stats.get("tree_verified"):

@@ -31,7 +31,7 @@ from launcher.cli.parsing import (
 from launcher.cli.speculation_defaults import settle_auto
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.request_handle import RequestError, StageLoadError, tokenized_masks
+from launcher.coordinator.request_handle import RequestError, StageLoadError, TextOptions, tokenized_masks
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
@@ -136,6 +136,12 @@ def sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
                           allowed_token_ids=args.allowed_token_ids, bad_words=tuple(args.bad_words))
 
 
+def text_options(args: argparse.Namespace) -> TextOptions:
+    """--no-skip-special-tokens and --include-stop-str-in-output as the coordinator's TextOptions."""
+    return TextOptions(skip_special_tokens=args.skip_special_tokens,
+                       include_stop_str_in_output=args.include_stop_str_in_output)
+
+
 def _refuse_prompt_run_flags(args: argparse.Namespace) -> None:
     """`launch --serve`: raise UsageError naming the flags of a prompt run given with it (prompts,
     outputs, sampling settings: a server takes those per request), which it would silently ignore."""
@@ -189,7 +195,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.json:
             say(f"pipeline ready in {time.perf_counter() - start:.1f} s; generating {len(prompts)} prompt(s)")
         report = run_launch(session, prompts, params, stream=not args.json and len(prompts) == 1,
-                            speculate_reason=why)
+                            speculate_reason=why, text=text_options(args))
         trace = trace_events(session) if args.trace else None
     if args.json:
         print(json.dumps(report), flush=True)

@@ -25,6 +25,9 @@ from pipeline.weights.registry import DEFAULT_MODEL
 from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, resolve_log_level
 
 DEFAULT_MAX_MODEL_LEN = 2048  # KV positions per sequence when --max-model-len is not given
+# `--grammar-drafting` mode -> RunConfig's (grammar_drafts, grammar_jump) ([Note: grammar-aware drafting]
+# in pipeline/engine/grammar_drafts.py); the first is the default (RunConfig's own).
+GRAMMAR_DRAFTING = {"jump": (True, True), "drafts": (True, False), "off": (False, False)}
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -152,7 +155,7 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
     tuning = dict(max_inflight=args.max_inflight, min_acceptance=min_acceptance_arg(args.min_acceptance),
                   draft_at=args.draft_at, deep_draft_min_acceptance=args.deep_draft_min_acceptance,
                   firp_k=args.firp_k, firp_file=args.firp_file, firp_min_prob=args.firp_min_prob,
-                  draft_tree=args.draft_tree)
+                  draft_tree=args.draft_tree, **grammar_drafting_fields(args.grammar_drafting))
     placement = placement_from_args(args)
     if num_stages >= 1 and not (placement.multi_node and placement.node_rank > 0):  # RunConfig names bad counts;
         check_auto_flags(tuning, speculate=speculate, why=why)  # members run node 0's choice, not their own
@@ -167,6 +170,12 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
         placement=placement, record_timeline=not getattr(args, "no_timeline", False))
     return options, why
+
+
+def grammar_drafting_fields(mode: str) -> dict[str, bool]:
+    """PipelineOptions' grammar_drafts / grammar_jump for a `--grammar-drafting` mode (GRAMMAR_DRAFTING)."""
+    grammar_drafts, grammar_jump = GRAMMAR_DRAFTING[mode]
+    return {"grammar_drafts": grammar_drafts, "grammar_jump": grammar_jump}
 
 
 def say(text: str) -> None:

@@ -33,10 +33,11 @@ SHORT_HELP_GROUPS = ("placement", "serving (OpenAI-compatible HTTP and gRPC)")
 ADVANCED_DESTS = frozenset({
     "firp_k", "firp_file", "firp_min_prob", "row_cost", "row_cost_file", "exit_predictor", "exit_layer", "max_inflight", "min_acceptance", "draft_at",
     "deep_draft_min_acceptance",
-    "draft_tree",
+    "draft_tree", "grammar_drafting",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
     "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p", "logit_bias",
-    "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words", "response_format", "json_schema", "regex", "choice",
+    "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words",
+    "response_format", "json_schema", "regex", "choice", "grammar", "skip_special_tokens", "include_stop_str_in_output",
 })
 
 
@@ -255,12 +256,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
-    """The structured output constraint of `--response-format json_object`, `--json-schema PATH`, `--regex`
-    or `--choice` (at most one of them), or None. Raises UsageError naming the flag (exit 2) for two of
-    them, one with --ignore-eos, an unreadable schema file, or a schema / regex llguidance refuses."""
+    """The structured output constraint of `--response-format json_object`, `--json-schema PATH`, `--regex`,
+    `--choice` or `--grammar PATH` (at most one of them), or None. Raises UsageError naming the flag (exit 2)
+    for two of them, one with --ignore-eos, an unreadable file, or a schema / regex / grammar llguidance refuses."""
     given = {flag: value for flag, value in (("--response-format json_object", args.response_format == "json_object"),
                                              ("--json-schema", args.json_schema), ("--regex", args.regex),
-                                             ("--choice", args.choice)) if value}
+                                             ("--choice", args.choice), ("--grammar", args.grammar)) if value}
     if not given:
         return None
     if len(given) > 1 or args.ignore_eos:
@@ -268,12 +269,12 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
                          "(one structured output, which ends with EOS)")
     ((flag, value),) = given.items()
     try:
-        if flag == "--json-schema":
+        if flag in ("--json-schema", "--grammar"):
             try:
                 text = Path(value).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"cannot read {value}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
-            return GrammarSpec(kind="json_schema", text=text)
+            return GrammarSpec(kind=flag.removeprefix("--").replace("-", "_"), text=text)
         if flag == "--regex":
             return GrammarSpec(kind="regex", text=value)
         return GrammarSpec.choice(value) if flag == "--choice" else GrammarSpec(kind="json_object")

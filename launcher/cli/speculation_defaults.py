@@ -73,16 +73,19 @@ def auto_speculate(*, model: str, num_stages: int, placement: PlacementOptions, 
 
 # Flags that only tune speculation, by PipelineOptions field: `auto` refuses them where they would
 # do nothing (check_auto_flags), instead of ignoring them or failing on RunConfig's rule for `none`.
+# (--grammar-drafting steers SPEED's and FIRP's drafts alike; auto never chooses FIRP, so it sits here.)
 SPEED_TUNING = {"draft_tree": "--draft-tree", "draft_at": "--draft-at", "min_acceptance": "--min-acceptance",
-                "deep_draft_min_acceptance": "--deep-draft-min-acceptance", "max_inflight": "--max-inflight"}
+                "deep_draft_min_acceptance": "--deep-draft-min-acceptance", "max_inflight": "--max-inflight",
+                "grammar_drafts": "--grammar-drafting", "grammar_jump": "--grammar-drafting"}
 FIRP_TUNING = {"firp_k": "--firp-k", "firp_file": "--firp-file", "firp_min_prob": "--firp-min-prob"}
 
 
 def tuned_flags(values: Mapping[str, object], flags: Mapping[str, str]) -> list[str]:
     """The flags of `flags` (field -> flag) whose value in `values` (field -> value, as
-    PipelineOptions takes it) differs from PipelineOptions' default."""
+    PipelineOptions takes it) differs from PipelineOptions' default, each named once (one flag may
+    set several fields)."""
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
-    return [flag for field, flag in flags.items() if values[field] != defaults[field]]
+    return list(dict.fromkeys(flag for field, flag in flags.items() if values[field] != defaults[field]))
 
 
 # The predictor choice, by PipelineOptions field: like the tuning flags, it does nothing with --speculate none.

@@ -30,6 +30,7 @@ from launcher.coordinator.request_handle import (
     RequestHandle,
     RequestOutput,
     StreamChunk,
+    TextOptions,
     encode_prompt,
 )
 from launcher.coordinator.stage_control import load_and_join, shutdown_stages, wait_reachable
@@ -176,14 +177,13 @@ class Coordinator:
                                           generation=self.generation, exit_rank=exit_rank)
 
     # -- requests ---------------------------------------------------------------------------------
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestHandle:
-        """Queue a request (text or token ids). Raises ValueError for bad input, PipelineError if failed."""
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None, text: TextOptions = TextOptions()) -> RequestHandle:
+        """Queue a request (text or token ids; `text`: its TextOptions). Raises ValueError, PipelineError."""
         if self.failure is not None:
             raise self.failure
-        text, ids, params = encode_prompt(self.tokenizer, prompt, params, max_model_len=self.config.max_model_len)
+        prompt_text, ids, params = encode_prompt(self.tokenizer, prompt, params, max_model_len=self.config.max_model_len)
         seq_id = next(self._ids)
-        handle = RequestHandle(request_id or f"req-{seq_id}", text, ids, params,
-                               self.tokenizer.detokenizer(prompt_ids=ids))
+        handle = RequestHandle(request_id or f"req-{seq_id}", prompt_text, ids, params, text.detokenizer(self.tokenizer, ids), text)
         self.events.put(("submit", (seq_id, handle)))
         return handle
 

@@ -1,7 +1,8 @@
 """Request handles: what `Coordinator.submit` returns, and what a request's caller reads.
 
 Owns one request's committed tokens, their detokenised text (stop strings held back until known
-not to be one), timings, and the stream of chunks. Thread-safe hand-off: the coordinator's engine
+not to be one; `TextOptions`: special tokens shown or skipped, the stop string or EOS kept or not),
+timings, and the stream of chunks. Thread-safe hand-off: the coordinator's engine
 thread calls `emit` / `finish`, the caller iterates or calls `result`.
 Must not: decide what is committed (pipeline/engine/engine.py does).
 """
@@ -37,6 +38,37 @@ class StageLoadError(PipelineError):
     def __init__(self, message: str, *, user_input: bool) -> None:
         super().__init__(message)
         self.user_input = user_input
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TextOptions:
+    """How a request's tokens become its text: vLLM's SamplingParams fields of these names.
+
+    skip_special_tokens: special tokens' text is left out (the default); False shows it, and stop strings
+        then match the text as shown. The token that ended the request (EOS, a stop token id) is never shown unless
+        `include_stop_str_in_output` (vLLM's v1 detokenizer: a stop-terminated request's last token is not
+        decoded); EOS tokens generated under ignore_eos are shown like any other.
+    spaces_between_special_tokens: with skip_special_tokens False, False joins two consecutive added tokens
+        without the space a decoder may put between them (vLLM's fast detokenizer: the second one's text is its
+        bare content). Byte-level BPE and SentencePiece decoders put none, so it changes only a WordPiece-style
+        decoder's text.
+    include_stop_str_in_output: the matched stop string (or the ending EOS / stop token's text) stays at the end of the text;
+        nothing after it does. Raises ValueError for a value that is not a bool.
+    """
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if not isinstance(getattr(self, field.name), bool):
+                raise ValueError(f"{field.name} must be true or false, got {getattr(self, field.name)!r}")
+
+    def detokenizer(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
+        """The incremental detokenizer of one sequence with these options, primed with its prompt."""
+        return tokenizer.detokenizer(prompt_ids=prompt_ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 
 class RequestError(PipelineError):
@@ -119,9 +151,9 @@ class RequestHandle:
     """A submitted request: iterate it for StreamChunks, or call `result()`."""
 
     def __init__(self, request_id: str, prompt: str, prompt_ids: list[int], params: SamplingParams,
-                 detok: IncrementalDetokenizer) -> None:
+                 detok: IncrementalDetokenizer, text_options: TextOptions = TextOptions()) -> None:
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
-        self.detok = detok
+        self.detok, self.text_options = detok, text_options
         self.token_ids: list[int] = []
         self.text = ""
         self._held = ""  # decoded text not streamed yet: it may be the start of a stop string
@@ -159,47 +191,22 @@ class RequestHandle:
     # -- the coordinator's side (its engine thread) ---------------------------------------------------
     def emit(self, commit: Commit) -> bool:
         """Record newly committed tokens and stream their text; returns True if one of the
-        request's stop strings ended it (the coordinator then finishes the sequence). A stop token id
-        that ended it is kept in the tokens, not in the text, and is the `stop_reason` (vLLM's)."""
+        request's stop strings ended it (the coordinator then finishes the sequence). The EOS or stop token
+        id that ended it is kept in the tokens, not in the text (unless include_stop_str_in_output); a stop
+        token id is the `stop_reason` (vLLM's)."""
         if commit.finish_reason is FinishReason.ERROR:  # after the tokens committed before the failing row
             if commit.token_ids and self.emit(dataclasses.replace(commit, finish_reason=None)):
                 return True  # a stop string among them ended the request first
             self.finish("error", RequestError(commit.error or RequestError.NON_FINITE.format(position=len(self.token_ids))))
             return False
-        stop, ids = self.params.stop, commit.token_ids
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        shown = ids[:-1] if commit.finish_reason is FinishReason.STOP and ids[-1:] else ids  # (a stop token's text)
-        delta = self.detok.add_many(shown) if not stop else ""
-        for k, token in enumerate(shown if stop else (), 1):
-            delta += self.detok.add(token)
-            if len(self.token_ids) + k <= self.params.min_tokens:
-                self._floor = len(self._held + delta)  # [Note: token masks]: no stop string ends before here
-            if k < len(ids) and self._first_stop(self._held + delta) is not None:
-                # A stop string ends at this token: the tokens after it (one commit of several, a FIRP
-                # chain's or a jump-forward run's) are not the request's, as in token-by-token decoding.
-                commit = dataclasses.replace(commit, token_ids=ids[:k], finish_reason=None,
-                                             logprobs=commit.logprobs and commit.logprobs[:k])
-                break
+        commit, delta = self._decode(commit)
         self.token_ids.extend(commit.token_ids)
         if commit.finish_reason is not None:
             delta += self.detok.flush()
-        # Text that could be the start of a stop string is held back until it is known not to be
-        # one (as vLLM does), so no chunk ever streams part of a stop string.
-        pending, hit = self._held + delta, False
-        # The match that is complete first ends it (the first listed where two end together), cut at its start:
-        # what token-by-token decoding finds, however many tokens one commit brings.
-        if stop and (found := self._first_stop(pending)) is not None:
-            _, which, cut = found
-            pending, hit, self.stop_reason = pending[:cut], True, stop[which]
-        elif commit.finish_reason is FinishReason.STOP:
-            self.stop_reason = ids[-1]  # a stop token id (vLLM's stop_reason)
-        keep = max((len(s) for s in stop), default=1) - 1
-        if hit or commit.finish_reason is not None or keep == 0:
-            delta, self._held = pending, ""
-        else:
-            delta, self._held = pending[:max(0, len(pending) - keep)], pending[max(0, len(pending) - keep):]
-        self._floor = max(0, self._floor - (len(pending) - len(self._held)))
+        pending, hit = self._end_at_stop(delta, commit)
+        delta = self._release(pending, final=hit or commit.finish_reason is not None)
         self.text += delta
         reason = "stop" if hit else (commit.finish_reason.value if commit.finish_reason else None)
         self._chunks.put(StreamChunk(commit.token_ids, delta, reason, commit.logprobs, commit.prompt_logprobs,
@@ -208,14 +215,72 @@ class RequestHandle:
             self.finish(reason)
         return hit
 
-    def _first_stop(self, text: str) -> tuple[int, int, int] | None:
-        """(end, index in `stop`, start) of the stop string match in `text` (the held and new text) that
-        ends first, ending after its first `_floor` characters (the first min_tokens tokens' text,
-        vLLM's detokenizer); None when there is none."""
-        floor = self._floor
-        found = [(i + len(s), n, i) for n, s in enumerate(self.params.stop)
-                 if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    def _decode(self, commit: Commit) -> tuple[Commit, str]:
+        """(the commit's tokens that are the request's, their new text). The EOS or stop token id that ends the
+        request is not decoded unless include_stop_str_in_output (vLLM's v1 detokenizer leaves a stop-terminated
+        request's last token out). With stop strings, tokens are decoded one by one: `_floor` moves past the
+        first min_tokens tokens' text, and a stop string that ends at a token drops the tokens after it (one
+        commit of several, a FIRP chain's or a jump-forward run's), as in token-by-token decoding."""
+        ids, include = commit.token_ids, self.text_options.include_stop_str_in_output
+        ended = commit.finish_reason in (FinishReason.EOS, FinishReason.STOP) and not include
+        shown = ids[:-1] if ended else ids
+        if not self.params.stop:
+            return commit, self.detok.add_many(shown)
+        delta = ""
+        for k, token in enumerate(shown, 1):
+            delta += self.detok.add(token)
+            if len(self.token_ids) + k <= self.params.min_tokens:
+                self._floor = len(self._held + delta)  # [Note: token masks]: no stop string ends before here
+            if k < len(ids) and self._first_stop(delta) is not None:
+                return dataclasses.replace(commit, token_ids=ids[:k], finish_reason=None,
+                                           logprobs=commit.logprobs and commit.logprobs[:k]), delta
+        return commit, delta
+
+    def _end_at_stop(self, delta: str, commit: Commit) -> tuple[str, bool]:
+        """(the held and new text up to the request's end, whether a stop string ended it), and `stop_reason`.
+        The match that is complete first ends it (the first listed where two end together), cut at its start
+        (its end with include_stop_str_in_output): what token-by-token decoding finds, however many tokens
+        one commit brings. Otherwise a stop token id that ended the request is its stop_reason."""
+        pending = self._held + delta
+        if self.params.stop and (found := self._first_stop(delta)) is not None:
+            end, which, start = found
+            self.stop_reason = self.params.stop[which]
+            return pending[:max(0, end if self.text_options.include_stop_str_in_output else start)], True
+        if commit.finish_reason is FinishReason.STOP and commit.token_ids:
+            self.stop_reason = commit.token_ids[-1]  # a stop token id (vLLM's stop_reason)
+        return pending, False
+
+    def _release(self, pending: str, *, final: bool) -> str:
+        """The part of `pending` (held and new text) to stream now. Text that could be the start of a stop
+        string is held back until it is known not to be one (as vLLM does), so no chunk ever streams part of
+        a stop string; with include_stop_str_in_output nothing is held back (the stop string is streamed
+        anyway) and a match may start in streamed text (`_stop_window`). `_floor` moves with the held text."""
+        stop = self.params.stop
+        keep = 0 if self.text_options.include_stop_str_in_output else max((len(s) for s in stop), default=1) - 1
+        split = len(pending) if final or keep == 0 else max(0, len(pending) - keep)
+        delta, self._held = pending[:split], pending[split:]
+        self._floor = max(0, self._floor - len(delta))
+        return delta
+
+    def _first_stop(self, delta: str) -> tuple[int, int, int] | None:
+        """(end, index in `stop`, start) of the stop string match that ends first in the held text + `delta`,
+        counted from their start; None when there is none. A match counts only where it ends after their first
+        `_floor` characters (the first min_tokens tokens' text: vLLM's detokenizer, vllm-project/vllm#22014)
+        and, with include_stop_str_in_output, after the streamed text it may start in (`_stop_window`; its
+        `start` is then negative): that text was searched when it was new."""
+        window = self._stop_window(delta)
+        floor = (back := len(window) - len(self._held) - len(delta)) + self._floor  # back: streamed text in window
+        found = [(i + len(s) - back, n, i - back) for n, s in enumerate(self.params.stop)
+                 if (i := window.find(s, max(0, floor - len(s) + 1))) >= 0]
         return min(found, default=None)
+
+    def _stop_window(self, delta: str) -> str:
+        """The text a stop string may end in: the held text and `delta`, and with include_stop_str_in_output
+        (nothing held back) the streamed text a stop string may have started in."""
+        if not self.text_options.include_stop_str_in_output:
+            return self._held + delta
+        back = max(len(s) for s in self.params.stop) - 1
+        return self.text[max(0, len(self.text) - back):] + self._held + delta
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         """End the request: `reason` is a finish reason ("aborted", "error", ...), `error` the

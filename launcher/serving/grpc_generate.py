@@ -43,8 +43,9 @@ import grpc
 
 from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
-from launcher.coordinator.request_handle import RequestError
+from launcher.coordinator.request_handle import RequestError, TextOptions
 from launcher.serving.formats.response_format import grammar_from_proto
+from launcher.serving.formats.vllm_fields import encode_truncated, truncated, truncation_limit
 from launcher.serving.grpc_health import MAX_WATCHES, OPEN_METHODS, enable_standard_services
 from launcher.serving.openai_protocol import API_SEED_LIMIT, MAX_STOP_STRINGS
 from launcher.serving.serving_engine import (
@@ -118,16 +119,18 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     which = req.WhichOneof("input")
     if which is None:
         raise InvalidRequestError("exactly one of 'prompt' or 'prompt_token_ids' must be set", "prompt")
+    keep = truncation_limit(req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
+                            engine.max_model_len, max_tokens=req.max_new_tokens, error=InvalidRequestError)
     if which == "prompt":
         if not req.prompt:
             raise InvalidRequestError("'prompt' is empty", "prompt")
         try:
-            engine.tokenizer.check_fits(req.prompt, engine.max_model_len, what="'prompt'")
+            engine.tokenizer.check_fits(req.prompt, engine.max_model_len if keep is None else 2**31, what="'prompt'")
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "prompt") from None
-        ids = engine.tokenizer.encode(req.prompt)
+        ids = encode_truncated(engine.tokenizer, req.prompt, keep, True)
     else:
-        ids = list(req.prompt_token_ids.ids)
+        ids = truncated(req.prompt_token_ids.ids, keep)
     if req.max_new_tokens < 1:  # proto3 sends no 0: unset and 0 look the same
         raise InvalidRequestError("'max_new_tokens' is unset or 0; it is required, at least 1 (no default, unlike "
                                   "HTTP's max_tokens)", "max_new_tokens")
@@ -164,6 +167,15 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     return ids, params
 
 
+def text_options(req: pb.GenerateRequest) -> TextOptions:
+    """The output-text settings of a GenerateRequest (unset: vLLM's defaults)."""
+    return TextOptions(
+        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(req.spaces_between_special_tokens
+                                       if req.HasField("spaces_between_special_tokens") else True),
+        include_stop_str_in_output=req.include_stop_str_in_output)
+
+
 def model_info(engine: ServingEngine) -> pb.ModelInfo:
     """GetModelInfo's answer: what HTTP's /v1/models says (the engine's model name and max_model_len),
     the tokenizer's vocabulary and special tokens, the engine's pipeline description and the limits
@@ -196,7 +208,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         try:
             ids, params = request_params(request, self.engine)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex[:24]}"
-            stream = self.engine.start(ids, params, request_id=rid)
+            stream = self.engine.start(ids, params, request_id=rid, text=text_options(request))
         except InvalidRequestError as exc:
             abort_invalid(context, str(exc), exc.param or "")
         except ValueError as exc:  # the coordinator's prompt checks (encode_prompt), past request_params'

@@ -41,7 +41,7 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
-from launcher.serving.formats.tool_parsers import tool_outputs
+from launcher.serving.formats.tool_output import tool_outputs
 from launcher.serving.http_errors import (
     BodyError,
     admission_error,
@@ -122,7 +122,7 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     try:
         for i, params in enumerate(parsed.choice_params()):
             rid = streams.request_id if parsed.n == 1 else f"{streams.request_id}-{i}"
-            streams.append(engine.start(parsed.prompt_ids, params, request_id=rid))
+            streams.append(engine.start(parsed.prompt_ids, params, request_id=rid, text=parsed.text))
     except BaseException:
         streams.cancel()
         raise
@@ -164,7 +164,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
                 token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
                 chunk=False, chat=chat, index=index, stop_reason=stop_reason,
                 logprobs=formatter.of_choice(parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
-            if tools is not None:  # content and tool_calls (launcher/serving/formats/tool_parsers.py)
+            if tools is not None:  # content and tool_calls (launcher/serving/formats/tool_output.py)
                 tools[index].rewrite_message(choices[-1])
     except (UnavailableError, PipelineError) as exc:
         return unavailable(exc)

@@ -9,7 +9,9 @@ Token strings are each token decoded alone (a byte-level token that is part of a
 character decodes to U+FFFD, as in vLLM). `top_logprobs` lists the k most likely alternatives of
 each position (k = the request's `logprobs` / `top_logprobs`); in the completions form the chosen
 token comes first in that map whether or not it is among them (up to k + 1 entries, as the OpenAI
-reference and vLLM give), in the chat form it is reported in `token` only.
+reference and vLLM give), in the chat form it is reported in `token` only. With vLLM's
+`return_tokens_as_token_ids` every token string (and so `bytes` and `text_offset`) is "token_id:<id>" instead,
+as vLLM's serving code writes it.
 Must not: do I/O, validate requests (launcher/serving/openai_protocol.py) or know about the coordinator.
 """
 
@@ -32,36 +34,39 @@ class LogprobFormatter:
         self.tokenizer = tokenizer
         self._text: dict[int, str] = {}
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token decoded alone (special tokens kept)."""
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """The text of one token decoded alone (special tokens kept), or "token_id:<id>" when `as_id`."""
+        if as_id:
+            return f"token_id:{token_id}"
         text = self._text.get(token_id)
         if text is None:
             text = self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
     def completion(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], *,
-                   text_offset: int = 0) -> dict[str, Any]:
+                   text_offset: int = 0, as_ids: bool = False) -> dict[str, Any]:
         """The legacy completions `logprobs` object of `token_ids` (one entry each; None = the first
         prompt token, which has no logprob). text_offset: character offset of the first token in
-        the choice's text; offsets then advance by each token's text length."""
+        the choice's text; offsets then advance by each token's text length. as_ids: tokens as
+        "token_id:<id>" (`token_text`)."""
         tokens, logprobs, tops, offsets = [], [], [], []
         for t, entry in zip(token_ids, entries, strict=True):
-            tokens.append(self.token_text(t))
+            tokens.append(self.token_text(t, as_ids))
             offsets.append(text_offset)
             text_offset += len(tokens[-1])
             logprobs.append(None if entry is None else entry.logprob)
             tops.append(None if entry is None else {tokens[-1]: entry.logprob,
-                                                    **{self.token_text(i): lp for i, lp in entry.top}})
+                                                    **{self.token_text(i, as_ids): lp for i, lp in entry.top}})
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def chat(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-        """The chat `logprobs` object: {"content": [one record per token]}."""
-        return {"content": [{**self._chat_token(t, e.logprob),
-                             "top_logprobs": [self._chat_token(i, lp) for i, lp in e.top]}
+    def chat(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob], *, as_ids: bool = False) -> dict[str, Any]:
+        """The chat `logprobs` object: {"content": [one record per token]}; as_ids: as `completion`'s."""
+        return {"content": [{**self._chat_token(t, e.logprob, as_ids),
+                             "top_logprobs": [self._chat_token(i, lp, as_ids) for i, lp in e.top]}
                             for t, e in zip(token_ids, entries, strict=True)]}
 
-    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
+    def _chat_token(self, token_id: int, logprob: float, as_id: bool) -> dict[str, Any]:
+        text = self.token_text(token_id, as_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def of_choice(self, parsed: ParsedRequest, chat: bool, ids: list[int], entries: list,
@@ -70,8 +75,9 @@ class LogprobFormatter:
         prompt_entries: the prompt's logprobs (completions with echo, on the first chunk), else None."""
         if parsed.params.logprobs is None:
             return None
+        as_ids = parsed.return_tokens_as_token_ids
         if chat:
-            return self.chat(ids, entries)
+            return self.chat(ids, entries, as_ids=as_ids)
         if prompt_entries is not None:  # echo: the prompt's tokens first
             ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
-        return self.completion(ids, entries, text_offset=text_offset)
+        return self.completion(ids, entries, text_offset=text_offset, as_ids=as_ids)

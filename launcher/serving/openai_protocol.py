@@ -4,16 +4,17 @@ Owns turning a decoded JSON body of `POST /v1/completions` or `/v1/chat/completi
 token ids and `SamplingParams` (every bad field → `InvalidRequestError` naming it, which the HTTP
 layer answers with 400 and an OpenAI-style error body), rendering chat messages with the model's
 own Jinja chat template (sandboxed, as Hugging Face does), and building the JSON objects of
-responses and stream chunks. Field semantics follow the OpenAI API reference; extensions as vLLM's:
-`ignore_eos`, `return_token_ids` (adds `token_ids` to each choice / chunk), `repetition_penalty`.
-`logit_bias` (an object of token ids as strings -> bias in [-100, 100]; ids checked against the vocabulary),
-`logprobs` (completions: an integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo`
-(completions), `n` (1..MAX_N independent choices; with a `seed`, choice i uses seed + i) and the
-presence / frequency / repetition penalties map onto `SamplingParams` (pipeline/speculation/sampling.py);
-vLLM's `min_tokens`, `stop_token_ids`, `allowed_token_ids` and `bad_words` onto its token masks
-(pipeline/speculation/masks/token_masks.py; a stop token id is the choice's `stop_reason`);
-`response_format` and vLLM's `structured_outputs` onto its grammar (launcher/serving/formats/response_format.py);
-chat `tools` / `tool_choice` into `ParsedRequest.tools` and, named or "required", a grammar (formats/tools.py).
+responses and stream chunks. Field semantics follow the OpenAI API reference; extensions as vLLM's: `ignore_eos`,
+`return_token_ids` (adds `token_ids` to each choice / chunk), `repetition_penalty`. `logit_bias` (an object of
+token ids as strings -> bias in [-100, 100]; ids checked against the vocabulary), `logprobs` (completions: an
+integer 0..20; chat: true/false with `top_logprobs` 0..20), `echo` (completions), `n` (1..MAX_N independent
+choices; with a `seed`, choice i uses seed + i) and the presence / frequency / repetition penalties map onto
+`SamplingParams` (pipeline/speculation/sampling.py); vLLM's `min_tokens`, `stop_token_ids`, `allowed_token_ids`
+and `bad_words` onto its token masks (pipeline/speculation/masks/token_masks.py; a stop token id is the choice's
+`stop_reason`); `response_format` and vLLM's `structured_outputs` onto its grammar (formats/response_format.py);
+chat `tools` / `tool_choice` into `ParsedRequest.tools` and, named or "required", a grammar (formats/tools.py);
+vLLM's output-text fields into `ParsedRequest.text`, `truncate_prompt_tokens`, `add_special_tokens` and the vLLM
+fields refused rather than ignored (formats/vllm_fields.py).
 Must not: do I/O or know about the coordinator.
 """
 
@@ -29,8 +30,11 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from launcher.coordinator.request_handle import TextOptions
+from launcher.serving.formats import vllm_fields
 from launcher.serving.formats.chat_messages import chat_options, clean_messages
 from launcher.serving.formats.response_format import grammar_from_body
+from launcher.serving.formats.tool_output import keeps_special_tokens
 from launcher.serving.formats.tools import ToolRequest, tools_from_body
 from launcher.serving.prometheus import FINISH_REASONS
 from launcher.serving.serving_engine import MAX_TEMPERATURE, FinalInfo, InvalidRequestError
@@ -64,6 +68,8 @@ class ParsedRequest:
     echo: bool = False
     budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
     tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (launcher/serving/formats/tools.py)
+    text: TextOptions = TextOptions()  # skip_special_tokens, ... (launcher/serving/formats/vllm_fields.py)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens are "token_id:<id>" (openai_logprobs.py)
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling parameters of each of the n choices: the same, but with seed + i for
@@ -135,10 +141,12 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
             raise InvalidRequestError(f"'{name}' = {shown(value)} is not supported by this server", name)
+    vllm_fields.refuse_unsupported(body, error=InvalidRequestError)
     # max_completion_tokens (the newer name) wins unless it is null, as in vLLM
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, max_tokens_default, lo=1)
-    flags = {name: bool_field(body, name, False) for name in ("stream", "ignore_eos", "return_token_ids", "echo")}
+    flags = {name: bool_field(body, name, False)
+             for name in ("stream", "ignore_eos", "return_token_ids", "echo", "return_tokens_as_token_ids")}
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise InvalidRequestError("'stream_options' must be an object", "stream_options")
@@ -155,15 +163,15 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "seed": _int(body, "seed", None, lo=0, hi=API_SEED_LIMIT),
         "stop": _stop(body),
         **_usage_options(stream_options or {}),
+        "text": vllm_fields.text_options(body, error=InvalidRequestError),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
         "logit_bias": {} if body.get("logit_bias") is None else body["logit_bias"],  # {"50256": -100}; 0, "", [] are 400
         "grammar": grammar_from_body(body, error=InvalidRequestError),  # response_format / structured_outputs
-        # vLLM's token masks (pipeline/speculation/masks/token_masks.py checks them); null: unset
         **{name: body[name] for name in ("min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words")
-           if body.get(name) is not None},
+           if body.get(name) is not None},  # vLLM's token masks (speculation/masks/token_masks.py checks them); null: unset
     }
 
 
@@ -200,7 +208,7 @@ def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str, vocab_
     let it through is an InvalidRequestError naming the request's own field (`api_field`), not a bare
     ValueError (HTTP's `param: null`)."""
     options = {k: kw.pop(k) for k in ("stream", "include_usage", "continuous_usage", "return_token_ids", "n",
-                                      "echo", "budget_field")}
+                                      "echo", "budget_field", "text", "return_tokens_as_token_ids")}
     try:
         params = SamplingParams(**kw)
         params.check_vocab(vocab_size)
@@ -226,16 +234,18 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     if body.get("tools"):
         raise InvalidRequestError("'tools' is only supported on /v1/chat/completions", "tools")
     _completion_logprobs(body, kw)
+    keep = vllm_fields.truncation_limit(body.get("truncate_prompt_tokens"), max_model_len or 2**31,
+                                        max_tokens=kw["max_new_tokens"], error=InvalidRequestError)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("'prompt' is empty", "prompt")
-        _check_fits(tokenizer, prompt, max_model_len, "prompt")
-        ids = tokenizer.encode(prompt)
+        _check_fits(tokenizer, prompt, None if keep else max_model_len, "prompt")
+        ids = vllm_fields.encode_truncated(tokenizer, prompt, keep, bool_field(body, "add_special_tokens", True))
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
+        ids = vllm_fields.truncated(prompt, keep)
     elif prompt is None:
         raise InvalidRequestError("'prompt' is required", "prompt")
     else:
@@ -302,10 +312,15 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     tools = tools_from_body(body, parser=tool_parser, error=InvalidRequestError)
     text = render_chat(body.get("messages"), tokenizer=tokenizer, tools=tools and tools.tools,
                        **chat_options(body, error=InvalidRequestError))
-    _check_fits(tokenizer, text, max_model_len, "messages")
-    ids = tokenizer.encode(text, add_special_tokens=False)  # the template spells its own BOS (HF, vLLM)
+    keep = vllm_fields.truncation_limit(body.get("truncate_prompt_tokens"), max_model_len,
+                                        max_tokens=vllm_fields.asked_budget(body), error=InvalidRequestError)
+    _check_fits(tokenizer, text, None if keep else max_model_len, "messages")
+    special = bool_field(body, "add_special_tokens", False)  # false: the template spells its own BOS (HF, vLLM)
+    ids = vllm_fields.encode_truncated(tokenizer, text, keep, special)
     kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
+    if tools is not None and keeps_special_tokens(tools):  # the parser's adjust_request (formats/tool_output.py)
+        kw["text"] = dataclasses.replace(kw["text"], skip_special_tokens=False)
     if tools is not None and tools.constrains:
         _constrain_to_tools(kw, tools)
     return dataclasses.replace(_finish(kw, ids, "messages", tokenizer.vocab_size), tools=tools)

@@ -28,7 +28,6 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.coordinator.stage_restarts import RestartBudget
-from launcher.serving.formats.tool_parsers import check_tokenizer
 from launcher.serving.formats.tools import TOOL_PARSERS
 from workers.control_auth import API_KEY_ENV, TlsFiles
 
@@ -63,7 +62,12 @@ def add_serve_args(p: argparse.ArgumentParser, *, switch: bool = False) -> None:
                    "model decides, and --tool-call-parser finds its tool calls in its text (vLLM's flag)")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="the tool-call format of the model's chat template, for --enable-auto-tool-choice: "
-                   "hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Hermes)")
+                   "hermes = <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2.5, Hermes); "
+                   "llama3_json = "
+                   "[<|python_tag|>]{\"name\": ..., \"parameters\": ...}; ... (Llama 3.1-3.3, Llama 4 JSON); pythonic = "
+                   "[f(a=1), g()] (Llama 3.2 / Llama 4 pythonic); mistral = [TOOL_CALLS][{\"name\": ..., "
+                   "\"arguments\": ...}] or [TOOL_CALLS]name[ARGS]{...} (Mistral); llama4_json and llama4_pythonic: "
+                   "vLLM's aliases of llama3_json and pythonic")
     g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate of the stages' control plane (with "
                    "--tls-key; it must name every stage's host): stages serve TLS, the coordinator trusts it")
     g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
@@ -328,7 +332,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                model=(model_key(plan.model_dir), plan.model_dir.name))
     serve.check_ports()
     options, model, why = settle_auto(options, resolve(options), why)
-    check_tokenizer(serve.tool_call_parser if serve.enable_auto_tool_choice else None, model.tokenizer)
     _show_stats_lines()
     settle_coordinator_process()  # one torch thread, frozen start-up heap; before the pipeline's objects exist
     with (PipelineSession(options, model, tls=tls, restart_budget=restarts) as session,

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from launcher.coordinator.coordinator import Coordinator, RequestHandle, StreamChunk
+from launcher.coordinator.request_handle import TextOptions
 from launcher.serving.prometheus import ServingMetrics
 from pipeline.run_config import check_prompt_length
 from pipeline.speculation.echo import shown
@@ -341,10 +342,12 @@ class ServingEngine:
             field = prompt_field if not prompt_ids or len(prompt_ids) >= self.max_model_len else budget_field
             raise InvalidRequestError(str(exc), field) from None
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str) -> RequestStream:
-        """Submit a validated request. Raises QueueFullError when `max_num_seqs + max_queue` are
-        outstanding, UnavailableError while fenced, PipelineError if the pipeline failed, InvalidRequestError
-        (naming the field) for settings the coordinator rejects, ValueError for other input it rejects."""
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str,
+              text: TextOptions = TextOptions()) -> RequestStream:
+        """Submit a validated request (`text`: how its tokens become text). Raises QueueFullError when
+        `max_num_seqs + max_queue` are outstanding, UnavailableError while fenced, PipelineError if the pipeline
+        failed, InvalidRequestError (naming the field) for settings the coordinator rejects, ValueError for other
+        input it rejects."""
         silent = self._silent_stage()  # outside the lock: the heartbeat's own lock
         with self._lock:
             if self._fence is not None or silent is not None:
@@ -357,7 +360,7 @@ class ServingEngine:
                                      f"(--max-num-seqs {self.max_num_seqs} + --max-queue {self.max_queue}); retry later")
             self._outstanding += 1
         try:
-            handle = self.coordinator.submit(list(prompt_ids), params, request_id=request_id)
+            handle = self.coordinator.submit(list(prompt_ids), params, request_id=request_id, text=text)
         except SamplingParamError as exc:  # the coordinator's token mask checks (`tokenized_masks`): the field's error
             self._release()
             raise InvalidRequestError.of_setting(exc, exc.param) from None

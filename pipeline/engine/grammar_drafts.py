@@ -34,10 +34,35 @@ at MAX_JUMP_ROWS / the row-cost table (`max_jump_rows`). Its later rows are coun
 (`grammar_jump_tokens`, `SpecCounters.jump_verified` / `jump_accepted`, `InFlight.jump`): never as
 FIRP drafts (FIRP's counters, RowBudget's depth table) nor in the SPEED run-ahead acceptance, which
 is per item. A tree draft far behind a jump item gets no siblings ([Note: token trees], scratch).
-It needs the run-ahead chain (`--speculate speed` or `speed+firp`), not FIRP chains. The exit stage
-does not run its head on an item whose next draft is forced: nothing reads that guess
+The exit stage does not run its head on an item whose next draft is forced: nothing reads that guess
 ([Note: exit-head skipping] in pipeline/engine/row_budget.py). `SchedulerConfig.grammar_jump=False`
 sends forced tokens one per item again.
+
+Riding: a real item (nothing of the sequence in flight: after a squash, the corrected token; after
+the first token; after a chain that drained) whose next token is forced carries the forced run as
+its own extra rows instead of a draft item behind it (`real_rows`), when it carries no FIRP chain
+(a chain already takes the forced token at a forced position). The real item is then a FIRP-shaped
+item whose drafts are the run (`InFlight.jump`, `SequenceState.pending_jump`), and nothing new is
+needed for exactness: its rows go through the one chain rule ([Note: chain verify]), row 0's result
+checked against the run's first token, row i's against token i + 1, each the only token the mask
+allows after the committed prefix (so accepted, p = 1); the ledger records it with `add_real`
+(contiguous from the committed length, within the budget, at most MAX_JUMP_ROWS rows with the real
+token's), and any other outcome (a non-finite row) stops the commit there as for any chain, the next
+real item truncating the KV at the committed length. tests/unit/test_grammar_paths.py's checked ring
+asserts it at every item (KV and context in step, a real item at the committed length - 1). What it
+buys: the run commits one result earlier (no draft item waiting for the slot behind the real item)
+and needs no free micro-batch slot (a loaded pipeline, where draft items rarely go, gets it too).
+Its FIRP rows hang off its last row only (the run is sure). It rides with SPEED or FIRP on; plain
+decoding (`--speculate none`) stays one row per pass (`GrammarDrafts.of`). Jump-forward, riding or
+not, is a multi-row verify pass whose last row gives a free token, so it is exact only where a row of
+a multi-row pass computes what a 1-row pass does: dense bfloat16/float16 runs without it (forced
+tokens one per item), as it refuses FIRP and token trees (`RunConfig.rows_pass_alone`).
+
+Counters count what was sent (`count_sent`): `grammar_forced` the draft items whose token the grammar
+forced, `grammar_jump_tokens` the forced rows items carried after their first (a jump draft item's,
+a riding real item's); a run made but never sent (no free slot, dropped at a squash) counts nothing,
+so jump_accepted <= jump_verified <= grammar_jump_tokens. `grammar_replaced` / `grammar_dropped`
+count decisions (a proposal made again after its draft was never sent counts again).
 
 Stage-local drafting (pipeline/engine/local_draft.py) has no grammar: a constrained
 sequence is drafted by the coordinator alone. The drafting matcher is separate from the verifier's so that neither's sync
@@ -59,10 +84,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.speculation.grammar import GrammarError, GrammarState
+from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.predictors import Draft, ExitGuess
 
 if TYPE_CHECKING:
-    from pipeline.engine.records import SequenceState, SpecCounters
+    from pipeline.engine.records import SchedulerConfig, SequenceState, SpecCounters
     from pipeline.speculation.tree import RowCosts
 
 GRAMMAR_SOURCE = "grammar"  # Draft.source of a forced draft (its own draft-gate bucket: acceptance 1)
@@ -74,12 +100,17 @@ MAX_JUMP_ROWS = 16
 
 def max_jump_rows(row_costs: RowCosts | None) -> int:
     """Rows a jump-forward item may hold: MAX_JUMP_ROWS, or with the measured table
-    (pipeline/measure/row_cost.py) fewer where a row more would raise the cost per row, cost_s(n) / n
-    ([Note: rows worth sending] there with every draft certain: a pass of n sure rows commits n tokens)."""
-    n = 1
-    while n < MAX_JUMP_ROWS and (row_costs is None or row_costs.cost_s(n + 1) / (n + 1) <= row_costs.cost_s(n) / n):
-        n += 1
-    return n
+    (pipeline/measure/row_cost.py) the n <= MAX_JUMP_ROWS of the lowest cost per row, cost_s(n) / n,
+    the largest on a tie ([Note: rows worth sending] there with every draft certain: a pass of n sure
+    rows commits n tokens, so tokens per second peak there). The minimum over the whole table, not the
+    first n where the cost per row rises: timing noise is one-sided (interference only adds time), so a
+    single slow point makes a bump that a first-rise rule stops at, shortening every run, while the
+    global minimum steps over it; a point can only win by being cheap per row."""
+    if row_costs is None:
+        return MAX_JUMP_ROWS
+    per_row = {n: row_costs.cost_s(n) / n for n in range(1, MAX_JUMP_ROWS + 1)}
+    best = min(per_row.values())
+    return max(n for n, cost in per_row.items() if cost <= best * (1 + 1e-9))  # (1e-9: rounding is a tie)
 
 
 @dataclasses.dataclass
@@ -146,6 +177,12 @@ class GrammarDrafts:
         self.enabled, self.jump = enabled, jump
         self.skip_exit = True  # False: the exit head runs before forced drafts too (the benchmark's `:noskip`)
 
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> GrammarDrafts:
+        """The rules `config` asks for (`grammar_drafts`, `grammar_jump`); jump-forward only where drafts
+        are verified (SPEED or FIRP): plain decoding stays one row per pass."""
+        return cls(enabled=config.grammar_drafts, jump=config.grammar_jump and (config.speculate or config.firp_k > 0))
+
     def _view(self, seq: SequenceState, extra: Sequence[int] = ()) -> DraftView | None:
         if not self.enabled or seq.grammar is None:
             return None
@@ -178,8 +215,7 @@ class GrammarDrafts:
         else the predictor's `propose(context, guess)` if the grammar allows it (or the sequence is
         unconstrained); else its best allowed `alternatives(context, guess)` (replaced), else None
         (dropped; so is a proposal after a chain the grammar already rejects)."""
-        if forced is not None:
-            spec.grammar_forced += 1
+        if forced is not None:  # (counted as it is sent: `count_sent`)
             return forced
         draft = predictor.propose(seq.context(), guess)
         view = self._view(seq)
@@ -195,8 +231,7 @@ class GrammarDrafts:
         spec.grammar_dropped += 1
         return None
 
-    def run(self, seq: SequenceState, draft: Draft, *, limit: int, spec: SpecCounters,
-            row_costs: RowCosts | None = None) -> tuple[int, ...]:
+    def run(self, seq: SequenceState, draft: Draft, *, limit: int, row_costs: RowCosts | None = None) -> tuple[int, ...]:
         """The tokens of the draft item after the chain's end: `draft`, and when it is forced (from
         `forced`) the run the grammar forces after it (jump-forward, see the note), at most `limit`
         tokens (positions left before the token budget) and `max_jump_rows(row_costs)`, up to EOS."""
@@ -209,8 +244,33 @@ class GrammarDrafts:
             if token is None or token < 0 or token in eos:
                 break
             out.append(token)
-        spec.grammar_jump_tokens += len(out) - 1
         return tuple(out)
+
+    def real_rows(self, seq: SequenceState, firp_drafts: Sequence[int], spec: SpecCounters, *,
+                  row_costs: RowCosts | None = None) -> tuple[tuple[int, ...], bool]:
+        """(the drafts the real item after the committed output carries, whether they are a forced run):
+        its FIRP chain (`chain` of `firp_drafts`, within the token budget); with none and jump-forward on,
+        the run the grammar forces after the committed output (`run`), riding on the real item as its
+        extra rows (see the note): within the budget, and with the real token's row at most
+        `max_jump_rows(row_costs)` rows in all; else ()."""
+        drafts = self.chain(seq, firp_drafts[:seq.ledger.max_firp_drafts()], spec)
+        limit = min(seq.ledger.max_firp_drafts(), max_jump_rows(row_costs) - 1)  # (the real token's row counts)
+        forced = None if drafts or not self.jump or limit < 1 else self.forced(seq)
+        if forced is None or forced.token in seq.grammar.vocab.eos_token_ids:  # (the real row's result commits EOS)
+            return drafts, False
+        return self.run(seq, forced, limit=limit), True
+
+    @staticmethod
+    def count_sent(seq: SequenceState, item: Item, spec: SpecCounters) -> None:
+        """Count `item` of `seq` as it is sent (the scheduler's `_take`, before `seq.pending` is read
+        again): a draft item the grammar forced (grammar_forced) and the forced rows an item carries
+        after its first (grammar_jump_tokens: a jump draft item's, or a real item's with
+        `seq.pending_jump`). A run made and never sent (no free slot, dropped at a squash) counts nothing."""
+        if item.kind == ItemKind.DRAFT:
+            spec.grammar_forced += seq.pending_key is not None and seq.pending_key[0] == GRAMMAR_SOURCE
+            spec.grammar_jump_tokens += item.num_tokens - 1  # (only a jump run makes a draft item of several rows)
+        elif item.kind != ItemKind.PREFILL and seq.pending_jump:
+            spec.grammar_jump_tokens += item.num_tokens - 1
 
     def filtered(self, seq: SequenceState, predictor):
         """`predictor` for the token tree of the draft after the chain's end: its `alternatives`

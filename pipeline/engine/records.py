@@ -105,6 +105,7 @@ class SequenceState:
     exit_seen: tuple[int, int, ExitGuess | None] | None = None  # (position, epoch, guess) of the last exit event
     pending_ready_ns: int = 0  # when the pending draft became available (caller's clock)
     pending_key: tuple[str, int] | None = None  # the pending draft's DraftGate bucket (the ledger keeps it once sent)
+    pending_jump: bool = False  # the pending real item's drafts are a grammar's forced run, not FIRP's (InFlight.jump)
     firp_drafts: tuple[int, ...] = ()  # FIRP drafts for the positions after the last committed token
     grammar: GrammarState | None = None  # the structured output's matcher (`SamplingParams.grammar`)
     draft_grammar: DraftMatcher | None = None  # its drafting matcher (pipeline/engine/grammar_drafts.py)
@@ -186,10 +187,10 @@ class SpecCounters:
     committed_tokens: int = 0
     exit_rows: int = 0  # decode items the exit head ran on ([Note: exit-head skipping])
     exit_rows_skipped: int = 0  # decode items that passed the exit stage without it
-    grammar_forced: int = 0  # drafts the grammar forced ([Note: grammar-aware drafting])
+    grammar_forced: int = 0  # draft items sent whose token the grammar forced ([Note: grammar-aware drafting])
     grammar_replaced: int = 0  # forbidden drafts replaced by an allowed candidate (or a FIRP draft by a forced token)
     grammar_dropped: int = 0  # forbidden drafts not sent (no allowed candidate); a FIRP chain cut counts once
-    grammar_jump_tokens: int = 0  # forced tokens drafted as the later rows of a jump-forward item
+    grammar_jump_tokens: int = 0  # forced rows sent after an item's first (a jump draft item's, a riding real item's)
     jump_verified: int = 0  # of those, verified (their share of verified_drafts; never FIRP's)
     jump_accepted: int = 0  # and accepted (their share of accepted_tokens)
 

@@ -80,7 +80,7 @@ class Scheduler:
         self.credits: list[Item] = []  # CREDITs for the exit stage ([Note: stage-local drafting])
         self.spec = SpecCounters()
         self.gate = DraftGate(min_acceptance=config.min_acceptance)
-        self.grammar_drafts = GrammarDrafts(enabled=config.grammar_drafts, jump=config.grammar_jump)  # [Note: grammar-aware drafting]
+        self.grammar_drafts = GrammarDrafts.of(config)  # [Note: grammar-aware drafting]
         self.rows = RowBudget(max_firp_k=config.firp_k, row_costs=config.row_costs,
                               pseudo_weight=config.firp_pseudo_weight)  # [Note: row-cost-driven chains]
         self.tree = TokenTree(width=config.draft_tree, num_stages=config.num_stages,  # [Note: token trees]
@@ -141,8 +141,7 @@ class Scheduler:
                  or self._take(self.drafting, self.config.max_num_seqs, now_ns, ready_ns))
         if not batch:
             return None
-        drafts_only = len(ready_ns) == len(batch)
-        return MicroBatch(items=tuple(batch), drafts_ready_ns=max(ready_ns) if drafts_only else None)
+        return MicroBatch(items=tuple(batch), drafts_ready_ns=max(ready_ns) if len(ready_ns) == len(batch) else None)
 
     def _take(self, queue: collections.deque[int], size: int, now_ns: int, ready_ns: list[int]) -> list[Item]:
         """Pop up to `size` pending items off `queue`; appends each draft's ready time to ready_ns."""
@@ -161,9 +160,10 @@ class Scheduler:
             elif item.kind == ItemKind.PREFILL:
                 seq.ledger.add_real(item.token_ids[-1])
             else:
-                seq.ledger.add_real(item.token_ids[0], item.token_ids[1:])
+                seq.ledger.add_real(item.token_ids[0], item.token_ids[1:], jump=seq.pending_jump)
                 self.spec.drafted_tokens += item.num_tokens - 1
-                self.spec.firp_drafted += item.num_tokens - 1
+                self.spec.firp_drafted += 0 if seq.pending_jump else item.num_tokens - 1
+            self.grammar_drafts.count_sent(seq, item, self.spec)  # forced drafts and jump rows, as sent
             want = self._wants_exit(seq, item, pipeline_full=pipeline_full)  # (item: now the chain's end)
             item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))
             item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full,
@@ -190,14 +190,14 @@ class Scheduler:
         if not seq.output_ids:
             self._queue_prefill(seq)
             return
-        # FIRP drafts, cut at the first the grammar forbids ([Note: grammar-aware drafting])
-        drafts = self.grammar_drafts.chain(seq, seq.firp_drafts[:seq.ledger.max_firp_drafts()], self.spec)
+        # FIRP drafts, cut at the first the grammar forbids, or a forced run ([Note: grammar-aware drafting])
+        drafts, seq.pending_jump = self.grammar_drafts.real_rows(seq, seq.firp_drafts, self.spec, row_costs=self.rows.row_costs)
         start = seq.num_tokens - 1
-        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts),
-                           epoch=seq.epoch, kind=ItemKind.FIRP if drafts else ItemKind.DECODE,
-                           token_ids=(seq.output_ids[-1], *drafts), want_logits=seq.params.needs_logits,
-                           keep_sibling=self.tree.fixups.pop(seq.seq_id, -1),
-                           **self._firp_fields(seq, first_anchor=start, num_anchors=1 + len(drafts)))
+        seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts), epoch=seq.epoch,
+                           kind=ItemKind.FIRP if drafts else ItemKind.DECODE, token_ids=(seq.output_ids[-1], *drafts),
+                           want_logits=seq.params.needs_logits, keep_sibling=self.tree.fixups.pop(seq.seq_id, -1),
+                           **self._firp_fields(seq, first_anchor=start + len(drafts) * seq.pending_jump,  # (a sure
+                                               num_anchors=1 if seq.pending_jump else 1 + len(drafts)))  # run: its end)
         seq.firp_drafts = ()
         self.ready.append(seq.seq_id)
 
@@ -282,7 +282,7 @@ class Scheduler:
             return
         seq.pending_key = self.gate.key(draft)
         run = self.grammar_drafts.run(seq, draft, limit=seq.ledger.last_item_position - end.last_position,  # jump-forward
-                                      spec=self.spec, row_costs=self.rows.row_costs)
+                                      row_costs=self.rows.row_costs)
         start = end.last_position + 1
         firp = self._firp_fields(seq, first_anchor=start + len(run) - 1, num_anchors=1)
         tree = self.tree.draft_fields(self.grammar_drafts.filtered(seq, self.predictor), seq.context(), guess, draft, start=start,

@@ -195,10 +195,10 @@ def assemble_stage(spec: StageLoadSpec) -> AssembledStage:
 
 def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLoadSpec, *,
                     model: StageModel | None = None) -> ExitHead:
-    """Copies of the final norm and LM head for the exit head after `spec.exit_layer`, behind the
-    trained map of `spec.exit_predictor` when one was sent (validated: kind, exit layer, hidden
-    size), restricted to the file's draft vocabulary when it has one. A next-layer file's draft
-    layer is attached to `model` ([Note: next-layer drafter]). Raises ValueError."""
+    """Copies of the final norm and LM head (and the final logit soft-cap) for the exit head after
+    `spec.exit_layer`, behind the trained map of `spec.exit_predictor` when one was sent (validated:
+    kind, exit layer, hidden size), restricted to the file's draft vocabulary when it has one. A
+    next-layer file's draft layer is attached to `model` ([Note: next-layer drafter]). Raises ValueError."""
     norm, lm_head = read_norm_and_head(reader, config, dtype=spec.activation_dtype, device=spec.device)
     exit_map, vocab = None, None
     if spec.exit_predictor:
@@ -214,7 +214,8 @@ def build_exit_head(config: ModelConfig, reader: CheckpointReader, spec: StageLo
             device=spec.device, dtype=spec.activation_dtype)
         vocab = pred.draft_vocab
     with torch.device("meta"):
-        head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
+        head = ExitHead(config.hidden_size, config.vocab_size, config.rms_norm_eps,
+                        softcap=config.final_logit_softcapping)
     head.load_state_dict({"norm.weight": norm, "lm_head.weight": lm_head}, assign=True)
     head.exit_map = exit_map
     if vocab is not None:  # [Note: draft vocabulary] in pipeline/speculation/predictors.py

@@ -24,6 +24,15 @@ a grouped-GEMM formulation fails it); the bmm is ~1.4x cheaper than the elementw
 product-and-sum it replaced (tests/benchmarks/row_cost.py, README "Fast passes"). Longer items
 (prefills) are attended one by one with SDPA: a prefill has the same shape in every speculation
 mode, so it needs no invariance.
+
+[Note: attention soft-capping]
+Gemma 2 caps every attention score at `softcap` (scores = softcap * tanh(scores / softcap), after
+the query scale and BEFORE the mask; Gemma 2 paper, arXiv 2408.00118 §2, as transformers' eager
+attention does it). The batched path caps its float32 scores in place, an elementwise step that
+keeps its batch invariance. SDPA has no cap, so a capped prefill takes `_capped_attention`, the
+same maths written out (float32 scores, GQA by expanding the keys, CAPPED_QUERY_BLOCK query rows at a
+time so that a long prompt needs no [heads, n, n] buffer); without a cap both paths run
+exactly the ops they ran before (one Python branch, no extra tensor op).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from pipeline.model.row_layout import PseudoLayout, Span
 
 SMALL_ITEM_ROWS = 16  # items with at most this many real rows take the batched, batch-invariant path
 KEY_BLOCK = 32  # cached keys are read in whole blocks of this many positions (see the note)
+CAPPED_QUERY_BLOCK = 256  # query rows per float32 scores block of a soft-capped prefill (`_capped_attention`)
 
 
 @dataclasses.dataclass
@@ -165,9 +175,11 @@ def num_real_rows(spans: Sequence[Span]) -> int:
 
 
 def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         masked_out: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+                         masked_out: torch.Tensor | None, scale: float | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """q: [B, Q, kv_heads, group, d]; keys/values: [B, kv_heads, L, d]; masked_out: [B, Q, L] bool
-    (True = may NOT attend) or None; scale: softmax scale (default 1/sqrt(d)).
+    (True = may NOT attend) or None; scale: softmax scale (default 1/sqrt(d)); softcap: the scores'
+    cap ([Note: attention soft-capping]) or None.
 
     Returns [B, Q, kv_heads, group, d] float32 ([Note: batch-invariant attention]): one `torch.bmm`
     for the scores and one for the weighted sum, each over B * Q * kv_heads products of the same
@@ -182,6 +194,8 @@ def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     kk = keys[:, None].expand(b, nq, kvh, length, d).float().reshape(-1, length, d)
     vv = values[:, None].expand(b, nq, kvh, length, d).float().reshape(-1, length, d)
     scores = torch.bmm(qq, kk.transpose(1, 2)).view(b, nq, kvh, g, length).mul_(scale)  # in place: our own tensor
+    if softcap is not None:  # before the mask ([Note: attention soft-capping])
+        scores.div_(softcap).tanh_().mul_(softcap)
     if masked_out is not None:
         scores.masked_fill_(masked_out[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -189,12 +203,14 @@ def _invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, kv: KVCache,
-                   layer: int, *, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                   layer: int, *, window: int | None = None, scale: float | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Write the real rows' k/v into `kv` at `layer`, then attend every query row.
 
     q: [num_rows, heads, d]; k, v: [num_rows, kv_heads, d] (RoPE applied); pseudo rows are never
-    written to the cache. window: sliding-window size of this layer (Mistral, Gemma 3) or None;
-    scale: softmax scale (default 1/sqrt(d)). Returns [num_rows, heads, d] in q's dtype.
+    written to the cache. window: sliding-window size of this layer (Mistral, Gemma 2/3) or None;
+    scale: softmax scale (default 1/sqrt(d)); softcap: cap of the attention scores (Gemma 2,
+    [Note: attention soft-capping]) or None. Returns [num_rows, heads, d] in q's dtype.
     Raises ValueError for FIRP pseudo rows on a sliding-window layer.
     """
     num_real = plan.write_slots.shape[0]
@@ -221,7 +237,7 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
             b, pos, rows = plan.sibling_batch, plan.sibling_positions, plan.sibling_rows
             keys[b, :, pos] = k[rows].to(keys.dtype)
             values[b, :, pos] = v[rows].to(values.dtype)
-        o = _invariant_attention(qp, keys, values, plan.masked_out_for(window), scale).to(q.dtype)
+        o = _invariant_attention(qp, keys, values, plan.masked_out_for(window), scale, softcap).to(q.dtype)
         if plan.dense_rows:
             return o.reshape(q.shape)
         out[plan.dst] = o.reshape(-1, h, d)[plan.src]
@@ -229,12 +245,38 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     for s in plan.spans:
         row_of.append(row_of[-1] + s.num_tokens)
     for i in plan.large:
-        _large_item(out, q, k, v, plan, kv, layer, i, row_of[i], window=window, scale=scale)
+        _large_item(out, q, k, v, plan, kv, layer, i, row_of[i], window=window, scale=scale, softcap=softcap)
     return out
 
 
+def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None, softcap: float) -> torch.Tensor:
+    """SDPA with soft-capped scores ([Note: attention soft-capping]). q: [1, heads, n, d];
+    keys/values: [1, kv_heads, L, d]; mask: [n, L] bool, True = attend. Returns [1, heads, n, d] in q's dtype.
+    Query rows go in blocks of CAPPED_QUERY_BLOCK, so a long prompt's float32 scores are [heads, block, L]
+    at a time, never [heads, n, L] (SDPA's kernels hold no n x L buffer either)."""
+    group = q.shape[1] // keys.shape[1]
+    kk, vv = (t.float().repeat_interleave(group, dim=1) for t in (keys, values))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    for lo in range(0, q.shape[2], CAPPED_QUERY_BLOCK):
+        rows = slice(lo, lo + CAPPED_QUERY_BLOCK)
+        scores = torch.matmul(q[:, :, rows].float(), kk.transpose(-1, -2)).mul_(scale).div_(softcap).tanh_()
+        probs = torch.softmax(scores.mul_(softcap).masked_fill_(~mask[rows], float("-inf")), dim=-1)
+        out[:, :, rows] = torch.matmul(probs, vv).to(q.dtype)
+    return out
+
+
+def _sdpa(q, keys, values, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """GQA SDPA of q [1, heads, n, d] over keys/values [1, kv_heads, L, d] with mask [n, L] (True =
+    attend), or `_capped_attention` when `softcap` is set."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
+    return _capped_attention(q, keys, values, mask, scale, softcap)
+
+
 def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: int, row: int, *,
-                window: int | None, scale: float | None) -> None:
+                window: int | None, scale: float | None, softcap: float | None) -> None:
     """SDPA of item i's real rows (a prefill) over its cached keys, and of its pseudo rows if it has
     any ([Note: pseudo rows] in pipeline/model/row_layout.py); writes them into `out`."""
     span = plan.spans[i]
@@ -244,8 +286,7 @@ def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: i
     rows = slice(row, row + n)
     if plan.pseudo is None or plan.pseudo.masks[i] is None:
         mask = window_mask(torch.arange(span.start, end, device=q.device), end, window)  # [n, end]
-        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                           enable_gqa=True, scale=scale)
+        o = _sdpa(q[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale, softcap)
         out[rows] = o[0].transpose(0, 1)
         return
     if window is not None:
@@ -254,6 +295,5 @@ def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: i
     keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
     values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
     both = torch.cat([q[rows], q[prows]]).transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(both, keys[None], values[None], attn_mask=plan.pseudo.masks[i],
-                                       enable_gqa=True, scale=scale)[0].transpose(0, 1)
+    o = _sdpa(both, keys[None], values[None], plan.pseudo.masks[i], scale, softcap)[0].transpose(0, 1)
     out[rows], out[prows] = o[:n], o[n:]

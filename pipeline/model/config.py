@@ -25,27 +25,30 @@ MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": to
 # (see [Note: model families] below); the HF class each one is checked against in tests.
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(HF_ARCHITECTURES)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-_O_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3_text")  # o_proj has a bias iff attention_bias
+_O_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text")  # o bias iff attention_bias
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")  # (1 + w) norms, GeGLU, sqrt(hidden) embedding scale, tied head
 _UNIFORM_WINDOW = ("mistral", "mixtral", "phi3", "qwen3_moe")  # a sliding_window applies to every layer
 
 # [Note: model families]
 # One decoder, switched by these ModelConfig fields (all default to plain Llama):
-#   attention_bias / o_proj_bias   q,k,v (and o) biases: qwen2 (q,k,v only), llama/qwen3/gemma3 when set
+#   attention_bias / o_proj_bias   q,k,v (and o) biases: qwen2 (q,k,v only), llama/qwen3/gemma* when set
 #   qk_norm                        RMSNorm over head_dim on q and k before RoPE: qwen3, qwen3_moe, gemma3
-#   norm_weight_offset             gemma's RMSNorm multiplies by (1 + w): 1.0 for gemma3
-#   sandwich_norms                 gemma3: norm the attention output, and pre-/post-feed-forward norms
-#   hidden_act                     silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, gemma3)
-#   embedding_scale                token embedding times sqrt(hidden_size) (gemma3)
-#   query_pre_attn_scalar          attention scale 1/sqrt(this) instead of 1/sqrt(head_dim) (gemma3)
-#   layer_types, sliding_window    per-layer full or sliding-window causal attention (mistral, gemma3)
+#   norm_weight_offset             gemma's RMSNorm multiplies by (1 + w): 1.0 for gemma, gemma2, gemma3
+#   sandwich_norms                 gemma2/3: norm the attention output, and pre-/post-feed-forward norms
+#   hidden_act                     silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, gemma*)
+#   embedding_scale                token embedding times sqrt(hidden_size) (gemma*)
+#   query_pre_attn_scalar          attention scale 1/sqrt(this) instead of 1/sqrt(head_dim) (gemma2/3)
+#   layer_types, sliding_window    per-layer full or sliding-window causal attention (mistral, gemma2/3)
 #   rope_local_theta               RoPE base of sliding layers, unscaled (gemma3's rope_local_base_freq)
-#   final_logit_softcapping        logits = cap * tanh(logits / cap)
+#   attn_logit_softcapping         attention scores = cap * tanh(scores / cap), before the mask (gemma2 only)
+#   final_logit_softcapping        logits = cap * tanh(logits / cap) (gemma2, gemma3 when set)
 #   num_experts, ...               sparse mixture-of-experts feed-forward (mixtral, qwen3_moe)
 # phi3 differs only in the checkpoint (fused qkv_proj and gate_up_proj); see pipeline/weights/checkpoint.py.
 
@@ -86,6 +89,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     rope_local_theta: float | None = None
+    attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -191,7 +195,7 @@ class ModelConfig:
                                     else d["num_key_value_heads"]),  # absent or null: one KV head per head, as HF
             head_dim=int(d.get("head_dim") or 0),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma3_text")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in GEMMA_FAMILIES)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             bos_token_id=d.get("bos_token_id"),
@@ -272,7 +276,7 @@ def _check_family_fields(c: ModelConfig) -> None:
         if c.moe_intermediate_size <= 0 or c.moe_layer_step < 1:
             raise ValueError(f"moe_intermediate_size ({c.moe_intermediate_size}) must be > 0 and moe_layer_step "
                              f"({c.moe_layer_step}) >= 1")
-    for name in ("final_logit_softcapping", "query_pre_attn_scalar"):
+    for name in ("final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar"):
         if getattr(c, name) is not None and getattr(c, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(c, name)}")
 
@@ -282,14 +286,14 @@ _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", 
                   "sliding_window_pattern", "max_window_layers", "num_local_experts", "num_experts",
                   "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 _FLOATS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping",
-           "partial_rotary_factor")
+           "attn_logit_softcapping", "partial_rotary_factor")
 _ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor", "beta_fast",
                 "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 # transformers checks no types inside rope_scaling: 8192.0 works there (llama3 divides by it), so it does here.
 _ROPE_INTS = ("original_max_position_embeddings",)
 # Numeric keys whose null means "absent / off" (as in transformers' config classes); any other null is refused.
-_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping", "beta_fast", "beta_slow",
-             "mscale", "mscale_all_dim", "attention_factor")  # the last five: transformers' yarn defaults
+_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping", "attn_logit_softcapping",
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")  # the last five: transformers' yarn defaults
 
 
 def _check_required_fields(d: dict[str, Any]) -> None:

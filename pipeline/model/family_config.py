@@ -15,16 +15,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeline.model.config import FULL_ATTENTION, SLIDING_ATTENTION
+from pipeline.model.config import FULL_ATTENTION, GEMMA_FAMILIES, SLIDING_ATTENTION
 from pipeline.model.rope import partial_rotary_factor, scaling_from_dict
 
 # Families whose config classes derive per-layer sliding windows from `use_sliding_window`.
 _QWEN = ("qwen2", "qwen3", "qwen3_moe")
 # transformers' defaults for a key missing from config.json, per family.
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0}
-_DEFAULT_EPS = {"gemma3_text": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
-_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "gemma3_text": 4096}
+_DEFAULT_EPS = {"gemma": 1e-6, "gemma2": 1e-6, "gemma3_text": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "gemma2": 4096, "gemma3_text": 4096}
 _GEMMA_SLIDING_PATTERN = 6
+# Gemma2Config's defaults of its soft-caps (Gemma3TextConfig's are None); null in config.json: no cap.
+_GEMMA2_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+# Families that read a cap on the attention scores; any other family refuses one (transformers' Gemma 3
+# attention passes no cap to its attention function, so a gemma3 config that sets one is refused too).
+_ATTN_CAP_FAMILIES = ("gemma2",)
 
 
 def rope_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -50,8 +55,8 @@ def _layer_types(d: dict[str, Any], model_type: str, num_layers: int, window: in
         return tuple(d["layer_types"])
     if window is None:
         return (FULL_ATTENTION,) * num_layers
-    if model_type == "gemma3_text":
-        pattern = int(d.get("sliding_window_pattern", _GEMMA_SLIDING_PATTERN))
+    if model_type in ("gemma2", "gemma3_text"):  # Gemma2Config: every 2nd layer global; Gemma3's pattern: every 6th
+        pattern = int(d.get("sliding_window_pattern", _GEMMA_SLIDING_PATTERN)) if model_type == "gemma3_text" else 2
         return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers))
     if model_type in ("qwen2", "qwen3"):
         first = int(d.get("max_window_layers", 28))
@@ -60,8 +65,8 @@ def _layer_types(d: dict[str, Any], model_type: str, num_layers: int, window: in
 
 
 def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
-    if model_type in _QWEN and not d.get("use_sliding_window", False):
-        return None
+    if model_type == "gemma" or (model_type in _QWEN and not d.get("use_sliding_window", False)):
+        return None  # GemmaConfig has no sliding window
     window = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))
     return None if window is None else int(window)
 
@@ -79,13 +84,40 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
             "dense_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ())}
 
 
+def _activation(d: dict[str, Any], model_type: str) -> str:
+    """The feed-forward activation transformers' config class of the family reads: GemmaConfig's
+    `hidden_act` (its legacy "gelu" means the tanh approximation), Gemma2/3's `hidden_activation`."""
+    if model_type == "gemma":
+        act = d.get("hidden_act") or "gelu_pytorch_tanh"
+        return "gelu_pytorch_tanh" if act == "gelu" else act
+    if model_type in GEMMA_FAMILIES:
+        return d.get("hidden_activation") or "gelu_pytorch_tanh"
+    return d.get("hidden_activation") or d.get("hidden_act") or "silu"
+
+
 def _reject_unsupported(d: dict[str, Any], model_type: str) -> None:
-    for key in ("mlp_bias", "attn_logit_softcapping", "use_bidirectional_attention"):
+    refused = ("mlp_bias", "use_bidirectional_attention") + (() if model_type in _ATTN_CAP_FAMILIES
+                                                             else ("attn_logit_softcapping",))
+    for key in refused:
         if d.get(key) not in (None, False):
             raise ValueError(f"{model_type} config {key}={d[key]!r} is not supported (only null/false)")
-    act = d.get("hidden_activation") or d.get("hidden_act")
-    if act not in (None, "silu", "gelu_pytorch_tanh"):
+    act = _activation(d, model_type)
+    if act not in ("silu", "gelu_pytorch_tanh"):
         raise ValueError(f"{model_type} config activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+
+
+def _gemma_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Gemma 1 (GemmaConfig), Gemma 2 (Gemma2Config) and Gemma 3 (Gemma3TextConfig) fields: (1 + w)
+    norms, sqrt(hidden) embedding scale, head_dim 256 when absent; Gemma 2/3 add sandwich norms, the
+    query scale and the final logit soft-cap (Gemma 2 also the attention one; its caps default to 50 / 30
+    when absent, Gemma 3's to none)."""
+    out: dict[str, Any] = {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(int(d["hidden_size"])),
+                           "head_dim": int(d.get("head_dim") or 256)}
+    if model_type == "gemma":
+        return out
+    caps = _GEMMA2_CAPS if model_type == "gemma2" else {"final_logit_softcapping": None}
+    return out | {"sandwich_norms": True, "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+                  **{k: d.get(k, default) for k, default in caps.items()}}
 
 
 def family_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -97,18 +129,14 @@ def family_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     window = _sliding_window(d, model_type)
     out: dict[str, Any] = {
         "qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-        "hidden_act": d.get("hidden_activation") or d.get("hidden_act") or "silu",
+        "hidden_act": _activation(d, model_type),
         "layer_types": _layer_types(d, model_type, int(d["num_hidden_layers"]), window),
         "sliding_window": window,
     }
     if "rms_norm_eps" not in d and model_type in _DEFAULT_EPS:
         out["rms_norm_eps"] = _DEFAULT_EPS[model_type]
-    if model_type == "gemma3_text":
-        out.update(norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=math.sqrt(int(d["hidden_size"])),
-                   query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
-                   final_logit_softcapping=d.get("final_logit_softcapping"),
-                   hidden_act=d.get("hidden_activation") or "gelu_pytorch_tanh")
-        out["head_dim"] = int(d.get("head_dim") or 256)
+    if model_type in GEMMA_FAMILIES:
+        out.update(_gemma_fields(d, model_type))
     if model_type in ("mixtral", "qwen3_moe"):
         out.update(_moe_fields(d, model_type))
     return out
@@ -117,7 +145,7 @@ def family_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
 def family_hf_dict(c: Any) -> dict[str, Any]:
     """config.json keys for the family fields of ModelConfig `c` (what transformers reads back)."""
     d: dict[str, Any] = {"hidden_act": c.hidden_act, "sliding_window": c.sliding_window}
-    if c.model_type in _QWEN or c.model_type == "gemma3_text":
+    if c.model_type in (*_QWEN, "gemma2", "gemma3_text"):
         d["layer_types"] = list(c.layer_types)
     elif len(set(c.layer_types)) > 1:
         raise ValueError(f"{c.model_type} has one attention kind for all layers, not {sorted(set(c.layer_types))}")
@@ -125,10 +153,13 @@ def family_hf_dict(c: Any) -> dict[str, Any]:
         d["use_sliding_window"] = c.sliding_window is not None
         d["max_window_layers"] = next((i for i, t in enumerate(c.layer_types) if t == SLIDING_ATTENTION),
                                       c.num_hidden_layers)
-    if c.model_type == "gemma3_text":
+    if c.model_type in ("gemma2", "gemma3_text"):
         d.update(hidden_activation=c.hidden_act, query_pre_attn_scalar=c.query_pre_attn_scalar,
-                 final_logit_softcapping=c.final_logit_softcapping,
-                 rope_local_base_freq=c.rope_theta if c.rope_local_theta is None else c.rope_local_theta)
+                 final_logit_softcapping=c.final_logit_softcapping)
+    if c.model_type == "gemma2":
+        d["attn_logit_softcapping"] = c.attn_logit_softcapping
+    if c.model_type == "gemma3_text":
+        d["rope_local_base_freq"] = c.rope_theta if c.rope_local_theta is None else c.rope_local_theta
     if c.model_type == "mixtral":
         d.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
     if c.model_type == "qwen3_moe":

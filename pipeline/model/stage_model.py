@@ -54,7 +54,7 @@ class Attention(nn.Module):
     """Grouped-query self-attention over the packed rows plus each item's cached keys/values.
 
     Layer `layer` of `config`: optional q/k RMSNorm over head_dim before RoPE, a sliding window
-    on sliding layers, the family's query scale. phi3 checkpoints hold q/k/v fused (`qkv_proj`).
+    on sliding layers, the family's query scale and attention soft-cap. phi3 checkpoints hold q/k/v fused (`qkv_proj`).
     """
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
@@ -73,6 +73,7 @@ class Attention(nn.Module):
         self.k_norm = make_norm(config, d) if config.qk_norm else None
         self.window = config.sliding_window if config.is_sliding(layer) else None
         self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
+        self.softcap = config.attn_logit_softcapping  # Gemma 2 ([Note: attention soft-capping] in attention.py)
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one [q; k; v] matmul (same numbers, fewer kernel calls)."""
@@ -114,7 +115,7 @@ class Attention(nn.Module):
             qk = torch.cat([q, k], dim=1)
         qk = rotate(qk, cos, signed_sin)  # one rotation for q and k
         out = span_attention(qk[:, :h], qk[:, h:], v.reshape(t, kvh, d), plan, kv, layer, window=self.window,
-                             scale=self.scale)
+                             scale=self.scale, softcap=self.softcap)
         return self.o_proj.forward(out.reshape(t, h * d))
 
 

@@ -85,7 +85,7 @@ class Tokenizer:
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
     such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_ids` (tuple; generation_config.json, then config.json (of a
     multimodal model, its text model's: [Note: text-only multimodal]), then tokenizer_config.json's eos_token), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
-    post-processor adds ids before / after a text: [Note: BOS/EOS]), `bos_token_id` (int or None; the
+    post-processor adds ids before / after a text: [Note: BOS/EOS]; `num_added`: how many, (before, after)), `bos_token_id` (int or None; the
     post-processor's first added id, else generation_config.json, config.json, tokenizer_config.json),
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
     ValueError for a tokenizer.json the tokenizers library cannot read or whose post-processor changes
@@ -112,6 +112,7 @@ class Tokenizer:
         prefix, suffix = self._post_processor_specials()
         self.add_bos_token: bool = bool(prefix)
         self.add_eos_token: bool = bool(suffix)
+        self.num_added: tuple[int, int] = (len(prefix), len(suffix))  # ids the post-processor adds before, after
         self.bos_token_id: int | None = prefix[0] if prefix else self._first_id(
             gen_config.get("bos_token_id"), model_config.get("bos_token_id"), tok_config.get("bos_token"))
         eos = _as_ids(gen_config.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))
@@ -210,10 +211,16 @@ class Tokenizer:
         """Text of `ids` ([num_tokens]); special tokens dropped unless `skip_special_tokens=False`."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, *, prompt_ids: Sequence[int] = (),
-                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(self, *, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh `IncrementalDetokenizer` for one sequence's generated tokens."""
-        return IncrementalDetokenizer(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+        return IncrementalDetokenizer(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens,
+                                      spaces_between_special_tokens=spaces_between_special_tokens)
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """{id: text} of every added token (special or not), as the tokenizers library lists them."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
 
 # Prompt tokens kept as left context for the first generated tokens (vLLM uses 5 as well): enough
@@ -239,12 +246,17 @@ class IncrementalDetokenizer:
     previous text; while the new text ends in U+FFFD (an incomplete multi-byte UTF-8 sequence
     split across tokens) it emits nothing and waits for more ids. The offsets scheme is the one
     of text-generation-inference / vLLM (`prefix_offset`, `read_offset`). Call `flush` at the end.
+    With `skip_special_tokens` False and `spaces_between_special_tokens` False, an added token right
+    after another generated added token emits its bare text, without a space the decoder may put
+    between them (vLLM's `FastIncrementalDetokenizer` rule; the deltas then differ from the full decode).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._bare_added = {} if skip_special_tokens or spaces_between_special_tokens else tokenizer.added_tokens
+        self._last_added = False  # the previous generated token was an added token (for `_bare_added`)
         self._held_ids = tokenizer.byte_run_ids_skipping_specials if skip_special_tokens else tokenizer.byte_piece_ids
         self._ids = list(prompt_ids)
         self._read_offset = len(self._ids)
@@ -257,13 +269,14 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one generated id; return the new text it completes ("" while a character is partial)."""
         self._ids.append(token_id)
+        bare, self._last_added = self._last_added and token_id in self._bare_added, token_id in self._bare_added
         if token_id in self._held_ids:  # [Note: SentencePiece streaming]
             return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = self._bare_added[token_id] if bare else new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.text += delta
         return delta

@@ -1,4 +1,4 @@
-"""Grammar: structured outputs (JSON object, JSON schema, regex, choice) as a mask over logits rows.
+"""Grammar: structured outputs (JSON object, JSON schema, regex, choice, grammar, structural tag) as a logits mask.
 
 Owns `GrammarSpec` (a request's constraint: frozen, hashable, checked once when it is made),
 `GrammarVocab` (a tokenizer compiled once per engine for the llguidance library) and `GrammarState`
@@ -30,15 +30,15 @@ import dataclasses
 import functools
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
 import numpy as np
 import torch
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice")
-# Longest spec text (schema JSON, regex, choice list as JSON). Compile time grows faster than linearly with
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
+# Longest spec text (schema JSON, regex, choice list as JSON, grammar, structural tag JSON). Compile time grows faster than linearly with
 # size (SmolLM2 tokenizer, one core: 40k choices, 0.8 MB: 3.5 s; 100k, 2 MB: 19 s, inside the 4 MiB body
 # limit); at this size every kind compiles in under ~0.3 s. OpenAI caps enum text at 120k characters.
 MAX_GRAMMAR_CHARS = 2**18
@@ -46,6 +46,38 @@ MAX_COMPILED = 16  # compiled matchers a GrammarVocab keeps (specs in use; `Gram
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): flexible whitespace lets a small model
 # emit spaces and newlines without end (llguidance's default allows any run of them between tokens).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+# llguidance compiles a grammar recursively, one native stack frame chain per level of rule references: on a
+# thread's usual 8 MiB stack a 75 kB JSON schema of 1,000 chained $refs, or a Lark / GBNF grammar of ~2,500
+# chained rules, overflowed it and killed the process (SIGSEGV). On a thread with this much stack (address
+# space, committed only as used) chains near the size limit compiled: 11,000 Lark rules (242 kB), 3,400 $refs.
+COMPILE_STACK_BYTES = 256 * 2**20
+_STACK_LOCK = threading.Lock()
+
+
+def on_deep_stack(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), run on a new thread with COMPILE_STACK_BYTES of stack (llguidance's compiles: see above),
+    its exception re-raised here. `threading.stack_size` is process-wide: set only while this thread starts."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = exc
+
+    with _STACK_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="llguidance-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 class GrammarError(RuntimeError):
@@ -73,9 +105,12 @@ class GrammarSpec:
 
     kind: "json_object" (any JSON object; text ""), "json_schema" (text: the schema's JSON),
     "regex" (text: the pattern, matched by the whole output, Rust `regex` syntax), "choice" (text: a
-    JSON array of the allowed output strings). `grammar` is llguidance's grammar for it.
+    JSON array of the allowed output strings), "grammar" (text: a context-free grammar, llguidance's
+    Lark dialect, or llama.cpp's GBNF (`root ::= ...`), converted to Lark: `_grammar_text`),
+    "structural_tag" (text: {"structures": [{"begin", "schema", "end"}], "triggers": [str]} as JSON:
+    `_struct_tag_grammar`). `grammar` is llguidance's grammar for it.
     Raises ValueError (one line, llguidance's reason) for an unknown kind, text that is not
-    valid for the kind, an unparsable or unsupported schema, or an invalid regex.
+    valid for the kind, an unparsable or unsupported schema, an invalid regex or grammar.
     """
 
     kind: str
@@ -89,7 +124,7 @@ class GrammarSpec:
         if len(self.text) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"{self.kind.replace('_', ' ')} is {len(self.text)} characters long, over the limit of "
                              f"{MAX_GRAMMAR_CHARS}")
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar)
+        is_error, messages = on_deep_stack(llguidance.LLMatcher.validate_grammar_with_warnings, self.grammar)
         if is_error:
             raise ValueError(f"invalid {self.kind.replace('_', ' ')}: {_first_line(messages[0])}")
 
@@ -108,9 +143,11 @@ class GrammarSpec:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "grammar":
+            return _grammar_text(self.text)
         try:
             value = json.loads(self.text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's recursion limit
             raise ValueError(f"invalid {self.kind.replace('_', ' ')}: not JSON ({exc})") from None
         if self.kind == "json_schema":
             if not isinstance(value, (dict, bool)):
@@ -119,10 +156,51 @@ class GrammarSpec:
                 raise ValueError("invalid json schema: false allows no document")
             value = {} if value is True else value  # true: any JSON value (llguidance's options need an object)
             return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
+        if self.kind == "structural_tag":
+            return _struct_tag_grammar(value)
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise ValueError("choice must be a non-empty list of non-empty strings")
         # Lark string literals are JSON strings; llguidance matches them byte for byte.
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+
+
+def _grammar_text(text: str) -> str:
+    """llguidance's grammar for a `grammar` spec, as vLLM's guidance backend reads `structured_outputs.grammar`
+    (`llguidance.grammar_from("grammar", text)`): Lark when a line starts, after spaces, with `start` and a colon
+    or with `%llguidance` (`gbnf_to_lark.is_lark_syntax`; so GBNF's `start ::=` too), otherwise GBNF, converted
+    by `llguidance.gbnf_to_lark` (its `root` rule becomes `start`). Raises ValueError (one line) for GBNF it
+    cannot convert; Lark errors surface in GrammarSpec's validation."""
+    if not text.strip():
+        raise ValueError("invalid grammar: empty")
+    try:
+        return llguidance.grammar_from("grammar", text)
+    except ValueError as exc:
+        raise ValueError(f"invalid grammar: {_first_line(str(exc))}") from None
+
+
+def _struct_tag_grammar(value: Any) -> str:
+    """llguidance's grammar for a structural tag (vLLM's `structural_tag`, its guidance backend's reading):
+    free text in which each trigger starts a region `begin` JSON(schema) `end`, by `llguidance.StructTag`.
+    value: {"structures": [{"begin": str, "schema": object or null (any JSON), "end": str}], "triggers": [str]};
+    each begin starts with a trigger. Triggers are matched as text, never as special tokens (a spec does not
+    know the tokenizer; one `<...>` that is no special token of it would fail every request). Raises ValueError."""
+    structures, triggers = (value.get("structures"), value.get("triggers")) if isinstance(value, dict) else (0, 0)
+    if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise ValueError("invalid structural tag: 'triggers' must be a non-empty list of non-empty strings")
+    if not (isinstance(structures, list) and structures):
+        raise ValueError("invalid structural tag: 'structures' must be a non-empty list")
+    tags = []
+    for i, s in enumerate(structures):
+        begin, end, schema = (s.get("begin"), s.get("end"), s.get("schema")) if isinstance(s, dict) else (0, 0, 0)
+        if not (isinstance(begin, str) and isinstance(end, str) and isinstance(schema, (dict, type(None)))):
+            raise ValueError(f"invalid structural tag: structure {i} must have strings 'begin' and 'end' and an "
+                             "object 'schema'")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"invalid structural tag: structure {i}'s begin {begin!r} starts with no trigger")
+        options = {"x-guidance": dict(_JSON_OPTIONS)}  # JSON as json.dumps writes it
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, end=end, grammar={**(schema or {}), **options}))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
 class GrammarVocab:
@@ -165,7 +243,8 @@ class GrammarVocab:
             if compiled is not None:
                 self._compiled.move_to_end(spec)
                 return compiled.deep_copy()
-        compiled = llguidance.LLMatcher(self.ll, spec.grammar, log_level=0)  # outside the lock: may be slow
+        compiled = on_deep_stack(functools.partial(  # outside the lock: may be slow
+            llguidance.LLMatcher, self.ll, spec.grammar, log_level=0))
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > MAX_COMPILED:

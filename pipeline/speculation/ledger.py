@@ -30,7 +30,8 @@ starts right after the committed tokens and every stage truncates its KV cache t
 and FIRP chains go through this one rule, so they combine freely. A run-ahead draft item may also
 carry several positions: a structured output's forced run (jump-forward, [Note: grammar-aware
 drafting] in pipeline/engine/grammar_drafts.py), `InFlight.jump`; once its first token is committed
-it is verified as a chain like a FIRP item, its drafts being the run's later tokens.
+it is verified as a chain like a FIRP item, its drafts being the run's later tokens. A real item
+may carry such a run instead of FIRP drafts (`add_real(jump=True)`): the same chain, from its own row.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from collections.abc import Sequence
 @dataclasses.dataclass(frozen=True)
 class InFlight:
     """One item of this sequence in the pipeline: its first position and input token, its epoch, the
-    drafts it carries at the following positions (FIRP drafts; with `jump`, the rest of a grammar's
-    forced run after a draft item's first token, counted apart from FIRP's), and for a run-ahead draft
+    drafts it carries at the following positions (FIRP drafts; with `jump`, a grammar's forced run
+    after the item's first token, a draft's or a real one's, counted apart from FIRP's), and for a run-ahead draft
     its adaptive-drafting bucket (pipeline/speculation/draft_gate.py; None if ungated)."""
 
     position: int
@@ -109,12 +110,13 @@ class SequenceLedger:
         """How many FIRP drafts the next real item may carry without passing the budget."""
         return max(0, self.last_item_position - self.next_real_position)
 
-    def add_real(self, token: int, drafts: Sequence[int] = ()) -> InFlight:
+    def add_real(self, token: int, drafts: Sequence[int] = (), *, jump: bool = False) -> InFlight:
         """Record the real item sent at next_real_position (nothing of this sequence in flight),
-        carrying FIRP `drafts` at the following positions (at most `max_firp_drafts()`)."""
+        carrying FIRP `drafts` at the following positions (at most `max_firp_drafts()`; with `jump`,
+        a grammar's forced run instead, `InFlight.jump`)."""
         assert not self.inflight, "a real item is only sent when nothing is in flight"
         assert len(drafts) <= self.max_firp_drafts(), "FIRP drafts past the token budget"
-        item = InFlight(self.next_real_position, token, self.epoch, tuple(drafts))
+        item = InFlight(self.next_real_position, token, self.epoch, tuple(drafts), jump=jump and bool(drafts))
         self.inflight.append(item)
         return item
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.family_blocks import RMSNorm, rms_normalize
+from pipeline.model.family_blocks import RMSNorm, rms_normalize, soft_cap
 
 PREDICTORS = ("logit-lens", "early-exit", "ngram", "hybrid")
 PREDICTOR_FILE_SUFFIX = ".safetensors"  # a --predictor value ending so names a trained early-exit file
@@ -107,14 +107,18 @@ class ExitHead(nn.Module):
     forward(hidden: [num_rows, hidden_size]) -> (tokens [num_rows] int64, probs [num_rows] float32).
     The norm and head weights are copies of the model's final norm and LM head (held by the exit
     stage); `exit_map` is a trained ExitMap or DrafterMap (pipeline/speculation/predictor_file.py holds its file format).
+    `softcap`: the model's final logit soft-cap (Gemma 2/3's `final_logit_softcapping`, as the last stage
+    applies it) or None, so that a guess's probability is the model's head's, not a sharper one.
     With a draft vocabulary (`restrict_vocab`), see [Note: draft vocabulary].
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float, *, exit_map: nn.Module | None = None) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, *, exit_map: nn.Module | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         self.exit_map = exit_map
+        self.softcap = softcap
         self.vocab_ids: torch.Tensor | None = None  # [V'] int64: row i of lm_head is token vocab_ids[i]
 
     def restrict_vocab(self, vocab_ids: torch.Tensor) -> None:
@@ -145,7 +149,7 @@ class ExitHead(nn.Module):
         """float32 logits [rows, vocab'] of hidden [rows, hidden_size]."""
         if self.exit_map is not None:
             hidden = self.exit_map(hidden)
-        return self.lm_head(self.norm(hidden)).float()
+        return soft_cap(self.lm_head(self.norm(hidden)).float(), self.softcap)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,12 +77,11 @@ class SamplingParams:
     logit_bias: OpenAI's token id -> bias in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], added to that token's
         logit (at most MAX_LOGIT_BIAS_ENTRIES ids, each >= 0; `check_vocab` checks them against a
         vocabulary). Given as a mapping (keys: ints, or OpenAI's JSON strings of ints, "50256");
-        kept as (token id, bias) pairs sorted by token id. Applied as vLLM does, first: bias, then
-        penalties, then temperature and the filters, so greedy is the argmax of the biased (and
-        penalised) logits. Reported logprobs stay the raw model's ([Note:
-        logprobs and penalties] in pipeline/speculation/logprobs.py).
-    grammar: None, or the structured output constraint (JSON object / schema, regex, choice): tokens are
-        chosen from the logits with every token it forbids masked ([Note: grammar masks] in
+        kept as (token id, bias) pairs sorted by token id. Applied as vLLM does, first: bias, then penalties,
+        then temperature and the filters, so greedy is the argmax of the biased (and penalised) logits.
+        Reported logprobs stay the raw model's ([Note: logprobs and penalties] in pipeline/speculation/logprobs.py).
+    grammar: None, or the structured output constraint (JSON object / schema, regex, choice, grammar, structural
+        tag): tokens are chosen from the logits with every token it forbids masked ([Note: grammar masks] in
         pipeline/speculation/grammar.py); refused with ignore_eos (a complete document allows only EOS).
     min_tokens, stop_token_ids, allowed_token_ids, bad_words and bad_word_ids (the bad words' token sequences,
     which the coordinator fills): vLLM's token masks ([Note: token masks] in pipeline/speculation/masks/token_masks.py).
@@ -152,8 +151,10 @@ class SamplingParams:
                                      f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         if self.grammar is not None and (not isinstance(self.grammar, GrammarSpec) or self.ignore_eos):
-            raise SamplingParamError("response_format", "response_format must be a GrammarSpec and cannot be combined "
-                                                        f"with ignore_eos, got {self.grammar!r}")
+            what = (f"a {self.grammar.kind.replace('_', ' ')} structured output" if isinstance(self.grammar, GrammarSpec)
+                    else f"a {type(self.grammar).__name__}, not a GrammarSpec")  # never its text: up to 262,144 chars
+            raise SamplingParamError("response_format", f"response_format must be a GrammarSpec and cannot be combined "
+                                                        f"with ignore_eos, got {what}")
         token_masks.check_token_masks(self)
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -177,8 +178,7 @@ class SamplingParams:
 
     @functools.cached_property  # read per row and per step; the fields are frozen
     def changes_logits(self) -> bool:
-        """True when a nonzero logit bias, a penalty, a grammar or a token mask changes the logits (greedy is not the
-        raw argmax)."""
+        """True when a nonzero logit bias, a penalty, a grammar or a token mask changes the logits (greedy != raw argmax)."""
         return (any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties or self.grammar is not None
                 or token_masks.has_token_masks(self))
 

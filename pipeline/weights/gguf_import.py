@@ -14,7 +14,7 @@ with n_head = num_attention_heads for Q and num_key_value_heads for K (biases al
 applied here, is the same reshape with the two middle axes the other way round:
     w.reshape(n_head, head_dim // 2, 2, in).swapaxes(1, 2).reshape(out, in)
 Only the `llama` architecture is permuted (so Mistral and Mixtral, which llama.cpp writes as `llama`);
-Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Phi-3 GGUFs keep HF's layout (Phi-3's fused qkv included).
+Qwen2, Qwen3, Qwen3-MoE, Gemma (1, 2 and 3) and Phi-3 GGUFs keep HF's layout (Phi-3's fused qkv included).
 """
 
 from __future__ import annotations

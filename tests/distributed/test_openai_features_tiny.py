@@ -353,3 +353,38 @@ def test_speculation_verified_drafts(server, client):
     assert spec.verified_drafts > 0 and spec.accepted_tokens > 0 and spec.squashed_items > 0, spec
     if "firp" in server.session.options.speculate:
         assert spec.firp_verified > 0, spec
+
+
+def test_special_tokens_the_ending_eos_and_truncation_over_http_and_grpc(server, client, hf_model):
+    """vLLM's skip_special_tokens false shows EOS tokens generated under ignore_eos, but the EOS that ends a
+    request only with include_stop_str_in_output; truncate_prompt_tokens decodes from the last k prompt tokens
+    (transformers' greedy continuation of them) and usage counts those k. References: the tokenizers library's
+    decode, transformers' logits."""
+    tok, model = server.engine.tokenizer, server.engine.model_name
+    eos = tok.eos_token_ids[0]
+    forced = {str(eos): 100}  # every greedy token is EOS
+    shown = {"skip_special_tokens": False, "return_token_ids": True}
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias=forced,
+                                  extra_body={**shown, "ignore_eos": True})
+    assert choice_of(r).token_ids == [eos] * 4
+    assert choice_of(r).text == tok._tok.decode([eos] * 4, skip_special_tokens=False) != ""
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias=forced,
+                                  extra_body=shown)
+    assert (choice_of(r).token_ids, choice_of(r).text, choice_of(r).finish_reason) == ([eos], "", "stop")
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias=forced,
+                                  extra_body={**shown, "include_stop_str_in_output": True})
+    assert choice_of(r).text == tok._tok.decode([eos], skip_special_tokens=False)
+    keep = 4
+    ids = tok.encode(PROMPT)
+    ref, _ = _greedy_reference(hf_model, ids[-keep:], SamplingParams(max_new_tokens=NUM_TOKENS))
+    r = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=NUM_TOKENS,
+                                  extra_body={**GREEDY["extra_body"], "truncate_prompt_tokens": keep})
+    assert choice_of(r).token_ids == ref and r.usage.prompt_tokens == keep
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        chunks = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=4, logit_bias={eos: 100},
+                                                       skip_special_tokens=False, include_stop_str_in_output=True)))
+        assert "".join(c.text for c in chunks) == tok._tok.decode([eos], skip_special_tokens=False)
+        chunks = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NUM_TOKENS, ignore_eos=True,
+                                                       truncate_prompt_tokens=keep)))
+    assert [t for c in chunks for t in c.token_ids] == ref and chunks[-1].usage.prompt_tokens == keep

@@ -67,6 +67,23 @@ def readme_launch_lines(text: str) -> list[tuple[int, list[str]]]:
     return found
 
 
+def readme_files(text: str) -> dict[str, str]:
+    """{name: text} of every file a bash block writes with a quoted here-document (`cat > NAME <<'EOF'`), which
+    the lines after it read (`launch --grammar NAME`)."""
+    files, name, body, in_bash = {}, None, [], False
+    for line in text.splitlines():
+        if name is not None:
+            if line.strip() == "EOF":
+                files[name], name, body = "\n".join(body) + "\n", None, []
+            else:
+                body.append(line)
+        elif line.startswith("```"):
+            in_bash = line.strip() == "```bash"
+        elif in_bash and (m := re.fullmatch(r"cat > (\S+) <<'EOF'", line.strip())):
+            name = m.group(1)
+    return files
+
+
 def excuse(argv: list[str]) -> str | None:
     """Why a README line cannot run on this machine, or None when it must run."""
     if "--device" in argv and argv[argv.index("--device") + 1] == "cuda":
@@ -101,6 +118,8 @@ def example_results(smollm2_dir: Path, smollm2_cache: Path, tmp_path_factory, mo
     """Every runnable line, two at a time, in a folder holding the prompts.jsonl the README names."""
     cwd = tmp_path_factory.mktemp("readme")
     (cwd / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS_JSONL))
+    for name, text in readme_files(README.read_text(encoding="utf-8")).items():  # date.gbnf
+        (cwd / name).write_text(text)
     monkeypatch_module.setenv("SPEEDPIPE_CACHE_DIR", str(smollm2_cache))
     monkeypatch_module.chdir(cwd)
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

@@ -11,6 +11,7 @@ engine on 2 stages with SPEED drafts (always wrong, and the reference's own toke
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 
@@ -32,11 +33,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 REGEX = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 CHOICES = ["yes", "no"]
+GBNF_DATE = 'root ::= year "-" month "-" day\nyear ::= [12] [0-9] [0-9] [0-9]\nmonth ::= "0" [1-9] | "1" [0-2]\n' \
+            'day ::= "0" [1-9] | [12] [0-9] | "3" [01]\n'  # GBNF (llama.cpp's grammar format)
 CASES = {  # name: (user message, spec)
     "json_object": ("Give me a person as JSON: name Alice, age 30.", GrammarSpec(kind="json_object")),
     "json_schema": ("Give me a person: name Bob, age 41.", GrammarSpec(kind="json_schema", text=json.dumps(SCHEMA))),
     "regex": ("The date of the first moon landing, as YYYY-MM-DD:", GrammarSpec(kind="regex", text=REGEX)),
     "choice": ("Is the sky blue? Answer yes or no.", GrammarSpec.choice(CHOICES)),
+    "grammar": ("The date of the first moon landing, as YYYY-MM-DD:", GrammarSpec(kind="grammar", text=GBNF_DATE)),
 }
 MAX_NEW = 48
 
@@ -65,6 +69,8 @@ def test_constrained_output_is_valid_and_exact_under_speculation(model, name):
         jsonschema.validate(json.loads(text), SCHEMA)
     elif name == "regex":
         assert re.fullmatch(REGEX, text), text
+    elif name == "grammar":  # the GBNF's language, by the regex and calendar of Python's own date parser
+        assert re.fullmatch(REGEX, text) and datetime.date.fromisoformat(text), text
     else:
         assert text in CHOICES, text
     table = ReferenceTable([(prompt, want)])

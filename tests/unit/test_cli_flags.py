@@ -90,6 +90,8 @@ def test_every_flag_of_every_command_shows_its_default(parser):
     (["simulate", "--stage-overhead-ms", "x"], "--stage-overhead-ms"),
     (["launch", "--logit-bias", "{50256: -100}"], "argument --logit-bias: not JSON (Expecting property name"),
     (["launch", "--logit-bias", "[1]"], "argument --logit-bias: must be a JSON object of token id -> bias"),
+    (["launch", "--grammar-drafting", "fast"], "argument --grammar-drafting: invalid choice: 'fast'"),
+    (["serve", "--grammar-drafting", "on"], "argument --grammar-drafting: invalid choice: 'on'"),
 ])
 def test_argument_errors_are_two_lines_naming_the_command(capsys, argv, needle):
     code, _, err = _exit(capsys, argv)
@@ -216,6 +218,9 @@ def test_speculation_flags_without_speculation_are_named(capsys):
                                    "--firp-k", "3"])
     options_and_reason(args, progress=False)
     assert "note: --draft-at, --firp-k have no effect with --speculate none" in capsys.readouterr().err
+    args = _parse(build_parser(), ["launch", "--stages", "2", "--speculate", "none", "--grammar-drafting", "off"])
+    options_and_reason(args, progress=False)  # (two fields, one flag: named once)
+    assert "note: --grammar-drafting has no effect with --speculate none" in capsys.readouterr().err
 
 
 def test_vllm_dtype_spellings_are_accepted():

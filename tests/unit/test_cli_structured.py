@@ -1,4 +1,5 @@
-"""`launch` structured output flags: --response-format json_object, --json-schema PATH, --regex, --choice.
+"""`launch` structured output flags: --response-format json_object, --json-schema PATH, --regex, --choice,
+--grammar PATH.
 
 What breaks when these fail: a flag does not reach SamplingParams.grammar (the run is unconstrained),
 two constraints (or one with --ignore-eos) are taken together, a bad schema file or regex is accepted
@@ -16,6 +17,8 @@ from launcher.cli.main import UsageError, _parse, build_parser, main, sampling_p
 from pipeline.speculation.grammar import GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+GBNF = 'root ::= "n=" [0-9]+'
+
 
 
 def _params(*flags: str):
@@ -23,13 +26,15 @@ def _params(*flags: str):
 
 
 def test_each_flag_reaches_the_sampling_params(tmp_path):
-    path = tmp_path / "schema.json"
+    path, grammar = tmp_path / "schema.json", tmp_path / "g.gbnf"
     path.write_text(json.dumps(SCHEMA))
+    grammar.write_text(GBNF)
     assert _params().grammar is None and _params("--response-format", "text").grammar is None
     assert _params("--response-format", "json_object").grammar == GrammarSpec(kind="json_object")
     assert _params("--json-schema", str(path)).grammar == GrammarSpec(kind="json_schema", text=json.dumps(SCHEMA))
     assert _params("--regex", "[0-9]+").grammar == GrammarSpec(kind="regex", text="[0-9]+")
     assert _params("--choice", "yes", "--choice", "no").grammar == GrammarSpec.choice(["yes", "no"])
+    assert _params("--grammar", str(grammar)).grammar == GrammarSpec(kind="grammar", text=GBNF)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -38,6 +43,8 @@ def test_each_flag_reaches_the_sampling_params(tmp_path):
     (["--regex", "a", "--choice", "a"], "--regex, --choice cannot be used together"),
     (["--response-format", "json_object", "--ignore-eos"], "--response-format json_object, --ignore-eos cannot"),
     (["--choice", ""], "--choice: choice must be a non-empty list of non-empty strings"),
+    (["--grammar", "/nonexistent/g.lark"], "--grammar: cannot read /nonexistent/g.lark"),
+    (["--grammar", "/nonexistent/g.lark", "--regex", "a"], "--regex, --grammar cannot be used together"),
 ])
 def test_bad_flags_are_usage_errors_naming_the_flag(flags, message):
     with pytest.raises(UsageError) as info:
@@ -52,7 +59,18 @@ def test_a_bad_schema_file_is_refused_naming_the_flag(tmp_path):
         _params("--json-schema", str(path))
 
 
-@pytest.mark.parametrize("flags", [["--regex", "[0-9]+"], ["--response-format", "json_object"], ["--choice", "a"]])
+@pytest.mark.parametrize(("text", "message"), [("start: undefined_rule", 'unknown name: "undefined_rule"'),
+                                               ('root ::= "a" (', "Expected ')'"), ("", "empty")])
+def test_a_bad_grammar_file_exits_2_with_one_line_naming_the_flag(tmp_path, capsys, text, message):
+    path = tmp_path / "g.txt"
+    path.write_text(text)
+    assert main(["launch", "--prompt", "Hi", "--grammar", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--grammar: invalid grammar: " in err and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flags", [["--regex", "[0-9]+"], ["--response-format", "json_object"], ["--choice", "a"],
+                                   ["--grammar", "g.lark"]])
 def test_serve_refuses_structured_output_flags(capsys, flags):
     assert main(["launch", "--serve", *flags]) == 2
     err = capsys.readouterr().err

@@ -1,8 +1,9 @@
 """Every supported family on a tiny random model, with Hugging Face transformers as the oracle.
 
 What breaks when these fail: a family feature of the decoder (Llama-3 RoPE scaling, Mistral's
-sliding window, Qwen2 q/k/v bias, Qwen3 q/k norm, Gemma 3's (1 + w) norms, sandwich norms, GeGLU,
-embedding scale, query scale, local/global layers with their own RoPE bases and logit soft-capping,
+sliding window, Qwen2 q/k/v bias, Qwen3 q/k norm, Gemma's (1 + w) norms, GeGLU, embedding scale and
+head_dim apart from hidden / heads, Gemma 2/3's sandwich norms, query scale, local/global layers (Gemma 3
+with their own RoPE bases), Gemma 2's attention soft-cap on both attention paths, logit soft-capping,
 phi3's fused checkpoint tensors, Mixtral / Qwen3-MoE routing and dense layers), reading a family's
 config.json, the checkpoint names a stage reads, or splitting a family's model into stages.
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import transformers
 
+from pipeline.model.attention import SMALL_ITEM_ROWS
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange, balanced_split
 from pipeline.model.row_layout import Span
@@ -146,16 +148,25 @@ def test_family_features_are_read_from_transformers_configs():
     assert family_config("llama3").rope_scaling.rope_type == "llama3"
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen3_moe"])
-def test_a_family_feature_switched_off_changes_the_logits(folders, family):
+FEATURES_OFF = {
+    "gemma3_text": ("gemma3_text", dict(final_logit_softcapping=None, rope_local_theta=None)),
+    "mistral": ("mistral", dict(sliding_window=None, layer_types=())),
+    "qwen3_moe": ("qwen3_moe", dict(norm_topk_prob=True)),
+    "gemma2-attention-cap": ("gemma2", dict(attn_logit_softcapping=None)),
+    "gemma2-final-cap": ("gemma2", dict(final_logit_softcapping=None)),
+    "gemma2-window": ("gemma2", dict(sliding_window=None, layer_types=())),
+    "gemma-embedding-scale": ("gemma", dict(embedding_scale=1.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(FEATURES_OFF))
+def test_a_family_feature_switched_off_changes_the_logits(folders, case):
     """Guard for the comparisons above: the family features really change the numbers."""
     import dataclasses
 
+    family, off = FEATURES_OFF[case]
     reader = CheckpointReader(folders[family])
     cfg = reader.config
-    off = {"gemma3_text": dict(final_logit_softcapping=None, rope_local_theta=None),
-           "mistral": dict(sliding_window=None, layer_types=()),
-           "qwen3_moe": dict(norm_topk_prob=True)}[family]
     tensors = reader.read(all_tensor_names(cfg), dtype=torch.float32)
     full = LayerRange(0, cfg.num_hidden_layers)
     a, b = (Chain([build_stage_model(c, full, is_first=True, is_last=True, tensors=tensors)])(PROMPT, 0)
@@ -163,9 +174,98 @@ def test_a_family_feature_switched_off_changes_the_logits(folders, family):
     assert (a - b).abs().max() > 1e-3
 
 
+LONG_PROMPT = [(7 * i + 3) % 250 + 3 for i in range(SMALL_ITEM_ROWS + 8)]  # a prefill on the SDPA path
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_a_prefill_longer_than_a_batched_item_equals_transformers(folders, family):
+    """A prompt of more than SMALL_ITEM_ROWS tokens is attended by the prefill path (SDPA, or its
+    soft-capped form for Gemma 2), the decode rows after it by the batched path: both as transformers."""
+    ours = Chain(_stages(folders[family], 2))(LONG_PROMPT, 0, all_rows=True)
+    hf = _hf(folders[family])
+    with torch.no_grad():
+        ref = hf(torch.tensor([LONG_PROMPT])).logits[0].float()
+        want = hf.generate(torch.tensor([LONG_PROMPT]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS,
+                           eos_token_id=None, pad_token_id=0)[0, len(LONG_PROMPT):].tolist()
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert {s: Chain(_stages(folders[family], s)).greedy(LONG_PROMPT, NUM_NEW_TOKENS) for s in (1, 3)} == \
+        {1: want, 3: want}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_a_logit_lens_after_the_last_layer_gives_transformers_next_token_probabilities(tmp_path, family):
+    """The exit head the worker builds is the model's own head: on the last layer's output it gives
+    transformers' next-token token and probability, the final logit soft-cap included (Gemma 2/3; a
+    cap of 0.5 here, as the tiny models' logits stay under 1). Before: the exit head skipped the cap,
+    so its guesses' confidences (the draft gate's buckets, hybrid's choice) were not the model's."""
+    import json
+
+    from pipeline.engine.stage_assembly import StageLoadSpec, build_exit_head
+
+    folder = write_family_model(tmp_path / family, family, seed=3)
+    d = json.loads((folder / "config.json").read_text()) | {"final_logit_softcapping": 0.5}
+    (folder / "config.json").write_text(json.dumps(d))
+    reader = CheckpointReader(folder)
+    n = reader.config.num_hidden_layers
+    spec = StageLoadSpec(model_dir=str(folder), stage_index=0, num_stages=1, layer_range=LayerRange(0, n),
+                         exit_layer=n - 1)
+    head = build_exit_head(reader.config, reader, spec)
+    hf = _hf(folder)
+    seen = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, i, o: seen.update(h=i[0][0].clone()))
+    with torch.no_grad():
+        want = torch.softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1).max(dim=-1)
+        hf.config.final_logit_softcapping = None
+        uncapped = torch.softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1).max(dim=-1).values
+    hook.remove()
+    assert (uncapped - want.values).abs().max() > 1e-3, "the cap does not bite: the comparison proves nothing"
+    tokens, probs = head(seen["h"])
+    assert tokens.tolist() == want.indices.tolist()
+    torch.testing.assert_close(probs, want.values, **TOL)
+
+
+def test_gemma_configs_read_as_transformers_reads_them():
+    """Keys absent from config.json take transformers' defaults: Gemma2Config's layer_types rule
+    (sliding, full, ...), window and soft-caps; GemmaConfig's legacy `hidden_act: gelu` is tanh-GELU."""
+    for n in (3, 5, 6):
+        d = transformers.Gemma2Config(num_hidden_layers=n).to_dict()
+        want = tuple(d.pop("layer_types"))
+        for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            want_value = d.pop(key)
+            assert getattr(ModelConfig.from_hf_dict(d), key) == want_value, key
+        assert ModelConfig.from_hf_dict(d).layer_types == want
+    legacy = transformers.GemmaConfig(hidden_act="gelu")
+    d = legacy.to_dict() | {"hidden_act": "gelu"}
+    assert ModelConfig.from_hf_dict(d).hidden_act == legacy.hidden_act == "gelu_pytorch_tanh"
+
+
+def test_gemma_embedding_scale_is_cast_to_the_activation_dtype_as_transformers():
+    """Gemma 7B's sqrt(3072) = 55.43 becomes 55.5 in bfloat16 before it multiplies (transformers'
+    GemmaTextScaledWordEmbedding); a float32 scale would give other bfloat16 embeddings."""
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+
+    from pipeline.model.family_blocks import make_embedding
+
+    d = transformers.GemmaConfig(vocab_size=16, hidden_size=3072, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=8, num_hidden_layers=1).to_dict()
+    ours = make_embedding(ModelConfig.from_hf_dict(d)).to(torch.bfloat16)
+    ref = GemmaTextScaledWordEmbedding(16, 3072, 0, embed_scale=3072 ** 0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(16, 3072, generator=torch.Generator().manual_seed(0)))
+        ref.weight.copy_(ours.weight)
+        ids = torch.arange(16)
+        assert torch.equal(ours(ids), ref(ids))
+        assert not torch.equal(ours(ids), (ours.weight.float() * 3072 ** 0.5).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(model_type="falcon"), "model_type 'falcon' is not supported .*llama.*gemma3_text"),
-    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(model_type="llama", attn_logit_softcapping=50.0), "llama config attn_logit_softcapping=50.0"),
+    (dict(model_type="gemma", attn_logit_softcapping=50.0), "gemma config attn_logit_softcapping=50.0"),
+    # transformers' Gemma 3 attention takes no cap (its Gemma 2 does)
+    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "gemma3_text config attn_logit_softcapping"),
+    (dict(model_type="gemma2", attn_logit_softcapping=0.0), "attn_logit_softcapping must be > 0, got 0.0"),
+    (dict(model_type="gemma2", attn_logit_softcapping="50"), "field 'attn_logit_softcapping' must be a number"),
     (dict(model_type="llama", hidden_act="gelu"), "activation 'gelu' is not supported"),
     (dict(model_type="llama", partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported for llama"),
     (dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic' is not supported: .*"),

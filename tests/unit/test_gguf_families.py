@@ -1,14 +1,15 @@
 """GGUF import of every family the `gguf` package describes, streamed conversion, chunked models, bad input.
 
 What breaks when these fail: a family's GGUF metadata or tensor names (qwen3 q/k norms; gemma3's
-four norms per layer, its norm shift, sliding window and query scale; mistral as llama + sliding
+four norms per layer, its norm shift, sliding window and query scale; gemma's norm shift; gemma2's four
+norms, soft-caps, window and llama.cpp's query scale; mistral as llama + sliding
 window; phi3's fused attn_qkv and gate-up ffn_up; mixtral and qwen3moe stacked experts and router,
 qwen3moe dense layers), the Q/K un-permute applied where llama.cpp did not permute (or missed where
 it did), block-wise dequantisation, the streaming safetensors writer, assembling a model from chunk
 packages (order, size and hash checks), or the one-line errors for an unsupported architecture,
 tensor or tensor type (exit 2 from the CLI).
 The tiny GGUF files are written here with `gguf.GGUFWriter`, following llama.cpp's converter; for
-mistral, phi3, mixtral and qwen3_moe they come from a tiny transformers model of the family
+mistral, phi3, mixtral, qwen3_moe, gemma and gemma2 they come from a tiny transformers model of the family
 (tests/family_models.py), which is the oracle for logits and greedy output.
 """
 
@@ -206,13 +207,14 @@ def test_unsupported_architecture_and_tensor_type_are_one_line_errors(tmp_path):
     assert "\n" not in str(err.value)
     _write_empty_gguf(tmp_path / "falcon.gguf", "falcon")
     with pytest.raises(ValueError, match=r"architecture 'falcon' is not supported \(supported: llama, qwen2, "
-                                         r"qwen3, qwen3moe, gemma3, phi3\)"):
+                                         r"qwen3, qwen3moe, gemma, gemma2, gemma3, phi3\)"):
         convert_gguf(tmp_path / "falcon.gguf", tmp_path / "out2", progress=False)
 
 
 # -- mistral, phi3, mixtral, qwen3_moe from a tiny transformers model ------------------------------
 
-HF_FAMILY_ARCH = {"mistral": "llama", "phi3": "phi3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+HF_FAMILY_ARCH = {"mistral": "llama", "phi3": "phi3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "gemma": "gemma",
+                  "gemma2": "gemma2"}
 # Hub tensor name (layer part) -> llama.cpp tensor, per family (written out here, not the converter's table).
 _HUB_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -220,6 +222,9 @@ _HUB_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.gate_proj": "ffn_gate",
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
               "block_sparse_moe.gate": "ffn_gate_inp"}
+# Gemma 2's four norms per layer (llama.cpp's ffn_norm is its pre-feed-forward norm).
+_HUB_GEMMA2_LAYER = _HUB_LAYER | {"post_attention_layernorm": "post_attention_norm",
+                                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _HUB_EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
@@ -237,16 +242,25 @@ def _f16_rounded_family_model(path: Path, family: str) -> tuple[dict, dict[str, 
     with safe_open(str(path / "model.safetensors"), framework="np") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
     tensors = {k: v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v for k, v in tensors.items()}
+    d = json.loads((path / "config.json").read_text())
+    if family == "gemma2":  # llama.cpp scales queries by 1/sqrt(head_dim) below 46 layers (as Gemma 2 2B and 9B)
+        d["query_pre_attn_scalar"] = d["head_dim"]
+        (path / "config.json").write_text(json.dumps(d))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return json.loads((path / "config.json").read_text()), tensors
+    return d, tensors
 
 
 def _gguf_tensors(d: dict, arch: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """llama.cpp's tensors for Hub `tensors`: renamed, Q/K permuted for `llama`, experts stacked."""
+    """llama.cpp's tensors for Hub `tensors`: renamed, Q/K permuted for `llama`, experts stacked, every
+    Gemma norm stored as w + 1 (GemmaModel / Gemma2Model.modify_tensors)."""
     from tests.unit.test_gguf_import_tiny import llama_cpp_permute
+
+    layer_names = _HUB_GEMMA2_LAYER if arch == "gemma2" else _HUB_LAYER
 
     out, experts = {}, {}
     for name, t in tensors.items():
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)
         if name in TOP:
             out[TOP[name]] = t
             continue
@@ -259,7 +273,7 @@ def _gguf_tensors(d: dict, arch: str, tensors: dict[str, np.ndarray]) -> dict[st
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = d["num_attention_heads"] if module == "self_attn.q_proj" else d["num_key_value_heads"]
             t = llama_cpp_permute(t, heads)
-        out[f"blk.{layer}.{_HUB_LAYER[module]}.{suffix}"] = t
+        out[f"blk.{layer}.{layer_names[module]}.{suffix}"] = t
     for name, per_expert in experts.items():
         out[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
     return out
@@ -310,6 +324,9 @@ def write_hf_family_gguf(path: Path, d: dict, tensors: dict[str, np.ndarray], fa
                  "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)} | (extra or {})
     if d.get("sliding_window"):
         w.add_sliding_window(d["sliding_window"])
+    if family == "gemma2":  # Gemma2Model.set_gguf_parameters
+        w.add_attn_logit_softcapping(d["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(d["final_logit_softcapping"])
     if family == "mixtral":
         w.add_expert_count(num_experts)
         w.add_expert_used_count(d["num_experts_per_tok"])
@@ -353,7 +370,8 @@ def test_family_gguf_logits_equal_transformers_and_greedy_is_identical_across_st
     hf_dir, converted = hf_family_ggufs[family]
     ours, want = ModelConfig.from_model_dir(converted), ModelConfig.from_model_dir(hf_dir)
     fields = ("model_type", "sliding_window", "layer_types", "num_experts", "num_experts_per_tok", "norm_topk_prob",
-              "moe_intermediate_size", "dense_layers", "tie_word_embeddings", "head_dim", "intermediate_size")
+              "moe_intermediate_size", "dense_layers", "tie_word_embeddings", "head_dim", "intermediate_size",
+              "attn_logit_softcapping", "final_logit_softcapping", "norm_weight_offset", "embedding_scale")
     assert {f: getattr(ours, f) for f in fields} == {f: getattr(want, f) for f in fields}
     reader = CheckpointReader(converted)
     with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
@@ -368,6 +386,35 @@ def test_family_gguf_logits_equal_transformers_and_greedy_is_identical_across_st
     assert ref.std() > 0.1, "degenerate oracle: near-constant logits"
     outs = {s: Chain(_stages(converted, s)).greedy(PROMPT, NUM_NEW_TOKENS) for s in (1, 2, 3)}
     assert outs[1] == outs[2] == outs[3] == ref_greedy, outs
+
+
+@pytest.mark.parametrize("arch, layers, hidden, heads, head_dim, scalar", [
+    ("gemma2", 46, 4608, 32, 128, 144), ("gemma2", 42, 3584, 16, 256, 256),
+    ("gemma3", 62, 5376, 32, 128, 168), ("gemma3", 48, 3840, 16, 256, 256)],
+    ids=["gemma-2-27b", "gemma-2-9b", "gemma-3-27b", "gemma-3-12b"])
+def test_gemma2_and_3_gguf_query_scale_and_defaults_are_llama_cpps(tmp_path, arch, layers, hidden, heads, head_dim, scalar):
+    """llama.cpp scales Gemma 2 and 3 27B's queries by 1/sqrt(hidden / heads), the others' by 1/sqrt(head_dim)
+    (`scalar`: query_pre_attn_scalar of the Hub's google/gemma-2-27b, -9b, gemma-3-27b-pt and -12b-pt
+    config.json), and fills a missing Gemma 2 window and soft-caps with Gemma2Config's defaults.
+    Before (Gemma 3 27B): 1/sqrt(head_dim), i.e. 1/sqrt(128) instead of 1/sqrt(168)."""
+    import transformers
+
+    from pipeline.weights.gguf_metadata.families import hf_config_dict
+
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
+    for add, value in ((w.add_block_count, layers), (w.add_embedding_length, hidden), (w.add_feed_forward_length, 64),
+                       (w.add_head_count, heads), (w.add_head_count_kv, heads // 2), (w.add_key_length, head_dim),
+                       (w.add_value_length, head_dim), (w.add_token_list, ["a", "b"])):
+        add(value)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    d = hf_config_dict(open_gguf(tmp_path / "g.gguf"))
+    defaults = transformers.Gemma2Config()
+    assert d["query_pre_attn_scalar"] == scalar
+    if arch == "gemma3":
+        return
+    for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert d[key] == getattr(defaults, key), key
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "phi3"])

@@ -2,7 +2,8 @@
 
 What breaks when these fail: a family's quantised tensors (phi3's fused attn_qkv / ffn_up, the
 stacked Q4/Q8 experts and the router of mixtral and qwen3moe, qwen2's biases beside Q4 weights,
-gemma3's tied Q4 embedding as the head) reaching the int4 / int8 kernels as the file's own blocks,
+gemma, gemma2 and gemma3's tied Q4 embedding as the head, Gemma 2's soft-caps and sliding layers in
+bfloat16) reaching the int4 / int8 kernels as the file's own blocks,
 a split changing a number, SPEED changing a token, or the result drifting from the float32 model of
 the same dequantised weights.
 
@@ -48,6 +49,8 @@ FAMILIES = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
     "mixtral": "llama",

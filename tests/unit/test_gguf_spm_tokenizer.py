@@ -244,13 +244,14 @@ def test_mismatched_scores_types_and_special_ids_are_one_line_errors(spm_proto, 
             tokenizer_from_gguf(open_gguf(path))
 
 
-def test_gemma_files_rank_merges_by_position_respell_space_pieces_and_add_no_prefix(tmp_path):
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+def test_gemma_files_rank_merges_by_position_respell_space_pieces_and_add_no_prefix(tmp_path, arch):
     """transformers' `gemma_tokenizer`: Gemma's scores do not follow its merge order, and llama.cpp's
     Gemma files spell whitespace pieces with spaces; Gemma's files set add_space_prefix false."""
     pieces = ["ab", "ba", "  ", "a", "b", "\u2581"]  # "ab" first in the file, but "ba" scores higher
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
     types = [3, 3, 3, 2] + [6] * 256 + [1] * len(pieces)
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * 260 + [-10.0, -1.0, -2.0, -20.0, -21.0, -22.0])

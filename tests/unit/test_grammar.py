@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import llguidance
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +25,9 @@ from pipeline.weights.registry import DEFAULT_MODEL, registered_gguf_path
 
 EOS = 2  # <|im_end|>
 CHOICES = ["yes", "no thanks"]
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}
+TAG = {"structures": [{"begin": "<f=add>", "schema": ADD, "end": "</f>"}], "triggers": ["<f="]}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,18 @@ def test_a_grammar_that_fails_with_the_tokenizer_fails_at_the_first_mask_not_at_
     ("xml", "", "kind must be one of"),
     ("choice", "[]", "choice must be a non-empty list"),
     ("choice", '["a", 1]', "choice must be a non-empty list"),
+    ("grammar", "start: undefined_rule", 'invalid grammar: .*unknown name: "undefined_rule"'),
+    ("grammar", 'root ::= "a" (', "invalid grammar: .*GBNF.*Expected '\\)'"),
+    ("grammar", "root ::= missing", "invalid grammar: .*Rule 'missing' not found"),
+    ("grammar", "a b c", "invalid grammar: .*Expected ::="),
+    ("grammar", " \n", "invalid grammar: empty"),
+    ("structural_tag", "[]", "'triggers' must be a non-empty list"),
+    ("structural_tag", "[" * 5000 + "]" * 5000, "invalid structural tag: not JSON .*recursion"),
+    ("json_schema", "[" * 5000 + "]" * 5000, "invalid json schema: not JSON .*recursion"),
+    ("structural_tag", json.dumps({**TAG, "triggers": ["<g="]}), "structure 0's begin '<f=add>' starts with no trigger"),
+    ("structural_tag", json.dumps({**TAG, "structures": [{"begin": "<f=a>", "end": 1}]}), "structure 0 must have"),
+    ("structural_tag", json.dumps({**TAG, "structures": [{**TAG["structures"][0], "schema": {"type": 3}}]}),
+     "invalid structural tag: .*type must be"),
 ])
 def test_invalid_specs_are_refused_in_one_line(kind, text, match):
     with pytest.raises(ValueError, match=match) as info:
@@ -141,6 +158,16 @@ def test_a_grammar_makes_the_last_stage_ship_logits_and_refuses_ignore_eos():
     assert info.value.param == "response_format"
     with pytest.raises(SamplingParamError):
         SamplingParams(grammar="json")
+
+
+def test_a_grammar_with_ignore_eos_is_refused_without_echoing_its_text():
+    """The refusal names the kind, never the text: a grammar's text (up to MAX_GRAMMAR_CHARS, many lines) was
+    echoed whole in the 400 (`got GrammarSpec(kind='grammar', text='...')`)."""
+    text = "start: WORD\n" + "".join(f'// rule {i}: padding\n' for i in range(2000)) + "WORD: /[a-z]+/"
+    with pytest.raises(SamplingParamError) as info:
+        SamplingParams(grammar=GrammarSpec(kind="grammar", text=text), ignore_eos=True)
+    assert "grammar structured output" in str(info.value) and "padding" not in str(info.value), str(info.value)[:200]
+    assert len(str(info.value)) < 200 and info.value.param == "response_format"
 
 
 def test_a_spec_over_the_size_limit_is_refused_naming_the_limit():
@@ -214,3 +241,100 @@ def test_greedy_verify_takes_the_mask_even_where_llguidance_validates_a_token_it
     got = verify_result(argmax=[na[0]], drafts=[], logits=row[None], sampler=Sampler(params), eos_token_ids=[EOS],
                         ignore_eos=False, budget_left=4, output_ids=prefix, grammar=GrammarState(spec, vocab))
     assert got == [want] and want != na[0]
+
+
+# A GBNF grammar and the Lark grammar of the same language written by hand: llguidance compiles the Lark one
+# directly (the reference), the spec converts the GBNF one (`llguidance.gbnf_to_lark`).
+GBNF_DATE = 'root ::= year "-" month\nyear ::= "19" [0-9] [0-9] | "20" [0-2] [0-9]\nmonth ::= "0" [1-9] | "1" [0-2]\n'
+LARK_DATE = 'start: YEAR "-" MONTH\nYEAR: /19[0-9][0-9]|20[0-2][0-9]/\nMONTH: /0[1-9]|1[0-2]/'
+
+
+@pytest.mark.parametrize("text", ["", "19", "1969-", "2024-1", "1969-07"])
+def test_a_gbnf_grammar_masks_as_its_hand_written_lark_equivalent(tokenizer, vocab, text):
+    spec = GrammarSpec(kind="grammar", text=GBNF_DATE)
+    assert "start" in spec.grammar and "::=" not in spec.grammar, "the GBNF was not converted to Lark"
+    state = GrammarState(spec, vocab)
+    reference = llguidance.LLMatcher(vocab.ll, llguidance.LLMatcher.grammar_from_lark(LARK_DATE), log_level=0)
+    prefix = _ids(tokenizer, text)
+    assert all(reference.consume_token(t) for t in prefix), text
+    want = torch.from_numpy(np.unpackbits(np.frombuffer(reference.compute_bitmask(), np.uint8), count=49152, bitorder="little")
+                            .astype(bool))
+    got = state.allowed(prefix, 49152)
+    assert torch.equal(got, want), text
+    assert bool(got[EOS]) == (text == "1969-07") and state.is_complete == (text == "1969-07")
+
+
+def test_a_lark_grammar_is_read_as_lark_and_a_gbnf_root_is_its_start(tokenizer, vocab):
+    """Lark (a `start:` line) is not converted; a GBNF grammar's `root` is where output starts."""
+    lark = 'start: "ab" | "cd"'
+    assert GrammarSpec(kind="grammar", text=lark).grammar == llguidance.LLMatcher.grammar_from_lark(lark)
+    state = GrammarState(GrammarSpec(kind="grammar", text='other ::= "x"\nroot ::= "yes" other'), vocab)
+    assert state.allowed(_ids(tokenizer, "yes"), 49152)[_ids(tokenizer, "x")[0]]
+    assert not state.allowed([], 49152)[_ids(tokenizer, "x")[0]]
+
+
+@pytest.mark.parametrize("text", ['start : "a"', '   start: "a"', '// comment\nstart: "a"', 'start: "a"\r\n',
+                                  '%llguidance {}\nstart: "a"', '# comment\nroot ::= "a"', '?start: "a"',
+                                  'root ::= start\nstart ::= "a"'])
+def test_lark_or_gbnf_is_decided_as_llguidance_decides(text):
+    """The README's rule is llguidance's own (`is_lark_syntax`, what vLLM's guidance backend runs): Lark text
+    compiles as Lark; GBNF is converted; `?start:` (read as GBNF) and GBNF with a rule named `start` (read as
+    Lark) are refused."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if text.startswith("?") or "start ::=" in text:
+        with pytest.raises(ValueError, match="invalid grammar: .*(GBNF|Expected token '_', found '=')"):
+            GrammarSpec(kind="grammar", text=text)
+        return
+    want = text if is_lark_syntax(text) else gbnf_to_lark(text)
+    assert GrammarSpec(kind="grammar", text=text).grammar == llguidance.LLMatcher.grammar_from_lark(want)
+
+
+def test_a_structural_tag_is_free_text_until_a_trigger_then_json_of_its_schema(tokenizer, vocab):
+    """Before the trigger the mask is free text's (a regex of any text: every ordinary token, and EOS); after `<f=add>` the mask is the schema's own
+    (json_schema spec, the same JSON options) until the JSON ends, then `</f>`, then free text again."""
+    state = GrammarState(GrammarSpec(kind="structural_tag", text=json.dumps(TAG)), vocab)
+    free = state.allowed([], 49152)
+    assert torch.equal(free, GrammarState(GrammarSpec(kind="regex", text=r"(.|\n)*"), vocab).allowed([], 49152))
+    assert int(free.sum()) > 49000 and free[EOS]
+    prefix = _ids(tokenizer, "Sure. <f=add>")
+    schema = GrammarState(GrammarSpec(kind="json_schema", text=json.dumps(ADD)), vocab)
+    assert torch.equal(state.allowed(prefix, 49152), schema.allowed([], 49152))
+    document = _ids(tokenizer, '{"a": 1, "b": 22}')
+    assert torch.equal(state.allowed(prefix + document[:3], 49152), schema.allowed(document[:3], 49152))
+    assert not state.allowed(prefix + document, 49152)[EOS], "EOS inside the tag, before its end"
+    with pytest.raises(GrammarError):
+        state.sync(prefix + _ids(tokenizer, '{"c": 1}'))
+    after = prefix + document + _ids(tokenizer, "</f>")
+    assert torch.equal(state.allowed(after, 49152), free) and state.is_complete
+
+
+DEEP_CHAINS = """
+import json, sys
+from pipeline.speculation.grammar import GrammarSpec, GrammarState, GrammarVocab
+from tests.tiny_model import TINY_EOS_ID, byte_tokenizer
+n = int(sys.argv[1])
+refs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+schema = {"$ref": "#/$defs/d0", "$defs": {**refs, f"d{n}": {"type": "integer"}}}
+lark = "start: r0\\n" + "\\n".join(f'r{i}: "a" r{i + 1}?' for i in range(4 * n)) + f'\\nr{4 * n}: "z"'
+vocab = GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID])
+for spec in (GrammarSpec(kind="json_schema", text=json.dumps(schema)), GrammarSpec(kind="grammar", text=lark)):
+    state = GrammarState(spec, vocab)
+    print(spec.kind, int(state.allowed([], 256).sum()))
+"""
+
+
+def test_deeply_chained_rules_compile_without_killing_the_process():
+    """A JSON schema of 1,000 chained $refs (75 kB) and a Lark grammar of 4,000 chained rules (85 kB), inside
+    the size limit, overflowed the 8 MiB stack of the thread that compiled them in llguidance (SIGSEGV: the
+    whole server gone on one request); compiled on `on_deep_stack` they are ordinary specs. In a child
+    process, so that a crash fails this test rather than the test run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", DEEP_CHAINS, "1000"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["json_schema", "1", "grammar", "1"], done.stdout  # "{" / "a" first

@@ -15,6 +15,7 @@ output is a valid document; the engine's fake pipelines (FIRP, stage-local, repl
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import json
@@ -51,6 +52,21 @@ SPECS = {
         "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 4}},
         "required": ["n", "s"], "additionalProperties": False})),
 }
+# `grammar` kind: GBNF (recursive: arithmetic; checked by Python's own parser) and Lark (checked by a regex of
+# the same language): llguidance's grammar_from converts the one and reads the other.
+GBNF = """root ::= "(" expr ")" ("+" | "-" | "*") expr
+expr ::= term (("+" | "-") term)*
+term ::= factor ("*" factor)*
+factor ::= [1-9] [0-9]? | "(" expr ")"
+"""
+LARK, LARK_REGEX = 'start: WORD ("," WORD)* "."\nWORD: /[a-d]{1,3}/', r"[a-d]{1,3}(,[a-d]{1,3})*\."
+SPECS["gbnf"] = GrammarSpec(kind="grammar", text=GBNF)
+SPECS["lark"] = GrammarSpec(kind="grammar", text=LARK)
+# Structural tag: free text, each trigger opening `json_schema`'s JSON then ";". The triggers are bytes this tiny
+# model writes early (greedy and seeded), so every reference output enters a tagged region.
+TRIGGERS = ("\x0f", "G", "B", "e")
+SPECS["structural_tag"] = GrammarSpec(kind="structural_tag", text=json.dumps({"triggers": list(TRIGGERS), "structures": [
+    {"begin": t, "schema": json.loads(SPECS["json_schema"].text), "end": ";"} for t in TRIGGERS]}))
 SETTINGS = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 7}}
 
 
@@ -94,6 +110,9 @@ def _text(tokens: list[int]) -> str:
 def _check_valid(name: str, tokens: list[int]) -> None:
     """Complete outputs (ended by EOS) are whole documents; every output is a prefix of one."""
     text = _text(tokens)
+    if name == "structural_tag":
+        assert tagged_regions(bytes(t for t in tokens if t != TINY_EOS_ID).decode("utf-8", "replace")), text
+        return
     if tokens[-1] != TINY_EOS_ID:
         return
     if name in ("json_object", "json_schema"):
@@ -103,8 +122,41 @@ def _check_valid(name: str, tokens: list[int]) -> None:
             assert set(value) == {"n", "s"} and isinstance(value["n"], int) and len(value["s"]) <= 4, value
     elif name == "regex":
         assert re.fullmatch(SPECS["regex"].text, text), text
+    elif name == "lark":
+        assert re.fullmatch(LARK_REGEX, text), text
+    elif name == "gbnf":
+        assert is_arithmetic(text), text
     else:
         assert text in json.loads(SPECS["choice"].text), text
+
+
+def is_arithmetic(text: str) -> bool:
+    """True when Python parses `text` as one expression of integers, +, - and * (and parentheses): `GBNF`'s
+    language, less the whitespace and unary signs Python also takes (GBNF allows neither)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    allowed = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult)
+    return (re.fullmatch(r"[0-9()+*-]+", text) is not None and all(isinstance(n, allowed) for n in ast.walk(tree))
+            and all(isinstance(n.value, int) for n in ast.walk(tree) if isinstance(n, ast.Constant)))
+
+
+def tagged_regions(text: str) -> int:
+    """The number of tagged regions in `text` under `SPECS["structural_tag"]`, each checked: free text runs to
+    the first trigger, then one JSON document (Python's own decoder) with json_schema's keys and types, then
+    ";". A region the text ends inside (the token budget) counts but is not checked."""
+    count, i, decoder = 0, 0, json.JSONDecoder()
+    while (i := min((j for j in (text.find(t, i) for t in TRIGGERS) if j >= 0), default=-1)) >= 0:
+        count += 1
+        try:
+            value, end = decoder.raw_decode(text, i + 1)
+        except ValueError:
+            return count  # truncated inside the document
+        assert set(value) == {"n", "s"} and isinstance(value["n"], int) and len(value["s"]) <= 4, value
+        assert text[end:end + 1] in ("", ";"), text[end:]
+        i = end + 1
+    return count
 
 
 @pytest.fixture(scope="module")
@@ -264,8 +316,9 @@ def test_firp_chains_commit_the_masked_plain_tokens(vocab, name, setting, num_st
     assert engine.spec.firp_accepted > 0
     if steered:
         assert engine.spec.grammar_dropped + engine.spec.grammar_replaced > 0, "no forbidden FIRP draft was cut"
-        if speed and name == "json_schema":  # jump-forward items beside FIRP chains (which take most forced runs)
-            assert engine.spec.grammar_jump_tokens > 0 and engine.spec.jump_accepted == engine.spec.jump_verified
+        # jump-forward rows beside FIRP chains (which take most forced runs: a run rides only on a real item
+        # without a chain): always accepted, and never more verified than were sent
+        assert engine.spec.jump_accepted == engine.spec.jump_verified <= engine.spec.grammar_jump_tokens
     else:
         assert engine.spec.firp_verified > engine.spec.firp_accepted and engine.spec.grammar_dropped == 0
 
@@ -309,11 +362,12 @@ class CheckedRing(replay.FakeRing):
     coordinator believes: the slot holds exactly the sequence's context before the item (committed tokens,
     then the chain's drafts: none lost, duplicated or reordered), the item's tokens are the context's next
     ones, and a real item starts at the committed length - 1 (the KV then holds every committed token but
-    the one it carries)."""
+    the one it carries), a real item that carries a forced run too. jump_items: items carrying a forced run
+    (a jump draft item, or a real item's riding run), by the ledger's `InFlight.jump`; riding: the latter."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__()
-        self.engine, self.checked, self.jump_items = engine, 0, 0
+        self.engine, self.checked, self.jump_items, self.riding = engine, 0, 0, 0
 
     def result(self) -> Result:
         for item in self.inflight[0] if self.inflight else ():
@@ -326,7 +380,10 @@ class CheckedRing(replay.FakeRing):
             if item.kind in (ItemKind.DECODE, ItemKind.FIRP):
                 assert item.start == seq.ledger.known_len - 1, (item, seq.ledger.known_len)
             self.checked += 1
-            self.jump_items += item.kind == ItemKind.DRAFT and item.num_tokens > 1
+            # a forced run: a jump draft item, or riding on a real item ([Note: grammar-aware drafting])
+            jump = any(f.jump and f.position == item.start for f in seq.ledger.inflight)
+            self.jump_items += jump
+            self.riding += jump and item.kind == ItemKind.FIRP
         return super().result()
 
 
@@ -369,6 +426,7 @@ def test_jump_items_keep_the_ledger_and_kv_in_step(monkeypatch, vocab, name, set
                 out = engine.step([ring.result()])
         assert outputs == want, replays
         assert ring.checked > 0 and (ring.jump_items > 0 or name != "json_schema")
+        assert ring.riding > 0 or name != "json_schema", "no real item carried a forced run"
         assert engine.spec.firp_verified == 0 and engine.spec.jump_accepted == engine.spec.jump_verified
 
 

@@ -12,6 +12,8 @@ fuzz longer locally).
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from hypothesis import given
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 from launcher.serving.grpc_generate import GrpcServer
 from launcher.serving.serving_engine import ServingEngine
 from proto import speedpipe_pb2 as pb
-from tests.unit.test_http_fuzz import FUZZ
+from tests.unit.test_http_fuzz import FUZZ, GRAMMARS, STRUCTURAL_TAGS
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,6 +44,7 @@ _small = st.integers(0, 12)
 # a regex that does not compile, an empty choice list, one over the 262,144-character cap).
 SCHEMAS = ['{"type": "object"}', "true", "false", "[]", "{", '{"type": "nope"}', '{"enum": []}', "x" * 262_145]
 REGEXES = ["[0-9]+", "(", "a{99999999}", "", "\\", "[^\\s\\S]"]
+TAG_TEXTS = [t if isinstance(t, str) else json.dumps(t) for t in STRUCTURAL_TAGS]
 # Every field of GenerateRequest, in its wire type's full range (optional fields drawn or left unset).
 FIELDS = {
     "request_id": st.one_of(st.text(max_size=8), st.text(min_size=250, max_size=300)),
@@ -65,6 +68,8 @@ FIELDS = {
         st.one_of(st.text(max_size=30), st.sampled_from(SCHEMAS)).map(lambda s: pb.StructuredOutput(json_schema=s)),
         st.one_of(st.text(max_size=12), st.sampled_from(REGEXES)).map(lambda r: pb.StructuredOutput(regex=r)),
         st.lists(st.text(max_size=6), max_size=4).map(lambda c: pb.StructuredOutput(choice=pb.Choices(choices=c))),
+        st.one_of(st.text(max_size=30), st.sampled_from(GRAMMARS)).map(lambda g: pb.StructuredOutput(grammar=g)),
+        st.one_of(st.text(max_size=30), st.sampled_from(TAG_TEXTS)).map(lambda t: pb.StructuredOutput(structural_tag=t)),
     ),
 }
 PROMPT = st.one_of(
@@ -156,6 +161,8 @@ def test_raw_request_bytes_are_ok_or_invalid_argument(channel, raw):
     pb.StructuredOutput(json_object=False),
     pb.StructuredOutput(choice=pb.Choices(choices=[])),
     pb.StructuredOutput(choice=pb.Choices(choices=["", "a"])),
+    *(pb.StructuredOutput(grammar=g) for g in GRAMMARS),
+    *(pb.StructuredOutput(structural_tag=t) for t in TAG_TEXTS),
 ], ids=lambda c: str(c)[:24])
 def test_every_listed_constraint_is_ok_or_invalid_argument(channel, constraint):
     """Each hand-listed constraint on a valid request (the fuzz above meets each one only by chance)."""

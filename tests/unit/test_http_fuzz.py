@@ -105,6 +105,12 @@ _CHAT_OPTIONS = {
         max_size=2,
     ),
 }
+# Grammars (Lark, GBNF, neither, broken, empty, over the cap) and structural tags (valid, malformed, as JSON text).
+GRAMMARS = ['start: "a" | "b"', 'root ::= [0-9]+', "start: undefined", 'root ::= "a" (', "::=", "", "x" * 262_145]
+STRUCTURAL_TAGS = [{"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f="]},
+                   {"structures": [{"begin": "<f=a>", "schema": {"type": 3}, "end": "</f>"}], "triggers": ["<g="]},
+                   {"structures": [], "triggers": []}, {"structures": [{"begin": 1}], "triggers": [""]}, "{", "[]",
+                   '{"structures": [{"begin": "x", "end": "y"}], "triggers": ["x"]}']
 _SAMPLING = {
     "model": st.sampled_from(["tiny", "gpt-4", "", "two\nlines", "a\rb"]),
     "max_tokens": st.one_of(st.none(), st.integers(-2, 70)),
@@ -130,13 +136,17 @@ _SAMPLING = {
     "best_of": st.integers(0, 3),
     "user": _text,
     "response_format": st.one_of(
-        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])}),
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml", "structural_tag"])}),
+        st.sampled_from(STRUCTURAL_TAGS).filter(lambda t: isinstance(t, dict)).map(lambda t: {"type": "structural_tag", **t}),
         st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
             {"schema": st.sampled_from([{"type": "object"}, {"type": 3}, {"type": "string", "pattern": "a("}])},
             optional={"name": st.one_of(_text, st.just("person")), "strict": st.booleans()})}),
     ),
-    "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "json_object", "grammar"]),
-                                          st.one_of(_text, st.booleans(), st.lists(_text, max_size=3)), max_size=2),
+    "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "json_object", "grammar",
+                                                           "structural_tag"]),
+                                          st.one_of(_text, st.booleans(), st.lists(_text, max_size=3),
+                                                    st.sampled_from(GRAMMARS), st.sampled_from(STRUCTURAL_TAGS)),
+                                          max_size=2),
 }
 # The fields of each route, each with values of its documented type (mostly in range, some not).
 SCHEMAS = {

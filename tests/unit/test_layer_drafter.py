@@ -259,3 +259,30 @@ def test_the_one_command_trains_a_next_layer_drafter_that_the_pipeline_runs_exac
     assert spec_pipe.engine.spec.verified_drafts > 0
     assert main(args[:6] + ["next-layer,swiglu"] + args[7:]) == 2
     assert "trains alone" in capsys.readouterr().err
+
+
+def test_the_training_forward_is_the_stage_forward_on_gemma_1_and_gemma_2_is_refused(tmp_path):
+    """Gemma 1 ((1 + w) norms, GeGLU, no sandwich norms, query scale or caps) may train a next-layer
+    drafter: the differentiable training forward of a layer equals the stage's own forward of it.
+    Gemma 2 (sliding layers, sandwich norms, query scale, attention cap) is refused."""
+    from pipeline.model.stage_model import build_stage_model
+    from pipeline.speculation.drafting.layer_drafter import unsupported_reason
+    from pipeline.weights.checkpoint import all_tensor_names
+    from tests.family_models import family_config, write_family_model
+
+    assert unsupported_reason(family_config("gemma2")) is not None
+    folder = write_family_model(tmp_path / "gemma", "gemma", seed=3)
+    reader = CheckpointReader(folder)
+    cfg = reader.config
+    assert unsupported_reason(cfg) is None
+    model = build_stage_model(cfg, LayerRange(0, cfg.num_hidden_layers), is_first=True, is_last=True,
+                              tensors=reader.read(all_tensor_names(cfg), dtype=torch.float32))
+    seen = {}
+    hook = model.layers["2"].register_forward_hook(lambda m, i, o: seen.update(x=i[0].clone(), y=o.clone()))
+    tokens = [5, 17, 200, 33, 9, 81, 140, 77, 3, 250]
+    with torch.inference_mode():
+        model(torch.tensor(tokens), [Span(0, 0, len(tokens))], model.new_kv_cache(max_num_seqs=1, max_model_len=64))
+    hook.remove()
+    with torch.no_grad():
+        trained = train_forward(model.layers["2"], seen["x"][None], config_inv_freq(cfg, local=False))[0]
+    torch.testing.assert_close(trained, seen["y"], rtol=1e-5, atol=1e-5)

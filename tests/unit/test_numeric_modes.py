@@ -168,7 +168,10 @@ def test_quantised_modes_refuse_a_cuda_device(folder):
 
 # -- families whose checkpoints differ from Llama's: fused phi3 tensors, MoE experts and routers -----
 
-QUANT_FAMILIES = ["phi3", "mixtral", "qwen3_moe"]
+QUANT_FAMILIES = ["phi3", "mixtral", "qwen3_moe", "gemma", "gemma2"]
+# int4's floor of cosine similarity to float32: Gemma 2's tiny model (no q/k norm) measured 0.77-0.80, and its
+# int4 weights run densely give the same 0.80 (the weights' rounding, not the kernels: 0.996 to that run).
+INT4_COSINE_FLOOR = {"gemma2": 0.7}
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +192,8 @@ def family_sources(tmp_path_factory):
 @pytest.mark.parametrize("mode, source", [("int8", "hf"), ("int4", "hf"), ("int4", "gguf"), ("auto", "gguf")])
 def test_quantised_modes_load_every_family_and_a_split_changes_no_number(family_sources, family, mode, source):
     """Before: phi3 (q/k/v fused in the checkpoint) and the MoE families (experts, routers) failed to
-    load in any quantised mode, asking for a `q_proj` / `mlp.gate_proj` tensor they do not have."""
+    load in any quantised mode, asking for a `q_proj` / `mlp.gate_proj` tensor they do not have. Gemma 1
+    and 2: (1 + w) norms, scaled embedding, tied head, Gemma 2's caps and sliding layers in bfloat16."""
     folder = family_sources[family][source]
     full = _full(folder, mode)
     assert not any(isinstance(m, torch.nn.Linear) for m in full.modules())
@@ -204,7 +208,7 @@ def test_quantised_modes_load_every_family_and_a_split_changes_no_number(family_
     dense = dense_model(prompt, spans, dense_model.new_kv_cache(max_num_seqs=1, max_model_len=32))
     cos = torch.nn.functional.cosine_similarity(dense, logits.float(), dim=-1)
     # measured: int8 >= 0.998, int4 groups 0.90-0.93 (requantised F16 here); a wrong layout gives ~0
-    assert cos.min() > (0.99 if mode == "int8" else 0.85), cos
+    assert cos.min() > (0.99 if mode == "int8" else INT4_COSINE_FLOOR.get(family, 0.85)), cos
 
 
 def test_auto_counts_every_requantised_expert_in_its_warning(family_sources):

@@ -30,6 +30,9 @@ pytestmark = pytest.mark.timeout(60)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
+LARK = 'start: "n=" NUM\nNUM: /[0-9]{1,3}/'
+GBNF = 'root ::= "n=" [0-9] [0-9]?'
+TAG = {"structures": [{"begin": "<f=add>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
 ACCEPTED = [
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": None}, None),
@@ -41,6 +44,11 @@ ACCEPTED = [
     ({"structured_outputs": {"regex": "[0-9]{3}"}}, GrammarSpec(kind="regex", text="[0-9]{3}")),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, GrammarSpec.choice(["yes", "no"])),
     ({"structured_outputs": {"json_object": True}}, GrammarSpec(kind="json_object")),
+    ({"structured_outputs": {"grammar": LARK}}, GrammarSpec(kind="grammar", text=LARK)),
+    ({"structured_outputs": {"grammar": GBNF}}, GrammarSpec(kind="grammar", text=GBNF)),
+    ({"structured_outputs": {"structural_tag": TAG}}, GrammarSpec(kind="structural_tag", text=json.dumps(TAG))),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, GrammarSpec(kind="structural_tag", text=json.dumps(TAG))),
+    ({"response_format": {"type": "structural_tag", **TAG}}, GrammarSpec(kind="structural_tag", text=json.dumps(TAG))),
 ]
 REFUSED = [
     ({"response_format": "json"}, "response_format"),
@@ -67,11 +75,29 @@ REFUSED = [
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"structured_outputs": {"grammar": "start: a"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: a"}}, "structured_outputs.grammar"),  # unknown rule (Lark)
+    ({"structured_outputs": {"grammar": "root ::= a"}}, "structured_outputs.grammar"),  # unknown rule (GBNF)
+    ({"structured_outputs": {"grammar": "hello"}}, "structured_outputs.grammar"),  # neither
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": ["start: a"]}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": "root ::= " + "a" * MAX_GRAMMAR_CHARS}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": LARK, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": "[" * 5000 + "]" * 5000}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs.json"),
+    ({"structured_outputs": {"structural_tag": [TAG]}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": {**TAG, "triggers": ["<g="]}}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": {**TAG, "triggers": []}}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": {**TAG, "extra": 1}}}, "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": {"type": 3}, "end": "</f>"}]}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": []}}, "response_format"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
     ({"structured_outputs": ["regex"]}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
+    ({"structured_outputs": {"grammar": LARK}, "ignore_eos": True}, "structured_outputs"),  # not response_format
+    ({"response_format": {"type": "structural_tag", **TAG}, "ignore_eos": True}, "response_format"),
     ({"structured_outputs": {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}}, "structured_outputs.regex"),
     ({"structured_outputs": {"choice": ["abcd"] * (MAX_GRAMMAR_CHARS // 8 + 1)}}, "structured_outputs.choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * MAX_GRAMMAR_CHARS]}}}},
@@ -116,6 +142,12 @@ GRPC_REFUSED = [
     (pb.StructuredOutput(choice=pb.Choices()), "structured_output.choice"),
     (pb.StructuredOutput(choice=pb.Choices(choices=["a", ""])), "structured_output.choice"),
     (pb.StructuredOutput(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "structured_output.regex"),
+    (pb.StructuredOutput(grammar="start: a"), "structured_output.grammar"),
+    (pb.StructuredOutput(grammar='root ::= "a" ('), "structured_output.grammar"),
+    (pb.StructuredOutput(grammar=""), "structured_output.grammar"),
+    (pb.StructuredOutput(structural_tag="{x"), "structured_output.structural_tag"),
+    (pb.StructuredOutput(structural_tag="[]"), "structured_output.structural_tag"),
+    (pb.StructuredOutput(structural_tag=json.dumps({**TAG, "triggers": ["<g="]})), "structured_output.structural_tag"),
 ]
 
 
@@ -124,7 +156,9 @@ def test_grpc_structured_output_reaches_the_sampling_params(tokenizer):  # noqa:
     cases = [(pb.StructuredOutput(json_object=True), GrammarSpec(kind="json_object")),
              (pb.StructuredOutput(json_schema=json.dumps(SCHEMA)), GrammarSpec(kind="json_schema", text=json.dumps(SCHEMA))),
              (pb.StructuredOutput(regex="[ab]+"), GrammarSpec(kind="regex", text="[ab]+")),
-             (pb.StructuredOutput(choice=pb.Choices(choices=["x", "y"])), GrammarSpec.choice(["x", "y"]))]
+             (pb.StructuredOutput(choice=pb.Choices(choices=["x", "y"])), GrammarSpec.choice(["x", "y"])),
+             (pb.StructuredOutput(grammar=GBNF), GrammarSpec(kind="grammar", text=GBNF)),
+             (pb.StructuredOutput(structural_tag=json.dumps(TAG)), GrammarSpec(kind="structural_tag", text=json.dumps(TAG)))]
     for so, spec in cases:
         _, params = request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, structured_output=so), engine)
         assert params.grammar == spec and params.needs_logits

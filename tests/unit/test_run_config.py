@@ -219,3 +219,17 @@ def test_firp_in_an_int_mode_or_float32_is_allowed():
     and float32 `none` agrees within rounding as everywhere (README, Numeric modes)."""
     for fields in ({"dtype": "bfloat16", "quantization": "int4"}, {"dtype": "float32"}, {"quantization": "auto"}):
         assert RunConfig(speculate="speed+firp", num_stages=2, **fields).uses_firp
+
+
+@pytest.mark.parametrize("fields", [{"dtype": "bfloat16"}, {"dtype": "float16"}])
+def test_jump_forward_is_off_where_multi_row_passes_round_rows_apart(fields):
+    """Jump-forward sends a forced run as extra rows of one item (a draft item's, or riding on a real item),
+    whose last row's result is a free token: a multi-row verify pass, as a FIRP chain's or a token tree's.
+    Dense half precision rounds such a row apart from a 1-row pass and refuses those (the
+    speculate/draft_tree cases of `test_bad_value_names_the_parameter_and_the_cli_rewrites_it_to_the_flag`), so there its forced tokens go one per item:
+    grammar-aware drafting stays on, jump-forward is off. Float32 and the int modes keep it."""
+    view = RunConfig(speculate="speed", **fields).scheduler_config(eos_token_ids=(0,), firp_k=0)
+    assert (view.grammar_drafts, view.grammar_jump) == (True, False)
+    for exact in ({"dtype": "float32"}, {**fields, "quantization": "int8"}, {**fields, "quantization": "auto"}):
+        view = RunConfig(speculate="speed", **exact).scheduler_config(eos_token_ids=(0,), firp_k=0)
+        assert (view.grammar_drafts, view.grammar_jump) == (True, True), exact

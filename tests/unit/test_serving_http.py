@@ -21,6 +21,7 @@ import pytest
 
 from launcher.cli.main import main
 from launcher.coordinator.coordinator import PipelineError, RequestHandle
+from launcher.coordinator.request_handle import TextOptions
 from launcher.serving import http_errors, openai_protocol
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion, render_chat
@@ -66,12 +67,12 @@ class FakeCoordinator:
         self.num_restarts = 0
         self._n = 0
 
-    def submit(self, prompt, params: SamplingParams, *, request_id=None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams, *, request_id=None, text=TextOptions()) -> RequestHandle:
         if self.failure is not None:  # as the real one
             raise self.failure
         ids = list(prompt)
-        handle = RequestHandle(request_id, self.tokenizer.decode(ids), ids, params,
-                               self.tokenizer.detokenizer(prompt_ids=ids))
+        handle = RequestHandle(request_id, self.tokenizer.decode(ids), ids, params, text.detokenizer(self.tokenizer, ids),
+                               text)
         threading.Thread(target=self._run, args=(handle,), daemon=True).start()
         return handle
 
@@ -1006,7 +1007,7 @@ LONG = "x" * 20_000
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": LONG}, "tools",
      "'tools' must be a list of function tools, got 'xxx"),
     ("/v1/completions", {"response_format": {"type": LONG}}, "response_format.type",
-     "'response_format.type' must be one of text, json_object, json_schema, got 'xxx"),
+     "'response_format.type' must be one of text, json_object, json_schema, structural_tag, got 'xxx"),
     ("/v1/completions", {"prompt": [10**1000]}, "prompt", "'prompt' token id 1000"),
     ("/v1/completions", {"prompt": "\ud800" * 5000}, "body", "request body has a string that is not valid"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": LONG}, "logprobs",

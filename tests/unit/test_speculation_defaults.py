@@ -99,6 +99,8 @@ def test_the_cli_default_is_auto_and_it_is_decided_before_the_options_exist(two_
     (["--draft-at", "stage"], "--draft-at tunes SPEED drafts"),
     (["--min-acceptance", "0.2", "--max-inflight", "2"], "--min-acceptance, --max-inflight tune SPEED drafts"),
     (["--deep-draft-min-acceptance", "0.9"], "--deep-draft-min-acceptance tunes"),
+    (["--grammar-drafting", "off"], "--grammar-drafting tunes SPEED drafts"),
+    (["--grammar-drafting", "drafts"], "--grammar-drafting tunes SPEED drafts"),
 ])
 def test_auto_refuses_speed_flags_where_it_chose_none(two_cpus, flags, named):
     """A flag that only tunes drafts does nothing under `none`: auto says so (exit 2 in the CLI)
@@ -125,8 +127,11 @@ def test_auto_refuses_firp_flags_since_it_never_chooses_firp(two_cpus):
 def test_flag_defaults_match_the_options_defaults_so_untouched_flags_pass():
     """tuned_flags compares against PipelineOptions' defaults: the CLI's own defaults must equal them,
     or every default launch would be refused."""
+    from launcher.cli.options import grammar_drafting_fields
+
     args = build_parser().parse_args(["launch", "--prompt", "x"])
-    values = {field: getattr(args, field) for field in (*SPEED_TUNING, *FIRP_TUNING)}
+    values = {field: getattr(args, field) for field in (*SPEED_TUNING, *FIRP_TUNING) if hasattr(args, field)}
+    values |= grammar_drafting_fields(args.grammar_drafting)
     values["min_acceptance"] = min_acceptance_arg(values["min_acceptance"])
     assert tuned_flags(values, {**SPEED_TUNING, **FIRP_TUNING}) == []
     check_auto_flags(values | {"draft_tree": 3}, speculate="none", why="")  # the user's own mode: not auto's business
@@ -169,3 +174,22 @@ def test_speculate_none_notes_the_predictor_flags_and_still_checks_a_named_file(
                                "--prompt", "x"])
     assert _options(named).speculate == "none"
     assert "note: --firp-k, --predictor have no effect with --speculate none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["launch", "--prompt", "x"], ["serve"]])
+@pytest.mark.parametrize(("mode", "drafts", "jump"), [("jump", True, True), ("drafts", True, False), ("off", False, False)])
+def test_grammar_drafting_reaches_the_run_config_of_launch_and_serve(two_cpus, command, mode, drafts, jump):
+    """`--grammar-drafting jump|drafts|off` ([Note: grammar-aware drafting] in pipeline/engine/grammar_drafts.py):
+    drafts that follow the grammar with forced runs as one item, without jump-forward, or the predictor's
+    as they are, on `launch` and `serve` alike, down to the scheduler's view; jump, the behaviour before the
+    flag, is the default (RunConfig's own defaults)."""
+    from pipeline.run_config import RunConfig
+
+    parser = build_parser()
+    options = _options(parser.parse_args([*command, "--stages", "2", "--speculate", "speed", "--grammar-drafting", mode]))
+    assert (options.grammar_drafts, options.grammar_jump) == (drafts, jump)
+    view = options.scheduler_config(eos_token_ids=(2,), firp_k=0)
+    assert (view.grammar_drafts, view.grammar_jump) == (drafts, jump)
+    default = _options(parser.parse_args([*command, "--stages", "2", "--speculate", "speed"]))
+    assert (default.grammar_drafts, default.grammar_jump) == (RunConfig().grammar_drafts, RunConfig().grammar_jump)
+    assert (default.grammar_drafts, default.grammar_jump) == (True, True)

@@ -5,18 +5,23 @@ What breaks when these fail: a bad min_tokens / stop_token_ids / allowed_token_i
 or refused without naming the field; an id outside the vocabulary reaches the model; bad words are
 tokenised unlike vLLM (the leading-space variant missing or wrongly added); a FIRP chain or jump-forward
 run commits past a stop token id; a stop string ends the output inside the first min_tokens tokens' text
-(vLLM's detokenizer ignores those matches); a stop token id's text is shown, or its id is not the
-`stop_reason`. Engine exactness on every speculative path: tests/unit/test_token_masks_paths.py.
+(vLLM's detokenizer ignores those matches), or one that started in text already streamed is missed or
+cut wrongly with include_stop_str_in_output, or streaming in commits of several tokens shows other text than
+vLLM's token-by-token detokenizer; a stop token id's or EOS's text is shown (or not shown with
+include_stop_str_in_output), or its id is not the `stop_reason`. Engine exactness on every speculative path:
+tests/unit/test_token_masks_paths.py.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from launcher.cli.errors import flag_message
 from launcher.cli.main import _parse, build_parser, main, sampling_params
-from launcher.coordinator.request_handle import RequestHandle, encode_prompt
+from launcher.coordinator.request_handle import RequestHandle, TextOptions, encode_prompt
 from pipeline.engine.records import Commit, FinishReason
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.grammar import GrammarError, GrammarSpec, GrammarState, GrammarVocab
@@ -197,6 +202,77 @@ def test_a_stop_token_ids_text_is_not_shown_and_it_is_the_stop_reason(tokenizer,
     params = SamplingParams(max_new_tokens=8, stop_token_ids=(ids[-1],), stop=("bc",))
     h = _emit(tokenizer, params, ids, one_commit=one_commit, last=FinishReason.STOP)
     assert (h.result(1).text, h.stop_reason, h.token_ids) == ("a", "bc", ids[:3])
+
+
+
+def _vllm_detokenizer(tok, ids: list[int], *, stop: tuple[str, ...], min_tokens: int, include: bool,
+                      stop_terminated: bool) -> tuple[list[int], str, str | None, list[str]]:
+    """vLLM's v1 detokenizer fed one token per step (token-by-token decoding), written out from
+    vllm/v1/engine/detokenizer.py (`BaseIncrementalDetokenizer.update`: a stop-terminated request's last token
+    is not decoded unless include_stop_str_in_output; `stop_check_offset` past the first min_tokens tokens'
+    text; `get_next_output_text`: the last max(len(stop)) - 1 characters held back unless include) and its
+    `check_stop_strings` (a match counts only where it ends in the new text; the first listed wins, one token's
+    text being one character here; cut at its start or, included, its end). Each token's text: the `tokenizers`
+    library's decode of the ids so far less that of the ids before it. (ids kept, final text, stop string,
+    streamed deltas)."""
+    text, deltas, offset = "", [], 0
+    buffer = max(len(s) for s in stop) - 1 if stop and not include else 0
+    for n in range(1, len(ids) + 1):
+        last = n == len(ids)
+        stop_check_offset = len(text)
+        if not (last and stop_terminated and not include):
+            text += tok.decode(ids[:n], skip_special_tokens=False)[len(tok.decode(ids[:n - 1], skip_special_tokens=False)):]
+            if min_tokens and n <= min_tokens:
+                stop_check_offset = len(text)
+        hit, new_chars = None, len(text) - stop_check_offset
+        for s in stop if stop and n > min_tokens and new_chars else ():
+            if (i := text.find(s, 1 - new_chars - len(s))) >= 0:
+                hit, text = s, text[:i + len(s) if include else i]
+                break
+        end = len(text) - (0 if last or hit else buffer)
+        deltas.append(text[offset:end] if offset < end else "")
+        offset = max(offset, end)
+        if hit:
+            return ids[:n], text, hit, deltas
+    return ids, text, None, deltas
+
+
+STREAM_CASES = [("abXYZcdXYZef", ("XYZ",)), ("aYZbcYZd", ("YZ", "QQQQ")), ("hello world, hello there", ("lo", "o t")),
+                ("aaaaaa", ("aa",)), ("xabcabcdab", ("abcd", "bc")), ("abcdef", ("cdef", "de"))]
+
+
+@pytest.mark.parametrize(("text", "stop"), STREAM_CASES)
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("ending", [FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP])
+def test_stop_strings_after_min_tokens_stream_as_vllm_in_every_commit_size(tokenizer, text, stop, include, ending):
+    """min_tokens + stop strings + include_stop_str_in_output both ways + the EOS / stop token id that ends
+    the request, fed in commits of 1, 2, 3, 5 tokens and all at once (FIRP chains, jump-forward runs): the
+    tokens kept, the text, the stop reason and what has streamed after each commit are vLLM's token-by-token
+    detokenizer's (`_vllm_detokenizer`) at that commit's last token. Covers a stop string that starts in
+    text already streamed (include) and one that lies wholly inside the first min_tokens tokens' text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids += {FinishReason.LENGTH: [], FinishReason.EOS: [TINY_EOS_ID], FinishReason.STOP: [ord("!")]}[ending]
+    options = TextOptions(skip_special_tokens=False, include_stop_str_in_output=include)
+    for min_tokens in range(len(ids) + (ending is FinishReason.LENGTH)):  # an EOS / stop id comes after min_tokens
+        want_ids, want_text, want_stop, deltas = _vllm_detokenizer(
+            tokenizer._tok, ids, stop=stop, min_tokens=min_tokens, include=include,
+            stop_terminated=ending is not FinishReason.LENGTH)
+        if want_stop is None and ending is FinishReason.STOP:
+            want_stop = ids[-1]  # vLLM's stop_reason: the stop token id
+        for size in (1, 2, 3, 5, len(ids)):
+            params = SamplingParams(max_new_tokens=len(ids), stop=stop, min_tokens=min_tokens,
+                                    stop_token_ids=(ord("!"),) if ending is FinishReason.STOP else ())
+            h = RequestHandle("r", "p", [1], params, options.detokenizer(tokenizer, [1]), options)
+            commits = [tuple(ids[i:i + size]) for i in range(0, len(ids), size)]
+            for j, c in enumerate(commits):
+                if h.emit(Commit(0, c, ending if j == len(commits) - 1 else None)):
+                    break
+            streamed = list(itertools.accumulate(c.text for c in h))
+            case = (min_tokens, size)
+            assert (h.token_ids, h.result(1).text, h.stop_reason) == (want_ids, want_text, want_stop), case
+            assert streamed == ["".join(deltas[:min((j + 1) * size, len(want_ids))])
+                                for j in range(-(-len(want_ids) // size))], case
+            assert h.finish_reason == ("stop" if want_stop is not None else ending.value), case
 
 
 def test_launch_flags_reach_the_sampling_params_and_bad_values_exit_2(capsys, tiny_dir):

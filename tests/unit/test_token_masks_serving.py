@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from launcher.coordinator.request_handle import RequestHandle, encode_prompt
+from launcher.coordinator.request_handle import RequestHandle, TextOptions, encode_prompt
 from launcher.serving.grpc_generate import GrpcServer, request_params
 from launcher.serving.http_server import HttpServer
 from launcher.serving.openai_protocol import parse_chat, parse_completion
@@ -37,9 +37,9 @@ class StopTokenCoordinator(FakeCoordinator):
     (`encode_prompt`) and ends a request as the scheduler does at one of its stop_token_ids: the id
     committed with FinishReason.STOP."""
 
-    def submit(self, prompt, params: SamplingParams, *, request_id=None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams, *, request_id=None, text=TextOptions()) -> RequestHandle:
         _, _, params = encode_prompt(self.tokenizer, list(prompt), params, max_model_len=64)  # as Coordinator.submit
-        return super().submit(prompt, params, request_id=request_id)
+        return super().submit(prompt, params, request_id=request_id, text=text)
 
     def _run(self, h) -> None:
         for i in range(h.params.max_new_tokens):

@@ -15,6 +15,7 @@ tests/unit/test_serving_http.py.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -56,6 +57,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "add"}}
+CALL_ID = r"chatcmpl-tool-[0-9a-f]{32}|[A-Za-z0-9]{9}"  # vLLM's ids; the second: the mistral parser's
 
 
 @torch.inference_mode()
@@ -143,7 +145,7 @@ def streamed(client, pieces: list | None = None, **kw) -> dict[int, tuple[str | 
             for tc in choice.delta.tool_calls or []:
                 got = calls.setdefault(i, {})
                 if tc.id is not None:
-                    assert tc.index not in got and tc.id.startswith("chatcmpl-tool-") and tc.function.name, tc
+                    assert tc.index not in got and re.fullmatch(CALL_ID, tc.id) and tc.function.name, tc
                     got[tc.index] = [tc.function.name, ""]
                 else:
                     assert tc.function.name is None, tc
@@ -342,7 +344,7 @@ def test_serve_flags_need_each_other_and_a_known_parser(capsys):
     assert main(["serve", "--enable-auto-tool-choice"]) == 2
     assert "--tool-call-parser" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+        main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral_v11"])
     assert info.value.code == 2
     assert ServeOptions(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_call_parser == "hermes"
 
@@ -361,20 +363,29 @@ def test_a_streamed_named_call_sends_arguments_as_they_are_generated(server):
     jsonschema.validate(json.loads("".join(fragments)), ADD)
 
 
-def test_hermes_is_refused_at_start_up_for_a_tokenizer_whose_tags_are_special_tokens(folder, tmp_path):
-    """A special `<tool_call>` token is left out of the served text, so the parser would never see a call."""
+def test_hermes_reads_text_with_special_tokens_kept_for_a_tokenizer_whose_tags_are_special(folder, tmp_path):
+    """A special `<tool_call>` would be left out of the text, so the parser would never see a call: as vLLM's
+    hermes `adjust_request`, "auto" with hermes decodes with skip_special_tokens false (it replaced a start-up
+    refusal of such tokenizers); other tool choices keep the request's own setting.
+    Over the wire: tests/unit/test_tool_calling_auto.py."""
     import shutil
 
     import tokenizers
 
-    from launcher.serving.formats.tool_parsers import check_tokenizer
-
-    check_tokenizer("hermes", Tokenizer(folder))  # the tags are plain text: fine
     special = shutil.copytree(folder, tmp_path / "special")
     tok = tokenizers.Tokenizer.from_file(str(special / "tokenizer.json"))
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
                             for t in ("<tool_call>", "</tool_call>")])
     tok.save(str(special / "tokenizer.json"))
-    check_tokenizer(None, Tokenizer(special))
-    with pytest.raises(ValueError, match="special token"):
-        check_tokenizer("hermes", Tokenizer(special))
+    tokenizer = Tokenizer(special)
+    assert "<tool_call>" not in tokenizer.decode(tokenizer.encode("<tool_call>", add_special_tokens=False))
+
+    def skips(parser, **body):
+        parsed = parse_chat({"messages": USER, "tools": TOOLS, **body}, tokenizer=tokenizer, model_name="tiny",
+                            max_model_len=4096, tool_parser=parser)
+        return parsed.text.skip_special_tokens
+
+    assert skips("hermes") is False and skips("hermes", skip_special_tokens=True) is False  # vLLM overrides it
+    assert skips("hermes", tool_choice="none") is True and skips("hermes", tool_choice="required") is True
+    assert skips("hermes", tool_choice="none", skip_special_tokens=False) is False
+    assert skips("pythonic") is True and skips("mistral") is False

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
-from launcher.serving.formats.tool_parsers import ToolOutput, tool_outputs
+from launcher.serving.formats.tool_output import ToolOutput, tool_outputs
 from launcher.serving.formats.tools import ToolRequest
 
 TOOLS = ({"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "add"}})
@@ -35,7 +36,8 @@ def whole(request: ToolRequest, text: str, reason: str = "stop") -> tuple[str | 
     choice = {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
     ToolOutput(request).rewrite_message(choice)
     calls = choice["message"]["tool_calls"]
-    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in calls)
+    ids = r"[A-Za-z0-9]{9}" if request.parser == "mistral" else r"chatcmpl-tool-[0-9a-f]{32}"  # vLLM's shapes
+    assert all(re.fullmatch(ids, c["id"]) and c["type"] == "function" for c in calls), calls
     return choice["message"]["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in calls], \
         choice["finish_reason"]
 
@@ -97,6 +99,9 @@ HERMES = [  # (generated text, content, calls)
     ("x <tool_call> y", "x <tool_call> y", []),
     ("<tool_call>{\"name\": \"add\", \"arguments\": {\"s\": \"é ✓\"}}</tool_call>", None, [("add", '{"s": "é ✓"}')]),
     ("<tool_call>{\"name\": \"add\"}</tool_call>", None, [("add", "{}")]),
+    ('<tool_call>{"name": "", "arguments": {"a": 1}}</tool_call>',  # an empty name: no call, as vLLM's stream
+     '<tool_call>{"name": "", "arguments": {"a": 1}}</tool_call>', []),
+    ('<tool_call>{"name": "not_a_tool", "arguments": {}}</tool_call>', None, [("not_a_tool", "{}")]),  # as vLLM
 ]
 
 

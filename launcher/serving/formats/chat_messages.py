@@ -20,7 +20,9 @@ from pipeline.speculation.echo import shown
 
 def chat_options(body: dict, *, error: ErrorClass) -> dict[str, Any]:
     """The template options of a chat body: add_generation_prompt (default true),
-    continue_final_message (default false; not both) and chat_template_kwargs (an object)."""
+    continue_final_message (default false; not both) and chat_template_kwargs (an object), with vLLM's
+    `documents` (a list of objects of strings; the template's `documents` variable, as Hugging Face's
+    `apply_chat_template(documents=...)`; chat_template_kwargs' own "documents" wins, as in vLLM)."""
     options = {}
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
         value = body.get(name)
@@ -35,6 +37,12 @@ def chat_options(body: dict, *, error: ErrorClass) -> dict[str, Any]:
     reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs or ())
     if reserved:
         raise error(f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs")
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(
+                isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+            raise error("'documents' must be a list of objects whose values are strings", "documents")
+        kwargs = {"documents": documents, **(kwargs or {})}
     options["template_kwargs"] = kwargs
     return options
 

@@ -3,13 +3,19 @@
 Owns turning those two fields of a decoded HTTP body into a `GrammarSpec` (pipeline/speculation/grammar.py),
 or None for plain text. Accepted (OpenAI API reference, "Structured outputs"; vLLM docs, "Structured Outputs"):
   response_format: {"type": "text"} | {"type": "json_object"} |
-                   {"type": "json_schema", "json_schema": {"name": str (required), "schema": {...}, "strict": bool}}
+                   {"type": "json_schema", "json_schema": {"name": str (required), "schema": {...}, "strict": bool}} |
+                   {"type": "structural_tag", "structures": [{"begin": str, "schema": {...}, "end": str}],
+                    "triggers": [str]} (vLLM's)
   structured_outputs: exactly one of {"json": schema object or its JSON text}, {"regex": str},
-                      {"choice": [str, ...]}, {"json_object": true}
-`strict` is accepted either way: every schema is enforced. Both fields in one request, an unknown
-type or key, or a schema / regex llguidance refuses raises the caller's `error` class (HTTP and gRPC pass
-their InvalidRequestError) naming the field by its dotted path: 400 / INVALID_ARGUMENT. gRPC: `grammar_from_proto`
-(GenerateRequest.structured_output). Must not: do I/O, or import launcher/serving (it sits below it).
+                      {"choice": [str, ...]}, {"json_object": true}, {"grammar": Lark or GBNF text},
+                      {"structural_tag": {"structures": [...], "triggers": [...]} or its JSON text}
+`strict` is accepted either way: every schema is enforced. Both fields in one request, either with
+`ignore_eos: true`, an unknown type or key, or a schema / regex / grammar / structural tag llguidance
+refuses raises the caller's `error` class (HTTP and gRPC pass their InvalidRequestError) naming the field
+by its dotted path: 400 /
+INVALID_ARGUMENT. gRPC: `grammar_from_proto` (GenerateRequest.structured_output: json_object, json_schema,
+regex, choice, grammar, structural_tag as JSON text). Must not: do I/O, or import launcher/serving (it sits
+below it).
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from typing import Any
 from pipeline.speculation.echo import shown
 from pipeline.speculation.grammar import GrammarSpec
 
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object", "grammar", "structural_tag")
 OPENAI_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for json_schema and function names (API reference)
 
 
@@ -52,9 +58,11 @@ def _from_body(body: dict) -> GrammarSpec | None:
     fmt, structured = body.get("response_format"), body.get("structured_outputs")
     if fmt is not None and structured is not None:
         raise FormatError("set 'response_format' or 'structured_outputs', not both", "structured_outputs")
-    if structured is not None:
-        return _structured_outputs(structured)
-    return None if fmt is None else _response_format(fmt)
+    field = "response_format" if structured is None else "structured_outputs"
+    spec = _structured_outputs(structured) if structured is not None else None if fmt is None else _response_format(fmt)
+    if spec is not None and body.get("ignore_eos") is True:  # SamplingParams refuses it too, naming response_format
+        raise FormatError(f"'{field}' cannot be combined with 'ignore_eos' (a structured output ends with EOS)", field)
+    return spec
 
 
 def _spec(field: str, **kwargs: Any) -> GrammarSpec:
@@ -88,6 +96,8 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
         return None
     if kind == "json_object":
         return _spec("response_format", kind="json_object")
+    if kind == "structural_tag":
+        return _struct_tag("response_format", {k: v for k, v in fmt.items() if k != "type"})
     field = "response_format.json_schema"
     wrapper = object_field(fmt.get("json_schema"), field)
     name, strict = wrapper.get("name"), wrapper.get("strict")
@@ -117,14 +127,32 @@ def _structured_outputs(value: Any) -> GrammarSpec:
         if not isinstance(item, (dict, str)):
             raise FormatError(f"'{field}' must be a JSON schema object or its JSON text, got {shown(item)}", field)
         return _spec(field, kind="json_schema", text=item if isinstance(item, str) else json.dumps(item))
-    if key == "regex":
+    if key in ("regex", "grammar"):
         if not isinstance(item, str) or not item:
             raise FormatError(f"'{field}' must be a non-empty string, got {shown(item)}", field)
-        return _spec(field, kind="regex", text=item)
+        return _spec(field, kind=key, text=item)
+    if key == "structural_tag":
+        return _struct_tag(field, object_field(_loads(item, field) if isinstance(item, str) else item, field))
     try:
         return GrammarSpec.choice(item)
     except ValueError as exc:
         raise FormatError(f"'{field}': {exc}, got {shown(item)}", field) from None
+
+
+def _loads(text: str, field: str) -> Any:
+    """The JSON value of `text`, else FormatError naming `field`."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's recursion limit
+        raise FormatError(f"'{field}': not JSON ({exc})", field) from None
+
+
+def _struct_tag(field: str, value: dict) -> GrammarSpec:
+    """The structural tag spec of {"structures": [...], "triggers": [...]} (no other key), refusals naming `field`."""
+    unknown = sorted(set(value) - {"structures", "triggers"})
+    if unknown:
+        raise FormatError(f"'{field}' has an unsupported key {shown(unknown[0])} (structures, triggers)", field)
+    return _spec(field, kind="structural_tag", text=json.dumps(value))
 
 
 def grammar_from_proto(req: Any, *, error: ErrorClass = FormatError) -> GrammarSpec | None:
@@ -143,13 +171,17 @@ def _from_proto(req: Any) -> GrammarSpec | None:
     kind = so.WhichOneof("kind")
     field = f"structured_output.{kind}" if kind else "structured_output"
     if kind is None or (kind == "json_object" and not so.json_object):
-        raise FormatError(f"'{field}' must set one of json_object (true), json_schema, regex, choice", field)
+        raise FormatError(f"'{field}' must set one of json_object (true), json_schema, regex, choice, grammar, "
+                          "structural_tag", field)
     if kind == "choice":
         try:
             return GrammarSpec.choice(list(so.choice.choices))
         except ValueError as exc:
             raise FormatError(f"'{field}': {exc}", field) from None
-    text = {"json_object": "", "json_schema": so.json_schema, "regex": so.regex}[kind]
+    text = {"json_object": "", "json_schema": so.json_schema, "regex": so.regex, "grammar": so.grammar,
+            "structural_tag": so.structural_tag}[kind]
     if kind != "json_object" and not text:
         raise FormatError(f"'{field}' is empty", field)
+    if kind == "structural_tag":
+        return _struct_tag(field, object_field(_loads(text, field), field))
     return _spec(field, kind=kind, text=text)

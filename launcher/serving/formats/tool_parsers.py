@@ -1,10 +1,9 @@
 """Tool calls out of a chat choice's generated text, streamed or whole (launcher/serving/formats/tools.py).
 
-Owns one parser per tool_choice mode and `ToolOutput`, which rewrites a choice's response message or
-stream delta (the dicts of launcher/serving/openai_protocol.py's `completion_body`) into OpenAI's
-shape: `content` (null when empty) and `tool_calls` = [{"id": "chatcmpl-tool-<hex>", "type": "function",
-"function": {"name", "arguments": JSON text}}]; in a stream, deltas `tool_calls: [{"index", "id", "type",
-"function": {"name", "arguments"}}]`, the name in the first delta of a call, then argument fragments.
+Owns the parsers of the named and "required" modes and of "auto" with the hermes parser, and the JSON
+reading they share (`JsonScanner`, `HermesBlock`, which launcher/serving/formats/llama_tool_parsers.py's
+llama3_json parser reuses); launcher/serving/formats/tool_output.py picks a parser and writes its
+`CallDelta`s in OpenAI's shape (the name in the first delta of a call, then argument fragments).
   named    the whole output is the arguments object (streamed as it is generated);
   required the output is a JSON array of {"name", "parameters"}: a call per item, starting once its
            name is written, its arguments the `parameters` value as generated (streamed as well);
@@ -18,13 +17,14 @@ shape: `content` (null when empty) and `tool_calls` = [{"id": "chatcmpl-tool-<he
            written before the name wait for it, then go out at once). A sent call cannot be taken back: when
            its block ends (`</tool_call>`, or the end of the output as in vLLM) its arguments are what was
            streamed, `{}` if none was written; text after a break of the top-level shape (`} oops`) is dropped;
-           the arguments' inside is not validated. A block that ends before a name was read (not an object, no
-           name, a name not a string, a break before it) stays content, tags included. The first `</tool_call>`
-           ends a block, even inside a JSON string (as vLLM's).
+           the arguments' inside is not validated (a value that is not an object, `"arguments": 12`, is its
+           JSON text "12", as vLLM's json.dumps of it). A block that ends before a name was read (not an object,
+           no name, a name not a string or empty, a break before it) stays content, tags included; a name that
+           is not one of the request's tools is still a call (vLLM's hermes does not check it either). The
+           first `</tool_call>` ends a block, even inside a JSON string (as vLLM's).
 Each parser: `feed(text)` -> (content, [CallDelta]) for the text generated since its last call, `finish()`
--> the same for what it held back. A non-streamed choice is parsed by feeding its whole text to the same parser, so the streamed
-arguments concatenate to exactly the non-streamed ones. finish_reason "stop" becomes "tool_calls" when
-"auto" produced a call or "required" did (vLLM's rule; a named call keeps "stop").
+-> the same for what it held back. A non-streamed choice is parsed by feeding its whole text to the same
+parser, so the streamed arguments concatenate to exactly the non-streamed ones.
 Must not: do I/O, or import launcher/serving.
 """
 
@@ -33,13 +33,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
-from typing import TYPE_CHECKING, Any
-
-from launcher.serving.formats.tools import ToolRequest
-
-if TYPE_CHECKING:
-    from pipeline.model.tokenizer import Tokenizer
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # a required item's start
@@ -47,7 +40,8 @@ _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameter
 
 class JsonScanner:
     """Where JSON text stands, one character at a time: its nesting depth and whether inside a string
-    (RFC 8259's strings and brackets; the text is not validated). Shared by the required and hermes parsers."""
+    (RFC 8259's strings and brackets; the text is not validated). Shared by the required, hermes and llama3_json
+    parsers."""
 
     def __init__(self) -> None:
         self.depth, self.in_string, self.escape = 0, False, False
@@ -70,10 +64,6 @@ class CallDelta:
     index: int
     name: str | None
     arguments: str
-
-
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 class NamedParser:
@@ -187,6 +177,18 @@ class HermesBlock:
         fragment, self.sent = self.text[max(self.sent, self.args_start):self.args_end], self.args_end
         return fragment
 
+    def read(self, text: str, index: int) -> list[CallDelta]:
+        """Read on; the deltas of call `index` this text gives: its first (the name, no arguments) once the
+        name is read, then the arguments text not yet sent. Shared by the hermes and llama3_json parsers."""
+        named = self.name is not None
+        fragment = self.feed(text)
+        deltas = [CallDelta(index, self.name, "")] if not named and self.name is not None else []
+        return deltas + [CallDelta(index, None, fragment)] if fragment else deltas
+
+    def closing(self, index: int) -> list[CallDelta]:
+        """The last delta of a named block's call `index`: `{}` when no arguments were written."""
+        return [CallDelta(index, None, "{}")] if self.args_end <= self.args_start else []
+
     def _step(self, pos: int) -> None:
         char, before, was_string = self.text[pos], self.scan.depth, self.scan.in_string
         self.scan.step(char)
@@ -212,7 +214,7 @@ class HermesBlock:
             if self.text[self.start] != '"':
                 self.expect = ""  # a name that is not a string: never a call
             elif was_string and not self.scan.in_string:
-                self.name = _string(self.text[self.start:pos + 1])
+                self.name = _string(self.text[self.start:pos + 1]) or None  # "": no call (vLLM never sends it)
                 self.expect = self.expect if self.name is not None else ""
         elif self.key in ("arguments", "parameters") and self.args_start in (-1, self.start):
             self.args_start, self.args_end = self.start, pos + 1
@@ -257,12 +259,7 @@ class HermesParser:
     def _read(self, text: str, deltas: list[CallDelta]) -> None:
         """The block's text: the call's first delta once its name is known, then its arguments as generated."""
         assert self.block is not None
-        named = self.block.name is not None
-        fragment = self.block.feed(text)
-        if not named and self.block.name is not None:
-            deltas.append(CallDelta(self.calls, self.block.name, ""))
-        if fragment:
-            deltas.append(CallDelta(self.calls, None, fragment))
+        deltas += self.block.read(text, self.calls)
 
     def _close(self, end: str, content: list[str], deltas: list[CallDelta]) -> None:
         """The block's call ends (`{}` when no arguments were written), or its text is content if it had no name."""
@@ -271,8 +268,7 @@ class HermesParser:
         if block.name is None:
             content.append(self._text(TOOL_CALL_START + block.text + end))
             return
-        if block.args_end <= block.args_start:
-            deltas.append(CallDelta(self.calls, None, "{}"))
+        deltas += block.closing(self.calls)
         self.calls, self.after_call = self.calls + 1, True
 
     def finish(self) -> tuple[str, list[CallDelta]]:
@@ -301,77 +297,3 @@ def _partial(text: str, tag: str = TOOL_CALL_START) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
-
-
-def check_tokenizer(parser: str | None, tokenizer: Tokenizer) -> None:
-    """At start-up: raise ValueError when `parser`'s tags cannot reach it because the model's tokenizer
-    marks them special tokens, which the served text leaves out (vLLM decodes these with
-    skip_special_tokens false instead; this server always skips them)."""
-    if parser != "hermes":
-        return
-    for tag in (TOOL_CALL_START, TOOL_CALL_END):
-        if tag not in tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)):
-            raise ValueError(f"--tool-call-parser hermes: this model's tokenizer has {tag} as a special token, "
-                             "which the generated text leaves out, so no tool call could be found")
-
-
-class ToolOutput:
-    """One choice's tool-call parsing state; rewrites its message (whole) or its stream deltas."""
-
-    def __init__(self, request: ToolRequest) -> None:
-        assert request.choice != "none", "tool_choice none: plain text, no parser"
-        self.request = request
-        self.parser = (NamedParser(request.name) if request.choice == "named" else
-                       RequiredParser() if request.choice == "required" else HermesParser())
-        self.ids: list[str] = []
-        self.num_calls = 0
-
-    def _reason(self, reason: str | None) -> str | None:
-        """vLLM's finish reason: "tool_calls" once auto made a call, or required did and stopped."""
-        if reason is None or not self.num_calls or self.request.choice == "named":
-            return reason
-        return "tool_calls" if self.request.choice == "auto" or reason == "stop" else reason
-
-    def _feed(self, text: str, last: bool) -> tuple[str, list[dict]]:
-        content, deltas = self.parser.feed(text)
-        if last:
-            more, rest = self.parser.finish()
-            content, deltas = content + more, deltas + rest
-        calls = []
-        for d in deltas:
-            if d.name is not None:
-                self.ids.append(tool_call_id())
-                self.num_calls += 1
-                calls.append({"index": d.index, "id": self.ids[d.index], "type": "function",
-                              "function": {"name": d.name, "arguments": d.arguments}})
-            elif calls and calls[-1]["index"] == d.index:
-                calls[-1]["function"]["arguments"] += d.arguments
-            else:
-                calls.append({"index": d.index, "function": {"arguments": d.arguments}})
-        return content, calls
-
-    def rewrite_message(self, choice: dict[str, Any]) -> None:
-        """A whole (non-streamed) choice: its message's content split into content and tool_calls."""
-        message = choice["message"]
-        content, calls = self._feed(message["content"], last=True)
-        message["content"] = content or None
-        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
-        choice["finish_reason"] = self._reason(choice["finish_reason"])
-
-    def rewrite_delta(self, choice: dict[str, Any]) -> bool:
-        """A stream chunk's choice: its delta's content parsed on from the chunks before it. False when
-        the chunk has nothing left to say (its text held back, no logprobs, token ids or finish reason)."""
-        delta = choice["delta"]
-        content, calls = self._feed(delta.get("content") or "", last=choice["finish_reason"] is not None)
-        delta["content"] = content if content or not calls else None
-        if calls:
-            delta["tool_calls"] = calls
-        choice["finish_reason"] = self._reason(choice["finish_reason"])
-        return bool(content or calls or choice["finish_reason"] or choice.get("logprobs") or "token_ids" in choice)
-
-
-def tool_outputs(request: ToolRequest | None, n: int) -> list[ToolOutput] | None:
-    """One ToolOutput per choice, or None when the request's output is plain text (no tools, or "none")."""
-    if request is None or request.choice == "none":
-        return None
-    return [ToolOutput(request) for _ in range(n)]

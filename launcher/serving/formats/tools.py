@@ -6,7 +6,7 @@ as vLLM builds it: a named tool (`{"type": "function", "function": {"name": ...}
 `parameters` schema, the output being its arguments object; "required" -> an array of
 `{"name": <the tool's name>, "parameters": <its schema>}` items, one `anyOf` branch per tool, at least one
 item (at most one when `parallel_tool_calls` is false). "auto" needs the server's tool-call parser
-(`--enable-auto-tool-choice --tool-call-parser hermes`, launcher/serving/formats/tool_parsers.py);
+(`--enable-auto-tool-choice --tool-call-parser NAME`, `TOOL_PARSERS`, formats/tool_output.py);
 "none" gives plain text, the template still seeing the tools. Refusals raise the caller's `error`
 class naming the field by its dotted path (`tools[1].function.name`).
 Must not: do I/O, or import launcher/serving (it sits below it).
@@ -23,11 +23,12 @@ from pipeline.speculation.echo import shown
 from pipeline.speculation.grammar import MAX_GRAMMAR_CHARS, GrammarSpec
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
-TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
+# --tool-call-parser choices (formats/tool_output.py); llama4_json and llama4_pythonic: vLLM's aliases
+TOOL_PARSERS = ("hermes", "llama3_json", "llama4_json", "pythonic", "llama4_pythonic", "mistral")
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 MAX_TOOLS_CHARS = MAX_GRAMMAR_CHARS  # the tools' JSON text, as a constraint's (compile time grows with size)
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
-ENABLE_AUTO = "start the server with --enable-auto-tool-choice --tool-call-parser hermes"
+ENABLE_AUTO = f"start the server with --enable-auto-tool-choice --tool-call-parser NAME ({', '.join(TOOL_PARSERS)})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

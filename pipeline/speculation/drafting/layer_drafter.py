@@ -50,8 +50,9 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     """Why `config`'s family cannot run the next-layer drafter, or None when it can."""
     if any(config.is_sliding(i) for i in range(config.num_hidden_layers)) or config.rope_local_theta is not None:
         return "sliding-window layers"
-    if config.qk_norm or config.sandwich_norms or config.query_pre_attn_scalar is not None:
-        return "q/k norms, sandwich norms or a query scale"
+    if config.qk_norm or config.sandwich_norms or config.query_pre_attn_scalar is not None \
+            or config.attn_logit_softcapping is not None:
+        return "q/k norms, sandwich norms, a query scale or an attention soft-cap"
     if config.num_experts:
         return "mixture-of-experts layers"
     if config.rope_scaling is not None and not config.rope_scaling.frequencies_only:

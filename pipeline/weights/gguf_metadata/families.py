@@ -1,6 +1,6 @@
 """GGUF architectures: metadata -> Hugging Face config, tensor names, and per-tensor dequantisation.
 
-Owns, per GGUF `general.architecture` (llama, qwen2, qwen3, qwen3moe, gemma3, phi3): the HF
+Owns, per GGUF `general.architecture` (llama, qwen2, qwen3, qwen3moe, gemma, gemma2, gemma3, phi3): the HF
 `model_type` (llama.cpp writes Mistral and Mixtral as `llama`: a sliding window makes it mistral,
 experts make it mixtral), the `config.json` dict built from `{arch}.*` metadata (then read by
 ModelConfig.from_hf_dict, so family defaults live in one place), the GGUF -> HF tensor-name map
@@ -27,9 +27,9 @@ from pipeline.model.tensor_names import family_tensor_name
 
 # GGUF general.architecture -> HF model_type (llama: also mistral / mixtral, see `model_type_of`).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                           "gemma3": "gemma3_text", "phi3": "phi3"}
+                           "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp's converter interleaves Q/K rows only for these
-NORM_SHIFTED_ARCHITECTURES = {"gemma3": 1.0}  # the converter adds this to every *norm.weight
+NORM_SHIFTED_ARCHITECTURES = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}  # the converter adds this to every *norm.weight
 _GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every 6th gemma3 layer is global
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
 
@@ -45,12 +45,18 @@ _LAYER_TENSORS = {
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # phi3: llama.cpp's ffn_up is HF's fused gate_up_proj (gate rows first, then up).
 _PHI3_LAYER_TENSORS = _LAYER_TENSORS | {"ffn_up": "mlp.gate_up_proj"}
-# Gemma 3 has four norms per layer: llama.cpp's ffn_norm is its pre-feed-forward norm.
+# Gemma 2 and 3 have four norms per layer: llama.cpp's ffn_norm is their pre-feed-forward norm.
 _GEMMA3_LAYER_TENSORS = _LAYER_TENSORS | {
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _MISSING = object()
+# llama.cpp's Gemma 2 defaults for keys a file lacks (llama-model.cpp's hparams: window 4096, caps 50 / 30).
+_GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+# llama.cpp's Gemma 2 / 3 query scale (the converter writes no query_pre_attn_scalar): 1/sqrt(hidden / heads)
+# for the 27B models (Gemma 2: 46 layers, Gemma 3: 62), 1/sqrt(head_dim) otherwise, as Google's gemma_pytorch
+# config (the Hub's query_pre_attn_scalar: 144 for gemma-2-27b, 168 for gemma-3-27b, else head_dim).
+_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # Qwen's chat models end a turn with <|im_end|> (the GGUF's eos) but also stop on <|endoftext|>:
 # their generation_config.json lists both ([151645, 151643] in Qwen2.5 and Qwen3), the GGUF only one.
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")
@@ -138,6 +144,17 @@ def _dense_layers(reader: gguf.GGUFReader) -> list[int]:
     return sorted(int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.endswith(".ffn_gate.weight"))
 
 
+def _head_dim(d: dict[str, Any]) -> int:
+    """head_dim of the common keys `d`: the file's key_length, else hidden / heads."""
+    return d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+
+
+def _query_scalar(model_type: str, d: dict[str, Any]) -> int:
+    """llama.cpp's query_pre_attn_scalar of a Gemma 2 / 3 GGUF (see `_27B_LAYERS`)."""
+    wide = d["num_hidden_layers"] == _27B_LAYERS[model_type]
+    return d["hidden_size"] // d["num_attention_heads"] if wide else _head_dim(d)
+
+
 def _family_keys(reader: gguf.GGUFReader, model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     """config.json keys of one family, from `{arch}.*` metadata; `d` holds the common keys."""
     arch = field(reader, "general.architecture")
@@ -146,14 +163,20 @@ def _family_keys(reader: gguf.GGUFReader, model_type: str, d: dict[str, Any]) ->
         return field(reader, f"{arch}.{key}", default)
 
     window = meta("attention.sliding_window", None)
+    if model_type == "gemma2":
+        out = {k.rpartition(".")[2]: _f32(meta(k, v)) for k, v in _GEMMA2_DEFAULTS.items()}
+        out["sliding_window"] = int(out["sliding_window"])
+        return out | {"head_dim": _head_dim(d), "query_pre_attn_scalar": _query_scalar(model_type, d)}
+    if model_type == "gemma":
+        return {"head_dim": _head_dim(d)}
     if model_type == "gemma3_text":
-        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
-        return {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "sliding_window": window or 4096,
+        return {"head_dim": _head_dim(d), "query_pre_attn_scalar": _query_scalar(model_type, d),
+                "sliding_window": window or 4096,
                 "sliding_window_pattern": _GEMMA3_SLIDING_PATTERN, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
                 "final_logit_softcapping": meta("final_logit_softcapping", None)}
     out: dict[str, Any] = {"sliding_window": window} if model_type in ("mistral", "mixtral", "phi3") else {}
     if model_type == "phi3":
-        head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+        head_dim = _head_dim(d)
         out["partial_rotary_factor"] = meta("rope.dimension_count", head_dim) / head_dim
     if model_type == "mixtral":
         out |= {"num_local_experts": meta("expert_count"), "num_experts_per_tok": meta("expert_used_count"),
@@ -273,7 +296,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
 
     Raises ValueError for a tensor this converter does not know, or a stacked expert tensor.
     """
-    layer_map = {"gemma3": _GEMMA3_LAYER_TENSORS, "phi3": _PHI3_LAYER_TENSORS}.get(arch, _LAYER_TENSORS)
+    layer_map = {"gemma2": _GEMMA3_LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS,
+                 "phi3": _PHI3_LAYER_TENSORS}.get(arch, _LAYER_TENSORS)
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     if len(parts) == 1 and stem in _GLOBAL_TENSORS:
