@@ -20,7 +20,14 @@ import pytest
 from launcher.serving.formats.tool_output import AUTO_PARSERS
 from launcher.serving.formats.tools import TOOL_PARSERS, ToolRequest
 from tests.unit.test_tool_calling_mistral import MISTRAL
-from tests.unit.test_tool_calling_parsers import HERMES, TOOLS, chunkings, streamed, whole
+from tests.unit.test_tool_calling_parsers import (
+    HERMES,
+    TOOLS,
+    assert_every_chunking_is_the_whole,
+    chunkings,
+    streamed,
+    whole,
+)
 
 LLAMA = ToolRequest(tools=TOOLS, choice="auto", parser="llama3_json")
 PYTHONIC = ToolRequest(tools=TOOLS, choice="auto", parser="pythonic")
@@ -67,10 +74,7 @@ LLAMA3_JSON = [  # (generated text, content, calls)
 
 @pytest.mark.parametrize(("text", "content", "calls"), LLAMA3_JSON)
 def test_llama3_json_stream_at_every_chunking_accumulates_to_the_whole_result(text, content, calls):
-    reason = "tool_calls" if calls else "stop"
-    assert whole(LLAMA, text) == (content, calls, reason)
-    for chunks in chunkings(text):
-        assert streamed(LLAMA, chunks) == (content, calls, reason), chunks
+    assert_every_chunking_is_the_whole(LLAMA, text, content, calls)
 
 
 def test_llama3_json_name_comes_first_then_arguments_stream_as_generated():
@@ -117,10 +121,7 @@ PYTHONIC_CASES = [  # (generated text, content, calls)
 
 @pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC_CASES)
 def test_pythonic_stream_at_every_chunking_accumulates_to_the_whole_result(text, content, calls):
-    reason = "tool_calls" if calls else "stop"
-    assert whole(PYTHONIC, text) == (content, calls, reason)
-    for chunks in chunkings(text):
-        assert streamed(PYTHONIC, chunks) == (content, calls, reason), chunks
+    assert_every_chunking_is_the_whole(PYTHONIC, text, content, calls)
 
 
 def test_pythonic_calls_go_out_whole_when_the_list_closes():

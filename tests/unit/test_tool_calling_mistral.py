@@ -18,7 +18,7 @@ import pytest
 
 from launcher.serving.formats.mistral_tool_parser import mistral_call_id
 from launcher.serving.formats.tools import ToolRequest
-from tests.unit.test_tool_calling_parsers import TOOLS, chunkings, streamed, whole
+from tests.unit.test_tool_calling_parsers import TOOLS, assert_every_chunking_is_the_whole
 
 MISTRAL_REQUEST = ToolRequest(tools=TOOLS, choice="auto", parser="mistral")
 T = "[TOOL_CALLS]"
@@ -72,10 +72,7 @@ MISTRAL = [  # (generated text, content, calls)
 
 @pytest.mark.parametrize(("text", "content", "calls"), MISTRAL)
 def test_mistral_stream_at_every_chunking_accumulates_to_the_whole_result(text, content, calls):
-    reason = "tool_calls" if calls else "stop"
-    assert whole(MISTRAL_REQUEST, text) == (content, calls, reason)
-    for chunks in chunkings(text):
-        assert streamed(MISTRAL_REQUEST, chunks) == (content, calls, reason), chunks
+    assert_every_chunking_is_the_whole(MISTRAL_REQUEST, text, content, calls)
 
 
 def test_mistral_call_ids_are_nine_letters_and_digits():

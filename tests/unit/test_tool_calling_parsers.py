@@ -117,12 +117,18 @@ def chunkings(text: str):
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
+def assert_every_chunking_is_the_whole(request, text, content, calls) -> None:
+    """`text` parsed whole gives `content`, `calls` and finish reason tool_calls (stop without calls), and
+    streamed at every chunking (`chunkings`) it accumulates to the same (the parsers' streaming contract)."""
+    reason = "tool_calls" if calls else "stop"
+    assert whole(request, text) == (content, calls, reason)
+    for chunks in chunkings(text):
+        assert streamed(request, chunks) == (content, calls, reason), chunks
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), HERMES)
 def test_hermes_stream_at_every_chunking_accumulates_to_the_whole_result(text, content, calls):
-    reason = "tool_calls" if calls else "stop"
-    assert whole(AUTO, text) == (content, calls, reason)
-    for chunks in chunkings(text):
-        assert streamed(AUTO, chunks) == (content, calls, reason), chunks
+    assert_every_chunking_is_the_whole(AUTO, text, content, calls)
 
 
 def test_hermes_name_comes_first_then_arguments_stream_as_generated():
