@@ -160,7 +160,9 @@ class Channel:
     [Note: deadlines]
     A gloo wait that times out closes the connection, so a timeout is fatal by design: the
     coordinator sends KEEPALIVE messages around the ring when it has nothing else in flight, so a
-    healthy but idle stage always hears something well within its deadline.
+    healthy but idle stage always hears something well within its deadline; an exit stage that is
+    not the last also sends each KEEPALIVE it passes on to the coordinator, whose receiver of its
+    exit events waits with the same deadline (workers/stage_loop.py).
     """
 
     def __init__(self, group: DataPlaneGroup, *, timeout_s: float, device: torch.device | str = "cpu",

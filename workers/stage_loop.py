@@ -78,6 +78,10 @@ class StageLoop:
                 elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
                 self.sends.send(msg, self.next_rank)
+                if msg.kind == MessageKind.KEEPALIVE and self.executor.exit_layer is not None and not self.is_last:
+                    # the coordinator's receiver of exit events waits with the deadline too: an idle
+                    # pipeline keeps that connection alive as well ([Note: deadlines] in workers/channel.py)
+                    self.sends.send(Message(MessageKind.KEEPALIVE), COORDINATOR_RANK)
                 if msg.kind == MessageKind.SHUTDOWN:
                     if self.executor.exit_layer is not None and not self.is_last:
                         # the coordinator's receiver of exit events ends on it too (no thread is

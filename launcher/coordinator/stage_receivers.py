@@ -117,6 +117,8 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queu
                 return
         elif msg.kind == MessageKind.SHUTDOWN:  # from the last stage, and from the exit stage
             return
-        elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.RELEASE) or not is_last:
+        elif msg.kind == MessageKind.KEEPALIVE and (is_last or is_exit):  # the ring's, or the exit stage's copy
+            continue
+        elif msg.kind != MessageKind.RELEASE or not is_last:
             events.put(("error", (generation, ReceiverError(f"unexpected {msg.kind.name} from {rank_name(rank)}"))))
             return

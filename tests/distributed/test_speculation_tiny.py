@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,19 @@ def test_closing_a_speculating_session_ends_every_coordinator_receiver(sharp_mod
         session.coordinator.stubs = [Stub(stub) for stub in session.coordinator.stubs]
     assert [t.name for t in receivers] == ["receiver-1", "receiver-3"]  # exit stage 0, last stage 2
     assert alive_at_stage_shutdown and alive_at_stage_shutdown[0] == []
+
+
+def test_an_idle_pipeline_with_an_exit_stage_before_the_last_stays_up(sharp_model_dir: Path):
+    """The coordinator's receiver of exit events waits with the data-plane deadline, like every wait.
+    KEEPALIVEs went round the ring only, so an idle `serve` with speculation on (exit stage 0) failed
+    at every --stage-timeout-s ("timed out ... waiting to receive from stage 0"), spent its restarts
+    and answered 503 for good. The exit stage now passes each KEEPALIVE to the coordinator too."""
+    options = session_options(sharp_model_dir, speculate="speed", predictor="logit-lens", num_stages=3,
+                              stage_timeout_s=2.0)
+    with PipelineSession(options, resolve(options)) as session:
+        time.sleep(3 * options.stage_timeout_s)  # idle: nothing but keepalives
+        coord = session.coordinator
+        assert coord.failure is None and coord.num_restarts == 0
+        report = run_launch(session, [PROMPTS[0]], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
+        assert "error" not in report["outputs"][0], report["outputs"][0]
+        assert coord.failure is None and coord.num_restarts == 0
