@@ -23,7 +23,7 @@ from launcher.backends.placement import available_memory_bytes, stages_on_this_m
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from pipeline.measure.row_cost import RowCostTable
-from pipeline.model.config import MODEL_DTYPES, ModelConfig
+from pipeline.model.config import MODEL_DTYPES, SLIDING_ATTENTION, ModelConfig
 from pipeline.model.partition import (
     LayerRange,
     balanced_split,
@@ -93,6 +93,12 @@ def resolve_firp(options: RunConfig, model_dir: Path, config: ModelConfig, exit_
         raise ValueError(f"firp_k {k} is more than the {pred.meta['k']} maps in {path}")
     if not 0 <= pred.exit_layer < config.num_hidden_layers:
         raise ValueError(f"FIRP file {path} has layer {pred.exit_layer}, outside the model's {config.num_hidden_layers}")
+    sliding = [i for i in range(pred.exit_layer + 1, config.num_hidden_layers)
+               if config.layer_types[i] == SLIDING_ATTENTION]
+    if sliding:  # pseudo rows run the layers after the FIRP layer; attention.py has no windowed pseudo keys
+        raise ValueError(f"speculate {options.speculate} is not supported on this model: FIRP pseudo rows run "
+                         f"layers {pred.exit_layer + 1}..{config.num_hidden_layers - 1} after the FIRP layer, and "
+                         f"{len(sliding)} of them (first: {sliding[0]}) use sliding-window attention; use --speculate speed")
     return FirpSetup(Path(path).read_bytes(), pred.exit_layer, k)
 
 

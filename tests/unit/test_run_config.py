@@ -233,3 +233,24 @@ def test_jump_forward_is_off_where_multi_row_passes_round_rows_apart(fields):
     for exact in ({"dtype": "float32"}, {**fields, "quantization": "int8"}, {**fields, "quantization": "auto"}):
         view = RunConfig(speculate="speed", **exact).scheduler_config(eos_token_ids=(0,), firp_k=0)
         assert (view.grammar_drafts, view.grammar_jump) == (True, True), exact
+
+
+@pytest.mark.parametrize(("firp_layer", "refused"), [(1, True), (2, False)])
+def test_firp_over_sliding_window_layers_is_refused_when_the_run_is_planned(tmp_path, monkeypatch, firp_layer, refused):
+    """FIRP pseudo rows run every layer after the FIRP layer, and the attention has no windowed pseudo keys:
+    a run whose later layers slide is refused before any stage starts (it failed at the first FIRP pass),
+    one whose later layers are all full attention is planned (gemma3: layers 0 and 2 slide)."""
+    from tests.family_models import write_family_model
+    from tests.tiny_model import write_firp_file
+
+    monkeypatch.setattr("launcher.backends.placement.usable_cpus", lambda: 4)
+    model = write_family_model(tmp_path / "gemma3", "gemma3_text")
+    firp = write_firp_file(model, tmp_path / "firp.safetensors", layer=firp_layer, k=2)
+    options = PipelineOptions(num_stages=2, model=str(model), layer_split="2,2", progress=False, max_model_len=64,
+                              speculate="speed+firp", firp_file=str(firp), predictor="ngram")
+    if refused:
+        with pytest.raises(ValueError, match=r"layers 2\.\.3 after the FIRP layer, and 1 of them \(first: 2\) use "
+                                             r"sliding-window attention; use --speculate speed"):
+            resolve(options)
+    else:
+        assert resolve(options).firp.layer == 2
