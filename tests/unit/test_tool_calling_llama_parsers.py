@@ -100,6 +100,12 @@ PYTHONIC_CASES = [  # (generated text, content, calls)
     (f"\n [{call('add', **NESTED)}]", None, [want("add", NESTED)]),
     (f"[{call('add', a=1)}]\nDone.", None, [want("add", {"a": 1})]),  # text after the list: dropped
     ("[add(a='])}\\'')]", None, [want("add", {"a": "])}'"})]),  # brackets and a quote inside a string
+    ("[add(a='''it's ] ok''', b=\"\"\"say \"hi\" ]\"\"\")]", None,  # triple quotes holding quotes and brackets
+     [want("add", {"a": "it's ] ok", "b": 'say "hi" ]'})]),
+    ("[add(a=1,  # a comment: ] ' [\n     b=2)]", None, [want("add", {"a": 1, "b": 2})]),  # as Python skips it
+    ("[add(a='x' \\\n    'y')]", None, [want("add", {"a": "xy"})]),  # a line continuation, implicit concatenation
+    ("[add(a=f'{1}]')]", "[add(a=f'{1}]')]", []),  # an f-string is no literal: content
+    ("[add(a=b']')]", "[add(a=b']')]", []),  # bytes: no JSON for them
     ("[add(1)]", "[add(1)]", []),  # positional arguments: content (vLLM drops them)
     ("[add(a=1 + 2)]", "[add(a=1 + 2)]", []),  # an expression: content, never evaluated
     ("[add(a=x)]", "[add(a=x)]", []),

@@ -18,9 +18,9 @@ one rule is chosen and named below.
            shape after its name ends it (`{}` if no arguments were written), and once a call was made,
            text that is not `; {` + another call is dropped, as vLLM's streaming parser drops it.
   pythonic (Llama 3.2 / Llama 4 pythonic, ToolACE; vLLM's pythonic): an output that starts, after optional
-           whitespace, with `[` is held back until that list's closing `]` (Python strings and brackets
-           tracked), then read with `ast.parse` (never evaluated): a non-empty list of `name(key=literal,
-           ...)` calls, literals being strings, numbers (a sign allowed; finite), True / False / None, and
+           whitespace, with `[` is held back until that list's closing `]` (found with Python's own
+           `tokenize`: strings, triple quotes and comments as Python reads them), then read with
+           `ast.parse` (never evaluated): a non-empty list of `name(key=literal, ...)` calls, literals being strings, numbers (a sign allowed; finite), True / False / None, and
            lists and dicts (string keys) of them, becomes the calls, each sent whole in one delta (vLLM's
            streams a call's arguments as they form; here the list is decided whole, so one that turns out
            not to be calls is content, as in vLLM's non-streamed answer), arguments as
@@ -33,8 +33,10 @@ Must not: do I/O, import launcher/serving, or evaluate generated text.
 from __future__ import annotations
 
 import ast
+import io
 import json
 import math
+import tokenize
 
 from launcher.serving.formats.tool_parsers import CallDelta, HermesBlock, JsonScanner
 
@@ -125,7 +127,7 @@ class PythonicParser:
 
     def __init__(self) -> None:
         self.text, self.pos, self.phase = "", 0, "lead"  # lead, list; content, done
-        self.start, self.stack, self.escape = 0, [], False  # the list's start; open brackets and quote
+        self.start = 0  # where the list starts
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.text += text
@@ -144,27 +146,45 @@ class PythonicParser:
         return "", []
 
     def _closed(self) -> bool:
-        """Scan on to the bracket that closes the list (Python strings skipped); True once found."""
-        for pos in range(self.pos, len(self.text)):
-            char, self.pos = self.text[pos], pos + 1
-            if self.stack and self.stack[-1] in "'\"":
-                if self.escape or char == "\\":
-                    self.escape = not self.escape
-                elif char == self.stack[-1]:
-                    self.stack.pop()
-            elif char in "'\"([{":
-                self.stack.append(char)
-            elif char in ")]}" and self.stack:
-                self.stack.pop()
-                if not self.stack:
-                    return True
-        return False
+        """True once the list's closing bracket has arrived (`self.pos` then just past it). Python's
+        own tokenizer reads the text again only when a `]` arrived since the last look."""
+        if "]" not in self.text[self.pos:]:
+            self.pos = len(self.text)
+            return False
+        end = _list_end(self.text, self.start)
+        self.pos = len(self.text) if end is None else end
+        return end is not None
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """A list not closed (cut by the token budget) or a held start is content."""
         content = self.text[self.pos:] if self.phase == "content" else self.text if self.phase != "done" else ""
         self.phase, self.pos = "done", len(self.text)
         return content, []
+
+
+def _list_end(text: str, start: int) -> int | None:
+    """Offset just past the bracket that closes the one at `text[start]`, found with Python's own
+    tokenizer (strings, triple quotes, line continuations and comments skipped as Python skips
+    them); None while it has not arrived, or where the text is no Python (an unterminated string:
+    more text may close it)."""
+    lines = io.StringIO(text[start:]).readlines()
+    line_starts = [0]
+    for line in lines:
+        line_starts.append(line_starts[-1] + len(line))
+    depth = 0
+    try:
+        for token in tokenize.generate_tokens(iter(lines).__next__):
+            if token.type == tokenize.ERRORTOKEN:
+                return None
+            if token.type == tokenize.OP and token.string in "([{":
+                depth += 1
+            elif token.type == tokenize.OP and token.string in ")]}":
+                depth -= 1
+                if depth == 0:
+                    return start + line_starts[token.end[0] - 1] + token.end[1]
+    except (tokenize.TokenError, SyntaxError, StopIteration):
+        return None
+    return None
 
 
 class _NotLiteral(ValueError):
