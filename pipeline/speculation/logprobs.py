@@ -2,9 +2,9 @@
 
 Owns OpenAI's logit bias (`apply_logit_bias`), the repetition / presence / frequency penalties
 (`apply_penalties`), both in order (`processed_logits`), the log-probabilities
-reported to clients (`TokenLogprob`, `token_logprob`), and echo's prompt logprobs: their reduction
-on the last stage (`reduce_prompt_rows`) and their records on the coordinator
-(`prompt_token_logprobs`). See [Note: logprobs and penalties].
+reported to clients (`TokenLogprob`, `token_logprob`), and prompt logprobs (echo's, vLLM's `prompt_logprobs`):
+their reduction on the last stage (`reduce_prompt_rows`, with vLLM's rank, `prompt_rank`) and their records on the
+coordinator (`prompt_token_logprobs`). See [Note: logprobs and penalties].
 Must not: choose tokens (pipeline/speculation/sampling.py), do I/O, or know about stages.
 """
 

@@ -6,7 +6,8 @@ stage split or on speculation. Every check compares with a reference computed he
 each prompt token's logprob, its rank (vLLM v1's: how many vocabulary entries are at least as likely) and the k
 most likely alternatives with ranks 1..k, as vLLM's JSON writes them (per choice on /v1/completions, at the top
 level on /v1/chat/completions, null for the first token), for text and token-id prompts, n = 2, with and without
-`echo` + `logprobs` (which must agree with them), and the refusal of k > 0 on a stream.
+`echo` + `logprobs` (which must agree with them), gRPC's GenerateRequest.prompt_logprobs, and the refusal of k > 0
+on a stream.
 What breaks when these fail: a rank off by one or of the wrong row, prompt rows lost or shifted, alternatives
 that are not the top k, a layout or speculation mode that changes the prompt's numbers.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -24,6 +26,8 @@ from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
 from launcher.serving.openai_protocol import render_chat
 from launcher.serving.serve import ServeOptions, ServingStack
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.tiny_model import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -143,6 +147,29 @@ def test_chat_prompt_logprobs_are_the_templated_prompts_at_the_top_level(server,
     body = r.json()
     assert "prompt_logprobs" not in body["choices"][0]
     assert _assert_matches(body["prompt_logprobs"], _reference(tok, hf_model, ids, 2)) >= len(ids) // 2
+
+
+def test_grpc_prompt_logprobs_match_transformers_on_the_first_chunk(server, hf_model):
+    """GenerateRequest.prompt_logprobs (gRPC had no way to ask): the first chunk's prompt_logprobs hold every prompt
+    token after the first, with its rank and k alternatives (ranks 1..k by place), as HTTP's entries; no other chunk
+    has any, and a request without the field gets none."""
+    tok = server.engine.tokenizer
+    ids = tok.encode(PROMPT)
+    want = _reference(tok, hf_model, ids, 3)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        replies = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_new_tokens=3,
+                                                        ignore_eos=True, prompt_logprobs=3), timeout=120))
+        plain = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_new_tokens=2,
+                                                      ignore_eos=True, logprobs=2), timeout=120))
+    assert not any(r.prompt_logprobs for r in replies[1:]) and not any(r.prompt_logprobs for r in plain)
+    assert not any(e.HasField("rank") for r in plain for e in r.logprobs)
+    got = [None] + [{str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tok.decode(
+        [e.token_id], skip_special_tokens=False)}, **{str(t.token_id): {"logprob": t.logprob, "rank": j + 1,
+        "decoded_token": tok.decode([t.token_id], skip_special_tokens=False)} for j, t in enumerate(e.top)}}
+        for e in replies[0].prompt_logprobs]
+    assert [e.token_id for e in replies[0].prompt_logprobs] == ids[1:]
+    assert _assert_matches(got, want) >= len(ids) // 2
 
 
 def test_a_stream_takes_prompt_logprobs_0_only(server):
