@@ -79,13 +79,14 @@ class LogprobFormatter:
     def of_choice(self, parsed: ParsedRequest, chat: bool, ids: list[int], entries: list,
                   prompt_entries: Sequence[TokenLogprob | None] | None, text_offset: int) -> dict[str, Any] | None:
         """The `logprobs` object of (a chunk of) one choice of `parsed`, or None when it asked for none.
-        prompt_entries: the prompt's logprobs (completions with echo, on the first chunk), else None."""
+        prompt_entries: the prompt's logprobs (on the first chunk), else None; they come first in completions'
+        object only with `echo` (vLLM's `prompt_logprobs` alone is a field of its own: `vllm_prompt`)."""
         if parsed.params.logprobs is None:
             return None
         as_ids = parsed.return_tokens_as_token_ids
         if chat:
             return self.chat(ids, entries, as_ids=as_ids)
-        if prompt_entries is not None:  # echo: the prompt's tokens first
+        if parsed.echo and prompt_entries is not None:  # echo: the prompt's tokens first
             ids, entries = [*parsed.prompt_ids, *ids], [*prompt_entries, *entries]
         return self.completion(ids, entries, text_offset=text_offset, as_ids=as_ids, num_top=parsed.params.logprobs)
 

@@ -139,6 +139,21 @@ def test_token_id_prompt_with_echo_and_logprobs_agrees_with_prompt_logprobs(serv
     assert "prompt_logprobs" not in plain
 
 
+def test_prompt_logprobs_without_echo_leave_the_choices_logprobs_to_the_generated_tokens(server):
+    """Without `echo`, `logprobs` covers the generated tokens only, streamed or not, whatever `prompt_logprobs` asks
+    (vLLM's prompt_logprobs is a field of its own): they were prepended the prompt's tokens, as if echoed."""
+    base = {"prompt": PROMPT, "logprobs": 2, **GREEDY}
+    plain = _post(server, "completions", base).json()["choices"][0]["logprobs"]
+    assert len(plain["tokens"]) == GREEDY["max_tokens"]
+    for k in (0, 3):
+        choice = _post(server, "completions", {**base, "prompt_logprobs": k}).json()["choices"][0]
+        assert choice["logprobs"] == plain and len(choice["prompt_logprobs"]) == len(server.engine.tokenizer.encode(PROMPT))
+    r = _post(server, "completions", {**base, "prompt_logprobs": 0, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    tokens = [t for c in chunks for choice in c["choices"] if choice.get("logprobs") for t in choice["logprobs"]["tokens"]]
+    assert tokens == plain["tokens"]
+
+
 def test_chat_prompt_logprobs_are_the_templated_prompts_at_the_top_level(server, hf_model):
     tok = server.engine.tokenizer
     ids = tok.encode(render_chat(CHAT, tokenizer=tok), add_special_tokens=False)
