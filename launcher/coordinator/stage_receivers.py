@@ -67,9 +67,9 @@ def result_event(msg: Message, *, now_ns: int) -> Result:
     rows = sum(it.num_prompt_rows for it in msg.items if it.want_logits)
     if rows or any(name in msg.tensors for name in PROMPT_LOGPROB_TENSORS):
         prompt = tuple(msg.tensors.get(name) for name in PROMPT_LOGPROB_TENSORS)
-        chosen, ids, values = prompt
-        if (chosen is None or ids is None or values is None or chosen.shape != (rows,) or ids.dim() != 2
-                or ids.shape[0] != rows or values.shape != ids.shape):
+        chosen, ids, values, ranks = prompt
+        if (chosen is None or ids is None or values is None or ranks is None or chosen.shape != (rows,)
+                or ranks.shape != (rows,) or ids.dim() != 2 or ids.shape[0] != rows or values.shape != ids.shape):
             raise ReceiverError(f"RESULT for {rows} prompt rows has malformed {'/'.join(PROMPT_LOGPROB_TENSORS)} tensors")
     return Result(items=tuple(msg.items), token_ids=msg.tensors["token_ids"], logits=msg.tensors.get("logits"),
                   firp_tokens=msg.tensors.get("firp_tokens"), firp_probs=msg.tensors.get("firp_probs"),

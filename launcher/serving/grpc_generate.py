@@ -144,9 +144,10 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # also NaN; HTTP's range
         raise InvalidRequestError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.7g}",
                                   "temperature")
-    if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_LOGPROBS:  # SamplingParams says "None or ..."
-        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}] when set, got {shown(req.logprobs)}",
-                                  "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):  # SamplingParams says "None or ..."
+        if req.HasField(name) and not 0 <= getattr(req, name) <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"'{name}' must be in [0, {MAX_LOGPROBS}] when set, got {shown(getattr(req, name))}",
+                                      name)
     try:
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p if req.HasField("top_p") else 1.0,
@@ -155,6 +156,7 @@ def request_params(req: pb.GenerateRequest, engine: ServingEngine) -> tuple[list
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
                                 logprobs=req.logprobs if req.HasField("logprobs") else None,
+                                prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
                                 top_k=req.top_k, min_p=req.min_p, logit_bias=dict(req.logit_bias),
                                 grammar=grammar_from_proto(req, error=InvalidRequestError),
                                 min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
@@ -194,7 +196,7 @@ def model_info(engine: ServingEngine) -> pb.ModelInfo:
 
 
 def _token_logprob(entry: TokenLogprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
 
 
@@ -223,7 +225,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         try:
             for chunk in stream:
                 msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
-                                          logprobs=[_token_logprob(e) for e in chunk.logprobs or ()])
+                                          logprobs=[_token_logprob(e) for e in chunk.logprobs or ()],
+                                          prompt_logprobs=[_token_logprob(e) for e in chunk.prompt_logprobs or ()
+                                                           if e is not None])  # the first token's is None
                 if chunk.finish_reason is not None:
                     msg.finish_reason = FINISH.get(chunk.finish_reason, pb.GenerateResponse.ABORTED)
                     if isinstance(chunk.stop_reason, int):  # a stop token id

@@ -148,7 +148,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     watcher = asyncio.create_task(watch())
-    choices, tools = [], tool_outputs(parsed.tools, len(stream))
+    choices, tools, prompt_logprobs = [], tool_outputs(parsed.tools, len(stream)), None
     try:
         for index, choice in enumerate(stream):
             text, ids, reason, entries, prompt_entries = [_echo_text(tokenizer, parsed)], [], None, [], None
@@ -164,6 +164,8 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
                 token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
                 chunk=False, chat=chat, index=index, stop_reason=stop_reason,
                 logprobs=formatter.of_choice(parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
+            if (prompt_logprobs := formatter.vllm_prompt(parsed, prompt_entries)) is not None and not chat:
+                choices[-1]["prompt_logprobs"] = prompt_logprobs  # vLLM's: per choice (completions), top level (chat)
             if tools is not None:  # content and tool_calls (launcher/serving/formats/tool_output.py)
                 tools[index].rewrite_message(choices[-1])
     except (UnavailableError, PipelineError) as exc:
@@ -176,7 +178,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
                                  finish_reason=None, final=stream.final,
                                  chunk=False, chat=chat)
     body["choices"] = choices
-    return JSONResponse(body)
+    return JSONResponse({**body, "prompt_logprobs": prompt_logprobs} if chat and prompt_logprobs else body)
 
 
 async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, *, engine: ServingEngine,

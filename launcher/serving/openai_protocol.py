@@ -164,6 +164,7 @@ def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str
         "stop": _stop(body),
         **_usage_options(stream_options or {}),
         "text": vllm_fields.text_options(body, error=InvalidRequestError),
+        "prompt_logprobs": vllm_fields.prompt_logprobs(body, stream=flags["stream"], error=InvalidRequestError),
         "n": _int(body, "n", 1, lo=1, hi=MAX_N + 1),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -184,10 +185,10 @@ def _usage_options(stream_options: dict) -> dict[str, bool]:
 
 
 def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
-    """Completions: `logprobs` (null or 0..MAX_LOGPROBS alternatives) and `echo` (prompt logprobs too)."""
+    """Completions: `logprobs` (null or 0..MAX_LOGPROBS) and `echo` (prompt logprobs: vLLM's prompt_logprobs k, else logprobs')."""
     lp = {"logprobs": None if body.get("logprobs") is False else body.get("logprobs")}  # false: none, as null
     kw["logprobs"] = _int(lp, "logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
-    if kw["echo"] and kw["logprobs"] is not None:
+    if kw["echo"] and kw["logprobs"] is not None and kw["prompt_logprobs"] is None:
         kw["prompt_logprobs"] = kw["logprobs"]
 
 
@@ -219,9 +220,8 @@ def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str, vocab_
 
 def api_field(param: str, budget_field: str) -> str:
     """The request field of SamplingParams' field `param`: max_new_tokens is the request's budget field
-    (`budget_field`: max_tokens, or max_completion_tokens when the request used it), prompt_logprobs
-    is completions' logprobs (with echo), the others have the API's names."""
-    return {"max_new_tokens": budget_field, "prompt_logprobs": "logprobs"}.get(param, param)
+    (`budget_field`: max_tokens, or max_completion_tokens when the request used it), the others have the API's names."""
+    return {"max_new_tokens": budget_field}.get(param, param)
 
 
 def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int | None = None) -> ParsedRequest:

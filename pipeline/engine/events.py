@@ -63,7 +63,7 @@ class Result:
     token_ids: [sum of items' num_result_rows] int64 argmax of each result row.
     logits: [result rows of items with want_logits, vocab_size] float32, or None.
     firp_tokens / firp_probs: [sum of items' num_pseudo] FIRP drafts and their probabilities, or None.
-    prompt_logprobs: (chosen [P], top_ids [P, k], top_logprobs [P, k]) of the prompt rows of items
+    prompt_logprobs: (chosen [P], top_ids [P, k], top_logprobs [P, k], rank [P]) of the prompt rows of items
         with want_prompt_logits, in item order (`reduce_prompt_rows`), or None.
     timing: one StageTiming per stage that ran it (empty when not recorded).
     """
@@ -73,7 +73,7 @@ class Result:
     logits: torch.Tensor | None = None
     firp_tokens: torch.Tensor | None = None
     firp_probs: torch.Tensor | None = None
-    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None
     timing: tuple[StageTiming, ...] = ()
     at_ns: int = 0
 

@@ -62,7 +62,7 @@ class StageOutput:
     logits: [`num_result_rows` of each item with want_logits, summed, vocab_size] float32 (last stage).
     prompt_next: [sum of items' `num_prompt_rows`] int64, the next prompt token of each prompt row
         (non-last stage: passed on as it arrived, rows of stale items removed).
-    prompt_logprobs: (chosen [P], top_ids [P, k], top_logprobs [P, k]) of those P prompt rows
+    prompt_logprobs: (chosen [P], top_ids [P, k], top_logprobs [P, k], rank [P]) of those P prompt rows
         (last stage; `reduce_prompt_rows`), or None when no item wants them.
     firp_tokens: [num_pseudo] int64 argmax of every pseudo row (last stage; the FIRP drafts).
     firp_probs: [num_pseudo] float32 softmax probability of each FIRP draft (its confidence).
@@ -79,7 +79,7 @@ class StageOutput:
     firp_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     prompt_next: torch.Tensor | None = None
-    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None
     exit_tokens: torch.Tensor | None = None
     exit_probs: torch.Tensor | None = None
 

@@ -54,10 +54,11 @@ DEFAULT_FRAME_BYTES = 16 * 1024
 # Tensors on the wire: activations in any model dtype, plus the int types of token ids and masks.
 DTYPES: dict[str, torch.dtype] = {**MODEL_DTYPES, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# A RESULT's prompt logprobs (OpenAI echo), `reduce_prompt_rows` in pipeline/speculation/logprobs.py:
-# [P] float32, [P, k] int64, [P, k] float32. A FORWARD carries their rows' next prompt tokens as
-# "prompt_next" ([P] int64) from the coordinator to the last stage.
-PROMPT_LOGPROB_TENSORS = ("prompt_logprob", "prompt_top_ids", "prompt_top_logprobs")
+# A RESULT's prompt logprobs (OpenAI echo, vLLM's prompt_logprobs), `reduce_prompt_rows` in
+# pipeline/speculation/logprobs.py: [P] float32, [P, k] int64, [P, k] float32, [P] int64 (each prompt token's
+# rank). A FORWARD carries their rows' next prompt tokens as "prompt_next" ([P] int64) from the coordinator to
+# the last stage.
+PROMPT_LOGPROB_TENSORS = ("prompt_logprob", "prompt_top_ids", "prompt_top_logprobs", "prompt_rank")
 
 
 class MessageKind(enum.IntEnum):

@@ -2,9 +2,9 @@
 
 Owns OpenAI's logit bias (`apply_logit_bias`), the repetition / presence / frequency penalties
 (`apply_penalties`), both in order (`processed_logits`), the log-probabilities
-reported to clients (`TokenLogprob`, `token_logprob`), and echo's prompt logprobs: their reduction
-on the last stage (`reduce_prompt_rows`) and their records on the coordinator
-(`prompt_token_logprobs`). See [Note: logprobs and penalties].
+reported to clients (`TokenLogprob`, `token_logprob`), and prompt logprobs (echo's, vLLM's `prompt_logprobs`):
+their reduction on the last stage (`reduce_prompt_rows`, with vLLM's rank, `prompt_rank`) and their records on the
+coordinator (`prompt_token_logprobs`). See [Note: logprobs and penalties].
 Must not: choose tokens (pipeline/speculation/sampling.py), do I/O, or know about stages.
 """
 
@@ -43,11 +43,14 @@ from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams, stable_t
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     """One position's reported log-probabilities: the chosen token's, and the `top` alternatives
-    as (token id, logprob) pairs, most likely first (natural log, raw model distribution)."""
+    as (token id, logprob) pairs, most likely first (natural log, raw model distribution). `rank`:
+    the token's rank in that distribution, vLLM's (`prompt_rank`), where recorded (prompt tokens), else None;
+    the alternatives' ranks are their places, 1 .. len(top)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
@@ -110,24 +113,33 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, *, prompt_ids:
     return out
 
 
-def reduce_prompt_rows(logits: torch.Tensor, next_ids: torch.Tensor, k: int = MAX_LOGPROBS,
-                       chunk_rows: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The last stage's half of prompt logprobs (OpenAI `echo`): per prompt row, the log-probability
-    of the prompt token that follows it and the k most likely tokens. A RESULT then carries 2k + 1
-    numbers per prompt row instead of a vocab-size row of logits (196 KiB for the default model),
-    so a long echoed prompt fits the data plane's message limit (as vLLM computes logprobs in
-    its workers).
+def prompt_rank(logp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """vLLM's rank of a token: how many vocabulary entries have a logprob >= its own (itself included), so 1 for
+    the most likely token and 1 + (entries strictly more likely) when no other entry ties with it (vLLM v1,
+    vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`, `(x >= values).sum(-1)`; v0's `_get_ranks`
+    counted only the strictly larger ones, plus one: the two differ on exact ties alone).
+    logp: [P, vocab]; chosen: [P], the token's logprob in each row. Returns [P] int64."""
+    return (logp >= chosen[:, None]).sum(-1)
+
+
+def reduce_prompt_rows(logits: torch.Tensor, next_ids: torch.Tensor, k: int = MAX_LOGPROBS, chunk_rows: int = 256
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last stage's half of prompt logprobs (OpenAI `echo`, vLLM's `prompt_logprobs`): per prompt row,
+    the log-probability and rank of the prompt token that follows it and the k most likely tokens. A RESULT
+    then carries 2k + 2 numbers per prompt row instead of a vocab-size row of logits (196 KiB for the default
+    model), so a long prompt fits the data plane's message limit (as vLLM computes logprobs in its workers).
 
     logits: [P, vocab] raw final logits of prompt rows 0 .. P-1; next_ids: [P] int64, the prompt
     token after each row. Returns (chosen [P] float32, top_ids [P, k'] int64, top_logprobs [P, k']
-    float32), k' = min(k, vocab), most likely first, ties by lower token id (as `token_logprob`).
-    Works on `chunk_rows` rows at a time, so it needs little memory beyond `logits`.
+    float32, rank [P] int64 (`prompt_rank`)), k' = min(k, vocab), most likely first, ties by lower token id
+    (as `token_logprob`). Works on `chunk_rows` rows at a time, so it needs little memory beyond `logits`.
     """
     k = min(k, logits.shape[-1])
-    chosen, top_ids, top_lp = [], [], []
+    chosen, top_ids, top_lp, ranks = [], [], [], []
     for lo in range(0, logits.shape[0], chunk_rows):
         logp = torch.log_softmax(logits[lo:lo + chunk_rows].float(), dim=-1)
         chosen.append(logp.gather(1, next_ids[lo:lo + chunk_rows, None].to(logp.device)).squeeze(1))
+        ranks.append(prompt_rank(logp, chosen[-1]))
         values, ids = stable_top(logp, k)
         tied = ((logp >= values[:, -1:]).sum(-1) > k).nonzero().flatten()  # a tie across the k-th place
         if len(tied):
@@ -135,17 +147,18 @@ def reduce_prompt_rows(logits: torch.Tensor, next_ids: torch.Tensor, k: int = MA
         top_ids.append(ids)
         top_lp.append(values)
     if not chosen:
-        return torch.zeros(0), torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k)
-    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lp)
+        return torch.zeros(0), torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lp), torch.cat(ranks)
 
 
 def prompt_token_logprobs(prompt_ids: Sequence[int], reduced: Sequence[torch.Tensor] | None,
                           k: int) -> tuple[TokenLogprob | None, ...]:
-    """Logprob of each prompt token given the ones before it (None for the first), with `k`
-    alternatives (echo's prompt logprobs), from `reduce_prompt_rows` of prompt rows 0 .. n-2:
-    reduced = (chosen [n-1], top_ids [n-1, >= k], top_logprobs [n-1, >= k]); None for n = 1."""
+    """Logprob and rank of each prompt token given the ones before it (None for the first), with `k`
+    alternatives (echo's / vLLM's prompt logprobs), from `reduce_prompt_rows` of prompt rows 0 .. n-2:
+    reduced = (chosen [n-1], top_ids [n-1, >= k], top_logprobs [n-1, >= k], rank [n-1]); None for n = 1."""
     if reduced is None:
         return (None,)
     chosen, ids, values = reduced[0].tolist(), reduced[1][:, :k].tolist(), reduced[2][:, :k].tolist()
-    return (None, *(TokenLogprob(t, chosen[j], tuple(zip(ids[j], values[j], strict=True)))
+    ranks = reduced[3].tolist()
+    return (None, *(TokenLogprob(t, chosen[j], tuple(zip(ids[j], values[j], strict=True)), ranks[j])
                     for j, t in enumerate(prompt_ids[1:])))

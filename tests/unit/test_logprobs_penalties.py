@@ -182,8 +182,26 @@ def test_reduced_prompt_rows_give_what_token_logprob_gives_on_the_full_rows():
         assert [t for t, _ in entry.top] == [t for t, _ in want.top]
         assert [v for _, v in entry.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
     assert [t for t, _ in got[3].top[:3]] == [3, 9, 17]
-    chosen, ids, values = reduce_prompt_rows(logits[:2, :4], torch.tensor([0, 1]))  # k above the vocab
-    assert ids.shape == values.shape == (2, 4) and chosen.shape == (2,)
+    chosen, ids, values, ranks = reduce_prompt_rows(logits[:2, :4], torch.tensor([0, 1]))  # k above the vocab
+    assert ids.shape == values.shape == (2, 4) and chosen.shape == ranks.shape == (2,)
+
+
+def test_prompt_ranks_are_vllms_count_of_entries_at_least_as_likely():
+    """Each prompt token's rank (vLLM's prompt_logprobs `rank`): 1 for the most likely token, and the number of
+    vocabulary entries whose logprob is >= its own otherwise (vLLM v1's `batched_count_greater_than`), counted
+    here one entry at a time in Python, with ties at, above and below the token and chunks smaller than the rows."""
+    logits = torch.round(torch.randn(9, 50, generator=torch.Generator().manual_seed(7)) * 2) / 2  # many ties
+    prompt = [0, 3, 49, 7, 7, 21, 0, 11, 30, 2]
+    logits[0, 3] = logits[0].max() + 1  # the next token is the most likely: rank 1
+    logits[1, [49, 5]] = logits[1].max() + 1  # tied for the top with a lower id: both count, rank 2
+    reduced = reduce_prompt_rows(logits, torch.tensor(prompt[1:]), chunk_rows=4)
+    got = prompt_token_logprobs(prompt, reduced, k=3)
+    for j, entry in enumerate(got[1:]):
+        values = torch.log_softmax(logits[j], dim=-1).tolist()
+        mine = values[prompt[j + 1]]
+        assert entry.rank == sum(1 for v in values if v >= mine), j
+    assert (got[1].rank, got[2].rank) == (1, 2)
+    assert all(e.rank > 3 for e in got[1:] if e.token_id not in [t for t, _ in e.top]), "rank beyond the top k"
 
 
 def test_prompt_alternatives_tied_across_the_kth_place_follow_the_stable_order():
@@ -191,7 +209,7 @@ def test_prompt_alternatives_tied_across_the_kth_place_follow_the_stable_order()
     also where the tie group straddles the k-th place, as token_logprob reports generated tokens."""
     logits = torch.round(torch.randn(40, 3000, generator=torch.Generator().manual_seed(1)) * 4) / 4
     next_ids = torch.arange(40)
-    _, ids, values = reduce_prompt_rows(logits, next_ids, k=20)
+    _, ids, values, _ = reduce_prompt_rows(logits, next_ids, k=20)
     for j in range(40):
         want = token_logprob(logits[j], j, 20)
         assert ids[j].tolist() == [t for t, _ in want.top], j

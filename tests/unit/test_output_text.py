@@ -171,15 +171,33 @@ def test_removed_guided_fields_are_400_naming_them_and_their_replacement(tokeniz
     assert info.value.param == field
 
 
-@pytest.mark.parametrize(("field", "value"), [("prompt_logprobs", 1), ("use_beam_search", True), ("detokenize", False),
+@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("detokenize", False),
                                               ("logits_processors", ["x"])])
 def test_unimplemented_vllm_fields_are_400_unless_they_ask_for_nothing(tokenizer, field, value):
     with pytest.raises(InvalidRequestError) as info:
         parse_completion({"prompt": "hi", field: value}, tokenizer=tokenizer, model_name="tiny")
     assert info.value.param == field and field in str(info.value)
-    idle = {"prompt_logprobs": None, "use_beam_search": False, "detokenize": True, "logits_processors": [],
+    idle = {"use_beam_search": False, "detokenize": True, "logits_processors": [],
             }[field]
     parse_completion({"prompt": "hi", field: idle}, tokenizer=tokenizer, model_name="tiny")
+
+
+@pytest.mark.parametrize(("value", "stream", "why"), [(-2, False, "non-negative integer or -1"),
+                                                     (-1, False, "whole vocabulary"), (21, False, "maximum of 20"),
+                                                     ("3", False, "integer"), (True, False, "integer"),
+                                                     (1.0, False, "integer"), (1, True, "stream")])
+def test_prompt_logprobs_that_cannot_be_served_are_400_naming_the_field(tokenizer, value, stream, why):
+    """vLLM's protocol refuses < -1 and k > 0 on a stream; its engine refuses more than --max-logprobs (20 by
+    default; -1 = the whole vocabulary). Both endpoints; 0..20 (0 on a stream) are taken."""
+    for parse, body in ((parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(InvalidRequestError, match=why) as info:
+            parse({**body, "prompt_logprobs": value, "stream": stream}, tokenizer=tokenizer, model_name="tiny",
+                  max_model_len=64)
+        assert info.value.param == "prompt_logprobs"
+        for ok, streamed in ((0, True), (0, False), (20, False)):
+            parsed = parse({**body, "prompt_logprobs": ok, "stream": streamed}, tokenizer=tokenizer, model_name="tiny",
+                           max_model_len=64)
+            assert parsed.params.prompt_logprobs == ok
 
 
 DOCS_TEMPLATE = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"

@@ -128,6 +128,7 @@ def test_logit_bias_reaches_the_sampling_params(tokenizer):  # noqa: F811
     ({"min_p": -0.1}, "min_p", "'min_p' must be in [0, 1], got -0.1"),
     ({"repetition_penalty": 2.3}, "repetition_penalty", "'repetition_penalty' must be in (0, 2], got 2.3"),
     ({"logprobs": 21}, "logprobs", "'logprobs' must be in [0, 20] when set, got 21"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "'prompt_logprobs' must be in [0, 20] when set, got 21"),
     ({"top_p": 0.0}, "top_p", "'top_p' must be in (0, 1], got 0.0"),  # was taken as 1; HTTP: 400
     *[({"max_new_tokens": value}, "max_new_tokens", UNSET_BUDGET) for value in (None, 0)],  # said "got 0" when unset
 ])
@@ -252,6 +253,7 @@ def test_model_info_reports_the_limits_validation_enforces(grpc_server, tokenize
         ({"prompt_token_ids": pb.TokenIds(ids=[info.vocab_size - 1])}, {"prompt_token_ids": pb.TokenIds(ids=[info.vocab_size])}),
         ({"temperature": lim.max_temperature}, {"temperature": lim.max_temperature + 0.01}),
         ({"logprobs": lim.max_logprobs}, {"logprobs": lim.max_logprobs + 1}),
+        ({"prompt_logprobs": lim.max_logprobs}, {"prompt_logprobs": lim.max_logprobs + 1}),
         ({"stop": ["x"] * lim.max_stop_strings}, {"stop": ["x"] * (lim.max_stop_strings + 1)}),
         ({"request_id": "r" * lim.max_request_id_chars}, {"request_id": "r" * (lim.max_request_id_chars + 1)}),
         ({"seed": lim.max_seed}, {"seed": lim.max_seed + 1}),

@@ -1068,7 +1068,7 @@ def test_a_setting_sampling_params_refuses_names_the_request_field(served, monke
     ("/v1/completions", {}, "max_new_tokens", "max_tokens"),  # the default budget
     ("/v1/chat/completions", {"max_completion_tokens": 5}, "max_new_tokens", "max_completion_tokens"),
     ("/v1/chat/completions", {"max_tokens": 5}, "max_new_tokens", "max_tokens"),
-    ("/v1/completions", {"logprobs": 2, "echo": True}, "prompt_logprobs", "logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 2}, "prompt_logprobs", "prompt_logprobs"),  # vLLM's own field
     ("/v1/chat/completions", {"top_p": 0.5}, "top_p", "top_p"),
 ])
 def test_sampling_params_names_map_to_the_request_fields(served, monkeypatch, route, body, refused, field):

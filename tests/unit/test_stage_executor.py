@@ -257,14 +257,16 @@ def test_prompt_logits_items_return_prompt_logprobs_and_the_same_result_row(weig
     plain = _run(_pipeline(weights), [_item([5, 6, 7, 8], want_logits=True), other])[-1]
     torch.testing.assert_close(last.logits, plain.logits, rtol=1e-5, atol=1e-5)
     assert last.token_ids.tolist() == [int(last.logits[0].argmax()), int(last.logits[1].argmax())]
-    chosen, top_ids, top_lp = last.prompt_logprobs
-    assert chosen.shape == (3,) and top_ids.shape == top_lp.shape == (3, MAX_LOGPROBS)
+    chosen, top_ids, top_lp, ranks = last.prompt_logprobs
+    assert chosen.shape == ranks.shape == (3,) and top_ids.shape == top_lp.shape == (3, MAX_LOGPROBS)
     for j, prefix in enumerate(([5], [5, 6], [5, 6, 7])):  # row j: the logits after the first j + 1 tokens
         logits = _run(_pipeline(weights), [_item(prefix, want_logits=True)])[-1].logits[0]
         want = token_logprob(logits, (6, 7, 8)[j], MAX_LOGPROBS)
         assert float(chosen[j]) == pytest.approx(want.logprob, abs=1e-5)
         assert top_ids[j].tolist() == [t for t, _ in want.top]
         assert top_lp[j].tolist() == pytest.approx([v for _, v in want.top], abs=1e-5)
+        logp = torch.log_softmax(logits, dim=-1)  # vLLM's rank: entries at least as likely, itself included
+        assert int(ranks[j]) == int((logp >= logp[(6, 7, 8)[j]]).sum())
 
 
 def test_a_last_stage_without_the_next_prompt_tokens_refuses_the_item(weights):

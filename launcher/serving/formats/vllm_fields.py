@@ -11,8 +11,9 @@ with a different result (unknown fields are ignored, openai_protocol.py's `UNSUP
       vLLM 0.12 removed them (replaced by `structured_outputs`) and now ignores them, so a client that sends
       them gets unconstrained text from vLLM; here a 400 names the field and its replacement rather than
       either ignoring it or keeping an API vLLM dropped.
-  prompt_logprobs (vLLM's per-choice prompt logprobs; here: completions' `echo` with `logprobs`),
   use_beam_search (true), detokenize (false), logits_processors, prompt_embeds: not implemented.
+It also reads vLLM's `prompt_logprobs` (`prompt_logprobs`: k alternatives per prompt token, as vLLM's protocol
+checks it; openai_logprobs.py writes the answer).
 (vLLM's chat `documents` are read by formats/chat_messages.py, return_tokens_as_token_ids by
 openai_protocol.py.) Each refusal raises the caller's `error` class naming the field. gRPC reads its own
 fields (launcher/serving/grpc_generate.py) and shares `truncation_limit`, `truncated` and `encode_truncated`.
@@ -28,6 +29,7 @@ from launcher.coordinator.request_handle import TextOptions
 from launcher.serving.formats.response_format import ErrorClass, FormatError
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.echo import shown
+from pipeline.speculation.sampling import MAX_LOGPROBS
 
 _TEXT_FIELDS = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
                 "include_stop_str_in_output": False}  # name -> default (vLLM's)
@@ -38,8 +40,7 @@ _GUIDED = {"guided_json": "{\"structured_outputs\": {\"json\": ...}} or response
            "guided_decoding_backend": "structured_outputs (llguidance is this server's only backend)",
            "guided_whitespace_pattern": "structured_outputs (JSON whitespace is the schema's default)"}
 # field -> (the value that asks for nothing, why it is refused otherwise)
-_REFUSED = {"prompt_logprobs": (None, "use 'echo': true with 'logprobs' on /v1/completions"),
-            "use_beam_search": (False, "beam search is not implemented"),
+_REFUSED = {"use_beam_search": (False, "beam search is not implemented"),
             "detokenize": (True, "the text is always detokenised"),
             "logits_processors": (None, "custom logits processors are not supported"),
             "prompt_embeds": (None, "prompts are text or token ids")}
@@ -67,6 +68,30 @@ def refuse_unsupported(body: dict, *, error: ErrorClass = FormatError) -> None:
         value = body.get(name)
         if value is not None and value != idle and not (idle is None and value in ([], {})):
             raise error(f"'{name}' = {shown(value)} is not supported by this server: {why}", name)
+
+
+def prompt_logprobs(body: dict, *, stream: bool, error: ErrorClass = FormatError) -> int | None:
+    """vLLM's `prompt_logprobs` of a body (both endpoints): None (absent or null) or k in [0, MAX_LOGPROBS], the
+    alternatives reported with each prompt token's logprob and rank. Raises `error` naming the field, as vLLM's
+    protocol (vllm/entrypoints/openai/completion/protocol.py `check_logprobs`) and engine do, for a non-integer,
+    a value below -1, -1 (the whole vocabulary: vLLM allows it only when its --max-logprobs is -1) or one above
+    MAX_LOGPROBS (vLLM's default --max-logprobs, the cap of `logprobs` too), and for k > 0 with `stream` (vLLM's
+    stream chunks have no prompt_logprobs field, so it refuses them; 0 is accepted and reported nowhere)."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"'prompt_logprobs' must be an integer, got {shown(value)}", "prompt_logprobs")
+    if value < -1:
+        raise error(f"'prompt_logprobs' must be a non-negative integer or -1, got {value}", "prompt_logprobs")
+    if value == -1 or value > MAX_LOGPROBS:
+        asked = "-1 (the whole vocabulary)" if value == -1 else str(value)
+        raise error(f"'prompt_logprobs' = {asked} is greater than this server's maximum of {MAX_LOGPROBS}",
+                    "prompt_logprobs")
+    if stream and value > 0:
+        raise error("'prompt_logprobs' is not available with \"stream\": true (only 0, which reports nothing)",
+                    "prompt_logprobs")
+    return value
 
 
 def truncation_limit(value: Any, max_model_len: int, *, max_tokens: int = 0, field: str = "truncate_prompt_tokens",
