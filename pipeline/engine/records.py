@@ -157,7 +157,9 @@ class Commit:
     prompt_logprobs: on the prefill's commit, one per prompt token (None for the first) when the
     request asks (`SamplingParams.prompt_logprobs`), else None. With FinishReason.ERROR, token_ids
     are the tokens committed before the non-finite row ([Note: non-finite logits]), often none, and
-    `error` says why when it is not non-finite logits (a structured output that cannot go on)."""
+    `error` says why when it is not non-finite logits (a structured output that cannot go on); `error_fields`
+    name the request's fields whose masks left no token ([Note: no token left] in pipeline/speculation/verify.py:
+    bad input found mid-generation), () for an internal failure."""
 
     seq_id: int
     token_ids: tuple[int, ...]
@@ -165,6 +167,7 @@ class Commit:
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     error: str | None = None
+    error_fields: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
