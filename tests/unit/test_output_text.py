@@ -274,6 +274,25 @@ def test_bad_truncate_prompt_tokens_is_400(tokenizer, value):
         assert info.value.param == "truncate_prompt_tokens", info.value
 
 
+def test_truncate_prompt_tokens_above_max_model_len_is_refused_as_vllm_over_http_and_grpc(tokenizer):
+    """vLLM refuses truncate_prompt_tokens > max_model_len ("truncate_prompt_tokens value (X) is greater than
+    max_model_len (Y). Please, select a smaller truncation size."); max_model_len itself is accepted. HTTP: 400
+    naming the field; gRPC: INVALID_ARGUMENT naming it (`request_params` raises InvalidRequestError)."""
+    want = "'truncate_prompt_tokens' value (65) is greater than max_model_len (64). Please, select a smaller truncation size."
+    for parse in (parse_completion, parse_chat):
+        body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert parse({**body, "truncate_prompt_tokens": 64}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+        with pytest.raises(InvalidRequestError) as info:
+            parse({**body, "truncate_prompt_tokens": 65}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+        assert (str(info.value), info.value.param) == (want, "truncate_prompt_tokens")
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=1, max_queue=1, max_model_len=64)
+    for prompt in ({"prompt": "hi"}, {"prompt_token_ids": pb.TokenIds(ids=[104, 105])}):
+        assert request_params(pb.GenerateRequest(**prompt, max_new_tokens=4, truncate_prompt_tokens=64), engine)
+        with pytest.raises(InvalidRequestError) as info:
+            request_params(pb.GenerateRequest(**prompt, max_new_tokens=4, truncate_prompt_tokens=65), engine)
+        assert (str(info.value), info.value.param) == (want, "truncate_prompt_tokens")
+
+
 def test_add_special_tokens_is_the_post_processors_bos(tokenizer, tmp_path):
     """Completions default true, chat false (the template spells its own BOS), as vLLM; the reference is the
     tokenizers library's encode with and without its post-processor."""

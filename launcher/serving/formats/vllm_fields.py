@@ -83,9 +83,9 @@ def truncation_limit(value: Any, max_model_len: int, *, max_tokens: int = 0, fie
     if value < -1 or value == 0:
         raise error(f"'{field}' must be -1 (max_model_len - max_tokens) or in [1, {max_model_len}], got {value}",
                     field)
-    if value > max_model_len:
-        raise error(f"'{field}' = {value} is greater than max_model_len {max_model_len}; select a smaller "
-                    "truncation size", field)
+    if value > max_model_len:  # vLLM's words (vllm/entrypoints/openai/serving_engine.py `_validate_truncation_size`)
+        raise error(f"'{field}' value ({value}) is greater than max_model_len ({max_model_len}). Please, select a "
+                    "smaller truncation size.", field)
     if value == -1:
         return max_model_len - max_tokens if 0 <= max_tokens < max_model_len else max_model_len
     return value
