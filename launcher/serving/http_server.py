@@ -131,8 +131,8 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
 
 
 def _echo_text(tokenizer, parsed: openai_protocol.ParsedRequest) -> str:
-    """The prompt's text when the request echoes it (completions `echo`), else ""."""
-    return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
+    """The prompt's text when the request echoes it (completions `echo`: vllm_fields.echo_text), else ""."""
+    return parsed.echo or ""
 
 
 async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,

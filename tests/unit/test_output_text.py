@@ -323,6 +323,32 @@ def served(tokenizer):
     http.stop()
 
 
+def _completion_text(url: str, body: dict) -> str:
+    """The whole text of a completion's one choice, streamed or not."""
+    if not body.get("stream"):
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("skip", [True, False])
+def test_echo_shows_a_text_prompt_as_sent_and_token_ids_with_their_special_tokens(served, tokenizer, stream, skip):
+    """vLLM's echo ignores skip_special_tokens (it applies to the output): a text prompt is echoed as the client
+    sent it, a token-id prompt as Hugging Face's decode of the ids (special tokens shown). Before: both were
+    decoded with special tokens skipped. References: the client's string, transformers' decode; the fake
+    coordinator echoes the prompt's tokens as output, whose text is the tokenizers library's decode."""
+    prompt = "ab<sp>cd<|x|>"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer.model_dir / "tokenizer.json"))
+    output = tokenizer._tok.decode(ids, skip_special_tokens=skip)
+    body = {"max_tokens": len(ids), "echo": True, "skip_special_tokens": skip, "stream": stream}
+    assert _completion_text(served[1], {**body, "prompt": prompt}) == prompt + output
+    assert _completion_text(served[1], {**body, "prompt": ids}) == hf.decode(ids) + output
+    assert "<sp>" in hf.decode(ids)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_over_http_special_tokens_show_and_usage_counts_the_truncated_prompt(served, tokenizer, stream):
     """The fake coordinator echoes the prompt's tokens; the reference text is the library's decode of them."""
