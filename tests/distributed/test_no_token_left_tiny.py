@@ -73,3 +73,25 @@ def test_a_dead_end_is_bad_input_over_http_and_grpc_and_the_next_request_works(s
         assert [t for c in chunks for t in c.token_ids] == [A] * 5
     after = httpx.post(url, json=PLAIN, timeout=120).json()["choices"][0]
     assert after["token_ids"] == before["token_ids"] and after["finish_reason"] == "length"
+
+
+def test_launch_names_the_flags_of_a_dead_end_and_exits_2(tiny_model_dir, capsys):
+    """`launch`: the dead end is the prompt's own input, so one line naming the flags, exit 2 (as bad input
+    refused up front), after the text before it; with several prompts each failed one gets its line, the JSON
+    its `error_param` (HTTP's `param`); an internal failure stays `request failed`, exit 1 (test_failures.py)."""
+    from launcher.cli.main import main
+
+    flags = ["--model", str(tiny_model_dir), "--stages", "2", "--max-new-tokens", "12", "--temperature", "0",
+             "--allowed-token-ids", f"{A},{B}", "--no-progress"]
+    assert main(["launch", *flags, "--bad-words", "b", "--bad-words", "aaaaaa", "--prompt", PLAIN["prompt"]]) == 2
+    out, err = capsys.readouterr()
+    assert out == PLAIN["prompt"] + "a" * 5 + "\n"
+    assert err.strip().splitlines()[-1] == ("speedpipe launch: error: --allowed-token-ids, --bad-words leave no token "
+                                            "to generate at output token 5 (every token is masked there)")
+    assert main(["launch", *flags, "--regex", "c+", "--json", "--prompt", "ab", "--prompt", "cd"]) == 2
+    out, err = capsys.readouterr()
+    outputs = json.loads(out.strip().splitlines()[-1])["outputs"]
+    assert [o.get("error_param") for o in outputs] == ["allowed_token_ids"] * 2
+    assert [line.split(": ", 3)[1:] for line in err.strip().splitlines()[-2:]] == [
+        ["error", f"prompt {i}", "--allowed-token-ids, --regex leave no token to generate at output token 0 (every "
+                                 "token is masked there)"] for i in range(2)]
