@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {command}: {'error' if exc.user_input else 'pipeline failed'}: {exc}", file=sys.stderr)
         return 2 if exc.user_input else 1
     except NoTokenLeftError as exc:  # the request's own masks left no token: bad input found mid-generation
-        print(f"{PROG} {command}: error: {request_input_error(str(exc), args)}", file=sys.stderr)
+        words = request_input_error(str(exc), args) if args.command == "launch" else flag_message(str(exc))
+        print(f"{PROG} {command}: error: {words}", file=sys.stderr)
         return 2
     except (PipelineError, StageStartupError) as exc:  # a RequestError: one request's logits were not finite
         print(f"{PROG} {command}: {'request' if isinstance(exc, RequestError) else 'pipeline'} failed: {exc}",
