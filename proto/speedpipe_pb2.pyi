@@ -369,7 +369,7 @@ class PipelineInfo(_message.Message):
     def __init__(self, num_stages: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculate: _Optional[str] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
-    __slots__ = ("max_num_seqs", "max_queue", "max_temperature", "max_logprobs", "max_stop_strings", "max_request_id_chars", "max_seed", "max_logit_bias_entries")
+    __slots__ = ("max_num_seqs", "max_queue", "max_temperature", "max_logprobs", "max_stop_strings", "max_request_id_chars", "max_seed", "max_logit_bias_entries", "max_stop_token_ids", "max_allowed_token_ids", "max_bad_words", "max_bad_word_chars", "max_logit_bias", "max_structured_output_chars")
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,12 @@ class RequestLimits(_message.Message):
     MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGIT_BIAS_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BAD_WORD_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STRUCTURED_OUTPUT_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_num_seqs: int
     max_queue: int
     max_temperature: float
@@ -386,4 +392,10 @@ class RequestLimits(_message.Message):
     max_request_id_chars: int
     max_seed: int
     max_logit_bias_entries: int
-    def __init__(self, max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_temperature: _Optional[float] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_seed: _Optional[int] = ..., max_logit_bias_entries: _Optional[int] = ...) -> None: ...
+    max_stop_token_ids: int
+    max_allowed_token_ids: int
+    max_bad_words: int
+    max_bad_word_chars: int
+    max_logit_bias: float
+    max_structured_output_chars: int
+    def __init__(self, max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_temperature: _Optional[float] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_seed: _Optional[int] = ..., max_logit_bias_entries: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_allowed_token_ids: _Optional[int] = ..., max_bad_words: _Optional[int] = ..., max_bad_word_chars: _Optional[int] = ..., max_logit_bias: _Optional[float] = ..., max_structured_output_chars: _Optional[int] = ...) -> None: ...

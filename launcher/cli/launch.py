@@ -19,7 +19,7 @@ from pathlib import Path
 from launcher.backends.placement import usable_cpus
 from launcher.cli.cpu_meter import MAX_FOREIGN, CpuMeter
 from launcher.cli.parsing import UsageError
-from launcher.coordinator.request_handle import TextOptions
+from launcher.coordinator.request_handle import NoTokenLeftError, TextOptions
 from launcher.coordinator.session import PipelineSession
 from pipeline.engine.records import SpecCounters
 from pipeline.measure.handoffs import handoff_latency, plain_decode_estimate
@@ -52,10 +52,12 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
     handles = [coord.submit(p, sp, text=text) for p, sp in zip(prompts, params, strict=True)]
     if stream:
         sys.stdout.write(handles[0].prompt)
-        for chunk in handles[0]:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+        try:  # a failed request raises here, after the text before its failure
+            for chunk in handles[0]:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        finally:
+            sys.stdout.write("\n")
     results = [h.result(raise_request_error=False) for h in handles]  # one failed request: the others still count
     end_ns = time.perf_counter_ns()
     foreign = meter.foreign_fraction() if session.processes is not None else None  # local stages only
@@ -70,7 +72,8 @@ def run_launch(session: PipelineSession, prompts: Sequence[str] | Sequence[Seque
         "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
                      "finish_reason": openai_finish_reason(r.finish_reason),
                      "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
-                     **({"error": str(h.error)} if h.error is not None else {})}
+                     **({"error": str(h.error)} if h.error is not None else {}),
+                     **({"error_param": h.error.param} if isinstance(h.error, NoTokenLeftError) else {})}
                     for r, h in zip(results, handles, strict=True)],
         "stats": {"wall_s": round(wall_s, 4), **summary, "speculate": session.options.speculate,
                   "speculate_reason": speculate_reason or None,

@@ -26,12 +26,19 @@ from launcher.cli.parsing import (
     mark_model_given,
     read_prompts,
     shorten_help,
+    structured_output_flags,
     version_string,
 )
 from launcher.cli.speculation_defaults import settle_auto
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.request_handle import RequestError, StageLoadError, TextOptions, tokenized_masks
+from launcher.coordinator.request_handle import (
+    NoTokenLeftError,
+    RequestError,
+    StageLoadError,
+    TextOptions,
+    tokenized_masks,
+)
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.serving.serve import add_serve_args, cmd_serve, restart_budget
@@ -205,10 +212,28 @@ def cmd_launch(args: argparse.Namespace) -> int:
         write_trace(trace, args.trace)
         if not args.json:
             say(f"trace written to {args.trace}")
-    failed = [(i, o["error"]) for i, o in enumerate(report["outputs"]) if "error" in o]
-    for i, error in failed:  # [Note: non-finite logits]: the others were printed above
-        print(f"{PROG} launch: request failed: prompt {i}: {error}", file=sys.stderr)
-    return 1 if failed else 0
+    return _report_failures(report, args)
+
+
+def request_input_error(message: str, args: argparse.Namespace) -> str:
+    """A request's own input that left no token mid-generation (NoTokenLeftError: [Note: no token left] in
+    pipeline/speculation/verify.py) in the command line's words: its fields as their flags, `response_format`
+    as the structured output flag given."""
+    structured = next(iter(structured_output_flags(args)), "--response-format")
+    return flag_message(message).replace("response_format", structured)
+
+
+def _report_failures(report: dict, args: argparse.Namespace) -> int:
+    """One stderr line per failed prompt of a `launch` run (the others were printed); the exit code: 0 none
+    failed, 2 each failure was the prompt's own input (its masks left no token: [Note: no token left]), else 1
+    (a request's logits were not finite: [Note: non-finite logits])."""
+    failed = [(i, o) for i, o in enumerate(report["outputs"]) if "error" in o]
+    for i, out in failed:
+        if "error_param" in out:
+            print(f"{PROG} launch: error: prompt {i}: {request_input_error(out['error'], args)}", file=sys.stderr)
+        else:
+            print(f"{PROG} launch: request failed: prompt {i}: {out['error']}", file=sys.stderr)
+    return 0 if not failed else 2 if all("error_param" in out for _, out in failed) else 1
 
 
 def run_member(options: PipelineOptions) -> int:
@@ -271,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     except StageLoadError as exc:  # the user's input (a model file a stage refused) or an unexpected error
         print(f"{PROG} {command}: {'error' if exc.user_input else 'pipeline failed'}: {exc}", file=sys.stderr)
         return 2 if exc.user_input else 1
+    except NoTokenLeftError as exc:  # the request's own masks left no token: bad input found mid-generation
+        words = request_input_error(str(exc), args) if args.command == "launch" else flag_message(str(exc))
+        print(f"{PROG} {command}: error: {words}", file=sys.stderr)
+        return 2
     except (PipelineError, StageStartupError) as exc:  # a RequestError: one request's logits were not finite
         print(f"{PROG} {command}: {'request' if isinstance(exc, RequestError) else 'pipeline'} failed: {exc}",
               file=sys.stderr)

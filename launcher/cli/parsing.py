@@ -255,13 +255,19 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def structured_output_flags(args: argparse.Namespace) -> dict[str, object]:
+    """{flag: value} of the structured output flags given (`--response-format json_object`, `--json-schema`,
+    `--regex`, `--choice`, `--grammar`): the command line's words for a request's `response_format`."""
+    return {flag: value for flag, value in (("--response-format json_object", args.response_format == "json_object"),
+                                            ("--json-schema", args.json_schema), ("--regex", args.regex),
+                                            ("--choice", args.choice), ("--grammar", args.grammar)) if value}
+
+
 def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
     """The structured output constraint of `--response-format json_object`, `--json-schema PATH`, `--regex`,
     `--choice` or `--grammar PATH` (at most one of them), or None. Raises UsageError naming the flag (exit 2)
     for two of them, one with --ignore-eos, an unreadable file, or a schema / regex / grammar llguidance refuses."""
-    given = {flag: value for flag, value in (("--response-format json_object", args.response_format == "json_object"),
-                                             ("--json-schema", args.json_schema), ("--regex", args.regex),
-                                             ("--choice", args.choice), ("--grammar", args.grammar)) if value}
+    given = structured_output_flags(args)
     if not given:
         return None
     if len(given) > 1 or args.ignore_eos:

@@ -75,11 +75,23 @@ class RequestError(PipelineError):
     """One request failed while the pipeline stays up: its logits were not finite ([Note: non-finite
     logits] in pipeline/engine/records.py), or its structured output cannot go on (`Commit.error`). A PipelineError, so every caller that handles a failed
     pipeline handles it; servers answer it as an internal error of that request (HTTP 500, gRPC
-    INTERNAL), not as an unavailable server."""
+    INTERNAL), not as an unavailable server; `NoTokenLeftError` (bad input) excepted."""
 
     NON_FINITE = ("the model's logits are not finite (NaN or inf) at output token {position}: the weights hold "
                   "NaN or inf values, or the activations overflowed the numeric mode (float16 overflows "
                   "easily; try --dtype bfloat16 or float32)")
+
+
+class NoTokenLeftError(RequestError):
+    """One request's own masks (allowed_token_ids, bad_words, min_tokens, its structured output) left no token
+    to generate at some output position: bad input found mid-generation ([Note: no token left] in
+    pipeline/speculation/verify.py). `fields`: the SamplingParams fields ("response_format" for the grammar);
+    `param`: the first. Servers answer it as bad input: HTTP 400 (non-streamed) or an in-stream error event
+    with code 400 and `param`, gRPC INVALID_ARGUMENT naming the field; the pipeline stays up."""
+
+    def __init__(self, message: str, fields: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.fields, self.param = fields, fields[0]
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], params: SamplingParams, *,
@@ -197,7 +209,9 @@ class RequestHandle:
         if commit.finish_reason is FinishReason.ERROR:  # after the tokens committed before the failing row
             if commit.token_ids and self.emit(dataclasses.replace(commit, finish_reason=None)):
                 return True  # a stop string among them ended the request first
-            self.finish("error", RequestError(commit.error or RequestError.NON_FINITE.format(position=len(self.token_ids))))
+            error = (NoTokenLeftError(commit.error or "", commit.error_fields) if commit.error_fields else
+                     RequestError(commit.error or RequestError.NON_FINITE.format(position=len(self.token_ids))))
+            self.finish("error", error)
             return False
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()

@@ -10,6 +10,7 @@ fenced or draining (also mid-stream); these carry google.rpc details (workers/st
 | code | when | details |
 | --- | --- | --- |
 | INVALID_ARGUMENT | a request field is invalid | BadRequest (the field, the message); ErrorInfo INVALID_FIELD |
+| INVALID_ARGUMENT | its masks left no token mid-way (also mid-stream) | BadRequest (the first field); ErrorInfo INVALID_FIELD |
 | INVALID_ARGUMENT | the request does not parse | BadRequest (the fields, or "": all); ErrorInfo UNPARSABLE_REQUEST |
 | RESOURCE_EXHAUSTED | the queue is full | ErrorInfo QUEUE_FULL (both limits); RetryInfo `QUEUE_FULL_RETRY_S` |
 | UNAVAILABLE | draining for shutdown | ErrorInfo DRAINING; RetryInfo `DRAINING_RETRY_S` |
@@ -43,7 +44,7 @@ import grpc
 
 from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
-from launcher.coordinator.request_handle import RequestError, TextOptions
+from launcher.coordinator.request_handle import NoTokenLeftError, RequestError, TextOptions
 from launcher.serving.formats.response_format import grammar_from_proto
 from launcher.serving.formats.vllm_fields import encode_truncated, truncated, truncation_limit
 from launcher.serving.grpc_health import MAX_WATCHES, OPEN_METHODS, enable_standard_services
@@ -56,8 +57,16 @@ from launcher.serving.serving_engine import (
     UnavailableError,
     shown,
 )
+from pipeline.speculation.grammar import MAX_GRAMMAR_CHARS
 from pipeline.speculation.logprobs import TokenLogprob
+from pipeline.speculation.masks.token_masks import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_STOP_TOKEN_IDS,
+)
 from pipeline.speculation.sampling import (
+    MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     SamplingParamError,
@@ -77,6 +86,8 @@ HEALTH = {"serving": pb.HealthResponse.SERVING, "not_serving": pb.HealthResponse
 FINISH = {"length": pb.GenerateResponse.LENGTH, "stop": pb.GenerateResponse.STOP, "eos": pb.GenerateResponse.EOS,
           "aborted": pb.GenerateResponse.ABORTED}
 
+MASK_LIMITS = {"max_stop_token_ids": MAX_STOP_TOKEN_IDS, "max_allowed_token_ids": MAX_ALLOWED_TOKEN_IDS,
+               "max_bad_words": MAX_BAD_WORDS, "max_bad_word_chars": MAX_BAD_WORD_CHARS}  # RequestLimits fields
 # A slot frees whenever any outstanding request finishes: a first back-off; clients should back off more
 # on a repeat (exponentially, as gRPC's retry policy does).
 QUEUE_FULL_RETRY_S = 1.0
@@ -189,7 +200,9 @@ def model_info(engine: ServingEngine) -> pb.ModelInfo:
                                                 max_temperature=MAX_TEMPERATURE, max_logprobs=MAX_LOGPROBS,
                                                 max_stop_strings=MAX_STOP_STRINGS,
                                                 max_request_id_chars=MAX_REQUEST_ID_CHARS, max_seed=API_SEED_LIMIT - 1,
-                                                max_logit_bias_entries=MAX_LOGIT_BIAS_ENTRIES))
+                                                max_logit_bias_entries=MAX_LOGIT_BIAS_ENTRIES,
+                                                max_logit_bias=MAX_LOGIT_BIAS, **MASK_LIMITS,
+                                                max_structured_output_chars=MAX_GRAMMAR_CHARS))
     if engine.pipeline is not None:
         info.pipeline.CopyFrom(pb.PipelineInfo(**dataclasses.asdict(engine.pipeline)))
     return info
@@ -238,6 +251,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     msg.usage.prompt_tokens, msg.usage.completion_tokens = final.prompt_tokens, final.completion_tokens
                     msg.timing.ttft_s, msg.timing.e2e_s = final.ttft_s, final.e2e_s
                 yield msg
+        except NoTokenLeftError as exc:  # its own masks left no token: bad input ([Note: no token left])
+            abort_invalid(context, str(exc), "structured_output" if exc.param == "response_format" else exc.param)
         except RequestError as exc:  # this request alone failed; the server stays up
             abort_with_details(context, grpc.StatusCode.INTERNAL, str(exc), reason="REQUEST_FAILED")
         except (UnavailableError, PipelineError) as exc:

@@ -2,7 +2,8 @@
 
 Owns the OpenAI-style error body of every refused or failed request (`error_response`), the status of
 each failure (400 bad input, 401 wrong key, 408 a body still arriving after BODY_READ_TIMEOUT_S, 413 body
-over --max-request-bytes, 429 full queue, 500 a request that failed alone while the server stays up, 503
+over --max-request-bytes, 429 full queue, 400 too for a request whose own masks left no token mid-way, 500 a request that failed
+alone while the server stays up, 503
 failed, fenced or draining server), reading a body within its limits, and decoding it as JSON (`decode_body`: 400 for bytes that are not UTF-8
 JSON, deep nesting or a lone surrogate). Must not: route requests (launcher/serving/http_server.py
 does) or read the body's fields (launcher/serving/openai_protocol.py does).
@@ -19,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from launcher.coordinator.coordinator import PipelineError
-from launcher.coordinator.request_handle import RequestError
+from launcher.coordinator.request_handle import NoTokenLeftError, RequestError
 from launcher.serving import openai_protocol
 from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError
 from pipeline.speculation.echo import clipped
@@ -135,9 +136,12 @@ def refused(request: Request, api_key: str | None) -> JSONResponse | None:
 
 
 def failure(exc: PipelineError | UnavailableError) -> tuple[int, str, str]:
-    """(status, message, error type) of a failure after admission: 500 for a request that failed alone
-    while the server stays up (RequestError: its logits were not finite); 503 for a fenced or draining
-    server, or a failed pipeline."""
+    """(status, message, error type) of a failure after admission: 400 for a request whose own masks left no
+    token (NoTokenLeftError, bad input: its `param` names the field; [Note: no token left] in
+    pipeline/speculation/verify.py); 500 for a request that failed alone while the server stays up
+    (RequestError: its logits were not finite); 503 for a fenced or draining server, or a failed pipeline."""
+    if isinstance(exc, NoTokenLeftError):
+        return 400, str(exc), "invalid_request_error"
     if isinstance(exc, RequestError):
         return 500, str(exc), "internal_server_error"
     return 503, str(exc) if isinstance(exc, UnavailableError) else f"pipeline failed: {exc}", "service_unavailable"
@@ -146,7 +150,7 @@ def failure(exc: PipelineError | UnavailableError) -> tuple[int, str, str]:
 def unavailable(exc: PipelineError | UnavailableError) -> JSONResponse:
     """The response for `failure(exc)`."""
     code, message, type_ = failure(exc)
-    return error_response(code, message, None, type_=type_)
+    return error_response(code, message, getattr(exc, "param", None), type_=type_)
 
 
 def admission_error(exc: Exception) -> JSONResponse:

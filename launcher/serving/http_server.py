@@ -7,7 +7,8 @@ like /v1/*), `GET /health` (200, or 503 with the reason while the pipeline or an
 unhealthy, also while a failed stage restarts), `GET /ready` (200 while new requests are admitted,
 restarts included; 503 while draining or fenced: readiness for load balancers), `GET /version` and
 `GET /metrics` (Prometheus text).
-Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting) → 400, wrong or missing
+Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting; masks that leave no token mid-way,
+the stream's error event with code 400 once streaming) → 400, wrong or missing
 `Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
 --max-request-bytes → 413, full queue → 429, a request whose logits were not finite → 500 (that
 request alone), failed, fenced or draining server → 503, each with an OpenAI-style body
@@ -130,8 +131,8 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
 
 
 def _echo_text(tokenizer, parsed: openai_protocol.ParsedRequest) -> str:
-    """The prompt's text when the request echoes it (completions `echo`), else ""."""
-    return tokenizer.decode(parsed.prompt_ids) if parsed.echo else ""
+    """The prompt's text when the request echoes it (completions `echo`: vllm_fields.echo_text), else ""."""
+    return parsed.echo or ""
 
 
 async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,
@@ -230,7 +231,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
         yield "data: [DONE]\n\n"
     except (PipelineError, UnavailableError) as exc:  # the stream ends with an error event, then [DONE]
         code, message, type_ = failure(exc)
-        yield _sse(openai_protocol.error_body(message, None, type_=type_, code=code))
+        yield _sse(openai_protocol.error_body(message, getattr(exc, "param", None), type_=type_, code=code))
         yield "data: [DONE]\n\n"
     finally:  # also on client disconnect (the generator is cancelled / closed)
         stream.cancel()

@@ -65,15 +65,14 @@ class ParsedRequest:
     prompt_field: str
     n: int = 1
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
-    echo: bool = False
+    echo: str | None = None  # completions' echo: the text shown before the output (vllm_fields.echo_text)
     budget_field: str = "max_tokens"  # the request's name of its token budget (or max_completion_tokens)
     tools: ToolRequest | None = None  # chat `tools` / `tool_choice` (launcher/serving/formats/tools.py)
     text: TextOptions = TextOptions()  # skip_special_tokens, ... (launcher/serving/formats/vllm_fields.py)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens are "token_id:<id>" (openai_logprobs.py)
 
     def choice_params(self) -> list[SamplingParams]:
-        """The sampling parameters of each of the n choices: the same, but with seed + i for
-        choice i when a seed is given (so choices differ yet the request stays reproducible)."""
+        """Each of the n choices' sampling parameters: seed + i for choice i when a seed is given (reproducible)."""
         if self.params.seed is None:
             return [self.params] * self.n
         return [dataclasses.replace(self.params, seed=(self.params.seed + i) % API_SEED_LIMIT) for i in range(self.n)]
@@ -194,7 +193,7 @@ def _completion_logprobs(body: dict, kw: dict[str, Any]) -> None:
 
 def _chat_logprobs(body: dict, kw: dict[str, Any]) -> None:
     """Chat: `logprobs` (true/false) and `top_logprobs` (0..MAX_LOGPROBS, only with logprobs)."""
-    if kw["echo"]:
+    if kw.pop("echo"):
         raise InvalidRequestError("'echo' is only supported on /v1/completions", "echo")
     want = bool_field(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS + 1)
@@ -209,7 +208,7 @@ def _finish(kw: dict[str, Any], prompt_ids: list[int], prompt_field: str, vocab_
     let it through is an InvalidRequestError naming the request's own field (`api_field`), not a bare
     ValueError (HTTP's `param: null`)."""
     options = {k: kw.pop(k) for k in ("stream", "include_usage", "continuous_usage", "return_token_ids", "n",
-                                      "echo", "budget_field", "text", "return_tokens_as_token_ids")}
+                                      "echo", "budget_field", "text", "return_tokens_as_token_ids") if k in kw}
     try:
         params = SamplingParams(**kw)
         params.check_vocab(vocab_size)
@@ -251,6 +250,7 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     else:
         raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt per request)",
                                   "prompt")
+    kw["echo"] = vllm_fields.echo_text(tokenizer, prompt, ids) if kw["echo"] else None
     return _finish(kw, ids, "prompt", tokenizer.vocab_size)
 
 

@@ -119,12 +119,13 @@ class SequenceState:
         return self.ledger.epoch
 
     def finish_reason_at(self, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
-        """Why committing `token` ends the sequence: EOS (an EOS id, unless ignore_eos), STOP (one of the
-        request's `stop_token_ids`, [Note: token masks] in pipeline/speculation/masks/token_masks.py), or None."""
+        """Why committing `token` ends the sequence: EOS (the primary EOS id, eos_token_ids[0], unless ignore_eos),
+        STOP (a secondary EOS id, unless ignore_eos, or one of the request's `stop_token_ids`: the id is vLLM's
+        stop_reason; [Note: token masks] in pipeline/speculation/masks/token_masks.py), or None."""
         p = self.params
         if not ends_sequence(token, eos_token_ids=eos_token_ids, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids):
             return None
-        return FinishReason.EOS if token in eos_token_ids and not p.ignore_eos else FinishReason.STOP
+        return FinishReason.EOS if eos_token_ids[:1] == (token,) and not p.ignore_eos else FinishReason.STOP
 
     @property
     def num_tokens(self) -> int:
@@ -157,7 +158,9 @@ class Commit:
     prompt_logprobs: on the prefill's commit, one per prompt token (None for the first) when the
     request asks (`SamplingParams.prompt_logprobs`), else None. With FinishReason.ERROR, token_ids
     are the tokens committed before the non-finite row ([Note: non-finite logits]), often none, and
-    `error` says why when it is not non-finite logits (a structured output that cannot go on)."""
+    `error` says why when it is not non-finite logits (a structured output that cannot go on); `error_fields`
+    name the request's fields whose masks left no token ([Note: no token left] in pipeline/speculation/verify.py:
+    bad input found mid-generation), () for an internal failure."""
 
     seq_id: int
     token_ids: tuple[int, ...]
@@ -165,6 +168,7 @@ class Commit:
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     error: str | None = None
+    error_fields: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass

@@ -343,7 +343,7 @@ class Scheduler:
         except GrammarError as err:  # the request fails rather than going on unconstrained
             seq.output_ids.extend(err.tokens)
             self._finish(seq, FinishReason.ERROR)
-            return Commit(seq.seq_id, err.tokens, FinishReason.ERROR, error=str(err))
+            return Commit(seq.seq_id, err.tokens, FinishReason.ERROR, error=str(err), error_fields=err.fields)
         logprobs = None
         if seq.params.logprobs is not None:  # [Note: logprobs and penalties] in pipeline/speculation/logprobs.py
             logprobs = tuple(token_logprob(rows[i], t, seq.params.logprobs) for i, t in enumerate(tokens)

@@ -82,11 +82,14 @@ def on_deep_stack(fn: Callable[..., Any], *args: Any) -> Any:
 
 class GrammarError(RuntimeError):
     """A constrained sequence cannot go on: its matcher rejected a token or allows none. `tokens`
-    are the tokens the failing result committed before the row that failed (valid ones)."""
+    are the tokens the failing result committed before the row that failed (valid ones). `fields`: the
+    request's fields (SamplingParams names, "response_format" for the grammar) whose masks together allow no
+    token there, a dead end of the request's own input that servers answer as bad input ([Note: no token
+    left] in pipeline/speculation/verify.py); () when the matcher itself failed (an internal error)."""
 
-    def __init__(self, message: str, tokens: Sequence[int] = ()) -> None:
+    def __init__(self, message: str, tokens: Sequence[int] = (), *, fields: tuple[str, ...] = ()) -> None:
         super().__init__(message)
-        self.tokens = tuple(tokens)
+        self.tokens, self.fields = tuple(tokens), tuple(fields)
 
 
 def _first_line(text: str, limit: int = 240) -> str:
@@ -319,7 +322,7 @@ class GrammarState:
         allowed = self.allowed(prefix, logits.shape[-1]).to(logits.device)
         if not bool(allowed.any()):
             raise GrammarError(f"no token of the model's vocabulary continues the structured output after "
-                               f"{len(self.tokens)} tokens")
+                               f"{len(self.tokens)} tokens", fields=("response_format",))
         return torch.where(allowed, logits.float(), float("-inf"))
 
     @property

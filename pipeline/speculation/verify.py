@@ -15,7 +15,7 @@ import torch
 from pipeline.speculation.grammar import GrammarError, GrammarState
 from pipeline.speculation.logprobs import processed_logits
 from pipeline.speculation.masks.token_masks import apply_token_masks, ends_sequence, has_token_masks
-from pipeline.speculation.sampling import Sampler
+from pipeline.speculation.sampling import Sampler, SamplingParams
 
 # The last stage's token for a logits row holding NaN or inf ([Note: non-finite logits] in
 # pipeline/engine/records.py).
@@ -52,7 +52,8 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
     Returns 1..num_result_rows tokens; every token but the last equals its draft. The last is
     NON_FINITE_TOKEN where a row it reads is not finite (rows after a rejected draft are never read).
     Raises GrammarError (its `tokens`: those committed before the failing row) when the grammar (or the
-    token masks) allow no token or its matcher fails.
+    token masks) allow no token (its `fields` name the request's fields: [Note: no token left]) or its
+    matcher fails.
     """
     assert grammar is None or logits is not None, "a constrained sequence must ship its logits rows"
     out: list[int] = []
@@ -66,7 +67,7 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
             token = _row_token(top, draft, None if logits is None else logits[i], sampler, prompt_ids=prompt_ids,
                                history=[*output_ids, *out], grammar=grammar, eos_token_ids=eos_token_ids)
         except GrammarError as err:
-            raise GrammarError(str(err), out) from None
+            raise GrammarError(str(err), out, fields=err.fields) from None
         out.append(token)
         if ends_sequence(token, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos, stop_token_ids=stop_ids):
             break  # never commit past EOS or a stop token id (§5.5)
@@ -80,6 +81,28 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         except GrammarError as err:
             raise GrammarError(str(err), out[:-1]) from None
     return out
+
+
+# [Note: no token left]
+# The token masks (allowed_token_ids, bad_words, min_tokens) and a grammar may together leave no token at a
+# later position although they left some at the first (`check_leaves_a_token` refuses only what fails there):
+# allowed_token_ids {a, b} with bad_words "b" and "aa" dead-end at output token 1. The request fails there with
+# GrammarError naming the fields (`fields`), at the same position with and without speculation (each row is
+# masked with the history plain decoding has, so a dead end is found at the same token), after committing the
+# tokens before it; its slot is freed as for any finished sequence. The front ends answer it as bad input:
+# vLLM's servers answer a ValueError raised while a request runs with a 400 (non-streamed:
+# vllm/entrypoints/openai/serving_chat.py `create_chat_completion`, `except ValueError as e: return
+# self.create_error_response(str(e))`) and, once streaming, an in-stream error event
+# (`create_streaming_error_response`) before `data: [DONE]`; gRPC: INVALID_ARGUMENT (launcher/serving/).
+
+
+def masking_fields(params: SamplingParams, *, history: Sequence[int], grammar: bool) -> tuple[str, ...]:
+    """The request's fields whose masks act at output position len(history): allowed_token_ids, bad_words,
+    min_tokens (before min_tokens tokens), and "response_format" when a grammar constrains it; the names of a
+    dead end ([Note: no token left])."""
+    named = [("allowed_token_ids", params.allowed_token_ids is not None), ("bad_words", bool(params.bad_word_ids)),
+             ("min_tokens", len(history) < params.min_tokens), ("response_format", grammar)]
+    return tuple(name for name, acts in named if acts)
 
 
 def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler: Sampler | None, *,
@@ -96,8 +119,9 @@ def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler
         if grammar is not None:  # after the bias, the penalties and the token masks ([Note: grammar masks])
             row = grammar.masked(row, history)
         if has_token_masks(sampler.params) and not bool(torch.isfinite(row).any()):  # (only masks give -inf)
-            raise GrammarError(f"min_tokens, allowed_token_ids and bad_words (with the structured output, if any) "
-                               f"allow no token at output token {len(history)}", ())
+            fields = masking_fields(sampler.params, history=history, grammar=grammar is not None)
+            raise GrammarError(f"{', '.join(fields)} leave no token to generate at output token {len(history)} "
+                               f"(every token is masked there)", (), fields=fields)
     if row is not None and sampler.params.is_greedy:
         # Greedy on the biased, penalised, masked logits (the raw argmax when none is set); a draft is
         # accepted iff it equals this token, as in the plain greedy case below.

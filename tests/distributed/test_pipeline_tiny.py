@@ -25,6 +25,7 @@ from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from tests.conftest import wait_for
 from tests.distributed.conftest import full_model, reference_generate, session_options
+from tests.tiny_model import byte_alphabet
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -70,9 +71,11 @@ class Pipeline:
 
 # [Note: EOS remap]
 # The tiny model practically never picks its own EOS (id 2), so the folders used here are copies
-# whose config.json / generation_config.json name another EOS: the token the model greedily emits
-# at index EOS_INDEX for EOS_PROMPT (chosen so it does not occur earlier). Every other test sets
-# ignore_eos, so only the EOS test sees the difference.
+# whose config.json / generation_config.json and tokenizer_config.json's eos_token name another EOS: the
+# token the model greedily emits at index EOS_INDEX for EOS_PROMPT (chosen so it does not occur earlier).
+# It must be the tokenizer's eos_token too: that is the primary EOS (finish "eos"); an id only the
+# generation config lists is a secondary one, a stop token id ([Note: token masks] in
+# pipeline/speculation/masks/token_masks.py). Every other test sets ignore_eos, so only the EOS test sees the difference.
 EOS_PROMPT = PROMPTS[0]
 
 
@@ -91,6 +94,8 @@ def _copy_with_eos(src: Path, dst: Path, eos: int) -> Path:
         config = json.loads((dst / name).read_text())
         config["eos_token_id"] = eos
         (dst / name).write_text(json.dumps(config))
+    tok_config = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**tok_config, "eos_token": byte_alphabet()[eos]}))
     return dst
 
 

@@ -292,6 +292,25 @@ def test_bad_truncate_prompt_tokens_is_400(tokenizer, value):
         assert info.value.param == "truncate_prompt_tokens", info.value
 
 
+def test_truncate_prompt_tokens_above_max_model_len_is_refused_as_vllm_over_http_and_grpc(tokenizer):
+    """vLLM refuses truncate_prompt_tokens > max_model_len ("truncate_prompt_tokens value (X) is greater than
+    max_model_len (Y). Please, select a smaller truncation size."); max_model_len itself is accepted. HTTP: 400
+    naming the field; gRPC: INVALID_ARGUMENT naming it (`request_params` raises InvalidRequestError)."""
+    want = "'truncate_prompt_tokens' value (65) is greater than max_model_len (64). Please, select a smaller truncation size."
+    for parse in (parse_completion, parse_chat):
+        body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert parse({**body, "truncate_prompt_tokens": 64}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+        with pytest.raises(InvalidRequestError) as info:
+            parse({**body, "truncate_prompt_tokens": 65}, tokenizer=tokenizer, model_name="tiny", max_model_len=64)
+        assert (str(info.value), info.value.param) == (want, "truncate_prompt_tokens")
+    engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=1, max_queue=1, max_model_len=64)
+    for prompt in ({"prompt": "hi"}, {"prompt_token_ids": pb.TokenIds(ids=[104, 105])}):
+        assert request_params(pb.GenerateRequest(**prompt, max_new_tokens=4, truncate_prompt_tokens=64), engine)
+        with pytest.raises(InvalidRequestError) as info:
+            request_params(pb.GenerateRequest(**prompt, max_new_tokens=4, truncate_prompt_tokens=65), engine)
+        assert (str(info.value), info.value.param) == (want, "truncate_prompt_tokens")
+
+
 def test_add_special_tokens_is_the_post_processors_bos(tokenizer, tmp_path):
     """Completions default true, chat false (the template spells its own BOS), as vLLM; the reference is the
     tokenizers library's encode with and without its post-processor."""
@@ -320,6 +339,32 @@ def served(tokenizer):
     http.start()
     yield engine, f"http://127.0.0.1:{http.server.servers[0].sockets[0].getsockname()[1]}"
     http.stop()
+
+
+def _completion_text(url: str, body: dict) -> str:
+    """The whole text of a completion's one choice, streamed or not."""
+    if not body.get("stream"):
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("skip", [True, False])
+def test_echo_shows_a_text_prompt_as_sent_and_token_ids_with_their_special_tokens(served, tokenizer, stream, skip):
+    """vLLM's echo ignores skip_special_tokens (it applies to the output): a text prompt is echoed as the client
+    sent it, a token-id prompt as Hugging Face's decode of the ids (special tokens shown). Before: both were
+    decoded with special tokens skipped. References: the client's string, transformers' decode; the fake
+    coordinator echoes the prompt's tokens as output, whose text is the tokenizers library's decode."""
+    prompt = "ab<sp>cd<|x|>"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer.model_dir / "tokenizer.json"))
+    output = tokenizer._tok.decode(ids, skip_special_tokens=skip)
+    body = {"max_tokens": len(ids), "echo": True, "skip_special_tokens": skip, "stream": stream}
+    assert _completion_text(served[1], {**body, "prompt": prompt}) == prompt + output
+    assert _completion_text(served[1], {**body, "prompt": ids}) == hf.decode(ids) + output
+    assert "<sp>" in hf.decode(ids)
 
 
 @pytest.mark.parametrize("stream", [False, True])

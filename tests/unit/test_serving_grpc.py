@@ -266,6 +266,27 @@ def test_model_info_reports_the_limits_validation_enforces(grpc_server, tokenize
     assert (lim.max_num_seqs, lim.max_queue) == (engine.max_num_seqs, engine.max_queue)
 
 
+def test_model_info_reports_the_token_mask_bias_and_structured_output_limits(grpc_server):
+    """RequestLimits lacked the caps of stop_token_ids, allowed_token_ids, bad_words (count and length), the
+    logit_bias value range and the structured output's size: each at its limit is accepted, one past it refused."""
+    _, engine, channel = grpc_server
+    info = pb_grpc.GenerateServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), metadata=KEY, timeout=10)
+    lim = info.limits
+    assert min(lim.max_stop_token_ids, lim.max_allowed_token_ids, lim.max_bad_words, lim.max_bad_word_chars,
+               lim.max_structured_output_chars) > 0 and lim.max_logit_bias > 0
+    for at_limit, past_limit in (
+        ({"stop_token_ids": [1] * lim.max_stop_token_ids}, {"stop_token_ids": [1] * (lim.max_stop_token_ids + 1)}),
+        ({"allowed_token_ids": [1] * lim.max_allowed_token_ids},
+         {"allowed_token_ids": [1] * (lim.max_allowed_token_ids + 1)}),
+        ({"bad_words": ["x"] * lim.max_bad_words}, {"bad_words": ["x"] * (lim.max_bad_words + 1)}),
+        ({"bad_words": ["x" * lim.max_bad_word_chars]}, {"bad_words": ["x" * (lim.max_bad_word_chars + 1)]}),
+        ({"logit_bias": {1: -lim.max_logit_bias}}, {"logit_bias": {1: -lim.max_logit_bias * 1.01}}),
+        ({"structured_output": pb.StructuredOutput(regex="a" * lim.max_structured_output_chars)},
+         {"structured_output": pb.StructuredOutput(regex="a" * (lim.max_structured_output_chars + 1))}),
+    ):
+        assert _accepted(engine, **at_limit) and not _accepted(engine, **past_limit), (at_limit, past_limit)
+
+
 def test_model_info_needs_the_api_key_and_describes_the_pipeline(tokenizer):  # noqa: F811
     pipeline = ServedPipeline(num_stages=3, dtype="bfloat16", quantization="int8", speculate="speed")
     engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,

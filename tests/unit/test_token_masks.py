@@ -154,10 +154,10 @@ def test_a_chain_never_commits_past_a_stop_token_id(ignore_eos):
 
 def test_masks_that_leave_no_token_fail_the_request_naming_them():
     params = SamplingParams(max_new_tokens=8, min_tokens=2, allowed_token_ids=(2,))
-    with pytest.raises(GrammarError, match="min_tokens, allowed_token_ids and bad_words .* allow no token at output token 0") as info:
+    with pytest.raises(GrammarError, match="allowed_token_ids, min_tokens leave no token to generate at output token 0") as info:
         verify_result(argmax=[2], drafts=[], logits=torch.zeros(1, 6), sampler=Sampler(params),
                       eos_token_ids=(2,), ignore_eos=False, budget_left=8)
-    assert info.value.tokens == ()
+    assert info.value.tokens == () and info.value.fields == ("allowed_token_ids", "min_tokens")
 
 
 def _emit(tokenizer, params: SamplingParams, ids: list[int], *, one_commit: bool, last: FinishReason) -> RequestHandle:
@@ -304,6 +304,7 @@ def test_masks_and_a_grammar_that_together_leave_no_token_fail_the_request():
     spec = GrammarSpec.choice(["a"])
     state = GrammarState(spec, GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID]))
     params = SamplingParams(max_new_tokens=4, grammar=spec, bad_word_ids=((ord("a"),),))
-    with pytest.raises(GrammarError, match="with the structured output, if any"):
+    with pytest.raises(GrammarError, match="bad_words, response_format leave no token") as info:
         verify_result(argmax=[ord("a")], drafts=[], logits=torch.zeros(1, NUM_BYTE_TOKENS), sampler=Sampler(params),
                       eos_token_ids=(TINY_EOS_ID,), ignore_eos=False, budget_left=4, grammar=state)
+    assert info.value.fields == ("bad_words", "response_format")

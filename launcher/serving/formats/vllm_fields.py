@@ -3,7 +3,7 @@
 Owns reading, from a decoded HTTP body (both endpoints), vLLM's SamplingParams fields of the output text into
 a `TextOptions` (launcher/coordinator/request_handle.py): `skip_special_tokens` (default true),
 `spaces_between_special_tokens` (default true), `include_stop_str_in_output` (default false); vLLM's
-`truncate_prompt_tokens` (keep the last k prompt tokens, BOS kept; -1 = max_model_len - max_tokens, as
+`echo_text` (what completions' echo shows); `truncate_prompt_tokens` (keep the last k prompt tokens, BOS kept; -1 = max_model_len - max_tokens, as
 vLLM's renderer; 0 is refused, it would leave no prompt; above max_model_len is refused, as vLLM's); and the
 refusal of vLLM extension fields that this server does not implement and that would otherwise be ignored
 with a different result (unknown fields are ignored, openai_protocol.py's `UNSUPPORTED`):
@@ -108,12 +108,21 @@ def truncation_limit(value: Any, max_model_len: int, *, max_tokens: int = 0, fie
     if value < -1 or value == 0:
         raise error(f"'{field}' must be -1 (max_model_len - max_tokens) or in [1, {max_model_len}], got {value}",
                     field)
-    if value > max_model_len:
-        raise error(f"'{field}' = {value} is greater than max_model_len {max_model_len}; select a smaller "
-                    "truncation size", field)
+    if value > max_model_len:  # vLLM's words (vllm/entrypoints/openai/serving_engine.py `_validate_truncation_size`)
+        raise error(f"'{field}' value ({value}) is greater than max_model_len ({max_model_len}). Please, select a "
+                    "smaller truncation size.", field)
     if value == -1:
         return max_model_len - max_tokens if 0 <= max_tokens < max_model_len else max_model_len
     return value
+
+
+def echo_text(tokenizer: Tokenizer, prompt: str | Sequence[int], ids: Sequence[int]) -> str:
+    """The text completions' `echo` shows before the output, as vLLM: a text prompt as the client sent it, token
+    ids (`ids`, after truncate_prompt_tokens) decoded with their special tokens shown, whatever the request's
+    skip_special_tokens, which applies to the output only (vllm/entrypoints/openai/serving_engine.py
+    `_normalize_prompt_text_to_input`: `input_text = prompt`; `_normalize_prompt_tokens_to_input`:
+    `tokenizer.decode(input_ids)`, Hugging Face's default skip_special_tokens=False)."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def asked_budget(body: dict) -> int:

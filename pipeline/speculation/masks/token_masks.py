@@ -44,6 +44,14 @@ _MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 1
 #   first token but as many tokens (`bad_word_token_ids`), is a token sequence; a one-token sequence
 #   is always masked, a longer one's last token is masked when the output so far ends with its other
 #   tokens (the output only, not the prompt, as vLLM's `apply_bad_words`).
+# - EOS ids (vLLM's `SamplingParams.update_from_generation_config`, vllm/sampling_params.py): the tokenizer's
+#   eos_token is the primary EOS (`eos_token_ids[0]`, pipeline/model/tokenizer.py); it ends a sequence as EOS
+#   (no stop_reason) unless ignore_eos. The generation config's other EOS ids are added to the request's
+#   stop_token_ids unless ignore_eos, so each ends it as a stop token id does ("stop", the id as stop_reason, its
+#   text left out); with ignore_eos none of them ends it. min_tokens masks all of them, ignore_eos or not
+#   (vLLM's `_all_stop_token_ids`). Here the engine gets every EOS id and `finish_reason_at`
+#   (pipeline/engine/records.py) tells the primary from the others (a tokenizer without an eos_token: the
+#   first listed is taken as primary).
 # Masks set -inf, so their order among themselves and against the bias and penalties changes nothing;
 # the grammar's mask comes after them. verify_result (pipeline/speculation/verify.py) applies them to
 # each row with the exact history plain decoding has at that position (the output committed before

@@ -1,0 +1,97 @@
+"""Masks that leave no token later in generation, on a real 2-stage server (gloo on loopback, the tiny random
+model, speculation `speed+firp`: n-gram drafts and untrained FIRP chains, so a dead end can fall inside a
+verified chain). [Note: no token left] in pipeline/speculation/verify.py.
+
+allowed_token_ids {"a", "b"} with bad_words "b" and "aaaaaa": "a" five times, then no token at output token 5.
+What breaks when this fails: the request is an HTTP 500 / gRPC INTERNAL instead of a 400 naming the field /
+the stream's error event / INVALID_ARGUMENT; the tokens before the dead end differ from plain decoding's (the
+masks' own rule: only "a" is allowed until then); the pipeline is wedged afterwards (the next request hangs or
+its output changes).
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+
+from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.run_plan import resolve
+from launcher.coordinator.session import PipelineSession
+from launcher.serving.serve import ServeOptions, ServingStack
+from proto import speedpipe_pb2 as pb
+from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.tiny_model import write_firp_file, write_tiny_model
+from tests.unit.test_grpc_error_details import _details
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+A, B = ord("a"), ord("b")  # the tiny byte tokenizer: token id == byte value
+DEAD_END = {"allowed_token_ids": [A, B], "bad_words": ["b", "aaaaaa"]}
+PLAIN = {"prompt": "The cat sat on the mat.", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+         "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tiny = write_tiny_model(tmp_path_factory.mktemp("tiny-dead-end"))
+    firp = write_firp_file(tiny, tmp_path_factory.mktemp("firp") / "firp.safetensors", layer=1, k=3)
+    options = PipelineOptions(num_stages=2, model=str(tiny), progress=False, max_num_seqs=4, max_model_len=128,
+                              stage_timeout_s=60, speculate="speed+firp", predictor="ngram", min_acceptance=0.0,
+                              row_cost="none", firp_file=str(firp), layer_split="2,2")
+    with PipelineSession(options, resolve(options)) as session:
+        with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=0, stats_interval_s=0)) as stack:
+            yield stack
+
+
+def test_a_dead_end_is_bad_input_over_http_and_grpc_and_the_next_request_works(server):
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    before = httpx.post(url, json=PLAIN, timeout=120).json()["choices"][0]
+    body = {**PLAIN, **DEAD_END}
+    r = httpx.post(url, json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "allowed_token_ids" and "output token 5" in r.json()["error"]["message"]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as s:
+        lines = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    streamed = [t for e in events if "choices" in e for c in e["choices"] for t in c.get("token_ids") or ()]
+    assert streamed == [A] * 5  # the masks' rule: only "a" until the dead end
+    assert events[-1]["error"]["code"] == 400 and events[-1]["error"]["param"] == "allowed_token_ids"
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        chunks: list[pb.GenerateResponse] = []
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in stub.Generate(pb.GenerateRequest(prompt=PLAIN["prompt"], max_new_tokens=12,
+                                                          allowed_token_ids=[A, B], bad_words=["b", "aaaaaa"]),
+                                       timeout=120):
+                chunks.append(chunk)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert [v.field for v in _details(info.value)["BadRequest"].field_violations] == ["allowed_token_ids"]
+        assert [t for c in chunks for t in c.token_ids] == [A] * 5
+    after = httpx.post(url, json=PLAIN, timeout=120).json()["choices"][0]
+    assert after["token_ids"] == before["token_ids"] and after["finish_reason"] == "length"
+
+
+def test_launch_names_the_flags_of_a_dead_end_and_exits_2(tiny_model_dir, capsys):
+    """`launch`: the dead end is the prompt's own input, so one line naming the flags, exit 2 (as bad input
+    refused up front), after the text before it; with several prompts each failed one gets its line, the JSON
+    its `error_param` (HTTP's `param`); an internal failure stays `request failed`, exit 1 (test_failures.py)."""
+    from launcher.cli.main import main
+
+    flags = ["--model", str(tiny_model_dir), "--stages", "2", "--max-new-tokens", "12", "--temperature", "0",
+             "--allowed-token-ids", f"{A},{B}", "--no-progress"]
+    assert main(["launch", *flags, "--bad-words", "b", "--bad-words", "aaaaaa", "--prompt", PLAIN["prompt"]]) == 2
+    out, err = capsys.readouterr()
+    assert out == PLAIN["prompt"] + "a" * 5 + "\n"
+    assert err.strip().splitlines()[-1] == ("speedpipe launch: error: --allowed-token-ids, --bad-words leave no token "
+                                            "to generate at output token 5 (every token is masked there)")
+    assert main(["launch", *flags, "--regex", "c+", "--json", "--prompt", "ab", "--prompt", "cd"]) == 2
+    out, err = capsys.readouterr()
+    outputs = json.loads(out.strip().splitlines()[-1])["outputs"]
+    assert [o.get("error_param") for o in outputs] == ["allowed_token_ids"] * 2
+    assert [line.split(": ", 3)[1:] for line in err.strip().splitlines()[-2:]] == [
+        ["error", f"prompt {i}", "--allowed-token-ids, --regex leave no token to generate at output token 0 (every "
+                                 "token is masked there)"] for i in range(2)]
