@@ -130,15 +130,10 @@ def _admit(engine: ServingEngine, raw: bytes, chat: bool) -> tuple[openai_protoc
     return parsed, streams
 
 
-def _echo_text(tokenizer, parsed: openai_protocol.ParsedRequest) -> str:
-    """The prompt's text when the request echoes it (completions `echo`: vllm_fields.echo_text), else ""."""
-    return parsed.echo or ""
-
-
 async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, *,
                    engine: ServingEngine, formatter: LogprobFormatter, chat: bool) -> Response:
     """The whole answer of a non-streaming request (every choice); a client gone before it is ready aborts it."""
-    tokenizer, model = engine.tokenizer, engine.model_name
+    model = engine.model_name
     done = asyncio.Event()
 
     async def watch() -> None:  # a client gone before the answer is ready aborts the request
@@ -152,7 +147,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
     choices, tools, prompt_logprobs = [], tool_outputs(parsed.tools, len(stream)), None
     try:
         for index, choice in enumerate(stream):
-            text, ids, reason, entries, prompt_entries = [_echo_text(tokenizer, parsed)], [], None, [], None
+            text, ids, reason, entries, prompt_entries = [parsed.echo or ""], [], None, [], None
             stop_reason = None
             async for chunk in choice:
                 text.append(chunk.text)
@@ -186,7 +181,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
                   formatter: LogprobFormatter, chat: bool):
     """Server-sent events of a streaming request (choices interleaved as they come), ending in
     `data: [DONE]`, after an error event if the pipeline fails mid-way."""
-    tokenizer, model = engine.tokenizer, engine.model_name
+    model = engine.model_name
     rid = stream.request_id
     offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
     generated = [0] * len(stream)  # tokens of each choice so far (continuous_usage_stats)
@@ -211,7 +206,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
         async for index, chunk in merged(stream):
             if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                 continue
-            text = chunk.text if index in started else _echo_text(tokenizer, parsed) + chunk.text
+            text = chunk.text if index in started else (parsed.echo or "") + chunk.text
             started.add(index)
             ids = list(chunk.token_ids)
             generated[index] += len(ids)

@@ -120,7 +120,8 @@ def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler
             row = grammar.masked(row, history)
         if has_token_masks(sampler.params) and not bool(torch.isfinite(row).any()):  # (only masks give -inf)
             fields = masking_fields(sampler.params, history=history, grammar=grammar is not None)
-            raise GrammarError(f"{', '.join(fields)} leave no token to generate at output token {len(history)} "
+            raise GrammarError(f"{', '.join(fields)} {'leaves' if len(fields) == 1 else 'leave'} no token to generate "
+                               f"at output token {len(history)} "
                                f"(every token is masked there)", (), fields=fields)
     if row is not None and sampler.params.is_greedy:
         # Greedy on the biased, penalised, masked logits (the raw argmax when none is set); a draft is
