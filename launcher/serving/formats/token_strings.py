@@ -24,7 +24,7 @@ The context of a position is the sequence's tokens before it (at most `CONTEXT_T
 token, the output so far preceded by the prompt's last tokens; for a prompt token (prompt_logprobs, echo),
 the prompt tokens before it. vLLM's LogprobsProcessor starts a sample's context empty and leaves the first
 prompt token out of the prompt context; here the sequence reads as one, so a character that a token-id
-prompt leaves open and the first generated token completes, or one the first two prompt tokens spell, reads
+prompt leaves open and the first generated token completes, or one that begins in the first prompt token, reads
 as that character instead of "". Only the context-free part (a token decoded alone) is cached.
 Must not: build the API's JSON objects, or cache a string that depends on the context.
 """
