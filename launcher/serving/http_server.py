@@ -159,7 +159,7 @@ async def _collect(request: Request, stream: ChoiceStreams, parsed: openai_proto
                 request_id=stream.request_id, model=model, text="".join(text),
                 token_ids=ids if parsed.return_token_ids else None, finish_reason=reason, final=None,
                 chunk=False, chat=chat, index=index, stop_reason=stop_reason,
-                logprobs=formatter.of_choice(parsed, chat, ids, entries, prompt_entries, 0))["choices"][0])
+                logprobs=formatter.choice(parsed, chat).of_chunk(ids, entries, prompt_entries))["choices"][0])
             if (prompt_logprobs := formatter.vllm_prompt(parsed, prompt_entries)) is not None and not chat:
                 choices[-1]["prompt_logprobs"] = prompt_logprobs  # vLLM's: per choice (completions), top level (chat)
             if tools is not None:  # content and tool_calls (launcher/serving/formats/tool_output.py)
@@ -183,7 +183,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
     `data: [DONE]`, after an error event if the pipeline fails mid-way."""
     model = engine.model_name
     rid = stream.request_id
-    offsets = [0] * len(stream)  # text offset of each choice's next token (completions logprobs)
+    logprobs_of = [formatter.choice(parsed, chat) for _ in stream]  # per choice: its context, its text offset
     generated = [0] * len(stream)  # tokens of each choice so far (continuous_usage_stats)
     started: set[int] = set()
     tools = tool_outputs(parsed.tools, len(stream))  # per choice: tool calls parsed out of its deltas
@@ -210,10 +210,7 @@ async def _stream(stream: ChoiceStreams, parsed: openai_protocol.ParsedRequest, 
             started.add(index)
             ids = list(chunk.token_ids)
             generated[index] += len(ids)
-            logprobs = formatter.of_choice(parsed, chat, ids, list(chunk.logprobs or ()),
-                                           chunk.prompt_logprobs, offsets[index])
-            if logprobs is not None and not chat:
-                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            logprobs = logprobs_of[index].of_chunk(ids, list(chunk.logprobs or ()), chunk.prompt_logprobs)
             event = dressed(index, openai_protocol.completion_body(
                 request_id=rid, model=model, text=text, token_ids=ids if parsed.return_token_ids else None,
                 finish_reason=chunk.finish_reason, final=None, chunk=True, chat=chat, index=index,

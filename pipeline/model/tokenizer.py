@@ -172,6 +172,18 @@ class Tokenizer:
         return frozenset(i for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-F]{2}>", t))
 
     @functools.cached_property
+    def leading_space_marker(self) -> str | None:
+        """The character a Metaspace pre-tokenizer (alone or in a Sequence) spells a space with (its
+        `replacement`, "▁" by default), else None. Decoding a piece alone strips the space its leading
+        marker stands for (SentencePiece's dummy prefix); vLLM's `_get_leading_space_marker` reads the same."""
+        pre = self._tok.pre_tokenizer  # its own JSON only, as `byte_piece_ids`
+        config = json.loads(pre.__getstate__()) if pre is not None else {}
+        for sub in [config] if config.get("type") == "Metaspace" else config.get("pretokenizers", []):
+            if sub.get("type") == "Metaspace":
+                return sub.get("replacement", "\u2581")
+        return None
+
+    @functools.cached_property
     def byte_run_ids_skipping_specials(self) -> frozenset[int]:
         """`byte_piece_ids` and, when there are any, the special tokens' ids: a skipped special token
         decodes to nothing, so it does not end a run of byte pieces ([Note: SentencePiece streaming])."""

@@ -31,6 +31,7 @@ from pipeline.speculation.masks.token_masks import bad_word_token_ids
 from pipeline.speculation.sampling import SamplingParams
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
+from tests import vllm_token_strings as vllm
 from tests.tiny_model import write_firp_file, write_tiny_model
 from tests.unit.test_logprobs_penalties import _reference_penalised
 from tests.unit.test_token_masks_paths import reference
@@ -102,15 +103,19 @@ def _greedy_reference(hf_model, prompt_ids: list[int], params: SamplingParams) -
     return out, logps
 
 
-def _top(tok: Tokenizer, logp: torch.Tensor, k: int) -> dict[str, float]:
+def _names(tok: Tokenizer, ids: list[int], context: list[int]) -> list[str]:
+    """vLLM's strings of the alternatives `ids` of one position after the sequence's tokens `context`."""
+    return vllm.token_strings(tok.model_dir, ids, context)
+
+
+def _top(tok: Tokenizer, logp: torch.Tensor, k: int, context: list[int]) -> dict[str, float]:
     values, ids = torch.sort(logp, descending=True, stable=True)
-    pairs = zip(ids[:k].tolist(), values[:k].tolist(), strict=True)
-    return {tok.decode([i], skip_special_tokens=False): v for i, v in pairs}
+    return dict(zip(_names(tok, ids[:k].tolist(), context), values[:k].tolist(), strict=True))
 
 
-def _top_with_chosen(tok: Tokenizer, logp: torch.Tensor, token: int, k: int) -> dict[str, float]:
+def _top_with_chosen(tok: Tokenizer, logp: torch.Tensor, token: int, k: int, context: list[int]) -> dict[str, float]:
     """The completions form: the chosen token's logprob, then the k most likely (OpenAI: up to k + 1)."""
-    return {tok.decode([token], skip_special_tokens=False): float(logp[token]), **_top(tok, logp, k)}
+    return {_names(tok, [token], context)[0]: float(logp[token]), **_top(tok, logp, k, context)}
 
 
 def _assert_top(got: dict[str, float], want: dict[str, float]) -> None:
@@ -128,9 +133,9 @@ def test_completion_logprobs_and_top_logprobs_match_transformers(server, client,
     assert choice.token_ids == ref
     lp = choice.logprobs
     assert lp.token_logprobs == pytest.approx([float(logps[i][t]) for i, t in enumerate(ref)], abs=TOL)
-    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref]
+    assert lp.tokens == [_names(tok, [t], [*ids, *ref[:i]])[0] for i, t in enumerate(ref)]
     for i, top in enumerate(lp.top_logprobs):
-        _assert_top(top, _top_with_chosen(tok, logps[i], ref[i], 3))
+        _assert_top(top, _top_with_chosen(tok, logps[i], ref[i], 3, [*ids, *ref[:i]]))
     r = client.completions.create(model=server.engine.model_name, prompt=PROMPT, logprobs=0, **GREEDY)
     for i, top in enumerate(choice_of(r).logprobs.top_logprobs):  # logprobs 0: the chosen token alone
         _assert_top(top, {lp.tokens[i]: lp.token_logprobs[i]})
@@ -152,7 +157,7 @@ def test_echo_returns_prompt_logprobs(server, client, hf_model):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:n] == pytest.approx([float(prompt_logp[j - 1][ids[j]]) for j in range(1, n)], abs=TOL)
     for j in range(1, n):
-        _assert_top(lp.top_logprobs[j], _top_with_chosen(tok, prompt_logp[j - 1], ids[j], 2))
+        _assert_top(lp.top_logprobs[j], _top_with_chosen(tok, prompt_logp[j - 1], ids[j], 2, ids[:j]))
     assert len(lp.tokens) == n + NUM_TOKENS and lp.text_offset[0] == 0
 
 
@@ -163,10 +168,10 @@ def test_chat_logprobs_match_transformers(server, client, hf_model):
     r = client.chat.completions.create(model=server.engine.model_name, messages=CHAT, logprobs=True, top_logprobs=2,
                                        **GREEDY)
     content = choice_of(r).logprobs.content
-    assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False) for t in ref]
+    assert [c.token for c in content] == [_names(tok, [t], [*ids, *ref[:i]])[0] for i, t in enumerate(ref)]
     assert [c.logprob for c in content] == pytest.approx([float(logps[i][t]) for i, t in enumerate(ref)], abs=TOL)
     for i, c in enumerate(content):
-        _assert_top({t.token: t.logprob for t in c.top_logprobs}, _top(tok, logps[i], 2))
+        _assert_top({t.token: t.logprob for t in c.top_logprobs}, _top(tok, logps[i], 2, [*ids, *ref[:i]]))
 
 
 @pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5), dict(frequency_penalty=1.0),

@@ -28,6 +28,7 @@ from launcher.serving.openai_protocol import render_chat
 from launcher.serving.serve import ServeOptions, ServingStack
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
+from tests import vllm_token_strings as vllm
 from tests.tiny_model import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -73,7 +74,8 @@ def _post(server, route: str, body: dict) -> httpx.Response:
 def _reference(tok, hf_model, ids: list[int], k: int) -> list[dict | None]:
     """vLLM's prompt_logprobs of `ids` from transformers' logits: per token after the first, the token (its rank:
     entries with a logprob >= its own, counted with a margin of TOL both ways) then the k most likely tokens
-    (ranks 1..k, lower id first on ties), each {"logprob", "rank": (lowest, highest), "decoded_token"}."""
+    (ranks 1..k, lower id first on ties), each {"logprob", "rank": (lowest, highest), "decoded_token"} (vLLM's
+    strings, tests/vllm_token_strings.py, after the prompt tokens before it)."""
     with torch.no_grad():
         logp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     out: list[dict | None] = [None]
@@ -83,8 +85,9 @@ def _reference(tok, hf_model, ids: list[int], k: int) -> list[dict | None]:
         values, top = torch.sort(row, descending=True, stable=True)
         entries = {t: (float(row[t]), rank)}
         entries.update({int(i): (float(v), (r + 1, r + 1)) for r, (i, v) in enumerate(zip(top[:k], values[:k], strict=True))})
-        out.append({str(i): {"logprob": v, "rank": r, "decoded_token": tok.decode([i], skip_special_tokens=False)}
-                    for i, (v, r) in entries.items()})
+        names = vllm.token_strings(tok.model_dir, list(entries), ids[:j])  # vLLM's, after the prompt before j
+        out.append({str(i): {"logprob": v, "rank": r, "decoded_token": name}
+                    for (i, (v, r)), name in zip(entries.items(), names, strict=True)})
     return out
 
 
@@ -179,10 +182,11 @@ def test_grpc_prompt_logprobs_match_transformers_on_the_first_chunk(server, hf_m
                                                       ignore_eos=True, logprobs=2), timeout=120))
     assert not any(r.prompt_logprobs for r in replies[1:]) and not any(r.prompt_logprobs for r in plain)
     assert not any(e.HasField("rank") for r in plain for e in r.logprobs)
-    got = [None] + [{str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tok.decode(
-        [e.token_id], skip_special_tokens=False)}, **{str(t.token_id): {"logprob": t.logprob, "rank": j + 1,
-        "decoded_token": tok.decode([t.token_id], skip_special_tokens=False)} for j, t in enumerate(e.top)}}
-        for e in replies[0].prompt_logprobs]
+    got = [None] + [{str(e.token_id): {"logprob": e.logprob, "rank": e.rank}, **{str(t.token_id): {
+        "logprob": t.logprob, "rank": j + 1} for j, t in enumerate(e.top)}} for e in replies[0].prompt_logprobs]
+    for g, w in zip(got[1:], want[1:], strict=True):  # gRPC sends ids only: the strings are the reference's
+        for key in g:
+            g[key]["decoded_token"] = w[key]["decoded_token"] if key in w else None
     assert [e.token_id for e in replies[0].prompt_logprobs] == ids[1:]
     assert _assert_matches(got, want) >= len(ids) // 2
 
