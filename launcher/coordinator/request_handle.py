@@ -85,7 +85,7 @@ class RequestError(PipelineError):
 class NoTokenLeftError(RequestError):
     """One request's own masks (allowed_token_ids, bad_words, min_tokens, its structured output) left no token
     to generate at some output position: bad input found mid-generation ([Note: no token left] in
-    pipeline/speculation/verify.py). `fields`: the SamplingParams fields ("response_format" for the grammar);
+    pipeline/speculation/verify.py). `fields`: the SamplingParams fields (`GrammarSpec.field`, e.g. "structured_outputs", for the grammar);
     `param`: the first. Servers answer it as bad input: HTTP 400 (non-streamed) or an in-stream error event
     with code 400 and `param`, gRPC INVALID_ARGUMENT naming the field; the pipeline stays up."""
 

@@ -83,7 +83,7 @@ def on_deep_stack(fn: Callable[..., Any], *args: Any) -> Any:
 class GrammarError(RuntimeError):
     """A constrained sequence cannot go on: its matcher rejected a token or allows none. `tokens`
     are the tokens the failing result committed before the row that failed (valid ones). `fields`: the
-    request's fields (SamplingParams names, "response_format" for the grammar) whose masks together allow no
+    request's fields (SamplingParams names, the grammar's `GrammarSpec.field` for it) whose masks together allow no
     token there, a dead end of the request's own input that servers answer as bad input ([Note: no token
     left] in pipeline/speculation/verify.py); () when the matcher itself failed (an internal error)."""
 
@@ -102,6 +102,14 @@ def _first_line(text: str, limit: int = 240) -> str:
     return line if len(line) <= limit else line[:limit] + "…"
 
 
+@functools.lru_cache(maxsize=64)
+def _grammar_problem(grammar: str) -> str | None:
+    """llguidance's one-line reason why `grammar` is invalid, else None (cached: a spec renamed by
+    `GrammarSpec.asked_by` is not checked again)."""
+    is_error, messages = on_deep_stack(llguidance.LLMatcher.validate_grammar_with_warnings, grammar)
+    return _first_line(messages[0]) if is_error else None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GrammarSpec:
     """One request's output constraint.
@@ -118,6 +126,9 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
+    # the request field that asked for the constraint, as a dead end names it ([Note: no token left] in
+    # pipeline/speculation/verify.py): response_format, structured_outputs, tool_choice, gRPC's structured_output
+    field: str = dataclasses.field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -127,9 +138,13 @@ class GrammarSpec:
         if len(self.text) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"{self.kind.replace('_', ' ')} is {len(self.text)} characters long, over the limit of "
                              f"{MAX_GRAMMAR_CHARS}")
-        is_error, messages = on_deep_stack(llguidance.LLMatcher.validate_grammar_with_warnings, self.grammar)
-        if is_error:
-            raise ValueError(f"invalid {self.kind.replace('_', ' ')}: {_first_line(messages[0])}")
+        problem = _grammar_problem(self.grammar)
+        if problem is not None:
+            raise ValueError(f"invalid {self.kind.replace('_', ' ')}: {problem}")
+
+    def asked_by(self, field: str) -> GrammarSpec:
+        """This constraint, named after the request field `field` that asked for it (checked once only)."""
+        return dataclasses.replace(self, field=field)
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> GrammarSpec:
@@ -322,7 +337,7 @@ class GrammarState:
         allowed = self.allowed(prefix, logits.shape[-1]).to(logits.device)
         if not bool(allowed.any()):
             raise GrammarError(f"no token of the model's vocabulary continues the structured output after "
-                               f"{len(self.tokens)} tokens", fields=("response_format",))
+                               f"{len(self.tokens)} tokens", fields=(self.spec.field,))
         return torch.where(allowed, logits.float(), float("-inf"))
 
     @property

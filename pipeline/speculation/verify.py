@@ -96,12 +96,12 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
 # (`create_streaming_error_response`) before `data: [DONE]`; gRPC: INVALID_ARGUMENT (launcher/serving/).
 
 
-def masking_fields(params: SamplingParams, *, history: Sequence[int], grammar: bool) -> tuple[str, ...]:
+def masking_fields(params: SamplingParams, *, history: Sequence[int], grammar_field: str | None) -> tuple[str, ...]:
     """The request's fields whose masks act at output position len(history): allowed_token_ids, bad_words,
-    min_tokens (before min_tokens tokens), and "response_format" when a grammar constrains it; the names of a
-    dead end ([Note: no token left])."""
+    min_tokens (before min_tokens tokens), and `grammar_field` (the field that asked for the grammar,
+    `GrammarSpec.field`; None: no grammar); the names of a dead end ([Note: no token left])."""
     named = [("allowed_token_ids", params.allowed_token_ids is not None), ("bad_words", bool(params.bad_word_ids)),
-             ("min_tokens", len(history) < params.min_tokens), ("response_format", grammar)]
+             ("min_tokens", len(history) < params.min_tokens), (grammar_field or "", grammar_field is not None)]
     return tuple(name for name, acts in named if acts)
 
 
@@ -119,7 +119,8 @@ def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler
         if grammar is not None:  # after the bias, the penalties and the token masks ([Note: grammar masks])
             row = grammar.masked(row, history)
         if has_token_masks(sampler.params) and not bool(torch.isfinite(row).any()):  # (only masks give -inf)
-            fields = masking_fields(sampler.params, history=history, grammar=grammar is not None)
+            fields = masking_fields(sampler.params, history=history,
+                                    grammar_field=None if grammar is None else grammar.spec.field)
             raise GrammarError(f"{', '.join(fields)} {'leaves' if len(fields) == 1 else 'leave'} no token to generate "
                                f"at output token {len(history)} "
                                f"(every token is masked there)", (), fields=fields)

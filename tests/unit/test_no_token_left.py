@@ -17,14 +17,19 @@ import pytest
 import torch
 
 from launcher.coordinator.request_handle import NoTokenLeftError, RequestHandle
+from launcher.serving.formats.response_format import grammar_from_body, grammar_from_proto
+from launcher.serving.formats.tools import tools_from_body
 from launcher.serving.grpc_generate import GrpcServer
 from launcher.serving.http_server import HttpServer
 from launcher.serving.serving_engine import ServingEngine
 from pipeline.engine.records import Commit, FinishReason
+from pipeline.speculation.grammar import GrammarError, GrammarState, GrammarVocab
 from pipeline.speculation.masks.token_masks import apply_token_masks
-from pipeline.speculation.sampling import SamplingParams
+from pipeline.speculation.sampling import Sampler, SamplingParams
+from pipeline.speculation.verify import verify_result
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
+from tests.tiny_model import NUM_BYTE_TOKENS, TINY_EOS_ID, byte_tokenizer
 from tests.unit.test_grpc_error_details import _details
 from tests.unit.test_serving_http import FakeCoordinator, _streamed_chunks, tokenizer  # noqa: F401 (the fixture)
 from tests.unit.test_speculation_scheduler import MostlyArgmaxPredictor, _generate, fake_logits
@@ -122,3 +127,28 @@ def test_over_grpc_a_dead_end_is_invalid_argument_naming_the_proto_field(served)
     violations = _details(err)["BadRequest"].field_violations
     assert [v.field for v in violations] == ["bad_words"], violations
 
+
+
+def _grpc_choice_request():
+    req = pb.GenerateRequest()
+    req.structured_output.choice.choices.append("a")
+    return req
+
+
+@pytest.mark.parametrize(("make_spec", "field"), [
+    (lambda: grammar_from_body({"response_format": {"type": "json_object"}}), "response_format"),
+    (lambda: grammar_from_body({"structured_outputs": {"choice": ["a"]}}), "structured_outputs"),
+    (lambda: grammar_from_proto(_grpc_choice_request()), "structured_output"),
+    (lambda: tools_from_body({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                              "tool_choice": "required"}, parser=None).grammar(), "tool_choice"),
+])
+def test_a_grammar_dead_end_names_the_field_that_asked_for_the_grammar(make_spec, field):
+    """allowed_token_ids = {"b"} against a grammar that cannot start with "b": the dead end names the request's
+    own grammar field (it named response_format whatever the request had used)."""
+    spec = make_spec()
+    state = GrammarState(spec, GrammarVocab(byte_tokenizer().to_str(), eos_token_ids=[TINY_EOS_ID]))
+    params = SamplingParams(max_new_tokens=4, grammar=spec, allowed_token_ids=(ord("b"),))
+    with pytest.raises(GrammarError, match=f"allowed_token_ids, {field} leave no token") as info:
+        verify_result(argmax=[ord("b")], drafts=[], logits=torch.zeros(1, NUM_BYTE_TOKENS), sampler=Sampler(params),
+                      eos_token_ids=(TINY_EOS_ID,), ignore_eos=False, budget_left=4, grammar=state)
+    assert info.value.fields == ("allowed_token_ids", field)

@@ -62,7 +62,7 @@ def _from_body(body: dict) -> GrammarSpec | None:
     spec = _structured_outputs(structured) if structured is not None else None if fmt is None else _response_format(fmt)
     if spec is not None and body.get("ignore_eos") is True:  # SamplingParams refuses it too, naming response_format
         raise FormatError(f"'{field}' cannot be combined with 'ignore_eos' (a structured output ends with EOS)", field)
-    return spec
+    return None if spec is None else spec.asked_by(field)
 
 
 def _spec(field: str, **kwargs: Any) -> GrammarSpec:
@@ -159,9 +159,10 @@ def grammar_from_proto(req: Any, *, error: ErrorClass = FormatError) -> GrammarS
     """The constraint of a gRPC GenerateRequest's `structured_output` (proto/speedpipe.proto), or None.
     Raises `error(message, param)` naming the field as the proto does (structured_output.regex, ...)."""
     try:
-        return _from_proto(req)
+        spec = _from_proto(req)
     except FormatError as exc:
         raise error(str(exc), exc.param) from None
+    return None if spec is None else spec.asked_by("structured_output")
 
 
 def _from_proto(req: Any) -> GrammarSpec | None:

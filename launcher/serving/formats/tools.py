@@ -68,7 +68,7 @@ class ToolRequest:
     def grammar(self, *, error: ErrorClass = FormatError) -> GrammarSpec:
         """The constraint of a named / required choice. Raises `error` naming the schema's field."""
         try:
-            return GrammarSpec(kind="json_schema", text=json.dumps(self.schema()))
+            return GrammarSpec(kind="json_schema", text=json.dumps(self.schema()), field="tool_choice")
         except ValueError as exc:
             field = self._failing_tool()
             raise error(f"'{field}': {exc}", field) from None
