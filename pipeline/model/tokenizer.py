@@ -84,8 +84,8 @@ class Tokenizer:
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included, capped at config.json's
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
     such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_id` (tokenizer_config.json's eos_token, or None: vLLM's primary EOS, Hugging Face's
-    `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first, then generation_config.json's and
-    config.json's (of a multimodal model, its text model's: [Note: text-only multimodal]); the others than the
+    `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first, then generation_config.json's, or without that
+    file config.json's (of a multimodal model, its text model's: [Note: text-only multimodal]); the others than the
     first are secondary EOS ids, [Note: token masks] in pipeline/speculation/masks/token_masks.py), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
     post-processor adds ids before / after a text: [Note: BOS/EOS]; `num_added`: how many, (before, after)), `bos_token_id` (int or None; the
     post-processor's first added id, else generation_config.json, config.json, tokenizer_config.json),
@@ -118,7 +118,11 @@ class Tokenizer:
         self.bos_token_id: int | None = prefix[0] if prefix else self._first_id(
             gen_config.get("bos_token_id"), model_config.get("bos_token_id"), tok_config.get("bos_token"))
         self.eos_token_id: int | None = self._first_id(tok_config.get("eos_token"))  # vLLM's primary EOS
-        eos = _as_ids(gen_config.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))
+        # generation_config.json's EOS ids where that file exists (none if it names none), else config.json's:
+        # the model's generation config, what transformers' generate and vLLM's update_from_generation_config
+        # stop on (the two files' ids were merged before)
+        has_gen_config = (self.model_dir / "generation_config.json").is_file()
+        eos = _as_ids((gen_config if has_gen_config else model_config).get("eos_token_id"))
         primary = [] if self.eos_token_id is None else [self.eos_token_id]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(primary + eos))  # [Note: token masks] EOS ids
 

@@ -41,6 +41,25 @@ def test_the_tokenizers_eos_token_is_the_primary_and_the_generation_configs_othe
     assert Tokenizer(folder).eos_token_ids == (hf_eos, ord("\n"))  # vLLM stops at the tokenizer's eos_token too
 
 
+def test_a_generation_configs_eos_ids_replace_config_jsons_as_in_transformers_generate(tmp_path):
+    """config.json names another EOS id than generation_config.json: transformers' generate stops on the
+    generation config's alone (the model's `generation_config`), and so does vLLM; config.json's counts only
+    without a generation_config.json. (The two files' ids were merged: "!" ended a request here.)"""
+    folder = write_tiny_model(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": ord("!")}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [ord("\n")]}))
+    hf_eos = transformers.AutoTokenizer.from_pretrained(folder).eos_token_id
+    hf_gen = transformers.AutoModelForCausalLM.from_pretrained(folder).generation_config.eos_token_id
+    assert Tokenizer(folder).eos_token_ids == (hf_eos, *([hf_gen] if isinstance(hf_gen, int) else hf_gen))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))  # names no EOS: none from it
+    hf_gen = transformers.AutoModelForCausalLM.from_pretrained(folder).generation_config.eos_token_id
+    assert Tokenizer(folder).eos_token_ids == (hf_eos,) and hf_gen is None  # (vLLM: the tokenizer's eos_token)
+    (folder / "generation_config.json").unlink()  # no generation config: the model config's
+    hf_gen = transformers.AutoModelForCausalLM.from_pretrained(folder).generation_config.eos_token_id
+    assert Tokenizer(folder).eos_token_ids == (hf_eos, ord("!")) and hf_gen in (ord("!"), [ord("!")])
+
+
 def _run(token_at_3: int, params: SamplingParams, *, speculate: bool = False):
     """One sequence through the fake pipeline whose model says 3, 4, 5, then `token_at_3`, then 6 forever."""
     def next_fn(prefix):
