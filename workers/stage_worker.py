@@ -83,6 +83,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.weights_bytes = 0
         self.failure: str | None = None
         self._lock = threading.Lock()
+        self._join_epoch = 0  # bumped by every Rejoin: [Note: superseded rejoin]
         self._heap_frozen = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -156,9 +157,19 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = 600.0) -> None:
         """Join the process group (blocks until every rank joined) and start the data-plane loop."""
-        group = DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
-                               rank=spec.dist_rank, world_size=spec.dist_world_size,
-                               timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s)
+        self._start_loop(spec, self._new_group(spec, connect_timeout_s=connect_timeout_s))
+
+    @staticmethod
+    def _new_group(spec: StageLoadSpec, *, connect_timeout_s: float) -> DataPlaneGroup:
+        """Join the process group at the spec's rendezvous: blocks until every rank joined, at most
+        `connect_timeout_s` (the group's own deadline, spec.stage_timeout_s, bounds its first step).
+        Raises RuntimeError (from torch) when the rendezvous fails or times out."""
+        return DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
+                              rank=spec.dist_rank, world_size=spec.dist_world_size,
+                              timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s)
+
+    def _start_loop(self, spec: StageLoadSpec, group: DataPlaneGroup) -> None:
+        """Start the data-plane loop of this stage on `group` (caller holds the lock)."""
         hidden_bytes = self.executor.model.config.hidden_size * 4
         channel = Channel(group, timeout_s=spec.stage_timeout_s, device=spec.device, label=f"[Stage {spec.stage_index}] ",
                           max_payload_bytes=max(hidden_bytes, self.executor.model.config.vocab_size * 4)
@@ -215,7 +226,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
         return pb.ResetResponse()
 
     def Rejoin(self, request, context):
-        """Retire the data-plane loop, clear the KV cache, join the group at request.dist_master_port."""
+        """Retire the data-plane loop, clear the KV cache, join the group at request.dist_master_port.
+
+        [Note: superseded rejoin]
+        The join blocks until every rank came, and a fail-over attempt can fail while it waits (another
+        stage died while it was being restarted); the coordinator then sends the next attempt's Rejoin.
+        The join therefore runs outside the lock: a newer Rejoin retires nothing more, joins its own
+        group at once and supersedes the waiting one, which ends ABORTED when its rendezvous ends (its
+        group, if it formed, closed). Before, the newer Rejoin waited for the lock until the stale
+        rendezvous timed out (--stage-timeout-s: a 2-minute pause on a real serve)."""
         with self._lock:
             if self.executor is None or self.spec is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.stage_index} is not loaded")
@@ -230,14 +249,22 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 old.channel.group.close()  # its sockets: no leaked port per fail-over
             self._rejoined.set()
             self.executor.clear()
+            self._join_epoch += 1
+            epoch = self._join_epoch
             spec = dataclasses.replace(self.spec, dist_master_port=request.dist_master_port)
-            try:
-                self._join_data_plane(spec, connect_timeout_s=request.join_timeout_s or 600.0)
-            except RuntimeError as exc:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {self.stage_index}: rejoin failed: {exc}")
+        try:
+            group = self._new_group(spec, connect_timeout_s=request.join_timeout_s or 600.0)
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {self.stage_index}: rejoin failed: {exc}")
+        with self._lock:
+            if epoch != self._join_epoch:
+                group.close()
+                context.abort(grpc.StatusCode.ABORTED, f"stage {self.stage_index}: the rejoin at port "
+                              f"{request.dist_master_port} was superseded by a newer Rejoin")
+            self._start_loop(spec, group)
             self.spec, self.failure = spec, None
-            log.info("[Stage %d] rejoined the data plane at port %d", self.stage_index, request.dist_master_port)
-            return pb.RejoinResponse()
+        log.info("[Stage %d] rejoined the data plane at port %d", self.stage_index, request.dist_master_port)
+        return pb.RejoinResponse()
 
     def Shutdown(self, request, context):
         log.info("[Stage %d] shutdown requested: %s", self.stage_index, request.reason or "no reason given")

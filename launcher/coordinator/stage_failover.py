@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import grpc
 
@@ -105,11 +105,19 @@ def stages_to_restart(stubs: Sequence, dead: Sequence[int], *, probe_s: float = 
     return sorted({*dead, *silent})
 
 
-def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[[int, str], None]) -> set[int]:
-    """Restart the dead and hung stages (`stages_to_restart`), then those that died meanwhile, each
-    once, in this one fail-over attempt (a stage killed a second after another used to cost a second
-    restart and a 30 s wait); `reconnect(i, address)` after each. Returns the restarted indices."""
-    todo, restarted = stages_to_restart(stubs, fo.dead_stages()), set()
+def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[[int, str], None], *,
+                        unloaded: Collection[int] = ()) -> set[int]:
+    """Restart the dead and hung stages (`stages_to_restart`) and the `unloaded` ones, then those that
+    died meanwhile, each once, in this one fail-over attempt (a stage killed a second after another
+    used to cost a second restart and a 30 s wait); `reconnect(i, address)` after each. Returns the
+    restarted indices.
+
+    unloaded: stages an earlier attempt restarted whose Load did not succeed (another stage died
+    while they joined). Such a stage holds its weights, and its Load may still wait at that attempt's
+    rendezvous: a second Load would wait for it (up to --stage-timeout-s) and then be refused as
+    "already loaded", failing every later attempt until the budget was spent. A fresh process
+    takes the next attempt's Load."""
+    todo, restarted = sorted({*stages_to_restart(stubs, fo.dead_stages()), *unloaded}), set()
     while todo:
         for i in todo:
             reconnect(i, fo.restart_stage(i))

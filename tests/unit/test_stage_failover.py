@@ -88,6 +88,29 @@ def test_a_stage_that_dies_while_another_restarts_joins_the_same_restart():
     assert reconnected == [(2, "127.0.0.1:9002"), (0, "127.0.0.1:9000")]
 
 
+def test_a_live_stage_a_failed_attempt_left_unloaded_is_restarted_again():
+    """kill -9 of stage 1, then of stage 0 while stage 1's replacement joins: the attempt fails with stage 1
+    alive but unloaded, its Load perhaps still waiting at that attempt's rendezvous. The next attempt
+    must start it afresh (before: it sent that process a second Load, which waited for the first and
+    was then refused "already loaded", attempt after attempt until the budget was spent)."""
+    import types
+
+    from launcher.coordinator.stage_failover import restart_dead_stages
+
+    answering = types.SimpleNamespace(Health=types.SimpleNamespace(
+        future=lambda request, timeout: types.SimpleNamespace(result=lambda: None)))
+    restarts, reconnected = [], []
+
+    def restart_stage(i: int) -> str:
+        restarts.append(i)
+        return f"127.0.0.1:{9000 + i}"
+
+    fo = StageFailover(budget=None, restart_stage=restart_stage, dead_stages=lambda: [0] if 0 not in restarts else [],
+                       data_port=lambda: 0, load_specs=lambda port: [])
+    restarted = restart_dead_stages(fo, [answering] * 3, lambda i, address: reconnected.append(i), unloaded={1})
+    assert restarted == {0, 1} and sorted(restarts) == [0, 1] and sorted(reconnected) == [0, 1]
+
+
 def test_a_stage_that_cannot_come_back_fails_at_once_without_spending_the_restart_budget():
     """A member node whose launcher was stopped answers node 0's restart with StageGone: the
     coordinator burnt its whole budget in milliseconds on attempts that could not succeed, then
