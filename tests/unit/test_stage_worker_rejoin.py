@@ -19,6 +19,7 @@ import pytest
 from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.model.partition import LayerRange
 from proto import speedpipe_pb2 as pb
+from tests.conftest import wait_for
 from workers import stage_worker
 from workers.stage_worker import StageServicer
 
@@ -129,9 +130,62 @@ def test_a_rejoin_is_not_held_up_by_an_earlier_one_still_waiting_at_its_rendezvo
         rendezvous.release.set()
     stale.join(timeout=WAIT_S)
     assert not stale.is_alive()
-    expected = grpc.StatusCode.ABORTED if stale_forms else grpc.StatusCode.DEADLINE_EXCEEDED
-    assert stale_out.get("code") == expected, stale_out
+    assert stale_out.get("code") == grpc.StatusCode.ABORTED, stale_out  # answered when superseded
+    expected = [(NEW_PORT, False), (STALE_PORT, True)] if stale_forms else [(NEW_PORT, False)]
+    # the stale rendezvous ends in its own thread, after the release
+    assert wait_for(lambda: [(g.port, g.closed) for g in rendezvous.groups] == expected, timeout_s=WAIT_S)
     assert servicer.loop is new_loop and servicer.spec.dist_master_port == NEW_PORT and not new_loop.retired
-    assert [(g.port, g.closed) for g in rendezvous.groups] == (
-        [(NEW_PORT, False), (STALE_PORT, True)] if stale_forms else [(NEW_PORT, False)])
     new_loop.stopped.set()
+
+
+def test_superseded_rejoins_do_not_hold_the_control_planes_threads(monkeypatch):
+    """Four fail-over attempts in a row failed while this stage waited at their rendezvous (a
+    replacement that dies at every Load, with --max-stage-restarts above 4): each of those Rejoins
+    held one of the control plane's 4 gRPC threads until its rendezvous timed out (--stage-timeout-s),
+    so the fifth attempt's Rejoin, and every Health call (the heartbeat, the fail-over's hung-stage
+    probe), waited behind them: the stage was declared hung and killed. A superseded Rejoin now
+    answers ABORTED at once; its rendezvous ends in a daemon thread."""
+    from proto import speedpipe_pb2_grpc as pb_grpc
+
+    stale_ports = [STALE_PORT + 10 + k for k in range(4)]
+    release, reached, groups = threading.Event(), [], []
+
+    def rendezvous(*, master_port: int, **_) -> FakeGroup:
+        if master_port in stale_ports:
+            reached.append(master_port)
+            assert release.wait(WAIT_S), "the test never released the stale rendezvous"
+            raise RuntimeError("Timed out waiting for the other ranks (stand-in)")
+        groups.append(FakeGroup(master_port))
+        return groups[-1]
+
+    monkeypatch.setattr(stage_worker, "DataPlaneGroup", rendezvous)
+    monkeypatch.setattr(stage_worker, "StageLoop", FakeLoop)
+    server, servicer, port = stage_worker.start_server(stage_index=1, host="127.0.0.1", stop_event=threading.Event())
+    servicer.executor = FakeExecutor()
+    servicer.spec = StageLoadSpec(model_dir="unused", stage_index=1, num_stages=2, layer_range=LayerRange(2, 4),
+                                  max_num_seqs=1, max_model_len=16, dist_master_port=41000)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.StageServiceStub(channel)
+    try:
+        stale = []
+        for k, stale_port in enumerate(stale_ports):
+            stale.append(stub.Rejoin.future(pb.RejoinRequest(dist_master_port=stale_port, join_timeout_s=30), timeout=30))
+            wait_until = threading.Event()
+            for _ in range(200):  # this attempt's Rejoin reached its rendezvous
+                if len(reached) > k:
+                    break
+                wait_until.wait(0.025)
+            assert len(reached) == k + 1, f"Rejoin {k} never reached its rendezvous"
+        stub.Rejoin(pb.RejoinRequest(dist_master_port=NEW_PORT, join_timeout_s=30), timeout=5)
+        assert stub.Health(pb.HealthRequest(), timeout=2).status == pb.HealthResponse.SERVING
+        for call in stale:
+            with pytest.raises(grpc.RpcError) as info:
+                call.result(timeout=2)
+            assert info.value.code() == grpc.StatusCode.ABORTED, info.value.details()
+        assert servicer.spec.dist_master_port == NEW_PORT and [g.port for g in groups] == [NEW_PORT]
+    finally:
+        release.set()
+        if servicer.loop is not None:
+            servicer.loop.stopped.set()
+        channel.close()
+        server.stop(grace=None)
