@@ -83,6 +83,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.weights_bytes = 0
         self.failure: str | None = None
         self._lock = threading.Lock()
+        self._join_epoch = 0  # bumped by every Rejoin: [Note: superseded rejoin]
+        self._join_ended = threading.Event()  # set when the latest Rejoin's join ended or was superseded
         self._heap_frozen = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 if code == grpc.StatusCode.INTERNAL:  # unexpected, or the machine's: its traceback at DEBUG
                     log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)
                 context.abort(code, message)
-            self._join_data_plane(spec)
+            self._start_loop(spec, self._join_data_plane(spec))
             self.spec = spec
             log.info("[Stage %d] loaded layers %s (%.1f MB) in %.2f s", spec.stage_index, spec.layer_range,
                      self.weights_bytes / 2**20, time.perf_counter() - start)
@@ -154,11 +156,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
             self._heap_frozen = freeze_startup_heap() > 0  # [Note: the collector on the per-token path]
         return stage.tensor_names
 
-    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = 600.0) -> None:
-        """Join the process group (blocks until every rank joined) and start the data-plane loop."""
-        group = DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
-                               rank=spec.dist_rank, world_size=spec.dist_world_size,
-                               timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s)
+    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = 600.0) -> DataPlaneGroup:
+        """Join the process group at the spec's rendezvous: blocks until every rank joined, at most
+        `connect_timeout_s` (the group's timeout_s bounds its first step). Raises RuntimeError (torch's)."""
+        return DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
+                              rank=spec.dist_rank, world_size=spec.dist_world_size,
+                              timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s)
+
+    def _start_loop(self, spec: StageLoadSpec, group: DataPlaneGroup) -> None:
+        """Start the data-plane loop of this stage on `group` (caller holds the lock)."""
         hidden_bytes = self.executor.model.config.hidden_size * 4
         channel = Channel(group, timeout_s=spec.stage_timeout_s, device=spec.device, label=f"[Stage {spec.stage_index}] ",
                           max_payload_bytes=max(hidden_bytes, self.executor.model.config.vocab_size * 4)
@@ -215,13 +221,19 @@ class StageServicer(pb_grpc.StageServiceServicer):
         return pb.ResetResponse()
 
     def Rejoin(self, request, context):
-        """Retire the data-plane loop, clear the KV cache, join the group at request.dist_master_port."""
+        """Retire the data-plane loop, clear the KV cache, join the group at request.dist_master_port.
+
+        [Note: superseded rejoin]
+        A fail-over attempt can fail while this stage waits at its rendezvous (another stage died), and
+        the next attempt's Rejoin follows. So the join runs outside the lock, in a daemon thread: a newer
+        Rejoin joins its own group at once and the waiting one answers ABORTED at once (its rendezvous
+        ends in that thread within --stage-timeout-s; a group that formed late is closed). Before, the
+        newer one waited until the stale rendezvous timed out, each stale one holding a gRPC thread."""
         with self._lock:
             if self.executor is None or self.spec is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.stage_index} is not loaded")
             if not 0 < request.dist_master_port < 65536:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dist_master_port {request.dist_master_port} "
-                              "is not a port")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dist_master_port {request.dist_master_port} is not a port")
             old = self.loop
             if old is not None:
                 old.retired = True
@@ -230,14 +242,37 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 old.channel.group.close()  # its sockets: no leaked port per fail-over
             self._rejoined.set()
             self.executor.clear()
+            self._join_epoch += 1
+            self._join_ended.set()  # a Rejoin still waiting at an earlier rendezvous answers now
+            epoch, ended, outcome = self._join_epoch, threading.Event(), {}
+            self._join_ended = ended
             spec = dataclasses.replace(self.spec, dist_master_port=request.dist_master_port)
-            try:
-                self._join_data_plane(spec, connect_timeout_s=request.join_timeout_s or 600.0)
-            except RuntimeError as exc:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {self.stage_index}: rejoin failed: {exc}")
-            self.spec, self.failure = spec, None
-            log.info("[Stage %d] rejoined the data plane at port %d", self.stage_index, request.dist_master_port)
-            return pb.RejoinResponse()
+        threading.Thread(target=self._join_for_rejoin, args=(spec, epoch, request.join_timeout_s or 600.0, ended,
+                                                             outcome), name="rejoin", daemon=True).start()
+        ended.wait()
+        if "error" in outcome:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {self.stage_index}: rejoin failed: {outcome['error']}")
+        if not outcome.get("joined"):
+            context.abort(grpc.StatusCode.ABORTED, f"stage {self.stage_index}: the rejoin at port "
+                          f"{request.dist_master_port} was superseded by a newer Rejoin")
+        log.info("[Stage %d] rejoined the data plane at port %d", self.stage_index, request.dist_master_port)
+        return pb.RejoinResponse()
+
+    def _join_for_rejoin(self, spec: StageLoadSpec, epoch: int, timeout_s: float, ended: threading.Event, outcome: dict):
+        """A Rejoin's join, in its own thread ([Note: superseded rejoin]): outcome "joined" or "error", then `ended`."""
+        try:
+            group = self._join_data_plane(spec, connect_timeout_s=timeout_s)
+            with self._lock:
+                if epoch != self._join_epoch:
+                    group.close()
+                else:
+                    self._start_loop(spec, group)
+                    self.spec, self.failure = spec, None
+                    outcome["joined"] = True
+        except Exception as exc:  # noqa: BLE001 - the Rejoin answers it (a RuntimeError from torch: timed out)
+            outcome["error"] = exc
+        finally:
+            ended.set()
 
     def Shutdown(self, request, context):
         log.info("[Stage %d] shutdown requested: %s", self.stage_index, request.reason or "no reason given")

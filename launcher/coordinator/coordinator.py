@@ -264,7 +264,7 @@ class Coordinator:
         self.generation += 1  # from now on, events of the old ring are dropped
         fo.pause_watch()
         try:
-            restart_dead_stages(fo, self.stubs, self._reconnect)
+            restart_dead_stages(fo, self.stubs, self._reconnect, unloaded=set(self._unloaded))
         finally:
             fo.resume_watch()
         wait_reachable(self.channels, dead=fo.dead_stages)

@@ -37,11 +37,11 @@ stages that do not: a `--no-stdin-watch` worker, or one signalled on its own.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import grpc
 
@@ -105,11 +105,19 @@ def stages_to_restart(stubs: Sequence, dead: Sequence[int], *, probe_s: float = 
     return sorted({*dead, *silent})
 
 
-def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[[int, str], None]) -> set[int]:
-    """Restart the dead and hung stages (`stages_to_restart`), then those that died meanwhile, each
-    once, in this one fail-over attempt (a stage killed a second after another used to cost a second
-    restart and a 30 s wait); `reconnect(i, address)` after each. Returns the restarted indices."""
-    todo, restarted = stages_to_restart(stubs, fo.dead_stages()), set()
+def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[[int, str], None], *,
+                        unloaded: Collection[int] = ()) -> set[int]:
+    """Restart the dead and hung stages (`stages_to_restart`) and the `unloaded` ones, then those that
+    died meanwhile, each once, in this one fail-over attempt (a stage killed a second after another
+    used to cost a second restart and a 30 s wait); `reconnect(i, address)` after each. Returns the
+    restarted indices.
+
+    unloaded: stages an earlier attempt restarted whose Load did not succeed (another stage died
+    while they joined). Such a stage holds its weights, and its Load may still wait at that attempt's
+    rendezvous: a second Load would wait for it (up to --stage-timeout-s) and then be refused as
+    "already loaded", failing every later attempt until the budget was spent. A fresh process
+    takes the next attempt's Load."""
+    todo, restarted = sorted({*stages_to_restart(stubs, fo.dead_stages()), *unloaded}), set()
     while todo:
         for i in todo:
             reconnect(i, fo.restart_stage(i))
@@ -121,7 +129,11 @@ def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[
 def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[int], join: Callable[[], None],
                *, timeout_s: float) -> None:
     """Load the restarted stages and Rejoin the others at the specs' rendezvous port, while `join`
-    joins it as rank 0. Raises PipelineError naming the first stage (or the coordinator) that failed."""
+    joins it as rank 0. Raises PipelineError naming the stage (or the coordinator) that failed first,
+    the lowest such stage where several did, as soon as one fails: a stage killed while the others
+    join fails its call at once, while theirs wait at the rendezvous until --stage-timeout-s (waiting
+    in stage order cost that whole wait when the dead stage was not stage 0). On timeout, names the
+    first call still running."""
     port = specs[0].dist_master_port
     calls = {}
     for i, (stub, spec) in enumerate(zip(stubs, specs, strict=True)):
@@ -131,11 +143,12 @@ def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[i
             request = pb.RejoinRequest(dist_master_port=port, join_timeout_s=timeout_s)
             calls[in_daemon_thread(stub.Rejoin, request, timeout=timeout_s)] = f"stage {i} (Rejoin)"
     calls[in_daemon_thread(join)] = "coordinator (join)"
-    deadline = time.monotonic() + timeout_s
-    for fut, who in calls.items():
-        try:
-            fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except grpc.RpcError as exc:
-            raise PipelineError(f"{who} failed while re-forming the data plane: {exc.details()}") from None
-        except Exception as exc:  # noqa: BLE001 - named and handed on
-            raise PipelineError(f"{who} failed while re-forming the data plane: {exc or type(exc).__name__}") from None
+    done, pending = concurrent.futures.wait(calls, timeout=timeout_s, return_when=concurrent.futures.FIRST_EXCEPTION)
+    failed = [f for f in calls if f in done and f.exception() is not None]  # in stage order, the coordinator last
+    if not failed and pending:
+        who = next(calls[f] for f in calls if f in pending)
+        raise PipelineError(f"{who} failed while re-forming the data plane: not done within {timeout_s:g} s")
+    if failed:
+        exc, who = failed[0].exception(), calls[failed[0]]
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else (str(exc) or type(exc).__name__)
+        raise PipelineError(f"{who} failed while re-forming the data plane: {detail}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -102,12 +103,27 @@ def _first_line(text: str, limit: int = 240) -> str:
     return line if len(line) <= limit else line[:limit] + "…"
 
 
-@functools.lru_cache(maxsize=64)
+_PROBLEMS: collections.OrderedDict[bytes, str | None] = collections.OrderedDict()  # `_grammar_problem`'s results
+_PROBLEMS_LOCK = threading.Lock()  # the front ends' threads share `_PROBLEMS`
+MAX_PROBLEMS = 64  # validation results kept (by the grammar's SHA-256: a result never pins the text)
+
+
 def _grammar_problem(grammar: str) -> str | None:
-    """llguidance's one-line reason why `grammar` is invalid, else None (cached: a spec renamed by
-    `GrammarSpec.asked_by` is not checked again)."""
+    """llguidance's one-line reason why `grammar` is invalid, else None. The last MAX_PROBLEMS results are
+    kept under the grammar's SHA-256 (not its text: 64 texts of up to MAX_GRAMMAR_CHARS characters held
+    ~64 MiB), so a spec renamed by `GrammarSpec.asked_by` is not checked again."""
+    key = hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).digest()
+    with _PROBLEMS_LOCK:
+        if key in _PROBLEMS:
+            _PROBLEMS.move_to_end(key)
+            return _PROBLEMS[key]
     is_error, messages = on_deep_stack(llguidance.LLMatcher.validate_grammar_with_warnings, grammar)
-    return _first_line(messages[0]) if is_error else None
+    problem = _first_line(messages[0]) if is_error else None
+    with _PROBLEMS_LOCK:
+        _PROBLEMS[key] = problem
+        while len(_PROBLEMS) > MAX_PROBLEMS:
+            _PROBLEMS.popitem(last=False)
+    return problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -88,6 +88,29 @@ def test_a_stage_that_dies_while_another_restarts_joins_the_same_restart():
     assert reconnected == [(2, "127.0.0.1:9002"), (0, "127.0.0.1:9000")]
 
 
+def test_a_live_stage_a_failed_attempt_left_unloaded_is_restarted_again():
+    """kill -9 of stage 1, then of stage 0 while stage 1's replacement joins: the attempt fails with stage 1
+    alive but unloaded, its Load perhaps still waiting at that attempt's rendezvous. The next attempt
+    must start it afresh (before: it sent that process a second Load, which waited for the first and
+    was then refused "already loaded", attempt after attempt until the budget was spent)."""
+    import types
+
+    from launcher.coordinator.stage_failover import restart_dead_stages
+
+    answering = types.SimpleNamespace(Health=types.SimpleNamespace(
+        future=lambda request, timeout: types.SimpleNamespace(result=lambda: None)))
+    restarts, reconnected = [], []
+
+    def restart_stage(i: int) -> str:
+        restarts.append(i)
+        return f"127.0.0.1:{9000 + i}"
+
+    fo = StageFailover(budget=None, restart_stage=restart_stage, dead_stages=lambda: [0] if 0 not in restarts else [],
+                       data_port=lambda: 0, load_specs=lambda port: [])
+    restarted = restart_dead_stages(fo, [answering] * 3, lambda i, address: reconnected.append(i), unloaded={1})
+    assert restarted == {0, 1} and sorted(restarts) == [0, 1] and sorted(reconnected) == [0, 1]
+
+
 def test_a_stage_that_cannot_come_back_fails_at_once_without_spending_the_restart_budget():
     """A member node whose launcher was stopped answers node 0's restart with StageGone: the
     coordinator burnt its whole budget in milliseconds on attempts that could not succeed, then
@@ -150,3 +173,45 @@ def test_restarts_left_is_read_without_changing_the_ledger():
     assert ledger.left(6.0) == 1 and ledger.left(12.0) == 2 and ledger.left(20.0) == 3
     assert len(ledger._times) == 2  # nothing was dropped by reading
     assert ledger.used(12.0) == 1 and ledger.left(12.0) == 2
+
+
+def test_re_forming_the_data_plane_fails_at_the_first_failure_whatever_the_stages_order():
+    """kill -9 of stage 1, then of its replacement while it loads (or of the surviving stage 1 while
+    stage 0's replacement loads): that stage's call fails at once, but the stage before it waits at
+    the rendezvous for it. rejoin_all waited for the calls in stage order, so the attempt failed only
+    when stage 0's rendezvous timed out (--stage-timeout-s: 20 s measured with the tiny model at
+    --stage-timeout-s 20, 120 s by default) instead of at once, as it did when the dead stage was stage 0."""
+    import types
+
+    import grpc
+
+    from launcher.coordinator.stage_failover import rejoin_all
+    from pipeline.engine.stage_assembly import StageLoadSpec
+    from pipeline.model.partition import LayerRange
+
+    class Gone(grpc.RpcError):
+        def details(self) -> str:
+            return "Socket closed"
+
+    released = threading.Event()
+
+    def waits_at_the_rendezvous(request, timeout):
+        assert released.wait(10.0)
+
+    def dies(request, timeout):
+        raise Gone()
+
+    specs = [StageLoadSpec(model_dir="unused", stage_index=i, num_stages=2, layer_range=LayerRange(2 * i, 2 * i + 2),
+                           max_num_seqs=1, max_model_len=16, dist_master_port=41000) for i in range(2)]
+    for restarted in ({1}, {0}):  # stage 1's replacement killed while loading / the survivor stage 1 killed
+        stage0 = types.SimpleNamespace(Rejoin=waits_at_the_rendezvous, Load=waits_at_the_rendezvous)
+        stage1 = types.SimpleNamespace(Rejoin=dies, Load=dies)
+        start = time.monotonic()
+        try:
+            with pytest.raises(PipelineError, match=r"stage 1 \((Load|Rejoin)\) failed while re-forming the data "
+                                                    r"plane: Socket closed"):
+                rejoin_all([stage0, stage1], specs, restarted, lambda: released.wait(10.0), timeout_s=600.0)
+            assert time.monotonic() - start < 5.0
+        finally:
+            released.set()
+        released.clear()

@@ -18,8 +18,8 @@ one rule is chosen and named below.
            shape after its name ends it (`{}` if no arguments were written), and once a call was made,
            text that is not `; {` + another call is dropped, as vLLM's streaming parser drops it.
   pythonic (Llama 3.2 / Llama 4 pythonic, ToolACE; vLLM's pythonic): an output that starts, after optional
-           whitespace, with `[` is held back until that list's closing `]` (found with Python's own
-           `tokenize`: strings, triple quotes and comments as Python reads them), then read with
+           whitespace, with `[` is held back until that list's closing `]` (found as Python's tokenizer finds
+           it: strings, triple quotes, escapes and comments skipped; each character read once), then read with
            `ast.parse` (never evaluated): a non-empty list of `name(key=literal, ...)` calls, literals being strings, numbers (a sign allowed; finite), True / False / None, and
            lists and dicts (string keys) of them, becomes the calls, each sent whole in one delta (vLLM's
            streams a call's arguments as they form; here the list is decided whole, so one that turns out
@@ -33,10 +33,8 @@ Must not: do I/O, import launcher/serving, or evaluate generated text.
 from __future__ import annotations
 
 import ast
-import io
 import json
 import math
-import tokenize
 
 from launcher.serving.formats.tool_parsers import CallDelta, HermesBlock, JsonScanner
 
@@ -127,7 +125,7 @@ class PythonicParser:
 
     def __init__(self) -> None:
         self.text, self.pos, self.phase = "", 0, "lead"  # lead, list; content, done
-        self.start = 0  # where the list starts
+        self.start, self.depth, self.quote = 0, 0, ""  # where the list starts; open brackets; `_scan`'s quote
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.text += text
@@ -146,14 +144,10 @@ class PythonicParser:
         return "", []
 
     def _closed(self) -> bool:
-        """True once the list's closing bracket has arrived (`self.pos` then just past it). Python's
-        own tokenizer reads the text again only when a `]` arrived since the last look."""
-        if "]" not in self.text[self.pos:]:
-            self.pos = len(self.text)
-            return False
-        end = _list_end(self.text, self.start)
-        self.pos = len(self.text) if end is None else end
-        return end is not None
+        """Scan on from `self.pos` (`_scan`); True once the list's closing bracket arrived (`self.pos` then just
+        past it)."""
+        self.pos, self.depth, self.quote = _scan(self.text, self.pos, self.depth, self.quote)
+        return self.depth == 0
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """A list not closed (cut by the token budget) or a held start is content."""
@@ -162,29 +156,40 @@ class PythonicParser:
         return content, []
 
 
-def _list_end(text: str, start: int) -> int | None:
-    """Offset just past the bracket that closes the one at `text[start]`, found with Python's own
-    tokenizer (strings, triple quotes, line continuations and comments skipped as Python skips
-    them); None while it has not arrived, or where the text is no Python (an unterminated string:
-    more text may close it)."""
-    lines = io.StringIO(text[start:]).readlines()
-    line_starts = [0]
-    for line in lines:
-        line_starts.append(line_starts[-1] + len(line))
-    depth = 0
-    try:
-        for token in tokenize.generate_tokens(iter(lines).__next__):
-            if token.type == tokenize.ERRORTOKEN:
-                return None
-            if token.type == tokenize.OP and token.string in "([{":
-                depth += 1
-            elif token.type == tokenize.OP and token.string in ")]}":
-                depth -= 1
-                if depth == 0:
-                    return start + line_starts[token.end[0] - 1] + token.end[1]
-    except (tokenize.TokenError, SyntaxError, StopIteration):
-        return None
-    return None
+def _scan(text: str, pos: int, depth: int, quote: str) -> tuple[int, int, str]:
+    """Read `text` on from `pos`, `depth` brackets open, inside `quote` ("", the opening quote of a string:
+    one or three ' or ", or "#" in a comment) as Python's tokenizer reads it: brackets counted outside strings
+    and comments, in a string a backslash escapes the next character (a raw string ends so too), triple
+    quotes. Returns (pos, depth, quote) where it stopped: just past the bracket that brings depth to 0, or at
+    the end of the text, or before a quote or backslash that the next text decides (`''` may open `'''`).
+    Over a stream each character is read once (re-tokenizing the text at each `]` was quadratic)."""
+    while pos < len(text):
+        char = text[pos]
+        if quote == "#":
+            quote, pos = ("" if char == "\n" else "#"), pos + 1
+        elif quote:
+            if char == "\\" and pos + 1 == len(text):
+                break
+            if char == "\\":
+                pos += 2
+            elif text.startswith(quote, pos):
+                quote, pos = "", pos + len(quote)
+            elif len(quote) == 3 and quote.startswith(text[pos:]):
+                break  # a closing triple quote may be arriving
+            else:
+                pos += 1
+        elif char in "'\"":
+            if text[pos:] in (char, char * 2):
+                break  # an empty string or the start of a triple quote
+            quote = char * 3 if text.startswith(char * 3, pos) else char
+            pos += len(quote)
+        else:
+            quote = "#" if char == "#" else ""
+            depth += (char in "([{") - (char in ")]}")
+            pos += 1
+            if depth == 0:
+                break
+    return pos, depth, quote
 
 
 class _NotLiteral(ValueError):

@@ -31,6 +31,7 @@ Must not: build the API's JSON objects, or cache a string that depends on the co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from pipeline.model.tokenizer import Tokenizer
@@ -44,9 +45,12 @@ class TokenStrings:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._marker = tokenizer.leading_space_marker
         self._decoded: dict[int, str] = {}
         self._alone: dict[int, str] = {}
+
+    @functools.cached_property
+    def _marker(self) -> str | None:  # read at first use: an app may be built before its tokenizer is used
+        return self.tokenizer.leading_space_marker
 
     def decoded(self, token_id: int) -> str:
         """`token_id` decoded alone, special tokens kept (vLLM's `tokenizer.decode([token_id])`)."""
