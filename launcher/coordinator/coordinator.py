@@ -7,7 +7,9 @@ stop strings, streaming: launcher/coordinator/request_handle.py). Must not: deci
 commits (the engine does), run model layers, or spawn processes (launcher/backends/local.py places them).
 
 Threads: the caller's (submit, results), the engine thread (the only one that touches the engine
-and sends), the receivers (launcher/coordinator/stage_receivers.py). They meet in one event queue: no polling.
+and sends), the receivers (launcher/coordinator/stage_receivers.py). They meet in one event queue (a C-level
+SimpleQueue, as it is on every token's ring return): no polling. Commits no stop string can end are
+streamed after the step's sends ([Note: streaming after the send] in request_handle.py).
 With a `StageFailover` set, a stage failure is recovered in place by the engine thread ([Note: fail-over]
 in launcher/coordinator/stage_failover.py); events of an older data-plane group (`generation`) are dropped.
 """
@@ -36,7 +38,7 @@ from launcher.coordinator.request_handle import (
 from launcher.coordinator.stage_control import load_and_join, shutdown_stages, wait_reachable
 from launcher.coordinator.stage_failover import StageFailover, rejoin_all, restart_dead_stages
 from launcher.coordinator.stage_link import StageLink
-from launcher.coordinator.stage_receivers import ReceiverError, start_receivers
+from launcher.coordinator.stage_receivers import ReceiverError, await_death_report, start_receivers
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import Abort, ReplayRunning, Submit
 from pipeline.engine.records import Commit, SchedulerConfig, SpecCounters
@@ -111,8 +113,9 @@ class Coordinator:
                              if config.scheduler.speculate else None, record_timeline=config.record_timeline,
                              commit_sink=self._emit, grammar_vocab=GrammarVocab.of(tokenizer))
         self.link = self._new_link(config.dist_master_port)
-        self.events: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.handles: dict[int, RequestHandle] = {}
+        self._after_send: list[tuple[RequestHandle, Commit]] = []  # commits to stream once the step's sends left
         self.failure: PipelineError | None = None
         self._ids, self.num_restarts = itertools.count(), 0
         self._engine_thread: threading.Thread | None = None
@@ -220,8 +223,11 @@ class Coordinator:
                 if not self.engine.num_inflight:
                     self.link.keepalive()
                 continue
-            out = self.engine.step(self._to_engine_events(kind, payload), now_ns=time.perf_counter_ns())
-            self.link.send_step(out)  # releases, then micro-batches
+            try:  # then stream: commits made before a failure still reach their requests
+                out = self.engine.step(self._to_engine_events(kind, payload), now_ns=time.perf_counter_ns())
+                self.link.send_step(out)  # releases, then micro-batches
+            finally:
+                self._stream_after_send()
             for seq_id in out.forgotten:
                 self.handles.pop(seq_id, None)
 
@@ -312,9 +318,19 @@ class Coordinator:
         raise AssertionError(f"unknown coordinator event {kind!r}")
 
     def _emit(self, commit: Commit) -> bool:
-        """The engine's commit sink: stream to the request's handle; True if a stop string hit."""
+        """The engine's commit sink: stream to the request's handle now if a stop string may end it (True
+        if one did), else after the step's sends ([Note: streaming after the send] in request_handle.py)."""
         handle = self.handles.get(commit.seq_id)
-        return handle is not None and handle.emit(commit)
+        if handle is None or handle.stops_on_text:
+            return handle is not None and handle.emit(commit)
+        self._after_send.append((handle, commit))
+        return False
+
+    def _stream_after_send(self) -> None:
+        """Stream the commits `_emit` held back, in the order they were made."""
+        held, self._after_send = self._after_send, []
+        for handle, commit in held:
+            handle.emit(commit)
 
     # -- failure and shutdown ---------------------------------------------------------------------
     def fail(self, error: PipelineError, *, generation: int | None = None) -> None:
@@ -334,7 +350,7 @@ class Coordinator:
         hung, unreachable = probe_stages(self.stubs)
         message = blame_hung_stages(str(error), hung)  # a timeout may name a victim
         if unreachable and not hung and isinstance(error, DataPlaneFailure):  # a death broke this receive?
-            death = self._await_death_report(DEATH_REPORT_WAIT_S)
+            death = await_death_report(self.events, self.generation, DEATH_REPORT_WAIT_S)
             message = message if death is None else f"{death}; {message}"
         error = PipelineError(message)
         log.error("pipeline failed: %s", error)
@@ -351,32 +367,13 @@ class Coordinator:
             if kind == "submit":
                 payload[1].finish("error", error)
 
-    def _await_death_report(self, wait_s: float) -> str | None:
-        """The backend's report of a dead stage of this ring, if one arrives within `wait_s` (a
-        stage's death breaks its neighbours' connections too, and those errors can arrive first).
-        Other events are put back, in order."""
-        deadline, later, death = time.monotonic() + wait_s, [], None
-        while death is None and (left := deadline - time.monotonic()) > 0:
-            try:
-                kind, payload = self.events.get(timeout=left)
-            except queue.Empty:
-                break
-            if kind == "error" and payload[0] == self.generation and not isinstance(payload[1], ReceiverError):
-                death = str(payload[1])
-            else:
-                later.append((kind, payload))
-        for event in later:
-            self.events.put(event)
-        return death
-
     def stage_stats(self, timeout_s: float = 10.0) -> list[pb.StageStats]:
         """GetStats of every stage, in stage order, asked at once (at most `timeout_s` in all)."""
         calls = [stub.GetStats.future(pb.GetStatsRequest(), timeout=timeout_s) for stub in self.stubs]
         return [call.result() for call in calls]
 
     def reset_stats(self) -> None:
-        """Zero every stage's counters and the engine's speculation / timeline totals.
-        Call while idle (the engine thread owns these counters while requests run)."""
+        """Zero every stage's counters and the engine's totals (call while idle: the engine thread owns them)."""
         self.engine.reset_stats()
         for stub in self.stubs:
             stub.Reset(pb.ResetRequest(reset_stats=True), timeout=10)

@@ -5,6 +5,17 @@ not to be one; `TextOptions`: special tokens shown or skipped, the stop string o
 timings, and the stream of chunks. Thread-safe hand-off: the coordinator's engine
 thread calls `emit` / `finish`, the caller iterates or calls `result`.
 Must not: decide what is committed (pipeline/engine/engine.py does).
+
+[Note: streaming after the send]
+A commit's text (detokenising, stop-string search, the chunk queue, finishing the request) is not
+needed to choose the next micro-batch unless a stop string may end the request there: only then must
+the engine learn it before it sends (`emit` returns True and the engine finishes the sequence). So
+the coordinator streams the commits of a request without stop strings (`stops_on_text` False) only
+after the engine step's sends have left (launcher/coordinator/coordinator.py, `_pump`): on the
+per-token ring return the next FORWARD no longer waits for that work. What a client sees does not
+change: each request's commits are emitted in the order they were made, all of one request the same
+way, with the same text, chunks, finish reason and counters; the engine's timeline and counters
+are updated before its commits are emitted either way.
 """
 
 from __future__ import annotations
@@ -201,6 +212,12 @@ class RequestHandle:
                              self.finished_at - self.submitted_at)
 
     # -- the coordinator's side (its engine thread) ---------------------------------------------------
+    @property
+    def stops_on_text(self) -> bool:
+        """Whether a stop string may end this request: `emit` can then return True, so its commits are
+        streamed before the engine sends more ([Note: streaming after the send])."""
+        return bool(self.params.stop)
+
     def emit(self, commit: Commit) -> bool:
         """Record newly committed tokens and stream their text; returns True if one of the
         request's stop strings ended it (the coordinator then finishes the sequence). The EOS or stop token

@@ -1,8 +1,8 @@
 """Stage receivers: the coordinator's threads that block on data-plane receives from the stages.
 
 Owns turning what arrives from the last stage (RESULT) and from the exit stage (EXIT_GUESS, WITHDRAWN) into
-engine events (pipeline/engine/events.py), and ending on the in-band SHUTDOWN each of those
-stages sends. Must not: touch the engine (only the coordinator's engine thread does), or send.
+engine events (pipeline/engine/events.py), ending on the in-band SHUTDOWN each of those stages
+sends, and telling a stage death's report from the receive errors it caused (`await_death_report`). Must not: touch the engine (only the coordinator's engine thread does), or send.
 """
 
 from __future__ import annotations
@@ -76,7 +76,26 @@ def result_event(msg: Message, *, now_ns: int) -> Result:
                   prompt_logprobs=prompt, timing=tuple(msg.timing or ()), at_ns=now_ns)
 
 
-def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, events: queue.Queue,
+def await_death_report(events: queue.SimpleQueue, generation: int, wait_s: float) -> str | None:
+    """The backend's report of a dead stage of ring `generation` on `events`, if one arrives within
+    `wait_s` (a stage's death breaks its neighbours' connections too, and those receive errors can
+    arrive first). Other events are put back, in order."""
+    deadline, later, death = time.monotonic() + wait_s, [], None
+    while death is None and (left := deadline - time.monotonic()) > 0:
+        try:
+            kind, payload = events.get(timeout=left)
+        except queue.Empty:
+            break
+        if kind == "error" and payload[0] == generation and not isinstance(payload[1], ReceiverError):
+            death = str(payload[1])
+        else:
+            later.append((kind, payload))
+    for event in later:
+        events.put(event)
+    return death
+
+
+def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, events: queue.SimpleQueue,
                     stopping: threading.Event, generation: int = 0, exit_rank: int = -1) -> list[threading.Thread]:
     """One daemon thread per rank in `ranks`, each putting ("event", (generation, engine event)) or
     ("error", (generation, ReceiverError)) on `events`; a channel error while `stopping` is set ends
@@ -91,7 +110,7 @@ def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, event
     return threads
 
 
-def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Queue, stopping: threading.Event,
+def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.SimpleQueue, stopping: threading.Event,
                   generation: int, *, is_exit: bool = False) -> None:
     """Blocking receives from `rank`: RESULTs if it is the last stage, EXIT_GUESS and WITHDRAWN if it
     is the exit stage; any other kind from it is an error event."""

@@ -140,13 +140,15 @@ def encode_header(msg: Message, *, frame_bytes: int) -> tuple[bytearray, bool]:
     on_device = any(t.device.type != "cpu" for t in msg.tensors.values())
     timing = None if msg.timing is None else records_to_wire(msg.timing, StageTiming)
     fields = {"kind": int(msg.kind), "items": items_to_wire(msg.items), "tensors": specs,
-              "payload_bytes": payload_bytes, "inline": False, "on_device": on_device, "timing": timing,
+              "payload_bytes": payload_bytes, "inline": not on_device, "on_device": on_device, "timing": timing,
               "releases": records_to_wire(msg.releases, SlotRelease)}
-    header_len = len(msgpack.packb(fields))  # a msgpack bool is one byte either way
+    header = msgpack.packb(fields)  # packed once when the payload fits (every decode message): a msgpack
+    header_len = len(header)        # bool is one byte either way, so the length does not depend on `inline`
     if PREFIX.size + header_len > frame_bytes:
         raise WireError(f"message header of {header_len} bytes does not fit the {frame_bytes}-byte frame")
     inline = not on_device and PREFIX.size + header_len + payload_bytes <= frame_bytes
-    header = msgpack.packb({**fields, "inline": inline})
+    if inline != fields["inline"]:
+        header = msgpack.packb({**fields, "inline": inline})
     frame = bytearray(frame_bytes)
     PREFIX.pack_into(frame, 0, MAGIC, len(header))
     frame[PREFIX.size:PREFIX.size + len(header)] = header

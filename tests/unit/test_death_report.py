@@ -14,12 +14,12 @@ import threading
 import pytest
 
 from launcher.coordinator.coordinator import Coordinator, DataPlaneFailure, PipelineError
-from launcher.coordinator.stage_receivers import ReceiverError
+from launcher.coordinator.stage_receivers import ReceiverError, await_death_report
 
 
 def _bare(generation: int = 0) -> Coordinator:
     c = Coordinator.__new__(Coordinator)  # only the event queue and generation are used
-    c.events, c.generation = queue.Queue(), generation
+    c.events, c.generation = queue.SimpleQueue(), generation
     return c
 
 
@@ -30,7 +30,7 @@ def test_a_death_report_arriving_after_the_receive_error_is_found_and_other_even
     timer = threading.Timer(0.2, c.events.put, [("error", (0, PipelineError("stage 1 (pid 7) died: SIGKILL")))])
     timer.start()
     try:
-        death = c._await_death_report(5.0)
+        death = await_death_report(c.events, c.generation, 5.0)
     finally:
         timer.cancel()
     assert death == "stage 1 (pid 7) died: SIGKILL"
@@ -41,7 +41,7 @@ def test_a_death_report_arriving_after_the_receive_error_is_found_and_other_even
 def test_no_report_or_one_about_a_replaced_ring_gives_none_within_the_wait():
     c = _bare(generation=2)
     c.events.put(("error", (1, PipelineError("stage 1 died"))))  # the ring a fail-over replaced
-    assert c._await_death_report(0.2) is None
+    assert await_death_report(c.events, c.generation, 0.2) is None
     assert c.events.qsize() == 1
 
 

@@ -17,9 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pipeline.engine.wire as wire_module
 from pipeline.engine.wire import (
     COORDINATOR_RANK,
     DEFAULT_FRAME_BYTES,
+    DTYPE_NAMES,
     MAGIC,
     PREFIX,
     Header,
@@ -167,6 +169,24 @@ def test_default_frame_holds_a_decode_micro_batch_of_one_hidden_row_inline():
     msg = Message(MessageKind.FORWARD, _items()[:1], {"hidden": torch.zeros(1, 576, dtype=torch.bfloat16)})
     _, inline = encode_header(msg, frame_bytes=DEFAULT_FRAME_BYTES)
     assert inline
+
+
+@pytest.mark.parametrize("num_rows", [4, 200])  # inline, and a separate payload
+def test_the_header_is_packed_once_for_an_inline_message_and_is_the_header_of_its_fields(monkeypatch, num_rows):
+    # The reference: msgpack of the message's fields with `inline` as the frame decides it.
+    msg = Message(MessageKind.RESULT, _items(), _tensors(num_rows), [StageTiming(0, 10, 25)])
+    packs, packb = [], msgpack.packb
+    monkeypatch.setattr(wire_module.msgpack, "packb", lambda obj: packs.append(obj) or packb(obj))
+    frame, inline = encode_header(msg, frame_bytes=FRAME)
+    assert len(packs) == (1 if inline else 2)  # the decode path's messages are inline: one pack
+    payload = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+    fields = {"kind": int(msg.kind), "items": items_to_wire(msg.items),
+              "tensors": [[n, DTYPE_NAMES[t.dtype], list(t.shape)] for n, t in msg.tensors.items()],
+              "payload_bytes": payload, "inline": inline, "on_device": False,
+              "timing": {"stage": [0], "start_ns": [10], "end_ns": [25]}, "releases": {"seq_id": [], "slot": []}}
+    header = msgpack.packb(fields)
+    assert bytes(frame[:header_end(frame)]) == bytes(_frame(fields)[:PREFIX.size + len(header)])
+    assert inline == (PREFIX.size + len(header) + payload <= FRAME)
 
 
 # -- decode_header rejects ----------------------------------------------------------------------------
