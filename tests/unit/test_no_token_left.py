@@ -19,9 +19,6 @@ import torch
 from launcher.coordinator.request_handle import NoTokenLeftError, RequestHandle
 from launcher.serving.formats.response_format import grammar_from_body, grammar_from_proto
 from launcher.serving.formats.tools import tools_from_body
-from launcher.serving.grpc_generate import GrpcServer
-from launcher.serving.http_server import HttpServer
-from launcher.serving.serving_engine import ServingEngine
 from pipeline.engine.records import Commit, FinishReason
 from pipeline.speculation.grammar import GrammarError, GrammarState, GrammarVocab
 from pipeline.speculation.masks.token_masks import apply_token_masks
@@ -33,6 +30,7 @@ from tests.tiny_model import NUM_BYTE_TOKENS, TINY_EOS_ID, byte_tokenizer
 from tests.unit.test_grpc_error_details import _details
 from tests.unit.test_serving_http import FakeCoordinator, _streamed_chunks, tokenizer  # noqa: F401 (the fixture)
 from tests.unit.test_speculation_scheduler import MostlyArgmaxPredictor, _generate, fake_logits
+from tests.unit.test_token_masks_serving import serve_http_and_grpc
 
 pytestmark = pytest.mark.timeout(120)
 PROMPTS = [[1, 2, 3], [4, 0, 5]]
@@ -90,17 +88,7 @@ class DeadEndCoordinator(FakeCoordinator):
 
 @pytest.fixture()
 def served(tokenizer):  # noqa: F811
-    engine = ServingEngine(DeadEndCoordinator(tokenizer, step_s=0.0), model_name="tiny", max_num_seqs=2,
-                           max_queue=2, max_model_len=64)
-    http = HttpServer(engine, host="127.0.0.1", port=0)
-    http.start()
-    grpc_server = GrpcServer(engine, host="127.0.0.1", port=0)
-    grpc_server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}")
-    yield f"http://127.0.0.1:{http.server.servers[0].sockets[0].getsockname()[1]}", channel
-    channel.close()
-    grpc_server.stop()
-    http.stop()
+    yield from serve_http_and_grpc(DeadEndCoordinator(tokenizer, step_s=0.0))
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])

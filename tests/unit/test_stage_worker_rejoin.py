@@ -20,6 +20,7 @@ from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.model.partition import LayerRange
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
+from tests.unit.test_stage_worker_load import Aborted, FakeContext
 from workers import stage_worker
 from workers.stage_worker import StageServicer
 
@@ -27,18 +28,6 @@ STALE_PORT, NEW_PORT = 41001, 41002
 WAIT_S = 10.0
 
 
-class Aborted(Exception):
-    """What grpc's `context.abort` raises, standing in for the RPC's end."""
-
-
-class FakeContext:
-    def __init__(self) -> None:
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
-        raise Aborted(details)
 
 
 class Rendezvous:

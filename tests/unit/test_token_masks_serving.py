@@ -53,8 +53,12 @@ class StopTokenCoordinator(FakeCoordinator):
 
 @pytest.fixture()
 def served(tokenizer):  # noqa: F811
-    engine = ServingEngine(StopTokenCoordinator(tokenizer, step_s=0.0), model_name="tiny", max_num_seqs=2,
-                           max_queue=2, max_model_len=64)
+    yield from serve_http_and_grpc(StopTokenCoordinator(tokenizer, step_s=0.0))
+
+
+def serve_http_and_grpc(coordinator):
+    """(the HTTP base URL, a gRPC channel) of both front ends on `coordinator`, a fixture's generator."""
+    engine = ServingEngine(coordinator, model_name="tiny", max_num_seqs=2, max_queue=2, max_model_len=64)
     http = HttpServer(engine, host="127.0.0.1", port=0)
     http.start()
     grpc_server = GrpcServer(engine, host="127.0.0.1", port=0)
