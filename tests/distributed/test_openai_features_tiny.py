@@ -50,12 +50,17 @@ TOL = 1e-4
 GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny-openai"))
+def write_chat_model(path):
+    """The tiny model at `path`, with TEMPLATE as its chat template."""
+    path = write_tiny_model(path)
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_chat_model(tmp_path_factory.mktemp("tiny-openai"))
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,13 @@ from launcher.serving.serve import ServeOptions, ServingStack
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests import vllm_token_strings as vllm
-from tests.tiny_model import write_tiny_model
+from tests.distributed.test_openai_features_tiny import write_chat_model
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 PROMPT = "The cat sat on the mat, and the dog sat on the log."
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 CHAT = [{"role": "user", "content": "Say something about cats."}]
 TOL = 1e-4
 GREEDY = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
@@ -45,10 +43,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny-prompt-logprobs"))
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
-    return path
+    return write_chat_model(tmp_path_factory.mktemp("tiny-prompt-logprobs"))
 
 
 @pytest.fixture(scope="module")
