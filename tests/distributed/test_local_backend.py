@@ -122,7 +122,7 @@ def test_startup_timeout_raises_within_the_deadline_and_stops_all():
     with pytest.raises(StageStartupError, match=r"stage 2 did not report ready within 3 s") as info:
         procs.start()
     elapsed_s = time.monotonic() - started
-    assert 3.0 <= elapsed_s < 6.0
+    assert 3.0 <= elapsed_s < 3.0 + 10  # the deadline held, not the 60-s default (margin for a loaded machine)
     assert info.value.stage_index == 2 and info.value.returncode is None
     assert "fake worker stage 2: listening on port" in str(info.value)
     assert all(process_gone(pid) for pid in procs.pids)

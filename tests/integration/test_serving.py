@@ -12,7 +12,6 @@ same tokens and answers INVALID_ARGUMENT; /metrics carries the vLLM-style names.
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import grpc
 import httpx
@@ -203,10 +202,9 @@ def test_cancel_mid_stream_frees_slot_and_later_request_is_unaffected(server, cl
             break
     assert kv_slots(stack) == [1, 1]  # it holds a slot on every stage while it runs
     stream.close()  # the client goes away mid-stream
-    start = time.monotonic()
+    # freed because the request was aborted (the counter below says "abort", not "length"), well
+    # before its ~220 tokens could have run out: no timing assertion (the machine may be loaded)
     assert wait_slots_free(stack) == [0, 0]
-    freed_after_s = time.monotonic() - start
-    assert freed_after_s < 5.0
     assert wait_outstanding_zero(stack) == 0
     metrics = httpx.get(base_url(stack) + "/metrics").text
     assert 'speedpipe:request_success_total{finished_reason="abort",model_name="smollm2-135m"} 1.0' in metrics

@@ -19,6 +19,7 @@ import torch
 
 from pipeline.engine.records import SchedulerConfig, SpecCounters
 from pipeline.engine.row_budget import EXPLORE_EVERY, RowBudget
+from pipeline.measure import stage_calibration
 from pipeline.measure.row_cost import (
     RowCostTable,
     best_run_ahead,
@@ -139,7 +140,11 @@ def test_calibration_rows_cover_what_the_scheduler_may_send():
 
 
 @pytest.mark.parametrize("stage", ["first", "middle", "last"])
-def test_a_stage_calibrates_its_own_passes(tmp_path, stage):
+def test_a_stage_calibrates_its_own_passes(tmp_path, stage, monkeypatch):
+    """Each count's pass runs with that many rows after the cached context (the last stage scoring
+    every row, as a verify pass does), once to warm up and `repeats` times timed, and the table
+    keeps the fastest round. The clock is a fake one that a pass of n rows moves by n seconds (a
+    real clock under load makes no assertion about its readings safe)."""
     torch.set_num_threads(1)
     model_dir = write_tiny_model(tmp_path / "model")
     config = ModelConfig.from_model_dir(model_dir)
@@ -147,11 +152,25 @@ def test_a_stage_calibrates_its_own_passes(tmp_path, stage):
     layers = {"first": LayerRange(0, 2), "middle": LayerRange(1, 3), "last": LayerRange(2, config.num_hidden_layers)}
     model = build_stage_model(config, layers[stage], is_first=stage == "first", is_last=stage == "last",
                               tensors={k: v for k, v in tensors.items()})
+    now, passes, real_forward = [0.0], [], model.forward_rows
+    slowdown = (50.0, 2.0, 1.0, 3.0)  # per round: warm-up (dropped), then the min must win
+
+    def counted_forward(x, spans, kv, **extra):
+        out = real_forward(x, spans, kv, **extra)
+        rows = sum(span.num_tokens for span in spans)
+        passes.append((rows, spans[0].start, len(extra.get("logit_rows", ()))))
+        now[0] += rows * slowdown[sum(n == rows for n, start, _ in passes if start) - 1]
+        return out
+
+    monkeypatch.setattr(model, "forward_rows", counted_forward)
+    monkeypatch.setattr(stage_calibration, "stage_clock", lambda device, num_threads: lambda: now[0])
     table = calibrate_stage(model, mode="fp32", max_rows=16, repeats=3, context=16)
-    assert table.num_rows == calibration_rows(16) and table.mode == "fp32"
-    assert min(table.pass_s) > 0
-    # monotone-ish: more rows never cost much less than fewer (timer noise allowed), 16 rows not under 1
-    assert table.pass_s[-1] >= 0.8 * table.pass_s[0]
+    rows = calibration_rows(16)
+    assert table.num_rows == rows and table.mode == "fp32"
+    # the context pass, then warm-up + 3 rounds of every count, counts interleaved
+    assert [(n, start) for n, start, _ in passes] == [(16, 0)] + [(n, 16) for _ in range(4) for n in rows]
+    assert all(scored == (n if stage == "last" else 0) for n, start, scored in passes if start)
+    assert table.pass_s == tuple(float(n) for n in rows)
     assert RowCostTable.from_json(json.loads(json.dumps(table.to_json()))) == table
 
 
