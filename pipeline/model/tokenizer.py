@@ -84,9 +84,10 @@ class Tokenizer:
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included, capped at config.json's
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
     such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_id` (tokenizer_config.json's eos_token, or None: vLLM's primary EOS, Hugging Face's
-    `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first, then generation_config.json's, or without that
-    file config.json's (of a multimodal model, its text model's: [Note: text-only multimodal]); the others than the
-    first are secondary EOS ids, [Note: token masks] in pipeline/speculation/masks/token_masks.py), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
+    `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first when there is one, then generation_config.json's, or without that
+    file config.json's (of a multimodal model, its text model's: [Note: text-only multimodal]); the others than
+    eos_token_id are secondary EOS ids, all of them without an eos_token: [Note: token masks] in
+    pipeline/speculation/masks/token_masks.py), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
     post-processor adds ids before / after a text: [Note: BOS/EOS]; `num_added`: how many, (before, after)), `bos_token_id` (int or None; the
     post-processor's first added id, else generation_config.json, config.json, tokenizer_config.json),
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
