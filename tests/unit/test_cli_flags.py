@@ -236,17 +236,35 @@ def test_vllm_dtype_spellings_are_accepted():
 VLLM_DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 
 
-@pytest.mark.parametrize("command", ["launch", "serve"])
+def _commands(parser) -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser by its argv prefix ("launch", "bench sweep", ...)."""
+    subparsers = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    bench = subparsers["bench"]._subparsers._group_actions[0].choices  # noqa: SLF001
+    return {**subparsers, **{"bench " + k: v for k, v in bench.items()}}
+
+
+DTYPE_COMMANDS = ["launch", "serve", "bench sweep", "simulate"]
+
+
+def test_every_command_with_a_dtype_flag_is_checked_below(parser):
+    with_dtype = [n for n, sub in _commands(parser).items() if any(a.dest == "dtype" for a in sub._actions)]  # noqa: SLF001
+    assert sorted(with_dtype) == sorted(DTYPE_COMMANDS)
+
+
+@pytest.mark.parametrize("command", DTYPE_COMMANDS)
 def test_dtype_help_and_error_list_exactly_the_values_it_accepts(capsys, parser, command):
     """The help listed float32 | bfloat16 | float16 although auto / half / float were accepted too, and a bad value's
-    error named only those three: both now list vLLM's six, each of which parses to a model dtype name."""
+    error named only those three: both now list vLLM's six, each of which parses to a model dtype name. `bench sweep`
+    and `simulate` refused auto / half / float that launch and serve took (RunConfig's "--dtype must be one of
+    float32, bfloat16, float16")."""
     from pipeline.model.config import MODEL_DTYPES
 
-    assert {_parse(parser, [command, "--dtype", d]).dtype for d in VLLM_DTYPES} == set(MODEL_DTYPES)
-    sub = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(command))
-    help_text = next(a.help for a in sub._actions if a.dest == "dtype")
-    assert set(re.findall(r"[a-z]+\d*", help_text)) - {"default"} == VLLM_DTYPES, help_text
-    code, _, err = _exit(capsys, [command, "--dtype", "float64"])
+    action = next(a for a in _commands(parser)[command]._actions if a.dest == "dtype")  # noqa: SLF001
+    assert {action.type(d) for d in VLLM_DTYPES} == set(MODEL_DTYPES)
+    if command in ("launch", "serve"):
+        assert {_parse(parser, [command, "--dtype", d]).dtype for d in VLLM_DTYPES} == set(MODEL_DTYPES)
+    assert set(re.findall(r"\b(?:b?float\d*|half|auto)\b", action.help)) == VLLM_DTYPES, action.help
+    code, _, err = _exit(capsys, [*command.split(), "--dtype", "float64"])
     listed = err.splitlines()[0].partition("must be one of ")[2].partition(", got")[0]
     assert code == 2 and set(listed.split(", ")) == VLLM_DTYPES, err
 
