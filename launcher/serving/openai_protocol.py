@@ -276,13 +276,13 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: b
     clean = clean_messages(messages, error=InvalidRequestError)
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
-    bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
-    eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) if tokenizer.eos_token_id is not None else ""
+    specials = {name: tokenizer.decode([i], skip_special_tokens=False) for name, i in (  # a token it lacks: undefined,
+        ("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id)) if i is not None}  # as in HF
     template = _compiled_template(tokenizer.chat_template)  # a model's broken template stays a server error
     try:
         text = template.render(
             **({"tools": list(tools)} if tools else {}), **(template_kwargs or {}), messages=clean,
-            add_generation_prompt=add_generation_prompt and not continue_final_message, bos_token=bos, eos_token=eos)
+            add_generation_prompt=add_generation_prompt and not continue_final_message, **specials)
     except (TemplateError, TypeError, AttributeError, LookupError) as exc:  # raise_exception's error passes
         raise InvalidRequestError(f"the chat template cannot render this request ({type(exc).__name__}: "
                                   f"{clipped(str(exc), TEMPLATE_TEXT_CHARS)})",

@@ -1,4 +1,5 @@
-"""A tokenizer without an eos_token (tokenizer_config.json names none): no primary EOS, as vLLM.
+"""A tokenizer without an eos_token (neither special_tokens_map.json nor tokenizer_config.json names one): no primary
+EOS, as vLLM.
 
 vLLM passes the tokenizer's `eos_token_id` (None here) to `SamplingParams.update_from_generation_config`
 (vllm/sampling_params.py): with None, every EOS id of the generation config goes into `stop_token_ids`
@@ -28,7 +29,7 @@ from pipeline.engine.records import Commit, FinishReason, SchedulerConfig
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.masks.token_masks import apply_token_masks
 from pipeline.speculation.sampling import SamplingParams
-from tests.tiny_model import TINY_EOS_ID, write_tiny_model
+from tests.tiny_model import TINY_EOS_ID, byte_alphabet, write_tiny_model
 from tests.unit.test_speculation_scheduler import MAX_MODEL_LEN, FakePipeline, _submits
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,3 +111,34 @@ def test_a_chat_template_sees_no_eos_token(folder):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
     assert render_chat(messages, tokenizer=Tokenizer(folder), add_generation_prompt=False) == want == "hi|yo|"
+
+
+@pytest.mark.parametrize("form", ["string", "added token"])
+def test_an_eos_token_named_in_special_tokens_map_json_is_the_primary(tmp_path, form):
+    """transformers' from_pretrained reads special_tokens_map.json too (over tokenizer_config.json): a folder whose
+    eos_token is only there has one (Hugging Face's and so vLLM's primary EOS); it was read as none, so the
+    generation config's id ended requests as a stop token id (stop_reason set) where vLLM gives an EOS."""
+    path = write_tiny_model(tmp_path / "m", eos_token=False)
+    eos_text = byte_alphabet()[TINY_EOS_ID]  # its spelling in tokenizer.json, as write_tiny_model names it
+    value = eos_text if form == "string" else {"content": eos_text, "special": True}
+    (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": value}))
+    hf_eos = transformers.AutoTokenizer.from_pretrained(path).eos_token_id
+    assert hf_eos is not None and Tokenizer(path).eos_token_id == hf_eos
+    options = PipelineOptions(num_stages=2, model=str(path), progress=False, max_model_len=64)
+    assert coordinator_config(options, resolve(options), master_addr="127.0.0.1", master_port=1).scheduler.primary_eos
+    config = json.loads((path / "tokenizer_config.json").read_text())  # both files name one: special_tokens_map's
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos_text}))
+    (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": byte_alphabet()[ord("\n")]}))
+    assert Tokenizer(path).eos_token_id == transformers.AutoTokenizer.from_pretrained(path).eos_token_id == ord("\n")
+
+
+def test_a_chat_template_sees_eos_token_and_bos_token_undefined_as_hugging_face(folder):
+    """Hugging Face passes only the special tokens a tokenizer has: `eos_token is defined` is false without one and
+    `default(...)` applies. They were passed as "" (defined), so such a template rendered otherwise than in HF."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}[{{ 'D' if eos_token is defined else 'U' }}"
+                "{{ eos_token | default('X') }}|{{ 'D' if bos_token is defined else 'U' }}]")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    messages = [{"role": "user", "content": "hi"}]
+    want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
+    assert render_chat(messages, tokenizer=Tokenizer(folder), add_generation_prompt=False) == want
