@@ -222,7 +222,7 @@ def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_mo
     Raises InvalidRequestError naming the field, ModelNotFoundError for another model (formats/model_field.py)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
-    check_model(body, model_name, error=InvalidRequestError)  # 404 for another model, before any field (vLLM's order)
+    check_model(body, model_name, error=InvalidRequestError)  # 404 for another model, before any field's value (vLLM)
     kw = _common(body, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
     if body.get("tools"):
         raise InvalidRequestError("'tools' is only supported on /v1/chat/completions", "tools")

@@ -17,7 +17,8 @@ OpenAI-compatible server; the shapes are vLLM's (`TokenizeCompletionRequest`,
   Hugging Face's `decode` and vLLM do).
 
 Every bad field raises InvalidRequestError naming it (HTTP 400); another model's name ModelNotFoundError
-(HTTP 404, vLLM's answer: launcher/serving/formats/model_field.py), checked before any other field.
+(HTTP 404, vLLM's answer: launcher/serving/formats/model_field.py), checked before any other field
+(vLLM's pydantic models check JSON types before its `_check_model`; here the model comes first for those too).
 Must not: do I/O or know about the coordinator (launcher/serving/http_server.py serves these).
 """
 

@@ -59,7 +59,9 @@ def test_no_name_an_empty_one_or_the_served_one_is_served(served, route, model):
 
 
 def test_the_model_is_checked_before_any_other_field(tokenizer):  # noqa: F811
-    """vLLM checks the model first: a request for another model with bad messages or a bad temperature is the 404."""
+    """vLLM checks the model before any field's value: another model with a temperature of 9 is its 404 too. (Its
+    pydantic request models check JSON types before that, so messages that are not a list are vLLM's 400; here the
+    model is checked before those as well: the 404.)"""
     with pytest.raises(ModelNotFoundError):
         parse_chat({"model": "other", "messages": "not a list"}, tokenizer=tokenizer, model_name="tiny",
                    max_model_len=64)
