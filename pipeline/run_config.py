@@ -205,15 +205,16 @@ class RunConfig:
         return MODEL_DTYPES[self.dtype]
 
     def scheduler_config(self, *, eos_token_ids: tuple[int, ...], firp_k: int, row_costs: RowCostTable | None = None,
-                         firp_pseudo_weight: float = 1.0, parallel_stages: int | None = None) -> SchedulerConfig:
+                         firp_pseudo_weight: float = 1.0, parallel_stages: int | None = None,
+                         primary_eos: bool = True) -> SchedulerConfig:
         """The scheduler's view of this run (its limits are validated here, not again there).
-        eos_token_ids: the tokenizer's; firp_k: the FIRP chain length the run plan chose (0 = off);
+        eos_token_ids / primary_eos: the tokenizer's (`SchedulerConfig.primary_eos`); firp_k: the FIRP chain length the run plan chose (0 = off);
         row_costs: the table loaded from `row_cost_file` (None: fixed chains); firp_pseudo_weight:
         the share of the model's layers a pseudo row runs through; parallel_stages: how many stages
         can compute at once (None: all), for the draft gate's break-even."""
         return SchedulerConfig(
             num_stages=self.num_stages, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-            eos_token_ids=tuple(eos_token_ids), speculate=self.uses_speed, max_inflight=self.max_inflight,
+            eos_token_ids=tuple(eos_token_ids), primary_eos=primary_eos, speculate=self.uses_speed, max_inflight=self.max_inflight,
             min_acceptance=self.draft_min_acceptance(parallel_stages), firp_k=firp_k, firp_min_prob=self.firp_min_prob,
             row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight, draft_tree=self.draft_tree,
             # jump-forward's rows (a forced run's last row gives a free token) are a multi-row verify pass

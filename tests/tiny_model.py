@@ -94,13 +94,15 @@ def _write_weights(path: Path, tensors: dict[str, Any], num_shards: int) -> None
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_tiny_model(path: str | Path, *, seed: int = 0, num_shards: int = 1,
+def write_tiny_model(path: str | Path, *, seed: int = 0, num_shards: int = 1, eos_token: bool = True,
                      **config_overrides: Any) -> Path:
     """Write a Hugging Face-format folder for `tiny_config(**config_overrides)` at `path`; return it.
 
     Weights are `random_state_dict(config, seed=seed)` (float32), in one `model.safetensors` or, when
     `num_shards` > 1, in that many shards listed by `model.safetensors.index.json`.
     The tokenizer is the 256-byte one of `byte_tokenizer`, so the config's vocab_size must be >= 256.
+    Its tokenizer_config.json names TINY_EOS_ID's byte as eos_token, or none with `eos_token=False` (the
+    generation config names TINY_EOS_ID either way).
     Raises ValueError for num_shards < 1 or a vocab smaller than the tokenizer.
     """
     if num_shards < 1:
@@ -116,7 +118,7 @@ def write_tiny_model(path: str | Path, *, seed: int = 0, num_shards: int = 1,
     tok.save(str(path / "tokenizer.json"))
     eos_text = byte_alphabet()[TINY_EOS_ID]
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "add_bos_token": False, "add_eos_token": False, "eos_token": eos_text,
+        "add_bos_token": False, "add_eos_token": False, **({"eos_token": eos_text} if eos_token else {}),
         "model_max_length": config.max_position_embeddings, "tokenizer_class": "PreTrainedTokenizerFast",
     }, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": TINY_EOS_ID}, indent=2))

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from launcher.bench.run_records import load_bench_runs
+from launcher.cli.options import DTYPE_HELP, dtype_arg
 from launcher.cli.output_paths import check_output_dir, dumps_strict
 from pipeline.engine.simulator import (
     Bernoulli,
@@ -74,7 +75,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--row-cost", default="none", metavar="none|file:PATH", help="with --calibrate: a "
                    "tests/benchmarks/row_cost.py report whose table (--dtype's mode) prices the row counts the "
                    "measured runs did not have (default none: interpolated between them)")
-    k.add_argument("--dtype", default="float32", help="with --row-cost: the runs' dtype (default float32)")
+    k.add_argument("--dtype", default="float32", type=dtype_arg, metavar="DTYPE",
+                   help=f"with --row-cost: the runs' dtype, {DTYPE_HELP} (default float32)")
     k.add_argument("--replay", action="store_true", help="with --calibrate: draft at every chance, replaying "
                    "each run's verified draft outcomes in order (default: draft where the run drafted, as it did)")
     c = p.add_argument_group("synthetic cost model (without --calibrate; --model-ms, --stage-overhead-ms or --coordinator-ms > 0)")

@@ -26,7 +26,7 @@ from pathlib import Path
 from launcher.bench.driver_protocol import DriverProcess
 from launcher.bench.run_records import RECORDS_FILE, write_records
 from launcher.bench.sweep_report import predictor_label, write_partial, write_results
-from launcher.cli.options import default_max_model_len
+from launcher.cli.options import DTYPE_HELP, default_max_model_len, dtype_arg
 from launcher.cli.output_paths import check_output_dir
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
@@ -62,7 +62,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = p.add_argument_group("pipeline")
     m.add_argument("--model", default=DEFAULT_MODEL, help=f"model of every configuration (default {DEFAULT_MODEL})")
-    m.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    m.add_argument("--dtype", default="float32", type=dtype_arg, metavar="DTYPE",
+                   help=f"{DTYPE_HELP} (default float32)")
     m.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
                    help="weights of every configuration: auto | none | int8 | int4 (default none)")
     m.add_argument("--dense-layout", default=DENSE_LAYOUTS[0], choices=DENSE_LAYOUTS,

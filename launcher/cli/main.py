@@ -69,7 +69,7 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     g = launch.add_argument_group("prompts and output")
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; run concurrently)")
     g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field per line")
-    g.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) as the last line")
+    g.add_argument("--json", action="store_true", help="print one JSON object (outputs, stats) as last line")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace (JSON trace events) of the "
                    "stage timelines: open it in ui.perfetto.dev or chrome://tracing")
     g.add_argument("--no-timeline", action="store_true", help="do not record per-item stage timings (no "

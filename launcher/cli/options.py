@@ -2,7 +2,8 @@
 
 Owns `add_pipeline_args` (the "pipeline" flag group of `launch` and `serve`), `options_and_reason`
 (PipelineOptions from those flags and the speculation and placement groups, with `--stages auto` and
-`--speculate auto` decided) and `say`, the progress line on stderr. Shared by the CLI entry
+`--speculate auto` decided), `dtype_arg` (what every --dtype accepts: `bench sweep`'s and `bench simulate`'s
+too) and `say`, the progress line on stderr. Shared by the CLI entry
 (launcher/cli/main.py) and `serve` (launcher/serving/serve.py), which must not import the entry
 module. Must not: parse argv, start anything or map errors to exit codes (main.py does).
 """
@@ -19,6 +20,7 @@ from launcher.cli.flag_notes import idle_flag_notes
 from launcher.cli.parsing import UsageError, add_vllm_aliases, min_acceptance_arg
 from launcher.cli.speculation_defaults import auto_speculate, check_auto_flags
 from launcher.coordinator.pipeline_options import PipelineOptions
+from pipeline.model.config import MODEL_DTYPES
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
 from pipeline.weights.registry import DEFAULT_MODEL
@@ -42,8 +44,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
     g.add_argument("--layer-split", help="layers per stage, e.g. 8,8,7,7 (default: balanced)")
-    g.add_argument("--dtype", default="float32", type=_dtype_arg,
-                   help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--dtype", default="float32", type=dtype_arg, metavar="DTYPE", help=f"{DTYPE_HELP} (default float32)")
     g.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per stage; default cpu)")
     g.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
                    help="weights: auto (a GGUF's own Q4/Q8 blocks) | none (dense --dtype) | int8 | int4 (default none)")
@@ -65,10 +66,17 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 # vLLM's --dtype spellings: `auto` is this project's exact default (float32), `half` / `float` as vLLM.
 DTYPE_ALIASES = {"auto": "float32", "half": "float16", "float": "float32"}
+# Every --dtype value accepted, as vLLM's `ModelDType` (vllm/config/model.py) lists them:
+# "auto", "half", "float16", "bfloat16", "float", "float32" (the model dtypes, then the aliases).
+DTYPE_CHOICES = (*MODEL_DTYPES, *DTYPE_ALIASES)
+DTYPE_HELP = "float32 (= auto, float) | bfloat16 | float16 (= half)"  # every --dtype's values
 
 
-def _dtype_arg(text: str) -> str:
-    """--dtype: a model dtype name, or one of vLLM's spellings (DTYPE_ALIASES); RunConfig checks it."""
+def dtype_arg(text: str) -> str:
+    """--dtype: a model dtype name (MODEL_DTYPES), or one of vLLM's spellings (DTYPE_ALIASES); the dtype name.
+    Raises argparse.ArgumentTypeError (exit 2, naming the flag) listing DTYPE_CHOICES for any other text."""
+    if text not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPE_CHOICES)}, got {text[:80]!r}")
     return DTYPE_ALIASES.get(text, text)
 
 
@@ -110,13 +118,10 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
         return args.stages, args.layer_split
     if args.stage_memory_gib is None or not 0 < args.stage_memory_gib < math.inf or args.layer_split:
         raise UsageError("--stages auto needs a finite --stage-memory-gib > 0 (and no --layer-split)")
-    from pipeline.model.config import MODEL_DTYPES
     from pipeline.weights.registry import resolve_model
     from pipeline.weights.stage_memory import plan_stages_for_budget
 
-    dtype = MODEL_DTYPES.get(args.dtype)
-    if dtype is None:
-        raise UsageError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {args.dtype!r}")
+    dtype = MODEL_DTYPES[args.dtype]  # a name dtype_arg accepted
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=progress)
     exit_bytes = 0
     if args.speculate in ("speed", "speed+firp", "auto"):  # a trained exit head's file and a draft layer's KV

@@ -65,6 +65,7 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
     """The coordinator's view of the run: its limits, the data-plane rendezvous, and the exit stage
     (-1 when the pipeline runs no exit head)."""
     scheduler = options.scheduler_config(eos_token_ids=tuple(plan.tokenizer.eos_token_ids),
+                                         primary_eos=plan.tokenizer.eos_token_id is not None,
                                          firp_k=plan.firp.k if plan.firp else 0, row_costs=plan.row_costs,
                                          firp_pseudo_weight=plan.firp_pseudo_weight,
                                          parallel_stages=options.parallel_stages)

@@ -1,7 +1,8 @@
 """HTTP error responses of the OpenAI-compatible server, and the request body's bytes.
 
 Owns the OpenAI-style error body of every refused or failed request (`error_response`), the status of
-each failure (400 bad input, 401 wrong key, 408 a body still arriving after BODY_READ_TIMEOUT_S, 413 body
+each failure (400 bad input, 401 wrong key, 404 a model this server does not serve (vLLM's NotFoundError,
+launcher/serving/formats/model_field.py), 408 a body still arriving after BODY_READ_TIMEOUT_S, 413 body
 over --max-request-bytes, 429 full queue, 400 too for a request whose own masks left no token mid-way, 500 a request that failed
 alone while the server stays up, 503
 failed, fenced or draining server), reading a body within its limits, and decoding it as JSON (`decode_body`: 400 for bytes that are not UTF-8
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 from launcher.coordinator.coordinator import PipelineError
 from launcher.coordinator.request_handle import NoTokenLeftError, RequestError
 from launcher.serving import openai_protocol
+from launcher.serving.formats.model_field import NOT_FOUND_TYPE, ModelNotFoundError
 from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError
 from pipeline.speculation.echo import clipped
 from workers.control_auth import secret_matches
@@ -157,6 +159,8 @@ def admission_error(exc: Exception) -> JSONResponse:
     """The response for an exception raised while admitting a request (see the module docstring)."""
     if isinstance(exc, BodyError):
         return error_response(exc.status, str(exc), None)
+    if isinstance(exc, ModelNotFoundError):
+        return error_response(exc.status, str(exc), exc.param, type_=NOT_FOUND_TYPE)
     if isinstance(exc, InvalidRequestError):
         return error_response(400, str(exc), exc.param)
     if isinstance(exc, QueueFullError):

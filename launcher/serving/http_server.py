@@ -9,7 +9,8 @@ restarts included; 503 while draining or fenced: readiness for load balancers), 
 `GET /metrics` (Prometheus text).
 Errors: bad input (also: not UTF-8 JSON, a lone surrogate, deep nesting; masks that leave no token mid-way,
 the stream's error event with code 400 once streaming) → 400, wrong or missing
-`Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a body over
+`Authorization: Bearer KEY` on /v1/* with --api-key → 401, unknown route → 404, a model this server does not
+serve (in a body's `model` or GET /v1/models/{id}) → 404 as vLLM's (launcher/serving/formats/model_field.py), a body over
 --max-request-bytes → 413, full queue → 429, a request whose logits were not finite → 500 (that
 request alone), failed, fenced or draining server → 503, each with an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` (launcher/serving/http_errors.py); the server keeps
@@ -42,6 +43,7 @@ from launcher.backends.ports import format_address, listen_socket
 from launcher.coordinator.coordinator import PipelineError
 from launcher.serving import openai_protocol, tokenize_api
 from launcher.serving.choice_streams import ChoiceStreams, merged
+from launcher.serving.formats.model_field import ModelNotFoundError, check_model_name
 from launcher.serving.formats.tool_output import tool_outputs
 from launcher.serving.http_errors import (
     BodyError,
@@ -60,7 +62,6 @@ from launcher.serving.serving_engine import (
     RequestStream,
     ServingEngine,
     UnavailableError,
-    shown,
 )
 
 log = logging.getLogger("speedpipe.serve")
@@ -291,9 +292,10 @@ def _add_openai_routes(app: FastAPI, engine: ServingEngine, *, api_key: str | No
     async def model(request: Request, model_id: str) -> Response:
         if (denied := refused(request, api_key)) is not None:
             return denied
-        if model_id != engine.model_name:
-            return error_response(404, f"The model {shown(model_id)} does not exist", "model",
-                                  type_="not_found_error")
+        try:
+            check_model_name(model_id, engine.model_name)  # the body's `model` check: one 404 for every route
+        except ModelNotFoundError as exc:
+            return admission_error(exc)
         return JSONResponse(card)
 
     @app.post("/v1/completions")

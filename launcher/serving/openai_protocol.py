@@ -2,7 +2,7 @@
 
 Owns turning a decoded JSON body of `POST /v1/completions` or `/v1/chat/completions` into prompt
 token ids and `SamplingParams` (every bad field → `InvalidRequestError` naming it, which the HTTP
-layer answers with 400 and an OpenAI-style error body), rendering chat messages with the model's
+layer answers with 400 and an OpenAI-style error body; another model's name → 404, formats/model_field.py), rendering chat messages with the model's
 own Jinja chat template (sandboxed, as Hugging Face does), and building the JSON objects of
 responses and stream chunks. Field semantics follow the OpenAI API reference; extensions as vLLM's: `ignore_eos`,
 `return_token_ids` (adds `token_ids` to each choice / chunk), `repetition_penalty`. `logit_bias` (an object of
@@ -33,6 +33,7 @@ from jinja2 import TemplateError
 from launcher.coordinator.request_handle import TextOptions
 from launcher.serving.formats import vllm_fields
 from launcher.serving.formats.chat_messages import chat_options, clean_messages
+from launcher.serving.formats.model_field import check_model
 from launcher.serving.formats.response_format import grammar_from_body
 from launcher.serving.formats.tool_output import keeps_special_tokens
 from launcher.serving.formats.tools import ToolRequest, tools_from_body
@@ -114,14 +115,6 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """Raise InvalidRequestError ('model') unless the body names no model or this server's."""
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise InvalidRequestError(f"model {shown(model)} does not exist; this server serves '{model_name}'",
-                                  "model")
-
-
 def bool_field(body: dict, name: str, default: bool, *, parent: str | None = None) -> bool:
     """The true/false field `name` of `body` (null or absent: `default`), as OpenAI and vLLM take it: any
     other JSON value (1, "yes", {}) raises InvalidRequestError naming the field, as `parent.name` for a
@@ -133,9 +126,9 @@ def bool_field(body: dict, name: str, default: bool, *, parent: str | None = Non
     return default if value is None else value
 
 
-def _common(body: dict, *, model_name: str, max_tokens_default: int) -> dict[str, Any]:
-    """Validate the fields both endpoints share; returns keyword arguments of SamplingParams + options."""
-    check_model(body, model_name)
+def _common(body: dict, *, max_tokens_default: int) -> dict[str, Any]:
+    """Validate the fields both endpoints share (`model` is checked before: parse_*); returns keyword arguments of
+    SamplingParams + options."""
     for name in UNSUPPORTED:
         value = body.get(name)
         if (value not in (None, 1, body.get("n"))) if name == "best_of" else bool(value):
@@ -226,10 +219,11 @@ def api_field(param: str, budget_field: str) -> str:
 def parse_completion(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_len: int | None = None) -> ParsedRequest:
     """A /v1/completions body. prompt: a string, a list of one string, or a list of token ids; a
     string certainly longer than `max_model_len` tokens is refused before it is tokenised.
-    Raises InvalidRequestError naming the field."""
+    Raises InvalidRequestError naming the field, ModelNotFoundError for another model (formats/model_field.py)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
-    kw = _common(body, model_name=model_name, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
+    check_model(body, model_name, error=InvalidRequestError)  # 404 for another model, before any field's value (vLLM)
+    kw = _common(body, max_tokens_default=DEFAULT_COMPLETION_MAX_TOKENS)
     if body.get("tools"):
         raise InvalidRequestError("'tools' is only supported on /v1/chat/completions", "tools")
     _completion_logprobs(body, kw)
@@ -282,13 +276,13 @@ def render_chat(messages: Any, *, tokenizer: Tokenizer, add_generation_prompt: b
     clean = clean_messages(messages, error=InvalidRequestError)
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
-    bos = tokenizer.decode([tokenizer.bos_token_id], skip_special_tokens=False) if tokenizer.bos_token_id is not None else ""
-    eos = tokenizer.decode([tokenizer.eos_token_ids[0]], skip_special_tokens=False) if tokenizer.eos_token_ids else ""
+    specials = {name: tokenizer.decode([i], skip_special_tokens=False) for name, i in (  # a token it lacks: undefined,
+        ("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id)) if i is not None}  # as in HF
     template = _compiled_template(tokenizer.chat_template)  # a model's broken template stays a server error
     try:
         text = template.render(
             **({"tools": list(tools)} if tools else {}), **(template_kwargs or {}), messages=clean,
-            add_generation_prompt=add_generation_prompt and not continue_final_message, bos_token=bos, eos_token=eos)
+            add_generation_prompt=add_generation_prompt and not continue_final_message, **specials)
     except (TemplateError, TypeError, AttributeError, LookupError) as exc:  # raise_exception's error passes
         raise InvalidRequestError(f"the chat template cannot render this request ({type(exc).__name__}: "
                                   f"{clipped(str(exc), TEMPLATE_TEXT_CHARS)})",
@@ -306,9 +300,10 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
                tool_parser: str | None = None) -> ParsedRequest:
     """A /v1/chat/completions body; max_tokens defaults to what fits in max_model_len. tool_parser: the
     server's tool-call parser for tool_choice "auto" (--tool-call-parser), or None.
-    Raises InvalidRequestError naming the field."""
+    Raises InvalidRequestError naming the field, ModelNotFoundError for another model (formats/model_field.py)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
+    check_model(body, model_name, error=InvalidRequestError)
     tools = tools_from_body(body, parser=tool_parser, error=InvalidRequestError)
     text = render_chat(body.get("messages"), tokenizer=tokenizer, tools=tools and tools.tools,
                        **chat_options(body, error=InvalidRequestError))
@@ -317,7 +312,7 @@ def parse_chat(body: Any, *, tokenizer: Tokenizer, model_name: str, max_model_le
     _check_fits(tokenizer, text, None if keep else max_model_len, "messages")
     special = bool_field(body, "add_special_tokens", False)  # false: the template spells its own BOS (HF, vLLM)
     ids = vllm_fields.encode_truncated(tokenizer, text, keep, special)
-    kw = _common(body, model_name=model_name, max_tokens_default=max(1, max_model_len - len(ids)))
+    kw = _common(body, max_tokens_default=max(1, max_model_len - len(ids)))
     _chat_logprobs(body, kw)
     if tools is not None and keeps_special_tokens(tools):  # the parser's adjust_request (formats/tool_output.py)
         kw["text"] = dataclasses.replace(kw["text"], skip_special_tokens=False)

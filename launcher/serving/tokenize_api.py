@@ -16,7 +16,9 @@ OpenAI-compatible server; the shapes are vLLM's (`TokenizeCompletionRequest`,
 - `/detokenize` with `{"tokens": [ids]}` answers `{"prompt": text}`, special tokens kept (as
   Hugging Face's `decode` and vLLM do).
 
-Every bad field raises InvalidRequestError naming it (HTTP 400).
+Every bad field raises InvalidRequestError naming it (HTTP 400); another model's name ModelNotFoundError
+(HTTP 404, vLLM's answer: launcher/serving/formats/model_field.py), checked before any other field
+(vLLM's pydantic models check JSON types before its `_check_model`; here the model comes first for those too).
 Must not: do I/O or know about the coordinator (launcher/serving/http_server.py serves these).
 """
 
@@ -25,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.serving.formats.chat_messages import chat_options
+from launcher.serving.formats.model_field import check_model
 from launcher.serving.formats.tools import tools_from_body
-from launcher.serving.openai_protocol import bool_field, check_model, render_chat
+from launcher.serving.openai_protocol import bool_field, render_chat
 from launcher.serving.serving_engine import InvalidRequestError
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.echo import shown
@@ -37,7 +40,7 @@ MAX_DETOKENIZE_TOKENS = 1 << 20  # longest id list /detokenize takes (far beyond
 def _object(body: Any, model_name: str) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", None)
-    check_model(body, model_name)
+    check_model(body, model_name, error=InvalidRequestError)
     return body
 
 

@@ -61,6 +61,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_inflight_batches: int = 0  # 0 = num_stages
     eos_token_ids: tuple[int, ...] = ()
+    # eos_token_ids[0] is the tokenizer's eos_token (vLLM's primary EOS: it ends a sequence as EOS); False for a
+    # tokenizer without one, whose generation-config ids all end it as stop token ids ([Note: token masks])
+    primary_eos: bool = True
     speculate: bool = False
     max_inflight: int = 0  # items of one sequence in flight; 0 = num_stages
     min_acceptance: float = 0.0  # adaptive drafting threshold (0 = send every draft), see DraftGate
@@ -118,14 +121,17 @@ class SequenceState:
     def epoch(self) -> int:
         return self.ledger.epoch
 
-    def finish_reason_at(self, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
-        """Why committing `token` ends the sequence: EOS (the primary EOS id, eos_token_ids[0], unless ignore_eos),
-        STOP (a secondary EOS id, unless ignore_eos, or one of the request's `stop_token_ids`: the id is vLLM's
-        stop_reason; [Note: token masks] in pipeline/speculation/masks/token_masks.py), or None."""
+    def finish_reason_at(self, token: int, eos_token_ids: tuple[int, ...], *,
+                         primary_eos: bool = True) -> FinishReason | None:
+        """Why committing `token` ends the sequence: EOS (the primary EOS id, eos_token_ids[0] when `primary_eos`,
+        unless ignore_eos), STOP (a secondary EOS id, every EOS id without a primary, unless ignore_eos, or one of
+        the request's `stop_token_ids`: the id is vLLM's stop_reason; [Note: token masks] in
+        pipeline/speculation/masks/token_masks.py), or None."""
         p = self.params
         if not ends_sequence(token, eos_token_ids=eos_token_ids, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids):
             return None
-        return FinishReason.EOS if eos_token_ids[:1] == (token,) and not p.ignore_eos else FinishReason.STOP
+        primary = primary_eos and eos_token_ids[:1] == (token,)
+        return FinishReason.EOS if primary and not p.ignore_eos else FinishReason.STOP
 
     @property
     def num_tokens(self) -> int:

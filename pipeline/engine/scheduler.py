@@ -362,7 +362,7 @@ class Scheduler:
         if not seq.ledger.inflight:  # a pending draft followed the finished (or squashed) chain
             seq.pending, seq.firp_drafts = None, next_firp_drafts(item, len(tokens), firp)
         seq.output_ids.extend(tokens)
-        if (reason := seq.finish_reason_at(tokens[-1], self.config.eos_token_ids)) is not None:
+        if (reason := seq.finish_reason_at(tokens[-1], self.config.eos_token_ids, primary_eos=self.config.primary_eos)):
             self._finish(seq, reason)  # EOS, or a stop token id
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)

@@ -83,10 +83,11 @@ class Tokenizer:
 
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included, capped at config.json's
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
-    such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_id` (tokenizer_config.json's eos_token, or None: vLLM's primary EOS, Hugging Face's
-    `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first, then generation_config.json's, or without that
-    file config.json's (of a multimodal model, its text model's: [Note: text-only multimodal]); the others than the
-    first are secondary EOS ids, [Note: token masks] in pipeline/speculation/masks/token_masks.py), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
+    such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_id` (the eos_token of special_tokens_map.json, else of tokenizer_config.json,
+    or None: vLLM's primary EOS, Hugging Face's `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first when there is one, then generation_config.json's, or without that
+    file config.json's (of a multimodal model, its text model's: [Note: text-only multimodal]); the others than
+    eos_token_id are secondary EOS ids, all of them without an eos_token: [Note: token masks] in
+    pipeline/speculation/masks/token_masks.py), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
     post-processor adds ids before / after a text: [Note: BOS/EOS]; `num_added`: how many, (before, after)), `bos_token_id` (int or None; the
     post-processor's first added id, else generation_config.json, config.json, tokenizer_config.json),
     `chat_template` (Jinja source or None). Raises FileNotFoundError without tokenizer.json, and
@@ -117,7 +118,10 @@ class Tokenizer:
         self.num_added: tuple[int, int] = (len(prefix), len(suffix))  # ids the post-processor adds before, after
         self.bos_token_id: int | None = prefix[0] if prefix else self._first_id(
             gen_config.get("bos_token_id"), model_config.get("bos_token_id"), tok_config.get("bos_token"))
-        self.eos_token_id: int | None = self._first_id(tok_config.get("eos_token"))  # vLLM's primary EOS
+        # vLLM's primary EOS: Hugging Face's eos_token, special_tokens_map.json's over tokenizer_config.json's (as
+        # transformers' from_pretrained reads them; a folder may name it in the first file only)
+        special_map = _read_json(self.model_dir / "special_tokens_map.json")
+        self.eos_token_id: int | None = self._first_id(special_map.get("eos_token"), tok_config.get("eos_token"))
         # generation_config.json's EOS ids where that file exists (none if it names none), else config.json's:
         # the model's generation config, what transformers' generate and vLLM's update_from_generation_config
         # stop on (the two files' ids were merged before)

@@ -7,6 +7,7 @@ refused, or a mistake prints a wall of usage instead of one line naming it.
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -92,6 +93,9 @@ def test_every_flag_of_every_command_shows_its_default(parser):
     (["launch", "--logit-bias", "[1]"], "argument --logit-bias: must be a JSON object of token id -> bias"),
     (["launch", "--grammar-drafting", "fast"], "argument --grammar-drafting: invalid choice: 'fast'"),
     (["serve", "--grammar-drafting", "on"], "argument --grammar-drafting: invalid choice: 'on'"),
+    (["launch", "--dtype", "float64"], "argument --dtype: must be one of float32, bfloat16, float16, auto, half, "
+                                       "float, got 'float64'"),
+    (["serve", "--dtype", "fp16"], "argument --dtype: must be one of "),
 ])
 def test_argument_errors_are_two_lines_naming_the_command(capsys, argv, needle):
     code, _, err = _exit(capsys, argv)
@@ -226,6 +230,43 @@ def test_speculation_flags_without_speculation_are_named(capsys):
 def test_vllm_dtype_spellings_are_accepted():
     assert [_parse(build_parser(), ["launch", "--dtype", d]).dtype for d in ("auto", "half", "float", "bfloat16")] == [
         "float32", "float16", "float32", "bfloat16"]
+
+
+# vLLM's --dtype values (vllm/config/model.py `ModelDType`), the reference of what the flag accepts.
+VLLM_DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
+
+
+def _commands(parser) -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser by its argv prefix ("launch", "bench sweep", ...)."""
+    subparsers = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    bench = subparsers["bench"]._subparsers._group_actions[0].choices  # noqa: SLF001
+    return {**subparsers, **{"bench " + k: v for k, v in bench.items()}}
+
+
+DTYPE_COMMANDS = ["launch", "serve", "bench sweep", "simulate"]
+
+
+def test_every_command_with_a_dtype_flag_is_checked_below(parser):
+    with_dtype = [n for n, sub in _commands(parser).items() if any(a.dest == "dtype" for a in sub._actions)]  # noqa: SLF001
+    assert sorted(with_dtype) == sorted(DTYPE_COMMANDS)
+
+
+@pytest.mark.parametrize("command", DTYPE_COMMANDS)
+def test_dtype_help_and_error_list_exactly_the_values_it_accepts(capsys, parser, command):
+    """The help listed float32 | bfloat16 | float16 although auto / half / float were accepted too, and a bad value's
+    error named only those three: both now list vLLM's six, each of which parses to a model dtype name. `bench sweep`
+    and `simulate` refused auto / half / float that launch and serve took (RunConfig's "--dtype must be one of
+    float32, bfloat16, float16")."""
+    from pipeline.model.config import MODEL_DTYPES
+
+    action = next(a for a in _commands(parser)[command]._actions if a.dest == "dtype")  # noqa: SLF001
+    assert {action.type(d) for d in VLLM_DTYPES} == set(MODEL_DTYPES)
+    if command in ("launch", "serve"):
+        assert {_parse(parser, [command, "--dtype", d]).dtype for d in VLLM_DTYPES} == set(MODEL_DTYPES)
+    assert set(re.findall(r"\b(?:b?float\d*|half|auto)\b", action.help)) == VLLM_DTYPES, action.help
+    code, _, err = _exit(capsys, [*command.split(), "--dtype", "float64"])
+    listed = err.splitlines()[0].partition("must be one of ")[2].partition(", got")[0]
+    assert code == 2 and set(listed.split(", ")) == VLLM_DTYPES, err
 
 
 def test_without_max_model_len_its_default_is_lowered_to_the_models_context(tmp_path):

@@ -110,7 +110,7 @@ def test_a_chat_template_that_spells_the_bos_gets_it_once(bos_tokenizer):
 
 @pytest.mark.parametrize(("fn", "body", "param"), [
     (tokenize_body, [], None), (tokenize_body, {"prompt": 5}, "prompt"), (tokenize_body, {}, "prompt"),
-    (tokenize_body, {"prompt": "a", "model": "other"}, "model"),
+    (tokenize_body, {"prompt": "a", "model": 5}, "model"),
     (tokenize_body, {"prompt": "a", "messages": MESSAGES}, "prompt"),
     (tokenize_body, {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     (tokenize_body, {"prompt": "a", "return_token_strs": 1}, "return_token_strs"),

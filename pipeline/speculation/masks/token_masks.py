@@ -50,8 +50,10 @@ _MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 1
 #   stop_token_ids unless ignore_eos, so each ends it as a stop token id does ("stop", the id as stop_reason, its
 #   text left out); with ignore_eos none of them ends it. min_tokens masks all of them, ignore_eos or not
 #   (vLLM's `_all_stop_token_ids`). Here the engine gets every EOS id and `finish_reason_at`
-#   (pipeline/engine/records.py) tells the primary from the others (a tokenizer without an eos_token: the
-#   first listed is taken as primary).
+#   (pipeline/engine/records.py) tells the primary from the others. A tokenizer without an eos_token has no
+#   primary (vLLM passes `eos_token_id` None to `update_from_generation_config`, and its `check_stop` in
+#   vllm/v1/core/sched/utils.py matches no EOS): every generation-config EOS id is then a stop token id
+#   (`SchedulerConfig.primary_eos` False), and a chat template's `eos_token` is undefined, as in Hugging Face.
 # Masks set -inf, so their order among themselves and against the bias and penalties changes nothing;
 # the grammar's mask comes after them. verify_result (pipeline/speculation/verify.py) applies them to
 # each row with the exact history plain decoding has at that position (the output committed before
