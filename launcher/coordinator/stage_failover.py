@@ -23,7 +23,10 @@ place while new requests queue behind it (clients see a pause, not an error):
    node, respawned by that node's launcher within --placement-timeout-s);
 3. pick a new rendezvous port; `Load` each restarted stage (weights, empty KV cache, join) and
    `Rejoin` each surviving one (retire its loop, clear its KV cache, join) while the coordinator
-   joins as rank 0: a new TCPStore and a new gloo group on every rank, never the old ones;
+   joins as rank 0: a new TCPStore and a new gloo group on every rank, never the old ones; each
+   Rejoin carries the attempt's number (the generation of step 1: a stage refuses an older one that
+   arrives late), and an attempt that fails gives its rendezvous up at once ([Note: abandoned
+   rendezvous] in workers/channel.py);
 4. warm the ring up, start new receivers, and step the engine with `ReplayRunning`: every running
    sequence is prefilled again from prompt + committed tokens ([Note: replay] in pipeline/engine/engine.py).
 A failure during these steps counts as another restart. Past the budget the coordinator fails
@@ -114,9 +117,9 @@ def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[
 
     unloaded: stages an earlier attempt restarted whose Load did not succeed (another stage died
     while they joined). Such a stage holds its weights, and its Load may still wait at that attempt's
-    rendezvous: a second Load would wait for it (up to --stage-timeout-s) and then be refused as
-    "already loaded", failing every later attempt until the budget was spent. A fresh process
-    takes the next attempt's Load."""
+    rendezvous: a second Load would wait for it (before the failed attempt gave its rendezvous up at
+    once, up to --stage-timeout-s, and was then refused as "already loaded", failing every later
+    attempt until the budget was spent). A fresh process takes the next attempt's Load."""
     todo, restarted = sorted({*stages_to_restart(stubs, fo.dead_stages()), *unloaded}), set()
     while todo:
         for i in todo:
