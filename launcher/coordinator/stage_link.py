@@ -42,12 +42,14 @@ class StageLink:
         group = DataPlaneGroup(master_addr=self.master_addr, master_port=self.master_port, rank=COORDINATOR_RANK,
                                world_size=world_size(self.num_stages), timeout_s=self.timeout_s, device="cpu",
                                abandoned=self.abandoned)
-        if self.abandoned.is_set():  # formed just as the attempt was given up
-            group.close()
-            raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed")
         self.channel = Channel(group, timeout_s=self.timeout_s, label="[coordinator] ",
                                max_payload_bytes=(1 << 20) * max(64, self.max_num_seqs))
         self.sends = SendQueue(self.channel)  # the engine never blocks on stage 0 ([Note: background sends])
+        # Published first, looked at after (close() sets the flag first, then reads these): a close
+        # in between finds the channel, or this finds the flag, never neither.
+        if self.abandoned.is_set():  # formed just as the attempt was given up
+            self.close()
+            raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed")
 
     def close(self) -> None:
         """Close this ring's data-plane group (after a fail-over replaced it, or its attempt failed):

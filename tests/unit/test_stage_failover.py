@@ -275,3 +275,39 @@ def test_a_failed_attempt_gives_back_its_rendezvous_port_and_join_thread():
     finally:
         released.set()
         link.close()
+
+
+def test_an_attempt_given_up_just_as_the_coordinators_group_forms_leaves_no_group_open(monkeypatch):
+    """`close` (the failed attempt's `abandon`) can run after the coordinator's rendezvous formed but
+    before its channel exists: then it finds nothing to close. The join must still see it and close
+    the group ([Note: abandoned rendezvous] in workers/channel.py). Before, join looked at `abandoned`
+    first and published the channel after, so a close in between left the group, its store and its
+    port open, and the join answered as if the attempt had succeeded."""
+    from launcher.coordinator import stage_link
+    from launcher.coordinator.stage_link import StageLink
+    from workers.channel import Channel, RendezvousAbandoned
+
+    class Group:
+        def __init__(self, **_) -> None:
+            self.closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    link = StageLink(num_stages=1, master_addr="127.0.0.1", master_port=41000, timeout_s=5.0, max_num_seqs=1,
+                     record_timeline=False)
+    groups: list[Group] = []
+
+    def formed(**kwargs) -> Group:
+        groups.append(Group(**kwargs))
+        return groups[-1]
+
+    def given_up_meanwhile(group, **kwargs) -> Channel:
+        link.close()  # the attempt fails now, on the engine thread: no channel yet to close
+        return Channel(group, **kwargs)
+
+    monkeypatch.setattr(stage_link, "DataPlaneGroup", formed)
+    monkeypatch.setattr(stage_link, "Channel", given_up_meanwhile)
+    with pytest.raises(RendezvousAbandoned):
+        link.join()
+    assert [g.closed for g in groups] == [True], "the group of an abandoned attempt stayed open"
