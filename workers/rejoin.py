@@ -17,6 +17,9 @@ separate threads): each carries its attempt number (`RejoinRequest.attempt`, the
 generation), and a Rejoin older than the newest this stage has seen answers ABORTED naming both,
 without touching the newer one's group. Before, the stale one arrived last and superseded the
 newer one, whose rendezvous then lacked this stage.
+A stage whose Load's join failed holds its weights in no group, and takes a Rejoin or a Load: a Load
+supersedes a Rejoin still waiting, as a newer Rejoin does (else that one's group, forming after the
+Load's, started a second data-plane loop).
 """
 
 from __future__ import annotations
@@ -86,8 +89,7 @@ class RejoinHandler:
                 old.channel.group.close()  # its sockets: no leaked port per fail-over
             self._rejoined.set()
             self.executor.clear()
-            self._join_epoch += 1
-            self._join_ended.set()  # a Rejoin still waiting at an earlier rendezvous answers now
+            self._supersede_rejoins()
             epoch, ended, outcome = self._join_epoch, threading.Event(), {}
             self._join_ended = ended
             spec = dataclasses.replace(self.spec, dist_master_port=request.dist_master_port)
@@ -100,9 +102,15 @@ class RejoinHandler:
             context.abort(code, f"stage {self.stage_index}: {message}")
         if not outcome.get("joined"):
             context.abort(grpc.StatusCode.ABORTED, f"stage {self.stage_index}: the rejoin at port "
-                          f"{request.dist_master_port} was superseded by a newer Rejoin")
+                          f"{request.dist_master_port} was superseded by a newer Rejoin or a Load")
         log.info("[Stage %d] rejoined the data plane at port %d", self.stage_index, request.dist_master_port)
         return pb.RejoinResponse()
+
+    def _supersede_rejoins(self) -> None:
+        """A newer Rejoin, or a Load (caller holds the lock): a Rejoin still waiting at an earlier
+        rendezvous answers ABORTED now, and its group, should it form, is closed, not run."""
+        self._join_epoch += 1
+        self._join_ended.set()
 
     def _join_for_rejoin(self, spec: StageLoadSpec, epoch: int, timeout_s: float, ended: threading.Event, outcome: dict):
         """A Rejoin's join, in its own thread: outcome "joined" or "error", then `ended`."""

@@ -95,6 +95,7 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
             if self.loop is not None:  # loaded and joined (a model whose join failed is loaded again)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is already loaded")
             self.executor = self.spec = None
+            self._supersede_rejoins()  # one waiting after a failed join must not start a second loop
             try:
                 spec = spec_from_proto(request)
             except ValueError as exc:  # a SpecBookkeepingError: the coordinator's bookkeeping, not the user's input

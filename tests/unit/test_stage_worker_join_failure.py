@@ -127,3 +127,46 @@ def test_a_load_whose_rendezvous_is_abandoned_by_rank_0_is_unavailable(tmp_path,
     assert "\n" not in context.details
     assert isinstance(rank0.get("error"), RendezvousAbandoned)
     _check_the_next_call_works(servicer, spec, monkeypatch, "Load")
+
+
+@pytest.mark.timeout(120)
+def test_a_load_after_a_failed_join_supersedes_a_rejoin_still_waiting_at_its_rendezvous(tmp_path, monkeypatch):
+    """The stage's Load joined nothing (its rendezvous timed out); a Rejoin then waits at its own
+    rendezvous when a Load comes (both are open to this state). The Load's group must be the one the
+    stage runs on: the waiting Rejoin answers ABORTED and its group, once it forms, is closed. Before,
+    the Rejoin's join started a second loop on its group after the Load's, replacing self.loop while
+    the Load's loop kept running on the other group."""
+    from tests.unit.test_stage_worker_rejoin import rejoin_attempt
+
+    spec = _spec(write_tiny_model(tmp_path / "model", seed=4), _unserved_port())
+    servicer = StageServicer(0, threading.Event())
+    _short_join(servicer)
+    assert _load(servicer, spec).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    servicer.__dict__.pop("_join_data_plane")
+    rejoin_port, load_port = _unserved_port(), _unserved_port()
+    at_rejoin, release, groups = threading.Event(), threading.Event(), []
+
+    def rendezvous(*, master_port: int, **_) -> FakeGroup:
+        if master_port == rejoin_port:
+            at_rejoin.set()
+            assert release.wait(WAIT_S), "the test never let the Rejoin's rendezvous form"
+        groups.append(FakeGroup(master_port))
+        return groups[-1]
+
+    monkeypatch.setattr(stage_worker, "DataPlaneGroup", rendezvous)
+    monkeypatch.setattr(stage_worker, "StageLoop", FakeLoop)
+    rejoin, rejoin_out = rejoin_attempt(servicer, rejoin_port, attempt=1)
+    try:
+        assert at_rejoin.wait(WAIT_S), "the Rejoin never reached its rendezvous"
+        servicer.Load(spec_to_proto(StageLoadSpec(**{**spec.__dict__, "dist_master_port": load_port})), FakeContext())
+        load_loop = servicer.loop
+        release.set()
+        rejoin.join(timeout=WAIT_S)
+        assert not rejoin.is_alive() and rejoin_out.get("code") == grpc.StatusCode.ABORTED, rejoin_out
+        assert wait_for(lambda: len(groups) == 2, timeout_s=WAIT_S)
+        assert servicer.loop is load_loop and load_loop.channel.group.port == load_port
+        assert [(g.port, g.closed) for g in groups] == [(load_port, False), (rejoin_port, True)]
+    finally:
+        release.set()
+        for loop in {id(servicer.loop): servicer.loop, id(load_loop): load_loop}.values():
+            loop.stopped.set()
