@@ -113,8 +113,8 @@ class StageServiceServicer:
     def Rejoin(self, request, context):
         """Fail-over: leave the old data-plane group, drop every KV-cache slot and join a fresh group at
         a new rendezvous port (a restarted stage Loads instead). Replies once every rank has joined.
-        FAILED_PRECONDITION if the stage is not loaded; ABORTED if a newer attempt's Rejoin superseded
-        it or came first; DEADLINE_EXCEEDED / UNAVAILABLE if the rendezvous timed out / went away.
+        FAILED_PRECONDITION if the stage is not loaded; ABORTED if a newer attempt's Rejoin (or a Load)
+        superseded it or came first; DEADLINE_EXCEEDED / UNAVAILABLE if the rendezvous timed out / went away.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
