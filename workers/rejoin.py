@@ -9,9 +9,9 @@ models, run the data-plane loop (workers/stage_loop.py) or form groups itself (w
 A fail-over attempt can fail while this stage waits at its rendezvous (another stage died), and
 the next attempt's Rejoin follows. So the join runs outside the lock, in a daemon thread: a newer
 Rejoin joins its own group at once and the waiting one answers ABORTED at once (its rendezvous
-ends in that thread, at the latest when the coordinator closes that attempt's store; a group that
-formed late is closed). Before, the newer one waited until the stale rendezvous timed out, each
-stale one holding a gRPC thread.
+ends in that thread: as soon as the coordinator closes that attempt's store if it was connected,
+else when its own connect times out; a group that formed late is closed). Before, the newer one
+waited until the stale rendezvous timed out, each stale one holding a gRPC thread.
 Two attempts milliseconds apart can also deliver their Rejoins out of order (separate calls on
 separate threads): each carries its attempt number (`RejoinRequest.attempt`, the coordinator's
 generation), and a Rejoin older than the newest this stage has seen answers ABORTED naming both,
