@@ -150,12 +150,14 @@ class ResetResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RejoinRequest(_message.Message):
-    __slots__ = ("dist_master_port", "join_timeout_s")
+    __slots__ = ("dist_master_port", "join_timeout_s", "attempt")
     DIST_MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     dist_master_port: int
     join_timeout_s: float
-    def __init__(self, dist_master_port: _Optional[int] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
+    attempt: int
+    def __init__(self, dist_master_port: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class RejoinResponse(_message.Message):
     __slots__ = ()

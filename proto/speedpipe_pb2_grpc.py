@@ -74,7 +74,9 @@ class StageServiceServicer:
     def Load(self, request, context):
         """Read this stage's layers [layer_start, layer_stop) from the checkpoint, build the KV cache and
         join the data-plane process group. Fails with FAILED_PRECONDITION if the stage is already loaded
-        and INVALID_ARGUMENT if the request is inconsistent (for example layer_stop <= layer_start).
+        and INVALID_ARGUMENT if the request is inconsistent (for example layer_stop <= layer_start);
+        DEADLINE_EXCEEDED / UNAVAILABLE if the data-plane rendezvous timed out / went away (the stage
+        keeps its weights: a Rejoin, or a Load that loads them again, may follow).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,7 +113,8 @@ class StageServiceServicer:
     def Rejoin(self, request, context):
         """Fail-over: leave the old data-plane group, drop every KV-cache slot and join a fresh group at
         a new rendezvous port (a restarted stage Loads instead). Replies once every rank has joined.
-        FAILED_PRECONDITION if the stage is not loaded.
+        FAILED_PRECONDITION if the stage is not loaded; ABORTED if a newer attempt's Rejoin (or a Load)
+        superseded it or came first; DEADLINE_EXCEEDED / UNAVAILABLE if the rendezvous timed out / went away.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

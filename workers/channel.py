@@ -17,6 +17,7 @@ import ipaddress
 import re
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -108,23 +109,63 @@ def _master_listener(host: str, port: int) -> int | None:
     return held.detach() if held is not None else loopback_listener(host, port)
 
 
+_JOINED_KEY, _ALL_JOINED_KEY = "speedpipe/joined", "speedpipe/all_joined"
+_JOIN_POLL_S = 0.05  # how often rank 0 looks whether every rank joined, unless abandoned first
+
+
+class RendezvousAbandoned(RuntimeError):
+    """Rank 0 stopped waiting at its rendezvous: the caller abandoned it (a failed fail-over attempt)."""
+
+
+def _count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: float,
+              abandoned: threading.Event | None) -> str | None:
+    """Count this rank in at the rendezvous; rank 0 (the store's host) then waits until every rank
+    has, at most `timeout_s`, and stops at once when `abandoned` is set ([Note: abandoned rendezvous]).
+    Returns None when done, else why rank 0 stopped waiting (no exception: its traceback would keep
+    the store, and so the port, alive)."""
+    if store.add(_JOINED_KEY, 1) == world_size:
+        store.set(_ALL_JOINED_KEY, "1")
+    deadline, stop = time.monotonic() + timeout_s, abandoned if abandoned is not None else threading.Event()
+    while rank == 0 and not store.check([_ALL_JOINED_KEY]):
+        if stop.wait(_JOIN_POLL_S):
+            return "abandoned"
+        if time.monotonic() > deadline:
+            return (f"timed out after {timeout_s:g} s waiting for the data plane's ranks: "
+                    f"{store.add(_JOINED_KEY, 0)}/{world_size} joined")
+    return None
+
+
 class DataPlaneGroup:
     """Rendezvous and process groups of one pipeline: gloo always, NCCL too when `device` is CUDA.
 
     Blocks until all `world_size` ranks joined, at most `connect_timeout_s` (stages join after
     loading their weights, which can take far longer than one data-plane step); then every
     operation has the `timeout_s` deadline. Rank 0 hosts the TCPStore at master_addr:master_port.
-    Raises RuntimeError (from torch) if the rendezvous times out.
+    Raises RuntimeError (from torch, or rank 0's own) if the rendezvous times out, and
+    RendezvousAbandoned when rank 0's `abandoned` is set first.
+
+    [Note: abandoned rendezvous]
+    Rank 0 (the coordinator) waits for the other ranks in steps of _JOIN_POLL_S, not in torch's
+    TCPStore constructor: a fail-over attempt that failed (another stage died while they joined)
+    sets `abandoned`, and its join ends at once, dropping the store: its port closes, its thread
+    ends, and the stages still waiting at that rendezvous fail at once too (their store went away).
+    Before, the join thread and the store's port stayed until the rendezvous timed out (600 s).
     """
 
     def __init__(self, *, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float,
-                 device: str = "cpu", connect_timeout_s: float = 600.0) -> None:
+                 device: str = "cpu", connect_timeout_s: float = 600.0, abandoned: threading.Event | None = None) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
         self.store = dist.TCPStore(master_addr, master_port, world_size, rank == 0,
                                    timeout=datetime.timedelta(seconds=max(timeout_s, connect_timeout_s)),
-                                   wait_for_workers=True,
+                                   wait_for_workers=rank != 0,
                                    master_listen_fd=_master_listener(master_addr, master_port) if rank == 0 else None)
+        why = _count_in(self.store, rank=rank, world_size=world_size, timeout_s=max(timeout_s, connect_timeout_s),
+                        abandoned=abandoned)
+        if why is not None:
+            self.store = None  # the store and its port go now
+            raise (RendezvousAbandoned if why == "abandoned" else RuntimeError)(
+                f"rank {rank} at {master_addr}:{master_port}: rendezvous {why}")
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, timeout)
         self.nccl = None
         if device.startswith("cuda"):

@@ -3,8 +3,8 @@
 Owns one pipeline stage's lifetime: `Load` has pipeline/engine/stage_assembly.py build the stage (only
 this stage's tensors: model, KV cache, exit head, FIRP maps), joins the torch.distributed group
 (rank = stage_index + 1) and starts the data-plane loop in a thread; `Health`, `GetStats`, `Reset`,
-`Shutdown` answer the coordinator; `Rejoin` moves the loaded stage into a fresh data-plane group
-after another stage was restarted ([Note: fail-over] in launcher/coordinator/stage_failover.py).
+`Shutdown` answer the coordinator; `Rejoin` (workers/rejoin.py) moves the loaded stage into a fresh
+data-plane group after another stage was restarted ([Note: fail-over] in launcher/coordinator/stage_failover.py).
 Must not: build models itself, talk to clients or decide what runs.
 
 Run: python -m workers.stage_worker --stage-index I [--host 127.0.0.1] [--port 0]
@@ -15,7 +15,6 @@ stdin reaches EOF (its launcher died) or on Shutdown.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -53,6 +52,7 @@ from workers.heap import freeze_startup_heap
 from workers.load_spec_codec import spec_from_proto
 from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 from workers.parent_death import arm_parent_death_signal
+from workers.rejoin import JOIN_TIMEOUT_S, RejoinHandler, join_failure
 from workers.request_parse import RequestParseInterceptor
 from workers.stage_loop import StageLoop
 
@@ -61,14 +61,17 @@ log = logging.getLogger("speedpipe.worker")
 READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
 
 
-class StageServicer(pb_grpc.StageServiceServicer):
+class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
     """gRPC StageService of one worker. Errors in Load map to INVALID_ARGUMENT (a ValueError, a
     missing or unreadable file: the user's input) / FAILED_PRECONDITION (a Load this worker cannot take:
     already loaded, meant for another stage, or a SpecBookkeepingError such as a stage index outside
     num_stages; the coordinator's bookkeeping, not the user's input) /
     INTERNAL ("<ExceptionType>: <message>" of any other exception, whose traceback this worker logs
-    at DEBUG only; also an OSError of the machine, such as EMFILE or ENOMEM, named by its errno). Load's messages do not name the stage: the coordinator, which knows which stage
-    it asked, does ("stage 1 failed to load: ...")."""
+    at DEBUG only; also an OSError of the machine, such as EMFILE or ENOMEM, named by its errno) /
+    DEADLINE_EXCEEDED or UNAVAILABLE when the model loaded but its data-plane rendezvous timed out or
+    went away (`join_failure` in workers/rejoin.py; the weights stay: a Rejoin may move the stage into
+    the next group, or a Load loads them again). Load's messages do not name the stage: the coordinator,
+    which knows which stage it asked, does ("stage 1 failed to load: ...")."""
 
     def __init__(self, stage_index: int, stop_event: threading.Event, *, rejoin_wait_s: float = 0.0) -> None:
         """rejoin_wait_s: after a data-plane failure, wait this long for a `Rejoin` before exiting
@@ -83,15 +86,16 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.weights_bytes = 0
         self.failure: str | None = None
         self._lock = threading.Lock()
-        self._join_epoch = 0  # bumped by every Rejoin: [Note: superseded rejoin]
-        self._join_ended = threading.Event()  # set when the latest Rejoin's join ended or was superseded
+        self._init_rejoins()  # [Note: superseded rejoin] in workers/rejoin.py
         self._heap_frozen = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def Load(self, request, context):
         with self._lock:
-            if self.executor is not None:
+            if self.loop is not None:  # loaded and joined (a model whose join failed is loaded again)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is already loaded")
+            self.executor = self.spec = None
+            self._supersede_rejoins()  # one waiting after a failed join must not start a second loop
             try:
                 spec = spec_from_proto(request)
             except ValueError as exc:  # a SpecBookkeepingError: the coordinator's bookkeeping, not the user's input
@@ -109,8 +113,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 if code == grpc.StatusCode.INTERNAL:  # unexpected, or the machine's: its traceback at DEBUG
                     log.debug("[Stage %d] loading the model failed", self.stage_index, exc_info=True)
                 context.abort(code, message)
-            self._start_loop(spec, self._join_data_plane(spec))
-            self.spec = spec
+            self.spec = spec  # loaded: a Rejoin may move it into a group if this join fails
+            try:
+                group = self._join_data_plane(spec)
+            except Exception as exc:  # noqa: BLE001 - torch's rendezvous errors: one line, not UNKNOWN
+                context.abort(*join_failure(exc, spec, timeout_s=JOIN_TIMEOUT_S))
+            self._start_loop(spec, group)
             log.info("[Stage %d] loaded layers %s (%.1f MB) in %.2f s", spec.stage_index, spec.layer_range,
                      self.weights_bytes / 2**20, time.perf_counter() - start)
             return pb.LoadStageResponse(weights_bytes=self.weights_bytes,
@@ -156,7 +164,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             self._heap_frozen = freeze_startup_heap() > 0  # [Note: the collector on the per-token path]
         return stage.tensor_names
 
-    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = 600.0) -> DataPlaneGroup:
+    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = JOIN_TIMEOUT_S) -> DataPlaneGroup:
         """Join the process group at the spec's rendezvous: blocks until every rank joined, at most
         `connect_timeout_s` (the group's timeout_s bounds its first step). Raises RuntimeError (torch's)."""
         return DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
@@ -219,60 +227,6 @@ class StageServicer(pb_grpc.StageServiceServicer):
             if request.clear_kv_cache:
                 self.executor.clear()
         return pb.ResetResponse()
-
-    def Rejoin(self, request, context):
-        """Retire the data-plane loop, clear the KV cache, join the group at request.dist_master_port.
-
-        [Note: superseded rejoin]
-        A fail-over attempt can fail while this stage waits at its rendezvous (another stage died), and
-        the next attempt's Rejoin follows. So the join runs outside the lock, in a daemon thread: a newer
-        Rejoin joins its own group at once and the waiting one answers ABORTED at once (its rendezvous
-        ends in that thread within --stage-timeout-s; a group that formed late is closed). Before, the
-        newer one waited until the stale rendezvous timed out, each stale one holding a gRPC thread."""
-        with self._lock:
-            if self.executor is None or self.spec is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.stage_index} is not loaded")
-            if not 0 < request.dist_master_port < 65536:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dist_master_port {request.dist_master_port} is not a port")
-            old = self.loop
-            if old is not None:
-                old.retired = True
-                old.stopped.wait(timeout=1.0)  # a loop in the middle of a step finishes it first
-                old.sends.abandon()  # nothing may hold the old group ([Note: posted sends])
-                old.channel.group.close()  # its sockets: no leaked port per fail-over
-            self._rejoined.set()
-            self.executor.clear()
-            self._join_epoch += 1
-            self._join_ended.set()  # a Rejoin still waiting at an earlier rendezvous answers now
-            epoch, ended, outcome = self._join_epoch, threading.Event(), {}
-            self._join_ended = ended
-            spec = dataclasses.replace(self.spec, dist_master_port=request.dist_master_port)
-        threading.Thread(target=self._join_for_rejoin, args=(spec, epoch, request.join_timeout_s or 600.0, ended,
-                                                             outcome), name="rejoin", daemon=True).start()
-        ended.wait()
-        if "error" in outcome:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {self.stage_index}: rejoin failed: {outcome['error']}")
-        if not outcome.get("joined"):
-            context.abort(grpc.StatusCode.ABORTED, f"stage {self.stage_index}: the rejoin at port "
-                          f"{request.dist_master_port} was superseded by a newer Rejoin")
-        log.info("[Stage %d] rejoined the data plane at port %d", self.stage_index, request.dist_master_port)
-        return pb.RejoinResponse()
-
-    def _join_for_rejoin(self, spec: StageLoadSpec, epoch: int, timeout_s: float, ended: threading.Event, outcome: dict):
-        """A Rejoin's join, in its own thread ([Note: superseded rejoin]): outcome "joined" or "error", then `ended`."""
-        try:
-            group = self._join_data_plane(spec, connect_timeout_s=timeout_s)
-            with self._lock:
-                if epoch != self._join_epoch:
-                    group.close()
-                else:
-                    self._start_loop(spec, group)
-                    self.spec, self.failure = spec, None
-                    outcome["joined"] = True
-        except Exception as exc:  # noqa: BLE001 - the Rejoin answers it (a RuntimeError from torch: timed out)
-            outcome["error"] = exc
-        finally:
-            ended.set()
 
     def Shutdown(self, request, context):
         log.info("[Stage %d] shutdown requested: %s", self.stage_index, request.reason or "no reason given")

@@ -271,7 +271,8 @@ class Coordinator:
         port = fo.data_port()
         self.link.close()  # the old ring's store and gloo listeners
         self.link = self._new_link(port)
-        rejoin_all(self.stubs, fo.load_specs(port), self._unloaded, self.link.join, timeout_s=600.0)
+        rejoin_all(self.stubs, fo.load_specs(port), self._unloaded, self.link.join, timeout_s=600.0,
+                   attempt=self.generation, abandon=self.link.close)  # [Note: abandoned rendezvous]
         self._unloaded.clear()
         self.link.warm_up()
         self._start_receivers()

@@ -23,7 +23,10 @@ place while new requests queue behind it (clients see a pause, not an error):
    node, respawned by that node's launcher within --placement-timeout-s);
 3. pick a new rendezvous port; `Load` each restarted stage (weights, empty KV cache, join) and
    `Rejoin` each surviving one (retire its loop, clear its KV cache, join) while the coordinator
-   joins as rank 0: a new TCPStore and a new gloo group on every rank, never the old ones;
+   joins as rank 0: a new TCPStore and a new gloo group on every rank, never the old ones; each
+   Rejoin carries the attempt's number (the generation of step 1: a stage refuses an older one that
+   arrives late), and an attempt that fails gives its rendezvous up at once ([Note: abandoned
+   rendezvous] in workers/channel.py);
 4. warm the ring up, start new receivers, and step the engine with `ReplayRunning`: every running
    sequence is prefilled again from prompt + committed tokens ([Note: replay] in pipeline/engine/engine.py).
 A failure during these steps counts as another restart. Past the budget the coordinator fails
@@ -114,9 +117,9 @@ def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[
 
     unloaded: stages an earlier attempt restarted whose Load did not succeed (another stage died
     while they joined). Such a stage holds its weights, and its Load may still wait at that attempt's
-    rendezvous: a second Load would wait for it (up to --stage-timeout-s) and then be refused as
-    "already loaded", failing every later attempt until the budget was spent. A fresh process
-    takes the next attempt's Load."""
+    rendezvous: a second Load would wait for it (before the failed attempt gave its rendezvous up at
+    once, up to --stage-timeout-s, and was then refused as "already loaded", failing every later
+    attempt until the budget was spent). A fresh process takes the next attempt's Load."""
     todo, restarted = sorted({*stages_to_restart(stubs, fo.dead_stages()), *unloaded}), set()
     while todo:
         for i in todo:
@@ -127,24 +130,31 @@ def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[
 
 
 def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[int], join: Callable[[], None],
-               *, timeout_s: float) -> None:
+               *, timeout_s: float, attempt: int = 0, abandon: Callable[[], None] = lambda: None) -> None:
     """Load the restarted stages and Rejoin the others at the specs' rendezvous port, while `join`
     joins it as rank 0. Raises PipelineError naming the stage (or the coordinator) that failed first,
     the lowest such stage where several did, as soon as one fails: a stage killed while the others
     join fails its call at once, while theirs wait at the rendezvous until --stage-timeout-s (waiting
     in stage order cost that whole wait when the dead stage was not stage 0). On timeout, names the
-    first call still running."""
+    first call still running. Before raising, calls `abandon`, which ends `join` at once and frees
+    its port ([Note: abandoned rendezvous] in workers/channel.py).
+
+    attempt: this fail-over attempt's number (monotonic within the coordinator's run), sent with each
+    Rejoin: a stage refuses one older than the newest it has seen ([Note: superseded rejoin] in
+    workers/rejoin.py)."""
     port = specs[0].dist_master_port
     calls = {}
     for i, (stub, spec) in enumerate(zip(stubs, specs, strict=True)):
         if i in restarted:
             calls[in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s)] = f"stage {i} (Load)"
         else:
-            request = pb.RejoinRequest(dist_master_port=port, join_timeout_s=timeout_s)
+            request = pb.RejoinRequest(dist_master_port=port, join_timeout_s=timeout_s, attempt=attempt)
             calls[in_daemon_thread(stub.Rejoin, request, timeout=timeout_s)] = f"stage {i} (Rejoin)"
     calls[in_daemon_thread(join)] = "coordinator (join)"
     done, pending = concurrent.futures.wait(calls, timeout=timeout_s, return_when=concurrent.futures.FIRST_EXCEPTION)
     failed = [f for f in calls if f in done and f.exception() is not None]  # in stage order, the coordinator last
+    if failed or pending:
+        abandon()
     if not failed and pending:
         who = next(calls[f] for f in calls if f in pending)
         raise PipelineError(f"{who} failed while re-forming the data plane: not done within {timeout_s:g} s")

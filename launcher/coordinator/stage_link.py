@@ -7,6 +7,8 @@ messages (RELEASE, FORWARD), keepalives and the in-band SHUTDOWN. Must not: deci
 
 from __future__ import annotations
 
+import threading
+
 from launcher.coordinator.request_handle import PipelineError
 from pipeline.engine.events import StepOutput
 from pipeline.engine.wire import (
@@ -17,7 +19,7 @@ from pipeline.engine.wire import (
     rank_of_stage,
     world_size,
 )
-from workers.channel import Channel, DataPlaneGroup
+from workers.channel import Channel, DataPlaneGroup, RendezvousAbandoned
 from workers.send_queue import SendQueue
 
 
@@ -31,17 +33,28 @@ class StageLink:
         self.channel: Channel | None = None
         self.sends: SendQueue | None = None
         self.first, self.last = rank_of_stage(0), rank_of_stage(num_stages - 1)
+        self.abandoned = threading.Event()  # set by close(): a join still waiting gives up at once
 
     def join(self) -> None:
-        """Join the data plane as rank 0 (host of its rendezvous). Raises RuntimeError on timeout."""
+        """Join the data plane as rank 0 (host of its rendezvous). Raises RuntimeError on timeout,
+        RendezvousAbandoned (workers/channel.py) once `close` was called: its store and port go at once
+        ([Note: abandoned rendezvous] in workers/channel.py)."""
         group = DataPlaneGroup(master_addr=self.master_addr, master_port=self.master_port, rank=COORDINATOR_RANK,
-                               world_size=world_size(self.num_stages), timeout_s=self.timeout_s, device="cpu")
+                               world_size=world_size(self.num_stages), timeout_s=self.timeout_s, device="cpu",
+                               abandoned=self.abandoned)
         self.channel = Channel(group, timeout_s=self.timeout_s, label="[coordinator] ",
                                max_payload_bytes=(1 << 20) * max(64, self.max_num_seqs))
         self.sends = SendQueue(self.channel)  # the engine never blocks on stage 0 ([Note: background sends])
+        # Published first, looked at after (close() sets the flag first, then reads these): a close
+        # in between finds the channel, or this finds the flag, never neither.
+        if self.abandoned.is_set():  # formed just as the attempt was given up
+            self.close()
+            raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed")
 
     def close(self) -> None:
-        """Close this ring's data-plane group (after a fail-over replaced it): its sockets close."""
+        """Close this ring's data-plane group (after a fail-over replaced it, or its attempt failed):
+        its sockets close; a `join` still waiting at its rendezvous ends at once, and its port closes."""
+        self.abandoned.set()
         if self.sends is not None:
             self.sends.abandon()  # nothing may hold the group ([Note: posted sends] in workers/send_queue.py)
         if self.channel is not None:

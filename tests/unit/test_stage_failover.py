@@ -215,3 +215,99 @@ def test_re_forming_the_data_plane_fails_at_the_first_failure_whatever_the_stage
         finally:
             released.set()
         released.clear()
+
+
+def _listening(port: int) -> bool:
+    """Whether some socket listens on 127.0.0.1:`port` (a bind that ignores TIME_WAIT fails only then)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(1)
+        except OSError:
+            return True
+        return False
+
+
+def test_a_failed_attempt_gives_back_its_rendezvous_port_and_join_thread():
+    """A fail-over attempt fails at once (stage 0's Rejoin: the stage died) while the coordinator's
+    join, rank 0 of a real StageLink, waits at the rendezvous for ranks that will never come. Its
+    thread must end and the rendezvous port close once the attempt failed ([Note: abandoned
+    rendezvous] in workers/channel.py). Before, both stayed until the 600 s rendezvous timed out:
+    one more thread and one more listening port per failed attempt."""
+    import types
+
+    import grpc
+
+    from launcher.coordinator.stage_failover import rejoin_all
+    from launcher.coordinator.stage_link import StageLink
+    from pipeline.engine.stage_assembly import StageLoadSpec
+    from pipeline.model.partition import LayerRange
+    from tests.conftest import wait_for
+    from workers.channel import hold_listener
+
+    class Gone(grpc.RpcError):
+        def details(self) -> str:
+            return "Socket closed"
+
+    def dies(request, timeout):
+        raise Gone()
+
+    released = threading.Event()
+    port = hold_listener("127.0.0.1")  # as the session's data_port() does
+    link = StageLink(num_stages=2, master_addr="127.0.0.1", master_port=port, timeout_s=5.0, max_num_seqs=1,
+                     record_timeline=False)
+    specs = [StageLoadSpec(model_dir="unused", stage_index=i, num_stages=2, layer_range=LayerRange(2 * i, 2 * i + 2),
+                           max_num_seqs=1, max_model_len=16, dist_master_port=port) for i in range(2)]
+    stage0 = types.SimpleNamespace(Rejoin=dies)
+    stage1 = types.SimpleNamespace(Rejoin=lambda request, timeout: released.wait(30.0))  # waits at the rendezvous
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(PipelineError, match=r"stage 0 \(Rejoin\) failed while re-forming the data plane"):
+            rejoin_all([stage0, stage1], specs, set(), link.join, timeout_s=600.0, attempt=1, abandon=link.close)
+        joins = [t for t in set(threading.enumerate()) - before if t.name == "join"]
+        assert len(joins) == 1, "the coordinator's join did not run in a thread of its own"
+        ended = wait_for(lambda: not joins[0].is_alive() and not _listening(port), timeout_s=20.0)
+        assert ended, (f"after the failed attempt: join thread alive={joins[0].is_alive()}, "
+                       f"port {port} listening={_listening(port)}")
+    finally:
+        released.set()
+        link.close()
+
+
+def test_an_attempt_given_up_just_as_the_coordinators_group_forms_leaves_no_group_open(monkeypatch):
+    """`close` (the failed attempt's `abandon`) can run after the coordinator's rendezvous formed but
+    before its channel exists: then it finds nothing to close. The join must still see it and close
+    the group ([Note: abandoned rendezvous] in workers/channel.py). Before, join looked at `abandoned`
+    first and published the channel after, so a close in between left the group, its store and its
+    port open, and the join answered as if the attempt had succeeded."""
+    from launcher.coordinator import stage_link
+    from launcher.coordinator.stage_link import StageLink
+    from workers.channel import Channel, RendezvousAbandoned
+
+    class Group:
+        def __init__(self, **_) -> None:
+            self.closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    link = StageLink(num_stages=1, master_addr="127.0.0.1", master_port=41000, timeout_s=5.0, max_num_seqs=1,
+                     record_timeline=False)
+    groups: list[Group] = []
+
+    def formed(**kwargs) -> Group:
+        groups.append(Group(**kwargs))
+        return groups[-1]
+
+    def given_up_meanwhile(group, **kwargs) -> Channel:
+        link.close()  # the attempt fails now, on the engine thread: no channel yet to close
+        return Channel(group, **kwargs)
+
+    monkeypatch.setattr(stage_link, "DataPlaneGroup", formed)
+    monkeypatch.setattr(stage_link, "Channel", given_up_meanwhile)
+    with pytest.raises(RendezvousAbandoned):
+        link.join()
+    assert [g.closed for g in groups] == [True], "the group of an abandoned attempt stayed open"

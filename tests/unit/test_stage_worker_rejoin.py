@@ -178,3 +178,67 @@ def test_superseded_rejoins_do_not_hold_the_control_planes_threads(monkeypatch):
             servicer.loop.stopped.set()
         channel.close()
         server.stop(grace=None)
+
+
+def rejoin_attempt(servicer: StageServicer, port: int, attempt: int) -> tuple[threading.Thread, dict]:
+    """Rejoin(port, attempt) in a thread, as the gRPC server runs it; its response or abort lands in the dict."""
+    out: dict = {}
+
+    def call() -> None:
+        context = FakeContext()
+        try:
+            out["response"] = servicer.Rejoin(
+                pb.RejoinRequest(dist_master_port=port, join_timeout_s=30, attempt=attempt), context)
+        except Aborted:
+            out["code"], out["details"] = context.code, context.details
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("newer_joined", [False, True], ids=["newer-still-at-its-rendezvous", "newer-already-joined"])
+def test_a_rejoin_of_an_older_attempt_arriving_after_a_newer_one_is_refused(monkeypatch, newer_joined):
+    """Two fail-over attempts milliseconds apart: attempt 8's Rejoin reaches this stage before attempt
+    7's (separate calls on separate threads). Attempt 7's must answer ABORTED naming both numbers and
+    leave attempt 8's join alone, whether that one still waits for the other ranks or already joined.
+    Before, the later-arriving stale Rejoin superseded the newer one: attempt 8 answered ABORTED (or
+    its new loop was retired) and its rendezvous lacked this stage."""
+    newer_port, older_port = NEW_PORT, STALE_PORT
+    others_joined, at_newer = threading.Event(), threading.Event()
+    groups: list[FakeGroup] = []
+
+    def rendezvous(*, master_port: int, **_) -> FakeGroup:
+        if master_port == newer_port:  # forms once the test lets the other ranks in
+            at_newer.set()
+            assert others_joined.wait(WAIT_S), "the test never let the other ranks join"
+        groups.append(FakeGroup(master_port))
+        return groups[-1]
+
+    monkeypatch.setattr(stage_worker, "DataPlaneGroup", rendezvous)
+    monkeypatch.setattr(stage_worker, "StageLoop", FakeLoop)
+    servicer = StageServicer(1, threading.Event())
+    servicer.executor = FakeExecutor()
+    servicer.spec = StageLoadSpec(model_dir="unused", stage_index=1, num_stages=2, layer_range=LayerRange(2, 4),
+                                  max_num_seqs=1, max_model_len=16, dist_master_port=41000)
+    try:
+        newer, newer_out = rejoin_attempt(servicer, newer_port, attempt=8)
+        assert at_newer.wait(WAIT_S), "attempt 8's Rejoin never reached its rendezvous"
+        if newer_joined:
+            others_joined.set()
+            newer.join(timeout=WAIT_S)
+        older, older_out = rejoin_attempt(servicer, older_port, attempt=7)
+        older.join(timeout=WAIT_S)
+        assert not older.is_alive(), "attempt 7's Rejoin did not answer"
+        assert older_out.get("code") == grpc.StatusCode.ABORTED, older_out
+        assert "attempt 7" in older_out["details"] and "attempt 8" in older_out["details"], older_out["details"]
+        others_joined.set()
+        newer.join(timeout=WAIT_S)
+        assert not newer.is_alive() and "response" in newer_out, newer_out
+        assert [g.port for g in groups] == [newer_port], "attempt 7 joined a rendezvous of its own"
+        assert servicer.spec.dist_master_port == newer_port and servicer.loop.channel.group.port == newer_port
+        assert not servicer.loop.retired and not groups[0].closed
+    finally:
+        others_joined.set()
+        if servicer.loop is not None:
+            servicer.loop.stopped.set()
