@@ -12,6 +12,7 @@ its output changes).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 import httpx
@@ -95,3 +96,30 @@ def test_launch_names_the_flags_of_a_dead_end_and_exits_2(tiny_model_dir, capsys
     assert [line.split(": ", 3)[1:] for line in err.strip().splitlines()[-2:]] == [
         ["error", f"prompt {i}", "--allowed-token-ids, --regex leave no token to generate at output token 0 (every "
                                  "token is masked there)"] for i in range(2)]
+
+
+def test_greedy_min_tokens_over_http_equals_the_masked_token_by_token_reference(server):
+    """A greedy request with min_tokens and a stop token id on the real 2-stage `speed+firp` server: its items
+    ship logits rows only before min_tokens (`SamplingParams.needs_logits_at`; counted in
+    tests/unit/test_min_tokens_logits.py), and the output is plain token-by-token decoding of the model with
+    the EOS / stop-id mask written out as vLLM defines it (before min_tokens tokens only)."""
+    import torch
+
+    from pipeline.model.row_layout import Span
+    from tests.distributed.conftest import full_model
+
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    plain = httpx.post(url, json=PLAIN, timeout=120).json()["choices"][0]["token_ids"]
+    stop, min_tokens = plain[1], 6  # the plain output's 2nd token: masked until min_tokens, then it may end it
+    body = {**PLAIN, "min_tokens": min_tokens, "stop_token_ids": [stop]}
+    got = httpx.post(url, json=body, timeout=120).json()["choices"][0]["token_ids"]
+    model, tokenizer = full_model(Path(server.session.options.model))
+    prompt, want = tokenizer.encode(PLAIN["prompt"]), []
+    while len(want) < PLAIN["max_tokens"] and (not want or want[-1] != stop):
+        with torch.no_grad():
+            row = model(torch.tensor(prompt + want), [Span(0, 0, len(prompt) + len(want))],
+                        model.new_kv_cache(max_num_seqs=1, max_model_len=128))[0].clone()
+        if len(want) < min_tokens:  # vLLM's MinTokensLogitsProcessor: every EOS id and stop token id
+            row[[*tokenizer.eos_token_ids, stop]] = float("-inf")
+        want.append(int(row.argmax()))
+    assert got == want and want[1] != stop, (got, want)
