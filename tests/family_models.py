@@ -78,12 +78,12 @@ ROPE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def hf_config(family: str):
-    """The transformers config object of `family`'s tiny model."""
+def hf_config(family: str, **changes: Any):
+    """The transformers config object of `family`'s tiny model (`changes`: config fields to set apart)."""
     import transformers
 
     cls_name, overrides = (FAMILY_CONFIGS | ROPE_CONFIGS)[family]
-    return getattr(transformers, cls_name)(**(_COMMON | overrides))
+    return getattr(transformers, cls_name)(**(_COMMON | overrides | changes))
 
 
 def family_config(family: str) -> ModelConfig:
@@ -99,12 +99,13 @@ def family_state_dict(config: ModelConfig, *, seed: int = 0, std: float = 0.2) -
     return tensors
 
 
-def write_family_model(path: str | Path, family: str, *, seed: int = 0, std: float = 0.2) -> Path:
+def write_family_model(path: str | Path, family: str, *, seed: int = 0, std: float = 0.2, **changes: Any) -> Path:
     """Write a tiny HF folder of `family`: transformers' config.json, safetensors weights under
-    checkpoint names, the 256-byte tokenizer of tests/tiny_model.py. Returns the folder."""
+    checkpoint names, the 256-byte tokenizer of tests/tiny_model.py. `changes`: config fields set apart
+    from FAMILY_CONFIGS' (e.g. `sliding_window`). Returns the folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(family)
+    cfg = hf_config(family, **changes)
     d = cfg.to_dict()
     d["architectures"] = [type(cfg).__name__.replace("Config", "ForCausalLM").replace("TextForCausalLM",
                                                                                       "ForCausalLM")]

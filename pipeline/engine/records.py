@@ -133,6 +133,12 @@ class SequenceState:
         primary = primary_eos and eos_token_ids[:1] == (token,)
         return FinishReason.EOS if primary and not p.ignore_eos else FinishReason.STOP
 
+    def wants_logits(self, position: int) -> bool:
+        """Whether an item whose first result row sits at absolute `position` brings its logits rows back:
+        `SamplingParams.needs_logits_at` of the output token that row chooses (position + 1 - prompt length).
+        Its later rows need them no more (a greedy request's min_tokens mask only stops acting)."""
+        return self.params.needs_logits_at(position + 1 - len(self.prompt_ids))
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus committed tokens."""

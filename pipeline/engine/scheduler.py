@@ -195,7 +195,7 @@ class Scheduler:
         start = seq.num_tokens - 1
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts), epoch=seq.epoch,
                            kind=ItemKind.FIRP if drafts else ItemKind.DECODE, token_ids=(seq.output_ids[-1], *drafts),
-                           want_logits=seq.params.needs_logits, keep_sibling=self.tree.fixups.pop(seq.seq_id, -1),
+                           want_logits=seq.wants_logits(start), keep_sibling=self.tree.fixups.pop(seq.seq_id, -1),
                            **self._firp_fields(seq, first_anchor=start + len(drafts) * seq.pending_jump,  # (a sure
                                                num_anchors=1 if seq.pending_jump else 1 + len(drafts)))  # run: its end)
         seq.firp_drafts = ()
@@ -210,7 +210,7 @@ class Scheduler:
         prompt_logits = seq.params.prompt_logprobs is not None and not seq.output_ids
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=0, num_tokens=n, epoch=seq.epoch,
                            kind=ItemKind.PREFILL, token_ids=context,
-                           want_logits=seq.params.needs_logits or prompt_logits, want_prompt_logits=prompt_logits,
+                           want_logits=seq.wants_logits(n - 1) or prompt_logits, want_prompt_logits=prompt_logits,
                            **self._firp_fields(seq, first_anchor=n - 1, num_anchors=1))
         seq.firp_drafts = ()
         self.ready.append(seq.seq_id)
@@ -288,7 +288,7 @@ class Scheduler:
         tree = self.tree.draft_fields(self.grammar_drafts.filtered(seq, self.predictor), seq.context(), guess, draft, start=start,
                                       chain=seq.ledger.inflight, has_firp=bool(firp.get("firp_k")) or len(run) > 1)
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=len(run), epoch=end.epoch,
-                           kind=ItemKind.DRAFT, token_ids=run, want_logits=seq.params.needs_logits, **firp, **tree)
+                           kind=ItemKind.DRAFT, token_ids=run, want_logits=seq.wants_logits(start), **firp, **tree)
         seq.pending_ready_ns = now_ns
         self.drafting.append(seq.seq_id)
 

@@ -43,12 +43,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.family_blocks import window_mask
+from pipeline.model.family_blocks import window_binds, window_mask
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.row_layout import PseudoLayout, Span
 
 SMALL_ITEM_ROWS = 16  # items with at most this many real rows take the batched, batch-invariant path
 KEY_BLOCK = 32  # cached keys are read in whole blocks of this many positions (see the note)
+_WINDOWED_PSEUDO = ("FIRP pseudo rows are not supported on a sliding-window layer whose window ({window}) is "
+                    "below max_model_len")
 CAPPED_QUERY_BLOCK = 256  # query rows per float32 scores block of a soft-capped prefill (`_capped_attention`)
 
 
@@ -99,7 +101,7 @@ class AttentionPlan:
         if window is None:
             return self.masked_out
         if self.pseudo_keys is not None:
-            raise ValueError("FIRP pseudo rows are not supported on sliding-window layers")
+            raise ValueError(_WINDOWED_PSEUDO.format(window=window))
         if window not in self._window_masks:
             key_pos = torch.arange(self.max_len, device=self.masked_out.device)
             outside = key_pos[None, None, :] <= self.q_positions[:, :, None] - window
@@ -211,8 +213,12 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     written to the cache. window: sliding-window size of this layer (Mistral, Gemma 2/3) or None;
     scale: softmax scale (default 1/sqrt(d)); softcap: cap of the attention scores (Gemma 2,
     [Note: attention soft-capping]) or None. Returns [num_rows, heads, d] in q's dtype.
-    Raises ValueError for FIRP pseudo rows on a sliding-window layer.
+    A window that cannot bind in `kv` (window >= kv.max_model_len) is full attention, bit for bit
+    ([Note: a window that never binds] in pipeline/model/family_blocks.py).
+    Raises ValueError for FIRP pseudo rows on a sliding-window layer whose window binds.
     """
+    if not window_binds(window, kv.max_model_len):
+        window = None
     num_real = plan.write_slots.shape[0]
     if len(plan.spans) == 1 and not plan.spans[0].is_sibling:  # one item (a single sequence's decode, verify or prefill): a slice copy
         span = plan.spans[0]
@@ -290,7 +296,7 @@ def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: i
         out[rows] = o[0].transpose(0, 1)
         return
     if window is not None:
-        raise ValueError("FIRP pseudo rows are not supported on sliding-window layers")
+        raise ValueError(_WINDOWED_PSEUDO.format(window=window))
     prows = slice(plan.pseudo.offsets[i], plan.pseudo.offsets[i] + span.num_pseudo)
     keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
     values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)

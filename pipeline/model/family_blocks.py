@@ -3,7 +3,8 @@
 Owns the RMS normalisation (`rms_normalize`, the one copy of its maths), the RMSNorm, the norm factory
 (Llama's RMSNorm or Gemma's (1 + w) variant) and the plain-norm weight that stands for Gemma's
 (`plain_norm_weight`), the embedding with a scale (Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
-tanh-approximate GELU), final logit soft-capping, and the sliding-window causal mask.
+tanh-approximate GELU), final logit soft-capping, the sliding-window causal mask, and whether a
+window can hide anything at all in a KV slot (`window_binds`, [Note: a window that never binds]).
 Must not: read files or know about stages, KV slots or processes.
 """
 
@@ -111,3 +112,26 @@ def window_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> t
     if window is not None:
         mask &= key_pos[None, :] > query_pos[:, None] - window
     return mask
+
+
+# [Note: a window that never binds]
+# `window_mask` hides key j from query i when j <= i - window (transformers' `sliding_window_overlay`:
+# kv_idx > q_idx - sliding_window, so a query sees `window` keys, itself included). A KV slot holds
+# positions 0 .. max_model_len - 1; the widest gap is the query at max_model_len - 1 over key 0, hidden
+# iff max_model_len - 1 >= window. So a layer whose window >= max_model_len masks exactly what full
+# causal attention masks, for every row the slot can hold: `span_attention` runs it as full attention
+# (the same boolean mask, so bit-identical), and FIRP pseudo rows, which have no windowed form, may run
+# through it (launcher/coordinator/run_plan.py allows FIRP on a sliding model only then;
+# tests/unit/test_firp_window.py checks the boundary against transformers). The engine never runs
+# position max_model_len - 1 itself (a full budget's last token is never fed back), so a window of
+# max_model_len - 1 would not bind on its real rows either; the rule stays with what the slot holds so
+# that it holds for every caller of the model (training, calibration), not only for the engine. A
+# pseudo row past the slot (a chain off a late anchor near the budget) has no real counterpart: its
+# drafts lie past the token budget and are never used.
+
+
+def window_binds(window: int | None, max_model_len: int) -> bool:
+    """True when a sliding window of `window` positions can hide a key from some query of a KV slot of
+    `max_model_len` positions (window < max_model_len); False for None (full attention)
+    ([Note: a window that never binds])."""
+    return window is not None and window < max_model_len

@@ -20,7 +20,7 @@ from pipeline.speculation.sampling import MAX_LOGPROBS, SamplingParams, stable_t
 
 # [Note: logprobs and penalties]
 # Where: on the coordinator side, where the scheduler turns a result row into a token. A request that
-# asks for logprobs, a logit bias or a penalty sets `needs_logits`, so its items carry `Item.want_logits`
+# asks for logprobs, a logit bias or a penalty sets `needs_logits_at`, so its items carry `Item.want_logits`
 # and the last stage returns float32 logits for each of their result rows (greedy requests without
 # any pay nothing: the last stage returns only argmax ids for them). One place decides both the token
 # and its logprob, so a draft's verify uses exactly what plain decoding uses at that position.

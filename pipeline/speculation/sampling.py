@@ -13,7 +13,6 @@ sequence (EOS, budget and stop strings are the scheduler's job; this module only
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Mapping
@@ -112,11 +111,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise SamplingParamError("max_new_tokens",
-                                     f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+            raise SamplingParamError("max_new_tokens", f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens <= 0:
-            raise SamplingParamError("max_new_tokens",
-                                     f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+            raise SamplingParamError("max_new_tokens", f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature):
             raise SamplingParamError("temperature", f"temperature must be finite, got {self.temperature}")
         if self.temperature < 0:
@@ -176,17 +173,17 @@ class SamplingParams:
         """True when a presence, frequency or repetition penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @functools.cached_property  # read per row and per step; the fields are frozen
-    def changes_logits(self) -> bool:
-        """True when a nonzero logit bias, a penalty, a grammar or a token mask changes the logits (greedy != raw argmax)."""
+    def changes_logits_at(self, position: int) -> bool:
+        """True when a nonzero logit bias, a penalty, a grammar or a token mask acting at output token `position`
+        (0 = the first generated; min_tokens acts only before min_tokens tokens) changes that row (greedy != raw argmax)."""
         return (any(bias != 0.0 for _, bias in self.logit_bias) or self.has_penalties or self.grammar is not None
-                or token_masks.has_token_masks(self))
+                or token_masks.masks_act_at(self, position))
 
-    @property
-    def needs_logits(self) -> bool:
-        """Whether the last stage must return this request's logits (sampling, logprobs, logit bias,
-        penalties, grammar, token masks)."""
-        return not self.is_greedy or self.logprobs is not None or self.changes_logits
+    def needs_logits_at(self, position: int) -> bool:
+        """Whether the last stage must return the logits row that chooses output token `position` (0 = the first
+        generated): sampling, logprobs, or `changes_logits_at(position)`. A greedy request whose only setting
+        of these is min_tokens needs them before min_tokens tokens only; after them its token is the argmax."""
+        return not self.is_greedy or self.logprobs is not None or self.changes_logits_at(position)
 
 
 def _checked_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -34,7 +34,8 @@ def verify_result(*, argmax: Sequence[int], drafts: Sequence[int], logits: torch
         FIRP drafts, then the run-ahead draft after it); shorter than argmax when the last rows
         had none.
     logits: [num_result_rows, vocab_size] float32 when the sequence needs them
-        (`SamplingParams.needs_logits`: sampling, logit bias, penalties, logprobs or a grammar), None otherwise.
+        (`SamplingParams.needs_logits_at` the first row's position: sampling, logit bias, penalties, logprobs,
+        a grammar, or a token mask acting there), None otherwise.
     sampler: the sequence's sampler (its params and seed); used only with logits. Row i chooses the
         token at position len(output_ids) + i (the key of its random draw).
     prompt_ids / output_ids: the sequence's prompt and committed output before this result; row i
@@ -127,7 +128,7 @@ def _row_token(top: int, draft: int | None, logits: torch.Tensor | None, sampler
     if row is not None and sampler.params.is_greedy:
         # Greedy on the biased, penalised, masked logits (the raw argmax when none is set); a draft is
         # accepted iff it equals this token, as in the plain greedy case below.
-        return int(torch.argmax(row)) if sampler.params.changes_logits else top
+        return int(torch.argmax(row)) if sampler.params.changes_logits_at(len(history)) else top
     if logits is None:
         # Greedy: the real token is the argmax; the draft is accepted iff it equals it. So
         # greedy output with speculation is token-identical to greedy output without it

@@ -129,3 +129,35 @@ def test_sampling_with_firp_chains_keeps_the_token_distribution(repetitive_model
         stat = chi_square(table)
         assert stat < CHI2_CRITICAL[5], (f"token {position + 1} is distributed differently with FIRP: chi2 {stat:.1f} "
                                          f">= {CHI2_CRITICAL[5]}; counts {table.tolist()} of tokens {top} + other")
+
+
+SLIDING_WINDOW = 40
+
+
+def test_firp_on_two_stages_through_a_window_that_never_binds_gives_transformers_greedy_output(tmp_path_factory):
+    """A sliding-window model (tiny Mistral, every layer sliding) with window == max_model_len: the plan
+    allows FIRP ([Note: a window that never binds] in pipeline/model/family_blocks.py) and 2 real stages with
+    chains from layer 1 through sliding layers 2 and 3, prompt + budget filling the KV slot, give
+    transformers' greedy output ("window == max_model_len - 1" is refused: tests/unit/test_firp_window.py)."""
+    import torch
+    import transformers
+
+    from tests.family_models import write_family_model
+
+    folder = write_family_model(tmp_path_factory.mktemp("mistral") / "model", "mistral", seed=3,
+                                sliding_window=SLIDING_WINDOW)
+    path = write_firp_file(folder, folder.parent / "firp.safetensors", layer=1, k=3)
+    prompt = PROMPTS[0]
+    options = session_options(folder, num_stages=2, layer_split="2,2", speculate="firp", firp_file=str(path),
+                              max_model_len=SLIDING_WINDOW)
+    with PipelineSession(options, resolve(options)) as session:
+        ids = session.coordinator.tokenizer.encode(prompt)
+        budget = SLIDING_WINDOW - len(ids)
+        report = run_launch(session, [prompt], [SamplingParams(max_new_tokens=budget, ignore_eos=True)])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = hf.eval().generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget, eos_token_id=None,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+    assert report["outputs"][0]["token_ids"] == want, "FIRP through never-binding windows changed greedy output"
+    assert len(set(want)) > 3, "degenerate oracle: the random model repeats one token"
+    assert report["stats"]["firp_verified"] > 0, f"no FIRP draft was verified: {report['stats']}"

@@ -150,9 +150,9 @@ def test_invalid_specs_are_refused_in_one_line(kind, text, match):
 def test_a_grammar_makes_the_last_stage_ship_logits_and_refuses_ignore_eos():
     spec = GrammarSpec(kind="json_object")
     params = SamplingParams(grammar=spec)
-    assert params.changes_logits and params.needs_logits
+    assert params.changes_logits_at(0) and params.needs_logits_at(0)
     assert hash(params) == hash(SamplingParams(grammar=GrammarSpec(kind="json_object")))
-    assert not SamplingParams().changes_logits
+    assert not SamplingParams().changes_logits_at(0)
     with pytest.raises(SamplingParamError, match="ignore_eos") as info:
         SamplingParams(grammar=spec, ignore_eos=True)
     assert info.value.param == "response_format"

@@ -157,10 +157,10 @@ def test_logprobs_are_the_raw_models_and_report_the_committed_token():
 
 
 def test_a_greedy_biased_request_asks_the_last_stage_for_logits():
-    assert SamplingParams(logit_bias={1: 0.5}).needs_logits
-    assert not SamplingParams(logit_bias={}).needs_logits
+    assert SamplingParams(logit_bias={1: 0.5}).needs_logits_at(0)
+    assert not SamplingParams(logit_bias={}).needs_logits_at(0)
     # a bias of 0 changes nothing: such a greedy request ships no logits from the last stage
-    assert not SamplingParams(logit_bias={"50256": 0, 3: -0.0}).needs_logits
+    assert not SamplingParams(logit_bias={"50256": 0, 3: -0.0}).needs_logits_at(0)
 
 
 def test_logit_bias_is_kept_as_sorted_pairs_from_a_mapping_or_openai_json():

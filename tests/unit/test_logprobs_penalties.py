@@ -152,9 +152,9 @@ def test_a_chain_verify_penalises_each_row_with_the_drafts_accepted_before_it():
 
 
 def test_only_requests_that_need_them_ask_the_last_stage_for_logits():
-    assert not SamplingParams().needs_logits  # greedy without logprobs or penalties: argmax ids only
+    assert not SamplingParams().needs_logits_at(0)  # greedy without logprobs or penalties: argmax ids only
     for kw in (dict(temperature=0.7), dict(logprobs=0), dict(presence_penalty=0.1), dict(repetition_penalty=1.1)):
-        assert SamplingParams(**kw).needs_logits, kw
+        assert SamplingParams(**kw).needs_logits_at(0), kw
     with pytest.raises(ValueError, match="want_prompt_logits"):
         Item(seq_id=0, slot=0, start=3, num_tokens=1, kind=ItemKind.DECODE, want_logits=True, want_prompt_logits=True)
     prefill = Item(seq_id=0, slot=0, start=0, num_tokens=5, kind=ItemKind.PREFILL, want_logits=True,

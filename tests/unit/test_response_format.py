@@ -161,7 +161,7 @@ def test_grpc_structured_output_reaches_the_sampling_params(tokenizer):  # noqa:
              (pb.StructuredOutput(structural_tag=json.dumps(TAG)), GrammarSpec(kind="structural_tag", text=json.dumps(TAG)))]
     for so, spec in cases:
         _, params = request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, structured_output=so), engine)
-        assert params.grammar == spec and params.needs_logits
+        assert params.grammar == spec and params.needs_logits_at(0)
     assert request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3), engine)[1].grammar is None
     with pytest.raises(InvalidRequestError) as info:
         request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, ignore_eos=True,

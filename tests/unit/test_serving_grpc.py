@@ -117,7 +117,7 @@ def test_logit_bias_reaches_the_sampling_params(tokenizer):  # noqa: F811
     engine = ServingEngine(FakeCoordinator(tokenizer), model_name="tiny", max_num_seqs=2, max_queue=1,
                            max_model_len=64)
     _, params = request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, logit_bias={9: -100, 4: 0.5}), engine)
-    assert params.logit_bias == ((4, 0.5), (9, -100.0)) and params.needs_logits
+    assert params.logit_bias == ((4, 0.5), (9, -100.0)) and params.needs_logits_at(0)
     with pytest.raises(InvalidRequestError) as info:
         request_params(pb.GenerateRequest(prompt="Hi", max_new_tokens=3, logit_bias={9: 100.1}), engine)
     assert info.value.param == "logit_bias" and str(info.value).endswith("got 100.1"), info.value

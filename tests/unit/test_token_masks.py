@@ -75,9 +75,9 @@ def test_settings_are_kept_as_tuples_without_repeats():
     p = SamplingParams(min_tokens=3, stop_token_ids=[7, 2, 7], allowed_token_ids=[9, 1, 9], bad_words=["a", "b"])
     assert (p.stop_token_ids, p.allowed_token_ids, p.bad_words) == ((7, 2), (1, 9), ("a", "b"))
     assert SamplingParams(max_new_tokens=4, min_tokens=4).min_tokens == 4  # min_tokens == max_tokens is allowed
-    assert not SamplingParams(stop_token_ids=(2,)).needs_logits  # a stop id alone changes no logits
+    assert not SamplingParams(stop_token_ids=(2,)).needs_logits_at(0)  # a stop id alone changes no logits
     for masks in (dict(min_tokens=1), dict(allowed_token_ids=(1,)), dict(bad_word_ids=((5,),))):
-        assert SamplingParams(**masks).needs_logits, masks  # a greedy masked request ships its logits rows
+        assert SamplingParams(**masks).needs_logits_at(0), masks  # a greedy masked request ships its logits rows
 
 
 @pytest.mark.parametrize(("field", "masks"), [("stop_token_ids", dict(stop_token_ids=(3, 9))),

@@ -178,6 +178,13 @@ def has_token_masks(params: MaskFields) -> bool:
     return params.min_tokens > 0 or params.allowed_token_ids is not None or bool(params.bad_word_ids)
 
 
+def masks_act_at(params: MaskFields, position: int) -> bool:
+    """True when the masks can change the logits row that chooses output token `position` (0 = the first
+    generated): allowed_token_ids and bad words at every position (a bad word's prefix may come later),
+    min_tokens before `min_tokens` tokens only (`apply_token_masks` bans nothing for it after them)."""
+    return position < params.min_tokens or params.allowed_token_ids is not None or bool(params.bad_word_ids)
+
+
 def apply_token_masks(logits: torch.Tensor, params: MaskFields, *, history: Sequence[int],
                       eos_token_ids: Collection[int]) -> torch.Tensor:
     """logits: [vocab_size] float with every token the masks forbid at output position len(history) set
