@@ -79,18 +79,8 @@ class FakeExecutor:
 
 
 def rejoin_in_thread(servicer: StageServicer, port: int) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def call() -> None:
-        context = FakeContext()
-        try:
-            out["response"] = servicer.Rejoin(pb.RejoinRequest(dist_master_port=port, join_timeout_s=30), context)
-        except Aborted:
-            out["code"], out["details"] = context.code, context.details
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    return thread, out
+    """Rejoin(port) without an attempt number (0: ordered by arrival), as `rejoin_attempt`."""
+    return rejoin_attempt(servicer, port, attempt=0)
 
 
 @pytest.mark.parametrize("stale_forms", [False, True], ids=["stale-rendezvous-times-out", "stale-rendezvous-forms-late"])
