@@ -175,7 +175,9 @@ class StageExecutor:
             result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden[primary])
         if self.model.is_last:
             out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
-            result.token_ids = _argmax_or_non_finite(out[result_index]).cpu()
+            # every logit row a result row (decode, drafts): `out` itself, no 200 KB gather per row
+            rows_out = out if len(result_index) == out.shape[0] else out[result_index]
+            result.token_ids = _argmax_or_non_finite(rows_out).cpu()
             result.logits, result.prompt_logprobs = _returned_logits(items, out, prompt_next)
             if fwd.pseudo is not None:
                 probs, tokens = torch.softmax(fwd.pseudo, dim=-1).max(dim=-1)
