@@ -271,9 +271,11 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
 # so `RotationTables` computes them once for positions [0, N) and a pass gathers its rows. They are
 # computed ROTATION_TABLE_CHUNK positions per call, a size one thread runs whole, as every pass of
 # fewer than ~500 rows does; tests/unit/test_rope.py checks the gathered rows bitwise against the
-# per-pass computation, over every position, for each RoPE kind. The tables double when a position
-# past them is asked for (16 MB at 32k positions, head_dim 64, float32).
+# per-pass computation, over every position, for each RoPE kind. When a position past them is asked
+# for, the tables double, by at most ROTATION_TABLE_HEADROOM positions more than asked (cos and sin
+# take 16 MB at 32k positions, head_dim 64, float32).
 ROTATION_TABLE_CHUNK = 256
+ROTATION_TABLE_HEADROOM = 8192
 
 
 class RotationTables:
@@ -292,7 +294,8 @@ class RotationTables:
         have = 0 if self._cos is None else self._cos.shape[0]
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > have:
-            self._grow(max(need, 2 * have, ROTATION_TABLE_CHUNK), cos_sin, positions.device)
+            self._grow(max(need, min(2 * have, need + ROTATION_TABLE_HEADROOM), ROTATION_TABLE_CHUNK), cos_sin,
+                       positions.device)
         return self._cos[positions], self._signed_sin[positions]
 
     def _grow(self, size: int, cos_sin, device: torch.device) -> None:

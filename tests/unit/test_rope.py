@@ -120,3 +120,23 @@ def test_cached_rotation_tables_follow_new_frequencies_and_serve_autograd():
     after = model.rope_tables(torch.tensor([9]), torch.float32)[0]
     assert torch.equal(after[0], rope_cos_sin(torch.tensor([9]), model.inv_freq, torch.float32)[0][:, None, :])
     assert not torch.equal(before[0], after[0])
+
+
+def test_cached_rotation_tables_grow_by_a_bounded_headroom():
+    """[Note: cached rotation tables]: a position past the tables grows them at most
+    ROTATION_TABLE_HEADROOM positions past it (no doubling of a long context's tables), with the
+    per-pass values there."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.rope import ROTATION_TABLE_HEADROOM, config_cos_sin
+    from pipeline.model.stage_model import StageModel, set_rope_buffers
+
+    config = tiny_config()
+    with torch.device("meta"):
+        model = StageModel(config, LayerRange(0, 1), is_first=True, is_last=False)
+    set_rope_buffers(model, config)
+    for p in (9, 20_000, 20_001):
+        got = model.rope_tables(torch.tensor([p]), torch.float32)[0]
+        want = rotation_tables(*config_cos_sin(config, torch.tensor([p]), model.inv_freq, None, torch.float32))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert model._rotations[(False, torch.float32)]._cos.shape[0] <= p + 1 + ROTATION_TABLE_HEADROOM
