@@ -293,7 +293,7 @@ class RotationTables:
             self._key, self._cos, self._signed_sin = key, None, None
         have = 0 if self._cos is None else self._cos.shape[0]
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > have:
+        if need > have or self._cos is None:  # (no tables yet: zero positions gather from the first chunk)
             self._grow(max(need, min(2 * have, need + ROTATION_TABLE_HEADROOM), ROTATION_TABLE_CHUNK), cos_sin,
                        positions.device)
         return self._cos[positions], self._signed_sin[positions]

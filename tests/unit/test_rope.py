@@ -140,3 +140,21 @@ def test_cached_rotation_tables_grow_by_a_bounded_headroom():
         want = rotation_tables(*config_cos_sin(config, torch.tensor([p]), model.inv_freq, None, torch.float32))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert model._rotations[(False, torch.float32)]._cos.shape[0] <= p + 1 + ROTATION_TABLE_HEADROOM
+
+
+def test_cached_rotation_tables_of_no_positions_are_the_per_pass_empty_tables():
+    """A lookup of zero positions before any table exists gives the per-pass (empty) tables, as the
+    uncached `rotation_tables(*config_cos_sin(...))` does, instead of failing on the absent tables."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.rope import config_cos_sin
+    from pipeline.model.stage_model import StageModel, set_rope_buffers
+
+    config = tiny_config()
+    with torch.device("meta"):
+        model = StageModel(config, LayerRange(0, 1), is_first=True, is_last=False)
+    set_rope_buffers(model, config)
+    none = torch.tensor([], dtype=torch.int64)
+    got = model.rope_tables(none, torch.float32)[0]
+    want = rotation_tables(*config_cos_sin(config, none, model.inv_freq, None, torch.float32))
+    assert all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
