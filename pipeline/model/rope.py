@@ -273,7 +273,10 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
 # fewer than ~500 rows does; tests/unit/test_rope.py checks the gathered rows bitwise against the
 # per-pass computation, over every position, for each RoPE kind. When a position past them is asked
 # for, the tables double, by at most ROTATION_TABLE_HEADROOM positions more than asked (cos and sin
-# take 16 MB at 32k positions, head_dim 64, float32).
+# take 16 MB at 32k positions, head_dim 64, float32). CPU positions only: on an accelerator, finding
+# how far the tables must reach reads the largest position back to the host (a device sync per
+# pass, twice with FIRP), which costs more there than the dozen ops it saves; such a pass computes
+# its tables as before.
 ROTATION_TABLE_CHUNK = 256
 ROTATION_TABLE_HEADROOM = 8192
 
@@ -288,7 +291,10 @@ class RotationTables:
     def lookup(self, positions: torch.Tensor, key: tuple, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [num_tokens, 1, rotary_dim] of int64 `positions` [num_tokens] (>= 0), as
         `rotation_tables(*cos_sin(positions))` gives them. cos_sin: positions -> (cos, sin) [n, rotary_dim];
-        key: what it depends on (frequency tensors, dtype), compared by identity: new ones rebuild."""
+        key: what it depends on (frequency tensors, dtype), compared by identity: new ones rebuild.
+        Positions on another device than the CPU get the per-pass computation (no host sync)."""
+        if positions.device.type != "cpu":
+            return rotation_tables(*cos_sin(positions))
         if len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key, strict=True)):
             self._key, self._cos, self._signed_sin = key, None, None
         have = 0 if self._cos is None else self._cos.shape[0]

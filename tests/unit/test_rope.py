@@ -158,3 +158,18 @@ def test_cached_rotation_tables_of_no_positions_are_the_per_pass_empty_tables():
     got = model.rope_tables(none, torch.float32)[0]
     want = rotation_tables(*config_cos_sin(config, none, model.inv_freq, None, torch.float32))
     assert all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
+
+
+def test_positions_off_the_cpu_get_the_per_pass_tables_without_reading_a_position_back():
+    """[Note: cached rotation tables]: on an accelerator the lookup would read the largest position
+    back to the host every pass (a device sync); such positions get the per-pass computation and
+    never touch the cache. "meta" stands in for the accelerator: reading a meta tensor's value fails."""
+    from pipeline.model.rope import RotationTables
+
+    inv_freq = rope_inv_freq(16, 10_000.0, None)
+    tables = RotationTables()
+    positions = torch.arange(5, device="meta")
+    cos, signed_sin = tables.lookup(positions, (inv_freq,), lambda p: rope_cos_sin(p, inv_freq.to(p.device),
+                                                                                   torch.float32))
+    assert cos.device.type == "meta" and cos.shape == (5, 1, 16) and signed_sin.shape == (5, 1, 16)
+    assert tables._cos is None  # nothing cached
