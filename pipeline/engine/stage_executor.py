@@ -175,7 +175,9 @@ class StageExecutor:
             result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden[primary])
         if self.model.is_last:
             out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
-            result.token_ids = _argmax_or_non_finite(out[result_index]).cpu()
+            # every logit row a result row (decode, drafts): `out` itself, no 200 KB gather per row
+            rows_out = out if len(result_index) == out.shape[0] else out[result_index]
+            result.token_ids = _argmax_or_non_finite(rows_out).cpu()
             result.logits, result.prompt_logprobs = _returned_logits(items, out, prompt_next)
             if fwd.pseudo is not None:
                 probs, tokens = torch.softmax(fwd.pseudo, dim=-1).max(dim=-1)
@@ -286,7 +288,14 @@ def _returned_logits(items: list[Item], out: torch.Tensor, prompt_next: torch.Te
 
 def _argmax_or_non_finite(logits: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] logits -> [rows] int64 argmax, NON_FINITE_TOKEN where a row holds NaN or inf
-    ([Note: non-finite logits] in pipeline/engine/records.py)."""
-    tokens = logits.argmax(dim=-1)
-    finite = torch.isfinite(logits).all(dim=-1)
+    ([Note: non-finite logits] in pipeline/engine/records.py).
+
+    [Note: cheap finiteness check]
+    `max(dim=-1)` gives the argmax (the first maximal value, as `argmax` picks it) and the row's
+    maximum in one pass, 2.5x cheaper than `argmax` here; with `amin` (one more cheap pass) a row is
+    finite exactly when its maximum and minimum are (both reductions propagate NaN; +inf is a maximum,
+    -inf a minimum). The per-element `isfinite(...).all()` it replaces cost ~0.2 ms a 49k-vocab row,
+    on the critical path of every token."""
+    top, tokens = logits.max(dim=-1)
+    finite = torch.isfinite(top) & torch.isfinite(logits.amin(dim=-1))
     return tokens if bool(finite.all()) else torch.where(finite, tokens, NON_FINITE_TOKEN)

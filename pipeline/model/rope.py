@@ -263,6 +263,57 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
     return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
 
 
+# [Note: cached rotation tables]
+# A pass's `rotation_tables` cost ~0.12 ms a stage on the critical path of every token (a dozen small
+# ops, with cold caches after the layers' weights went through), and every stage of a split pays them.
+# Every entry of the tables is a function of its position alone (elementwise ops: the product of
+# position and frequency, cos, sin, the attention factor, the LongRoPE switch, the cast, the sign),
+# so `RotationTables` computes them once for positions [0, N) and a pass gathers its rows. They are
+# computed ROTATION_TABLE_CHUNK positions per call, a size one thread runs whole, as every pass of
+# fewer than ~500 rows does; tests/unit/test_rope.py checks the gathered rows bitwise against the
+# per-pass computation, over every position, for each RoPE kind. When a position past them is asked
+# for, the tables double, by at most ROTATION_TABLE_HEADROOM positions more than asked (cos and sin
+# take 16 MB at 32k positions, head_dim 64, float32). CPU positions only: on an accelerator, finding
+# how far the tables must reach reads the largest position back to the host (a device sync per
+# pass, twice with FIRP), which costs more there than the dozen ops it saves; such a pass computes
+# its tables as before.
+ROTATION_TABLE_CHUNK = 256
+ROTATION_TABLE_HEADROOM = 8192
+
+
+class RotationTables:
+    """The `rotation_tables` of positions [0, N), grown on demand ([Note: cached rotation tables])."""
+
+    def __init__(self) -> None:
+        self._key: tuple = ()
+        self._cos = self._signed_sin = None  # [N, 1, rotary_dim] each
+
+    def lookup(self, positions: torch.Tensor, key: tuple, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [num_tokens, 1, rotary_dim] of int64 `positions` [num_tokens] (>= 0), as
+        `rotation_tables(*cos_sin(positions))` gives them. cos_sin: positions -> (cos, sin) [n, rotary_dim];
+        key: what it depends on (frequency tensors, dtype), compared by identity: new ones rebuild.
+        Positions on another device than the CPU get the per-pass computation (no host sync)."""
+        if positions.device.type != "cpu":
+            return rotation_tables(*cos_sin(positions))
+        if len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key, strict=True)):
+            self._key, self._cos, self._signed_sin = key, None, None
+        have = 0 if self._cos is None else self._cos.shape[0]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > have or self._cos is None:  # (no tables yet: zero positions gather from the first chunk)
+            self._grow(max(need, min(2 * have, need + ROTATION_TABLE_HEADROOM), ROTATION_TABLE_CHUNK), cos_sin,
+                       positions.device)
+        return self._cos[positions], self._signed_sin[positions]
+
+    def _grow(self, size: int, cos_sin, device: torch.device) -> None:
+        """Extend the tables to positions [0, size), ROTATION_TABLE_CHUNK positions per computation."""
+        have = 0 if self._cos is None else self._cos.shape[0]
+        with torch.no_grad():
+            parts = [rotation_tables(*cos_sin(torch.arange(lo, min(lo + ROTATION_TABLE_CHUNK, size), device=device)))
+                     for lo in range(have, size, ROTATION_TABLE_CHUNK)]
+            old = [] if self._cos is None else [(self._cos, self._signed_sin)]
+            self._cos, self._signed_sin = (torch.cat([p[i] for p in old + parts]) for i in (0, 1))
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x: [num_tokens, num_heads, head_dim] by the `rotation_tables` of its rows (half-split layout).
 

@@ -30,7 +30,7 @@ from pipeline.model.family_blocks import ACTIVATION_FNS, make_embedding, make_no
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.moe import SparseMoE
 from pipeline.model.partition import LayerRange
-from pipeline.model.rope import config_cos_sin, config_inv_freq, rope_cos_sin, rotate, rotation_tables
+from pipeline.model.rope import RotationTables, config_cos_sin, config_inv_freq, rope_cos_sin, rotate
 from pipeline.model.row_layout import PassInterrupted, PseudoLayout, Span, anchor_rows, last_rows_of
 from pipeline.model.tensor_names import checkpoint_name
 
@@ -216,6 +216,7 @@ class StageModel(nn.Module):
         self.register_buffer("inv_freq", config_inv_freq(config, local=False), persistent=False)
         self.register_buffer("inv_freq_local", config_inv_freq(config, local=True), persistent=False)
         self.register_buffer("inv_freq_long", config_inv_freq(config, local=False, long=True), persistent=False)
+        self._rotations: dict[tuple[bool, torch.dtype], RotationTables] = {}  # [Note: cached rotation tables], rope.py
         self.draft_layer, self.draft_after = None, None  # [Note: next-layer drafter], pipeline/speculation/drafting/layer_drafter.py
 
     def attach_draft_layer(self, layer: DecoderLayer, *, after: int) -> None:
@@ -229,10 +230,14 @@ class StageModel(nn.Module):
         """{absolute layer: (cos, signed sin) [num_tokens, 1, head_dim]} for this stage's layers at `positions`,
         the `rotation_tables` of pipeline/model/rope.py (sliding layers of a family with its own local RoPE
         base get the local tables)."""
-        tables = {False: rotation_tables(*config_cos_sin(self.config, positions, self.inv_freq, self.inv_freq_long, dtype))}
+        cached = self._rotations
+        tables = {False: cached.setdefault((False, dtype), RotationTables()).lookup(
+            positions, (self.inv_freq, self.inv_freq_long, dtype),
+            lambda p: config_cos_sin(self.config, p, self.inv_freq, self.inv_freq_long, dtype))}
         local = self.config.rope_local_theta is not None
         if local and any(self.config.is_sliding(i) for i in self.layer_range):
-            tables[True] = rotation_tables(*rope_cos_sin(positions, self.inv_freq_local, dtype))
+            tables[True] = cached.setdefault((True, dtype), RotationTables()).lookup(
+                positions, (self.inv_freq_local, dtype), lambda p: rope_cos_sin(p, self.inv_freq_local, dtype))
         return {i: tables[local and self.config.is_sliding(i)] for i in self.layer_range}
 
     def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int, num_scratch: int = 0) -> KVCache:

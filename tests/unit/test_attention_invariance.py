@@ -206,3 +206,27 @@ def test_a_capped_prefill_holds_its_scores_in_query_blocks_and_equals_transforme
         out = _attend(kv, [span], q, k, v, pseudo, softcap=2.0)
     assert (1, HEADS, n, n) not in seen.shapes and (1, HEADS, 16, n) in seen.shapes, sorted(seen.shapes)
     torch.testing.assert_close(out, _eager_reference(q, k, v, allowed, 2.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [*range(6), "block-edge", "zero"])
+def test_the_one_row_plan_has_every_field_of_the_general_plan(seed):
+    """[Note: one-row plans] in pipeline/model/attention.py: items of one real row each get their plan
+    from a short path; each field (dtype, shape and values), and the sliding-window mask made from
+    it, must be the general build's."""
+    import dataclasses
+    import random
+
+    rng = random.Random(str(seed))
+    starts = [0, 1, KEY_BLOCK - 1, KEY_BLOCK, KEY_BLOCK + 1, 77, 150]
+    spans = [Span(rng.randrange(4), rng.choice(starts), 1) for _ in range(rng.randint(1, 6))]
+    if not isinstance(seed, int):  # the longest item ends on a key block's last position / at position 0
+        spans = [Span(2, KEY_BLOCK - 1, 1), Span(0, 3, 1)] if seed == "block-edge" else [Span(1, 0, 1)]
+    fast = AttentionPlan.build(spans, None, torch.device("cpu"), scratch_base=MAX_LEN)
+    general = AttentionPlan._build_general(spans, None, torch.device("cpu"), scratch_base=MAX_LEN)
+    for field in dataclasses.fields(AttentionPlan):
+        a, b = getattr(fast, field.name), getattr(general, field.name)
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), field.name
+        else:
+            assert a == b, field.name
+    assert torch.equal(fast.masked_out_for(5), general.masked_out_for(5))

@@ -60,3 +60,116 @@ def test_rms_norm_float32_path_equals_the_cast_formula_bitwise(num_rows):
         expected_bf = norm_bf.weight * (bf32 * torch.rsqrt(bf32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
         out = norm_bf(bf)
         assert out.dtype == torch.bfloat16 and torch.equal(out, expected_bf)
+
+
+# -- [Note: cached rotation tables] in pipeline/model/rope.py -----------------------------------------
+
+@pytest.mark.parametrize("family", ["tiny", "llama3", "gemma3_text", "phi3-longrope", "qwen3-yarn", "llama-longrope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_rotation_tables_are_the_per_pass_computation_bitwise(family, dtype):
+    """StageModel.rope_tables gathers from tables computed once; every position's rows must be the
+    bits the per-pass `rotation_tables(*config_cos_sin(...))` gives, alone (a decode pass) and among
+    others (a verify pass, a prefill), past the first growth of the tables, for each RoPE kind."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.rope import ROTATION_TABLE_CHUNK, config_cos_sin
+    from pipeline.model.stage_model import StageModel, set_rope_buffers
+    from tests.family_models import family_config
+
+    config = tiny_config() if family == "tiny" else family_config(family)
+    with torch.device("meta"):
+        model = StageModel(config, LayerRange(0, config.num_hidden_layers), is_first=True, is_last=True)
+    set_rope_buffers(model, config)
+
+    def per_pass(positions):
+        tables = {False: rotation_tables(*config_cos_sin(config, positions, model.inv_freq, model.inv_freq_long, dtype))}
+        if config.rope_local_theta is not None:
+            tables[True] = rotation_tables(*rope_cos_sin(positions, model.inv_freq_local, dtype))
+        return {i: tables[config.rope_local_theta is not None and config.is_sliding(i)] for i in model.layer_range}
+
+    def check(positions):
+        with torch.inference_mode():
+            got, want = model.rope_tables(positions, dtype), per_pass(positions)
+        for layer in model.layer_range:
+            assert all(torch.equal(g, w) for g, w in zip(got[layer], want[layer], strict=True)), (layer, positions)
+
+    check(torch.tensor([3]))  # first tables: one chunk
+    for p in range(2 * ROTATION_TABLE_CHUNK + 40):  # every position alone, across two growths
+        check(torch.tensor([p]))
+    check(torch.arange(ROTATION_TABLE_CHUNK - 5, ROTATION_TABLE_CHUNK + 300))  # a long prefill across chunks
+    check(torch.tensor([700, 5, 701, 702, 30]))  # rows in any order
+
+
+def test_cached_rotation_tables_follow_new_frequencies_and_serve_autograd():
+    """New frequency buffers (a model moved or re-filled) rebuild the tables; tables first built in
+    inference mode are plain tensors that ops recorded for backward may use (training code)."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.stage_model import StageModel, set_rope_buffers
+
+    config = tiny_config()
+    with torch.device("meta"):
+        model = StageModel(config, LayerRange(0, 1), is_first=True, is_last=False)
+    set_rope_buffers(model, config)
+    with torch.inference_mode():
+        before = model.rope_tables(torch.tensor([9]), torch.float32)[0]
+    x = torch.randn(1, 2, config.head_dim, requires_grad=True)
+    rotate(x, *model.rope_tables(torch.tensor([9]), torch.float32)[0]).sum().backward()  # the same tables
+    assert x.grad is not None
+    model.inv_freq = model.inv_freq * 2
+    after = model.rope_tables(torch.tensor([9]), torch.float32)[0]
+    assert torch.equal(after[0], rope_cos_sin(torch.tensor([9]), model.inv_freq, torch.float32)[0][:, None, :])
+    assert not torch.equal(before[0], after[0])
+
+
+def test_cached_rotation_tables_grow_by_a_bounded_headroom():
+    """[Note: cached rotation tables]: a position past the tables grows them at most
+    ROTATION_TABLE_HEADROOM positions past it (no doubling of a long context's tables), with the
+    per-pass values there."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.rope import ROTATION_TABLE_HEADROOM, config_cos_sin
+    from pipeline.model.stage_model import StageModel, set_rope_buffers
+
+    config = tiny_config()
+    with torch.device("meta"):
+        model = StageModel(config, LayerRange(0, 1), is_first=True, is_last=False)
+    set_rope_buffers(model, config)
+    for p in (9, 20_000, 20_001):
+        got = model.rope_tables(torch.tensor([p]), torch.float32)[0]
+        want = rotation_tables(*config_cos_sin(config, torch.tensor([p]), model.inv_freq, None, torch.float32))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert model._rotations[(False, torch.float32)]._cos.shape[0] <= p + 1 + ROTATION_TABLE_HEADROOM
+
+
+def test_cached_rotation_tables_of_no_positions_are_the_per_pass_empty_tables():
+    """A lookup of zero positions before any table exists gives the per-pass (empty) tables, as the
+    uncached `rotation_tables(*config_cos_sin(...))` does, instead of failing on the absent tables."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.rope import config_cos_sin
+    from pipeline.model.stage_model import StageModel, set_rope_buffers
+
+    config = tiny_config()
+    with torch.device("meta"):
+        model = StageModel(config, LayerRange(0, 1), is_first=True, is_last=False)
+    set_rope_buffers(model, config)
+    none = torch.tensor([], dtype=torch.int64)
+    got = model.rope_tables(none, torch.float32)[0]
+    want = rotation_tables(*config_cos_sin(config, none, model.inv_freq, None, torch.float32))
+    assert all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
+
+
+def test_positions_off_the_cpu_get_the_per_pass_tables_without_reading_a_position_back():
+    """[Note: cached rotation tables]: on an accelerator the lookup would read the largest position
+    back to the host every pass (a device sync); such positions get the per-pass computation and
+    never touch the cache. "meta" stands in for the accelerator: reading a meta tensor's value fails."""
+    from pipeline.model.rope import RotationTables
+
+    inv_freq = rope_inv_freq(16, 10_000.0, None)
+    tables = RotationTables()
+    positions = torch.arange(5, device="meta")
+    cos, signed_sin = tables.lookup(positions, (inv_freq,), lambda p: rope_cos_sin(p, inv_freq.to(p.device),
+                                                                                   torch.float32))
+    assert cos.device.type == "meta" and cos.shape == (5, 1, 16) and signed_sin.shape == (5, 1, 16)
+    assert tables._cos is None  # nothing cached

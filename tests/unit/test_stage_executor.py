@@ -276,3 +276,27 @@ def test_a_last_stage_without_the_next_prompt_tokens_refuses_the_item(weights):
     hidden = first.run([echo], torch.tensor([5, 6, 7])).hidden
     with pytest.raises(ValueError, match="prompt rows, but prompt_next is None"):
         last.run([echo.without_tokens()], hidden)
+
+
+def test_the_last_stage_token_of_each_row_is_torch_argmax_or_the_non_finite_token():
+    """[Note: cheap finiteness check]: the result token of each logits row equals torch.argmax (the
+    first of tied maxima) where every value is finite, and NON_FINITE_TOKEN where one is NaN or
+    +-inf; a finite row whose sum overflows to inf is still finite."""
+    from pipeline.engine.stage_executor import _argmax_or_non_finite
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(11, 1000, generator=g)
+    rows[1, [3, 500, 900]] = 50.0  # tied maxima: the first one counts
+    rows[2, 7] = float("nan")
+    rows[3, 10] = float("inf")
+    rows[4, 20] = float("-inf")
+    rows[5, :] = 3.0e38  # finite, but the sum overflows
+    rows[6, [1, 2]] = torch.tensor([float("inf"), float("-inf")])  # the sum is NaN
+    rows[7, :] = -3.0e38  # finite, the sum overflows to -inf
+    rows[8, 999] = float("nan")  # in the last (tail) lane of the vectorised reductions
+    rows[9, 998] = float("-inf")
+    for batch in (rows, rows[[0, 1]], rows[[0, 5]], rows[[5]], rows[[2]], rows[[0, 7, 1]], rows[[8]], rows[[9, 0]], rows[:, :999]):
+        finite = torch.isfinite(batch).all(dim=-1)
+        expected = torch.where(finite, torch.argmax(batch, dim=-1), NON_FINITE_TOKEN)
+        assert _argmax_or_non_finite(batch).tolist() == expected.tolist()
+    assert _argmax_or_non_finite(rows[[1]]).tolist() == [3]
