@@ -12,6 +12,7 @@ Ranks: [Note: ranks] in pipeline/engine/wire.py (`rank_of_stage`).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import ipaddress
 import re
@@ -113,6 +114,27 @@ _JOINED_KEY, _ALL_JOINED_KEY = "speedpipe/joined", "speedpipe/all_joined"
 _JOIN_POLL_S = 0.05  # how often rank 0 looks whether every rank joined, unless abandoned first
 
 
+# [Note: a rendezvous wait at interpreter exit]
+# A process that exits while rank 0 still polls its rendezvous (a launch that failed at start-up, a
+# test) must not leave that daemon thread inside a TCPStore call: once finalisation starts, a daemon
+# thread coming back from C++ for the GIL is ended by a forced unwind, which through torch's
+# noexcept frames is std::terminate ("terminate called without an active exception", exit 134 in
+# about 2 of 5 such exits, measured). At exit every polling rank 0 stops as if abandoned, and the
+# exit waits (briefly) until it has left the store.
+_exiting = threading.Event()
+_polling: set[threading.Thread] = set()
+_polling_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_polling_at_exit() -> None:
+    _exiting.set()
+    with _polling_lock:
+        threads = list(_polling)
+    for thread in threads:
+        thread.join(timeout=2.0)
+
+
 class RendezvousAbandoned(RuntimeError):
     """Rank 0 stopped waiting at its rendezvous: the caller abandoned it (a failed fail-over attempt)."""
 
@@ -125,14 +147,22 @@ def _count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: fl
     the store, and so the port, alive)."""
     if store.add(_JOINED_KEY, 1) == world_size:
         store.set(_ALL_JOINED_KEY, "1")
+    if rank != 0:
+        return None
     deadline, stop = time.monotonic() + timeout_s, abandoned if abandoned is not None else threading.Event()
-    while rank == 0 and not store.check([_ALL_JOINED_KEY]):
-        if stop.wait(_JOIN_POLL_S):
-            return "abandoned"
-        if time.monotonic() > deadline:
-            return (f"timed out after {timeout_s:g} s waiting for the data plane's ranks: "
-                    f"{store.add(_JOINED_KEY, 0)}/{world_size} joined")
-    return None
+    with _polling_lock:
+        _polling.add(threading.current_thread())
+    try:
+        while not store.check([_ALL_JOINED_KEY]):
+            if stop.wait(_JOIN_POLL_S) or _exiting.is_set():  # [Note: a rendezvous wait at interpreter exit]
+                return "abandoned"
+            if time.monotonic() > deadline:
+                return (f"timed out after {timeout_s:g} s waiting for the data plane's ranks: "
+                        f"{store.add(_JOINED_KEY, 0)}/{world_size} joined")
+        return None
+    finally:
+        with _polling_lock:
+            _polling.discard(threading.current_thread())
 
 
 class DataPlaneGroup:
