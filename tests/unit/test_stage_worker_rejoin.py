@@ -78,6 +78,17 @@ class FakeExecutor:
         pass
 
 
+def loaded_servicer(monkeypatch, rendezvous, servicer: StageServicer) -> StageServicer:
+    """`servicer` as stage 1 of 2 that has loaded (a fake executor and spec), its data-plane groups
+    made by `rendezvous` (DataPlaneGroup's keywords) and its loops fake."""
+    monkeypatch.setattr(stage_worker, "DataPlaneGroup", rendezvous)
+    monkeypatch.setattr(stage_worker, "StageLoop", FakeLoop)
+    servicer.executor = FakeExecutor()
+    servicer.spec = StageLoadSpec(model_dir="unused", stage_index=1, num_stages=2, layer_range=LayerRange(2, 4),
+                                  max_num_seqs=1, max_model_len=16, dist_master_port=41000)
+    return servicer
+
+
 def rejoin_in_thread(servicer: StageServicer, port: int) -> tuple[threading.Thread, dict]:
     """Rejoin(port) without an attempt number (0: ordered by arrival), as `rejoin_attempt`."""
     return rejoin_attempt(servicer, port, attempt=0)
@@ -90,12 +101,7 @@ def test_a_rejoin_is_not_held_up_by_an_earlier_one_still_waiting_at_its_rendezvo
     the stale rendezvous ends, its Rejoin fails without touching the new loop; a stale group that did
     form is closed (no leaked sockets)."""
     rendezvous = Rendezvous(stale_forms=stale_forms)
-    monkeypatch.setattr(stage_worker, "DataPlaneGroup", rendezvous)
-    monkeypatch.setattr(stage_worker, "StageLoop", FakeLoop)
-    servicer = StageServicer(1, threading.Event())
-    servicer.executor = FakeExecutor()
-    servicer.spec = StageLoadSpec(model_dir="unused", stage_index=1, num_stages=2, layer_range=LayerRange(2, 4),
-                                  max_num_seqs=1, max_model_len=16, dist_master_port=41000)
+    servicer = loaded_servicer(monkeypatch, rendezvous, StageServicer(1, threading.Event()))
     try:
         stale, stale_out = rejoin_in_thread(servicer, STALE_PORT)
         assert rendezvous.stale_waiting.wait(WAIT_S)
@@ -137,12 +143,8 @@ def test_superseded_rejoins_do_not_hold_the_control_planes_threads(monkeypatch):
         groups.append(FakeGroup(master_port))
         return groups[-1]
 
-    monkeypatch.setattr(stage_worker, "DataPlaneGroup", rendezvous)
-    monkeypatch.setattr(stage_worker, "StageLoop", FakeLoop)
     server, servicer, port = stage_worker.start_server(stage_index=1, host="127.0.0.1", stop_event=threading.Event())
-    servicer.executor = FakeExecutor()
-    servicer.spec = StageLoadSpec(model_dir="unused", stage_index=1, num_stages=2, layer_range=LayerRange(2, 4),
-                                  max_num_seqs=1, max_model_len=16, dist_master_port=41000)
+    loaded_servicer(monkeypatch, rendezvous, servicer)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.StageServiceStub(channel)
     try:
@@ -205,12 +207,7 @@ def test_a_rejoin_of_an_older_attempt_arriving_after_a_newer_one_is_refused(monk
         groups.append(FakeGroup(master_port))
         return groups[-1]
 
-    monkeypatch.setattr(stage_worker, "DataPlaneGroup", rendezvous)
-    monkeypatch.setattr(stage_worker, "StageLoop", FakeLoop)
-    servicer = StageServicer(1, threading.Event())
-    servicer.executor = FakeExecutor()
-    servicer.spec = StageLoadSpec(model_dir="unused", stage_index=1, num_stages=2, layer_range=LayerRange(2, 4),
-                                  max_num_seqs=1, max_model_len=16, dist_master_port=41000)
+    servicer = loaded_servicer(monkeypatch, rendezvous, StageServicer(1, threading.Event()))
     try:
         newer, newer_out = rejoin_attempt(servicer, newer_port, attempt=8)
         assert at_newer.wait(WAIT_S), "attempt 8's Rejoin never reached its rendezvous"
