@@ -153,7 +153,7 @@ class Coordinator:
         """Load every stage and join the process group as rank 0; start the engine thread.
         Raises PipelineError naming the stage whose Load failed, or on timeout."""
         wait_reachable(self.channels)
-        responses = load_and_join(self.stubs, specs, self.link.join, timeout_s=timeout_s)
+        responses = load_and_join(self.stubs, specs, self.link.join, timeout_s=timeout_s, abandon=self.link.close)
         self.link.warm_up()
         self._start_receivers()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)

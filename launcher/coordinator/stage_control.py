@@ -65,12 +65,15 @@ def wait_reachable(channels: Sequence[grpc.Channel], *, timeout_s: float = 30.0,
 
 
 def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[StageLoadSpec],
-                  join: Callable[[], None], *, timeout_s: float) -> list[pb.LoadStageResponse]:
+                  join: Callable[[], None], *, timeout_s: float,
+                  abandon: Callable[[], None] = lambda: None) -> list[pb.LoadStageResponse]:
     """Load every stage (one Load RPC each) while `join` joins the data plane; returns the Load
     responses in stage order. Raises StageLoadError naming the stage (or the coordinator) that
     failed first, once ("stage 1 failed to load: <the stage's message>"; "stage 1 failed to load the
     model: TypeError: ..." for an unexpected exception in the stage), its `user_input` set for the
-    USER_INPUT_CODES but not INTERNAL_REASONS; PipelineError on timeout."""
+    USER_INPUT_CODES but not INTERNAL_REASONS; PipelineError on timeout. Before raising, calls
+    `abandon`, which ends a `join` still waiting and frees its port ([Note: abandoned rendezvous]
+    in workers/channel.py; before, it waited out its 600 s)."""
     # Daemon threads, not a ThreadPoolExecutor: after a failed start a join may stay blocked in
     # the rendezvous, and the interpreter must still be able to exit.
     loads = {in_daemon_thread(stub.Load, spec_to_proto(spec), timeout=timeout_s): i
@@ -81,6 +84,8 @@ def load_and_join(stubs: Sequence[pb_grpc.StageServiceStub], specs: Sequence[Sta
     done, pending = concurrent.futures.wait([*loads, joined], timeout=timeout_s,
                                             return_when=concurrent.futures.FIRST_EXCEPTION)
     loading = sorted(loads[f] for f in pending if f in loads)  # stages whose Load has not returned
+    if pending or any(f.exception() for f in done):
+        abandon()
     if pending and not any(f.exception() for f in done):
         if loading:
             raise PipelineError(f"{_stages(loading)} did not finish loading within {timeout_s:g} s "

@@ -7,6 +7,7 @@ stage processes: tests/unit/test_stage_load_report.py."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import grpc
@@ -57,9 +58,9 @@ def release():
     event.set()  # let the hung daemon threads end
 
 
-def _load(behaviours, release, *, join=lambda: None, timeout_s=0.5):
+def _load(behaviours, release, *, join=lambda: None, timeout_s=0.5, abandon=lambda: None):
     stubs = [_Stub(b, release) for b in behaviours]
-    return stage_control.load_and_join(stubs, list(range(len(stubs))), join, timeout_s=timeout_s)
+    return stage_control.load_and_join(stubs, list(range(len(stubs))), join, timeout_s=timeout_s, abandon=abandon)
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +70,21 @@ def _plain_specs(monkeypatch):
 
 def test_every_stage_loads(release):
     assert _load(["ok", "ok", "ok"], release) == ["loaded 0", "loaded 1", "loaded 2"]
+
+
+def test_a_failed_or_timed_out_start_abandons_the_coordinators_rendezvous_at_once(release):
+    """The coordinator's join still waiting at the rendezvous is given up (`abandon`, which is
+    StageLink.close) before the error is raised, so its thread and port do not wait out their 600 s;
+    a start that succeeds abandons nothing."""
+    for behaviours, join in ((["ok", "fail"], lambda: release.wait(5)), (["ok", "hang"], lambda: None),
+                             (["ok", "ok"], lambda: release.wait(5))):
+        abandoned: list[bool] = []
+        with pytest.raises(PipelineError):
+            _load(behaviours, release, join=join, abandon=functools.partial(abandoned.append, True))
+        assert abandoned == [True], behaviours
+    kept = []
+    assert _load(["ok", "ok"], release, abandon=lambda: kept.append(True)) == ["loaded 0", "loaded 1"]
+    assert kept == []
 
 
 def test_a_timeout_names_the_stages_still_loading(release):
