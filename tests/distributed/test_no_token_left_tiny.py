@@ -16,6 +16,7 @@ min_tokens is masked), against token-by-token decoding with vLLM's mask, streame
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -40,16 +41,23 @@ PLAIN = {"prompt": "The cat sat on the mat.", "max_tokens": 12, "temperature": 0
          "return_token_ids": True}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tiny = write_tiny_model(tmp_path_factory.mktemp("tiny-dead-end"))
-    firp = write_firp_file(tiny, tmp_path_factory.mktemp("firp") / "firp.safetensors", layer=1, k=3)
-    options = PipelineOptions(num_stages=2, model=str(tiny), progress=False, max_num_seqs=4, max_model_len=128,
+@contextlib.contextmanager
+def firp_server(model_dir: Path, firp_path: Path):
+    """HTTP + gRPC on 2 real stages of `model_dir`, `speed+firp` with FIRP maps written to `firp_path`."""
+    firp = write_firp_file(model_dir, firp_path, layer=1, k=3)
+    options = PipelineOptions(num_stages=2, model=str(model_dir), progress=False, max_num_seqs=4, max_model_len=128,
                               stage_timeout_s=60, speculate="speed+firp", predictor="ngram", min_acceptance=0.0,
                               row_cost="none", firp_file=str(firp), layer_split="2,2")
     with PipelineSession(options, resolve(options)) as session:
         with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=0, stats_interval_s=0)) as stack:
             yield stack
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tiny = write_tiny_model(tmp_path_factory.mktemp("tiny-dead-end"))
+    with firp_server(tiny, tmp_path_factory.mktemp("firp") / "firp.safetensors") as stack:
+        yield stack
 
 
 def test_a_dead_end_is_bad_input_over_http_and_grpc_and_the_next_request_works(server):
@@ -125,13 +133,8 @@ def varied_server(tmp_path_factory):
     from tests.family_models import write_family_model
 
     folder = write_family_model(tmp_path_factory.mktemp("mistral") / "model", "mistral", seed=3, sliding_window=128)
-    firp = write_firp_file(folder, folder.parent / "firp.safetensors", layer=1, k=3)
-    options = PipelineOptions(num_stages=2, model=str(folder), progress=False, max_num_seqs=4, max_model_len=128,
-                              stage_timeout_s=60, speculate="speed+firp", predictor="ngram", min_acceptance=0.0,
-                              row_cost="none", firp_file=str(firp), layer_split="2,2")
-    with PipelineSession(options, resolve(options)) as session:
-        with ServingStack(session, ServeOptions(host="127.0.0.1", port=0, grpc_port=0, stats_interval_s=0)) as stack:
-            yield stack
+    with firp_server(folder, folder.parent / "firp.safetensors") as stack:
+        yield stack
 
 
 def _masked_reference(model_dir: Path, prompt: str, *, max_tokens: int, min_tokens: int, stop: int,
