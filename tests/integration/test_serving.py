@@ -213,7 +213,7 @@ def test_cancel_mid_stream_frees_slot_and_later_request_is_unaffected(server, cl
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"model": "no-such-model"}, "model"),
+    ({"model": 5}, "model"),  # a model that is not a string (another model's name is vLLM's 404: below)
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
@@ -229,6 +229,14 @@ def test_bad_input_is_400_naming_the_field(server, client, kwargs, param):
     assert info.value.status_code == 400
     assert info.value.param == param
     assert param.split("_")[0] in str(info.value.message)
+    assert httpx.get(base_url(server[0]) + "/health").status_code == 200  # still serving
+
+
+def test_a_model_this_server_does_not_serve_is_vllms_404(server, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="Hello", max_tokens=2)
+    assert info.value.status_code == 404 and info.value.param == "model"
+    assert info.value.body["message"] == "The model `no-such-model` does not exist."
     assert httpx.get(base_url(server[0]) + "/health").status_code == 200  # still serving
 
 
