@@ -33,6 +33,15 @@ keeps its batch invariance. SDPA has no cap, so a capped prefill takes `_capped_
 same maths written out (float32 scores, GQA by expanding the keys, CAPPED_QUERY_BLOCK query rows at a
 time so that a long prompt needs no [heads, n, n] buffer); without a cap both paths run
 exactly the ops they ran before (one Python branch, no extra tensor op).
+
+[Note: windowed pseudo rows]
+On a sliding-window layer whose window binds, every query row, real or FIRP pseudo, sees key j only when
+`inside_window` (pipeline/model/family_blocks.py, the one copy of the rule) says so for its own position.
+A pseudo row of chain a sits at position p = p_a + 1 + i ([Note: pseudo rows] in pipeline/model/row_layout.py)
+and its keys are the cached ones at 0..p_a and its chain's rows at p_a + 1 .. p; with the window it keeps
+those above p - window, from either side, exactly the keys the chain's tokens would see run as real tokens
+at those positions. So `masked_out_for` masks by key position (cached key j at j, pseudo key at its row's
+position) and `pseudo_mask_for` does the same to a prefill's pseudo mask (tests/unit/test_firp_window.py).
 """
 
 from __future__ import annotations
@@ -43,14 +52,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.family_blocks import window_binds, window_mask
+from pipeline.model.family_blocks import inside_window, window_binds, window_mask
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.row_layout import PseudoLayout, Span
 
 SMALL_ITEM_ROWS = 16  # items with at most this many real rows take the batched, batch-invariant path
 KEY_BLOCK = 32  # cached keys are read in whole blocks of this many positions (see the note)
-_WINDOWED_PSEUDO = ("FIRP pseudo rows are not supported on a sliding-window layer whose window ({window}) is "
-                    "below max_model_len")
 CAPPED_QUERY_BLOCK = 256  # query rows per float32 scores block of a soft-capped prefill (`_capped_attention`)
 
 
@@ -63,12 +70,14 @@ class AttentionPlan:
     small: indices (into spans) of the items on the batched path; large: the others.
     q_index: [num_small, max_q] packed row of each query (padding: row num_rows, a zero row).
     key_slots: [num_small]; max_len: cached keys read per item; pseudo_keys: [num_small, max_p]
-        packed rows whose keys follow the cached ones (padding: the zero row), or None.
+        packed rows whose keys follow the cached ones (padding: the zero row), or None;
+        pseudo_key_positions: [num_small, max_p] their positions (padding: 0), or None.
     masked_out: [num_small, max_q, max_len + max_p] bool, True = may not attend (built once, used by
         every layer). max_len is a multiple of KEY_BLOCK.
     dense_rows: True when the batched queries are exactly the packed rows in order (every item one
         real row, no pseudo rows, no large items): no gather and no scatter.
     src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
+    q_positions: [num_small, max_q] position of every batched query, pseudo rows' included (padding: 0).
     sibling_batch, sibling_positions, sibling_rows: [num_siblings] batched-item index, position
         and packed row of every token-tree sibling span, whose own key/value replace the cached
         ones at its position ([Note: sibling rows] in pipeline/model/row_layout.py); None if none.
@@ -90,23 +99,36 @@ class AttentionPlan:
     src: torch.Tensor | None = None
     dst: torch.Tensor | None = None
     q_positions: torch.Tensor | None = None
+    pseudo_key_positions: torch.Tensor | None = None
     sibling_batch: torch.Tensor | None = None
     sibling_positions: torch.Tensor | None = None
     sibling_rows: torch.Tensor | None = None
     _window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def masked_out_for(self, window: int | None) -> torch.Tensor | None:
-        """`masked_out` of the batched items, with cached key j also hidden from a query at position i
-        when j <= i - window (a sliding-window layer; built once per window per forward)."""
+        """`masked_out` of the batched items, with a key at position j also hidden from a query at
+        position i when j <= i - window (a sliding-window layer, pseudo rows and pseudo keys included:
+        [Note: windowed pseudo rows]; built once per window per forward)."""
         if window is None:
             return self.masked_out
-        if self.pseudo_keys is not None:
-            raise ValueError(_WINDOWED_PSEUDO.format(window=window))
         if window not in self._window_masks:
-            key_pos = torch.arange(self.max_len, device=self.masked_out.device)
-            outside = key_pos[None, None, :] <= self.q_positions[:, :, None] - window
-            self._window_masks[window] = self.masked_out | outside
+            key_pos = torch.arange(self.max_len, device=self.masked_out.device)[None, :]  # [1, max_len]
+            if self.pseudo_key_positions is not None:
+                key_pos = torch.cat([key_pos.expand(len(self.small), -1), self.pseudo_key_positions], 1)
+            self._window_masks[window] = self.masked_out | ~inside_window(self.q_positions, key_pos, window)
         return self._window_masks[window]
+
+    def pseudo_mask_for(self, i: int, window: int | None) -> torch.Tensor:
+        """Span i's pseudo mask (`Span.pseudo_mask`: [n + p, end + p] bool, True = may attend) with a key
+        at position j also hidden from a row at position i when j <= i - window ([Note: windowed pseudo
+        rows]); the mask of a large item with pseudo rows (batched items use `masked_out_for`)."""
+        mask, span = self.pseudo.masks[i], self.spans[i]
+        if window is None:
+            return mask
+        end = span.start + span.num_tokens
+        pseudo_pos = torch.tensor(span.pseudo_positions(), device=mask.device)
+        query_pos = torch.cat([torch.arange(span.start, end, device=mask.device), pseudo_pos])
+        return mask & inside_window(query_pos, torch.cat([torch.arange(end, device=mask.device), pseudo_pos]), window)
 
     @classmethod
     def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device, *,
@@ -166,6 +188,7 @@ class AttentionPlan:
         q_index = torch.full((len(self.small), max_q), pad, dtype=torch.int64)
         q_pos = torch.zeros(len(self.small), max_q, dtype=torch.int64)  # padding rows: position 0
         p_index = torch.full((len(self.small), max_p), pad, dtype=torch.int64)
+        p_pos = torch.zeros(len(self.small), max_p, dtype=torch.int64)
         mask = torch.zeros(len(self.small), max_q, self.max_len + max_p, dtype=torch.bool)
         mask[:, :, 0] = True  # padding queries attend to one key (no NaN); their rows are never read
         for b, i in enumerate(self.small):
@@ -176,6 +199,7 @@ class AttentionPlan:
                 prows = torch.arange(self.pseudo.offsets[i], self.pseudo.offsets[i] + num_p[i])
                 q_index[b, n:n + num_p[i]] = prows
                 p_index[b, :num_p[i]] = prows
+                q_pos[b, n:n + num_p[i]] = p_pos[b, :num_p[i]] = torch.tensor(s.pseudo_positions())
                 m = self.pseudo.masks[i].cpu()  # [n + p, end + p]
                 mask[b, :n + num_p[i], :end] = m[:, :end]
                 mask[b, :n + num_p[i], self.max_len:self.max_len + num_p[i]] = m[:, end:]
@@ -189,6 +213,7 @@ class AttentionPlan:
         self.masked_out = (~mask).to(device)
         self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
         self.pseudo_keys = p_index.to(device) if max_p else None
+        self.pseudo_key_positions = p_pos.to(device) if max_p else None
         siblings = [(b, spans[i].start, row_of[i]) for b, i in enumerate(self.small) if spans[i].is_sibling]
         if siblings:
             b_idx, pos, rows = (torch.tensor(c, dtype=torch.int64, device=device) for c in zip(*siblings, strict=True))
@@ -238,8 +263,8 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     scale: softmax scale (default 1/sqrt(d)); softcap: cap of the attention scores (Gemma 2,
     [Note: attention soft-capping]) or None. Returns [num_rows, heads, d] in q's dtype.
     A window that cannot bind in `kv` (window >= kv.max_model_len) is full attention, bit for bit
-    ([Note: a window that never binds] in pipeline/model/family_blocks.py).
-    Raises ValueError for FIRP pseudo rows on a sliding-window layer whose window binds.
+    ([Note: a window that never binds] in pipeline/model/family_blocks.py); one that binds applies to
+    FIRP pseudo rows as to real rows ([Note: windowed pseudo rows]).
     """
     if not window_binds(window, kv.max_model_len):
         window = None
@@ -319,11 +344,10 @@ def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: i
         o = _sdpa(q[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale, softcap)
         out[rows] = o[0].transpose(0, 1)
         return
-    if window is not None:
-        raise ValueError(_WINDOWED_PSEUDO.format(window=window))
+    mask = plan.pseudo_mask_for(i, window)
     prows = slice(plan.pseudo.offsets[i], plan.pseudo.offsets[i] + span.num_pseudo)
     keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
     values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
     both = torch.cat([q[rows], q[prows]]).transpose(0, 1)[None]
-    o = _sdpa(both, keys[None], values[None], plan.pseudo.masks[i], scale, softcap)[0].transpose(0, 1)
+    o = _sdpa(both, keys[None], values[None], mask, scale, softcap)[0].transpose(0, 1)
     out[rows], out[prows] = o[:n], o[n:]
