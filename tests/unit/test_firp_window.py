@@ -199,3 +199,23 @@ def test_firp_chains_through_binding_windows_give_transformers_greedy_output(sma
     spec = pipe.engine.spec
     if firp_k:
         assert 0 < spec.firp_verified and spec.firp_accepted < spec.firp_verified, "chains not both kinds"
+
+
+# family -> config changes: Gemma 2 / 3 slide on some layers (window 6, their own local RoPE for Gemma 3,
+# soft-caps), Phi-3 on every layer once given a window
+SLIDING_FAMILIES = {"gemma2": {}, "gemma3_text": {}, "phi3": {"sliding_window": 8}, "mixtral": {"sliding_window": 8}}
+
+
+@pytest.mark.parametrize("family", list(SLIDING_FAMILIES))
+def test_firp_through_other_families_sliding_layers_gives_transformers_greedy_output(family, tmp_path):
+    """FIRP chains of 3 from layer 1 through layers 2 and 3 of each family with a window below prompt + output:
+    transformers' greedy output (the family's own mask, RoPE and caps)."""
+    folder = write_family_model(tmp_path / family, family, seed=3, **SLIDING_FAMILIES[family])
+    pipe = InProcessPipeline(_stages(folder), max_model_len=64, firp_k=3, exit_layer=1)
+    got = pipe.generate([LONG_PROMPT], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = _hf(folder).generate(torch.tensor([LONG_PROMPT]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                   eos_token_id=None, pad_token_id=0)[0, len(LONG_PROMPT):].tolist()
+    assert got == ref
+    assert len(set(ref)) > 3, "degenerate oracle: the random model repeats one token"
+    assert pipe.engine.spec.firp_verified > 0
