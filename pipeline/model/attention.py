@@ -42,6 +42,8 @@ and its keys are the cached ones at 0..p_a and its chain's rows at p_a + 1 .. p;
 those above p - window, from either side, exactly the keys the chain's tokens would see run as real tokens
 at those positions. So `masked_out_for` masks by key position (cached key j at j, pseudo key at its row's
 position) and `pseudo_mask_for` does the same to a prefill's pseudo mask (tests/unit/test_firp_window.py).
+Both look a pseudo row's position up only for a window that binds: the plan of a pass without one (every
+family without sliding layers, every global layer) runs exactly the ops it ran before pseudo rows had a window.
 """
 
 from __future__ import annotations
@@ -70,14 +72,14 @@ class AttentionPlan:
     small: indices (into spans) of the items on the batched path; large: the others.
     q_index: [num_small, max_q] packed row of each query (padding: row num_rows, a zero row).
     key_slots: [num_small]; max_len: cached keys read per item; pseudo_keys: [num_small, max_p]
-        packed rows whose keys follow the cached ones (padding: the zero row), or None;
-        pseudo_key_positions: [num_small, max_p] their positions (padding: 0), or None.
+        packed rows whose keys follow the cached ones (padding: the zero row), or None.
     masked_out: [num_small, max_q, max_len + max_p] bool, True = may not attend (built once, used by
         every layer). max_len is a multiple of KEY_BLOCK.
     dense_rows: True when the batched queries are exactly the packed rows in order (every item one
         real row, no pseudo rows, no large items): no gather and no scatter.
     src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
-    q_positions: [num_small, max_q] position of every batched query, pseudo rows' included (padding: 0).
+    q_positions: [num_small, max_q] position of every batched real query (pseudo rows and padding: 0; a
+        pseudo row's position is looked up only for a window that binds: `masked_out_for`).
     sibling_batch, sibling_positions, sibling_rows: [num_siblings] batched-item index, position
         and packed row of every token-tree sibling span, whose own key/value replace the cached
         ones at its position ([Note: sibling rows] in pipeline/model/row_layout.py); None if none.
@@ -99,7 +101,6 @@ class AttentionPlan:
     src: torch.Tensor | None = None
     dst: torch.Tensor | None = None
     q_positions: torch.Tensor | None = None
-    pseudo_key_positions: torch.Tensor | None = None
     sibling_batch: torch.Tensor | None = None
     sibling_positions: torch.Tensor | None = None
     sibling_rows: torch.Tensor | None = None
@@ -112,11 +113,23 @@ class AttentionPlan:
         if window is None:
             return self.masked_out
         if window not in self._window_masks:
-            key_pos = torch.arange(self.max_len, device=self.masked_out.device)[None, :]  # [1, max_len]
-            if self.pseudo_key_positions is not None:
-                key_pos = torch.cat([key_pos.expand(len(self.small), -1), self.pseudo_key_positions], 1)
-            self._window_masks[window] = self.masked_out | ~inside_window(self.q_positions, key_pos, window)
+            self._window_masks[window] = self.masked_out | ~inside_window(*self._window_positions(), window)
         return self._window_masks[window]
+
+    def _window_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of the batched items' queries [num_small, max_q] and keys [1 or num_small, max_len + max_p]
+        for a window's mask: cached key j at j, a pseudo row, as query and as key, at its `Span.pseudo_positions`
+        entry (as its RoPE: `StageModel._add_pseudo`). Looked up here, never in the build, so that a pass
+        whose layers have no binding window pays nothing for them ([Note: windowed pseudo rows])."""
+        key_pos = torch.arange(self.max_len, device=self.masked_out.device)[None, :]
+        if self.pseudo_keys is None:
+            return self.q_positions, key_pos
+        num_real = self.write_slots.shape[0]
+        row_pos = torch.zeros(self.num_rows + 1, dtype=torch.int64)  # packed row -> position; real rows, padding: 0
+        row_pos[num_real:self.num_rows] = torch.tensor([p for s in self.spans for p in s.pseudo_positions()])
+        row_pos = row_pos.to(self.masked_out.device)
+        q_pos = self.q_positions + row_pos[self.q_index]  # a real row's position plus 0, a pseudo row's 0 plus its own
+        return q_pos, torch.cat([key_pos.expand(len(self.small), -1), row_pos[self.pseudo_keys]], 1)
 
     def pseudo_mask_for(self, i: int, window: int | None) -> torch.Tensor:
         """Span i's pseudo mask (`Span.pseudo_mask`: [n + p, end + p] bool, True = may attend) with a key
@@ -188,7 +201,6 @@ class AttentionPlan:
         q_index = torch.full((len(self.small), max_q), pad, dtype=torch.int64)
         q_pos = torch.zeros(len(self.small), max_q, dtype=torch.int64)  # padding rows: position 0
         p_index = torch.full((len(self.small), max_p), pad, dtype=torch.int64)
-        p_pos = torch.zeros(len(self.small), max_p, dtype=torch.int64)
         mask = torch.zeros(len(self.small), max_q, self.max_len + max_p, dtype=torch.bool)
         mask[:, :, 0] = True  # padding queries attend to one key (no NaN); their rows are never read
         for b, i in enumerate(self.small):
@@ -199,7 +211,6 @@ class AttentionPlan:
                 prows = torch.arange(self.pseudo.offsets[i], self.pseudo.offsets[i] + num_p[i])
                 q_index[b, n:n + num_p[i]] = prows
                 p_index[b, :num_p[i]] = prows
-                q_pos[b, n:n + num_p[i]] = p_pos[b, :num_p[i]] = torch.tensor(s.pseudo_positions())
                 m = self.pseudo.masks[i].cpu()  # [n + p, end + p]
                 mask[b, :n + num_p[i], :end] = m[:, :end]
                 mask[b, :n + num_p[i], self.max_len:self.max_len + num_p[i]] = m[:, end:]
@@ -213,7 +224,6 @@ class AttentionPlan:
         self.masked_out = (~mask).to(device)
         self.key_slots = torch.tensor([spans[i].slot for i in self.small], dtype=torch.int64, device=device)
         self.pseudo_keys = p_index.to(device) if max_p else None
-        self.pseudo_key_positions = p_pos.to(device) if max_p else None
         siblings = [(b, spans[i].start, row_of[i]) for b, i in enumerate(self.small) if spans[i].is_sibling]
         if siblings:
             b_idx, pos, rows = (torch.tensor(c, dtype=torch.int64, device=device) for c in zip(*siblings, strict=True))

@@ -22,8 +22,9 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
-from pipeline.model.attention import AttentionPlan
+from pipeline.model.attention import AttentionPlan, span_attention
 from pipeline.model.family_blocks import window_binds
+from pipeline.model.kv_cache import KVCache
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import PseudoLayout, Span
 from pipeline.model.stage_model import build_stage_model
@@ -113,6 +114,34 @@ def test_pseudo_row_masks_keep_exactly_transformers_sliding_window_on_both_paths
     plain = ~plan.masked_out_for(window)[1, :1, :plan.max_len]  # the plain 1-row item at position 4
     assert torch.equal(plain[0, :5], _reference_mask(Span(2, 4, 1), window)[0]) and not plain[0, 5:].any()
     assert torch.equal(plan.pseudo_mask_for(2, window), _reference_mask(LARGE, window))
+
+
+@pytest.mark.parametrize("window", [None, 64], ids=["no-window", "window-never-binds"])
+def test_a_firp_pass_without_a_binding_window_never_looks_up_a_pseudo_rows_position(monkeypatch, window):
+    """The plan of a FIRP pass is built on every stage of every FIRP step: where no layer's window binds (families
+    without sliding layers, Gemma's global layers, window >= max_model_len) it runs the ops it ran before pseudo rows
+    had a window, so neither the build nor the attention (batched and large item) looks up a pseudo row's position;
+    a binding window then does, and masks as transformers does."""
+    spans = [SMALL, Span(2, 4, 1), LARGE]
+    layout = PseudoLayout.build(spans, "cpu")
+    kv = KVCache(num_layers=1, max_num_seqs=3, max_model_len=64, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(_num_rows(spans), heads, 8, generator=gen) for heads in (4, 2, 2))
+
+    def no_lookup(span):
+        raise AssertionError(f"pseudo positions of {span} looked up without a binding window")
+
+    with monkeypatch.context() as m:
+        m.setattr(Span, "pseudo_positions", no_lookup)
+        plan = AttentionPlan.build(spans, layout, torch.device("cpu"))
+        span_attention(q, k, v, plan, kv, 0, window=window)
+    assert torch.equal(~plan.masked_out_for(3)[0, :SMALL.num_tokens + SMALL.num_pseudo, plan.max_len:],
+                       _reference_mask(SMALL, 3)[:, SMALL.start + SMALL.num_tokens:])
+
+
+def _num_rows(spans) -> int:
+    """Real and pseudo rows of a micro-batch."""
+    return sum(s.num_tokens + s.num_pseudo for s in spans)
 
 
 def _windowed_models(window: int, firp_layer: int = 1):
