@@ -24,7 +24,6 @@ from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.model.config import MODEL_DTYPES, ModelConfig
-from pipeline.model.family_blocks import window_binds
 from pipeline.model.partition import (
     LayerRange,
     balanced_split,
@@ -94,23 +93,7 @@ def resolve_firp(options: RunConfig, model_dir: Path, config: ModelConfig, exit_
         raise ValueError(f"firp_k {k} is more than the {pred.meta['k']} maps in {path}")
     if not 0 <= pred.exit_layer < config.num_hidden_layers:
         raise ValueError(f"FIRP file {path} has layer {pred.exit_layer}, outside the model's {config.num_hidden_layers}")
-    _check_firp_windows(options, config, pred.exit_layer)
     return FirpSetup(Path(path).read_bytes(), pred.exit_layer, k)
-
-
-def _check_firp_windows(options: RunConfig, config: ModelConfig, firp_layer: int) -> None:
-    """FIRP pseudo rows run the layers after the FIRP layer, and attention.py has no windowed pseudo keys:
-    refuse a sliding-window layer there unless its window covers every position of a KV slot (window >=
-    max_model_len: [Note: a window that never binds] in pipeline/model/family_blocks.py). Raises ValueError
-    naming the first such layer and the max_model_len that would allow it."""
-    sliding = [i for i in range(firp_layer + 1, config.num_hidden_layers)
-               if config.is_sliding(i) and window_binds(config.sliding_window, options.max_model_len)]
-    if sliding:
-        raise ValueError(f"speculate {options.speculate} is not supported on this model: FIRP pseudo rows run "
-                         f"layers {firp_layer + 1}..{config.num_hidden_layers - 1} after the FIRP layer, and "
-                         f"{len(sliding)} of them (first: {sliding[0]}) use sliding-window attention (window "
-                         f"{config.sliding_window} < max_model_len {options.max_model_len}; max_model_len "
-                         f"{config.sliding_window} or less would allow it); use --speculate speed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,17 @@ keeps its batch invariance. SDPA has no cap, so a capped prefill takes `_capped_
 same maths written out (float32 scores, GQA by expanding the keys, CAPPED_QUERY_BLOCK query rows at a
 time so that a long prompt needs no [heads, n, n] buffer); without a cap both paths run
 exactly the ops they ran before (one Python branch, no extra tensor op).
+
+[Note: windowed pseudo rows]
+On a sliding-window layer whose window binds, every query row, real or FIRP pseudo, sees key j only when
+`inside_window` (pipeline/model/family_blocks.py, the one copy of the rule) says so for its own position.
+A pseudo row of chain a sits at position p = p_a + 1 + i ([Note: pseudo rows] in pipeline/model/row_layout.py)
+and its keys are the cached ones at 0..p_a and its chain's rows at p_a + 1 .. p; with the window it keeps
+those above p - window, from either side, exactly the keys the chain's tokens would see run as real tokens
+at those positions. So `masked_out_for` masks by key position (cached key j at j, pseudo key at its row's
+position) and `pseudo_mask_for` does the same to a prefill's pseudo mask (tests/unit/test_firp_window.py).
+Both look a pseudo row's position up only for a window that binds: the plan of a pass without one (every
+family without sliding layers, every global layer) runs exactly the ops it ran before pseudo rows had a window.
 """
 
 from __future__ import annotations
@@ -43,14 +54,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.family_blocks import window_binds, window_mask
+from pipeline.model.family_blocks import inside_window, window_binds, window_mask
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.row_layout import PseudoLayout, Span
 
 SMALL_ITEM_ROWS = 16  # items with at most this many real rows take the batched, batch-invariant path
 KEY_BLOCK = 32  # cached keys are read in whole blocks of this many positions (see the note)
-_WINDOWED_PSEUDO = ("FIRP pseudo rows are not supported on a sliding-window layer whose window ({window}) is "
-                    "below max_model_len")
 CAPPED_QUERY_BLOCK = 256  # query rows per float32 scores block of a soft-capped prefill (`_capped_attention`)
 
 
@@ -69,6 +78,8 @@ class AttentionPlan:
     dense_rows: True when the batched queries are exactly the packed rows in order (every item one
         real row, no pseudo rows, no large items): no gather and no scatter.
     src, dst: [num_valid] flat query index into [num_small * max_q] and packed row it fills.
+    q_positions: [num_small, max_q] position of every batched real query (pseudo rows and padding: 0; a
+        pseudo row's position is looked up only for a window that binds: `masked_out_for`).
     sibling_batch, sibling_positions, sibling_rows: [num_siblings] batched-item index, position
         and packed row of every token-tree sibling span, whose own key/value replace the cached
         ones at its position ([Note: sibling rows] in pipeline/model/row_layout.py); None if none.
@@ -96,17 +107,41 @@ class AttentionPlan:
     _window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def masked_out_for(self, window: int | None) -> torch.Tensor | None:
-        """`masked_out` of the batched items, with cached key j also hidden from a query at position i
-        when j <= i - window (a sliding-window layer; built once per window per forward)."""
+        """`masked_out` of the batched items, with a key at position j also hidden from a query at
+        position i when j <= i - window (a sliding-window layer, pseudo rows and pseudo keys included:
+        [Note: windowed pseudo rows]; built once per window per forward)."""
         if window is None:
             return self.masked_out
-        if self.pseudo_keys is not None:
-            raise ValueError(_WINDOWED_PSEUDO.format(window=window))
         if window not in self._window_masks:
-            key_pos = torch.arange(self.max_len, device=self.masked_out.device)
-            outside = key_pos[None, None, :] <= self.q_positions[:, :, None] - window
-            self._window_masks[window] = self.masked_out | outside
+            self._window_masks[window] = self.masked_out | ~inside_window(*self._window_positions(), window)
         return self._window_masks[window]
+
+    def _window_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of the batched items' queries [num_small, max_q] and keys [1 or num_small, max_len + max_p]
+        for a window's mask: cached key j at j, a pseudo row, as query and as key, at its `Span.pseudo_positions`
+        entry (as its RoPE: `StageModel._add_pseudo`). Looked up here, never in the build, so that a pass
+        whose layers have no binding window pays nothing for them ([Note: windowed pseudo rows])."""
+        key_pos = torch.arange(self.max_len, device=self.masked_out.device)[None, :]
+        if self.pseudo_keys is None:
+            return self.q_positions, key_pos
+        num_real = self.write_slots.shape[0]
+        row_pos = torch.zeros(self.num_rows + 1, dtype=torch.int64)  # packed row -> position; real rows, padding: 0
+        row_pos[num_real:self.num_rows] = torch.tensor([p for s in self.spans for p in s.pseudo_positions()])
+        row_pos = row_pos.to(self.masked_out.device)
+        q_pos = self.q_positions + row_pos[self.q_index]  # a real row's position plus 0, a pseudo row's 0 plus its own
+        return q_pos, torch.cat([key_pos.expand(len(self.small), -1), row_pos[self.pseudo_keys]], 1)
+
+    def pseudo_mask_for(self, i: int, window: int | None) -> torch.Tensor:
+        """Span i's pseudo mask (`Span.pseudo_mask`: [n + p, end + p] bool, True = may attend) with a key
+        at position j also hidden from a row at position i when j <= i - window ([Note: windowed pseudo
+        rows]); the mask of a large item with pseudo rows (batched items use `masked_out_for`)."""
+        mask, span = self.pseudo.masks[i], self.spans[i]
+        if window is None:
+            return mask
+        end = span.start + span.num_tokens
+        pseudo_pos = torch.tensor(span.pseudo_positions(), device=mask.device)
+        query_pos = torch.cat([torch.arange(span.start, end, device=mask.device), pseudo_pos])
+        return mask & inside_window(query_pos, torch.cat([torch.arange(end, device=mask.device), pseudo_pos]), window)
 
     @classmethod
     def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device, *,
@@ -238,8 +273,8 @@ def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     scale: softmax scale (default 1/sqrt(d)); softcap: cap of the attention scores (Gemma 2,
     [Note: attention soft-capping]) or None. Returns [num_rows, heads, d] in q's dtype.
     A window that cannot bind in `kv` (window >= kv.max_model_len) is full attention, bit for bit
-    ([Note: a window that never binds] in pipeline/model/family_blocks.py).
-    Raises ValueError for FIRP pseudo rows on a sliding-window layer whose window binds.
+    ([Note: a window that never binds] in pipeline/model/family_blocks.py); one that binds applies to
+    FIRP pseudo rows as to real rows ([Note: windowed pseudo rows]).
     """
     if not window_binds(window, kv.max_model_len):
         window = None
@@ -319,11 +354,10 @@ def _large_item(out, q, k, v, plan: AttentionPlan, kv: KVCache, layer: int, i: i
         o = _sdpa(q[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale, softcap)
         out[rows] = o[0].transpose(0, 1)
         return
-    if window is not None:
-        raise ValueError(_WINDOWED_PSEUDO.format(window=window))
+    mask = plan.pseudo_mask_for(i, window)
     prows = slice(plan.pseudo.offsets[i], plan.pseudo.offsets[i] + span.num_pseudo)
     keys = torch.cat([keys, k[prows].transpose(0, 1)], dim=1)
     values = torch.cat([values, v[prows].transpose(0, 1)], dim=1)
     both = torch.cat([q[rows], q[prows]]).transpose(0, 1)[None]
-    o = _sdpa(both, keys[None], values[None], plan.pseudo.masks[i], scale, softcap)[0].transpose(0, 1)
+    o = _sdpa(both, keys[None], values[None], mask, scale, softcap)[0].transpose(0, 1)
     out[rows], out[prows] = o[:n], o[n:]

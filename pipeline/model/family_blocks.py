@@ -3,7 +3,7 @@
 Owns the RMS normalisation (`rms_normalize`, the one copy of its maths), the RMSNorm, the norm factory
 (Llama's RMSNorm or Gemma's (1 + w) variant) and the plain-norm weight that stands for Gemma's
 (`plain_norm_weight`), the embedding with a scale (Gemma multiplies by sqrt(hidden_size)), the gated feed-forward activations (SwiGLU's SiLU, GeGLU's
-tanh-approximate GELU), final logit soft-capping, the sliding-window causal mask, and whether a
+tanh-approximate GELU), final logit soft-capping, the sliding-window rule (`inside_window`) and causal mask, and whether a
 window can hide anything at all in a KV slot (`window_binds`, [Note: a window that never binds]).
 Must not: read files or know about stages, KV slots or processes.
 """
@@ -103,14 +103,23 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def inside_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """The sliding-window rule, its one copy: True where the key at absolute position `key_pos` lies in
+    the window of the query at `query_pos`, i.e. key_pos > query_pos - window (Mistral's sliding window,
+    arXiv 2310.06825 §2; transformers' `sliding_window_overlay`: kv_idx > q_idx - sliding_window).
+    query_pos: [..., num_queries]; key_pos: [..., num_keys] (leading dims broadcast) ->
+    [..., num_queries, num_keys] bool. Says nothing about causality (keys after the query)."""
+    return key_pos[..., None, :] > query_pos[..., :, None] - window
+
+
 def window_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
     """Causal mask [num_queries, num_keys] (True = attend) for queries at absolute `query_pos`
     over keys at positions 0..num_keys-1; with `window`, key j is visible to query i only when
-    i - window < j <= i (Mistral's sliding window, arXiv 2310.06825 §2, as transformers masks it)."""
+    i - window < j <= i (`inside_window`)."""
     key_pos = torch.arange(num_keys, device=query_pos.device)
     mask = key_pos[None, :] <= query_pos[:, None]
     if window is not None:
-        mask &= key_pos[None, :] > query_pos[:, None] - window
+        mask &= inside_window(query_pos, key_pos, window)
     return mask
 
 
@@ -120,9 +129,9 @@ def window_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> t
 # positions 0 .. max_model_len - 1; the widest gap is the query at max_model_len - 1 over key 0, hidden
 # iff max_model_len - 1 >= window. So a layer whose window >= max_model_len masks exactly what full
 # causal attention masks, for every row the slot can hold: `span_attention` runs it as full attention
-# (the same boolean mask, so bit-identical), and FIRP pseudo rows, which have no windowed form, may run
-# through it (launcher/coordinator/run_plan.py allows FIRP on a sliding model only then;
-# tests/unit/test_firp_window.py checks the boundary against transformers). The engine never runs
+# (the same boolean mask, so bit-identical; tests/unit/test_firp_window.py checks the boundary against
+# transformers). A window that binds is applied to every query row by `inside_window`, FIRP pseudo rows
+# included ([Note: windowed pseudo rows] in pipeline/model/attention.py). The engine never runs
 # position max_model_len - 1 itself (a full budget's last token is never fed back), so a window of
 # max_model_len - 1 would not bind on its real rows either; the rule stays with what the slot holds so
 # that it holds for every caller of the model (training, calibration), not only for the engine. A

@@ -131,14 +131,15 @@ def test_sampling_with_firp_chains_keeps_the_token_distribution(repetitive_model
                                          f">= {CHI2_CRITICAL[5]}; counts {table.tolist()} of tokens {top} + other")
 
 
-SLIDING_WINDOW = 40
+SLIDING_WINDOW = 8
+SLIDING_PROMPT = "Once upon a time, a "  # 20 bytes = 20 tokens of the byte tokenizer: a prefill past the window
+SLIDING_NEW_TOKENS = 24
 
 
-def test_firp_on_two_stages_through_a_window_that_never_binds_gives_transformers_greedy_output(tmp_path_factory):
-    """A sliding-window model (tiny Mistral, every layer sliding) with window == max_model_len: the plan
-    allows FIRP ([Note: a window that never binds] in pipeline/model/family_blocks.py) and 2 real stages with
-    chains from layer 1 through sliding layers 2 and 3, prompt + budget filling the KV slot, give
-    transformers' greedy output ("window == max_model_len - 1" is refused: tests/unit/test_firp_window.py)."""
+@pytest.fixture(scope="module")
+def small_window_model(tmp_path_factory) -> tuple[Path, list[int]]:
+    """The tiny Mistral of tests/family_models.py (every layer sliding) with a window of 8, far below prompt +
+    output, and transformers' greedy output for SLIDING_PROMPT."""
     import torch
     import transformers
 
@@ -146,18 +147,32 @@ def test_firp_on_two_stages_through_a_window_that_never_binds_gives_transformers
 
     folder = write_family_model(tmp_path_factory.mktemp("mistral") / "model", "mistral", seed=3,
                                 sliding_window=SLIDING_WINDOW)
-    path = write_firp_file(folder, folder.parent / "firp.safetensors", layer=1, k=3)
-    prompt = PROMPTS[0]
-    options = session_options(folder, num_stages=2, layer_split="2,2", speculate="firp", firp_file=str(path),
-                              max_model_len=SLIDING_WINDOW)
-    with PipelineSession(options, resolve(options)) as session:
-        ids = session.coordinator.tokenizer.encode(prompt)
-        budget = SLIDING_WINDOW - len(ids)
-        report = run_launch(session, [prompt], [SamplingParams(max_new_tokens=budget, ignore_eos=True)])
+    ids = list(SLIDING_PROMPT.encode())
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        want = hf.eval().generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget, eos_token_id=None,
-                                  pad_token_id=0)[0, len(ids):].tolist()
-    assert report["outputs"][0]["token_ids"] == want, "FIRP through never-binding windows changed greedy output"
+        want = hf.eval().generate(torch.tensor([ids]), do_sample=False, max_new_tokens=SLIDING_NEW_TOKENS,
+                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert len(set(want)) > 3, "degenerate oracle: the random model repeats one token"
-    assert report["stats"]["firp_verified"] > 0, f"no FIRP draft was verified: {report['stats']}"
+    return folder, want
+
+
+@pytest.mark.parametrize("speculate", ["none", "firp", "speed+firp"])
+def test_firp_on_two_stages_through_a_binding_window_gives_transformers_greedy_output(small_window_model, speculate):
+    """A sliding-window model (tiny Mistral, every layer sliding) with window 8 < 20 prompt + 24 new tokens (the
+    window binds on almost every row; max_model_len 512): 2 real stages with FIRP chains from layer 1 through
+    sliding layers 2 and 3 ([Note: windowed pseudo rows] in pipeline/model/attention.py), with and without SPEED
+    run-ahead, give transformers' greedy output, as `--speculate none` does."""
+    folder, want = small_window_model
+    extra = {} if speculate == "none" else dict(firp_file=str(write_firp_file(folder, folder.parent / "firp.safetensors",
+                                                                              layer=1, k=3)))
+    if speculate == "speed+firp":
+        extra["predictor"] = "logit-lens"
+    options = session_options(folder, num_stages=2, layer_split="2,2", speculate=speculate, **extra)
+    with PipelineSession(options, resolve(options)) as session:
+        assert session.coordinator.tokenizer.encode(SLIDING_PROMPT) == list(SLIDING_PROMPT.encode())
+        report = run_launch(session, [SLIDING_PROMPT], [SamplingParams(max_new_tokens=SLIDING_NEW_TOKENS,
+                                                                       ignore_eos=True)])
+    assert report["outputs"][0]["token_ids"] == want, f"{speculate} through a binding window changed greedy output"
+    stats = report["stats"]
+    if speculate != "none":
+        assert 0 < stats["firp_verified"] and stats["firp_accepted"] < stats["firp_verified"], stats

@@ -1,28 +1,37 @@
-"""FIRP on sliding-window models whose window never binds ([Note: a window that never binds] in
-pipeline/model/family_blocks.py).
+"""FIRP pseudo rows on sliding-window layers ([Note: windowed pseudo rows] in pipeline/model/attention.py;
+[Note: a window that never binds] in pipeline/model/family_blocks.py).
 
-What breaks when these fail: the off-by-one of the rule (a window of max_model_len - 1 hides key 0 from
-the query at max_model_len - 1, as transformers masks it), the run plan refusing FIRP where the window
-covers every position of a KV slot or allowing it where it does not (its message must name the
-max_model_len that would allow it), or the attention running a never-binding window differently from full
-attention (FIRP chains through it must give transformers' greedy output). The oracle is transformers'
-Mistral (every layer sliding) on the same folder.
+What breaks when these fail: the window rule off by one (transformers' `sliding_window_overlay`:
+kv_idx > q_idx - window), a pseudo row masked at the wrong position (its anchor's, 0, one off) or its
+chain's own pseudo keys left outside the window, on the batched path or on a prefill's (a large item's),
+the run plan refusing FIRP on a model whose later layers slide, or FIRP chains through binding windows
+changing greedy output. Oracles: transformers' mask functions for the masks, the same chain run as real
+rows on a cloned cache truncated after its anchor for the stage outputs ([Note: pseudo rows] in
+pipeline/model/row_layout.py), and transformers' Mistral (every layer sliding) for greedy output.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 import transformers
+from transformers.masking_utils import sliding_window_causal_mask_function
 
-from launcher.cli.errors import flag_message
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
+from pipeline.model.attention import AttentionPlan, span_attention
 from pipeline.model.family_blocks import window_binds
+from pipeline.model.kv_cache import KVCache
 from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import PseudoLayout, Span
+from pipeline.model.stage_model import build_stage_model
+from pipeline.speculation.predictors import LogitLensPredictor
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.quant_load import load_stage_model
-from tests.family_models import write_family_model
+from tests.family_models import family_config, family_state_dict, write_family_model
 from tests.in_process_pipeline import InProcessPipeline
 from tests.tiny_model import write_firp_file
 
@@ -30,6 +39,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 WINDOW = 24
 PROMPT = [5, 17, 200, 33, 9, 81, 140, 77, 3, 250, 12, 64]  # + 12 new tokens = WINDOW positions
+LONG_PROMPT = [5, 17, 200, 33, 9, 81, 140, 77, 3, 250, 12, 64, 7, 99, 150, 42, 18, 230, 61, 120]  # 20: a large item
+NEW_TOKENS = 24
+TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -59,30 +71,132 @@ def test_the_window_binds_exactly_where_transformers_sliding_attention_parts_fro
     assert not window_binds(WINDOW, WINDOW) and window_binds(WINDOW, WINDOW + 1) and not window_binds(None, 8)
 
 
+def _reference_mask(span: Span, window: int) -> torch.Tensor:
+    """[n + p, end + p] bool (True = may attend) from transformers' sliding causal mask function: real row r
+    is the token at start + r over the cached keys; row i of chain a is the chain's token at p_a + 1 + i run as
+    a real token after its anchor p_a: cached keys 0..p_a and its chain's rows up to itself."""
+    allowed = sliding_window_causal_mask_function(window)
+    n, k, end = span.num_tokens, span.chain_len, span.start + span.num_tokens
+    query_pos, key_pos = list(range(span.start, end)), list(range(end))  # a query sees a key only at these
+    pairs = [[False] * (end + span.num_pseudo) for _ in range(n + span.num_pseudo)]
+    for r in range(n):
+        pairs[r][:end] = [True] * end
+    for a in range(span.num_anchors):
+        anchor = end - span.num_anchors + a
+        for i in range(k):
+            query_pos.append(anchor + 1 + i)
+            row = pairs[n + a * k + i]
+            row[:anchor + 1] = [True] * (anchor + 1)
+            row[end + a * k:end + a * k + i + 1] = [True] * (i + 1)
+        key_pos.extend(anchor + 1 + i for i in range(k))
+    q, kv = torch.tensor(query_pos)[:, None], torch.tensor(key_pos)[None, :]
+    return torch.tensor(pairs) & allowed(0, 0, q, kv)
+
+
+# start 10, 3 rows, 2 chains of 3 (positions 12..14 and 13..15); a window of 1 or 2 hides the chain's own first
+# pseudo keys, 3..13 cut the cached keys at every boundary, 16 hides nothing
+SMALL = Span(0, 10, 3, num_anchors=2, chain_len=3)
+LARGE = Span(1, 0, len(LONG_PROMPT), num_anchors=1, chain_len=3)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 8, 12, 13, 14, 16])
+def test_pseudo_row_masks_keep_exactly_transformers_sliding_window_on_both_paths(window):
+    """Batched item (with a plain item beside it, so rows and keys are padded) and large item: every query row's
+    visible keys, real and pseudo, equal transformers' sliding causal mask at the rows' positions."""
+    spans = [SMALL, Span(2, 4, 1), LARGE]
+    plan = AttentionPlan.build(spans, PseudoLayout.build(spans, "cpu"), torch.device("cpu"))
+    assert plan.small == [0, 1] and plan.large == [2]
+    want = _reference_mask(SMALL, window)
+    n, p, end = SMALL.num_tokens, SMALL.num_pseudo, SMALL.start + SMALL.num_tokens
+    seen = ~plan.masked_out_for(window)[0, :n + p]  # [n + p, max_len + max_p]
+    assert torch.equal(seen[:, :end], want[:, :end]) and not seen[:, end:plan.max_len].any()
+    assert torch.equal(seen[:, plan.max_len:plan.max_len + p], want[:, end:])
+    plain = ~plan.masked_out_for(window)[1, :1, :plan.max_len]  # the plain 1-row item at position 4
+    assert torch.equal(plain[0, :5], _reference_mask(Span(2, 4, 1), window)[0]) and not plain[0, 5:].any()
+    assert torch.equal(plan.pseudo_mask_for(2, window), _reference_mask(LARGE, window))
+
+
+@pytest.mark.parametrize("window", [None, 64], ids=["no-window", "window-never-binds"])
+def test_a_firp_pass_without_a_binding_window_never_looks_up_a_pseudo_rows_position(monkeypatch, window):
+    """The plan of a FIRP pass is built on every stage of every FIRP step: where no layer's window binds (families
+    without sliding layers, Gemma's global layers, window >= max_model_len) it runs the ops it ran before pseudo rows
+    had a window, so neither the build nor the attention (batched and large item) looks up a pseudo row's position;
+    a binding window then does, and masks as transformers does."""
+    spans = [SMALL, Span(2, 4, 1), LARGE]
+    layout = PseudoLayout.build(spans, "cpu")
+    kv = KVCache(num_layers=1, max_num_seqs=3, max_model_len=64, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(_num_rows(spans), heads, 8, generator=gen) for heads in (4, 2, 2))
+
+    def no_lookup(span):
+        raise AssertionError(f"pseudo positions of {span} looked up without a binding window")
+
+    with monkeypatch.context() as m:
+        m.setattr(Span, "pseudo_positions", no_lookup)
+        plan = AttentionPlan.build(spans, layout, torch.device("cpu"))
+        span_attention(q, k, v, plan, kv, 0, window=window)
+    assert torch.equal(~plan.masked_out_for(3)[0, :SMALL.num_tokens + SMALL.num_pseudo, plan.max_len:],
+                       _reference_mask(SMALL, 3)[:, SMALL.start + SMALL.num_tokens:])
+
+
+def _num_rows(spans) -> int:
+    """Real and pseudo rows of a micro-batch."""
+    return sum(s.num_tokens + s.num_pseudo for s in spans)
+
+
+def _windowed_models(window: int, firp_layer: int = 1):
+    """Tiny Mistral (every layer sliding, window `window`) split after `firp_layer`: (config, first, rest)."""
+    cfg = dataclasses.replace(family_config("mistral"), sliding_window=window)
+    state = family_state_dict(cfg, seed=5)
+    n = cfg.num_hidden_layers
+    first = build_stage_model(cfg, LayerRange(0, firp_layer + 1), is_first=True, is_last=False, tensors=state)
+    rest = build_stage_model(cfg, LayerRange(firp_layer + 1, n), is_first=False, is_last=True, tensors=state)
+    return cfg, first, rest
+
+
+@pytest.mark.parametrize("window", [2, 4, 7])
+@pytest.mark.parametrize("item", [[11, 12, 13, 14], LONG_PROMPT], ids=["batched-item", "large-item"])
+def test_windowed_pseudo_rows_equal_their_chain_run_as_real_rows_after_the_anchor(window, item):
+    """A 4-row item after a 9-token context, and a 20-row prefill (SDPA path), each with 2 chains of 3 pseudo rows
+    through sliding layers whose window binds: every chain's logits equal its pseudo hidden states run as real
+    rows after the anchor on a cloned, truncated cache (real rows are windowed as transformers: test_families.py)."""
+    cfg, first, rest = _windowed_models(window)
+    gen = torch.Generator().manual_seed(7)
+    maps = 0.3 * torch.randn(3, cfg.hidden_size, cfg.hidden_size, generator=gen)
+
+    def make_pseudo(anchor_hidden):  # [A, H] -> [A * 3, H], chains in anchor order
+        return torch.einsum("kij,aj->aki", maps, anchor_hidden).reshape(-1, cfg.hidden_size)
+
+    kv_a, kv_b = (m.new_kv_cache(max_num_seqs=2, max_model_len=64) for m in (first, rest))
+    start = 0 if item is LONG_PROMPT else 9
+    if start:
+        ctx = torch.tensor(PROMPT[:start])
+        rest(first(ctx, [Span(1, 0, start)], kv_a), [Span(1, 0, start)], kv_b)
+    before = copy.deepcopy(kv_b)
+    span = Span(1, start, len(item), num_anchors=2, chain_len=3)
+    mid = first.forward_rows(torch.tensor(item), [span], kv_a, firp_layer=1, make_pseudo=make_pseudo)
+    out = rest.forward_rows(mid.out, [span], kv_b, pseudo=mid.pseudo)
+    for a in range(2):
+        anchor = len(item) - 2 + a
+        kv = copy.deepcopy(before)
+        rest(mid.out[:anchor + 1], [Span(1, start, anchor + 1)], kv)
+        chain = mid.pseudo[a * 3:(a + 1) * 3]
+        want = rest(chain, [Span(1, start + anchor + 1, 3)], kv, logit_rows=torch.arange(3))
+        torch.testing.assert_close(out.pseudo[a * 3:(a + 1) * 3], want, **TOL)
+
+
 def _options(model_dir, firp_file, max_model_len: int) -> PipelineOptions:
     return PipelineOptions(num_stages=2, model=str(model_dir), layer_split="2,2", progress=False,
                            max_model_len=max_model_len, speculate="firp", firp_file=str(firp_file))
 
 
-@pytest.mark.parametrize(("max_model_len", "allowed"), [(WINDOW - 8, True), (WINDOW, True), (WINDOW + 1, False)],
-                         ids=["window-above", "window-equal", "window-one-short"])
-def test_firp_on_a_sliding_model_is_planned_only_where_the_window_covers_max_model_len(
-        mistral_dir, tmp_path, monkeypatch, max_model_len, allowed):
-    """window == max_model_len: planned; window == max_model_len - 1: refused before any stage starts, naming
-    the first sliding layer after the FIRP layer and the max_model_len that would allow it (a flag on the CLI)."""
+@pytest.mark.parametrize("max_model_len", [WINDOW, WINDOW + 1, 512])
+def test_firp_on_a_sliding_model_is_planned_whatever_the_window(mistral_dir, tmp_path, monkeypatch, max_model_len):
+    """A window that never binds (== max_model_len), binds at the last position (one short) or binds widely:
+    the plan keeps the FIRP layer (it refused the last two while pseudo rows had no windowed mask)."""
     monkeypatch.setattr("launcher.backends.placement.usable_cpus", lambda: 4)
     firp = write_firp_file(mistral_dir, tmp_path / "firp.safetensors", layer=1, k=2)
-    options = _options(mistral_dir, firp, max_model_len)
-    if allowed:
-        assert resolve(options).firp.layer == 1
-        return
-    with pytest.raises(ValueError) as info:
-        resolve(options)
-    want = (f"speculate firp is not supported on this model: FIRP pseudo rows run layers 2..3 after the FIRP layer, "
-            f"and 2 of them (first: 2) use sliding-window attention (window {WINDOW} < max_model_len {WINDOW + 1}; "
-            f"max_model_len {WINDOW} or less would allow it); use --speculate speed")
-    assert str(info.value) == want
-    assert f"--max-model-len {WINDOW} or less would allow it" in flag_message(str(info.value))
+    assert resolve(_options(mistral_dir, firp, max_model_len)).firp.layer == 1
 
 
 def _stages(folder):
@@ -90,20 +204,47 @@ def _stages(folder):
             for i, r in enumerate((LayerRange(0, 2), LayerRange(2, 4)))]
 
 
-def test_firp_chains_through_never_binding_windows_give_transformers_greedy_output(mistral_dir):
-    """Two stages, FIRP chains of 2 from layer 1 through the sliding layers 2 and 3, prompt + budget filling a
-    KV slot of max_model_len = WINDOW: transformers' greedy output. With max_model_len = WINDOW + 1 the
-    window binds and a pseudo row on a sliding layer stays an error at the stage (the plan refuses that run)."""
-    budget = WINDOW - len(PROMPT)
-    params = SamplingParams(max_new_tokens=budget, ignore_eos=True)
-    pipe = InProcessPipeline(_stages(mistral_dir), max_model_len=WINDOW, firp_k=2, exit_layer=1)
-    got = pipe.generate([PROMPT], params)[0]
+@pytest.fixture(scope="module")
+def small_window_dir(tmp_path_factory):
+    """The tiny Mistral with a window of 8, well below prompt + output (20 + 24 positions)."""
+    return write_family_model(tmp_path_factory.mktemp("mistral8") / "model", "mistral", seed=3, sliding_window=8)
+
+
+@pytest.mark.parametrize("speculate", ["none", "firp", "speed+firp"])
+def test_firp_chains_through_binding_windows_give_transformers_greedy_output(small_window_dir, speculate):
+    """Two stages, FIRP chains of 3 from layer 1 through the sliding layers 2 and 3 (window 8 < a 20-token prompt
+    + 24 new tokens, max_model_len 64), with and without SPEED run-ahead, and no speculation: transformers'
+    greedy output. The prompt is a large item with pseudo rows (SDPA path); the rest are batched."""
+    firp_k = 0 if speculate == "none" else 3
+    predictor = LogitLensPredictor() if speculate == "speed+firp" else None
+    pipe = InProcessPipeline(_stages(small_window_dir), max_model_len=64, firp_k=firp_k, exit_layer=1,
+                             predictor=predictor)
+    got = pipe.generate([LONG_PROMPT], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))[0]
     with torch.no_grad():
-        ref = _hf(mistral_dir).generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=budget,
-                                        eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+        ref = _hf(small_window_dir).generate(torch.tensor([LONG_PROMPT]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                             eos_token_id=None, pad_token_id=0)[0, len(LONG_PROMPT):].tolist()
     assert got == ref
     assert len(set(ref)) > 3, "degenerate oracle: the random model repeats one token"
-    assert pipe.engine.spec.firp_verified > 0, "no FIRP chain ran through the sliding layers"
-    binding = InProcessPipeline(_stages(mistral_dir), max_model_len=WINDOW + 1, firp_k=2, exit_layer=1)
-    with pytest.raises(ValueError, match=rf"sliding-window layer whose window \({WINDOW}\) is below max_model_len"):
-        binding.generate([PROMPT], SamplingParams(max_new_tokens=budget + 1, ignore_eos=True))
+    spec = pipe.engine.spec
+    if firp_k:
+        assert 0 < spec.firp_verified and spec.firp_accepted < spec.firp_verified, "chains not both kinds"
+
+
+# family -> config changes: Gemma 2 / 3 slide on some layers (window 6, their own local RoPE for Gemma 3,
+# soft-caps), Phi-3 on every layer once given a window
+SLIDING_FAMILIES = {"gemma2": {}, "gemma3_text": {}, "phi3": {"sliding_window": 8}, "mixtral": {"sliding_window": 8}}
+
+
+@pytest.mark.parametrize("family", list(SLIDING_FAMILIES))
+def test_firp_through_other_families_sliding_layers_gives_transformers_greedy_output(family, tmp_path):
+    """FIRP chains of 3 from layer 1 through layers 2 and 3 of each family with a window below prompt + output:
+    transformers' greedy output (the family's own mask, RoPE and caps)."""
+    folder = write_family_model(tmp_path / family, family, seed=3, **SLIDING_FAMILIES[family])
+    pipe = InProcessPipeline(_stages(folder), max_model_len=64, firp_k=3, exit_layer=1)
+    got = pipe.generate([LONG_PROMPT], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = _hf(folder).generate(torch.tensor([LONG_PROMPT]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                   eos_token_id=None, pad_token_id=0)[0, len(LONG_PROMPT):].tolist()
+    assert got == ref
+    assert len(set(ref)) > 3, "degenerate oracle: the random model repeats one token"
+    assert pipe.engine.spec.firp_verified > 0
