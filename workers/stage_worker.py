@@ -204,8 +204,9 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
     def Health(self, request, context):
         """SERVING while its data-plane loop runs; NOT_LOADED until a Load has loaded the weights; NOT_SERVING
         while the weights are loaded but the last join (Load's or Rejoin's) failed: the stage is in no group and
-        waits for the coordinator's next Rejoin or Load (the message names that failure); UNHEALTHY once its data
-        plane failed or stopped."""
+        waits for the coordinator's next Rejoin (or, after a failed Load, a Load; after a failed Rejoin a Load is
+        refused "already loaded") (the message names that failure); UNHEALTHY once its data plane failed or
+        stopped."""
         if self.join_error is not None and self.executor is not None:
             return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
                                      message=f"weights loaded, in no data-plane group: {self.join_error}")

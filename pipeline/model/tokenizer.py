@@ -71,10 +71,12 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
 # config.json) names, "Fast" dropped, but a LlamaTokenizer over a tokenizer.json that spells "ByteLevel" loads
 # as TokenizersBackend; no name: the registered class. The two tables are checked against the installed
 # transformers (tests/unit/test_class_default_eos.py). A default this vocabulary does not know gives no EOS
-# (transformers would add it as a new id past tokenizer.json's vocabulary).
+# (transformers would add it as a new id past tokenizer.json's vocabulary). A class outside the table gives none,
+# also where transformers' has a default: only the classes of the families speedpipe runs are listed (other
+# families' RobertaTokenizer "</s>", CohereTokenizer, WhisperTokenizer, ... are not).
 _CLASS_DEFAULT_EOS = {"GPT2Tokenizer": "<|endoftext|>", "GPTNeoXTokenizer": "<|endoftext|>",
                       "Qwen2Tokenizer": "<|endoftext|>", "LlamaTokenizer": "</s>", "CodeLlamaTokenizer": "</s>",
-                      "GemmaTokenizer": "<eos>"}  # classes without a default (PreTrainedTokenizerFast, ...): none
+                      "GemmaTokenizer": "<eos>"}  # PreTrainedTokenizerFast, TokenizersBackend: no default
 _REGISTERED_TOKENIZER = {"mistral": "TokenizersBackend", "mixtral": "TokenizersBackend", "phi3": "TokenizersBackend",
                          "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer", "qwen3_moe": "Qwen2Tokenizer",
                          "gemma": "GemmaTokenizer", "gemma2": "GemmaTokenizer", "gemma3_text": "GemmaTokenizer",
