@@ -83,7 +83,11 @@ class StageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Report whether this stage can serve. Cheap; safe to poll.
+        """Report whether this stage can serve. Cheap; safe to poll. SERVING in a data-plane group; NOT_LOADED
+        until a Load has loaded the weights; NOT_SERVING while the weights are loaded but the last join
+        (Load's or Rejoin's) failed, so the stage waits for a Rejoin (after a failed Load, or a Load)
+        (message: that failure);
+        UNHEALTHY once its data plane failed or stopped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,7 +59,7 @@ def join_failure(exc: Exception, spec: StageLoadSpec, *, timeout_s: float) -> tu
 
 class RejoinHandler:
     """The Rejoin RPC ([Note: superseded rejoin]). The servicer that inherits it provides `stage_index`,
-    `_lock`, `executor`, `spec`, `loop`, `failure`, `_rejoined`, `_join_data_plane(spec, connect_timeout_s=)`
+    `_lock`, `executor`, `spec`, `loop`, `failure`, `join_error`, `_rejoined`, `_join_data_plane(spec, connect_timeout_s=)`
     and `_start_loop(spec, group)`, and calls `_init_rejoins()` in its __init__."""
 
     def _init_rejoins(self) -> None:
@@ -125,5 +125,8 @@ class RejoinHandler:
                     outcome["joined"] = True
         except Exception as exc:  # noqa: BLE001 - the Rejoin answers it (a RuntimeError from torch: timed out)
             outcome["error"] = exc
+            with self._lock:
+                if epoch == self._join_epoch:  # not superseded: the stage is in no group now (its Health says so)
+                    self.join_error = join_failure(exc, spec, timeout_s=timeout_s)[1]
         finally:
             ended.set()

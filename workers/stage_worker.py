@@ -85,6 +85,7 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
         self.loop: StageLoop | None = None
         self.weights_bytes = 0
         self.failure: str | None = None
+        self.join_error: str | None = None  # why the last join failed while the weights stay loaded (Health)
         self._lock = threading.Lock()
         self._init_rejoins()  # [Note: superseded rejoin] in workers/rejoin.py
         self._heap_frozen = False
@@ -94,7 +95,7 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
         with self._lock:
             if self.loop is not None:  # loaded and joined (a model whose join failed is loaded again)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is already loaded")
-            self.executor = self.spec = None
+            self.executor = self.spec = self.join_error = None
             self._supersede_rejoins()  # one waiting after a failed join must not start a second loop
             try:
                 spec = spec_from_proto(request)
@@ -117,7 +118,8 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
             try:
                 group = self._join_data_plane(spec)
             except Exception as exc:  # noqa: BLE001 - torch's rendezvous errors: one line, not UNKNOWN
-                context.abort(*join_failure(exc, spec, timeout_s=JOIN_TIMEOUT_S))
+                code, self.join_error = join_failure(exc, spec, timeout_s=JOIN_TIMEOUT_S)
+                context.abort(code, self.join_error)
             self._start_loop(spec, group)
             log.info("[Stage %d] loaded layers %s (%.1f MB) in %.2f s", spec.stage_index, spec.layer_range,
                      self.weights_bytes / 2**20, time.perf_counter() - start)
@@ -179,6 +181,7 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
                           * spec.max_model_len * spec.max_num_seqs)
         self.loop = StageLoop(executor=self.executor, channel=channel, stage_index=spec.stage_index,
                               num_stages=spec.num_stages)
+        self.join_error = None
         self._rejoined = threading.Event()
         threading.Thread(target=self._run_loop, args=(self.loop, self._rejoined), name="data-plane",
                          daemon=True).start()
@@ -199,6 +202,14 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
 
     # -- queries ----------------------------------------------------------------------------------
     def Health(self, request, context):
+        """SERVING while its data-plane loop runs; NOT_LOADED until a Load has loaded the weights; NOT_SERVING
+        while the weights are loaded but the last join (Load's or Rejoin's) failed: the stage is in no group and
+        waits for the coordinator's next Rejoin (or, after a failed Load, a Load; after a failed Rejoin a Load is
+        refused "already loaded") (the message names that failure); UNHEALTHY once its data plane failed or
+        stopped."""
+        if self.join_error is not None and self.executor is not None:
+            return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
+                                     message=f"weights loaded, in no data-plane group: {self.join_error}")
         if self.failure:
             return pb.HealthResponse(status=pb.HealthResponse.UNHEALTHY, message=self.failure)
         if self.loop is None:

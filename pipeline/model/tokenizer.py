@@ -61,6 +61,44 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
     return template or _read_json(model_dir / "chat_template.json").get("chat_template")
 
 
+# [Note: class default EOS]
+# A folder whose tokenizer_config.json and special_tokens_map.json name no eos_token (the key absent; a null is
+# none) still has one in transformers when the tokenizer CLASS AutoTokenizer loads has an `eos_token` default in
+# its __init__ (Qwen2Tokenizer: "<|endoftext|>"): that is Hugging Face's `eos_token_id` and so vLLM's primary EOS.
+# The class AutoTokenizer picks (transformers 5, models/auto/tokenization_auto.py): the model type's registered
+# class where that type ignores the hub's name (qwen2, phi3: MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) or
+# registers TokenizersBackend (mistral, mixtral; no default); else the class tokenizer_config.json (else
+# config.json) names, "Fast" dropped, but a LlamaTokenizer over a tokenizer.json that spells "ByteLevel" loads
+# as TokenizersBackend; no name: the registered class. The two tables are checked against the installed
+# transformers (tests/unit/test_class_default_eos.py). A default this vocabulary does not know gives no EOS
+# (transformers would add it as a new id past tokenizer.json's vocabulary). A class outside the table gives none,
+# also where transformers' has a default: only the classes of the families speedpipe runs are listed (other
+# families' RobertaTokenizer "</s>", CohereTokenizer, WhisperTokenizer, ... are not).
+_CLASS_DEFAULT_EOS = {"GPT2Tokenizer": "<|endoftext|>", "GPTNeoXTokenizer": "<|endoftext|>",
+                      "Qwen2Tokenizer": "<|endoftext|>", "LlamaTokenizer": "</s>", "CodeLlamaTokenizer": "</s>",
+                      "GemmaTokenizer": "<eos>"}  # PreTrainedTokenizerFast, TokenizersBackend: no default
+_REGISTERED_TOKENIZER = {"mistral": "TokenizersBackend", "mixtral": "TokenizersBackend", "phi3": "TokenizersBackend",
+                         "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer", "qwen3_moe": "Qwen2Tokenizer",
+                         "gemma": "GemmaTokenizer", "gemma2": "GemmaTokenizer", "gemma3_text": "GemmaTokenizer",
+                         "gemma3": "GemmaTokenizer"}  # speedpipe's model types; llama registers none
+_HUB_CLASS_IGNORED = ("qwen2", "phi3")
+
+
+def class_default_eos(tokenizer_config: dict[str, Any], model_config: dict[str, Any], tokenizer_json: Path) -> str | None:
+    """The eos_token the tokenizer class transformers' AutoTokenizer loads for this folder gives by default, or
+    None: [Note: class default EOS]. `model_config`: config.json as written (a multimodal model's outer type)."""
+    model_type = model_config.get("model_type")
+    named = tokenizer_config.get("tokenizer_class") or model_config.get("tokenizer_class")
+    registered = _REGISTERED_TOKENIZER.get(model_type)
+    if not isinstance(named, str) or model_type in _HUB_CLASS_IGNORED or registered == "TokenizersBackend":
+        chosen = registered
+    elif named.removesuffix("Fast") == "LlamaTokenizer" and '"ByteLevel"' in tokenizer_json.read_text("utf-8"):
+        chosen = "TokenizersBackend"
+    else:
+        chosen = named
+    return _CLASS_DEFAULT_EOS.get(chosen.removesuffix("Fast")) if chosen else None
+
+
 # What to do about a folder without tokenizer.json (e.g. one with only SentencePiece's tokenizer.model).
 _TOKENIZER_REMEDY = ("speedpipe reads the tokenizers library's tokenizer.json; copy the model's own, or write one "
                      "with transformers: AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER)")
@@ -84,7 +122,7 @@ class Tokenizer:
     Attributes: `vocab_size` (ids the tokenizer knows, added tokens included, capped at config.json's
     `vocab_size`, the rows of the model's logits, where a tokenizer has an added token past them:
     such an id can be neither embedded nor biased; the model's embedding may be larger), `eos_token_id` (the eos_token of special_tokens_map.json, else of tokenizer_config.json,
-    or None: vLLM's primary EOS, Hugging Face's `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first when there is one, then generation_config.json's, or without that
+    else the tokenizer class's default ([Note: class default EOS]), or None: vLLM's primary EOS, Hugging Face's `tokenizer.eos_token_id`), `eos_token_ids` (tuple: eos_token_id first when there is one, then generation_config.json's, or without that
     file config.json's (of a multimodal model, its text model's: [Note: text-only multimodal]); the others than
     eos_token_id are secondary EOS ids, all of them without an eos_token: [Note: token masks] in
     pipeline/speculation/masks/token_masks.py), `add_bos_token` / `add_eos_token` (whether tokenizer.json's
@@ -105,7 +143,8 @@ class Tokenizer:
         except Exception as exc:  # the Rust library raises a bare Exception for any unreadable file
             raise ValueError(f"{path} is not a tokenizer file the tokenizers library can read: {exc}") from None
         tok_config = _read_json(self.model_dir / "tokenizer_config.json")
-        model_config = text_model_dict(_read_json(self.model_dir / "config.json"))  # multimodal: its text side
+        folder_config = _read_json(self.model_dir / "config.json")
+        model_config = text_model_dict(folder_config)  # multimodal: its text side
         gen_config = _read_json(self.model_dir / "generation_config.json")
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         rows = model_config.get("vocab_size")  # the model's logits: an id past them has no row to bias or embed
@@ -121,7 +160,9 @@ class Tokenizer:
         # vLLM's primary EOS: Hugging Face's eos_token, special_tokens_map.json's over tokenizer_config.json's (as
         # transformers' from_pretrained reads them; a folder may name it in the first file only)
         special_map = _read_json(self.model_dir / "special_tokens_map.json")
-        self.eos_token_id: int | None = self._first_id(special_map.get("eos_token"), tok_config.get("eos_token"))
+        named = "eos_token" in special_map or "eos_token" in tok_config  # else the class's: [Note: class default EOS]
+        self.eos_token_id: int | None = self._first_id(special_map.get("eos_token"), tok_config.get("eos_token")) \
+            if named else self._first_id(class_default_eos(tok_config, folder_config, path))
         # generation_config.json's EOS ids where that file exists (none if it names none), else config.json's:
         # the model's generation config, what transformers' generate and vLLM's update_from_generation_config
         # stop on (the two files' ids were merged before)

@@ -5,7 +5,8 @@ rank-0 store that goes away as a failed fail-over attempt abandons it).
 What breaks when these fail: the coordinator sees gRPC UNKNOWN ("Exception calling application",
 the torch exception escaped the handler) instead of a status naming the rank, the port and the
 timeout, and the stage is left loaded but not joined: every later Load is refused "already loaded"
-and every Rejoin "not loaded", so only a restart of the process could bring it back.
+and every Rejoin "not loaded", so only a restart of the process could bring it back; its Health says
+NOT_LOADED "waiting for Load" though the weights are loaded and a Rejoin would do.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def _load(servicer: StageServicer, spec: StageLoadSpec) -> FakeContext:
     return context
 
 
+def _check_health_names_the_failed_join(servicer: StageServicer, context: FakeContext) -> None:
+    """Health after the failed join: NOT_SERVING (not NOT_LOADED "waiting for Load": the weights are loaded),
+    naming the failure Load answered, while the stage waits for the coordinator's next Rejoin or Load."""
+    health = servicer.Health(pb.HealthRequest(), FakeContext())
+    assert health.status == pb.HealthResponse.NOT_SERVING, health
+    assert health.message == f"weights loaded, in no data-plane group: {context.details}", health.message
+
+
 def _short_join(servicer: StageServicer) -> None:
     """The worker's own join, with a 1 s rendezvous instead of 600 s."""
     servicer._join_data_plane = lambda spec: StageServicer._join_data_plane(servicer, spec, connect_timeout_s=1.0)
@@ -92,6 +101,7 @@ def test_a_load_whose_rendezvous_times_out_is_deadline_exceeded_and_the_stage_ta
     assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED, (context.code, context.details)
     assert context.details.startswith(f"joining the data plane as rank 1 at 127.0.0.1:{spec.dist_master_port} ")
     assert "timed out" in context.details and "\n" not in context.details, context.details
+    _check_health_names_the_failed_join(servicer, context)
     _check_the_next_call_works(servicer, spec, monkeypatch, next_call)
 
 
@@ -126,6 +136,7 @@ def test_a_load_whose_rendezvous_is_abandoned_by_rank_0_is_unavailable(tmp_path,
     assert context.details.startswith(f"joining the data plane as rank 1 at 127.0.0.1:{port} (timeout 600 s) failed: ")
     assert "\n" not in context.details
     assert isinstance(rank0.get("error"), RendezvousAbandoned)
+    _check_health_names_the_failed_join(servicer, context)
     _check_the_next_call_works(servicer, spec, monkeypatch, "Load")
 
 

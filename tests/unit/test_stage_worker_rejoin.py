@@ -120,6 +120,10 @@ def test_a_rejoin_is_not_held_up_by_an_earlier_one_still_waiting_at_its_rendezvo
     # the stale rendezvous ends in its own thread, after the release
     assert wait_for(lambda: [(g.port, g.closed) for g in rendezvous.groups] == expected, timeout_s=WAIT_S)
     assert servicer.loop is new_loop and servicer.spec.dist_master_port == NEW_PORT and not new_loop.retired
+    # a superseded Rejoin's failed rendezvous (its "rejoin" thread, once ended) is not this stage's state: it runs
+    # in the new group
+    assert wait_for(lambda: not any(t.name == "rejoin" and t.is_alive() for t in threading.enumerate()), timeout_s=WAIT_S)
+    assert servicer.Health(pb.HealthRequest(), FakeContext()).status == pb.HealthResponse.SERVING
     new_loop.stopped.set()
 
 
@@ -229,3 +233,29 @@ def test_a_rejoin_of_an_older_attempt_arriving_after_a_newer_one_is_refused(monk
         others_joined.set()
         if servicer.loop is not None:
             servicer.loop.stopped.set()
+
+
+def test_a_stage_whose_rejoin_failed_is_not_serving_naming_the_failure_until_the_next_rejoin(monkeypatch):
+    """A fail-over attempt's rendezvous timed out (another stage died again): the stage left its old group and
+    joined none, yet kept answering what its retired loop said (SERVING, or UNHEALTHY with the old data-plane
+    error). It is NOT_SERVING now, naming the failed join the Rejoin answered, until the next attempt's Rejoin."""
+    rendezvous = Rendezvous(stale_forms=False)
+    rendezvous.release.set()  # the stale port's rendezvous fails at once
+    servicer = loaded_servicer(monkeypatch, rendezvous, StageServicer(1, threading.Event()))
+    loops = []
+    try:
+        for port, attempt in ((NEW_PORT, 1), (STALE_PORT, 2), (NEW_PORT + 1, 3)):
+            thread, out = rejoin_attempt(servicer, port, attempt=attempt)
+            thread.join(timeout=WAIT_S)
+            loops.append(servicer.loop)
+            health = servicer.Health(pb.HealthRequest(), FakeContext())
+            if port == STALE_PORT:
+                assert out.get("code") == grpc.StatusCode.DEADLINE_EXCEEDED, out
+                failure = out["details"].removeprefix("stage 1: ")  # the Rejoin names the stage; Health's caller does
+                assert (health.status, health.message) == (
+                    pb.HealthResponse.NOT_SERVING, f"weights loaded, in no data-plane group: {failure}")
+            else:
+                assert "response" in out and health.status == pb.HealthResponse.SERVING, (out, health)
+    finally:
+        for loop in loops:
+            loop.stopped.set()

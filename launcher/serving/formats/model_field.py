@@ -10,20 +10,25 @@ and `_is_model_supported`): an absent, null or empty `model` means the served mo
 is not the served one is HTTP 404 with `{"error": {"message": "The model `NAME` does not exist.",
 "type": "NotFoundError", "param": "model", "code": 404}}`, which the openai Python client raises as
 `openai.NotFoundError`. A `model` that is not a string is bad input (vLLM's pydantic request models:
-400), raised as the caller's `error` class. The name is echoed escaped (one line) and cut to its first
-SHOWN_CHARS characters (pipeline/speculation/echo.py `clipped`). gRPC's GenerateRequest names no
-model, so gRPC has nothing to check.
+400), raised as the caller's `error` class. The name is echoed as vLLM echoes it, raw (quotes, backslashes
+and non-ASCII characters as sent; " at 0x<hex>>" written ">", as vLLM's create_error_response passes
+every message through vllm/entrypoints/utils.py `sanitize_message`), with two exceptions that keep an error
+message one short line: a line-breaking character is written as Python escapes it ("\\n", "\\u2028"), and
+the name is cut to its first SHOWN_CHARS characters (pipeline/speculation/echo.py `clipped`). gRPC's
+GenerateRequest names no model, so gRPC has nothing to check.
 Must not: do I/O, or import launcher/serving (this package sits below it).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from launcher.serving.formats.response_format import ErrorClass
 from pipeline.speculation.echo import clipped, shown
 
 NOT_FOUND_TYPE = "NotFoundError"  # vLLM's error type of an unknown model (its create_error_response err_type)
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+>")  # vLLM's sanitize_message: no object address in an error message
 
 
 class ModelNotFoundError(ValueError):
@@ -33,7 +38,13 @@ class ModelNotFoundError(ValueError):
     param = "model"
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"The model `{clipped(repr(name)[1:-1])}` does not exist.")
+        super().__init__(f"The model `{clipped(_one_line(_ADDRESS.sub('>', name)))}` does not exist.")
+
+
+def _one_line(name: str) -> str:
+    """`name` with each character that breaks a line (str.splitlines': \\n, \\r, \\x85, \\u2028, ...) escaped as
+    repr escapes it; every other character as it is."""
+    return "".join(repr(c)[1:-1] if len(f"a{c}b".splitlines()) > 1 else c for c in name)
 
 
 def check_model_name(name: str, served: str) -> None:
