@@ -133,7 +133,7 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
         exit_bytes = given_exit_bytes(predictor=args.predictor, exit_predictor=args.exit_predictor, kv_layer_bytes=kv)
     plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                  exit_bytes=exit_bytes, exit_layer=args.exit_layer)
+                                  exit_bytes=exit_bytes, exit_layer=args.exit_layer, device=args.device)
     for line in plan.lines():
         logging.getLogger(__name__).info("%s", line)
         if progress:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,11 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         """True when decoder layer `layer` uses sliding-window attention."""
         return self.layer_types[layer] == SLIDING_ATTENTION
+
+    def uses_local_rope(self, layers: Iterable[int]) -> bool:
+        """True when one of `layers` (absolute indices) is a sliding layer with its own unscaled RoPE base
+        (Gemma 3's rope_local_base_freq): a stage holding it keeps a second set of rotation tables."""
+        return self.rope_local_theta is not None and any(self.is_sliding(i) for i in layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when decoder layer `layer` has a sparse mixture-of-experts feed-forward."""

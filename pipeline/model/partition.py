@@ -115,13 +115,14 @@ def parse_layer_split(text: str) -> list[int]:
 
 
 def smallest_fitting_split(layer_bytes: Sequence[int], *, first_bytes: int, last_bytes: int,
-                           budget_bytes: int) -> list[LayerRange]:
+                           budget_bytes: int, stage_bytes: int = 0) -> list[LayerRange]:
     """The fewest contiguous stages whose memory each fits `budget_bytes`, split to minimise the
     largest stage.
 
     layer_bytes[i]: bytes decoder layer i needs on its stage (weights + its KV cache); first_bytes:
     the first stage's extra (token embedding); last_bytes: the last stage's extra (final norm + LM
-    head). Exact for contiguous splits (dynamic programme over split points, O(stages x layers^2)).
+    head); stage_bytes: what every stage holds whatever its layers (its RoPE rotation tables). Exact
+    for contiguous splits (dynamic programme over split points, O(stages x layers^2)).
     Raises ValueError naming the largest single need and the budget when no split fits.
     """
     n = len(layer_bytes)
@@ -132,7 +133,8 @@ def smallest_fitting_split(layer_bytes: Sequence[int], *, first_bytes: int, last
         prefix.append(prefix[-1] + b)
 
     def cost(lo: int, hi: int) -> int:
-        return prefix[hi] - prefix[lo] + (first_bytes if lo == 0 else 0) + (last_bytes if hi == n else 0)
+        return (prefix[hi] - prefix[lo] + (first_bytes if lo == 0 else 0) + (last_bytes if hi == n else 0)
+                + stage_bytes)
 
     best = {i: (cost(0, i), [0, i]) for i in range(1, n + 1)}  # best[i]: layers [0, i) on k stages
     for k in range(1, n + 1):

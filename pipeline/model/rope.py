@@ -273,10 +273,16 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
 # fewer than ~500 rows does; tests/unit/test_rope.py checks the gathered rows bitwise against the
 # per-pass computation, over every position, for each RoPE kind. When a position past them is asked
 # for, the tables double, by at most ROTATION_TABLE_HEADROOM positions more than asked (cos and sin
-# take 16 MB at 32k positions, head_dim 64, float32). CPU positions only: on an accelerator, finding
-# how far the tables must reach reads the largest position back to the host (a device sync per
-# pass, twice with FIRP), which costs more there than the dozen ops it saves; such a pass computes
-# its tables as before.
+# take 16 MB at 32k positions, head_dim 64, float32), and never past `max_positions`: the most positions
+# the stage can be asked for, the positions its KV cache holds (StageModel passes max_model_len plus the
+# token-tree scratch positions; every real row sits below max_model_len). A pass reaching past the bound
+# (a FIRP pseudo row of an anchor near max_model_len) gets the per-pass computation, so the tables' bytes
+# are bounded and the memory plan charges them (pipeline/weights/stage_memory.py
+# `rotation_table_bytes`: at the bound, cos and signed sin per table key, in the run's dtype; a
+# quantised stage's bfloat16 tables take less). CPU positions only: on an accelerator, finding how far
+# the tables must reach reads the largest position back to the host (a device sync per pass, twice
+# with FIRP), which costs more there than the dozen ops it saves; such a pass computes its tables as
+# before.
 ROTATION_TABLE_CHUNK = 256
 ROTATION_TABLE_HEADROOM = 8192
 
@@ -288,11 +294,14 @@ class RotationTables:
         self._key: tuple = ()
         self._cos = self._signed_sin = None  # [N, 1, rotary_dim] each
 
-    def lookup(self, positions: torch.Tensor, key: tuple, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor, key: tuple, cos_sin, *,
+               max_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [num_tokens, 1, rotary_dim] of int64 `positions` [num_tokens] (>= 0), as
         `rotation_tables(*cos_sin(positions))` gives them. cos_sin: positions -> (cos, sin) [n, rotary_dim];
         key: what it depends on (frequency tensors, dtype), compared by identity: new ones rebuild.
-        Positions on another device than the CPU get the per-pass computation (no host sync)."""
+        max_positions: the tables never grow past positions [0, max_positions) (None: no bound); a pass
+        with a position at or past it gets the per-pass computation, as do positions on another device
+        than the CPU (no host sync)."""
         if positions.device.type != "cpu":
             return rotation_tables(*cos_sin(positions))
         if len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key, strict=True)):
@@ -300,8 +309,11 @@ class RotationTables:
         have = 0 if self._cos is None else self._cos.shape[0]
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > have or self._cos is None:  # (no tables yet: zero positions gather from the first chunk)
-            self._grow(max(need, min(2 * have, need + ROTATION_TABLE_HEADROOM), ROTATION_TABLE_CHUNK), cos_sin,
-                       positions.device)
+            bound = math.inf if max_positions is None else max_positions
+            if need > bound or bound < 1:
+                return rotation_tables(*cos_sin(positions))
+            size = max(need, min(2 * have, need + ROTATION_TABLE_HEADROOM), ROTATION_TABLE_CHUNK)
+            self._grow(int(min(size, bound)), cos_sin, positions.device)
         return self._cos[positions], self._signed_sin[positions]
 
     def _grow(self, size: int, cos_sin, device: torch.device) -> None:

@@ -226,19 +226,20 @@ class StageModel(nn.Module):
             raise ValueError(f"draft layer after layer {after}, outside this stage's layers {self.layer_range}")
         self.draft_layer, self.draft_after = layer, after
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, *,
+                    max_positions: int | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{absolute layer: (cos, signed sin) [num_tokens, 1, head_dim]} for this stage's layers at `positions`,
         the `rotation_tables` of pipeline/model/rope.py (sliding layers of a family with its own local RoPE
-        base get the local tables)."""
-        cached = self._rotations
+        base get the local tables). max_positions: the cached tables' bound (`RotationTables.lookup`)."""
+        cached, bound = self._rotations, {"max_positions": max_positions}
         tables = {False: cached.setdefault((False, dtype), RotationTables()).lookup(
             positions, (self.inv_freq, self.inv_freq_long, dtype),
-            lambda p: config_cos_sin(self.config, p, self.inv_freq, self.inv_freq_long, dtype))}
-        local = self.config.rope_local_theta is not None
-        if local and any(self.config.is_sliding(i) for i in self.layer_range):
+            lambda p: config_cos_sin(self.config, p, self.inv_freq, self.inv_freq_long, dtype), **bound)}
+        if self.config.uses_local_rope(self.layer_range):
             tables[True] = cached.setdefault((True, dtype), RotationTables()).lookup(
-                positions, (self.inv_freq_local, dtype), lambda p: rope_cos_sin(p, self.inv_freq_local, dtype))
-        return {i: tables[local and self.config.is_sliding(i)] for i in self.layer_range}
+                positions, (self.inv_freq_local, dtype), lambda p: rope_cos_sin(p, self.inv_freq_local, dtype),
+                **bound)
+        return {i: tables.get(self.config.is_sliding(i), tables[False]) for i in self.layer_range}
 
     def new_kv_cache(self, *, max_num_seqs: int, max_model_len: int, num_scratch: int = 0) -> KVCache:
         """A KV cache sized for this stage's layers, in the model's dtype and device (num_scratch:
@@ -294,7 +295,8 @@ class StageModel(nn.Module):
         layout = None
         if pseudo is not None:
             h, positions, layout = self._add_pseudo(h, positions, pseudo, spans)
-        ropes = self.rope_tables(positions, h.dtype)
+        bound = kv.max_model_len + kv.num_scratch  # [Note: cached rotation tables] in rope.py
+        ropes = self.rope_tables(positions, h.dtype, max_positions=bound)
         plan = AttentionPlan.build(spans, layout, device, scratch_base=kv.max_model_len)
         exit_hidden = None
         for local, (name, layer) in enumerate(self.layers.items()):
@@ -311,7 +313,7 @@ class StageModel(nn.Module):
                 anchors = torch.tensor(list(anchor_rows(spans)), dtype=torch.int64, device=device)
                 if len(anchors):
                     h, positions, layout = self._add_pseudo(h, positions, make_pseudo(h[anchors]), spans)
-                    ropes = self.rope_tables(positions, h.dtype)
+                    ropes = self.rope_tables(positions, h.dtype, max_positions=bound)
                     plan = AttentionPlan.build(spans, layout, device, scratch_base=kv.max_model_len)
         for span in (s for s in spans if not s.is_sibling):  # a sibling's key went to scratch
             kv.set_length(span.slot, span.start + span.num_tokens)

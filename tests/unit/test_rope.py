@@ -173,3 +173,72 @@ def test_positions_off_the_cpu_get_the_per_pass_tables_without_reading_a_positio
                                                                                    torch.float32))
     assert cos.device.type == "meta" and cos.shape == (5, 1, 16) and signed_sin.shape == (5, 1, 16)
     assert tables._cos is None  # nothing cached
+
+
+@pytest.mark.parametrize("family", ["tiny", "gemma3_text", "phi3-longrope"])
+def test_cached_rotation_tables_stop_at_their_bound_and_answer_past_it_per_pass(family):
+    """[Note: cached rotation tables]: with `max_positions` B the tables never hold more than B positions
+    (a decode walk to the last position leaves exactly B, where the headroom would have taken 256), and a
+    pass reaching past B gets the per-pass bits while the tables stay as they were."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.rope import config_cos_sin
+    from pipeline.model.stage_model import StageModel, set_rope_buffers
+    from tests.family_models import family_config
+
+    config = tiny_config() if family == "tiny" else family_config(family)
+    with torch.device("meta"):
+        model = StageModel(config, LayerRange(0, config.num_hidden_layers), is_first=True, is_last=True)
+    set_rope_buffers(model, config)
+    bound = 40
+
+    def per_pass(positions):
+        tables = {False: rotation_tables(*config_cos_sin(config, positions, model.inv_freq, model.inv_freq_long,
+                                                         torch.float32))}
+        if config.rope_local_theta is not None:
+            tables[True] = rotation_tables(*rope_cos_sin(positions, model.inv_freq_local, torch.float32))
+        return {i: tables[config.rope_local_theta is not None and config.is_sliding(i)] for i in model.layer_range}
+
+    def check(positions):
+        got, want = model.rope_tables(positions, torch.float32, max_positions=bound), per_pass(positions)
+        for layer in model.layer_range:
+            assert all(torch.equal(g, w) for g, w in zip(got[layer], want[layer], strict=True)), (layer, positions)
+        return [(t._cos, t._signed_sin) for t in model._rotations.values()]
+
+    for p in range(bound):
+        held = check(torch.tensor([p]))
+        assert all(c.shape[0] <= bound and s.shape[0] <= bound for c, s in held)
+    assert all(c.shape[0] == bound for c, _ in held)
+    assert len(held) == 1 + (config.rope_local_theta is not None)
+    for positions in (torch.tensor([bound]), torch.tensor([bound - 1, bound, bound + 2]), torch.tensor([5000])):
+        after = check(positions)  # past the bound: the per-pass values, the tables untouched
+        assert all(a[0] is h[0] and a[1] is h[1] for a, h in zip(after, held, strict=True))
+
+
+def test_a_stage_bounds_its_tables_by_its_kv_cache_and_rotates_firp_rows_past_it_exactly():
+    """StageModel.forward_rows bounds the tables by the positions its KV cache holds (max_model_len plus
+    token-tree scratch positions): a pass at the last position leaves exactly that many. FIRP pseudo rows
+    of the last position reach past it; they get the per-pass tables, so the pass's logits equal those of
+    the same pass on a cache long enough for cached tables to cover them."""
+    from pipeline.model.config import tiny_config
+    from pipeline.model.partition import LayerRange
+    from pipeline.model.row_layout import Span
+    from pipeline.model.stage_model import build_stage_model
+    from tests.tiny_model import random_state_dict
+
+    cfg = tiny_config()
+    state = random_state_dict(cfg, seed=3, std=0.2)
+    outs = []
+    for max_model_len, num_scratch in ((40, 3), (64, 0)):
+        model = build_stage_model(cfg, LayerRange(0, cfg.num_hidden_layers), is_first=True, is_last=True,
+                                  tensors=dict(state))
+        kv = model.new_kv_cache(max_num_seqs=1, max_model_len=max_model_len, num_scratch=num_scratch)
+        model.forward(torch.arange(39) % cfg.vocab_size, [Span(0, 0, 39)], kv)
+        tables = model._rotations[(False, torch.float32)]
+        if max_model_len == 40:
+            assert tables._cos.shape[0] == 43  # 40 positions + 3 scratch, not the 256 of a first chunk
+        pseudo = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))  # positions 40..44
+        outs.append(model.forward_rows(torch.tensor([7]), [Span(0, 39, 1, num_anchors=1, chain_len=5)], kv,
+                                       pseudo=pseudo))
+        assert tables._cos.shape[0] == (43 if max_model_len == 40 else 64)
+    assert torch.equal(outs[0].out, outs[1].out) and torch.equal(outs[0].pseudo, outs[1].pseudo)

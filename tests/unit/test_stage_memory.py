@@ -1,8 +1,8 @@
-"""`--stages auto`: the fewest stages whose weights + KV each fit a per-stage memory budget.
+"""`--stages auto`: the fewest stages whose weights + KV + RoPE tables each fit a per-stage memory budget.
 
 What breaks when these fail: the split search (not the fewest stages, a stage over budget, a
 non-contiguous or lopsided split), the bytes a layer / the embedding / the head count for, or the
-CLI flags that turn a budget into --stages and --layer-split.
+CLI flags that turn a budget into --stages and --layer-split, or a stage's rotation tables left out of its bytes.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ import torch
 from launcher.cli.main import build_parser
 from launcher.cli.options import _auto_stages
 from launcher.cli.parsing import UsageError
-from pipeline.model.partition import smallest_fitting_split
+from pipeline.model.partition import LayerRange, smallest_fitting_split
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.stage_memory import kv_bytes_per_layer, plan_stages_for_budget
 from tests.family_models import write_family_model
 
 
-def _brute_force(layer_bytes, first, last, budget):
+def _brute_force(layer_bytes, first, last, budget, stage=0):
     """(fewest stages, least max stage) over every contiguous split, by enumeration."""
     n = len(layer_bytes)
     for k in range(1, n + 1):
         best = None
         for cuts in itertools.combinations(range(1, n), k - 1):
             bounds = [0, *cuts, n]
-            costs = [sum(layer_bytes[a:b]) + (first if a == 0 else 0) + (last if b == n else 0)
+            costs = [sum(layer_bytes[a:b]) + (first if a == 0 else 0) + (last if b == n else 0) + stage
                      for a, b in zip(bounds, bounds[1:], strict=False)]
             if max(costs) <= budget and (best is None or max(costs) < best):
                 best = max(costs)
@@ -44,33 +44,71 @@ def test_split_has_the_fewest_stages_and_the_least_largest_stage(seed):
     layers = torch.randint(1, 20, (n,), generator=gen).tolist()
     first, last = (int(v) for v in torch.randint(0, 30, (2,), generator=gen))
     budget = int(torch.randint(15, 80, (1,), generator=gen))
-    want = _brute_force(layers, first, last, budget)
+    stage = int(torch.randint(0, 10, (1,), generator=gen)) if seed % 2 else 0  # every stage's own (RoPE tables)
+    want = _brute_force(layers, first, last, budget, stage)
     if want is None:
         with pytest.raises(ValueError, match="no split fits a per-stage budget"):
-            smallest_fitting_split(layers, first_bytes=first, last_bytes=last, budget_bytes=budget)
+            smallest_fitting_split(layers, first_bytes=first, last_bytes=last, budget_bytes=budget, stage_bytes=stage)
         return
-    ranges = smallest_fitting_split(layers, first_bytes=first, last_bytes=last, budget_bytes=budget)
+    ranges = smallest_fitting_split(layers, first_bytes=first, last_bytes=last, budget_bytes=budget, stage_bytes=stage)
     assert ranges[0].start == 0 and ranges[-1].stop == n
     assert all(a.stop == b.start and len(a) > 0 for a, b in zip(ranges, ranges[1:], strict=False))
-    costs = [sum(layers[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0)
+    costs = [sum(layers[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0) + stage
              for i, r in enumerate(ranges)]
     assert (len(ranges), max(costs)) == want
 
 
-def test_plan_counts_weights_and_kv_of_each_stage(tmp_path):
-    folder = write_family_model(tmp_path / "m", "qwen3")  # tied head: the last stage holds its own copy
-    reader = CheckpointReader(folder)
-    cfg = reader.config
-    kv = kv_bytes_per_layer(cfg, dtype=torch.float32, max_num_seqs=2, max_model_len=64)
-    one = plan_stages_for_budget(folder, budget_bytes=1 << 40, dtype=torch.float32, max_num_seqs=2, max_model_len=64)
+def _measured_stage_bytes(folder, ranges, *, max_num_seqs, max_model_len):
+    """Per stage of `ranges`: (weights, KV cache, rotation tables) bytes of the tensors a real StageModel
+    holds after a pass at the last position max_model_len - 1 (storages measured, each counted once)."""
+    from safetensors.torch import load_file
+
+    from pipeline.model.row_layout import Span
+    from pipeline.model.stage_model import build_stage_model
+
+    cfg = CheckpointReader(folder).config
+    out = []
+    for i, r in enumerate(ranges):
+        model = build_stage_model(cfg, r, is_first=i == 0, is_last=i == len(ranges) - 1,
+                                  tensors=load_file(str(folder / "model.safetensors")))
+        kv = model.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        kv.set_length(0, max_model_len - 1)
+        x = torch.tensor([5]) if i == 0 else torch.randn(1, cfg.hidden_size)
+        model.forward(x, [Span(0, max_model_len - 1, 1)], kv)
+
+        def storage_bytes(tensors):
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+        tables = [t for r_ in model._rotations.values() for t in (r_._cos, r_._signed_sin)]
+        out.append((storage_bytes(model.parameters()), storage_bytes([kv.k, kv.v]), storage_bytes(tables)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])  # gemma3: local + global RoPE, two table sets
+def test_plan_counts_weights_kv_and_rotation_tables_of_each_stage(tmp_path, family):
+    folder = write_family_model(tmp_path / "m", family)  # tied head: the last stage holds its own copy
+    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64}
+    one = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
     assert len(one.ranges) == 1
-    plan = plan_stages_for_budget(folder, budget_bytes=int(one.stage_bytes[0] * 0.6), dtype=torch.float32,
-                                  max_num_seqs=2, max_model_len=64)
+    plan = plan_stages_for_budget(folder, budget_bytes=int(one.stage_bytes[0] * 0.6), **kw)
     assert len(plan.ranges) == 2 and all(b <= plan.budget_bytes for b in plan.stage_bytes)
-    for i, (r, b) in enumerate(zip(plan.ranges, plan.stage_bytes, strict=True)):
-        names = stage_tensor_names(cfg, r, is_first=i == 0, is_last=i == len(plan.ranges) - 1)
-        assert b == reader.nbytes(names, dtype=torch.float32) + kv * len(r)
+    measured = _measured_stage_bytes(folder, plan.ranges, max_num_seqs=2, max_model_len=64)
+    assert all(tables > 0 for _, _, tables in measured)
+    assert plan.stage_bytes == [sum(m) for m in measured]
+    assert all(plan.rotation_table_bytes == tables for _, _, tables in measured)
     assert "of a" in plan.lines()[0] and plan.layer_split() == ",".join(str(len(r)) for r in plan.ranges)
+    assert f"{plan.rotation_table_bytes / 2**20:.1f} MiB RoPE tables" in plan.lines()[0]
+
+
+def test_a_budget_the_stage_fits_only_without_its_rotation_tables_takes_one_more_stage(tmp_path):
+    folder = write_family_model(tmp_path / "m", "gemma3_text", tie_word_embeddings=False)
+    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64}
+    whole = LayerRange(0, CheckpointReader(folder).config.num_hidden_layers)
+    (weights, kv, tables), = _measured_stage_bytes(folder, [whole], max_num_seqs=2, max_model_len=64)
+    assert len(plan_stages_for_budget(folder, budget_bytes=weights + kv + tables, **kw).ranges) == 1
+    assert len(plan_stages_for_budget(folder, budget_bytes=weights + kv + tables // 2, **kw).ranges) == 2
+    on_gpu = plan_stages_for_budget(folder, budget_bytes=weights + kv + tables // 2, device="cuda", **kw)
+    assert len(on_gpu.ranges) == 1 and on_gpu.rotation_table_bytes == 0  # an accelerator caches no tables
 
 
 def test_cli_stages_auto_sets_stages_and_split(tmp_path):
@@ -118,7 +156,8 @@ def test_plan_charges_a_next_layer_drafter_to_the_stage_of_its_exit_layer(tmp_pa
         assert len(plan.ranges) >= 2
         for i, (r, b) in enumerate(zip(plan.ranges, plan.stage_bytes, strict=True)):
             names = stage_tensor_names(cfg, r, is_first=i == 0, is_last=i == len(plan.ranges) - 1)
-            assert b == reader.nbytes(names, dtype=torch.float32) + kv * len(r) + (extra if i == holder else 0)
+            assert b == (reader.nbytes(names, dtype=torch.float32) + kv * len(r) + (extra if i == holder else 0)
+                         + plan.rotation_table_bytes)
     args.stage_memory_gib = base.stage_bytes[0] / 2**30  # the model alone fits one stage...
     assert _auto_stages(args, progress=False)[0] == 2  # ...but not with the drafter
     assert given_exit_bytes(predictor="hybrid", exit_predictor=None, kv_layer_bytes=kv) == 0
