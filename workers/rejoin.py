@@ -17,9 +17,11 @@ separate threads): each carries its attempt number (`RejoinRequest.attempt`, the
 generation), and a Rejoin older than the newest this stage has seen answers ABORTED naming both,
 without touching the newer one's group. Before, the stale one arrived last and superseded the
 newer one, whose rendezvous then lacked this stage.
-A stage whose Load's join failed holds its weights in no group, and takes a Rejoin or a Load: a Load
-supersedes a Rejoin still waiting, as a newer Rejoin does (else that one's group, forming after the
-Load's, started a second data-plane loop).
+A stage whose join failed (its Load's or a Rejoin's) holds its weights in no group, and takes a Rejoin or a
+Load, as does one whose Rejoin still waits (it retired its loop): a Load drops the retired loop, loads the
+weights again and supersedes a Rejoin still waiting, as a newer Rejoin does (else that one's group, forming
+after the Load's, started a second data-plane loop). Before, a stage whose Rejoin had retired a loop refused
+every Load "already loaded" (the retired loop stayed its `loop`).
 """
 
 from __future__ import annotations

@@ -64,14 +64,15 @@ READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
 class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
     """gRPC StageService of one worker. Errors in Load map to INVALID_ARGUMENT (a ValueError, a
     missing or unreadable file: the user's input) / FAILED_PRECONDITION (a Load this worker cannot take:
-    already loaded, meant for another stage, or a SpecBookkeepingError such as a stage index outside
-    num_stages; the coordinator's bookkeeping, not the user's input) /
+    already in a data-plane group ("already loaded"), meant for another stage, or a SpecBookkeepingError
+    such as a stage index outside num_stages; the coordinator's bookkeeping, not the user's input) /
     INTERNAL ("<ExceptionType>: <message>" of any other exception, whose traceback this worker logs
     at DEBUG only; also an OSError of the machine, such as EMFILE or ENOMEM, named by its errno) /
     DEADLINE_EXCEEDED or UNAVAILABLE when the model loaded but its data-plane rendezvous timed out or
     went away (`join_failure` in workers/rejoin.py; the weights stay: a Rejoin may move the stage into
-    the next group, or a Load loads them again). Load's messages do not name the stage: the coordinator,
-    which knows which stage it asked, does ("stage 1 failed to load: ...")."""
+    the next group, or a Load loads them again, as after a Rejoin that failed or still waits: the stage
+    left its group). Load's messages do not name the stage: the coordinator, which knows which stage it
+    asked, does ("stage 1 failed to load: ...")."""
 
     def __init__(self, stage_index: int, stop_event: threading.Event, *, rejoin_wait_s: float = 0.0) -> None:
         """rejoin_wait_s: after a data-plane failure, wait this long for a `Rejoin` before exiting
@@ -93,9 +94,10 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
     # -- lifecycle -------------------------------------------------------------------------------
     def Load(self, request, context):
         with self._lock:
-            if self.loop is not None:  # loaded and joined (a model whose join failed is loaded again)
+            if self.loop is not None and not self.loop.retired:  # in a group; one whose join failed loads again
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is already loaded")
-            self.executor = self.spec = self.join_error = None
+            # a loop a Rejoin retired (that Rejoin failed or waits) goes, and the data-plane failure it ended with
+            self.executor = self.spec = self.join_error = self.loop = self.failure = None
             self._supersede_rejoins()  # one waiting after a failed join must not start a second loop
             try:
                 spec = spec_from_proto(request)
@@ -204,9 +206,8 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
     def Health(self, request, context):
         """SERVING while its data-plane loop runs; NOT_LOADED until a Load has loaded the weights; NOT_SERVING
         while the weights are loaded but the last join (Load's or Rejoin's) failed: the stage is in no group and
-        waits for the coordinator's next Rejoin (or, after a failed Load, a Load; after a failed Rejoin a Load is
-        refused "already loaded") (the message names that failure); UNHEALTHY once its data plane failed or
-        stopped."""
+        waits for the coordinator's next Rejoin or Load (the message names that failure); UNHEALTHY once its
+        data plane failed or stopped."""
         if self.join_error is not None and self.executor is not None:
             return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
                                      message=f"weights loaded, in no data-plane group: {self.join_error}")
