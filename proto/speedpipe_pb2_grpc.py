@@ -73,8 +73,8 @@ class StageServiceServicer:
 
     def Load(self, request, context):
         """Read this stage's layers [layer_start, layer_stop) from the checkpoint, build the KV cache and
-        join the data-plane process group. Fails with FAILED_PRECONDITION if the stage is already loaded
-        and INVALID_ARGUMENT if the request is inconsistent (for example layer_stop <= layer_start);
+        join the data-plane process group. Fails with FAILED_PRECONDITION if the stage is already in a
+        data-plane group and INVALID_ARGUMENT if the request is inconsistent (for example layer_stop <= layer_start);
         DEADLINE_EXCEEDED / UNAVAILABLE if the data-plane rendezvous timed out / went away (the stage
         keeps its weights: a Rejoin, or a Load that loads them again, may follow).
         """
@@ -85,8 +85,7 @@ class StageServiceServicer:
     def Health(self, request, context):
         """Report whether this stage can serve. Cheap; safe to poll. SERVING in a data-plane group; NOT_LOADED
         until a Load has loaded the weights; NOT_SERVING while the weights are loaded but the last join
-        (Load's or Rejoin's) failed, so the stage waits for a Rejoin (after a failed Load, or a Load)
-        (message: that failure);
+        (Load's or Rejoin's) failed, so the stage waits for a Rejoin or a Load (message: that failure);
         UNHEALTHY once its data plane failed or stopped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

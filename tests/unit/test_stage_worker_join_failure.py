@@ -176,7 +176,10 @@ def test_a_load_after_a_failed_join_supersedes_a_rejoin_still_waiting_at_its_ren
         assert not rejoin.is_alive() and rejoin_out.get("code") == grpc.StatusCode.ABORTED, rejoin_out
         assert wait_for(lambda: len(groups) == 2, timeout_s=WAIT_S)
         assert servicer.loop is load_loop and load_loop.channel.group.port == load_port
-        assert [(g.port, g.closed) for g in groups] == [(load_port, False), (rejoin_port, True)]
+        # the Rejoin's group is closed by its join thread after it is appended: wait for that, not only the count
+        expected = [(load_port, False), (rejoin_port, True)]
+        assert wait_for(lambda: [(g.port, g.closed) for g in groups] == expected, timeout_s=WAIT_S), [
+            (g.port, g.closed) for g in groups]
     finally:
         release.set()
         for loop in {id(servicer.loop): servicer.loop, id(load_loop): load_loop}.values():
