@@ -47,22 +47,29 @@ latency"). With `--decode-feed stage` at --stages 1 (the last stage is stage 0):
    chain for a token.
 5. Exact. A fed item is the item the coordinator would have sent: same start, token, slot and
    epoch (`register` checks the queued one), so greedy output is unchanged; it only starts earlier.
-Not built: --stages >= 2 (phase 2), where the last stage would send the fed item to stage 0 over a
-data-plane link of its own (a gloo point-to-point pair in the same group, workers/channel.py). Stage
-0 then has two upstreams and must merge them: (a) its receive side needs a second reader (or one
-`irecv` on each link) feeding the same inbox, and the order between a fed item and the
-coordinator's messages is no longer FIFO, so it must drop a fed item whose sequence it has seen
-RELEASEd (a released slot may already belong to a new sequence: slot reuse) or whose epoch is
-older than the newest it has seen (`admit_epochs` does the latter, `_newest` in
-workers/stage_loop.py records the former); (b) the coordinator's "send anything to stop a chain"
-no longer reaches the deciding stage (the last one): the stop must be a message down the ring
-(a RELEASE does that; a new request's FORWARD too, but it reaches the last stage only after its
-own pass through the earlier stages, so the chain may feed a few more tokens), or the authorisation
-must carry a short bound renewed by CREDITs as local_draft.credit does; (c) the fed item's
-announcement travels with the RESULT while the item itself goes to stage 0 on the other link, so
-its result may reach the coordinator only after its announcement, as now, but a fed item stage 0
-dropped must be reported (a WITHDRAWN from stage 0) or the engine counts it in flight forever;
-(d) the deadlines of the new link need keepalives of their own.
+6. Not built: --stages >= 2 (phase 2). There the last stage would send the fed item straight to
+   stage 0 over a data-plane link of its own (a gloo point-to-point pair in the same group,
+   workers/channel.py, created and warmed up at start-up with the others). What that needs:
+   (a) Stage 0's receive side gets a second upstream: a second reader thread (last stage -> stage 0)
+       feeding the same inbox. Each link keeps its own order, but there is none between the two:
+       a fed item may arrive before or after any coordinator message sent meanwhile.
+   (b) Drop rules at stage 0: a fed item of a sequence whose RELEASE stage 0 has seen is dropped
+       (its slot may already hold a new sequence: slot reuse; `_newest` in workers/stage_loop.py
+       records releases as RELEASED), and one older than the newest epoch seen is dropped by
+       `admit_epochs`. Each drop must be reported (a WITHDRAWN from stage 0), or the engine counts
+       the fed micro-batch in flight for ever; the announcement (in the last stage's RESULT) and
+       the WITHDRAWN then come from different stages, in either order, so the engine must match
+       them as it matches self-made drafts to their announcements (`_early`).
+   (c) Stopping a chain: the coordinator's "send anything" reaches stage 0, but the stage that
+       decides to feed is the last one. Either stage 0 refuses fed items while a coordinator
+       message waits (its inbox) and reports them, or the grant carries a short bound that the
+       coordinator renews by CREDIT after each result (as local_draft.credit does), so a chain
+       stops within a bound's worth of tokens when it stops renewing (a new request, fairness).
+   (d) Races: a RELEASE (stop string, abort) travels coordinator -> stage 0 -> ... -> last stage
+       while fed items travel last -> stage 0: stage 0 may see a fed item after the RELEASE (drop,
+       (b)) or before it (it runs; the later stages drop it on the RELEASE behind it, and the last
+       stage must not feed after a released sequence's item either).
+   (e) Deadlines: the new link needs keepalives of its own while no chain runs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Owns the `Scheduler` (sequences, ledgers, drafts, verify and commit through it), the micro-batches
 in flight (the only copy: the ring is FIFO, so a result answers the oldest; a micro-batch the exit
 stage made itself is matched to its announcement instead, in either arrival order: [Note:
-stage-local drafting] in pipeline/engine/local_draft.py), the `Timeline` of
+stage-local drafting] in pipeline/engine/local_draft.py; a decode item stage 0 fed itself, to the
+RESULT that announced it: [Note: self-fed decode] in pipeline/engine/decode_feed.py), the `Timeline` of
 what each micro-batch was worth, and the commit log. The coordinator (launcher/coordinator/coordinator.py)
 feeds it real events from its channels, the simulator (pipeline/engine/simulator.py) simulated ones, and
 the unit-test fakes scripted ones; none of them touches the scheduler.
