@@ -256,3 +256,10 @@ def test_a_long_chain_still_sends_stage_0_a_keepalive_within_its_deadline(feedin
     link.last_send_s = time.monotonic() - idle_s
     link.send_step(StepOutput(), feeding=feeding)
     assert link.sends.sent == expected
+
+
+def test_a_bad_decode_feed_value_is_named(tmp_path):
+    from launcher.coordinator.pipeline_options import PipelineOptions
+
+    with pytest.raises(ValueError, match="decode_feed must be one of coordinator, stage, got 'last'"):
+        PipelineOptions(num_stages=1, model=str(tmp_path), decode_feed="last")
