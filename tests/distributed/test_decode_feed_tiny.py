@@ -4,13 +4,17 @@ What breaks when these fail: a decode item stage 0 fed itself changes greedy out
 coordinator would not have sent, a fed item past EOS, a stop token id or max_tokens, its result
 applied twice or to the wrong sequence), a stop string or an abort found mid-chain leaves a fed
 item counted in flight or corrupts the next request in the reused KV slot, a second request waits
-for the whole stream (the chain does not stop when the coordinator sends), or the stage never
-feeds at all (no ring return saved). The oracle is transformers' greedy `generate` (min_new_tokens
-for min_tokens); the same requests with `--decode-feed coordinator` must give the same tokens.
+for the whole stream (the chain does not stop when the coordinator sends), the stage never
+feeds at all (no ring return saved), a chain longer than the stage deadline starves stage 0's
+receive (no keepalive), or a fail-over of stage 0 mid-chain leaves an old ring's fed item
+counted. The oracle is transformers' greedy `generate` (min_new_tokens for min_tokens); the same
+requests with `--decode-feed coordinator` must give the same tokens.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -20,9 +24,10 @@ import transformers
 
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
+from launcher.coordinator.stage_restarts import RestartBudget
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.sampling import SamplingParams
-from tests.distributed.conftest import session_options
+from tests.distributed.conftest import pid_alive, session_options
 from tests.distributed.test_pipeline_tiny import EOS_PROMPT, _copy_with_eos
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -154,3 +159,49 @@ def _wait_tokens(handle, n: int, timeout_s: float = TIMEOUT_S) -> None:
     while len(handle.token_ids) < n:
         assert time.monotonic() < deadline, "no tokens streamed"
         time.sleep(0.005)
+
+
+def test_a_chain_longer_than_the_stage_deadline_keeps_stage_0_alive(eos_dir, hf_model):
+    """A chain of fed items sends stage 0 nothing from the coordinator; the keepalive it then hears
+    ([Note: self-fed decode] 4) keeps its receive within a 1 s deadline over a chain many deadlines
+    long. No restart budget: a missed deadline fails the request instead of being recovered."""
+    options = session_options(eos_dir[0], 1, decode_feed="stage", stage_timeout_s=1.0, max_model_len=2048)
+    with PipelineSession(options, resolve(options)) as s:
+        coord = s.coordinator
+        started = time.monotonic()
+        out = _generate(s, PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
+        took_s = time.monotonic() - started
+        assert coord.failure is None and len(out.token_ids) == 2000
+        assert took_s > 2 * options.stage_timeout_s, f"the chain took {took_s:.2f} s: too short to test the deadline"
+        assert _fed(s) > 1900  # the keepalives stop it for a token now and then only
+        head = hf_greedy(hf_model, s.model.tokenizer.encode(PROMPTS[0]), 64)
+        assert out.token_ids[:64] == head
+        _drained(s)
+
+
+@pytest.mark.parametrize("breakage", ["kill-9", "sigstop"])
+def test_stage_0_broken_mid_chain_is_restarted_and_the_stream_completes_exactly(eos_dir, hf_model, breakage):
+    """Fail-over at --stages 1 while stage 0 feeds itself: the replay forgets every fed item of the
+    old ring (none left counted, `Engine.num_fed` included), and the new stage feeds again."""
+    options = session_options(eos_dir[0], 1, decode_feed="stage", stage_timeout_s=3.0 if breakage == "sigstop" else 60.0)
+    budget = RestartBudget(max_restarts=3, window_s=600)
+    session = PipelineSession(options, resolve(options), restart_budget=budget).__enter__()
+    pid = session.processes.pids[0]
+    try:
+        coord = session.coordinator
+        handle = coord.submit(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        _wait_tokens(handle, 20)
+        fed_before = _fed(session)
+        os.kill(pid, signal.SIGKILL if breakage == "kill-9" else signal.SIGSTOP)
+        out = handle.result(120)
+        assert fed_before > 0 and coord.num_restarts == 1 and coord.failure is None
+        ids = session.model.tokenizer.encode(PROMPTS[0])
+        assert out.token_ids == hf_greedy(hf_model, ids, 200)
+        after = _generate(session, PROMPTS[1], SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert after.token_ids == hf_greedy(hf_model, session.model.tokenizer.encode(PROMPTS[1]), 24)
+        assert _fed(session) > fed_before  # the new ring's stage 0 feeds as well
+        _drained(session)
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        session.close()
