@@ -9,7 +9,9 @@ as the exit stage, a draft it makes itself runs right after its parent, as a mic
 such drafts, CREDITs are read on a reader thread so that a chain of them sees each credit at once,
 and a self-made draft is stopped between two layers, and WITHDRAWN to the coordinator instead of
 sent on, once a newer epoch (or a release) of every sequence in it has arrived ([Note: stage-local drafting] 6 in
-pipeline/engine/local_draft.py).
+pipeline/engine/local_draft.py). A last stage that is stage 0 feeds an authorised greedy decode
+item itself in the same way: run next, announced in its parent's RESULT, withdrawn on a RELEASE;
+never while a message waits in its inbox ([Note: self-fed decode] in pipeline/engine/decode_feed.py).
 Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
 """
 
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pipeline.engine import decode_feed
 from pipeline.engine.local_draft import StageDrafter
 from pipeline.engine.stage_executor import StageExecutor
 from pipeline.engine.wire import COORDINATOR_RANK, PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_of_stage
@@ -107,7 +110,7 @@ class StageLoop:
         while True:
             try:
                 msg = self.channel.recv(self.prev_rank)
-                if msg.kind == MessageKind.CREDIT:
+                if msg.kind == MessageKind.CREDIT and self.drafter is not None:
                     self.drafter.credit(msg.items)
                     continue
                 self._note_newest(msg)
@@ -170,10 +173,8 @@ class StageLoop:
         drafts = []
         if self.drafter is not None:
             self.drafter.observe(msg.items, x, out.items)
-            if self._inbox is None and any(it.draft_upto for it in out.items):
-                # the coordinator drafts here: from now on credits must reach a chain of drafts
-                self._inbox = queue.Queue()
-                threading.Thread(target=self._read, name=f"stage-{self.stage_index}-reader", daemon=True).start()
+            if any(it.draft_upto for it in out.items):
+                self._start_reader()  # the coordinator drafts here: credits must reach a chain of drafts
         if self.executor.exit_layer is not None and any(it.may_precede_draft for it in out.items):
             guesses = {}
             if out.exit_tokens is not None:
@@ -200,4 +201,26 @@ class StageLoop:
             tensors.update(zip(PROMPT_LOGPROB_TENSORS, out.prompt_logprobs, strict=True))
         if out.firp_tokens is not None:
             tensors["firp_tokens"], tensors["firp_probs"] = out.firp_tokens, out.firp_probs
-        return Message(MessageKind.RESULT, out.items, tensors, timing), drafts
+        fed = self._feed(out, tensors)
+        return Message(MessageKind.RESULT, out.items, tensors, timing), drafts + fed
+
+    def _feed(self, out, tensors: dict[str, torch.Tensor]) -> list[Item]:
+        """The decode items this last stage, as stage 0, feeds itself after `out`'s items (none while
+        a message waits in its inbox), announced as the RESULT tensor "fed" ([Note: self-fed
+        decode] in pipeline/engine/decode_feed.py)."""
+        if self.stage_index != 0 or not any(it.feed_upto for it in out.items):
+            return []
+        self._start_reader()  # a RELEASE must reach a running fed item, and the inbox be seen
+        if not self._inbox.empty():
+            return []
+        fed, flags = decode_feed.fed_items(out.items, out.token_ids)
+        if fed:
+            tensors["fed"] = torch.tensor(flags, dtype=torch.int64)
+        return fed
+
+    def _start_reader(self) -> None:
+        """From now on a reader thread receives from upstream (once): CREDITs at once, the rest
+        into the inbox, each sequence's newest epoch noted as it arrives (`_superseded`)."""
+        if self._inbox is None:
+            self._inbox = queue.Queue()
+            threading.Thread(target=self._read, name=f"stage-{self.stage_index}-reader", daemon=True).start()

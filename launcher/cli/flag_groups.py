@@ -10,7 +10,7 @@ import argparse
 
 from launcher.cli.options import GRAMMAR_DRAFTING
 from launcher.cli.parsing import add_row_cost_flag, logit_bias_json, token_id_list, unescape
-from launcher.coordinator.pipeline_options import DRAFT_AT
+from launcher.coordinator.pipeline_options import DECODE_FEED, DEFAULT_DECODE_FEED, DRAFT_AT
 from pipeline.engine.records import DEEP_ACCEPTANCE
 from pipeline.run_config import SPECULATE_MODES
 
@@ -48,6 +48,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-at", choices=DRAFT_AT, default=DRAFT_AT[0],
                    help="who turns the exit guess into a draft: the coordinator, or the exit stage itself when "
                    "it is stage 0 (no round trip; README 'Stage-local drafting') (default coordinator)")
+    g.add_argument("--decode-feed", choices=DECODE_FEED, default=DEFAULT_DECODE_FEED,
+                   help="who sends plain greedy decode's next item: the coordinator, or at --stages 1 the stage "
+                   f"itself (no ring return; README 'Self-fed decode') (default {DEFAULT_DECODE_FEED})")
     g.add_argument("--deep-draft-min-acceptance", type=float, default=DEEP_ACCEPTANCE, metavar="P",
                    help="with --draft-at stage: the exit stage drafts one past the run-ahead depth only after "
                    f"its own draft from a gate bucket right at least this often (default {DEEP_ACCEPTANCE}; "

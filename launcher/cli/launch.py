@@ -104,6 +104,7 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "verified_drafts": spec.verified_drafts, "accepted_tokens": spec.accepted_tokens,
             "squashed_items": spec.squashed_items, "gated_drafts": spec.gated_drafts,
             "stage_drafted": spec.stage_drafted, "withdrawn_drafts": spec.withdrawn_drafts,
+            "fed_items": spec.fed_items, "fed_withdrawn": spec.fed_withdrawn,  # pipeline/engine/decode_feed.py
             "firp_drafted": spec.firp_drafted, "firp_verified": spec.firp_verified,
             "firp_accepted": spec.firp_accepted, "tokens_per_pass": round(spec.tokens_per_pass, 4),
             "exit_rows": spec.exit_rows, "exit_rows_skipped": spec.exit_rows_skipped,

@@ -173,7 +173,7 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         stage_timeout_s=args.stage_timeout_s, log_level=resolve_log_level(args.log_level), cache_dir=args.cache_dir,
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
-        placement=placement, record_timeline=not getattr(args, "no_timeline", False))
+        placement=placement, record_timeline=not getattr(args, "no_timeline", False), decode_feed=args.decode_feed)
     return options, why
 
 

@@ -225,7 +225,7 @@ class Coordinator:
                 continue
             try:  # then stream: commits made before a failure still reach their requests
                 out = self.engine.step(self._to_engine_events(kind, payload), now_ns=time.perf_counter_ns())
-                self.link.send_step(out)  # releases, then micro-batches
+                self.link.send_step(out, feeding=self.engine.num_fed > 0)  # releases, then micro-batches
             finally:
                 self._stream_after_send()
             for seq_id in out.forgotten:

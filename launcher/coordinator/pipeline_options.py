@@ -18,6 +18,8 @@ from pipeline.run_config import RunConfig
 from workers.log_config import LOG_LEVELS, default_log_level
 
 DRAFT_AT = ("coordinator", "stage")  # --draft-at: who makes a draft from an exit guess (first: default)
+DECODE_FEED = ("coordinator", "stage")  # --decode-feed: who sends greedy decode's next item (pipeline/engine/decode_feed.py)
+DEFAULT_DECODE_FEED = "stage"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,6 +37,8 @@ class PipelineOptions(RunConfig):
     draft_at: str = DRAFT_AT[0]
     # with draft_at "stage": a deep draft's parent bucket must be right this often (local_draft.py, 5-6)
     deep_draft_min_acceptance: float = DEEP_ACCEPTANCE
+    # "stage": at --stages 1 the stage feeds plain greedy decode itself (pipeline/engine/decode_feed.py)
+    decode_feed: str = DEFAULT_DECODE_FEED
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -42,6 +46,8 @@ class PipelineOptions(RunConfig):
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.draft_at not in DRAFT_AT:
             raise ValueError(f"draft_at must be one of {', '.join(DRAFT_AT)}, got {self.draft_at!r}")
+        if self.decode_feed not in DECODE_FEED:
+            raise ValueError(f"decode_feed must be one of {', '.join(DECODE_FEED)}, got {self.decode_feed!r}")
         if not 0.0 <= self.deep_draft_min_acceptance <= 1.0:
             raise ValueError(f"deep_draft_min_acceptance must be in [0, 1], got {self.deep_draft_min_acceptance}")
         if self.draft_at == "stage" and self.draft_tree > 1:

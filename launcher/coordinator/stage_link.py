@@ -8,6 +8,7 @@ messages (RELEASE, FORWARD), keepalives and the in-band SHUTDOWN. Must not: deci
 from __future__ import annotations
 
 import threading
+import time
 
 from launcher.coordinator.request_handle import PipelineError
 from pipeline.engine.events import StepOutput
@@ -34,6 +35,7 @@ class StageLink:
         self.sends: SendQueue | None = None
         self.first, self.last = rank_of_stage(0), rank_of_stage(num_stages - 1)
         self.abandoned = threading.Event()  # set by close(): a join still waiting gives up at once
+        self.last_send_s = time.monotonic()  # when a message last went to stage 0
 
     def join(self) -> None:
         """Join the data plane as rank 0 (host of its rendezvous). Raises RuntimeError on timeout,
@@ -67,10 +69,17 @@ class StageLink:
         if msg.kind != MessageKind.KEEPALIVE:
             raise PipelineError(f"warm-up: expected KEEPALIVE back from the last stage, got {msg.kind.name}")
 
-    def send_step(self, out: StepOutput) -> None:
+    def send_step(self, out: StepOutput, *, feeding: bool = False) -> None:
         """Send the engine's releases (one RELEASE), its credits (one CREDIT, consumed by stage 0),
         then each of its micro-batches (FORWARD: the token ids as tensor "x", items without them;
-        "prompt_next" for items that want prompt logprobs; a timing list when a timeline is recorded)."""
+        "prompt_next" for items that want prompt logprobs; a timing list when a timeline is recorded).
+        feeding: stage 0 has fed decode items in flight: it then hears a KEEPALIVE when nothing went
+        to it for a quarter of the deadline ([Note: self-fed decode] 4 in pipeline/engine/decode_feed.py)."""
+        if feeding and not (out.releases or out.credits or out.sends) and (
+                time.monotonic() - self.last_send_s > self.timeout_s / 4):
+            self.keepalive()
+        if out.releases or out.credits or out.sends:
+            self.last_send_s = time.monotonic()
         if out.releases:
             self.sends.send(Message(MessageKind.RELEASE, releases=list(out.releases)), self.first)
         if out.credits:
@@ -81,6 +90,7 @@ class StageLink:
 
     def keepalive(self) -> None:
         """A KEEPALIVE round the ring, so idle stages hear something within their deadline."""
+        self.last_send_s = time.monotonic()
         self.sends.send(Message(MessageKind.KEEPALIVE), self.first)
 
     def shutdown(self) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.engine.events import ExitPassed, Result, Withdrawn
 from pipeline.engine.local_draft import NUM_KEYS
-from pipeline.engine.wire import PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_name
+from pipeline.engine.wire import PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_name, rank_of_stage
 from pipeline.speculation.predictors import exit_guesses
 from workers.channel import Channel, ChannelError
 
@@ -62,7 +62,9 @@ def withdrawn_event(msg: Message, *, now_ns: int) -> Withdrawn:
 
 def result_event(msg: Message, *, now_ns: int) -> Result:
     """A RESULT message as an engine event, stamped `now_ns` (when it arrived). Raises
-    ReceiverError when its prompt-logprob tensors do not match its items."""
+    ReceiverError when its prompt-logprob tensors do not match its items, or its "fed" tensor
+    (int64 [num_items] of 0 / 1; [Note: self-fed decode] in pipeline/engine/decode_feed.py) does not,
+    or marks an item that was not authorised (`Item.feed_upto`)."""
     prompt = None
     rows = sum(it.num_prompt_rows for it in msg.items if it.want_logits)
     if rows or any(name in msg.tensors for name in PROMPT_LOGPROB_TENSORS):
@@ -71,9 +73,16 @@ def result_event(msg: Message, *, now_ns: int) -> Result:
         if (chosen is None or ids is None or values is None or ranks is None or chosen.shape != (rows,)
                 or ranks.shape != (rows,) or ids.dim() != 2 or ids.shape[0] != rows or values.shape != ids.shape):
             raise ReceiverError(f"RESULT for {rows} prompt rows has malformed {'/'.join(PROMPT_LOGPROB_TENSORS)} tensors")
+    fed = msg.tensors.get("fed")
+    if fed is not None:
+        if fed.dtype != torch.int64 or fed.shape != (len(msg.items),) or bool(((fed != 0) & (fed != 1)).any()):
+            raise ReceiverError(f"RESULT with {len(msg.items)} items has a malformed fed tensor")
+        fed = tuple(fed.tolist())
+        if any(f and not it.feed_upto for it, f in zip(msg.items, fed, strict=True)):
+            raise ReceiverError("RESULT announces a fed decode item after an item that was not authorised")
     return Result(items=tuple(msg.items), token_ids=msg.tensors["token_ids"], logits=msg.tensors.get("logits"),
                   firp_tokens=msg.tensors.get("firp_tokens"), firp_probs=msg.tensors.get("firp_probs"),
-                  prompt_logprobs=prompt, timing=tuple(msg.timing or ()), at_ns=now_ns)
+                  prompt_logprobs=prompt, timing=tuple(msg.timing or ()), at_ns=now_ns, fed=fed or ())
 
 
 def await_death_report(events: queue.SimpleQueue, generation: int, wait_s: float) -> str | None:
@@ -113,7 +122,7 @@ def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, event
 def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.SimpleQueue, stopping: threading.Event,
                   generation: int, *, is_exit: bool = False) -> None:
     """Blocking receives from `rank`: RESULTs if it is the last stage, EXIT_GUESS and WITHDRAWN if it
-    is the exit stage; any other kind from it is an error event."""
+    is the exit stage (WITHDRAWN also if it is stage 0 and the last); any other kind is an error event."""
     while True:
         try:
             msg = channel.recv(rank)
@@ -124,7 +133,8 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Simp
         if stopping.is_set():
             return  # a fail-over replaced this ring
         decode = {MessageKind.EXIT_GUESS: exit_event if is_exit else None,
-                  MessageKind.WITHDRAWN: withdrawn_event if is_exit else None,
+                  # stage 0 as the last stage withdraws fed items too ([Note: self-fed decode])
+                  MessageKind.WITHDRAWN: withdrawn_event if is_exit or (is_last and rank == rank_of_stage(0)) else None,
                   MessageKind.RESULT: result_event if is_last else None}.get(msg.kind)
         if decode is not None:
             try:

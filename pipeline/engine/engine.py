@@ -3,7 +3,8 @@
 Owns the `Scheduler` (sequences, ledgers, drafts, verify and commit through it), the micro-batches
 in flight (the only copy: the ring is FIFO, so a result answers the oldest; a micro-batch the exit
 stage made itself is matched to its announcement instead, in either arrival order: [Note:
-stage-local drafting] in pipeline/engine/local_draft.py), the `Timeline` of
+stage-local drafting] in pipeline/engine/local_draft.py; a decode item stage 0 fed itself, to the
+RESULT that announced it: [Note: self-fed decode] in pipeline/engine/decode_feed.py), the `Timeline` of
 what each micro-batch was worth, and the commit log. The coordinator (launcher/coordinator/coordinator.py)
 feeds it real events from its channels, the simulator (pipeline/engine/simulator.py) simulated ones, and
 the unit-test fakes scripted ones; none of them touches the scheduler.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable
 
+from pipeline.engine import decode_feed
 from pipeline.engine.events import (
     Abort,
     Event,
@@ -85,6 +87,7 @@ class Engine:
         # announced and unanswered (item keys -> when announced), and results that came first
         self._local: dict[frozenset[tuple[int, int, int]], int] = {}
         self._early: list[Result] = []
+        self._fed: set[frozenset[tuple[int, int, int]]] = set()  # of `_local`, those stage 0 fed ([Note: self-fed decode])
 
     # -- the interface ------------------------------------------------------------------------------
     def step(self, events: Iterable[Event] = (), now_ns: int = 0) -> StepOutput:
@@ -132,13 +135,20 @@ class Engine:
         the exit stage made that still holds a current item. A self-made one whose every item a
         squash made stale (an older epoch, or a finished sequence) will be withdrawn or dropped, so
         it does not hold back the real item the squash queued; counted, it made that item wait for
-        the stale results and the withdrawal never came ([Note: stage-local drafting] 6)."""
+        the stale results and the withdrawal never came ([Note: stage-local drafting] 6). A fed
+        decode item never counts ([Note: self-fed decode] 4)."""
         seqs = self._scheduler.seqs
 
         def live(keys) -> bool:
             return any((s := seqs.get(seq_id)) is not None and not s.finished and s.epoch == epoch
                        for seq_id, _, epoch in keys)
-        return len(self._inflight) + sum(live(keys) for keys in self._local)
+        return len(self._inflight) + sum(live(keys) for keys in self._local if keys not in self._fed)
+
+    @property
+    def num_fed(self) -> int:
+        """Fed micro-batches in flight: they do not fill the pipeline, so a new request is sent at
+        once and its message ends stage 0's chain ([Note: self-fed decode] 4 in pipeline/engine/decode_feed.py)."""
+        return len(self._fed)
 
     @property
     def num_sequences(self) -> int:
@@ -196,6 +206,7 @@ class Engine:
             self._inflight.clear()  # their results will never come: the old ring is gone
             self._local.clear()
             self._early.clear()
+            self._fed.clear()
             sched.replay_running()
         else:
             raise TypeError(f"unknown engine event {event!r}")
@@ -220,15 +231,23 @@ class Engine:
         ready_ns = self._local.pop(keys, None)
         if ready_ns is None:
             return  # a replay forgot it already (ReplayRunning clears every announced micro-batch)
-        self._scheduler.spec.withdrawn_drafts += len(event.items)
+        if keys in self._fed:
+            self._fed.discard(keys)
+            self._scheduler.spec.fed_withdrawn += len(event.items)
+        else:
+            self._scheduler.spec.withdrawn_drafts += len(event.items)
         if self.record_timeline and event.timing:  # its wait before starting counts in draft_gap too
             self.timeline.record(event.timing, event.items, 0.0, ready_ns, committed=[False] * len(event.items))
 
     def _on_result(self, event: Result, commits: list[Commit]) -> None:
         if event.items and event.items[0].self_made:  # a micro-batch the exit stage made
-            ready_ns = self._local.pop(_keys(event), None)
+            keys = _keys(event)
+            ready_ns = self._local.pop(keys, None)
             if ready_ns is None:
                 self._early.append(event)  # before its announcement: wait for it
+            elif keys in self._fed:  # no draft: no draft gap either
+                self._fed.discard(keys)
+                self._apply_result(MicroBatch(items=event.items), event, commits)
             else:
                 self._apply_result(MicroBatch(items=event.items, drafts_ready_ns=ready_ns), event, commits)
             return
@@ -247,6 +266,20 @@ class Engine:
             commits.append(commit)
             if self.commit_sink is not None and self.commit_sink(commit):
                 self._scheduler.finish_on_stop_string(commit.seq_id)
+        if any(event.fed):
+            self._register_fed(event)
+
+    def _register_fed(self, event: Result) -> None:
+        """Stage 0 fed a decode item after the items of `event` marked `fed` (applied already): count
+        that micro-batch in flight until its result or withdrawal, and record its items in their
+        ledgers where their sequences go on ([Note: self-fed decode] 3 in pipeline/engine/decode_feed.py)."""
+        sched, tokens = self._scheduler, decode_feed.result_tokens(event.items, event.token_ids)
+        fed = [(it, t) for it, t, f in zip(event.items, tokens, event.fed, strict=True) if f]
+        keys = frozenset((it.seq_id, it.end, it.epoch) for it, _ in fed)
+        self._local[keys] = event.at_ns
+        self._fed.add(keys)
+        for it, token in fed:
+            decode_feed.register(sched.spec, sched.ready, sched.seqs.get(it.seq_id), it, token)
 
     def _record(self, batch: MicroBatch, event: Result, committed_seqs: set[int]) -> None:
         """Add the micro-batch to the timeline: an item's work was useful iff it ran on every stage

@@ -66,6 +66,8 @@ class Result:
     prompt_logprobs: (chosen [P], top_ids [P, k], top_logprobs [P, k], rank [P]) of the prompt rows of items
         with want_prompt_logits, in item order (`reduce_prompt_rows`), or None.
     timing: one StageTiming per stage that ran it (empty when not recorded).
+    fed: empty, or per item 1 where the last stage (stage 0) fed the next DECODE item after it
+        itself ([Note: self-fed decode] in pipeline/engine/decode_feed.py), else 0.
     """
 
     items: tuple[Item, ...]
@@ -76,13 +78,15 @@ class Result:
     prompt_logprobs: tuple[torch.Tensor, ...] | None = None
     timing: tuple[StageTiming, ...] = ()
     at_ns: int = 0
+    fed: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Withdrawn:
     """The exit stage stopped a micro-batch of drafts it made itself (a WITHDRAWN message) before
     sending it on: a newer epoch of every one of its sequences had reached the stage, so its
-    result would have been stale ([Note: stage-local drafting] 6 in pipeline/engine/local_draft.py).
+    result would have been stale ([Note: stage-local drafting] 6 in pipeline/engine/local_draft.py);
+    or stage 0 stopped a decode item it fed itself ([Note: self-fed decode] 4 in decode_feed.py).
     No result will come for `items`; `timing`: the stage's StageTiming up to the stop (empty when
     not recorded), which the timeline counts as wasted work."""
 

@@ -73,6 +73,7 @@ class SchedulerConfig:
     firp_pseudo_weight: float = 1.0  # a pseudo row's cost in real rows (layers after the FIRP layer / all)
     run_ahead_from_table: bool = False  # max_inflight is a cap; the depth follows row_costs (row_budget.py)
     draft_at_stage: bool = False  # the exit stage (stage 0) drafts itself: pipeline/engine/local_draft.py
+    decode_feed: bool = False  # the last stage, when it is stage 0, feeds greedy decode itself: decode_feed.py
     deep_acceptance: float = DEEP_ACCEPTANCE  # see DEEP_ACCEPTANCE
     draft_tree: int = 1  # candidates per draft position, siblings included ([Note: token trees]); 1 = off
     grammar_drafts: bool = True  # constrained drafts follow the grammar ([Note: grammar-aware drafting])
@@ -196,6 +197,8 @@ class SpecCounters:
     gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
     stage_drafted: int = 0  # drafts the exit stage made itself (pipeline/engine/local_draft.py)
     withdrawn_drafts: int = 0  # of those, stopped on the exit stage by a squash (local_draft.py, note 6)
+    fed_items: int = 0  # decode items stage 0 fed itself, registered (pipeline/engine/decode_feed.py)
+    fed_withdrawn: int = 0  # fed items stopped on stage 0 by a RELEASE (decode_feed.py, note 4)
     firp_drafted: int = 0
     firp_verified: int = 0
     firp_accepted: int = 0

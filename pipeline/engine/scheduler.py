@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.engine import local_draft
+from pipeline.engine import decode_feed, local_draft
 from pipeline.engine.grammar_drafts import GrammarDrafts
 from pipeline.engine.records import (
     NON_FINITE_TOKEN,
@@ -168,7 +168,7 @@ class Scheduler:
             item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))
             item = local_draft.authorise(self.config, self.predictor, self.gate, seq, item, pipeline_full=pipeline_full,
                                          depth=self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1, explore=False))
-            batch.append(item)
+            batch.append(decode_feed.authorise(self.config, seq, item, alone=self.num_running == 1 and not self.waiting))
         for item in batch:  # after the batch is formed: one item per sequence per micro-batch
             self._try_draft(self.seqs[item.seq_id], now_ns)  # predictors without an exit head draft at send time
         return batch

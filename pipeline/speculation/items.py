@@ -18,6 +18,7 @@ MAX_TREE_SCRATCH = 1 << 16  # token-tree scratch positions per KV slot an item m
 # bound, from its load spec, is tighter: StageExecutor.max_scratch)
 MAX_DRAFT_WITH = 255  # Item.draft_with: a built-in predictor code, or local_draft.CUSTOM (255)
 MAX_DRAFT_GATE = 1 << 63  # Item.draft_gate: local_draft.gate_bits' bits (61 used) as one int64
+MAX_FEED_STOP = 512  # Item.feed_stop: EOS ids + a request's stop_token_ids (token_masks.MAX_STOP_TOKEN_IDS: 300)
 
 
 class ItemKind(enum.IntEnum):
@@ -61,6 +62,10 @@ class Item:
         sibling, verified, becomes the real entry there); -1: no fix-up.
     exit_top_k: the exit stage returns the exit head's top `exit_top_k` tokens for this item (the
         token-tree candidates of the draft after it); 1: its top token only.
+    feed_upto, feed_stop: self-fed decode ([Note: self-fed decode] in pipeline/engine/decode_feed.py).
+        feed_upto > 0: the last stage, when it is stage 0, may turn this item's result token into the
+        next DECODE item itself (start = end) while that item's start is < feed_upto, and not when
+        the token is one of feed_stop (the ids that end the sequence). Defaults: off.
     """
 
     seq_id: int
@@ -84,6 +89,8 @@ class Item:
     tree_scratch: int = 0
     keep_sibling: int = -1
     exit_top_k: int = 1
+    feed_upto: int = 0
+    feed_stop: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.alt_token_ids and (self.kind != ItemKind.DRAFT or self.num_tokens != 1 or self.firp_k
@@ -118,6 +125,9 @@ class Item:
         if self.draft_upto < 0 or self.draft_cap < 0 or (self.draft_upto and self.draft_cap > self.draft_upto):
             raise ValueError(f"item of seq {self.seq_id} has draft_cap {self.draft_cap} / draft_upto "
                              f"{self.draft_upto}: need 0 <= draft_cap <= draft_upto")
+        if self.feed_upto < 0 or len(self.feed_stop) > MAX_FEED_STOP:
+            raise ValueError(f"item of seq {self.seq_id} has feed_upto {self.feed_upto} < 0 or "
+                             f"{len(self.feed_stop)} feed_stop ids > {MAX_FEED_STOP}")
         if not 0 <= self.draft_with <= MAX_DRAFT_WITH or not 0 <= self.draft_gate < MAX_DRAFT_GATE:
             raise ValueError(f"item of seq {self.seq_id} has draft_with {self.draft_with} / draft_gate "
                              f"{self.draft_gate} outside [0, {MAX_DRAFT_WITH}] / [0, 2**63)")
@@ -198,6 +208,7 @@ ITEM_WIRE_SCHEMA: dict[str, type] = {
     "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
     "want_prompt_logits": bool, "draft_upto": int, "draft_cap": int, "draft_gate": int, "draft_with": int, "self_made": bool,
     "alt_token_ids": list, "tree_scratch": int, "keep_sibling": int, "exit_top_k": int,
+    "feed_upto": int, "feed_stop": list,
 }
 _ITEM_FIELDS = operator.attrgetter(*ITEM_WIRE_SCHEMA)  # one item's values, in column order
 
@@ -211,6 +222,7 @@ def items_to_wire(items: Sequence[Item]) -> dict[str, list[Any]]:
     cols["kind"] = [int(k) for k in cols["kind"]]
     cols["token_ids"] = [list(t) for t in cols["token_ids"]]
     cols["alt_token_ids"] = [list(t) for t in cols["alt_token_ids"]]
+    cols["feed_stop"] = [list(t) for t in cols["feed_stop"]]
     return cols
 
 
@@ -235,5 +247,6 @@ def items_from_wire(raw: Any) -> list[Item]:
         except ValueError:
             raise ValueError(f"malformed item: unknown kind {fields['kind']}") from None
         fields["token_ids"], fields["alt_token_ids"] = tuple(fields["token_ids"]), tuple(fields["alt_token_ids"])
+        fields["feed_stop"] = tuple(fields["feed_stop"])
         items.append(Item(**fields))
     return items

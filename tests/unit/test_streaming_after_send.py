@@ -34,7 +34,7 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
 class _Engine:
     """Makes one scripted commit per result event and tells its commit sink, as `Engine.step` does."""
 
-    num_inflight = 0
+    num_inflight = num_fed = 0
 
     def __init__(self, commits: list[Commit]) -> None:
         self.commits, self.commit_sink, self.stopped_at = list(commits), None, None
@@ -55,7 +55,7 @@ class _Link:
     def __init__(self, handle: RequestHandle) -> None:
         self.handle, self.streamed_at_send = handle, []
 
-    def send_step(self, out: StepOutput) -> None:
+    def send_step(self, out: StepOutput, *, feeding: bool = False) -> None:
         if out.sends:
             self.streamed_at_send.append(len(self.handle.token_ids))
 
