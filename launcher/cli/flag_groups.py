@@ -48,7 +48,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-at", choices=DRAFT_AT, default=DRAFT_AT[0],
                    help="who turns the exit guess into a draft: the coordinator, or the exit stage itself when "
                    "it is stage 0 (no round trip; README 'Stage-local drafting') (default coordinator)")
-    g.add_argument("--decode-feed", choices=DECODE_FEED, default=DEFAULT_DECODE_FEED,
+    g.add_argument("--decode-feed", choices=DECODE_FEED, default=None,  # None: not given (flag_notes), then the default
                    help="who sends plain greedy decode's next item: the coordinator, or at --stages 1 the stage "
                    f"itself (no ring return; README 'Self-fed decode') (default {DEFAULT_DECODE_FEED})")
     g.add_argument("--deep-draft-min-acceptance", type=float, default=DEEP_ACCEPTANCE, metavar="P",

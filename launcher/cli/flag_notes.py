@@ -1,7 +1,7 @@
 """Notes for flags that a run accepts but that do nothing in the mode it runs in.
 
 Owns `idle_flag_notes`: speculation tuning with `--speculate none`, `--stage-memory-gib` without
-`--stages auto`, Ray's placement flags without `--backend ray`, and `--dtype` under the int
+`--stages auto`, `--decode-feed stage` where it cannot apply, Ray's placement flags without `--backend ray`, and `--dtype` under the int
 kernels (which compute in bfloat16). A user who sets one of these expects it to act; saying it
 does not is better than silently ignoring it, and it is only a note (vLLM warns the same way).
 Must not: refuse a flag for its value (launcher/cli/options.py and RunConfig do that); the one
@@ -35,6 +35,8 @@ def idle_flag_notes(args: argparse.Namespace, tuning: dict, *, speculate: str, w
                                                  ("--stage-resources", args.stage_resources),
                                                  ("--placement-strategy", args.placement_strategy != "PACK")) if given],
                        "without --backend ray")
+    if args.decode_feed == "stage" and ((args.stages != "auto" and args.stages != 1) or speculate != "none"):
+        notes += _note(["--decode-feed stage"], "beyond --stages 1 with --speculate none (pipeline/engine/decode_feed.py)")
     if args.dtype != "float32" and args.quantization in ("int8", "int4"):
         notes.append(f"note: --quantization {args.quantization} computes in bfloat16 whatever --dtype says")
     return notes

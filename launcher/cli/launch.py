@@ -253,7 +253,7 @@ def print_report(report: dict, *, streamed: bool) -> None:
     ring = stats.get("handoffs", {}).get("ring_return", {})
     if ring.get("count"):
         links = "/".join(f"{h['p50_ms']:.1f}" for h in stats["handoffs"]["stage_handoff"])
-        busy += f" (handoff p50 {links + ' ms, ' if links else ''}ring return {ring['p50_ms']:.1f} ms)"
+        busy += f" ({'handoff p50 ' + links + ' ms, ' if links else ''}ring return p50 {ring['p50_ms']:.1f} ms)"
     spec = speculation_text(stats)
     spec = f"; {spec}" if spec else ""
     print(f"[speedpipe] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s "

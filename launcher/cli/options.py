@@ -19,7 +19,7 @@ from launcher.backends.placement_options import placement_from_args
 from launcher.cli.flag_notes import idle_flag_notes
 from launcher.cli.parsing import UsageError, add_vllm_aliases, min_acceptance_arg
 from launcher.cli.speculation_defaults import auto_speculate, check_auto_flags
-from launcher.coordinator.pipeline_options import PipelineOptions
+from launcher.coordinator.pipeline_options import DEFAULT_DECODE_FEED, PipelineOptions
 from pipeline.model.config import MODEL_DTYPES
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
@@ -37,9 +37,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline")
     g.add_argument("--stages", "-pp", "--pipeline-parallel-size", type=_stages_arg, default=2, metavar="N",
                    help="number of pipeline stages (worker processes; vLLM's -pp; default 2), or 'auto': the fewest "
-                   "whose weights + KV each fit --stage-memory-gib, which auto needs")
+                   "whose memory each fits --stage-memory-gib, which auto needs")
     g.add_argument("--stage-memory-gib", type=float,
-                   help="per-stage budget of weights + KV cache for --stages auto (GiB; each stage process adds "
+                   help="per-stage budget of weights + KV cache + RoPE rotation tables for --stages auto (GiB; each stage process adds "
                    "0.25-0.35 GiB of its own)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name, HF model folder or .gguf file (default {DEFAULT_MODEL})")
@@ -173,7 +173,8 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         stage_timeout_s=args.stage_timeout_s, log_level=resolve_log_level(args.log_level), cache_dir=args.cache_dir,
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
-        placement=placement, record_timeline=not getattr(args, "no_timeline", False), decode_feed=args.decode_feed)
+        placement=placement, record_timeline=not getattr(args, "no_timeline", False),
+        decode_feed=args.decode_feed or DEFAULT_DECODE_FEED)
     return options, why
 
 

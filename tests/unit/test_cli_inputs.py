@@ -53,6 +53,20 @@ def test_flags_that_do_nothing_here_are_named(capsys):
     assert "note: --quantization int4 computes in bfloat16 whatever --dtype says" in err
 
 
+@pytest.mark.parametrize(("argv", "noted", "feed"), [
+    (["--stages", "2", "--speculate", "none", "--decode-feed", "stage"], True, "stage"),
+    (["--stages", "1", "--speculate", "firp", "--decode-feed", "stage"], True, "stage"),
+    (["--stages", "1", "--speculate", "none", "--decode-feed", "stage"], False, "stage"),
+    (["--stages", "2", "--speculate", "none"], False, "stage"),  # the default, not given: nothing to say
+    (["--stages", "2", "--speculate", "none", "--decode-feed", "coordinator"], False, "coordinator"),
+])
+def test_an_explicit_decode_feed_stage_where_it_cannot_apply_is_named(capsys, argv, noted, feed):
+    options, _ = options_and_reason(_parse(build_parser(), ["launch", *argv]), progress=False)
+    err = capsys.readouterr().err
+    assert ("note: --decode-feed stage has no effect beyond --stages 1 with --speculate none" in err) == noted, err
+    assert options.decode_feed == feed
+
+
 def test_ray_only_flags_without_ray_are_named(capsys):
     args = _parse(build_parser(), ["launch", "--stages", "2", "--speculate", "none", "--ray-address", "10.0.0.1:6379",
                                    "--placement-strategy", "SPREAD"])

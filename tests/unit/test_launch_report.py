@@ -104,6 +104,19 @@ def test_the_summary_line_says_it_is_an_estimate(capsys):
     assert "about 1.28x plain decode (estimated from this run's passes, exit head included)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("links", "expected"), [
+    ([], "stage busy 0: 90% (ring return p50 3.0 ms)"),  # one stage: no link to name
+    ([1.25, 0.5], "stage busy 0: 90% (handoff p50 1.2/0.5 ms, ring return p50 3.0 ms)"),
+])
+def test_the_summary_line_names_the_handoffs_a_run_has(capsys, links, expected):
+    stats = {"generated_tokens": 4, "wall_s": 0.5, "tokens_per_s": 8.0, "drafted_tokens": 0,
+             "stages": [{"stage": 0, "busy_fraction": 0.9}],
+             "handoffs": {"stage_handoff": [{"p50_ms": ms} for ms in links],
+                          "ring_return": {"p50_ms": 3.0, "mean_ms": 3.0, "count": 4}}}
+    launch.print_report({"outputs": [], "stats": stats}, streamed=True)
+    assert expected in capsys.readouterr().err
+
+
 def test_acceptance_is_null_when_no_draft_was_verified():
     from pipeline.engine.records import SpecCounters
     assert launch.speculation_stats(SpecCounters())["acceptance_rate"] is None  # plain decode
