@@ -11,12 +11,16 @@ and a self-made draft is stopped between two layers, and WITHDRAWN to the coordi
 sent on, once a newer epoch (or a release) of every sequence in it has arrived ([Note: stage-local drafting] 6 in
 pipeline/engine/local_draft.py). A last stage that is stage 0 feeds an authorised greedy decode
 item itself in the same way: run next, announced in its parent's RESULT, withdrawn on a RELEASE;
-never while a message waits in its inbox ([Note: self-fed decode] in pipeline/engine/decode_feed.py).
+never while a message waits in its inbox. A last stage that is not stage 0 sends that item straight
+to stage 0 over the feed link instead (`FeedLink`: stage 0 then receives from the coordinator and
+the last stage alike, in arrival order, and withdraws a fed item of a released sequence downstream)
+([Note: self-fed decode] in pipeline/engine/decode_feed.py).
 Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import queue
@@ -29,15 +33,23 @@ import torch
 from pipeline.engine import decode_feed
 from pipeline.engine.local_draft import StageDrafter
 from pipeline.engine.stage_executor import StageExecutor
-from pipeline.engine.wire import COORDINATOR_RANK, PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_of_stage
+from pipeline.engine.wire import (
+    COORDINATOR_RANK,
+    PROMPT_LOGPROB_TENSORS,
+    Message,
+    MessageKind,
+    rank_name,
+    rank_of_stage,
+)
 from pipeline.measure.timeline import StageTiming
 from pipeline.model.row_layout import PassInterrupted
 from pipeline.speculation.items import Item
-from workers.channel import Channel
+from workers.channel import Channel, PendingRecv
 from workers.send_queue import SendQueue
 
 log = logging.getLogger(__name__)
 RELEASED = 1 << 62  # `StageLoop._newest` of a released sequence: newer than any epoch
+MAX_RELEASED = 4096  # stage 0 remembers this many released sequences for the feed link's drop rule
 
 
 class StageLoop:
@@ -57,6 +69,7 @@ class StageLoop:
         self.drafter = StageDrafter() if stage_index == 0 and executor.exit_layer is not None else None
         self._inbox: queue.Queue | None = None  # the reader thread's messages (stage 0 with a drafter)
         self._newest: dict[int, int] = {}  # seq -> newest epoch the reader thread has received (released: RELEASED)
+        self.link = FeedLink(channel, stage_index, num_stages)  # self-fed decode at --stages >= 2
 
     def run(self) -> None:
         """Handle messages until SHUTDOWN. Raises ChannelError / ValueError on failure."""
@@ -74,10 +87,13 @@ class StageLoop:
                     continue
                 if msg.kind == MessageKind.RELEASE:
                     self.executor.release([r.seq_id for r in msg.releases], [r.slot for r in msg.releases])
+                    self.link.note_releases(msg.releases)
                     if self.drafter is not None:
                         self.drafter.release([r.seq_id for r in msg.releases])
                     for r in msg.releases:  # nothing of a released sequence follows its RELEASE
                         self._newest.pop(r.seq_id, None)
+                elif msg.kind == MessageKind.WITHDRAWN and self.stage_index > 0:
+                    pass  # a fed item stage 0 withdrew, on to the coordinator ([Note: self-fed decode] 6)
                 elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
                 self.sends.send(msg, self.next_rank)
@@ -90,6 +106,7 @@ class StageLoop:
                         # the coordinator's receiver of exit events ends on it too (no thread is
                         # left blocked in a receive when the process group goes away)
                         self.sends.send(Message(MessageKind.SHUTDOWN), COORDINATOR_RANK)
+                    self.link.shut_down(self.sends)
                     self.sends.flush()
                     log.info("[Stage %d] data plane shut down", self.stage_index)
                     return
@@ -97,9 +114,10 @@ class StageLoop:
             self.stopped.set()
 
     def _recv(self) -> Message:
-        """The next message from upstream (via the reader thread on stage 0 with a drafter)."""
+        """The next message from upstream (via the reader thread on stage 0 with a drafter; from the
+        coordinator or the feed link on stage 0 of several, once fed; posted early on a fed last stage)."""
         if self._inbox is None:
-            return self.channel.recv(self.prev_rank)
+            return self.link.recv(self.prev_rank)
         msg = self._inbox.get()
         if isinstance(msg, BaseException):
             raise msg
@@ -132,6 +150,9 @@ class StageLoop:
         """Run a FORWARD, then each draft this stage made after it, each alone and at once; a draft
         whose sequences all have a newer epoch upstream stops and is withdrawn."""
         interrupt = None
+        if self.link.withdraws(msg):  # stage 0 of several: a fed item of a released sequence
+            self.sends.send(Message(MessageKind.WITHDRAWN, list(msg.items), {}, msg.timing), self.next_rank)
+            return
         while msg is not None:
             out, drafts = self._forward(msg, interrupt)
             # a draft follows: it starts now, its parent's output is posted meanwhile ([Note: deferred posts])
@@ -175,6 +196,7 @@ class StageLoop:
             self.drafter.observe(msg.items, x, out.items)
             if any(it.draft_upto for it in out.items):
                 self._start_reader()  # the coordinator drafts here: credits must reach a chain of drafts
+        self.link.saw(out.items)
         if self.executor.exit_layer is not None and any(it.may_precede_draft for it in out.items):
             guesses = {}
             if out.exit_tokens is not None:
@@ -201,22 +223,32 @@ class StageLoop:
             tensors.update(zip(PROMPT_LOGPROB_TENSORS, out.prompt_logprobs, strict=True))
         if out.firp_tokens is not None:
             tensors["firp_tokens"], tensors["firp_probs"] = out.firp_tokens, out.firp_probs
-        fed = self._feed(out, tensors)
+        fed = self._feed(out, tensors, timing)
         return Message(MessageKind.RESULT, out.items, tensors, timing), drafts + fed
 
-    def _feed(self, out, tensors: dict[str, torch.Tensor]) -> list[Item]:
-        """The decode items this last stage, as stage 0, feeds itself after `out`'s items (none while
-        a message waits in its inbox), announced as the RESULT tensor "fed" ([Note: self-fed
-        decode] in pipeline/engine/decode_feed.py)."""
-        if self.stage_index != 0 or not any(it.feed_upto for it in out.items):
+    def _feed(self, out, tensors: dict[str, torch.Tensor], timing) -> list[Item]:
+        """The decode items this last stage feeds after `out`'s items (none while a message waits),
+        announced as the RESULT tensor "fed" ([Note: self-fed decode] in pipeline/engine/decode_feed.py).
+        As stage 0 it runs them next (returned); otherwise it sends them to stage 0 over the feed
+        link at once, before its RESULT leaves (returns [])."""
+        if not any(it.feed_upto for it in out.items):
             return []
-        self._start_reader()  # a RELEASE must reach a running fed item, and the inbox be seen
-        if not self._inbox.empty():
+        if self.stage_index == 0:
+            self._start_reader()  # a RELEASE must reach a running fed item, and the inbox be seen
+            if not self._inbox.empty():
+                return []
+        elif self.link.waiting():
             return []
         fed, flags = decode_feed.fed_items(out.items, out.token_ids)
-        if fed:
-            tensors["fed"] = torch.tensor(flags, dtype=torch.int64)
-        return fed
+        if not fed:
+            return []
+        tensors["fed"] = torch.tensor(flags, dtype=torch.int64)
+        if self.stage_index == 0:
+            return fed
+        x = torch.tensor([t for it in fed for t in it.token_ids], dtype=torch.int64)
+        self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in fed], {"x": x},
+                                None if timing is None else []), rank_of_stage(0))
+        return []
 
     def _start_reader(self) -> None:
         """From now on a reader thread receives from upstream (once): CREDITs at once, the rest
@@ -224,3 +256,91 @@ class StageLoop:
         if self._inbox is None:
             self._inbox = queue.Queue()
             threading.Thread(target=self._read, name=f"stage-{self.stage_index}-reader", daemon=True).start()
+
+
+class FeedLink:
+    """The feed link of self-fed decode at --stages >= 2 ([Note: self-fed decode] 6 in
+    pipeline/engine/decode_feed.py): the last stage sends a fed decode item straight to stage 0.
+
+    Both ends switch on at the first authorised item they run (`saw`; stage 0 runs it first, and
+    the last stage runs exactly the items stage 0 sent on, so they agree). From then on stage 0
+    receives its next message from either sender, in arrival order (one posted receive from any
+    rank: no reader thread, so no thread hand-off on the critical path), drops a fed item of a
+    sequence whose RELEASE it applied (`withdraws`: its slot may have a new owner), and at SHUTDOWN
+    drains the link up to the last stage's SHUTDOWN on it (no send is left unmatched). The last
+    stage posts its next receive as soon as it took a message, so `waiting` tells without waiting
+    whether the coordinator sent something more, which stops the chain. Stage 0's deadline is met
+    by whatever either sender sends: the coordinator's keepalives reach it as before.
+    """
+
+    def __init__(self, channel: Channel, stage_index: int, num_stages: int) -> None:
+        self.channel = channel
+        self.num_stages = num_stages
+        self.first = stage_index == 0 and num_stages > 1
+        self.last = stage_index == num_stages - 1 and num_stages > 1
+        self.on = False
+        self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._pending: PendingRecv | None = None  # the last stage's early receive
+
+    def saw(self, items: Sequence[Item]) -> None:
+        """Switch the link on at this end once an authorised item (`Item.feed_upto`) ran here."""
+        if not self.on and (self.first or self.last) and any(it.feed_upto for it in items):
+            self.on = True
+
+    def recv(self, prev_rank: int) -> Message:
+        """The next message for this stage: from `prev_rank`, or, on stage 0 with the link on, from
+        the coordinator or the last stage (a KEEPALIVE of the link is skipped). Raises ChannelError,
+        and ValueError for a message the link may not carry."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            msg = self.channel.finish(pending)[1]
+        elif not (self.on and self.first):
+            msg = self.channel.recv(prev_rank)
+        else:
+            while True:
+                src, msg = self.channel.finish(self.channel.post_recv(None))
+                if src == prev_rank:
+                    break
+                self._check(src, msg)
+                if msg.kind == MessageKind.FORWARD:
+                    break
+        if self.on and self.last and msg.kind != MessageKind.SHUTDOWN:
+            self._pending = self.channel.post_recv(prev_rank)
+        return msg
+
+    def waiting(self) -> bool:
+        """Last stage: whether a message from upstream has arrived and waits (its receive is posted)."""
+        return self._pending is not None and self._pending.ready()
+
+    def note_releases(self, releases) -> None:
+        """Stage 0: remember the sequences a RELEASE it applied freed (the last MAX_RELEASED)."""
+        if self.on and self.first:
+            for r in releases:
+                self._released[r.seq_id] = None
+            while len(self._released) > MAX_RELEASED:
+                self._released.popitem(last=False)
+
+    def withdraws(self, msg: Message) -> bool:
+        """Stage 0: whether `msg` is a fed item (from the link: `self_made`) of a sequence released
+        meanwhile, to be withdrawn downstream rather than run. A fed micro-batch holds the items of
+        one announcement, of the one sequence authorised (`decode_feed.authorise`: alone)."""
+        return (self.on and self.first and bool(msg.items) and msg.items[0].self_made
+                and any(it.seq_id in self._released for it in msg.items))
+
+    def shut_down(self, sends: SendQueue) -> None:
+        """At SHUTDOWN (after passing it on): the last stage tells stage 0 the link ends; stage 0
+        drops what the link still carries up to that."""
+        if self.on and self.last:
+            sends.send(Message(MessageKind.SHUTDOWN), rank_of_stage(0))
+        elif self.on and self.first:
+            feed_rank = rank_of_stage(self.num_stages - 1)
+            while (msg := self.channel.recv(feed_rank)).kind != MessageKind.SHUTDOWN:
+                self._check(feed_rank, msg)
+
+    def _check(self, src: int, msg: Message) -> None:
+        """Stage 0: a message from `src`, not the coordinator, must be the last stage's fed FORWARD
+        (self-made items) or KEEPALIVE. Raises ValueError otherwise."""
+        if src != rank_of_stage(self.num_stages - 1) or not (
+                msg.kind == MessageKind.KEEPALIVE
+                or (msg.kind == MessageKind.FORWARD and msg.items and all(it.self_made for it in msg.items))):
+            raise ValueError(f"[Stage 0] unexpected {msg.kind.name} message from {rank_name(src)} on the feed link")

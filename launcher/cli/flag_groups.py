@@ -49,8 +49,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="who turns the exit guess into a draft: the coordinator, or the exit stage itself when "
                    "it is stage 0 (no round trip; README 'Stage-local drafting') (default coordinator)")
     g.add_argument("--decode-feed", choices=DECODE_FEED, default=None,  # None: not given (flag_notes), then the default
-                   help="who sends plain greedy decode's next item: the coordinator, or at --stages 1 the stage "
-                   f"itself (no ring return; README 'Self-fed decode') (default {DEFAULT_DECODE_FEED})")
+                   help="who sends plain greedy decode's next item: the coordinator, or the last stage itself "
+                   "(run next at --stages 1, sent straight to stage 0 beyond: no ring return through the "
+                   f"coordinator; README 'Self-fed decode') (default {DEFAULT_DECODE_FEED})")
     g.add_argument("--deep-draft-min-acceptance", type=float, default=DEEP_ACCEPTANCE, metavar="P",
                    help="with --draft-at stage: the exit stage drafts one past the run-ahead depth only after "
                    f"its own draft from a gate bucket right at least this often (default {DEEP_ACCEPTANCE}; "

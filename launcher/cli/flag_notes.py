@@ -35,8 +35,8 @@ def idle_flag_notes(args: argparse.Namespace, tuning: dict, *, speculate: str, w
                                                  ("--stage-resources", args.stage_resources),
                                                  ("--placement-strategy", args.placement_strategy != "PACK")) if given],
                        "without --backend ray")
-    if args.decode_feed == "stage" and ((args.stages != "auto" and args.stages != 1) or speculate != "none"):
-        notes += _note(["--decode-feed stage"], "beyond --stages 1 with --speculate none (pipeline/engine/decode_feed.py)")
+    if args.decode_feed == "stage" and speculate != "none":
+        notes += _note(["--decode-feed stage"], f"with --speculate {speculate}: plain decode only (pipeline/engine/decode_feed.py)")
     if args.dtype != "float32" and args.quantization in ("int8", "int4"):
         notes.append(f"note: --quantization {args.quantization} computes in bfloat16 whatever --dtype says")
     return notes

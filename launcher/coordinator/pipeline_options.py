@@ -37,7 +37,7 @@ class PipelineOptions(RunConfig):
     draft_at: str = DRAFT_AT[0]
     # with draft_at "stage": a deep draft's parent bucket must be right this often (local_draft.py, 5-6)
     deep_draft_min_acceptance: float = DEEP_ACCEPTANCE
-    # "stage": at --stages 1 the stage feeds plain greedy decode itself (pipeline/engine/decode_feed.py)
+    # "stage": the last stage feeds plain greedy decode itself (pipeline/engine/decode_feed.py)
     decode_feed: str = DEFAULT_DECODE_FEED
 
     def __post_init__(self) -> None:

@@ -77,9 +77,8 @@ def coordinator_config(options: PipelineOptions, plan: RunPlan, *, master_addr: 
     return CoordinatorConfig(
         scheduler=dataclasses.replace(scheduler, draft_at_stage=draft_at_stage and scheduler.speculate,
                                       deep_acceptance=options.deep_draft_min_acceptance,
-                                      # at --stages 1, plain decode only: pipeline/engine/decode_feed.py
-                                      decode_feed=options.decode_feed == "stage" and options.num_stages == 1
-                                      and not scheduler.speculate),
+                                      # plain decode only: pipeline/engine/decode_feed.py
+                                      decode_feed=options.decode_feed == "stage" and not scheduler.speculate),
         stage_timeout_s=options.stage_timeout_s, dist_master_addr=master_addr, dist_master_port=master_port,
         predictor=options.predictor, exit_stage=plan.exit_stage if options.needs_exit_head else -1,
         record_timeline=options.record_timeline)

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.engine.events import ExitPassed, Result, Withdrawn
 from pipeline.engine.local_draft import NUM_KEYS
-from pipeline.engine.wire import PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_name, rank_of_stage
+from pipeline.engine.wire import PROMPT_LOGPROB_TENSORS, Message, MessageKind, rank_name
 from pipeline.speculation.predictors import exit_guesses
 from workers.channel import Channel, ChannelError
 
@@ -122,7 +122,7 @@ def start_receivers(channel: Channel, ranks: list[int], *, last_rank: int, event
 def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.SimpleQueue, stopping: threading.Event,
                   generation: int, *, is_exit: bool = False) -> None:
     """Blocking receives from `rank`: RESULTs if it is the last stage, EXIT_GUESS and WITHDRAWN if it
-    is the exit stage (WITHDRAWN also if it is stage 0 and the last); any other kind is an error event."""
+    is the exit stage (WITHDRAWN also if it is the last: fed items stage 0 withdrew); any other kind is an error event."""
     while True:
         try:
             msg = channel.recv(rank)
@@ -133,8 +133,8 @@ def _receive_loop(channel: Channel, rank: int, is_last: bool, events: queue.Simp
         if stopping.is_set():
             return  # a fail-over replaced this ring
         decode = {MessageKind.EXIT_GUESS: exit_event if is_exit else None,
-                  # stage 0 as the last stage withdraws fed items too ([Note: self-fed decode])
-                  MessageKind.WITHDRAWN: withdrawn_event if is_exit or (is_last and rank == rank_of_stage(0)) else None,
+                  # fed items stage 0 withdrew reach the coordinator from the last stage ([Note: self-fed decode])
+                  MessageKind.WITHDRAWN: withdrawn_event if is_exit or is_last else None,
                   MessageKind.RESULT: result_event if is_last else None}.get(msg.kind)
         if decode is not None:
             try:

@@ -13,29 +13,32 @@ or feed where the coordinator could choose another token than the stage's argmax
 In plain greedy decode every token makes a ring return: the last stage sends its RESULT to the
 coordinator, the engine commits it, checks the stops, streams, and sends the next FORWARD (one
 DECODE item with that token) to stage 0: ~2 ms of a ~30 ms token at --stages 1 (README "Handoff
-latency"). With `--decode-feed stage` at --stages 1 (the last stage is stage 0):
+latency"). With `--decode-feed stage` the last stage feeds the next item itself: at --stages 1
+(the last stage is stage 0) it runs it next; at --stages >= 2 it sends it straight to stage 0 (6):
 1. Authorise. The scheduler marks an item it sends (`authorise`) with `feed_upto` (a fed item may
    start at position s only while s < feed_upto: the last position whose result is still within
    max_tokens, `SequenceLedger.last_item_position` + 1; max_model_len bounds the prompt plus
    max_tokens already) and `feed_stop` (the ids that end the sequence: EOS unless ignore_eos, and
    the request's stop_token_ids, `ends_sequence`), only where the stage cannot get the next token
-   wrong and nobody else waits: plain decode (no speculation, no FIRP), one stage, a greedy
+   wrong and nobody else waits: plain decode (no speculation, no FIRP), a greedy
    request whose logits rows are not needed from the item's result on
    (`SamplingParams.needs_logits_at`: sampling, logprobs, penalties, logit_bias, a grammar,
    allowed ids / bad words, and min_tokens before min_tokens tokens; needs_logits_at only falls
    with the position, so no later fed item needs them either), a DECODE or PREFILL item (not
    want_logits), and it is the only running sequence with nothing waiting for a slot.
-2. Feed. After running an authorised item, stage 0 takes its result token t (the argmax the
+2. Feed. After running an authorised item, the last stage takes its result token t (the argmax the
    coordinator will commit) and, unless t is in feed_stop, the fed item would start at
    feed_upto or later, t is NON_FINITE_TOKEN, or a message waits in its inbox, makes the DECODE
    item (start = item.end, same slot and epoch, token t, `self_made`, the same feed fields: the
-   chain inherits the authorisation) and runs it next, alone, before any other message.
+   chain inherits the authorisation) and runs it next, alone, before any other message (stage 0),
+   or sends it to stage 0 at once, before its RESULT (6).
 3. Announce. The item's RESULT carries "fed" ([num_items] int64, 1: fed); the engine registers
    the fed micro-batch in flight (`Engine._local`, in `Engine._fed` too) and `register` turns the
    real item the result just queued (`Scheduler._queue_real`) into the fed one in the ledger, as
    if the coordinator had sent it. It commits, stops and streams every token itself, as before.
-4. Stop. The coordinator stops a chain by sending anything: a stage with a message in its inbox
-   does not feed. A new request is sent at once (a fed micro-batch does not count as filling the
+4. Stop. The coordinator stops a chain by sending anything: a last stage with a message in its
+   inbox does not feed (at --stages >= 2 the message reaches it after the stages before it ran it:
+   a chain goes on for at most a pipeline's worth of tokens). A new request is sent at once (a fed micro-batch does not count as filling the
    pipeline, `Engine._live_inflight`), and is not authorised (two running sequences): the chain
    ends after at most one more token, the batches are formed as without this mode, and the
    single sequence left is authorised again. A stop string or an abort finishes the sequence: its
@@ -47,29 +50,26 @@ latency"). With `--decode-feed stage` at --stages 1 (the last stage is stage 0):
    chain for a token.
 5. Exact. A fed item is the item the coordinator would have sent: same start, token, slot and
    epoch (`register` checks the queued one), so greedy output is unchanged; it only starts earlier.
-6. Not built: --stages >= 2 (phase 2). There the last stage would send the fed item straight to
-   stage 0 over a data-plane link of its own (a gloo point-to-point pair in the same group,
-   workers/channel.py, created and warmed up at start-up with the others). What that needs:
-   (a) Stage 0's receive side gets a second upstream: a second reader thread (last stage -> stage 0)
-       feeding the same inbox. Each link keeps its own order, but there is none between the two:
-       a fed item may arrive before or after any coordinator message sent meanwhile.
-   (b) Drop rules at stage 0: a fed item of a sequence whose RELEASE stage 0 has seen is dropped
-       (its slot may already hold a new sequence: slot reuse; `_newest` in workers/stage_loop.py
-       records releases as RELEASED), and one older than the newest epoch seen is dropped by
-       `admit_epochs`. Each drop must be reported (a WITHDRAWN from stage 0), or the engine counts
-       the fed micro-batch in flight for ever; the announcement (in the last stage's RESULT) and
-       the WITHDRAWN then come from different stages, in either order, so the engine must match
-       them as it matches self-made drafts to their announcements (`_early`).
-   (c) Stopping a chain: the coordinator's "send anything" reaches stage 0, but the stage that
-       decides to feed is the last one. Either stage 0 refuses fed items while a coordinator
-       message waits (its inbox) and reports them, or the grant carries a short bound that the
-       coordinator renews by CREDIT after each result (as local_draft.credit does), so a chain
-       stops within a bound's worth of tokens when it stops renewing (a new request, fairness).
-   (d) Races: a RELEASE (stop string, abort) travels coordinator -> stage 0 -> ... -> last stage
-       while fed items travel last -> stage 0: stage 0 may see a fed item after the RELEASE (drop,
-       (b)) or before it (it runs; the later stages drop it on the RELEASE behind it, and the last
-       stage must not feed after a released sequence's item either).
-   (e) Deadlines: the new link needs keepalives of its own while no chain runs.
+6. --stages >= 2: the feed link (`FeedLink` in workers/stage_loop.py). The last stage sends the
+   fed item straight to stage 0 over the data-plane group (gloo, a pair the group connects at
+   start-up like the others), in a FORWARD of its own, and announces it in its RESULT as above.
+   (a) Two upstreams, no thread: once an authorised item ran there, stage 0 takes its next message
+       from the coordinator or the last stage, whichever arrives first (one posted receive from any
+       rank, then the payload from that sender). Each sender keeps its own order, with none
+       between the two: a fed item may come before or after a coordinator message sent meanwhile.
+   (b) Released sequences: a fed item of a sequence whose RELEASE stage 0 has applied is not run
+       (its slot may have a new owner) but WITHDRAWN downstream, in order with the work: later
+       stages pass it on and the last stage sends it to the coordinator, after the RESULT that
+       announced the item (one channel, in order), so the engine matches it as at one stage. A fed
+       item that arrives before the RELEASE runs, and the later stages see it before the RELEASE
+       too (stage 0's one downstream order), so every stage's KV cache agrees.
+   (c) Stopping: the last stage posts its next receive from upstream as soon as it took a message,
+       so it sees, without waiting, whether the coordinator sent something more (4).
+   (d) One item: a fed micro-batch holds the one sequence authorised (alone in 1), so withdrawing
+       it never stalls a sequence that goes on.
+   (e) Deadlines and shutdown: stage 0 waits on both senders with one deadline, which the
+       coordinator's keepalives meet as before; at SHUTDOWN the last stage sends SHUTDOWN on the
+       link and stage 0 drains the link up to it, so no send is left unmatched.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ from pipeline.speculation.items import Item, ItemKind
 
 # -- coordinator side -------------------------------------------------------------------------------
 def authorise(config: SchedulerConfig, seq: SequenceState, item: Item, *, alone: bool) -> Item:
-    """`item` (just sent) with the self-fed decode fields when stage 0 may feed after it; unchanged
+    """`item` (just sent) with the self-fed decode fields when the last stage may feed after it; unchanged
     otherwise (see the note, 1). alone: it is the only running sequence and none waits."""
-    if (not config.decode_feed or config.num_stages != 1 or config.speculate or config.firp_k or not alone
+    if (not config.decode_feed or config.speculate or config.firp_k or not alone
             or item.kind not in (ItemKind.DECODE, ItemKind.PREFILL) or item.want_logits
             or seq.wants_logits(item.end - 1)):
         return item
@@ -102,7 +102,7 @@ def authorise(config: SchedulerConfig, seq: SequenceState, item: Item, *, alone:
 
 def register(spec: SpecCounters, ready: collections.deque[int], seq: SequenceState | None, parent: Item,
              token: int) -> bool:
-    """Stage 0 fed `token` after `parent` (a RESULT announced it; that result is applied): record
+    """The last stage fed `token` after `parent` (a RESULT announced it; that result is applied): record
     the fed item in the sequence's ledger in place of the real item the result queued, as if the
     coordinator had sent it (see the note, 3). Returns False, recording nothing, when the sequence
     is gone, finished or at another epoch (the fed item's result will be ignored)."""

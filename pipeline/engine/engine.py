@@ -3,7 +3,7 @@
 Owns the `Scheduler` (sequences, ledgers, drafts, verify and commit through it), the micro-batches
 in flight (the only copy: the ring is FIFO, so a result answers the oldest; a micro-batch the exit
 stage made itself is matched to its announcement instead, in either arrival order: [Note:
-stage-local drafting] in pipeline/engine/local_draft.py; a decode item stage 0 fed itself, to the
+stage-local drafting] in pipeline/engine/local_draft.py; a decode item the last stage fed, to the
 RESULT that announced it: [Note: self-fed decode] in pipeline/engine/decode_feed.py), the `Timeline` of
 what each micro-batch was worth, and the commit log. The coordinator (launcher/coordinator/coordinator.py)
 feeds it real events from its channels, the simulator (pipeline/engine/simulator.py) simulated ones, and
@@ -87,7 +87,7 @@ class Engine:
         # announced and unanswered (item keys -> when announced), and results that came first
         self._local: dict[frozenset[tuple[int, int, int]], int] = {}
         self._early: list[Result] = []
-        self._fed: set[frozenset[tuple[int, int, int]]] = set()  # of `_local`, those stage 0 fed ([Note: self-fed decode])
+        self._fed: set[frozenset[tuple[int, int, int]]] = set()  # of `_local`, those the last stage fed ([Note: self-fed decode])
 
     # -- the interface ------------------------------------------------------------------------------
     def step(self, events: Iterable[Event] = (), now_ns: int = 0) -> StepOutput:
@@ -270,7 +270,7 @@ class Engine:
             self._register_fed(event)
 
     def _register_fed(self, event: Result) -> None:
-        """Stage 0 fed a decode item after the items of `event` marked `fed` (applied already): count
+        """The last stage fed a decode item after the items of `event` marked `fed` (applied already): count
         that micro-batch in flight until its result or withdrawal, and record its items in their
         ledgers where their sequences go on ([Note: self-fed decode] 3 in pipeline/engine/decode_feed.py)."""
         sched, tokens = self._scheduler, decode_feed.result_tokens(event.items, event.token_ids)

@@ -197,8 +197,8 @@ class SpecCounters:
     gated_drafts: int = 0  # proposals the adaptive-drafting gate did not send
     stage_drafted: int = 0  # drafts the exit stage made itself (pipeline/engine/local_draft.py)
     withdrawn_drafts: int = 0  # of those, stopped on the exit stage by a squash (local_draft.py, note 6)
-    fed_items: int = 0  # decode items stage 0 fed itself, registered (pipeline/engine/decode_feed.py)
-    fed_withdrawn: int = 0  # fed items stopped on stage 0 by a RELEASE (decode_feed.py, note 4)
+    fed_items: int = 0  # decode items the last stage fed, registered (pipeline/engine/decode_feed.py)
+    fed_withdrawn: int = 0  # fed items withdrawn after a RELEASE (decode_feed.py, notes 4 and 6b)
     firp_drafted: int = 0
     firp_verified: int = 0
     firp_accepted: int = 0

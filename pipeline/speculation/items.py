@@ -63,7 +63,7 @@ class Item:
     exit_top_k: the exit stage returns the exit head's top `exit_top_k` tokens for this item (the
         token-tree candidates of the draft after it); 1: its top token only.
     feed_upto, feed_stop: self-fed decode ([Note: self-fed decode] in pipeline/engine/decode_feed.py).
-        feed_upto > 0: the last stage, when it is stage 0, may turn this item's result token into the
+        feed_upto > 0: the last stage may turn this item's result token into the
         next DECODE item itself (start = end) while that item's start is < feed_upto, and not when
         the token is one of feed_stop (the ids that end the sequence). Defaults: off.
     """

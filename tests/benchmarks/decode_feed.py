@@ -1,11 +1,11 @@
-"""Self-fed decode at --stages 1: `--decode-feed coordinator` and `stage` side by side in one process.
+"""Self-fed decode: `--decode-feed coordinator` and `stage` side by side in one process, at --stages N.
 
 Both sessions stay up; each repeat runs one greedy stream in each, alternating which goes first.
 Per run: decode tokens/s, TPOT, the timeline's ring return ([Note: handoff latency] in
 pipeline/measure/handoffs.py), fed items, and CPU ms per token of the coordinator (this process)
 and of the stage process. Every run checks that the two modes generated the same tokens.
 
-    python tests/benchmarks/decode_feed.py [--repeats 3] [--max-new-tokens 200] [--quantization auto]
+    python tests/benchmarks/decode_feed.py [--stages 1] [--repeats 3] [--max-new-tokens 200] [--quantization auto]
                                            [--out tests/benchmarks/results/decode_feed.json]
 """
 
@@ -46,12 +46,13 @@ def _run(session: PipelineSession, params: SamplingParams) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--out", default="tests/benchmarks/results/decode_feed.json")
     a = ap.parse_args()
-    args = build_parser().parse_args(["launch", "--stages", "1", "--quantization", a.quantization, "--speculate",
+    args = build_parser().parse_args(["launch", "--stages", str(a.stages), "--quantization", a.quantization, "--speculate",
                                       "none", "--prompt", PROMPT, "--no-progress"])
     options, _ = options_and_reason(args, progress=False)
     plan = resolve(options)
@@ -78,7 +79,7 @@ def main() -> None:
                **{f"{m}_ring_return_p50_ms": statistics.median(r["ring_return"]["p50_ms"] for r in by[m]) for m in MODES}}
     print(json.dumps(summary))
     Path(a.out).write_text(json.dumps({"rows": rows, "summary": summary, "max_new_tokens": a.max_new_tokens,
-                                       "quantization": a.quantization}, indent=1) + "\n")
+                                       "quantization": a.quantization, "stages": a.stages}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -58,9 +58,11 @@ def eos_dir(tmp_path_factory, tiny_model_dir: Path, hf_model) -> tuple[Path, int
     return _copy_with_eos(tiny_model_dir, tmp_path_factory.mktemp("feed-eos") / "m", tokens[k]), tokens[k], k
 
 
-@pytest.fixture(scope="module", params=["stage", "coordinator"])
+@pytest.fixture(scope="module", params=[("stage", 1), ("coordinator", 1), ("stage", 2), ("stage", 3)],
+                ids=["stage-1", "coordinator-1", "stage-2", "stage-3"])
 def session(request, eos_dir):
-    options = session_options(eos_dir[0], 1, decode_feed=request.param)
+    feed, num_stages = request.param
+    options = session_options(eos_dir[0], num_stages, decode_feed=feed)
     with PipelineSession(options, resolve(options)) as s:
         yield s
 

@@ -217,10 +217,10 @@ def test_any_decode_failure_in_the_receiver_becomes_an_error_event(kind, is_last
     assert kind.name in str(error) or "EXIT_GUESS" in str(error)
 
 
-@pytest.mark.parametrize("kind", [MessageKind.EXIT_GUESS, MessageKind.WITHDRAWN])
+@pytest.mark.parametrize("kind", [MessageKind.EXIT_GUESS])
 def test_exit_messages_are_taken_only_from_the_exit_stage(kind):
-    """An EXIT_GUESS or WITHDRAWN from a rank that is not the exit stage (here the last stage, whose
-    RESULTs the receiver reads) is an error event, not a draft event: only the exit stage drafts."""
+    """An EXIT_GUESS from a rank that is not the exit stage (here the last stage, whose RESULTs the
+    receiver reads) is an error event, not a draft event: only the exit stage drafts."""
     import queue
     import threading
 
@@ -238,3 +238,32 @@ def test_exit_messages_are_taken_only_from_the_exit_stage(kind):
     what, (generation, error) = events.get_nowait()
     assert (what, generation) == ("error", 3) and isinstance(error, ReceiverError)
     assert f"unexpected {kind.name} from" in str(error)
+
+
+@pytest.mark.parametrize("self_made", [True, False])
+def test_the_last_stage_passes_on_fed_items_stage_0_withdrew_and_nothing_else(self_made: bool):
+    """At --stages >= 2 a fed decode item stage 0 withdrew reaches the coordinator as a WITHDRAWN
+    from the last stage (rank 2 here, neither stage 0 nor the exit stage): a Withdrawn event when
+    its items are self-made ([Note: self-fed decode] 6), an error event otherwise."""
+    import queue
+    import threading
+
+    from launcher.coordinator.stage_receivers import ReceiverError, _receive_loop
+    from pipeline.engine.events import Withdrawn
+    from pipeline.speculation.items import Item
+
+    items = [Item(seq_id=4, slot=0, start=9, num_tokens=1, self_made=self_made, feed_upto=12)]
+    sent = [Message(MessageKind.WITHDRAWN, items, {}, None), Message(MessageKind.SHUTDOWN)]
+
+    class Script:
+        def recv(self, rank):
+            return sent.pop(0)
+
+    events: queue.Queue = queue.Queue()
+    _receive_loop(Script(), 2, True, events, threading.Event(), 3, is_exit=False)
+    what, (generation, payload) = events.get_nowait()
+    assert generation == 3
+    if self_made:
+        assert what == "event" and isinstance(payload, Withdrawn) and payload.items == tuple(items)
+    else:
+        assert what == "error" and isinstance(payload, ReceiverError) and "WITHDRAWN" in str(payload)
