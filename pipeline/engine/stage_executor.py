@@ -162,10 +162,10 @@ class StageExecutor:
         if self.firp_maps is not None and pseudo is None and num_pseudo:
             lens = [it.firp_k for it in items for _ in range(it.firp_anchors if it.firp_k else 0)]
             make_pseudo = lambda anchors: self.firp_maps.chains(anchors, lens)  # noqa: E731
-        logit_rows = result_index = None
+        logit_rows = result_index = order = None
         if self.model.is_last:
             rows, result_index = _logit_rows(items)
-            logit_rows = torch.tensor(rows, dtype=torch.int64, device=self._device)
+            logit_rows, order = _head_rows(rows, result_index, self._device)
         fwd = self.model.forward_rows(x.to(self._device), spans, self.kv, logit_rows=logit_rows,
                                       exit_layer=self.exit_layer if use_head else None,
                                       pseudo=None if pseudo is None else pseudo.to(self._device),
@@ -174,7 +174,8 @@ class StageExecutor:
         if use_head:
             result.exit_tokens, result.exit_probs = self._exit_guesses(items, fwd.exit_hidden[primary])
         if self.model.is_last:
-            out = fwd.out  # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
+            # [logit rows, vocab]: result rows, plus the prompt rows of want_prompt_logits items
+            out = fwd.out if order is None else fwd.out[order]
             # every logit row a result row (decode, drafts): `out` itself, no 200 KB gather per row
             rows_out = out if len(result_index) == out.shape[0] else out[result_index]
             result.token_ids = _argmax_or_non_finite(rows_out).cpu()
@@ -265,6 +266,23 @@ def _logit_rows(items: list[Item]) -> tuple[list[int], list[int]]:
         rows.extend(range(row - it.num_logit_rows, row))
         result_index.extend(range(len(rows) - it.num_result_rows, len(rows)))
     return rows, result_index
+
+
+def _head_rows(rows: list[int], result_index: list[int], device) -> tuple:
+    """(`forward_rows`'s logit_rows, and the order that puts its output back into `rows`' order, or
+    None). [Note: prompt rows apart] When prompt rows want logits (prompt logprobs), the head runs on
+    the result rows alone, as in a pass without them, and on the prompt rows in a matmul of its own:
+    a GEMM's row need not be bitwise the same at another row count (here, AMD EPYC float32: 5e-7 in
+    a logprob), and the generated tokens' logits and logprobs must not depend on whether the
+    request also asked for prompt logprobs (tests/distributed/test_openai_prompt_logprobs.py)."""
+    if len(result_index) == len(rows):
+        return torch.tensor(rows, dtype=torch.int64, device=device), None
+    result = set(result_index)
+    prompt_index = [i for i in range(len(rows)) if i not in result]
+    order = torch.empty(len(rows), dtype=torch.int64)
+    order[torch.tensor(result_index + prompt_index)] = torch.arange(len(rows))
+    as_tensor = lambda idx: torch.tensor([rows[i] for i in idx], dtype=torch.int64, device=device)  # noqa: E731
+    return (as_tensor(result_index), as_tensor(prompt_index)), order.to(device)
 
 
 def _returned_logits(items: list[Item], out: torch.Tensor, prompt_next: torch.Tensor | None):

@@ -272,7 +272,9 @@ class StageModel(nn.Module):
                      make_pseudo=None, interrupt=None) -> StageForward:
         """Run this stage on packed real rows and FIRP pseudo rows ([Note: pseudo rows] in pipeline/model/row_layout.py).
 
-        x, spans, logit_rows: as in `forward`.
+        x, spans, logit_rows: as in `forward`; logit_rows may also be (rows, apart): the head runs on
+            the `apart` rows in a matmul of their own, after `rows`, so the logits of `rows` are those
+            of a pass without them (prompt-logprob rows: stage_executor.py); out is then both, in order.
         exit_layer: an absolute layer of this stage whose hidden state at each item's last row
             is returned as `exit_hidden` [num_items, hidden_size]; None: no exit hidden state.
         pseudo: [sum num_pseudo, hidden] pseudo rows made by an earlier stage, or None.
@@ -320,11 +322,11 @@ class StageModel(nn.Module):
         real, fake = h[:num_real], (h[num_real:] if layout is not None else None)
         if not self.is_last:
             return StageForward(real, fake, exit_hidden)
-        rows = last_rows if logit_rows is None else logit_rows
-        if fake is None:
-            return StageForward(self._logits(real[rows]), None, exit_hidden)
-        logits = self._logits(torch.cat([real[rows], fake]))  # one head matmul for both
-        return StageForward(logits[:len(rows)], logits[len(rows):], exit_hidden)
+        rows, apart = (logit_rows if isinstance(logit_rows, tuple) else (logit_rows, None))
+        rows = last_rows if rows is None else rows
+        logits = self._logits(real[rows] if fake is None else torch.cat([real[rows], fake]))  # one head matmul for both
+        out = logits[:len(rows)] if apart is None else torch.cat([logits[:len(rows)], self._logits(real[apart])])
+        return StageForward(out, None if fake is None else logits[len(rows):], exit_hidden)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and the family's soft-cap: [rows, hidden] -> float32 [rows, vocab]."""
