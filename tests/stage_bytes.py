@@ -1,0 +1,41 @@
+"""The bytes a real stage holds, measured: the truth the memory plan (pipeline/weights/stage_memory.py)
+and the start-up memory check (launcher/coordinator/run_plan.py `check_lengths`) are tested against.
+
+Builds each stage of a split the way a stage worker does (`load_stage_model`, in the run's numeric
+mode), allocates its KV cache (with the token-tree scratch positions), runs one pass at the last
+position so the RoPE rotation tables grow to their bound, and sums the storages of what it holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.model.partition import LayerRange
+from pipeline.model.row_layout import Span
+from pipeline.weights.quant_load import load_stage_model
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a storage shared by two tensors counts once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs: int, max_model_len: int,
+                         num_scratch: int = 0, quantization: str = "none") -> list[tuple[int, int, int]]:
+    """Per stage of `ranges`: (parameters, KV cache, rotation tables) bytes of a real stage after a pass at
+    position max_model_len - 1 (parameters: dense tensors only; a quantised linear's packed weight is no
+    parameter)."""
+    out = []
+    for i, r in enumerate(ranges):
+        model = load_stage_model(str(folder), r, is_first=i == 0, is_last=i == len(ranges) - 1,
+                                 quantization=quantization)
+        kv = model.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_scratch=num_scratch)
+        kv.set_length(0, max_model_len - 1)
+        x = torch.tensor([5]) if i == 0 else torch.randn(1, model.config.hidden_size, dtype=kv.k.dtype)
+        with torch.no_grad():
+            model.forward(x, [Span(0, max_model_len - 1, 1)], kv)
+        tables = [t for rot in model._rotations.values() for t in (rot._cos, rot._signed_sin)]
+        out.append((_storage_bytes(model.parameters()), _storage_bytes([kv.k, kv.v]), _storage_bytes(tables)))
+    return out
