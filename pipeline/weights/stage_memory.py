@@ -95,10 +95,9 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     dtype: the weights' dtype (`--dtype`; quantised weights are charged at it too: an upper bound);
     the KV cache and the tables are charged in `stage_dtype(quantization, ...)`, with the token-tree
     scratch positions of `draft_tree` (`scratch_positions(draft_tree, max_inflight or num_stages)`).
-    Those grow with the stage count when max_inflight is 0, so the count is found with its own
+    Those grow with the stage count when max_inflight is 0, so the count is found at its own
     scratch: plan at the scratch of k stages (k = 1 first); when that needs k' > k stages, no count
-    in [k, k') fits at its own scratch (at least k's), so try k = k'; else k' stages fit at their own
-    scratch (at most k's) and no fewer do (each was tried), and the split of k' at its scratch is it.
+    in [k, k') fits at its own scratch (at least k's), so try k = k'; when it needs k, that is it.
     exit_bytes: what a trained exit head adds to the stage holding `exit_layer` (its file's tensors,
     plus a next-layer drafter's KV layer); exit_layer None: the default exit layer, stage 0's last, so
     stage 0 pays it.
@@ -110,19 +109,14 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     cache_dtype = stage_dtype(quantization, model_dir, dtype, device)
     stages = 1
     while True:
-        num_scratch = scratch_positions(draft_tree, max_inflight or stages)
         plan = _plan_at(reader, budget_bytes=budget_bytes, dtype=dtype, cache_dtype=cache_dtype,
-                        max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_scratch=num_scratch,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        num_scratch=scratch_positions(draft_tree, max_inflight or stages),
                         exit_bytes=exit_bytes, exit_layer=exit_layer, device=device)
-        if len(plan.ranges) <= stages:
-            break
-        stages = len(plan.ranges)  # fewer cannot fit at their own (smaller or equal) scratch
-    if scratch_positions(draft_tree, max_inflight or len(plan.ranges)) == plan.num_scratch:
-        return plan
-    return _plan_at(reader, budget_bytes=budget_bytes, dtype=dtype, cache_dtype=cache_dtype,
-                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                    num_scratch=scratch_positions(draft_tree, len(plan.ranges)), exit_bytes=exit_bytes,
-                    exit_layer=exit_layer, device=device)
+        assert len(plan.ranges) >= stages, (plan.ranges, stages)  # fewer did not fit at less scratch
+        if len(plan.ranges) == stages:
+            return plan
+        stages = len(plan.ranges)
 
 
 def _plan_at(reader: CheckpointReader, *, budget_bytes: int, dtype: torch.dtype, cache_dtype: torch.dtype,

@@ -111,6 +111,27 @@ def test_plan_charges_the_token_tree_scratch_positions_of_each_stage(tmp_path, m
     assert f"with {scratch} token-tree scratch positions a slot" in plan.lines()[0]
 
 
+def test_the_stage_count_is_the_fewest_that_fit_with_their_own_scratch_positions(tmp_path):
+    """With max_inflight 0 more stages mean more scratch positions (and KV) on every stage: the plan's
+    count fits at its own scratch, and one stage fewer does not fit at its own."""
+    folder = write_family_model(tmp_path / "m", "llama3", tie_word_embeddings=False)
+    kw = {"dtype": torch.float32, "max_num_seqs": 64, "max_model_len": 40, "draft_tree": 8}
+    whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw).stage_bytes[0]
+    counts = set()
+    for share in range(20, 100, 2):
+        budget = whole * share // 100
+        try:
+            plan = plan_stages_for_budget(folder, budget_bytes=budget, **kw)
+        except ValueError:
+            continue
+        k = len(plan.ranges)
+        counts.add(k)
+        assert plan.num_scratch == scratch_positions(8, k) and max(plan.stage_bytes) <= budget, share
+        if k > 1:  # k - 1 stages at their own scratch: max_inflight k - 1 fixes it there
+            assert len(plan_stages_for_budget(folder, budget_bytes=budget, **{**kw, "max_inflight": k - 1}).ranges) > k - 1
+    assert len(counts) >= 2  # (3 stages hold a whole key block more than 2 or 4: never the fewest here)
+
+
 def test_cli_plan_charges_a_quantised_stage_its_bfloat16_kv_cache_and_tables(tmp_path, monkeypatch):
     """A quantised stage computes in bfloat16 (pipeline/weights/quant.py ACTIVATION_DTYPE): its KV cache
     and rotation tables take half the bytes of the float32 `--dtype`."""
