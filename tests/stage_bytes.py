@@ -3,7 +3,8 @@ and the start-up memory check (launcher/coordinator/run_plan.py `check_lengths`)
 
 Builds each stage of a split the way a stage worker does (`load_stage_model`, in the run's numeric
 mode), allocates its KV cache (with the token-tree scratch positions), runs one pass at the last
-position so the RoPE rotation tables grow to their bound, and sums the storages of what it holds.
+position and asks for the RoPE rotation tables of the last position they may hold (as a FIRP pseudo row
+past max_model_len does), so they grow to their bound, and sums the storages of what it holds.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _storage_bytes(tensors) -> int:
 def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs: int, max_model_len: int,
                          num_scratch: int = 0, quantization: str = "none") -> list[tuple[int, int, int]]:
     """Per stage of `ranges`: (parameters, KV cache, rotation tables) bytes of a real stage after a pass at
-    position max_model_len - 1 (parameters: dense tensors only; a quantised linear's packed weight is no
+    position max_model_len - 1 and a table look-up at max_model_len + num_scratch - 1 (parameters: dense tensors only; a quantised linear's packed weight is no
     parameter)."""
     out = []
     for i, r in enumerate(ranges):
@@ -34,8 +35,10 @@ def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs
         kv = model.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_scratch=num_scratch)
         kv.set_length(0, max_model_len - 1)
         x = torch.tensor([5]) if i == 0 else torch.randn(1, model.config.hidden_size, dtype=kv.k.dtype)
+        bound = max_model_len + num_scratch  # the tables' bound ([Note: cached rotation tables] in rope.py)
         with torch.no_grad():
             model.forward(x, [Span(0, max_model_len - 1, 1)], kv)
+            model.rope_tables(torch.tensor([bound - 1]), kv.k.dtype, max_positions=bound)  # a FIRP pseudo row's
         tables = [t for rot in model._rotations.values() for t in (rot._cos, rot._signed_sin)]
         out.append((_storage_bytes(model.parameters()), _storage_bytes([kv.k, kv.v]), _storage_bytes(tables)))
     return out
