@@ -9,6 +9,7 @@ past max_model_len does), so they grow to their bound, and sums the storages of 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -24,14 +25,18 @@ def _storage_bytes(tensors) -> int:
 
 
 def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs: int, max_model_len: int,
-                         num_scratch: int = 0, quantization: str = "none") -> list[tuple[int, int, int]]:
+                         num_scratch: int = 0, quantization: str = "none",
+                         draft_after: int | None = None) -> list[tuple[int, int, int]]:
     """Per stage of `ranges`: (parameters, KV cache, rotation tables) bytes of a real stage after a pass at
     position max_model_len - 1 and a table look-up at max_model_len + num_scratch - 1 (parameters: dense tensors only; a quantised linear's packed weight is no
-    parameter)."""
+    parameter). draft_after: the stage holding that layer also gets a next-layer drafter after it (a copy
+    of the layer, as `StageModel.attach_draft_layer` takes one), with its own KV cache layer."""
     out = []
     for i, r in enumerate(ranges):
         model = load_stage_model(str(folder), r, is_first=i == 0, is_last=i == len(ranges) - 1,
                                  quantization=quantization)
+        if draft_after in r:
+            model.attach_draft_layer(copy.deepcopy(model.layers[str(draft_after)]), after=draft_after)
         kv = model.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_scratch=num_scratch)
         kv.set_length(0, max_model_len - 1)
         x = torch.tensor([5]) if i == 0 else torch.randn(1, model.config.hidden_size, dtype=kv.k.dtype)

@@ -123,19 +123,14 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
 
     dtype = MODEL_DTYPES[args.dtype]  # a name dtype_arg accepted
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=progress)
-    exit_bytes = 0
+    exit_bytes = exit_kv_layers = 0
     if args.speculate in ("speed", "speed+firp", "auto"):  # a trained exit head's file and a draft layer's KV
-        from launcher.coordinator.predictor_select import given_exit_bytes
-        from pipeline.model.config import ModelConfig
-        from pipeline.weights.stage_memory import kv_bytes_per_layer, stage_dtype
-        kv = kv_bytes_per_layer(ModelConfig.from_model_dir(model_dir), max_num_seqs=args.max_num_seqs,
-                                dtype=stage_dtype(args.quantization, model_dir, dtype, args.device),
-                                max_model_len=args.max_model_len)
-        exit_bytes = given_exit_bytes(predictor=args.predictor, exit_predictor=args.exit_predictor, kv_layer_bytes=kv)
+        from launcher.coordinator.predictor_select import given_exit_memory
+        exit_bytes, exit_kv_layers = given_exit_memory(predictor=args.predictor, exit_predictor=args.exit_predictor)
     plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                  exit_bytes=exit_bytes, exit_layer=args.exit_layer, device=args.device,
-                                  quantization=args.quantization, draft_tree=args.draft_tree,
+                                  exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=args.exit_layer,
+                                  device=args.device, quantization=args.quantization, draft_tree=args.draft_tree,
                                   max_inflight=args.max_inflight)
     for line in plan.lines():
         logging.getLogger(__name__).info("%s", line)

@@ -86,9 +86,9 @@ def stage_dtype(quantization: str, model_dir: str | Path, dtype: torch.dtype, de
 
 
 def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: torch.dtype, max_num_seqs: int,
-                           max_model_len: int, exit_bytes: int = 0, exit_layer: int | None = None,
-                           device: str = "cpu", quantization: str = "none", draft_tree: int = 1,
-                           max_inflight: int = 0) -> StagePlan:
+                           max_model_len: int, exit_bytes: int = 0, exit_kv_layers: int = 0,
+                           exit_layer: int | None = None, device: str = "cpu", quantization: str = "none",
+                           draft_tree: int = 1, max_inflight: int = 0) -> StagePlan:
     """The fewest stages (and their split) whose weights + KV + rotation tables each fit `budget_bytes`
     (every stage holds its own tables: `rotation_table_bytes` of its layers on `device`).
 
@@ -98,9 +98,10 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     Those grow with the stage count when max_inflight is 0, so the count is found at its own
     scratch: plan at the scratch of k stages (k = 1 first); when that needs k' > k stages, no count
     in [k, k') fits at its own scratch (at least k's), so try k = k'; when it needs k, that is it.
-    exit_bytes: what a trained exit head adds to the stage holding `exit_layer` (its file's tensors,
-    plus a next-layer drafter's KV layer); exit_layer None: the default exit layer, stage 0's last, so
-    stage 0 pays it.
+    exit_bytes, exit_kv_layers: what a trained exit head adds to the stage holding `exit_layer`: its
+    file's tensors, and KV cache layers (a next-layer drafter's own: 1), each charged as a decoder
+    layer's (scratch positions included) and counted in that stage's KV cache share; exit_layer None:
+    the default exit layer, stage 0's last, so stage 0 pays it.
 
     Raises ValueError (from `smallest_fitting_split`) when one layer with the embedding or head
     does not fit, and FileNotFoundError / ValueError for a bad model folder.
@@ -112,7 +113,7 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
         plan = _plan_at(reader, budget_bytes=budget_bytes, dtype=dtype, cache_dtype=cache_dtype,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         num_scratch=scratch_positions(draft_tree, max_inflight or stages),
-                        exit_bytes=exit_bytes, exit_layer=exit_layer, device=device)
+                        exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=exit_layer, device=device)
         assert len(plan.ranges) >= stages, (plan.ranges, stages)  # fewer did not fit at less scratch
         if len(plan.ranges) == stages:
             return plan
@@ -120,18 +121,19 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
 
 
 def _plan_at(reader: CheckpointReader, *, budget_bytes: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-             max_num_seqs: int, max_model_len: int, num_scratch: int, exit_bytes: int, exit_layer: int | None,
-             device: str) -> StagePlan:
+             max_num_seqs: int, max_model_len: int, num_scratch: int, exit_bytes: int, exit_kv_layers: int,
+             exit_layer: int | None, device: str) -> StagePlan:
     """`plan_stages_for_budget` with a fixed number of scratch positions a slot."""
     config = reader.config
     kv = kv_bytes_per_layer(config, dtype=cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             num_scratch=num_scratch)
     layer = [reader.nbytes(layer_tensor_names(config, i), dtype=dtype) + kv for i in range(config.num_hidden_layers)]
     first = reader.nbytes([EMBED_TOKENS], dtype=dtype)
+    exit_kv = exit_kv_layers * kv
     if exit_layer is not None and 0 <= exit_layer < len(layer):
-        layer[exit_layer] += exit_bytes
+        layer[exit_layer] += exit_bytes + exit_kv
     else:  # the default exit layer (or a bad one, which resolving the run reports)
-        first += exit_bytes
+        first += exit_bytes + exit_kv
     last = reader.nbytes([FINAL_NORM, head_tensor_name(config)], dtype=dtype)
 
     def tables(start: int, stop: int) -> int:
@@ -143,5 +145,7 @@ def _plan_at(reader: CheckpointReader, *, budget_bytes: int, dtype: torch.dtype,
     table_bytes = [tables(r.start, r.stop) for r in ranges]
     sizes = [sum(layer[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0)
              + table_bytes[i] for i, r in enumerate(ranges)]
-    return StagePlan(ranges=ranges, stage_bytes=sizes, budget_bytes=budget_bytes, kv_bytes=[kv * len(r) for r in ranges],
+    holder = next((i for i, r in enumerate(ranges) if exit_layer in r), 0)  # (a bad or no exit_layer: stage 0)
+    kv_bytes = [kv * len(r) + (exit_kv if i == holder else 0) for i, r in enumerate(ranges)]
+    return StagePlan(ranges=ranges, stage_bytes=sizes, budget_bytes=budget_bytes, kv_bytes=kv_bytes,
                      rotation_table_bytes=table_bytes, num_scratch=num_scratch)

@@ -193,14 +193,16 @@ def test_plan_charges_a_next_layer_drafter_to_the_stage_of_its_exit_layer(tmp_pa
                                       "--max-model-len", "64", "--speculate", "speed", "--predictor", str(path),
                                       "--prompt", "x"])
     base = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
-    from launcher.coordinator.predictor_select import given_exit_bytes
-    extra = given_exit_bytes(predictor=str(path), exit_predictor=None, kv_layer_bytes=kv)
-    assert extra == path.stat().st_size + kv and extra > kv
-    assert plan_stages_for_budget(folder, budget_bytes=1 << 40, exit_bytes=extra, **kw).stage_bytes == [
+    from launcher.coordinator.predictor_select import given_exit_memory
+    size, kv_layers = given_exit_memory(predictor=str(path), exit_predictor=None)
+    assert (size, kv_layers) == (path.stat().st_size, 1)
+    extra = size + kv
+    exit_kw = {"exit_bytes": size, "exit_kv_layers": kv_layers}
+    assert plan_stages_for_budget(folder, budget_bytes=1 << 40, **exit_kw, **kw).stage_bytes == [
         base.stage_bytes[0] + extra]
     reader = CheckpointReader(folder)
     for exit_layer in (None, cfg.num_hidden_layers - 1):
-        plan = plan_stages_for_budget(folder, budget_bytes=int(base.stage_bytes[0] * 0.6), exit_bytes=extra,
+        plan = plan_stages_for_budget(folder, budget_bytes=int(base.stage_bytes[0] * 0.6), **exit_kw,
                                       exit_layer=exit_layer, **kw)
         holder = 0 if exit_layer is None else len(plan.ranges) - 1
         assert len(plan.ranges) >= 2
@@ -208,9 +210,31 @@ def test_plan_charges_a_next_layer_drafter_to_the_stage_of_its_exit_layer(tmp_pa
             names = stage_tensor_names(cfg, r, is_first=i == 0, is_last=i == len(plan.ranges) - 1)
             assert b == (reader.nbytes(names, dtype=torch.float32) + kv * len(r) + (extra if i == holder else 0)
                          + plan.rotation_table_bytes[i])
+            assert plan.kv_bytes[i] == kv * (len(r) + (i == holder))
     args.stage_memory_gib = base.stage_bytes[0] / 2**30  # the model alone fits one stage...
     assert _auto_stages(args, progress=False)[0] == 2  # ...but not with the drafter
-    assert given_exit_bytes(predictor="hybrid", exit_predictor=None, kv_layer_bytes=kv) == 0
+    assert given_exit_memory(predictor="hybrid", exit_predictor=None) == (0, 0)
+
+
+def test_plan_charges_a_next_layer_drafters_kv_layer_its_token_tree_scratch_positions(tmp_path, monkeypatch):
+    """A next-layer drafter's KV layer sits in its stage's KV cache, scratch positions included: with
+    max_model_len 62 and 4 scratch positions a slot it holds 96 positions (3 key blocks), not 64."""
+    import pipeline.weights.stage_memory as stage_memory
+
+    folder = write_family_model(tmp_path / "m", "llama3")
+    path = _next_layer_file(folder, tmp_path / "next.safetensors", 1)
+    plans, real = [], stage_memory.plan_stages_for_budget
+    monkeypatch.setattr(stage_memory, "plan_stages_for_budget", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib", "1",
+                                      "--max-model-len", "62", "--max-num-seqs", "2", "--speculate", "speed",
+                                      "--predictor", str(path), "--draft-tree", "3", "--prompt", "x"])
+    assert _auto_stages(args, progress=False)[0] == 1
+    measured = measured_stage_bytes(folder, plans[0].ranges, max_num_seqs=2, max_model_len=62,
+                                    num_scratch=scratch_positions(3, 1), draft_after=1)
+    assert plans[0].kv_bytes == [kv for _, kv, _ in measured]
+    weights = CheckpointReader(folder).nbytes(stage_tensor_names(CheckpointReader(folder).config, plans[0].ranges[0],
+                                                                 is_first=True, is_last=True), dtype=torch.float32)
+    assert plans[0].stage_bytes == [weights + path.stat().st_size + measured[0][1] + measured[0][2]]
 
 
 @pytest.mark.parametrize("max_model_len", [40, 64, 100])
