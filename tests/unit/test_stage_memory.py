@@ -129,7 +129,7 @@ def test_the_stage_count_is_the_fewest_that_fit_with_their_own_scratch_positions
         assert plan.num_scratch == scratch_positions(8, k) and max(plan.stage_bytes) <= budget, share
         if k > 1:  # k - 1 stages at their own scratch: max_inflight k - 1 fixes it there
             assert len(plan_stages_for_budget(folder, budget_bytes=budget, **{**kw, "max_inflight": k - 1}).ranges) > k - 1
-    assert len(counts) >= 2  # (3 stages hold a whole key block more than 2 or 4: never the fewest here)
+    assert len(counts) >= 2  # (3 stages hold a whole key block a slot more than 2, as many as 4: never the fewest here)
 
 
 def test_cli_plan_charges_a_quantised_stage_its_bfloat16_kv_cache_and_tables(tmp_path, monkeypatch):
