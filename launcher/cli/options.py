@@ -118,6 +118,7 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
         return args.stages, args.layer_split
     if args.stage_memory_gib is None or not 0 < args.stage_memory_gib < math.inf or args.layer_split:
         raise UsageError("--stages auto needs a finite --stage-memory-gib > 0 (and no --layer-split)")
+    from pipeline.speculation.tree import scratch_positions
     from pipeline.weights.registry import resolve_model
     from pipeline.weights.stage_memory import plan_stages_for_budget
 
@@ -130,8 +131,8 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
     plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                   exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=args.exit_layer,
-                                  device=args.device, quantization=args.quantization, draft_tree=args.draft_tree,
-                                  max_inflight=args.max_inflight)
+                                  device=args.device, quantization=args.quantization,
+                                  scratch_of=lambda k: scratch_positions(args.draft_tree, args.max_inflight or k))
     for line in plan.lines():
         logging.getLogger(__name__).info("%s", line)
         if progress:

@@ -13,7 +13,7 @@ Must not: start processes or allocate tensors.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -22,7 +22,6 @@ from pipeline.model.attention import KEY_BLOCK
 from pipeline.model.kv_cache import buffer_positions
 from pipeline.model.partition import LayerRange, smallest_fitting_split
 from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, head_tensor_name
-from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.checkpoint import CheckpointReader, layer_tensor_names
 from pipeline.weights.quant_load import activation_dtype
 
@@ -88,15 +87,16 @@ def stage_dtype(quantization: str, model_dir: str | Path, dtype: torch.dtype, de
 def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: torch.dtype, max_num_seqs: int,
                            max_model_len: int, exit_bytes: int = 0, exit_kv_layers: int = 0,
                            exit_layer: int | None = None, device: str = "cpu", quantization: str = "none",
-                           draft_tree: int = 1, max_inflight: int = 0) -> StagePlan:
+                           scratch_of: Callable[[int], int] = lambda num_stages: 0) -> StagePlan:
     """The fewest stages (and their split) whose weights + KV + rotation tables each fit `budget_bytes`
     (every stage holds its own tables: `rotation_table_bytes` of its layers on `device`).
 
     dtype: the weights' dtype (`--dtype`; quantised weights are charged at it too: an upper bound);
     the KV cache and the tables are charged in `stage_dtype(quantization, ...)`, with the token-tree
-    scratch positions of `draft_tree` (`scratch_positions(draft_tree, max_inflight or num_stages)`).
-    Those grow with the stage count when max_inflight is 0, so the count is found at its own
-    scratch: plan at the scratch of k stages (k = 1 first); when that needs k' > k stages, no count
+    scratch positions a slot that `num_stages` stages hold, `scratch_of(num_stages)` (nondecreasing;
+    the CLI passes pipeline/speculation/tree.py `scratch_positions(draft_tree, max_inflight or
+    num_stages)`, which this layer does not import: speculation imports weights). They may grow with
+    the stage count, so the count is found at its own scratch: plan at the scratch of k stages (k = 1 first); when that needs k' > k stages, no count
     in [k, k') fits at its own scratch (at least k's), so try k = k'; when it needs k, that is it.
     exit_bytes, exit_kv_layers: what a trained exit head adds to the stage holding `exit_layer`: its
     file's tensors, and KV cache layers (a next-layer drafter's own: 1), each charged as a decoder
@@ -112,7 +112,7 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     while True:
         plan = _plan_at(reader, budget_bytes=budget_bytes, dtype=dtype, cache_dtype=cache_dtype,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                        num_scratch=scratch_positions(draft_tree, max_inflight or stages),
+                        num_scratch=scratch_of(stages),
                         exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=exit_layer, device=device)
         assert len(plan.ranges) >= stages, (plan.ranges, stages)  # fewer did not fit at less scratch
         if len(plan.ranges) == stages:

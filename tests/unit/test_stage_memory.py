@@ -95,7 +95,8 @@ def test_plan_charges_the_token_tree_scratch_positions_of_each_stage(tmp_path, m
     """The KV cache and the tables' bound hold max_model_len + scratch positions a slot; the scratch
     grows with the stage count when max_inflight is 0, so the count is chosen with its own scratch."""
     folder = write_family_model(tmp_path / "m", "qwen3", tie_word_embeddings=False)  # (one stage: no shared head)
-    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64, "draft_tree": 3, "max_inflight": max_inflight}
+    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64,
+          "scratch_of": lambda k: scratch_positions(3, max_inflight or k)}
     one = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
     scratch_one = scratch_positions(3, max_inflight or 1)
     assert one.num_scratch == scratch_one and len(one.ranges) == 1
@@ -115,7 +116,7 @@ def test_the_stage_count_is_the_fewest_that_fit_with_their_own_scratch_positions
     """With max_inflight 0 more stages mean more scratch positions (and KV) on every stage: the plan's
     count fits at its own scratch, and one stage fewer does not fit at its own."""
     folder = write_family_model(tmp_path / "m", "llama3", tie_word_embeddings=False)
-    kw = {"dtype": torch.float32, "max_num_seqs": 64, "max_model_len": 40, "draft_tree": 8}
+    kw = {"dtype": torch.float32, "max_num_seqs": 64, "max_model_len": 40, "scratch_of": lambda k: scratch_positions(8, k)}
     whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw).stage_bytes[0]
     counts = set()
     for share in range(20, 100, 2):
@@ -127,8 +128,9 @@ def test_the_stage_count_is_the_fewest_that_fit_with_their_own_scratch_positions
         k = len(plan.ranges)
         counts.add(k)
         assert plan.num_scratch == scratch_positions(8, k) and max(plan.stage_bytes) <= budget, share
-        if k > 1:  # k - 1 stages at their own scratch: max_inflight k - 1 fixes it there
-            assert len(plan_stages_for_budget(folder, budget_bytes=budget, **{**kw, "max_inflight": k - 1}).ranges) > k - 1
+        if k > 1:  # k - 1 stages at their own scratch (as max_inflight k - 1 fixes it)
+            fixed = {**kw, "scratch_of": lambda _, fewer=k - 1: scratch_positions(8, fewer)}
+            assert len(plan_stages_for_budget(folder, budget_bytes=budget, **fixed).ranges) > k - 1
     assert len(counts) >= 2  # (3 stages hold a whole key block a slot more than 2, as many as 4: never the fewest here)
 
 
