@@ -112,6 +112,18 @@ def test_plan_charges_the_token_tree_scratch_positions_of_each_stage(tmp_path, m
     assert f"with {scratch} token-tree scratch positions a slot" in plan.lines()[0]
 
 
+def test_cli_plan_names_a_bad_draft_tree_before_charging_its_scratch(tmp_path):
+    """--draft-tree 99's scratch positions fit no budget: the error must name the flag, not the budget."""
+    folder = write_family_model(tmp_path / "m", "llama3")
+    whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, dtype=torch.float32, max_num_seqs=8,
+                                   max_model_len=64).stage_bytes[0]
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib",
+                                      str(0.6 * whole / 2**30), "--max-model-len", "64", "--max-num-seqs", "8",
+                                      "--speculate", "speed", "--draft-tree", "99", "--prompt", "x"])
+    with pytest.raises(ValueError, match=r"--draft-tree must be between 1 .off. and \d+ candidates, got 99"):
+        _auto_stages(args, progress=False)
+
+
 def test_the_stage_count_is_the_fewest_that_fit_with_their_own_scratch_positions(tmp_path):
     """With max_inflight 0 more stages mean more scratch positions (and KV) on every stage: the plan's
     count fits at its own scratch, and one stage fewer does not fit at its own."""
