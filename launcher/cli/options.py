@@ -113,27 +113,28 @@ def default_max_model_len(model: str, default: int, *, cache_dir: str | None, pr
 
 def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | None]:
     """(--stages, --layer-split) from the flags; for --stages auto, the fewest stages that fit the
-    budget (pipeline/weights/stage_memory.py), printing each stage's need against it. Raises UsageError."""
+    budget (pipeline/weights/stage_memory.py), printing each stage's need against it. Raises UsageError,
+    and ValueError for a --draft-tree out of range or a budget no split fits."""
     if args.stages != "auto":
         return args.stages, args.layer_split
     if args.stage_memory_gib is None or not 0 < args.stage_memory_gib < math.inf or args.layer_split:
         raise UsageError("--stages auto needs a finite --stage-memory-gib > 0 (and no --layer-split)")
+    from pipeline.speculation.tree import scratch_positions, validate_draft_tree
     from pipeline.weights.registry import resolve_model
     from pipeline.weights.stage_memory import plan_stages_for_budget
 
     dtype = MODEL_DTYPES[args.dtype]  # a name dtype_arg accepted
+    validate_draft_tree(args.draft_tree)  # before its scratch positions are charged (no "no split fits" for a typo)
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=progress)
-    exit_bytes = 0
+    exit_bytes = exit_kv_layers = 0
     if args.speculate in ("speed", "speed+firp", "auto"):  # a trained exit head's file and a draft layer's KV
-        from launcher.coordinator.predictor_select import given_exit_bytes
-        from pipeline.model.config import ModelConfig
-        from pipeline.weights.stage_memory import kv_bytes_per_layer
-        kv = kv_bytes_per_layer(ModelConfig.from_model_dir(model_dir), dtype=dtype, max_num_seqs=args.max_num_seqs,
-                                max_model_len=args.max_model_len)
-        exit_bytes = given_exit_bytes(predictor=args.predictor, exit_predictor=args.exit_predictor, kv_layer_bytes=kv)
+        from launcher.coordinator.predictor_select import given_exit_memory
+        exit_bytes, exit_kv_layers = given_exit_memory(predictor=args.predictor, exit_predictor=args.exit_predictor)
     plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                  exit_bytes=exit_bytes, exit_layer=args.exit_layer, device=args.device)
+                                  exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=args.exit_layer,
+                                  device=args.device, quantization=args.quantization,
+                                  scratch_of=lambda k: scratch_positions(args.draft_tree, args.max_inflight or k))
     for line in plan.lines():
         logging.getLogger(__name__).info("%s", line)
         if progress:

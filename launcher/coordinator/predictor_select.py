@@ -122,15 +122,16 @@ def given_exit_layer(*, predictor: str, exit_predictor: str | None) -> int | Non
     return layer if isinstance(layer, int) else None
 
 
-def given_exit_bytes(*, predictor: str, exit_predictor: str | None, kv_layer_bytes: int) -> int:
-    """Memory a user-named predictor file adds to its exit stage: the file's size (its tensors, about),
-    plus `kv_layer_bytes` for a next-layer drafter's own KV cache layer; 0 without a readable file
-    (the shipped heads are under 1 MB; choose_exit_predictor reports a bad file). Never raises."""
+def given_exit_memory(*, predictor: str, exit_predictor: str | None) -> tuple[int, int]:
+    """(bytes, KV cache layers) a user-named predictor file adds to its exit stage: the file's size (its
+    tensors, about), and 1 KV layer for a next-layer drafter's own (the memory plan charges it as a
+    decoder layer's, token-tree scratch positions included); (0, 0) without a readable file (the
+    shipped heads are under 1 MB; choose_exit_predictor reports a bad file). Never raises."""
     path = given_predictor_file(predictor, exit_predictor)
     meta = _file_meta(path)
     if meta is None:
-        return 0
-    return path.stat().st_size + (kv_layer_bytes if meta.get("arch") == NEXT_LAYER_ARCH else 0)
+        return 0, 0
+    return path.stat().st_size, int(meta.get("arch") == NEXT_LAYER_ARCH)
 
 
 def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -41,12 +42,13 @@ from pipeline.speculation.predictor_file import (
     model_identity,
     shipped_predictors,
 )
+from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
 from pipeline.weights.gguf_blocks import gguf_source_of, requantised_linears
 from pipeline.weights.gguf_import import SOURCE_FILE
-from pipeline.weights.quant_load import activation_dtype, effective_mode
+from pipeline.weights.quant_load import effective_mode
 from pipeline.weights.registry import resolve_model
-from pipeline.weights.stage_memory import kv_bytes_per_layer
+from pipeline.weights.stage_memory import kv_bytes_per_layer, rotation_table_bytes, stage_dtype
 
 log = logging.getLogger(__name__)
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
@@ -211,15 +213,17 @@ def _note_text_only(model_dir: Path, architecture: str, num_skipped: int) -> Non
                 "(%d tensors) are not loaded, so prompts are text only", model_dir, architecture, num_skipped)
 
 
-def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path, *,
+def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path, *, ranges: Sequence[LayerRange],
                   available: int | None = None) -> None:
     """Refuse limits the model or this machine cannot hold, before any stage allocates its KV cache:
     `max_model_len` above the model's context (`ModelConfig.max_context`, as vLLM), and, for CPU stages all
-    on this machine (`stages_on_this_machine`), a KV cache for `max_num_seqs` x `max_model_len` in
-    the stages' activation dtype that is larger than the memory available here (it would fail, or
-    set off the kernel's out-of-memory killer, only after the stages start), plus the weights (in
-    that dtype when dense, at 4 bits a weight when quantised: a lower bound). available: bytes
-    (default: `available_memory_bytes()`). Raises ValueError."""
+    on this machine (`stages_on_this_machine`), more memory than is available here (it would fail, or
+    set off the kernel's out-of-memory killer, only after the stages start): the KV cache for
+    `max_num_seqs` x (`max_model_len` + the token-tree scratch positions) and each stage's RoPE
+    rotation tables (of its layers in `ranges`), both in the stages' activation dtype, as the memory
+    plan charges them (pipeline/weights/stage_memory.py), plus the weights (in that dtype when dense,
+    at 4 bits a weight when quantised: a lower bound). available: bytes (default:
+    `available_memory_bytes()`). Raises ValueError."""
     if options.max_model_len > config.max_context:
         stretched = "" if config.max_context == config.max_position_embeddings else \
             " stretched by YaRN"
@@ -227,19 +231,23 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
                          f"(max_position_embeddings{stretched}, config.json); lower max_model_len")
     if options.device != "cpu" or not stages_on_this_machine(options.placement):
         return  # stage memory is on other machines or devices: each stage reports its own failure
-    dtype = activation_dtype(options.quantization, str(model_dir), MODEL_DTYPES[options.dtype], options.device)
+    dtype = stage_dtype(options.quantization, model_dir, MODEL_DTYPES[options.dtype], options.device)
+    scratch = scratch_positions(options.draft_tree, options.max_inflight or options.num_stages)
     kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs,
-                            max_model_len=options.max_model_len) * config.num_hidden_layers
+                            max_model_len=options.max_model_len, num_scratch=scratch) * config.num_hidden_layers
+    tables = sum(rotation_table_bytes(config, r, dtype=dtype, max_model_len=options.max_model_len,
+                                      num_scratch=scratch, device=options.device) for r in ranges)
     reader = CheckpointReader(model_dir)  # weights: in `dtype` when dense; quantised, at least 4 bits a weight
     dense = effective_mode(options.quantization, str(model_dir), options.device) == "none"
     weights = reader.nbytes(all_tensor_names(config), dtype=dtype if dense else torch.uint8) // (1 if dense else 2)
     available = available_memory_bytes() if available is None else available
-    if kv + weights > available:
+    if kv + tables + weights > available:
         remedy = ("lower max_model_len or max_num_seqs" if weights < available else
                   "the weights alone do not fit: quantise them (--quantization) or place stages on more machines")
         raise ValueError(f"max_num_seqs {options.max_num_seqs} x max_model_len {options.max_model_len} needs "
-                         f"{_size(kv)} of KV cache, plus {'' if dense else 'at least '}{_size(weights)} of weights: "
-                         f"more than the {_size(available)} of memory available on this machine; {remedy}")
+                         f"{_size(kv)} of KV cache, plus {'' if dense else 'at least '}{_size(weights)} of weights "
+                         f"and {_size(tables)} of RoPE tables: more than the {_size(available)} of memory available "
+                         f"on this machine; {remedy}")
 
 
 def note_requantised_blocks(options: PipelineOptions, config: ModelConfig, model_dir: Path) -> None:
@@ -282,7 +290,7 @@ def resolve(options: PipelineOptions, *, check_limits: bool = True) -> RunPlan:
         ranges = default_split(options, config, model_dir)
     check_checkpoint(CheckpointReader(model_dir), config, ranges)
     if check_limits:
-        check_lengths(options, config, model_dir)
+        check_lengths(options, config, model_dir, ranges=ranges)
         note_requantised_blocks(options, config, model_dir)
     exit_layer = ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer
     if options.uses_speed:

@@ -6,7 +6,7 @@ Owns `LayerRange` and the balanced split. Pure arithmetic; no torch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,26 +115,29 @@ def parse_layer_split(text: str) -> list[int]:
 
 
 def smallest_fitting_split(layer_bytes: Sequence[int], *, first_bytes: int, last_bytes: int,
-                           budget_bytes: int, stage_bytes: int = 0) -> list[LayerRange]:
+                           budget_bytes: int, stage_bytes: int | Callable[[int, int], int] = 0) -> list[LayerRange]:
     """The fewest contiguous stages whose memory each fits `budget_bytes`, split to minimise the
     largest stage.
 
     layer_bytes[i]: bytes decoder layer i needs on its stage (weights + its KV cache); first_bytes:
     the first stage's extra (token embedding); last_bytes: the last stage's extra (final norm + LM
-    head); stage_bytes: what every stage holds whatever its layers (its RoPE rotation tables). Exact
+    head); stage_bytes: what a stage holds besides its layers' own bytes (its RoPE rotation tables),
+    the same for every stage, or a function of its layers [start, stop) (Gemma 3's second set of tables
+    only on a stage with a sliding layer). Exact
     for contiguous splits (dynamic programme over split points, O(stages x layers^2)).
     Raises ValueError naming the largest single need and the budget when no split fits.
     """
     n = len(layer_bytes)
     if n == 0 or budget_bytes <= 0:
         raise ValueError(f"need at least one layer and a positive budget, got {n} layers, {budget_bytes} bytes")
+    own = stage_bytes if callable(stage_bytes) else lambda lo, hi: stage_bytes
     prefix = [0]
     for b in layer_bytes:
         prefix.append(prefix[-1] + b)
 
     def cost(lo: int, hi: int) -> int:
         return (prefix[hi] - prefix[lo] + (first_bytes if lo == 0 else 0) + (last_bytes if hi == n else 0)
-                + stage_bytes)
+                + own(lo, hi))
 
     best = {i: (cost(0, i), [0, i]) for i in range(1, n + 1)}  # best[i]: layers [0, i) on k stages
     for k in range(1, n + 1):

@@ -277,9 +277,9 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
 # the stage can be asked for, the positions its KV cache holds (StageModel passes max_model_len plus the
 # token-tree scratch positions; every real row sits below max_model_len). A pass reaching past the bound
 # (a FIRP pseudo row of an anchor near max_model_len) gets the per-pass computation, so the tables' bytes
-# are bounded and the memory plan charges them (pipeline/weights/stage_memory.py
-# `rotation_table_bytes`: at the bound, cos and signed sin per table key, in the run's dtype; a
-# quantised stage's bfloat16 tables take less). CPU positions only: on an accelerator, finding how far
+# are bounded and the memory plan and the start-up memory check charge them (pipeline/weights/stage_memory.py
+# `rotation_table_bytes`: at the bound, cos and signed sin per table key the stage's layers use, in the
+# stage's activation dtype: bfloat16 for a quantised stage). CPU positions only: on an accelerator, finding how far
 # the tables must reach reads the largest position back to the host (a device sync per pass, twice
 # with FIRP), which costs more there than the dozen ops it saves; such a pass computes its tables as
 # before.

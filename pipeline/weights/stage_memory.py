@@ -2,15 +2,18 @@
 
 Owns `StagePlan` and `plan_stages_for_budget`, which measures a model folder's weights per layer
 (from safetensors headers, at the run's dtype: no tensor data is read) plus each layer's KV cache for
-`max_num_seqs` x `max_model_len` plus every stage's RoPE rotation tables (`rotation_table_bytes`),
+`max_num_seqs` x (`max_model_len` + the token-tree scratch positions) plus every stage's RoPE rotation
+tables (`rotation_table_bytes`), the cache and tables in the stage's activation dtype (`stage_dtype`),
 and picks the fewest stages that fit a per-stage budget
 (`--stages auto --stage-memory-gib`, pipeline/model/partition.py `smallest_fitting_split`).
+The start-up memory check (launcher/coordinator/run_plan.py `check_lengths`) uses the same helpers.
 Must not: start processes or allocate tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -20,76 +23,129 @@ from pipeline.model.kv_cache import buffer_positions
 from pipeline.model.partition import LayerRange, smallest_fitting_split
 from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, head_tensor_name
 from pipeline.weights.checkpoint import CheckpointReader, layer_tensor_names
+from pipeline.weights.quant_load import activation_dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StagePlan:
-    """The chosen split and each stage's bytes (weights + KV + rotation tables) against the budget;
-    rotation_table_bytes: the tables' share of every stage's bytes."""
+    """The chosen split and each stage's bytes (weights + KV cache + rotation tables) against the budget;
+    kv_bytes, rotation_table_bytes: each stage's share of its bytes in those two; num_scratch: the
+    token-tree scratch positions every slot of every stage's KV cache holds past max_model_len."""
 
     ranges: list[LayerRange]
     stage_bytes: list[int]
     budget_bytes: int
-    rotation_table_bytes: int = 0
+    kv_bytes: list[int]
+    rotation_table_bytes: list[int]
+    num_scratch: int = 0
 
     def layer_split(self) -> str:
         """The split as `--layer-split` spells it (e.g. "8,8,7,7")."""
         return ",".join(str(len(r)) for r in self.ranges)
 
     def lines(self) -> list[str]:
-        """One start-up log line per stage: layers, need (with the rotation tables' share) and budget."""
-        tables = f"{self.rotation_table_bytes / 2**20:.1f} MiB"
-        return [f"stage {i}: layers {r}, {b / 2**30:.2f} GiB (weights + KV cache + {tables} RoPE tables) "
-                f"of a {self.budget_bytes / 2**30:.2f} GiB budget"
-                for i, (r, b) in enumerate(zip(self.ranges, self.stage_bytes, strict=True))]
+        """One start-up log line per stage: layers, need (with the KV cache's and the rotation tables'
+        shares) and budget."""
+        scratch = f" with {self.num_scratch} token-tree scratch positions a slot" if self.num_scratch else ""
+        return [f"stage {i}: layers {r}, {b / 2**30:.2f} GiB (weights + {kv / 2**20:.1f} MiB KV cache{scratch} + "
+                f"{tables / 2**20:.1f} MiB RoPE tables) of a {self.budget_bytes / 2**30:.2f} GiB budget"
+                for i, (r, b, kv, tables) in enumerate(zip(self.ranges, self.stage_bytes, self.kv_bytes,
+                                                           self.rotation_table_bytes, strict=True))]
 
 
-def kv_bytes_per_layer(config, *, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
+def kv_bytes_per_layer(config, *, dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
+                       num_scratch: int = 0) -> int:
     """K and V of one layer for every slot: 2 x seqs x positions x kv_heads x head_dim x itemsize, where
-    positions is max_model_len rounded up to whole key blocks, as the cache holds it
-    (pipeline/model/kv_cache.py; token-tree scratch positions, a few per slot, are not counted)."""
-    positions = buffer_positions(max_model_len, KEY_BLOCK)
+    positions is max_model_len plus `num_scratch` token-tree scratch positions (pipeline/speculation/tree.py
+    `scratch_positions`), rounded up to whole key blocks, as the cache holds it (pipeline/model/kv_cache.py).
+    dtype: the stage's activation dtype (`stage_dtype`)."""
+    positions = buffer_positions(max_model_len + num_scratch, KEY_BLOCK)
     return 2 * max_num_seqs * positions * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
-def rotation_table_bytes(config, *, dtype: torch.dtype, max_model_len: int, device: str = "cpu") -> int:
-    """Bytes of the RoPE rotation tables one stage holds at their bound ([Note: cached rotation tables] in
-    pipeline/model/rope.py): cos and signed sin, [max_model_len, 1, rotary_dim] each in `dtype`, per table
-    key (the global RoPE, plus Gemma 3's local one when the model has sliding layers: a stage without
-    one holds one set less). Token-tree scratch positions, a few, are not counted (as for the KV cache).
-    0 on a device other than the CPU, where a pass computes its rows instead of caching tables."""
+def rotation_table_bytes(config, layers: Iterable[int], *, dtype: torch.dtype, max_model_len: int,
+                         num_scratch: int = 0, device: str = "cpu") -> int:
+    """Bytes of the RoPE rotation tables a stage holding `layers` keeps at their bound ([Note: cached
+    rotation tables] in pipeline/model/rope.py: max_model_len + num_scratch positions, what its KV cache
+    holds): cos and signed sin, [positions, 1, rotary_dim] each in `dtype` (the stage's activation
+    dtype, `stage_dtype`: bfloat16 for a quantised stage), per table key: the global RoPE, plus Gemma 3's
+    local one when one of `layers` is a sliding layer (`StageModel.rope_tables` builds no other).
+    0 on a device other than the CPU, where a pass computes its rows instead of caching tables.
+    The one formula of the plan and of the start-up memory check (launcher/coordinator/run_plan.py)."""
     if torch.device(device).type != "cpu":
         return 0
-    num_keys = 1 + config.uses_local_rope(range(config.num_hidden_layers))
-    return num_keys * 2 * max_model_len * config.rotary_dim * dtype.itemsize
+    num_keys = 1 + config.uses_local_rope(layers)
+    return num_keys * 2 * (max_model_len + num_scratch) * config.rotary_dim * dtype.itemsize
+
+
+def stage_dtype(quantization: str, model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The dtype a stage's KV cache and rotation tables are in: `dtype` when its weights run dense, else
+    bfloat16 (pipeline/weights/quant_load.py `activation_dtype`). Raises ValueError for an unknown mode."""
+    return activation_dtype(quantization, str(model_dir), dtype, device)
 
 
 def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: torch.dtype, max_num_seqs: int,
-                           max_model_len: int, exit_bytes: int = 0, exit_layer: int | None = None,
-                           device: str = "cpu") -> StagePlan:
+                           max_model_len: int, exit_bytes: int = 0, exit_kv_layers: int = 0,
+                           exit_layer: int | None = None, device: str = "cpu", quantization: str = "none",
+                           scratch_of: Callable[[int], int] = lambda num_stages: 0) -> StagePlan:
     """The fewest stages (and their split) whose weights + KV + rotation tables each fit `budget_bytes`
-    (every stage holds its own tables: `rotation_table_bytes` on `device`).
+    (every stage holds its own tables: `rotation_table_bytes` of its layers on `device`).
 
-    exit_bytes: what a trained exit head adds to the stage holding `exit_layer` (its file's tensors,
-    plus a next-layer drafter's KV layer); exit_layer None: the default exit layer, stage 0's last, so
-    stage 0 pays it.
+    dtype: the weights' dtype (`--dtype`; quantised weights are charged at it too: an upper bound);
+    the KV cache and the tables are charged in `stage_dtype(quantization, ...)`, with the token-tree
+    scratch positions a slot that `num_stages` stages hold, `scratch_of(num_stages)` (nondecreasing;
+    the CLI passes pipeline/speculation/tree.py `scratch_positions(draft_tree, max_inflight or
+    num_stages)`, which this layer does not import: speculation imports weights). They may grow with
+    the stage count, so the count is found at its own scratch: plan at the scratch of k stages (k = 1 first); when that needs k' > k stages, no count
+    in [k, k') fits at its own scratch (at least k's), so try k = k'; when it needs k, that is it.
+    exit_bytes, exit_kv_layers: what a trained exit head adds to the stage holding `exit_layer`: its
+    file's tensors, and KV cache layers (a next-layer drafter's own: 1), each charged as a decoder
+    layer's (scratch positions included) and counted in that stage's KV cache share; exit_layer None:
+    the default exit layer, stage 0's last, so stage 0 pays it.
 
     Raises ValueError (from `smallest_fitting_split`) when one layer with the embedding or head
     does not fit, and FileNotFoundError / ValueError for a bad model folder.
     """
     reader = CheckpointReader(model_dir)
+    cache_dtype = stage_dtype(quantization, model_dir, dtype, device)
+    stages = 1
+    while True:
+        plan = _plan_at(reader, budget_bytes=budget_bytes, dtype=dtype, cache_dtype=cache_dtype,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        num_scratch=scratch_of(stages),
+                        exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=exit_layer, device=device)
+        assert len(plan.ranges) >= stages, (plan.ranges, stages)  # fewer did not fit at less scratch
+        if len(plan.ranges) == stages:
+            return plan
+        stages = len(plan.ranges)
+
+
+def _plan_at(reader: CheckpointReader, *, budget_bytes: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+             max_num_seqs: int, max_model_len: int, num_scratch: int, exit_bytes: int, exit_kv_layers: int,
+             exit_layer: int | None, device: str) -> StagePlan:
+    """`plan_stages_for_budget` with a fixed number of scratch positions a slot."""
     config = reader.config
-    kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    kv = kv_bytes_per_layer(config, dtype=cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                            num_scratch=num_scratch)
     layer = [reader.nbytes(layer_tensor_names(config, i), dtype=dtype) + kv for i in range(config.num_hidden_layers)]
     first = reader.nbytes([EMBED_TOKENS], dtype=dtype)
+    exit_kv = exit_kv_layers * kv
     if exit_layer is not None and 0 <= exit_layer < len(layer):
-        layer[exit_layer] += exit_bytes
+        layer[exit_layer] += exit_bytes + exit_kv
     else:  # the default exit layer (or a bad one, which resolving the run reports)
-        first += exit_bytes
+        first += exit_bytes + exit_kv
     last = reader.nbytes([FINAL_NORM, head_tensor_name(config)], dtype=dtype)
-    tables = rotation_table_bytes(config, dtype=dtype, max_model_len=max_model_len, device=device)
+
+    def tables(start: int, stop: int) -> int:
+        return rotation_table_bytes(config, range(start, stop), dtype=cache_dtype, max_model_len=max_model_len,
+                                    num_scratch=num_scratch, device=device)
+
     ranges = smallest_fitting_split(layer, first_bytes=first, last_bytes=last, stage_bytes=tables,
                                     budget_bytes=budget_bytes)
-    sizes = [sum(layer[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0) + tables
-             for i, r in enumerate(ranges)]
-    return StagePlan(ranges=ranges, stage_bytes=sizes, budget_bytes=budget_bytes, rotation_table_bytes=tables)
+    table_bytes = [tables(r.start, r.stop) for r in ranges]
+    sizes = [sum(layer[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0)
+             + table_bytes[i] for i, r in enumerate(ranges)]
+    holder = next((i for i, r in enumerate(ranges) if exit_layer in r), 0)  # (a bad or no exit_layer: stage 0)
+    kv_bytes = [kv * len(r) + (exit_kv if i == holder else 0) for i, r in enumerate(ranges)]
+    return StagePlan(ranges=ranges, stage_bytes=sizes, budget_bytes=budget_bytes, kv_bytes=kv_bytes,
+                     rotation_table_bytes=table_bytes, num_scratch=num_scratch)

@@ -20,7 +20,10 @@ from launcher.backends.placement import PlacementOptions
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import check_lengths, resolve
 from pipeline.model.config import ModelConfig, tiny_config
+from pipeline.model.partition import LayerRange
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.speculation.tree import scratch_positions
+from tests.stage_bytes import measured_stage_bytes
 from tests.tiny_model import write_tiny_model
 
 
@@ -163,27 +166,43 @@ def test_yarn_stretches_the_context_that_max_model_len_may_reach(tmp_path):
 
 
 def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
+    """KV cache (with its token-tree scratch positions) and RoPE tables as the stages really hold them
+    (tests/stage_bytes.py: built, one pass at the last position), plus the weights."""
     model_dir = write_tiny_model(tmp_path / "m")
     config = tiny_config()  # 4 layers, 2 KV heads of 16 dims: 256 B of float32 K and V per position and layer
     options = PipelineOptions(model="unused", num_stages=2, max_num_seqs=4, max_model_len=2048, speculate="none")
-    kv = 4 * 4 * 2048 * 2 * 2 * 16 * torch.float32.itemsize  # layers x seqs x positions x (K, V) x heads x dim
+    ranges = [LayerRange(0, 2), LayerRange(2, 4)]
+    held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048)
+    kv, tables = sum(m[1] for m in held), sum(m[2] for m in held)
+    assert kv == 4 * 4 * 2048 * 2 * 2 * 16 * torch.float32.itemsize and tables > 0  # layers x seqs x positions x ...
     params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
-    need = kv + params * torch.float32.itemsize  # and the weights, which the stages hold too
-    check_lengths(options, config, model_dir, available=need)
+    need = kv + tables + params * torch.float32.itemsize  # and the weights, which the stages hold too
+    check_lengths(options, config, model_dir, ranges=ranges, available=need)
     with pytest.raises(ValueError, match=r"max_num_seqs 4 x max_model_len 2048 needs 8.0 MiB of KV cache, plus "
-                                         r"0.\d MiB of weights: more than the 8.\d MiB of memory available"):
-        check_lengths(options, config, model_dir, available=need - 1)
-    int8 = dataclasses.replace(options, quantization="int8")  # bfloat16 K and V; weights at least 4 bits each
-    check_lengths(int8, config, model_dir, available=kv // 2 + params // 2)
+                                         r"0.\d MiB of weights and 0.5 MiB of RoPE tables: more than the 9.\d MiB "
+                                         r"of memory available"):
+        check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)
+    int8 = dataclasses.replace(options, quantization="int8")  # bfloat16 K, V and tables; weights >= 4 bits each
+    held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048, quantization="int8")
+    need8 = sum(m[1] + m[2] for m in held) + params // 2
+    check_lengths(int8, config, model_dir, ranges=ranges, available=need8)
     with pytest.raises(ValueError, match=r"plus at least 0.\d MiB of weights.*lower max_model_len"):
-        check_lengths(int8, config, model_dir, available=kv // 2 + params // 2 - 1)
+        check_lengths(int8, config, model_dir, ranges=ranges, available=need8 - 1)
+    tree = dataclasses.replace(options, speculate="speed", draft_tree=3)  # 6 scratch positions a slot
+    held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048,
+                                num_scratch=scratch_positions(3, 2))
+    need_tree = sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize
+    assert need_tree > need
+    check_lengths(tree, config, model_dir, ranges=ranges, available=need_tree)
+    with pytest.raises(ValueError, match="needs 8.1 MiB of KV cache"):
+        check_lengths(tree, config, model_dir, ranges=ranges, available=need_tree - 1)
     with pytest.raises(ValueError, match="the weights alone do not fit: quantise them"):
-        check_lengths(options, config, model_dir, available=params)
+        check_lengths(options, config, model_dir, ranges=ranges, available=params)
     private = dataclasses.replace(options, placement=PlacementOptions(backend="ray"))  # actors on this machine
     with pytest.raises(ValueError, match="needs 8.0 MiB of KV cache, plus"):
-        check_lengths(private, config, model_dir, available=need - 1)
+        check_lengths(private, config, model_dir, ranges=ranges, available=need - 1)
     cluster = dataclasses.replace(options, placement=PlacementOptions(backend="ray", ray_address="10.0.0.10:6379"))
-    check_lengths(cluster, config, model_dir, available=1)  # its stages' memory is not this machine's
+    check_lengths(cluster, config, model_dir, ranges=ranges, available=1)  # its stages' memory is not this machine's
 
 
 def test_the_training_commands_plan_without_the_serving_limits(tmp_path):

@@ -16,9 +16,11 @@ from launcher.cli.main import build_parser
 from launcher.cli.options import _auto_stages
 from launcher.cli.parsing import UsageError
 from pipeline.model.partition import LayerRange, smallest_fitting_split
+from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.stage_memory import kv_bytes_per_layer, plan_stages_for_budget
 from tests.family_models import write_family_model
+from tests.stage_bytes import measured_stage_bytes
 
 
 def _brute_force(layer_bytes, first, last, budget, stage=0):
@@ -58,32 +60,6 @@ def test_split_has_the_fewest_stages_and_the_least_largest_stage(seed):
     assert (len(ranges), max(costs)) == want
 
 
-def _measured_stage_bytes(folder, ranges, *, max_num_seqs, max_model_len):
-    """Per stage of `ranges`: (weights, KV cache, rotation tables) bytes of the tensors a real StageModel
-    holds after a pass at the last position max_model_len - 1 (storages measured, each counted once)."""
-    from safetensors.torch import load_file
-
-    from pipeline.model.row_layout import Span
-    from pipeline.model.stage_model import build_stage_model
-
-    cfg = CheckpointReader(folder).config
-    out = []
-    for i, r in enumerate(ranges):
-        model = build_stage_model(cfg, r, is_first=i == 0, is_last=i == len(ranges) - 1,
-                                  tensors=load_file(str(folder / "model.safetensors")))
-        kv = model.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        kv.set_length(0, max_model_len - 1)
-        x = torch.tensor([5]) if i == 0 else torch.randn(1, cfg.hidden_size)
-        model.forward(x, [Span(0, max_model_len - 1, 1)], kv)
-
-        def storage_bytes(tensors):
-            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-        tables = [t for r_ in model._rotations.values() for t in (r_._cos, r_._signed_sin)]
-        out.append((storage_bytes(model.parameters()), storage_bytes([kv.k, kv.v]), storage_bytes(tables)))
-    return out
-
-
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])  # gemma3: local + global RoPE, two table sets
 def test_plan_counts_weights_kv_and_rotation_tables_of_each_stage(tmp_path, family):
     folder = write_family_model(tmp_path / "m", family)  # tied head: the last stage holds its own copy
@@ -92,23 +68,111 @@ def test_plan_counts_weights_kv_and_rotation_tables_of_each_stage(tmp_path, fami
     assert len(one.ranges) == 1
     plan = plan_stages_for_budget(folder, budget_bytes=int(one.stage_bytes[0] * 0.6), **kw)
     assert len(plan.ranges) == 2 and all(b <= plan.budget_bytes for b in plan.stage_bytes)
-    measured = _measured_stage_bytes(folder, plan.ranges, max_num_seqs=2, max_model_len=64)
+    measured = measured_stage_bytes(folder, plan.ranges, max_num_seqs=2, max_model_len=64)
     assert all(tables > 0 for _, _, tables in measured)
     assert plan.stage_bytes == [sum(m) for m in measured]
-    assert all(plan.rotation_table_bytes == tables for _, _, tables in measured)
+    assert plan.rotation_table_bytes == [tables for _, _, tables in measured]
+    assert plan.kv_bytes == [kv for _, kv, _ in measured]
     assert "of a" in plan.lines()[0] and plan.layer_split() == ",".join(str(len(r)) for r in plan.ranges)
-    assert f"{plan.rotation_table_bytes / 2**20:.1f} MiB RoPE tables" in plan.lines()[0]
+    assert f"{plan.rotation_table_bytes[0] / 2**20:.1f} MiB RoPE tables" in plan.lines()[0]
+
+
+def test_a_gemma3_stage_without_a_sliding_layer_is_charged_one_set_of_rotation_tables(tmp_path):
+    # layer 0 is the only sliding layer: a stage after it builds the global tables alone
+    folder = write_family_model(tmp_path / "m", "gemma3_text",
+                                layer_types=["sliding_attention"] + ["full_attention"] * 3)
+    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64}
+    one = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
+    plan = plan_stages_for_budget(folder, budget_bytes=int(one.stage_bytes[0] * 0.6), **kw)
+    measured = measured_stage_bytes(folder, plan.ranges, max_num_seqs=2, max_model_len=64)
+    assert len(plan.ranges) == 2 and 2 * measured[1][2] == measured[0][2]  # the truth: one set, then two
+    assert plan.rotation_table_bytes == [tables for _, _, tables in measured]
+    assert plan.stage_bytes == [sum(m) for m in measured]
+
+
+@pytest.mark.parametrize("max_inflight", [0, 2])
+def test_plan_charges_the_token_tree_scratch_positions_of_each_stage(tmp_path, max_inflight):
+    """The KV cache and the tables' bound hold max_model_len + scratch positions a slot; the scratch
+    grows with the stage count when max_inflight is 0, so the count is chosen with its own scratch."""
+    folder = write_family_model(tmp_path / "m", "qwen3", tie_word_embeddings=False)  # (one stage: no shared head)
+    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64,
+          "scratch_of": lambda k: scratch_positions(3, max_inflight or k)}
+    one = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
+    scratch_one = scratch_positions(3, max_inflight or 1)
+    assert one.num_scratch == scratch_one and len(one.ranges) == 1
+    (alone,) = measured_stage_bytes(folder, one.ranges, max_num_seqs=2, max_model_len=64, num_scratch=scratch_one)
+    assert one.stage_bytes == [sum(alone)] and one.kv_bytes == [alone[1]]
+    assert len(plan_stages_for_budget(folder, budget_bytes=sum(alone) - 1, **kw).ranges) == 2
+    plan = plan_stages_for_budget(folder, budget_bytes=int(sum(alone) * 0.6), **kw)
+    scratch = scratch_positions(3, max_inflight or len(plan.ranges))
+    measured = measured_stage_bytes(folder, plan.ranges, max_num_seqs=2, max_model_len=64, num_scratch=scratch)
+    assert len(plan.ranges) >= 2 and plan.num_scratch == scratch
+    assert plan.stage_bytes == [sum(m) for m in measured]
+    assert plan.kv_bytes == [kv for _, kv, _ in measured]
+    assert f"with {scratch} token-tree scratch positions a slot" in plan.lines()[0]
+
+
+def test_cli_plan_names_a_bad_draft_tree_before_charging_its_scratch(tmp_path):
+    """--draft-tree 99's scratch positions fit no budget: the error must name the flag, not the budget."""
+    folder = write_family_model(tmp_path / "m", "llama3")
+    whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, dtype=torch.float32, max_num_seqs=8,
+                                   max_model_len=64).stage_bytes[0]
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib",
+                                      str(0.6 * whole / 2**30), "--max-model-len", "64", "--max-num-seqs", "8",
+                                      "--speculate", "speed", "--draft-tree", "99", "--prompt", "x"])
+    with pytest.raises(ValueError, match=r"--draft-tree must be between 1 .off. and \d+ candidates, got 99"):
+        _auto_stages(args, progress=False)
+
+
+def test_the_stage_count_is_the_fewest_that_fit_with_their_own_scratch_positions(tmp_path):
+    """With max_inflight 0 more stages mean more scratch positions (and KV) on every stage: the plan's
+    count fits at its own scratch, and one stage fewer does not fit at its own."""
+    folder = write_family_model(tmp_path / "m", "llama3", tie_word_embeddings=False)
+    kw = {"dtype": torch.float32, "max_num_seqs": 64, "max_model_len": 40, "scratch_of": lambda k: scratch_positions(8, k)}
+    whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw).stage_bytes[0]
+    counts = set()
+    for share in range(20, 100, 2):
+        budget = whole * share // 100
+        try:
+            plan = plan_stages_for_budget(folder, budget_bytes=budget, **kw)
+        except ValueError:
+            continue
+        k = len(plan.ranges)
+        counts.add(k)
+        assert plan.num_scratch == scratch_positions(8, k) and max(plan.stage_bytes) <= budget, share
+        if k > 1:  # k - 1 stages at their own scratch (as max_inflight k - 1 fixes it)
+            fixed = {**kw, "scratch_of": lambda _, fewer=k - 1: scratch_positions(8, fewer)}
+            assert len(plan_stages_for_budget(folder, budget_bytes=budget, **fixed).ranges) > k - 1
+    assert len(counts) >= 2  # (3 stages hold a whole key block a slot more than 2, as many as 4: never the fewest here)
+
+
+def test_cli_plan_charges_a_quantised_stage_its_bfloat16_kv_cache_and_tables(tmp_path, monkeypatch):
+    """A quantised stage computes in bfloat16 (pipeline/weights/quant.py ACTIVATION_DTYPE): its KV cache
+    and rotation tables take half the bytes of the float32 `--dtype`."""
+    import pipeline.weights.stage_memory as stage_memory
+
+    folder = write_family_model(tmp_path / "m", "llama3")
+    plans, real = [], stage_memory.plan_stages_for_budget
+    monkeypatch.setattr(stage_memory, "plan_stages_for_budget", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib", "1",
+                                      "--max-model-len", "64", "--max-num-seqs", "2", "--quantization", "int8",
+                                      "--speculate", "speed", "--draft-tree", "3", "--prompt", "x"])
+    assert _auto_stages(args, progress=False)[0] == 1
+    measured = measured_stage_bytes(folder, plans[0].ranges, max_num_seqs=2, max_model_len=64,
+                                    num_scratch=scratch_positions(3, 1), quantization="int8")
+    assert plans[0].kv_bytes == [kv for _, kv, _ in measured]
+    assert plans[0].rotation_table_bytes == [tables for _, _, tables in measured]
 
 
 def test_a_budget_the_stage_fits_only_without_its_rotation_tables_takes_one_more_stage(tmp_path):
     folder = write_family_model(tmp_path / "m", "gemma3_text", tie_word_embeddings=False)
     kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64}
     whole = LayerRange(0, CheckpointReader(folder).config.num_hidden_layers)
-    (weights, kv, tables), = _measured_stage_bytes(folder, [whole], max_num_seqs=2, max_model_len=64)
+    (weights, kv, tables), = measured_stage_bytes(folder, [whole], max_num_seqs=2, max_model_len=64)
     assert len(plan_stages_for_budget(folder, budget_bytes=weights + kv + tables, **kw).ranges) == 1
     assert len(plan_stages_for_budget(folder, budget_bytes=weights + kv + tables // 2, **kw).ranges) == 2
     on_gpu = plan_stages_for_budget(folder, budget_bytes=weights + kv + tables // 2, device="cuda", **kw)
-    assert len(on_gpu.ranges) == 1 and on_gpu.rotation_table_bytes == 0  # an accelerator caches no tables
+    assert len(on_gpu.ranges) == 1 and on_gpu.rotation_table_bytes == [0]  # an accelerator caches no tables
 
 
 def test_cli_stages_auto_sets_stages_and_split(tmp_path):
@@ -143,24 +207,48 @@ def test_plan_charges_a_next_layer_drafter_to_the_stage_of_its_exit_layer(tmp_pa
                                       "--max-model-len", "64", "--speculate", "speed", "--predictor", str(path),
                                       "--prompt", "x"])
     base = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
-    from launcher.coordinator.predictor_select import given_exit_bytes
-    extra = given_exit_bytes(predictor=str(path), exit_predictor=None, kv_layer_bytes=kv)
-    assert extra == path.stat().st_size + kv and extra > kv
-    assert plan_stages_for_budget(folder, budget_bytes=1 << 40, exit_bytes=extra, **kw).stage_bytes == [
+    from launcher.coordinator.predictor_select import given_exit_memory
+    size, kv_layers = given_exit_memory(predictor=str(path), exit_predictor=None)
+    assert (size, kv_layers) == (path.stat().st_size, 1)
+    extra = size + kv
+    exit_kw = {"exit_bytes": size, "exit_kv_layers": kv_layers}
+    assert plan_stages_for_budget(folder, budget_bytes=1 << 40, **exit_kw, **kw).stage_bytes == [
         base.stage_bytes[0] + extra]
     reader = CheckpointReader(folder)
     for exit_layer in (None, cfg.num_hidden_layers - 1):
-        plan = plan_stages_for_budget(folder, budget_bytes=int(base.stage_bytes[0] * 0.6), exit_bytes=extra,
+        plan = plan_stages_for_budget(folder, budget_bytes=int(base.stage_bytes[0] * 0.6), **exit_kw,
                                       exit_layer=exit_layer, **kw)
         holder = 0 if exit_layer is None else len(plan.ranges) - 1
         assert len(plan.ranges) >= 2
         for i, (r, b) in enumerate(zip(plan.ranges, plan.stage_bytes, strict=True)):
             names = stage_tensor_names(cfg, r, is_first=i == 0, is_last=i == len(plan.ranges) - 1)
             assert b == (reader.nbytes(names, dtype=torch.float32) + kv * len(r) + (extra if i == holder else 0)
-                         + plan.rotation_table_bytes)
+                         + plan.rotation_table_bytes[i])
+            assert plan.kv_bytes[i] == kv * (len(r) + (i == holder))
     args.stage_memory_gib = base.stage_bytes[0] / 2**30  # the model alone fits one stage...
     assert _auto_stages(args, progress=False)[0] == 2  # ...but not with the drafter
-    assert given_exit_bytes(predictor="hybrid", exit_predictor=None, kv_layer_bytes=kv) == 0
+    assert given_exit_memory(predictor="hybrid", exit_predictor=None) == (0, 0)
+
+
+def test_plan_charges_a_next_layer_drafters_kv_layer_its_token_tree_scratch_positions(tmp_path, monkeypatch):
+    """A next-layer drafter's KV layer sits in its stage's KV cache, scratch positions included: with
+    max_model_len 62 and 4 scratch positions a slot it holds 96 positions (3 key blocks), not 64."""
+    import pipeline.weights.stage_memory as stage_memory
+
+    folder = write_family_model(tmp_path / "m", "llama3")
+    path = _next_layer_file(folder, tmp_path / "next.safetensors", 1)
+    plans, real = [], stage_memory.plan_stages_for_budget
+    monkeypatch.setattr(stage_memory, "plan_stages_for_budget", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib", "1",
+                                      "--max-model-len", "62", "--max-num-seqs", "2", "--speculate", "speed",
+                                      "--predictor", str(path), "--draft-tree", "3", "--prompt", "x"])
+    assert _auto_stages(args, progress=False)[0] == 1
+    measured = measured_stage_bytes(folder, plans[0].ranges, max_num_seqs=2, max_model_len=62,
+                                    num_scratch=scratch_positions(3, 1), draft_after=1)
+    assert plans[0].kv_bytes == [kv for _, kv, _ in measured]
+    weights = CheckpointReader(folder).nbytes(stage_tensor_names(CheckpointReader(folder).config, plans[0].ranges[0],
+                                                                 is_first=True, is_last=True), dtype=torch.float32)
+    assert plans[0].stage_bytes == [weights + path.stat().st_size + measured[0][1] + measured[0][2]]
 
 
 @pytest.mark.parametrize("max_model_len", [40, 64, 100])
