@@ -182,14 +182,18 @@ def test_a_chain_longer_than_the_stage_deadline_keeps_stage_0_alive(eos_dir, hf_
         _drained(s)
 
 
-@pytest.mark.parametrize("breakage", ["kill-9", "sigstop"])
-def test_stage_0_broken_mid_chain_is_restarted_and_the_stream_completes_exactly(eos_dir, hf_model, breakage):
-    """Fail-over at --stages 1 while stage 0 feeds itself: the replay forgets every fed item of the
-    old ring (none left counted, `Engine.num_fed` included), and the new stage feeds again."""
-    options = session_options(eos_dir[0], 1, decode_feed="stage", stage_timeout_s=3.0 if breakage == "sigstop" else 60.0)
+@pytest.mark.parametrize(("num_stages", "victim", "breakage"), [
+    (1, 0, "kill-9"), (1, 0, "sigstop"), (2, 1, "kill-9"), (2, 0, "sigstop")])
+def test_a_stage_broken_mid_chain_is_restarted_and_the_stream_completes_exactly(eos_dir, hf_model, num_stages,
+                                                                                 victim, breakage):
+    """Fail-over while the last stage feeds (itself at --stages 1, stage 0 over the feed link at 2):
+    the replay forgets every fed item of the old ring (none left counted, `Engine.num_fed`
+    included), and the new ring feeds again."""
+    options = session_options(eos_dir[0], num_stages, decode_feed="stage",
+                              stage_timeout_s=3.0 if breakage == "sigstop" else 60.0)
     budget = RestartBudget(max_restarts=3, window_s=600)
     session = PipelineSession(options, resolve(options), restart_budget=budget).__enter__()
-    pid = session.processes.pids[0]
+    pid = session.processes.pids[victim]
     try:
         coord = session.coordinator
         handle = coord.submit(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
