@@ -117,6 +117,21 @@ def test_pseudo_row_masks_keep_exactly_transformers_sliding_window_on_both_paths
     assert torch.equal(plan.pseudo_mask_for(2, window), _reference_mask(LARGE, window))
 
 
+def test_two_prefills_with_pseudo_rows_keep_their_own_windowed_masks_on_every_layer():
+    """Two large items with pseudo rows in one plan (different spans, chains and shapes), each asked for its
+    windowed mask under two windows on every layer, interleaved as the layers ask: each (item, window) gets its
+    own mask (`pseudo_mask_for` caches per plan; a cache keyed by the window alone or by the item alone hands
+    one item's or one window's mask to the other)."""
+    other = Span(3, 0, 18, num_anchors=2, chain_len=2)
+    spans = [LARGE, other]
+    plan = AttentionPlan.build(spans, PseudoLayout.build(spans, "cpu"), torch.device("cpu"))
+    assert plan.large == [0, 1]
+    for _layer in range(2):
+        for window in (3, 8):
+            for i, span in enumerate(spans):
+                assert torch.equal(plan.pseudo_mask_for(i, window), _reference_mask(span, window)), (i, window)
+
+
 @pytest.mark.parametrize("window", [None, 64], ids=["no-window", "window-never-binds"])
 def test_a_firp_pass_without_a_binding_window_never_looks_up_a_pseudo_rows_position(monkeypatch, window):
     """The plan of a FIRP pass is built on every stage of every FIRP step: where no layer's window binds (families
