@@ -18,7 +18,10 @@ and the exit layer on stage 0 (ARCHITECTURE.md §5.6):
    draft_upto, and p < draft_cap is the ledger's own `can_draft_after` as a position bound; the
    one position in between is a "deep" draft, see 5), `draft_gate` (the DraftGate's open
    (source, bucket) bits, `DraftGate.would_allow`, and the deep bits) and `draft_with` (which
-   built-in predictor the stage runs; CUSTOM for a test's object).
+   built-in predictor the stage runs; CUSTOM for a test's object), and `draft_logits_upto`
+   (`SequenceState.logits_upto`: a draft at position q wants logits rows exactly when q < it, the
+   coordinator's `wants_logits`; copying the parent's `want_logits` instead made every draft of a
+   chain begun before min_tokens ship a float32 logits row the coordinator no longer needed).
 2. Decide. Stage 0 keeps every sequence's tokens as its KV cache holds them (each item truncates
    to its start and appends its tokens, like `KVCache.truncate`), so the context it proposes
    from is the coordinator's `SequenceState.context()` up to the chain end. After running an
@@ -151,7 +154,7 @@ def authorise(config: SchedulerConfig, predictor: Predictor, gate: DraftGate, se
     if item.end - 1 >= upto:
         return item
     return dataclasses.replace(item, draft_cap=cap, draft_upto=upto, draft_gate=gate_bits(gate, config.deep_acceptance),
-                               draft_with=predictor_code(predictor))
+                               draft_with=predictor_code(predictor), draft_logits_upto=seq.logits_upto())
 
 
 def _grammar_drafts(config: SchedulerConfig, seq: SequenceState) -> bool:
@@ -297,9 +300,10 @@ class StageDrafter:
             for old in [p for p in mine if p < it.end - 64]:
                 del mine[old]
             made.append(Item(seq_id=it.seq_id, slot=it.slot, start=it.end, num_tokens=1, epoch=it.epoch,
-                             kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=it.want_logits,
+                             kind=ItemKind.DRAFT, token_ids=(draft.token,), want_logits=it.end < it.draft_logits_upto,
                              want_exit=it.want_exit, draft_cap=grant.cap, draft_upto=grant.upto,
-                             draft_gate=grant.gate, draft_with=it.draft_with, self_made=True))
+                             draft_gate=grant.gate, draft_with=it.draft_with, self_made=True,
+                             draft_logits_upto=it.draft_logits_upto))
         return made, tokens, keys
 
     def _decide(self, it: Item, guess: ExitGuess | None) -> Draft | None:

@@ -140,6 +140,16 @@ class SequenceState:
         Its later rows need them no more (a greedy request's min_tokens mask only stops acting)."""
         return self.params.needs_logits_at(position + 1 - len(self.prompt_ids))
 
+    def logits_upto(self) -> int:
+        """The position from which on no row needs its logits: past the prompt, `wants_logits(q)` is True
+        exactly for q < logits_upto() (`needs_logits_at` depends on the output position only through
+        min_tokens, acting before min_tokens tokens, so it falls once); past the token budget when every
+        row needs them. Stage-made drafts ask for logits by it (`Item.draft_logits_upto`)."""
+        p = self.params
+        if p.needs_logits_at(p.min_tokens):  # needed after min_tokens tokens too: by every row
+            return len(self.prompt_ids) + p.max_new_tokens
+        return len(self.prompt_ids) + p.min_tokens - 1  # the row choosing output token min_tokens needs none
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus committed tokens."""

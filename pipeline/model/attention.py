@@ -42,6 +42,8 @@ and its keys are the cached ones at 0..p_a and its chain's rows at p_a + 1 .. p;
 those above p - window, from either side, exactly the keys the chain's tokens would see run as real tokens
 at those positions. So `masked_out_for` masks by key position (cached key j at j, pseudo key at its row's
 position) and `pseudo_mask_for` does the same to a prefill's pseudo mask (tests/unit/test_firp_window.py).
+Both depend only on the plan and the window (and the item), never on the layer, so each is built once per plan
+and window (per item and window for a prefill) and reused by every sliding layer of the stage forward.
 Both look a pseudo row's position up only for a window that binds: the plan of a pass without one (every
 family without sliding layers, every global layer) runs exactly the ops it ran before pseudo rows had a window.
 """
@@ -105,6 +107,7 @@ class AttentionPlan:
     sibling_positions: torch.Tensor | None = None
     sibling_rows: torch.Tensor | None = None
     _window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    _pseudo_window_masks: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def masked_out_for(self, window: int | None) -> torch.Tensor | None:
         """`masked_out` of the batched items, with a key at position j also hidden from a query at
@@ -134,14 +137,19 @@ class AttentionPlan:
     def pseudo_mask_for(self, i: int, window: int | None) -> torch.Tensor:
         """Span i's pseudo mask (`Span.pseudo_mask`: [n + p, end + p] bool, True = may attend) with a key
         at position j also hidden from a row at position i when j <= i - window ([Note: windowed pseudo
-        rows]); the mask of a large item with pseudo rows (batched items use `masked_out_for`)."""
-        mask, span = self.pseudo.masks[i], self.spans[i]
+        rows]); the mask of a large item with pseudo rows (batched items use `masked_out_for`). Built once
+        per (i, window) per plan: every sliding layer of the stage forward with that window reuses it."""
+        mask = self.pseudo.masks[i]
         if window is None:
             return mask
-        end = span.start + span.num_tokens
-        pseudo_pos = torch.tensor(span.pseudo_positions(), device=mask.device)
-        query_pos = torch.cat([torch.arange(span.start, end, device=mask.device), pseudo_pos])
-        return mask & inside_window(query_pos, torch.cat([torch.arange(end, device=mask.device), pseudo_pos]), window)
+        if (i, window) not in self._pseudo_window_masks:
+            span = self.spans[i]
+            end = span.start + span.num_tokens
+            pseudo_pos = torch.tensor(span.pseudo_positions(), device=mask.device)
+            query_pos = torch.cat([torch.arange(span.start, end, device=mask.device), pseudo_pos])
+            key_pos = torch.cat([torch.arange(end, device=mask.device), pseudo_pos])
+            self._pseudo_window_masks[i, window] = mask & inside_window(query_pos, key_pos, window)
+        return self._pseudo_window_masks[i, window]
 
     @classmethod
     def build(cls, spans: Sequence[Span], pseudo: PseudoLayout | None, device: torch.device, *,

@@ -53,6 +53,9 @@ class Item:
         draft after this item itself while its last position is < draft_upto (< draft_cap: within
         the coordinator's own chain cap); draft_gate: the draft gate's open bits; draft_with: which
         predictor the stage runs; self_made: the exit stage made this draft. Defaults: off.
+    draft_logits_upto: (stage-local drafting) a draft the exit stage makes after this item asks for
+        logits rows exactly when its start is < draft_logits_upto (`SequenceState.logits_upto`: the
+        coordinator's own `wants_logits` rule, which min_tokens makes fall once); 0: never.
     alt_token_ids: token-tree siblings of a one-token DRAFT item: alternative candidates for
         position `start`, one extra row each after the item's own row; sibling j's keys/values go
         to KV scratch position `tree_scratch + j` ([Note: token trees] in pipeline/speculation/tree.py).
@@ -85,6 +88,7 @@ class Item:
     draft_gate: int = 0
     draft_with: int = 0
     self_made: bool = False
+    draft_logits_upto: int = 0
     alt_token_ids: tuple[int, ...] = ()
     tree_scratch: int = 0
     keep_sibling: int = -1
@@ -125,6 +129,8 @@ class Item:
         if self.draft_upto < 0 or self.draft_cap < 0 or (self.draft_upto and self.draft_cap > self.draft_upto):
             raise ValueError(f"item of seq {self.seq_id} has draft_cap {self.draft_cap} / draft_upto "
                              f"{self.draft_upto}: need 0 <= draft_cap <= draft_upto")
+        if self.draft_logits_upto < 0:
+            raise ValueError(f"item of seq {self.seq_id} has draft_logits_upto {self.draft_logits_upto} < 0")
         if self.feed_upto < 0 or len(self.feed_stop) > MAX_FEED_STOP:
             raise ValueError(f"item of seq {self.seq_id} has feed_upto {self.feed_upto} < 0 or "
                              f"{len(self.feed_stop)} feed_stop ids > {MAX_FEED_STOP}")
@@ -207,6 +213,7 @@ ITEM_WIRE_SCHEMA: dict[str, type] = {
     "seq_id": int, "slot": int, "start": int, "num_tokens": int, "epoch": int, "kind": int,
     "token_ids": list, "want_logits": bool, "firp_k": int, "firp_anchors": int, "want_exit": bool,
     "want_prompt_logits": bool, "draft_upto": int, "draft_cap": int, "draft_gate": int, "draft_with": int, "self_made": bool,
+    "draft_logits_upto": int,
     "alt_token_ids": list, "tree_scratch": int, "keep_sibling": int, "exit_top_k": int,
     "feed_upto": int, "feed_stop": list,
 }

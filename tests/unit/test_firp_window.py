@@ -22,6 +22,7 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
+from pipeline.model import attention
 from pipeline.model.attention import AttentionPlan, span_attention
 from pipeline.model.family_blocks import window_binds
 from pipeline.model.kv_cache import KVCache
@@ -116,6 +117,21 @@ def test_pseudo_row_masks_keep_exactly_transformers_sliding_window_on_both_paths
     assert torch.equal(plan.pseudo_mask_for(2, window), _reference_mask(LARGE, window))
 
 
+def test_two_prefills_with_pseudo_rows_keep_their_own_windowed_masks_on_every_layer():
+    """Two large items with pseudo rows in one plan (different spans, chains and shapes), each asked for its
+    windowed mask under two windows on every layer, interleaved as the layers ask: each (item, window) gets its
+    own mask (`pseudo_mask_for` caches per plan; a cache keyed by the window alone or by the item alone hands
+    one item's or one window's mask to the other)."""
+    other = Span(3, 0, 18, num_anchors=2, chain_len=2)
+    spans = [LARGE, other]
+    plan = AttentionPlan.build(spans, PseudoLayout.build(spans, "cpu"), torch.device("cpu"))
+    assert plan.large == [0, 1]
+    for _layer in range(2):
+        for window in (3, 8):
+            for i, span in enumerate(spans):
+                assert torch.equal(plan.pseudo_mask_for(i, window), _reference_mask(span, window)), (i, window)
+
+
 @pytest.mark.parametrize("window", [None, 64], ids=["no-window", "window-never-binds"])
 def test_a_firp_pass_without_a_binding_window_never_looks_up_a_pseudo_rows_position(monkeypatch, window):
     """The plan of a FIRP pass is built on every stage of every FIRP step: where no layer's window binds (families
@@ -183,6 +199,32 @@ def test_windowed_pseudo_rows_equal_their_chain_run_as_real_rows_after_the_ancho
         chain = mid.pseudo[a * 3:(a + 1) * 3]
         want = rest(chain, [Span(1, start + anchor + 1, 3)], kv, logit_rows=torch.arange(3))
         torch.testing.assert_close(out.pseudo[a * 3:(a + 1) * 3], want, **TOL)
+
+
+def test_a_windowed_firp_pass_builds_each_window_mask_once_for_all_its_sliding_layers(monkeypatch):
+    """One stage of 3 sliding layers (window 4) runs a micro-batch with a 4-row batched item and a 20-row prefill
+    (a large item), both with 2 chains of 3 pseudo rows: the batched items' windowed mask (`masked_out_for`) and the
+    prefill's (`pseudo_mask_for`) are each built once for the pass, not once per layer (the plan is shared by every
+    layer; a per-layer rebuild of the pseudo mask called `inside_window` 1 + 3 times)."""
+    cfg, first, rest = _windowed_models(4, firp_layer=0)
+    assert rest.layer_range == LayerRange(1, cfg.num_hidden_layers) and cfg.num_hidden_layers - 1 == 3
+    kv_a, kv_b = (m.new_kv_cache(max_num_seqs=2, max_model_len=64) for m in (first, rest))
+    ctx = [Span(0, 0, 9)]
+    rest(first(torch.tensor(PROMPT[:9]), ctx, kv_a), ctx, kv_b)
+    spans = [Span(0, 9, 4, num_anchors=2, chain_len=3), Span(1, 0, len(LONG_PROMPT), num_anchors=2, chain_len=3)]
+    maps = 0.3 * torch.randn(3, cfg.hidden_size, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+    mid = first.forward_rows(torch.tensor([11, 12, 13, 14, *LONG_PROMPT]), spans, kv_a, firp_layer=0,
+                             make_pseudo=lambda h: torch.einsum("kij,aj->aki", maps, h).reshape(-1, cfg.hidden_size))
+    calls = []
+    real_inside_window = attention.inside_window
+
+    def counted(query_pos, key_pos, window):
+        calls.append(window)
+        return real_inside_window(query_pos, key_pos, window)
+
+    monkeypatch.setattr(attention, "inside_window", counted)
+    rest.forward_rows(mid.out, spans, kv_b, pseudo=mid.pseudo)
+    assert calls == [4, 4], f"inside_window called for windows {calls}: a windowed mask rebuilt per layer"
 
 
 def _options(model_dir, firp_file, max_model_len: int) -> PipelineOptions:

@@ -298,7 +298,7 @@ def _item_wire(**overrides: Any) -> dict[str, list[Any]]:
     base = dict(seq_id=1, slot=0, start=4, num_tokens=2, epoch=0, kind=1, token_ids=[3, 4], want_logits=False,
                 firp_k=0, firp_anchors=0, want_exit=True, want_prompt_logits=False,
                 draft_upto=0, draft_cap=0, draft_gate=0, draft_with=0, self_made=False,
-                alt_token_ids=[], tree_scratch=0, exit_top_k=1, keep_sibling=-1, feed_upto=0, feed_stop=[])
+                draft_logits_upto=0, alt_token_ids=[], tree_scratch=0, exit_top_k=1, keep_sibling=-1, feed_upto=0, feed_stop=[])
     base.update(overrides)
     return {name: [value] for name, value in base.items()}
 
@@ -333,6 +333,7 @@ def _item_wire(**overrides: Any) -> dict[str, list[Any]]:
     (_item_wire(draft_with=256), "draft_with 256"),
     (_item_wire(draft_with=-1), "draft_with -1"),
     (_item_wire(draft_gate=-1), "draft_gate -1"),
+    (_item_wire(draft_logits_upto=-3), "draft_logits_upto -3 < 0"),
     (_item_wire(feed_upto=-1), "feed_upto -1 < 0"),
     (_item_wire(feed_stop=[2] * (MAX_FEED_STOP + 1)), f"{MAX_FEED_STOP + 1} feed_stop ids"),
     (_item_wire(feed_stop=[2, "3"]), "feed_stop is not a list of ints"),
