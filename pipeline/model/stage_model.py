@@ -322,8 +322,7 @@ class StageModel(nn.Module):
         real, fake = h[:num_real], (h[num_real:] if layout is not None else None)
         if not self.is_last:
             return StageForward(real, fake, exit_hidden)
-        rows, apart = (logit_rows if isinstance(logit_rows, tuple) else (logit_rows, None))
-        rows = last_rows if rows is None else rows
+        rows, apart = logit_rows if isinstance(logit_rows, tuple) else (last_rows if logit_rows is None else logit_rows, None)
         logits = self._logits(real[rows] if fake is None else torch.cat([real[rows], fake]))  # one head matmul for both
         out = logits[:len(rows)] if apart is None else torch.cat([logits[:len(rows)], self._logits(real[apart])])
         return StageForward(out, None if fake is None else logits[len(rows):], exit_hidden)
