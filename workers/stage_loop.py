@@ -237,7 +237,7 @@ class StageLoop:
             self._start_reader()  # a RELEASE must reach a running fed item, and the inbox be seen
             if not self._inbox.empty():
                 return []
-        elif self.link.waiting():
+        elif self.link.stops():
             return []
         fed, flags = decode_feed.fed_items(out.items, out.token_ids)
         if not fed:
@@ -268,8 +268,9 @@ class FeedLink:
     rank: no reader thread, so no thread hand-off on the critical path), drops a fed item of a
     sequence whose RELEASE it applied (`withdraws`: its slot may have a new owner), and at SHUTDOWN
     drains the link up to the last stage's SHUTDOWN on it (no send is left unmatched). The last
-    stage posts its next receive as soon as it took a message, so `waiting` tells without waiting
-    whether the coordinator sent something more, which stops the chain. Stage 0's deadline is met
+    stage posts its next receive as soon as it took a message, so `stops` tells without waiting
+    whether the coordinator sent something more, which stops the chain, as does any message it
+    took since the chain's root (an authorised item the coordinator sent). Stage 0's deadline is met
     by whatever either sender sends: the coordinator's keepalives reach it as before.
     """
 
@@ -281,6 +282,7 @@ class FeedLink:
         self.on = False
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._pending: PendingRecv | None = None  # the last stage's early receive
+        self._quiet = False  # last stage: it took nothing but a chain's own items since the chain's root
 
     def saw(self, items: Sequence[Item]) -> None:
         """Switch the link on at this end once an authorised item (`Item.feed_upto`) ran here."""
@@ -304,13 +306,20 @@ class FeedLink:
                 self._check(src, msg)
                 if msg.kind == MessageKind.FORWARD:
                     break
+        if self.last:
+            # an authorised item the coordinator sent (a chain's root) starts a quiet chain; the
+            # chain's own fed items keep it; anything else the coordinator sent ends it
+            chain = msg.kind == MessageKind.FORWARD and any(it.feed_upto for it in msg.items)
+            self._quiet = chain and (self._quiet or not msg.items[0].self_made)
         if self.on and self.last and msg.kind != MessageKind.SHUTDOWN:
             self._pending = self.channel.post_recv(prev_rank)
         return msg
 
-    def waiting(self) -> bool:
-        """Last stage: whether a message from upstream has arrived and waits (its receive is posted)."""
-        return self._pending is not None and self._pending.ready()
+    def stops(self) -> bool:
+        """Last stage: whether the coordinator sent something since the chain's root, so it feeds no
+        more: a message it took between the chain's items, or one that has arrived and waits (its
+        receive is posted)."""
+        return not self._quiet or (self._pending is not None and self._pending.ready())
 
     def note_releases(self, releases) -> None:
         """Stage 0: remember the sequences a RELEASE it applied freed (the last MAX_RELEASED)."""

@@ -37,10 +37,11 @@ latency"). With `--decode-feed stage` the last stage feeds the next item itself:
    real item the result just queued (`Scheduler._queue_real`) into the fed one in the ledger, as
    if the coordinator had sent it. It commits, stops and streams every token itself, as before.
 4. Stop. The coordinator stops a chain by sending anything: a last stage with a message in its
-   inbox does not feed (at --stages >= 2 the message reaches it after the stages before it ran it:
-   a chain goes on for at most a pipeline's worth of tokens). A new request is sent at once (a fed micro-batch does not count as filling the
+   inbox does not feed (at --stages >= 2 the message reaches it after the stages before it ran it,
+   and a message it took since the chain's root counts too, 6(c): a chain goes on for at most a
+   pipeline's worth of tokens). A new request is sent at once (a fed micro-batch does not count as filling the
    pipeline, `Engine._live_inflight`), and is not authorised (two running sequences): the chain
-   ends after at most one more token, the batches are formed as without this mode, and the
+   ends after at most one more token (a pipeline's worth), the batches are formed as without this mode, and the
    single sequence left is authorised again. A stop string or an abort finishes the sequence: its
    RELEASE withdraws the running fed item (PassInterrupted between layers, WITHDRAWN, `Withdrawn`),
    or that item's result and any fed item announced after it, of a finished sequence, are ignored
@@ -64,7 +65,11 @@ latency"). With `--decode-feed stage` the last stage feeds the next item itself:
        item that arrives before the RELEASE runs, and the later stages see it before the RELEASE
        too (stage 0's one downstream order), so every stage's KV cache agrees.
    (c) Stopping: the last stage posts its next receive from upstream as soon as it took a message,
-       so it sees, without waiting, whether the coordinator sent something more (4).
+       so it sees, without waiting, whether the coordinator sent something more (4). A message it
+       already took between the chain's items stops the chain too (`FeedLink.stops`): at 1 stage
+       nothing runs between a fed item and the next, but here another request's items do, one
+       between every two of the chain's, and each would find the inbox empty again (the chain
+       would then run beside them for as long as they ran, never batched with them).
    (d) One item: a fed micro-batch holds the one sequence authorised (alone in 1), so withdrawing
        it never stalls a sequence that goes on.
    (e) Deadlines and shutdown: stage 0 waits on both senders with one deadline, which the

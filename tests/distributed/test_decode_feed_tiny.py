@@ -141,6 +141,25 @@ def test_a_second_request_mid_stream_is_served_at_once_and_both_are_exact(sessio
     _drained(session)
 
 
+def test_a_second_running_request_stops_the_chain_until_it_finishes(session, hf_model):
+    """Two running sequences: nothing is authorised, so no chain goes on ([Note: self-fed decode]
+    4). At --stages >= 2 the last stage took the second request's items between the chain's: a
+    chain that ignored them fed the first stream for as long as the second ran (every token)."""
+    tokenizer = session.model.tokenizer
+    coord = session.coordinator
+    first = coord.submit(PROMPTS[0], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    _wait_tokens(first, 8)
+    second = coord.submit(PROMPTS[2], SamplingParams(max_new_tokens=60, ignore_eos=True))
+    _wait_tokens(second, 2)  # its PREFILL's result came back: the last stage took the PREFILL
+    fed, tokens = _fed(session), len(first.token_ids)
+    _wait_tokens(second, 40)
+    assert second.finish_reason is None and first.finish_reason is None
+    assert (_fed(session) - fed, len(first.token_ids) > tokens) == (0, True)
+    assert second.result(TIMEOUT_S).token_ids == hf_greedy(hf_model, tokenizer.encode(PROMPTS[2]), 60)
+    assert first.result(TIMEOUT_S).token_ids == hf_greedy(hf_model, tokenizer.encode(PROMPTS[0]), 300)
+    _drained(session)
+
+
 def test_aborting_a_streaming_request_withdraws_its_chain(session, hf_model):
     tokenizer = session.model.tokenizer
     coord = session.coordinator

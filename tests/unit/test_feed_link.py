@@ -4,7 +4,8 @@ stage (workers/stage_loop.py) on the tiny model, with a scripted channel and a r
 
 What breaks when these fail: the last stage keeps a fed item to itself or sends it to the
 coordinator instead of stage 0, sends it after its RESULT (the fed item then waits on the
-coordinator's link), feeds while a message waits (a chain the coordinator cannot stop), or forgets
+coordinator's link), feeds while a message waits or after it took one between the chain's items
+(a chain the coordinator cannot stop: it runs beside another request for as long as that runs), or forgets
 to announce it (the coordinator waits for a result it never counted); stage 0 runs a fed item of a
 sequence released meanwhile (in a KV slot that may already hold the next request) or drops it
 without a WITHDRAWN (the coordinator counts it in flight for ever); a later stage refuses the
@@ -123,8 +124,9 @@ def _forward(item: Item, x: torch.Tensor) -> Message:
 
 # -- the last stage: it feeds stage 0 straight over the link --------------------------------------------
 def test_the_last_stage_sends_the_fed_item_to_stage_0_before_its_result_announces_it(weights):
-    loop, _ = _loop(weights, 1)
-    loop._run_forward(_forward(_decode(), torch.randn(1, weights[0].hidden_size)))
+    loop, channel = _loop(weights, 1)
+    channel.put(rank_of_stage(0), _forward(_decode(), torch.randn(1, weights[0].hidden_size)))
+    loop._run_forward(loop._recv())
     assert loop.sends.kinds() == [(MessageKind.FORWARD, rank_of_stage(0)), (MessageKind.RESULT, COORDINATOR_RANK)]
     fed_msg, result = loop.sends.sent[0][2], loop.sends.sent[1][2]
     token = int(result.tensors["token_ids"][-1])
@@ -154,6 +156,26 @@ def test_the_last_stage_stops_feeding_once_a_message_waits_upstream(weights):
     assert loop.sends.kinds()[4:] == [(MessageKind.RESULT, COORDINATOR_RANK)]
     assert "fed" not in loop.sends.sent[-1][2].tensors
     assert loop._recv().kind == MessageKind.KEEPALIVE  # the early receive is the next message
+
+
+def test_the_last_stage_stops_feeding_once_it_took_another_message_between_the_chain_items(weights):
+    """A message the coordinator sent that the last stage took between two items of a chain (here a
+    KEEPALIVE; another request's FORWARD alike) ends the chain, though nothing waits when the next
+    item has run; the coordinator's next authorised item (a root) starts a chain again."""
+    loop, channel = _loop(weights, 1)
+    hidden = weights[0].hidden_size
+    channel.put(rank_of_stage(0), _forward(_decode(), torch.randn(1, hidden)))
+    loop._run_forward(loop._recv())
+    assert loop.sends.kinds()[0] == (MessageKind.FORWARD, rank_of_stage(0))
+    channel.put(rank_of_stage(0), Message(MessageKind.KEEPALIVE))
+    assert loop._recv().kind == MessageKind.KEEPALIVE
+    channel.put(rank_of_stage(0), _forward(_decode(4, 55, fed=True), torch.randn(1, hidden)))
+    loop._run_forward(loop._recv())  # nothing waits now
+    assert loop.sends.kinds()[2:] == [(MessageKind.RESULT, COORDINATOR_RANK)], "the chain went on"
+    assert "fed" not in loop.sends.sent[-1][2].tensors
+    channel.put(rank_of_stage(0), _forward(_decode(5, 66), torch.randn(1, hidden)))  # a root again
+    loop._run_forward(loop._recv())
+    assert loop.sends.kinds()[3:] == [(MessageKind.FORWARD, rank_of_stage(0)), (MessageKind.RESULT, COORDINATOR_RANK)]
 
 
 def test_the_last_stage_ends_the_link_at_shutdown_only_once_it_was_on(weights):
