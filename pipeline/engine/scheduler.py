@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.engine import decode_feed, local_draft
+from pipeline.engine.events import item_rows
 from pipeline.engine.grammar_drafts import GrammarDrafts
 from pipeline.engine.records import (
     NON_FINITE_TOKEN,
@@ -306,21 +307,11 @@ class Scheduler:
         prompt_logprobs: `Result.prompt_logprobs` (-> `Commit.prompt_logprobs`). Results of finished
         sequences or older epochs are ignored.
         """
-        commits, row, logit_row, pseudo_row, prompt_row = [], 0, 0, 0, 0
-        for item in returned:
-            n = item.num_result_rows
-            argmax = [int(t) for t in token_ids[row:row + n]]
-            rows = prompt = None
-            if item.want_logits:
-                rows, logit_row = logits[logit_row:logit_row + n], logit_row + n
-            if item.num_prompt_rows:
-                prompt = [t[prompt_row:prompt_row + item.num_prompt_rows] for t in prompt_logprobs]
-                prompt_row += item.num_prompt_rows
-            firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + item.num_pseudo]]
-            if firp and firp_probs is not None and self.config.firp_min_prob > 0:
-                probs = firp_probs[pseudo_row:pseudo_row + item.num_pseudo].tolist()
-                firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
-            row, pseudo_row = row + n, pseudo_row + item.num_pseudo
+        commits = []
+        for item, argmax, rows, firp, probs, prompt in item_rows(returned, token_ids, logits, firp_tokens=firp_tokens,
+                                                                 firp_probs=firp_probs, prompt_logprobs=prompt_logprobs):
+            if firp and probs is not None and self.config.firp_min_prob > 0:
+                firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs.tolist(), strict=True)]
             seq = self.seqs.get(item.seq_id)
             item, argmax, rows = self.tree.result_rows(seq, item, argmax, rows)  # [Note: token trees]
             if seq is None or seq.finished or item.epoch != seq.epoch:
