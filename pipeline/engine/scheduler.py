@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.engine import decode_feed, local_draft
+from pipeline.engine import decode_feed, local_draft, row_budget
 from pipeline.engine.events import item_rows
 from pipeline.engine.grammar_drafts import GrammarDrafts
 from pipeline.engine.records import (
@@ -155,12 +155,13 @@ class Scheduler:
     def _take(self, queue: collections.deque[int], size: int, now_ns: int, ready_ns: list[int]) -> list[Item]:
         """Pop up to `size` pending items off `queue`; appends each draft's ready time to ready_ns."""
         batch: list[Item] = []
-        pipeline_full = self.num_running >= self.config.max_inflight_batches or self.paused  # [Note: exit-head skipping]
+        paused = self.paused  # real items queued before the load rose go without FIRP rows ([Note: speculation under load])
+        pipeline_full = paused or self.num_running >= self.config.max_inflight_batches  # [Note: exit-head skipping]
         while queue and len(batch) < size:
             seq = self.seqs.get(queue.popleft())
             if seq is None or seq.finished or seq.pending is None:
                 continue
-            item, seq.pending = seq.pending, None
+            item, seq.pending = row_budget.without_speculation(seq.pending, jump=seq.pending_jump) if paused else seq.pending, None
             if item.kind == ItemKind.DRAFT:  # (more than one token: a forced run, [Note: grammar-aware drafting])
                 seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids,
                                      jump=item.token_ids[1:])
@@ -376,8 +377,7 @@ class Scheduler:
         return Commit(seq.seq_id, tuple(tokens), seq.finish_reason, logprobs=logprobs)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
-        seq.finish_reason = reason
-        seq.pending = None
+        seq.finish_reason, seq.pending = reason, None
         self.spec.squashed_items += seq.ledger.finish()
         self.tree.forget(seq.seq_id)
         if seq.slot >= 0:

@@ -10,12 +10,15 @@ See [Note: speculation under load] in pipeline/engine/row_budget.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import Abort, ExitPassed, Result, Submit
 from pipeline.engine.records import SchedulerConfig
+from pipeline.engine.row_budget import without_speculation
 from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.predictors import ExitGuess, LogitLensPredictor
 from pipeline.speculation.sampling import SamplingParams
@@ -24,8 +27,11 @@ from tests.unit.test_speculation_scheduler import (
     MAX_MODEL_LEN,
     PROMPTS,
     FakePipeline,
+    MostlyArgmaxPredictor,
     _predictor,
     _submits,
+    fake_argmax,
+    fake_logits,
     greedy_reference,
 )
 
@@ -189,3 +195,53 @@ def test_the_exit_stage_gets_no_new_drafting_credit_under_load(limit):
                  _submit(1), _submit(2)])
     out = engine.step([Result(items=(decode,), token_ids=torch.tensor([7]))])
     assert bool(out.credits) == (limit == 0), out.credits
+
+
+@pytest.mark.parametrize("order", ["result-first", "submit-first"])
+def test_a_firp_item_queued_before_the_load_rose_goes_without_its_firp_rows(order):
+    """The decode's result queues the next item with its FIRP drafts and pseudo rows (one sequence
+    running); a sequence admitted in the same step reaches the limit, so that item is sent plain."""
+    engine = _engine(2, speculate=False, firp_k=2)
+    [decode] = _decode_items(engine, 1)
+    result = Result(items=(decode,), token_ids=torch.tensor([43]), firp_tokens=torch.tensor([5, 6]))
+    out = engine.step([result, _submit(1)] if order == "result-first" else [_submit(1), result])
+    [nxt] = [it for b in out.sends for it in b if it.seq_id == 0]
+    assert (nxt.kind, nxt.token_ids, nxt.firp_k, nxt.firp_anchors) == (ItemKind.DECODE, (43,), 0, 0), nxt
+    assert engine.spec.firp_drafted == 0 and engine.spec.drafted_tokens == 0, engine.spec
+
+
+def test_no_prefill_of_a_burst_that_reaches_the_limit_carries_pseudo_rows():
+    """Three sequences admitted in one step at limit 2: the first prefill was queued while it ran alone,
+    but it is sent with the others, under load."""
+    engine = _engine(2, speculate=False, firp_k=2)
+    out = engine.step([_submit(i) for i in range(3)])
+    prefills = [it for b in out.sends for it in b]
+    assert len(prefills) == 3 and all(it.firp_k == 0 for it in prefills), prefills
+
+
+def test_a_forced_run_riding_on_a_real_item_stays_under_load():
+    """`without_speculation` drops FIRP drafts and pseudo rows, never a grammar's forced run (jump)."""
+    item = Item(seq_id=0, slot=0, start=9, num_tokens=3, kind=ItemKind.FIRP, token_ids=(4, 5, 6), firp_k=2,
+                firp_anchors=1)
+    assert without_speculation(item, jump=True) == dataclasses.replace(item, firp_k=0, firp_anchors=0)
+    assert without_speculation(item, jump=False) == dataclasses.replace(
+        item, kind=ItemKind.DECODE, num_tokens=1, token_ids=(4,), firp_k=0, firp_anchors=0)
+    plain = Item(seq_id=0, slot=0, start=9, num_tokens=1, token_ids=(4,))
+    assert without_speculation(plain, jump=False) is plain
+
+
+def test_seeded_sampling_is_the_same_with_and_without_the_limit():
+    """Sampling at temperature 1 with per-request seeds (a draw is keyed by seed and position, so a
+    seeded request's tokens do not depend on which drafts ran): paused or not, the tokens are those
+    of plain decoding, so the distribution is unchanged."""
+    params = [SamplingParams(max_new_tokens=b, temperature=1.0, seed=100 + i, ignore_eos=True)
+              for i, b in enumerate(BUDGETS)]
+    outputs = {}
+    for limit, speculate in ((None, False), (0, True), (2, True)):
+        engine = _engine(limit or 0, num_stages=5, speculate=speculate,
+                         predictor=MostlyArgmaxPredictor(seed=5) if speculate else None)
+        out = FakePipeline(engine, _submits(PROMPTS, params), next_fn=fake_argmax, logits_fn=fake_logits).run()
+        outputs[limit] = [out.get(i, []) for i in range(len(PROMPTS))]
+        if limit == 2:
+            assert engine.spec.spec_disabled_steps > 0 and engine.spec.verified_drafts > 0, engine.spec
+    assert outputs[0] == outputs[None] and outputs[2] == outputs[None], outputs
