@@ -47,3 +47,31 @@ def test_a_limit_below_1_is_a_one_line_error_with_status_2(two_cpus, capsys, val
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("speedpipe launch: error: --speculative-disable-by-batch-size must be >= 1"), err
     assert err.endswith(f"got {value}"), err
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--stages", "2", "--speculate", "none"], "with --speculate none"),
+    (["--stages", "1"], "where --speculate auto chose none (one stage: nothing to run ahead)"),
+])
+def test_the_limit_without_speculation_is_named_as_doing_nothing(two_cpus, capsys, argv, why):
+    options = options_and_reason(build_parser().parse_args(
+        ["launch", "--prompt", "x", *argv, "--speculative-disable-by-batch-size", "2"]), progress=False)[0]
+    assert options.speculate == "none"
+    assert f"note: --speculative-disable-by-batch-size has no effect {why}" in capsys.readouterr().err
+
+
+def test_paused_steps_reach_the_json_stats_and_the_serve_metric():
+    import types
+
+    from launcher.cli.launch import speculation_stats
+    from launcher.serving.prometheus import PREFIX, _PipelineCollector
+    from pipeline.engine.records import SpecCounters
+
+    spec = SpecCounters(spec_disabled_steps=7)
+    assert speculation_stats(spec)["spec_disabled_steps"] == 7
+    coordinator = types.SimpleNamespace(spec=spec, num_restarts=0, failover=None, recovering=None)
+    engine = types.SimpleNamespace(fenced="a fenced engine: no stage is asked", heartbeat=None)
+    families = {f.name: f for f in _PipelineCollector(coordinator, "m", engine=engine).collect()}
+    family = families.get(PREFIX + "spec_decode_disabled_steps")
+    assert family is not None, f"no spec_decode_disabled_steps metric among {sorted(families)}"
+    assert family.type == "counter" and family.samples[0].value == 7, family
