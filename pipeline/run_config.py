@@ -76,6 +76,9 @@ class RunConfig:
     # itself at start-up) | file:PATH (= row_cost_file PATH) | auto (calibrate when FIRP is on and no
     # file is named, else none); with a table and max_inflight 0, the run-ahead depth follows it too
     # ([Note: run-ahead depth] in pipeline/measure/row_cost.py)
+    # no new drafts while this many sequences or more run (vLLM's speculative disable_by_batch_size; None: never;
+    # [Note: speculation under load] in pipeline/engine/row_budget.py)
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         self._check_shape()
@@ -113,6 +116,9 @@ class RunConfig:
             raise ValueError(f"max_inflight must be >= 0 (0: chosen for you), got {self.max_inflight}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be 'auto' or in [0, 1], got {self.min_acceptance}")
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1 (running sequences from which on "
+                             f"speculation pauses), got {self.speculative_disable_by_batch_size}")
         if self.firp_k is not None and self.firp_k < 1:
             raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
         if not 0.0 <= self.firp_min_prob <= 1.0:
@@ -219,6 +225,7 @@ class RunConfig:
             row_costs=row_costs, firp_pseudo_weight=firp_pseudo_weight, draft_tree=self.draft_tree,
             # jump-forward's rows (a forced run's last row gives a free token) are a multi-row verify pass
             grammar_drafts=self.grammar_drafts, grammar_jump=self.grammar_jump and self.rows_pass_alone,
+            disable_by_batch_size=self.speculative_disable_by_batch_size or 0,
             run_ahead_from_table=self.max_inflight == 0 and (self.calibrates_row_costs or self.row_cost_path is not None))
 
 

@@ -18,7 +18,7 @@ _SAME_NAME = (
     "firp_k", "firp_file", "firp_min_prob", "log_level", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "logit_bias", "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words",
     "quantization", "row_cost_file", "row_cost", "dense_layout", "draft_at", "draft_tree", "deep_draft_min_acceptance",
-    "decode_feed",
+    "decode_feed", "speculative_disable_by_batch_size",
 )
 PARAMETER_FLAGS: dict[str, str] = {**{name: "--" + name.replace("_", "-") for name in _SAME_NAME}, **_RENAMED}
 # `train-predictor` parameters (ExitTrainConfig, the corpus, the draft vocabulary): flag = "--" + name.

@@ -56,6 +56,10 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="with --draft-at stage: the exit stage drafts one past the run-ahead depth only after "
                    f"its own draft from a gate bucket right at least this often (default {DEEP_ACCEPTANCE}; "
                    "1 = never)")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
+                   help="vLLM's flag: no new drafts (SPEED, FIRP, token trees) while N or more sequences run; "
+                   "in-flight drafts are still verified (default: stages + 1 when --speculate auto chose speed, "
+                   "where every stage already has real work; never for a mode you chose)")
     g.add_argument("--min-acceptance", default="auto",
                    help="adaptive drafting: send a draft only if drafts like it were accepted at least this "
                    "often; 'auto' = the measured break-even: 0.1 / (S - 0.9) for S stages each on its own cores "

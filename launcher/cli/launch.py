@@ -112,7 +112,9 @@ def speculation_stats(spec: SpecCounters) -> dict:
             "grammar_forced": spec.grammar_forced, "grammar_replaced": spec.grammar_replaced,
             "grammar_dropped": spec.grammar_dropped, "grammar_jump_tokens": spec.grammar_jump_tokens,
             # their share of verified_drafts / accepted_tokens (always accepted: acceptance_rate less them is SPEED's and FIRP's)
-            "jump_verified": spec.jump_verified, "jump_accepted": spec.jump_accepted}
+            "jump_verified": spec.jump_verified, "jump_accepted": spec.jump_accepted,
+            # [Note: speculation under load] in pipeline/engine/row_budget.py
+            "spec_disabled_steps": spec.spec_disabled_steps}
 
 
 def speculation_notes(session: PipelineSession, speculate_reason: str = "") -> list[str]:

@@ -175,8 +175,19 @@ def options_and_reason(args: argparse.Namespace, *, progress: bool = True) -> tu
         progress=progress, speculate=speculate, predictor=args.predictor, exit_layer=args.exit_layer,
         exit_predictor=args.exit_predictor, row_cost_file=args.row_cost_file, row_cost=args.row_cost, **tuning,
         placement=placement, record_timeline=not getattr(args, "no_timeline", False),
-        decode_feed=args.decode_feed or DEFAULT_DECODE_FEED)
+        decode_feed=args.decode_feed or DEFAULT_DECODE_FEED,
+        speculative_disable_by_batch_size=disable_by_batch_size(args, num_stages=num_stages, why=why))
     return options, why
+
+
+def disable_by_batch_size(args: argparse.Namespace, *, num_stages: int, why: str) -> int | None:
+    """`--speculative-disable-by-batch-size` as given; not given, num_stages + 1 when `--speculate auto`
+    chose the mode (why != ""), else None (never): [Note: speculation under load] in
+    pipeline/engine/row_budget.py says why S + 1."""
+    given = getattr(args, "speculative_disable_by_batch_size", None)
+    if given is not None or not why:
+        return given
+    return num_stages + 1
 
 
 def grammar_drafting_fields(mode: str) -> dict[str, bool]:

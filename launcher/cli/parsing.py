@@ -32,7 +32,7 @@ SHORT_HELP_GROUPS = ("placement", "serving (OpenAI-compatible HTTP and gRPC)")
 # Flags of other groups that only `--help-all` lists (speculation tuning, rarely needed knobs).
 ADVANCED_DESTS = frozenset({
     "firp_k", "firp_file", "firp_min_prob", "row_cost", "row_cost_file", "exit_predictor", "exit_layer", "max_inflight", "min_acceptance", "draft_at",
-    "deep_draft_min_acceptance", "decode_feed",
+    "deep_draft_min_acceptance", "decode_feed", "speculative_disable_by_batch_size",
     "draft_tree", "grammar_drafting",
     "threads_per_stage", "stage_timeout_s", "cache_dir", "no_timeline", "no_progress", "tensor_parallel_size",
     "stage_memory_gib", "max_stage_restarts", "restart_window_s", "dense_layout", "top_k", "min_p", "logit_bias",

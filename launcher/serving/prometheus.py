@@ -82,6 +82,8 @@ class _PipelineCollector:
              spec.jump_verified),
             ("grammar_jump_accepted_tokens", "Of the accepted draft tokens, the forced rows of jump-forward items.",
              spec.jump_accepted),
+            ("spec_decode_disabled_steps", "Micro-batches sent while speculation was paused by load "
+             "(--speculative-disable-by-batch-size).", spec.spec_disabled_steps),
         ):
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)

@@ -1,13 +1,15 @@
 """The engine's inputs and outputs: events in, one `StepOutput` out (see pipeline/engine/engine.py).
 
-Pure records: no policy. Times are the caller's clock in ns (real `time.perf_counter_ns`, or
+Pure records: no policy; `item_rows` splits a `Result`'s rows by item (the layout its docstring
+gives; the scheduler's `on_result` reads them so). Times are the caller's clock in ns (real `time.perf_counter_ns`, or
 simulated); they feed only the measurements (timeline, control overhead, commit log).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -79,6 +81,38 @@ class Result:
     timing: tuple[StageTiming, ...] = ()
     at_ns: int = 0
     fed: tuple[int, ...] = ()
+
+
+class ItemRows(NamedTuple):
+    """One item's share of a `Result`'s rows (`item_rows`)."""
+
+    item: Item
+    argmax: list[int]  # [num_result_rows]
+    logits: torch.Tensor | None  # [num_result_rows, vocab] float32; None without want_logits
+    firp: list[int]  # [num_pseudo] FIRP drafts ([] without firp_tokens)
+    firp_probs: torch.Tensor | None  # [num_pseudo] their probabilities, or None
+    prompt: list[torch.Tensor] | None  # one slice of each prompt_logprobs tensor, or None (no prompt rows)
+
+
+def item_rows(items: Sequence[Item], token_ids: torch.Tensor, logits: torch.Tensor | None, *,
+              firp_tokens: torch.Tensor | None = None, firp_probs: torch.Tensor | None = None,
+              prompt_logprobs: tuple[torch.Tensor, ...] | None = None) -> Iterator[ItemRows]:
+    """Split a `Result`'s rows by item, in item order (the layout its docstring gives; the same
+    arguments as its fields)."""
+    row = logit_row = pseudo_row = prompt_row = 0
+    for item in items:
+        n, k = item.num_result_rows, item.num_pseudo
+        argmax = [int(t) for t in token_ids[row:row + n]]
+        rows = prompt = None
+        if item.want_logits:
+            rows, logit_row = logits[logit_row:logit_row + n], logit_row + n
+        if item.num_prompt_rows:
+            prompt = [t[prompt_row:prompt_row + item.num_prompt_rows] for t in prompt_logprobs]
+            prompt_row += item.num_prompt_rows
+        firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + k]]
+        probs = None if firp_probs is None else firp_probs[pseudo_row:pseudo_row + k]
+        row, pseudo_row = row + n, pseudo_row + k
+        yield ItemRows(item, argmax, rows, firp, probs, prompt)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

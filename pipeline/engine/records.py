@@ -78,6 +78,8 @@ class SchedulerConfig:
     draft_tree: int = 1  # candidates per draft position, siblings included ([Note: token trees]); 1 = off
     grammar_drafts: bool = True  # constrained drafts follow the grammar ([Note: grammar-aware drafting])
     grammar_jump: bool = True  # with grammar_drafts: a forced run goes as one multi-row draft item (jump-forward)
+    # no new drafts while this many sequences or more run ([Note: speculation under load] in row_budget.py); 0 = never
+    disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         # Invariants only: the values come from a validated RunConfig (`RunConfig.scheduler_config`)
@@ -90,6 +92,7 @@ class SchedulerConfig:
         assert self.max_inflight >= 1 and self.firp_k >= 0, self
         assert 0.0 <= self.min_acceptance <= 1.0 and 0.0 <= self.firp_min_prob <= 1.0, self
         assert 0.0 < self.firp_pseudo_weight <= 1.0 and 0.0 <= self.deep_acceptance <= 1.0, self
+        assert self.disable_by_batch_size >= 0, self
         assert not (self.draft_at_stage and self.draft_tree > 1), "token trees need draft_at coordinator"
 
 
@@ -222,6 +225,7 @@ class SpecCounters:
     grammar_jump_tokens: int = 0  # forced rows sent after an item's first (a jump draft item's, a riding real item's)
     jump_verified: int = 0  # of those, verified (their share of verified_drafts; never FIRP's)
     jump_accepted: int = 0  # and accepted (their share of accepted_tokens)
+    spec_disabled_steps: int = 0  # micro-batches sent with speculation paused by load ([Note: speculation under load])
 
     def add_pass(self, verdict: Verdict, *, own_drafts: int, jump: bool) -> tuple[int, int]:
         """Count one result's verdict (`SequenceLedger.on_result`); own_drafts: the drafts its item

@@ -1,10 +1,11 @@
 """Which extra rows an item spends: its FIRP chains (lengths from a measured row-cost table and the
-measured acceptance) and its exit-head row.
+measured acceptance), its exit-head row, and none at all under load (`speculation_paused`).
 
 Owns, split out of pipeline/engine/scheduler.py (which asks them): `RowBudget` (an item's FIRP fields
 `Item.firp_k` / `Item.firp_anchors`, the per-depth FIRP acceptance counters), `next_firp_drafts`
 (which FIRP drafts a result leaves for the next item, [Note: FIRP policy] in
-pipeline/speculation/firp.py) and `wants_exit` (whether the exit stage runs its head on an item).
+pipeline/speculation/firp.py), `wants_exit` (whether the exit stage runs its head on an item) and
+`speculation_paused` and `without_speculation` ([Note: speculation under load]).
 Must not: form micro-batches, commit tokens, or measure anything itself (the table comes from
 tests/benchmarks/row_cost.py via `--row-cost file:PATH`, or from the stages' start-up
 calibration, `--row-cost calibrate`; pipeline/measure/row_cost.py owns the rules), including the
@@ -47,15 +48,43 @@ draft by the confidence that only the head produces. Skipping never changes comm
 without a guess the exit event still arrives, an exit-head predictor then proposes nothing
 (hybrid falls back to its n-gram half). `SpecCounters.exit_rows` / `exit_rows_skipped` count
 decode items at the exit stage with and without the head.
+
+[Note: speculation under load]
+vLLM's `--speculative-disable-by-batch-size N` (`disable_by_batch_size`): with many running
+requests the batch is full of real work and drafts only add rows. Here the same:
+`SchedulerConfig.disable_by_batch_size` N > 0 (`--speculative-disable-by-batch-size`) pauses
+speculation while the running sequences (those holding a KV slot) number N or more: the scheduler
+proposes no draft item (SPEED's, a grammar's forced one, and so no token-tree siblings), sends no
+draft already queued, asks no FIRP pseudo rows and carries no FIRP drafts on real items, wants no
+exit guess, and grants the exit stage no new drafting bounds (authorisations, CREDITs; a stage
+may still use a grant it already holds, at most its run-ahead depth, [Note: stage-local drafting]
+5 in pipeline/engine/local_draft.py). This holds for what is sent, not only for what is queued:
+a real item queued before the count reached N (its result came in the step that admitted the Nth
+sequence, or an earlier admission of the same burst) is sent without its FIRP rows
+(`without_speculation`). Items already in flight are verified or squashed as always, so
+committed tokens never change (ARCHITECTURE.md §5.3). Kept: a grammar's forced run riding on a
+real item (jump-forward: rows the grammar makes certain, not guesses). Speculation
+resumes as soon as the count falls below N (a sequence ends). `SpecCounters.spec_disabled_steps`
+counts the micro-batches sent while paused (`--json` `spec_disabled_steps`, the serve metric
+`spec_decode_disabled_steps`).
+The CLI's default under `--speculate auto` is N = S + 1 (S = `num_stages`, the scheduler's
+`max_inflight_batches`): with S or more running sequences every micro-batch slot already carries
+real work ([Note: micro-batching] in pipeline/engine/scheduler.py), and drafts are sent only into a
+free slot, so at S they already fill just the gap a sequence that ends leaves (exit-head skipping
+above treats S as full too, as a heuristic). From S + 1 on even that gap is filled by real work: one
+sequence ending still leaves S, so no slot ever waits for a draft, and what speculation still
+sends (FIRP rows, token-tree rows) only lengthens passes. An explicitly chosen mode keeps
+speculating at any load unless the flag is given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from pipeline.engine.records import SchedulerConfig, SequenceState, SpecCounters
 from pipeline.measure.row_cost import RowCostTable, best_firp_k, best_run_ahead
-from pipeline.speculation.items import Item
+from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.predictors import Predictor
 
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance of a depth before any measurement
@@ -157,6 +186,23 @@ def next_firp_drafts(item: Item, num_committed: int, firp: list[int | None]) -> 
         return ()
     chain = firp[anchor * item.firp_k:(anchor + 1) * item.firp_k]
     return tuple(itertools.takewhile(lambda t: t is not None, chain))
+
+
+def speculation_paused(config: SchedulerConfig, *, num_running: int) -> bool:
+    """Whether `num_running` running sequences pause speculation ([Note: speculation under load])."""
+    return 0 < config.disable_by_batch_size <= num_running
+
+
+def without_speculation(item: Item, *, jump: bool) -> Item:
+    """A real `item` queued before speculation paused, as it is sent under load ([Note: speculation
+    under load]): without FIRP pseudo rows, and without the FIRP drafts after its token; a forced
+    run riding on it (jump: `SequenceState.pending_jump`) stays. Returns `item` itself when it has neither."""
+    drop = item.kind == ItemKind.FIRP and not jump
+    if not drop and not item.firp_k:
+        return item
+    tokens = item.token_ids[:1] if drop else item.token_ids
+    return dataclasses.replace(item, kind=ItemKind.DECODE if drop else item.kind, num_tokens=len(tokens),
+                               token_ids=tokens, firp_k=0, firp_anchors=0)
 
 
 def wants_exit(config: SchedulerConfig, predictor: Predictor | None, seq: SequenceState, item: Item, *,

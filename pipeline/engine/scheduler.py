@@ -22,7 +22,8 @@ propose as soon as the chain end is sent, so stage 0 finds the draft queued behi
 refused for lack of room is retried when a result frees room. Real items always go first: drafts
 are sent only when no real item waits and fewer than `max_inflight_batches` micro-batches are in
 flight, so drafts fill only the stage slots that real work leaves idle. A proposal whose expected
-acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py).
+acceptance is below break-even is not sent (see [Note: adaptive drafting] in pipeline/speculation/draft_gate.py);
+nor is anything new under load ([Note: speculation under load] in pipeline/engine/row_budget.py).
 
 Token trees (sibling candidates, rescues): [Note: token trees] in pipeline/speculation/tree.py.
 Exit-head skipping and FIRP chain lengths: [Note: exit-head skipping] and [Note: row-cost-driven
@@ -38,7 +39,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.engine import decode_feed, local_draft
+from pipeline.engine import decode_feed, local_draft, row_budget
+from pipeline.engine.events import item_rows
 from pipeline.engine.grammar_drafts import GrammarDrafts
 from pipeline.engine.records import (
     NON_FINITE_TOKEN,
@@ -49,7 +51,7 @@ from pipeline.engine.records import (
     SequenceState,
     SpecCounters,
 )
-from pipeline.engine.row_budget import RowBudget, next_firp_drafts, wants_exit
+from pipeline.engine.row_budget import RowBudget, next_firp_drafts, speculation_paused, wants_exit
 from pipeline.speculation.draft_gate import DraftGate
 from pipeline.speculation.grammar import GrammarError, GrammarState, GrammarVocab
 from pipeline.speculation.items import Item, ItemKind, SlotRelease
@@ -121,6 +123,11 @@ class Scheduler:
         return sum(1 for s in self.seqs.values() if s.slot >= 0 and not s.finished)
 
     @property
+    def paused(self) -> bool:
+        """Speculation is paused by load ([Note: speculation under load] in pipeline/engine/row_budget.py)."""
+        return speculation_paused(self.config, num_running=self.num_running)
+
+    @property
     def has_unfinished(self) -> bool:
         return any(not s.finished for s in self.seqs.values())
 
@@ -137,21 +144,24 @@ class Scheduler:
         free = self.config.max_inflight_batches - num_inflight
         size = max(1, math.ceil(len(self.ready) / free))
         ready_ns: list[int] = []
+        paused = self.paused  # (drafts already queued wait too)
         batch = (self._take(self.ready, size, now_ns, ready_ns)
-                 or self._take(self.drafting, self.config.max_num_seqs, now_ns, ready_ns))
+                 or (not paused and self._take(self.drafting, self.config.max_num_seqs, now_ns, ready_ns)))
         if not batch:
             return None
+        self.spec.spec_disabled_steps += paused and (self.config.speculate or self.config.firp_k > 0)
         return MicroBatch(items=tuple(batch), drafts_ready_ns=max(ready_ns) if len(ready_ns) == len(batch) else None)
 
     def _take(self, queue: collections.deque[int], size: int, now_ns: int, ready_ns: list[int]) -> list[Item]:
         """Pop up to `size` pending items off `queue`; appends each draft's ready time to ready_ns."""
         batch: list[Item] = []
-        pipeline_full = self.num_running >= self.config.max_inflight_batches  # [Note: exit-head skipping]
+        paused = self.paused  # real items queued before the load rose go without FIRP rows ([Note: speculation under load])
+        pipeline_full = paused or self.num_running >= self.config.max_inflight_batches  # [Note: exit-head skipping]
         while queue and len(batch) < size:
             seq = self.seqs.get(queue.popleft())
             if seq is None or seq.finished or seq.pending is None:
                 continue
-            item, seq.pending = seq.pending, None
+            item, seq.pending = row_budget.without_speculation(seq.pending, jump=seq.pending_jump) if paused else seq.pending, None
             if item.kind == ItemKind.DRAFT:  # (more than one token: a forced run, [Note: grammar-aware drafting])
                 seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids,
                                      jump=item.token_ids[1:])
@@ -191,7 +201,8 @@ class Scheduler:
             self._queue_prefill(seq)
             return
         # FIRP drafts, cut at the first the grammar forbids, or a forced run ([Note: grammar-aware drafting])
-        drafts, seq.pending_jump = self.grammar_drafts.real_rows(seq, seq.firp_drafts, self.spec, row_costs=self.rows.row_costs)
+        firp = () if self.paused else seq.firp_drafts  # ([Note: speculation under load])
+        drafts, seq.pending_jump = self.grammar_drafts.real_rows(seq, firp, self.spec, row_costs=self.rows.row_costs)
         start = seq.num_tokens - 1
         seq.pending = Item(seq_id=seq.seq_id, slot=seq.slot, start=start, num_tokens=1 + len(drafts), epoch=seq.epoch,
                            kind=ItemKind.FIRP if drafts else ItemKind.DECODE, token_ids=(seq.output_ids[-1], *drafts),
@@ -229,9 +240,9 @@ class Scheduler:
             self._queue_prefill(seq)
 
     def _firp_fields(self, seq: SequenceState, *, first_anchor: int, num_anchors: int) -> dict[str, int]:
-        """Item.firp_k / firp_anchors (pipeline/engine/row_budget.py chooses the chain length)."""
-        return self.rows.firp_fields(last_item_position=seq.ledger.last_item_position, first_anchor=first_anchor,
-                                     num_anchors=num_anchors)
+        """Item.firp_k / firp_anchors (pipeline/engine/row_budget.py chooses the chain length; none under load)."""
+        return {} if self.paused else self.rows.firp_fields(
+            last_item_position=seq.ledger.last_item_position, first_anchor=first_anchor, num_anchors=num_anchors)
 
     # -- exit-layer events (speculation) ------------------------------------------------------------
     def on_exit(self, items: Sequence[Item], guesses: Sequence[ExitGuess | None], now_ns: int = 0,
@@ -261,7 +272,7 @@ class Scheduler:
         has passed the exit layer (or the predictor needs no exit head). Called on exit events,
         after sends, and when a result frees room in the chain, so a refused draft is retried."""
         if (not self.config.speculate or seq.finished or seq.pending is not None or not seq.ledger.inflight
-                or seq.seq_id in self.tree.rescues):  # nothing follows a rescued sibling ([Note: token trees])
+                or seq.seq_id in self.tree.rescues or self.paused):  # nothing follows a rescued sibling ([Note: token trees])
             return
         end = seq.ledger.inflight[-1]
         if end.position < seq.ledger.prompt_len:  # the first token after prefill is never drafted
@@ -306,21 +317,11 @@ class Scheduler:
         prompt_logprobs: `Result.prompt_logprobs` (-> `Commit.prompt_logprobs`). Results of finished
         sequences or older epochs are ignored.
         """
-        commits, row, logit_row, pseudo_row, prompt_row = [], 0, 0, 0, 0
-        for item in returned:
-            n = item.num_result_rows
-            argmax = [int(t) for t in token_ids[row:row + n]]
-            rows = prompt = None
-            if item.want_logits:
-                rows, logit_row = logits[logit_row:logit_row + n], logit_row + n
-            if item.num_prompt_rows:
-                prompt = [t[prompt_row:prompt_row + item.num_prompt_rows] for t in prompt_logprobs]
-                prompt_row += item.num_prompt_rows
-            firp = [] if firp_tokens is None else [int(t) for t in firp_tokens[pseudo_row:pseudo_row + item.num_pseudo]]
-            if firp and firp_probs is not None and self.config.firp_min_prob > 0:
-                probs = firp_probs[pseudo_row:pseudo_row + item.num_pseudo].tolist()
-                firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs, strict=True)]
-            row, pseudo_row = row + n, pseudo_row + item.num_pseudo
+        commits = []
+        for item, argmax, rows, firp, probs, prompt in item_rows(returned, token_ids, logits, firp_tokens=firp_tokens,
+                                                                 firp_probs=firp_probs, prompt_logprobs=prompt_logprobs):
+            if firp and probs is not None and self.config.firp_min_prob > 0:
+                firp = [t if p >= self.config.firp_min_prob else None for t, p in zip(firp, probs.tolist(), strict=True)]
             seq = self.seqs.get(item.seq_id)
             item, argmax, rows = self.tree.result_rows(seq, item, argmax, rows)  # [Note: token trees]
             if seq is None or seq.finished or item.epoch != seq.epoch:
@@ -370,14 +371,13 @@ class Scheduler:
             self.tree.hold(seq, rescue)  # the draft item lives on as the real one ([Note: token trees])
         elif not seq.ledger.inflight:
             self._queue_real(seq)
-        else:
+        elif not self.paused:
             self._try_draft(seq, now_ns)  # the accepted chain has room again
             self.credits += local_draft.credit(self.config, self.gate, seq, depth=self.rows.run_ahead(self.config, self.spec, shared_rows=self.num_running - 1, explore=False))
         return Commit(seq.seq_id, tuple(tokens), seq.finish_reason, logprobs=logprobs)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
-        seq.finish_reason = reason
-        seq.pending = None
+        seq.finish_reason, seq.pending = reason, None
         self.spec.squashed_items += seq.ledger.finish()
         self.tree.forget(seq.seq_id)
         if seq.slot >= 0:

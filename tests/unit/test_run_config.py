@@ -30,6 +30,8 @@ from workers.load_spec_codec import spec_from_proto, spec_to_proto
 
 BAD_VALUES = [
     ({"num_stages": 0}, "num_stages must be >= 1, got 0", "--stages must be >= 1, got 0"),
+    ({"speculative_disable_by_batch_size": 0}, "speculative_disable_by_batch_size must be >= 1",
+     "--speculative-disable-by-batch-size must be >= 1"),
     ({"dtype": "int8"}, "dtype must be one of float32, bfloat16, float16, got 'int8'", "--dtype must be one of"),
     ({"device": "tpu"}, "device must be cpu or cuda, got 'tpu'", "--device must be cpu or cuda"),
     ({"max_model_len": 1}, "max_model_len must be >= 2, got 1", "--max-model-len must be >= 2"),
