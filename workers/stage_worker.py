@@ -168,12 +168,16 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
             self._heap_frozen = freeze_startup_heap() > 0  # [Note: the collector on the per-token path]
         return stage.tensor_names
 
-    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = JOIN_TIMEOUT_S) -> DataPlaneGroup:
+    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = JOIN_TIMEOUT_S,
+                         refused_is_abandoned: bool = False) -> DataPlaneGroup:
         """Join the process group at the spec's rendezvous: blocks until every rank joined, at most
-        `connect_timeout_s` (the group's timeout_s bounds its first step). Raises RuntimeError (torch's)."""
+        `connect_timeout_s` (the group's timeout_s bounds its first step). Raises RuntimeError (torch's),
+        RendezvousAbandoned once the coordinator gave it up (refused_is_abandoned: a Rejoin's port, held
+        before it was sent, refusing connections means that too: [Note: abandoned rendezvous])."""
         return DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
                               rank=spec.dist_rank, world_size=spec.dist_world_size,
-                              timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s)
+                              timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s,
+                              refused_is_abandoned=refused_is_abandoned)
 
     def _start_loop(self, spec: StageLoadSpec, group: DataPlaneGroup) -> None:
         """Start the data-plane loop of this stage on `group` (caller holds the lock)."""
