@@ -27,20 +27,29 @@ JOIN_POLL_S = 0.05  # how often a rendezvous wait looks whether it is done, unle
 # test) must not leave that daemon thread inside a TCPStore call: once finalisation starts, a daemon
 # thread coming back from C++ for the GIL is ended by a forced unwind, which through torch's
 # noexcept frames is std::terminate ("terminate called without an active exception", exit 134 in
-# about 2 of 5 such exits, measured). At exit every polling rank 0 stops as if abandoned, and the
-# exit waits (briefly) until it has left the store.
+# about 2 of 5 such exits, measured). At exit every polling rank stops as if abandoned, and the
+# exit waits (briefly) until it has left the store. The same holds for the threads that form gloo
+# groups (`form_gloo`): a wait given up leaves its former inside torch until its store's server goes,
+# which for the ranks of this process's own rank 0 is when that rank 0 drops its store, as it does
+# when it stops; so the exit then also waits for the formers (5 of 6 exits with two formers waiting
+# aborted before, measured). All of it at most EXIT_WAIT_S: a former whose rank 0 lives in another
+# process that keeps its store stays in torch, and is ended with the process.
+EXIT_WAIT_S = 5.0
 _exiting = threading.Event()
-_polling: set[threading.Thread] = set()
+_polling: set[threading.Thread] = set()  # threads in a rendezvous wait, then the gloo formers
+_forming: set[threading.Thread] = set()
 _polling_lock = threading.Lock()
 
 
 @atexit.register
 def _stop_polling_at_exit() -> None:
     _exiting.set()
-    with _polling_lock:
-        threads = list(_polling)
-    for thread in threads:
-        thread.join(timeout=2.0)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for waiting in (_polling, _forming):  # the waits first: they drop the stores the formers wait on
+        with _polling_lock:
+            threads = list(waiting)
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class RendezvousAbandoned(RuntimeError):
@@ -110,7 +119,8 @@ def form_gloo(store: dist.Store, *, rank: int, world_size: int, timeout: datetim
     JOIN_POLL_S ([Note: abandoned rendezvous] in workers/channel.py): ("group", the group), ("abandoned",
     why) as soon as `stop` says why, or ("error", torch's first line: e.g. "wait timeout after 120000ms,
     keys: /gloo/0/2", a rank that counted in and died). An abandoned former ends when `store`'s server goes
-    (rank 0 drops it) or at `timeout`; a group it forms then is dropped."""
+    (rank 0 drops it) or at `timeout`; a group it forms then is dropped; an exit waits for it, briefly
+    ([Note: a rendezvous wait at interpreter exit])."""
     box, done = {}, threading.Event()
 
     def form() -> None:
@@ -120,10 +130,14 @@ def form_gloo(store: dist.Store, *, rank: int, world_size: int, timeout: datetim
             box["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         finally:
             done.set()
+            with _polling_lock:
+                _forming.discard(former)
 
-    threading.Thread(target=form, name="gloo-rendezvous", daemon=True).start()
+    former = threading.Thread(target=form, name="gloo-rendezvous", daemon=True)
     with _polling_lock:
+        _forming.add(former)
         _polling.add(threading.current_thread())
+    former.start()
     try:
         while not done.wait(JOIN_POLL_S):
             if (why := stop()) is not None:
