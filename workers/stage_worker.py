@@ -40,7 +40,12 @@ from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS, calibrate_s
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
-from workers.control_auth import (
+from workers.heap import freeze_startup_heap
+from workers.load_spec_codec import spec_from_proto
+from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
+from workers.parent_death import arm_parent_death_signal
+from workers.rejoin import JOIN_TIMEOUT_S, RejoinHandler, join_failure
+from workers.rpc.control_auth import (
     CONTROL_GRPC_OPTIONS,
     SECRET_ENV,
     SECRET_METADATA_KEY,
@@ -48,12 +53,7 @@ from workers.control_auth import (
     TlsFiles,
     take_secret_from_env,
 )
-from workers.heap import freeze_startup_heap
-from workers.load_spec_codec import spec_from_proto
-from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
-from workers.parent_death import arm_parent_death_signal
-from workers.rejoin import JOIN_TIMEOUT_S, RejoinHandler, join_failure
-from workers.request_parse import RequestParseInterceptor
+from workers.rpc.request_parse import RequestParseInterceptor
 from workers.stage_loop import StageLoop
 
 log = logging.getLogger("speedpipe.worker")
@@ -290,7 +290,7 @@ def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: thre
     Returns (server, servicer, bound port). The Shutdown RPC sets `stop_event`; the caller then
     calls `stop_server`. Used by `serve` (a process per stage) and by the Ray stage actor (the same
     worker code inside an actor). control_secret: every call must carry it as metadata, else
-    UNAUTHENTICATED ([Note: control-plane secret] in workers/control_auth.py); None = no check.
+    UNAUTHENTICATED ([Note: control-plane secret] in workers/rpc/control_auth.py); None = no check.
     tls: serve TLS with these files instead of plain TCP. Raises OSError if the address cannot be bound.
     """
     interceptors = [] if control_secret is None else [SecretCheckInterceptor(
