@@ -12,14 +12,12 @@ Ranks: [Note: ranks] in pipeline/engine/wire.py (`rank_of_stage`).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime
 import ipaddress
 import re
 import socket
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +33,17 @@ from pipeline.engine.wire import (
     payload_bytes_of,
     rank_name,
     split_payload,
+)
+from workers.rendezvous import (  # noqa: F401 - RendezvousAbandoned, GiveUp: part of this module's API
+    ABORT_KEY,
+    GiveUp,
+    RendezvousAbandoned,
+    abort_key_reason,
+    await_listener,
+    count_in,
+    form_gloo,
+    own_address,
+    why_abandoned,
 )
 
 
@@ -111,61 +120,6 @@ def _master_listener(host: str, port: int) -> int | None:
     return held.detach() if held is not None else loopback_listener(host, port)
 
 
-_JOINED_KEY, _ALL_JOINED_KEY = "speedpipe/joined", "speedpipe/all_joined"
-_JOIN_POLL_S = 0.05  # how often rank 0 looks whether every rank joined, unless abandoned first
-
-
-# [Note: a rendezvous wait at interpreter exit]
-# A process that exits while rank 0 still polls its rendezvous (a launch that failed at start-up, a
-# test) must not leave that daemon thread inside a TCPStore call: once finalisation starts, a daemon
-# thread coming back from C++ for the GIL is ended by a forced unwind, which through torch's
-# noexcept frames is std::terminate ("terminate called without an active exception", exit 134 in
-# about 2 of 5 such exits, measured). At exit every polling rank 0 stops as if abandoned, and the
-# exit waits (briefly) until it has left the store.
-_exiting = threading.Event()
-_polling: set[threading.Thread] = set()
-_polling_lock = threading.Lock()
-
-
-@atexit.register
-def _stop_polling_at_exit() -> None:
-    _exiting.set()
-    with _polling_lock:
-        threads = list(_polling)
-    for thread in threads:
-        thread.join(timeout=2.0)
-
-
-class RendezvousAbandoned(RuntimeError):
-    """Rank 0 stopped waiting at its rendezvous: the caller abandoned it (a failed fail-over attempt)."""
-
-
-def _count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: float,
-              abandoned: threading.Event | None) -> str | None:
-    """Count this rank in at the rendezvous; rank 0 (the store's host) then waits until every rank
-    has, at most `timeout_s`, and stops at once when `abandoned` is set ([Note: abandoned rendezvous]).
-    Returns None when done, else why rank 0 stopped waiting (no exception: its traceback would keep
-    the store, and so the port, alive)."""
-    if store.add(_JOINED_KEY, 1) == world_size:
-        store.set(_ALL_JOINED_KEY, "1")
-    if rank != 0:
-        return None
-    deadline, stop = time.monotonic() + timeout_s, abandoned if abandoned is not None else threading.Event()
-    with _polling_lock:
-        _polling.add(threading.current_thread())
-    try:
-        while not store.check([_ALL_JOINED_KEY]):
-            if stop.wait(_JOIN_POLL_S) or _exiting.is_set():  # [Note: a rendezvous wait at interpreter exit]
-                return "abandoned"
-            if time.monotonic() > deadline:
-                return (f"timed out after {timeout_s:g} s waiting for the data plane's ranks: "
-                        f"{store.add(_JOINED_KEY, 0)}/{world_size} joined")
-        return None
-    finally:
-        with _polling_lock:
-            _polling.discard(threading.current_thread())
-
-
 class DataPlaneGroup:
     """Rendezvous and process groups of one pipeline: gloo always, NCCL too when `device` is CUDA.
 
@@ -173,34 +127,55 @@ class DataPlaneGroup:
     loading their weights, which can take far longer than one data-plane step); then every
     operation has the `timeout_s` deadline. Rank 0 hosts the TCPStore at master_addr:master_port.
     Raises RuntimeError (from torch, or rank 0's own) if the rendezvous times out, and
-    RendezvousAbandoned when rank 0's `abandoned` is set first.
+    RendezvousAbandoned when rank 0's `abandoned` is set first, on every rank (the reason named,
+    where rank 0 got one) when rank 0 gave it up, on a Rejoin's rank when nothing listens at its port.
 
     [Note: abandoned rendezvous]
-    Rank 0 (the coordinator) waits for the other ranks in steps of _JOIN_POLL_S, not in torch's
+    Rank 0 (the coordinator) waits for the other ranks in steps of JOIN_POLL_S, not in torch's
     TCPStore constructor: a fail-over attempt that failed (another stage died while they joined)
-    sets `abandoned`, and its join ends at once, dropping the store: its port closes, its thread
-    ends, and the stages still waiting at that rendezvous fail at once too (their store went away).
-    Before, the join thread and the store's port stayed until the rendezvous timed out (600 s).
+    sets `abandoned` (a `GiveUp` says why), and its join ends at once, dropping the store: its port
+    closes, its thread ends, and the stages still waiting at that rendezvous fail at once too (their
+    store went away). Before, the join thread and the store's port stayed until the rendezvous timed out (600 s).
+    The gloo group then forms in a thread of its own, over a store connection of its own, while every
+    rank looks every JOIN_POLL_S whether to give up: rank 0 at `abandoned`, the others at ABORT_KEY, which
+    rank 0 sets (the reason) before it drops its store, or at that store going away. Before, a stage that
+    counted in and died before it published its gloo address left every other rank, the coordinator
+    included, inside torch's gloo constructor until --stage-timeout-s, `abandoned` unseen.
+    With `refused_is_abandoned` (a Rejoin: its port was held before it was sent), a stage whose rendezvous
+    port refuses connections REFUSALS_ABANDONED times in a row gives up at once: rank 0 abandoned it.
+    Before, torch's connect retried until the Rejoin's own timeout (600 s).
     """
 
     def __init__(self, *, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float,
-                 device: str = "cpu", connect_timeout_s: float = 600.0, abandoned: threading.Event | None = None) -> None:
-        timeout = datetime.timedelta(seconds=timeout_s)
+                 device: str = "cpu", connect_timeout_s: float = 600.0, abandoned: threading.Event | None = None,
+                 refused_is_abandoned: bool = False) -> None:
+        timeout, connect_s = datetime.timedelta(seconds=timeout_s), max(timeout_s, connect_timeout_s)
         self.rank, self.world_size = rank, world_size
+        where = f"rank {rank} at {master_addr}:{master_port}"
+        if refused_is_abandoned and rank != 0 and (why := await_listener(master_addr, master_port, timeout_s=connect_s)):
+            raise RendezvousAbandoned(f"{where}: rendezvous abandoned: {why}")
         self.store = dist.TCPStore(master_addr, master_port, world_size, rank == 0,
-                                   timeout=datetime.timedelta(seconds=max(timeout_s, connect_timeout_s)),
-                                   wait_for_workers=rank != 0,
+                                   timeout=datetime.timedelta(seconds=connect_s), wait_for_workers=rank != 0,
                                    master_listen_fd=_master_listener(master_addr, master_port) if rank == 0 else None)
-        why = _count_in(self.store, rank=rank, world_size=world_size, timeout_s=max(timeout_s, connect_timeout_s),
-                        abandoned=abandoned)
-        if why is not None:
-            self.store = None  # the store and its port go now
-            raise (RendezvousAbandoned if why == "abandoned" else RuntimeError)(
-                f"rank {rank} at {master_addr}:{master_port}: rendezvous {why}")
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world_size, timeout)
-        self.nccl = None
-        if device.startswith("cuda"):
-            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), rank, world_size)
+        why = count_in(self.store, rank=rank, world_size=world_size, timeout_s=connect_s, abandoned=abandoned)
+        if why is None:  # the gloo group, over a connection of its own: giving up may drop self.store at once
+            gloo_store = dist.TCPStore(own_address(master_addr) if rank == 0 else master_addr, master_port, world_size,
+                                       False, timeout=datetime.timedelta(seconds=connect_s))
+            stop = (lambda: why_abandoned(abandoned)) if rank == 0 else (lambda: abort_key_reason(self.store))
+            outcome, what = form_gloo(gloo_store, rank=rank, world_size=world_size, timeout=timeout, stop=stop)
+            del gloo_store
+            if outcome == "group":
+                self.gloo, self.nccl = what, None
+                if device.startswith("cuda"):
+                    self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), rank, world_size)
+                return
+            why = what
+            if rank != 0 and outcome == "error" and (aborted := abort_key_reason(self.store)):
+                why = aborted  # the coordinator gave it up first: say so
+            if rank == 0 and why.startswith("abandoned"):
+                self.store.set(ABORT_KEY, why.removeprefix("abandoned").lstrip(": ") or "rank 0 gave it up")
+        self.store = None  # the store and its port go now
+        raise (RendezvousAbandoned if why.startswith("abandoned") else RuntimeError)(f"{where}: rendezvous {why}")
 
     def group_for(self, t: torch.Tensor):
         """The process group that moves tensors on `t`'s device. Raises ChannelError after close()."""

@@ -117,7 +117,7 @@ class RejoinHandler:
     def _join_for_rejoin(self, spec: StageLoadSpec, epoch: int, timeout_s: float, ended: threading.Event, outcome: dict):
         """A Rejoin's join, in its own thread: outcome "joined" or "error", then `ended`."""
         try:
-            group = self._join_data_plane(spec, connect_timeout_s=timeout_s)
+            group = self._join_data_plane(spec, connect_timeout_s=timeout_s, refused_is_abandoned=True)
             with self._lock:
                 if epoch != self._join_epoch:
                     group.close()

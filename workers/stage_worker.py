@@ -40,7 +40,12 @@ from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS, calibrate_s
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import Channel, DataPlaneGroup
-from workers.control_auth import (
+from workers.heap import freeze_startup_heap
+from workers.load_spec_codec import spec_from_proto
+from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
+from workers.parent_death import arm_parent_death_signal
+from workers.rejoin import JOIN_TIMEOUT_S, RejoinHandler, join_failure
+from workers.rpc.control_auth import (
     CONTROL_GRPC_OPTIONS,
     SECRET_ENV,
     SECRET_METADATA_KEY,
@@ -48,12 +53,7 @@ from workers.control_auth import (
     TlsFiles,
     take_secret_from_env,
 )
-from workers.heap import freeze_startup_heap
-from workers.load_spec_codec import spec_from_proto
-from workers.log_config import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
-from workers.parent_death import arm_parent_death_signal
-from workers.rejoin import JOIN_TIMEOUT_S, RejoinHandler, join_failure
-from workers.request_parse import RequestParseInterceptor
+from workers.rpc.request_parse import RequestParseInterceptor
 from workers.stage_loop import StageLoop
 
 log = logging.getLogger("speedpipe.worker")
@@ -168,12 +168,16 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
             self._heap_frozen = freeze_startup_heap() > 0  # [Note: the collector on the per-token path]
         return stage.tensor_names
 
-    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = JOIN_TIMEOUT_S) -> DataPlaneGroup:
+    def _join_data_plane(self, spec: StageLoadSpec, *, connect_timeout_s: float = JOIN_TIMEOUT_S,
+                         refused_is_abandoned: bool = False) -> DataPlaneGroup:
         """Join the process group at the spec's rendezvous: blocks until every rank joined, at most
-        `connect_timeout_s` (the group's timeout_s bounds its first step). Raises RuntimeError (torch's)."""
+        `connect_timeout_s` (the group's timeout_s bounds its first step). Raises RuntimeError (torch's),
+        RendezvousAbandoned once the coordinator gave it up (refused_is_abandoned: a Rejoin's port, held
+        before it was sent, refusing connections means that too: [Note: abandoned rendezvous])."""
         return DataPlaneGroup(master_addr=spec.dist_master_addr, master_port=spec.dist_master_port,
                               rank=spec.dist_rank, world_size=spec.dist_world_size,
-                              timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s)
+                              timeout_s=spec.stage_timeout_s, device=spec.device, connect_timeout_s=connect_timeout_s,
+                              refused_is_abandoned=refused_is_abandoned)
 
     def _start_loop(self, spec: StageLoadSpec, group: DataPlaneGroup) -> None:
         """Start the data-plane loop of this stage on `group` (caller holds the lock)."""
@@ -286,7 +290,7 @@ def start_server(*, stage_index: int, host: str, port: int = 0, stop_event: thre
     Returns (server, servicer, bound port). The Shutdown RPC sets `stop_event`; the caller then
     calls `stop_server`. Used by `serve` (a process per stage) and by the Ray stage actor (the same
     worker code inside an actor). control_secret: every call must carry it as metadata, else
-    UNAUTHENTICATED ([Note: control-plane secret] in workers/control_auth.py); None = no check.
+    UNAUTHENTICATED ([Note: control-plane secret] in workers/rpc/control_auth.py); None = no check.
     tls: serve TLS with these files instead of plain TCP. Raises OSError if the address cannot be bound.
     """
     interceptors = [] if control_secret is None else [SecretCheckInterceptor(

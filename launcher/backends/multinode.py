@@ -10,7 +10,7 @@ it is done (and whether it failed), node 0 goes away or stays silent for --place
 Must not: know about models or requests (PipelineSession and the coordinator do).
 
 Store keys: `control_secret` = the session secret every stage's control plane checks (set by node 0;
-[Note: control-plane secret] in workers/control_auth.py); `rejoin_wait_s` = how long a stage whose
+[Note: control-plane secret] in workers/rpc/control_auth.py); `rejoin_wait_s` = how long a stage whose
 data plane broke waits for a Rejoin (> 0: fail-over is on); `stage/<i>` = gRPC address of stage i;
 `done` = node 0 is shutting the pipeline down
 (stage exits are expected from now on): `ok`, or `failed: why` (its launch or serve failed, so
@@ -65,7 +65,7 @@ from launcher.backends.stage_monitor import StageProcessMonitor
 from launcher.backends.stage_process import describe_returncode
 from launcher.backends.worker_command import LocalLaunchConfig
 from workers.channel import hold_listener, release_listener
-from workers.control_auth import SECRET_ENV, TlsFiles
+from workers.rpc.control_auth import SECRET_ENV, TlsFiles
 
 log = logging.getLogger("speedpipe.multinode")
 

@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from workers.control_auth import API_KEY_ENV, SECRET_ENV
 from workers.log_config import LOG_LEVEL_ENV
+from workers.rpc.control_auth import API_KEY_ENV, SECRET_ENV
 
 BACKENDS = ("local", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

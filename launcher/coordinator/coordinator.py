@@ -52,8 +52,8 @@ from pipeline.speculation.tree import TreeCounters
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.channel import ChannelError
-from workers.control_auth import TlsFiles, control_channel, with_secret
 from workers.load_spec_codec import StageLoadSpec
+from workers.rpc.control_auth import TlsFiles, control_channel, with_secret
 
 __all__ = ["Coordinator", "CoordinatorConfig", "PipelineError", "RequestHandle", "RequestOutput", "StreamChunk"]
 
@@ -101,7 +101,7 @@ class Coordinator:
                  predictor: Predictor | None = None, control_secret: str | None = None,
                  tls: TlsFiles | None = None) -> None:
         """predictor: overrides config.predictor's (tests use adversarial ones); control_secret: sent with every control
-        call (the stages' session secret, workers/control_auth.py); tls: the control plane's TLS files (None: plain TCP)."""
+        call (the stages' session secret, workers/rpc/control_auth.py); tls: the control plane's TLS files (None: plain TCP)."""
         if len(stage_addresses) != config.num_stages:
             raise ValueError(f"{len(stage_addresses)} stage addresses for {config.num_stages} stages")
         self.config, self.tokenizer = config, tokenizer

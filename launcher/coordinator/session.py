@@ -36,8 +36,8 @@ from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.registry import model_key
 from proto import speedpipe_pb2 as pb
 from workers.channel import release_listener
-from workers.control_auth import SECRET_ENV, TlsFiles, new_secret
 from workers.heap import freeze_startup_heap
+from workers.rpc.control_auth import SECRET_ENV, TlsFiles, new_secret
 
 log = logging.getLogger("speedpipe.launch")
 REJOIN_WAIT_S = 120  # how long a stage whose data plane broke waits for the coordinator's Rejoin
@@ -152,7 +152,7 @@ class PipelineSession:
         self.coordinator: Coordinator | None = None
         self.load_responses = []
         self.row_costs = model.row_costs  # the table rows are priced with (--row-cost); None: fixed choices
-        self.control_secret = new_secret()  # [Note: control-plane secret] in workers/control_auth.py
+        self.control_secret = new_secret()  # [Note: control-plane secret] in workers/rpc/control_auth.py
         self._data_ports: list[tuple[str, int]] = []  # held rendezvous ports, released at close
 
     def __enter__(self) -> PipelineSession:

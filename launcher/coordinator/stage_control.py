@@ -18,15 +18,15 @@ from launcher.coordinator.request_handle import PipelineError, StageLoadError
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from workers.load_spec_codec import StageLoadSpec, spec_to_proto
-from workers.request_parse import UNPARSABLE_REQUEST
-from workers.status_details import error_reason
+from workers.rpc.request_parse import UNPARSABLE_REQUEST
+from workers.rpc.status_details import error_reason
 
 DEAD_POLL_S = 0.5  # wait_reachable: how often it asks whether a stage it waits for has died
 # The answers of a stage's Load that blame the user's input (a model file, a setting: `launch` exits 2).
 # Not FAILED_PRECONDITION (a Load meant for another stage, or a second Load: the coordinator's own
 # bookkeeping) nor INTERNAL / UNKNOWN (an unexpected exception in the stage): those exit 1. Nor an
 # INVALID_ARGUMENT whose ErrorInfo reason is in INTERNAL_REASONS: a Load request the stage could not
-# parse (workers/request_parse.py) means the coordinator and the stage disagree on the protocol.
+# parse (workers/rpc/request_parse.py) means the coordinator and the stage disagree on the protocol.
 USER_INPUT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
 INTERNAL_REASONS = frozenset({UNPARSABLE_REQUEST})
 

@@ -130,14 +130,14 @@ def restart_dead_stages(fo: StageFailover, stubs: Sequence, reconnect: Callable[
 
 
 def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[int], join: Callable[[], None],
-               *, timeout_s: float, attempt: int = 0, abandon: Callable[[], None] = lambda: None) -> None:
+               *, timeout_s: float, attempt: int = 0, abandon: Callable[[str], None] = lambda why: None) -> None:
     """Load the restarted stages and Rejoin the others at the specs' rendezvous port, while `join`
     joins it as rank 0. Raises PipelineError naming the stage (or the coordinator) that failed first,
     the lowest such stage where several did, as soon as one fails: a stage killed while the others
     join fails its call at once, while theirs wait at the rendezvous until --stage-timeout-s (waiting
     in stage order cost that whole wait when the dead stage was not stage 0). On timeout, names the
     first call still running. Before raising, calls `abandon`, which ends `join` at once and frees
-    its port ([Note: abandoned rendezvous] in workers/channel.py).
+    its port, and tells the stages waiting there why ([Note: abandoned rendezvous] in workers/channel.py).
 
     attempt: this fail-over attempt's number (monotonic within the coordinator's run), sent with each
     Rejoin: a stage refuses one older than the newest it has seen ([Note: superseded rejoin] in
@@ -153,12 +153,11 @@ def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[i
     calls[in_daemon_thread(join)] = "coordinator (join)"
     done, pending = concurrent.futures.wait(calls, timeout=timeout_s, return_when=concurrent.futures.FIRST_EXCEPTION)
     failed = [f for f in calls if f in done and f.exception() is not None]  # in stage order, the coordinator last
-    if failed or pending:
-        abandon()
-    if not failed and pending:
-        who = next(calls[f] for f in calls if f in pending)
-        raise PipelineError(f"{who} failed while re-forming the data plane: not done within {timeout_s:g} s")
     if failed:
         exc, who = failed[0].exception(), calls[failed[0]]
         detail = exc.details() if isinstance(exc, grpc.RpcError) else (str(exc) or type(exc).__name__)
+    elif pending:
+        who, detail = next(calls[f] for f in calls if f in pending), f"not done within {timeout_s:g} s"
+    if failed or pending:
+        abandon(f"{who} failed: {detail}")  # told to the stages still waiting there
         raise PipelineError(f"{who} failed while re-forming the data plane: {detail}")

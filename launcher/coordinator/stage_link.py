@@ -7,7 +7,6 @@ messages (RELEASE, FORWARD), keepalives and the in-band SHUTDOWN. Must not: deci
 
 from __future__ import annotations
 
-import threading
 import time
 
 from launcher.coordinator.request_handle import PipelineError
@@ -20,7 +19,7 @@ from pipeline.engine.wire import (
     rank_of_stage,
     world_size,
 )
-from workers.channel import Channel, DataPlaneGroup, RendezvousAbandoned
+from workers.channel import Channel, DataPlaneGroup, GiveUp, RendezvousAbandoned
 from workers.send_queue import SendQueue
 
 
@@ -34,7 +33,7 @@ class StageLink:
         self.channel: Channel | None = None
         self.sends: SendQueue | None = None
         self.first, self.last = rank_of_stage(0), rank_of_stage(num_stages - 1)
-        self.abandoned = threading.Event()  # set by close(): a join still waiting gives up at once
+        self.abandoned = GiveUp()  # set by close(): a join still waiting gives up at once
         self.last_send_s = time.monotonic()  # when a message last went to stage 0
 
     def join(self) -> None:
@@ -53,10 +52,11 @@ class StageLink:
             self.close()
             raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed")
 
-    def close(self) -> None:
+    def close(self, reason: str = "") -> None:
         """Close this ring's data-plane group (after a fail-over replaced it, or its attempt failed):
-        its sockets close; a `join` still waiting at its rendezvous ends at once, and its port closes."""
-        self.abandoned.set()
+        its sockets close; a `join` still waiting at its rendezvous ends at once, and its port closes;
+        the stages waiting there are told `reason` ("stage 2 (Load) failed: ...")."""
+        self.abandoned.give_up(reason)
         if self.sends is not None:
             self.sends.abandon()  # nothing may hold the group ([Note: posted sends] in workers/send_queue.py)
         if self.channel is not None:

@@ -3,9 +3,9 @@
 `Generate` streams one `GenerateResponse` per commit; the last has finish_reason, usage and timing.
 `GetModelInfo` describes the model, the pipeline and the request limits (`model_info`).
 Status codes: INVALID_ARGUMENT for bad input (the message names the field) and for a request that
-does not parse as its RPC's type (workers/request_parse.py; grpcio's own answer is INTERNAL),
+does not parse as its RPC's type (workers/rpc/request_parse.py; grpcio's own answer is INTERNAL),
 RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when the pipeline failed or the server is
-fenced or draining (also mid-stream); these carry google.rpc details (workers/status_details.py):
+fenced or draining (also mid-stream); these carry google.rpc details (workers/rpc/status_details.py):
 
 | code | when | details |
 | --- | --- | --- |
@@ -23,7 +23,7 @@ A RetryInfo comes with the `grpc-retry-pushback-ms` trailer of the same delay, w
 retry policy reads (gRFC A6).
 
 UNAUTHENTICATED for Generate and GetModelInfo without the right
-`authorization: Bearer KEY` metadata when the server has --api-key (workers/control_auth.py; Health
+`authorization: Bearer KEY` metadata when the server has --api-key (workers/rpc/control_auth.py; Health
 stays open, as HTTP /health). A cancelled RPC (client gone, deadline passed) aborts the request, freeing its KV slot on
 every stage. `Health` is SERVING only while the coordinator and every stage are, NOT_SERVING while
 draining or restarting a stage, and UNHEALTHY after a failure for good; grpc.health.v1 and
@@ -74,9 +74,9 @@ from pipeline.speculation.sampling import (
 )
 from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
-from workers.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
-from workers.request_parse import RequestParseInterceptor
-from workers.status_details import abort_with_details
+from workers.rpc.control_auth import API_KEY_METADATA_KEY, SecretCheckInterceptor
+from workers.rpc.request_parse import RequestParseInterceptor
+from workers.rpc.status_details import abort_with_details
 
 log = logging.getLogger("speedpipe.serve")
 MAX_REQUEST_ID_CHARS = 256  # it is logged and echoed in every response

@@ -26,7 +26,7 @@ from launcher.serving import openai_protocol
 from launcher.serving.formats.model_field import NOT_FOUND_TYPE, ModelNotFoundError
 from launcher.serving.serving_engine import InvalidRequestError, QueueFullError, UnavailableError
 from pipeline.speculation.echo import clipped
-from workers.control_auth import secret_matches
+from workers.rpc.control_auth import secret_matches
 
 MAX_JSON_DEPTH = 32  # deepest nesting of arrays / objects a request body may have
 

@@ -29,7 +29,7 @@ from launcher.coordinator.coordinator import Coordinator, PipelineError
 from launcher.coordinator.session import PipelineSession, settle_coordinator_process
 from launcher.coordinator.stage_restarts import RestartBudget
 from launcher.serving.formats.tools import TOOL_PARSERS
-from workers.control_auth import API_KEY_ENV, TlsFiles
+from workers.rpc.control_auth import API_KEY_ENV, TlsFiles
 
 if TYPE_CHECKING:
     from launcher.serving.serving_engine import ServedPipeline

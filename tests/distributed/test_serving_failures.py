@@ -299,7 +299,7 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
 
 @pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0, reason="no openssl")
 def test_control_plane_over_tls(tiny_model_dir: Path, tmp_path: Path):
-    from workers.control_auth import TlsFiles
+    from workers.rpc.control_auth import TlsFiles
 
     cert, key = self_signed_cert(tmp_path)
     with pytest.raises(ValueError, match="--tls-key"):

@@ -21,8 +21,8 @@ from proto import speedpipe_pb2 as pb
 from proto import speedpipe_pb2_grpc as pb_grpc
 from tests.unit.test_serving_grpc import KEY, UNSET_BUDGET, _raw_call, _rpcs, grpc_server  # noqa: F401 (fixture)
 from tests.unit.test_serving_http import FakeCoordinator, tokenizer  # noqa: F401 (the fixture)
-from workers.request_parse import MAX_NAMED_FIELDS, misread_fields
-from workers.status_details import DOMAIN, status_with_details
+from workers.rpc.request_parse import MAX_NAMED_FIELDS, misread_fields
+from workers.rpc.status_details import DOMAIN, status_with_details
 
 pytestmark = pytest.mark.timeout(60)
 KINDS = (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)

@@ -14,8 +14,8 @@ import pytest
 from launcher.backends.worker_command import LocalLaunchConfig
 from launcher.cli.main import main
 from launcher.coordinator.pipeline_options import PipelineOptions
-from workers.control_auth import SECRET_ENV
 from workers.log_config import LOG_LEVEL_ENV, resolve_log_level
+from workers.rpc.control_auth import SECRET_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 

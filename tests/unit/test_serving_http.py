@@ -37,7 +37,7 @@ from pipeline.speculation.sampling import SamplingParamError, SamplingParams
 from proto import speedpipe_pb2 as pb
 from tests.conftest import wait_for
 from tests.tiny_model import write_tiny_model
-from workers.status_details import error_reason
+from workers.rpc.status_details import error_reason
 
 pytestmark = pytest.mark.timeout(60)
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

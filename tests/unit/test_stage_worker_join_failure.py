@@ -26,7 +26,7 @@ from tests.conftest import wait_for
 from tests.tiny_model import write_tiny_model
 from tests.unit.test_stage_worker_load import Aborted, FakeContext
 from tests.unit.test_stage_worker_rejoin import FakeGroup, FakeLoop
-from workers import channel, stage_worker
+from workers import rendezvous, stage_worker
 from workers.channel import DataPlaneGroup, RendezvousAbandoned, hold_listener
 from workers.load_spec_codec import spec_to_proto
 from workers.stage_worker import StageServicer
@@ -127,7 +127,7 @@ def test_a_load_whose_rendezvous_is_abandoned_by_rank_0_is_unavailable(tmp_path,
     load.start()
     probe = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=WAIT_S))
-    assert wait_for(lambda: probe.add(channel._JOINED_KEY, 0) == 2, timeout_s=WAIT_S), "the stage never joined"
+    assert wait_for(lambda: probe.add(rendezvous.JOINED_KEY, 0) == 2, timeout_s=WAIT_S), "the stage never joined"
     abandoned.set()
     load.join(timeout=WAIT_S)
     assert not load.is_alive(), "the Load still waits at an abandoned rendezvous"

@@ -19,8 +19,8 @@ from pipeline.measure.stage_calibration import MAX_CALIBRATION_ROWS
 from pipeline.model.partition import LayerRange
 from tests.tiny_model import write_tiny_model
 from workers.load_spec_codec import spec_to_proto
+from workers.rpc.status_details import error_reason
 from workers.stage_worker import StageServicer
-from workers.status_details import error_reason
 
 
 class Aborted(Exception):
@@ -157,8 +157,8 @@ def _stage_rpcs() -> list[tuple[str, object]]:
 def test_a_request_the_stage_cannot_parse_is_invalid_argument_after_the_secret_check(method, descriptor):
     """grpcio answered INTERNAL "Exception deserializing request!" to a coordinator built from
     another .proto (a mixed-version cluster), which reads as a crashed stage, not a version mismatch;
-    and the secret must still be checked before anything is parsed (workers/request_parse.py)."""
-    from workers.control_auth import SECRET_METADATA_KEY
+    and the secret must still be checked before anything is parsed (workers/rpc/request_parse.py)."""
+    from workers.rpc.control_auth import SECRET_METADATA_KEY
     from workers.stage_worker import start_server, stop_server
 
     stop = threading.Event()

@@ -83,7 +83,7 @@ class StageActor:
 
     def start(self, control_secret: str | None = None, tls=None, rejoin_wait_s: float = 0.0) -> dict:
         """Start the StageService on this node's IP (checking `control_secret` on every call, see
-        workers/control_auth.py; waiting `rejoin_wait_s` for a Rejoin after a data-plane failure),
+        workers/rpc/control_auth.py; waiting `rejoin_wait_s` for a Rejoin after a data-plane failure),
         logging at the driver's level (SPEEDPIPE_LOG_LEVEL in the actor's environment); returns where it runs."""
         import torch
 
@@ -164,7 +164,7 @@ class RayStageActors:
         self.threads_per_stage = threads_per_stage
         self.startup_timeout_s = startup_timeout_s
         self.environ = dict(os.environ if environ is None else environ)
-        self.control_secret, self.tls = control_secret, tls  # tls: workers.control_auth.TlsFiles or None
+        self.control_secret, self.tls = control_secret, tls  # tls: workers.rpc.control_auth.TlsFiles or None
         self.rejoin_wait_s = rejoin_wait_s
         self.master_addr = "127.0.0.1"
         self.placements: list[StagePlacement] = []

@@ -35,7 +35,7 @@ from pipeline.training.data import (
 )
 from pipeline.weights.checkpoint import CheckpointReader, read_norm_and_head
 from pipeline.weights.registry import DEFAULT_MODEL, default_cache_dir, resolve_model
-from workers.control_auth import MAX_CONTROL_MESSAGE_BYTES
+from workers.rpc.control_auth import MAX_CONTROL_MESSAGE_BYTES
 
 log = logging.getLogger("speedpipe.train")
 

@@ -9,7 +9,7 @@ client-side retry policy reads (gRFC A6), so that a client with one backs off wi
 Clients read them with `grpc_status.rpc_status.from_call(err)` (README, gRPC section; `error_reason`
 reads the ErrorInfo's reason, as the coordinator does of a stage's Load); clients that do not still see
 the code and the message. Used by the serving GenerateService
-(launcher/serving/grpc_generate.py), the request-parse interceptor (workers/request_parse.py) and
+(launcher/serving/grpc_generate.py), the request-parse interceptor (workers/rpc/request_parse.py) and
 the coordinator's Load (launcher/coordinator/stage_control.py, `error_reason`).
 Must not: decide which error an RPC gets (the callers do).
 """

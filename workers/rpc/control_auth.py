@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from workers.status_details import abort_with_details
+from workers.rpc.status_details import abort_with_details
 
 SECRET_ENV = "SPEEDPIPE_CONTROL_SECRET"
 SECRET_METADATA_KEY = "x-speedpipe-control-secret"
@@ -91,7 +91,7 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str, reason: str,
              metadata: dict[str, str]) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED `message` and an
     ErrorInfo `reason` (CREDENTIALS_MISSING: no such metadata; CREDENTIALS_INVALID: a wrong value) with
-    `metadata` (the metadata key the server reads), as workers/status_details.py gives every error."""
+    `metadata` (the metadata key the server reads), as workers/rpc/status_details.py gives every error."""
     def deny(request, context):
         abort_with_details(context, grpc.StatusCode.UNAUTHENTICATED, message, reason=reason, metadata=metadata)
 

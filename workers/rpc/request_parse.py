@@ -3,7 +3,7 @@
 Owns `RequestParseInterceptor` (a server interceptor that hands each handler the raw request bytes
 and parses them itself, answering INVALID_ARGUMENT, naming the RPC and its request type, where
 grpcio answers INTERNAL "Exception deserializing request!", with a google.rpc.BadRequest naming the
-misread fields: workers/status_details.py) and `misread_fields` (known fields that arrived with
+misread fields: workers/rpc/status_details.py) and `misread_fields` (known fields that arrived with
 another wire type, which protobuf silently keeps as unknown fields). Used by the
 serving GenerateService (launcher/serving/grpc_generate.py) and every stage's StageService
 (workers/stage_worker.py). Must not: know which RPCs exist or what they do.
@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from workers.status_details import abort_with_details
+from workers.rpc.status_details import abort_with_details
 
 # ErrorInfo.reason of a request this server cannot parse: the client's stubs come from another .proto
 # (a client of another version). A coordinator reads it on a stage's Load as an internal error.
