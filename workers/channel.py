@@ -12,7 +12,6 @@ Ranks: [Note: ranks] in pipeline/engine/wire.py (`rank_of_stage`).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import ipaddress
 import re
@@ -201,19 +200,6 @@ class ChannelError(RuntimeError):
     """A data-plane transfer failed: the peer timed out, died, or sent a malformed message."""
 
 
-@dataclasses.dataclass
-class PendingRecv:
-    """A posted receive of a message's frame (`Channel.post_recv`); src None: from any rank."""
-
-    work: object
-    frame: torch.Tensor
-    src: int | None
-
-    def ready(self) -> bool:
-        """Whether the frame arrived (a message waits), without waiting."""
-        return self.work.is_completed()
-
-
 class Channel:
     """Sends and receives framed messages; every wait has a deadline of `timeout_s` seconds.
 
@@ -280,25 +266,8 @@ class Channel:
 
         Raises ChannelError on timeout, peer failure or a malformed message.
         """
-        return self.finish(self.post_recv(src))[1]
-
-    def post_recv(self, src: int | None) -> PendingRecv:
-        """Post the receive of the next message's frame from rank `src` (None: from any rank) and
-        return at once; `PendingRecv.ready()` then says whether it arrived, without waiting, and
-        `finish` completes it. Raises ChannelError after close()."""
         frame = torch.empty(self.frame_bytes, dtype=torch.uint8)
-        if src is None:
-            return PendingRecv(self.group.group_for(frame).recv_anysource([frame], 0), frame, None)
-        return PendingRecv(self._recv(frame, src), frame, src)
-
-    def finish(self, pending: PendingRecv) -> tuple[int, Message]:
-        """(sender's rank, message) of a posted receive: waits for its frame (the deadline counts
-        from now), then receives the payload from the same sender. Raises ChannelError on timeout,
-        peer failure or a malformed message."""
-        frame, src = pending.frame, pending.src
-        self._wait(pending.work, "receive from", "any peer" if src is None else src)
-        if src is None:
-            src = pending.work._source_rank()
+        self._wait(self._recv(frame, src), "receive from", src)
         raw = frame.numpy()
         try:
             header = decode_header(memoryview(raw), max_payload_bytes=self.max_payload_bytes)
@@ -317,7 +286,7 @@ class Channel:
             if header.payload_bytes:
                 self._wait(self._recv(payload, src), "receive from", src)
             tensors = split_payload(memoryview(payload.numpy()), header.specs)
-        return src, Message(header.kind, header.items, tensors, header.timing, header.releases)
+        return Message(header.kind, header.items, tensors, header.timing, header.releases)
 
     def _send(self, t: torch.Tensor, dst: int):
         return self.group.group_for(t).send([t], dst, 0)
@@ -325,7 +294,7 @@ class Channel:
     def _recv(self, t: torch.Tensor, src: int):
         return self.group.group_for(t).recv([t], src, 0)
 
-    def _wait(self, work, verb: str, peer: int | str) -> None:
+    def _wait(self, work, verb: str, peer: int) -> None:
         error = None
         try:
             work.wait(timeout=self.timeout)
@@ -338,13 +307,12 @@ class Channel:
             del work
             raise ChannelError(error)
 
-    def _error_text(self, text: str, verb: str, peer: int | str) -> str:
-        """The one-line ChannelError message of a failed gloo transfer (peer: a rank, or its words)."""
-        name = peer if isinstance(peer, str) else rank_name(peer)
+    def _error_text(self, text: str, verb: str, peer: int) -> str:
+        """The one-line ChannelError message of a failed gloo transfer."""
         if "Timed out" in text or "timeout" in text.lower():
-            return (f"{self.label}timed out after {self.timeout_s:g} s waiting to {verb} {name} "
+            return (f"{self.label}timed out after {self.timeout_s:g} s waiting to {verb} {rank_name(peer)} "
                     f"(--stage-timeout-s); is that process alive?")
-        return f"{self.label}failed to {verb} {name}: {_gloo_reason(text)}"
+        return f"{self.label}failed to {verb} {rank_name(peer)}: {_gloo_reason(text)}"
 
 
 def _gloo_reason(text: str) -> str:

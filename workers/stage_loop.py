@@ -12,7 +12,7 @@ sent on, once a newer epoch (or a release) of every sequence in it has arrived (
 pipeline/engine/local_draft.py). A last stage that is stage 0 feeds an authorised greedy decode
 item itself in the same way: run next, announced in its parent's RESULT, withdrawn on a RELEASE;
 never while a message waits in its inbox. A last stage that is not stage 0 sends that item straight
-to stage 0 over the feed link instead (`FeedLink`: stage 0 then receives from the coordinator and
+to stage 0 over the feed link instead (`FeedLink` in workers/feed_link.py: stage 0 then receives from the coordinator and
 the last stage alike, in arrival order, and withdraws a fed item of a released sequence downstream)
 ([Note: self-fed decode] in pipeline/engine/decode_feed.py).
 Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
@@ -20,7 +20,6 @@ Must not: decide what runs (the coordinator does, or grants it) or talk gRPC.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import queue
@@ -38,18 +37,17 @@ from pipeline.engine.wire import (
     PROMPT_LOGPROB_TENSORS,
     Message,
     MessageKind,
-    rank_name,
     rank_of_stage,
 )
 from pipeline.measure.timeline import StageTiming
 from pipeline.model.row_layout import PassInterrupted
 from pipeline.speculation.items import Item
-from workers.channel import Channel, PendingRecv
+from workers.channel import Channel
+from workers.feed_link import FeedLink
 from workers.send_queue import SendQueue
 
 log = logging.getLogger(__name__)
 RELEASED = 1 << 62  # `StageLoop._newest` of a released sequence: newer than any epoch
-MAX_RELEASED = 4096  # stage 0 remembers this many released sequences for the feed link's drop rule
 
 
 class StageLoop:
@@ -64,12 +62,22 @@ class StageLoop:
         self.next_rank = COORDINATOR_RANK if self.is_last else rank_of_stage(stage_index + 1)
         self.messages_received = 0
         self.stopped = threading.Event()
-        self.retired = False  # set by Rejoin: this loop's group is abandoned; stop at the next message
+        self._retired = False  # set by Rejoin (`retired`): this loop's group is abandoned
         self.sends = SendQueue(channel)  # see [Note: background sends] in workers/send_queue.py
         self.drafter = StageDrafter() if stage_index == 0 and executor.exit_layer is not None else None
         self._inbox: queue.Queue | None = None  # the reader thread's messages (stage 0 with a drafter)
         self._newest: dict[int, int] = {}  # seq -> newest epoch the reader thread has received (released: RELEASED)
         self.link = FeedLink(channel, stage_index, num_stages)  # self-fed decode at --stages >= 2
+
+    @property
+    def retired(self) -> bool:
+        """Set by Rejoin: this loop's group is abandoned; it (and the feed link's readers) stop at
+        their next message."""
+        return self._retired
+
+    @retired.setter
+    def retired(self, value: bool) -> None:
+        self._retired = self.link.retired = value
 
     def run(self) -> None:
         """Handle messages until SHUTDOWN. Raises ChannelError / ValueError on failure."""
@@ -81,6 +89,7 @@ class StageLoop:
                 self.messages_received += 1
                 if msg.kind == MessageKind.FORWARD:
                     self._run_forward(msg)
+                    self.link.after(None, self.sends)
                     continue
                 if msg.kind == MessageKind.CREDIT and self.drafter is not None:  # before the reader started
                     self.drafter.credit(msg.items)
@@ -97,6 +106,8 @@ class StageLoop:
                 elif msg.kind not in (MessageKind.KEEPALIVE, MessageKind.SHUTDOWN):
                     raise ValueError(f"[Stage {self.stage_index}] unexpected {msg.kind.name} message from upstream")
                 self.sends.send(msg, self.next_rank)
+                if msg.kind != MessageKind.SHUTDOWN:
+                    self.link.after(msg.kind, self.sends)
                 if msg.kind == MessageKind.KEEPALIVE and self.executor.exit_layer is not None and not self.is_last:
                     # the coordinator's receiver of exit events waits with the deadline too: an idle
                     # pipeline keeps that connection alive as well ([Note: deadlines] in workers/channel.py)
@@ -115,7 +126,7 @@ class StageLoop:
 
     def _recv(self) -> Message:
         """The next message from upstream (via the reader thread on stage 0 with a drafter; from the
-        coordinator or the feed link on stage 0 of several, once fed; posted early on a fed last stage)."""
+        coordinator or the feed link on stage 0 of several, once fed: `FeedLink.recv`)."""
         if self._inbox is None:
             return self.link.recv(self.prev_rank)
         msg = self._inbox.get()
@@ -246,8 +257,8 @@ class StageLoop:
         if self.stage_index == 0:
             return fed
         x = torch.tensor([t for it in fed for t in it.token_ids], dtype=torch.int64)
-        self.sends.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in fed], {"x": x},
-                                None if timing is None else []), rank_of_stage(0))
+        self.link.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in fed], {"x": x},
+                               None if timing is None else []), self.sends)
         return []
 
     def _start_reader(self) -> None:
@@ -256,100 +267,3 @@ class StageLoop:
         if self._inbox is None:
             self._inbox = queue.Queue()
             threading.Thread(target=self._read, name=f"stage-{self.stage_index}-reader", daemon=True).start()
-
-
-class FeedLink:
-    """The feed link of self-fed decode at --stages >= 2 ([Note: self-fed decode] 6 in
-    pipeline/engine/decode_feed.py): the last stage sends a fed decode item straight to stage 0.
-
-    Both ends switch on at the first authorised item they run (`saw`; stage 0 runs it first, and
-    the last stage runs exactly the items stage 0 sent on, so they agree). From then on stage 0
-    receives its next message from either sender, in arrival order (one posted receive from any
-    rank: no reader thread, so no thread hand-off on the critical path), drops a fed item of a
-    sequence whose RELEASE it applied (`withdraws`: its slot may have a new owner), and at SHUTDOWN
-    drains the link up to the last stage's SHUTDOWN on it (no send is left unmatched). The last
-    stage posts its next receive as soon as it took a message, so `stops` tells without waiting
-    whether the coordinator sent something more, which stops the chain, as does any message it
-    took since the chain's root (an authorised item the coordinator sent). Stage 0's deadline is met
-    by whatever either sender sends: the coordinator's keepalives reach it as before.
-    """
-
-    def __init__(self, channel: Channel, stage_index: int, num_stages: int) -> None:
-        self.channel = channel
-        self.num_stages = num_stages
-        self.first = stage_index == 0 and num_stages > 1
-        self.last = stage_index == num_stages - 1 and num_stages > 1
-        self.on = False
-        self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._pending: PendingRecv | None = None  # the last stage's early receive
-        self._quiet = False  # last stage: it took nothing but a chain's own items since the chain's root
-
-    def saw(self, items: Sequence[Item]) -> None:
-        """Switch the link on at this end once an authorised item (`Item.feed_upto`) ran here."""
-        if not self.on and (self.first or self.last) and any(it.feed_upto for it in items):
-            self.on = True
-
-    def recv(self, prev_rank: int) -> Message:
-        """The next message for this stage: from `prev_rank`, or, on stage 0 with the link on, from
-        the coordinator or the last stage (a KEEPALIVE of the link is skipped). Raises ChannelError,
-        and ValueError for a message the link may not carry."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            msg = self.channel.finish(pending)[1]
-        elif not (self.on and self.first):
-            msg = self.channel.recv(prev_rank)
-        else:
-            while True:
-                src, msg = self.channel.finish(self.channel.post_recv(None))
-                if src == prev_rank:
-                    break
-                self._check(src, msg)
-                if msg.kind == MessageKind.FORWARD:
-                    break
-        if self.last:
-            # an authorised item the coordinator sent (a chain's root) starts a quiet chain; the
-            # chain's own fed items keep it; anything else the coordinator sent ends it
-            chain = msg.kind == MessageKind.FORWARD and any(it.feed_upto for it in msg.items)
-            self._quiet = chain and (self._quiet or not msg.items[0].self_made)
-        if self.on and self.last and msg.kind != MessageKind.SHUTDOWN:
-            self._pending = self.channel.post_recv(prev_rank)
-        return msg
-
-    def stops(self) -> bool:
-        """Last stage: whether the coordinator sent something since the chain's root, so it feeds no
-        more: a message it took between the chain's items, or one that has arrived and waits (its
-        receive is posted)."""
-        return not self._quiet or (self._pending is not None and self._pending.ready())
-
-    def note_releases(self, releases) -> None:
-        """Stage 0: remember the sequences a RELEASE it applied freed (the last MAX_RELEASED)."""
-        if self.on and self.first:
-            for r in releases:
-                self._released[r.seq_id] = None
-            while len(self._released) > MAX_RELEASED:
-                self._released.popitem(last=False)
-
-    def withdraws(self, msg: Message) -> bool:
-        """Stage 0: whether `msg` is a fed item (from the link: `self_made`) of a sequence released
-        meanwhile, to be withdrawn downstream rather than run. A fed micro-batch holds the items of
-        one announcement, of the one sequence authorised (`decode_feed.authorise`: alone)."""
-        return (self.on and self.first and bool(msg.items) and msg.items[0].self_made
-                and any(it.seq_id in self._released for it in msg.items))
-
-    def shut_down(self, sends: SendQueue) -> None:
-        """At SHUTDOWN (after passing it on): the last stage tells stage 0 the link ends; stage 0
-        drops what the link still carries up to that."""
-        if self.on and self.last:
-            sends.send(Message(MessageKind.SHUTDOWN), rank_of_stage(0))
-        elif self.on and self.first:
-            feed_rank = rank_of_stage(self.num_stages - 1)
-            while (msg := self.channel.recv(feed_rank)).kind != MessageKind.SHUTDOWN:
-                self._check(feed_rank, msg)
-
-    def _check(self, src: int, msg: Message) -> None:
-        """Stage 0: a message from `src`, not the coordinator, must be the last stage's fed FORWARD
-        (self-made items) or KEEPALIVE. Raises ValueError otherwise."""
-        if src != rank_of_stage(self.num_stages - 1) or not (
-                msg.kind == MessageKind.KEEPALIVE
-                or (msg.kind == MessageKind.FORWARD and msg.items and all(it.self_made for it in msg.items))):
-            raise ValueError(f"[Stage 0] unexpected {msg.kind.name} message from {rank_name(src)} on the feed link")

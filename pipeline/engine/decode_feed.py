@@ -51,30 +51,33 @@ latency"). With `--decode-feed stage` the last stage feeds the next item itself:
    chain for a token.
 5. Exact. A fed item is the item the coordinator would have sent: same start, token, slot and
    epoch (`register` checks the queued one), so greedy output is unchanged; it only starts earlier.
-6. --stages >= 2: the feed link (`FeedLink` in workers/stage_loop.py). The last stage sends the
+6. --stages >= 2: the feed link (`FeedLink` in workers/feed_link.py). The last stage sends the
    fed item straight to stage 0 over the data-plane group (gloo, a pair the group connects at
    start-up like the others), in a FORWARD of its own, and announces it in its RESULT as above.
-   (a) Two upstreams, no thread: once an authorised item ran there, stage 0 takes its next message
-       from the coordinator or the last stage, whichever arrives first (one posted receive from any
-       rank, then the payload from that sender). Each sender keeps its own order, with none
-       between the two: a fed item may come before or after a coordinator message sent meanwhile.
+   (a) Two upstreams: once an authorised item ran there, stage 0 takes its next message from the
+       coordinator or the last stage, whichever arrives first (a reader thread per sender, one
+       queue: a hand-over costs ~0.1 ms; gloo's receive from any rank cost ~4 ms a message on this
+       machine, and a posted gloo receive does not complete until waited for, so it cannot be
+       polled). Each sender keeps its own order, with none between the two: a fed item may come
+       before or after a coordinator message sent meanwhile.
    (b) Released sequences: a fed item of a sequence whose RELEASE stage 0 has applied is not run
        (its slot may have a new owner) but WITHDRAWN downstream, in order with the work: later
        stages pass it on and the last stage sends it to the coordinator, after the RESULT that
        announced the item (one channel, in order), so the engine matches it as at one stage. A fed
        item that arrives before the RELEASE runs, and the later stages see it before the RELEASE
        too (stage 0's one downstream order), so every stage's KV cache agrees.
-   (c) Stopping: the last stage posts its next receive from upstream as soon as it took a message,
-       so it sees, without waiting, whether the coordinator sent something more (4). A message it
-       already took between the chain's items stops the chain too (`FeedLink.stops`): at 1 stage
+   (c) Stopping: the last stage feeds only while it took nothing but the chain's own items since
+       the chain's root, the authorised item the coordinator sent (`FeedLink.stops`): at 1 stage
        nothing runs between a fed item and the next, but here another request's items do, one
-       between every two of the chain's, and each would find the inbox empty again (the chain
-       would then run beside them for as long as they ran, never batched with them).
+       between every two of the chain's, and an inbox test would find it empty each time (the
+       chain would then run beside them for as long as they ran, never batched with them). A new
+       request therefore stops a chain once its first item passed the last stage (4).
    (d) One item: a fed micro-batch holds the one sequence authorised (alone in 1), so withdrawing
        it never stalls a sequence that goes on.
-   (e) Deadlines and shutdown: stage 0 waits on both senders with one deadline, which the
-       coordinator's keepalives meet as before; at SHUTDOWN the last stage sends SHUTDOWN on the
-       link and stage 0 drains the link up to it, so no send is left unmatched.
+   (e) Deadlines and shutdown: stage 0's reader of the link waits with the deadline too, so the
+       last stage copies each KEEPALIVE it passes on to stage 0 and sends one itself after a
+       quarter of the deadline without a send (`FeedLink.after`); at SHUTDOWN the last stage sends
+       SHUTDOWN on the link and stage 0 drains the link up to it, so no send is left unmatched.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 
 import pytest
 import torch
@@ -42,8 +41,8 @@ def weights():
 
 
 class _Channel:
-    """Scripted receives (`put`) in arrival order, from one rank or any (`post_recv(None)`), each
-    waiting up to WAIT_S like a real deadline."""
+    """Scripted receives (`put`) in arrival order, per source rank, each waiting up to WAIT_S like a
+    real deadline."""
 
     def __init__(self) -> None:
         self.device, self.timeout_s, self.label = torch.device("cpu"), 60.0, ""
@@ -55,21 +54,14 @@ class _Channel:
             self.arrived.append((src, msg))
             self.cond.notify_all()
 
-    def post_recv(self, src: int | None):
-        return types.SimpleNamespace(src=src, ready=lambda: self._first(src) is not None)
-
-    def finish(self, pending) -> tuple[int, Message]:
-        with self.cond:
-            if not self.cond.wait_for(lambda: self._first(pending.src) is not None, timeout=WAIT_S):
-                raise ChannelError(f"nothing from rank {pending.src}")
-            i = self._first(pending.src)
-            return self.arrived.pop(i)
-
     def recv(self, src: int) -> Message:
-        return self.finish(self.post_recv(src))[1]
+        with self.cond:
+            if not self.cond.wait_for(lambda: self._first(src) is not None, timeout=WAIT_S):
+                raise ChannelError(f"nothing from rank {src}")
+            return self.arrived.pop(self._first(src))[1]
 
-    def _first(self, src: int | None) -> int | None:
-        return next((i for i, (s, _) in enumerate(self.arrived) if src is None or s == src), None)
+    def _first(self, src: int) -> int | None:
+        return next((i for i, (s, _) in enumerate(self.arrived) if s == src), None)
 
 
 class _Recorder:
@@ -137,25 +129,21 @@ def test_the_last_stage_sends_the_fed_item_to_stage_0_before_its_result_announce
     assert fed_msg.tensors["x"].tolist() == [token]
 
 
-def test_the_last_stage_stops_feeding_once_a_message_waits_upstream(weights):
-    """Once on, the last stage posts its next receive as soon as it took a message: a message that
-    arrived meanwhile (here a KEEPALIVE; a new request's FORWARD alike) stops the chain."""
+def test_the_last_stage_keeps_the_link_within_stage_0s_deadline_once_it_is_on(weights):
+    """Stage 0 reads the link with the deadline: once on, the last stage copies each KEEPALIVE there
+    and sends one itself after a quarter of the deadline without a send; before, nothing."""
     loop, channel = _loop(weights, 1)
-    hidden = weights[0].hidden_size
-    channel.put(rank_of_stage(0), _forward(_decode(), torch.randn(1, hidden)))
-    loop._run_forward(loop._recv())  # the first authorised item: the link is on, no receive posted yet
-    assert loop.sends.kinds() == [(MessageKind.FORWARD, rank_of_stage(0)), (MessageKind.RESULT, COORDINATOR_RANK)]
-    channel.put(rank_of_stage(0), _forward(_decode(4, 55, fed=True), torch.randn(1, hidden)))
-    msg = loop._recv()  # posts the next receive at once
-    loop._run_forward(msg)  # nothing waits: it feeds
-    assert loop.sends.kinds()[2:] == [(MessageKind.FORWARD, rank_of_stage(0)), (MessageKind.RESULT, COORDINATOR_RANK)]
-    channel.put(rank_of_stage(0), _forward(_decode(5, 66, fed=True), torch.randn(1, hidden)))
-    msg = loop._recv()
-    channel.put(rank_of_stage(0), Message(MessageKind.KEEPALIVE))  # arrives while the item runs
-    loop._run_forward(msg)
-    assert loop.sends.kinds()[4:] == [(MessageKind.RESULT, COORDINATOR_RANK)]
-    assert "fed" not in loop.sends.sent[-1][2].tensors
-    assert loop._recv().kind == MessageKind.KEEPALIVE  # the early receive is the next message
+    loop.link.after(MessageKind.KEEPALIVE, loop.sends)
+    assert loop.sends.sent == [], "a last stage whose link is off sent on it"
+    channel.put(rank_of_stage(0), _forward(_decode(), torch.randn(1, weights[0].hidden_size)))
+    loop._run_forward(loop._recv())
+    n = len(loop.sends.sent)
+    loop.link.after(None, loop.sends)
+    assert len(loop.sends.sent) == n, "a keepalive right after the fed item"
+    loop.link.after(MessageKind.KEEPALIVE, loop.sends)
+    loop.link._sent_s -= loop.channel.timeout_s  # a quarter of the deadline has passed since
+    loop.link.after(None, loop.sends)
+    assert loop.sends.kinds()[n:] == [(MessageKind.KEEPALIVE, rank_of_stage(0))] * 2
 
 
 def test_the_last_stage_stops_feeding_once_it_took_another_message_between_the_chain_items(weights):
@@ -221,6 +209,7 @@ def _run_stage0(weights, *, release_first: bool, stray: bool = False) -> tuple[S
         assert time.monotonic() < deadline, loop.sends.kinds()
         time.sleep(0.005)
     channel.put(COORDINATOR_RANK, Message(MessageKind.SHUTDOWN))
+    loop.sends.wait_for(MessageKind.SHUTDOWN, rank_of_stage(1))  # stage 0 drains the link from now on
     if stray:
         channel.put(rank_of_stage(1), _forward(_decode(5, 66, fed=True), torch.tensor([66])))
     channel.put(rank_of_stage(1), Message(MessageKind.SHUTDOWN))
