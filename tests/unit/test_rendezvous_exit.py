@@ -39,7 +39,7 @@ def join(rank):
     try:
         channel.DataPlaneGroup(master_addr="127.0.0.1", master_port=port, rank=rank, world_size=3, timeout_s=60)
     except channel.RendezvousAbandoned:
-        print("abandoned at exit", flush=True)
+        print("abandoned at exit\\n", end="", flush=True)  # one write: the two threads' lines do not interleave
 for rank in (0, 1):
     threading.Thread(target=join, args=(rank,), daemon=True).start()
 store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=60))
