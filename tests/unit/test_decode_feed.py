@@ -197,7 +197,6 @@ def _authorised(cfg: SchedulerConfig, *, alone: bool = True, kind: ItemKind = It
 
 @pytest.mark.parametrize(("cfg", "kw"), [
     ({"decode_feed": False}, {}),
-    ({"num_stages": 2}, {}),
     ({}, {"alone": False}),
     ({}, {"temperature": 0.7}),
     ({}, {"logprobs": 0}),
@@ -212,6 +211,13 @@ def _authorised(cfg: SchedulerConfig, *, alone: bool = True, kind: ItemKind = It
 def test_not_authorised_where_the_stage_could_differ_or_others_wait(cfg, kw):
     assert _authorised(config()).feed_upto > 0  # the baseline is authorised
     assert _authorised(config(**cfg), **kw).feed_upto == 0
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 5])
+def test_authorised_at_any_number_of_stages_the_feed_link_serves(num_stages):
+    """Beyond --stages 1 the last stage sends the fed item to stage 0 ([Note: self-fed decode] 6)."""
+    item = _authorised(config(num_stages=num_stages))
+    assert item.feed_upto == _authorised(config()).feed_upto > 0
 
 
 def test_the_authorisation_carries_the_budget_bound_and_the_stop_ids():
