@@ -37,6 +37,7 @@ from pipeline.engine.wire import (
     PROMPT_LOGPROB_TENSORS,
     Message,
     MessageKind,
+    forward_tensors,
     rank_of_stage,
 )
 from pipeline.measure.timeline import StageTiming
@@ -256,8 +257,7 @@ class StageLoop:
         tensors["fed"] = torch.tensor(flags, dtype=torch.int64)
         if self.stage_index == 0:
             return fed
-        x = torch.tensor([t for it in fed for t in it.token_ids], dtype=torch.int64)
-        self.link.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in fed], {"x": x},
+        self.link.send(Message(MessageKind.FORWARD, [it.without_tokens() for it in fed], forward_tensors(fed),
                                None if timing is None else []), self.sends)
         return []
 
