@@ -33,6 +33,7 @@ from pipeline.model.partition import (
     split_from_sizes,
 )
 from pipeline.model.stage_model import checkpoint_shapes
+from pipeline.model.tensor_names import head_tensor_name
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
 from pipeline.speculation.predictor_file import (
@@ -46,7 +47,8 @@ from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
 from pipeline.weights.gguf_blocks import gguf_source_of, requantised_linears
 from pipeline.weights.gguf_import import SOURCE_FILE
-from pipeline.weights.quant_load import effective_mode
+from pipeline.weights.quant import packed_weight_bytes
+from pipeline.weights.quant_load import effective_mode, linear_weight_bytes
 from pipeline.weights.registry import resolve_model
 from pipeline.weights.stage_memory import kv_bytes_per_layer, rotation_table_bytes, stage_dtype
 
@@ -128,24 +130,52 @@ class RunPlan:
 
 
 def layer_param_count(config: ModelConfig) -> int:
-    """Weights of one decoder layer's linears (q, k, v, o and a dense SwiGLU MLP), the unit of the
-    split's cost ([Note: partition cost] in pipeline/model/partition.py)."""
+    """Weights of one decoder layer's linears (q, k, v, o and a dense SwiGLU MLP)."""
     h, d = config.hidden_size, config.head_dim
     return h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) + 3 * h * config.intermediate_size
 
 
-def stage_extra_cost(options: RunConfig, config: ModelConfig, *, exit_rows: int | None = None,
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadCosts:
+    """The decode cost, in decoder-layer units, of the last stage's final norm + LM head (`head`) and of
+    a whole-vocabulary exit head on stage 0 (`exit_head`), in the run's numeric mode ([Note: partition
+    cost] in pipeline/model/partition.py)."""
+
+    head: float
+    exit_head: float
+
+
+def head_costs(options: RunConfig, config: ModelConfig, model_dir: Path) -> HeadCosts:
+    """Cost the LM head and an exit head from the bytes each streams in the run's numeric mode over the
+    bytes of an average decoder layer's linears (a mixture-of-experts layer's experts counted at
+    num_experts_per_tok / num_experts: a decode row runs that many). The LM head as the last stage
+    builds it (pipeline/weights/quant_load.py `linear_weight_bytes`: in `auto` the GGUF's own block
+    types); the exit head dense in the stage's activation dtype (pipeline/engine/stage_assembly.py
+    `build_exit_head`). Reads headers and the GGUF's tensor table only. Raises ValueError."""
+    n = config.num_hidden_layers
+    weights = linear_weight_bytes(config, LayerRange(0, n), is_last=True, quantization=options.quantization,
+                                  dtype=options.torch_dtype, model_dir=str(model_dir), device=options.device)
+    head_name = head_tensor_name(config)
+    expert_share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
+    layer_bytes = sum(b * (expert_share if ".experts." in name else 1.0)
+                      for name, b in weights.items() if name != head_name) / n
+    act = stage_dtype(options.quantization, model_dir, options.torch_dtype, options.device)
+    exit_bytes = packed_weight_bytes(act, (config.vocab_size, config.hidden_size))
+    return HeadCosts(head=head_cost_layers(head_bytes=weights[head_name], layer_bytes=layer_bytes),
+                     exit_head=head_cost_layers(head_bytes=exit_bytes, layer_bytes=layer_bytes))
+
+
+def stage_extra_cost(options: RunConfig, config: ModelConfig, costs: HeadCosts, *, exit_rows: int | None = None,
                      draft_layers: int = 0) -> list[float]:
     """Per-stage cost beyond its decoder layers, in layer units: the LM head on the last stage, and an
-    exit head on stage 0 when speculation uses one there ([Note: partition cost]). exit_rows: the
-    LM-head rows the exit head scores (a trained head's draft vocabulary; default the whole vocabulary);
-    draft_layers: decoder layers the exit head runs (`ExitHeadShape`), one layer unit each."""
-    head = head_cost_layers(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                            layer_params=layer_param_count(config))
+    exit head on stage 0 when speculation uses one there ([Note: partition cost]). costs: `head_costs`
+    of the run; exit_rows: the LM-head rows the exit head scores (a trained head's draft vocabulary;
+    default the whole vocabulary); draft_layers: decoder layers the exit head runs (`ExitHeadShape`),
+    one layer unit each."""
     extra = [0.0] * options.num_stages
-    extra[-1] += head
+    extra[-1] += costs.head
     if _stage0_exit_head(options):
-        extra[0] += head * (exit_rows or config.vocab_size) / config.vocab_size + draft_layers
+        extra[0] += costs.exit_head * (exit_rows or config.vocab_size) / config.vocab_size + draft_layers
     return extra
 
 
@@ -165,15 +195,16 @@ def default_split(options: RunConfig, config: ModelConfig, model_dir: Path) -> l
     exit layer to the one it was trained at. Without an exit head on stage 0: plain water-filling
     ([Note: partition cost] in pipeline/model/partition.py)."""
     n, stages = config.num_hidden_layers, options.num_stages
+    costs = head_costs(options, config, model_dir)
     if not _stage0_exit_head(options) or stages < 2:
-        return balanced_split(n, stages, extra_cost=stage_extra_cost(options, config))
+        return balanced_split(n, stages, extra_cost=stage_extra_cost(options, config, costs))
     given = given_exit_layer(predictor=options.predictor, exit_predictor=options.exit_predictor)
     layers = [given] if given is not None and 0 <= given <= n - stages else range(n - stages + 1)
     best = None
     for layer in layers:
         shape = exit_head_shape(predictor=options.predictor, exit_predictor=options.exit_predictor,
                                 model_dir=model_dir, config=config, exit_layer=layer)
-        extra = stage_extra_cost(options, config, exit_rows=shape.rows, draft_layers=shape.draft_layers)
+        extra = stage_extra_cost(options, config, costs, exit_rows=shape.rows, draft_layers=shape.draft_layers)
         rest = balanced_split(n - layer - 1, stages - 1, extra_cost=extra[1:])
         ranges = [LayerRange(0, layer + 1)] + [LayerRange(r.start + layer + 1, r.stop + layer + 1) for r in rest]
         cost = max(len(r) + c for r, c in zip(ranges, extra, strict=True))

@@ -41,16 +41,39 @@ class LayerRange:
 # minimises the most expensive stage by water-filling: start every stage at one layer and give each
 # further layer to the currently cheapest stage (ties to the earliest, so leftovers go to the first
 # stages, as in vLLM's get_pp_indices). Layers are contiguous by construction (only counts change).
-# The head's cost in layer units is estimated from weight counts, halved: one large matrix-vector
-# product runs about twice as efficiently as a layer's seven small ones plus attention (measured on
-# SmolLM2-135M, 1 CPU thread: head 15.9 ms = 4.6 layers of 3.5 ms; weight ratio 8.0).
+# A decode pass is memory-bound, so a head costs the BYTES it streams over the bytes a decoder
+# layer's linears stream, in the run's numeric mode (pipeline/weights/quant.py `packed_weight_bytes`,
+# launcher/coordinator/run_plan.py `head_costs`), times HEAD_EFFICIENCY: one large matrix-vector
+# product runs more efficiently than a layer's small ones plus attention. The bytes matter because
+# the modes pack the head and the layers differently: in `auto` on the default model's GGUF the
+# layers are Q4_1 (int4, 0.625 bytes a weight) and the tied head Q8_0 (int8, ~1 byte), so the head
+# streams 12.8 layers' bytes, not 8; an exit head is dense in the stage's activation dtype (bfloat16
+# in the int modes: 25.6 layers' bytes in `auto`). Measured (tests/benchmarks/split_cost.py, 10 layers,
+# 200 cached positions, 1 thread, median of 5 repeats of 40 passes, two runs, 2-core AMD EPYC VM
+# under load 4-5) against the estimate with HEAD_EFFICIENCY = 0.6, in layer units:
+#   mode   bytes ratio   measured head (run 1 / run 2)   estimate   --stages 2 split (measured / estimate)
+#   fp32       8.0            6.50 / 6.28                   4.8        18/12 / 17/13
+#   bf16       8.0            4.75 / 4.69                   4.8        17/13 / 17/13
+#   int8       8.0            4.66 / 5.05                   4.8        17/13 / 17/13 (run 2: 18/12)
+#   int4       8.0            3.36 / 2.85                   4.8        17/13 / 17/13
+#   auto      12.8            7.82 / 9.56                   7.7        19/11 / 19/11 (run 2: 20/10)
+#   auto exit 25.6           11.98 / 11.84 (a)             15.4        (stage 0's logit lens)
+# (a) the bf16 run's dense head over the auto run's layer. Efficiencies (measured / bytes ratio) are
+# 0.36-0.81 by mode; 0.6 is their median, and gives the measured best --stages 2 split in every mode but
+# fp32 on this VM (an earlier machine measured fp32 at 4.8 layers, efficiency 0.6). A traced
+# `launch --stages 2 --quantization auto` run at 19/11 had 11.44 / 11.32 ms per item (balanced), at
+# the old weight-count price's 17/13 11.5 / 14.9 ms.
 HEAD_COST_LAYERS = 1.0  # default when the model is unknown (30 layers on 4 stages -> 8,8,7,7)
-HEAD_EFFICIENCY = 0.5
+HEAD_EFFICIENCY = 0.6
 
 
-def head_cost_layers(*, vocab_size: int, hidden_size: int, layer_params: int) -> float:
-    """Estimated decode cost of a final norm + LM head, in decoder-layer units ([Note: partition cost])."""
-    return HEAD_EFFICIENCY * vocab_size * hidden_size / layer_params
+def head_cost_layers(*, head_bytes: int, layer_bytes: float) -> float:
+    """Estimated decode cost of a final norm + LM head (or an exit head) in decoder-layer units:
+    HEAD_EFFICIENCY x the bytes its matrix streams / the bytes one decoder layer's linears stream,
+    both in the run's numeric mode ([Note: partition cost]). Raises ValueError when layer_bytes <= 0."""
+    if layer_bytes <= 0:
+        raise ValueError(f"layer_bytes must be > 0, got {layer_bytes}")
+    return HEAD_EFFICIENCY * head_bytes / layer_bytes
 
 
 def balanced_split(num_layers: int, num_stages: int, *, extra_cost: Sequence[float] | None = None) -> list[LayerRange]:

@@ -223,6 +223,24 @@ def quantize_dense(w: torch.Tensor, mode: str) -> QuantWeight:
     raise ValueError(f"no quantised format for mode {mode!r}")
 
 
+def packed_weight_bytes(fmt: str | torch.dtype, shape: tuple[int, int]) -> int:
+    """Bytes a linear's weight [out, in] holds in format `fmt`, what one decode pass streams through
+    the kernel: "int4" as `Int4Linear` packs it (half a byte a weight plus a bfloat16 scale and zero per
+    group of INT4_GROUP_SIZE, rows padded to INT4_OUT_TILE), "int8" as `Int8Linear` (a byte a weight
+    plus a bfloat16 scale per row), a torch dtype dense (its itemsize a weight). The one formula of
+    the split's head cost ([Note: partition cost] in pipeline/model/partition.py). Raises ValueError
+    for another format."""
+    out, k = shape
+    if fmt == "int4":
+        rows = out + (-out % INT4_OUT_TILE)
+        return rows * k // 2 + rows * (k // INT4_GROUP_SIZE) * 2 * ACTIVATION_DTYPE.itemsize
+    if fmt == "int8":
+        return out * k + out * ACTIVATION_DTYPE.itemsize
+    if isinstance(fmt, torch.dtype):
+        return out * k * fmt.itemsize
+    raise ValueError(f"no packed format {fmt!r}: int4, int8 or a torch dtype")
+
+
 def stage_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Every nn.Linear of a StageModel by qualified name (fused names after `fuse`)."""
     return {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import LayerRange
-from pipeline.model.stage_model import StageModel, build_stage_model, set_rope_buffers
+from pipeline.model.stage_model import StageModel, build_stage_model, checkpoint_shapes, set_rope_buffers
 from pipeline.model.tensor_names import (
     EMBED_TOKENS,
     LM_HEAD,
@@ -22,12 +22,13 @@ from pipeline.model.tensor_names import (
 )
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.dense_layout import apply_dense_layout, release_freed_heap, validate_dense_layout
-from pipeline.weights.gguf_blocks import GgufBlockReader, gguf_source_of
+from pipeline.weights.gguf_blocks import INT4_TYPES, INT8_TYPES, GgufBlockReader, gguf_source_of
 from pipeline.weights.quant import (
     ACTIVATION_DTYPE,
     INT4_GROUP_SIZE,
     QuantWeight,
     cat_rows,
+    packed_weight_bytes,
     quantize_dense,
     quantize_stage_model,
     validate_quantization,
@@ -85,12 +86,49 @@ def _mlp_linears(config: ModelConfig, module: str, prefix: str) -> dict[str, lis
             f"{module}.down_proj": [family_tensor_name(f"{prefix}.down_proj.weight", config)]}
 
 
+def _requantised_format(module: str, in_features: int, mode: str) -> str:
+    """The format ("int4" / "int8") a dense weight of linear `module` is requantised to in `mode`: a
+    router and a weight whose input size is not a multiple of INT4_GROUP_SIZE become int8 rows
+    ([Note: numeric modes])."""
+    return "int8" if module.endswith(ROUTER) or in_features % INT4_GROUP_SIZE else mode
+
+
 def _requantise(module: str, w: torch.Tensor, mode: str) -> QuantWeight:
-    """Dense `w` [out, in] of linear `module` as a `mode` record, except that a router and a weight
-    whose input size is not a multiple of INT4_GROUP_SIZE become int8 rows ([Note: numeric modes])."""
-    if module.endswith(ROUTER) or w.shape[1] % INT4_GROUP_SIZE:
-        mode = "int8"
-    return quantize_dense(w, mode)
+    """Dense `w` [out, in] of linear `module` as a record in `_requantised_format`."""
+    return quantize_dense(w, _requantised_format(module, w.shape[1], mode))
+
+
+def _gguf_format(module: str, in_features: int, kind) -> str:
+    """The format a GGUF tensor of GGML type `kind` runs as in `auto` (`GgufBlockReader.read_one`,
+    `_quant_weights`): its own int4 / int8 blocks, else requantised."""
+    if kind in INT4_TYPES:
+        return "int4"
+    return "int8" if kind in INT8_TYPES else _requantised_format(module, in_features, "int4")
+
+
+def linear_weight_bytes(config: ModelConfig, layer_range: LayerRange, *, is_last: bool, quantization: str,
+                        dtype: torch.dtype, model_dir: str, device: str = "cpu") -> dict[str, int]:
+    """Checkpoint name -> the bytes its weight holds once built in numeric mode `quantization`, what a
+    decode pass streams (`packed_weight_bytes`), for every linear of a stage of `layer_range` (and
+    its LM head when `is_last`), as `load_stage_model` would build it: dense `dtype`, or int4 / int8
+    requantised, or in `auto` the GGUF's own block types. Reads the GGUF's tensor table only, never
+    tensor data, so the coordinator can cost a split before any stage loads. Raises ValueError for an
+    unknown mode or a tensor the GGUF lacks."""
+    mode = effective_mode(quantization, model_dir, device)
+    shapes = checkpoint_shapes(config, layer_range, is_first=False, is_last=is_last)
+    blocks = GgufBlockReader(gguf_source_of(model_dir), config, model_dir=model_dir) if mode == "gguf" else None
+    out = {}
+    for module, names in fused_linears(config, layer_range, is_last=is_last).items():
+        for name in names:
+            shape = shapes[name]
+            if mode == "none":
+                fmt = dtype
+            elif blocks is not None:
+                fmt = _gguf_format(module, shape[1], blocks.kind(name))
+            else:
+                fmt = _requantised_format(module, shape[1], mode)
+            out[name] = packed_weight_bytes(fmt, shape)
+    return out
 
 
 def _quant_weights(mode: str, groups: dict[str, list[str]], reader: CheckpointReader,

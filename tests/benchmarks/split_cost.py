@@ -10,9 +10,11 @@ this thread's CPU clock, the two stages alternating pass by pass. Then, from the
 - layer_ms = middle stage / layers;
 - head_ms = last stage - middle stage (final norm + LM head + the last stage's sampling rows);
 - head_layers = head_ms / layer_ms, the head's cost in layer units;
-- efficiency = head_layers / (vocab_size * hidden_size / layer_params): what `partition.py`'s
-  HEAD_EFFICIENCY holds per mode (the weight-count ratio alone would price a head of 8 layers'
-  weights at 8 layers);
+- bytes_ratio: the bytes the head streams over a layer's linears in the mode (run_plan.py
+  `head_costs`: in auto the Q8_0 head over Q4_1 layers, 12.8 on the default model);
+- estimate_layers = HEAD_EFFICIENCY x bytes_ratio, the price the split uses;
+- efficiency = head_layers / bytes_ratio: what `partition.py`'s HEAD_EFFICIENCY would be for this
+  mode alone ([Note: partition cost] lists the measurements);
 - embed_layers: the same for the first stage's extra work (token ids in, the embedding gather),
   from the first `--layers` layers built as the first stage and as a middle one.
 
@@ -36,10 +38,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from launcher.coordinator.run_plan import layer_param_count  # noqa: E402
+from launcher.coordinator.pipeline_options import PipelineOptions  # noqa: E402
+from launcher.coordinator.run_plan import head_costs, layer_param_count  # noqa: E402
 from pipeline.measure.row_cost import decode_pass  # noqa: E402
 from pipeline.model.config import ModelConfig  # noqa: E402
-from pipeline.model.partition import LayerRange  # noqa: E402
+from pipeline.model.partition import HEAD_EFFICIENCY, LayerRange  # noqa: E402
 from pipeline.model.row_layout import Span  # noqa: E402
 from pipeline.weights.quant_load import load_stage_model  # noqa: E402
 from pipeline.weights.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
@@ -96,9 +99,14 @@ def measure_mode(model_dir: Path, mode: str, *, layers: int, context: int, passe
     head_layers = (med["last"] - med["late"]) / layer_ms
     embed_layers = (med["first"] - med["early"]) / (med["early"] / layers)
     weight_ratio = config.vocab_size * config.hidden_size / layer_param_count(config)
+    options = PipelineOptions(num_stages=2, model=str(model_dir), quantization=quantization, progress=False,
+                              dtype=str(dtype).removeprefix("torch."))
+    estimate = head_costs(options, config, model_dir).head
+    bytes_ratio = estimate / HEAD_EFFICIENCY
     return {"repeats": per_repeat, "layer_ms": round(layer_ms, 3), "head_ms": round(med["last"] - med["late"], 3),
             "head_layers": round(head_layers, 2), "weight_ratio": round(weight_ratio, 2),
-            "efficiency": round(head_layers / weight_ratio, 3), "embed_ms": round(med["first"] - med["early"], 3),
+            "bytes_ratio": round(bytes_ratio, 2), "estimate_layers": round(estimate, 2),
+            "efficiency": round(head_layers / bytes_ratio, 3), "embed_ms": round(med["first"] - med["early"], 3),
             "embed_layers": round(embed_layers, 2)}
 
 
@@ -131,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[mode] = measure_mode(model_dir, mode, layers=args.layers, context=args.context,
                                          passes=args.passes, repeats=args.repeats)
         print(f"{mode}: layer {r['layer_ms']:.3f} ms, head {r['head_ms']:.3f} ms = {r['head_layers']:.2f} layers "
-              f"(weights {r['weight_ratio']:.2f} layers: efficiency {r['efficiency']:.3f}), first stage's embedding "
+              f"(bytes {r['bytes_ratio']:.2f} layers: efficiency {r['efficiency']:.3f}; the split prices "
+              f"{r['estimate_layers']:.2f}), first stage's embedding "
               f"{r['embed_ms']:.3f} ms = {r['embed_layers']:.2f} layers", flush=True)
     report = {"benchmark": "split_cost",
               "command": " ".join(["python", "tests/benchmarks/split_cost.py", *(sys.argv[1:] if argv is None else argv)]),

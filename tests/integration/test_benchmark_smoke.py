@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.model.partition import HEAD_EFFICIENCY
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_KEYS = ("a", "b", "c", "d")
 RATIO_KEYS = ("b/a", "c/b", "d/c")
@@ -166,8 +168,10 @@ def test_split_cost_short_run_prices_the_head_in_layers(tmp_path: Path, smollm2_
     assert proc.returncode == 0, proc.stderr[-4000:]
     auto = json.loads(out.read_text())["modes"]["auto"]
     assert auto["layer_ms"] > 0 and auto["weight_ratio"] == pytest.approx(8.0, abs=0.01), auto
+    assert auto["bytes_ratio"] == pytest.approx(12.8, abs=0.1), auto  # Q8_0 head over Q4_1 layers
+    assert auto["estimate_layers"] == pytest.approx(HEAD_EFFICIENCY * auto["bytes_ratio"], rel=0.01)
     assert auto["head_layers"] == pytest.approx(auto["head_ms"] / auto["layer_ms"], rel=0.01)
-    assert auto["efficiency"] == pytest.approx(auto["head_layers"] / auto["weight_ratio"], rel=0.01)
+    assert auto["efficiency"] == pytest.approx(auto["head_layers"] / auto["bytes_ratio"], rel=0.01)
     bad = subprocess.run([sys.executable, "tests/benchmarks/split_cost.py", "--layers", "99", "--out", str(out)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--layers 99" in bad.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cli.training.ship_predictors import _default_exit_layer, _split_exit_layer
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.run_plan import resolve
 from launcher.coordinator.session import PipelineSession
@@ -74,6 +75,18 @@ def test_default_split_costs_the_shipped_head_by_its_draft_vocabulary(smollm2_di
         assert trained.exit_predictor and trained.exit_layer == trained.ranges[0].stop - 1, trained.predictor_note
         assert len(trained.ranges[0]) > len(lens.ranges[0]), (stages, trained.ranges, lens.ranges)
         assert not lens.exit_predictor
+
+
+def test_ship_predictors_splits_at_the_exit_layer_launch_picks(smollm2_dir: Path, smollm2_cache: Path):
+    """ship-predictors re-splits with a head's draft vocabulary to find where to train it: with the
+    shipped heads' vocabulary its exit layer must be the one `launch` picks (both price the heads by
+    their bytes in the default mode, [Note: partition cost]), at every shipped depth."""
+    config = resolve(_options(2, smollm2_dir, smollm2_cache, "speed"), check_limits=False).config
+    for stages in (2, 3, 4):
+        plan = resolve(_options(stages, smollm2_dir, smollm2_cache, "speed"), check_limits=False)
+        rows = len(load_predictor_bytes(plan.exit_predictor).draft_vocab)
+        layer = _split_exit_layer(str(smollm2_dir), config, stages, rows)
+        assert layer == _default_exit_layer(str(smollm2_dir), stages) == plan.exit_layer, (stages, layer)
 
 
 def test_a_given_head_keeps_its_own_exit_layer(smollm2_dir: Path, smollm2_cache: Path, tmp_path: Path):

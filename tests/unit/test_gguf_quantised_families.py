@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.model.partition import balanced_split
+from pipeline.model.partition import LayerRange, balanced_split
 from pipeline.speculation.sampling import SamplingParams
 from pipeline.weights.checkpoint import CheckpointReader
 from pipeline.weights.gguf_import import convert_gguf, open_gguf
 from pipeline.weights.quant import Int4Linear, Int8Linear
-from pipeline.weights.quant_load import load_stage_model
+from pipeline.weights.quant_load import fused_linears, linear_weight_bytes, load_stage_model
 from tests.adversarial_predictors import AlwaysWrongPredictor, ReferenceTable
 from tests.in_process_pipeline import InProcessPipeline
 from tests.unit.test_families import PROMPT, Chain
@@ -139,6 +139,27 @@ def test_auto_runs_every_family_s_quantised_blocks_close_to_float32_and_identica
 
     one = Chain([full]).greedy(PROMPT, NUM_NEW_TOKENS)
     assert Chain(_stages(folder, 2, "auto")).greedy(PROMPT, NUM_NEW_TOKENS) == one
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen3_moe", "gemma"])
+def test_the_split_s_linear_bytes_are_what_each_mode_builds(ggufs, family, quant):
+    """`linear_weight_bytes` (what the split costs the LM head by, before any stage loads: [Note:
+    partition cost]) equals the bytes each built linear holds, per numeric mode: the GGUF's own block
+    types in auto (Q8_0 -> int8 rows, Q4 -> int4, a width-48 expert or a router -> int8), int4 / int8
+    requantised, dense float32 and bfloat16."""
+    _, folder = ggufs[family, quant]
+    config = CheckpointReader(folder).config
+    full = LayerRange(0, config.num_hidden_layers)
+    for mode, dtype in (("auto", torch.float32), ("int4", torch.float32), ("int8", torch.float32),
+                        ("none", torch.float32), ("none", torch.bfloat16)):
+        want = linear_weight_bytes(config, full, is_last=True, quantization=mode, dtype=dtype, model_dir=str(folder))
+        model = load_stage_model(str(folder), full, is_first=True, is_last=True, quantization=mode, dtype=dtype)
+        for module, names in fused_linears(config, full, is_last=True).items():
+            got = model.get_submodule(module)
+            held = sum(t.numel() * t.element_size() for n, t in [*got.named_parameters(), *got.named_buffers()]
+                       if n != "bias")
+            assert sum(want[n] for n in names) == held, (mode, dtype, module, type(got).__name__)
 
 
 @pytest.mark.parametrize("family", ["phi3", "mixtral", "qwen3_moe"])

@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.model.partition import LayerRange, balanced_split, parse_layer_split, split_from_sizes
+from pipeline.model.partition import (
+    HEAD_EFFICIENCY,
+    LayerRange,
+    balanced_split,
+    head_cost_layers,
+    parse_layer_split,
+    split_from_sizes,
+)
 
 
 def _sizes(ranges: list[LayerRange]) -> list[int]:
@@ -62,6 +69,15 @@ def test_balanced_split_rejects_more_stages_than_layers_naming_both():
     with pytest.raises(ValueError) as err:
         balanced_split(30, 31)
     assert "31" in str(err.value) and "30" in str(err.value)
+
+
+def test_head_cost_is_its_streamed_bytes_over_a_layer_s_times_the_efficiency():
+    """[Note: partition cost]: a head holding 12.8 layers' bytes (the default model's Q8_0 head over
+    Q4_1 layers) costs 12.8 x HEAD_EFFICIENCY layers, whatever its weight count; no bytes is an error."""
+    assert head_cost_layers(head_bytes=128, layer_bytes=10) == pytest.approx(12.8 * HEAD_EFFICIENCY)
+    assert head_cost_layers(head_bytes=256, layer_bytes=10) == 2 * head_cost_layers(head_bytes=128, layer_bytes=10)
+    with pytest.raises(ValueError, match="layer_bytes must be > 0, got 0"):
+        head_cost_layers(head_bytes=128, layer_bytes=0)
 
 
 def test_split_from_sizes_builds_half_open_contiguous_ranges():

@@ -25,6 +25,7 @@ from pipeline.weights.quant import (
     cat_rows,
     int4_groups_from_float,
     int8_rows_from_float,
+    packed_weight_bytes,
     quantize_stage_model,
     validate_quantization,
 )
@@ -85,6 +86,25 @@ def test_int4_takes_any_number_of_output_rows_and_each_row_is_that_of_a_whole_ti
     assert part.out_features == out_features
     assert torch.equal(part(x), whole[:, :out_features])
     assert torch.equal(part(x[:1]), whole[:1, :out_features])
+
+
+def _buffer_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+@pytest.mark.parametrize("shape", [(272, 64), (40, 128), (8, 96), (1, 32)])
+def test_packed_weight_bytes_are_what_the_kernel_modules_hold(shape):
+    """The split costs a head by the bytes it streams ([Note: partition cost]): the formula must be
+    what Int4Linear (nibbles, bfloat16 scale and zero a group, rows padded to whole tiles of 16) and
+    Int8Linear (a byte a weight, a bfloat16 scale a row) really hold, and a dense weight's itemsize."""
+    w = _w(*shape)
+    assert packed_weight_bytes("int4", shape) == _buffer_bytes(Int4Linear(int4_groups_from_float(w)))
+    assert packed_weight_bytes("int8", shape) == _buffer_bytes(Int8Linear(int8_rows_from_float(w)))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert packed_weight_bytes(dtype, shape) == _buffer_bytes(torch.nn.Linear(shape[1], shape[0], bias=False,
+                                                                                  dtype=dtype))
+    with pytest.raises(ValueError, match="int3"):
+        packed_weight_bytes("int3", shape)
 
 
 def test_the_exit_head_guess_of_a_row_does_not_depend_on_the_other_rows():

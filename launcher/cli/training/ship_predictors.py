@@ -21,7 +21,7 @@ from pathlib import Path
 
 from launcher.cli.training.train_predictor import add_train_args, cmd_train
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.run_plan import resolve, stage_extra_cost
+from launcher.coordinator.run_plan import head_costs, resolve, stage_extra_cost
 from pipeline.model.config import ModelConfig
 from pipeline.model.partition import balanced_split
 from pipeline.speculation.predictor_file import (
@@ -56,7 +56,9 @@ def _default_exit_layer(model: str, num_stages: int) -> int:
 
 def _split_exit_layer(model: str, config: ModelConfig, num_stages: int, exit_rows: int) -> int:
     """Stage 0's last layer of the default split when the exit head scores `exit_rows` LM-head rows."""
-    cost = stage_extra_cost(_options(model, num_stages), config, exit_rows=exit_rows)
+    options = _options(model, num_stages)
+    costs = head_costs(options, config, resolve_model(model, progress=False))
+    cost = stage_extra_cost(options, config, costs, exit_rows=exit_rows)
     return balanced_split(config.num_hidden_layers, num_stages, extra_cost=cost)[0].stop - 1
 
 
