@@ -55,14 +55,15 @@ class LayerRange:
 #   fp32       8.0            6.50 / 6.28                   4.8        18/12 / 17/13
 #   bf16       8.0            4.75 / 4.69                   4.8        17/13 / 17/13
 #   int8       8.0            4.66 / 5.05                   4.8        17/13 / 17/13 (run 2: 18/12)
-#   int4       8.0            3.36 / 2.85                   4.8        17/13 / 17/13
+#   int4       8.0            3.36 / 2.85                   4.8        17/13 / 17/13 (run 2: 16/14)
 #   auto      12.8            7.82 / 9.56                   7.7        19/11 / 19/11 (run 2: 20/10)
 #   auto exit 25.6           11.98 / 11.84 (a)             15.4        (stage 0's logit lens)
 # (a) the bf16 run's dense head over the auto run's layer. Efficiencies (measured / bytes ratio) are
-# 0.36-0.81 by mode; 0.6 is their median, and gives the measured best --stages 2 split in every mode but
-# fp32 on this VM (an earlier machine measured fp32 at 4.8 layers, efficiency 0.6). A traced
-# `launch --stages 2 --quantization auto` run at 19/11 had 11.44 / 11.32 ms per item (balanced), at
-# the old weight-count price's 17/13 11.5 / 14.9 ms.
+# 0.36-0.81 by mode and run; 0.6 is their median. It gives run 1's best --stages 2 split in every mode
+# but fp32 (an earlier machine measured fp32 at 4.0-5.8 layers, efficiency 0.50-0.73), and prices the
+# auto exit head above its measured 12 layers (dense bfloat16 runs below the median efficiency). Traced
+# `launch --stages 2 --quantization auto` runs: at 19/11 (1 prompt) 11.44 / 11.32 ms per item
+# (balanced); at the old weight-count price's 17/13 (2 prompts) 11.5 / 14.9 ms.
 HEAD_COST_LAYERS = 1.0  # default when the model is unknown (30 layers on 4 stages -> 8,8,7,7)
 HEAD_EFFICIENCY = 0.6
 

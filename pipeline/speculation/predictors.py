@@ -125,10 +125,12 @@ class ExitHead(nn.Module):
         """Keep only the LM-head rows of `vocab_ids` ([V'] int64 token ids, unique, in range).
 
         [Note: draft vocabulary]
-        The exit head's full LM head (49152 x 576 on the default model) costs about four decoder
-        layers per decode item on the exit stage, but a draft is only worth making for tokens the
-        model emits often. A trained head stores the tokens that were the base model's argmax in
-        its training data (capped by frequency; 95% of held-out argmax tokens on the default model)
+        The exit head's full LM head (49152 x 576 on the default model) costs about five decoder
+        layers per decode item on the exit stage in float32 (about 12-15 under `auto`, where it is
+        dense bfloat16 over int4 layers: [Note: partition cost] in pipeline/model/partition.py),
+        but a draft is only worth making for tokens the model emits often. A trained head stores
+        the tokens that were the base model's argmax in its training data (capped by frequency;
+        95% of held-out argmax tokens on the default model)
         and the head scores only those: about 4% of the matmul. A draft outside the draft
         vocabulary is never made, so the cost is a few missed drafts, never a wrong output (the
         verify step is unchanged). The probability is the softmax over the draft vocabulary, so
