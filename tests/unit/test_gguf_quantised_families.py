@@ -142,7 +142,7 @@ def test_auto_runs_every_family_s_quantised_blocks_close_to_float32_and_identica
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
-@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen3_moe", "gemma"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_split_s_linear_bytes_are_what_each_mode_builds(ggufs, family, quant):
     """`linear_weight_bytes` (what the split costs the LM head by, before any stage loads: [Note:
     partition cost]) equals the bytes each built linear holds, per numeric mode: the GGUF's own block
