@@ -151,7 +151,7 @@ def head_costs(options: RunConfig, config: ModelConfig, model_dir: Path) -> Head
     num_experts_per_tok / num_experts: a decode row runs that many). The LM head as the last stage
     builds it (pipeline/weights/quant_load.py `linear_weight_bytes`: in `auto` the GGUF's own block
     types); the exit head dense in the stage's activation dtype (pipeline/engine/stage_assembly.py
-    `build_exit_head`). Reads headers and the GGUF's tensor table only. Raises ValueError."""
+    `build_exit_head`). Reads no tensor data (the GGUF's tensor table at most). Raises ValueError."""
     n = config.num_hidden_layers
     weights = linear_weight_bytes(config, LayerRange(0, n), is_last=True, quantization=options.quantization,
                                   dtype=options.torch_dtype, model_dir=str(model_dir), device=options.device)
