@@ -20,6 +20,7 @@ from launcher.cli.flag_notes import idle_flag_notes
 from launcher.cli.parsing import UsageError, add_vllm_aliases, min_acceptance_arg
 from launcher.cli.speculation_defaults import auto_speculate, check_auto_flags
 from launcher.coordinator.pipeline_options import DEFAULT_DECODE_FEED, PipelineOptions
+from pipeline.engine.row_budget import default_disable_by_batch_size
 from pipeline.model.config import MODEL_DTYPES
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
@@ -187,7 +188,7 @@ def disable_by_batch_size(args: argparse.Namespace, *, num_stages: int, why: str
     given = getattr(args, "speculative_disable_by_batch_size", None)
     if given is not None or not why:
         return given
-    return num_stages + 1
+    return default_disable_by_batch_size(num_stages)
 
 
 def grammar_drafting_fields(mode: str) -> dict[str, bool]:
