@@ -5,7 +5,9 @@ Owns, split out of pipeline/engine/scheduler.py (which asks them): `RowBudget` (
 `Item.firp_k` / `Item.firp_anchors`, the per-depth FIRP acceptance counters), `next_firp_drafts`
 (which FIRP drafts a result leaves for the next item, [Note: FIRP policy] in
 pipeline/speculation/firp.py), `wants_exit` (whether the exit stage runs its head on an item) and
-`speculation_paused` and `without_speculation` ([Note: speculation under load]).
+`speculation_paused` and `without_speculation` ([Note: speculation under load]), with the load
+limit's one default and one check (`default_disable_by_batch_size`, `check_disable_by_batch_size`:
+launch's options, RunConfig, SimConfig and `speedpipe simulate` ask them).
 Must not: form micro-batches, commit tokens, or measure anything itself (the table comes from
 tests/benchmarks/row_cost.py via `--row-cost file:PATH`, or from the stages' start-up
 calibration, `--row-cost calibrate`; pipeline/measure/row_cost.py owns the rules), including the
