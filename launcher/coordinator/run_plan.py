@@ -22,7 +22,12 @@ import torch
 
 from launcher.backends.placement import available_memory_bytes, stages_on_this_machine
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
+from launcher.coordinator.predictor_select import (
+    choose_exit_predictor,
+    exit_head_shape,
+    given_exit_layer,
+    given_exit_memory,
+)
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.model.config import MODEL_DTYPES, ModelConfig
 from pipeline.model.partition import (
@@ -219,7 +224,8 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     `max_model_len` above the model's context (`ModelConfig.max_context`, as vLLM), and, for CPU stages all
     on this machine (`stages_on_this_machine`), more memory than is available here (it would fail, or
     set off the kernel's out-of-memory killer, only after the stages start): the KV cache for
-    `max_num_seqs` x (`max_model_len` + the token-tree scratch positions) and each stage's RoPE
+    `max_num_seqs` x (`max_model_len` + the token-tree scratch positions) of every decoder layer and of a
+    given next-layer drafter's own KV layer (`given_exit_memory`, with SPEED on), and each stage's RoPE
     rotation tables (of its layers in `ranges`), both in the stages' activation dtype, as the memory
     plan charges them (pipeline/weights/stage_memory.py), plus the weights (in that dtype when dense,
     at 4 bits a weight when quantised: a lower bound). available: bytes (default:
@@ -233,8 +239,10 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
         return  # stage memory is on other machines or devices: each stage reports its own failure
     dtype = stage_dtype(options.quantization, model_dir, MODEL_DTYPES[options.dtype], options.device)
     scratch = scratch_positions(options.draft_tree, options.max_inflight or options.num_stages)
-    kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs,
-                            max_model_len=options.max_model_len, num_scratch=scratch) * config.num_hidden_layers
+    drafter_kv_layers = given_exit_memory(predictor=options.predictor, exit_predictor=options.exit_predictor)[1] \
+        if options.uses_speed else 0  # (as the CLI's plan: launcher/cli/options.py `_auto_stages`)
+    kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len,
+                            num_scratch=scratch) * (config.num_hidden_layers + drafter_kv_layers)
     tables = sum(rotation_table_bytes(config, r, dtype=dtype, max_model_len=options.max_model_len,
                                       num_scratch=scratch, device=options.device) for r in ranges)
     reader = CheckpointReader(model_dir)  # weights: in `dtype` when dense; quantised, at least 4 bits a weight

@@ -23,7 +23,7 @@ from pipeline.model.config import ModelConfig, tiny_config
 from pipeline.model.partition import LayerRange
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.tree import scratch_positions
-from tests.stage_bytes import measured_stage_bytes
+from tests.stage_bytes import measured_stage_bytes, write_next_layer_file
 from tests.tiny_model import write_tiny_model
 
 
@@ -203,6 +203,26 @@ def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
         check_lengths(private, config, model_dir, ranges=ranges, available=need - 1)
     cluster = dataclasses.replace(options, placement=PlacementOptions(backend="ray", ray_address="10.0.0.10:6379"))
     check_lengths(cluster, config, model_dir, ranges=ranges, available=1)  # its stages' memory is not this machine's
+
+
+def test_the_memory_check_counts_a_next_layer_drafters_kv_layer(tmp_path):
+    """A given next-layer drafter holds its own KV layer on its exit stage, token-tree scratch positions
+    included (tests/stage_bytes.py measures it), as the `--stages auto` plan charges it; the check left it out."""
+    model_dir = write_tiny_model(tmp_path / "m")
+    config = tiny_config()
+    path = write_next_layer_file(model_dir, tmp_path / "next.safetensors", 1)  # stage 0's last layer: the default
+    options = PipelineOptions(model="unused", num_stages=2, max_num_seqs=4, max_model_len=2048, speculate="speed",
+                              predictor=str(path), draft_tree=3)
+    ranges = [LayerRange(0, 2), LayerRange(2, 4)]
+    held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048,
+                                num_scratch=scratch_positions(3, 2), draft_after=1)
+    params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+    need = sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize  # (the drafter's file: not counted)
+    check_lengths(options, config, model_dir, ranges=ranges, available=need)
+    with pytest.raises(ValueError, match="needs 10.2 MiB of KV cache"):  # 5 layers (8.1 MiB for 4)
+        check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)
+    lens = dataclasses.replace(options, predictor="logit-lens")  # no drafter: one KV layer fewer
+    check_lengths(lens, config, model_dir, ranges=ranges, available=need - (held[0][1] - held[1][1]))
 
 
 def test_the_training_commands_plan_without_the_serving_limits(tmp_path):
