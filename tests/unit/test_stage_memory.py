@@ -88,6 +88,10 @@ def test_a_one_stage_plan_charges_a_tied_embedding_and_head_as_often_as_the_stag
     (alone,) = measured_stage_bytes(folder, one.ranges, max_num_seqs=2, max_model_len=64, dense_layout=dense_layout)
     assert len(one.ranges) == 1 and one.stage_bytes == [sum(alone)]
     assert len(plan_stages_for_budget(folder, budget_bytes=sum(alone), **kw).ranges) == 1
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib",
+                                      str((sum(alone) - 1) / 2**30), "--max-model-len", "64", "--max-num-seqs", "2",
+                                      "--dense-layout", dense_layout, "--speculate", "none", "--prompt", "x"])
+    assert _auto_stages(args, progress=False)[0] == 2  # the CLI plans in the run's layout: a byte short, 2 stages
 
 
 def test_a_gemma3_stage_without_a_sliding_layer_is_charged_one_set_of_rotation_tables(tmp_path):
