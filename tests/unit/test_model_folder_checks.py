@@ -223,6 +223,10 @@ def test_the_memory_check_counts_a_next_layer_drafters_kv_layer(tmp_path):
         check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)
     lens = dataclasses.replace(options, predictor="logit-lens")  # no drafter: one KV layer fewer
     check_lengths(lens, config, model_dir, ranges=ranges, available=need - (held[0][1] - held[1][1]))
+    plain = dataclasses.replace(options, speculate="none", draft_tree=1)  # no SPEED: the drafter is not loaded
+    held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048)
+    check_lengths(plain, config, model_dir, ranges=ranges,
+                  available=sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize)
 
 
 def test_the_training_commands_plan_without_the_serving_limits(tmp_path):
