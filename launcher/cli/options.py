@@ -134,7 +134,7 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
     plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                   exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=args.exit_layer,
-                                  device=args.device, quantization=args.quantization,
+                                  device=args.device, quantization=args.quantization, dense_layout=args.dense_layout,
                                   scratch_of=lambda k: scratch_positions(args.draft_tree, args.max_inflight or k))
     for line in plan.lines():
         logging.getLogger(__name__).info("%s", line)
