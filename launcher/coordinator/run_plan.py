@@ -231,11 +231,11 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     on this machine (`stages_on_this_machine`), more memory than is available here (it would fail, or
     set off the kernel's out-of-memory killer, only after the stages start): the KV cache for
     `max_num_seqs` x (`max_model_len` + the token-tree scratch positions) of every decoder layer and of a
-    given next-layer drafter's own KV layer (`given_exit_memory`, with SPEED on), and each stage's RoPE
+    given drafter's own KV layer (`given_exit_memory`, with SPEED on), and each stage's RoPE
     rotation tables (of its layers in `ranges`), both in the stages' activation dtype, as the memory
     plan charges them (pipeline/weights/stage_memory.py), plus the weights (in that dtype when dense,
     at 4 bits a weight when quantised: a lower bound; a tied embedding and LM head twice unless one stage
-    holds them as one tensor, `shares_tied_head`). available: bytes (default:
+    holds them as one tensor, `shares_tied_head`; a given drafter file's size). available: bytes (default:
     `available_memory_bytes()`). Raises ValueError."""
     if options.max_model_len > config.max_context:
         stretched = "" if config.max_context == config.max_position_embeddings else \
@@ -246,8 +246,8 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
         return  # stage memory is on other machines or devices: each stage reports its own failure
     dtype = stage_dtype(options.quantization, model_dir, MODEL_DTYPES[options.dtype], options.device)
     scratch = scratch_positions(options.draft_tree, options.max_inflight or options.num_stages)
-    drafter_kv_layers = given_exit_memory(predictor=options.predictor, exit_predictor=options.exit_predictor)[1] \
-        if options.uses_speed else 0  # (as the CLI's plan: launcher/cli/options.py `_auto_stages`)
+    drafter_bytes, drafter_kv_layers = given_exit_memory(predictor=options.predictor, exit_predictor=options.exit_predictor) \
+        if options.uses_speed else (0, 0)  # (as the CLI's plan: launcher/cli/options.py `_auto_stages`)
     kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len,
                             num_scratch=scratch) * (config.num_hidden_layers + drafter_kv_layers)
     tables = sum(rotation_table_bytes(config, r, dtype=dtype, max_model_len=options.max_model_len,
@@ -259,7 +259,7 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
         dense_layout=options.dense_layout))  # a tied head held as its own tensor too
     held = reader.nbytes(all_tensor_names(config), dtype=dtype if dense else torch.uint8)
     held += reader.nbytes([EMBED_TOKENS], dtype=dtype if dense else torch.uint8) if second_head else 0
-    weights = held // (1 if dense else 2)
+    weights = held // (1 if dense else 2) + drafter_bytes
     available = available_memory_bytes() if available is None else available
     if kv + tables + weights > available:
         remedy = ("lower max_model_len or max_num_seqs" if weights < available else

@@ -225,8 +225,9 @@ def test_the_memory_check_counts_a_tied_head_as_often_as_the_stages_hold_it(tmp_
 
 
 def test_the_memory_check_counts_a_next_layer_drafters_kv_layer(tmp_path):
-    """A given next-layer drafter holds its own KV layer on its exit stage, token-tree scratch positions
-    included (tests/stage_bytes.py measures it), as the `--stages auto` plan charges it; the check left it out."""
+    """A given next-layer drafter holds its own weights and KV layer on its exit stage, token-tree scratch
+    positions included (tests/stage_bytes.py measures it), as the `--stages auto` plan charges them; the
+    check left both out."""
     model_dir = write_tiny_model(tmp_path / "m")
     config = tiny_config()
     path = write_next_layer_file(model_dir, tmp_path / "next.safetensors", 1)  # stage 0's last layer: the default
@@ -237,12 +238,13 @@ def test_the_memory_check_counts_a_next_layer_drafters_kv_layer(tmp_path):
                                 num_scratch=scratch_positions(3, 2), draft_after=1)
     params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values()) \
         + config.vocab_size * config.hidden_size  # the last stage reads its own copy of the tied head
-    need = sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize  # (the drafter's file: not counted)
+    drafter = path.stat().st_size  # the drafter's own weights, as the plan charges them (`given_exit_memory`)
+    need = sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize + drafter
     check_lengths(options, config, model_dir, ranges=ranges, available=need)
     with pytest.raises(ValueError, match="needs 10.2 MiB of KV cache"):  # 5 layers (8.1 MiB for 4)
         check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)
     lens = dataclasses.replace(options, predictor="logit-lens")  # no drafter: one KV layer fewer
-    check_lengths(lens, config, model_dir, ranges=ranges, available=need - (held[0][1] - held[1][1]))
+    check_lengths(lens, config, model_dir, ranges=ranges, available=need - drafter - (held[0][1] - held[1][1]))
     plain = dataclasses.replace(options, speculate="none", draft_tree=1)  # no SPEED: the drafter is not loaded
     held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048)
     check_lengths(plain, config, model_dir, ranges=ranges,
