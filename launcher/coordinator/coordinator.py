@@ -263,15 +263,14 @@ class Coordinator:
         self._receivers_stopping.set()
         self.generation += 1  # from now on, events of the old ring are dropped
         fo.pause_watch()
-        try:
+        try:  # the new link exists before the watch resumes: [Note: a death during a join]
             restart_dead_stages(fo, self.stubs, self._reconnect, unloaded=set(self._unloaded))
+            wait_reachable(self.channels, dead=fo.dead_stages)
+            self.link.close()  # the old ring's store and gloo listeners
+            self.link = self._new_link(fo.data_port())
         finally:
-            fo.resume_watch()
-        wait_reachable(self.channels, dead=fo.dead_stages)
-        port = fo.data_port()
-        self.link.close()  # the old ring's store and gloo listeners
-        self.link = self._new_link(port)
-        rejoin_all(self.stubs, fo.load_specs(port), self._unloaded, self.link.join, timeout_s=600.0,
+            fo.resume_watch()  # a stage that died meanwhile is reported at once
+        rejoin_all(self.stubs, fo.load_specs(self.link.master_port), self._unloaded, self.link.join, timeout_s=600.0,
                    attempt=self.generation, abandon=self.link.close)  # [Note: abandoned rendezvous]
         self._unloaded.clear()
         self.link.warm_up()
@@ -337,9 +336,12 @@ class Coordinator:
     def fail(self, error: PipelineError, *, generation: int | None = None) -> None:
         """Called from any thread (e.g. the process monitor): fail every request and stop, or, with
         a fail-over set and budget left, restart the failed stage and replay ([Note: fail-over]).
-        generation: the data-plane generation the report is about (default the current one); a
-        report about a replaced ring (a death a fail-over already handles) is dropped."""
+        generation: the data-plane generation the report is about (default the current one); one about a
+        replaced ring (a death a fail-over already handles) is dropped; one about the current ring also
+        gives up a join still waiting ([Note: a death during a join] in stage_failover.py)."""
         self.events.put(("error", (self.generation if generation is None else generation, error)))
+        if generation in (None, self.generation):
+            self.link.abandon_join(str(error))
 
     def _fail(self, error: PipelineError) -> None:
         """Fail every request with `error`, named by its cause: hung stages first; and when a receive

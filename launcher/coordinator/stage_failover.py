@@ -36,6 +36,20 @@ not restarted: the requests it held end with an error event and the drain goes o
 (`StageFailover.shutting_down`). Local stage workers ignore both signals (systemd, `timeout` and
 `kill -- -PGID` signal every process at once: the server drains and stops them), so this covers
 stages that do not: a `--no-stdin-watch` worker, or one signalled on its own.
+
+[Note: a death during a join]
+A death the placement backend reports while a data-plane join waits (the start's Load round, or a
+fail-over attempt's Load / Rejoin round: a local process exits, a Ray actor or its node dies; every
+backend's `watch` reports `on_death(stage_index, description)`, which the session hands to
+`Coordinator.fail`) gives that rendezvous up at once, told the backend's one line ("stage 1 (pid 4242)
+exited unexpectedly with signal SIGKILL"): `StageLink.abandon_join` sets the join's `GiveUp`, rank 0
+stops waiting, the stages waiting there hear the reason ([Note: abandoned rendezvous] in
+workers/channel.py), and the attempt fails naming the stage; the report itself, still queued, is
+dropped once the next attempt bumps the generation. A fail-over attempt builds its new link before
+it resumes the backend's watch, so a stage that died while the watch was paused is reported to it at
+once. Before, only a local process's refused Load / Rejoin call ended the round early: a Ray node that
+vanished silently held it until the round's own timeout (600 s). A member node's stage in multi-node
+mode is not watched by node 0 (its death reaches the coordinator on the data plane or the control plane).
 """
 
 from __future__ import annotations
