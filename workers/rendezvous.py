@@ -23,9 +23,9 @@ JOIN_POLL_S = 0.05  # how often a rendezvous wait looks whether it is done, unle
 
 
 # [Note: a rendezvous wait at interpreter exit]
-# A process that exits while rank 0 still polls its rendezvous (a launch that failed at start-up, a
-# test) must not leave that daemon thread inside a TCPStore call: once finalisation starts, a daemon
-# thread coming back from C++ for the GIL is ended by a forced unwind, which through torch's
+# A process that exits while a rank still polls its rendezvous (rank 0, or any rank waiting for
+# all_joined; a launch that failed at start-up, a test) must not leave that daemon thread inside a
+# TCPStore call: once finalisation starts, a daemon thread coming back from C++ for the GIL is ended by a forced unwind, which through torch's
 # noexcept frames is std::terminate ("terminate called without an active exception", exit 134 in
 # about 2 of 5 such exits, measured). At exit every polling rank stops as if abandoned, and the
 # exit waits (briefly) until it has left the store. The same holds for the threads that form gloo
@@ -61,9 +61,9 @@ def count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: flo
     """Count this rank in at the rendezvous, then wait until every rank has, at most `timeout_s` (the
     join's own deadline, not the data plane's per-step one: [Note: every rank waits for all_joined] in
     workers/channel.py). Stops at once when `abandoned` is set, or, on a non-zero rank, when rank 0 set
-    ABORT_KEY or its store went away ([Note: abandoned rendezvous]). Returns None when every rank
-    counted in, else why this rank stopped waiting (no exception: its traceback would keep the store,
-    and so the port, alive)."""
+    ABORT_KEY or its store went away ([Note: abandoned rendezvous] in workers/channel.py). Returns None
+    when every rank counted in, else why this rank stopped waiting (no exception: its traceback would
+    keep the store, and so the port, alive)."""
     if store.add(JOINED_KEY, 1) == world_size:
         store.set(ALL_JOINED_KEY, "1")
     deadline, flag = time.monotonic() + timeout_s, abandoned if abandoned is not None else threading.Event()
@@ -72,7 +72,8 @@ def count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: flo
     try:
         while not _all_joined(store):
             flag.wait(JOIN_POLL_S)  # [Note: a rendezvous wait at interpreter exit]: why_abandoned sees it
-            if (why := why_abandoned(abandoned) or (abort_key_reason(store) if rank != 0 else None)) is not None:
+            why = why_abandoned(abandoned) or (abort_key_reason(store) if rank != 0 else None)
+            if why is not None:
                 return why
             if time.monotonic() > deadline:
                 return (f"timed out after {timeout_s:g} s waiting for the data plane's ranks: "

@@ -43,9 +43,9 @@ fail-over attempt's Load / Rejoin round: a local process exits, a Ray actor or i
 backend's `watch` reports `on_death(stage_index, description)`, which the session hands to
 `Coordinator.fail`) gives that rendezvous up at once, told the backend's one line ("stage 1 (pid 4242)
 exited unexpectedly with signal SIGKILL"): `StageLink.abandon_join` sets the join's `GiveUp`, rank 0
-stops waiting, the stages waiting there hear the reason ([Note: abandoned rendezvous] in
-workers/channel.py), and the attempt fails naming the stage; the report itself, still queued, is
-dropped once the next attempt bumps the generation. A fail-over attempt builds its new link before
+stops waiting, the stages waiting there stop too (with that reason when they look before rank 0's
+store goes: [Note: abandoned rendezvous] in workers/channel.py), and the attempt fails naming the
+stage; the report itself, still queued, is dropped once the next attempt bumps the generation. A fail-over attempt builds its new link before
 it resumes the backend's watch, so a stage that died while the watch was paused is reported to it at
 once. Before, only a local process's refused Load / Rejoin call ended the round early: a Ray node that
 vanished silently held it until the round's own timeout (600 s). A member node's stage in multi-node
