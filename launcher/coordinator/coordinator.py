@@ -339,9 +339,10 @@ class Coordinator:
         generation: the data-plane generation the report is about (default the current one); one about a
         replaced ring (a death a fail-over already handles) is dropped; one about the current ring also
         gives up a join still waiting ([Note: a death during a join] in stage_failover.py)."""
+        link = self.link  # before the generation: a fail-over bumps that first, then replaces the link
         self.events.put(("error", (self.generation if generation is None else generation, error)))
         if generation in (None, self.generation):
-            self.link.abandon_join(str(error))
+            link.abandon_join(str(error))
 
     def _fail(self, error: PipelineError) -> None:
         """Fail every request with `error`, named by its cause: hung stages first; and when a receive

@@ -145,3 +145,31 @@ def test_a_fail_over_attempt_has_its_new_link_before_the_backend_watch_resumes(m
     with pytest.raises(PipelineError, match="stop here"):
         coord._restart_and_replay(fo)
     assert len(seen) == 1 and seen[0] is not old and seen[0].master_port == 41001
+
+
+class _FailOverRunsMidReport(Coordinator):
+    """A coordinator whose engine thread starts a fail-over (generation bumped, then the link replaced) right
+    after a death report read the generation: the report's thread was descheduled there (a Ray watcher is
+    not joined by pause_watch)."""
+
+    def __init__(self, link: StageLink, new_link: StageLink, generation: int) -> None:
+        self.events, self.link, self._generation, self._new_link_later = queue.SimpleQueue(), link, generation, new_link
+
+    @property
+    def generation(self) -> int:
+        seen = self._generation
+        if self._new_link_later is not None:  # the engine thread runs now: _restart_and_replay's order
+            self._generation += 1
+            self.link, self._new_link_later = self._new_link_later, None
+        return seen
+
+
+def test_a_report_about_the_ring_a_fail_over_is_replacing_never_gives_up_the_new_join():
+    """Before, `fail` read the generation (still the old one), then `self.link` (already the attempt's new
+    one), and gave the new attempt's join up for a death that attempt is about to restart."""
+    old, new = (StageLink(num_stages=2, master_addr="127.0.0.1", master_port=port, timeout_s=5.0, max_num_seqs=1,
+                          record_timeline=False) for port in (41000, 41001))
+    coord = _FailOverRunsMidReport(old, new, generation=2)
+    coord.fail(PipelineError(DEATH), generation=2)
+    assert coord.link is new and not new.abandoned.is_set()
+    assert old.abandoned.reason == DEATH  # the replaced ring's join (if it still waited) heard it
