@@ -126,7 +126,7 @@ def test_a_fail_over_attempt_has_its_new_link_before_the_backend_watch_resumes(m
     """A stage that died while the watch was paused is reported as the watch resumes: that report must
     find the attempt's own link (still joining), not the replaced ring's (joined: left alone). Before,
     the watch resumed first and such a report gave nothing up."""
-    from launcher.coordinator import coordinator as coordinator_module
+    from launcher.coordinator import stage_failover
 
     old = types.SimpleNamespace(close=lambda: None, channel=object())
     coord = _coordinator(old, generation=1)
@@ -135,13 +135,13 @@ def test_a_fail_over_attempt_has_its_new_link_before_the_backend_watch_resumes(m
     seen = []
     fo = types.SimpleNamespace(pause_watch=lambda: None, resume_watch=lambda: seen.append(coord.link),
                                dead_stages=lambda: [], data_port=lambda: 41001, load_specs=lambda port: [])
-    monkeypatch.setattr(coordinator_module, "restart_dead_stages", lambda *a, **k: {1})
-    monkeypatch.setattr(coordinator_module, "wait_reachable", lambda *a, **k: None)
+    monkeypatch.setattr(stage_failover, "restart_dead_stages", lambda *a, **k: {1})
+    monkeypatch.setattr(stage_failover, "wait_reachable", lambda *a, **k: None)
 
     def rejoin_all_stops(*args, **kwargs):
         raise PipelineError("stop here")
 
-    monkeypatch.setattr(coordinator_module, "rejoin_all", rejoin_all_stops)
+    monkeypatch.setattr(stage_failover, "rejoin_all", rejoin_all_stops)
     with pytest.raises(PipelineError, match="stop here"):
         coord._restart_and_replay(fo)
     assert len(seen) == 1 and seen[0] is not old and seen[0].master_port == 41001
