@@ -173,3 +173,28 @@ def test_a_report_about_the_ring_a_fail_over_is_replacing_never_gives_up_the_new
     coord.fail(PipelineError(DEATH), generation=2)
     assert coord.link is new and not new.abandoned.is_set()
     assert old.abandoned.reason == DEATH  # the replaced ring's join (if it still waited) heard it
+
+
+def test_a_join_given_up_as_its_group_formed_names_the_reason(monkeypatch):
+    """A death report that lands just as rank 0's group forms: `join` closes the new group and raises,
+    naming the report's reason, not only the port (the reviewer's race: the flag is set after the
+    channel check of `abandon_join` but before `join` looks at it)."""
+    link = StageLink(num_stages=2, master_addr="127.0.0.1", master_port=1, timeout_s=5.0, max_num_seqs=1,
+                     record_timeline=False)
+    closed = []
+
+    class FormingGroup:  # forms, while the backend's report gives the join up
+        def __init__(self, **kwargs) -> None:
+            kwargs["abandoned"].give_up(DEATH)
+
+        def close(self) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr("launcher.coordinator.stage_link.DataPlaneGroup", FormingGroup)
+    monkeypatch.setattr("launcher.coordinator.stage_link.Channel",
+                        lambda group, **kwargs: types.SimpleNamespace(group=group))
+    monkeypatch.setattr("launcher.coordinator.stage_link.SendQueue",
+                        lambda channel: types.SimpleNamespace(abandon=lambda: None))
+    with pytest.raises(RendezvousAbandoned, match="abandoned as it formed: stage 1 .* died: its node was lost"):
+        link.join()
+    assert closed == [True]
