@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from pipeline.engine.records import SchedulerConfig
+from pipeline.engine.row_budget import check_disable_by_batch_size
 from pipeline.measure.row_cost import RowCostTable, numeric_mode_name
 from pipeline.model.config import MODEL_DTYPES
 from pipeline.speculation.draft_gate import DraftGate
@@ -116,9 +117,7 @@ class RunConfig:
             raise ValueError(f"max_inflight must be >= 0 (0: chosen for you), got {self.max_inflight}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be 'auto' or in [0, 1], got {self.min_acceptance}")
-        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
-            raise ValueError(f"speculative_disable_by_batch_size must be >= 1 (running sequences from which on "
-                             f"speculation pauses), got {self.speculative_disable_by_batch_size}")
+        check_disable_by_batch_size(self.speculative_disable_by_batch_size)
         if self.firp_k is not None and self.firp_k < 1:
             raise ValueError(f"firp_k must be >= 1, got {self.firp_k}")
         if not 0.0 <= self.firp_min_prob <= 1.0:

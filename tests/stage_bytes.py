@@ -25,16 +25,17 @@ def _storage_bytes(tensors) -> int:
 
 
 def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs: int, max_model_len: int,
-                         num_scratch: int = 0, quantization: str = "none",
+                         num_scratch: int = 0, quantization: str = "none", dense_layout: str = "reference",
                          draft_after: int | None = None) -> list[tuple[int, int, int]]:
     """Per stage of `ranges`: (parameters, KV cache, rotation tables) bytes of a real stage after a pass at
     position max_model_len - 1 and a table look-up at max_model_len + num_scratch - 1 (parameters: dense tensors only; a quantised linear's packed weight is no
     parameter). draft_after: the stage holding that layer also gets a next-layer drafter after it (a copy
-    of the layer, as `StageModel.attach_draft_layer` takes one), with its own KV cache layer."""
+    of the layer, as `StageModel.attach_draft_layer` takes one), with its own KV cache layer.
+    dense_layout: `load_stage_model`'s (`fast`: a tied head gets its own transposed copy)."""
     out = []
     for i, r in enumerate(ranges):
         model = load_stage_model(str(folder), r, is_first=i == 0, is_last=i == len(ranges) - 1,
-                                 quantization=quantization)
+                                 quantization=quantization, dense_layout=dense_layout)
         if draft_after in r:
             model.attach_draft_layer(copy.deepcopy(model.layers[str(draft_after)]), after=draft_after)
         kv = model.new_kv_cache(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_scratch=num_scratch)
@@ -47,3 +48,13 @@ def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs
         tables = [t for rot in model._rotations.values() for t in (rot._cos, rot._signed_sin)]
         out.append((_storage_bytes(model.parameters()), _storage_bytes([kv.k, kv.v]), _storage_bytes(tables)))
     return out
+
+
+def write_next_layer_file(folder: Path, path: Path, layer: int) -> Path:
+    """A next-layer drafter's predictor file for the model in `folder` at exit `layer` (a 16 KiB
+    placeholder tensor: the memory plan and the start-up check read its header and size only)."""
+    from pipeline.speculation.predictor_file import model_identity, save_predictor
+
+    meta = {"kind": "early-exit", "model": model_identity(folder).to_dict(), "exit_layer": layer, "arch": "next-layer",
+            "corpus": "self-distill", "train_tokens": 1, "eval": {"top1_agreement": 0.5, "eval_tokens": 1}}
+    return save_predictor(path, {"draft_layer.x": torch.zeros(4096)}, meta)

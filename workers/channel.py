@@ -140,6 +140,16 @@ class DataPlaneGroup:
     rank 0 sets (the reason) before it drops its store, or at that store going away. Before, a stage that
     counted in and died before it published its gloo address left every other rank, the coordinator
     included, inside torch's gloo constructor until --stage-timeout-s, `abandoned` unseen.
+    Rank 0 sets ABORT_KEY whenever it gives up, while the ranks count in as while they form the group.
+
+    [Note: every rank waits for all_joined]
+    Every rank, not only rank 0, waits for ALL_JOINED_KEY (`count_in`) before it forms the gloo group, up to
+    the join's own deadline (`connect_timeout_s`: a Load's JOIN_TIMEOUT_S, a Rejoin's join_timeout_s),
+    looking every JOIN_POLL_S at the same signals as above (`abandoned`, ABORT_KEY, rank 0's store going
+    away); it forms the group only once every rank counted in, so gloo's own deadline (`timeout_s`,
+    --stage-timeout-s) covers only the formation itself, as on rank 0. Before, a non-zero rank went into
+    gloo's constructor right after counting in, and a fail-over whose restarted stage loaded its weights
+    for longer than --stage-timeout-s failed there ("wait timeout", seen under load).
     With `refused_is_abandoned` (a Rejoin: its port was held before it was sent), a stage whose rendezvous
     port refuses connections REFUSALS_ABANDONED times in a row gives up at once: rank 0 abandoned it.
     Before, torch's connect retried until the Rejoin's own timeout (600 s).
@@ -171,8 +181,8 @@ class DataPlaneGroup:
             why = what
             if rank != 0 and outcome == "error" and (aborted := abort_key_reason(self.store)):
                 why = aborted  # the coordinator gave it up first: say so
-            if rank == 0 and why.startswith("abandoned"):
-                self.store.set(ABORT_KEY, why.removeprefix("abandoned").lstrip(": ") or "rank 0 gave it up")
+        if rank == 0 and why.startswith("abandoned"):  # counting in or forming: the others hear why
+            self.store.set(ABORT_KEY, why.removeprefix("abandoned").lstrip(": ") or "rank 0 gave it up")
         self.store = None  # the store and its port go now
         raise (RendezvousAbandoned if why.startswith("abandoned") else RuntimeError)(f"{where}: rendezvous {why}")
 

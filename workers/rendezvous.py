@@ -23,9 +23,9 @@ JOIN_POLL_S = 0.05  # how often a rendezvous wait looks whether it is done, unle
 
 
 # [Note: a rendezvous wait at interpreter exit]
-# A process that exits while rank 0 still polls its rendezvous (a launch that failed at start-up, a
-# test) must not leave that daemon thread inside a TCPStore call: once finalisation starts, a daemon
-# thread coming back from C++ for the GIL is ended by a forced unwind, which through torch's
+# A process that exits while a rank still polls its rendezvous (rank 0, or any rank waiting for
+# all_joined; a launch that failed at start-up, a test) must not leave that daemon thread inside a
+# TCPStore call: once finalisation starts, a daemon thread coming back from C++ for the GIL is ended by a forced unwind, which through torch's
 # noexcept frames is std::terminate ("terminate called without an active exception", exit 134 in
 # about 2 of 5 such exits, measured). At exit every polling rank stops as if abandoned, and the
 # exit waits (briefly) until it has left the store. The same holds for the threads that form gloo
@@ -57,22 +57,24 @@ class RendezvousAbandoned(RuntimeError):
 
 
 def count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: float,
-              abandoned: threading.Event | None) -> str | None:
-    """Count this rank in at the rendezvous; rank 0 (the store's host) then waits until every rank
-    has, at most `timeout_s`, and stops at once when `abandoned` is set ([Note: abandoned rendezvous]).
-    Returns None when done, else why rank 0 stopped waiting (no exception: its traceback would keep
-    the store, and so the port, alive)."""
+             abandoned: threading.Event | None) -> str | None:
+    """Count this rank in at the rendezvous, then wait until every rank has, at most `timeout_s` (the
+    join's own deadline, not the data plane's per-step one: [Note: every rank waits for all_joined] in
+    workers/channel.py). Stops at once when `abandoned` is set, or, on a non-zero rank, when rank 0 set
+    ABORT_KEY or its store went away ([Note: abandoned rendezvous] in workers/channel.py). Returns None
+    when every rank counted in, else why this rank stopped waiting (no exception: its traceback would
+    keep the store, and so the port, alive)."""
     if store.add(JOINED_KEY, 1) == world_size:
         store.set(ALL_JOINED_KEY, "1")
-    if rank != 0:
-        return None
-    deadline, stop = time.monotonic() + timeout_s, abandoned if abandoned is not None else threading.Event()
+    deadline, flag = time.monotonic() + timeout_s, abandoned if abandoned is not None else threading.Event()
     with _polling_lock:
         _polling.add(threading.current_thread())
     try:
-        while not store.check([ALL_JOINED_KEY]):
-            if stop.wait(JOIN_POLL_S) or _exiting.is_set():  # [Note: a rendezvous wait at interpreter exit]
-                return "abandoned"
+        while not _all_joined(store):
+            flag.wait(JOIN_POLL_S)  # [Note: a rendezvous wait at interpreter exit]: why_abandoned sees it
+            why = why_abandoned(abandoned) or (abort_key_reason(store) if rank != 0 else None)
+            if why is not None:
+                return why
             if time.monotonic() > deadline:
                 return (f"timed out after {timeout_s:g} s waiting for the data plane's ranks: "
                         f"{store.add(JOINED_KEY, 0)}/{world_size} joined")
@@ -81,6 +83,14 @@ def count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: flo
         with _polling_lock:
             _polling.discard(threading.current_thread())
 
+
+def _all_joined(store: dist.TCPStore) -> bool:
+    """Whether ALL_JOINED_KEY is set; False when the store went away (a non-zero rank's check of
+    ABORT_KEY then says so)."""
+    try:
+        return store.check([ALL_JOINED_KEY])
+    except RuntimeError:
+        return False
 
 
 class GiveUp(threading.Event):

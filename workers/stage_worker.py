@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import psutil
@@ -59,6 +60,16 @@ from workers.stage_loop import StageLoop
 log = logging.getLogger("speedpipe.worker")
 
 READY_LINE = "SPEEDPIPE_STAGE_READY port={port}"
+# Tests only: a file whose text is the seconds every Load made while it exists waits before it loads (a
+# restarted stage that loads slowly: [Note: every rank waits for all_joined] in workers/channel.py).
+LOAD_DELAY_FILE_ENV = "SPEEDPIPE_TEST_LOAD_DELAY_FILE"
+
+
+def load_delay_s_for_tests() -> float:
+    """Seconds this Load waits first: the number in the file LOAD_DELAY_FILE_ENV names, read now (0 when
+    unset or absent). Raises ValueError for a file that holds no number."""
+    path = os.environ.get(LOAD_DELAY_FILE_ENV)
+    return float(Path(path).read_text()) if path and os.path.exists(path) else 0.0
 
 
 class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
@@ -162,6 +173,7 @@ class StageServicer(RejoinHandler, pb_grpc.StageServiceServicer):
         """Build this stage from its spec (pipeline/engine/stage_assembly.py); returns the tensor names read."""
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
+        time.sleep(load_delay_s_for_tests())
         stage = assemble_stage(spec)
         self.executor, self.weights_bytes = stage.executor, stage.weights_bytes
         if not self._heap_frozen:  # once, before any data-plane object exists: those must stay collectable

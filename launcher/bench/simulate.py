@@ -8,6 +8,10 @@ configuration that verified no draft), simulate.csv and plots (useful/busy utili
 over stages; tokens/s over link latency when several are swept; predicted vs measured with
 --calibrate). The simulation itself is pipeline/engine/simulator.py; the fit is
 pipeline/measure/calibrate.py; a results.json's runs are read by launcher/bench/run_records.py.
+Speculating configurations pause under load as `launch` does: `--speculative-disable-by-batch-size`,
+default stages + 1 ([Note: speculation under load] in pipeline/engine/row_budget.py); each row
+reports its limit and `spec_disabled_steps`. A measured run is simulated without the limit (bench
+names its modes, and a named mode never pauses).
 Must not: start pipelines.
 
 [Note: requested and realised alpha]
@@ -38,6 +42,7 @@ from pathlib import Path
 from launcher.bench.run_records import load_bench_runs
 from launcher.cli.options import DTYPE_HELP, dtype_arg
 from launcher.cli.output_paths import check_output_dir, dumps_strict
+from pipeline.engine.row_budget import check_disable_by_batch_size, default_disable_by_batch_size
 from pipeline.engine.simulator import (
     Bernoulli,
     CostModel,
@@ -68,6 +73,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="simulate-out", help="output folder (default ./simulate-out)")
     g.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     g.add_argument("--seed", type=int, default=0, help="seed of the Bernoulli acceptance draws")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
+                   help="as launch's: speculating configurations send no new drafts while N or more "
+                   "sequences run (default: stages + 1, as --speculate auto; N above --concurrency: never)")
     k = p.add_argument_group("calibration (a measured cost model instead of the synthetic one)")
     k.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the cost model from a `bench` results.json "
                    "(its runs' timelines from the timelines.json beside it, else from its runs/ folder) "
@@ -95,7 +103,8 @@ MAX_SIM_TOKENS = 1_000_000  # per sequence; --max-new-tokens and --prompt-len
 # The flags of `simulate` by their argparse dest, as simulate.json's "settings" records them.
 SETTINGS = ("stages", "alpha", "concurrency", "link_latency_s", "max_new_tokens", "prompt_len", "out", "no_plots",
             "seed", "calibrate", "row_cost", "dtype", "replay", "model_ms", "stage_overhead_ms", "coordinator_ms",
-            "predictor_ms", "link_bandwidth_bytes_per_s", "bytes_per_token")
+            "predictor_ms", "link_bandwidth_bytes_per_s", "bytes_per_token",
+            "speculative_disable_by_batch_size")
 
 
 def _list(flag: str, text: str, cast, *, lo: float, hi: float = float("inf"), allow=()) -> list:
@@ -205,14 +214,22 @@ def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_sta
     useful and bubble fractions over the stages, and [Note: requested and realised alpha]:
     `alpha_requested` (the Bernoulli draw's probability, "none" for plain decode) beside
     `alpha_realised` (accepted / verified drafts of the simulated run; None where no draft was
-    verified, as `launch --json` reports its acceptance) and the two counts it is made of."""
+    verified, as `launch --json` reports its acceptance) and the two counts it is made of; a
+    speculating one's `speculative_disable_by_batch_size` (the flag, default stages + 1; None for
+    plain decode) and `spec_disabled_steps` (micro-batches it sent paused, as `launch --json`'s)."""
     cost = cal.cost_model(num_stages) if cal else synthetic_cost(args, num_stages, latency_s)
     if cal and latency_s:  # extra link latency on top of the measured hand-over
         cost = dataclasses.replace(cost, hop_latency_s=cost.hop_latency_s + latency_s)
     cost = dataclasses.replace(cost, hop_bandwidth_bytes_per_s=args.link_bandwidth_bytes_per_s,
                                bytes_per_token=args.bytes_per_token)
+    limit = args.speculative_disable_by_batch_size
+    if alpha == "none":
+        limit = None
+    elif limit is None:
+        limit = default_disable_by_batch_size(num_stages)
     cfg = SimConfig(num_stages=num_stages, concurrency=concurrency, prompt_len=args.prompt_len,
-                    max_new_tokens=args.max_new_tokens, speculate=alpha != "none")
+                    max_new_tokens=args.max_new_tokens, speculate=alpha != "none",
+                    speculative_disable_by_batch_size=limit)
     res = Simulator(cfg, cost, acceptance=None if alpha == "none" else Bernoulli(alpha, seed=args.seed)).run()
     fr = res.timeline.fractions(0, round(res.wall_s * 1e9))
     return {"stages": num_stages, "alpha_requested": alpha, "concurrency": concurrency, "link_latency_s": latency_s,
@@ -221,7 +238,8 @@ def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_sta
             "useful_fraction": round(statistics.mean(f.useful for f in fr), 4),
             "bubble_fraction": round(statistics.mean(f.idle for f in fr), 4),
             "alpha_realised": round(res.acceptance_rate, 4) if res.verified else None,
-            "accepted_drafts": res.accepted, "verified_drafts": res.verified}
+            "accepted_drafts": res.accepted, "verified_drafts": res.verified,
+            "speculative_disable_by_batch_size": limit, "spec_disabled_steps": res.spec_disabled_steps}
 
 
 def realised_alpha(rows: list[dict]) -> dict:
@@ -259,6 +277,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--prompt-len", args.prompt_len)):
         if not 1 <= value <= MAX_SIM_TOKENS:  # each token is simulated: 10^8 ran for minutes
             raise ValueError(f"{flag} must be in [1, {MAX_SIM_TOKENS}], got {value}")
+    check_disable_by_batch_size(args.speculative_disable_by_batch_size)  # launch's check and words
     if not args.link_bandwidth_bytes_per_s > 0 or not args.bytes_per_token >= 0:  # also NaN (inf: no limit)
         raise ValueError(f"--link-bandwidth-bytes-per-s must be a number > 0 (got {args.link_bandwidth_bytes_per_s:g}) "
                          f"and --bytes-per-token >= 0 (got {args.bytes_per_token:g})")

@@ -20,6 +20,7 @@ from launcher.cli.flag_notes import idle_flag_notes
 from launcher.cli.parsing import UsageError, add_vllm_aliases, min_acceptance_arg
 from launcher.cli.speculation_defaults import auto_speculate, check_auto_flags
 from launcher.coordinator.pipeline_options import DEFAULT_DECODE_FEED, PipelineOptions
+from pipeline.engine.row_budget import default_disable_by_batch_size
 from pipeline.model.config import MODEL_DTYPES
 from pipeline.weights.dense_layout import DENSE_LAYOUTS
 from pipeline.weights.quant import QUANTIZATION_CHOICES
@@ -133,7 +134,7 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
     plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                   exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=args.exit_layer,
-                                  device=args.device, quantization=args.quantization,
+                                  device=args.device, quantization=args.quantization, dense_layout=args.dense_layout,
                                   scratch_of=lambda k: scratch_positions(args.draft_tree, args.max_inflight or k))
     for line in plan.lines():
         logging.getLogger(__name__).info("%s", line)
@@ -187,7 +188,7 @@ def disable_by_batch_size(args: argparse.Namespace, *, num_stages: int, why: str
     given = getattr(args, "speculative_disable_by_batch_size", None)
     if given is not None or not why:
         return given
-    return num_stages + 1
+    return default_disable_by_batch_size(num_stages)
 
 
 def grammar_drafting_fields(mode: str) -> dict[str, bool]:

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import grpc
 
-from launcher.backends.placement import StageGone
 from launcher.coordinator.request_handle import (
     PipelineError,
     RequestHandle,
@@ -36,11 +35,11 @@ from launcher.coordinator.request_handle import (
     encode_prompt,
 )
 from launcher.coordinator.stage_control import load_and_join, shutdown_stages, wait_reachable
-from launcher.coordinator.stage_failover import StageFailover, rejoin_all, restart_dead_stages
+from launcher.coordinator.stage_failover import StageFailover, StageRecovery
 from launcher.coordinator.stage_link import StageLink
 from launcher.coordinator.stage_receivers import ReceiverError, await_death_report, start_receivers
 from pipeline.engine.engine import Engine
-from pipeline.engine.events import Abort, ReplayRunning, Submit
+from pipeline.engine.events import Abort, Submit
 from pipeline.engine.records import Commit, SchedulerConfig, SpecCounters
 from pipeline.engine.wire import rank_of_stage
 from pipeline.measure.timeline import Timeline
@@ -94,7 +93,7 @@ class CoordinatorConfig:
         return self.stage_timeout_s / 4
 
 
-class Coordinator:
+class Coordinator(StageRecovery):
     """Loads the stages, joins the data plane as rank 0 and serves requests until `shutdown`."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, stage_addresses: Sequence[str], *,
@@ -231,67 +230,13 @@ class Coordinator:
             for seq_id in out.forgotten:
                 self.handles.pop(seq_id, None)
 
-    # -- fail-over (launcher/coordinator/stage_failover.py) ---------------------------------------------------
-    def _recover(self, error: PipelineError) -> PipelineError | None:
-        """Restart the failed stages, replay every running sequence ([Note: fail-over]); None once recovered,
-        else the error to fail every request with (no fail-over, its budget spent, or StageGone)."""
-        fo = self.failover
-        while fo is not None and not self._stopping.is_set() and fo.may_restart(error):
-            if not fo.budget.allows(time.monotonic()):
-                b = fo.budget.budget
-                return PipelineError(f"{error} (stage restarts exhausted: --max-stage-restarts {b.max_restarts} "
-                                     f"within --restart-window-s {b.window_s:g})")
-            fo.budget.record(time.monotonic())
-            self.num_restarts += 1
-            log.warning("stage failure (%s): restarting (restart %d)", error, self.num_restarts)
-            self.recovering = f"restarting after a stage failure: {error}"
-            self._notify_recovery("start")
-            try:
-                self._restart_and_replay(fo)
-            except StageGone as exc:  # cannot come back: more attempts would only spend the budget
-                return PipelineError(f"stage restart failed: {exc}")
-            except Exception as exc:  # noqa: BLE001 - a failed attempt spends another restart
-                error = PipelineError(f"stage restart failed: {exc}")
-                continue
-            log.warning("pipeline restored after %d restart(s); replayed the running requests", self.num_restarts)
-            self.recovering = None
-            self._notify_recovery("done")
-            return None
-        return error
-
-    def _restart_and_replay(self, fo: StageFailover) -> None:
-        self._receivers_stopping.set()
-        self.generation += 1  # from now on, events of the old ring are dropped
-        fo.pause_watch()
-        try:
-            restart_dead_stages(fo, self.stubs, self._reconnect, unloaded=set(self._unloaded))
-        finally:
-            fo.resume_watch()
-        wait_reachable(self.channels, dead=fo.dead_stages)
-        port = fo.data_port()
-        self.link.close()  # the old ring's store and gloo listeners
-        self.link = self._new_link(port)
-        rejoin_all(self.stubs, fo.load_specs(port), self._unloaded, self.link.join, timeout_s=600.0,
-                   attempt=self.generation, abandon=self.link.close)  # [Note: abandoned rendezvous]
-        self._unloaded.clear()
-        self.link.warm_up()
-        self._start_receivers()
-        out = self.engine.step([ReplayRunning()], now_ns=time.perf_counter_ns())
-        self.link.send_step(out)
-
+    # -- fail-over: StageRecovery (launcher/coordinator/stage_failover.py) drives it ----------------------
     def _reconnect(self, i: int, address: str) -> None:
         """Stage `i` restarted at `address`: a new control channel; unloaded until a Load succeeds."""
         self.channels[i].close()
         self.channels[i] = self._control_channel(address)
         self.stubs[i] = pb_grpc.StageServiceStub(with_secret(self.channels[i], self._control_secret))
         self._unloaded.add(i)
-
-    def _notify_recovery(self, phase: str) -> None:
-        for listener in self.recovery_listeners:
-            try:
-                listener(phase, self.recovering or "")
-            except Exception:  # noqa: BLE001 - a listener must not stop the recovery
-                log.exception("recovery listener failed")
 
     def _to_engine_events(self, kind: str, payload) -> list:
         """One queued event as engine events (none for a stop, or an abort of an unknown request)."""
@@ -337,9 +282,13 @@ class Coordinator:
     def fail(self, error: PipelineError, *, generation: int | None = None) -> None:
         """Called from any thread (e.g. the process monitor): fail every request and stop, or, with
         a fail-over set and budget left, restart the failed stage and replay ([Note: fail-over]).
-        generation: the data-plane generation the report is about (default the current one); a
-        report about a replaced ring (a death a fail-over already handles) is dropped."""
+        generation: the data-plane generation the report is about (default the current one); one about a
+        replaced ring (a death a fail-over already handles) is dropped; one about the current ring also
+        gives up a join still waiting ([Note: a death during a join] in stage_failover.py)."""
+        link = self.link  # before the generation: a fail-over bumps that first, then replaces the link
         self.events.put(("error", (self.generation if generation is None else generation, error)))
+        if generation in (None, self.generation):
+            link.abandon_join(str(error))
 
     def _fail(self, error: PipelineError) -> None:
         """Fail every request with `error`, named by its cause: hung stages first; and when a receive

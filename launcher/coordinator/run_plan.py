@@ -22,7 +22,12 @@ import torch
 
 from launcher.backends.placement import available_memory_bytes, stages_on_this_machine
 from launcher.coordinator.pipeline_options import PipelineOptions
-from launcher.coordinator.predictor_select import choose_exit_predictor, exit_head_shape, given_exit_layer
+from launcher.coordinator.predictor_select import (
+    choose_exit_predictor,
+    exit_head_shape,
+    given_exit_layer,
+    given_exit_memory,
+)
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.model.config import MODEL_DTYPES, ModelConfig
 from pipeline.model.partition import (
@@ -33,7 +38,7 @@ from pipeline.model.partition import (
     split_from_sizes,
 )
 from pipeline.model.stage_model import checkpoint_shapes
-from pipeline.model.tensor_names import head_tensor_name
+from pipeline.model.tensor_names import EMBED_TOKENS, head_tensor_name
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
 from pipeline.speculation.predictor_file import (
@@ -50,7 +55,12 @@ from pipeline.weights.gguf_import import SOURCE_FILE
 from pipeline.weights.quant import packed_weight_bytes
 from pipeline.weights.quant_load import effective_mode, linear_weight_bytes
 from pipeline.weights.registry import resolve_model
-from pipeline.weights.stage_memory import kv_bytes_per_layer, rotation_table_bytes, stage_dtype
+from pipeline.weights.stage_memory import (
+    kv_bytes_per_layer,
+    rotation_table_bytes,
+    shares_tied_head,
+    stage_dtype,
+)
 
 log = logging.getLogger(__name__)
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
@@ -250,10 +260,12 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     `max_model_len` above the model's context (`ModelConfig.max_context`, as vLLM), and, for CPU stages all
     on this machine (`stages_on_this_machine`), more memory than is available here (it would fail, or
     set off the kernel's out-of-memory killer, only after the stages start): the KV cache for
-    `max_num_seqs` x (`max_model_len` + the token-tree scratch positions) and each stage's RoPE
+    `max_num_seqs` x (`max_model_len` + the token-tree scratch positions) of every decoder layer and of a
+    given drafter's own KV layer (`given_exit_memory`, with SPEED on), and each stage's RoPE
     rotation tables (of its layers in `ranges`), both in the stages' activation dtype, as the memory
     plan charges them (pipeline/weights/stage_memory.py), plus the weights (in that dtype when dense,
-    at 4 bits a weight when quantised: a lower bound). available: bytes (default:
+    at 4 bits a weight when quantised: a lower bound; a tied embedding and LM head twice unless one stage
+    holds them as one tensor, `shares_tied_head`; a given drafter file's size). available: bytes (default:
     `available_memory_bytes()`). Raises ValueError."""
     if options.max_model_len > config.max_context:
         stretched = "" if config.max_context == config.max_position_embeddings else \
@@ -264,13 +276,20 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
         return  # stage memory is on other machines or devices: each stage reports its own failure
     dtype = stage_dtype(options.quantization, model_dir, MODEL_DTYPES[options.dtype], options.device)
     scratch = scratch_positions(options.draft_tree, options.max_inflight or options.num_stages)
-    kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs,
-                            max_model_len=options.max_model_len, num_scratch=scratch) * config.num_hidden_layers
+    drafter_bytes, drafter_kv_layers = given_exit_memory(predictor=options.predictor, exit_predictor=options.exit_predictor) \
+        if options.uses_speed else (0, 0)  # (as the CLI's plan: launcher/cli/options.py `_auto_stages`)
+    kv = kv_bytes_per_layer(config, dtype=dtype, max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len,
+                            num_scratch=scratch) * (config.num_hidden_layers + drafter_kv_layers)
     tables = sum(rotation_table_bytes(config, r, dtype=dtype, max_model_len=options.max_model_len,
                                       num_scratch=scratch, device=options.device) for r in ranges)
     reader = CheckpointReader(model_dir)  # weights: in `dtype` when dense; quantised, at least 4 bits a weight
     dense = effective_mode(options.quantization, str(model_dir), options.device) == "none"
-    weights = reader.nbytes(all_tensor_names(config), dtype=dtype if dense else torch.uint8) // (1 if dense else 2)
+    second_head = config.tie_word_embeddings and not (len(ranges) == 1 and shares_tied_head(
+        config, quantization=options.quantization, model_dir=model_dir, device=options.device,
+        dense_layout=options.dense_layout))  # a tied head held as its own tensor too
+    held = reader.nbytes(all_tensor_names(config), dtype=dtype if dense else torch.uint8)
+    held += reader.nbytes([EMBED_TOKENS], dtype=dtype if dense else torch.uint8) if second_head else 0
+    weights = held // (1 if dense else 2) + drafter_bytes
     available = available_memory_bytes() if available is None else available
     if kv + tables + weights > available:
         remedy = ("lower max_model_len or max_num_seqs" if weights < available else

@@ -5,8 +5,9 @@ Owns the hooks a session hands the coordinator (`StageFailover`; the restart bud
 which stages must be restarted (dead processes, and
 hung ones: a `Health` call that runs into its deadline), and the control round that moves every
 stage into a fresh data-plane group (`Load` for a restarted stage, `Rejoin` for the others).
-Must not: touch the engine or the requests (launcher/coordinator/coordinator.py replays them), or spawn
-processes itself (the placement backend's `restart_stage` does: a new process, launcher/backends/local.py;
+Also owns the recovery the coordinator's engine thread runs (`StageRecovery`, which `Coordinator`
+inherits: restart, re-form, then step the engine with `ReplayRunning`). Must not: hold requests or engine
+state (launcher/coordinator/coordinator.py does), or spawn processes itself (the placement backend's `restart_stage` does: a new process, launcher/backends/local.py;
 a new actor in the same bundle, launcher/backends/ray_cluster/stage_actors.py; a respawn by the stage's node launcher,
 [Note: multi-node restart] in launcher/backends/multinode.py).
 
@@ -36,6 +37,20 @@ not restarted: the requests it held end with an error event and the drain goes o
 (`StageFailover.shutting_down`). Local stage workers ignore both signals (systemd, `timeout` and
 `kill -- -PGID` signal every process at once: the server drains and stops them), so this covers
 stages that do not: a `--no-stdin-watch` worker, or one signalled on its own.
+
+[Note: a death during a join]
+A death the placement backend reports while a data-plane join waits (the start's Load round, or a
+fail-over attempt's Load / Rejoin round: a local process exits, a Ray actor or its node dies; every
+backend's `watch` reports `on_death(stage_index, description)`, which the session hands to
+`Coordinator.fail`) gives that rendezvous up at once, told the backend's one line ("stage 1 (pid 4242)
+exited unexpectedly with signal SIGKILL"): `StageLink.abandon_join` sets the join's `GiveUp`, rank 0
+stops waiting, the stages waiting there stop too (with that reason when they look before rank 0's
+store goes: [Note: abandoned rendezvous] in workers/channel.py), and the attempt fails naming the
+stage; the report itself, still queued, is dropped once the next attempt bumps the generation. A fail-over attempt builds its new link before
+it resumes the backend's watch, so a stage that died while the watch was paused is reported to it at
+once. Before, only a local process's refused Load / Rejoin call ended the round early: a Ray node that
+vanished silently held it until the round's own timeout (600 s). A member node's stage in multi-node
+mode is not watched by node 0 (its death reaches the coordinator on the data plane or the control plane).
 """
 
 from __future__ import annotations
@@ -44,13 +59,16 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 
 import grpc
 
+from launcher.backends.placement import StageGone
 from launcher.coordinator.request_handle import PipelineError
-from launcher.coordinator.stage_control import in_daemon_thread
+from launcher.coordinator.stage_control import in_daemon_thread, wait_reachable
 from launcher.coordinator.stage_restarts import RestartLedger
+from pipeline.engine.events import ReplayRunning
 from pipeline.engine.stage_assembly import StageLoadSpec
 from proto import speedpipe_pb2 as pb
 from workers.load_spec_codec import spec_to_proto
@@ -161,3 +179,66 @@ def rejoin_all(stubs: Sequence, specs: Sequence[StageLoadSpec], restarted: set[i
     if failed or pending:
         abandon(f"{who} failed: {detail}")  # told to the stages still waiting there
         raise PipelineError(f"{who} failed while re-forming the data plane: {detail}")
+
+
+class StageRecovery:
+    """The coordinator's engine thread recovering from a stage failure ([Note: fail-over]): restart,
+    re-form the data plane, replay. The Coordinator that inherits it provides `failover`, `generation`,
+    `link`, `_new_link(port)`, `stubs`, `channels`, `_reconnect(i, address)`, `_unloaded`, `engine`,
+    `_start_receivers()`, `_receivers_stopping`, `_stopping`, `num_restarts`, `recovering` and
+    `recovery_listeners`."""
+
+    def _recover(self, error: PipelineError) -> PipelineError | None:
+        """Restart the failed stages, replay every running sequence ([Note: fail-over]); None once recovered,
+        else the error to fail every request with (no fail-over, its budget spent, or StageGone)."""
+        fo = self.failover
+        while fo is not None and not self._stopping.is_set() and fo.may_restart(error):
+            if not fo.budget.allows(time.monotonic()):
+                b = fo.budget.budget
+                return PipelineError(f"{error} (stage restarts exhausted: --max-stage-restarts {b.max_restarts} "
+                                     f"within --restart-window-s {b.window_s:g})")
+            fo.budget.record(time.monotonic())
+            self.num_restarts += 1
+            log.warning("stage failure (%s): restarting (restart %d)", error, self.num_restarts)
+            self.recovering = f"restarting after a stage failure: {error}"
+            self._notify_recovery("start")
+            try:
+                self._restart_and_replay(fo)
+            except StageGone as exc:  # cannot come back: more attempts would only spend the budget
+                return PipelineError(f"stage restart failed: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a failed attempt spends another restart
+                error = PipelineError(f"stage restart failed: {exc}")
+                continue
+            log.warning("pipeline restored after %d restart(s); replayed the running requests", self.num_restarts)
+            self.recovering = None
+            self._notify_recovery("done")
+            return None
+        return error
+
+    def _restart_and_replay(self, fo: StageFailover) -> None:
+        """One fail-over attempt, steps 1-4 of [Note: fail-over]. Raises on failure (another restart)."""
+        self._receivers_stopping.set()
+        self.generation += 1  # from now on, events of the old ring are dropped
+        fo.pause_watch()
+        try:  # the new link exists before the watch resumes: [Note: a death during a join]
+            restart_dead_stages(fo, self.stubs, self._reconnect, unloaded=set(self._unloaded))
+            wait_reachable(self.channels, dead=fo.dead_stages)
+            self.link.close()  # the old ring's store and gloo listeners
+            self.link = self._new_link(fo.data_port())
+        finally:
+            fo.resume_watch()  # a stage that died meanwhile is reported at once
+        rejoin_all(self.stubs, fo.load_specs(self.link.master_port), self._unloaded, self.link.join, timeout_s=600.0,
+                   attempt=self.generation, abandon=self.link.close)  # [Note: abandoned rendezvous]
+        self._unloaded.clear()
+        self.link.warm_up()
+        self._start_receivers()
+        out = self.engine.step([ReplayRunning()], now_ns=time.perf_counter_ns())
+        self.link.send_step(out)
+
+    def _notify_recovery(self, phase: str) -> None:
+        """Call every recovery listener with (`phase`, why); one that raises is logged, not fatal."""
+        for listener in self.recovery_listeners:
+            try:
+                listener(phase, self.recovering or "")
+            except Exception:  # noqa: BLE001 - a listener must not stop the recovery
+                log.exception("recovery listener failed")

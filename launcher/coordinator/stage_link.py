@@ -50,7 +50,15 @@ class StageLink:
         # in between finds the channel, or this finds the flag, never neither.
         if self.abandoned.is_set():  # formed just as the attempt was given up
             self.close()
-            raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed")
+            why = f": {self.abandoned.reason}" if self.abandoned.reason else ""
+            raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed{why}")
+
+    def abandon_join(self, reason: str) -> None:
+        """A stage died (its backend said so, `reason` naming it): a `join` still waiting gives up at once
+        and tells the stages waiting there `reason` ([Note: a death during a join] in
+        launcher/coordinator/stage_failover.py); a joined link is left to the fail-over that replaces it."""
+        if self.channel is None:
+            self.abandoned.give_up(reason)
 
     def close(self, reason: str = "") -> None:
         """Close this ring's data-plane group (after a fail-over replaced it, or its attempt failed):

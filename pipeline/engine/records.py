@@ -1,6 +1,7 @@
 """The scheduler's records: its configuration, one sequence's state, a commit, the finish
-reasons and the speculation counters (pipeline/engine/scheduler.py holds the policy that updates them).
-Pure data: no I/O, no policy.
+reasons and the speculation counters (pipeline/engine/scheduler.py holds the policy that updates them),
+and the bookkeeping of a sent item and of a result's verdict (`SequenceState.record_sent`,
+`SpecCounters.add_pass`). Pure data: no I/O, no policy.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import enum
 from pipeline.engine.grammar_drafts import DraftMatcher
 from pipeline.measure.row_cost import RowCostTable
 from pipeline.speculation.grammar import GrammarState
-from pipeline.speculation.items import Item
+from pipeline.speculation.items import Item, ItemKind
 from pipeline.speculation.ledger import SequenceLedger, Verdict
 from pipeline.speculation.logprobs import TokenLogprob
 from pipeline.speculation.masks.token_masks import ends_sequence
@@ -152,6 +153,21 @@ class SequenceState:
         if p.needs_logits_at(p.min_tokens):  # needed after min_tokens tokens too: by every row
             return len(self.prompt_ids) + p.max_new_tokens
         return len(self.prompt_ids) + p.min_tokens - 1  # the row choosing output token min_tokens needs none
+
+    def record_sent(self, item: Item, spec: SpecCounters) -> None:
+        """Record `item`, this sequence's pending item, as sent: the ledger's new chain end (a draft with
+        its gate key `pending_key`, token-tree siblings and forced run; a prefill; a real item with its
+        FIRP drafts or forced run, `pending_jump`) and the draft tokens it carries in `spec`."""
+        if item.kind == ItemKind.DRAFT:  # (more than one token: a forced run, [Note: grammar-aware drafting])
+            self.ledger.add_draft(item.token_ids[0], gate_key=self.pending_key, alts=item.alt_token_ids,
+                                  jump=item.token_ids[1:])
+            spec.drafted_tokens += item.num_tokens
+        elif item.kind == ItemKind.PREFILL:
+            self.ledger.add_real(item.token_ids[-1])
+        else:
+            self.ledger.add_real(item.token_ids[0], item.token_ids[1:], jump=self.pending_jump)
+            spec.drafted_tokens += item.num_tokens - 1
+            spec.firp_drafted += 0 if self.pending_jump else item.num_tokens - 1
 
     @property
     def num_tokens(self) -> int:

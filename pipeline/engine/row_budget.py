@@ -5,7 +5,9 @@ Owns, split out of pipeline/engine/scheduler.py (which asks them): `RowBudget` (
 `Item.firp_k` / `Item.firp_anchors`, the per-depth FIRP acceptance counters), `next_firp_drafts`
 (which FIRP drafts a result leaves for the next item, [Note: FIRP policy] in
 pipeline/speculation/firp.py), `wants_exit` (whether the exit stage runs its head on an item) and
-`speculation_paused` and `without_speculation` ([Note: speculation under load]).
+`speculation_paused` and `without_speculation` ([Note: speculation under load]), with the load
+limit's one default and one check (`default_disable_by_batch_size`, `check_disable_by_batch_size`:
+launch's options, RunConfig, SimConfig and `speedpipe simulate` ask them).
 Must not: form micro-batches, commit tokens, or measure anything itself (the table comes from
 tests/benchmarks/row_cost.py via `--row-cost file:PATH`, or from the stages' start-up
 calibration, `--row-cost calibrate`; pipeline/measure/row_cost.py owns the rules), including the
@@ -73,8 +75,11 @@ real work ([Note: micro-batching] in pipeline/engine/scheduler.py), and drafts a
 free slot, so at S they already fill just the gap a sequence that ends leaves (exit-head skipping
 above treats S as full too, as a heuristic). From S + 1 on even that gap is filled by real work: one
 sequence ending still leaves S, so no slot ever waits for a draft, and what speculation still
-sends (FIRP rows, token-tree rows) only lengthens passes. An explicitly chosen mode keeps
-speculating at any load unless the flag is given.
+sends (FIRP rows, token-tree rows) only lengthens passes (`default_disable_by_batch_size`). An
+explicitly chosen mode keeps speculating at any load unless the flag is given.
+The simulator applies the same rule through the same scheduler (`SimConfig.speculative_disable_by_batch_size`,
+pipeline/engine/simulator.py), and `speedpipe simulate` takes the flag with the same default,
+stages + 1, for its speculating configurations (their `spec_disabled_steps` in simulate.json/.csv).
 """
 
 from __future__ import annotations
@@ -186,6 +191,21 @@ def next_firp_drafts(item: Item, num_committed: int, firp: list[int | None]) -> 
         return ()
     chain = firp[anchor * item.firp_k:(anchor + 1) * item.firp_k]
     return tuple(itertools.takewhile(lambda t: t is not None, chain))
+
+
+def default_disable_by_batch_size(num_stages: int) -> int:
+    """The limit `--speculate auto` runs with, and `speedpipe simulate` projects, when
+    `--speculative-disable-by-batch-size` is not given: num_stages + 1 running sequences
+    ([Note: speculation under load] says why)."""
+    return num_stages + 1
+
+
+def check_disable_by_batch_size(limit: int | None) -> None:
+    """Raises ValueError naming `speculative_disable_by_batch_size` unless `limit` is None (never
+    pause) or >= 1 (RunConfig's and SimConfig's one check: launch and simulate word it alike)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"speculative_disable_by_batch_size must be >= 1 (running sequences from which on "
+                         f"speculation pauses), got {limit}")
 
 
 def speculation_paused(config: SchedulerConfig, *, num_running: int) -> bool:

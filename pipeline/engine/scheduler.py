@@ -162,17 +162,9 @@ class Scheduler:
             if seq is None or seq.finished or seq.pending is None:
                 continue
             item, seq.pending = row_budget.without_speculation(seq.pending, jump=seq.pending_jump) if paused else seq.pending, None
-            if item.kind == ItemKind.DRAFT:  # (more than one token: a forced run, [Note: grammar-aware drafting])
-                seq.ledger.add_draft(item.token_ids[0], gate_key=seq.pending_key, alts=item.alt_token_ids,
-                                     jump=item.token_ids[1:])
-                self.spec.drafted_tokens += item.num_tokens
+            seq.record_sent(item, self.spec)  # the ledger's chain end and the draft counters
+            if item.kind == ItemKind.DRAFT:
                 ready_ns.append(seq.pending_ready_ns)
-            elif item.kind == ItemKind.PREFILL:
-                seq.ledger.add_real(item.token_ids[-1])
-            else:
-                seq.ledger.add_real(item.token_ids[0], item.token_ids[1:], jump=seq.pending_jump)
-                self.spec.drafted_tokens += item.num_tokens - 1
-                self.spec.firp_drafted += 0 if seq.pending_jump else item.num_tokens - 1
             self.grammar_drafts.count_sent(seq, item, self.spec)  # forced drafts and jump rows, as sent
             want = self._wants_exit(seq, item, pipeline_full=pipeline_full)  # (item: now the chain's end)
             item = dataclasses.replace(item, want_exit=want, exit_top_k=self.tree.exit_top_k(want))

@@ -30,6 +30,7 @@ import torch
 from pipeline.engine.engine import Engine
 from pipeline.engine.events import Event, ExitPassed, Result, Submit
 from pipeline.engine.records import SchedulerConfig
+from pipeline.engine.row_budget import check_disable_by_batch_size
 from pipeline.engine.stage_executor import admit_epochs
 from pipeline.measure.cost_model import CostModel  # noqa: F401 - re-exported: the simulator's cost model
 from pipeline.measure.sim_acceptance import Bernoulli, DraftsAt, FirpReplay, Replay  # noqa: F401 - re-exported
@@ -75,7 +76,10 @@ class SimConfig:
     speculate: SPEED with the simulated predictor (exit at the end of stage `exit_stage`, or, with
     exit_head=False, drafting at send time as the ngram predictor does);
     max_inflight: per-sequence cap (0 = num_stages); firp_k / firp_alpha: FIRP chains whose every
-    draft is right with probability firp_alpha (seeded). Raises ValueError on bad values.
+    draft is right with probability firp_alpha (seeded); speculative_disable_by_batch_size: as
+    RunConfig's, no new drafts while that many sequences or more run (None: never; the step's rule
+    is the scheduler's, [Note: speculation under load] in pipeline/engine/row_budget.py; `speedpipe
+    simulate` defaults it to stages + 1 as `--speculate auto` does). Raises ValueError on bad values.
     """
 
     num_stages: int
@@ -89,6 +93,7 @@ class SimConfig:
     prompt_lens: tuple[int, ...] = ()  # per sequence (overrides prompt_len and concurrency)
     firp_k: int = 0  # FIRP chains of this many drafts (0 = off); their drafts right at `firp_alpha`
     firp_alpha: float = 0.0
+    speculative_disable_by_batch_size: int | None = None  # None: speculate at any load
 
     def __post_init__(self) -> None:
         if self.prompt_lens:
@@ -105,6 +110,7 @@ class SimConfig:
             raise ValueError(f"max_inflight must be >= 0 (0 = num_stages), got {self.max_inflight}")
         if self.firp_k < 0 or not 0.0 <= self.firp_alpha <= 1.0:
             raise ValueError(f"firp_k must be >= 0 and firp_alpha in [0, 1], got {self.firp_k}, {self.firp_alpha}")
+        check_disable_by_batch_size(self.speculative_disable_by_batch_size)
         if self.speculate and not 0 <= self.exit_stage < self.num_stages - 1:
             raise ValueError(f"exit stage {self.exit_stage} must be before the last of {self.num_stages} stages "
                              "(speculation needs >= 2 stages)")
@@ -123,6 +129,7 @@ class SimResult:
     drafted: int
     verified: int
     accepted: int
+    spec_disabled_steps: int = 0  # micro-batches sent with speculation paused by load, as launch --json's
 
     @property
     def tokens_per_s(self) -> float:
@@ -165,9 +172,9 @@ class Simulator:
             num_stages=config.num_stages, max_num_seqs=config.concurrency,
             max_model_len=max(config.prompt_lens) + config.max_new_tokens + 1, speculate=config.speculate,
             max_inflight=config.max_inflight, firp_k=config.firp_k,
-            firp_min_prob=FirpReplay.MIN_PROB if firp_replay else 0.0), predictor, record_timeline=record_timeline,
-            max_slices=10_000_000,
-            max_commits=None)
+            firp_min_prob=FirpReplay.MIN_PROB if firp_replay else 0.0,
+            disable_by_batch_size=config.speculative_disable_by_batch_size or 0),
+            predictor, record_timeline=record_timeline, max_slices=10_000_000, max_commits=None)
         self.now_ns = 0
         self._events: list = []
         self._order = itertools.count()
@@ -232,7 +239,7 @@ class Simulator:
                          ttft_s=[self._first[i] / 1e9 for i in range(cfg.concurrency)],
                          e2e_s=[done[i] / 1e9 for i in range(cfg.concurrency)], commits=list(self.engine.commit_log),
                          timeline=self.timeline, drafted=spec.drafted_tokens, verified=spec.verified_drafts,
-                         accepted=spec.accepted_tokens)
+                         accepted=spec.accepted_tokens, spec_disabled_steps=spec.spec_disabled_steps)
 
     # -- coordinator side ------------------------------------------------------------------------
     def _step(self, events: list[Event]) -> None:

@@ -139,7 +139,8 @@ def parse_layer_split(text: str) -> list[int]:
 
 
 def smallest_fitting_split(layer_bytes: Sequence[int], *, first_bytes: int, last_bytes: int,
-                           budget_bytes: int, stage_bytes: int | Callable[[int, int], int] = 0) -> list[LayerRange]:
+                           budget_bytes: int, stage_bytes: int | Callable[[int, int], int] = 0,
+                           shared_bytes: int = 0) -> list[LayerRange]:
     """The fewest contiguous stages whose memory each fits `budget_bytes`, split to minimise the
     largest stage.
 
@@ -147,7 +148,8 @@ def smallest_fitting_split(layer_bytes: Sequence[int], *, first_bytes: int, last
     the first stage's extra (token embedding); last_bytes: the last stage's extra (final norm + LM
     head); stage_bytes: what a stage holds besides its layers' own bytes (its RoPE rotation tables),
     the same for every stage, or a function of its layers [start, stop) (Gemma 3's second set of tables
-    only on a stage with a sliding layer). Exact
+    only on a stage with a sliding layer); shared_bytes: what first_bytes and last_bytes both count
+    but a stage that is first and last holds once (a tied embedding and LM head, one tensor). Exact
     for contiguous splits (dynamic programme over split points, O(stages x layers^2)).
     Raises ValueError naming the largest single need and the budget when no split fits.
     """
@@ -161,7 +163,7 @@ def smallest_fitting_split(layer_bytes: Sequence[int], *, first_bytes: int, last
 
     def cost(lo: int, hi: int) -> int:
         return (prefix[hi] - prefix[lo] + (first_bytes if lo == 0 else 0) + (last_bytes if hi == n else 0)
-                + own(lo, hi))
+                - (shared_bytes if lo == 0 and hi == n else 0) + own(lo, hi))
 
     best = {i: (cost(0, i), [0, i]) for i in range(1, n + 1)}  # best[i]: layers [0, i) on k stages
     for k in range(1, n + 1):

@@ -23,7 +23,7 @@ from pipeline.model.kv_cache import buffer_positions
 from pipeline.model.partition import LayerRange, smallest_fitting_split
 from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, head_tensor_name
 from pipeline.weights.checkpoint import CheckpointReader, layer_tensor_names
-from pipeline.weights.quant_load import activation_dtype
+from pipeline.weights.quant_load import activation_dtype, effective_mode
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,14 +43,20 @@ class StagePlan:
         """The split as `--layer-split` spells it (e.g. "8,8,7,7")."""
         return ",".join(str(len(r)) for r in self.ranges)
 
+    @property
+    def weight_bytes(self) -> list[int]:
+        """Each stage's weights (an exit head's file included): its bytes less its KV cache and tables."""
+        return [b - kv - t for b, kv, t in zip(self.stage_bytes, self.kv_bytes, self.rotation_table_bytes, strict=True)]
+
     def lines(self) -> list[str]:
-        """One start-up log line per stage: layers, need (with the KV cache's and the rotation tables'
-        shares) and budget."""
+        """One start-up log line per stage: layers, need (with the weights', the KV cache's and the
+        rotation tables' shares) and budget."""
         scratch = f" with {self.num_scratch} token-tree scratch positions a slot" if self.num_scratch else ""
-        return [f"stage {i}: layers {r}, {b / 2**30:.2f} GiB (weights + {kv / 2**20:.1f} MiB KV cache{scratch} + "
+        return [f"stage {i}: layers {r}, {b / 2**30:.2f} GiB ({w / 2**30:.2f} GiB weights + "
+                f"{kv / 2**20:.1f} MiB KV cache{scratch} + "
                 f"{tables / 2**20:.1f} MiB RoPE tables) of a {self.budget_bytes / 2**30:.2f} GiB budget"
-                for i, (r, b, kv, tables) in enumerate(zip(self.ranges, self.stage_bytes, self.kv_bytes,
-                                                           self.rotation_table_bytes, strict=True))]
+                for i, (r, b, w, kv, tables) in enumerate(zip(self.ranges, self.stage_bytes, self.weight_bytes,
+                                                              self.kv_bytes, self.rotation_table_bytes, strict=True))]
 
 
 def kv_bytes_per_layer(config, *, dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
@@ -84,9 +90,21 @@ def stage_dtype(quantization: str, model_dir: str | Path, dtype: torch.dtype, de
     return activation_dtype(quantization, str(model_dir), dtype, device)
 
 
+def shares_tied_head(config, *, quantization: str, model_dir: str | Path, device: str = "cpu",
+                     dense_layout: str = "reference") -> bool:
+    """Whether a stage that is first and last holds a tied embedding and LM head as one tensor: dense
+    weights (`load_stage_model` ties them, as the checkpoint does) in the `reference` layout. A
+    quantised stage keeps its embedding dense and its head packed, and the `fast` layout gives the head
+    its own transposed copy ([Note: dense layout] in pipeline/weights/dense_layout.py): two tensors.
+    False for an untied model. Raises ValueError for an unknown quantization mode."""
+    dense = effective_mode(quantization, str(model_dir), device) == "none"
+    return config.tie_word_embeddings and dense and dense_layout == "reference"
+
+
 def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: torch.dtype, max_num_seqs: int,
                            max_model_len: int, exit_bytes: int = 0, exit_kv_layers: int = 0,
                            exit_layer: int | None = None, device: str = "cpu", quantization: str = "none",
+                           dense_layout: str = "reference",
                            scratch_of: Callable[[int], int] = lambda num_stages: 0) -> StagePlan:
     """The fewest stages (and their split) whose weights + KV + rotation tables each fit `budget_bytes`
     (every stage holds its own tables: `rotation_table_bytes` of its layers on `device`).
@@ -101,19 +119,24 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     exit_bytes, exit_kv_layers: what a trained exit head adds to the stage holding `exit_layer`: its
     file's tensors, and KV cache layers (a next-layer drafter's own: 1), each charged as a decoder
     layer's (scratch positions included) and counted in that stage's KV cache share; exit_layer None:
-    the default exit layer, stage 0's last, so stage 0 pays it.
+    the default exit layer, stage 0's last, so stage 0 pays it. A tied embedding and LM head is charged
+    once on a stage that is first and last when it holds them as one tensor (`shares_tied_head`), else
+    to both the first and the last stage.
 
     Raises ValueError (from `smallest_fitting_split`) when one layer with the embedding or head
     does not fit, and FileNotFoundError / ValueError for a bad model folder.
     """
     reader = CheckpointReader(model_dir)
     cache_dtype = stage_dtype(quantization, model_dir, dtype, device)
+    shared = shares_tied_head(reader.config, quantization=quantization, model_dir=model_dir, device=device,
+                              dense_layout=dense_layout)
     stages = 1
     while True:
         plan = _plan_at(reader, budget_bytes=budget_bytes, dtype=dtype, cache_dtype=cache_dtype,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         num_scratch=scratch_of(stages),
-                        exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=exit_layer, device=device)
+                        exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=exit_layer, device=device,
+                        shared_head=shared)
         assert len(plan.ranges) >= stages, (plan.ranges, stages)  # fewer did not fit at less scratch
         if len(plan.ranges) == stages:
             return plan
@@ -122,8 +145,9 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
 
 def _plan_at(reader: CheckpointReader, *, budget_bytes: int, dtype: torch.dtype, cache_dtype: torch.dtype,
              max_num_seqs: int, max_model_len: int, num_scratch: int, exit_bytes: int, exit_kv_layers: int,
-             exit_layer: int | None, device: str) -> StagePlan:
-    """`plan_stages_for_budget` with a fixed number of scratch positions a slot."""
+             exit_layer: int | None, device: str, shared_head: bool) -> StagePlan:
+    """`plan_stages_for_budget` with a fixed number of scratch positions a slot; shared_head: a
+    one-stage split holds the tied embedding and LM head once."""
     config = reader.config
     kv = kv_bytes_per_layer(config, dtype=cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             num_scratch=num_scratch)
@@ -135,16 +159,17 @@ def _plan_at(reader: CheckpointReader, *, budget_bytes: int, dtype: torch.dtype,
     else:  # the default exit layer (or a bad one, which resolving the run reports)
         first += exit_bytes + exit_kv
     last = reader.nbytes([FINAL_NORM, head_tensor_name(config)], dtype=dtype)
+    shared = reader.nbytes([EMBED_TOKENS], dtype=dtype) if shared_head else 0
 
     def tables(start: int, stop: int) -> int:
         return rotation_table_bytes(config, range(start, stop), dtype=cache_dtype, max_model_len=max_model_len,
                                     num_scratch=num_scratch, device=device)
 
     ranges = smallest_fitting_split(layer, first_bytes=first, last_bytes=last, stage_bytes=tables,
-                                    budget_bytes=budget_bytes)
+                                    budget_bytes=budget_bytes, shared_bytes=shared)
     table_bytes = [tables(r.start, r.stop) for r in ranges]
     sizes = [sum(layer[r.start:r.stop]) + (first if i == 0 else 0) + (last if i == len(ranges) - 1 else 0)
-             + table_bytes[i] for i, r in enumerate(ranges)]
+             - (shared if len(ranges) == 1 else 0) + table_bytes[i] for i, r in enumerate(ranges)]
     holder = next((i for i, r in enumerate(ranges) if exit_layer in r), 0)  # (a bad or no exit_layer: stage 0)
     kv_bytes = [kv * len(r) + (exit_kv if i == holder else 0) for i, r in enumerate(ranges)]
     return StagePlan(ranges=ranges, stage_bytes=sizes, budget_bytes=budget_bytes, kv_bytes=kv_bytes,

@@ -23,7 +23,7 @@ from pipeline.model.config import ModelConfig, tiny_config
 from pipeline.model.partition import LayerRange
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.speculation.tree import scratch_positions
-from tests.stage_bytes import measured_stage_bytes
+from tests.stage_bytes import measured_stage_bytes, write_next_layer_file
 from tests.tiny_model import write_tiny_model
 
 
@@ -175,7 +175,8 @@ def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
     held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048)
     kv, tables = sum(m[1] for m in held), sum(m[2] for m in held)
     assert kv == 4 * 4 * 2048 * 2 * 2 * 16 * torch.float32.itemsize and tables > 0  # layers x seqs x positions x ...
-    params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+    params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values()) \
+        + config.vocab_size * config.hidden_size  # the last stage reads its own copy of the tied head
     need = kv + tables + params * torch.float32.itemsize  # and the weights, which the stages hold too
     check_lengths(options, config, model_dir, ranges=ranges, available=need)
     with pytest.raises(ValueError, match=r"max_num_seqs 4 x max_model_len 2048 needs 8.0 MiB of KV cache, plus "
@@ -203,6 +204,51 @@ def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
         check_lengths(private, config, model_dir, ranges=ranges, available=need - 1)
     cluster = dataclasses.replace(options, placement=PlacementOptions(backend="ray", ray_address="10.0.0.10:6379"))
     check_lengths(cluster, config, model_dir, ranges=ranges, available=1)  # its stages' memory is not this machine's
+
+
+@pytest.mark.parametrize(("num_stages", "dense_layout"), [(2, "reference"), (1, "reference"), (1, "fast")])
+def test_the_memory_check_counts_a_tied_head_as_often_as_the_stages_hold_it(tmp_path, num_stages, dense_layout):
+    """A tied embedding and LM head are one tensor on a stage that is first and last (reference layout),
+    two otherwise: the last stage reads its own head, and the fast layout gives the head its own
+    transposed copy (as the memory plan charges them, stage_memory.shares_tied_head); the check
+    counted one copy always."""
+    model_dir = write_tiny_model(tmp_path / "m")  # tied
+    config = tiny_config()
+    options = PipelineOptions(model="unused", num_stages=num_stages, max_num_seqs=4, max_model_len=2048,
+                              speculate="none", dense_layout=dense_layout)
+    ranges = [LayerRange(0, 2), LayerRange(2, 4)] if num_stages == 2 else [LayerRange(0, 4)]
+    need = sum(map(sum, measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048,
+                                             dense_layout=dense_layout)))
+    check_lengths(options, config, model_dir, ranges=ranges, available=need)
+    with pytest.raises(ValueError, match="needs 8.0 MiB of KV cache"):
+        check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)
+
+
+def test_the_memory_check_counts_a_next_layer_drafters_kv_layer(tmp_path):
+    """A given next-layer drafter holds its own weights and KV layer on its exit stage, token-tree scratch
+    positions included (tests/stage_bytes.py measures it), as the `--stages auto` plan charges them; the
+    check left both out."""
+    model_dir = write_tiny_model(tmp_path / "m")
+    config = tiny_config()
+    path = write_next_layer_file(model_dir, tmp_path / "next.safetensors", 1)  # stage 0's last layer: the default
+    options = PipelineOptions(model="unused", num_stages=2, max_num_seqs=4, max_model_len=2048, speculate="speed",
+                              predictor=str(path), draft_tree=3)
+    ranges = [LayerRange(0, 2), LayerRange(2, 4)]
+    held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048,
+                                num_scratch=scratch_positions(3, 2), draft_after=1)
+    params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values()) \
+        + config.vocab_size * config.hidden_size  # the last stage reads its own copy of the tied head
+    drafter = path.stat().st_size  # the drafter's own weights, as the plan charges them (`given_exit_memory`)
+    need = sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize + drafter
+    check_lengths(options, config, model_dir, ranges=ranges, available=need)
+    with pytest.raises(ValueError, match="needs 10.2 MiB of KV cache"):  # 5 layers (8.1 MiB for 4)
+        check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)
+    lens = dataclasses.replace(options, predictor="logit-lens")  # no drafter: one KV layer fewer
+    check_lengths(lens, config, model_dir, ranges=ranges, available=need - drafter - (held[0][1] - held[1][1]))
+    plain = dataclasses.replace(options, speculate="none", draft_tree=1)  # no SPEED: the drafter is not loaded
+    held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048)
+    check_lengths(plain, config, model_dir, ranges=ranges,
+                  available=sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize)
 
 
 def test_the_training_commands_plan_without_the_serving_limits(tmp_path):

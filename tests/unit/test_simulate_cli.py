@@ -125,3 +125,48 @@ def test_without_matplotlib_simulate_stops_before_the_sweep_naming_no_plots(tmp_
     err = capsys.readouterr().err
     assert "plots need matplotlib" in err and "--no-plots" in err
     assert not (tmp_path / "o" / "simulate.json").exists()
+
+
+def _sweep(tmp_path, *argv) -> list[dict]:
+    assert main(["simulate", "--out", str(tmp_path / "o"), "--max-new-tokens", "8", "--no-plots", *argv]) == 0
+    return json.loads((tmp_path / "o" / "simulate.json").read_text())["sweep"]
+
+
+def _row(rows, alpha, concurrency) -> dict:
+    return next(r for r in rows if r["alpha_requested"] == alpha and r["concurrency"] == concurrency)
+
+
+def test_speculating_rows_pause_from_stages_plus_one_streams_by_default(tmp_path):
+    """[Note: speculation under load] in pipeline/engine/row_budget.py: as `launch --speculate auto`,
+    3 streams on 2 stages pause speculation; 1 stream does not; plain decode has no limit."""
+    rows = _sweep(tmp_path, "--stages", "2", "--alpha", "none,1", "--concurrency", "1,3")
+    loaded, single = _row(rows, 1.0, 3), _row(rows, 1.0, 1)
+    assert loaded["speculative_disable_by_batch_size"] == single["speculative_disable_by_batch_size"] == 3
+    assert loaded["spec_disabled_steps"] > 0 and loaded["verified_drafts"] == 0
+    assert loaded["tokens_per_s"] == _row(rows, "none", 3)["tokens_per_s"]
+    assert single["spec_disabled_steps"] == 0
+    assert single["tokens_per_s"] > _row(rows, "none", 1)["tokens_per_s"]
+    assert _row(rows, "none", 3)["speculative_disable_by_batch_size"] is None
+    assert _row(rows, "none", 3)["spec_disabled_steps"] == 0
+
+
+def test_the_flag_sets_the_limit_of_every_speculating_row(tmp_path):
+    """2 streams on 4 stages leave free slots: speculation pays unless the flag's limit (2) pauses it."""
+    argv = ("--stages", "4", "--alpha", "none,1", "--concurrency", "2")
+    free = _row(_sweep(tmp_path, *argv), 1.0, 2)
+    paused = _sweep(tmp_path, *argv, "--speculative-disable-by-batch-size", "2")
+    assert free["spec_disabled_steps"] == 0 and free["speculative_disable_by_batch_size"] == 5
+    assert _row(paused, 1.0, 2)["speculative_disable_by_batch_size"] == 2
+    assert _row(paused, 1.0, 2)["spec_disabled_steps"] == 16  # 2 streams x (prefill + 7 decode items)
+    plain = _row(paused, "none", 2)["tokens_per_s"]
+    assert _row(paused, 1.0, 2)["tokens_per_s"] == plain < free["tokens_per_s"]
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_limit_below_1_is_launchs_one_line_error_with_status_2(tmp_path, capsys, value):
+    argv = [*FAST, "--speculative-disable-by-batch-size", value]
+    assert main(["simulate", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("speedpipe simulate: error: --speculative-disable-by-batch-size must be >= 1 (running "
+                   f"sequences from which on speculation pauses), got {value}"), err
+    assert not (tmp_path / "o").exists()

@@ -18,9 +18,9 @@ from launcher.cli.parsing import UsageError
 from pipeline.model.partition import LayerRange, smallest_fitting_split
 from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
-from pipeline.weights.stage_memory import kv_bytes_per_layer, plan_stages_for_budget
+from pipeline.weights.stage_memory import StagePlan, kv_bytes_per_layer, plan_stages_for_budget
 from tests.family_models import write_family_model
-from tests.stage_bytes import measured_stage_bytes
+from tests.stage_bytes import measured_stage_bytes, write_next_layer_file
 
 
 def _brute_force(layer_bytes, first, last, budget, stage=0):
@@ -75,6 +75,23 @@ def test_plan_counts_weights_kv_and_rotation_tables_of_each_stage(tmp_path, fami
     assert plan.kv_bytes == [kv for _, kv, _ in measured]
     assert "of a" in plan.lines()[0] and plan.layer_split() == ",".join(str(len(r)) for r in plan.ranges)
     assert f"{plan.rotation_table_bytes[0] / 2**20:.1f} MiB RoPE tables" in plan.lines()[0]
+
+
+@pytest.mark.parametrize("dense_layout", ["reference", "fast"])
+def test_a_one_stage_plan_charges_a_tied_embedding_and_head_as_often_as_the_stage_holds_them(tmp_path, dense_layout):
+    """One stage of a tied model holds the embedding and the LM head as one tensor (reference layout):
+    charged once (it was charged twice, so a budget the stage fits took two stages); the fast layout
+    gives the head its own transposed copy ([Note: dense layout]): charged twice."""
+    folder = write_family_model(tmp_path / "m", "qwen3")  # tied
+    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64, "dense_layout": dense_layout}
+    one = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
+    (alone,) = measured_stage_bytes(folder, one.ranges, max_num_seqs=2, max_model_len=64, dense_layout=dense_layout)
+    assert len(one.ranges) == 1 and one.stage_bytes == [sum(alone)]
+    assert len(plan_stages_for_budget(folder, budget_bytes=sum(alone), **kw).ranges) == 1
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib",
+                                      str((sum(alone) - 1) / 2**30), "--max-model-len", "64", "--max-num-seqs", "2",
+                                      "--dense-layout", dense_layout, "--speculate", "none", "--prompt", "x"])
+    assert _auto_stages(args, progress=False)[0] == 2  # the CLI plans in the run's layout: a byte short, 2 stages
 
 
 def test_a_gemma3_stage_without_a_sliding_layer_is_charged_one_set_of_rotation_tables(tmp_path):
@@ -175,6 +192,39 @@ def test_a_budget_the_stage_fits_only_without_its_rotation_tables_takes_one_more
     assert len(on_gpu.ranges) == 1 and on_gpu.rotation_table_bytes == [0]  # an accelerator caches no tables
 
 
+def test_plan_lines_give_each_stages_weights_kv_cache_and_rope_tables():
+    gib, mib = 2**30, 2**20
+    plan = StagePlan(ranges=[LayerRange(0, 3), LayerRange(3, 5)], stage_bytes=[3 * gib, 2 * gib], budget_bytes=4 * gib,
+                     kv_bytes=[gib // 2, gib], rotation_table_bytes=[mib, 2 * mib])
+    assert plan.weight_bytes == [3 * gib - gib // 2 - mib, gib - 2 * mib]
+    assert plan.lines() == [
+        "stage 0: layers [0, 3), 3.00 GiB (2.50 GiB weights + 512.0 MiB KV cache + 1.0 MiB RoPE tables) "
+        "of a 4.00 GiB budget",
+        "stage 1: layers [3, 5), 2.00 GiB (1.00 GiB weights + 1024.0 MiB KV cache + 2.0 MiB RoPE tables) "
+        "of a 4.00 GiB budget"]
+
+
+def test_cli_stages_auto_prints_each_stages_weights_kv_cache_and_rope_tables(tmp_path, capsys):
+    """The plan lines `--stages auto` prints: each stage's weights (GiB) beside its KV cache and RoPE tables."""
+    folder = write_family_model(tmp_path / "m", "llama3", vocab_size=32768)  # 8 MiB embedding, 8 MiB head
+    kw = {"dtype": torch.float32, "max_num_seqs": 64, "max_model_len": 1024}
+    whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw).stage_bytes[0]
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib",
+                                      str(0.6 * whole / 2**30), "--max-model-len", "1024", "--max-num-seqs", "64",
+                                      "--speculate", "none", "--prompt", "x"])
+    stages, split = _auto_stages(args, progress=True)
+    plan = plan_stages_for_budget(folder, budget_bytes=int(0.6 * whole), **kw)
+    assert stages == len(plan.ranges) >= 2 and split == plan.layer_split()
+    err, reader = capsys.readouterr().err, CheckpointReader(folder)
+    for i, r in enumerate(plan.ranges):
+        weights = reader.nbytes(stage_tensor_names(reader.config, r, is_first=i == 0, is_last=i == stages - 1),
+                                dtype=torch.float32)
+        assert weights >= 2**30 // 200  # shows as 0.01 GiB, not 0.00
+        assert (f"stage {i}: layers {r}, {plan.stage_bytes[i] / 2**30:.2f} GiB ({weights / 2**30:.2f} GiB weights + "
+                f"{plan.kv_bytes[i] / 2**20:.1f} MiB KV cache + {plan.rotation_table_bytes[i] / 2**20:.1f} MiB RoPE "
+                f"tables) of a ") in err
+
+
 def test_cli_stages_auto_sets_stages_and_split(tmp_path):
     folder = write_family_model(tmp_path / "m", "llama3")
     whole = plan_stages_for_budget(folder, budget_bytes=1 << 40, dtype=torch.float32, max_num_seqs=8,
@@ -188,20 +238,13 @@ def test_cli_stages_auto_sets_stages_and_split(tmp_path):
                                                 "--prompt", "x"]), progress=False)
 
 
-def _next_layer_file(folder, path, layer):
-    from pipeline.speculation.predictor_file import model_identity, save_predictor
-    meta = {"kind": "early-exit", "model": model_identity(folder).to_dict(), "exit_layer": layer, "arch": "next-layer",
-            "corpus": "self-distill", "train_tokens": 1, "eval": {"top1_agreement": 0.5, "eval_tokens": 1}}
-    return save_predictor(path, {"draft_layer.x": torch.zeros(4096)}, meta)
-
-
 def test_plan_charges_a_next_layer_drafter_to_the_stage_of_its_exit_layer(tmp_path):
     """A given next-layer drafter's file and its KV layer count on the stage holding the exit layer
     (stage 0 by default), so a budget the model alone fits can need one more stage."""
     folder = write_family_model(tmp_path / "m", "llama3")
     cfg = CheckpointReader(folder).config
     kw = {"dtype": torch.float32, "max_num_seqs": 8, "max_model_len": 64}
-    path = _next_layer_file(folder, tmp_path / "next.safetensors", 0)
+    path = write_next_layer_file(folder, tmp_path / "next.safetensors", 0)
     kv = kv_bytes_per_layer(cfg, **kw)
     args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib", "1",
                                       "--max-model-len", "64", "--speculate", "speed", "--predictor", str(path),
@@ -236,7 +279,7 @@ def test_plan_charges_a_next_layer_drafters_kv_layer_its_token_tree_scratch_posi
     import pipeline.weights.stage_memory as stage_memory
 
     folder = write_family_model(tmp_path / "m", "llama3")
-    path = _next_layer_file(folder, tmp_path / "next.safetensors", 1)
+    path = write_next_layer_file(folder, tmp_path / "next.safetensors", 1)
     plans, real = [], stage_memory.plan_stages_for_budget
     monkeypatch.setattr(stage_memory, "plan_stages_for_budget", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
     args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib", "1",
