@@ -16,6 +16,7 @@ import torch
 
 from pipeline.model.partition import LayerRange
 from pipeline.model.row_layout import Span
+from pipeline.weights.quant import Int4Linear, Int8Linear
 from pipeline.weights.quant_load import load_stage_model
 
 
@@ -24,13 +25,22 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a built stage holds as weights: its parameters (dense tensors) and the buffers of its
+    quantised linears (pipeline/weights/quant.py: `Int4Linear`'s packed int4 weight, bfloat16 scales
+    and zeros and bias; `Int8Linear`'s int8 weight, scales and bias), none of which is a parameter."""
+    packed = [t for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)) for t in m.buffers()]
+    return [*model.parameters(), *packed]
+
+
 def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs: int, max_model_len: int,
                          num_scratch: int = 0, quantization: str = "none", dense_layout: str = "reference",
                          draft_after: int | None = None) -> list[tuple[int, int, int]]:
-    """Per stage of `ranges`: (parameters, KV cache, rotation tables) bytes of a real stage after a pass at
-    position max_model_len - 1 and a table look-up at max_model_len + num_scratch - 1 (parameters: dense tensors only; a quantised linear's packed weight is no
-    parameter). draft_after: the stage holding that layer also gets a next-layer drafter after it (a copy
-    of the layer, as `StageModel.attach_draft_layer` takes one), with its own KV cache layer.
+    """Per stage of `ranges`: (weights, KV cache, rotation tables) bytes of a real stage after a pass at
+    position max_model_len - 1 and a table look-up at max_model_len + num_scratch - 1 (weights:
+    `weight_tensors`, the parameters and the quantised linears' packed buffers). draft_after: the stage
+    holding that layer also gets a next-layer drafter after it (a copy of the layer, as
+    `StageModel.attach_draft_layer` takes one), with its own KV cache layer.
     dense_layout: `load_stage_model`'s (`fast`: a tied head gets its own transposed copy)."""
     out = []
     for i, r in enumerate(ranges):
@@ -46,7 +56,7 @@ def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs
             model.forward(x, [Span(0, max_model_len - 1, 1)], kv)
             model.rope_tables(torch.tensor([bound - 1]), kv.k.dtype, max_positions=bound)  # a FIRP pseudo row's
         tables = [t for rot in model._rotations.values() for t in (rot._cos, rot._signed_sin)]
-        out.append((_storage_bytes(model.parameters()), _storage_bytes([kv.k, kv.v]), _storage_bytes(tables)))
+        out.append((_storage_bytes(weight_tensors(model)), _storage_bytes([kv.k, kv.v]), _storage_bytes(tables)))
     return out
 
 
@@ -58,3 +68,19 @@ def write_next_layer_file(folder: Path, path: Path, layer: int) -> Path:
     meta = {"kind": "early-exit", "model": model_identity(folder).to_dict(), "exit_layer": layer, "arch": "next-layer",
             "corpus": "self-distill", "train_tokens": 1, "eval": {"top1_agreement": 0.5, "eval_tokens": 1}}
     return save_predictor(path, {"draft_layer.x": torch.zeros(4096)}, meta)
+
+
+def write_quantised_gguf_folder(root: Path, family: str, quant_name: str) -> Path:
+    """The folder `convert_gguf` writes for a tiny GGUF of `family` (tests/family_models.py: qwen2 ties its
+    embedding and head, mistral does not) whose matrices are stored as `quant_name` ("Q4_0", "Q8_0"), as
+    tests/unit/test_gguf_quantised_families.py builds them: what `--quantization auto` runs as its own blocks."""
+    import gguf
+
+    from pipeline.weights.gguf_import import convert_gguf
+    from tests.unit.test_gguf_families import _f16_rounded_family_model, write_hf_family_gguf
+
+    d, tensors = _f16_rounded_family_model(root / "hf", family)
+    path = root / f"{quant_name}.gguf"
+    write_hf_family_gguf(path, d, tensors, family, arch="llama" if family == "mistral" else family,
+                         quant=gguf.GGMLQuantizationType[quant_name])
+    return convert_gguf(path, root / quant_name, progress=False)

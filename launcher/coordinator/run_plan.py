@@ -18,8 +18,6 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from launcher.backends.placement import available_memory_bytes, stages_on_this_machine
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import (
@@ -38,7 +36,7 @@ from pipeline.model.partition import (
     split_from_sizes,
 )
 from pipeline.model.stage_model import checkpoint_shapes
-from pipeline.model.tensor_names import EMBED_TOKENS, head_tensor_name
+from pipeline.model.tensor_names import head_tensor_name
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.run_config import RunConfig
 from pipeline.speculation.predictor_file import (
@@ -49,7 +47,7 @@ from pipeline.speculation.predictor_file import (
     shipped_predictors,
 )
 from pipeline.speculation.tree import scratch_positions
-from pipeline.weights.checkpoint import CheckpointReader, all_tensor_names, stage_tensor_names
+from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.gguf_blocks import gguf_source_of, requantised_linears
 from pipeline.weights.gguf_import import SOURCE_FILE
 from pipeline.weights.quant import packed_weight_bytes
@@ -57,8 +55,8 @@ from pipeline.weights.quant_load import effective_mode, linear_weight_bytes
 from pipeline.weights.registry import resolve_model
 from pipeline.weights.stage_memory import (
     kv_bytes_per_layer,
+    model_weight_bytes,
     rotation_table_bytes,
-    shares_tied_head,
     stage_dtype,
 )
 
@@ -263,9 +261,10 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     `max_num_seqs` x (`max_model_len` + the token-tree scratch positions) of every decoder layer and of a
     given drafter's own KV layer (`given_exit_memory`, with SPEED on), and each stage's RoPE
     rotation tables (of its layers in `ranges`), both in the stages' activation dtype, as the memory
-    plan charges them (pipeline/weights/stage_memory.py), plus the weights (in that dtype when dense,
-    at 4 bits a weight when quantised: a lower bound; a tied embedding and LM head twice unless one stage
-    holds them as one tensor, `shares_tied_head`; a given drafter file's size). available: bytes (default:
+    plan charges them (pipeline/weights/stage_memory.py), plus the weights as the stages hold them in the
+    run's numeric mode, as the plan charges them too (`model_weight_bytes`: dense in that dtype, or packed
+    linears beside a dense embedding and norms; a tied embedding and LM head twice unless one stage holds
+    them as one tensor, `shares_tied_head`), plus a given drafter file's size. available: bytes (default:
     `available_memory_bytes()`). Raises ValueError."""
     if options.max_model_len > config.max_context:
         stretched = "" if config.max_context == config.max_position_embeddings else \
@@ -282,20 +281,15 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
                             num_scratch=scratch) * (config.num_hidden_layers + drafter_kv_layers)
     tables = sum(rotation_table_bytes(config, r, dtype=dtype, max_model_len=options.max_model_len,
                                       num_scratch=scratch, device=options.device) for r in ranges)
-    reader = CheckpointReader(model_dir)  # weights: in `dtype` when dense; quantised, at least 4 bits a weight
-    dense = effective_mode(options.quantization, str(model_dir), options.device) == "none"
-    second_head = config.tie_word_embeddings and not (len(ranges) == 1 and shares_tied_head(
-        config, quantization=options.quantization, model_dir=model_dir, device=options.device,
-        dense_layout=options.dense_layout))  # a tied head held as its own tensor too
-    held = reader.nbytes(all_tensor_names(config), dtype=dtype if dense else torch.uint8)
-    held += reader.nbytes([EMBED_TOKENS], dtype=dtype if dense else torch.uint8) if second_head else 0
-    weights = held // (1 if dense else 2) + drafter_bytes
+    weights = model_weight_bytes(CheckpointReader(model_dir), dtype=MODEL_DTYPES[options.dtype],
+                                 quantization=options.quantization, device=options.device,
+                                 dense_layout=options.dense_layout).total(len(ranges)) + drafter_bytes
     available = available_memory_bytes() if available is None else available
     if kv + tables + weights > available:
         remedy = ("lower max_model_len or max_num_seqs" if weights < available else
                   "the weights alone do not fit: quantise them (--quantization) or place stages on more machines")
         raise ValueError(f"max_num_seqs {options.max_num_seqs} x max_model_len {options.max_model_len} needs "
-                         f"{_size(kv)} of KV cache, plus {'' if dense else 'at least '}{_size(weights)} of weights "
+                         f"{_size(kv)} of KV cache, plus {_size(weights)} of weights "
                          f"and {_size(tables)} of RoPE tables: more than the {_size(available)} of memory available "
                          f"on this machine; {remedy}")
 

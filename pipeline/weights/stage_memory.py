@@ -1,10 +1,12 @@
 """Per-stage memory: what each layer, the embedding and the head need, and the auto stage count.
 
 Owns `StagePlan` and `plan_stages_for_budget`, which measures a model folder's weights per layer
-(from safetensors headers, at the run's dtype: no tensor data is read) plus each layer's KV cache for
-`max_num_seqs` x (`max_model_len` + the token-tree scratch positions) plus every stage's RoPE rotation
-tables (`rotation_table_bytes`), the cache and tables in the stage's activation dtype (`stage_dtype`),
-and picks the fewest stages that fit a per-stage budget
+as a stage holds them in the run's numeric mode (`model_weight_bytes`: the linears through
+pipeline/weights/quant_load.py `linear_weight_bytes`, packed when quantised, the rest dense at the
+stage's dtype; from safetensors headers and the GGUF's tensor table: no tensor data is read) plus
+each layer's KV cache for `max_num_seqs` x (`max_model_len` + the token-tree scratch positions)
+plus every stage's RoPE rotation tables (`rotation_table_bytes`), the cache and tables in the
+stage's activation dtype (`stage_dtype`), and picks the fewest stages that fit a per-stage budget
 (`--stages auto --stage-memory-gib`, pipeline/model/partition.py `smallest_fitting_split`).
 The start-up memory check (launcher/coordinator/run_plan.py `check_lengths`) uses the same helpers.
 Must not: start processes or allocate tensors.
@@ -23,7 +25,7 @@ from pipeline.model.kv_cache import buffer_positions
 from pipeline.model.partition import LayerRange, smallest_fitting_split
 from pipeline.model.tensor_names import EMBED_TOKENS, FINAL_NORM, head_tensor_name
 from pipeline.weights.checkpoint import CheckpointReader, layer_tensor_names
-from pipeline.weights.quant_load import activation_dtype, effective_mode
+from pipeline.weights.quant_load import activation_dtype, effective_mode, linear_weight_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,6 +103,49 @@ def shares_tied_head(config, *, quantization: str, model_dir: str | Path, device
     return config.tie_word_embeddings and dense and dense_layout == "reference"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightBytes:
+    """The bytes of a model's weights as its stages hold them (`model_weight_bytes`): layers[i], decoder
+    layer i's tensors; embedding, the first stage's token embedding; head, the last stage's final norm
+    and LM head; shared, what a one-stage split holds once rather than twice (the tied embedding and
+    head as one tensor, `shares_tied_head`; else 0)."""
+
+    layers: list[int]
+    embedding: int
+    head: int
+    shared: int
+
+    def total(self, num_stages: int) -> int:
+        """Bytes of the weights of all `num_stages` stages together."""
+        return sum(self.layers) + self.embedding + self.head - (self.shared if num_stages == 1 else 0)
+
+
+def model_weight_bytes(reader: CheckpointReader, *, dtype: torch.dtype, quantization: str = "none", device: str = "cpu",
+                 dense_layout: str = "reference") -> WeightBytes:
+    """The bytes each part of the model in `reader` holds once a stage is built in numeric mode
+    `quantization` (pipeline/weights/quant_load.py `load_stage_model`'s rules): every linear (the
+    LM head included) as `linear_weight_bytes` gives it (dense `dtype`, or packed int4 / int8, in
+    `auto` the GGUF's own block types), everything else (embedding, norms, biases) dense in the
+    stage's dtype (`stage_dtype`: bfloat16 when quantised). A tied model's quantised stages keep a
+    dense embedding and a packed head. Reads headers and the GGUF's tensor table, never tensor data.
+    Raises ValueError for an unknown mode, a missing tensor or a bad folder."""
+    config, model_dir = reader.config, str(reader.model_dir)
+    dense_dtype = stage_dtype(quantization, model_dir, dtype, device)
+    linears = linear_weight_bytes(config, LayerRange(0, config.num_hidden_layers), is_last=True,
+                                  quantization=quantization, dtype=dtype, model_dir=model_dir, device=device)
+
+    def held(names: list[str]) -> int:
+        return (sum(linears[n] for n in names if n in linears)
+                + reader.nbytes([n for n in names if n not in linears], dtype=dense_dtype))
+
+    embedding = reader.nbytes([EMBED_TOKENS], dtype=dense_dtype)
+    shared = shares_tied_head(config, quantization=quantization, model_dir=model_dir, device=device,
+                              dense_layout=dense_layout)
+    return WeightBytes(layers=[held(layer_tensor_names(config, i)) for i in range(config.num_hidden_layers)],
+                       embedding=embedding, head=held([FINAL_NORM, head_tensor_name(config)]),
+                       shared=embedding if shared else 0)
+
+
 def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: torch.dtype, max_num_seqs: int,
                            max_model_len: int, exit_bytes: int = 0, exit_kv_layers: int = 0,
                            exit_layer: int | None = None, device: str = "cpu", quantization: str = "none",
@@ -109,8 +154,9 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     """The fewest stages (and their split) whose weights + KV + rotation tables each fit `budget_bytes`
     (every stage holds its own tables: `rotation_table_bytes` of its layers on `device`).
 
-    dtype: the weights' dtype (`--dtype`; quantised weights are charged at it too: an upper bound);
-    the KV cache and the tables are charged in `stage_dtype(quantization, ...)`, with the token-tree
+    dtype: `--dtype`; the weights are charged as the stages hold them in `quantization`
+    (`model_weight_bytes`: dense in `dtype`, or packed linears beside a dense bfloat16 embedding and
+    norms); the KV cache and the tables in `stage_dtype(quantization, ...)`, with the token-tree
     scratch positions a slot that `num_stages` stages hold, `scratch_of(num_stages)` (nondecreasing;
     the CLI passes pipeline/speculation/tree.py `scratch_positions(draft_tree, max_inflight or
     num_stages)`, which this layer does not import: speculation imports weights). They may grow with
@@ -121,45 +167,41 @@ def plan_stages_for_budget(model_dir: str | Path, *, budget_bytes: int, dtype: t
     layer's (scratch positions included) and counted in that stage's KV cache share; exit_layer None:
     the default exit layer, stage 0's last, so stage 0 pays it. A tied embedding and LM head is charged
     once on a stage that is first and last when it holds them as one tensor (`shares_tied_head`), else
-    to both the first and the last stage.
+    to both the first and the last stage (a quantised stage: a dense embedding and a packed head).
 
     Raises ValueError (from `smallest_fitting_split`) when one layer with the embedding or head
     does not fit, and FileNotFoundError / ValueError for a bad model folder.
     """
     reader = CheckpointReader(model_dir)
     cache_dtype = stage_dtype(quantization, model_dir, dtype, device)
-    shared = shares_tied_head(reader.config, quantization=quantization, model_dir=model_dir, device=device,
-                              dense_layout=dense_layout)
+    weights = model_weight_bytes(reader, dtype=dtype, quantization=quantization, device=device,
+                                 dense_layout=dense_layout)
     stages = 1
     while True:
-        plan = _plan_at(reader, budget_bytes=budget_bytes, dtype=dtype, cache_dtype=cache_dtype,
+        plan = _plan_at(reader.config, weights, budget_bytes=budget_bytes, cache_dtype=cache_dtype,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         num_scratch=scratch_of(stages),
-                        exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=exit_layer, device=device,
-                        shared_head=shared)
+                        exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=exit_layer, device=device)
         assert len(plan.ranges) >= stages, (plan.ranges, stages)  # fewer did not fit at less scratch
         if len(plan.ranges) == stages:
             return plan
         stages = len(plan.ranges)
 
 
-def _plan_at(reader: CheckpointReader, *, budget_bytes: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+def _plan_at(config, weights: WeightBytes, *, budget_bytes: int, cache_dtype: torch.dtype,
              max_num_seqs: int, max_model_len: int, num_scratch: int, exit_bytes: int, exit_kv_layers: int,
-             exit_layer: int | None, device: str, shared_head: bool) -> StagePlan:
-    """`plan_stages_for_budget` with a fixed number of scratch positions a slot; shared_head: a
-    one-stage split holds the tied embedding and LM head once."""
-    config = reader.config
+             exit_layer: int | None, device: str) -> StagePlan:
+    """`plan_stages_for_budget` with a fixed number of scratch positions a slot; weights: `model_weight_bytes`."""
     kv = kv_bytes_per_layer(config, dtype=cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             num_scratch=num_scratch)
-    layer = [reader.nbytes(layer_tensor_names(config, i), dtype=dtype) + kv for i in range(config.num_hidden_layers)]
-    first = reader.nbytes([EMBED_TOKENS], dtype=dtype)
+    layer = [b + kv for b in weights.layers]
+    first = weights.embedding
     exit_kv = exit_kv_layers * kv
     if exit_layer is not None and 0 <= exit_layer < len(layer):
         layer[exit_layer] += exit_bytes + exit_kv
     else:  # the default exit layer (or a bad one, which resolving the run reports)
         first += exit_bytes + exit_kv
-    last = reader.nbytes([FINAL_NORM, head_tensor_name(config)], dtype=dtype)
-    shared = reader.nbytes([EMBED_TOKENS], dtype=dtype) if shared_head else 0
+    last, shared = weights.head, weights.shared
 
     def tables(start: int, stop: int) -> int:
         return rotation_table_bytes(config, range(start, stop), dtype=cache_dtype, max_model_len=max_model_len,

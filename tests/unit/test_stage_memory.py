@@ -20,7 +20,7 @@ from pipeline.speculation.tree import scratch_positions
 from pipeline.weights.checkpoint import CheckpointReader, stage_tensor_names
 from pipeline.weights.stage_memory import StagePlan, kv_bytes_per_layer, plan_stages_for_budget
 from tests.family_models import write_family_model
-from tests.stage_bytes import measured_stage_bytes, write_next_layer_file
+from tests.stage_bytes import measured_stage_bytes, write_next_layer_file, write_quantised_gguf_folder
 
 
 def _brute_force(layer_bytes, first, last, budget, stage=0):
@@ -92,6 +92,51 @@ def test_a_one_stage_plan_charges_a_tied_embedding_and_head_as_often_as_the_stag
                                       str((sum(alone) - 1) / 2**30), "--max-model-len", "64", "--max-num-seqs", "2",
                                       "--dense-layout", dense_layout, "--speculate", "none", "--prompt", "x"])
     assert _auto_stages(args, progress=False)[0] == 2  # the CLI plans in the run's layout: a byte short, 2 stages
+
+
+def _quantised_folder(root, family: str, mode: str):
+    """A tiny `family` model for `mode`: a Hugging Face folder for int8 / int4 (requantised), the folder
+    converted from a Q4_0 (tied qwen2) or Q8_0 (untied mistral) GGUF for auto (the file's own blocks)."""
+    if mode == "auto":
+        return write_quantised_gguf_folder(root, family, "Q4_0" if family == "qwen2" else "Q8_0")
+    return write_family_model(root / "m", family)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "auto"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # tied embedding and head, untied
+def test_a_quantised_plan_charges_each_stage_the_packed_weights_it_holds(tmp_path, family, mode):
+    """A quantised stage holds its linears packed (int4 / int8 buffers), its embedding, norms and biases
+    in bfloat16, a tied model's head packed beside a dense embedding (tests/stage_bytes.py measures
+    them): the plan charges exactly that, on one stage and on two. It charged every weight at --dtype
+    (float32 here: 3-4x what the stages hold)."""
+    folder = _quantised_folder(tmp_path, family, mode)
+    kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64, "quantization": mode}
+    one = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
+    (alone,) = measured_stage_bytes(folder, one.ranges, max_num_seqs=2, max_model_len=64, quantization=mode)
+    assert len(one.ranges) == 1 and one.stage_bytes == [sum(alone)] and one.weight_bytes == [alone[0]]
+    plan = plan_stages_for_budget(folder, budget_bytes=int(sum(alone) * 0.6), **kw)
+    measured = measured_stage_bytes(folder, plan.ranges, max_num_seqs=2, max_model_len=64, quantization=mode)
+    assert len(plan.ranges) == 2 and all(b <= plan.budget_bytes for b in plan.stage_bytes)
+    assert plan.stage_bytes == [sum(m) for m in measured]
+    assert plan.weight_bytes == [weights for weights, _, _ in measured]
+
+
+def test_cli_stages_auto_fits_a_budget_that_holds_the_packed_weights_on_fewer_stages(tmp_path):
+    """`launch --stages auto --quantization auto` on a Q4_0 GGUF: a budget one stage fits as built
+    (packed weights) gives one stage, a byte less two. Charged at float32, no split fitted that budget
+    (README's example: 3 stages of the default model at 0.4 GiB, where 2 fit)."""
+    folder = write_quantised_gguf_folder(tmp_path, "qwen2", "Q4_0")
+    (alone,) = measured_stage_bytes(folder, [LayerRange(0, 4)], max_num_seqs=2, max_model_len=64,
+                                    quantization="auto")
+
+    def stages(budget: int) -> tuple[int, str | None]:
+        args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--stage-memory-gib",
+                                          str(budget / 2**30), "--max-model-len", "64", "--max-num-seqs", "2",
+                                          "--quantization", "auto", "--speculate", "none", "--prompt", "x"])
+        return _auto_stages(args, progress=False)
+
+    assert stages(sum(alone)) == (1, "4")
+    assert stages(sum(alone) - 1)[0] == 2
 
 
 def test_a_gemma3_stage_without_a_sliding_layer_is_charged_one_set_of_rotation_tables(tmp_path):
@@ -179,6 +224,7 @@ def test_cli_plan_charges_a_quantised_stage_its_bfloat16_kv_cache_and_tables(tmp
                                     num_scratch=scratch_positions(3, 1), quantization="int8")
     assert plans[0].kv_bytes == [kv for _, kv, _ in measured]
     assert plans[0].rotation_table_bytes == [tables for _, _, tables in measured]
+    assert plans[0].stage_bytes == [sum(m) for m in measured]  # the int8 weights too
 
 
 def test_a_budget_the_stage_fits_only_without_its_rotation_tables_takes_one_more_stage(tmp_path):
