@@ -72,15 +72,17 @@ def write_next_layer_file(folder: Path, path: Path, layer: int) -> Path:
 
 def write_quantised_gguf_folder(root: Path, family: str, quant_name: str) -> Path:
     """The folder `convert_gguf` writes for a tiny GGUF of `family` (tests/family_models.py: qwen2 ties its
-    embedding and head, mistral does not) whose matrices are stored as `quant_name` ("Q4_0", "Q8_0"), as
-    tests/unit/test_gguf_quantised_families.py builds them: what `--quantization auto` runs as its own blocks."""
+    embedding and head, mistral does not; mixtral and qwen3_moe are MoE) whose matrices are stored as
+    `quant_name` ("Q4_0", "Q8_0"), as tests/unit/test_gguf_quantised_families.py builds them (the GGUF
+    architecture: tests/unit/test_gguf_families.py `HF_FAMILY_ARCH`, else the family's own name, as
+    qwen2 and qwen3 write it): what `--quantization auto` runs as its own blocks."""
     import gguf
 
     from pipeline.weights.gguf_import import convert_gguf
-    from tests.unit.test_gguf_families import _f16_rounded_family_model, write_hf_family_gguf
+    from tests.unit.test_gguf_families import HF_FAMILY_ARCH, _f16_rounded_family_model, write_hf_family_gguf
 
     d, tensors = _f16_rounded_family_model(root / "hf", family)
     path = root / f"{quant_name}.gguf"
-    write_hf_family_gguf(path, d, tensors, family, arch="llama" if family == "mistral" else family,
+    write_hf_family_gguf(path, d, tensors, family, arch=HF_FAMILY_ARCH.get(family, family),
                          quant=gguf.GGMLQuantizationType[quant_name])
     return convert_gguf(path, root / quant_name, progress=False)

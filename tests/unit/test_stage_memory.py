@@ -96,19 +96,20 @@ def test_a_one_stage_plan_charges_a_tied_embedding_and_head_as_often_as_the_stag
 
 def _quantised_folder(root, family: str, mode: str):
     """A tiny `family` model for `mode`: a Hugging Face folder for int8 / int4 (requantised), the folder
-    converted from a Q4_0 (tied qwen2) or Q8_0 (untied mistral) GGUF for auto (the file's own blocks)."""
+    converted from a Q4_0 (tied qwen2, MoE qwen3_moe) or Q8_0 (untied mistral, MoE mixtral) GGUF for
+    auto (the file's own blocks)."""
     if mode == "auto":
-        return write_quantised_gguf_folder(root, family, "Q4_0" if family == "qwen2" else "Q8_0")
+        return write_quantised_gguf_folder(root, family, "Q4_0" if family in ("qwen2", "qwen3_moe") else "Q8_0")
     return write_family_model(root / "m", family)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "auto"])
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # tied embedding and head, untied
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "mixtral", "qwen3_moe"])  # tied; untied; MoE (untied)
 def test_a_quantised_plan_charges_each_stage_the_packed_weights_it_holds(tmp_path, family, mode):
-    """A quantised stage holds its linears packed (int4 / int8 buffers), its embedding, norms and biases
-    in bfloat16, a tied model's head packed beside a dense embedding (tests/stage_bytes.py measures
-    them): the plan charges exactly that, on one stage and on two. It charged every weight at --dtype
-    (float32 here: 3-4x what the stages hold)."""
+    """A quantised stage holds its linears packed (int4 / int8 buffers; an MoE layer's router and every
+    expert's pair too), its embedding, norms and biases in bfloat16, a tied model's head packed beside a
+    dense embedding (tests/stage_bytes.py measures them): the plan charges exactly that, on one stage
+    and on two. It charged every weight at --dtype (float32 here: 3-4x what the stages hold)."""
     folder = _quantised_folder(tmp_path, family, mode)
     kw = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 64, "quantization": mode}
     one = plan_stages_for_budget(folder, budget_bytes=1 << 40, **kw)
