@@ -286,8 +286,10 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
                                  dense_layout=options.dense_layout).total(len(ranges)) + drafter_bytes
     available = available_memory_bytes() if available is None else available
     if kv + tables + weights > available:
+        dense = effective_mode(options.quantization, str(model_dir), options.device) == "none"
         remedy = ("lower max_model_len or max_num_seqs" if weights < available else
-                  "the weights alone do not fit: quantise them (--quantization) or place stages on more machines")
+                  "the weights alone do not fit: quantise them (--quantization) or place stages on more machines"
+                  if dense else "the weights alone do not fit in this mode: place stages on more machines")
         raise ValueError(f"max_num_seqs {options.max_num_seqs} x max_model_len {options.max_model_len} needs "
                          f"{_size(kv)} of KV cache, plus {_size(weights)} of weights "
                          f"and {_size(tables)} of RoPE tables: more than the {_size(available)} of memory available "

@@ -221,18 +221,19 @@ def test_the_memory_check_counts_a_tied_head_as_often_as_the_stages_hold_it(tmp_
 
 @pytest.mark.parametrize(("mode", "num_stages"), [("int8", 2), ("int4", 1), ("auto", 2), ("auto", 1)])
 def test_the_memory_check_charges_quantised_weights_as_the_stages_hold_them(tmp_path, mode, num_stages):
-    """Quantised stages hold packed linears beside a bfloat16 embedding, norms, biases, K, V and tables
-    (tied: a packed head too; tests/stage_bytes.py measures them): passes at that need, refuses a byte
-    less. It charged every weight at 4 bits ("at least": a lower bound), so it passed short of the need."""
+    """Quantised stages hold packed linears beside a bfloat16 embedding, norms, biases, K, V and tables (tied: a
+    packed head too; tests/stage_bytes.py): fits at that need, not a byte less (4 bits a weight fitted short)."""
     model_dir = write_quantised_gguf_folder(tmp_path, "qwen2", "Q4_0") if mode == "auto" else \
         write_family_model(tmp_path / "m", "qwen2")  # tied, with q/k/v biases
-    options = PipelineOptions(model="unused", num_stages=num_stages, max_num_seqs=2, max_model_len=64,
-                              speculate="none", quantization=mode)
+    kw = {"max_num_seqs": 2, "max_model_len": 64, "quantization": mode}
+    options = PipelineOptions(model="unused", num_stages=num_stages, speculate="none", **kw)
     ranges = [LayerRange(0, 2), LayerRange(2, 4)] if num_stages == 2 else [LayerRange(0, 4)]
-    need = sum(map(sum, measured_stage_bytes(model_dir, ranges, max_num_seqs=2, max_model_len=64, quantization=mode)))
-    check_lengths(options, ModelConfig.from_model_dir(model_dir), model_dir, ranges=ranges, available=need)
+    held, config = measured_stage_bytes(model_dir, ranges, **kw), ModelConfig.from_model_dir(model_dir)
+    check_lengths(options, config, model_dir, ranges=ranges, available=sum(map(sum, held)))
     with pytest.raises(ValueError, match=r"KV cache, plus 0.\d MiB of weights and .*lower max_model_len"):
-        check_lengths(options, ModelConfig.from_model_dir(model_dir), model_dir, ranges=ranges, available=need - 1)
+        check_lengths(options, config, model_dir, ranges=ranges, available=sum(map(sum, held)) - 1)
+    with pytest.raises(ValueError, match=r"weights alone do not fit in this mode: place stages on more machines$"):
+        check_lengths(options, config, model_dir, ranges=ranges, available=sum(m[0] for m in held))  # no "quantise"
 
 
 def test_the_memory_check_counts_a_next_layer_drafters_kv_layer(tmp_path):
