@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -45,6 +46,22 @@ def wait_for(condition: Callable[[], T], *, timeout_s: float, step_s: float = 0.
     while not (value := condition()) and time.monotonic() < deadline:
         time.sleep(step_s)
     return value
+
+
+class LockSayingWhenContended:
+    """A drop-in for a `threading.Lock` used as a context manager that sets `contended` when a thread has
+    to wait for it: a test forcing an interleaving waits on that, not on time."""
+
+    def __init__(self, contended: threading.Event) -> None:
+        self._lock, self.contended = threading.Lock(), contended
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.contended.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self._lock.release()
 
 
 def pytest_configure(config: pytest.Config) -> None:

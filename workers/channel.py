@@ -13,6 +13,7 @@ Ranks: [Note: ranks] in pipeline/engine/wire.py (`rank_of_stage`).
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import re
 import socket
@@ -42,7 +43,7 @@ from workers.rendezvous import (  # noqa: F401 - RendezvousAbandoned, GiveUp: pa
     count_in,
     form_gloo,
     own_address,
-    why_abandoned,
+    stop_reason,
 )
 
 
@@ -136,10 +137,10 @@ class DataPlaneGroup:
     closes, its thread ends, and the stages still waiting at that rendezvous fail at once too (their
     store went away). Before, the join thread and the store's port stayed until the rendezvous timed out (600 s).
     The gloo group then forms in a thread of its own, over a store connection of its own, while every
-    rank looks every JOIN_POLL_S whether to give up: rank 0 at `abandoned`, the others at ABORT_KEY, which
-    rank 0 sets (the reason) before it drops its store, or at that store going away. Before, a stage that
-    counted in and died before it published its gloo address left every other rank, the coordinator
-    included, inside torch's gloo constructor until --stage-timeout-s, `abandoned` unseen.
+    rank looks every JOIN_POLL_S whether to give up (`stop_reason`): rank 0 at `abandoned`, the others at it
+    and at ABORT_KEY, which rank 0 sets (the reason) before it drops its store, or at that store going away.
+    Before, a stage that counted in and died before it published its gloo address left every other rank,
+    the coordinator included, inside torch's gloo constructor until --stage-timeout-s, `abandoned` unseen.
     Rank 0 sets ABORT_KEY whenever it gives up, while the ranks count in as while they form the group.
 
     [Note: every rank waits for all_joined]
@@ -170,7 +171,7 @@ class DataPlaneGroup:
         if why is None:  # the gloo group, over a connection of its own: giving up may drop self.store at once
             gloo_store = dist.TCPStore(own_address(master_addr) if rank == 0 else master_addr, master_port, world_size,
                                        False, timeout=datetime.timedelta(seconds=connect_s))
-            stop = (lambda: why_abandoned(abandoned)) if rank == 0 else (lambda: abort_key_reason(self.store))
+            stop = functools.partial(stop_reason, self.store, rank=rank, abandoned=abandoned)
             outcome, what = form_gloo(gloo_store, rank=rank, world_size=world_size, timeout=timeout, stop=stop)
             del gloo_store
             if outcome == "group":

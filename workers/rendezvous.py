@@ -61,7 +61,7 @@ def count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: flo
     """Count this rank in at the rendezvous, then wait until every rank has, at most `timeout_s` (the
     join's own deadline, not the data plane's per-step one: [Note: every rank waits for all_joined] in
     workers/channel.py). Stops at once when `abandoned` is set, or, on a non-zero rank, when rank 0 set
-    ABORT_KEY or its store went away ([Note: abandoned rendezvous] in workers/channel.py). Returns None
+    ABORT_KEY or its store went away (`stop_reason`: [Note: abandoned rendezvous] in workers/channel.py). Returns None
     when every rank counted in, else why this rank stopped waiting (no exception: its traceback would
     keep the store, and so the port, alive)."""
     if store.add(JOINED_KEY, 1) == world_size:
@@ -71,9 +71,8 @@ def count_in(store: dist.TCPStore, *, rank: int, world_size: int, timeout_s: flo
         _polling.add(threading.current_thread())
     try:
         while not _all_joined(store):
-            flag.wait(JOIN_POLL_S)  # [Note: a rendezvous wait at interpreter exit]: why_abandoned sees it
-            why = why_abandoned(abandoned) or (abort_key_reason(store) if rank != 0 else None)
-            if why is not None:
+            flag.wait(JOIN_POLL_S)  # [Note: a rendezvous wait at interpreter exit]: stop_reason sees it
+            if (why := stop_reason(store, rank=rank, abandoned=abandoned)) is not None:
                 return why
             if time.monotonic() > deadline:
                 return (f"timed out after {timeout_s:g} s waiting for the data plane's ranks: "
@@ -121,6 +120,13 @@ def abort_key_reason(store: dist.TCPStore) -> str | None:
     except RuntimeError as exc:  # the server closed: rank 0 dropped its store
         return "abandoned: rank 0's store went away (" + (str(exc).strip().splitlines() or ["closed"])[0] + ")"
     return "abandoned" if _exiting.is_set() else None
+
+
+def stop_reason(store: dist.TCPStore | None, *, rank: int, abandoned: threading.Event | None) -> str | None:
+    """Why a rank waiting at its rendezvous stops now, else None: any rank when `abandoned` is set
+    (`why_abandoned`), a non-zero rank also once rank 0 set ABORT_KEY or its store went away
+    (`abort_key_reason`); every rank at interpreter exit."""
+    return why_abandoned(abandoned) or (abort_key_reason(store) if rank != 0 else None)
 
 
 def form_gloo(store: dist.Store, *, rank: int, world_size: int, timeout: datetime.timedelta,

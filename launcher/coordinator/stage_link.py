@@ -7,6 +7,7 @@ messages (RELEASE, FORWARD), keepalives and the in-band SHUTDOWN. Must not: deci
 
 from __future__ import annotations
 
+import threading
 import time
 
 from launcher.coordinator.request_handle import PipelineError
@@ -34,6 +35,7 @@ class StageLink:
         self.sends: SendQueue | None = None
         self.first, self.last = rank_of_stage(0), rank_of_stage(num_stages - 1)
         self.abandoned = GiveUp()  # set by close(): a join still waiting gives up at once
+        self._join_lock = threading.Lock()  # [Note: joined or abandoned, never both]
         self.last_send_s = time.monotonic()  # when a message last went to stage 0
 
     def join(self) -> None:
@@ -43,32 +45,42 @@ class StageLink:
         group = DataPlaneGroup(master_addr=self.master_addr, master_port=self.master_port, rank=COORDINATOR_RANK,
                                world_size=world_size(self.num_stages), timeout_s=self.timeout_s, device="cpu",
                                abandoned=self.abandoned)
-        self.channel = Channel(group, timeout_s=self.timeout_s, label="[coordinator] ",
-                               max_payload_bytes=(1 << 20) * max(64, self.max_num_seqs))
-        self.sends = SendQueue(self.channel)  # the engine never blocks on stage 0 ([Note: background sends])
-        # Published first, looked at after (close() sets the flag first, then reads these): a close
-        # in between finds the channel, or this finds the flag, never neither.
-        if self.abandoned.is_set():  # formed just as the attempt was given up
-            self.close()
-            why = f": {self.abandoned.reason}" if self.abandoned.reason else ""
-            raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed{why}")
+        with self._join_lock:  # [Note: joined or abandoned, never both]
+            if not self.abandoned.is_set():
+                self.channel = Channel(group, timeout_s=self.timeout_s, label="[coordinator] ",
+                                       max_payload_bytes=(1 << 20) * max(64, self.max_num_seqs))
+                self.sends = SendQueue(self.channel)  # the engine never blocks on stage 0 ([Note: background sends])
+                return
+        group.close()  # formed just as the attempt was given up
+        why = f": {self.abandoned.reason}" if self.abandoned.reason else ""
+        raise RendezvousAbandoned(f"the data plane at port {self.master_port} was abandoned as it formed{why}")
 
     def abandon_join(self, reason: str) -> None:
         """A stage died (its backend said so, `reason` naming it): a `join` still waiting gives up at once
         and tells the stages waiting there `reason` ([Note: a death during a join] in
-        launcher/coordinator/stage_failover.py); a joined link is left to the fail-over that replaces it."""
-        if self.channel is None:
-            self.abandoned.give_up(reason)
+        launcher/coordinator/stage_failover.py); a joined link is left to the fail-over that replaces it.
+
+        [Note: joined or abandoned, never both]
+        `join` publishes its channel, and `abandon_join` / `close` give the join up, under one lock, each
+        looking at the other's mark first: a link that joined is never marked abandoned by `abandon_join`
+        (a death reported just after the join is the fail-over's to handle), and a join that forms as it
+        is given up closes its group and raises RendezvousAbandoned naming the reason, never publishing
+        it. Before, a report that saw no channel yet could set the flag after `join` had looked at it."""
+        with self._join_lock:
+            if self.channel is None:
+                self.abandoned.give_up(reason)
 
     def close(self, reason: str = "") -> None:
         """Close this ring's data-plane group (after a fail-over replaced it, or its attempt failed):
         its sockets close; a `join` still waiting at its rendezvous ends at once, and its port closes;
         the stages waiting there are told `reason` ("stage 2 (Load) failed: ...")."""
-        self.abandoned.give_up(reason)
-        if self.sends is not None:
-            self.sends.abandon()  # nothing may hold the group ([Note: posted sends] in workers/send_queue.py)
-        if self.channel is not None:
-            self.channel.group.close()
+        with self._join_lock:  # [Note: joined or abandoned, never both]: closed below, or the join sees the flag
+            self.abandoned.give_up(reason)
+            sends, channel = self.sends, self.channel
+        if sends is not None:
+            sends.abandon()  # nothing may hold the group ([Note: posted sends] in workers/send_queue.py)
+        if channel is not None:
+            channel.group.close()
 
     def warm_up(self) -> None:
         """Create every neighbour link in one fixed order: one KEEPALIVE round the ring."""

@@ -22,7 +22,7 @@ from launcher.coordinator.stage_failover import rejoin_all
 from launcher.coordinator.stage_link import StageLink
 from pipeline.engine.stage_assembly import StageLoadSpec
 from pipeline.model.partition import LayerRange
-from tests.conftest import wait_for
+from tests.conftest import LockSayingWhenContended, wait_for
 from workers.channel import DataPlaneGroup, RendezvousAbandoned, hold_listener
 
 DEATH = "stage 1 (Ray actor pid 42 on node 10.0.0.2 id 0123456789ab) died: its node was lost"
@@ -198,3 +198,50 @@ def test_a_join_given_up_as_its_group_formed_names_the_reason(monkeypatch):
     with pytest.raises(RendezvousAbandoned, match="abandoned as it formed: stage 1 .* died: its node was lost"):
         link.join()
     assert closed == [True]
+
+
+def test_a_death_reported_as_the_join_forms_never_marks_a_joined_link_abandoned(monkeypatch):
+    """The reviewer's interleaving, forced: `abandon_join` has looked at the channel (none yet) and is about
+    to set the flag when `join`'s group forms and `join` publishes its channel. Now the join waits for
+    `abandon_join` ([Note: joined or abandoned, never both] in launcher/coordinator/stage_link.py), then
+    closes its group and raises naming the reason. Before, the join returned a joined link whose flag
+    `abandon_join` then set (a death report read as a given-up join while the ring ran)."""
+    link = StageLink(num_stages=2, master_addr="127.0.0.1", master_port=1, timeout_s=5.0, max_num_seqs=1,
+                     record_timeline=False)
+    join_went_on, closed, outcome = threading.Event(), [], {}
+    link._join_lock = LockSayingWhenContended(join_went_on)  # the join waits for it, or (before) did not
+
+    class FormedGroup:
+        def __init__(self, **kwargs) -> None:
+            pass
+
+        def close(self) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr("launcher.coordinator.stage_link.DataPlaneGroup", FormedGroup)
+    monkeypatch.setattr("launcher.coordinator.stage_link.Channel",
+                        lambda group, **kwargs: types.SimpleNamespace(group=group))
+    monkeypatch.setattr("launcher.coordinator.stage_link.SendQueue",
+                        lambda channel: types.SimpleNamespace(abandon=lambda: None))
+
+    def join() -> None:
+        try:
+            link.join()
+            outcome["joined"] = True
+        except RendezvousAbandoned as exc:
+            outcome["error"] = exc
+        finally:
+            join_went_on.set()
+
+    class GiveUpAfterTheJoinRan(type(link.abandoned)):
+        def give_up(self, reason: str) -> None:  # abandon_join, past its look at the channel
+            threading.Thread(target=join, daemon=True).start()
+            assert join_went_on.wait(timeout=30.0), "the join neither ended nor waited for abandon_join"
+            super().give_up(reason)
+
+    link.abandoned = GiveUpAfterTheJoinRan()
+    link.abandon_join(DEATH)
+    assert wait_for(lambda: outcome, timeout_s=30.0)
+    assert not (link.abandoned.is_set() and link.channel is not None), "a joined link was marked abandoned"
+    assert "error" in outcome and f"abandoned as it formed: {DEATH}" in str(outcome["error"]), outcome
+    assert link.channel is None and closed == [True]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tests.conftest import wait_for
 from workers.channel import DataPlaneGroup, GiveUp, RendezvousAbandoned
-from workers.rendezvous import ABORT_KEY, ALL_JOINED_KEY, JOINED_KEY, count_in
+from workers.rendezvous import ABORT_KEY, ALL_JOINED_KEY, JOINED_KEY, count_in, stop_reason
 
 
 class FakeStore:
@@ -93,6 +93,20 @@ def test_rank_0_gives_up_naming_the_reason():
     flag.give_up("stage 2 (Ray actor pid 7 on node 10.0.0.3 id 0123456789ab) died: its node was lost")
     why = count_in(FakeStore(), rank=0, world_size=3, timeout_s=30.0, abandoned=flag)
     assert why == "abandoned: stage 2 (Ray actor pid 7 on node 10.0.0.3 id 0123456789ab) died: its node was lost"
+
+
+def test_one_stop_rule_for_counting_in_and_forming_the_group():
+    """`stop_reason` is what `count_in` and the gloo formation both ask: rank 0 its own flag only, a
+    non-zero rank its own flag first (the formation's check used to ignore it), then rank 0's word."""
+    told = FakeStore()
+    told.set(ABORT_KEY, "stage 2 (pid 7) exited unexpectedly with signal SIGKILL")
+    flag = GiveUp()
+    assert stop_reason(told, rank=0, abandoned=None) is None  # rank 0 sets ABORT_KEY, never obeys it
+    assert stop_reason(told, rank=1, abandoned=None) == "abandoned: stage 2 (pid 7) exited unexpectedly with signal SIGKILL"
+    assert stop_reason(FakeStore(), rank=1, abandoned=flag) is None
+    flag.give_up("stage 1 (Rejoin) failed: refused")
+    assert stop_reason(told, rank=1, abandoned=flag) == "abandoned: stage 1 (Rejoin) failed: refused"
+    assert stop_reason(told, rank=0, abandoned=flag) == "abandoned: stage 1 (Rejoin) failed: refused"
 
 
 def _join(box: dict, name: str, **kwargs) -> threading.Thread:

@@ -7,6 +7,7 @@ SIGTERM) restarts the stages it is stopping, or a stage killed any other way wai
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -278,13 +279,15 @@ def test_a_failed_attempt_gives_back_its_rendezvous_port_and_join_thread():
 
 
 def test_an_attempt_given_up_just_as_the_coordinators_group_forms_leaves_no_group_open(monkeypatch):
-    """`close` (the failed attempt's `abandon`) can run after the coordinator's rendezvous formed but
-    before its channel exists: then it finds nothing to close. The join must still see it and close
-    the group ([Note: abandoned rendezvous] in workers/channel.py). Before, join looked at `abandoned`
-    first and published the channel after, so a close in between left the group, its store and its
-    port open, and the join answered as if the attempt had succeeded."""
+    """`close` (the failed attempt's `abandon`, on the engine thread) can run after the coordinator's
+    rendezvous formed, while the join publishes its channel: then either `close` finds the channel and
+    closes its group, or the join sees the flag and closes the group itself ([Note: joined or abandoned,
+    never both] in launcher/coordinator/stage_link.py). Before (join looked at `abandoned` first and
+    published the channel after, without a lock), a close in between found nothing to close and left the
+    group, its store and its port open, and the join answered as if the attempt had succeeded."""
     from launcher.coordinator import stage_link
     from launcher.coordinator.stage_link import StageLink
+    from tests.conftest import LockSayingWhenContended
     from workers.channel import Channel, RendezvousAbandoned
 
     class Group:
@@ -296,18 +299,28 @@ def test_an_attempt_given_up_just_as_the_coordinators_group_forms_leaves_no_grou
 
     link = StageLink(num_stages=1, master_addr="127.0.0.1", master_port=41000, timeout_s=5.0, max_num_seqs=1,
                      record_timeline=False)
-    groups: list[Group] = []
+    close_went_on, groups = threading.Event(), []
+    link._join_lock = LockSayingWhenContended(close_went_on)  # close waits for the join, or (before) did not
 
     def formed(**kwargs) -> Group:
         groups.append(Group(**kwargs))
         return groups[-1]
 
+    def closes() -> None:
+        link.close()
+        close_went_on.set()
+
+    closer = threading.Thread(target=closes, daemon=True)
+
     def given_up_meanwhile(group, **kwargs) -> Channel:
-        link.close()  # the attempt fails now, on the engine thread: no channel yet to close
+        closer.start()  # the attempt fails now, on the engine thread
+        assert close_went_on.wait(timeout=30.0), "close neither ended nor waited for the join"
         return Channel(group, **kwargs)
 
     monkeypatch.setattr(stage_link, "DataPlaneGroup", formed)
     monkeypatch.setattr(stage_link, "Channel", given_up_meanwhile)
-    with pytest.raises(RendezvousAbandoned):
+    with contextlib.suppress(RendezvousAbandoned):
         link.join()
+    closer.join(timeout=30.0)
+    assert not closer.is_alive()
     assert [g.closed for g in groups] == [True], "the group of an abandoned attempt stayed open"
