@@ -43,8 +43,12 @@ def _model_with_a_corrupt_block_table(path):
     blocks.write_bytes(bytes(1 << 16))
     (model_dir / SOURCE_FILE).write_text(json.dumps({"path": str(blocks), "size_bytes": 1 << 16, "sha256": "0" * 64}))
     hidden = config["hidden_size"]
-    tensors = [{"name": f"blk.{i}.attn_q.weight", "type": 2, "shape": [hidden, hidden], "offset": 0, "dtype": "<f4",
-                "data_shape": [hidden, hidden // 32 * 18]} for i in range(config["num_hidden_layers"])]
+    # Every projection and the head are listed (all Q4_0): the coordinator costs the split from the
+    # table's types before start-up (run_plan.head_costs), and a missing one is refused there (exit 2).
+    names = [f"blk.{i}.{t}.weight" for i in range(config["num_hidden_layers"])
+             for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    tensors = [{"name": name, "type": 2, "shape": [hidden, hidden], "offset": 0, "dtype": "<f4",
+                "data_shape": [hidden, hidden // 32 * 18]} for name in [*names, "token_embd.weight", "output.weight"]]
     stat = blocks.stat()
     (model_dir / INDEX_FILE).write_text(json.dumps({"size_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                                                     "architecture": "llama", "tensors": tensors}))
