@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from pipeline.model.config import ModelConfig
 from pipeline.speculation.drafting.exit_tensors import check_exit_tensors
 from pipeline.speculation.drafting.layer_drafter import NEXT_LAYER_ARCH
@@ -34,6 +36,7 @@ from pipeline.speculation.predictor_file import (
 )
 from pipeline.speculation.predictors import is_predictor_file
 from pipeline.weights.registry import model_key
+from pipeline.weights.stage_memory import exit_head_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,3 +158,16 @@ def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Pa
         return full
     return ExitHeadShape(rows=int(meta.get("draft_vocab_size", config.vocab_size)),
                          draft_layers=int(meta.get("arch") == NEXT_LAYER_ARCH))
+
+
+def exit_head_memory(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
+                     exit_layer: int | None, dtype: torch.dtype) -> int:
+    """Bytes the exit head's copies of the final norm and LM head rows hold on the exit stage
+    (pipeline/weights/stage_memory.py `exit_head_bytes` of `exit_head_shape`'s rows, in `dtype`: the
+    stage's activation dtype) when the run has an exit head (the caller checks). exit_layer None: not
+    known yet (`--stages auto` picks stage 0's last layer), so the most any layer before the last would
+    hold. A trained head's own tensors are its file's (`given_exit_memory`). Never raises."""
+    layers = range(config.num_hidden_layers - 1) if exit_layer is None else [exit_layer]
+    rows = max((exit_head_shape(predictor=predictor, exit_predictor=exit_predictor, model_dir=model_dir,
+                                config=config, exit_layer=layer).rows for layer in layers), default=config.vocab_size)
+    return exit_head_bytes(config, rows=rows, dtype=dtype)
