@@ -146,7 +146,8 @@ def _exit_memory(args: argparse.Namespace, model_dir, dtype) -> tuple[int, int]:
     """(bytes, KV layers) the exit head adds to its stage when SPEED runs one: a given trained head's file
     and a next-layer drafter's KV layer (`given_exit_memory`), plus the head's copies of the final norm
     and LM head rows (`exit_head_memory`) when the predictor drafts from the exit state, at `--exit-layer`,
-    else the given file's layer, else the most any layer would hold (the split picks stage 0's last)."""
+    else the given file's layer, else the most any layer would hold (the split picks stage 0's last;
+    under `--speculate auto` only a layer a trained head serves, as auto runs `none` elsewhere)."""
     from launcher.coordinator.predictor_select import exit_head_memory, given_exit_layer, given_exit_memory
     from pipeline.model.config import ModelConfig
     from pipeline.speculation.predictors import make_predictor
@@ -159,7 +160,8 @@ def _exit_memory(args: argparse.Namespace, model_dir, dtype) -> tuple[int, int]:
         given_exit_layer(predictor=args.predictor, exit_predictor=args.exit_predictor)
     head = exit_head_memory(predictor=args.predictor, exit_predictor=args.exit_predictor, model_dir=model_dir,
                             config=ModelConfig.from_model_dir(model_dir), exit_layer=layer,
-                            dtype=stage_dtype(args.quantization, model_dir, dtype, args.device))
+                            dtype=stage_dtype(args.quantization, model_dir, dtype, args.device),
+                            trained_only=args.speculate == "auto")
     return file_bytes + head, kv_layers
 
 

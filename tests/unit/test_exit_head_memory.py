@@ -78,6 +78,25 @@ def test_the_auto_plan_charges_the_exit_heads_norm_and_head_rows(tmp_path, monke
     assert _auto_stages(args, progress=False)[0] == 1
 
 
+def test_speculate_auto_charges_no_exit_head_where_no_trained_head_serves(tmp_path):
+    """`--speculate auto` runs SPEED only with a trained exit head (else `none`: speculation_defaults
+    `settle_auto`), so where none ships the plan charges no norm and head rows; charging the logit lens's
+    whole vocabulary there planned the default model's 0.4 GiB auto example with a stage-0 head it never holds."""
+    import pipeline.weights.stage_memory as stage_memory
+
+    folder = write_family_model(tmp_path / "m", "qwen2")
+    args = build_parser().parse_args(["launch", "--model", str(folder), "--stages", "auto", "--max-model-len", "64",
+                                      "--max-num-seqs", "2", "--speculate", "auto", "--prompt", "x"])
+    (bare,) = measured_stage_bytes(folder, [LayerRange(0, ModelConfig.from_model_dir(folder).num_hidden_layers)],
+                                   max_num_seqs=2, max_model_len=64)
+    args.stage_memory_gib = sum(bare) / 2**30
+    plans, real = [], stage_memory.plan_stages_for_budget
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(stage_memory, "plan_stages_for_budget", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+        assert _auto_stages(args, progress=False)[0] == 1
+    assert plans[0].stage_bytes == [sum(bare)]
+
+
 @pytest.mark.parametrize("mode", ["none", "int8"])
 @pytest.mark.parametrize("kind", ["logit-lens", "trained"])
 def test_the_memory_check_charges_the_exit_heads_norm_and_head_rows(tmp_path, kind, mode):
