@@ -35,13 +35,18 @@ def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs: int, max_model_len: int,
                          num_scratch: int = 0, quantization: str = "none", dense_layout: str = "reference",
-                         draft_after: int | None = None) -> list[tuple[int, int, int]]:
+                         draft_after: int | None = None,
+                         exit_head: tuple[int, bytes] | None = None) -> list[tuple[int, int, int]]:
     """Per stage of `ranges`: (weights, KV cache, rotation tables) bytes of a real stage after a pass at
     position max_model_len - 1 and a table look-up at max_model_len + num_scratch - 1 (weights:
     `weight_tensors`, the parameters and the quantised linears' packed buffers). draft_after: the stage
     holding that layer also gets a next-layer drafter after it (a copy of the layer, as
     `StageModel.attach_draft_layer` takes one), with its own KV cache layer.
-    dense_layout: `load_stage_model`'s (`fast`: a tied head gets its own transposed copy)."""
+    dense_layout: `load_stage_model`'s (`fast`: a tied head gets its own transposed copy).
+    exit_head: (exit layer, predictor file bytes, b"" for the logit lens): the stage holding that layer
+    also builds the exit head as a stage does (`build_exit_head`) and counts the storages of its copies of
+    the final norm and LM head (after a draft vocabulary is cut: a view of the full head would count it
+    whole); its trained map and draft vocabulary ids are the file's, which the plan charges by size."""
     out = []
     for i, r in enumerate(ranges):
         model = load_stage_model(str(folder), r, is_first=i == 0, is_last=i == len(ranges) - 1,
@@ -56,8 +61,24 @@ def measured_stage_bytes(folder: Path, ranges: list[LayerRange], *, max_num_seqs
             model.forward(x, [Span(0, max_model_len - 1, 1)], kv)
             model.rope_tables(torch.tensor([bound - 1]), kv.k.dtype, max_positions=bound)  # a FIRP pseudo row's
         tables = [t for rot in model._rotations.values() for t in (rot._cos, rot._signed_sin)]
-        out.append((_storage_bytes(weight_tensors(model)), _storage_bytes([kv.k, kv.v]), _storage_bytes(tables)))
+        weights = _storage_bytes(weight_tensors(model))
+        if exit_head is not None and exit_head[0] in r:
+            weights += _exit_head_bytes(folder, r, i, len(ranges), exit_head, quantization=quantization)
+        out.append((weights, _storage_bytes([kv.k, kv.v]), _storage_bytes(tables)))
     return out
+
+
+def _exit_head_bytes(folder: Path, r: LayerRange, index: int, num_stages: int, exit_head: tuple[int, bytes], *,
+                     quantization: str) -> int:
+    """Bytes of the norm and LM-head storages of the exit head stage `index` builds (`build_exit_head`)."""
+    from pipeline.engine.stage_assembly import StageLoadSpec, build_exit_head
+    from pipeline.weights.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(folder)
+    spec = StageLoadSpec(model_dir=str(folder), stage_index=index, num_stages=num_stages, layer_range=r,
+                         quantization=quantization, exit_layer=exit_head[0], exit_predictor=exit_head[1])
+    head = build_exit_head(reader.config, reader, spec)
+    return _storage_bytes([head.norm.weight, head.lm_head.weight])
 
 
 def write_next_layer_file(folder: Path, path: Path, layer: int) -> Path:

@@ -129,8 +129,7 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
     model_dir = resolve_model(args.model, cache_dir=args.cache_dir, progress=progress)
     exit_bytes = exit_kv_layers = 0
     if args.speculate in ("speed", "speed+firp", "auto"):  # a trained exit head's file and a draft layer's KV
-        from launcher.coordinator.predictor_select import given_exit_memory
-        exit_bytes, exit_kv_layers = given_exit_memory(predictor=args.predictor, exit_predictor=args.exit_predictor)
+        exit_bytes, exit_kv_layers = _exit_memory(args, model_dir, dtype)
     plan = plan_stages_for_budget(model_dir, budget_bytes=int(args.stage_memory_gib * 2**30), dtype=dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                   exit_bytes=exit_bytes, exit_kv_layers=exit_kv_layers, exit_layer=args.exit_layer,
@@ -141,6 +140,29 @@ def _auto_stages(args: argparse.Namespace, progress: bool) -> tuple[int, str | N
         if progress:
             say(line)
     return len(plan.ranges), plan.layer_split()
+
+
+def _exit_memory(args: argparse.Namespace, model_dir, dtype) -> tuple[int, int]:
+    """(bytes, KV layers) the exit head adds to its stage when SPEED runs one: a given trained head's file
+    and a next-layer drafter's KV layer (`given_exit_memory`), plus the head's copies of the final norm
+    and LM head rows (`exit_head_memory`) when the predictor drafts from the exit state, at `--exit-layer`,
+    else the given file's layer, else the most any layer would hold (the split picks stage 0's last;
+    under `--speculate auto` only a layer a trained head serves, as auto runs `none` elsewhere)."""
+    from launcher.coordinator.predictor_select import exit_head_memory, given_exit_layer, given_exit_memory
+    from pipeline.model.config import ModelConfig
+    from pipeline.speculation.predictors import make_predictor
+    from pipeline.weights.stage_memory import stage_dtype
+
+    file_bytes, kv_layers = given_exit_memory(predictor=args.predictor, exit_predictor=args.exit_predictor)
+    if not make_predictor(args.predictor).needs_exit_head:
+        return file_bytes, kv_layers
+    layer = args.exit_layer if args.exit_layer is not None else \
+        given_exit_layer(predictor=args.predictor, exit_predictor=args.exit_predictor)
+    head = exit_head_memory(predictor=args.predictor, exit_predictor=args.exit_predictor, model_dir=model_dir,
+                            config=ModelConfig.from_model_dir(model_dir), exit_layer=layer,
+                            dtype=stage_dtype(args.quantization, model_dir, dtype, args.device),
+                            trained_only=args.speculate == "auto")
+    return file_bytes + head, kv_layers
 
 
 def speculation_choice(args: argparse.Namespace, num_stages: int) -> tuple[str, str]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from pipeline.model.config import ModelConfig
 from pipeline.speculation.drafting.exit_tensors import check_exit_tensors
 from pipeline.speculation.drafting.layer_drafter import NEXT_LAYER_ARCH
@@ -34,6 +36,7 @@ from pipeline.speculation.predictor_file import (
 )
 from pipeline.speculation.predictors import is_predictor_file
 from pipeline.weights.registry import model_key
+from pipeline.weights.stage_memory import exit_head_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +92,12 @@ class ExitHeadShape:
     """What the exit head at one layer adds to its stage's decode pass, for the split's cost
     ([Note: partition cost] in pipeline/model/partition.py): `rows` LM-head rows it scores (its draft
     vocabulary, or the whole vocabulary) and `draft_layers` decoder layers it runs (1 for a next-layer
-    drafter, [Note: next-layer drafter] in pipeline/speculation/drafting/layer_drafter.py; else 0)."""
+    drafter, [Note: next-layer drafter] in pipeline/speculation/drafting/layer_drafter.py; else 0);
+    `trained`: a trained file serves the layer (else the whole-vocabulary logit lens would)."""
 
     rows: int
     draft_layers: int = 0
+    trained: bool = False
 
 
 def given_predictor_file(predictor: str, exit_predictor: str | None) -> Path | None:
@@ -154,4 +159,20 @@ def exit_head_shape(*, predictor: str, exit_predictor: str | None, model_dir: Pa
     if meta.get("exit_layer") != exit_layer:  # not the head that would run at this layer
         return full
     return ExitHeadShape(rows=int(meta.get("draft_vocab_size", config.vocab_size)),
-                         draft_layers=int(meta.get("arch") == NEXT_LAYER_ARCH))
+                         draft_layers=int(meta.get("arch") == NEXT_LAYER_ARCH), trained=True)
+
+
+def exit_head_memory(*, predictor: str, exit_predictor: str | None, model_dir: Path, config: ModelConfig,
+                     exit_layer: int | None, dtype: torch.dtype, trained_only: bool = False) -> int:
+    """Bytes the exit head's copies of the final norm and LM head rows hold on the exit stage
+    (pipeline/weights/stage_memory.py `exit_head_bytes` of `exit_head_shape`'s rows, in `dtype`: the
+    stage's activation dtype) when the run has an exit head (the caller checks). exit_layer None: not
+    known yet (`--stages auto` picks stage 0's last layer), so the most any layer before the last would
+    hold. trained_only: only a layer a trained head serves holds one (`--speculate auto` runs `none`
+    elsewhere: launcher/cli/speculation_defaults.py `settle_auto`); 0 when none does. A trained head's
+    own tensors are its file's (`given_exit_memory`). Never raises."""
+    layers = range(config.num_hidden_layers - 1) if exit_layer is None else [exit_layer]
+    shapes = [exit_head_shape(predictor=predictor, exit_predictor=exit_predictor, model_dir=model_dir,
+                              config=config, exit_layer=layer) for layer in layers]
+    rows = max((s.rows for s in shapes if s.trained or not trained_only), default=0)
+    return exit_head_bytes(config, rows=rows, dtype=dtype) if rows else 0

@@ -22,6 +22,7 @@ from launcher.backends.placement import available_memory_bytes, stages_on_this_m
 from launcher.coordinator.pipeline_options import PipelineOptions
 from launcher.coordinator.predictor_select import (
     choose_exit_predictor,
+    exit_head_memory,
     exit_head_shape,
     given_exit_layer,
     given_exit_memory,
@@ -264,7 +265,9 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     plan charges them (pipeline/weights/stage_memory.py), plus the weights as the stages hold them in the
     run's numeric mode, as the plan charges them too (`model_weight_bytes`: dense in that dtype, or packed
     linears beside a dense embedding and norms; a tied embedding and LM head twice unless one stage holds
-    them as one tensor, `shares_tied_head`), plus a given drafter file's size. available: bytes (default:
+    them as one tensor, `shares_tied_head`), plus a given drafter file's size, plus the exit head's copies of
+    the final norm and LM head rows when the run has one (`exit_head_memory`: the rows a trained head's
+    draft vocabulary keeps, else the whole vocabulary, in the activation dtype). available: bytes (default:
     `available_memory_bytes()`). Raises ValueError."""
     if options.max_model_len > config.max_context:
         stretched = "" if config.max_context == config.max_position_embeddings else \
@@ -284,6 +287,10 @@ def check_lengths(options: PipelineOptions, config: ModelConfig, model_dir: Path
     weights = model_weight_bytes(CheckpointReader(model_dir), dtype=MODEL_DTYPES[options.dtype],
                                  quantization=options.quantization, device=options.device,
                                  dense_layout=options.dense_layout).total(len(ranges)) + drafter_bytes
+    if options.needs_exit_head:  # its copies of the final norm and LM head rows
+        weights += exit_head_memory(predictor=options.predictor, exit_predictor=options.exit_predictor,
+                                    model_dir=model_dir, config=config, dtype=dtype,
+                                    exit_layer=ranges[0].stop - 1 if options.exit_layer is None else options.exit_layer)
     available = available_memory_bytes() if available is None else available
     if kv + tables + weights > available:
         dense = effective_mode(options.quantization, str(model_dir), options.device) == "none"

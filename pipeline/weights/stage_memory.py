@@ -92,6 +92,16 @@ def stage_dtype(quantization: str, model_dir: str | Path, dtype: torch.dtype, de
     return activation_dtype(quantization, str(model_dir), dtype, device)
 
 
+def exit_head_bytes(config, *, rows: int, dtype: torch.dtype) -> int:
+    """Bytes of the exit head's copies of the final norm [H] and of the `rows` LM-head rows [rows, H] it
+    scores (launcher/coordinator/predictor_select.py `exit_head_shape`: a trained head's draft
+    vocabulary, else the whole vocabulary), dense in `dtype`, the stage's activation dtype (`stage_dtype`),
+    as pipeline/engine/stage_assembly.py `build_exit_head` holds them: once a draft vocabulary is cut,
+    the full head it was cut from is freed. A trained head's own tensors (its map, its draft vocabulary
+    ids) are its file's (`given_exit_memory`)."""
+    return (1 + rows) * config.hidden_size * dtype.itemsize
+
+
 def shares_tied_head(config, *, quantization: str, model_dir: str | Path, device: str = "cpu",
                      dense_layout: str = "reference") -> bool:
     """Whether a stage that is first and last holds a tied embedding and LM head as one tensor: dense

@@ -186,8 +186,8 @@ def test_a_kv_cache_larger_than_the_memory_available_is_refused(tmp_path):
         check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)
     tree = dataclasses.replace(options, speculate="speed", draft_tree=3)  # 6 scratch positions a slot
     held = measured_stage_bytes(model_dir, ranges, max_num_seqs=4, max_model_len=2048,
-                                num_scratch=scratch_positions(3, 2))
-    need_tree = sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize
+                                num_scratch=scratch_positions(3, 2), exit_head=(1, b""))  # SPEED: the logit lens
+    need_tree = sum(m[1] + m[2] for m in held) + held[0][0] + held[1][0]
     assert need_tree > need
     check_lengths(tree, config, model_dir, ranges=ranges, available=need_tree)
     with pytest.raises(ValueError, match="needs 8.1 MiB of KV cache"):
@@ -251,7 +251,7 @@ def test_the_memory_check_counts_a_next_layer_drafters_kv_layer(tmp_path):
     params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values()) \
         + config.vocab_size * config.hidden_size  # the last stage reads its own copy of the tied head
     drafter = path.stat().st_size  # the drafter's own weights, as the plan charges them (`given_exit_memory`)
-    need = sum(m[1] + m[2] for m in held) + params * torch.float32.itemsize + drafter
+    need = sum(m[1] + m[2] for m in held) + (params + (1 + config.vocab_size) * config.hidden_size) * 4 + drafter  # + the exit head's norm and rows
     check_lengths(options, config, model_dir, ranges=ranges, available=need)
     with pytest.raises(ValueError, match="needs 10.2 MiB of KV cache"):  # 5 layers (8.1 MiB for 4)
         check_lengths(options, config, model_dir, ranges=ranges, available=need - 1)

@@ -222,7 +222,8 @@ def test_cli_plan_charges_a_quantised_stage_its_bfloat16_kv_cache_and_tables(tmp
                                       "--speculate", "speed", "--draft-tree", "3", "--prompt", "x"])
     assert _auto_stages(args, progress=False)[0] == 1
     measured = measured_stage_bytes(folder, plans[0].ranges, max_num_seqs=2, max_model_len=64,
-                                    num_scratch=scratch_positions(3, 1), quantization="int8")
+                                    num_scratch=scratch_positions(3, 1), quantization="int8",
+                                    exit_head=(0, b""))  # hybrid without a shipped head: the logit lens's bfloat16 rows
     assert plans[0].kv_bytes == [kv for _, kv, _ in measured]
     assert plans[0].rotation_table_bytes == [tables for _, _, tables in measured]
     assert plans[0].stage_bytes == [sum(m) for m in measured]  # the int8 weights too
@@ -338,7 +339,11 @@ def test_plan_charges_a_next_layer_drafters_kv_layer_its_token_tree_scratch_posi
     assert plans[0].kv_bytes == [kv for _, kv, _ in measured]
     weights = CheckpointReader(folder).nbytes(stage_tensor_names(CheckpointReader(folder).config, plans[0].ranges[0],
                                                                  is_first=True, is_last=True), dtype=torch.float32)
-    assert plans[0].stage_bytes == [weights + path.stat().st_size + measured[0][1] + measured[0][2]]
+    (with_head,) = measured_stage_bytes(folder, plans[0].ranges, max_num_seqs=2, max_model_len=62,
+                                        exit_head=(1, b""))  # the exit head's norm and whole-vocabulary rows
+    (bare,) = measured_stage_bytes(folder, plans[0].ranges, max_num_seqs=2, max_model_len=62)
+    head = with_head[0] - bare[0]
+    assert plans[0].stage_bytes == [weights + head + path.stat().st_size + measured[0][1] + measured[0][2]]
 
 
 @pytest.mark.parametrize("max_model_len", [40, 64, 100])
