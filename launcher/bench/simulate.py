@@ -245,14 +245,16 @@ def simulate_point(args: argparse.Namespace, cal: Calibration | None, *, num_sta
 def realised_alpha(rows: list[dict]) -> dict:
     """Per requested acceptance of the speculating `rows` (simulate_point's): the realised α pooled
     over them (all accepted over all verified drafts; None without a verified draft) and the
-    lowest and highest realised α of a single row. {requested: {"pooled", "min", "max", "rows"}}."""
+    lowest and highest realised α of a single row that verified a draft.
+    {requested: {"pooled", "min", "max", "rows", "verified_rows"}}."""
     out = {}
     for a in dict.fromkeys(r["alpha_requested"] for r in rows if r["alpha_requested"] != "none"):
         mine = [r for r in rows if r["alpha_requested"] == a]
         verified = sum(r["verified_drafts"] for r in mine)
         each = [r["alpha_realised"] for r in mine if r["alpha_realised"] is not None]
         out[a] = {"pooled": round(sum(r["accepted_drafts"] for r in mine) / verified, 4) if verified else None,
-                  "min": min(each, default=None), "max": max(each, default=None), "rows": len(mine)}
+                  "min": min(each, default=None), "max": max(each, default=None), "rows": len(mine),
+                  "verified_rows": len(each)}
     return out
 
 
@@ -313,7 +315,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                                      "calibration_check": checks, "alpha_realised": realised,
                                                      "sweep": rows, "plots": plots}, indent=1, default=str))
     with (out / "simulate.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")  # (csv's default is \r\n)
         w.writeheader()
         w.writerows(rows)
     for row in checks:
@@ -322,7 +324,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"(median {row['run_load']:.2f}x) {row['at_run_load_error']:+.1%}")
     for a, r in realised.items():  # [Note: requested and realised alpha]
         print(f"[speedpipe] simulate: α requested {a}, realised {'-' if r['pooled'] is None else r['pooled']} "
-              f"(accepted / verified drafts of its {r['rows']} configurations; {r['min']}..{r['max']} in one)",
+              f"(accepted / verified drafts pooled over the {r['verified_rows']} of its {r['rows']} configurations "
+              f"that verified any; per configuration {r['min']}..{r['max']})",
               file=sys.stderr)
     print(f"[speedpipe] simulate: {len(rows)} simulated configurations in {out}/simulate.json, simulate.csv"
           + (", plots/*.png" if plots else ""), file=sys.stderr)

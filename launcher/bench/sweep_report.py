@@ -101,7 +101,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
     header += [f"{m}_{k}" for m in METRICS for k in ("median", "min", "max")]
     header += ["acceptance_rate_pooled", "ratio_vs_first_median", "ratio_vs_plain_median"]
     with path.open("w", newline="") as f:
-        w = csv.writer(f)
+        w = csv.writer(f, lineterminator="\n")  # (csv's default is \r\n)
         w.writerow(header)
         for r in rows:
             w.writerow([r["name"], r["stages"], r["speculate"], r["predictor"], r["concurrency"], r["repeats"]]

@@ -71,6 +71,7 @@ def test_results_json_is_strict_and_csv_has_empty_acceptance_without_drafts(tmp_
     assert rows[PLAIN.name]["acceptance_rate_median"] == "" == rows[PLAIN.name]["acceptance_rate_pooled"]
     assert float(rows[SPEC.name]["acceptance_rate_median"]) == pytest.approx(0.2)
     assert float(rows[SPEC.name]["acceptance_rate_pooled"]) == pytest.approx(0.2)
+    assert b"\r" not in (out / "results.csv").read_bytes()  # plain line ends (csv's default is \r\n)
 
 
 def test_the_table_reports_acceptance_pooled_over_drafts_not_a_median_of_runs():

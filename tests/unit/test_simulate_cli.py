@@ -99,7 +99,7 @@ def test_the_realised_alpha_is_reported_beside_the_requested_one(tmp_path, capsy
         assert r["alpha_realised"] == round(r["accepted_drafts"] / r["verified_drafts"], 4)
     assert abs(spec[0]["alpha_realised"] - 0.5) > 0.05  # the case of the issue: 2 stages, seed 0
     pooled = round(sum(r["accepted_drafts"] for r in spec) / sum(r["verified_drafts"] for r in spec), 4)
-    assert data["alpha_realised"] == {"0.5": {"pooled": pooled, "rows": 2,
+    assert data["alpha_realised"] == {"0.5": {"pooled": pooled, "rows": 2, "verified_rows": 2,
                                               "min": min(r["alpha_realised"] for r in spec),
                                               "max": max(r["alpha_realised"] for r in spec)}}
     assert f"α requested 0.5, realised {pooled} " in capsys.readouterr().err
@@ -110,6 +110,23 @@ def test_the_realised_alpha_is_reported_beside_the_requested_one(tmp_path, capsy
     assert legends and all(any(name.startswith(label) for name in names) for names in legends), legends
     assert simulate.alpha_label(0.5, {0.5: {"pooled": None, "min": None, "max": None, "rows": 1}}) == (
         "SPEED, α requested 0.5 (no draft verified)")
+
+
+def test_the_realised_alpha_line_counts_only_configurations_that_verified_drafts_and_the_csv_has_plain_line_ends(
+        tmp_path, capsys):
+    """With speculation paused under load (5 streams on 2 stages, the default limit 3), one of the two
+    SPEED configurations verifies no draft: the stderr line said "of its 2 configurations; 0.x..0.x in
+    one", as if both were pooled. simulate.csv was written with csv's \\r\\n line ends, so the README's
+    `cut | column` recipe printed ^M."""
+    assert main(["simulate", "--out", str(tmp_path / "o"), "--stages", "2", "--alpha", "none,0.9",
+                 "--concurrency", "1,5", "--max-new-tokens", "64", "--no-plots"]) == 0
+    data = json.loads((tmp_path / "o" / "simulate.json").read_text())
+    r = data["alpha_realised"]["0.9"]
+    assert (r["rows"], r["verified_rows"]) == (2, 1)
+    assert (f"pooled over the 1 of its 2 configurations that verified any; per configuration {r['min']}..{r['max']})"
+            in capsys.readouterr().err)
+    raw = (tmp_path / "o" / "simulate.csv").read_bytes()
+    assert b"\r" not in raw and raw.count(b"\n") == 1 + 4  # header + 4 configurations
 
 
 def test_without_matplotlib_simulate_stops_before_the_sweep_naming_no_plots(tmp_path, monkeypatch, capsys):
