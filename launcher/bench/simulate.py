@@ -270,6 +270,21 @@ def alpha_label(alpha: float | str, realised: dict) -> str:
     return f"SPEED, α requested {alpha:g}, realised {r['pooled']:.2f} (pooled{spread})"
 
 
+def idle_limit_note(limit: int | None, *, alphas: list, stages: list[int], concurrency: list[int]) -> str | None:
+    """Why a given `--speculative-disable-by-batch-size` acts on no configuration of the sweep, as
+    `launch` notes an idle flag (launcher/cli/flag_notes.py): no configuration speculates (`--alpha
+    none` only, or one stage only), or the limit is above every `--concurrency`; None when it may act."""
+    if limit is None:
+        return None
+    if all(a == "none" for a in alphas) or max(stages) < 2:
+        return ("--speculative-disable-by-batch-size has no effect: no configuration speculates "
+                "(--alpha none only, or --stages 1 only)")
+    if limit > max(concurrency):
+        return (f"--speculative-disable-by-batch-size {limit} has no effect: above every --concurrency "
+                f"(at most {max(concurrency)} streams), no step pauses")
+    return None
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the sweep (and the calibration check); returns 0. Raises ValueError (exit 2) for bad flags."""
     stages = _list("--stages", args.stages, int, lo=1, hi=256)
@@ -304,6 +319,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         runs = load_bench_runs(args.calibrate)
         cal = calibrate(runs, row_shape=row_shape)
         checks = check_calibration(cal, runs, replay=args.replay, seed=args.seed)
+    if (note := idle_limit_note(args.speculative_disable_by_batch_size, alphas=alphas, stages=stages,
+                                concurrency=concurrency)) is not None:
+        print(f"[speedpipe] simulate: note: {note}", file=sys.stderr)
     rows = [simulate_point(args, cal, num_stages=st, alpha=a, concurrency=c, latency_s=lat)
             for st in stages for a in alphas if a == "none" or st >= 2 for c in concurrency for lat in latencies]
     out = Path(args.out)

@@ -129,6 +129,28 @@ def test_the_realised_alpha_line_counts_only_configurations_that_verified_drafts
     assert b"\r" not in raw and raw.count(b"\n") == 1 + 4  # header + 4 configurations
 
 
+NONE_SPECULATES = ("--speculative-disable-by-batch-size has no effect: no configuration speculates "
+                   "(--alpha none only, or --stages 1 only)")
+
+
+@pytest.mark.parametrize(("flags", "note"), [
+    (["--alpha", "none"], NONE_SPECULATES),
+    (["--stages", "1"], NONE_SPECULATES),
+    (["--concurrency", "1,2"], "--speculative-disable-by-batch-size 3 has no effect: above every --concurrency "
+                               "(at most 2 streams), no step pauses"),
+    (["--concurrency", "1,4"], None),  # 4 streams >= the limit 3: it acts
+])
+def test_simulate_notes_a_speculation_limit_that_acts_on_no_configuration(tmp_path, capsys, flags, note):
+    """As `launch` notes an idle flag: a limit given where no configuration speculates, or above every
+    concurrency, ran silently as if it had been applied."""
+    args = ["simulate", "--out", str(tmp_path / "o"), "--stages", "2", "--alpha", "none,0.9", "--concurrency", "1",
+            "--max-new-tokens", "16", "--no-plots", "--speculative-disable-by-batch-size", "3"]
+    args[args.index(flags[0]) + 1] = flags[1]
+    assert main(args) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "simulate: note:" in line]
+    assert notes == ([] if note is None else [f"[speedpipe] simulate: note: {note}"])
+
+
 def test_without_matplotlib_simulate_stops_before_the_sweep_naming_no_plots(tmp_path, monkeypatch, capsys):
     """The runtime image installs no plots extra: simulate ran its whole sweep, then exited 2 with
     nothing written."""
