@@ -285,6 +285,19 @@ def idle_limit_note(limit: int | None, *, alphas: list, stages: list[int], concu
     return None
 
 
+def _check_costs(args: argparse.Namespace) -> None:
+    """The per-pass costs (milliseconds): each >= 0 and finite, and not all of the pass costs 0 without
+    --calibrate. Raises ValueError naming the flag."""
+    for flag in ("--model-ms", "--stage-overhead-ms", "--coordinator-ms", "--predictor-ms"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not 0 <= value < math.inf:  # also NaN
+            raise ValueError(f"{flag} must be a number of milliseconds >= 0, got {value:g}")
+    costs = (args.model_ms, args.stage_overhead_ms, args.coordinator_ms, args.predictor_ms)
+    if not args.calibrate and max(costs[:3]) == 0:  # (--predictor-ms prices drafts only)
+        raise ValueError("--model-ms, --stage-overhead-ms and --coordinator-ms are all 0: a pipeline whose passes "
+                         "cost no time has no tokens/s (give one of them > 0)")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the sweep (and the calibration check); returns 0. Raises ValueError (exit 2) for bad flags."""
     stages = _list("--stages", args.stages, int, lo=1, hi=256)
@@ -298,14 +311,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.link_bandwidth_bytes_per_s > 0 or not args.bytes_per_token >= 0:  # also NaN (inf: no limit)
         raise ValueError(f"--link-bandwidth-bytes-per-s must be a number > 0 (got {args.link_bandwidth_bytes_per_s:g}) "
                          f"and --bytes-per-token >= 0 (got {args.bytes_per_token:g})")
-    for flag in ("--model-ms", "--stage-overhead-ms", "--coordinator-ms", "--predictor-ms"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if not 0 <= value < math.inf:  # also NaN
-            raise ValueError(f"{flag} must be a number of milliseconds >= 0, got {value:g}")
-    costs = (args.model_ms, args.stage_overhead_ms, args.coordinator_ms, args.predictor_ms)
-    if not args.calibrate and max(costs[:3]) == 0:  # (--predictor-ms prices drafts only)
-        raise ValueError("--model-ms, --stage-overhead-ms and --coordinator-ms are all 0: a pipeline whose passes "
-                         "cost no time has no tokens/s (give one of them > 0)")
+    _check_costs(args)
     row_shape = row_shape_arg(args)  # checked with or without --calibrate
     if not args.calibrate and (args.replay or row_shape is not None):
         flag = "--replay" if args.replay else "--row-cost"
