@@ -84,6 +84,9 @@ def _status(proc: psutil.Process) -> str:
         return "gone"
 
 
+CREATE_TIME_SLACK_S = 2.0  # a process seen before: same pid, create_time within this (pid reuse takes longer)
+
+
 def snapshot_children() -> set[tuple[int, float]]:
     """(pid, create_time) of every descendant of this process; create_time guards against pid reuse."""
     snapshot = set()
@@ -101,8 +104,8 @@ def find_leftover_children(before: set[tuple[int, float]]) -> list[psutil.Proces
             key = (proc.pid, proc.create_time())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if key in before:
-            continue
+        if any(pid == key[0] and abs(created - key[1]) < CREATE_TIME_SLACK_S for pid, created in before):
+            continue  # (psutil's create_time is boot time + start ticks: it moves when the clock is set)
         if any(marker in _cmdline(proc) for marker in ALLOWED_CHILD_CMDLINE_MARKERS):
             continue
         leftovers.append(proc)
