@@ -175,6 +175,15 @@ def test_a_report_about_the_ring_a_fail_over_is_replacing_never_gives_up_the_new
     assert old.abandoned.reason == DEATH  # the replaced ring's join (if it still waited) heard it
 
 
+def _fake_data_plane(monkeypatch, group_class) -> None:
+    """StageLink.join builds `group_class` for its DataPlaneGroup, over a stand-in channel and send queue."""
+    monkeypatch.setattr("launcher.coordinator.stage_link.DataPlaneGroup", group_class)
+    monkeypatch.setattr("launcher.coordinator.stage_link.Channel",
+                        lambda group, **kwargs: types.SimpleNamespace(group=group))
+    monkeypatch.setattr("launcher.coordinator.stage_link.SendQueue",
+                        lambda channel: types.SimpleNamespace(abandon=lambda: None))
+
+
 def test_a_join_given_up_as_its_group_formed_names_the_reason(monkeypatch):
     """A death report that lands just as rank 0's group forms: `join` closes the new group and raises,
     naming the report's reason, not only the port (the reviewer's race: the flag is set after the
@@ -190,11 +199,7 @@ def test_a_join_given_up_as_its_group_formed_names_the_reason(monkeypatch):
         def close(self) -> None:
             closed.append(True)
 
-    monkeypatch.setattr("launcher.coordinator.stage_link.DataPlaneGroup", FormingGroup)
-    monkeypatch.setattr("launcher.coordinator.stage_link.Channel",
-                        lambda group, **kwargs: types.SimpleNamespace(group=group))
-    monkeypatch.setattr("launcher.coordinator.stage_link.SendQueue",
-                        lambda channel: types.SimpleNamespace(abandon=lambda: None))
+    _fake_data_plane(monkeypatch, FormingGroup)
     with pytest.raises(RendezvousAbandoned, match="abandoned as it formed: stage 1 .* died: its node was lost"):
         link.join()
     assert closed == [True]
@@ -218,11 +223,7 @@ def test_a_death_reported_as_the_join_forms_never_marks_a_joined_link_abandoned(
         def close(self) -> None:
             closed.append(True)
 
-    monkeypatch.setattr("launcher.coordinator.stage_link.DataPlaneGroup", FormedGroup)
-    monkeypatch.setattr("launcher.coordinator.stage_link.Channel",
-                        lambda group, **kwargs: types.SimpleNamespace(group=group))
-    monkeypatch.setattr("launcher.coordinator.stage_link.SendQueue",
-                        lambda channel: types.SimpleNamespace(abandon=lambda: None))
+    _fake_data_plane(monkeypatch, FormedGroup)
 
     def join() -> None:
         try:
